@@ -1,0 +1,5 @@
+"""Allows `python -m hpo`."""
+
+from hpo.cli import main
+
+raise SystemExit(main())

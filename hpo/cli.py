@@ -1,0 +1,143 @@
+"""The `hpo` command line. Bad input becomes one clear line and exit code 2; a traceback only
+with --debug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from hpo import __version__
+from hpo.config import Config
+from hpo.errors import ConfigError, HPOError
+
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
+
+log = logging.getLogger("hpo")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hpo",
+        description="Hyperparameter optimisation for fine-tuning transformer models. Trials live "
+        "in an Optuna study in PostgreSQL or SQLite; run one worker per GPU on the same study.",
+    )
+    parser.add_argument("--version", action="version", version=f"hpo {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = commands.add_parser(
+        "run",
+        help="start a worker that runs trials of a study",
+        description="Start a worker: create or join the study, then run trials until the study "
+        "holds --n-trials trials (counted across every worker) or --timeout passes.",
+    )
+    run.add_argument("--study", required=True, help="study name; workers with the same name share it")
+    run.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help=f"YAML config (default: the demo, {DEMO_CONFIG.relative_to(REPO_ROOT)})",
+    )
+    run.add_argument(
+        "--storage",
+        default=None,
+        help="database URL, e.g. postgresql+psycopg2://user@host/db (default: $HPO_STORAGE, "
+        "then study.storage in the config, then the SQLite file ./hpo.db)",
+    )
+    run.add_argument(
+        "--n-trials",
+        type=int,
+        default=None,
+        help="trials for the whole study, across all workers (overrides study.n_trials)",
+    )
+    run.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds after which this worker starts no new trial (overrides study.timeout)",
+    )
+    run.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N (overrides training.device)")
+    run.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
+    run.add_argument("--quiet", action="store_true", help="only warnings and the final summary")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.debug, args.quiet)
+    try:
+        if args.command == "run":
+            return _run(args)
+    except HPOError as e:
+        if args.debug:
+            log.exception("hpo failed")
+        print(f"hpo: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("hpo: interrupted; the running trial was recorded as failed", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return 0
+
+
+def _setup_logging(debug: bool, quiet: bool) -> None:
+    level = logging.DEBUG if debug else logging.WARNING if quiet else logging.INFO
+    logging.basicConfig(level=level, format="[%(name)s %(levelname)s] %(message)s", stream=sys.stderr)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import optuna
+    import transformers
+
+    optuna.logging.set_verbosity(level)
+    # "Some weights were newly initialized" is expected for every fine-tuning run.
+    transformers.logging.set_verbosity_error()
+
+
+def _run(args: argparse.Namespace) -> int:
+    from hpo.config import load_config
+    from hpo.study import open_study, run_trials, summary_lines
+    from storage import open_storage, resolve_storage_url
+    from trainer.data import prepare_data
+    from trainer.model import check_model_config, load_tokenizer
+
+    config_path = args.config or DEMO_CONFIG
+    if args.config is None and not DEMO_CONFIG.is_file():
+        raise HPOError("no --config given and the demo config is not installed; pass --config FILE")
+    config = load_config(config_path)
+    _apply_overrides(config, args)
+    storage_url = resolve_storage_url(args.storage, config.study.storage)
+    # Every input is checked before the database is touched: a bad one writes nothing.
+    check_model_config(config.model)
+    data = prepare_data(config.data, load_tokenizer(config.model))
+    log.info(
+        "data: %d training and %d evaluation examples, labels %s",
+        len(data.train), len(data.eval), data.label_names,
+    )
+    print(f"hpo: study {args.study!r} in {storage_url.describe()}", file=sys.stderr)
+    study = open_study(open_storage(storage_url), args.study, config)
+    run_trials(study, config, data)
+    print("\n".join(summary_lines(study, config.study.metric)))
+    return 0
+
+
+def _apply_overrides(config: Config, args: argparse.Namespace) -> None:
+    problems = []
+    if args.n_trials is not None:
+        if args.n_trials < 1:
+            problems.append(f"--n-trials: got {args.n_trials}; must be a positive integer")
+        config.study.n_trials = args.n_trials
+    if args.timeout is not None:
+        if args.timeout <= 0:
+            problems.append(f"--timeout: got {args.timeout}; must be > 0 seconds")
+        config.study.timeout = args.timeout
+    if args.device is not None:
+        config.training.device = args.device
+        for key, value, rule in config.training.problems():
+            if key == "device":
+                problems.append(f"--device: got {value!r}; {rule}")
+    if problems:
+        raise ConfigError(problems, "command line")

@@ -1,0 +1,97 @@
+"""One Optuna trial: sample, train, report each evaluation, prune weak or diverged runs, and
+record what happened as trial user attributes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import optuna
+
+from hpo.config import Config
+from hpo.search_space import sample, training_for_trial
+from trainer.config import TrainJob
+from trainer.data import PreparedData
+from trainer.loop import Evaluation, TrainResult, grad_accum_steps_for, train
+
+log = logging.getLogger(__name__)
+
+
+class Objective:
+    """Callable for `study.optimize`; the tokenized data is shared by every trial of the worker."""
+
+    def __init__(self, config: Config, data: PreparedData) -> None:
+        self.config = config
+        self.data = data
+        self.metric = config.study.metric
+
+    def __call__(self, trial: optuna.Trial) -> float:
+        started = time.perf_counter()
+        params = sample(trial, self.config.search_space)
+        training = training_for_trial(self.config.training, params)
+        physical = min(training.physical_batch_size, training.effective_batch_size)
+        trial.set_user_attr("physical_batch_size", physical)
+        trial.set_user_attr(
+            "grad_accum_steps", grad_accum_steps_for(training.effective_batch_size, physical)
+        )
+        job = TrainJob(data=self.config.data, model=self.config.model, training=training)
+        try:
+            result = train(job, self.data, self._reporter(trial), self.metric)
+        except Exception as e:
+            trial.set_user_attr("fail_reason", f"{type(e).__name__}: {e}"[:1000])
+            trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
+            raise
+        record_result(trial, result)
+        return self._value(trial, result)
+
+    def _reporter(self, trial: optuna.Trial) -> Any:
+        def on_evaluation(evaluation: Evaluation) -> str | None:
+            value = evaluation.metrics[self.metric]
+            trial.report(value, evaluation.index)
+            log.info(
+                "trial %d evaluation %d (epoch %.2f): %s",
+                trial.number, evaluation.index, evaluation.epoch,
+                ", ".join(f"{k}={v:.4f}" for k, v in evaluation.metrics.items()),
+            )
+            if trial.should_prune():
+                return f"pruned at evaluation {evaluation.index} with {self.metric}={value:.4f}"
+            return None
+
+        return on_evaluation
+
+    def _value(self, trial: optuna.Trial, result: TrainResult) -> float:
+        if result.status == "stopped":
+            trial.set_user_attr("prune_reason", result.stop_reason)
+            raise optuna.TrialPruned(result.stop_reason)
+        if result.status == "diverged" or result.best is None:
+            reason = f"diverged: {result.stop_reason or 'no evaluation'}"
+            trial.set_user_attr("prune_reason", reason)
+            raise optuna.TrialPruned(reason)
+        return result.best.metrics[self.metric]
+
+
+def record_result(trial: optuna.Trial, result: TrainResult) -> None:
+    """Everything a user compares trials by, stored with the trial."""
+    attrs: dict[str, Any] = {
+        "status": result.status,
+        "physical_batch_size": result.physical_batch_size,
+        "grad_accum_steps": result.grad_accum_steps,
+        "optimizer_steps": result.optimizer_steps,
+        "samples_per_s": round(result.samples_per_s, 2),
+        "tokens_per_s": round(result.tokens_per_s, 1),
+        "peak_mem_bytes": result.peak_mem_bytes,
+        "device_name": result.device_name,
+        "precision": result.precision,
+        "optimizer": result.optimizer,
+        "wall_s": round(result.wall_s, 3),
+        "curve": [round(v, 6) for v in result.curve],
+    }
+    if result.best is not None:
+        attrs["best_evaluation"] = dataclasses.asdict(result.best)
+    if result.status == "early_stopped":
+        attrs["stop_reason"] = result.stop_reason
+    for key, value in attrs.items():
+        trial.set_user_attr(key, value)

@@ -1,0 +1,174 @@
+"""Typed settings of the trainer: data, model and training loop.
+
+Each field's `help` metadata is its documentation; `hpo.config` loads YAML into these classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Precision = Literal["auto", "fp32", "bf16", "fp16"]
+
+# Training settings a search space may sample; everything else in TrainingConfig is fixed.
+TUNABLE_FIELDS = (
+    "effective_batch_size",
+    "learning_rate",
+    "weight_decay",
+    "warmup_ratio",
+    "epochs",
+    "label_smoothing",
+    "max_grad_norm",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+)
+
+
+def _doc(text: str, default: Any = None) -> Any:
+    return field(default=default, metadata={"help": text})
+
+
+@dataclass
+class DataConfig:
+    """Where the labelled text lives and how to tokenize it."""
+
+    train_file: str = _doc("Training data: .csv, .jsonl, .parquet or a `save_to_disk` folder.", "")
+    eval_file: str = _doc("Evaluation data, same formats as train_file.", "")
+    text_column: str = _doc("Column with the text (the premise for pairs).", "text")
+    text_pair_column: str | None = _doc("Second text column for pair tasks (NLI hypothesis).")
+    label_column: str = _doc("Column with the label: strings or integers.", "label")
+    train_split: str = _doc("Split to read when train_file is a saved DatasetDict.", "train")
+    eval_split: str = _doc("Split to read when eval_file is a saved DatasetDict.", "validation")
+    max_length: int = _doc("Tokens per example after truncation.", 128)
+    cache_dir: str | None = _doc(
+        "Tokenized-data cache; default $HPO_CACHE_DIR or ~/.cache/hpo/tokenized."
+    )
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        found: list[tuple[str, Any, str]] = []
+        for key in ("train_file", "eval_file"):
+            if not getattr(self, key):
+                found.append((key, getattr(self, key), "is required: a path to the data"))
+        if self.max_length < 2:
+            found.append(("max_length", self.max_length, "must be at least 2"))
+        if self.text_pair_column == self.text_column:
+            found.append(
+                ("text_pair_column", self.text_pair_column, "must differ from text_column")
+            )
+        return found
+
+
+@dataclass
+class ModelConfig:
+    """Which model to fine-tune: a pretrained one by path or name, or one built from a config."""
+
+    name_or_path: str | None = _doc(
+        "Local folder, `pkg://<python package>/<folder>` (a model a package ships), or a hub name."
+    )
+    config: dict[str, Any] | None = _doc(
+        "Inline transformers config (needs `model_type`); the model starts from random weights."
+    )
+    tokenizer: str | None = _doc("Tokenizer location, same forms as name_or_path; default: it.")
+    attn_implementation: str = _doc("Attention kernel: sdpa, eager or flash_attention_2.", "sdpa")
+    gradient_checkpointing: bool = _doc("Trade compute for activation memory.", False)
+    compile: bool = _doc("Wrap the model in torch.compile (recompiles per sequence length).", False)
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        found: list[tuple[str, Any, str]] = []
+        if (self.name_or_path is None) == (self.config is None):
+            found.append(
+                ("name_or_path", self.name_or_path, "give exactly one of name_or_path or config")
+            )
+        if self.config is not None:
+            if "model_type" not in self.config:
+                found.append(("config", self.config, "needs a `model_type` key, e.g. bert"))
+            if self.tokenizer is None:
+                found.append(("tokenizer", None, "is required when the model is built from config"))
+        if self.attn_implementation not in ("sdpa", "eager", "flash_attention_2"):
+            found.append(
+                (
+                    "attn_implementation",
+                    self.attn_implementation,
+                    "must be sdpa, eager or flash_attention_2",
+                )
+            )
+        return found
+
+
+@dataclass
+class TrainingConfig:
+    """Fixed settings of the training loop and defaults for every tunable hyperparameter."""
+
+    physical_batch_size: int = _doc("Examples per forward/backward pass (per micro-batch).", 32)
+    eval_batch_size: int | None = _doc("Examples per evaluation batch; default 2x physical.")
+    effective_batch_size: int = _doc("Examples per optimizer step (tunable).", 32)
+    learning_rate: float = _doc("Peak AdamW learning rate (tunable).", 5e-5)
+    weight_decay: float = _doc("AdamW decoupled weight decay, not applied to biases/norms.", 0.01)
+    warmup_ratio: float = _doc("Fraction of optimizer steps spent warming up linearly.", 0.06)
+    epochs: int = _doc("Passes over the training data.", 1)
+    max_steps: int | None = _doc("Stop after this many optimizer steps (caps epochs).")
+    max_grad_norm: float | None = _doc("Clip the gradient norm to this; null disables.", 1.0)
+    adam_beta1: float = _doc("AdamW beta1.", 0.9)
+    adam_beta2: float = _doc("AdamW beta2.", 0.999)
+    adam_epsilon: float = _doc("AdamW epsilon.", 1e-8)
+    label_smoothing: float = _doc("Cross-entropy label smoothing in [0, 1).", 0.0)
+    class_weights: list[float] | Literal["balanced"] | None = _doc(
+        "Per-class loss weights in label order, or `balanced` (inverse class frequency)."
+    )
+    evals_per_epoch: int = _doc("Evaluations per epoch, evenly spaced; the last ends the epoch.", 1)
+    early_stopping_patience: int | None = _doc(
+        "Stop after this many evaluations without improvement; null disables."
+    )
+    log_every_steps: int = _doc("Read the loss (a host sync) every this many optimizer steps.", 10)
+    precision: Precision = _doc(
+        "auto: bf16 on capable CUDA, fp16 on older CUDA, fp32 on CPU.", "auto"
+    )
+    tf32: bool = _doc("Allow TF32 matmuls and convolutions on CUDA.", True)
+    device: str = _doc("auto, cpu, cuda or cuda:N.", "auto")
+    num_workers: int | None = _doc("DataLoader worker processes; null chooses automatically.")
+    seed: int = _doc("Seed for weights init, shuffling and dropout (the same for every trial).", 42)
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        found: list[tuple[str, Any, str]] = []
+        positive = ("physical_batch_size", "effective_batch_size", "epochs", "evals_per_epoch")
+        for key in (*positive, "log_every_steps"):
+            if getattr(self, key) < 1:
+                found.append((key, getattr(self, key), "must be a positive integer"))
+        for key in ("eval_batch_size", "max_steps", "early_stopping_patience"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                found.append((key, value, "must be a positive integer or null"))
+        if self.learning_rate <= 0:
+            found.append(("learning_rate", self.learning_rate, "must be > 0"))
+        for key in ("weight_decay", "adam_epsilon"):
+            if getattr(self, key) < 0:
+                found.append((key, getattr(self, key), "must be >= 0"))
+        for key in ("warmup_ratio", "label_smoothing", "adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                found.append((key, getattr(self, key), "must be in [0, 1)"))
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            found.append(("max_grad_norm", self.max_grad_norm, "must be > 0 or null"))
+        if isinstance(self.class_weights, list) and any(w <= 0 for w in self.class_weights):
+            found.append(("class_weights", self.class_weights, "every weight must be > 0"))
+        if self.device != "auto" and not _is_device_name(self.device):
+            found.append(("device", self.device, "must be auto, cpu, cuda or cuda:N"))
+        if self.num_workers is not None and self.num_workers < 0:
+            found.append(("num_workers", self.num_workers, "must be >= 0 or null"))
+        return found
+
+
+def _is_device_name(name: str) -> bool:
+    if name in ("cpu", "cuda"):
+        return True
+    prefix, _, index = name.partition(":")
+    return prefix == "cuda" and index.isdigit()
+
+
+@dataclass
+class TrainJob:
+    """Everything one training run needs: the trainer's whole input."""
+
+    data: DataConfig
+    model: ModelConfig
+    training: TrainingConfig

@@ -1,0 +1,380 @@
+"""Labelled text in, padded tensors out: table loading, label mapping, cached tokenization,
+length-grouped optimizer steps split into balanced micro-batches, and dynamic padding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hpo.errors import DataError
+from trainer.config import DataConfig
+
+CACHE_FORMAT_VERSION = 1
+# Steps per shuffled pool that is sorted by length before it is cut into steps.
+STEPS_PER_LENGTH_POOL = 16
+
+
+@dataclass
+class TokenizedSplit:
+    """Variable-length token ids stored flat, with per-example offsets and integer labels."""
+
+    ids: np.ndarray  # int32, all examples concatenated
+    offsets: np.ndarray  # int64, len(labels) + 1
+    type_ids: np.ndarray | None  # int8, same layout as ids, for models with segment embeddings
+    labels: np.ndarray  # int64
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+
+@dataclass
+class PreparedData:
+    """Both splits, tokenized, and the label names in id order."""
+
+    train: TokenizedSplit
+    eval: TokenizedSplit
+    label_names: list[str]
+    pad_token_id: int
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.label_names)
+
+
+# -- reading tables ------------------------------------------------------------------------------
+
+
+def read_table(path: str, split: str) -> dict[str, list[Any]]:
+    """Columns of a CSV, JSONL, Parquet file or `save_to_disk` folder, as lists."""
+    location = Path(path)
+    if not location.exists():
+        raise DataError(f"data file {path} not found; check data.train_file / data.eval_file")
+    try:
+        if location.is_dir():
+            return _read_saved_dataset(location, split)
+        suffix = location.suffix.lower()
+        if suffix == ".csv":
+            import pandas as pd
+
+            return _frame_columns(pd.read_csv(location, dtype=object, keep_default_na=False))
+        if suffix in (".jsonl", ".json"):
+            import pandas as pd
+
+            return _frame_columns(pd.read_json(location, lines=True, dtype=False))
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return dict(pq.read_table(location).to_pydict())
+    except DataError:
+        raise
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(
+            f"cannot read {path}: {reason}; is it a valid {location.suffix} file?"
+        ) from e
+    raise DataError(
+        f"data file {path} has an unsupported format; use .csv, .jsonl, .parquet "
+        "or a folder written by datasets' save_to_disk"
+    )
+
+
+def _frame_columns(frame: Any) -> dict[str, list[Any]]:
+    return {str(name): frame[name].tolist() for name in frame.columns}
+
+
+def _read_saved_dataset(folder: Path, split: str) -> dict[str, list[Any]]:
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(folder))
+    except (FileNotFoundError, ValueError) as e:
+        raise DataError(
+            f"{folder} is a folder but not one written by datasets' save_to_disk"
+        ) from e
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise DataError(
+                f"{folder} has splits {sorted(loaded)}, not {split!r}; "
+                "set data.train_split / data.eval_split"
+            )
+        loaded = loaded[split]
+    return dict(loaded.to_dict())
+
+
+# -- labels and texts ----------------------------------------------------------------------------
+
+
+def label_vocabulary(raw_labels: list[Any], source: str) -> list[str]:
+    """Label names in id order: integers keep their value as id, strings are sorted."""
+    _check_no_missing(raw_labels, source)
+    if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in raw_labels):
+        ints = sorted({int(v) for v in raw_labels})
+        if ints[0] < 0:
+            raise DataError(f"{source}: integer labels must be >= 0, found {ints[0]}")
+        return [str(i) for i in range(ints[-1] + 1)]
+    return sorted({str(v) for v in raw_labels})
+
+
+def encode_labels(raw_labels: list[Any], label_names: list[str], source: str) -> np.ndarray:
+    _check_no_missing(raw_labels, source)
+    index = {name: i for i, name in enumerate(label_names)}
+    unknown = sorted({str(v) for v in raw_labels} - set(index))
+    if unknown:
+        raise DataError(
+            f"{source}: labels {unknown[:5]} never appear in the training data "
+            f"(training labels: {label_names[:10]}); fix the data or add examples of them"
+        )
+    return np.array([index[str(v)] for v in raw_labels], dtype=np.int64)
+
+
+def _check_no_missing(values: list[Any], source: str) -> None:
+    for row, value in enumerate(values):
+        if value is None or value == "" or (isinstance(value, float) and np.isnan(value)):
+            raise DataError(f"{source}: row {row + 1} has no label; fill it in or drop the row")
+
+
+def _text_column(table: dict[str, list[Any]], column: str, source: str, key: str) -> list[str]:
+    if column not in table:
+        raise DataError(
+            f"{source}: no column {column!r} (columns: {sorted(table)}); set data.{key}"
+        )
+    texts = table[column]
+    for row, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise DataError(f"{source}: row {row + 1} of column {column!r} is not text: {text!r}")
+    return texts
+
+
+# -- tokenization with an on-disk cache ----------------------------------------------------------
+
+
+def prepare_data(config: DataConfig, tokenizer: Any) -> PreparedData:
+    """Load and tokenize both splits, reusing the on-disk cache when nothing changed."""
+    train_table = read_table(config.train_file, config.train_split)
+    eval_table = read_table(config.eval_file, config.eval_split)
+    for table, source in ((train_table, config.train_file), (eval_table, config.eval_file)):
+        if config.label_column not in table:
+            raise DataError(
+                f"{source}: no label column {config.label_column!r} (columns: {sorted(table)}); "
+                "set data.label_column"
+            )
+        if not table[config.label_column]:
+            raise DataError(f"{source}: no rows; the file is empty")
+    label_names = label_vocabulary(train_table[config.label_column], config.train_file)
+    train = _tokenize_cached(config, tokenizer, train_table, config.train_file, label_names)
+    evaluation = _tokenize_cached(config, tokenizer, eval_table, config.eval_file, label_names)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return PreparedData(train, evaluation, label_names, int(pad_id))
+
+
+def _tokenize_cached(
+    config: DataConfig,
+    tokenizer: Any,
+    table: dict[str, list[Any]],
+    source: str,
+    label_names: list[str],
+) -> TokenizedSplit:
+    key = _cache_key(config, tokenizer, source, label_names)
+    path = cache_dir(config) / f"{key}.npz"
+    if path.exists():
+        try:
+            return _load_split(path)
+        except (OSError, ValueError, KeyError):
+            path.unlink(missing_ok=True)  # a corrupt entry is rebuilt below
+    split = tokenize_table(config, tokenizer, table, source, label_names)
+    _save_split(split, path)
+    return split
+
+
+def tokenize_table(
+    config: DataConfig,
+    tokenizer: Any,
+    table: dict[str, list[Any]],
+    source: str,
+    label_names: list[str],
+) -> TokenizedSplit:
+    texts = _text_column(table, config.text_column, source, "text_column")
+    pairs = None
+    if config.text_pair_column is not None:
+        pairs = _text_column(table, config.text_pair_column, source, "text_pair_column")
+    labels = encode_labels(table[config.label_column], label_names, source)
+    encoded = tokenizer(
+        texts,
+        pairs,
+        truncation=True,
+        max_length=config.max_length,
+        padding=False,
+        return_attention_mask=False,
+    )
+    input_ids = encoded["input_ids"]
+    lengths = np.fromiter((len(x) for x in input_ids), dtype=np.int64, count=len(input_ids))
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    ids = np.fromiter((t for x in input_ids for t in x), dtype=np.int32, count=int(offsets[-1]))
+    type_ids = None
+    if "token_type_ids" in encoded:
+        flat = (t for x in encoded["token_type_ids"] for t in x)
+        type_ids = np.fromiter(flat, dtype=np.int8, count=int(offsets[-1]))
+    return TokenizedSplit(ids, offsets, type_ids, labels)
+
+
+def cache_dir(config: DataConfig) -> Path:
+    if config.cache_dir:
+        return Path(config.cache_dir).expanduser()
+    env = os.environ.get("HPO_CACHE_DIR")
+    base = Path(env).expanduser() if env else Path.home() / ".cache" / "hpo"
+    return base / "tokenized"
+
+
+def _cache_key(config: DataConfig, tokenizer: Any, source: str, label_names: list[str]) -> str:
+    digest = hashlib.sha256()
+    parts = {
+        "version": CACHE_FORMAT_VERSION,
+        "data": _content_hash(Path(source)),
+        "split": config.train_split if source == config.train_file else config.eval_split,
+        "columns": [config.text_column, config.text_pair_column, config.label_column],
+        "max_length": config.max_length,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "labels": label_names,
+    }
+    digest.update(json.dumps(parts, sort_keys=True).encode())
+    return digest.hexdigest()[:32]
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """Hash of everything that decides the token ids: the full tokenizer definition."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    definition = (
+        backend.to_str()
+        if backend is not None
+        else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    )
+    text = f"{type(tokenizer).__name__}\n{definition}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _content_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for file in files:
+        digest.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())
+        with file.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def _save_split(split: TokenizedSplit, path: Path) -> None:
+    """Write atomically, so concurrent workers never read a half-written entry."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arrays = {"ids": split.ids, "offsets": split.offsets, "labels": split.labels}
+    if split.type_ids is not None:
+        arrays["type_ids"] = split.type_ids
+    handle, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as out:
+            np.savez(out, **arrays)  # type: ignore[arg-type]
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _load_split(path: Path) -> TokenizedSplit:
+    with np.load(path) as stored:
+        type_ids = stored["type_ids"] if "type_ids" in stored.files else None
+        return TokenizedSplit(stored["ids"], stored["offsets"], type_ids, stored["labels"])
+
+
+# -- batching ------------------------------------------------------------------------------------
+
+
+def split_micro_batches(indices: np.ndarray, grad_accum_steps: int) -> list[np.ndarray]:
+    """Balanced micro-batches: sizes differ by at most one, none empty."""
+    parts = min(grad_accum_steps, len(indices))
+    return [part for part in np.array_split(indices, parts) if len(part)]
+
+
+def plan_epoch(
+    lengths: np.ndarray, effective_batch_size: int, grad_accum_steps: int, seed: int, epoch: int
+) -> list[list[np.ndarray]]:
+    """Optimizer steps of one epoch, each a list of micro-batches of example indices.
+
+    Examples are shuffled, sorted by length within pools of STEPS_PER_LENGTH_POOL steps and cut
+    into steps, so each step pads little; the order of steps is then shuffled across the epoch.
+    """
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(lengths))
+    pool = effective_batch_size * STEPS_PER_LENGTH_POOL
+    steps: list[np.ndarray] = []
+    for start in range(0, len(order), pool):
+        chunk = order[start : start + pool]
+        chunk = chunk[np.argsort(-lengths[chunk], kind="stable")]
+        steps.extend(
+            chunk[i : i + effective_batch_size] for i in range(0, len(chunk), effective_batch_size)
+        )
+    rng.shuffle(steps)  # type: ignore[arg-type]
+    return [split_micro_batches(step, grad_accum_steps) for step in steps]
+
+
+def eval_batches(lengths: np.ndarray, batch_size: int) -> list[np.ndarray]:
+    """Evaluation in length order: the least padding, deterministic."""
+    order = np.argsort(lengths, kind="stable")
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+class BatchCollator(torch.utils.data.Dataset):
+    """`dataset[indices]` is one dynamically padded batch, so DataLoader workers do the padding."""
+
+    def __init__(
+        self, split: TokenizedSplit, pad_token_id: int, pad_to_multiple_of: int = 1
+    ) -> None:
+        self.split = split
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, indices: Any) -> dict[str, torch.Tensor]:
+        return collate(self.split, np.asarray(indices), self.pad_token_id, self.pad_to_multiple_of)
+
+
+def collate(
+    split: TokenizedSplit, indices: np.ndarray, pad_token_id: int, pad_to_multiple_of: int = 1
+) -> dict[str, torch.Tensor]:
+    starts, ends = split.offsets[indices], split.offsets[indices + 1]
+    lengths = ends - starts
+    width = int(lengths.max())
+    width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
+    input_ids = np.full((len(indices), width), pad_token_id, dtype=np.int64)
+    mask = np.zeros((len(indices), width), dtype=np.int64)
+    type_ids = (
+        np.zeros((len(indices), width), dtype=np.int64) if split.type_ids is not None else None
+    )
+    for row, (start, end) in enumerate(zip(starts, ends, strict=True)):
+        n = end - start
+        input_ids[row, :n] = split.ids[start:end]
+        mask[row, :n] = 1
+        if type_ids is not None and split.type_ids is not None:
+            type_ids[row, :n] = split.type_ids[start:end]
+    batch = {
+        "input_ids": torch.from_numpy(input_ids),
+        "attention_mask": torch.from_numpy(mask),
+        "labels": torch.from_numpy(split.labels[indices]),
+    }
+    if type_ids is not None:
+        batch["token_type_ids"] = torch.from_numpy(type_ids)
+    return batch

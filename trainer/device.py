@@ -1,0 +1,63 @@
+"""Where and in what precision training runs: device choice, precision `auto`, TF32, peak memory."""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+from typing import Any
+
+import torch
+
+from hpo.errors import HPOError
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise HPOError(f"training.device is {name!r} but CUDA is not available; use auto or cpu")
+    return device
+
+
+def resolve_precision(requested: str, device: torch.device) -> str:
+    """auto: bf16 where CUDA supports it, fp16 on older CUDA, fp32 on the CPU (bf16 is slow there)."""
+    if requested != "auto":
+        return requested
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "fp32"
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def configure_backends(device: torch.device, tf32: bool) -> None:
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+        torch.backends.cudnn.benchmark = True
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak CUDA memory allocated since the last reset; on the CPU, the process's peak RSS."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)

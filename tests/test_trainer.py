@@ -1,0 +1,139 @@
+"""The training loop: exact accumulation, stopping, divergence and the result it returns."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from trainer import loop
+from trainer.config import DataConfig, ModelConfig, TrainingConfig, TrainJob
+from trainer.data import PreparedData, collate, prepare_data
+from trainer.loop import Evaluation, accumulate_gradients, grad_accum_steps_for, optimizer_step, train
+from trainer.model import build_model, load_tokenizer
+from tests.conftest import MINILM_TOKENIZER, TINY_BERT
+
+
+def tiny_job(train_file: Path, eval_file: Path, **training: object) -> TrainJob:
+    settings = {"physical_batch_size": 8, "effective_batch_size": 16, "learning_rate": 1e-2,
+                "epochs": 2, "evals_per_epoch": 2, "device": "cpu", **training}
+    return TrainJob(
+        data=DataConfig(train_file=str(train_file), eval_file=str(eval_file), max_length=32),
+        model=ModelConfig(config=dict(TINY_BERT), tokenizer=MINILM_TOKENIZER),
+        training=TrainingConfig(**settings),  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture
+def prepared(easy_data: tuple[Path, Path]) -> tuple[TrainJob, PreparedData]:
+    job = tiny_job(*easy_data)
+    return job, prepare_data(job.data, load_tokenizer(job.model))
+
+
+@pytest.mark.parametrize(("effective", "physical"), [(12, 4), (10, 4), (7, 3), (5, 8)])
+def test_accumulated_step_equals_one_big_batch(
+    prepared: tuple[TrainJob, PreparedData], effective: int, physical: int
+) -> None:
+    job, data = prepared
+    # A large epsilon keeps the first Adam step (about lr * sign(g)) well-conditioned for
+    # near-zero gradients, so the weights comparison measures accumulation, not rounding.
+    cfg = TrainingConfig(label_smoothing=0.1, max_grad_norm=0.5, learning_rate=1e-2, adam_epsilon=1e-4)
+    weights = torch.tensor([0.7, 1.6])
+    model = build_model(job.model, data.label_names, seed=0).eval()  # eval: no dropout noise
+    twin = copy.deepcopy(model)
+    # Longest examples first, so micro-batches pad to different widths than the big batch.
+    indices = np.argsort(-data.train.lengths)[:effective]
+    steps = grad_accum_steps_for(effective, physical)
+    assert steps == max(1, math.ceil(effective / physical))
+    parts = [p for p in np.array_split(indices, steps) if len(p)]
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    micro = [collate(data.train, p, data.pad_token_id) for p in parts]
+    whole = [collate(data.train, indices, data.pad_token_id)]
+    assert len(micro) == (1 if effective < physical else steps)
+
+    from contextlib import nullcontext
+
+    results = []
+    for net, batches in ((model, micro), (twin, whole)):
+        optimizer, _ = loop.make_optimizer(net, cfg)
+        loss = accumulate_gradients(net, batches, cfg, nullcontext, weights)
+        grads = [p.grad.clone() for p in net.parameters() if p.grad is not None]
+        optimizer_step(net, optimizer, cfg)
+        results.append((loss, grads, [p.detach().clone() for p in net.parameters()]))
+    (loss_a, grads_a, params_a), (loss_b, grads_b, params_b) = results
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    for a, b in zip(params_a, params_b, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_training_learns_and_reports(prepared: tuple[TrainJob, PreparedData]) -> None:
+    job, data = prepared
+    seen: list[Evaluation] = []
+    result = train(job, data, lambda e: seen.append(e) or None)
+    assert result.status == "completed"
+    assert [e.index for e in seen] == [1, 2, 3, 4]
+    assert result.curve == [e.metrics["accuracy"] for e in seen]
+    assert result.best is not None and result.best.metrics["accuracy"] > 0.8
+    assert result.optimizer_steps == 2 * math.ceil(len(data.train) / 16)
+    assert result.grad_accum_steps == 2 and result.physical_batch_size == 8
+    assert result.samples_per_s > 0 and result.tokens_per_s > result.samples_per_s
+    assert result.precision == "fp32"  # auto on the CPU
+    assert result.peak_mem_bytes > 0 and result.wall_s >= result.train_s > 0
+    assert result.device_name.startswith("cpu")
+    assert result.optimizer in ("adamw_fused", "adamw_foreach")
+
+
+def test_callback_stops_training(prepared: tuple[TrainJob, PreparedData]) -> None:
+    job, data = prepared
+    result = train(job, data, lambda e: "enough" if e.index == 2 else None)
+    assert result.status == "stopped" and result.stop_reason == "enough"
+    assert len(result.evaluations) == 2
+
+
+def test_non_finite_loss_is_reported_as_divergence(
+    prepared: tuple[TrainJob, PreparedData], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job, data = prepared
+    real = loop.step_loss
+
+    def poisoned(*args: object, **kwargs: object) -> torch.Tensor:
+        return real(*args, **kwargs) * float("nan")  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loop, "step_loss", poisoned)
+    result = train(job, data)
+    assert result.status == "diverged"
+    assert result.stop_reason is not None and "non-finite training loss" in result.stop_reason
+
+
+def test_early_stopping(prepared: tuple[TrainJob, PreparedData]) -> None:
+    job, data = prepared
+    job.training.learning_rate = 1e-9  # nothing improves after the first evaluation
+    job.training.early_stopping_patience = 1
+    job.training.epochs = 3
+    result = train(job, data)
+    assert result.status == "early_stopped"
+    assert len(result.evaluations) < 6
+
+
+def test_effective_batch_below_physical_is_one_micro_batch(prepared: tuple[TrainJob, PreparedData]) -> None:
+    job, data = prepared
+    job.training.effective_batch_size = 5
+    job.training.max_steps = 3
+    result = train(job, data)
+    assert (result.physical_batch_size, result.grad_accum_steps) == (5, 1)
+    assert result.optimizer_steps == 3
+
+
+def test_balanced_class_weights(prepared: tuple[TrainJob, PreparedData]) -> None:
+    job, data = prepared
+    job.training.class_weights = "balanced"
+    job.training.max_steps = 2
+    trainer = loop.Trainer(job, data)
+    assert trainer.class_weights is not None
+    torch.testing.assert_close(trainer.class_weights, torch.tensor([1.0, 1.0]))

@@ -72,7 +72,9 @@ def open_study(storage: optuna.storages.BaseStorage, name: str, config: Config) 
 
 
 def trials_in_study(study: optuna.Study) -> int:
-    return len(study.get_trials(deepcopy=False))
+    """Trials that count against the budget; WAITING (enqueued) ones are run within it."""
+    started = [s for s in optuna.trial.TrialState if s != optuna.trial.TrialState.WAITING]
+    return len(study.get_trials(deepcopy=False, states=started))
 
 
 def run_trials(study: optuna.Study, config: Config, data: PreparedData) -> int:

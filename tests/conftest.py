@@ -43,7 +43,7 @@ def easy_rows(n: int, seed: int) -> list[dict[str, str]]:
     rows = []
     for i in range(n):
         label = "pos" if i % 2 == 0 else "neg"
-        words = rng.choices(FILLER, k=rng.randint(2, 14))
+        words = rng.choices(FILLER, k=rng.randint(1, 6))
         words.insert(rng.randint(0, len(words)), rng.choice(POSITIVE if label == "pos" else NEGATIVE))
         rows.append({"text": " ".join(words), "label": label})
     return rows
@@ -77,12 +77,12 @@ def tiny_config(train: Path, evaluation: Path, **sections: dict[str, Any]) -> di
     config: dict[str, Any] = {
         "study": {"metric": "accuracy", "n_trials": 2, "sampler": {"type": "tpe", "seed": 0}},
         "search_space": {
-            "effective_batch_size": {"type": "categorical", "choices": [16]},
-            "learning_rate": {"type": "float", "low": 5.0e-3, "high": 2.0e-2, "log": True},
+            "effective_batch_size": {"type": "categorical", "choices": [8]},
+            "learning_rate": {"type": "float", "low": 1.0e-3, "high": 5.0e-3, "log": True},
         },
         "model": {"tokenizer": MINILM_TOKENIZER, "config": dict(TINY_BERT)},
         "data": {"train_file": str(train), "eval_file": str(evaluation), "max_length": 32},
-        "training": {"physical_batch_size": 8, "epochs": 2, "evals_per_epoch": 2, "device": "cpu"},
+        "training": {"physical_batch_size": 4, "epochs": 2, "evals_per_epoch": 2, "device": "cpu"},
     }
     for name, values in sections.items():
         config[name] = {**config.get(name, {}), **values}

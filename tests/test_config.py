@@ -41,8 +41,8 @@ def test_defaults_fill_the_search_space(easy_data: tuple[Path, Path]) -> None:
 def test_yaml_exponent_without_dot_is_a_number(tmp_path: Path, easy_data: tuple[Path, Path]) -> None:
     # YAML 1.1 reads 1e-6 as the string "1e-6"; users write it that way all the time.
     text = write_config(tmp_path / "c.yaml", tiny_config(*easy_data)).read_text()
-    assert "low: 0.005" in text
-    text = text.replace("low: 0.005", "low: 1e-6")
+    assert "low: 0.001" in text
+    text = text.replace("low: 0.001", "low: 1e-6")
     path = tmp_path / "c2.yaml"
     path.write_text(text)
     assert load_config(path).search_space["learning_rate"].low == 1e-6

@@ -19,7 +19,7 @@ from tests.conftest import MINILM_TOKENIZER, TINY_BERT
 
 
 def tiny_job(train_file: Path, eval_file: Path, **training: object) -> TrainJob:
-    settings = {"physical_batch_size": 8, "effective_batch_size": 16, "learning_rate": 1e-2,
+    settings = {"physical_batch_size": 4, "effective_batch_size": 8, "learning_rate": 3e-3,
                 "epochs": 2, "evals_per_epoch": 2, "device": "cpu", **training}
     return TrainJob(
         data=DataConfig(train_file=str(train_file), eval_file=str(eval_file), max_length=32),
@@ -80,8 +80,8 @@ def test_training_learns_and_reports(prepared: tuple[TrainJob, PreparedData]) ->
     assert [e.index for e in seen] == [1, 2, 3, 4]
     assert result.curve == [e.metrics["accuracy"] for e in seen]
     assert result.best is not None and result.best.metrics["accuracy"] > 0.8
-    assert result.optimizer_steps == 2 * math.ceil(len(data.train) / 16)
-    assert result.grad_accum_steps == 2 and result.physical_batch_size == 8
+    assert result.optimizer_steps == 2 * math.ceil(len(data.train) / 8)
+    assert result.grad_accum_steps == 2 and result.physical_batch_size == 4
     assert result.samples_per_s > 0 and result.tokens_per_s > result.samples_per_s
     assert result.precision == "fp32"  # auto on the CPU
     assert result.peak_mem_bytes > 0 and result.wall_s >= result.train_s > 0
@@ -123,10 +123,10 @@ def test_early_stopping(prepared: tuple[TrainJob, PreparedData]) -> None:
 
 def test_effective_batch_below_physical_is_one_micro_batch(prepared: tuple[TrainJob, PreparedData]) -> None:
     job, data = prepared
-    job.training.effective_batch_size = 5
+    job.training.effective_batch_size = 3
     job.training.max_steps = 3
     result = train(job, data)
-    assert (result.physical_batch_size, result.grad_accum_steps) == (5, 1)
+    assert (result.physical_batch_size, result.grad_accum_steps) == (3, 1)
     assert result.optimizer_steps == 3
 
 

@@ -174,8 +174,12 @@ def prepare_data(config: DataConfig, tokenizer: Any) -> PreparedData:
         if not table[config.label_column]:
             raise DataError(f"{source}: no rows; the file is empty")
     label_names = label_vocabulary(train_table[config.label_column], config.train_file)
-    train = _tokenize_cached(config, tokenizer, train_table, config.train_file, label_names)
-    evaluation = _tokenize_cached(config, tokenizer, eval_table, config.eval_file, label_names)
+    train = _tokenize_cached(
+        config, tokenizer, train_table, (config.train_file, config.train_split), label_names
+    )
+    evaluation = _tokenize_cached(
+        config, tokenizer, eval_table, (config.eval_file, config.eval_split), label_names
+    )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return PreparedData(train, evaluation, label_names, int(pad_id))
 
@@ -184,9 +188,10 @@ def _tokenize_cached(
     config: DataConfig,
     tokenizer: Any,
     table: dict[str, list[Any]],
-    source: str,
+    source: tuple[str, str],
     label_names: list[str],
 ) -> TokenizedSplit:
+    """`source` is (path, split); the split matters only for saved DatasetDict folders."""
     key = _cache_key(config, tokenizer, source, label_names)
     path = cache_dir(config) / f"{key}.npz"
     if path.exists():
@@ -194,7 +199,7 @@ def _tokenize_cached(
             return _load_split(path)
         except (OSError, ValueError, KeyError):
             path.unlink(missing_ok=True)  # a corrupt entry is rebuilt below
-    split = tokenize_table(config, tokenizer, table, source, label_names)
+    split = tokenize_table(config, tokenizer, table, source[0], label_names)
     _save_split(split, path)
     return split
 
@@ -238,12 +243,14 @@ def cache_dir(config: DataConfig) -> Path:
     return base / "tokenized"
 
 
-def _cache_key(config: DataConfig, tokenizer: Any, source: str, label_names: list[str]) -> str:
+def _cache_key(
+    config: DataConfig, tokenizer: Any, source: tuple[str, str], label_names: list[str]
+) -> str:
     digest = hashlib.sha256()
     parts = {
         "version": CACHE_FORMAT_VERSION,
-        "data": _content_hash(Path(source)),
-        "split": config.train_split if source == config.train_file else config.eval_split,
+        "data": _content_hash(Path(source[0])),
+        "split": source[1],
         "columns": [config.text_column, config.text_pair_column, config.label_column],
         "max_length": config.max_length,
         "tokenizer": tokenizer_fingerprint(tokenizer),
@@ -256,12 +263,14 @@ def _cache_key(config: DataConfig, tokenizer: Any, source: str, label_names: lis
 def tokenizer_fingerprint(tokenizer: Any) -> str:
     """Hash of everything that decides the token ids: the full tokenizer definition."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    definition = (
-        backend.to_str()
-        if backend is not None
-        else json.dumps(tokenizer.get_vocab(), sort_keys=True)
-    )
-    text = f"{type(tokenizer).__name__}\n{definition}"
+    if backend is not None:
+        definition = json.loads(backend.to_str())
+        # Calling the tokenizer sets these; max_length is part of the cache key on its own.
+        definition.pop("truncation", None)
+        definition.pop("padding", None)
+    else:
+        definition = tokenizer.get_vocab()
+    text = f"{type(tokenizer).__name__}\n{json.dumps(definition, sort_keys=True)}"
     return hashlib.sha256(text.encode()).hexdigest()
 
 

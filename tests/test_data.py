@@ -1,0 +1,194 @@
+"""Data: every input format, labels, the tokenization cache, length grouping and padding."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hpo.errors import DataError
+from trainer import data as data_module
+from trainer.config import DataConfig, ModelConfig
+from trainer.data import collate, eval_batches, plan_epoch, prepare_data
+from trainer.model import load_tokenizer
+from tests.conftest import MINILM_TOKENIZER, easy_rows, write_csv
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return load_tokenizer(ModelConfig(tokenizer=MINILM_TOKENIZER, config={"model_type": "bert"}))
+
+
+def write_format(folder: Path, name: str, rows: list[dict[str, Any]], fmt: str) -> Path:
+    if fmt == "csv":
+        return write_csv(folder / f"{name}.csv", rows)
+    if fmt == "jsonl":
+        path = folder / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        return path
+    if fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = folder / f"{name}.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), path)
+        return path
+    import datasets
+
+    path = folder / name
+    datasets.Dataset.from_list(rows).save_to_disk(str(path))
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["csv", "jsonl", "parquet", "saved"])
+def test_every_format_gives_the_same_tokens(tmp_path: Path, fmt: str, tokenizer: Any) -> None:
+    rows = easy_rows(40, 3)
+    reference = prepare_data(
+        DataConfig(
+            train_file=str(write_csv(tmp_path / "ref.csv", rows)),
+            eval_file=str(write_csv(tmp_path / "ref_eval.csv", rows[:10])),
+            cache_dir=str(tmp_path / "c1"),
+        ),
+        tokenizer,
+    )
+    train = write_format(tmp_path, "train", rows, fmt)
+    evaluation = write_format(tmp_path, "eval", rows[:10], fmt)
+    got = prepare_data(
+        DataConfig(train_file=str(train), eval_file=str(evaluation), cache_dir=str(tmp_path / "c2")),
+        tokenizer,
+    )
+    assert got.label_names == reference.label_names == ["neg", "pos"]
+    np.testing.assert_array_equal(got.train.ids, reference.train.ids)
+    np.testing.assert_array_equal(got.train.labels, reference.train.labels)
+    np.testing.assert_array_equal(got.eval.offsets, reference.eval.offsets)
+
+
+def test_saved_dataset_dict_splits(tmp_path: Path, tokenizer: Any) -> None:
+    import datasets
+
+    rows = easy_rows(30, 4)
+    folder = tmp_path / "dd"
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(rows), "validation": datasets.Dataset.from_list(rows[:6])}
+    ).save_to_disk(str(folder))
+    got = prepare_data(DataConfig(train_file=str(folder), eval_file=str(folder)), tokenizer)
+    assert (len(got.train), len(got.eval)) == (30, 6)
+    with pytest.raises(DataError, match="has splits"):
+        prepare_data(DataConfig(train_file=str(folder), eval_file=str(folder), eval_split="test"), tokenizer)
+
+
+def test_sentence_pairs_and_integer_labels(tmp_path: Path, tokenizer: Any) -> None:
+    rows = [{"premise": f"a man plays {i}", "hypothesis": "someone plays", "label": i % 3} for i in range(12)]
+    train = write_format(tmp_path, "train", rows, "jsonl")
+    config = DataConfig(
+        train_file=str(train), eval_file=str(train), text_column="premise",
+        text_pair_column="hypothesis", max_length=16,
+    )
+    got = prepare_data(config, tokenizer)
+    assert got.label_names == ["0", "1", "2"]
+    np.testing.assert_array_equal(got.train.labels, [i % 3 for i in range(12)])
+    assert got.train.type_ids is not None and got.train.type_ids.max() == 1  # second segment
+
+
+def test_truncation_to_max_length(tmp_path: Path, tokenizer: Any) -> None:
+    rows = [{"text": "word " * 200, "label": "a"}, {"text": "short", "label": "b"}]
+    path = write_csv(tmp_path / "t.csv", rows)
+    got = prepare_data(DataConfig(train_file=str(path), eval_file=str(path), max_length=20), tokenizer)
+    assert got.train.lengths.max() == 20
+
+
+def test_cache_skips_tokenization_on_the_second_load(
+    tmp_path: Path, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    train = write_csv(tmp_path / "train.csv", easy_rows(20, 5))
+    config = DataConfig(train_file=str(train), eval_file=str(train), cache_dir=str(tmp_path / "cache"))
+    first = prepare_data(config, tokenizer)
+    calls = []
+    real = data_module.tokenize_table
+    monkeypatch.setattr(data_module, "tokenize_table", lambda *a, **k: calls.append(1) or real(*a, **k))
+    second = prepare_data(config, tokenizer)
+    assert calls == []
+    np.testing.assert_array_equal(first.train.ids, second.train.ids)
+    # A different max length, or changed data, is a different cache entry.
+    prepare_data(DataConfig(**{**config.__dict__, "max_length": 8}), tokenizer)
+    assert len(calls) == 2
+    write_csv(train, easy_rows(21, 5))
+    prepare_data(config, tokenizer)
+    assert len(calls) == 4
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([{"txt": "a", "label": "x"}], "no column 'text'"),
+        ([{"text": "a", "label": ""}], "row 1 has no label"),
+    ],
+)
+def test_bad_rows_name_the_problem(tmp_path: Path, tokenizer: Any, rows: list[dict[str, str]], message: str) -> None:
+    path = write_csv(tmp_path / "bad.csv", rows)
+    with pytest.raises(DataError, match=message):
+        prepare_data(DataConfig(train_file=str(path), eval_file=str(path)), tokenizer)
+
+
+def test_label_only_in_evaluation(tmp_path: Path, tokenizer: Any) -> None:
+    train = write_csv(tmp_path / "train.csv", [{"text": "a", "label": "x"}, {"text": "b", "label": "y"}])
+    evaluation = write_csv(tmp_path / "eval.csv", [{"text": "c", "label": "z"}])
+    with pytest.raises(DataError, match=r"labels \['z'\] never appear in the training data"):
+        prepare_data(DataConfig(train_file=str(train), eval_file=str(evaluation)), tokenizer)
+
+
+def test_empty_file_and_unknown_format(tmp_path: Path, tokenizer: Any) -> None:
+    empty = tmp_path / "empty.csv"
+    empty.write_text("text,label\n")
+    with pytest.raises(DataError, match="no rows"):
+        prepare_data(DataConfig(train_file=str(empty), eval_file=str(empty)), tokenizer)
+    odd = tmp_path / "data.xlsx"
+    odd.write_text("x")
+    with pytest.raises(DataError, match="unsupported format"):
+        prepare_data(DataConfig(train_file=str(odd), eval_file=str(odd)), tokenizer)
+
+
+def test_epoch_plan_covers_every_example_once_in_balanced_micro_batches() -> None:
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(3, 120, size=1003)
+    plan = plan_epoch(lengths, effective_batch_size=64, grad_accum_steps=3, seed=7, epoch=0)
+    flat = np.concatenate([mb for step in plan for mb in step])
+    assert sorted(flat.tolist()) == list(range(1003))
+    assert len(plan) == -(-1003 // 64)
+    assert sum(1 for step in plan if sum(map(len, step)) != 64) == 1  # only one partial step
+    for step in plan:
+        sizes = [len(mb) for mb in step]
+        assert max(sizes) - min(sizes) <= 1
+    # Grouping by length: far less padding than a plain shuffle.
+    def padding(batches: list[np.ndarray]) -> int:
+        return sum(int(lengths[b].max()) * len(b) - int(lengths[b].sum()) for b in batches)
+
+    shuffled = np.array_split(rng.permutation(1003), len(plan) * 3)
+    assert padding([mb for step in plan for mb in step]) < padding(shuffled) / 3
+    # Steps are shuffled across the epoch and differ between epochs, but are reproducible.
+    step_max = [max(lengths[np.concatenate(s)]) for s in plan]
+    assert step_max != sorted(step_max) and step_max != sorted(step_max, reverse=True)
+    again = plan_epoch(lengths, 64, 3, seed=7, epoch=0)
+    assert all(np.array_equal(a[0], b[0]) for a, b in zip(plan, again, strict=True))
+    other = plan_epoch(lengths, 64, 3, seed=7, epoch=1)
+    assert not np.array_equal(plan[0][0], other[0][0])
+
+
+def test_eval_batches_in_length_order() -> None:
+    lengths = np.array([5, 1, 9, 3, 7])
+    batches = eval_batches(lengths, 2)
+    assert [b.tolist() for b in batches] == [[1, 3], [0, 4], [2]]
+
+
+def test_collate_pads_dynamically(tmp_path: Path, tokenizer: Any) -> None:
+    path = write_csv(tmp_path / "t.csv", [{"text": "one", "label": "a"}, {"text": "one two three four", "label": "b"}])
+    got = prepare_data(DataConfig(train_file=str(path), eval_file=str(path)), tokenizer)
+    batch = collate(got.train, np.array([0, 1]), got.pad_token_id, pad_to_multiple_of=8)
+    width = int(got.train.lengths.max())
+    assert batch["input_ids"].shape == (2, 8)
+    assert batch["attention_mask"].sum(dim=1).tolist() == got.train.lengths.tolist()
+    assert (batch["input_ids"][0, got.train.lengths[0]:] == got.pad_token_id).all()
+    assert collate(got.train, np.array([0]), got.pad_token_id)["input_ids"].shape[1] < width

@@ -1,0 +1,25 @@
+"""The same `hpo run` on PostgreSQL (fails in CI when the server is unreachable)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+import pytest
+
+from tests.conftest import run_hpo, tiny_config, write_config
+from tests.study_checks import check_small_study, run_small_study
+
+pytestmark = pytest.mark.postgres
+
+
+def test_study_on_postgres(tmp_path: Path, easy_data: tuple[Path, Path], postgres_url: str) -> None:
+    check_small_study(run_small_study(tmp_path, easy_data, postgres_url, "cli-postgres"))
+
+
+def test_bad_config_writes_no_study(tmp_path: Path, easy_data: tuple[Path, Path], postgres_url: str) -> None:
+    raw = tiny_config(*easy_data, training={"epochs": 0})
+    config = write_config(tmp_path / "bad.yaml", raw)
+    result = run_hpo("run", "--study", "s", "--config", str(config), "--storage", postgres_url, cwd=tmp_path)
+    assert result.returncode == 2 and "training.epochs: got 0" in result.stderr
+    assert optuna.study.get_all_study_names(storage=postgres_url) == []

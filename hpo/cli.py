@@ -37,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start a worker: create or join the study, then run trials until the study "
         "holds --n-trials trials (counted across every worker) or --timeout passes.",
     )
-    run.add_argument("--study", required=True, help="study name; workers with the same name share it")
+    run.add_argument(
+        "--study", required=True, help="study name; workers with the same name share it"
+    )
     run.add_argument(
         "--config",
         type=Path,
@@ -62,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="seconds after which this worker starts no new trial (overrides study.timeout)",
     )
-    run.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N (overrides training.device)")
+    run.add_argument(
+        "--device", default=None, help="auto, cpu, cuda or cuda:N (overrides training.device)"
+    )
     run.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
     run.add_argument("--quiet", action="store_true", help="only warnings and the final summary")
     return parser
@@ -87,7 +91,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _setup_logging(debug: bool, quiet: bool) -> None:
     level = logging.DEBUG if debug else logging.WARNING if quiet else logging.INFO
-    logging.basicConfig(level=level, format="[%(name)s %(levelname)s] %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=level, format="[%(name)s %(levelname)s] %(message)s", stream=sys.stderr
+    )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import optuna
     import transformers
@@ -115,7 +121,9 @@ def _run(args: argparse.Namespace) -> int:
     data = prepare_data(config.data, load_tokenizer(config.model))
     log.info(
         "data: %d training and %d evaluation examples, labels %s",
-        len(data.train), len(data.eval), data.label_names,
+        len(data.train),
+        len(data.eval),
+        data.label_names,
     )
     print(f"hpo: study {args.study!r} in {storage_url.describe()}", file=sys.stderr)
     study = open_study(open_storage(storage_url), args.study, config)

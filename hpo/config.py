@@ -1,4 +1,4 @@
-"""The YAML config of a study: typed sections, validated up front with every problem reported at once.
+"""The YAML config of a study: typed sections, validated up front, every problem reported at once.
 
 Relative paths in the file are resolved against the folder that holds the file.
 """
@@ -18,7 +18,7 @@ import yaml
 
 from hpo.errors import ConfigError
 from trainer.config import TUNABLE_FIELDS, DataConfig, ModelConfig, TrainingConfig
-from trainer.metrics import METRIC_DIRECTIONS
+from trainer.metrics import METRIC_DIRECTIONS, Direction
 
 DEFAULT_BATCH_CHOICES = [32, 64, 128, 256, 512]
 
@@ -101,7 +101,7 @@ class StudyConfig:
         return found
 
     @property
-    def resolved_direction(self) -> str:
+    def resolved_direction(self) -> Direction:
         return self.direction or METRIC_DIRECTIONS[self.metric]
 
 

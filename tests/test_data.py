@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from hpo.errors import DataError
+from tests.conftest import MINILM_TOKENIZER, easy_rows, write_csv
 from trainer import data as data_module
 from trainer.config import DataConfig, ModelConfig
 from trainer.data import collate, eval_batches, plan_epoch, prepare_data
 from trainer.model import load_tokenizer
-from tests.conftest import MINILM_TOKENIZER, easy_rows, write_csv
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,9 @@ def test_every_format_gives_the_same_tokens(tmp_path: Path, fmt: str, tokenizer:
     train = write_format(tmp_path, "train", rows, fmt)
     evaluation = write_format(tmp_path, "eval", rows[:10], fmt)
     got = prepare_data(
-        DataConfig(train_file=str(train), eval_file=str(evaluation), cache_dir=str(tmp_path / "c2")),
+        DataConfig(
+            train_file=str(train), eval_file=str(evaluation), cache_dir=str(tmp_path / "c2")
+        ),
         tokenizer,
     )
     assert got.label_names == reference.label_names == ["neg", "pos"]
@@ -72,20 +74,31 @@ def test_saved_dataset_dict_splits(tmp_path: Path, tokenizer: Any) -> None:
     rows = easy_rows(30, 4)
     folder = tmp_path / "dd"
     datasets.DatasetDict(
-        {"train": datasets.Dataset.from_list(rows), "validation": datasets.Dataset.from_list(rows[:6])}
+        {
+            "train": datasets.Dataset.from_list(rows),
+            "validation": datasets.Dataset.from_list(rows[:6]),
+        }
     ).save_to_disk(str(folder))
     got = prepare_data(DataConfig(train_file=str(folder), eval_file=str(folder)), tokenizer)
     assert (len(got.train), len(got.eval)) == (30, 6)
     with pytest.raises(DataError, match="has splits"):
-        prepare_data(DataConfig(train_file=str(folder), eval_file=str(folder), eval_split="test"), tokenizer)
+        prepare_data(
+            DataConfig(train_file=str(folder), eval_file=str(folder), eval_split="test"), tokenizer
+        )
 
 
 def test_sentence_pairs_and_integer_labels(tmp_path: Path, tokenizer: Any) -> None:
-    rows = [{"premise": f"a man plays {i}", "hypothesis": "someone plays", "label": i % 3} for i in range(12)]
+    rows = [
+        {"premise": f"a man plays {i}", "hypothesis": "someone plays", "label": i % 3}
+        for i in range(12)
+    ]
     train = write_format(tmp_path, "train", rows, "jsonl")
     config = DataConfig(
-        train_file=str(train), eval_file=str(train), text_column="premise",
-        text_pair_column="hypothesis", max_length=16,
+        train_file=str(train),
+        eval_file=str(train),
+        text_column="premise",
+        text_pair_column="hypothesis",
+        max_length=16,
     )
     got = prepare_data(config, tokenizer)
     assert got.label_names == ["0", "1", "2"]
@@ -96,7 +109,9 @@ def test_sentence_pairs_and_integer_labels(tmp_path: Path, tokenizer: Any) -> No
 def test_truncation_to_max_length(tmp_path: Path, tokenizer: Any) -> None:
     rows = [{"text": "word " * 200, "label": "a"}, {"text": "short", "label": "b"}]
     path = write_csv(tmp_path / "t.csv", rows)
-    got = prepare_data(DataConfig(train_file=str(path), eval_file=str(path), max_length=20), tokenizer)
+    got = prepare_data(
+        DataConfig(train_file=str(path), eval_file=str(path), max_length=20), tokenizer
+    )
     assert got.train.lengths.max() == 20
 
 
@@ -104,11 +119,15 @@ def test_cache_skips_tokenization_on_the_second_load(
     tmp_path: Path, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     train = write_csv(tmp_path / "train.csv", easy_rows(20, 5))
-    config = DataConfig(train_file=str(train), eval_file=str(train), cache_dir=str(tmp_path / "cache"))
+    config = DataConfig(
+        train_file=str(train), eval_file=str(train), cache_dir=str(tmp_path / "cache")
+    )
     first = prepare_data(config, tokenizer)
     calls = []
     real = data_module.tokenize_table
-    monkeypatch.setattr(data_module, "tokenize_table", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(
+        data_module, "tokenize_table", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
     second = prepare_data(config, tokenizer)
     assert calls == []
     np.testing.assert_array_equal(first.train.ids, second.train.ids)
@@ -127,14 +146,18 @@ def test_cache_skips_tokenization_on_the_second_load(
         ([{"text": "a", "label": ""}], "row 1 has no label"),
     ],
 )
-def test_bad_rows_name_the_problem(tmp_path: Path, tokenizer: Any, rows: list[dict[str, str]], message: str) -> None:
+def test_bad_rows_name_the_problem(
+    tmp_path: Path, tokenizer: Any, rows: list[dict[str, str]], message: str
+) -> None:
     path = write_csv(tmp_path / "bad.csv", rows)
     with pytest.raises(DataError, match=message):
         prepare_data(DataConfig(train_file=str(path), eval_file=str(path)), tokenizer)
 
 
 def test_label_only_in_evaluation(tmp_path: Path, tokenizer: Any) -> None:
-    train = write_csv(tmp_path / "train.csv", [{"text": "a", "label": "x"}, {"text": "b", "label": "y"}])
+    train = write_csv(
+        tmp_path / "train.csv", [{"text": "a", "label": "x"}, {"text": "b", "label": "y"}]
+    )
     evaluation = write_csv(tmp_path / "eval.csv", [{"text": "c", "label": "z"}])
     with pytest.raises(DataError, match=r"labels \['z'\] never appear in the training data"):
         prepare_data(DataConfig(train_file=str(train), eval_file=str(evaluation)), tokenizer)
@@ -162,6 +185,7 @@ def test_epoch_plan_covers_every_example_once_in_balanced_micro_batches() -> Non
     for step in plan:
         sizes = [len(mb) for mb in step]
         assert max(sizes) - min(sizes) <= 1
+
     # Grouping by length: far less padding than a plain shuffle.
     def padding(batches: list[np.ndarray]) -> int:
         return sum(int(lengths[b].max()) * len(b) - int(lengths[b].sum()) for b in batches)
@@ -184,11 +208,14 @@ def test_eval_batches_in_length_order() -> None:
 
 
 def test_collate_pads_dynamically(tmp_path: Path, tokenizer: Any) -> None:
-    path = write_csv(tmp_path / "t.csv", [{"text": "one", "label": "a"}, {"text": "one two three four", "label": "b"}])
+    path = write_csv(
+        tmp_path / "t.csv",
+        [{"text": "one", "label": "a"}, {"text": "one two three four", "label": "b"}],
+    )
     got = prepare_data(DataConfig(train_file=str(path), eval_file=str(path)), tokenizer)
     batch = collate(got.train, np.array([0, 1]), got.pad_token_id, pad_to_multiple_of=8)
     width = int(got.train.lengths.max())
     assert batch["input_ids"].shape == (2, 8)
     assert batch["attention_mask"].sum(dim=1).tolist() == got.train.lengths.tolist()
-    assert (batch["input_ids"][0, got.train.lengths[0]:] == got.pad_token_id).all()
+    assert (batch["input_ids"][0, got.train.lengths[0] :] == got.pad_token_id).all()
     assert collate(got.train, np.array([0]), got.pad_token_id)["input_ids"].shape[1] < width

@@ -8,9 +8,15 @@ import pytest
 import torch
 
 from hpo.errors import ModelError
-from trainer.config import ModelConfig
-from trainer.model import build_model, check_model_config, load_tokenizer, model_fingerprint, resolve_location
 from tests.conftest import MINILM_TOKENIZER, TINY_BERT
+from trainer.config import ModelConfig
+from trainer.model import (
+    build_model,
+    check_model_config,
+    load_tokenizer,
+    model_fingerprint,
+    resolve_location,
+)
 
 
 def test_package_location_resolves_to_the_shipped_folder() -> None:
@@ -40,7 +46,9 @@ def test_inline_config_is_deterministic_per_seed() -> None:
     a, b = (build_model(config, ["x", "y"], seed=3) for _ in range(2))
     for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(pa, pb)
-    assert model_fingerprint(config) == model_fingerprint(ModelConfig(config=dict(TINY_BERT), tokenizer="x"))
+    assert model_fingerprint(config) == model_fingerprint(
+        ModelConfig(config=dict(TINY_BERT), tokenizer="x")
+    )
 
 
 def test_missing_local_folder(tmp_path: Path) -> None:

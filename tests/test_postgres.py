@@ -17,9 +17,13 @@ def test_study_on_postgres(tmp_path: Path, easy_data: tuple[Path, Path], postgre
     check_small_study(run_small_study(tmp_path, easy_data, postgres_url, "cli-postgres"))
 
 
-def test_bad_config_writes_no_study(tmp_path: Path, easy_data: tuple[Path, Path], postgres_url: str) -> None:
+def test_bad_config_writes_no_study(
+    tmp_path: Path, easy_data: tuple[Path, Path], postgres_url: str
+) -> None:
     raw = tiny_config(*easy_data, training={"epochs": 0})
     config = write_config(tmp_path / "bad.yaml", raw)
-    result = run_hpo("run", "--study", "s", "--config", str(config), "--storage", postgres_url, cwd=tmp_path)
+    result = run_hpo(
+        "run", "--study", "s", "--config", str(config), "--storage", postgres_url, cwd=tmp_path
+    )
     assert result.returncode == 2 and "training.epochs: got 0" in result.stderr
     assert optuna.study.get_all_study_names(storage=postgres_url) == []

@@ -25,7 +25,10 @@ def test_precedence_cli_env_config_default(monkeypatch: pytest.MonkeyPatch, tmp_
 
 def test_default_describes_the_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.chdir(tmp_path)
-    assert resolve_storage_url(None, None).describe() == f"SQLite file {tmp_path / 'hpo.db'} (from default)"
+    assert (
+        resolve_storage_url(None, None).describe()
+        == f"SQLite file {tmp_path / 'hpo.db'} (from default)"
+    )
 
 
 @pytest.mark.parametrize(
@@ -43,7 +46,10 @@ def test_bad_urls(url: str, message: str) -> None:
 
 
 def test_masking() -> None:
-    assert mask_url("postgresql+psycopg2://alice:s3cr%40t@db:5432/hpo") == "postgresql+psycopg2://alice:***@db:5432/hpo"
+    assert (
+        mask_url("postgresql+psycopg2://alice:s3cr%40t@db:5432/hpo")
+        == "postgresql+psycopg2://alice:***@db:5432/hpo"
+    )
     assert mask_url("sqlite:///hpo.db") == "sqlite:///hpo.db"
     text = 'connection to "postgresql://bob:hunter2@10.0.0.1/x" failed'
     assert mask_text(text) == 'connection to "postgresql://bob:***@10.0.0.1/x" failed'

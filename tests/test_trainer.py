@@ -10,17 +10,30 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import MINILM_TOKENIZER, TINY_BERT
 from trainer import loop
 from trainer.config import DataConfig, ModelConfig, TrainingConfig, TrainJob
 from trainer.data import PreparedData, collate, prepare_data
-from trainer.loop import Evaluation, accumulate_gradients, grad_accum_steps_for, optimizer_step, train
+from trainer.loop import (
+    Evaluation,
+    accumulate_gradients,
+    grad_accum_steps_for,
+    optimizer_step,
+    train,
+)
 from trainer.model import build_model, load_tokenizer
-from tests.conftest import MINILM_TOKENIZER, TINY_BERT
 
 
 def tiny_job(train_file: Path, eval_file: Path, **training: object) -> TrainJob:
-    settings = {"physical_batch_size": 4, "effective_batch_size": 8, "learning_rate": 3e-3,
-                "epochs": 2, "evals_per_epoch": 2, "device": "cpu", **training}
+    settings = {
+        "physical_batch_size": 4,
+        "effective_batch_size": 8,
+        "learning_rate": 3e-3,
+        "epochs": 2,
+        "evals_per_epoch": 2,
+        "device": "cpu",
+        **training,
+    }
     return TrainJob(
         data=DataConfig(train_file=str(train_file), eval_file=str(eval_file), max_length=32),
         model=ModelConfig(config=dict(TINY_BERT), tokenizer=MINILM_TOKENIZER),
@@ -41,7 +54,9 @@ def test_accumulated_step_equals_one_big_batch(
     job, data = prepared
     # A large epsilon keeps the first Adam step (about lr * sign(g)) well-conditioned for
     # near-zero gradients, so the weights comparison measures accumulation, not rounding.
-    cfg = TrainingConfig(label_smoothing=0.1, max_grad_norm=0.5, learning_rate=1e-2, adam_epsilon=1e-4)
+    cfg = TrainingConfig(
+        label_smoothing=0.1, max_grad_norm=0.5, learning_rate=1e-2, adam_epsilon=1e-4
+    )
     weights = torch.tensor([0.7, 1.6])
     model = build_model(job.model, data.label_names, seed=0).eval()  # eval: no dropout noise
     twin = copy.deepcopy(model)
@@ -121,7 +136,9 @@ def test_early_stopping(prepared: tuple[TrainJob, PreparedData]) -> None:
     assert len(result.evaluations) < 6
 
 
-def test_effective_batch_below_physical_is_one_micro_batch(prepared: tuple[TrainJob, PreparedData]) -> None:
+def test_effective_batch_below_physical_is_one_micro_batch(
+    prepared: tuple[TrainJob, PreparedData],
+) -> None:
     job, data = prepared
     job.training.effective_batch_size = 3
     job.training.max_steps = 3

@@ -334,7 +334,7 @@ def plan_epoch(
         steps.extend(
             chunk[i : i + effective_batch_size] for i in range(0, len(chunk), effective_batch_size)
         )
-    rng.shuffle(steps)  # type: ignore[arg-type]
+    rng.shuffle(steps)
     return [split_micro_batches(step, grad_accum_steps) for step in steps]
 
 

@@ -22,7 +22,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_precision(requested: str, device: torch.device) -> str:
-    """auto: bf16 where CUDA supports it, fp16 on older CUDA, fp32 on the CPU (bf16 is slow there)."""
+    """auto: bf16 where CUDA supports it, fp16 on older CUDA, fp32 on the CPU (bf16 is slow)."""
     if requested != "auto":
         return requested
     if device.type == "cuda":

@@ -29,7 +29,7 @@ Status = Literal["completed", "stopped", "early_stopped", "diverged"]
 
 @dataclass
 class Evaluation:
-    """One evaluation: its 1-based index (the same amount of data seen in every trial) and metrics."""
+    """One evaluation: its 1-based index (the same data seen in every trial) and its metrics."""
 
     index: int
     epoch: float

@@ -5,9 +5,16 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
 
-METRIC_DIRECTIONS = {"accuracy": "maximize", "macro_f1": "maximize", "eval_loss": "minimize"}
+Direction = Literal["maximize", "minimize"]
+METRIC_DIRECTIONS: dict[str, Direction] = {
+    "accuracy": "maximize",
+    "macro_f1": "maximize",
+    "eval_loss": "minimize",
+}
 
 
 def accuracy(predictions: np.ndarray, labels: np.ndarray) -> float:

@@ -109,8 +109,11 @@ def _load_failure(what: str, location: str, error: Exception) -> str:
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     if not Path(location).exists() and not location.startswith(PACKAGE_SCHEME):
         return (
-            f"cannot load {what} {location!r}: it is not a local folder and the model hub could not "
-            f"provide it ({reason}); download the model where a hub is reachable and set "
+            f"cannot load {what} {location!r}: it is not a local folder and the model hub "
+            f"could not provide it ({reason}); download the model where a hub is reachable and set "
             "model.name_or_path to its folder"
         )
-    return f"cannot load {what} from {location!r}: {reason}; check that the folder holds a transformers model"
+    return (
+        f"cannot load {what} from {location!r}: {reason}; "
+        "check that the folder holds a transformers model"
+    )

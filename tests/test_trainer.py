@@ -154,3 +154,43 @@ def test_balanced_class_weights(prepared: tuple[TrainJob, PreparedData]) -> None
     trainer = loop.Trainer(job, data)
     assert trainer.class_weights is not None
     torch.testing.assert_close(trainer.class_weights, torch.tensor([1.0, 1.0]))
+
+
+def test_worker_processes_persist_across_epochs(prepared: tuple[TrainJob, PreparedData]) -> None:
+    job, data = prepared
+    job.training.num_workers = 1
+    job.training.max_steps = 40  # past one epoch of 32 steps
+    trainer = loop.Trainer(job, data)
+    result = trainer.fit()
+    assert result.status == "completed" and result.optimizer_steps == 40
+    assert trainer.train_loader.persistent_workers
+
+
+@pytest.mark.parametrize(
+    ("model_change", "training_change"),
+    [({"gradient_checkpointing": True}, {}), ({}, {"precision": "bf16"})],
+    ids=["gradient-checkpointing", "bf16-autocast"],
+)
+def test_optional_modes_train(
+    prepared: tuple[TrainJob, PreparedData], model_change: dict, training_change: dict
+) -> None:
+    job, data = prepared
+    for key, value in model_change.items():
+        setattr(job.model, key, value)
+    for key, value in {"max_steps": 3, **training_change}.items():
+        setattr(job.training, key, value)
+    result = train(job, data)
+    assert result.status == "completed" and result.optimizer_steps == 3
+    assert result.precision == training_change.get("precision", "fp32")
+    assert math.isfinite(result.evaluations[-1].metrics["eval_loss"])
+
+
+def test_trainer_does_not_import_optuna() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, trainer.loop, trainer.data, trainer.model, trainer.metrics;"
+        "sys.exit('optuna' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

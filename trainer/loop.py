@@ -8,7 +8,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -190,6 +190,19 @@ def optimizer_step(
     optimizer.zero_grad(set_to_none=True)
 
 
+class _PlanSampler:
+    """The current epoch's micro-batches, read afresh at every pass over the loader."""
+
+    def __init__(self) -> None:
+        self.micro_batches: list[np.ndarray] = []
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return iter(self.micro_batches)
+
+    def __len__(self) -> int:
+        return len(self.micro_batches)
+
+
 class Trainer:
     """One training run of one hyperparameter setting."""
 
@@ -222,6 +235,12 @@ class Trainer:
         self.pin = self.device.type == "cuda"
         # Pad to tensor-core friendly widths on CUDA; to few shapes when compiling.
         self.pad_multiple = 32 if job.model.compile else (8 if self.device.type == "cuda" else 1)
+        # Built once so that worker processes persist across epochs and evaluations.
+        self.train_sampler = _PlanSampler()
+        self.train_loader = self._loader(self.train_sampler, "train")
+        self.eval_loader = self._loader(
+            eval_batches(data.eval.lengths, self.eval_batch_size), "eval"
+        )
 
     def _evaluation_steps(self) -> set[int]:
         per_epoch = self.cfg.evals_per_epoch
@@ -251,7 +270,7 @@ class Trainer:
     def _autocast(self) -> Any:
         return dev.autocast(self.device, self.precision)
 
-    def _loader(self, batches: list[np.ndarray], split: str) -> torch.utils.data.DataLoader:
+    def _loader(self, batches: Iterable[np.ndarray], split: str) -> torch.utils.data.DataLoader:
         collator = BatchCollator(
             getattr(self.data, split), self.data.pad_token_id, self.pad_multiple
         )
@@ -262,7 +281,7 @@ class Trainer:
             batch_size=None,
             num_workers=workers,
             pin_memory=self.pin,
-            persistent_workers=False,
+            persistent_workers=workers > 0,
             prefetch_factor=4 if workers else None,
         )
 
@@ -286,7 +305,8 @@ class Trainer:
             self.cfg.seed,
             epoch,
         )
-        micro_batches = iter(self._loader([mb for step in plan for mb in step], "train"))
+        self.train_sampler.micro_batches = [mb for step in plan for mb in step]
+        micro_batches = iter(self.train_loader)
         for step in plan:
             yield np.concatenate(step), [self._to_device(next(micro_batches)) for _ in step]
 
@@ -295,7 +315,7 @@ class Trainer:
         lengths = self.data.eval.lengths
         predictions, loss_sum = [], torch.zeros((), device=self.device)
         with torch.inference_mode():
-            for batch in self._loader(eval_batches(lengths, self.eval_batch_size), "eval"):
+            for batch in self.eval_loader:
                 batch = self._to_device(batch)
                 labels = batch.pop("labels")
                 with self._autocast():

@@ -76,8 +76,17 @@ def build_model(config: ModelConfig, label_names: list[str], seed: int) -> torch
     except (OSError, ValueError, ImportError) as e:
         raise ModelError(_load_failure("model", config.name_or_path or "inline config", e)) from e
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _enable_checkpointing(model)
     return model
+
+
+def _enable_checkpointing(model: Any) -> None:
+    # transformers 5 renamed gradient_checkpointing_enable; accept both.
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def model_fingerprint(config: ModelConfig) -> str:

@@ -68,13 +68,6 @@ class TrainResult:
 
 
 @dataclass
-class _Throughput:
-    samples: int = 0
-    tokens: int = 0
-    train_s: float = 0.0
-
-
-@dataclass
 class _LossMeter:
     """Sums the loss on the device; read only every logging interval (a host sync)."""
 
@@ -93,6 +86,26 @@ class _LossMeter:
         self.total, self.steps = None, 0
         self.history.append(value)
         return value
+
+
+@dataclass
+class _Run:
+    """Progress of one fit(): counters, evaluations so far, and why it stopped."""
+
+    segment_start: float  # start of the current stretch of training, between evaluations
+    step: int = 0
+    samples: int = 0
+    tokens: int = 0
+    train_s: float = 0.0
+    meter: _LossMeter = field(default_factory=_LossMeter)
+    evaluations: list[Evaluation] = field(default_factory=list)
+    best: Evaluation | None = None
+    since_best: int = 0
+    status: Status = "completed"
+    reason: str | None = None
+
+    def stop(self, status: Status, reason: str) -> None:
+        self.status, self.reason = status, reason
 
 
 def grad_accum_steps_for(effective_batch_size: int, physical_batch_size: int) -> int:
@@ -336,104 +349,95 @@ class Trainer:
         started = time.perf_counter()
         dev.reset_peak_memory(self.device)
         self.forward_model.train()
-        evaluations: list[Evaluation] = []
-        best: Evaluation | None = None
-        since_best = 0
-        meter, speed = _LossMeter(), _Throughput()
-        status: Status = "completed"
-        reason: str | None = None
-        step = 0
-        segment_start = time.perf_counter()
-        lengths = self.data.train.lengths
+        run = _Run(segment_start=time.perf_counter())
         epoch = 0
-        while step < self.total_steps and status == "completed":
+        while run.step < self.total_steps and run.status == "completed":
             for indices, micro_batches in self._steps(epoch):
-                loss = accumulate_gradients(
-                    self.forward_model,
-                    micro_batches,
-                    self.cfg,
-                    self._autocast,
-                    self.class_weights,
-                    self.scaler,
-                )
-                optimizer_step(self.model, self.optimizer, self.cfg, self.scaler)
-                self.scheduler.step()
-                meter.add(loss)
-                step += 1
-                speed.samples += len(indices)
-                speed.tokens += int(lengths[indices].sum())  # real tokens, from the host
-                if step % self.cfg.log_every_steps == 0 or step in self.eval_steps:
-                    value = meter.read()
-                    if value is not None and not math.isfinite(value):
-                        status, reason = (
-                            "diverged",
-                            f"non-finite training loss ({value}) at step {step}",
-                        )
-                        break
-                    log.debug("step %d/%d loss %.4f", step, self.total_steps, value)
-                if step in self.eval_steps:
-                    speed.train_s += self._elapsed_since(segment_start)
-                    evaluation = Evaluation(
-                        index=len(evaluations) + 1,
-                        epoch=step / self.steps_per_epoch,
-                        optimizer_step=step,
-                        metrics=self.evaluate(),
-                        train_loss=meter.history[-1] if meter.history else None,
-                    )
-                    evaluations.append(evaluation)
-                    segment_start = time.perf_counter()
-                    value = evaluation.metrics[self.metric]
-                    if not math.isfinite(evaluation.metrics["eval_loss"]):
-                        status, reason = "diverged", f"non-finite evaluation loss at step {step}"
-                        break
-                    if is_better(value, best.metrics[self.metric] if best else None, self.metric):
-                        best, since_best = evaluation, 0
-                    else:
-                        since_best += 1
-                    stop = on_evaluation(evaluation) if on_evaluation else None
-                    if stop is not None:
-                        status, reason = "stopped", stop
-                        break
-                    patience = self.cfg.early_stopping_patience
-                    if patience is not None and since_best >= patience:
-                        status = "early_stopped"
-                        reason = f"no improvement in {self.metric} for {patience} evaluations"
-                        break
-                if step >= self.total_steps:
+                self._train_step(run, indices, micro_batches)
+                at_evaluation = run.step in self.eval_steps
+                if run.step % self.cfg.log_every_steps == 0 or at_evaluation:
+                    self._check_loss(run)
+                if at_evaluation and run.status == "completed":
+                    self._evaluate(run, on_evaluation)
+                if run.status != "completed" or run.step >= self.total_steps:
                     break
             epoch += 1
-        return self._result(status, reason, evaluations, best, step, speed, started)
+        return self._result(run, started)
+
+    def _train_step(
+        self, run: _Run, indices: np.ndarray, micro_batches: list[dict[str, torch.Tensor]]
+    ) -> None:
+        loss = accumulate_gradients(
+            self.forward_model,
+            micro_batches,
+            self.cfg,
+            self._autocast,
+            self.class_weights,
+            self.scaler,
+        )
+        optimizer_step(self.model, self.optimizer, self.cfg, self.scaler)
+        self.scheduler.step()
+        run.meter.add(loss)
+        run.step += 1
+        run.samples += len(indices)
+        run.tokens += int(self.data.train.lengths[indices].sum())  # real tokens, from the host
+
+    def _check_loss(self, run: _Run) -> None:
+        value = run.meter.read()  # the one host sync of a logging interval
+        if value is None:
+            return
+        if not math.isfinite(value):
+            run.stop("diverged", f"non-finite training loss ({value}) at step {run.step}")
+            return
+        log.debug("step %d/%d loss %.4f", run.step, self.total_steps, value)
+
+    def _evaluate(self, run: _Run, on_evaluation: OnEvaluation | None) -> None:
+        run.train_s += self._elapsed_since(run.segment_start)
+        evaluation = Evaluation(
+            index=len(run.evaluations) + 1,
+            epoch=run.step / self.steps_per_epoch,
+            optimizer_step=run.step,
+            metrics=self.evaluate(),
+            train_loss=run.meter.history[-1] if run.meter.history else None,
+        )
+        run.evaluations.append(evaluation)
+        run.segment_start = time.perf_counter()
+        if not math.isfinite(evaluation.metrics["eval_loss"]):
+            run.stop("diverged", f"non-finite evaluation loss at step {run.step}")
+            return
+        value = evaluation.metrics[self.metric]
+        if is_better(value, run.best.metrics[self.metric] if run.best else None, self.metric):
+            run.best, run.since_best = evaluation, 0
+        else:
+            run.since_best += 1
+        stop = on_evaluation(evaluation) if on_evaluation else None
+        patience = self.cfg.early_stopping_patience
+        if stop is not None:
+            run.stop("stopped", stop)
+        elif patience is not None and run.since_best >= patience:
+            run.stop("early_stopped", f"no improvement in {self.metric} for {patience} evaluations")
 
     def _elapsed_since(self, start: float) -> float:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
 
-    def _result(
-        self,
-        status: Status,
-        reason: str | None,
-        evaluations: list[Evaluation],
-        best: Evaluation | None,
-        steps: int,
-        speed: _Throughput,
-        started: float,
-    ) -> TrainResult:
-        train_s = max(speed.train_s, 1e-9)
+    def _result(self, run: _Run, started: float) -> TrainResult:
+        train_s = max(run.train_s, 1e-9)
         return TrainResult(
-            status=status,
-            stop_reason=reason,
-            evaluations=evaluations,
-            best=best,
+            status=run.status,
+            stop_reason=run.reason,
+            evaluations=run.evaluations,
+            best=run.best,
             effective_batch_size=self.cfg.effective_batch_size,
             physical_batch_size=self.physical_batch_size,
             grad_accum_steps=self.grad_accum_steps,
-            optimizer_steps=steps,
-            samples_per_s=speed.samples / train_s,
-            tokens_per_s=speed.tokens / train_s,
+            optimizer_steps=run.step,
+            samples_per_s=run.samples / train_s,
+            tokens_per_s=run.tokens / train_s,
             peak_mem_bytes=dev.peak_memory_bytes(self.device),
             wall_s=time.perf_counter() - started,
-            train_s=speed.train_s,
+            train_s=run.train_s,
             device_name=dev.device_name(self.device),
             precision=self.precision,
             optimizer=self.optimizer_name,

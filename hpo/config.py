@@ -215,8 +215,19 @@ def _build_search_space(raw: Any, problems: list[str]) -> dict[str, ParamSpec]:
 
 def _check_search_space(config: Config, problems: list[str]) -> None:
     """Every value a parameter can take must itself be a valid training setting."""
+    hints = typing.get_type_hints(TrainingConfig)
     for name, spec in config.search_space.items():
+        if spec.type == "float" and hints[name] is int:
+            problems.append(
+                f"search_space.{name}: got type float; {name} is a whole number, "
+                "use type: int or categorical"
+            )
+            continue
         for value in spec.values_for_bounds():
+            ok, _, rule = _convert(value, hints[name], f"search_space.{name}.", [])
+            if not ok:
+                problems.append(f"search_space.{name}: value {value!r} must be {rule}")
+                break
             trial_training = dataclasses.replace(config.training, **{name: value})
             for key, _, rule in trial_training.problems():
                 if key == name:

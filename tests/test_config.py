@@ -84,9 +84,13 @@ def test_search_space_values_must_be_valid_settings(easy_data: tuple[Path, Path]
     raw = tiny_config(*easy_data)
     raw["search_space"]["effective_batch_size"] = {"type": "categorical", "choices": [32, -4]}
     raw["search_space"]["learning_rate"] = {"type": "float", "low": -1e-3, "high": 1e-3}
+    raw["search_space"]["epochs"] = {"type": "float", "low": 1, "high": 3}
+    raw["search_space"]["warmup_ratio"] = {"type": "categorical", "choices": [0.1, "lots"]}
     with pytest.raises(ConfigError) as caught:
         parse_config(raw, base_dir=Path("."))
     text = "\n".join(caught.value.problems)
+    assert "search_space.epochs: got type float; epochs is a whole number" in text
+    assert "search_space.warmup_ratio: value 'lots' must be a number" in text
     assert "search_space.effective_batch_size: value -4 must be a positive integer" in text
     assert "search_space.learning_rate: value -0.001 must be > 0" in text
 

@@ -228,7 +228,7 @@ class Trainer:
         self.grad_accum_steps = grad_accum_steps_for(
             self.cfg.effective_batch_size, self.physical_batch_size
         )
-        self.eval_batch_size = self.cfg.eval_batch_size or 2 * self.cfg.physical_batch_size
+        self.eval_batch_size = self.cfg.eval_batch_size or 2 * self.physical_batch_size
         self.steps_per_epoch = math.ceil(len(data.train) / self.cfg.effective_batch_size)
         self.total_steps = self.steps_per_epoch * self.cfg.epochs
         if self.cfg.max_steps is not None:
@@ -362,6 +362,9 @@ class Trainer:
                 if run.status != "completed" or run.step >= self.total_steps:
                     break
             epoch += 1
+        run.train_s += self._elapsed_since(
+            run.segment_start
+        )  # the stretch since the last evaluation
         return self._result(run, started)
 
     def _train_step(
@@ -401,7 +404,12 @@ class Trainer:
             train_loss=run.meter.history[-1] if run.meter.history else None,
         )
         run.evaluations.append(evaluation)
-        run.segment_start = time.perf_counter()
+        self._decide_after(run, evaluation, on_evaluation)
+        run.segment_start = time.perf_counter()  # reporting and pruning are not training time
+
+    def _decide_after(
+        self, run: _Run, evaluation: Evaluation, on_evaluation: OnEvaluation | None
+    ) -> None:
         if not math.isfinite(evaluation.metrics["eval_loss"]):
             run.stop("diverged", f"non-finite evaluation loss at step {run.step}")
             return

@@ -1,0 +1,484 @@
+"""Training samples/s of our loop (trainer.loop) against a transformers Trainer tuned for speed.
+Run: .venv/bin/python bench/trainer_throughput.py [--config configs/demo.yaml] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import transformers
+from torch.utils.hooks import RemovableHandle
+from transformers import DataCollatorWithPadding, TrainerCallback, TrainingArguments
+from transformers.trainer_callback import PrinterCallback
+
+from hpo.config import Config, load_config
+from hpo.errors import HPOError
+from trainer import device as dev
+from trainer.config import TrainingConfig, TrainJob
+from trainer.data import PreparedData, TokenizedSplit, collate, prepare_data
+from trainer.loop import Trainer, grad_accum_steps_for, make_optimizer
+from trainer.model import build_model, load_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+LEARNING_RATE = 1e-4
+# Ratios within this band of 1.0 are noise on a shared machine, not a difference.
+PARITY_BAND = 0.05
+LEGEND = (
+    "clock: from the start of training (first step included) to the end of the last optimizer "
+    "step; model build, tokenization and evaluation excluded\n"
+    "tokens/s: real (non-padding) tokens; padding %: share of computed positions that are padding"
+)
+
+
+@dataclass
+class Run:
+    """One timed training run of one engine."""
+
+    engine: str
+    optimizer_steps: int
+    samples: int
+    real_tokens: int
+    padded_tokens: int
+    train_s: float
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.train_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.real_tokens / self.train_s
+
+    @property
+    def padding_pct(self) -> float:
+        return 100.0 * (1.0 - self.real_tokens / max(1, self.padded_tokens))
+
+
+@dataclass
+class Setup:
+    """Everything both engines share: data, settings and the resolved device."""
+
+    config: Config
+    data: PreparedData
+    tokenizer: Any
+    training: TrainingConfig
+    steps: int
+    device: torch.device
+    precision: str
+    fused_adamw: bool
+    pad_multiple: int
+
+
+class BatchCounter:
+    """Counts what the model trains on, from a forward pre-hook, the same way for both engines."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.padded_tokens = 0
+        self._real_tokens: torch.Tensor | None = None
+
+    def attach(self, model: torch.nn.Module) -> RemovableHandle:
+        return model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        if not module.training:
+            return  # our loop's evaluations run in eval mode
+        input_ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
+        self.samples += int(input_ids.shape[0])
+        self.padded_tokens += int(input_ids.numel())
+        # Summed on the device: reading it here would be a host sync on every micro-batch.
+        real = mask.sum()
+        self._real_tokens = real if self._real_tokens is None else self._real_tokens + real
+
+    @property
+    def real_tokens(self) -> int:
+        return 0 if self._real_tokens is None else int(self._real_tokens.item())
+
+
+class StepClock(TrainerCallback):
+    """Times a transformers run from on_train_begin to the end of its last optimizer step."""
+
+    def __init__(self, device: torch.device, last_step: int) -> None:
+        self.device, self.last_step = device, last_step
+        self.started = self.finished = math.nan
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # queued kernels belong to the timed steps
+        return time.perf_counter()
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.started = self._now()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.last_step:
+            self.finished = self._now()
+
+
+class TokenizedExamples(torch.utils.data.Dataset):
+    """Our tokenized split as the dicts a transformers Trainer expects; built once, untimed."""
+
+    def __init__(self, split: TokenizedSplit) -> None:
+        self.examples = [_example(split, i) for i in range(len(split))]
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.examples[index]
+
+
+def _example(split: TokenizedSplit, index: int) -> dict[str, Any]:
+    start, end = int(split.offsets[index]), int(split.offsets[index + 1])
+    example: dict[str, Any] = {
+        "input_ids": split.ids[start:end].tolist(),
+        "labels": int(split.labels[index]),
+    }
+    if split.type_ids is not None:
+        example["token_type_ids"] = split.type_ids[start:end].tolist()
+    return example
+
+
+# -- shared settings -----------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(REPO / "configs" / "demo.yaml"))
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps measured")
+    parser.add_argument("--effective-batch-size", type=int, default=64)
+    parser.add_argument("--physical-batch-size", type=int, default=32)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--repeats", type=int, default=1, help="alternating runs; medians shown")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="CPU threads for torch (default: torch's own)"
+    )
+    args = parser.parse_args(argv)
+    counts = (args.steps, args.effective_batch_size, args.physical_batch_size, args.repeats)
+    if min(counts) < 1 or (args.threads is not None and args.threads < 1):
+        parser.error("--steps, --repeats, --threads and both batch sizes must be positive")
+    if args.effective_batch_size % args.physical_batch_size:
+        # transformers accumulates whole physical batches; ours would balance uneven ones.
+        parser.error("--effective-batch-size must be a multiple of --physical-batch-size")
+    return args
+
+
+def bench_training(
+    config: Config, data: PreparedData, args: argparse.Namespace, device: torch.device
+) -> TrainingConfig:
+    """The config's training settings with the benchmark's batch, steps and learning rate."""
+    steps_per_epoch = math.ceil(len(data.train) / args.effective_batch_size)
+    return dataclasses.replace(
+        config.training,
+        effective_batch_size=args.effective_batch_size,
+        physical_batch_size=args.physical_batch_size,
+        learning_rate=LEARNING_RATE,
+        max_steps=args.steps,
+        # Enough epochs that max_steps, not the config's epochs, ends the run.
+        epochs=max(1, math.ceil(args.steps / steps_per_epoch)),
+        # Fewest evaluations our loop does: each epoch's end and the last step (both untimed).
+        evals_per_epoch=1,
+        early_stopping_patience=None,
+        device=args.device,
+        num_workers=_num_workers(config.training, device),
+    )
+
+
+def _num_workers(training: TrainingConfig, device: torch.device) -> int:
+    """The same DataLoader workers for both: the config's, else trainer/loop.py's own rule."""
+    if training.num_workers is not None:
+        return training.num_workers
+    if device.type != "cuda":
+        return 0
+    per_gpu = (os.cpu_count() or 2) // max(1, torch.cuda.device_count())
+    return max(1, min(4, per_gpu - 1))
+
+
+def pad_multiple_for(device: torch.device, compiled: bool) -> int:
+    """The padding width rule of trainer/loop.py's Trainer.pad_multiple, for the HF collator."""
+    return 32 if compiled else (8 if device.type == "cuda" else 1)
+
+
+def make_setup(args: argparse.Namespace) -> Setup:
+    config = load_config(args.config)
+    device = dev.resolve_device(args.device)
+    tokenizer = load_tokenizer(config.model)
+    data = prepare_data(config.data, tokenizer)
+    training = bench_training(config, data, args, device)
+    precision = dev.resolve_precision(training.precision, device)
+    # Set once for the process, so both engines run with the same TF32 and cuDNN settings.
+    dev.configure_backends(device, training.tf32)
+    _, optimizer_name = make_optimizer(torch.nn.Linear(1, 1).to(device), training)
+    return Setup(
+        config=config,
+        data=data,
+        tokenizer=tokenizer,
+        training=training,
+        steps=args.steps,
+        device=device,
+        precision=precision,
+        fused_adamw=optimizer_name == "adamw_fused",
+        pad_multiple=pad_multiple_for(device, config.model.compile),
+    )
+
+
+def warm_up(setup: Setup) -> int:
+    """One untimed forward/backward, so neither engine pays the process's one-time start-up;
+    returns the model's parameter count."""
+    model = build_model(setup.config.model, setup.data.label_names, setup.training.seed)
+    model.to(setup.device).train()
+    rows = np.arange(min(setup.training.physical_batch_size, len(setup.data.train)))
+    batch = collate(setup.data.train, rows, setup.data.pad_token_id)
+    batch = {k: v.to(setup.device) for k, v in batch.items()}
+    labels = batch.pop("labels")
+    with dev.autocast(setup.device, setup.precision):
+        logits = model(**batch).logits
+    F.cross_entropy(logits.float(), labels).backward()
+    return sum(p.numel() for p in model.parameters())
+
+
+# -- the two engines -----------------------------------------------------------------------------
+
+
+def run_ours(setup: Setup) -> Run:
+    job = TrainJob(data=setup.config.data, model=setup.config.model, training=setup.training)
+    trainer = Trainer(job, setup.data, setup.config.study.metric)
+    if trainer.pad_multiple != setup.pad_multiple:
+        raise RuntimeError(
+            f"trainer.loop pads to multiples of {trainer.pad_multiple}, the benchmark's HF "
+            f"collator to {setup.pad_multiple}; update pad_multiple_for in this file"
+        )
+    counter = BatchCounter()
+    handle = counter.attach(trainer.model)
+    result = trainer.fit()  # train_s stops before each evaluation and restarts after it
+    handle.remove()
+    if result.status != "completed" or result.optimizer_steps != setup.steps:
+        raise RuntimeError(
+            f"our loop ended {result.status} after {result.optimizer_steps} steps: "
+            f"{result.stop_reason}"
+        )
+    _check_own_count(result.samples_per_s * result.train_s, counter.samples, "samples")
+    _check_own_count(result.tokens_per_s * result.train_s, counter.real_tokens, "tokens")
+    return Run(
+        "ours",
+        result.optimizer_steps,
+        counter.samples,
+        counter.real_tokens,
+        counter.padded_tokens,
+        result.train_s,
+    )
+
+
+def _check_own_count(reported: float, counted: int, what: str) -> None:
+    """Our TrainResult derives its rates from its own counts; they must match what ran."""
+    if round(reported) != counted:
+        print(
+            f"warning: our TrainResult implies {round(reported)} {what}, the model saw {counted}",
+            file=sys.stderr,
+        )
+
+
+def hf_arguments(setup: Setup, output_dir: str) -> TrainingArguments:
+    """transformers' fastest settings for the same batch, schedule, precision and data loading."""
+    cfg, on_cuda = setup.training, setup.device.type == "cuda"
+    workers = cfg.num_workers or 0
+    return TrainingArguments(
+        output_dir=output_dir,
+        per_device_train_batch_size=cfg.physical_batch_size,
+        gradient_accumulation_steps=grad_accum_steps_for(
+            cfg.effective_batch_size, cfg.physical_batch_size
+        ),
+        max_steps=setup.steps,
+        learning_rate=cfg.learning_rate,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
+        adam_epsilon=cfg.adam_epsilon,
+        lr_scheduler_type="linear",
+        warmup_steps=cfg.warmup_ratio,  # a float below 1 is a ratio of the steps
+        max_grad_norm=cfg.max_grad_norm or 0.0,
+        label_smoothing_factor=cfg.label_smoothing,
+        optim="adamw_torch_fused" if setup.fused_adamw else "adamw_torch",
+        train_sampling_strategy="group_by_length",
+        bf16=setup.precision == "bf16",
+        fp16=setup.precision == "fp16",
+        tf32=cfg.tf32 if _has_tf32(setup.device) else None,  # it refuses True without Ampere
+        use_cpu=not on_cuda,
+        torch_compile=setup.config.model.compile,
+        dataloader_pin_memory=on_cuda,
+        dataloader_num_workers=workers,
+        dataloader_prefetch_factor=4 if workers else None,
+        dataloader_persistent_workers=workers > 0,
+        remove_unused_columns=False,  # our examples hold only model inputs
+        logging_nan_inf_filter=False,  # its isnan check is a host sync on every micro-batch
+        eval_strategy="no",
+        save_strategy="no",
+        logging_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=cfg.seed,
+    )
+
+
+def _has_tf32(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def run_theirs(setup: Setup, examples: TokenizedExamples) -> Run:
+    steps = setup.steps
+    model = build_model(setup.config.model, setup.data.label_names, setup.training.seed)
+    counter, clock = BatchCounter(), StepClock(setup.device, steps)
+    handle = counter.attach(model)
+    collator = DataCollatorWithPadding(
+        setup.tokenizer, pad_to_multiple_of=setup.pad_multiple if setup.pad_multiple > 1 else None
+    )
+    with tempfile.TemporaryDirectory(prefix="hf-bench-") as output_dir:
+        hf = transformers.Trainer(
+            model=model,
+            args=hf_arguments(setup, output_dir),
+            train_dataset=examples,
+            data_collator=collator,
+            processing_class=setup.tokenizer,
+            callbacks=[clock],
+        )
+        hf.remove_callback(PrinterCallback)  # it prints the final metrics dict to stdout
+        output = hf.train()
+    handle.remove()
+    if output.global_step != steps or math.isnan(clock.finished):
+        raise RuntimeError(f"transformers stopped after {output.global_step} of {steps} steps")
+    train_s = clock.finished - clock.started
+    return Run(
+        "transformers", steps, counter.samples, counter.real_tokens, counter.padded_tokens, train_s
+    )
+
+
+# -- report --------------------------------------------------------------------------------------
+
+
+def median_run(runs: list[Run]) -> Run:
+    """Per-column medians over repeats (each column on its own)."""
+    return Run(
+        runs[0].engine,
+        runs[0].optimizer_steps,
+        round(statistics.median(r.samples for r in runs)),
+        round(statistics.median(r.real_tokens for r in runs)),
+        round(statistics.median(r.padded_tokens for r in runs)),
+        statistics.median(r.train_s for r in runs),
+    )
+
+
+def verdict(ratio: float) -> str:
+    if abs(ratio - 1.0) <= PARITY_BAND:
+        return f"on par: within {PARITY_BAND:.0%} of transformers' Trainer"
+    if ratio > 1.0:
+        return f"ours is {ratio - 1.0:.0%} faster than transformers' Trainer"
+    return f"ours is {1.0 - ratio:.0%} slower than transformers' Trainer; worth investigating"
+
+
+def busy_cpus() -> float:
+    """The 1-minute load average: above the core count, other processes share our cores."""
+    return os.getloadavg()[0]
+
+
+def describe_model(setup: Setup, parameters: int) -> str:
+    model = setup.config.model
+    origin = model.name_or_path or f"inline {(model.config or {}).get('model_type')} config"
+    weights = "pretrained" if model.name_or_path else "random init"
+    return f"{origin} ({weights}, {parameters / 1e6:.1f}M parameters)"
+
+
+def report(
+    setup: Setup, args: argparse.Namespace, runs: dict[str, list[Run]], parameters: int, load: float
+) -> None:
+    cfg, ours, theirs = setup.training, runs["ours"], runs["theirs"]
+    accum = grad_accum_steps_for(cfg.effective_batch_size, cfg.physical_batch_size)
+    print(f"config: {args.config}")
+    print(f"model: {describe_model(setup, parameters)}")
+    print(
+        f"device: {dev.device_name(setup.device)}, precision {setup.precision}, "
+        f"torch {torch.__version__}, transformers {transformers.__version__}"
+    )
+    print(
+        f"batch: effective {cfg.effective_batch_size} = {cfg.physical_batch_size} x {accum} "
+        f"micro-batches, dynamic padding, lr {cfg.learning_rate:g}, "
+        f"{'fused' if setup.fused_adamw else 'foreach'} AdamW, "
+        f"{cfg.num_workers} loader workers, {len(ours)} repeat(s), medians"
+    )
+    print(LEGEND)
+    print()
+    header = f"{'engine':<13}{'steps':>6}{'samples':>9}{'samples/s':>11}{'tokens/s':>11}"
+    print(header + f"{'padding %':>11}{'wall s':>9}")
+    for engine_runs in (ours, theirs):
+        run = median_run(engine_runs)
+        print(
+            f"{run.engine:<13}{run.optimizer_steps:>6}{run.samples:>9}{run.samples_per_s:>11.1f}"
+            f"{run.tokens_per_s:>11.0f}{run.padding_pct:>11.1f}{run.train_s:>9.2f}"
+        )
+    if len(ours) > 1:
+        for engine_runs in (ours, theirs):
+            rates = ", ".join(f"{r.samples_per_s:.1f}" for r in engine_runs)
+            print(f"  {engine_runs[0].engine} samples/s per repeat: {rates}")
+    ours_rate = statistics.median(r.samples_per_s for r in ours)
+    ratio = ours_rate / statistics.median(r.samples_per_s for r in theirs)
+    print()
+    print(f"ratio ours/theirs (samples/s): {ratio:.2f}")
+    print(f"verdict: {verdict(ratio)}")
+    cores = os.cpu_count() or 1
+    if setup.device.type == "cpu" and load > cores:
+        # Spinning OpenMP threads that lose their core stall every op; one thread does not spin.
+        hint = "--repeats 5" if args.threads == 1 else "--threads 1 --repeats 5"
+        print(
+            f"note: load average {load:.1f} on {cores} cores: other processes share the CPU, so "
+            f"these numbers are noisy; try {hint}"
+        )
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()  # "Loading weights" bars, once per model build
+    try:
+        setup = make_setup(args)
+    except HPOError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    examples = TokenizedExamples(setup.data.train)
+    parameters = warm_up(setup)
+    load = busy_cpus()
+    runs: dict[str, list[Run]] = {"ours": [], "theirs": []}
+    for repeat in range(args.repeats):
+        # Alternate who goes first, so drift in machine speed hits both engines alike.
+        order = ("ours", "theirs") if repeat % 2 == 0 else ("theirs", "ours")
+        for engine in order:
+            free_memory(setup.device)
+            run = run_ours(setup) if engine == "ours" else run_theirs(setup, examples)
+            runs[engine].append(run)
+    report(setup, args, runs, parameters, max(load, busy_cpus()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

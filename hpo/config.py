@@ -35,8 +35,11 @@ class SamplerConfig:
         "tpe (constant liar, for parallel workers) or random.", "tpe"
     )
     seed: int | None = _doc("Sampler seed, for a reproducible sequence of trials.")
+    n_startup_trials: int = _doc("tpe: random trials before the model of good regions is used.", 10)
 
     def problems(self) -> list[tuple[str, Any, str]]:
+        if self.n_startup_trials < 0:
+            return [("n_startup_trials", self.n_startup_trials, "must be >= 0")]
         return []
 
 

@@ -23,7 +23,9 @@ def build_sampler(cfg: SamplerConfig) -> optuna.samplers.BaseSampler:
     if cfg.type == "random":
         return optuna.samplers.RandomSampler(seed=cfg.seed)
     # Constant liar keeps parallel workers from proposing the same configuration in a row.
-    return optuna.samplers.TPESampler(seed=cfg.seed, constant_liar=True)
+    return optuna.samplers.TPESampler(
+        seed=cfg.seed, constant_liar=True, n_startup_trials=cfg.n_startup_trials
+    )
 
 
 def build_pruner(cfg: PrunerConfig) -> optuna.pruners.BasePruner:

@@ -1,0 +1,774 @@
+"""Generate the synthetic demo (sentiment) and NLI datasets as CSV files under data/.
+Deterministic: fixed seeds and stdlib ``random`` only; run ``python data/generate.py``."""
+
+from __future__ import annotations
+
+import csv
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+DATA_DIR = Path(__file__).resolve().parent
+
+SENTIMENT_SEED = 20240501
+NLI_SEED = 20240502
+SENTIMENT_TRAIN_PER_LABEL = 1200
+SENTIMENT_EVAL_PER_LABEL = 240
+NLI_TRAIN_PREMISES = 1000
+NLI_EVAL_PREMISES = 200
+MIN_WORDS = 6
+MAX_WORDS = 30
+
+# --------------------------------------------------------------------------------------------
+# Sentiment ("demo") dataset
+# --------------------------------------------------------------------------------------------
+
+SUBJECTS: tuple[str, ...] = (
+    "the pasta",
+    "this hotel",
+    "the service",
+    "our guide",
+    "the room",
+    "the breakfast",
+    "this phone",
+    "the battery life",
+    "the movie",
+    "the ending",
+    "the soundtrack",
+    "the coffee",
+    "the checkout process",
+    "the delivery",
+    "our waiter",
+    "this laptop",
+    "the concert",
+    "the tour",
+    "the museum",
+    "our driver",
+    "the pizza",
+    "the camera",
+    "the app",
+    "the customer support",
+    "the view",
+    "the bed",
+    "this book",
+    "the game",
+    "the spa",
+    "the wine",
+    "the dessert",
+    "the staff",
+    "the flight",
+    "the rental car",
+    "this blender",
+    "the course",
+    "the teacher",
+    "the playlist",
+    "the hike",
+    "the menu",
+)
+
+# Relative clauses inserted after the subject; they contain commas, so CSV quoting is exercised.
+SUBJECT_CLAUSES: tuple[str, ...] = (
+    "recommended by my sister",
+    "praised in every online review",
+    "chosen almost at random",
+    "suggested by a colleague",
+    "new to all of us",
+    "talked about by everyone",
+    "the reason we came",
+    "a last-minute choice",
+)
+
+POSITIVE_ADJECTIVES: tuple[str, ...] = (
+    "great",
+    "excellent",
+    "wonderful",
+    "fantastic",
+    "lovely",
+    "good",
+    "brilliant",
+)
+NEGATIVE_ADJECTIVES: tuple[str, ...] = (
+    "terrible",
+    "awful",
+    "disappointing",
+    "bad",
+    "horrible",
+    "poor",
+    "boring",
+)
+INTENSIFIERS: tuple[str, ...] = (
+    "really",
+    "truly",
+    "very",
+    "absolutely",
+    "quite",
+    "extremely",
+    "incredibly",
+    "so",
+    "pretty",
+)
+
+# "I <verb> <subject>" and the matching negated auxiliary form.
+POSITIVE_VERBS: tuple[tuple[str, str], ...] = (
+    ("loved", "love"),
+    ("enjoyed", "enjoy"),
+    ("liked", "like"),
+)
+NEGATIVE_VERBS: tuple[tuple[str, str], ...] = (
+    ("hated", "hate"),
+    ("disliked", "dislike"),
+    ("regretted", "regret"),
+)
+# "<subject> <verb phrase>" with past-tense and bare forms.
+POSITIVE_SUBJECT_VERBS: tuple[tuple[str, str], ...] = (
+    ("impressed us", "impress us"),
+    ("exceeded our expectations", "exceed our expectations"),
+    ("won us over", "win us over"),
+)
+NEGATIVE_SUBJECT_VERBS: tuple[tuple[str, str], ...] = (
+    ("disappointed us", "disappoint us"),
+    ("let us down", "let us down"),
+    ("annoyed everyone", "annoy anyone"),
+)
+
+OPENERS: tuple[str, ...] = (
+    "Honestly,",
+    "Overall,",
+    "To be fair,",
+    "I have to say",
+    "After two visits,",
+    "Last weekend",
+    "On our trip to Lisbon,",
+    "For the price,",
+    "In my opinion,",
+    "This time",
+    "As expected,",
+    "To my surprise,",
+    "Just like last year,",
+    "Once again",
+    "Speaking as a regular,",
+)
+FILLERS: tuple[str, ...] = (
+    "when we visited in March",
+    "on a rainy Tuesday evening",
+    "during our second week there",
+    "after a long day of travelling",
+    "while my parents were in town",
+    "on the first night",
+    "at the start of the holidays",
+    "around lunchtime",
+    "the day after we arrived",
+    "when I tried it for the second time",
+)
+POSITIVE_VERDICTS: tuple[str, ...] = (
+    "and we will definitely come back",
+    "so I would happily go again",
+    "and it was worth every penny",
+    "and I would not change a thing",
+    "so I told all my friends",
+    "and we left with big smiles",
+)
+NEGATIVE_VERDICTS: tuple[str, ...] = (
+    "and we will not be back",
+    "so I asked for a refund",
+    "and it was a waste of money",
+    "and I want my money back",
+    "so I warned all my friends",
+    "and we left early",
+)
+NEUTRAL_SENTENCES: tuple[str, ...] = (
+    "We went there with two friends.",
+    "It was my first time.",
+    "We paid by card.",
+    "My brother picked it.",
+    "We stayed for about an hour.",
+    "The weather was cloudy.",
+)
+
+
+def _adjective_phrase(rng: random.Random, positive: bool, negated: bool) -> str:
+    """Return e.g. 'was really great' or 'was not that bad'."""
+    adjective = rng.choice(POSITIVE_ADJECTIVES if positive else NEGATIVE_ADJECTIVES)
+    if not negated:
+        if rng.random() < 0.5:
+            return f"was {rng.choice(INTENSIFIERS)} {adjective}"
+        return f"{rng.choice(('was', 'is', 'turned out to be', 'felt'))} {adjective}"
+    form = rng.randrange(6)
+    if form == 0:
+        return f"was not {adjective}"
+    if form == 1:
+        return f"wasn't {adjective}"
+    if form == 2:
+        return f"was never {adjective}"
+    if form == 3:
+        return f"was not {rng.choice(('very', 'that', 'particularly', 'really'))} {adjective}"
+    if form == 4:
+        return f"was not {adjective} at all"
+    return f"is not {adjective}"
+
+
+def _sentiment_core(rng: random.Random, subject: str, positive: bool, negated: bool) -> str:
+    """Return an opinion clause whose literal polarity is `positive`, optionally negated."""
+    kind = rng.random()
+    if kind < 0.55:
+        return f"{subject} {_adjective_phrase(rng, positive, negated)}"
+    if kind < 0.8:
+        past, bare = rng.choice(POSITIVE_VERBS if positive else NEGATIVE_VERBS)
+        who = rng.choice(("I", "we", "my wife", "my kids", "my friends"))
+        if not negated:
+            return f"{who} {rng.choice(('', 'really ', 'truly ', ''))}{past} {subject}"
+        aux = rng.choice(("did not", "didn't", "never"))
+        verb = past if aux == "never" else bare
+        return f"{who} {aux} {verb} {subject}"
+    past, bare = rng.choice(POSITIVE_SUBJECT_VERBS if positive else NEGATIVE_SUBJECT_VERBS)
+    if not negated:
+        return f"{subject} {rng.choice(('', 'really ', 'completely ', ''))}{past}"
+    aux = rng.choice(("did not", "didn't", "never"))
+    verb = past if aux == "never" else bare
+    return f"{subject} {aux} {verb}"
+
+
+def _sentiment_text(rng: random.Random, label_positive: bool) -> str:
+    """Build one review sentence whose overall sentiment is `label_positive`."""
+    negated = rng.random() < 0.3
+    literal_positive = label_positive != negated
+    subject = rng.choice(SUBJECTS)
+    if rng.random() < 0.15:
+        subject = f"{subject}, {rng.choice(SUBJECT_CLAUSES)},"
+    core = _sentiment_core(rng, subject, literal_positive, negated)
+    parts: list[str] = []
+    if rng.random() < 0.35:
+        parts.append(rng.choice(OPENERS))
+    parts.append(core)
+    if rng.random() < 0.25:
+        parts.append(rng.choice(FILLERS))
+    if rng.random() < 0.4:
+        verdicts = POSITIVE_VERDICTS if label_positive else NEGATIVE_VERDICTS
+        parts[-1] += ","
+        parts.append(rng.choice(verdicts))
+    sentence = " ".join(parts).replace(",,", ",").rstrip(",")
+    sentence = sentence[0].upper() + sentence[1:] + rng.choice((".", ".", ".", "!"))
+    if rng.random() < 0.15:
+        extra = rng.choice(NEUTRAL_SENTENCES)
+        sentence = f"{extra} {sentence}" if rng.random() < 0.5 else f"{sentence} {extra}"
+    return sentence
+
+
+def _unique_texts(
+    rng: random.Random, label_positive: bool, count: int, seen: set[str]
+) -> list[str]:
+    """Draw `count` texts of one label that are not in `seen` (which is updated)."""
+    texts: list[str] = []
+    while len(texts) < count:
+        text = _sentiment_text(rng, label_positive)
+        if text in seen or not MIN_WORDS <= len(text.split()) <= MAX_WORDS:
+            continue
+        seen.add(text)
+        texts.append(text)
+    return texts
+
+
+def build_sentiment(seed: int = SENTIMENT_SEED) -> tuple[list[list[str]], list[list[str]]]:
+    """Return (train, eval) rows of [text, label], balanced and without shared texts."""
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    train: list[list[str]] = []
+    evaluation: list[list[str]] = []
+    per_label = SENTIMENT_TRAIN_PER_LABEL + SENTIMENT_EVAL_PER_LABEL
+    for label in ("positive", "negative"):
+        texts = _unique_texts(rng, label == "positive", per_label, seen)
+        train.extend([text, label] for text in texts[:SENTIMENT_TRAIN_PER_LABEL])
+        evaluation.extend([text, label] for text in texts[SENTIMENT_TRAIN_PER_LABEL:])
+    rng.shuffle(train)
+    rng.shuffle(evaluation)
+    return train, evaluation
+
+
+# --------------------------------------------------------------------------------------------
+# NLI dataset
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Person:
+    noun: str
+    generic: str
+    pronoun: str
+    possessive: str
+
+
+@dataclass(frozen=True)
+class Activity:
+    phrase: str
+    generalisations: tuple[str, ...]
+    conflicts: tuple[str, ...]
+    role: str
+    details: tuple[str, ...]
+    places: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Place:
+    key: str
+    phrase: str
+    outdoor: bool
+
+
+PEOPLE: tuple[Person, ...] = (
+    Person("woman", "person", "She", "her"),
+    Person("man", "person", "He", "his"),
+    Person("young woman", "woman", "She", "her"),
+    Person("young man", "man", "He", "his"),
+    Person("old woman", "woman", "She", "her"),
+    Person("old man", "man", "He", "his"),
+    Person("girl", "child", "She", "her"),
+    Person("boy", "child", "He", "his"),
+    Person("teenage girl", "girl", "She", "her"),
+    Person("teenage boy", "boy", "He", "his"),
+    Person("bearded man", "man", "He", "his"),
+    Person("tall woman", "woman", "She", "her"),
+)
+
+COLOURS: tuple[str, ...] = (
+    "red",
+    "blue",
+    "green",
+    "yellow",
+    "black",
+    "white",
+    "orange",
+    "purple",
+    "grey",
+    "brown",
+)
+GARMENTS: tuple[str, ...] = (
+    "coat",
+    "hat",
+    "jacket",
+    "scarf",
+    "sweater",
+    "shirt",
+    "t-shirt",
+    "hoodie",
+    "cap",
+    "raincoat",
+)
+GARMENT_PREPOSITIONS: tuple[str, ...] = ("in", "wearing", "with")
+
+PLACES: tuple[Place, ...] = (
+    Place("park", "in the park", True),
+    Place("beach", "on the beach", True),
+    Place("street", "on a busy street", True),
+    Place("garden", "in a garden", True),
+    Place("forest", "in a forest", True),
+    Place("market", "at an outdoor market", True),
+    Place("lake", "by a lake", True),
+    Place("square", "in the town square", True),
+    Place("kitchen", "in a kitchen", False),
+    Place("library", "in a library", False),
+    Place("cafe", "in a cafe", False),
+    Place("classroom", "in a classroom", False),
+    Place("office", "in an office", False),
+    Place("pool", "at an indoor pool", False),
+    Place("living room", "in a living room", False),
+    Place("garage", "in a garage", False),
+    Place("studio", "in a studio", False),
+)
+PLACE_BY_KEY: dict[str, Place] = {place.key: place for place in PLACES}
+
+ANYWHERE = ("park", "beach", "garden", "square", "cafe", "living room", "studio", "library")
+
+ACTIVITIES: tuple[Activity, ...] = (
+    Activity(
+        "playing the guitar",
+        ("making music", "playing an instrument", "playing music"),
+        ("sleeping", "swimming", "driving a bus"),
+        "famous musician",
+        ("playing for tips", "practising for a concert", "playing a song {pos} wrote"),
+        ("park", "beach", "street", "square", "cafe", "living room", "studio"),
+    ),
+    Activity(
+        "reading a book",
+        ("reading", "holding a book", "looking at a book"),
+        ("running a race", "sleeping", "swimming in the sea"),
+        "literature student",
+        ("reading a mystery novel", "studying for an exam", "reading {pos} favourite novel"),
+        ("park", "beach", "garden", "library", "cafe", "living room", "lake"),
+    ),
+    Activity(
+        "riding a bicycle",
+        ("riding a bike", "cycling", "on a bike"),
+        ("sitting on a sofa", "sleeping", "swimming"),
+        "professional cyclist",
+        ("riding to work", "late for work", "riding home from school"),
+        ("park", "street", "square", "forest", "lake"),
+    ),
+    Activity(
+        "eating a sandwich",
+        ("eating", "eating some food", "having a snack"),
+        ("swimming underwater", "sleeping", "playing the trumpet"),
+        "professional food critic",
+        ("very hungry", "eating {pos} lunch", "eating a cheese sandwich"),
+        ("park", "beach", "street", "garden", "cafe", "office", "kitchen", "square"),
+    ),
+    Activity(
+        "painting a picture",
+        ("making art", "painting", "holding a brush"),
+        ("riding a horse", "sleeping", "swimming"),
+        "famous painter",
+        (
+            "painting a portrait of {pos} mother",
+            "painting for an exhibition",
+            "selling {pos} paintings",
+        ),
+        ("park", "beach", "garden", "studio", "classroom", "lake"),
+    ),
+    Activity(
+        "walking a dog",
+        ("walking an animal", "out with a pet", "walking"),
+        ("sitting on a couch", "sleeping", "driving a car"),
+        "professional dog walker",
+        ("walking {pos} neighbour's dog", "looking for a lost ball", "heading home"),
+        ("park", "beach", "street", "forest", "lake", "square"),
+    ),
+    Activity(
+        "jogging",
+        ("running", "exercising", "moving quickly"),
+        ("sitting still", "sleeping", "lying in bed"),
+        "marathon runner",
+        ("training for a marathon", "trying to lose weight", "running late"),
+        ("park", "beach", "street", "forest", "lake"),
+    ),
+    Activity(
+        "cooking soup",
+        ("cooking", "making food", "preparing a meal"),
+        ("sleeping", "swimming", "riding a bicycle"),
+        "professional chef",
+        ("cooking for {pos} family", "following a recipe", "making soup for a party"),
+        ("kitchen",),
+    ),
+    Activity(
+        "taking a photo",
+        ("using a camera", "taking a picture", "photographing something"),
+        ("sleeping", "swimming underwater", "washing dishes"),
+        "professional photographer",
+        ("taking a photo of a bird", "on a photography course", "taking photos for a magazine"),
+        ("park", "beach", "street", "garden", "forest", "market", "square", "lake"),
+    ),
+    Activity(
+        "playing soccer",
+        ("playing a sport", "playing with a ball", "kicking a ball"),
+        ("sleeping", "sitting at a desk", "reading in bed"),
+        "professional athlete",
+        ("playing in a tournament", "playing with {pos} cousins", "trying out for a team"),
+        ("park", "beach", "street", "square"),
+    ),
+    Activity(
+        "typing on a laptop",
+        ("using a computer", "typing", "working on a laptop"),
+        ("swimming", "sleeping", "riding a horse"),
+        "software engineer",
+        ("writing an email", "finishing a report", "writing a novel"),
+        ("library", "cafe", "office", "classroom", "living room"),
+    ),
+    Activity(
+        "singing a song",
+        ("singing", "making music", "using {pos} voice"),
+        ("sleeping", "swimming underwater", "eating soup"),
+        "famous singer",
+        ("singing for a talent show", "singing a song {pos} wrote", "singing for tips"),
+        ("park", "street", "square", "studio", "living room", "beach"),
+    ),
+    Activity(
+        "swimming",
+        ("in the water", "swimming", "getting wet"),
+        ("riding a bicycle", "sleeping in bed", "reading a newspaper"),
+        "olympic swimmer",
+        ("training for a race", "swimming laps", "learning to swim"),
+        ("lake", "beach", "pool"),
+    ),
+    Activity(
+        "climbing a tree",
+        ("climbing", "climbing something", "in a tree"),
+        ("sitting on a bench", "sleeping", "swimming"),
+        "professional climber",
+        ("trying to rescue a cat", "climbing to pick apples", "showing off to friends"),
+        ("park", "garden", "forest"),
+    ),
+    Activity(
+        "selling vegetables",
+        ("selling food", "working", "selling something"),
+        ("sleeping", "swimming", "flying a plane"),
+        "farmer",
+        ("selling vegetables from {pos} farm", "about to close the stall", "selling carrots"),
+        ("market", "street", "square"),
+    ),
+    Activity(
+        "drinking coffee",
+        ("drinking", "having a drink", "holding a cup"),
+        ("sleeping", "swimming", "playing the trumpet"),
+        "barista",
+        ("waiting for a friend", "drinking {pos} third coffee", "taking a break from work"),
+        ("cafe", "office", "kitchen", "park", "square", "living room"),
+    ),
+    Activity(
+        "dancing",
+        ("dancing", "moving around", "moving"),
+        ("sitting still", "sleeping", "lying on a sofa"),
+        "professional dancer",
+        ("practising for a show", "dancing at a wedding", "dancing to {pos} favourite song"),
+        ("park", "beach", "square", "studio", "living room", "street"),
+    ),
+    Activity(
+        "fixing a car",
+        ("repairing a vehicle", "working on a car", "fixing something"),
+        ("sleeping", "swimming", "playing the piano"),
+        "mechanic",
+        ("fixing {pos} own car", "changing a tyre", "repairing the engine"),
+        ("garage", "street"),
+    ),
+    Activity(
+        "writing a letter",
+        ("writing", "holding a pen", "writing something"),
+        ("swimming", "sleeping", "riding a bicycle"),
+        "famous author",
+        ("writing to an old friend", "writing a love letter", "writing to {pos} grandmother"),
+        ("cafe", "library", "office", "classroom", "living room", "park", "garden"),
+    ),
+    Activity(
+        "feeding pigeons",
+        ("feeding birds", "feeding animals", "near some birds"),
+        ("sleeping", "swimming", "driving a truck"),
+        "bird expert",
+        ("feeding the pigeons with bread", "retired", "there every morning"),
+        ("park", "square", "street"),
+    ),
+    Activity(
+        "watering plants",
+        ("gardening", "watering something", "taking care of plants"),
+        ("sleeping", "swimming", "driving a car"),
+        "professional gardener",
+        ("watering {pos} tomatoes", "growing vegetables", "looking after a neighbour's garden"),
+        ("garden", "living room", "office"),
+    ),
+    Activity(
+        "teaching a class",
+        ("teaching", "talking to students", "working"),
+        ("sleeping", "swimming", "riding a horse"),
+        "maths teacher",
+        ("teaching history", "giving an exam", "teaching {pos} last class of the day"),
+        ("classroom", "library", "park", "studio"),
+    ),
+)
+
+EMOTIONS: tuple[str, ...] = (
+    "happy",
+    "tired",
+    "bored",
+    "nervous",
+    "in a hurry",
+    "excited",
+    "sad",
+    "proud",
+)
+RELATIVES: tuple[str, ...] = (
+    "brother",
+    "sister",
+    "best friend",
+    "grandmother",
+    "cousin",
+    "father",
+    "mother",
+    "neighbour",
+)
+HABITS: tuple[str, ...] = (
+    "every weekend",
+    "for the first time",
+    "before work",
+    "to relax",
+    "every morning",
+    "after school",
+    "to pass the time",
+)
+COMPANIONS: tuple[str, ...] = ("old", "new", "close", "school")
+AGES: tuple[str, ...] = ("nineteen", "twenty-five", "thirty", "forty", "fifty-two", "seventy")
+
+
+def _premise(rng: random.Random) -> tuple[str, Person, str, str, Activity, Place]:
+    """Return (premise, person, colour, garment, activity, place)."""
+    person = rng.choice(PEOPLE)
+    colour = rng.choice(COLOURS)
+    garment = rng.choice(GARMENTS)
+    activity = rng.choice(ACTIVITIES)
+    place = PLACE_BY_KEY[rng.choice(activity.places)]
+    preposition = rng.choice(GARMENT_PREPOSITIONS)
+    premise = (
+        f"{_article(person.noun).capitalize()} {person.noun} {preposition} {_article(colour)} "
+        f"{colour} {garment} is {activity.phrase} {place.phrase}."
+    )
+    return premise, person, colour, garment, activity, place
+
+
+def _article(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
+
+
+def _fill(template: str, person: Person) -> str:
+    return template.replace("{pos}", person.possessive)
+
+
+def _entailment(
+    rng: random.Random,
+    person: Person,
+    colour: str,
+    garment: str,
+    activity: Activity,
+    place: Place,
+) -> str:
+    general = _fill(rng.choice(activity.generalisations), person)
+    where = "outside" if place.outdoor else "inside"
+    someone = rng.choice((f"A {person.generic}", "Someone", "A person", f"The {person.noun}"))
+    form = rng.randrange(9)
+    if form == 0:
+        return f"{someone} is {general}."
+    if form == 1:
+        return f"{someone} is {general} {where}."
+    if form == 2:
+        return (
+            f"{someone} is {rng.choice(('outdoors', 'outside'))}."
+            if place.outdoor
+            else (f"{someone} is {rng.choice(('indoors', 'inside a building'))}.")
+        )
+    if form == 3:
+        worn = rng.choice((garment, f"{colour} {garment}"))
+        return f"{someone} is wearing {_article(worn)} {worn}."
+    if form == 4:
+        return f"There is a {person.generic} {place.phrase}."
+    if form == 5:
+        return f"{someone} wearing {colour} is {general}."
+    if form == 6:
+        return f"{someone} {place.phrase} is {general}."
+    if form == 7:
+        return f"The {person.noun} is {place.phrase}."
+    return f"The {person.noun} is {activity.phrase}."
+
+
+def _contradiction(
+    rng: random.Random,
+    person: Person,
+    colour: str,
+    garment: str,
+    activity: Activity,
+    place: Place,
+) -> str:
+    general = _fill(rng.choice(activity.generalisations), person)
+    the = f"The {person.noun}"
+    others = [p for p in PLACES if p.outdoor != place.outdoor]
+    form = rng.randrange(8)
+    if form == 0:
+        return f"{the} is {rng.choice(activity.conflicts)}."
+    if form == 1:
+        return f"{rng.choice(('Nobody', 'No one'))} is {general}."
+    if form == 2:
+        return f"{the} is sleeping {rng.choice(('at home', 'in bed at home'))}."
+    if form == 3:
+        if place.outdoor:
+            return f"{the} is {rng.choice(('indoors', 'inside a building'))}."
+        return f"{the} is {rng.choice(('outdoors', 'outside'))}."
+    if form == 4:
+        return f"{the} is {activity.phrase} {rng.choice(others).phrase}."
+    if form == 5:
+        return f"{rng.choice(('Nobody', 'No one'))} is {place.phrase}."
+    if form == 6:
+        return f"{the} is {rng.choice(others).phrase}."
+    return f"{the} is not wearing {_article(garment)} {garment}."
+
+
+def _neutral(
+    rng: random.Random,
+    person: Person,
+    colour: str,
+    garment: str,
+    activity: Activity,
+    place: Place,
+) -> str:
+    the = f"The {person.noun}"
+    form = rng.randrange(10)
+    if form == 0:
+        return f"{the} is a {activity.role}."
+    if form == 1:
+        return f"{person.pronoun} is waiting for a friend."
+    if form == 2:
+        return f"{person.pronoun} is {_fill(rng.choice(activity.details), person)}."
+    if form == 3:
+        return f"{the} is {rng.choice(EMOTIONS)}."
+    if form == 4:
+        return f"{the} is {activity.phrase} with {person.possessive} {rng.choice(RELATIVES)}."
+    if form == 5:
+        return f"{the} is {rng.choice(AGES)} years old."
+    if form == 6:
+        return (
+            f"{person.possessive.capitalize()} {garment} was a gift from {person.possessive} "
+            f"{rng.choice(RELATIVES)}."
+        )
+    if form == 7:
+        return f"{the} is {activity.phrase} {place.phrase} {rng.choice(HABITS)}."
+    if form == 8:
+        companion = rng.choice(COMPANIONS)
+        return f"{the} is {place.phrase} with {_article(companion)} {companion} friend."
+    return f"{the} is {rng.choice(('on vacation', 'new in town', 'skipping work'))}."
+
+
+def build_nli(seed: int = NLI_SEED) -> tuple[list[list[str]], list[list[str]]]:
+    """Return (train, eval) rows of [premise, hypothesis, label]; splits share no premise."""
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    splits: list[list[list[str]]] = []
+    for n_premises in (NLI_TRAIN_PREMISES, NLI_EVAL_PREMISES):
+        rows: list[list[str]] = []
+        while len(rows) < 3 * n_premises:
+            premise, *facts = _premise(rng)
+            if premise in seen:
+                continue
+            seen.add(premise)
+            rows.append([premise, _entailment(rng, *facts), "entailment"])
+            rows.append([premise, _neutral(rng, *facts), "neutral"])
+            rows.append([premise, _contradiction(rng, *facts), "contradiction"])
+        rng.shuffle(rows)
+        splits.append(rows)
+    return splits[0], splits[1]
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------
+
+
+def write_csv(path: Path, header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """Write `rows` under `header` to `path` as UTF-8 CSV with LF line endings."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8", newline="") as handle:
+        writer = csv.writer(handle, lineterminator="\n")
+        writer.writerow(header)
+        writer.writerows(rows)
+
+
+def main() -> None:
+    sentiment_train, sentiment_eval = build_sentiment()
+    write_csv(DATA_DIR / "demo" / "train.csv", ("text", "label"), sentiment_train)
+    write_csv(DATA_DIR / "demo" / "eval.csv", ("text", "label"), sentiment_eval)
+    nli_train, nli_eval = build_nli()
+    write_csv(DATA_DIR / "nli" / "train.csv", ("premise", "hypothesis", "label"), nli_train)
+    write_csv(DATA_DIR / "nli" / "eval.csv", ("premise", "hypothesis", "label"), nli_eval)
+    for name, rows in (
+        ("demo/train.csv", sentiment_train),
+        ("demo/eval.csv", sentiment_eval),
+        ("nli/train.csv", nli_train),
+        ("nli/eval.csv", nli_eval),
+    ):
+        print(f"wrote {DATA_DIR / name} ({len(rows)} rows)")
+
+
+if __name__ == "__main__":
+    main()

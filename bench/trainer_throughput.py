@@ -293,15 +293,22 @@ def _check_own_count(reported: float, counted: int, what: str) -> None:
         )
 
 
+def fixed_physical(cfg: TrainingConfig) -> int:
+    """The benchmark always sets the physical batch from --physical-batch-size."""
+    if cfg.physical_batch_size == "auto":
+        raise ValueError("the benchmark needs a numeric physical batch size")
+    return cfg.physical_batch_size
+
+
 def hf_arguments(setup: Setup, output_dir: str) -> TrainingArguments:
     """transformers' fastest settings for the same batch, schedule, precision and data loading."""
     cfg, on_cuda = setup.training, setup.device.type == "cuda"
     workers = cfg.num_workers or 0
     return TrainingArguments(
         output_dir=output_dir,
-        per_device_train_batch_size=cfg.physical_batch_size,
+        per_device_train_batch_size=fixed_physical(cfg),
         gradient_accumulation_steps=grad_accum_steps_for(
-            cfg.effective_batch_size, cfg.physical_batch_size
+            cfg.effective_batch_size, fixed_physical(cfg)
         ),
         max_steps=setup.steps,
         learning_rate=cfg.learning_rate,
@@ -406,7 +413,7 @@ def report(
     setup: Setup, args: argparse.Namespace, runs: dict[str, list[Run]], parameters: int, load: float
 ) -> None:
     cfg, ours, theirs = setup.training, runs["ours"], runs["theirs"]
-    accum = grad_accum_steps_for(cfg.effective_batch_size, cfg.physical_batch_size)
+    accum = grad_accum_steps_for(cfg.effective_batch_size, fixed_physical(cfg))
     print(f"config: {args.config}")
     print(f"model: {describe_model(setup, parameters)}")
     print(

@@ -4,6 +4,7 @@ record what happened as trial user attributes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -13,9 +14,13 @@ import optuna
 
 from hpo.config import Config
 from hpo.search_space import sample, training_for_trial
+from storage.batch_cache import BatchSizeCache
+from trainer import device as dev
+from trainer.batch_finder import BatchSearch, batch_key, find_physical_batch_size
 from trainer.config import TrainJob
 from trainer.data import PreparedData
 from trainer.loop import Evaluation, TrainResult, grad_accum_steps_for, train
+from trainer.memory import OutOfMemoryAtBatchOne
 
 log = logging.getLogger(__name__)
 
@@ -23,29 +28,74 @@ log = logging.getLogger(__name__)
 class Objective:
     """Callable for `study.optimize`; the tokenized data is shared by every trial of the worker."""
 
-    def __init__(self, config: Config, data: PreparedData) -> None:
+    def __init__(
+        self, config: Config, data: PreparedData, batch_cache: BatchSizeCache | None = None
+    ) -> None:
         self.config = config
         self.data = data
         self.metric = config.study.metric
+        self.batch_cache = batch_cache
 
     def __call__(self, trial: optuna.Trial) -> float:
         started = time.perf_counter()
         params = sample(trial, self.config.search_space)
         training = training_for_trial(self.config.training, params)
-        physical = min(training.physical_batch_size, training.effective_batch_size)
-        trial.set_user_attr("physical_batch_size", physical)
-        trial.set_user_attr(
-            "grad_accum_steps", grad_accum_steps_for(training.effective_batch_size, physical)
-        )
         job = TrainJob(data=self.config.data, model=self.config.model, training=training)
         try:
+            key = self._resolve_physical_batch(trial, job)
             result = train(job, self.data, self._reporter(trial), self.metric)
+        except OutOfMemoryAtBatchOne as e:
+            reason = f"oom: {e}"
+            trial.set_user_attr("prune_reason", reason)
+            trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
+            raise optuna.TrialPruned(reason) from e
         except Exception as e:
             trial.set_user_attr("fail_reason", f"{type(e).__name__}: {e}"[:1000])
             trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
             raise
         record_result(trial, result)
+        if result.oom_recoveries and key is not None and self.batch_cache is not None:
+            self.batch_cache.lower(key, result.physical_batch_size)
         return self._value(trial, result)
+
+    def _resolve_physical_batch(self, trial: optuna.Trial, job: TrainJob) -> dict[str, Any] | None:
+        """Set job.training.physical_batch_size from the config, the study's cache or a search;
+        returns the cache key when the size is found rather than configured."""
+        training = job.training
+        key = None
+        if training.physical_batch_size == "auto":
+            device = dev.resolve_device(training.device)
+            key = batch_key(job, device, dev.resolve_precision(training.precision, device))
+            training.physical_batch_size = self._cached_or_searched(trial, job, key, device)
+        physical = min(training.physical_batch_size, training.effective_batch_size)
+        trial.set_user_attr("physical_batch_size", physical)
+        trial.set_user_attr(
+            "grad_accum_steps", grad_accum_steps_for(training.effective_batch_size, physical)
+        )
+        if training.physical_batch_size == 0:
+            raise OutOfMemoryAtBatchOne("the batch finder found that not even 1 example fits")
+        return key
+
+    def _cached_or_searched(
+        self, trial: optuna.Trial, job: TrainJob, key: dict[str, Any], device: Any
+    ) -> int:
+        cache = self.batch_cache
+        cached = cache.get(key) if cache is not None else None
+        if cached is not None:
+            trial.set_user_attr("batch_size_source", "cache")
+            return cached
+        with cache.searching(key) if cache is not None else contextlib.nullcontext():
+            cached = cache.get(key) if cache is not None else None  # found while we waited?
+            if cached is not None:
+                trial.set_user_attr("batch_size_source", "cache")
+                return cached
+            search = find_physical_batch_size(job, self.data.label_names, device)
+            log.info("%s", search.report())
+            trial.set_user_attr("batch_size_source", "search")
+            trial.set_user_attr("batch_search", search_summary(search))
+            if cache is None:
+                return search.chosen
+            return cache.record(key, search.chosen, search.as_dict())
 
     def _reporter(self, trial: optuna.Trial) -> Any:
         def on_evaluation(evaluation: Evaluation) -> str | None:
@@ -75,6 +125,15 @@ class Objective:
         return result.best.metrics[self.metric]
 
 
+def search_summary(search: BatchSearch) -> dict[str, Any]:
+    return {
+        "limit": search.limit,
+        "chosen": search.chosen,
+        "probes": [[p.size, p.fits] for p in search.probes],
+        "seconds": round(search.seconds, 2),
+    }
+
+
 def record_result(trial: optuna.Trial, result: TrainResult) -> None:
     """Everything a user compares trials by, stored with the trial."""
     attrs: dict[str, Any] = {
@@ -90,7 +149,10 @@ def record_result(trial: optuna.Trial, result: TrainResult) -> None:
         "optimizer": result.optimizer,
         "wall_s": round(result.wall_s, 3),
         "curve": [round(v, 6) for v in result.curve],
+        "oom_recoveries": result.oom_recoveries,
     }
+    if result.batch_search is not None:
+        attrs["batch_search"] = search_summary(result.batch_search)
     if result.best is not None:
         attrs["best_evaluation"] = dataclasses.asdict(result.best)
     if result.status == "early_stopped":

@@ -14,6 +14,7 @@ import optuna
 from hpo.config import Config, PrunerConfig, SamplerConfig
 from hpo.errors import ConfigError
 from hpo.objective import Objective
+from storage.batch_cache import BatchSizeCache
 from trainer.data import PreparedData
 
 log = logging.getLogger(__name__)
@@ -82,10 +83,15 @@ def trials_in_study(study: optuna.Study) -> int:
     return len(study.get_trials(deepcopy=False, states=started))
 
 
-def run_trials(study: optuna.Study, config: Config, data: PreparedData) -> int:
+def run_trials(
+    study: optuna.Study,
+    config: Config,
+    data: PreparedData,
+    batch_cache: BatchSizeCache | None = None,
+) -> int:
     """Run trials until the study holds n_trials or this worker's timeout passes; returns how
     many this worker ran. A failing trial is recorded as FAIL and never stops the worker."""
-    objective = Objective(config, data)
+    objective = Objective(config, data, batch_cache)
     budget, timeout = config.study.n_trials, config.study.timeout
     deadline = time.monotonic() + timeout if timeout is not None else None
     ran = 0

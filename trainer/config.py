@@ -100,7 +100,15 @@ class ModelConfig:
 class TrainingConfig:
     """Fixed settings of the training loop and defaults for every tunable hyperparameter."""
 
-    physical_batch_size: int = _doc("Examples per forward/backward pass (per micro-batch).", 32)
+    physical_batch_size: int | Literal["auto"] = _doc(
+        "Examples per forward/backward pass; auto: the largest that fits, found by a search.",
+        "auto",
+    )
+    batch_search_start: int = _doc("auto: first physical batch the search probes.", 8)
+    batch_search_max: int = _doc("auto: largest physical batch the search considers.", 256)
+    batch_safety_margin: float = _doc(
+        "auto: use this fraction of the largest batch that fits.", 0.9
+    )
     eval_batch_size: int | None = _doc("Examples per evaluation batch; default 2x physical.")
     effective_batch_size: int = _doc("Examples per optimizer step (tunable).", 32)
     learning_rate: float = _doc("Peak AdamW learning rate (tunable).", 5e-5)
@@ -131,10 +139,20 @@ class TrainingConfig:
 
     def problems(self) -> list[tuple[str, Any, str]]:
         found: list[tuple[str, Any, str]] = []
-        positive = ("physical_batch_size", "effective_batch_size", "epochs", "evals_per_epoch")
-        for key in (*positive, "log_every_steps"):
+        positive = ("effective_batch_size", "epochs", "evals_per_epoch", "log_every_steps")
+        for key in (*positive, "batch_search_start", "batch_search_max"):
             if getattr(self, key) < 1:
                 found.append((key, getattr(self, key), "must be a positive integer"))
+        if self.physical_batch_size != "auto" and self.physical_batch_size < 1:
+            found.append(
+                (
+                    "physical_batch_size",
+                    self.physical_batch_size,
+                    "must be a positive integer or auto",
+                )
+            )
+        if not 0 < self.batch_safety_margin <= 1:
+            found.append(("batch_safety_margin", self.batch_safety_margin, "must be in (0, 1]"))
         for key in ("eval_batch_size", "max_steps", "early_stopping_patience"):
             value = getattr(self, key)
             if value is not None and value < 1:

@@ -4,6 +4,7 @@ evaluation through a callback that may stop the run, and a plain result with thr
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -17,8 +18,17 @@ import torch
 import torch.nn.functional as F
 
 from trainer import device as dev
+from trainer.batch_finder import BatchSearch, find_physical_batch_size
 from trainer.config import TrainingConfig, TrainJob
-from trainer.data import BatchCollator, PreparedData, eval_batches, plan_epoch
+from trainer.data import (
+    BatchCollator,
+    PreparedData,
+    collate,
+    eval_batches,
+    plan_epoch,
+    split_micro_batches,
+)
+from trainer.memory import OutOfMemoryAtBatchOne, is_oom, release_memory, simulated_budget
 from trainer.metrics import accuracy, is_better, macro_f1
 from trainer.model import build_model
 
@@ -61,6 +71,8 @@ class TrainResult:
     precision: str
     optimizer: str
     metric: str
+    oom_recoveries: int = 0
+    batch_search: BatchSearch | None = None
 
     @property
     def curve(self) -> list[float]:
@@ -224,10 +236,11 @@ class Trainer:
         self.device = dev.resolve_device(self.cfg.device)
         self.precision = dev.resolve_precision(self.cfg.precision, self.device)
         dev.configure_backends(self.device, self.cfg.tf32)
-        self.physical_batch_size = min(self.cfg.physical_batch_size, self.cfg.effective_batch_size)
+        self.physical_batch_size = min(self._physical_batch_size(), self.cfg.effective_batch_size)
         self.grad_accum_steps = grad_accum_steps_for(
             self.cfg.effective_batch_size, self.physical_batch_size
         )
+        self.oom_recoveries = 0
         self.eval_batch_size = self.cfg.eval_batch_size or 2 * self.physical_batch_size
         self.steps_per_epoch = math.ceil(len(data.train) / self.cfg.effective_batch_size)
         self.total_steps = self.steps_per_epoch * self.cfg.epochs
@@ -254,6 +267,11 @@ class Trainer:
         self.eval_loader = self._loader(
             eval_batches(data.eval.lengths, self.eval_batch_size), "eval"
         )
+
+    def _physical_batch_size(self) -> int:
+        if self.cfg.physical_batch_size == "auto":
+            raise ValueError("resolve physical_batch_size 'auto' first: see train()")
+        return self.cfg.physical_batch_size
 
     def _evaluation_steps(self) -> set[int]:
         per_epoch = self.cfg.evals_per_epoch
@@ -324,6 +342,32 @@ class Trainer:
             yield np.concatenate(step), [self._to_device(next(micro_batches)) for _ in step]
 
     def evaluate(self) -> dict[str, float]:
+        """Metrics on the evaluation split; an OOM halves the evaluation batch and starts over."""
+        while True:
+            metrics = self._try_evaluate()
+            if metrics is not None:
+                return metrics
+            release_memory(self.device)
+            if self.eval_batch_size == 1:
+                raise OutOfMemoryAtBatchOne("out of memory in evaluation at batch 1")
+            self.eval_batch_size //= 2
+            self.eval_loader = self._loader(
+                eval_batches(self.data.eval.lengths, self.eval_batch_size), "eval"
+            )
+            self.oom_recoveries += 1
+            log.warning("out of memory in evaluation: batch now %d", self.eval_batch_size)
+
+    def _try_evaluate(self) -> dict[str, float] | None:
+        try:
+            return self._evaluate_once()
+        except Exception as error:
+            if not is_oom(error):
+                raise
+            return None
+        finally:
+            self.forward_model.train()
+
+    def _evaluate_once(self) -> dict[str, float]:
         self.forward_model.eval()
         lengths = self.data.eval.lengths
         predictions, loss_sum = [], torch.zeros((), device=self.device)
@@ -335,7 +379,6 @@ class Trainer:
                     logits = self.forward_model(**batch).logits.float()
                 loss_sum += F.cross_entropy(logits, labels, reduction="sum")
                 predictions.append(logits.argmax(dim=-1))
-        self.forward_model.train()
         predicted = torch.cat(predictions).cpu().numpy()  # one host sync per evaluation
         order = np.argsort(lengths, kind="stable")
         labels_in_order = self.data.eval.labels[order]
@@ -370,20 +413,68 @@ class Trainer:
     def _train_step(
         self, run: _Run, indices: np.ndarray, micro_batches: list[dict[str, torch.Tensor]]
     ) -> None:
-        loss = accumulate_gradients(
-            self.forward_model,
-            micro_batches,
-            self.cfg,
-            self._autocast,
-            self.class_weights,
-            self.scaler,
-        )
-        optimizer_step(self.model, self.optimizer, self.cfg, self.scaler)
+        """One optimizer step; an OOM halves the micro-batch and redoes the same step."""
+        while True:
+            if max(len(mb["labels"]) for mb in micro_batches) > self.physical_batch_size:
+                micro_batches = self._split_step(indices)  # planned before an OOM recovery
+            loss = self._try_step(micro_batches)
+            if loss is not None:
+                break
+            self._recover_from_oom()  # outside the except: the traceback held the step's tensors
         self.scheduler.step()
         run.meter.add(loss)
         run.step += 1
         run.samples += len(indices)
         run.tokens += int(self.data.train.lengths[indices].sum())  # real tokens, from the host
+
+    def _try_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor | None:
+        """The step's loss, or None when it ran out of memory (any other error propagates)."""
+        try:
+            loss = accumulate_gradients(
+                self.forward_model,
+                micro_batches,
+                self.cfg,
+                self._autocast,
+                self.class_weights,
+                self.scaler,
+            )
+            optimizer_step(self.model, self.optimizer, self.cfg, self.scaler)
+            return loss
+        except Exception as error:
+            if not is_oom(error):
+                raise
+            return None
+
+    def _recover_from_oom(self) -> None:
+        """Drop the partial accumulation and free memory; halve the micro-batch, so the same
+        optimizer step is redone with twice the accumulation and the same effective batch."""
+        self.optimizer.zero_grad(set_to_none=True)
+        release_memory(self.device)
+        if self.physical_batch_size == 1:
+            raise OutOfMemoryAtBatchOne(
+                f"out of memory at physical batch 1 after {self.oom_recoveries} recoveries"
+            )
+        self.physical_batch_size //= 2
+        self.grad_accum_steps = grad_accum_steps_for(
+            self.cfg.effective_batch_size, self.physical_batch_size
+        )
+        self.oom_recoveries += 1
+        log.warning(
+            "out of memory: physical batch now %d x %d accumulation steps",
+            self.physical_batch_size,
+            self.grad_accum_steps,
+        )
+
+    def _split_step(self, indices: np.ndarray) -> list[dict[str, torch.Tensor]]:
+        parts = split_micro_batches(
+            indices, grad_accum_steps_for(len(indices), self.physical_batch_size)
+        )
+        return [
+            self._to_device(
+                collate(self.data.train, part, self.data.pad_token_id, self.pad_multiple)
+            )
+            for part in parts
+        ]
 
     def _check_loss(self, run: _Run) -> None:
         value = run.meter.read()  # the one host sync of a logging interval
@@ -450,6 +541,7 @@ class Trainer:
             precision=self.precision,
             optimizer=self.optimizer_name,
             metric=self.metric,
+            oom_recoveries=self.oom_recoveries,
         )
 
 
@@ -459,15 +551,29 @@ def train(
     on_evaluation: OnEvaluation | None = None,
     metric: str = "accuracy",
 ) -> TrainResult:
-    """Fine-tune one model with `job`'s settings on prepared data; see TrainResult."""
-    trainer = Trainer(job, data, metric)
-    log.info(
-        "training on %s, %s, %s; effective batch %d = %d x %d micro-batches",
-        dev.device_name(trainer.device),
-        trainer.precision,
-        trainer.optimizer_name,
-        trainer.cfg.effective_batch_size,
-        trainer.physical_batch_size,
-        trainer.grad_accum_steps,
-    )
-    return trainer.fit(on_evaluation)
+    """Fine-tune one model with `job`'s settings on prepared data; see TrainResult.
+    Raises OutOfMemoryAtBatchOne when even a micro-batch of one example does not fit."""
+    device = dev.resolve_device(job.training.device)
+    search = None
+    if job.training.physical_batch_size == "auto":
+        search = find_physical_batch_size(job, data.label_names, device)
+        if search.chosen == 0:
+            raise OutOfMemoryAtBatchOne(
+                f"not even 1 example at max_length {job.data.max_length} fits in memory"
+            )
+        training = dataclasses.replace(job.training, physical_batch_size=search.chosen)
+        job = dataclasses.replace(job, training=training)
+    with simulated_budget(device):
+        trainer = Trainer(job, data, metric)
+        log.info(
+            "training on %s, %s, %s; effective batch %d = %d x %d micro-batches",
+            dev.device_name(trainer.device),
+            trainer.precision,
+            trainer.optimizer_name,
+            trainer.cfg.effective_batch_size,
+            trainer.physical_batch_size,
+            trainer.grad_accum_steps,
+        )
+        result = trainer.fit(on_evaluation)
+    result.batch_search = search
+    return result

@@ -1,0 +1,115 @@
+"""Physical batch sizes found by the batch finder, kept in the study's own database so every
+worker of the study, on every host, reuses a search; a recovery from OOM only ever lowers them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import socket
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Engine
+
+from hpo.errors import StorageError
+
+_metadata = sa.MetaData()
+batch_sizes = sa.Table(
+    "hpo_batch_sizes",
+    _metadata,
+    sa.Column("key_hash", sa.String(64), primary_key=True),
+    sa.Column("key", sa.Text, nullable=False),
+    sa.Column("physical_batch_size", sa.Integer, nullable=False),
+    sa.Column("search", sa.Text, nullable=True),
+    sa.Column("host", sa.String(255), nullable=True),
+    sa.Column("updated_at", sa.DateTime, nullable=False),
+)
+
+
+def key_hash(key: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+
+
+class BatchSizeCache:
+    """Read, record and lower cached physical batch sizes; safe for many concurrent workers."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        try:
+            _create_table(engine)
+        except sa.exc.SQLAlchemyError as e:
+            raise StorageError(
+                f"cannot create the batch-size cache table: {e.__class__.__name__}"
+            ) from e
+
+    def get(self, key: dict[str, Any]) -> int | None:
+        query = sa.select(batch_sizes.c.physical_batch_size).where(
+            batch_sizes.c.key_hash == key_hash(key)
+        )
+        with self.engine.connect() as conn:
+            return conn.execute(query).scalar_one_or_none()
+
+    def record(self, key: dict[str, Any], physical_batch_size: int, search: dict[str, Any]) -> int:
+        """Store a search result unless another worker stored one first; returns the stored size."""
+        insert = _insert_for(self.engine).values(
+            key_hash=key_hash(key),
+            key=json.dumps(key, sort_keys=True, default=str),
+            physical_batch_size=physical_batch_size,
+            search=json.dumps(search, default=str),
+            host=socket.gethostname(),
+            updated_at=_now(),
+        )
+        with self.engine.begin() as conn:
+            conn.execute(insert.on_conflict_do_nothing(index_elements=["key_hash"]))
+        stored = self.get(key)
+        return stored if stored is not None else physical_batch_size
+
+    def lower(self, key: dict[str, Any], physical_batch_size: int) -> None:
+        """After an OOM: later trials start from the size that worked (never raised here)."""
+        update = (
+            batch_sizes.update()
+            .where(batch_sizes.c.key_hash == key_hash(key))
+            .where(batch_sizes.c.physical_batch_size > physical_batch_size)
+            .values(physical_batch_size=physical_batch_size, updated_at=_now())
+        )
+        with self.engine.begin() as conn:
+            conn.execute(update)
+
+    @contextlib.contextmanager
+    def searching(self, key: dict[str, Any]) -> Iterator[None]:
+        """On PostgreSQL, one worker searches a key while the others wait for its result."""
+        if self.engine.dialect.name != "postgresql":
+            yield  # SQLite: concurrent searches are harmless, the first one recorded wins
+            return
+        lock_id = int(key_hash(key)[:15], 16)
+        with self.engine.connect() as conn:
+            conn.execute(sa.text("SELECT pg_advisory_lock(:id)"), {"id": lock_id})
+            try:
+                yield
+            finally:
+                conn.execute(sa.text("SELECT pg_advisory_unlock(:id)"), {"id": lock_id})
+                conn.commit()
+
+
+def _create_table(engine: Engine) -> None:
+    # Workers starting together may race to create it; the loser finds it there.
+    try:
+        _metadata.create_all(engine, checkfirst=True)
+    except (sa.exc.IntegrityError, sa.exc.ProgrammingError):
+        if not sa.inspect(engine).has_table(batch_sizes.name):
+            raise
+
+
+def _insert_for(engine: Engine) -> Any:
+    if engine.dialect.name == "postgresql":
+        return postgresql.insert(batch_sizes)
+    return sqlite.insert(batch_sizes)
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc).replace(tzinfo=None)

@@ -1,0 +1,201 @@
+"""Find the largest physical batch that fits in device memory: worst-case probes (every sequence
+at max_length, forward + backward + AdamW step, then an evaluation forward), grown geometrically
+until the first failure, then bisected; the result is the limit times a safety margin.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from trainer import device as dev
+from trainer.config import TrainJob
+from trainer.memory import budget_from_env, is_oom, release_memory, simulated_budget
+from trainer.model import build_model, model_fingerprint
+
+log = logging.getLogger(__name__)
+
+# On the CPU nothing runs out of memory (short of swapping), so there is no limit to search.
+CPU_PHYSICAL_BATCH_SIZE = 32
+
+
+@dataclass
+class Probe:
+    size: int
+    fits: bool
+    peak_mem_bytes: int | None
+    seconds: float
+
+
+@dataclass
+class BatchSearch:
+    """What the finder did and found; `chosen` is 0 when not even one example fits."""
+
+    limit: int
+    chosen: int
+    margin: float
+    max_length: int
+    probes: list[Probe] = field(default_factory=list)
+    seconds: float = 0.0
+    note: str = ""
+
+    def report(self) -> str:
+        lines = [
+            f"physical batch search at max_length {self.max_length}: {len(self.probes)} probes "
+            f"in {self.seconds:.1f} s; limit {self.limit}, chosen {self.chosen} "
+            f"(margin {self.margin})" + (f"; {self.note}" if self.note else "")
+        ]
+        for probe in self.probes:
+            peak = f"{probe.peak_mem_bytes / 2**20:,.1f} MiB" if probe.peak_mem_bytes else "-"
+            verdict = "fits" if probe.fits else "OOM"
+            lines.append(
+                f"  batch {probe.size:>5}: {verdict:<4}  peak {peak:>12}  {probe.seconds:.2f} s"
+            )
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def search_largest(fits: Callable[[int], bool], start: int, upper_bound: int) -> int:
+    """Largest size in [1, upper_bound] for which `fits` holds, assuming it is monotone:
+    double from `start` until the first failure, then bisect. 0 if size 1 does not fit."""
+    largest_fit, smallest_fail = 0, upper_bound + 1
+    size = max(1, min(start, upper_bound))
+    while size < smallest_fail:
+        if fits(size):
+            largest_fit = size
+            if size == upper_bound:
+                break
+            size = min(size * 2, upper_bound)
+        else:
+            smallest_fail = size
+            break
+    while smallest_fail - largest_fit > 1 and smallest_fail <= upper_bound:
+        middle = (largest_fit + smallest_fail) // 2
+        if fits(middle):
+            largest_fit = middle
+        else:
+            smallest_fail = middle
+    return largest_fit
+
+
+def batch_key(job: TrainJob, device: torch.device, precision: str) -> dict[str, Any]:
+    """Everything that changes the memory a step needs; the cache key of a search."""
+    cfg = job.training
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    return {
+        "model": model_fingerprint(job.model),
+        "max_length": job.data.max_length,
+        "precision": precision,
+        "gradient_checkpointing": job.model.gradient_checkpointing,
+        "compile": job.model.compile,
+        "attn_implementation": job.model.attn_implementation,
+        "eval_batch_size": cfg.eval_batch_size or "2x",
+        "device": dev.device_name(device) if device.type == "cuda" else "cpu",
+        "device_total_memory": total,
+        "simulated_budget": budget_from_env() if device.type == "cpu" else None,
+        "torch": torch.__version__,
+        "search": [cfg.batch_search_start, cfg.batch_search_max, cfg.batch_safety_margin],
+    }
+
+
+class BatchFinder:
+    """Probes one model configuration on one device; each probe starts from a fresh copy."""
+
+    def __init__(self, job: TrainJob, label_names: list[str], device: torch.device) -> None:
+        self.job, self.cfg = job, job.training
+        self.device = device
+        self.precision = dev.resolve_precision(self.cfg.precision, device)
+        # Built once on the CPU; every probe moves a deep copy, so the search changes nothing.
+        self.base_model = build_model(job.model, label_names, self.cfg.seed)
+        self.vocab_size = int(getattr(self.base_model, "config").vocab_size)  # noqa: B009
+        self.probes: list[Probe] = []
+
+    def run(self) -> BatchSearch:
+        started = time.perf_counter()
+        margin = self.cfg.batch_safety_margin
+        max_length = self.job.data.max_length
+        if self.device.type == "cpu" and budget_from_env() is None:
+            chosen = min(CPU_PHYSICAL_BATCH_SIZE, self.cfg.batch_search_max)
+            return BatchSearch(chosen, chosen, margin, max_length, note="CPU: no memory limit")
+        limit = search_largest(self._fits, self.cfg.batch_search_start, self.cfg.batch_search_max)
+        release_memory(self.device)
+        chosen = max(1, math.floor(limit * margin)) if limit else 0
+        search = BatchSearch(
+            limit, chosen, margin, max_length, self.probes, time.perf_counter() - started
+        )
+        log.info("%s", search.report())
+        return search
+
+    def _fits(self, size: int) -> bool:
+        started = time.perf_counter()
+        dev.reset_peak_memory(self.device)
+        peak: int | None = None
+        fits = True
+        try:
+            with simulated_budget(self.device) as budget:
+                self._worst_case_step(size)
+                peak = budget.peak_bytes if budget is not None else None
+        except Exception as error:
+            if not is_oom(error):
+                raise
+            fits = False
+        release_memory(self.device)  # outside the except: the traceback holds the tensors
+        if self.device.type == "cuda":
+            peak = int(torch.cuda.max_memory_allocated(self.device))
+        self.probes.append(Probe(size, fits, peak, time.perf_counter() - started))
+        return fits
+
+    def _worst_case_step(self, size: int) -> None:
+        from trainer.loop import make_optimizer
+
+        model = self._fresh_model()
+        forward = torch.compile(model) if self.job.model.compile else model
+        optimizer, _ = make_optimizer(model, self.cfg)
+        labels = torch.zeros(size, dtype=torch.long, device=self.device)
+        # The first step allocates the AdamW state; the second runs forward and backward with
+        # it in memory, as every later training step does.
+        for _ in range(2):
+            with dev.autocast(self.device, self.precision):
+                logits = forward(**self._inputs(size)).logits
+            F.cross_entropy(logits.float(), labels).backward()
+            del logits
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        eval_size = self.cfg.eval_batch_size or 2 * size
+        model.eval()
+        with torch.inference_mode(), dev.autocast(self.device, self.precision):
+            forward(**self._inputs(eval_size))
+
+    def _fresh_model(self) -> torch.nn.Module:
+        model = copy.deepcopy(self.base_model)
+        if self.device.type == "cpu":
+            # deepcopy bypasses the allocator hooks; a clone is an allocation like any other.
+            for tensor in (*model.parameters(), *model.buffers()):
+                tensor.data = tensor.data.clone()
+        return model.to(self.device).train()
+
+    def _inputs(self, size: int) -> dict[str, torch.Tensor]:
+        shape = (size, self.job.data.max_length)
+        generator = torch.Generator().manual_seed(size)
+        ids = torch.randint(0, self.vocab_size, shape, generator=generator)
+        return {
+            "input_ids": ids.to(self.device),
+            "attention_mask": torch.ones(shape, dtype=torch.long, device=self.device),
+        }
+
+
+def find_physical_batch_size(
+    job: TrainJob, label_names: list[str], device: torch.device | None = None
+) -> BatchSearch:
+    """Search the largest worst-case physical batch for `job` on `device` (default: its own)."""
+    return BatchFinder(job, label_names, device or dev.resolve_device(job.training.device)).run()

@@ -1,0 +1,113 @@
+"""Out-of-memory handling: one predicate for "is this an OOM", freeing memory before a retry,
+and a simulated memory budget so the CPU can raise the same OOM a GPU would (a test hook).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+# Set by tests, never by users: a CPU run then raises torch.OutOfMemoryError past this many bytes.
+BUDGET_ENV = "HPO_TEST_MEMORY_BUDGET_BYTES"
+
+# Allocation failures that cuDNN, cuBLAS and the CPU allocator report as plain RuntimeErrors.
+_OOM_MESSAGES = (
+    "CUDA out of memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    # cuDNN's way of saying it could not get workspace memory:
+    "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contig",
+    "DefaultCPUAllocator: can't allocate memory",
+)
+
+
+class OutOfMemoryAtBatchOne(Exception):
+    """Even one example per micro-batch does not fit: the run cannot go on on this device."""
+
+
+def is_oom(error: BaseException) -> bool:
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and any(m in str(error) for m in _OOM_MESSAGES)
+
+
+def release_memory(device: torch.device) -> None:
+    """Give memory held for a failed step back, so the next attempt does not fail spuriously.
+    Call it outside the `except` block: the exception keeps the failed step's tensors alive."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+class MemoryBudget(TorchDispatchMode):
+    """Counts the bytes of every tensor storage allocated while active and raises
+    torch.OutOfMemoryError when live storage would pass `limit_bytes`, as CUDA would.
+
+    A storage is live while anything but this tracker holds it: autograd's saved tensors and
+    gradients count, though no Python object refers to them."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        super().__init__()
+        self.limit_bytes = limit_bytes
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self._live: dict[int, tuple[torch.UntypedStorage, int]] = {}
+
+    def collect(self) -> None:
+        """Forget storages that only this tracker still holds."""
+        for pointer, (storage, size) in list(self._live.items()):
+            if torch._C._storage_Use_Count(storage._cdata) <= 1:
+                del self._live[pointer]
+                self.current_bytes -= size
+
+    def _new_storages(self, out: Any) -> list[torch.UntypedStorage]:
+        found: dict[int, torch.UntypedStorage] = {}
+        for value in tree_flatten(out)[0]:
+            if isinstance(value, torch.Tensor):
+                storage = value.untyped_storage()
+                pointer = storage.data_ptr()
+                if pointer and pointer not in self._live:
+                    found[pointer] = storage
+        return list(found.values())
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        new = self._new_storages(out)
+        if not new:
+            return out
+        self.collect()
+        size = sum(storage.nbytes() for storage in new)
+        if self.current_bytes + size > self.limit_bytes:
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory (simulated budget of {self.limit_bytes} bytes): tried to "
+                f"allocate {size} bytes with {self.current_bytes} in use"
+            )
+        for storage in new:
+            self._live[storage.data_ptr()] = (storage, storage.nbytes())
+        self.current_bytes += size
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        return out
+
+
+def budget_from_env() -> int | None:
+    value = os.environ.get(BUDGET_ENV)
+    return int(value) if value else None
+
+
+@contextlib.contextmanager
+def simulated_budget(device: torch.device) -> Iterator[MemoryBudget | None]:
+    """A MemoryBudget on the CPU when the test hook is set; otherwise nothing."""
+    limit = budget_from_env()
+    if limit is None or device.type != "cpu":
+        yield None
+        return
+    with MemoryBudget(limit) as budget:
+        yield budget

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hpo import __version__
-from hpo.config import Config
+from hpo.config import Config, load_config
 from hpo.errors import ConfigError, HPOError
 
 EXIT_BAD_INPUT = 2
@@ -69,6 +69,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
     run.add_argument("--quiet", action="store_true", help="only warnings and the final summary")
+    finder = commands.add_parser(
+        "batch-size",
+        help="find the largest physical batch that fits and print what the search did",
+        description="Run the batch finder alone on this machine's device: worst-case probes "
+        "(every sequence at max_length, forward, backward and an AdamW step, then an "
+        "evaluation forward), grown geometrically, then bisected; prints every probe.",
+    )
+    finder.add_argument("--config", type=Path, required=True, help="YAML config of the study")
+    finder.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N")
+    finder.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
+    finder.add_argument("--quiet", action="store_true", help="only warnings and the report")
     return parser
 
 
@@ -80,6 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "run":
             return _run(args)
+        if args.command == "batch-size":
+            return _batch_size(args)
     except HPOError as e:
         if args.debug:
             log.exception("hpo failed")
@@ -106,7 +119,6 @@ def _setup_logging(debug: bool, quiet: bool) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from hpo.config import load_config
     from hpo.study import open_study, run_trials, summary_lines
     from storage import open_storage, resolve_storage_url
     from storage.batch_cache import BatchSizeCache
@@ -133,6 +145,36 @@ def _run(args: argparse.Namespace) -> int:
     study = open_study(storage, args.study, config)
     run_trials(study, config, data, BatchSizeCache(storage.engine))
     print("\n".join(summary_lines(study, config.study.metric)))
+    return 0
+
+
+def _batch_size(args: argparse.Namespace) -> int:
+    import json
+
+    from trainer import device as dev
+    from trainer.batch_finder import batch_key, find_physical_batch_size
+    from trainer.config import TrainJob
+    from trainer.data import prepare_data
+    from trainer.model import check_model_config, load_tokenizer
+
+    config = load_config(args.config)
+    if args.device is not None:
+        config.training.device = args.device
+    check_model_config(config.model)
+    data = prepare_data(config.data, load_tokenizer(config.model))
+    job = TrainJob(config.data, config.model, config.training)
+    device = dev.resolve_device(config.training.device)
+    search = find_physical_batch_size(job, data.label_names, device)
+    print(search.report())
+    key = batch_key(job, device, dev.resolve_precision(config.training.precision, device))
+    print(f"cache key: {json.dumps(key, sort_keys=True)}")
+    if search.chosen == 0:
+        print(
+            "hpo: not even one example fits in memory: shorten data.max_length, enable "
+            "model.gradient_checkpointing or use a smaller model",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

@@ -67,13 +67,13 @@ class Objective:
             device = dev.resolve_device(training.device)
             key = batch_key(job, device, dev.resolve_precision(training.precision, device))
             training.physical_batch_size = self._cached_or_searched(trial, job, key, device)
+        if training.physical_batch_size == 0:
+            raise OutOfMemoryAtBatchOne("the batch finder found that not even 1 example fits")
         physical = min(training.physical_batch_size, training.effective_batch_size)
         trial.set_user_attr("physical_batch_size", physical)
         trial.set_user_attr(
             "grad_accum_steps", grad_accum_steps_for(training.effective_batch_size, physical)
         )
-        if training.physical_batch_size == 0:
-            raise OutOfMemoryAtBatchOne("the batch finder found that not even 1 example fits")
         return key
 
     def _cached_or_searched(

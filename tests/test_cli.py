@@ -100,3 +100,24 @@ def test_bad_storage_url_is_one_masked_line(tmp_path: Path, easy_data: tuple[Pat
 def test_missing_config_file(tmp_path: Path) -> None:
     result = run_hpo("run", "--study", "s", "--config", "absent.yaml", cwd=tmp_path)
     assert result.returncode == 2 and "absent.yaml: no such file" in result.stderr
+
+
+def test_a_failing_trial_never_stops_the_worker(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    # Three class weights for two labels: every trial raises once training starts.
+    raw = tiny_config(
+        *easy_data, study={"n_trials": 2}, training={"class_weights": [1.0, 2.0, 3.0]}
+    )
+    config = write_config(tmp_path / "c.yaml", raw)
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    result = run_hpo("run", "--study", "s", "--config", str(config), "--storage", url, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    import optuna
+
+    trials = optuna.load_study(study_name="s", storage=url).get_trials()
+    assert [t.state for t in trials] == [optuna.trial.TrialState.FAIL] * 2
+    assert all(
+        "class_weights has 3 weights for 2 labels" in t.user_attrs["fail_reason"] for t in trials
+    )
+    assert "no completed trial yet" in result.stdout

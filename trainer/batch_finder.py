@@ -127,7 +127,7 @@ class BatchFinder:
         if self.device.type == "cpu" and budget_from_env() is None:
             chosen = min(CPU_PHYSICAL_BATCH_SIZE, self.cfg.batch_search_max)
             return BatchSearch(chosen, chosen, margin, max_length, note="CPU: no memory limit")
-        limit = search_largest(self._fits, self.cfg.batch_search_start, self.cfg.batch_search_max)
+        limit = search_largest(self.fits, self.cfg.batch_search_start, self.cfg.batch_search_max)
         release_memory(self.device)
         chosen = max(1, math.floor(limit * margin)) if limit else 0
         search = BatchSearch(
@@ -136,7 +136,8 @@ class BatchFinder:
         log.info("%s", search.report())
         return search
 
-    def _fits(self, size: int) -> bool:
+    def fits(self, size: int) -> bool:
+        """Whether a worst-case step of `size` examples fits; records the probe."""
         started = time.perf_counter()
         dev.reset_peak_memory(self.device)
         peak: int | None = None

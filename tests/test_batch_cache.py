@@ -1,0 +1,131 @@
+"""The study-wide batch-size cache, and `hpo` choosing, reusing and lowering physical batches."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import sqlalchemy as sa
+
+from storage.batch_cache import BatchSizeCache
+from tests.conftest import run_hpo, tiny_config, write_config, write_csv
+from trainer.memory import BUDGET_ENV
+
+KEY = {"model": "abc", "max_length": 128, "device": "NVIDIA H100 80GB HBM3"}
+
+
+def check_cache(url: str) -> None:
+    engine = sa.create_engine(url)
+    try:
+        cache = BatchSizeCache(engine)
+        BatchSizeCache(engine)  # a second worker finds the table there
+        assert cache.get(KEY) is None
+        assert cache.record(KEY, 96, {"limit": 107}) == 96
+        assert cache.record(KEY, 120, {"limit": 134}) == 96  # first search wins
+        cache.lower(KEY, 120)
+        assert cache.get(KEY) == 96  # never raised
+        cache.lower(KEY, 48)
+        assert cache.get(KEY) == 48
+        assert cache.get({**KEY, "max_length": 512}) is None
+    finally:
+        engine.dispose()
+
+
+def test_cache_on_sqlite(tmp_path: Path) -> None:
+    check_cache(f"sqlite:///{tmp_path / 'cache.db'}")
+
+
+@pytest.mark.postgres
+def test_cache_on_postgres(postgres_url: str) -> None:
+    check_cache(postgres_url)
+
+
+@pytest.mark.postgres
+def test_one_worker_searches_while_the_others_wait(postgres_url: str) -> None:
+    engine = sa.create_engine(postgres_url)
+    cache = BatchSizeCache(engine)
+    searches: list[str] = []
+    results: dict[str, int] = {}
+
+    def worker(name: str) -> None:
+        with cache.searching(KEY):
+            found = cache.get(KEY)
+            if found is None:
+                searches.append(name)
+                time.sleep(0.5)  # a search takes a while; the other worker must wait
+                found = cache.record(KEY, 64, {})
+            results[name] = found
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in ("a", "b", "c")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    engine.dispose()
+    assert len(searches) == 1 and results == {"a": 64, "b": 64, "c": 64}
+
+
+def long_text_config(tmp_path: Path, n_trials: int) -> Path:
+    """A tiny study on long sequences, so activations decide what fits a memory budget."""
+    rows = [
+        {"text": f"{'good' if i % 2 else 'bad'} " + "the meal was fine " * 60, "label": str(i % 2)}
+        for i in range(32)
+    ]
+    data = write_csv(tmp_path / "long.csv", rows)
+    raw = tiny_config(data, data, study={"n_trials": n_trials})
+    raw["model"]["attn_implementation"] = "eager"
+    raw["model"]["config"]["max_position_embeddings"] = 256
+    raw["data"]["max_length"] = 256
+    raw["training"].update(
+        {
+            "physical_batch_size": "auto",
+            "batch_search_start": 2,
+            "batch_search_max": 16,
+            "max_steps": 2,
+            "evals_per_epoch": 1,
+        }
+    )
+    return write_config(tmp_path / "long.yaml", raw)
+
+
+def test_found_once_then_reused_by_every_trial(tmp_path: Path) -> None:
+    config = long_text_config(tmp_path, n_trials=3)
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    budget = {BUDGET_ENV: str(60_000_000)}
+    result = run_hpo(
+        "run", "--study", "s", "--config", str(config), "--storage", url, cwd=tmp_path, env=budget
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    trials = optuna.load_study(study_name="s", storage=url).get_trials()
+    sources = [t.user_attrs["batch_size_source"] for t in trials]
+    assert sources == ["search", "cache", "cache"]
+    search = trials[0].user_attrs["batch_search"]
+    assert 1 <= search["chosen"] < 16 and any(not fits for _, fits in search["probes"])
+    assert {t.user_attrs["physical_batch_size"] for t in trials} == {min(search["chosen"], 8)}
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    finder = run_hpo("batch-size", "--config", str(config), cwd=tmp_path, env=budget)
+    assert finder.returncode == 0, finder.stderr[-2000:]
+    assert f"chosen {search['chosen']}" in finder.stdout and "OOM" in finder.stdout
+
+
+def test_out_of_memory_at_batch_one_prunes_and_the_worker_goes_on(tmp_path: Path) -> None:
+    config = long_text_config(tmp_path, n_trials=2)
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    result = run_hpo(
+        "run",
+        "--study",
+        "s",
+        "--config",
+        str(config),
+        "--storage",
+        url,
+        cwd=tmp_path,
+        env={BUDGET_ENV: "100000"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    trials = optuna.load_study(study_name="s", storage=url).get_trials()
+    assert [t.state for t in trials] == [optuna.trial.TrialState.PRUNED] * 2
+    assert all(t.user_attrs["prune_reason"].startswith("oom:") for t in trials)

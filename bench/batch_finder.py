@@ -88,9 +88,7 @@ def main() -> None:
         os.environ.setdefault("HPO_CACHE_DIR", folder)
         job = make_job(Path(folder), upper)
         labels = prepare_data(job.data, load_tokenizer(job.model)).label_names
-        print(
-            f"tiny BERT, max_length 256, eager attention, CPU, simulated budget; upper {upper}"
-        )
+        print(f"tiny BERT, max_length 256, eager attention, CPU, simulated budget; upper {upper}")
         print(
             f"{'true limit':>10}  {'strategy':<22} {'found':>6} {'probes':>7} {'seconds':>8}  ratio"
         )

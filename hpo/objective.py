@@ -4,7 +4,6 @@ record what happened as trial user attributes.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
@@ -28,9 +27,7 @@ log = logging.getLogger(__name__)
 class Objective:
     """Callable for `study.optimize`; the tokenized data is shared by every trial of the worker."""
 
-    def __init__(
-        self, config: Config, data: PreparedData, batch_cache: BatchSizeCache | None = None
-    ) -> None:
+    def __init__(self, config: Config, data: PreparedData, batch_cache: BatchSizeCache) -> None:
         self.config = config
         self.data = data
         self.metric = config.study.metric
@@ -54,7 +51,7 @@ class Objective:
             trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
             raise
         record_result(trial, result)
-        if result.oom_recoveries and key is not None and self.batch_cache is not None:
+        if result.oom_recoveries and key is not None:
             self.batch_cache.lower(key, result.physical_batch_size)
         return self._value(trial, result)
 
@@ -67,6 +64,8 @@ class Objective:
             device = dev.resolve_device(training.device)
             key = batch_key(job, device, dev.resolve_precision(training.precision, device))
             training.physical_batch_size = self._cached_or_searched(trial, job, key, device)
+        else:
+            trial.set_user_attr("batch_size_source", "config")
         if training.physical_batch_size == 0:
             raise OutOfMemoryAtBatchOne("the batch finder found that not even 1 example fits")
         physical = min(training.physical_batch_size, training.effective_batch_size)
@@ -80,22 +79,18 @@ class Objective:
         self, trial: optuna.Trial, job: TrainJob, key: dict[str, Any], device: Any
     ) -> int:
         cache = self.batch_cache
-        cached = cache.get(key) if cache is not None else None
-        if cached is not None:
-            trial.set_user_attr("batch_size_source", "cache")
-            return cached
-        with cache.searching(key) if cache is not None else contextlib.nullcontext():
-            cached = cache.get(key) if cache is not None else None  # found while we waited?
-            if cached is not None:
-                trial.set_user_attr("batch_size_source", "cache")
-                return cached
-            search = find_physical_batch_size(job, self.data.label_names, device)
-            log.info("%s", search.report())
-            trial.set_user_attr("batch_size_source", "search")
-            trial.set_user_attr("batch_search", search_summary(search))
-            if cache is None:
-                return search.chosen
-            return cache.record(key, search.chosen, search.as_dict())
+        cached = cache.get(key)
+        if cached is None:
+            with cache.searching(key):
+                cached = cache.get(key)  # another worker may have searched while we waited
+                if cached is None:
+                    search = find_physical_batch_size(job, self.data.label_names, device)
+                    log.info("%s", search.report())
+                    trial.set_user_attr("batch_size_source", "search")
+                    trial.set_user_attr("batch_search", search_summary(search))
+                    return cache.record(key, search.chosen, search.as_dict())
+        trial.set_user_attr("batch_size_source", "cache")
+        return cached
 
     def _reporter(self, trial: optuna.Trial) -> Any:
         def on_evaluation(evaluation: Evaluation) -> str | None:

@@ -87,7 +87,7 @@ def run_trials(
     study: optuna.Study,
     config: Config,
     data: PreparedData,
-    batch_cache: BatchSizeCache | None = None,
+    batch_cache: BatchSizeCache,
 ) -> int:
     """Run trials until the study holds n_trials or this worker's timeout passes; returns how
     many this worker ran. A failing trial is recorded as FAIL and never stops the worker."""

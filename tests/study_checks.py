@@ -63,6 +63,7 @@ def check_small_study(study: optuna.Study) -> None:
     for trial in trials:
         assert RECORDED_ATTRS <= set(trial.user_attrs), trial.user_attrs
         assert trial.user_attrs["precision"] == "fp32"
+        assert trial.user_attrs["batch_size_source"] == "config"
         assert (
             trial.user_attrs["grad_accum_steps"] == 2
             and trial.user_attrs["physical_batch_size"] == 4

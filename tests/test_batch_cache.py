@@ -9,6 +9,7 @@ from pathlib import Path
 import optuna
 import pytest
 import sqlalchemy as sa
+import torch
 
 from storage.batch_cache import BatchSizeCache
 from tests.conftest import run_hpo, tiny_config, write_config, write_csv
@@ -129,3 +130,48 @@ def test_out_of_memory_at_batch_one_prunes_and_the_worker_goes_on(tmp_path: Path
     trials = optuna.load_study(study_name="s", storage=url).get_trials()
     assert [t.state for t in trials] == [optuna.trial.TrialState.PRUNED] * 2
     assert all(t.user_attrs["prune_reason"].startswith("oom:") for t in trials)
+
+
+def test_an_oom_in_a_trial_lowers_the_cached_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hpo.config import load_config
+    from tests.test_batch_finder import probe_peak
+    from trainer.batch_finder import batch_key
+    from trainer.config import TrainJob
+
+    config_path = long_text_config(tmp_path, n_trials=1)
+    config = load_config(config_path)
+    job = TrainJob(config.data, config.model, config.training)
+    # A worst-case probe of 4 pads every example to 256 tokens: the real data at 8 needs more,
+    # at 4 less.
+    budget = str(probe_peak(job, ["0", "1"], 4))
+    monkeypatch.setenv(BUDGET_ENV, budget)  # the key of a search includes the budget
+    key = batch_key(job, torch_cpu(), "fp32")
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    engine = sa.create_engine(url)
+    cache = BatchSizeCache(engine)
+    cache.record(key, 16, {"note": "stale: more than fits"})
+    result = run_hpo(
+        "run",
+        "--study",
+        "s",
+        "--config",
+        str(config_path),
+        "--storage",
+        url,
+        cwd=tmp_path,
+        env={BUDGET_ENV: budget},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (trial,) = optuna.load_study(study_name="s", storage=url).get_trials()
+    assert trial.state == optuna.trial.TrialState.COMPLETE
+    assert trial.user_attrs["batch_size_source"] == "cache"
+    assert trial.user_attrs["oom_recoveries"] >= 1
+    lowered = cache.get(key)
+    engine.dispose()
+    assert lowered == trial.user_attrs["physical_batch_size"] == 4
+
+
+def torch_cpu() -> torch.device:
+    return torch.device("cpu")

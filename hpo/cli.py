@@ -141,7 +141,7 @@ def _run(args: argparse.Namespace) -> int:
         data.label_names,
     )
     print(f"hpo: study {args.study!r} in {storage_url.describe()}", file=sys.stderr)
-    storage = open_storage(storage_url)
+    storage = open_storage(storage_url, trial_budget=config.study.n_trials)
     study = open_study(storage, args.study, config)
     run_trials(study, config, data, BatchSizeCache(storage.engine))
     print("\n".join(summary_lines(study, config.study.metric)))

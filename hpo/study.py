@@ -15,6 +15,7 @@ from hpo.config import Config, PrunerConfig, SamplerConfig
 from hpo.errors import ConfigError
 from hpo.objective import Objective
 from storage.batch_cache import BatchSizeCache
+from storage.budget import TrialBudgetSpent
 from trainer.data import PreparedData
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,11 @@ def run_trials(
         if deadline is not None and time.monotonic() >= deadline:
             log.info("timeout of %.0f s reached; stopping", timeout)
             break
-        study.optimize(objective, n_trials=1, catch=(Exception,), gc_after_trial=True)
+        try:
+            study.optimize(objective, n_trials=1, catch=(Exception,), gc_after_trial=True)
+        except TrialBudgetSpent:
+            log.info("another worker started the study's last trial; stopping")
+            break
         ran += 1
     return ran
 

@@ -17,6 +17,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 
 from hpo.errors import StorageError
+from storage.budget import advisory_lock
 
 _metadata = sa.MetaData()
 batch_sizes = sa.Table(
@@ -86,14 +87,8 @@ class BatchSizeCache:
         if self.engine.dialect.name != "postgresql":
             yield  # SQLite: concurrent searches are harmless, the first one recorded wins
             return
-        lock_id = int(key_hash(key)[:15], 16)
-        with self.engine.connect() as conn:
-            conn.execute(sa.text("SELECT pg_advisory_lock(:id)"), {"id": lock_id})
-            try:
-                yield
-            finally:
-                conn.execute(sa.text("SELECT pg_advisory_unlock(:id)"), {"id": lock_id})
-                conn.commit()
+        with advisory_lock(self.engine, f"hpo-batch-{key_hash(key)}"):
+            yield
 
 
 def _create_table(engine: Engine) -> None:

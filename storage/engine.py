@@ -5,15 +5,20 @@ Library errors are wrapped here into StorageError with the password masked.
 
 from __future__ import annotations
 
+import random
+import time
+from pathlib import Path
 from typing import Any
 
-import optuna
 import sqlalchemy.exc
+from sqlalchemy.engine import make_url
 
 from hpo.errors import StorageError
+from storage.budget import BudgetedRDBStorage, file_lock
 from storage.url import StorageURL, mask_text
 
 CONNECT_TIMEOUT_S = 10
+TABLE_CREATION_ATTEMPTS = 5
 SQLITE_BUSY_TIMEOUT_S = 60
 
 
@@ -39,18 +44,38 @@ def engine_kwargs(backend: str) -> dict[str, Any]:
     return {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S}}
 
 
-def open_storage(storage_url: StorageURL) -> optuna.storages.RDBStorage:
-    """Connect (creating the tables if needed); raises StorageError naming what is wrong."""
+def open_storage(storage_url: StorageURL, trial_budget: int | None = None) -> BudgetedRDBStorage:
+    """Connect (creating the tables if needed); raises StorageError naming what is wrong.
+    With `trial_budget`, no trial is created once the study holds that many."""
     try:
-        return optuna.storages.RDBStorage(
-            storage_url.url, engine_kwargs=engine_kwargs(storage_url.backend)
-        )
-    except (sqlalchemy.exc.SQLAlchemyError, ImportError, ValueError) as e:
+        storage = _create_tables_retrying(storage_url)
+        storage.trial_budget = trial_budget
+        return storage
+    except (sqlalchemy.exc.SQLAlchemyError, ImportError, ValueError, OSError) as e:
         reason = _first_line(mask_text(str(getattr(e, "orig", None) or e)))
         raise StorageError(
             f"cannot open the study database {storage_url.masked}: {reason}; "
             "check the host, port, database name and credentials (or that the SQLite folder exists)"
         ) from e
+
+
+def _create_tables_retrying(storage_url: StorageURL) -> BudgetedRDBStorage:
+    """Workers starting together on an empty database race to create Optuna's tables. On SQLite
+    a file lock serialises them; on PostgreSQL the losers see a duplicate-object error and
+    succeed on a retry, once the tables exist."""
+    kwargs = engine_kwargs(storage_url.backend)
+    if storage_url.backend == "sqlite":
+        database = make_url(storage_url.url).database
+        with file_lock(Path(f"{database}.hpo-lock")):
+            return BudgetedRDBStorage(storage_url.url, engine_kwargs=kwargs)
+    for attempt in range(TABLE_CREATION_ATTEMPTS):
+        try:
+            return BudgetedRDBStorage(storage_url.url, engine_kwargs=kwargs)
+        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
+            if attempt == TABLE_CREATION_ATTEMPTS - 1:
+                raise
+            time.sleep(0.2 * (attempt + 1) + random.random() * 0.3)
+    raise AssertionError("unreachable")
 
 
 def _first_line(text: str) -> str:

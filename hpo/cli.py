@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
     run.add_argument("--quiet", action="store_true", help="only warnings and the final summary")
+    _add_monitoring_commands(commands)
     finder = commands.add_parser(
         "batch-size",
         help="find the largest physical batch that fits and print what the search did",
@@ -83,6 +84,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_monitoring_commands(commands: argparse._SubParsersAction) -> None:
+    storage_help = "database URL (default: $HPO_STORAGE, then ./hpo.db)"
+    studies = commands.add_parser("studies", help="list the studies in the storage")
+    best = commands.add_parser("best", help="print the best trial of a study")
+    status = commands.add_parser("status", help="summarise a study: states, running, failures")
+    dashboard = commands.add_parser("dashboard", help="serve optuna-dashboard on the storage")
+    for sub in (studies, best, status, dashboard):
+        sub.add_argument("--storage", default=None, help=storage_help)
+        sub.add_argument("--debug", action="store_true", help="show tracebacks")
+        sub.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
+    for sub in (best, status):
+        sub.add_argument("--study", required=True, help="study name")
+    for sub in (studies, best, status):
+        sub.add_argument("--json", action="store_true", help="machine-readable output")
+    dashboard.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost)")
+    dashboard.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # Before CUDA initialises: fewer fragmentation OOMs as batch shapes change between steps.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -93,6 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run(args)
         if args.command == "batch-size":
             return _batch_size(args)
+        return _monitor(args)
     except HPOError as e:
         if args.debug:
             log.exception("hpo failed")
@@ -146,6 +166,60 @@ def _run(args: argparse.Namespace) -> int:
     run_trials(study, config, data, BatchSizeCache(storage.engine))
     print("\n".join(summary_lines(study, config.study.metric)))
     return 0
+
+
+def _monitor(args: argparse.Namespace) -> int:
+    import json
+
+    import optuna
+
+    from hpo import report
+    from storage import open_storage, resolve_storage_url
+
+    storage_url = resolve_storage_url(args.storage, None)
+    storage = open_storage(storage_url)
+    if args.command == "dashboard":
+        from optuna_dashboard import run_server
+
+        print(f"hpo: dashboard for {storage_url.describe()} on http://{args.host}:{args.port}/")
+        run_server(storage, host=args.host, port=args.port)
+        return 0
+    if args.command == "studies":
+        rows = report.studies(storage)
+        print(json.dumps(rows, indent=2) if args.json else _studies_table(rows))
+        return 0
+    try:
+        study = optuna.load_study(study_name=args.study, storage=storage)
+    except KeyError as e:
+        raise HPOError(f"no study {args.study!r} in {storage_url.masked}; see `hpo studies`") from e
+    if args.command == "best":
+        best = report.best_trial(study)
+        if best is None:
+            raise HPOError(f"study {args.study!r} has no completed trial yet")
+        print(json.dumps(best, indent=2, default=str) if args.json else _best_text(best))
+        return 0
+    summary = report.status(study)
+    print(
+        json.dumps(summary, indent=2, default=str)
+        if args.json
+        else "\n".join(report.status_lines(summary))
+    )
+    return 0
+
+
+def _studies_table(rows: list[dict]) -> str:
+    if not rows:
+        return "no studies"
+    lines = [f"{'name':<30} {'direction':<9} {'trials':>6}  best"]
+    for row in rows:
+        best = "-" if row["best_value"] is None else f"{row['best_value']:.4f}"
+        lines.append(f"{row['name']:<30} {row['direction']:<9} {row['n_trials']:>6}  {best}")
+    return "\n".join(lines)
+
+
+def _best_text(best: dict) -> str:
+    params = ", ".join(f"{k}={v}" for k, v in best["params"].items())
+    return f"best trial #{best['number']} of {best['study']!r}: {best['value']:.4f} ({params})"
 
 
 def _batch_size(args: argparse.Namespace) -> int:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import socket
 import time
 from typing import Any
 
@@ -22,6 +24,7 @@ from trainer.loop import Evaluation, TrainResult, grad_accum_steps_for, train
 from trainer.memory import OutOfMemoryAtBatchOne
 
 log = logging.getLogger(__name__)
+WORKER = f"{socket.gethostname()}:{os.getpid()}"
 
 
 class Objective:
@@ -35,6 +38,7 @@ class Objective:
 
     def __call__(self, trial: optuna.Trial) -> float:
         started = time.perf_counter()
+        trial.set_user_attr("worker", WORKER)
         params = sample(trial, self.config.search_space)
         training = training_for_trial(self.config.training, params)
         job = TrainJob(data=self.config.data, model=self.config.model, training=training)

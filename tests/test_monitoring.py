@@ -1,0 +1,109 @@
+"""hpo studies, best, status and dashboard on a study with known trials."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import optuna
+
+from tests.conftest import run_hpo
+
+
+def known_study(url: str) -> None:
+    study = optuna.create_study(study_name="watched", storage=url, direction="maximize")
+    for value in (0.91, 0.88):
+        trial = study.ask({"learning_rate": optuna.distributions.FloatDistribution(1e-6, 1e-2)})
+        trial.set_user_attr("wall_s", 1800.0)
+        trial.set_user_attr("samples_per_s", 123.0)
+        study.tell(trial, value)
+    pruned = study.ask()
+    pruned.set_user_attr("prune_reason", "oom: out of memory at physical batch 1")
+    study.tell(pruned, state=optuna.trial.TrialState.PRUNED)
+    failed = study.ask()
+    failed.set_user_attr("fail_reason", "RuntimeError: CUDA error: device-side assert")
+    study.tell(failed, state=optuna.trial.TrialState.FAIL)
+    running = study.ask()
+    running.set_user_attr("worker", "gpu-host-3:4242")
+    optuna.create_study(study_name="other", storage=url)
+
+
+def test_studies_best_and_status(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'watch.db'}"
+    known_study(url)
+    listed = run_hpo("studies", "--storage", url, "--json", cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    rows = {row["name"]: row for row in json.loads(listed.stdout)}
+    assert rows["watched"]["n_trials"] == 5 and rows["watched"]["best_value"] == 0.91
+    assert rows["other"]["n_trials"] == 0
+    assert "watched" in run_hpo("studies", "--storage", url, cwd=tmp_path).stdout
+
+    best = run_hpo("best", "--study", "watched", "--storage", url, "--json", cwd=tmp_path)
+    assert best.returncode == 0, best.stderr
+    best_trial = json.loads(best.stdout)
+    assert (best_trial["number"], best_trial["value"]) == (0, 0.91)
+    assert best_trial["user_attrs"]["samples_per_s"] == 123.0
+
+    status = run_hpo("status", "--study", "watched", "--storage", url, "--json", cwd=tmp_path)
+    assert status.returncode == 0, status.stderr
+    report = json.loads(status.stdout)
+    assert report["trials"] == {"complete": 2, "pruned": 1, "fail": 1, "running": 1}
+    assert (
+        report["running"][0]["worker"] == "gpu-host-3:4242" and report["running"][0]["age_s"] >= 0
+    )
+    assert report["device_hours"] == 1.0
+    assert report["prunes"] == {"oom": 1} and report["failures"] == {"RuntimeError": 1}
+    text = run_hpo("status", "--study", "watched", "--storage", url, cwd=tmp_path).stdout
+    assert "running #4 on gpu-host-3:4242" in text and "prune: 1 x oom" in text
+
+
+def test_unknown_study_and_no_best(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'watch.db'}"
+    known_study(url)
+    missing = run_hpo("best", "--study", "nope", "--storage", url, cwd=tmp_path)
+    assert missing.returncode == 2 and "no study 'nope'" in missing.stderr
+    empty = run_hpo("best", "--study", "other", "--storage", url, cwd=tmp_path)
+    assert empty.returncode == 2 and "no completed trial yet" in empty.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_dashboard_serves_the_study_on_localhost(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'watch.db'}"
+    known_study(url)
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "hpo", "dashboard", "--storage", url, "--port", str(port)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        studies = _get_json(f"http://127.0.0.1:{port}/api/studies", server)
+        watched = next(s for s in studies["study_summaries"] if s["study_name"] == "watched")
+        detail = _get_json(f"http://127.0.0.1:{port}/api/studies/{watched['study_id']}", server)
+        attrs = [{a["key"]: a["value"] for a in t["user_attrs"]} for t in detail["trials"]]
+        assert len(detail["trials"]) == 5
+        assert attrs[2]["prune_reason"].startswith("oom")
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def _get_json(address: str, server: subprocess.Popen[bytes]) -> dict:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(address, timeout=5) as response:
+                return json.loads(response.read())
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise
+            time.sleep(0.3)

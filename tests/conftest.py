@@ -53,6 +53,14 @@ def easy_rows(n: int, seed: int) -> list[dict[str, str]]:
     return rows
 
 
+def long_rows(n: int) -> list[dict[str, str]]:
+    """About 240 tokens each: with eager attention, activations decide what fits in memory."""
+    return [
+        {"text": f"{'good' if i % 2 else 'bad'} " + "the meal was fine " * 60, "label": str(i % 2)}
+        for i in range(n)
+    ]
+
+
 def write_csv(path: Path, rows: list[dict[str, str]]) -> Path:
     import csv
 

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 import torch
 
 from storage.batch_cache import BatchSizeCache
-from tests.conftest import run_hpo, tiny_config, write_config, write_csv
+from tests.conftest import long_rows, run_hpo, tiny_config, write_config, write_csv
 from trainer.memory import BUDGET_ENV
 
 KEY = {"model": "abc", "max_length": 128, "device": "NVIDIA H100 80GB HBM3"}
@@ -71,10 +71,7 @@ def test_one_worker_searches_while_the_others_wait(postgres_url: str) -> None:
 
 def long_text_config(tmp_path: Path, n_trials: int) -> Path:
     """A tiny study on long sequences, so activations decide what fits a memory budget."""
-    rows = [
-        {"text": f"{'good' if i % 2 else 'bad'} " + "the meal was fine " * 60, "label": str(i % 2)}
-        for i in range(32)
-    ]
+    rows = long_rows(32)
     data = write_csv(tmp_path / "long.csv", rows)
     raw = tiny_config(data, data, study={"n_trials": n_trials})
     raw["model"]["attn_implementation"] = "eager"

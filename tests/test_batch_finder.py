@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import write_csv
+from tests.conftest import long_rows, write_csv
 from tests.test_trainer import tiny_job
 from trainer import loop
 from trainer.batch_finder import BatchFinder, find_physical_batch_size, search_largest
@@ -35,10 +35,7 @@ def prepared(easy_data: tuple[Path, Path]) -> tuple[TrainJob, PreparedData]:
 @pytest.fixture
 def long_prepared(tmp_path: Path) -> tuple[TrainJob, PreparedData]:
     """Long sequences and eager attention: activations, not weights, decide what fits."""
-    rows = [
-        {"text": f"{'good' if i % 2 else 'bad'} " + "the meal was fine " * 60, "label": str(i % 2)}
-        for i in range(48)
-    ]
+    rows = long_rows(48)
     train_file = write_csv(tmp_path / "long.csv", rows)
     job = tiny_job(train_file, train_file, physical_batch_size=8, effective_batch_size=8)
     job.data.max_length = 256

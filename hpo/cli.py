@@ -8,12 +8,14 @@ import argparse
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 from hpo import __version__
 from hpo.config import Config, load_config
 from hpo.errors import ConfigError, HPOError
+from storage.engine import Liveness
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -134,6 +136,8 @@ def _setup_logging(debug: bool, quiet: bool) -> None:
     import transformers
 
     optuna.logging.set_verbosity(level)
+    # Heartbeats are marked experimental in Optuna; hpo relies on them on purpose.
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     # "Some weights were newly initialized" is expected for every fine-tuning run.
     transformers.logging.set_verbosity_error()
 
@@ -161,7 +165,7 @@ def _run(args: argparse.Namespace) -> int:
         data.label_names,
     )
     print(f"hpo: study {args.study!r} in {storage_url.describe()}", file=sys.stderr)
-    storage = open_storage(storage_url, trial_budget=config.study.n_trials)
+    storage = open_storage(storage_url, config.study.n_trials, _liveness(config))
     study = open_study(storage, args.study, config)
     run_trials(study, config, data, BatchSizeCache(storage.engine))
     print("\n".join(summary_lines(study, config.study.metric)))
@@ -250,6 +254,12 @@ def _batch_size(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _liveness(config: Config) -> Liveness:
+    study = config.study
+    grace = study.grace_period or 3 * study.heartbeat_interval
+    return Liveness(study.heartbeat_interval, grace, study.max_retries)
 
 
 def _apply_overrides(config: Config, args: argparse.Namespace) -> None:

@@ -87,6 +87,11 @@ class StudyConfig:
     )
     timeout: float | None = _doc("Seconds this worker runs before it stops starting trials.")
     storage: str | None = _doc("Database URL; --storage and $HPO_STORAGE take precedence.")
+    heartbeat_interval: int = _doc("Seconds between a running trial's heartbeats.", 30)
+    grace_period: int | None = _doc(
+        "Seconds without a heartbeat before a trial counts as dead; default 3x the interval."
+    )
+    max_retries: int = _doc("Times a dead worker's trial is re-run on another worker.", 2)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     pruner: PrunerConfig = field(default_factory=PrunerConfig)
 
@@ -99,6 +104,12 @@ class StudyConfig:
             found.append(("n_trials", self.n_trials, "must be a positive integer or null"))
         if self.timeout is not None and self.timeout <= 0:
             found.append(("timeout", self.timeout, "must be > 0 seconds or null"))
+        if self.heartbeat_interval < 1:
+            found.append(("heartbeat_interval", self.heartbeat_interval, "must be >= 1 second"))
+        if self.grace_period is not None and self.grace_period <= self.heartbeat_interval:
+            found.append(("grace_period", self.grace_period, "must exceed heartbeat_interval"))
+        if self.max_retries < 0:
+            found.append(("max_retries", self.max_retries, "must be >= 0"))
         if self.n_trials is None and self.timeout is None:
             found.append(("n_trials", None, "give n_trials or timeout, or the study never ends"))
         return found

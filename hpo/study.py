@@ -78,12 +78,6 @@ def open_study(storage: optuna.storages.BaseStorage, name: str, config: Config) 
     return study
 
 
-def trials_in_study(study: optuna.Study) -> int:
-    """Trials that count against the budget; WAITING (enqueued) ones are run within it."""
-    started = [s for s in optuna.trial.TrialState if s != optuna.trial.TrialState.WAITING]
-    return len(study.get_trials(deepcopy=False, states=started))
-
-
 def run_trials(
     study: optuna.Study,
     config: Config,
@@ -97,16 +91,13 @@ def run_trials(
     deadline = time.monotonic() + timeout if timeout is not None else None
     ran = 0
     while True:
-        if budget is not None and trials_in_study(study) >= budget:
-            log.info("study %r holds %d trials, its budget; stopping", study.study_name, budget)
-            break
         if deadline is not None and time.monotonic() >= deadline:
             log.info("timeout of %.0f s reached; stopping", timeout)
             break
         try:
             study.optimize(objective, n_trials=1, catch=(Exception,), gc_after_trial=True)
         except TrialBudgetSpent:
-            log.info("another worker started the study's last trial; stopping")
+            log.info("study %r holds %d trials, its budget; stopping", study.study_name, budget)
             break
         ran += 1
     return ran

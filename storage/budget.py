@@ -16,6 +16,12 @@ import optuna
 import sqlalchemy as sa
 from optuna.trial import FrozenTrial
 
+_STARTED = sa.text("SELECT count(*) FROM trials WHERE study_id = :id AND state != 'WAITING'")
+_RETRIES = sa.text(
+    "SELECT count(*) FROM trial_system_attributes a JOIN trials t ON t.trial_id = a.trial_id "
+    "WHERE t.study_id = :id AND a.key = 'failed_trial'"
+)
+
 
 class TrialBudgetSpent(Exception):
     """The study already holds its budget of trials; this worker should stop."""
@@ -41,9 +47,12 @@ class BudgetedRDBStorage(optuna.storages.RDBStorage):
             return super()._create_new_trial(study_id, template_trial)
 
     def _started_trials(self, study_id: int) -> int:
-        query = sa.text("SELECT count(*) FROM trials WHERE study_id = :id AND state != 'WAITING'")
+        """Started trials, less the failed ones that a retry replaces (each retry carries the
+        `failed_trial` system attribute), so that retries of dead workers' trials fit."""
         with self.engine.connect() as conn:
-            return int(conn.execute(query, {"id": study_id}).scalar_one())
+            return int(conn.execute(_STARTED, {"id": study_id}).scalar_one()) - int(
+                conn.execute(_RETRIES, {"id": study_id}).scalar_one()
+            )
 
     @contextlib.contextmanager
     def _budget_lock(self, study_id: int) -> Iterator[None]:

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import optuna
 import sqlalchemy.exc
 from sqlalchemy.engine import make_url
 
@@ -44,11 +46,22 @@ def engine_kwargs(backend: str) -> dict[str, Any]:
     return {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S}}
 
 
-def open_storage(storage_url: StorageURL, trial_budget: int | None = None) -> BudgetedRDBStorage:
+@dataclass(frozen=True)
+class Liveness:
+    """Heartbeats of running trials: a trial silent for `grace_period_s` is failed and re-run."""
+
+    heartbeat_interval_s: int
+    grace_period_s: int
+    max_retries: int
+
+
+def open_storage(
+    storage_url: StorageURL, trial_budget: int | None = None, liveness: Liveness | None = None
+) -> BudgetedRDBStorage:
     """Connect (creating the tables if needed); raises StorageError naming what is wrong.
     With `trial_budget`, no trial is created once the study holds that many."""
     try:
-        storage = _create_tables_retrying(storage_url)
+        storage = _create_tables_retrying(storage_url, liveness)
         storage.trial_budget = trial_budget
         return storage
     except (sqlalchemy.exc.SQLAlchemyError, ImportError, ValueError, OSError) as e:
@@ -59,18 +72,26 @@ def open_storage(storage_url: StorageURL, trial_budget: int | None = None) -> Bu
         ) from e
 
 
-def _create_tables_retrying(storage_url: StorageURL) -> BudgetedRDBStorage:
+def _create_tables_retrying(
+    storage_url: StorageURL, liveness: Liveness | None
+) -> BudgetedRDBStorage:
     """Workers starting together on an empty database race to create Optuna's tables. On SQLite
     a file lock serialises them; on PostgreSQL the losers see a duplicate-object error and
     succeed on a retry, once the tables exist."""
-    kwargs = engine_kwargs(storage_url.backend)
+    kwargs: dict[str, Any] = {"engine_kwargs": engine_kwargs(storage_url.backend)}
+    if liveness is not None:
+        kwargs["heartbeat_interval"] = liveness.heartbeat_interval_s
+        kwargs["grace_period"] = liveness.grace_period_s
+        kwargs["heartbeat_stale_trial_callback"] = optuna.storages.RetryHeartbeatStaleTrialCallback(
+            max_retry=liveness.max_retries
+        )
     if storage_url.backend == "sqlite":
         database = make_url(storage_url.url).database
         with file_lock(Path(f"{database}.hpo-lock")):
-            return BudgetedRDBStorage(storage_url.url, engine_kwargs=kwargs)
+            return BudgetedRDBStorage(storage_url.url, **kwargs)
     for attempt in range(TABLE_CREATION_ATTEMPTS):
         try:
-            return BudgetedRDBStorage(storage_url.url, engine_kwargs=kwargs)
+            return BudgetedRDBStorage(storage_url.url, **kwargs)
         except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
             if attempt == TABLE_CREATION_ATTEMPTS - 1:
                 raise

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import optuna
@@ -56,3 +58,55 @@ def run_workers(tmp_path: Path, easy_data: tuple[Path, Path], url: str, workers:
         (t.number, t.state.name) for t in trials
     ]
     assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+
+
+@pytest.mark.postgres
+def test_a_killed_workers_trial_is_failed_and_retried_elsewhere(
+    tmp_path: Path, easy_data: tuple[Path, Path], postgres_url: str
+) -> None:
+    raw = tiny_config(
+        *easy_data,
+        study={
+            "n_trials": 1,
+            "heartbeat_interval": 1,
+            "grace_period": 3,
+            "pruner": {"type": "none"},
+        },
+        training={"epochs": 4},
+    )
+    config = write_config(tmp_path / "c.yaml", raw)
+    command = [sys.executable, "-m", "hpo", "run", "--study", "kill", "--config", str(config),
+               "--storage", postgres_url, "--quiet"]  # fmt: skip
+    doomed = subprocess.Popen(command, cwd=tmp_path, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        wait_for_running_trial(postgres_url, "kill", doomed)
+    finally:
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait(timeout=30)
+    time.sleep(4)  # past the grace period: the trial's heartbeat has stopped
+    survivor = subprocess.run(command, cwd=tmp_path, stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert survivor.returncode == 0, survivor.stderr[-3000:]
+    trials = optuna.load_study(study_name="kill", storage=postgres_url).get_trials()
+    assert [t.state for t in trials] == [
+        optuna.trial.TrialState.FAIL,
+        optuna.trial.TrialState.COMPLETE,
+    ]
+    assert trials[1].system_attrs["failed_trial"] == 0
+    assert trials[1].params == trials[0].params  # the same configuration, re-run
+    assert trials[1].user_attrs["worker"] != trials[0].user_attrs["worker"]
+
+
+def wait_for_running_trial(url: str, study: str, worker: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert worker.poll() is None, "the worker ended before its trial started"
+        try:
+            trials = optuna.load_study(study_name=study, storage=url).get_trials()
+        except KeyError:
+            trials = []
+        if any(t.state == optuna.trial.TrialState.RUNNING and t.params for t in trials):
+            return
+        time.sleep(0.2)
+    raise AssertionError("no trial started within 120 s")

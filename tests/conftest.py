@@ -124,6 +124,14 @@ def run_hpo(
     )
 
 
+def run_study(
+    config: Path | str, storage: str, cwd: Path, study: str = "s", env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`hpo run` of one worker on `study` with an explicit config and storage."""
+    args = ("run", "--study", study, "--config", str(config), "--storage", storage)
+    return run_hpo(*args, cwd=cwd, env=env)
+
+
 def _postgres_reachable() -> str | None:
     import sqlalchemy
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import optuna
 
-from tests.conftest import run_hpo, tiny_config, write_config
+from tests.conftest import run_study, tiny_config, write_config
 
 RECORDED_ATTRS = {
     "physical_batch_size",
@@ -36,15 +36,11 @@ def run_small_study(
     queued = optuna.create_study(storage=storage_url, study_name=study, direction="maximize")
     for lr in ENQUEUED_LEARNING_RATES:
         queued.enqueue_trial({"effective_batch_size": 8, "learning_rate": lr})
-    result = run_hpo(
-        "run", "--study", study, "--config", str(config), "--storage", storage_url, cwd=tmp_path
-    )
+    result = run_study(config, storage_url, tmp_path, study=study)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "best trial #" in result.stdout
     # A second worker finds the study's budget spent and starts nothing.
-    again = run_hpo(
-        "run", "--study", study, "--config", str(config), "--storage", storage_url, cwd=tmp_path
-    )
+    again = run_study(config, storage_url, tmp_path, study=study)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "holds 5 trials, its budget" in again.stderr
     return optuna.load_study(study_name=study, storage=storage_url)

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 import torch
 
 from storage.batch_cache import BatchSizeCache
-from tests.conftest import long_rows, run_hpo, tiny_config, write_config, write_csv
+from tests.conftest import long_rows, run_hpo, run_study, tiny_config, write_config, write_csv
 from trainer.memory import BUDGET_ENV
 
 KEY = {"model": "abc", "max_length": 128, "device": "NVIDIA H100 80GB HBM3"}
@@ -93,9 +93,7 @@ def test_found_once_then_reused_by_every_trial(tmp_path: Path) -> None:
     config = long_text_config(tmp_path, n_trials=3)
     url = f"sqlite:///{tmp_path / 'study.db'}"
     budget = {BUDGET_ENV: str(60_000_000)}
-    result = run_hpo(
-        "run", "--study", "s", "--config", str(config), "--storage", url, cwd=tmp_path, env=budget
-    )
+    result = run_study(config, url, tmp_path, env=budget)
     assert result.returncode == 0, result.stderr[-3000:]
     trials = optuna.load_study(study_name="s", storage=url).get_trials()
     sources = [t.user_attrs["batch_size_source"] for t in trials]
@@ -112,17 +110,7 @@ def test_found_once_then_reused_by_every_trial(tmp_path: Path) -> None:
 def test_out_of_memory_at_batch_one_prunes_and_the_worker_goes_on(tmp_path: Path) -> None:
     config = long_text_config(tmp_path, n_trials=2)
     url = f"sqlite:///{tmp_path / 'study.db'}"
-    result = run_hpo(
-        "run",
-        "--study",
-        "s",
-        "--config",
-        str(config),
-        "--storage",
-        url,
-        cwd=tmp_path,
-        env={BUDGET_ENV: "100000"},
-    )
+    result = run_study(config, url, tmp_path, env={BUDGET_ENV: "100000"})
     assert result.returncode == 0, result.stderr[-3000:]
     trials = optuna.load_study(study_name="s", storage=url).get_trials()
     assert [t.state for t in trials] == [optuna.trial.TrialState.PRUNED] * 2
@@ -149,17 +137,7 @@ def test_an_oom_in_a_trial_lowers_the_cached_size(
     engine = sa.create_engine(url)
     cache = BatchSizeCache(engine)
     cache.record(key, 16, {"note": "stale: more than fits"})
-    result = run_hpo(
-        "run",
-        "--study",
-        "s",
-        "--config",
-        str(config_path),
-        "--storage",
-        url,
-        cwd=tmp_path,
-        env={BUDGET_ENV: budget},
-    )
+    result = run_study(config_path, url, tmp_path, env={BUDGET_ENV: budget})
     assert result.returncode == 0, result.stderr[-3000:]
     (trial,) = optuna.load_study(study_name="s", storage=url).get_trials()
     assert trial.state == optuna.trial.TrialState.COMPLETE

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_hpo, tiny_config, write_config
+from tests.conftest import run_hpo, run_study, tiny_config, write_config
 from tests.study_checks import check_small_study, run_small_study
 
 
@@ -63,16 +63,7 @@ def test_bad_input_exits_2_and_writes_nothing(
         raw[section].update(values)
     config = write_config(tmp_path / "bad.yaml", raw)
     database = tmp_path / "must-not-exist.db"
-    result = run_hpo(
-        "run",
-        "--study",
-        "s",
-        "--config",
-        str(config),
-        "--storage",
-        f"sqlite:///{database}",
-        cwd=tmp_path,
-    )
+    result = run_study(config, f"sqlite:///{database}", tmp_path)
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
@@ -81,16 +72,7 @@ def test_bad_input_exits_2_and_writes_nothing(
 
 def test_bad_storage_url_is_one_masked_line(tmp_path: Path, easy_data: tuple[Path, Path]) -> None:
     config = write_config(tmp_path / "c.yaml", tiny_config(*easy_data))
-    result = run_hpo(
-        "run",
-        "--study",
-        "s",
-        "--config",
-        str(config),
-        "--storage",
-        "postgresql+psycopg2://me:hunter2@127.0.0.1:1/none",
-        cwd=tmp_path,
-    )
+    result = run_study(config, "postgresql+psycopg2://me:hunter2@127.0.0.1:1/none", tmp_path)
     assert result.returncode == 2
     assert "hunter2" not in result.stderr + result.stdout
     errors = [line for line in result.stderr.splitlines() if line.startswith("hpo: error")]
@@ -111,7 +93,7 @@ def test_a_failing_trial_never_stops_the_worker(
     )
     config = write_config(tmp_path / "c.yaml", raw)
     url = f"sqlite:///{tmp_path / 'study.db'}"
-    result = run_hpo("run", "--study", "s", "--config", str(config), "--storage", url, cwd=tmp_path)
+    result = run_study(config, url, tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     import optuna
 

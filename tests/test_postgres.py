@@ -7,7 +7,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from tests.conftest import run_hpo, tiny_config, write_config
+from tests.conftest import run_study, tiny_config, write_config
 from tests.study_checks import check_small_study, run_small_study
 
 pytestmark = pytest.mark.postgres
@@ -22,8 +22,6 @@ def test_bad_config_writes_no_study(
 ) -> None:
     raw = tiny_config(*easy_data, training={"epochs": 0})
     config = write_config(tmp_path / "bad.yaml", raw)
-    result = run_hpo(
-        "run", "--study", "s", "--config", str(config), "--storage", postgres_url, cwd=tmp_path
-    )
+    result = run_study(config, postgres_url, tmp_path)
     assert result.returncode == 2 and "training.epochs: got 0" in result.stderr
     assert optuna.study.get_all_study_names(storage=postgres_url) == []

@@ -128,7 +128,6 @@ class BatchFinder:
             chosen = min(CPU_PHYSICAL_BATCH_SIZE, self.cfg.batch_search_max)
             return BatchSearch(chosen, chosen, margin, max_length, note="CPU: no memory limit")
         limit = search_largest(self.fits, self.cfg.batch_search_start, self.cfg.batch_search_max)
-        release_memory(self.device)
         chosen = max(1, math.floor(limit * margin)) if limit else 0
         search = BatchSearch(
             limit, chosen, margin, max_length, self.probes, time.perf_counter() - started

@@ -8,17 +8,20 @@ import argparse
 import logging
 import os
 import sys
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpo import __version__
 from hpo.config import Config, load_config
 from hpo.errors import ConfigError, HPOError
-from storage.engine import Liveness
+from hpo.logs import set_optuna_verbosity, setup_logging
+from hpo.stopping import EXIT_INTERRUPTED, StopRequest
+
+if TYPE_CHECKING:
+    from storage.engine import Liveness
 
 EXIT_BAD_INPUT = 2
-EXIT_INTERRUPTED = 130
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
 
@@ -69,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--device", default=None, help="auto, cpu, cuda or cuda:N (overrides training.device)"
     )
+    run.add_argument(
+        "--gpus",
+        default=None,
+        help="start one worker per GPU of this host: auto (every visible GPU, or one CPU worker "
+        "when there is none), none (one CPU worker) or ids like 0,1,3",
+    )
     run.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
     run.add_argument("--quiet", action="store_true", help="only warnings and the final summary")
     _add_monitoring_commands(commands)
@@ -107,7 +116,9 @@ def _add_monitoring_commands(commands: argparse._SubParsersAction) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     # Before CUDA initialises: fewer fragmentation OOMs as batch shapes change between steps.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     _setup_logging(args.debug, args.quiet)
     try:
         if args.command == "run":
@@ -121,33 +132,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hpo: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        print("hpo: interrupted; the running trial was recorded as failed", file=sys.stderr)
+        print("hpo: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     return 0
 
 
 def _setup_logging(debug: bool, quiet: bool) -> None:
-    level = logging.DEBUG if debug else logging.WARNING if quiet else logging.INFO
-    logging.basicConfig(
-        level=level, format="[%(name)s %(levelname)s] %(message)s", stream=sys.stderr
-    )
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import optuna
-    import transformers
-
-    optuna.logging.set_verbosity(level)
-    # Heartbeats are marked experimental in Optuna; hpo relies on them on purpose.
-    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-    # "Some weights were newly initialized" is expected for every fine-tuning run.
-    transformers.logging.set_verbosity_error()
+    setup_logging(logging.DEBUG if debug else logging.WARNING if quiet else logging.INFO)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from hpo.study import open_study, run_trials, summary_lines
-    from storage import open_storage, resolve_storage_url
-    from storage.batch_cache import BatchSizeCache
-    from trainer.data import prepare_data
-    from trainer.model import check_model_config, load_tokenizer
+    from storage.url import resolve_storage_url
 
     config_path = args.config or DEMO_CONFIG
     if args.config is None and not DEMO_CONFIG.is_file():
@@ -155,6 +150,16 @@ def _run(args: argparse.Namespace) -> int:
     config = load_config(config_path)
     _apply_overrides(config, args)
     storage_url = resolve_storage_url(args.storage, config.study.storage)
+    gpus = _worker_gpus(config, args.gpus)
+    # Only now the heavy imports: a config or URL error is reported in well under a second.
+    from hpo.launcher import run_workers
+    from hpo.objective import Objective
+    from hpo.study import open_study, run_trials, summary_lines
+    from storage import open_storage
+    from trainer.data import prepare_data
+    from trainer.model import check_model_config, load_tokenizer
+
+    set_optuna_verbosity(logging.getLogger().level)
     # Every input is checked before the database is touched: a bad one writes nothing.
     check_model_config(config.model)
     data = prepare_data(config.data, load_tokenizer(config.model))
@@ -165,11 +170,21 @@ def _run(args: argparse.Namespace) -> int:
         data.label_names,
     )
     print(f"hpo: study {args.study!r} in {storage_url.describe()}", file=sys.stderr)
-    storage = open_storage(storage_url, config.study.n_trials, _liveness(config))
+    storage = open_storage(
+        storage_url, config.study.n_trials, _liveness(config), config.study.database_patience
+    )
     study = open_study(storage, args.study, config)
-    run_trials(study, config, data, BatchSizeCache(storage.engine))
+    if len(gpus) > 1:
+        code = run_workers(gpus, args.argv)
+        print("\n".join(summary_lines(study, config.study.metric)))
+        return code
+    stop = StopRequest(interrupt_at_once=config.study.trial_isolation == "none")
+    stop.install()
+    run_trials(study, Objective(config, data, storage_url, stop), stop)
     print("\n".join(summary_lines(study, config.study.metric)))
-    return 0
+    if stop.signal_name is not None:
+        print(f"hpo: stopped by {stop.signal_name}", file=sys.stderr)
+    return stop.exit_code if stop.requested else 0
 
 
 def _monitor(args: argparse.Namespace) -> int:
@@ -179,6 +194,8 @@ def _monitor(args: argparse.Namespace) -> int:
 
     from hpo import report
     from storage import open_storage, resolve_storage_url
+
+    set_optuna_verbosity(logging.getLogger().level)
 
     storage_url = resolve_storage_url(args.storage, None)
     storage = open_storage(storage_url)
@@ -223,7 +240,11 @@ def _studies_table(rows: list[dict]) -> str:
 
 def _best_text(best: dict) -> str:
     params = ", ".join(f"{k}={v}" for k, v in best["params"].items())
-    return f"best trial #{best['number']} of {best['study']!r}: {best['value']:.4f} ({params})"
+    text = f"best trial #{best['number']} of {best['study']!r}: {best['value']:.4f} ({params})"
+    model = best["user_attrs"].get("best_model")
+    if model:
+        text += f"\nmodel: {model} (AutoModelForSequenceClassification.from_pretrained)"
+    return text
 
 
 def _batch_size(args: argparse.Namespace) -> int:
@@ -256,7 +277,30 @@ def _batch_size(args: argparse.Namespace) -> int:
     return 0
 
 
+def _worker_gpus(config: Config, spec: str | None) -> list[str]:
+    """With --gpus, the GPUs to start workers on; one of them (or the CPU) is set up to run in
+    this very process."""
+    from hpo.launcher import FAKE_GPUS_ENV, select_gpus, visible_gpus
+    from hpo.logs import WORKER_LABEL_ENV
+
+    if spec is None:
+        return []
+    gpus = select_gpus(spec, visible_gpus())
+    if not gpus:
+        if spec.strip().lower() == "auto":
+            log.info("no GPU visible on this host: one worker on the CPU")
+        config.training.device = "cpu"
+    elif len(gpus) == 1:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus[0]  # before anything initialises CUDA
+        os.environ[WORKER_LABEL_ENV] = f"gpu{gpus[0]}"
+        setup_logging(logging.getLogger().level)  # log lines now name the GPU
+        config.training.device = "cpu" if os.environ.get(FAKE_GPUS_ENV) else "cuda"
+    return gpus
+
+
 def _liveness(config: Config) -> Liveness:
+    from storage.engine import Liveness
+
     study = config.study
     grace = study.grace_period or 3 * study.heartbeat_interval
     return Liveness(study.heartbeat_interval, grace, study.max_retries)
@@ -272,6 +316,8 @@ def _apply_overrides(config: Config, args: argparse.Namespace) -> None:
         if args.timeout <= 0:
             problems.append(f"--timeout: got {args.timeout}; must be > 0 seconds")
         config.study.timeout = args.timeout
+    if args.gpus is not None and args.device is not None:
+        problems.append("--device: cannot be combined with --gpus, which sets each worker's GPU")
     if args.device is not None:
         config.training.device = args.device
         for key, value, rule in config.training.problems():

@@ -91,7 +91,38 @@ class StudyConfig:
     grace_period: int | None = _doc(
         "Seconds without a heartbeat before a trial counts as dead; default 3x the interval."
     )
-    max_retries: int = _doc("Times a dead worker's trial is re-run on another worker.", 2)
+    max_retries: int = _doc(
+        "Times a trial whose worker died or was stopped is re-run by a worker.", 2
+    )
+    trial_isolation: Literal["process", "none"] = _doc(
+        "process: each trial trains in a child process, so a crash, a CUDA error or leaked "
+        "memory ends with the trial; none: in the worker itself (for debuggers).",
+        "process",
+    )
+    checkpoints: bool = _doc(
+        "Checkpoint each trial, so that a retried trial resumes; the best trial's model is kept.",
+        True,
+    )
+    checkpoint_interval: float = _doc(
+        "Least seconds between two checkpoints of a trial, written at evaluations (0: at every "
+        "evaluation). A stop (SIGTERM, Ctrl-C) always checkpoints; a crash loses at most this "
+        "much training.",
+        300.0,
+    )
+    checkpoint_dir: str | None = _doc(
+        "Folder for checkpoints (default ./hpo-checkpoints); on a filesystem every worker "
+        "shares, a trial retried on another host resumes too."
+    )
+    database_patience: float = _doc(
+        "Seconds a worker rides out an unreachable study database (retrying with backoff) "
+        "before it gives up.",
+        600.0,
+    )
+    stop_timeout: float = _doc(
+        "Seconds a worker gives its running trial to stop after SIGTERM or Ctrl-C before it "
+        "kills it.",
+        30.0,
+    )
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     pruner: PrunerConfig = field(default_factory=PrunerConfig)
 
@@ -110,6 +141,12 @@ class StudyConfig:
             found.append(("grace_period", self.grace_period, "must exceed heartbeat_interval"))
         if self.max_retries < 0:
             found.append(("max_retries", self.max_retries, "must be >= 0"))
+        if self.database_patience <= 0:
+            found.append(("database_patience", self.database_patience, "must be > 0 seconds"))
+        if self.stop_timeout <= 0:
+            found.append(("stop_timeout", self.stop_timeout, "must be > 0 seconds"))
+        if self.checkpoint_interval < 0:
+            found.append(("checkpoint_interval", self.checkpoint_interval, "must be >= 0 seconds"))
         if self.n_trials is None and self.timeout is None:
             found.append(("n_trials", None, "give n_trials or timeout, or the study never ends"))
         return found
@@ -261,6 +298,8 @@ def _resolve_paths(config: Config, base_dir: Path, problems: list[str]) -> None:
                 "paths are relative to the config file"
             )
         setattr(data, key, str(resolved))
+    if config.study.checkpoint_dir is not None:
+        config.study.checkpoint_dir = str((base_dir / config.study.checkpoint_dir).expanduser())
     model = config.model
     for key in ("name_or_path", "tokenizer"):
         value = getattr(model, key)

@@ -5,18 +5,20 @@ The budget (`n_trials`) counts the study's trials in storage, not this process's
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import asdict
 
 import optuna
 
+from hpo.checkpoints import checkpoint_root, remove_stale_checkpoints
 from hpo.config import Config, PrunerConfig, SamplerConfig
 from hpo.errors import ConfigError
 from hpo.objective import Objective
-from storage.batch_cache import BatchSizeCache
+from hpo.stopping import Interrupted, StopRequest
 from storage.budget import TrialBudgetSpent
-from trainer.data import PreparedData
+from storage.retry import retry_trial
 
 log = logging.getLogger(__name__)
 
@@ -72,35 +74,68 @@ def open_study(storage: optuna.storages.BaseStorage, name: str, config: Config) 
             ],
             config.source,
         )
+    space = json.loads(json.dumps({k: asdict(v) for k, v in config.search_space.items()}))
     if not study.user_attrs:
         study.set_user_attr("metric", config.study.metric)
-        study.set_user_attr("search_space", {k: asdict(v) for k, v in config.search_space.items()})
+        study.set_user_attr("search_space", space)
+    else:
+        stored = study.user_attrs.get("search_space", space)
+        differ = sorted(k for k in stored.keys() | space.keys() if stored.get(k) != space.get(k))
+        if differ:
+            raise ConfigError(
+                [
+                    f"search_space: study {name!r} was created with another search space "
+                    f"(it differs in {', '.join(differ)}); every worker of a study needs the "
+                    "same search space: use the study's config or another --study name"
+                ],
+                config.source,
+            )
     return study
 
 
-def run_trials(
-    study: optuna.Study,
-    config: Config,
-    data: PreparedData,
-    batch_cache: BatchSizeCache,
-) -> int:
-    """Run trials until the study holds n_trials or this worker's timeout passes; returns how
-    many this worker ran. A failing trial is recorded as FAIL and never stops the worker."""
-    objective = Objective(config, data, batch_cache)
-    budget, timeout = config.study.n_trials, config.study.timeout
+def run_trials(study: optuna.Study, objective: Objective, stop: StopRequest) -> int:
+    """Run trials until the study holds n_trials, this worker's timeout passes or it is asked
+    to stop; returns how many this worker ran. A failing trial is recorded as FAIL and never
+    stops the worker; an interrupted one is handed back to the study for another attempt."""
+    study_config = objective.task.config.study
+    timeout = study_config.timeout
     deadline = time.monotonic() + timeout if timeout is not None else None
+    # A trial process takes its garbage with it; in the worker itself a collection frees the
+    # trial's memory, at about 150 ms a trial with torch loaded.
+    collect = study_config.trial_isolation == "none"
+    checkpoints = checkpoint_root(objective.task.config, study.study_name)
     ran = 0
-    while True:
+    while not stop.requested:
         if deadline is not None and time.monotonic() >= deadline:
             log.info("timeout of %.0f s reached; stopping", timeout)
             break
         try:
-            study.optimize(objective, n_trials=1, catch=(Exception,), gc_after_trial=True)
+            study.optimize(objective, n_trials=1, catch=(Exception,), gc_after_trial=collect)
         except TrialBudgetSpent:
-            log.info("study %r holds %d trials, its budget; stopping", study.study_name, budget)
+            log.info(
+                "study %r holds %d trials, its budget; stopping",
+                study.study_name,
+                study_config.n_trials,
+            )
             break
+        except Interrupted:
+            hand_back(study, objective.trial_number, study_config.max_retries)
+            break
+        finally:
+            if study_config.checkpoints:
+                remove_stale_checkpoints(study, checkpoints)
         ran += 1
     return ran
+
+
+def hand_back(study: optuna.Study, trial_number: int | None, max_retries: int) -> None:
+    """The interrupted trial is FAIL now; queue it again so that the study does not lose it."""
+    interrupted = [t for t in study.get_trials(deepcopy=False) if t.number == trial_number]
+    if not interrupted or interrupted[0].state != optuna.trial.TrialState.FAIL:
+        return
+    retry = retry_trial(study, interrupted[0], max_retries)
+    if retry is not None:
+        log.warning("trial %d was interrupted; handed back as trial %d", trial_number, retry)
 
 
 def summary_lines(study: optuna.Study, metric: str) -> list[str]:

@@ -17,7 +17,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 
 from hpo.errors import StorageError
-from storage.budget import advisory_lock
+from storage.budget import advisory_lock, sqlite_lock
 
 _metadata = sa.MetaData()
 batch_sizes = sa.Table(
@@ -92,12 +92,19 @@ class BatchSizeCache:
 
 
 def _create_table(engine: Engine) -> None:
-    # Workers starting together may race to create it; the loser finds it there.
-    try:
-        _metadata.create_all(engine, checkfirst=True)
-    except (sa.exc.IntegrityError, sa.exc.ProgrammingError):
-        if not sa.inspect(engine).has_table(batch_sizes.name):
-            raise
+    # Workers starting together race to create it: on SQLite they take turns under the lock
+    # the trial budget uses; on PostgreSQL the loser of the race finds the table there.
+    lock = (
+        sqlite_lock(engine.url.database)
+        if engine.dialect.name == "sqlite" and engine.url.database not in (None, "", ":memory:")
+        else contextlib.nullcontext()
+    )
+    with lock:
+        try:
+            _metadata.create_all(engine, checkfirst=True)
+        except sa.exc.DBAPIError:
+            if not sa.inspect(engine).has_table(batch_sizes.name):
+                raise
 
 
 def _insert_for(engine: Engine) -> Any:

@@ -8,15 +8,16 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import optuna
+import sqlalchemy
 import sqlalchemy.exc
 from sqlalchemy.engine import make_url
 
 from hpo.errors import StorageError
-from storage.budget import BudgetedRDBStorage, file_lock
+from storage.budget import BudgetedRDBStorage, sqlite_lock
+from storage.outage import wait_for_connections
+from storage.retry import RetryStaleTrial
 from storage.url import StorageURL, mask_text
 
 CONNECT_TIMEOUT_S = 10
@@ -46,6 +47,17 @@ def engine_kwargs(backend: str) -> dict[str, Any]:
     return {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S}}
 
 
+def create_engine(
+    storage_url: StorageURL, patience_s: float | None = None
+) -> sqlalchemy.engine.Engine:
+    """A plain SQLAlchemy engine on the study database, for hpo's own tables; with
+    `patience_s`, new connections wait that long for a database that is down."""
+    engine = sqlalchemy.create_engine(storage_url.url, **engine_kwargs(storage_url.backend))
+    if patience_s is not None:
+        wait_for_connections(engine, patience_s)
+    return engine
+
+
 @dataclass(frozen=True)
 class Liveness:
     """Heartbeats of running trials: a trial silent for `grace_period_s` is failed and re-run."""
@@ -56,13 +68,20 @@ class Liveness:
 
 
 def open_storage(
-    storage_url: StorageURL, trial_budget: int | None = None, liveness: Liveness | None = None
+    storage_url: StorageURL,
+    trial_budget: int | None = None,
+    liveness: Liveness | None = None,
+    patience_s: float | None = None,
 ) -> BudgetedRDBStorage:
     """Connect (creating the tables if needed); raises StorageError naming what is wrong.
-    With `trial_budget`, no trial is created once the study holds that many."""
+    With `trial_budget`, no trial is created once the study holds that many. With `patience_s`,
+    once connected, calls ride out a database outage of up to that many seconds."""
     try:
         storage = _create_tables_retrying(storage_url, liveness)
         storage.trial_budget = trial_budget
+        if patience_s is not None:
+            storage.patience_s = patience_s
+            wait_for_connections(storage.engine, patience_s)
         return storage
     except (sqlalchemy.exc.SQLAlchemyError, ImportError, ValueError, OSError) as e:
         reason = _first_line(mask_text(str(getattr(e, "orig", None) or e)))
@@ -82,12 +101,9 @@ def _create_tables_retrying(
     if liveness is not None:
         kwargs["heartbeat_interval"] = liveness.heartbeat_interval_s
         kwargs["grace_period"] = liveness.grace_period_s
-        kwargs["heartbeat_stale_trial_callback"] = optuna.storages.RetryHeartbeatStaleTrialCallback(
-            max_retry=liveness.max_retries
-        )
+        kwargs["heartbeat_stale_trial_callback"] = RetryStaleTrial(liveness.max_retries)
     if storage_url.backend == "sqlite":
-        database = make_url(storage_url.url).database
-        with file_lock(Path(f"{database}.hpo-lock")):
+        with sqlite_lock(make_url(storage_url.url).database):
             return BudgetedRDBStorage(storage_url.url, **kwargs)
     for attempt in range(TABLE_CREATION_ATTEMPTS):
         try:

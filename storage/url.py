@@ -27,6 +27,10 @@ class StorageURL:
     url: str
     origin: str  # "--storage", "$HPO_STORAGE", "config", "default"
 
+    def __repr__(self) -> str:
+        # Never the password, even in a traceback or a debug log.
+        return f"StorageURL({self.masked!r}, origin={self.origin!r})"
+
     @property
     def masked(self) -> str:
         return mask_url(self.url)
@@ -66,6 +70,11 @@ def _validated(url: str, origin: str) -> str:
             "sqlite:///hpo.db or postgresql+psycopg2://user:password@host:5432/dbname"
         ) from e
     backend = parsed.get_backend_name()
+    if backend == "postgres":
+        raise StorageError(
+            f"storage URL from {origin} starts with 'postgres://', which SQLAlchemy does not "
+            "accept; write it postgresql+psycopg2://... (the rest unchanged)"
+        )
     if backend not in SUPPORTED_BACKENDS:
         raise StorageError(
             f"storage URL from {origin} uses {backend!r}, which hpo does not support; "

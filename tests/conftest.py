@@ -6,7 +6,8 @@ import os
 import random
 import subprocess
 import sys
-import uuid
+import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,46 @@ PG_ADMIN_URL = os.environ.get(
     "HPO_TEST_PG_ADMIN", "postgresql+psycopg2://postgres@127.0.0.1:5432/postgres"
 )
 
+# What the fault-injection tests injected and what their studies hold afterwards.
+FAULTS: Counter[str] = Counter()
+
+
+def record_faults(study: Any, faults: int, budget: int) -> None:
+    """Tally a fault test: configurations completed, lost (budget not met), left RUNNING."""
+    from optuna.trial import TrialState
+
+    trials = study.get_trials()
+    completed = sum(t.state == TrialState.COMPLETE for t in trials)
+    FAULTS["faults injected"] += faults
+    FAULTS["trials completed"] += completed
+    FAULTS["trials lost"] += max(0, budget - completed)
+    FAULTS["trials left RUNNING"] += sum(t.state == TrialState.RUNNING for t in trials)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: hand the tally to the controller
+        workeroutput["faults"] = dict(FAULTS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    FAULTS.update(getattr(node, "workeroutput", {}).get("faults", {}))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if FAULTS:
+        keys = ("faults injected", "trials completed", "trials lost", "trials left RUNNING")
+        line = ", ".join(f"{key}: {FAULTS[key]}" for key in keys)
+        terminalreporter.write_line(f"fault injection: {line}")
+
+
 # Never reach for a model hub from a test: fail fast instead of waiting on the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tiny models train as fast on one thread, and tests run side by side (pytest -n): more threads
+# per process only make the processes fight over the cores.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 TINY_BERT: dict[str, Any] = {
     "model_type": "bert",
@@ -124,6 +162,62 @@ def run_hpo(
     )
 
 
+def start_hpo(
+    *args: str, cwd: Path, env: dict[str, str] | None = None, own_group: bool = False
+) -> subprocess.Popen[str]:
+    """The real CLI started in the background; `own_group` gives it a process group of its own,
+    as a job in a terminal has."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "hpo", *args],
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=own_group,
+    )
+
+
+def wait_until_training(
+    url: str,
+    study_name: str,
+    processes: list[subprocess.Popen[str]],
+    trials: int = 1,
+    evaluations: int = 0,
+) -> Any:
+    """Until `trials` RUNNING trials train (their trial process reported the physical batch)
+    and each reported `evaluations` evaluations; returns the study."""
+    import optuna
+    from optuna.trial import TrialState
+
+    deadline = time.monotonic() + 180
+    study = None
+    while time.monotonic() < deadline:
+        for process in processes:
+            if process.poll() is not None:
+                raise AssertionError(f"hpo ended early: {process.communicate()[1][-3000:]}")
+        if study is None:  # loaded once: a load per poll took seconds under CI load
+            try:
+                study = optuna.load_study(study_name=study_name, storage=url)
+            except KeyError:
+                pass
+        if study is not None:
+            running = study.get_trials(states=(TrialState.RUNNING,))
+            ready = [
+                t
+                for t in running
+                if "physical_batch_size" in t.user_attrs
+                and len(t.intermediate_values) >= evaluations
+            ]
+            if len(ready) >= trials:
+                return study
+        time.sleep(0.2)
+    for process in processes:
+        process.kill()
+    raise AssertionError(f"{trials} trials never trained with {evaluations} evaluations each")
+
+
 def run_study(
     config: Path | str, storage: str, cwd: Path, study: str = "s", env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
@@ -150,7 +244,7 @@ def postgres_url() -> Iterator[str]:
     """A fresh, empty PostgreSQL database for one test, dropped afterwards.
 
     Unreachable server: a failure under CI=true, a skip elsewhere."""
-    import sqlalchemy
+    from storage.scratch import scratch_database
 
     problem = _postgres_reachable()
     if problem is not None:
@@ -158,13 +252,5 @@ def postgres_url() -> Iterator[str]:
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
             pytest.fail(message)
         pytest.skip(message)
-    name = f"hpo_test_{uuid.uuid4().hex[:12]}"
-    admin = sqlalchemy.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(sqlalchemy.text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
-    finally:
-        with admin.connect() as conn:
-            conn.execute(sqlalchemy.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    with scratch_database(PG_ADMIN_URL, "hpo_test") as url:
+        yield url

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import time
 from pathlib import Path
@@ -42,6 +43,28 @@ def test_cache_on_sqlite(tmp_path: Path) -> None:
 @pytest.mark.postgres
 def test_cache_on_postgres(postgres_url: str) -> None:
     check_cache(postgres_url)
+
+
+def _open_cache(url: str, start: float) -> None:
+    time.sleep(max(0.0, start - time.time()))  # every process creates the table at once
+    engine = sa.create_engine(url)
+    try:
+        BatchSizeCache(engine)
+    finally:
+        engine.dispose()
+
+
+def test_workers_starting_together_on_a_new_sqlite_file_all_open_the_cache(
+    tmp_path: Path,
+) -> None:
+    # Found by CI: two workers raced to create the table and one trial failed with it.
+    url = f"sqlite:///{tmp_path / 'race.db'}"
+    context = multiprocessing.get_context("spawn")
+    for _ in range(3):
+        (tmp_path / "race.db").unlink(missing_ok=True)
+        start = time.time() + 2.0
+        with context.Pool(6) as pool:
+            pool.starmap(_open_cache, [(url, start)] * 6)  # raises what any process raised
 
 
 @pytest.mark.postgres
@@ -121,16 +144,19 @@ def test_an_oom_in_a_trial_lowers_the_cached_size(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from hpo.config import load_config
-    from tests.test_batch_finder import probe_peak
+    from tests.test_batch_finder import training_peak
     from trainer.batch_finder import batch_key
     from trainer.config import TrainJob
+    from trainer.data import prepare_data
+    from trainer.model import load_tokenizer
 
     config_path = long_text_config(tmp_path, n_trials=1)
     config = load_config(config_path)
     job = TrainJob(config.data, config.model, config.training)
-    # A worst-case probe of 4 pads every example to 256 tokens: the real data at 8 needs more,
-    # at 4 less.
-    budget = str(probe_peak(job, ["0", "1"], 4))
+    data = prepare_data(job.data, load_tokenizer(job.model))
+    # The study's effective batch is 8: one micro-batch of 8 does not fit, two of 4 do.
+    peaks = [training_peak(job, data, physical, effective=8) for physical in (4, 8)]
+    budget = str(sum(peaks) // 2)
     monkeypatch.setenv(BUDGET_ENV, budget)  # the key of a search includes the budget
     key = batch_key(job, torch_cpu(), "fp32")
     url = f"sqlite:///{tmp_path / 'study.db'}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from pathlib import Path
 
@@ -162,12 +163,24 @@ def test_training_under_a_budget_recovers_and_finishes(
     job, data = long_prepared
     job.training.eval_batch_size = 1
     job.training.max_steps = 4
-    peaks = [probe_peak(job, data.label_names, size) for size in (2, 3)]
-    monkeypatch.setenv(BUDGET_ENV, str((peaks[0] + peaks[1]) // 2))  # 2 fits, 3 does not
+    peaks = [training_peak(job, data, physical) for physical in (2, 4)]
+    monkeypatch.setenv(BUDGET_ENV, str((peaks[0] + peaks[1]) // 2))  # 2 fits, 4 does not
     result = loop.train(job, data)
     assert result.status == "completed" and result.optimizer_steps == 4
     assert (result.physical_batch_size, result.grad_accum_steps) == (2, 4)
     assert result.oom_recoveries == 2 and result.effective_batch_size == 8
+
+
+def training_peak(
+    job: TrainJob, data: PreparedData, physical: int, effective: int | None = None
+) -> int:
+    """Peak bytes of two real training steps at a physical batch, with an unlimited budget."""
+    training = dataclasses.replace(job.training, physical_batch_size=physical, max_steps=2)
+    if effective is not None:
+        training.effective_batch_size = effective
+    with MemoryBudget(1 << 62) as budget:
+        loop.train(dataclasses.replace(job, training=training), data)
+    return budget.peak_bytes
 
 
 def test_a_non_oom_error_is_not_swallowed(

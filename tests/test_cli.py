@@ -21,6 +21,7 @@ def test_help_explains_every_option(tmp_path: Path) -> None:
         "--n-trials",
         "--timeout",
         "--device",
+        "--gpus",
         "--debug",
     ):
         assert option in run.stdout
@@ -41,6 +42,18 @@ def test_default_storage_is_hpo_db_in_the_working_directory(
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"SQLite file {tmp_path / 'hpo.db'} (from default)" in result.stderr
     assert (tmp_path / "hpo.db").is_file()
+
+
+def test_a_worker_with_another_search_space_is_refused(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    raw = tiny_config(*easy_data, study={"n_trials": 1}, training={"max_steps": 1})
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    assert run_study(write_config(tmp_path / "a.yaml", raw), url, tmp_path).returncode == 0
+    raw["search_space"]["learning_rate"]["high"] = 0.1
+    refused = run_study(write_config(tmp_path / "b.yaml", raw), url, tmp_path)
+    assert refused.returncode == 2
+    assert "created with another search space (it differs in learning_rate)" in refused.stderr
 
 
 @pytest.mark.parametrize(

@@ -41,6 +41,9 @@ def test_worker_reserves_gpus_and_runs_a_shipped_config() -> None:
     assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
     command = worker["command"]
     assert command[:2] == ["run", "--study"]
+    assert command[command.index("--gpus") + 1] == "auto"  # one worker process per GPU
+    # SIGTERM hands the running trial back within stop_timeout (30 s) before Docker kills it.
+    assert worker["init"] is True and worker["stop_grace_period"] == "60s"
     config = command[command.index("--config") + 1]
     default = config.split(":-")[1].rstrip("}")
     assert (REPO / "configs" / default).is_file()

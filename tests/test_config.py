@@ -10,12 +10,14 @@ from hpo.config import DEFAULT_BATCH_CHOICES, load_config, parse_config
 from hpo.errors import ConfigError
 from tests.conftest import REPO, tiny_config, write_config
 
-SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
+SHIPPED = sorted((REPO / "configs").glob("*.yaml")) + sorted(
+    (REPO / "bench" / "configs").glob("*.yaml")
+)
 
 
 def test_configs_folder_is_not_empty() -> None:
     names = {p.name for p in SHIPPED}
-    assert {"demo.yaml", "nli-minilm.yaml"} <= names
+    assert {"demo.yaml", "nli-minilm.yaml", "bert-base-nli.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)

@@ -71,3 +71,32 @@ def test_sqlite_in_a_missing_folder(tmp_path: Path) -> None:
     url = resolve_storage_url(f"sqlite:///{tmp_path}/absent/folder/hpo.db", None)
     with pytest.raises(StorageError, match="cannot open the study database"):
         open_storage(url)
+
+
+def test_a_running_trial_that_never_sent_a_heartbeat_is_failed_and_retried(
+    tmp_path: Path,
+) -> None:
+    import optuna
+    import sqlalchemy as sa
+    from optuna.trial import TrialState
+
+    from storage.engine import Liveness
+    from storage.url import StorageURL
+
+    url = StorageURL(f"sqlite:///{tmp_path / 'silent.db'}", "test")
+    storage = open_storage(url, liveness=Liveness(1, 2, max_retries=1))
+    study = optuna.create_study(study_name="silent", storage=storage)
+    # Two RUNNING trials without a heartbeat, as a creation whose reply an outage lost leaves.
+    with pytest.warns(UserWarning, match="Heartbeat of storage"):
+        old, new = study.ask({"x": optuna.distributions.FloatDistribution(0, 1)}), study.ask()
+    with storage.engine.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE trials SET datetime_start = '2000-01-01' WHERE trial_id = :id"),
+            {"id": old._trial_id},
+        )
+    optuna.storages.fail_stale_trials(study)
+    states = {t.number: t.state for t in study.get_trials()}
+    assert states[old.number] == TrialState.FAIL  # silent for years
+    assert states[new.number] == TrialState.RUNNING  # just started: not yet
+    retry = [t for t in study.get_trials() if t.state == TrialState.WAITING]
+    assert len(retry) == 1 and retry[0].params == {"x": old.params["x"]}

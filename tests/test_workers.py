@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import optuna
 import pytest
 
-from tests.conftest import tiny_config, write_config
+from tests.conftest import (
+    record_faults,
+    run_hpo,
+    start_hpo,
+    tiny_config,
+    wait_until_training,
+    write_config,
+)
 
 BUDGET = 12
 
@@ -36,20 +41,9 @@ def run_workers(tmp_path: Path, easy_data: tuple[Path, Path], url: str, workers:
         training={"max_steps": 1, "evals_per_epoch": 1},
     )
     config = write_config(tmp_path / "c.yaml", raw)
-    command = [sys.executable, "-m", "hpo", "run", "--study", "shared", "--config", str(config),
-               "--storage", url, "--quiet"]  # fmt: skip
+    args = ("run", "--study", "shared", "--config", str(config), "--storage", url, "--quiet")
     # Every worker starts on an empty database at once: tables and study are created racing.
-    processes = [
-        subprocess.Popen(
-            command,
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            text=True,
-        )  # fmt: skip
-        for _ in range(workers)
-    ]
+    processes = [start_hpo(*args, cwd=tmp_path) for _ in range(workers)]
     outputs = [process.communicate(timeout=600) for process in processes]
     for process, (_, stderr) in zip(processes, outputs, strict=True):
         assert process.returncode == 0, stderr[-3000:]
@@ -71,24 +65,25 @@ def test_a_killed_workers_trial_is_failed_and_retried_elsewhere(
             "heartbeat_interval": 1,
             "grace_period": 3,
             "pruner": {"type": "none"},
+            "checkpoint_interval": 0,  # a checkpoint at every evaluation, for the retry
         },
-        training={"epochs": 4},
+        training={"epochs": 12, "evals_per_epoch": 1},
     )
     config = write_config(tmp_path / "c.yaml", raw)
-    command = [sys.executable, "-m", "hpo", "run", "--study", "kill", "--config", str(config),
-               "--storage", postgres_url, "--quiet"]  # fmt: skip
-    doomed = subprocess.Popen(command, cwd=tmp_path, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    args = ("run", "--study", "kill", "--config", str(config), "--storage", postgres_url, "--quiet")
+    doomed = start_hpo(*args, cwd=tmp_path)
     try:
-        wait_for_running_trial(postgres_url, "kill", doomed)
+        # Training, and checkpointed once: the retry has something to resume from.
+        wait_until_training(postgres_url, "kill", [doomed], evaluations=1)
     finally:
         doomed.send_signal(signal.SIGKILL)
         doomed.wait(timeout=30)
     time.sleep(4)  # past the grace period: the trial's heartbeat has stopped
-    survivor = subprocess.run(command, cwd=tmp_path, stdin=subprocess.DEVNULL,
-                              capture_output=True, text=True, timeout=600)  # fmt: skip
+    survivor = run_hpo(*args, cwd=tmp_path)
     assert survivor.returncode == 0, survivor.stderr[-3000:]
-    trials = optuna.load_study(study_name="kill", storage=postgres_url).get_trials()
+    study = optuna.load_study(study_name="kill", storage=postgres_url)
+    record_faults(study, faults=1, budget=1)
+    trials = study.get_trials()
     assert [t.state for t in trials] == [
         optuna.trial.TrialState.FAIL,
         optuna.trial.TrialState.COMPLETE,
@@ -96,17 +91,5 @@ def test_a_killed_workers_trial_is_failed_and_retried_elsewhere(
     assert trials[1].system_attrs["failed_trial"] == 0
     assert trials[1].params == trials[0].params  # the same configuration, re-run
     assert trials[1].user_attrs["worker"] != trials[0].user_attrs["worker"]
-
-
-def wait_for_running_trial(url: str, study: str, worker: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert worker.poll() is None, "the worker ended before its trial started"
-        try:
-            trials = optuna.load_study(study_name=study, storage=url).get_trials()
-        except KeyError:
-            trials = []
-        if any(t.state == optuna.trial.TrialState.RUNNING and t.params for t in trials):
-            return
-        time.sleep(0.2)
-    raise AssertionError("no trial started within 120 s")
+    # The dead worker's trial process saw it die, checkpointed and stopped: the retry resumed.
+    assert trials[1].user_attrs["resumed_at_step"] > 0

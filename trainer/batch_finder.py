@@ -149,28 +149,30 @@ class BatchFinder:
             if not is_oom(error):
                 raise
             fits = False
-        release_memory(self.device)  # outside the except: the traceback holds the tensors
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # read before release_memory resets it
             peak = int(torch.cuda.max_memory_allocated(self.device))
+        release_memory(self.device)  # outside the except: the traceback holds the tensors
         self.probes.append(Probe(size, fits, peak, time.perf_counter() - started))
         return fits
 
     def _worst_case_step(self, size: int) -> None:
-        from trainer.loop import make_optimizer
+        from trainer.loop import make_optimizer, optimizer_step
 
         model = self._fresh_model()
         forward = torch.compile(model) if self.job.model.compile else model
         optimizer, _ = make_optimizer(model, self.cfg)
         labels = torch.zeros(size, dtype=torch.long, device=self.device)
-        # The first step allocates the AdamW state; the second runs forward and backward with
-        # it in memory, as every later training step does.
-        for _ in range(2):
-            with dev.autocast(self.device, self.precision):
-                logits = forward(**self._inputs(size)).logits
-            F.cross_entropy(logits.float(), labels).backward()
-            del logits
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        # The first step allocates the AdamW state. The second accumulates two micro-batches,
+        # so the second forward and backward run with the optimizer state and the first one's
+        # gradients in memory, as every accumulated training step does (without the gradients,
+        # a probe passed on an H100 at a size that training then could not run).
+        for micro_batches in (1, 2):
+            for _ in range(micro_batches):
+                with dev.autocast(self.device, self.precision):
+                    logits = forward(**self._inputs(size)).logits
+                F.cross_entropy(logits.float(), labels).backward()
+                del logits
+            optimizer_step(model, optimizer, self.cfg)
         eval_size = self.cfg.eval_batch_size or 2 * size
         model.eval()
         with torch.inference_mode(), dev.autocast(self.device, self.precision):

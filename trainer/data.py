@@ -80,7 +80,9 @@ def read_table(path: str, split: str) -> dict[str, list[Any]]:
             return dict(pq.read_table(location).to_pydict())
     except DataError:
         raise
-    except (OSError, ValueError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError as e:
+        raise DataError(f"cannot read {path}: {_undecodable_line(location)}") from e
+    except (OSError, ValueError) as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise DataError(
             f"cannot read {path}: {reason}; is it a valid {location.suffix} file?"
@@ -89,6 +91,20 @@ def read_table(path: str, split: str) -> dict[str, list[Any]]:
         f"data file {path} has an unsupported format; use .csv, .jsonl, .parquet "
         "or a folder written by datasets' save_to_disk"
     )
+
+
+def _undecodable_line(path: Path) -> str:
+    """Where a text file stops being UTF-8, for a message the user can act on."""
+    with path.open("rb") as handle:
+        for number, line in enumerate(handle, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return (
+                    f"line {number} is not valid UTF-8 (byte 0x{line[e.start]:02x} at column "
+                    f"{e.start + 1}); save the file as UTF-8"
+                )
+    return "it is not valid UTF-8; save the file as UTF-8"
 
 
 def _frame_columns(frame: Any) -> dict[str, list[Any]]:

@@ -8,6 +8,8 @@ import dataclasses
 import logging
 import math
 import os
+import signal
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 
 from trainer import device as dev
 from trainer.batch_finder import BatchSearch, find_physical_batch_size
+from trainer.checkpoint import CheckpointStore, job_fingerprint, rng_state, set_rng_state
 from trainer.config import TrainingConfig, TrainJob
 from trainer.data import (
     BatchCollator,
@@ -34,7 +37,7 @@ from trainer.model import build_model
 
 log = logging.getLogger(__name__)
 
-Status = Literal["completed", "stopped", "early_stopped", "diverged"]
+Status = Literal["completed", "stopped", "early_stopped", "diverged", "interrupted"]
 
 
 @dataclass
@@ -50,6 +53,12 @@ class Evaluation:
 
 # Return a reason to stop training after this evaluation, or None to go on.
 OnEvaluation = Callable[[Evaluation], str | None]
+# Polled between optimizer steps: True checkpoints the run and ends it as "interrupted".
+ShouldStop = Callable[[], bool]
+# Settings that change how a run is computed, not what it computes: a checkpoint stays valid.
+_RESUMABLE_ACROSS = {"physical_batch_size", "eval_batch_size", "device", "num_workers",
+                     "log_every_steps", "batch_search_start", "batch_search_max",
+                     "batch_safety_margin"}  # fmt: skip
 
 
 @dataclass
@@ -73,6 +82,8 @@ class TrainResult:
     metric: str
     oom_recoveries: int = 0
     batch_search: BatchSearch | None = None
+    resumed_at_step: int | None = None
+    checkpoint_errors: list[str] = field(default_factory=list)
 
     @property
     def curve(self) -> list[float]:
@@ -228,6 +239,16 @@ class _PlanSampler:
         return len(self.micro_batches)
 
 
+LOADER_START_METHOD = "fork" if sys.platform == "linux" else None
+
+
+def _leave_stop_signals_to_the_trainer(worker_id: int) -> None:
+    """DataLoader workers ignore a Ctrl-C or SIGTERM sent to the whole process group (a
+    terminal, Slurm, systemd): the training process checkpoints first and then ends them."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 class Trainer:
     """One training run of one hyperparameter setting."""
 
@@ -241,6 +262,7 @@ class Trainer:
             self.cfg.effective_batch_size, self.physical_batch_size
         )
         self.oom_recoveries = 0
+        self.unsaved_best: dict[str, torch.Tensor] | None = None  # see _save_best_model
         self.eval_batch_size = self.cfg.eval_batch_size or 2 * self.physical_batch_size
         self.steps_per_epoch = math.ceil(len(data.train) / self.cfg.effective_batch_size)
         self.total_steps = self.steps_per_epoch * self.cfg.epochs
@@ -314,6 +336,14 @@ class Trainer:
             pin_memory=self.pin,
             persistent_workers=workers > 0,
             prefetch_factor=4 if workers else None,
+            # Forked from this process, whatever start method the caller's multiprocessing
+            # uses: nothing to pickle, and no dependence on a fork server that a signal to the
+            # whole process group may have stopped.
+            multiprocessing_context=LOADER_START_METHOD if workers else None,
+            worker_init_fn=_leave_stop_signals_to_the_trainer if workers else None,
+            # Its own generator: starting an epoch must not draw from the global RNG that
+            # dropout uses, or a resumed run would see other dropout masks than the original.
+            generator=torch.Generator().manual_seed(self.cfg.seed),
         )
 
     def _num_workers(self) -> int:
@@ -327,15 +357,18 @@ class Trainer:
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device, non_blocking=self.pin) for k, v in batch.items()}
 
-    def _steps(self, epoch: int) -> Iterator[tuple[np.ndarray, list[dict[str, torch.Tensor]]]]:
-        """Each optimizer step's example indices and its micro-batches, on the device."""
+    def _steps(
+        self, epoch: int, skip: int = 0
+    ) -> Iterator[tuple[np.ndarray, list[dict[str, torch.Tensor]]]]:
+        """Each optimizer step's example indices and its micro-batches, on the device, from step
+        `skip` of the epoch on (a resumed run)."""
         plan = plan_epoch(
             self.data.train.lengths,
             self.cfg.effective_batch_size,
             self.grad_accum_steps,
             self.cfg.seed,
             epoch,
-        )
+        )[skip:]
         self.train_sampler.micro_batches = [mb for step in plan for mb in step]
         micro_batches = iter(self.train_loader)
         for step in plan:
@@ -388,27 +421,127 @@ class Trainer:
             "eval_loss": float(loss_sum.item()) / len(lengths),
         }
 
-    def fit(self, on_evaluation: OnEvaluation | None = None) -> TrainResult:
+    def fit(
+        self,
+        on_evaluation: OnEvaluation | None = None,
+        checkpoints: CheckpointStore | None = None,
+        should_stop: ShouldStop | None = None,
+    ) -> TrainResult:
+        """Train to the end, an early stop or a stop request; with `checkpoints`, save at every
+        evaluation and on a stop request, and resume from a saved state of the same job."""
         started = time.perf_counter()
         dev.reset_peak_memory(self.device)
         self.forward_model.train()
         run = _Run(segment_start=time.perf_counter())
-        epoch = 0
+        resumed_at = self._resume(run, checkpoints, on_evaluation)
+        epoch, skip = divmod(run.step, self.steps_per_epoch)
         while run.step < self.total_steps and run.status == "completed":
-            for indices, micro_batches in self._steps(epoch):
+            for indices, micro_batches in self._steps(epoch, skip):
                 self._train_step(run, indices, micro_batches)
                 at_evaluation = run.step in self.eval_steps
                 if run.step % self.cfg.log_every_steps == 0 or at_evaluation:
                     self._check_loss(run)
                 if at_evaluation and run.status == "completed":
-                    self._evaluate(run, on_evaluation)
+                    self._evaluate(run, on_evaluation, checkpoints)
+                elif should_stop is not None and should_stop() and run.step < self.total_steps:
+                    self._checkpoint(run, checkpoints)
+                    run.stop("interrupted", f"stop requested at step {run.step}")
                 if run.status != "completed" or run.step >= self.total_steps:
                     break
-            epoch += 1
-        run.train_s += self._elapsed_since(
-            run.segment_start
-        )  # the stretch since the last evaluation
-        return self._result(run, started)
+            epoch, skip = epoch + 1, 0
+        run.train_s += self._elapsed_since(run.segment_start)  # since the last evaluation
+        self._save_best_model(checkpoints)
+        result = self._result(run, started)
+        result.resumed_at_step = resumed_at
+        result.checkpoint_errors = list(checkpoints.errors) if checkpoints else []
+        return result
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def fingerprint(self) -> str:
+        training = {
+            k: v for k, v in dataclasses.asdict(self.cfg).items() if k not in _RESUMABLE_ACROSS
+        }
+        return job_fingerprint(
+            {
+                "training": training,
+                "model": dataclasses.asdict(self.job.model),
+                "data": dataclasses.asdict(self.job.data),
+                "labels": self.data.label_names,
+                "examples": len(self.data.train),
+            }
+        )
+
+    def _save_best_model(self, checkpoints: CheckpointStore | None) -> None:
+        """Write the best evaluation's weights if they changed since the last write."""
+        if checkpoints is not None and self.unsaved_best is not None:
+            checkpoints.save_best_model(self.model, self.unsaved_best)
+            self.unsaved_best = None
+
+    def _checkpoint(self, run: _Run, checkpoints: CheckpointStore | None) -> None:
+        if checkpoints is None:
+            return
+        self._save_best_model(checkpoints)  # first: the state names this best evaluation
+        run.meter.read()  # the partial loss goes to the history, which is saved
+        state = {
+            "fingerprint": self.fingerprint(),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "physical_batch_size": self.physical_batch_size,
+            "eval_batch_size": self.eval_batch_size,
+            "oom_recoveries": self.oom_recoveries,
+            "run": {
+                "step": run.step,
+                "samples": run.samples,
+                "tokens": run.tokens,
+                "train_s": run.train_s + self._elapsed_since(run.segment_start),
+                "evaluations": [dataclasses.asdict(e) for e in run.evaluations],
+                "best_index": run.best.index if run.best else None,
+                "since_best": run.since_best,
+                "loss_history": run.meter.history,
+            },
+            "rng": rng_state(),
+        }
+        checkpoints.save_state(state)
+
+    def _resume(
+        self,
+        run: _Run,
+        checkpoints: CheckpointStore | None,
+        on_evaluation: OnEvaluation | None,
+    ) -> int | None:
+        """Load a saved state of this job into the run; the restored evaluations are reported
+        again (to a new trial of a retried one). Returns the step it resumes at."""
+        state = checkpoints.load_state(self.fingerprint()) if checkpoints else None
+        if state is None or checkpoints is None:
+            return None
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state["scaler"] is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        self._use_physical_batch(state["physical_batch_size"])
+        self.eval_batch_size, self.oom_recoveries = (
+            state["eval_batch_size"],
+            state["oom_recoveries"],
+        )
+        saved = state["run"]
+        run.step, run.samples, run.tokens = saved["step"], saved["samples"], saved["tokens"]
+        run.train_s, run.since_best = saved["train_s"], saved["since_best"]
+        run.meter.history = list(saved["loss_history"])
+        run.evaluations = [Evaluation(**e) for e in saved["evaluations"]]
+        run.best = next((e for e in run.evaluations if e.index == saved["best_index"]), None)
+        set_rng_state(state["rng"])
+        log.info("resumed from %s at step %d", checkpoints.state_path, run.step)
+        for evaluation in run.evaluations:
+            stop = on_evaluation(evaluation) if on_evaluation else None
+            if stop is not None:
+                run.stop("stopped", stop)
+                break
+        run.segment_start = time.perf_counter()
+        return run.step
 
     def _train_step(
         self, run: _Run, indices: np.ndarray, micro_batches: list[dict[str, torch.Tensor]]
@@ -454,15 +587,18 @@ class Trainer:
             raise OutOfMemoryAtBatchOne(
                 f"out of memory at physical batch 1 after {self.oom_recoveries} recoveries"
             )
-        self.physical_batch_size //= 2
-        self.grad_accum_steps = grad_accum_steps_for(
-            self.cfg.effective_batch_size, self.physical_batch_size
-        )
+        self._use_physical_batch(self.physical_batch_size // 2)
         self.oom_recoveries += 1
         log.warning(
             "out of memory: physical batch now %d x %d accumulation steps",
             self.physical_batch_size,
             self.grad_accum_steps,
+        )
+
+    def _use_physical_batch(self, physical_batch_size: int) -> None:
+        self.physical_batch_size = physical_batch_size
+        self.grad_accum_steps = grad_accum_steps_for(
+            self.cfg.effective_batch_size, physical_batch_size
         )
 
     def _split_step(self, indices: np.ndarray) -> list[dict[str, torch.Tensor]]:
@@ -485,7 +621,12 @@ class Trainer:
             return
         log.debug("step %d/%d loss %.4f", run.step, self.total_steps, value)
 
-    def _evaluate(self, run: _Run, on_evaluation: OnEvaluation | None) -> None:
+    def _evaluate(
+        self,
+        run: _Run,
+        on_evaluation: OnEvaluation | None,
+        checkpoints: CheckpointStore | None = None,
+    ) -> None:
         run.train_s += self._elapsed_since(run.segment_start)
         evaluation = Evaluation(
             index=len(run.evaluations) + 1,
@@ -496,7 +637,15 @@ class Trainer:
         )
         run.evaluations.append(evaluation)
         self._decide_after(run, evaluation, on_evaluation)
-        run.segment_start = time.perf_counter()  # reporting and pruning are not training time
+        if checkpoints is not None:
+            if run.best is evaluation:  # kept in host memory until a checkpoint or the end
+                self.unsaved_best = {
+                    k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()
+                }
+            going_on = run.status == "completed" and run.step < self.total_steps
+            if going_on and checkpoints.state_due():
+                self._checkpoint(run, checkpoints)
+        run.segment_start = time.perf_counter()  # reporting, pruning, saving: not training
 
     def _decide_after(
         self, run: _Run, evaluation: Evaluation, on_evaluation: OnEvaluation | None
@@ -550,9 +699,11 @@ def train(
     data: PreparedData,
     on_evaluation: OnEvaluation | None = None,
     metric: str = "accuracy",
+    checkpoints: CheckpointStore | None = None,
+    should_stop: ShouldStop | None = None,
 ) -> TrainResult:
-    """Fine-tune one model with `job`'s settings on prepared data; see TrainResult.
-    Raises OutOfMemoryAtBatchOne when even a micro-batch of one example does not fit."""
+    """Fine-tune one model with `job`'s settings on prepared data; see TrainResult and
+    Trainer.fit. Raises OutOfMemoryAtBatchOne when even one example does not fit."""
     device = dev.resolve_device(job.training.device)
     search = None
     if job.training.physical_batch_size == "auto":
@@ -574,6 +725,6 @@ def train(
             trainer.physical_batch_size,
             trainer.grad_accum_steps,
         )
-        result = trainer.fit(on_evaluation)
+        result = trainer.fit(on_evaluation, checkpoints, should_stop)
     result.batch_search = search
     return result

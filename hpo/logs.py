@@ -1,0 +1,49 @@
+"""Logging for the worker and its trial processes: one format, with the worker's GPU label when
+several workers share a terminal.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+
+# Set by `hpo run --gpus` for each worker it starts, e.g. "gpu1".
+WORKER_LABEL_ENV = "HPO_WORKER_LABEL"
+
+
+def worker_label() -> str | None:
+    return os.environ.get(WORKER_LABEL_ENV) or None
+
+
+def setup_logging(level: int) -> None:
+    """Logging for hpo; the libraries are quietened without importing them (a config error
+    is reported before torch, transformers or Optuna load)."""
+    label = worker_label()
+    prefix = f"{label} " if label else ""
+    logging.basicConfig(
+        level=level,
+        # Studies run for days: every line says when (Optuna's own lines do too).
+        format=f"%(asctime)s [{prefix}%(name)s %(levelname)s] %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+        stream=sys.stderr,
+        force=True,
+    )
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # "Some weights were newly initialized" is expected for every fine-tuning run, and a
+    # progress bar at every checkpoint ("Writing model shards") is noise in a worker's log.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # Heartbeats are marked experimental in Optuna; hpo relies on them on purpose.
+    warnings.filterwarnings("ignore", message=r".*is experimental \(supported from")
+    warnings.filterwarnings("ignore", message=r"Argument ``\w+`` is an experimental feature")
+    if "optuna" in sys.modules:
+        set_optuna_verbosity(level)
+
+
+def set_optuna_verbosity(level: int) -> None:
+    """Optuna resets its logger when imported: call this once it is."""
+    import optuna
+
+    optuna.logging.set_verbosity(level)

@@ -1,0 +1,94 @@
+"""Riding out a database outage (PostgreSQL restarted, network blip): calls that fail for lack
+of a connection are retried with backoff until the database is back or the patience runs out.
+Errors that are not about the connection are raised at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import sqlalchemy
+import sqlalchemy.exc
+from sqlalchemy.engine import Engine
+
+from hpo.errors import StorageError
+from storage.url import mask_text
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+FIRST_DELAY_S = 0.5
+MAX_DELAY_S = 5.0
+_CONNECTION_ERRORS = (
+    sqlalchemy.exc.OperationalError,
+    sqlalchemy.exc.InterfaceError,
+    sqlalchemy.exc.DisconnectionError,
+)
+
+
+def is_transient(error: BaseException) -> bool:
+    """A lost or refused connection, possibly wrapped by Optuna in StorageInternalError."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, _CONNECTION_ERRORS):
+            return True
+        if isinstance(current, sqlalchemy.exc.DBAPIError) and current.connection_invalidated:
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def retrying(call: Callable[[], T], what: str, patience_s: float) -> T:
+    """`call()`, again and again while the database is unreachable, for up to `patience_s`."""
+    deadline = time.monotonic() + patience_s
+    delay = FIRST_DELAY_S
+    failures = 0
+    while True:
+        try:
+            result = call()
+        except Exception as e:
+            if not is_transient(e):
+                raise
+            if time.monotonic() + delay > deadline:
+                raise StorageError(
+                    f"the study database was unreachable for {patience_s:.0f} s ({_reason(e)}); "
+                    "check that it is up, then start the worker again"
+                ) from e
+            failures += 1
+            if failures == 1:
+                log.warning("study database unreachable (%s); retrying %s", _reason(e), what)
+            time.sleep(delay)
+            delay = min(2 * delay, MAX_DELAY_S)
+            continue
+        if failures:
+            log.warning("study database back after %d retries of %s", failures, what)
+        return result
+
+
+def wait_for_connections(engine: Engine, patience_s: float) -> None:
+    """New connections are retried too: after a restart, every pooled one is gone."""
+
+    @sqlalchemy.event.listens_for(engine, "do_connect")
+    def _connect(dialect: Any, record: Any, cargs: Any, cparams: Any) -> Any:
+        return retrying(lambda: _dbapi_connect(dialect, cargs, cparams), "connect", patience_s)
+
+
+def _dbapi_connect(dialect: Any, cargs: Any, cparams: Any) -> Any:
+    try:
+        return dialect.loaded_dbapi.connect(*cargs, **cparams)
+    except dialect.loaded_dbapi.OperationalError as e:
+        # Wrapped so that is_transient sees it as what it is.
+        raise sqlalchemy.exc.OperationalError("connect", None, e) from e
+
+
+def _reason(error: BaseException) -> str:
+    root: BaseException = error
+    while root.__cause__ is not None:
+        root = root.__cause__
+    lines = [line.strip() for line in str(root).splitlines() if line.strip()]
+    return mask_text(lines[0] if lines else type(root).__name__)

@@ -1,0 +1,110 @@
+"""Every kind of bad input through the real CLI: one clear line naming the problem and the fix,
+exit code 2, no traceback, nothing written to the study database."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import run_hpo, tiny_config, write_config, write_csv
+
+
+def _config_change(tmp_path: Path, data: tuple[Path, Path], kind: str) -> dict[str, Any]:
+    """A config that is bad in one way; data files are written here where the case needs it."""
+    train, evaluation = data
+    raw = tiny_config(train, evaluation)
+    if kind == "config":
+        raw["study"]["n_trails"] = 3
+        raw["training"]["physical_batch_size"] = 0
+        raw["training"]["epochs"] = "two"
+        raw["search_space"]["learning_rate"] = {"type": "float", "low": 1e-2, "high": 1e-4}
+        raw["search_space"]["warmup_ratio"] = {"type": "categorical", "choices": []}
+        raw["search_space"]["weight_decay"] = {"type": "float", "low": 0, "high": 0.1, "log": True}
+    elif kind == "missing file":
+        raw["data"]["train_file"] = str(tmp_path / "nope.csv")
+    elif kind == "not utf-8":
+        bad = tmp_path / "latin1.csv"
+        bad.write_bytes("text,label\ngood,pos\ncaf\xe9 awful,neg\n".encode("latin-1"))
+        raw["data"]["train_file"] = str(bad)
+    elif kind == "missing label":
+        rows = [{"text": "good", "label": "pos"}, {"text": "bad", "label": ""}]
+        raw["data"]["train_file"] = str(write_csv(tmp_path / "t.csv", rows))
+    elif kind == "label only in evaluation":
+        rows = [{"text": "meh", "label": "neutral"}]
+        raw["data"]["eval_file"] = str(write_csv(tmp_path / "e.csv", rows))
+    elif kind == "empty file":
+        empty = tmp_path / "empty.csv"
+        empty.write_text("text,label\n")
+        raw["data"]["train_file"] = str(empty)
+    elif kind == "missing model folder":
+        raw["model"] = {"name_or_path": str(tmp_path / "no-model"), "tokenizer": "pkg://x/y"}
+    elif kind == "unknown architecture":
+        raw["model"]["config"] = {"model_type": "not-a-real-architecture"}
+    elif kind == "hub name without network":
+        raw["model"] = {"name_or_path": "some-org/some-model-that-is-not-here"}
+    return raw
+
+
+CASES = [
+    ("config", ["study.n_trails: unknown key (did you mean 'n_trials'?)",
+                "training.physical_batch_size: got 0", "training.epochs: got 'two'",
+                "search_space.learning_rate.low: got 0.01; must be <= high",
+                "search_space.warmup_ratio.choices: got []",
+                "search_space.weight_decay.low: got 0.0; must be > 0 for a log-scale"]),
+    ("missing file", ["data.train_file", "not found", "paths are relative to the config file"]),
+    ("not utf-8", ["line 3 is not valid UTF-8 (byte 0xe9 at column 4); save the file as UTF-8"]),
+    ("missing label", ["row 2 has no label"]),
+    ("label only in evaluation", ["labels ['neutral'] never appear in the training data"]),
+    ("empty file", ["no rows; the file is empty"]),
+    ("missing model folder", ["model.name_or_path", "not found"]),
+    ("unknown architecture", ["cannot load model config"]),
+    ("hub name without network", ["the model hub could not provide it"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("kind", "expected"), CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_clear_message_and_nothing_is_written(
+    tmp_path: Path, easy_data: tuple[Path, Path], kind: str, expected: list[str]
+) -> None:
+    config = write_config(tmp_path / "bad.yaml", _config_change(tmp_path, easy_data, kind))
+    database = tmp_path / "study.db"
+    result = run_hpo("run", "--study", "s", "--config", str(config), "--storage",
+                     f"sqlite:///{database}", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    for fragment in expected:
+        assert fragment in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert not database.exists()  # nothing written: the inputs are checked first
+    if kind == "not utf-8":  # once: --debug adds the traceback
+        debug = run_hpo("run", "--study", "s", "--config", str(config), "--storage",
+                        f"sqlite:///{database}", "--debug", cwd=tmp_path)  # fmt: skip
+        assert debug.returncode == 2 and "Traceback" in debug.stderr
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("postgresql+psycopg2://hpo:topsecret@no-such-host.invalid:5432/hpo", "no-such-host"),
+        ("postgresql+psycopg2://hpo:topsecret@127.0.0.1:1/hpo", "127.0.0.1:1"),
+        ("postgresql+psycopg2://postgres:topsecret@127.0.0.1:5432/no_such_db_x", "no_such_db_x"),
+        ("postgres://hpo:topsecret@db/hpo", "write it postgresql+psycopg2://"),
+    ],
+    ids=["unknown host", "nothing listening", "no such database", "bad URL"],
+)
+def test_an_unusable_database_is_one_masked_line_within_10_seconds(
+    tmp_path: Path, easy_data: tuple[Path, Path], url: str, expected: str
+) -> None:
+    config = write_config(tmp_path / "c.yaml", tiny_config(*easy_data))
+    started = time.monotonic()
+    result = run_hpo("run", "--study", "s", "--config", str(config), "--storage", url,
+                     cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("hpo: error:")]
+    assert len(errors) == 1 and expected in errors[0], result.stderr[-3000:]
+    assert "topsecret" not in result.stderr + result.stdout
+    assert "Traceback" not in result.stderr
+    # Python, torch and the data come first; the database verdict itself takes seconds.
+    assert time.monotonic() - started < 10 + 20

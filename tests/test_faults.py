@@ -1,0 +1,98 @@
+"""Fault injection on real PostgreSQL: the database drops out under several workers, a worker is
+stopped during evaluation. With the SIGKILL test (test_workers), the SIGTERM tests
+(test_stopping) and the resume-equality tests (test_checkpoint), every fault test tallies what it
+injected and what its study holds afterwards; the totals are printed at the end of the run."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from optuna.trial import TrialState
+from sqlalchemy.engine import make_url
+
+from tests.conftest import (
+    easy_rows,
+    record_faults,
+    run_hpo,
+    start_hpo,
+    tiny_config,
+    wait_until_training,
+    write_config,
+    write_csv,
+)
+from tests.tcp_proxy import CuttableProxy
+
+OUTAGE_S = 8
+
+
+@pytest.mark.postgres
+def test_workers_ride_out_a_database_outage(
+    tmp_path: Path, easy_data: tuple[Path, Path], postgres_url: str
+) -> None:
+    url = make_url(postgres_url)
+    proxy = CuttableProxy(url.host or "127.0.0.1", url.port or 5432)
+    proxied = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    budget = 2  # one trial per worker, both training through the outage
+    raw = tiny_config(
+        *easy_data,
+        study={"n_trials": budget, "pruner": {"type": "none"}, "heartbeat_interval": 2,
+               "grace_period": 60, "database_patience": 120},
+        training={"epochs": 6, "evals_per_epoch": 2},  # an evaluation every ~0.5 s
+    )  # fmt: skip
+    config = write_config(tmp_path / "c.yaml", raw)
+    args = ("run", "--study", "outage", "--config", str(config), "--storage", proxied)
+    workers = [start_hpo(*args, cwd=tmp_path) for _ in range(2)]
+    try:
+        study = wait_until_training(postgres_url, "outage", workers, trials=2, evaluations=1)
+        proxy.cut()  # every connection dropped, new ones refused: a server restart
+        time.sleep(OUTAGE_S)
+        proxy.restore()
+        outputs = [w.communicate(timeout=600) for w in workers]
+    finally:
+        for worker in workers:
+            worker.kill()
+        proxy.close()
+    for worker, (_, stderr) in zip(workers, outputs, strict=True):
+        assert worker.returncode == 0, stderr[-3000:]
+    assert any("study database unreachable" in err for _, err in outputs)
+    record_faults(study, faults=1, budget=budget)
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * budget, [
+        (t.number, t.state.name, t.user_attrs.get("fail_reason")) for t in trials
+    ]
+    for trial in trials:  # reports made during the outage were written once it was back
+        assert sorted(trial.intermediate_values) == list(range(1, 13))
+
+
+@pytest.mark.postgres
+def test_sigterm_during_evaluation_checkpoints_and_the_retry_resumes(
+    tmp_path: Path, easy_data: tuple[Path, Path], postgres_url: str
+) -> None:
+    big_eval = write_csv(tmp_path / "big-eval.csv", easy_rows(3000, 7))
+    raw = tiny_config(
+        easy_data[0],
+        big_eval,
+        study={"n_trials": 1, "pruner": {"type": "none"}, "stop_timeout": 20},
+        # Evaluating 3000 examples takes far longer than the 8 steps between evaluations.
+        training={"epochs": 3, "evals_per_epoch": 4},
+    )
+    config = write_config(tmp_path / "c.yaml", raw)
+    args = ("run", "--study", "eval", "--config", str(config), "--storage", postgres_url)
+    worker = start_hpo(*args, cwd=tmp_path)
+    study = wait_until_training(postgres_url, "eval", [worker], evaluations=1)
+    time.sleep(0.3)  # past the next 8 steps: into the second evaluation
+    sent = time.monotonic()
+    worker.send_signal(signal.SIGTERM)
+    _, stderr = worker.communicate(timeout=60)
+    assert worker.returncode == 0, stderr[-3000:]
+    assert time.monotonic() - sent < 20
+    resumed = run_hpo(*args, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    record_faults(study, faults=1, budget=1)
+    stopped, retry = study.get_trials()
+    assert stopped.state == TrialState.FAIL and stopped.user_attrs["interrupted"] == "SIGTERM"
+    assert retry.state == TrialState.COMPLETE and retry.user_attrs["resumed_at_step"] >= 8
+    assert sorted(retry.intermediate_values) == list(range(1, 13))

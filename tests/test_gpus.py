@@ -1,0 +1,102 @@
+"""`hpo run --gpus`: which GPUs, one worker process each, and one Ctrl-C stops them all.
+
+This host has no GPU: HPO_TEST_FAKE_GPUS makes hpo see N GPUs whose workers train on the CPU,
+which exercises everything but CUDA itself (the `gpu` tests do that where a GPU exists)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from hpo.errors import ConfigError
+from hpo.launcher import select_gpus, worker_argv
+from tests.conftest import run_hpo, start_hpo, tiny_config, wait_until_training, write_config
+
+
+def test_gpu_lists_are_checked_against_the_visible_gpus() -> None:
+    assert select_gpus("auto", ["0", "1"]) == ["0", "1"]
+    assert select_gpus("auto", []) == []
+    assert select_gpus("none", ["0"]) == []
+    assert select_gpus("0, 3", ["0", "1", "3"]) == ["0", "3"]
+    with pytest.raises(ConfigError, match="GPU 2 is not visible on this host"):
+        select_gpus("0,2", ["0", "1"])
+    with pytest.raises(ConfigError, match="listed twice"):
+        select_gpus("1,1", ["0", "1"])
+
+
+def test_workers_get_the_users_arguments_without_gpus() -> None:
+    argv = ["run", "--study", "s", "--gpus", "0,1", "--n-trials=4", "--gpus=auto", "--quiet"]
+    assert worker_argv(argv) == ["run", "--study", "s", "--n-trials=4", "--quiet"]
+
+
+def _cpu_only_env() -> dict[str, str]:
+    return {"CUDA_VISIBLE_DEVICES": "", "HPO_TEST_FAKE_GPUS": ""}
+
+
+def test_an_absent_gpu_is_one_clear_line_and_nothing_is_written(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    config = write_config(tmp_path / "c.yaml", tiny_config(*easy_data))
+    url = f"sqlite:///{tmp_path / 'g.db'}"
+    result = run_hpo("run", "--study", "g", "--config", str(config), "--storage", url,
+                     "--gpus", "0", cwd=tmp_path, env=_cpu_only_env())  # fmt: skip
+    assert result.returncode == 2
+    assert "GPU 0 is not visible on this host (visible: none)" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "g.db").exists()
+
+
+def test_auto_without_a_gpu_runs_one_cpu_worker(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    training = {"max_steps": 2, "device": "cuda"}
+    raw = tiny_config(*easy_data, study={"n_trials": 1}, training=training)
+    config = write_config(tmp_path / "c.yaml", raw)
+    url = f"sqlite:///{tmp_path / 'g.db'}"
+    result = run_hpo("run", "--study", "g", "--config", str(config), "--storage", url,
+                     "--gpus", "auto", cwd=tmp_path, env=_cpu_only_env())  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "no GPU visible on this host: one worker on the CPU" in result.stderr
+    trial = optuna.load_study(study_name="g", storage=url).get_trials()[0]
+    assert trial.state == TrialState.COMPLETE and trial.user_attrs["device_name"].startswith("cpu")
+
+
+def test_one_worker_per_gpu_shares_the_study(tmp_path: Path, easy_data: tuple[Path, Path]) -> None:
+    raw = tiny_config(*easy_data, study={"n_trials": 6}, training={"max_steps": 2})
+    config = write_config(tmp_path / "c.yaml", raw)
+    url = f"sqlite:///{tmp_path / 'g.db'}"
+    result = run_hpo("run", "--study", "g", "--config", str(config), "--storage", url,
+                     "--gpus", "auto", cwd=tmp_path, env={"HPO_TEST_FAKE_GPUS": "2"})  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    trials = optuna.load_study(study_name="g", storage=url).get_trials()
+    assert sorted(t.number for t in trials) == list(range(6))
+    assert all(t.state == TrialState.COMPLETE for t in trials)
+    assert {t.user_attrs["gpu"] for t in trials} == {"gpu0", "gpu1"}
+    assert len({t.user_attrs["worker"] for t in trials}) == 2
+    assert "[gpu1 " in result.stderr  # each worker's log lines name its GPU
+
+
+def test_one_ctrl_c_stops_every_worker_and_hands_their_trials_back(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    raw = tiny_config(*easy_data, study={"n_trials": 4, "stop_timeout": 5},
+                      training={"epochs": 1000})  # fmt: skip
+    config = write_config(tmp_path / "c.yaml", raw)
+    url = f"sqlite:///{tmp_path / 'g.db'}"
+    args = ("run", "--study", "g", "--config", str(config), "--storage", url, "--gpus", "0,1")
+    supervisor = start_hpo(*args, cwd=tmp_path, env={"HPO_TEST_FAKE_GPUS": "2"}, own_group=True)
+    wait_until_training(url, "g", [supervisor], trials=2)  # both workers at once
+    os.killpg(supervisor.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
+    _, stderr = supervisor.communicate(timeout=60)
+    assert supervisor.returncode == 130, stderr[-3000:]
+    trials = optuna.load_study(study_name="g", storage=url).get_trials()
+    states = sorted(t.state.name for t in trials)
+    assert states == ["FAIL", "FAIL", "WAITING", "WAITING"], stderr[-3000:]
+    assert {t.user_attrs.get("interrupted") for t in trials if t.state == TrialState.FAIL} == {
+        "SIGINT"
+    }

@@ -1,0 +1,133 @@
+"""SIGTERM (preemption, `docker stop`) and Ctrl-C: the worker stops its running trial, records it
+as interrupted, hands it back to the study and exits; the next worker runs it again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from tests.conftest import (
+    record_faults,
+    run_hpo,
+    run_study,
+    start_hpo,
+    tiny_config,
+    wait_until_training,
+    write_config,
+)
+
+STOP_TIMEOUT_S = 5
+
+
+@pytest.mark.parametrize(
+    ("signum", "whole_group", "exit_code", "loader_workers"),
+    [
+        (signal.SIGTERM, False, 0, 0),  # docker stop, Kubernetes: the worker alone
+        (signal.SIGTERM, True, 0, 0),  # Slurm, systemd, timeout: every process of the worker
+        (signal.SIGINT, True, 130, 0),  # Ctrl-C in a terminal: the whole foreground group
+        # DataLoader worker processes, as on every GPU, get the group's signal too (found on an
+        # H100: they died of it, and the trial failed instead of being handed back).
+        (signal.SIGTERM, True, 0, 2),
+        (signal.SIGINT, True, 130, 2),
+    ],
+)
+def test_a_stopped_worker_hands_its_trial_back_and_the_next_worker_runs_it(
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    signum: int,
+    whole_group: bool,
+    exit_code: int,
+    loader_workers: int,
+) -> None:
+    url = f"sqlite:///{tmp_path / 'stop.db'}"
+    study_settings = {"n_trials": 2, "pruner": {"type": "none"}, "stop_timeout": STOP_TIMEOUT_S}
+    training = {"epochs": 1000, "num_workers": loader_workers}
+    endless = tiny_config(*easy_data, study=study_settings, training=training)
+    worker = _start_worker(write_config(tmp_path / "endless.yaml", endless), url, tmp_path)
+    study = wait_until_training(url, "stop", [worker])
+    sent = time.monotonic()
+    if whole_group:
+        os.killpg(worker.pid, signum)
+    else:
+        worker.send_signal(signum)
+    _, stderr = worker.communicate(timeout=60)
+    record_faults(study, faults=1, budget=0)  # the budget is checked after the second worker
+    assert worker.returncode == exit_code, stderr[-3000:]
+    assert time.monotonic() - sent < STOP_TIMEOUT_S + 10
+    interrupted, retry = study.get_trials()
+    assert interrupted.state == TrialState.FAIL, stderr[-3000:]
+    assert interrupted.user_attrs["interrupted"] == signal.Signals(signum).name
+    assert retry.state == TrialState.WAITING and retry.params == interrupted.params
+
+    if whole_group:
+        return  # the next worker's part is the same whoever got the signal
+    short = tiny_config(*easy_data, study=study_settings, training={"max_steps": 2})
+    finished = run_study(write_config(tmp_path / "short.yaml", short), url, tmp_path, study="stop")
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    states = [(t.number, t.state) for t in study.get_trials()]
+    assert states == [(0, TrialState.FAIL), (1, TrialState.COMPLETE), (2, TrialState.COMPLETE)]
+    assert study.get_trials()[1].user_attrs["retry_of"] == 0
+
+
+def _start_worker(config: Path, url: str, cwd: Path) -> subprocess.Popen[str]:
+    args = ("run", "--study", "stop", "--config", str(config), "--storage", url)
+    return start_hpo(*args, cwd=cwd, own_group=True)
+
+
+@pytest.mark.postgres
+def test_a_preempted_trial_resumes_from_its_checkpoint_on_the_next_worker(
+    tmp_path: Path, easy_data: tuple[Path, Path], postgres_url: str
+) -> None:
+    url = postgres_url
+    raw = tiny_config(
+        *easy_data,
+        study={"n_trials": 1, "pruner": {"type": "none"}},
+        # 384 steps, an evaluation every 32: time to see the first one before the trial ends
+        training={"epochs": 12, "evals_per_epoch": 1},
+    )
+    config = write_config(tmp_path / "c.yaml", raw)
+    worker = _start_worker(config, url, tmp_path)
+    study = wait_until_training(url, "stop", [worker], evaluations=1)
+    worker.send_signal(signal.SIGTERM)
+    _, stderr = worker.communicate(timeout=60)
+    assert worker.returncode == 0, stderr[-3000:]
+    folder = tmp_path / "hpo-checkpoints" / "stop" / "trial-0"
+    assert (folder / "checkpoint.pt").is_file(), stderr[-3000:]
+
+    finished = run_study(config, url, tmp_path, study="stop")
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    record_faults(study, faults=1, budget=1)
+    interrupted, retry = study.get_trials()
+    assert interrupted.state == TrialState.FAIL and retry.state == TrialState.COMPLETE
+    assert retry.user_attrs["resumed_at_step"] > 32  # SIGTERM checkpointed after evaluation 1
+    assert sorted(retry.intermediate_values) == list(range(1, 13))  # the curve continues
+    assert not (folder / "checkpoint.pt").exists()  # done: only the best model stays
+    assert retry.user_attrs["best_model"] == str(folder / "best-model")
+    assert (folder / "best-model" / "tokenizer_config.json").is_file()  # self-contained
+    assert retry.user_attrs["checkpoint_s"] > 0  # what its checkpoints cost it
+    best = run_hpo("best", "--study", "stop", "--storage", url, cwd=tmp_path)
+    assert f"model: {folder / 'best-model'}" in best.stdout
+
+
+def test_an_unwritable_checkpoint_folder_is_recorded_and_the_trial_completes(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    (tmp_path / "a-file").write_text("not a folder")
+    raw = tiny_config(
+        *easy_data,
+        study={"n_trials": 1, "checkpoint_dir": str(tmp_path / "a-file" / "ckpt")},
+        training={"max_steps": 4, "evals_per_epoch": 4},
+    )
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    result = run_study(write_config(tmp_path / "c.yaml", raw), url, tmp_path, study="c")
+    assert result.returncode == 0, result.stderr[-3000:]
+    trial = optuna.load_study(study_name="c", storage=url).get_trials()[0]
+    assert trial.state == TrialState.COMPLETE
+    assert "not written to" in trial.user_attrs["checkpoint_error"]

@@ -1,0 +1,104 @@
+"""Each trial in its own process: reports and pruning reach the study live, a crash fails only
+that trial, and a stop request ends the trial process and hands the trial back."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from hpo.config import Config, load_config
+from hpo.objective import Objective
+from hpo.stopping import StopRequest
+from hpo.study import run_trials
+from hpo.trial_process import TrialTarget, run_in_child
+from storage import open_storage
+from storage.url import StorageURL
+from tests import trial_targets
+from tests.conftest import tiny_config, write_config
+
+
+def _study(tmp_path: Path, pruner: optuna.pruners.BasePruner | None = None) -> optuna.Study:
+    return optuna.create_study(
+        study_name="iso", storage=f"sqlite:///{tmp_path / 'iso.db'}", pruner=pruner
+    )
+
+
+def _run(study: optuna.Study, target: TrialTarget, payload: object = None) -> None:
+    def objective(trial: optuna.Trial) -> float:
+        return run_in_child(trial, target, payload, StopRequest(), stop_timeout_s=5)
+
+    study.optimize(objective, n_trials=1, catch=(Exception,))
+
+
+def test_reports_reach_the_study_live_and_the_pruner_stops_the_trial(tmp_path: Path) -> None:
+    study = _study(tmp_path, optuna.pruners.ThresholdPruner(upper=2.5))
+    payload = {"study": "iso", "storage": f"sqlite:///{tmp_path / 'iso.db'}"}
+    _run(study, trial_targets.report_until_pruned, payload)
+    trial = study.get_trials()[0]
+    assert trial.state == TrialState.PRUNED
+    assert trial.intermediate_values == {0: 0.0, 1: 1.0, 2: 2.0, 3: 3.0}
+    assert trial.user_attrs["pruned_at"] == 3
+
+
+def test_a_crashed_trial_process_fails_its_trial_and_the_next_trial_runs(tmp_path: Path) -> None:
+    study = _study(tmp_path)
+    _run(study, trial_targets.kill_itself)
+    _run(study, trial_targets.return_one)
+    crashed, ok = study.get_trials()
+    assert crashed.state == TrialState.FAIL
+    assert "killed (SIGKILL)" in crashed.user_attrs["fail_reason"]
+    assert crashed.user_attrs["child_pid"] != os.getpid()
+    assert ok.state == TrialState.COMPLETE and ok.value == 1.0
+
+
+def test_an_error_in_the_trial_process_fails_the_trial(tmp_path: Path) -> None:
+    study = _study(tmp_path)
+    _run(study, trial_targets.raise_error)
+    trial = study.get_trials()[0]
+    assert trial.state == TrialState.FAIL
+    assert trial.user_attrs["fail_reason"] == "ValueError: bad luck in the child"
+
+
+@pytest.fixture
+def stub_config(tmp_path: Path, easy_data: tuple[Path, Path]) -> Config:
+    raw = tiny_config(*easy_data, study={"n_trials": 3, "stop_timeout": 1.0})
+    return load_config(write_config(tmp_path / "c.yaml", raw))
+
+
+@pytest.mark.parametrize("target", [trial_targets.sleep_forever, trial_targets.ignore_sigterm])
+def test_a_stop_request_ends_the_trial_process_and_hands_the_trial_back(
+    tmp_path: Path, stub_config: Config, target: TrialTarget
+) -> None:
+    url = StorageURL(f"sqlite:///{tmp_path / 'iso.db'}", "test")
+    study = optuna.create_study(study_name="iso", storage=open_storage(url, trial_budget=3))
+    stop = StopRequest()
+    pid_file = tmp_path / "child.pid"
+
+    def preempt() -> None:
+        while not pid_file.exists():
+            time.sleep(0.05)
+        stop.signal_name = "SIGTERM"
+
+    threading.Thread(target=preempt, daemon=True).start()
+    started = time.monotonic()
+    objective = Objective(stub_config, None, url, stop, target=target)  # type: ignore[arg-type]
+    assert run_trials(study, objective, stop) == 0
+    # A child that ignores SIGTERM is killed after study.stop_timeout (1 s).
+    assert time.monotonic() - started < 20
+    child = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)
+    interrupted, retry = study.get_trials()
+    assert interrupted.state == TrialState.FAIL
+    assert interrupted.user_attrs["interrupted"] == "SIGTERM"
+    assert interrupted.user_attrs["fail_reason"] == "interrupted: the worker got SIGTERM"
+    assert retry.state == TrialState.WAITING
+    assert retry.params == interrupted.params
+    assert retry.user_attrs["retry_of"] == 0 and "interrupted" not in retry.user_attrs
+    assert retry.system_attrs["failed_trial"] == 0

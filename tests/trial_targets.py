@@ -1,0 +1,55 @@
+"""Trial bodies that the trial-process tests run in a child process (importable by name there)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import optuna
+
+from hpo.trial_process import TrialLike
+
+
+def report_until_pruned(trial: TrialLike, payload: dict[str, Any]) -> float:
+    """Report 0, 1, 2, ...; before each report, check that the previous one is already in the
+    study's storage, as another process reads it."""
+    study = optuna.load_study(study_name=payload["study"], storage=payload["storage"])
+    for step in range(10):
+        if step:
+            stored = study.get_trials(deepcopy=False)[trial.number].intermediate_values
+            if stored.get(step - 1) != float(step - 1):
+                raise AssertionError(f"report {step - 1} not in storage: {stored}")
+        trial.report(float(step), step)
+        if trial.should_prune():
+            trial.set_user_attr("pruned_at", step)
+            raise optuna.TrialPruned(f"pruned at step {step}")
+    return 99.0
+
+
+def kill_itself(trial: TrialLike, payload: Any) -> float:
+    trial.set_user_attr("child_pid", os.getpid())
+    os.kill(os.getpid(), signal.SIGKILL)
+    return 0.0
+
+
+def raise_error(trial: TrialLike, payload: Any) -> float:
+    raise ValueError("bad luck in the child")
+
+
+def return_one(trial: TrialLike, payload: Any) -> float:
+    return 1.0
+
+
+def sleep_forever(trial: TrialLike, payload: Any) -> float:
+    """Writes its pid where the test can see it, then trains forever."""
+    Path(payload.config.source).with_name("child.pid").write_text(str(os.getpid()))
+    while True:
+        time.sleep(0.1)
+
+
+def ignore_sigterm(trial: TrialLike, payload: Any) -> float:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return sleep_forever(trial, payload)

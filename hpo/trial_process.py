@@ -9,6 +9,7 @@ import ctypes
 import logging
 import multiprocessing
 import os
+import select
 import signal
 import sys
 import traceback
@@ -118,12 +119,13 @@ def run_in_child(
     )
     process.start()
     child_conn.close()
+    watch = _ProcessWatch(process)
     try:
         outcome = _relay(trial, parent_conn, stop)
-        process.join(timeout=stop_timeout_s)  # it sent its result, or died, and is exiting
+        watch.wait(stop_timeout_s)  # it sent its result, or died, and is exiting
     finally:
         parent_conn.close()  # a child waiting for an answer learns that none will come
-        _end(process, stop_timeout_s)
+        watch.end(stop_timeout_s)
     return _result(trial, outcome, process.exitcode)
 
 
@@ -174,17 +176,57 @@ def _result(trial: optuna.Trial, outcome: tuple[Any, ...] | None, exitcode: int 
     raise error
 
 
-def _end(process: BaseProcess, stop_timeout_s: float) -> None:
-    """A child still running is asked to stop (SIGTERM: it checkpoints at the next optimizer
-    step and exits), then killed after the timeout."""
-    if process.is_alive():
-        process.terminate()
-        process.join(timeout=stop_timeout_s)
-    if process.is_alive():
-        log.warning("trial process %s ignored SIGTERM for %.0f s; killing it", process.pid,
-                    stop_timeout_s)  # fmt: skip
-        process.kill()
-        process.join()
+class _ProcessWatch:
+    """Waits for, stops and kills the trial process by its own pid. multiprocessing's join()
+    hears of the exit from the fork server; a signal to the whole process group (Slurm, systemd,
+    `timeout`) kills the fork server too, and join() then returns at once while the trial
+    process trains on, orphaned, holding its GPU memory (seen in CI: the worker exited and its
+    trial process went on for 20 s). A pidfd follows the process itself, and no reused pid."""
+
+    def __init__(self, process: BaseProcess) -> None:
+        self.process = process
+        self.pidfd: int | None = None
+        if hasattr(os, "pidfd_open") and process.pid is not None:
+            try:
+                self.pidfd = os.pidfd_open(process.pid)
+            except ProcessLookupError:
+                pass  # already gone
+            except OSError:
+                self.pidfd = None  # no pidfds (old kernel, seccomp): multiprocessing's view
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether the process has exited within `timeout_s`."""
+        if self.pidfd is None:
+            self.process.join(timeout=timeout_s)
+            return not self.process.is_alive()
+        readable, _, _ = select.select([self.pidfd], [], [], timeout_s)
+        return bool(readable)
+
+    def end(self, stop_timeout_s: float) -> None:
+        """A process still running is asked to stop (SIGTERM: it checkpoints at the next
+        optimizer step and exits), then killed after the timeout."""
+        try:
+            if not self.wait(0):
+                self._signal(signal.SIGTERM)
+                if not self.wait(stop_timeout_s):
+                    log.warning("trial process %s ignored SIGTERM for %.0f s; killing it",
+                                self.process.pid, stop_timeout_s)  # fmt: skip
+                    self._signal(signal.SIGKILL)
+                    self.wait(stop_timeout_s)
+            self.process.join(timeout=1)  # multiprocessing's own record of the exit
+        finally:
+            if self.pidfd is not None:
+                os.close(self.pidfd)
+                self.pidfd = None
+
+    def _signal(self, signum: int) -> None:
+        if self.pidfd is None:
+            self.process.kill() if signum == signal.SIGKILL else self.process.terminate()
+            return
+        try:
+            signal.pidfd_send_signal(self.pidfd, signum)
+        except ProcessLookupError:
+            pass  # exited in the meantime
 
 
 def describe_exit(exitcode: int | None) -> str:

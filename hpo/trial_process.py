@@ -17,6 +17,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
+from types import FrameType
 from typing import Any, Protocol
 
 import optuna
@@ -59,11 +60,25 @@ class TrialProcessDied(Exception):
 
 # Set in a trial process by SIGTERM (the worker stopping it) or a lost worker.
 _stop_reason: list[str] = []
+# Whether the trial process has begun training, so that a stop would checkpoint. Until then
+# (batch search, model build: many seconds on a GPU) a SIGTERM ends it at once: nothing is lost.
+_training: list[bool] = []
+EXIT_STOPPED_BEFORE_TRAINING = 128 + signal.SIGTERM
 
 
 def stop_requested() -> bool:
-    """In a trial process: whether to checkpoint and stop at the next optimizer step."""
+    """In a trial process: whether to checkpoint and stop at the next optimizer step. The
+    training loop first asks before its first step, so the first question also says that
+    training runs."""
+    if not _training:
+        _training.append(True)
     return bool(_stop_reason)
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    _stop_reason.append("SIGTERM")
+    if not _training:
+        os._exit(EXIT_STOPPED_BEFORE_TRAINING)  # nothing to save; the worker hands it back
 
 
 class ChildTrial:
@@ -232,6 +247,8 @@ class _ProcessWatch:
 def describe_exit(exitcode: int | None) -> str:
     if exitcode is None:
         return "stopped answering"
+    if exitcode == EXIT_STOPPED_BEFORE_TRAINING:
+        return "got SIGTERM before it began training, and exited"
     if exitcode >= 0:
         return f"exited with code {exitcode} before it sent a result"
     name = signal.Signals(-exitcode).name
@@ -246,7 +263,7 @@ def _child_main(
     # The worker decides how its trial stops: Ctrl-C in a terminal reaches the whole group, and
     # the worker's SIGTERM means "checkpoint and stop".
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda signum, frame: _stop_reason.append("SIGTERM"))
+    signal.signal(signal.SIGTERM, _on_sigterm)
     _stop_when_orphaned()
     setup_logging(log_level)
     set_optuna_verbosity(log_level)

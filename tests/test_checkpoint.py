@@ -4,6 +4,7 @@ uninterrupted run (CPU, dropout on); a failed write never stops training."""
 from __future__ import annotations
 
 import errno
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +127,9 @@ def test_an_unusable_checkpoint_folder_loses_the_checkpoint_not_the_run(
 def test_a_checkpoint_of_another_job_is_not_resumed(
     prepared: tuple[TrainJob, PreparedData], tmp_path: Path
 ) -> None:
-    _fit(prepared, CheckpointStore(tmp_path / "t"), should_stop=lambda: True)
+    asked = itertools.count()
+    _fit(prepared, CheckpointStore(tmp_path / "t"), should_stop=lambda: next(asked) >= 3)
+    assert (tmp_path / "t" / "checkpoint.pt").is_file()  # after step 2
     job, data = prepared
     job.training.learning_rate = 1e-4
     _, result = _fit((job, data), CheckpointStore(tmp_path / "t", resume=True))
@@ -154,3 +157,11 @@ def test_with_an_interval_evaluations_write_nothing_and_the_best_model_comes_at_
     best = AutoModelForSequenceClassification.from_pretrained(store.best_model_path)
     _assert_same_weights(at_evaluation[result.best.index], best.state_dict())
     assert store.seconds > 0
+
+
+def test_a_stop_before_the_first_step_trains_and_writes_nothing(
+    prepared: tuple[TrainJob, PreparedData], tmp_path: Path
+) -> None:
+    trainer, result = _fit(prepared, CheckpointStore(tmp_path / "t"), should_stop=lambda: True)
+    assert result.status == "interrupted" and result.optimizer_steps == 0
+    assert not (tmp_path / "t").exists() or not any((tmp_path / "t").iterdir())

@@ -118,3 +118,32 @@ def _gone(pid: int) -> bool:
     except FileNotFoundError:
         return True
     return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+@pytest.mark.parametrize("target", [trial_targets.sleep_forever, trial_targets.train_until_stopped])
+def test_a_stop_ends_a_trial_process_at_once_before_training_and_after_a_checkpoint_once_training(
+    tmp_path: Path, easy_data: tuple[Path, Path], target: TrialTarget
+) -> None:
+    # Before its first training step (batch search, model build: many seconds on a GPU) a trial
+    # process has nothing to save and exits on SIGTERM at once, without waiting for a step.
+    raw = tiny_config(*easy_data, study={"n_trials": 3, "stop_timeout": 60.0})
+    config = load_config(write_config(tmp_path / "c.yaml", raw))
+    url = StorageURL(f"sqlite:///{tmp_path / 'iso.db'}", "test")
+    study = optuna.create_study(study_name="iso", storage=open_storage(url, trial_budget=3))
+    stop = StopRequest()
+    pid_file = tmp_path / "child.pid"
+
+    def preempt() -> None:
+        while not pid_file.exists():
+            time.sleep(0.05)
+        stop.signal_name = "SIGTERM"
+
+    threading.Thread(target=preempt, daemon=True).start()
+    objective = Objective(config, None, url, stop, target=target)  # type: ignore[arg-type]
+    started = time.monotonic()
+    run_trials(study, objective, stop)
+    assert time.monotonic() - started < 30  # not the 60 s stop timeout
+    assert _gone(int(pid_file.read_text()))
+    checkpointed = (tmp_path / "checkpointed").exists()
+    assert checkpointed == (target is trial_targets.train_until_stopped)
+    assert [t.state for t in study.get_trials()] == [TrialState.FAIL, TrialState.WAITING]

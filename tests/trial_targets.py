@@ -10,7 +10,8 @@ from typing import Any
 
 import optuna
 
-from hpo.trial_process import TrialLike
+from hpo.stopping import Interrupted
+from hpo.trial_process import TrialLike, stop_requested
 
 
 def report_until_pruned(trial: TrialLike, payload: dict[str, Any]) -> float:
@@ -53,3 +54,14 @@ def sleep_forever(trial: TrialLike, payload: Any) -> float:
 def ignore_sigterm(trial: TrialLike, payload: Any) -> float:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return sleep_forever(trial, payload)
+
+
+def train_until_stopped(trial: TrialLike, payload: Any) -> float:
+    """Trains (asks whether to stop, as the training loop does) until asked to stop, then
+    checkpoints, as the training loop does."""
+    pid_file = Path(payload.config.source).with_name("child.pid")
+    while not stop_requested():
+        pid_file.write_text(str(os.getpid()))
+        time.sleep(0.05)
+    pid_file.with_name("checkpointed").write_text("step 1")
+    raise Interrupted("SIGTERM")

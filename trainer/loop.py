@@ -435,6 +435,8 @@ class Trainer:
         run = _Run(segment_start=time.perf_counter())
         resumed_at = self._resume(run, checkpoints, on_evaluation)
         epoch, skip = divmod(run.step, self.steps_per_epoch)
+        if should_stop is not None and should_stop():  # nothing trained yet: nothing to save
+            run.stop("interrupted", f"stop requested before step {run.step + 1}")
         while run.step < self.total_steps and run.status == "completed":
             for indices, micro_batches in self._steps(epoch, skip):
                 self._train_step(run, indices, micro_batches)

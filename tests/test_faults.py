@@ -88,7 +88,8 @@ def test_sigterm_during_evaluation_checkpoints_and_the_retry_resumes(
     worker.send_signal(signal.SIGTERM)
     _, stderr = worker.communicate(timeout=60)
     assert worker.returncode == 0, stderr[-3000:]
-    assert time.monotonic() - sent < 20
+    took = time.monotonic() - sent
+    assert took < 20 + 10, f"stopped after {took:.1f} s:\n{stderr[-3000:]}"  # stop_timeout + DB
     resumed = run_hpo(*args, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     record_faults(study, faults=1, budget=1)

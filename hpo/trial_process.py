@@ -214,8 +214,9 @@ class _ProcessWatch:
         if self.pidfd is None:
             self.process.join(timeout=timeout_s)
             return not self.process.is_alive()
-        readable, _, _ = select.select([self.pidfd], [], [], timeout_s)
-        return bool(readable)
+        poller = select.poll()  # not select(): a busy worker's fds may pass 1024
+        poller.register(self.pidfd, select.POLLIN)
+        return bool(poller.poll(timeout_s * 1000))
 
     def end(self, stop_timeout_s: float) -> None:
         """A process still running is asked to stop (SIGTERM: it checkpoints at the next

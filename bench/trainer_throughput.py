@@ -27,12 +27,14 @@ from transformers import DataCollatorWithPadding, TrainerCallback, TrainingArgum
 from transformers.trainer_callback import PrinterCallback
 
 from hpo.config import Config, load_config
-from hpo.errors import HPOError
+from hpo.errors import USER_ERRORS
 from trainer import device as dev
 from trainer.config import TrainingConfig, TrainJob
 from trainer.data import PreparedData, TokenizedSplit, collate, prepare_data
-from trainer.loop import Trainer, grad_accum_steps_for, make_optimizer
+from trainer.loaders import num_workers_for, pad_multiple_for
+from trainer.loop import Trainer
 from trainer.model import build_model, load_tokenizer
+from trainer.step import grad_accum_steps_for, make_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
 LEARNING_RATE = 1e-4
@@ -200,18 +202,8 @@ def bench_training(
 
 
 def _num_workers(training: TrainingConfig, device: torch.device) -> int:
-    """The same DataLoader workers for both: the config's, else trainer/loop.py's own rule."""
-    if training.num_workers is not None:
-        return training.num_workers
-    if device.type != "cuda":
-        return 0
-    per_gpu = (os.cpu_count() or 2) // max(1, torch.cuda.device_count())
-    return max(1, min(4, per_gpu - 1))
-
-
-def pad_multiple_for(device: torch.device, compiled: bool) -> int:
-    """The padding width rule of trainer/loop.py's Trainer.pad_multiple, for the HF collator."""
-    return 32 if compiled else (8 if device.type == "cuda" else 1)
+    """The same DataLoader workers for both: the config's, else trainer.loaders' own rule."""
+    return num_workers_for(training.num_workers, device)
 
 
 def make_setup(args: argparse.Namespace) -> Setup:
@@ -257,11 +249,11 @@ def warm_up(setup: Setup) -> int:
 
 def run_ours(setup: Setup) -> Run:
     job = TrainJob(data=setup.config.data, model=setup.config.model, training=setup.training)
-    trainer = Trainer(job, setup.data, setup.config.study.metric)
+    trainer = Trainer(job, setup.data, setup.config.study.primary_metric)
     if trainer.pad_multiple != setup.pad_multiple:
         raise RuntimeError(
             f"trainer.loop pads to multiples of {trainer.pad_multiple}, the benchmark's HF "
-            f"collator to {setup.pad_multiple}; update pad_multiple_for in this file"
+            f"collator to {setup.pad_multiple}; both should use trainer.loaders.pad_multiple_for"
         )
     counter = BatchCounter()
     handle = counter.attach(trainer.model)
@@ -469,7 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     transformers.logging.disable_progress_bar()  # "Loading weights" bars, once per model build
     try:
         setup = make_setup(args)
-    except HPOError as e:
+    except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     examples = TokenizedExamples(setup.data.train)

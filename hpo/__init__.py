@@ -1,6 +1,6 @@
 """hpo: hyperparameter optimisation for fine-tuning transformer models.
 
-Kept import-light: `trainer/` and `storage/` import `hpo.errors` without pulling in Optuna.
+Kept import-light: the CLI reports a bad config before torch, transformers or Optuna load.
 """
 
 __version__ = "0.1.0"

@@ -1,42 +1,140 @@
-"""Which trial checkpoint folders a study keeps: those a trial may still resume from (running or
-queued attempts) and the best trial's model; the rest are removed as trials finish.
+"""Where a study's trial checkpoints live, and which of them it keeps: those a trial may still
+resume from (running or queued attempts) and the best trial's model; the rest are removed as
+trials finish.
+
+A study name is data, never a path: the study's folder is a slug of the name plus a hash of it,
+always directly inside the checkpoint root, and hpo removes only folders that carry its own
+marker for that very study.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import re
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import optuna
+from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
 from hpo.config import Config
 
+log = logging.getLogger(__name__)
+
 DEFAULT_CHECKPOINT_DIR = "hpo-checkpoints"
+STUDY_MARKER = ".hpo-study"
+TRIAL_MARKER = ".hpo-trial"
+_TRIAL_FOLDER = re.compile(r"trial-[0-9]+")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+SLUG_CHARS = 40
+
+
+def study_folder_name(study_name: str) -> str:
+    """A folder name for any study name: readable, unique, one path component, never `.`/`..`."""
+    slug = _UNSAFE.sub("_", study_name).strip("._-")[:SLUG_CHARS] or "study"
+    digest = hashlib.sha256(study_name.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    return f"{slug}-{digest}"
 
 
 def checkpoint_root(config: Config, study_name: str) -> Path:
     base = Path(config.study.checkpoint_dir or DEFAULT_CHECKPOINT_DIR).expanduser()
-    return base.resolve() / study_name
+    return base.resolve() / study_folder_name(study_name)
 
 
 def folder_name(trial: FrozenTrial | optuna.Trial) -> str:
     """Every attempt of one configuration shares the first attempt's folder."""
-    return f"trial-{trial.user_attrs.get('first_attempt', trial.number)}"
+    return f"trial-{int(trial.user_attrs.get('first_attempt', trial.number))}"
+
+
+def prepare_trial_folder(root: Path, study_name: str, folder: str) -> Path:
+    """Create the trial's folder with hpo's markers (study and trial), so cleanup knows it is
+    hpo's own. A folder already there is used only if hpo made it for this study (a retry's);
+    anything else there, a symlink included, is left alone: FileExistsError. OSError when the
+    disk refuses."""
+    _claim(root, {"study": study_name}, parents=True)
+    return _claim(root / folder, {"study": study_name, "folder": folder})
+
+
+def _claim(folder: Path, marker: dict[str, str], parents: bool = False) -> Path:
+    try:
+        folder.mkdir(parents=parents)
+    except FileExistsError:
+        if not _is_ours(folder, marker):
+            raise FileExistsError(
+                f"{folder} exists and hpo did not make it for this study; hpo will not write "
+                "into it (move it away, or set study.checkpoint_dir elsewhere)"
+            ) from None
+        return folder
+    name = TRIAL_MARKER if "folder" in marker else STUDY_MARKER
+    (folder / name).write_text(json.dumps(marker), encoding="utf-8")
+    return folder
 
 
 def remove_stale_checkpoints(study: optuna.Study, root: Path) -> list[Path]:
-    """Remove the folders no trial needs any more; returns them."""
-    if not root.is_dir():
-        return []
-    # Listed before the trials are read: a folder that appears meanwhile is never touched.
-    folders = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("trial-")]
+    """Remove the trial folders no trial of `study` needs any more; returns them."""
     trials = study.get_trials(deepcopy=False)
+    return remove_unneeded_folders(root, study.study_name, trials, study.directions)
+
+
+def remove_unneeded_folders(
+    root: Path, study_name: str, trials: list[FrozenTrial], directions: Sequence[StudyDirection]
+) -> list[Path]:
+    """Remove the trial folders in `root` that none of `trials` needs: not a running or queued
+    attempt's, not the best trial's (with several objectives: not a Pareto-front trial's).
+    Folders are listed before `trials` was read by the caller or after: one that appears
+    meanwhile belongs to a RUNNING trial either way."""
+    if not _is_ours(root, {"study": study_name}):
+        return []
+    folders = [p for p in root.iterdir() if _is_trial_folder(p, study_name)]
     keep = {folder_name(t) for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)}
-    complete = [t for t in trials if t.state == TrialState.COMPLETE]
-    if complete:
-        keep.add(folder_name(study.best_trial))
+    keep |= {folder_name(t) for t in best_trials(trials, directions)}
     removed = [p for p in folders if p.name not in keep]
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
     return removed
+
+
+def best_trials(
+    trials: list[FrozenTrial], directions: Sequence[StudyDirection]
+) -> list[FrozenTrial]:
+    """The best complete trial, or with several objectives the Pareto front: the complete
+    trials no other complete trial is at least as good as in every objective and better in one."""
+    signs = [1.0 if d == StudyDirection.MAXIMIZE else -1.0 for d in directions]
+    scored = [
+        (t, [s * v for s, v in zip(signs, t.values, strict=True)])
+        for t in trials
+        if t.state == TrialState.COMPLETE and t.values is not None and len(t.values) == len(signs)
+    ]
+    if len(signs) == 1:
+        return [max(scored, key=lambda pair: pair[1][0])[0]] if scored else []
+    front: list[tuple[FrozenTrial, list[float]]] = []
+    for trial, score in scored:
+        if any(_dominates(other, score) or other == score for _, other in front):
+            continue
+        front = [(t, s) for t, s in front if not _dominates(score, s)] + [(trial, score)]
+    return [trial for trial, _ in front]
+
+
+def _dominates(a: list[float], b: list[float]) -> bool:
+    return all(x >= y for x, y in zip(a, b, strict=True)) and a != b
+
+
+def _is_trial_folder(path: Path, study_name: str) -> bool:
+    if not _TRIAL_FOLDER.fullmatch(path.name) or path.is_symlink() or not path.is_dir():
+        return False
+    return _is_ours(path, {"study": study_name, "folder": path.name})
+
+
+def _is_ours(folder: Path, expected: dict[str, str]) -> bool:
+    """Whether `folder` carries hpo's marker with exactly these contents."""
+    marker = folder / (TRIAL_MARKER if "folder" in expected else STUDY_MARKER)
+    if folder.is_symlink() or not marker.is_file() or marker.is_symlink():
+        return False
+    try:
+        return bool(json.loads(marker.read_text(encoding="utf-8")) == expected)
+    except (OSError, ValueError):
+        return False

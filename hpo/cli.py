@@ -5,32 +5,46 @@ with --debug.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, NoReturn
 
 from hpo import __version__
 from hpo.config import Config, load_config
-from hpo.errors import ConfigError, HPOError
+from hpo.errors import USER_ERRORS, ConfigError, HPOError
 from hpo.logs import set_optuna_verbosity, setup_logging
-from hpo.stopping import EXIT_INTERRUPTED, StopRequest
-
-if TYPE_CHECKING:
-    from storage.engine import Liveness
+from hpo.stopping import Interrupted, StopRequest, stopped_exit_code
+from storage.url import StorageURL
 
 EXIT_BAD_INPUT = 2
+MAX_STUDY_NAME_CHARS = 512  # Optuna's studies.study_name column
+PARAMS_EXAMPLE = '{"learning_rate": 3e-5, "effective_batch_size": 32}'
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
 
 log = logging.getLogger("hpo")
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        if message.endswith("expected one argument"):
+            option = message.removeprefix("argument ").split(":")[0].split("/")[-1]
+            message += f"; a value that begins with '-' is written {option}=VALUE"
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    # No abbreviations: `--gpu 0,1` must not silently mean `--gpus` (and then reach the worker
+    # processes, whose arguments are the user's minus the exact `--gpus`).
+    parser = _Parser(
         prog="hpo",
+        allow_abbrev=False,
         description="Hyperparameter optimisation for fine-tuning transformer models. Trials live "
         "in an Optuna study in PostgreSQL or SQLite; run one worker per GPU on the same study.",
     )
@@ -38,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = commands.add_parser(
         "run",
+        allow_abbrev=False,
         help="start a worker that runs trials of a study",
         description="Start a worker: create or join the study, then run trials until the study "
         "holds --n-trials trials (counted across every worker) or --timeout passes.",
@@ -67,7 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout",
         type=float,
         default=None,
-        help="seconds after which this worker starts no new trial (overrides study.timeout)",
+        help="seconds after which this worker starts no new trial; the running trial finishes "
+        "(overrides study.timeout)",
+    )
+    run.add_argument(
+        "--trial-timeout",
+        type=float,
+        default=None,
+        help="seconds one trial may train: past it the trial checkpoints, stops and is pruned "
+        "with reason `timeout` (overrides study.trial_timeout)",
     )
     run.add_argument(
         "--device", default=None, help="auto, cpu, cuda or cuda:N (overrides training.device)"
@@ -81,8 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
     run.add_argument("--quiet", action="store_true", help="only warnings and the final summary")
     _add_monitoring_commands(commands)
+    _add_enqueue_command(commands)
     finder = commands.add_parser(
         "batch-size",
+        allow_abbrev=False,
         help="find the largest physical batch that fits and print what the search did",
         description="Run the batch finder alone on this machine's device: worst-case probes "
         "(every sequence at max_length, forward, backward and an AdamW step, then an "
@@ -95,12 +120,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_enqueue_command(commands: argparse._SubParsersAction) -> None:
+    enqueue = commands.add_parser(
+        "enqueue",
+        allow_abbrev=False,
+        help="queue a configuration for a study's workers to try next",
+        description="Queue a configuration (a paper's recipe, a known-good run) that the next "
+        "free worker of the study trains before sampling new ones. Checked against the study's "
+        "search space; parameters left out are sampled. A configuration the study already holds "
+        "is not queued again.",
+    )
+    enqueue.add_argument("--study", required=True, help="study name")
+    enqueue.add_argument(
+        "--params",
+        required=True,
+        help='JSON, e.g. \'{"learning_rate": 3e-5, "effective_batch_size": 32}\'',
+    )
+    enqueue.add_argument(
+        "--config", type=Path, default=None,
+        help="YAML config of the study (default: the search space the study was created with)",
+    )  # fmt: skip
+    enqueue.add_argument("--storage", default=None, help="database URL (default: $HPO_STORAGE, "
+                         "then the config's study.storage, then ./hpo.db)")  # fmt: skip
+    enqueue.add_argument("--debug", action="store_true", help="show tracebacks")
+    enqueue.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
+
+
 def _add_monitoring_commands(commands: argparse._SubParsersAction) -> None:
     storage_help = "database URL (default: $HPO_STORAGE, then ./hpo.db)"
-    studies = commands.add_parser("studies", help="list the studies in the storage")
-    best = commands.add_parser("best", help="print the best trial of a study")
-    status = commands.add_parser("status", help="summarise a study: states, running, failures")
-    dashboard = commands.add_parser("dashboard", help="serve optuna-dashboard on the storage")
+    add = functools.partial(commands.add_parser, allow_abbrev=False)
+    studies = add("studies", help="list the studies in the storage")
+    best = add("best", help="print the best trial of a study")
+    status = add("status", help="summarise a study: states, running, failures")
+    dashboard = add("dashboard", help="serve optuna-dashboard on the storage")
     for sub in (studies, best, status, dashboard):
         sub.add_argument("--storage", default=None, help=storage_help)
         sub.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -110,14 +162,58 @@ def _add_monitoring_commands(commands: argparse._SubParsersAction) -> None:
     for sub in (studies, best, status):
         sub.add_argument("--json", action="store_true", help="machine-readable output")
     dashboard.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost)")
-    dashboard.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    dashboard.add_argument("--port", type=_port_number, default=8080, help="port (default 8080)")
+
+
+def _port_number(text: str) -> int:
+    """argparse type for a TCP port: a bad one is a usage error (exit 2), not an OverflowError
+    from the socket."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number, e.g. 8080") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is outside 1-65535; e.g. 8080")
+    return port
+
+
+def _serve_dashboard(storage: object, host: str, port: int, banner: str) -> None:
+    """optuna-dashboard's app on a server bound here, until Ctrl-C: a port in use or a host
+    that is not this machine's is one line, not a traceback from inside the dashboard."""
+    import errno
+    import socket
+    from wsgiref.simple_server import WSGIServer, make_server
+
+    from optuna_dashboard import wsgi
+
+    class Server(WSGIServer):
+        # wsgiref listens on IPv4 unless told; an address such as ::1 needs IPv6.
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    try:
+        server = make_server(host, port, wsgi(storage), server_class=Server)
+    except OSError as e:  # in use, not an address of this host, unknown host name
+        fix = (
+            "another program listens there: choose another --port"
+            if e.errno == errno.EADDRINUSE
+            else "--host must name this machine: 127.0.0.1, or 0.0.0.0 for every interface"
+        )
+        raise HPOError(
+            f"dashboard: cannot listen on {host}:{port} ({e.strerror or e}); {fix}"
+        ) from e
+    print(banner)
+    with server:
+        server.serve_forever()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     # Before CUDA initialises: fewer fragmentation OOMs as batch shapes change between steps.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt as e:
+        return _stopped(e)
     args.argv = argv
     _setup_logging(args.debug, args.quiet)
     try:
@@ -125,16 +221,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run(args)
         if args.command == "batch-size":
             return _batch_size(args)
+        if args.command == "enqueue":
+            return _enqueue(args)
         return _monitor(args)
-    except HPOError as e:
+    except USER_ERRORS as e:
         if args.debug:
             log.exception("hpo failed")
         print(f"hpo: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print("hpo: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as e:
+        return _stopped(e)
+    except BrokenPipeError:
+        # `hpo status | head`: the reader has gone; nothing left to say to it.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return 0
+
+
+def _stopped(interrupt: KeyboardInterrupt) -> int:
+    name = getattr(interrupt, "signal_name", "SIGINT")
+    print(f"hpo: stopped by {name}", file=sys.stderr)
+    return stopped_exit_code(name)
 
 
 def _setup_logging(debug: bool, quiet: bool) -> None:
@@ -142,8 +249,44 @@ def _setup_logging(debug: bool, quiet: bool) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # From the start: a SIGTERM or Ctrl-C while torch loads and the data is prepared stops
+    # the worker at once, before anything is written: no traceback, no signal's exit code.
+    stop = StopRequest(interrupt_at_once=True, doing="stopping before the first trial")
+    stop.install()
+    inputs = None
+    with contextlib.suppress(Interrupted):
+        inputs = _check_inputs(args)
+    stop.interrupt_at_once, stop.doing = False, StopRequest.RUNNING
+    if inputs is None or stop.requested:
+        print(f"hpo: stopped by {stop.signal_name} before the first trial", file=sys.stderr)
+        return stop.exit_code
+    config, storage_url, gpus, data = inputs
+    from hpo.launcher import run_workers
+    from hpo.objective import Objective
+    from hpo.study import open_study, run_trials, summary_lines
+    from storage import open_storage
+
+    print(f"hpo: study {args.study!r} in {storage_url.describe()}", file=sys.stderr)
+    storage = open_storage(storage_url, config.study.database_patience)
+    study = open_study(storage, args.study, config)
+    if len(gpus) > 1:
+        code = run_workers(gpus, args.argv)
+        print("\n".join(summary_lines(study, config.study.objectives)))
+        return code
+    stop.interrupt_at_once = config.study.trial_isolation == "none"
+    run_trials(study, storage, Objective(config, data, storage_url, stop), stop)
+    print("\n".join(summary_lines(study, config.study.objectives)))
+    if stop.signal_name is not None:
+        print(f"hpo: stopped by {stop.signal_name}", file=sys.stderr)
+    return stop.exit_code if stop.requested else 0
+
+
+def _check_inputs(args: argparse.Namespace) -> tuple[Config, StorageURL, list[str], Any]:
+    """Every input of `hpo run`, checked before the database is touched: a bad one writes
+    nothing. Returns the config, the storage URL, the worker's GPUs and the prepared data."""
     from storage.url import resolve_storage_url
 
+    check_study_name(args.study)
     config_path = args.config or DEMO_CONFIG
     if args.config is None and not DEMO_CONFIG.is_file():
         raise HPOError("no --config given and the demo config is not installed; pass --config FILE")
@@ -152,15 +295,13 @@ def _run(args: argparse.Namespace) -> int:
     storage_url = resolve_storage_url(args.storage, config.study.storage)
     gpus = _worker_gpus(config, args.gpus)
     # Only now the heavy imports: a config or URL error is reported in well under a second.
-    from hpo.launcher import run_workers
-    from hpo.objective import Objective
-    from hpo.study import open_study, run_trials, summary_lines
-    from storage import open_storage
     from trainer.data import prepare_data
+    from trainer.device import resolve_device
     from trainer.model import check_model_config, load_tokenizer
 
     set_optuna_verbosity(logging.getLogger().level)
-    # Every input is checked before the database is touched: a bad one writes nothing.
+    # The device first: `cuda` on a host without CUDA is reported before the data is prepared.
+    resolve_device(config.training.device)
     check_model_config(config.model)
     data = prepare_data(config.data, load_tokenizer(config.model))
     log.info(
@@ -169,22 +310,83 @@ def _run(args: argparse.Namespace) -> int:
         len(data.eval),
         data.label_names,
     )
-    print(f"hpo: study {args.study!r} in {storage_url.describe()}", file=sys.stderr)
-    storage = open_storage(
-        storage_url, config.study.n_trials, _liveness(config), config.study.database_patience
-    )
-    study = open_study(storage, args.study, config)
-    if len(gpus) > 1:
-        code = run_workers(gpus, args.argv)
-        print("\n".join(summary_lines(study, config.study.metric)))
-        return code
-    stop = StopRequest(interrupt_at_once=config.study.trial_isolation == "none")
-    stop.install()
-    run_trials(study, Objective(config, data, storage_url, stop), stop)
-    print("\n".join(summary_lines(study, config.study.metric)))
-    if stop.signal_name is not None:
-        print(f"hpo: stopped by {stop.signal_name}", file=sys.stderr)
-    return stop.exit_code if stop.requested else 0
+    return config, storage_url, gpus, data
+
+
+def _enqueue(args: argparse.Namespace) -> int:
+    import json
+
+    import optuna
+
+    from hpo.config import ParamSpec, check_params, space_record
+    from hpo.study import enqueue
+    from storage import open_storage, resolve_storage_url
+
+    check_study_name(args.study)
+    raw = _json_params(args.params)
+    config = load_config(args.config) if args.config is not None else None
+    storage_url = resolve_storage_url(args.storage, config.study.storage if config else None)
+    set_optuna_verbosity(logging.getLogger().level)
+    storage = open_storage(storage_url, must_exist=True)
+    try:
+        study_id = storage.get_study_id_from_name(args.study)
+    except KeyError as e:
+        raise HPOError(f"no study {args.study!r} in {storage_url.masked}; start it with `hpo "
+                       "run` (or check --study with `hpo studies`)") from e  # fmt: skip
+    attrs = storage.get_study_user_attrs(study_id)
+    recorded = attrs.get("search_space")
+    if config is not None:
+        space = config.search_space
+        if recorded is not None and recorded != space_record(space):
+            raise HPOError(
+                f"--config: its search space is not the one study {args.study!r} was created "
+                "with; use the study's config or leave --config out"
+            )
+    elif recorded is None:
+        raise HPOError(f"study {args.study!r} has no search space recorded by hpo; pass the "
+                       "--config it runs with")  # fmt: skip
+    else:
+        space = {name: ParamSpec(**spec) for name, spec in recorded.items()}
+    problems: list[str] = []
+    grid = (config.study.sampler.type if config else attrs.get("sampler")) == "grid"
+    params = check_params(space, raw, "--params", problems, complete=grid)
+    if problems:
+        raise ConfigError(problems, "--params")
+    study = optuna.load_study(study_name=args.study, storage=storage)
+    optuna.logging.set_verbosity(max(logging.getLogger().level, logging.WARNING))  # hpo says it
+    with storage.lock(study_id):
+        queued = enqueue(study, params)
+    shown = json.dumps(params)
+    if queued:
+        print(f"hpo: queued {shown} in study {args.study!r}: the next worker to start a trial "
+              "trains it, if the study's n_trials leaves room (queued trials count once "
+              "started)")  # fmt: skip
+    else:
+        print(f"hpo: study {args.study!r} already holds a trial with {shown}; nothing queued")
+    return 0
+
+
+def _json_params(text: str) -> dict[str, Any]:
+    """--params: a JSON object, no key twice (the last would win silently)."""
+    import json
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [key for key, _ in pairs]
+        repeated = sorted({key for key in keys if keys.count(key) > 1})
+        if repeated:
+            raise HPOError(f"--params gives {repeated[0][:80]!r} twice; give each parameter once")
+        return dict(pairs)
+
+    try:
+        raw = json.loads(text, object_pairs_hook=unique)
+    except (ValueError, RecursionError) as e:
+        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
+        raise HPOError(f"--params is not JSON ({reason}); write e.g. '{PARAMS_EXAMPLE}'") from e
+    if not isinstance(raw, dict) or not raw:
+        raise HPOError(
+            f"--params must be a JSON object of search-space parameters, e.g. '{PARAMS_EXAMPLE}'"
+        )
+    return raw
 
 
 def _monitor(args: argparse.Namespace) -> int:
@@ -198,12 +400,15 @@ def _monitor(args: argparse.Namespace) -> int:
     set_optuna_verbosity(logging.getLogger().level)
 
     storage_url = resolve_storage_url(args.storage, None)
-    storage = open_storage(storage_url)
+    if getattr(args, "study", None) is not None:
+        check_study_name(args.study)
+    # Monitoring never creates a database, a table or a lock file (a typo in --storage, a
+    # read-only folder); the dashboard may write notes, but only into an existing study database.
+    storage = open_storage(storage_url, read_only=args.command != "dashboard", must_exist=True)
     if args.command == "dashboard":
-        from optuna_dashboard import run_server
-
-        print(f"hpo: dashboard for {storage_url.describe()} on http://{args.host}:{args.port}/")
-        run_server(storage, host=args.host, port=args.port)
+        address = f"[{args.host}]" if ":" in args.host else args.host  # IPv6 in a URL
+        banner = f"hpo: dashboard for {storage_url.describe()} on http://{address}:{args.port}/"
+        _serve_dashboard(storage, args.host, args.port, banner)
         return 0
     if args.command == "studies":
         rows = report.studies(storage)
@@ -214,10 +419,13 @@ def _monitor(args: argparse.Namespace) -> int:
     except KeyError as e:
         raise HPOError(f"no study {args.study!r} in {storage_url.masked}; see `hpo studies`") from e
     if args.command == "best":
-        best = report.best_trial(study)
-        if best is None:
+        best = report.best_trials(study)
+        if not best:
             raise HPOError(f"study {args.study!r} has no completed trial yet")
-        print(json.dumps(best, indent=2, default=str) if args.json else _best_text(best))
+        if args.json:  # several objectives: the Pareto front, a list
+            print(json.dumps(best if len(study.directions) > 1 else best[0], indent=2, default=str))
+        else:
+            print("\n".join(_best_text(trial) for trial in best))
         return 0
     summary = report.status(study)
     print(
@@ -231,16 +439,23 @@ def _monitor(args: argparse.Namespace) -> int:
 def _studies_table(rows: list[dict]) -> str:
     if not rows:
         return "no studies"
-    lines = [f"{'name':<30} {'direction':<9} {'trials':>6}  best"]
+    width = max(9, *(len(row["direction"]) for row in rows))
+    lines = [f"{'name':<30} {'direction':<{width}} {'trials':>6}  best"]
     for row in rows:
         best = "-" if row["best_value"] is None else f"{row['best_value']:.4f}"
-        lines.append(f"{row['name']:<30} {row['direction']:<9} {row['n_trials']:>6}  {best}")
+        if len(row["directions"]) > 1:
+            best = "Pareto front (hpo best)"
+        lines.append(f"{row['name']:<30} {row['direction']:<{width}} {row['n_trials']:>6}  {best}")
     return "\n".join(lines)
 
 
 def _best_text(best: dict) -> str:
     params = ", ".join(f"{k}={v}" for k, v in best["params"].items())
-    text = f"best trial #{best['number']} of {best['study']!r}: {best['value']:.4f} ({params})"
+    if "values" in best:  # a trial of the Pareto front
+        values = ", ".join(f"{v:.4f}" for v in best["values"])
+        text = f"Pareto-front trial #{best['number']} of {best['study']!r}: {values} ({params})"
+    else:
+        text = f"best trial #{best['number']} of {best['study']!r}: {best['value']:.4f} ({params})"
     model = best["user_attrs"].get("best_model")
     if model:
         text += f"\nmodel: {model} (AutoModelForSequenceClassification.from_pretrained)"
@@ -259,10 +474,14 @@ def _batch_size(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     if args.device is not None:
         config.training.device = args.device
+        rules = [rule for key, _, rule in config.training.problems() if key == "device"]
+        if rules:
+            raise ConfigError([f"--device: got {args.device!r}; {rules[0]}"], "command line")
+    # The device first: `cuda` on a host without CUDA is reported before minutes of data prep.
+    device = dev.resolve_device(config.training.device)
     check_model_config(config.model)
     data = prepare_data(config.data, load_tokenizer(config.model))
     job = TrainJob(config.data, config.model, config.training)
-    device = dev.resolve_device(config.training.device)
     search = find_physical_batch_size(job, data.label_names, device)
     print(search.report())
     key = batch_key(job, device, dev.resolve_precision(config.training.precision, device))
@@ -298,12 +517,21 @@ def _worker_gpus(config: Config, spec: str | None) -> list[str]:
     return gpus
 
 
-def _liveness(config: Config) -> Liveness:
-    from storage.engine import Liveness
-
-    study = config.study
-    grace = study.grace_period or 3 * study.heartbeat_interval
-    return Liveness(study.heartbeat_interval, grace, study.max_retries)
+def check_study_name(name: str) -> None:
+    """Any name the database can hold is a valid study name (quotes, slashes, unicode: on disk
+    it becomes a slug and a hash, see hpo.checkpoints); these it cannot, or nobody means."""
+    if not name.strip():
+        raise HPOError("--study: the study name is empty; give a name, e.g. --study demo")
+    if len(name) > MAX_STUDY_NAME_CHARS:
+        raise HPOError(
+            f"--study: the study name has {len(name)} characters; Optuna's database holds at "
+            f"most {MAX_STUDY_NAME_CHARS}: use a shorter name"
+        )
+    if any(ord(c) < 32 for c in name):
+        raise HPOError(
+            "--study: the study name contains a control character (NUL, newline, tab...); "
+            "use printable characters"
+        )
 
 
 def _apply_overrides(config: Config, args: argparse.Namespace) -> None:
@@ -313,9 +541,15 @@ def _apply_overrides(config: Config, args: argparse.Namespace) -> None:
             problems.append(f"--n-trials: got {args.n_trials}; must be a positive integer")
         config.study.n_trials = args.n_trials
     if args.timeout is not None:
-        if args.timeout <= 0:
-            problems.append(f"--timeout: got {args.timeout}; must be > 0 seconds")
+        if not 0 < args.timeout < math.inf:
+            problems.append(f"--timeout: got {args.timeout}; must be a finite number > 0 seconds")
         config.study.timeout = args.timeout
+    if args.trial_timeout is not None:
+        if not 0 < args.trial_timeout < math.inf:
+            problems.append(
+                f"--trial-timeout: got {args.trial_timeout}; must be a finite number > 0 seconds"
+            )
+        config.study.trial_timeout = args.trial_timeout
     if args.gpus is not None and args.device is not None:
         problems.append("--device: cannot be combined with --gpus, which sets each worker's GPU")
     if args.device is not None:

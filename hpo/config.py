@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
+import reprlib
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -21,6 +24,21 @@ from trainer.config import TUNABLE_FIELDS, DataConfig, ModelConfig, TrainingConf
 from trainer.metrics import METRIC_DIRECTIONS, Direction
 
 DEFAULT_BATCH_CHOICES = [32, 64, 128, 256, 512]
+MetricName = Literal["accuracy", "macro_f1", "eval_loss"]
+ObjectiveName = Literal["accuracy", "macro_f1", "eval_loss", "samples_per_s"]
+# What a study can optimise: the evaluation metrics, and a trial's training throughput.
+OBJECTIVE_DIRECTIONS: dict[str, Direction] = {**METRIC_DIRECTIONS, "samples_per_s": "maximize"}
+MAX_SECONDS = 1e9  # about 31 years; a timer cannot wait 1e300 s
+MAX_ENQUEUED = 1000  # configurations in study.enqueue
+DURATION_KEYS = (
+    "timeout",
+    "trial_timeout",
+    "heartbeat_interval",
+    "grace_period",
+    "checkpoint_interval",
+    "database_patience",
+    "stop_timeout",
+)
 
 
 def _doc(text: str, default: Any = None) -> Any:
@@ -31,16 +49,39 @@ def _doc(text: str, default: Any = None) -> Any:
 class SamplerConfig:
     """How Optuna proposes the next trial."""
 
-    type: Literal["tpe", "random"] = _doc(
-        "tpe (constant liar, for parallel workers) or random.", "tpe"
+    type: Literal["tpe", "random", "gp", "cmaes", "qmc", "grid", "nsga2"] = _doc(
+        "tpe (Bayesian, tree-structured Parzen estimators), random, gp (Gaussian process), "
+        "cmaes (CMA-ES; categorical parameters are sampled at random; one objective only), qmc "
+        "(quasi-random Sobol points), grid (every combination, once; needs a finite search "
+        "space) or nsga2 (genetic, for several objectives).",
+        "tpe",
     )
     seed: int | None = _doc("Sampler seed, for a reproducible sequence of trials.")
-    n_startup_trials: int = _doc("tpe: random trials before the model of good regions is used.", 10)
+    n_startup_trials: int = _doc(
+        "tpe, gp, cmaes: random trials before the sampler's model is used.", 10
+    )
+    multivariate: bool = _doc("tpe: model the parameters jointly, not one by one.", False)
+    group: bool = _doc(
+        "tpe with multivariate: model parameters that appear together as groups.", False
+    )
+    constant_liar: bool = _doc(
+        "tpe: count running trials as bad, so parallel workers do not propose the same "
+        "configuration in a row.",
+        True,
+    )
 
     def problems(self) -> list[tuple[str, Any, str]]:
+        found: list[tuple[str, Any, str]] = []
         if self.n_startup_trials < 0:
-            return [("n_startup_trials", self.n_startup_trials, "must be >= 0")]
-        return []
+            found.append(("n_startup_trials", self.n_startup_trials, "must be >= 0"))
+        if self.seed is not None and not 0 <= self.seed < 2**32:  # numpy's RandomState
+            found.append(("seed", self.seed, "must be in [0, 2**32) or null"))
+        for key in ("multivariate", "group"):
+            if getattr(self, key) and self.type != "tpe":
+                found.append((key, True, f"only for type: tpe, not {self.type}"))
+        if self.group and not self.multivariate and self.type == "tpe":
+            found.append(("group", True, "needs multivariate: true"))
+        return found
 
 
 @dataclass
@@ -57,6 +98,13 @@ class PrunerConfig:
     percentile: float = _doc("percentile: prune below this percentile of the other trials.", 25.0)
     min_resource: int | None = _doc("successive_halving/hyperband: evaluations before a rung.")
     reduction_factor: int = _doc("successive_halving/hyperband: keep 1/this at each rung.", 3)
+    patience: int | None = _doc(
+        "Optuna's PatientPruner around the pruner: a trial may be pruned only once its last "
+        "patience + 1 evaluations are all worse (by more than min_delta) than its best before "
+        "them, so a trial that still improves is never pruned; with type none, such a trial is "
+        "pruned. null: no patience."
+    )
+    min_delta: float = _doc("patience: how much worse an evaluation must be to count.", 0.0)
 
     def problems(self) -> list[tuple[str, Any, str]]:
         found: list[tuple[str, Any, str]] = []
@@ -69,6 +117,10 @@ class PrunerConfig:
             found.append(("min_resource", self.min_resource, "must be a positive integer or null"))
         if self.reduction_factor < 2:
             found.append(("reduction_factor", self.reduction_factor, "must be >= 2"))
+        if self.patience is not None and self.patience < 0:
+            found.append(("patience", self.patience, "must be >= 0 or null"))
+        if self.min_delta < 0:
+            found.append(("min_delta", self.min_delta, "must be >= 0"))
         return found
 
 
@@ -76,16 +128,28 @@ class PrunerConfig:
 class StudyConfig:
     """What the study optimises and how long it runs."""
 
-    metric: Literal["accuracy", "macro_f1", "eval_loss"] = _doc(
-        "Evaluation metric that is the trial's value (its best evaluation).", "accuracy"
+    metric: MetricName | list[ObjectiveName] = _doc(
+        "Evaluation metric that is the trial's value (its best evaluation): accuracy, macro_f1 "
+        "or eval_loss. A list (e.g. [macro_f1, eval_loss], or [accuracy, samples_per_s]) makes "
+        "several objectives: the first, an evaluation metric, picks the trial's best "
+        "evaluation, whose values the others take (samples_per_s: the trial's throughput); "
+        "the study then keeps a Pareto front, and pruning is off.",
+        "accuracy",
     )
-    direction: Literal["maximize", "minimize"] | None = _doc(
-        "Optimisation direction; default: the metric's natural one."
+    direction: Direction | list[Direction] | None = _doc(
+        "Optimisation direction (a list for several objectives); default: each metric's "
+        "natural one."
     )
     n_trials: int | None = _doc(
         "Trials for the whole study (all workers); null: until timeout.", 20
     )
-    timeout: float | None = _doc("Seconds this worker runs before it stops starting trials.")
+    timeout: float | None = _doc(
+        "Seconds after which this worker starts no new trial (the running one finishes)."
+    )
+    trial_timeout: float | None = _doc(
+        "Seconds one trial may train: past it, the trial checkpoints, stops and is pruned with "
+        "reason `timeout`; null: no limit."
+    )
     storage: str | None = _doc("Database URL; --storage and $HPO_STORAGE take precedence.")
     heartbeat_interval: int = _doc("Seconds between a running trial's heartbeats.", 30)
     grace_period: int | None = _doc(
@@ -125,16 +189,43 @@ class StudyConfig:
     )
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     pruner: PrunerConfig = field(default_factory=PrunerConfig)
+    enqueue: list[dict[str, Any]] = field(
+        default_factory=list,
+        metadata={
+            "help": "Configurations tried first (a paper's recipe, a known-good run): each a "
+            "mapping of search-space parameters to values; parameters left out are sampled. "
+            "Queued once per study, whichever worker starts first; one already in the study "
+            "is not queued again."
+        },
+    )
+
+    @property
+    def objectives(self) -> list[str]:
+        """The study's objectives, in order: one metric, or the list given."""
+        return objective_list(self.metric)
+
+    @property
+    def primary_metric(self) -> str:
+        """The evaluation metric that picks a trial's best evaluation (and checkpoint)."""
+        return self.objectives[0]
+
+    @property
+    def resolved_directions(self) -> list[Direction]:
+        if self.direction is None:
+            return [OBJECTIVE_DIRECTIONS[name] for name in self.objectives]
+        return [self.direction] if isinstance(self.direction, str) else list(self.direction)
 
     def problems(self) -> list[tuple[str, Any, str]]:
-        found: list[tuple[str, Any, str]] = []
-        natural = METRIC_DIRECTIONS[self.metric]
-        if self.direction is not None and self.direction != natural:
-            found.append(("direction", self.direction, f"metric {self.metric} must be {natural}d"))
+        found = self._objective_problems()
+        if len(self.objectives) > 1 and self.sampler.type == "cmaes":
+            rule = "several objectives need tpe, gp, nsga2, random, qmc or grid, not cmaes"
+            found.append(("metric", self.objectives, rule))
         if self.n_trials is not None and self.n_trials < 1:
             found.append(("n_trials", self.n_trials, "must be a positive integer or null"))
         if self.timeout is not None and self.timeout <= 0:
             found.append(("timeout", self.timeout, "must be > 0 seconds or null"))
+        if self.trial_timeout is not None and self.trial_timeout <= 0:
+            found.append(("trial_timeout", self.trial_timeout, "must be > 0 seconds or null"))
         if self.heartbeat_interval < 1:
             found.append(("heartbeat_interval", self.heartbeat_interval, "must be >= 1 second"))
         if self.grace_period is not None and self.grace_period <= self.heartbeat_interval:
@@ -149,11 +240,51 @@ class StudyConfig:
             found.append(("checkpoint_interval", self.checkpoint_interval, "must be >= 0 seconds"))
         if self.n_trials is None and self.timeout is None:
             found.append(("n_trials", None, "give n_trials or timeout, or the study never ends"))
+        if len(self.enqueue) > MAX_ENQUEUED:
+            found.append(("enqueue", f"{len(self.enqueue)} configurations",
+                          f"at most {MAX_ENQUEUED}"))  # fmt: skip
+        return found + self._duration_problems()
+
+    def _duration_problems(self) -> list[tuple[str, Any, str]]:
+        """Seconds past what the OS can wait for (1e300) overflow a timer mid-study."""
+        found: list[tuple[str, Any, str]] = []
+        for key in DURATION_KEYS:
+            value = getattr(self, key)
+            if value is not None and value > MAX_SECONDS:
+                nullable = " (null: no limit)" if key in ("timeout", "trial_timeout") else ""
+                found.append((key, value, f"must be at most {MAX_SECONDS:.0e} seconds{nullable}"))
         return found
+
+    def _objective_problems(self) -> list[tuple[str, Any, str]]:
+        objectives = self.objectives
+        if not objectives:
+            return [("metric", [], "give a metric, or a list of them")]
+        if len(set(objectives)) < len(objectives):
+            return [("metric", objectives, "lists a metric twice")]
+        if objectives[0] not in METRIC_DIRECTIONS:
+            metrics = ", ".join(METRIC_DIRECTIONS)
+            rule = f"must begin with an evaluation metric ({metrics}): it picks the best evaluation"
+            return [("metric", objectives, rule)]
+        directions = self.direction
+        if directions is None:
+            return []
+        if isinstance(directions, str) and len(objectives) > 1:
+            return [("direction", directions, f"give one per metric ({len(objectives)}) or leave "
+                     "it out")]  # fmt: skip
+        given = [directions] if isinstance(directions, str) else list(directions)
+        if len(given) != len(objectives):
+            return [("direction", given, f"give one per metric ({len(objectives)})")]
+        for name, direction in zip(objectives, given, strict=True):
+            natural = OBJECTIVE_DIRECTIONS[name]
+            if direction != natural:
+                shown = direction if isinstance(self.direction, str) else given
+                return [("direction", shown, f"metric {name} must be {natural}d")]
+        return []
 
     @property
     def resolved_direction(self) -> Direction:
-        return self.direction or METRIC_DIRECTIONS[self.metric]
+        """The direction of a single-objective study."""
+        return self.resolved_directions[0]
 
 
 @dataclass
@@ -169,27 +300,59 @@ class ParamSpec:
 
     def problems(self) -> list[tuple[str, Any, str]]:
         if self.type == "categorical":
-            if not self.choices:
-                return [("choices", self.choices, "a categorical parameter needs a non-empty list")]
-            return []
-        found: list[tuple[str, Any, str]] = []
+            return self._categorical_problems()
+        if self.choices is not None:
+            return [("choices", self.choices, f"only for type: categorical, not {self.type}")]
         if self.low is None or self.high is None:
             return [("low", self.low, f"a {self.type} parameter needs both low and high")]
+        found: list[tuple[str, Any, str]] = []
         if self.low > self.high:
             found.append(("low", self.low, f"must be <= high ({self.high})"))
         if self.log and self.low <= 0:
             found.append(("low", self.low, "must be > 0 for a log-scale parameter"))
-        if self.log and self.step is not None:
-            found.append(("step", self.step, "cannot be combined with log: true"))
         if self.type == "int" and not all(float(v).is_integer() for v in (self.low, self.high)):
             found.append(("low", (self.low, self.high), "int bounds must be whole numbers"))
-        return found
+        return found + self._step_problems(self.low, self.high)
+
+    def _categorical_problems(self) -> list[tuple[str, Any, str]]:
+        if not self.choices:
+            return [("choices", self.choices, "a categorical parameter needs a non-empty list")]
+        ranged = {"low": self.low, "high": self.high, "step": self.step, "log": self.log or None}
+        given = [key for key, value in ranged.items() if value is not None]
+        if given:
+            return [(given[0], ranged[given[0]], "only for type: float or int; use choices")]
+        return []
+
+    def _step_problems(self, low: float, high: float) -> list[tuple[str, Any, str]]:
+        """A step Optuna cannot use fails every trial at once; refuse it before the study."""
+        step = self.step
+        if step is None:
+            return []
+        if self.log:
+            return [("step", step, "cannot be combined with log: true")]
+        if self.type == "int" and not (step >= 1 and float(step).is_integer()):
+            return [("step", step, "must be a positive whole number for an int parameter")]
+        if step <= 0:
+            return [("step", step, "must be > 0")]
+        if high > low and step > high - low:
+            return [("step", step, f"must be <= high - low ({high - low:g}), or only low is tried")]
+        return []
 
     def values_for_bounds(self) -> list[Any]:
         """Every value the parameter can take at its extremes, for range checks."""
         if self.type == "categorical":
             return list(self.choices or [])
         return [self.low, self.high]
+
+
+def objective_list(metric: str | Sequence[str]) -> list[str]:
+    """`study.metric` (as written, or as a study recorded it) as a list of objectives."""
+    return [metric] if isinstance(metric, str) else list(metric)
+
+
+def space_record(space: dict[str, ParamSpec]) -> dict[str, Any]:
+    """The search space as a study records it (plain JSON values), to compare with a config."""
+    return json.loads(json.dumps({name: dataclasses.asdict(spec) for name, spec in space.items()}))
 
 
 def default_search_space() -> dict[str, ParamSpec]:
@@ -215,14 +378,70 @@ def load_config(path: str | Path) -> Config:
     """Read, type-check and validate a config file; raises ConfigError listing every problem."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(
-            [f"{path}: no such file; pass --config with a YAML file such as configs/demo.yaml"]
+        what = (
+            "a folder, not a file"
+            if path.is_dir()
+            else "not a regular file"
+            if path.exists()
+            else "no such file"
         )
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError([f"not valid YAML: {str(e).splitlines()[0]}"], str(path)) from e
+        raise ConfigError(
+            [f"{path}: {what}; pass --config with a YAML file such as configs/demo.yaml"]
+        )
+    raw = _read_yaml(path)
     return parse_config(raw if raw is not None else {}, base_dir=path.parent, source=str(path))
+
+
+def _read_yaml(path: Path) -> Any:
+    """The file's YAML; any way it cannot be read is one ConfigError line."""
+    try:
+        return yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader)  # a SafeLoader
+    except (yaml.YAMLError, ValueError, RecursionError, OSError) as e:
+        raise ConfigError([_unreadable(e)], str(path)) from e
+
+
+def _unreadable(error: Exception) -> str:
+    """What is wrong with a file that does not read as YAML, in one line."""
+    if isinstance(error, UnicodeDecodeError):
+        byte = error.object[error.start]
+        return f"not UTF-8 text (byte {byte:#04x} at offset {error.start}); save it as UTF-8"
+    if isinstance(error, OSError):  # permissions, an I/O error
+        return f"cannot read the file ({error.strerror or error})"
+    if isinstance(error, RecursionError):
+        return "not valid YAML: lists or mappings nested hundreds deep; a config is a few levels"
+    if isinstance(error, yaml.MarkedYAMLError) and error.problem:
+        # PyYAML's own text spans lines and quotes the file: `what (line L, column C)` instead.
+        mark = error.problem_mark
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        return f"not valid YAML: {_clip(error.problem, 200)}{where}"
+    if isinstance(error, ValueError):  # YAML types it, Python cannot build it: 2024-13-45, 10**5000
+        reason = _clip(str(error).split(";")[0], 120)
+        return f"not valid YAML: a value cannot be read ({reason}); quote it if it is text"
+    lines = str(error).strip().splitlines()
+    return f"not valid YAML: {_clip(lines[0] if lines else type(error).__name__, 200)}"
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping: PyYAML would keep the last one
+    silently, so a setting the user can see in the file would not be the one used."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base` merges; keys after it may override on purpose
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+                seen.add(key)
+            except TypeError:
+                continue  # an unhashable key: the base class reports it
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    problem=f"key {_show(key)} appears twice in one mapping; keep one",
+                    problem_mark=key_node.start_mark,
+                )
+        return super().construct_mapping(node, deep=deep)
 
 
 def parse_config(raw: Any, base_dir: Path, source: str = "config") -> Config:
@@ -230,15 +449,32 @@ def parse_config(raw: Any, base_dir: Path, source: str = "config") -> Config:
     problems: list[str] = []
     if not isinstance(raw, dict):
         raise ConfigError(
-            [f"the file must hold a mapping of sections, got {type(raw).__name__}"], source
+            [
+                f"the file must hold a mapping of sections (study:, search_space:, model:, "
+                f"data:, training:), got {_described(raw)}"
+            ],
+            source,
         )
     raw = dict(raw)
     space_raw = raw.pop("search_space", None)
     config = _build(Config, raw, "", problems, skip={"search_space", "source"})
     config.source = source
     config.search_space = _build_search_space(space_raw, problems)
+    if not 0 <= config.training.seed < 2**64:  # what numpy and torch.manual_seed both take
+        problems.append(f"training.seed: got {_show(config.training.seed)}; must be in [0, 2**64)")
+    if config.model.config is not None:
+        problems.extend(_inline_model_problems(config.model.config))
     if not problems:  # needs well-typed sections; its findings would be noise otherwise
         _check_search_space(config, problems)
+    if not problems and config.study.sampler.type == "grid":
+        _check_grid(config, problems)
+    if not problems:
+        grid = config.study.sampler.type == "grid"
+        for index, params in enumerate(config.study.enqueue):
+            where = f"study.enqueue[{index}]"
+            config.study.enqueue[index] = check_params(
+                config.search_space, params, where, problems, complete=grid
+            )
     _resolve_paths(config, base_dir, problems)
     if problems:
         raise ConfigError(problems, source)
@@ -250,22 +486,66 @@ def _build_search_space(raw: Any, problems: list[str]) -> dict[str, ParamSpec]:
     if raw is None:
         return space
     if not isinstance(raw, dict):
-        problems.append(f"search_space: got {raw!r}; must be a mapping of parameter name to spec")
+        problems.append(
+            f"search_space: got {_described(raw)}; must be a mapping of parameter name to spec"
+        )
         return space
     for name, spec in raw.items():
-        key = f"search_space.{name}"
+        key = f"search_space.{_key(name)}"
         if name not in TUNABLE_FIELDS:
+            hint = _did_you_mean(name, TUNABLE_FIELDS) if isinstance(name, str) else ""
+            problems.append(f"{key}: unknown parameter{hint}; tunable: {', '.join(TUNABLE_FIELDS)}")
+            continue
+        if spec is None:
             problems.append(
-                f"{key}: unknown parameter{_did_you_mean(name, TUNABLE_FIELDS)}; "
-                f"tunable: {', '.join(TUNABLE_FIELDS)}"
+                f"{key}: is empty; give its spec, e.g. {{type: float, low: 1.0e-5, high: 1.0e-3}}, "
+                "or remove the entry to use the default"
             )
             continue
         space[name] = _build(ParamSpec, spec, key + ".", problems)
     return space
 
 
+MAX_INLINE_MODEL_VALUES = 10_000
+
+
+def _inline_model_problems(settings: dict[Any, Any]) -> list[str]:
+    """model.config becomes keyword arguments of a transformers config: string keys, plain
+    values, and a size a config can have (a YAML alias bomb expands to billions)."""
+    found = []
+    odd_keys = [key for key in settings if not isinstance(key, str)]
+    if odd_keys:
+        found.append(f"model.config: key {_show(odd_keys[0])} is not text; quote it")
+    model_type = settings.get("model_type")
+    if "model_type" in settings and not (isinstance(model_type, str) and model_type):
+        found.append(f"model.config.model_type: got {_show(model_type)}; must be a name, e.g. bert")
+    if _count_values(settings, MAX_INLINE_MODEL_VALUES) > MAX_INLINE_MODEL_VALUES:
+        found.append(
+            f"model.config: holds more than {MAX_INLINE_MODEL_VALUES} values (a YAML alias "
+            "repeated?); a model config is a small mapping of settings"
+        )
+    return found
+
+
+def _count_values(value: Any, limit: int) -> int:
+    """Values in a nested YAML structure; counting stops just past `limit` (never expands)."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    if not isinstance(value, list):
+        return 1
+    count = 1
+    for child in value:
+        count += _count_values(child, limit - count)
+        if count > limit:
+            break
+    return count
+
+
 def _check_search_space(config: Config, problems: list[str]) -> None:
-    """Every value a parameter can take must itself be a valid training setting."""
+    """Every value a parameter can take must itself be a valid training setting.
+
+    Categorical choices are converted to the setting's type here (YAML 1.1 reads `1e-4` as a
+    string, `32.0` is a float), so a trial receives the same values the range check saw."""
     hints = typing.get_type_hints(TrainingConfig)
     for name, spec in config.search_space.items():
         if spec.type == "float" and hints[name] is int:
@@ -274,16 +554,124 @@ def _check_search_space(config: Config, problems: list[str]) -> None:
                 "use type: int or categorical"
             )
             continue
+        converted = []
         for value in spec.values_for_bounds():
-            ok, _, rule = _convert(value, hints[name], f"search_space.{name}.", [])
+            ok, setting, rule = _convert(value, hints[name], f"search_space.{name}.", [])
             if not ok:
-                problems.append(f"search_space.{name}: value {value!r} must be {rule}")
+                problems.append(f"search_space.{name}: value {_show(value)} must be {rule}")
                 break
-            trial_training = dataclasses.replace(config.training, **{name: value})
-            for key, _, rule in trial_training.problems():
-                if key == name:
-                    problems.append(f"search_space.{name}: value {value!r} {rule}")
-                    break
+            trial_training = dataclasses.replace(config.training, **{name: setting})
+            broken = [rule for key, _, rule in trial_training.problems() if key == name]
+            if broken:
+                problems.append(f"search_space.{name}: value {_show(value)} {broken[0]}")
+                break
+            converted.append(setting)
+        else:
+            if spec.type == "categorical":
+                _set_choices(spec, name, converted, problems)
+
+
+MAX_GRID_POINTS = 1_000_000
+
+
+def grid_points(spec: ParamSpec) -> list[Any] | None:
+    """Every value of a finite dimension, for the grid sampler; None if it is continuous."""
+    if spec.type == "categorical":
+        return list(spec.choices or [])
+    if spec.low is None or spec.high is None or (spec.type == "float" and spec.step is None):
+        return None
+    step = spec.step or 1
+    count = math.floor((spec.high - spec.low) / step + 1e-9) + 1
+    if count > MAX_GRID_POINTS:
+        return None
+    values = [spec.low + i * step for i in range(count)]
+    return [int(v) for v in values] if spec.type == "int" else [round(v, 12) for v in values]
+
+
+def _check_grid(config: Config, problems: list[str]) -> None:
+    """The grid sampler tries each combination once: every dimension finite, and the budget
+    no larger than the grid (more trials would repeat configurations)."""
+    size = 1
+    for name, spec in config.search_space.items():
+        points = grid_points(spec)
+        if points is None:
+            problems.append(f"search_space.{name}: the grid sampler needs a finite dimension; "
+                            "give it a step or choices")  # fmt: skip
+            return
+        size *= len(points)
+    if size > MAX_GRID_POINTS:
+        problems.append(f"study.sampler.type: grid: the search space has {size} combinations, "
+                        f"more than {MAX_GRID_POINTS}; use tpe or coarser steps")  # fmt: skip
+    elif config.study.n_trials is not None and config.study.n_trials > size:
+        problems.append(
+            f"study.n_trials: got {config.study.n_trials}; the grid has {size} combinations "
+            "and tries each once: set n_trials to at most that"
+        )
+
+
+def check_params(
+    space: dict[str, ParamSpec],
+    params: dict[Any, Any],
+    where: str,
+    problems: list[str],
+    complete: bool = False,
+) -> dict[str, Any]:
+    """A configuration to try (`study.enqueue`, `hpo enqueue`): every key a parameter of the
+    search space and every value one it can take, converted to the setting's type; each
+    problem found is appended to `problems`. `complete` (the grid sampler): every parameter of
+    the space must be given."""
+    hints = typing.get_type_hints(TrainingConfig)
+    checked: dict[str, Any] = {}
+    if not params:
+        problems.append(f"{where}: names no parameter; give at least one, e.g. learning_rate")
+    missing = [name for name in space if name not in params]
+    if complete and params and missing:
+        problems.append(f"{where}: the grid sampler tries whole configurations: add "
+                        f"{', '.join(missing)}")  # fmt: skip
+    for name, value in params.items():
+        if name not in space:
+            hint = _did_you_mean(name, space) if isinstance(name, str) else ""
+            problems.append(f"{where}.{_key(name)}: not in the search space{hint}; its "
+                            f"parameters: {', '.join(space)}")  # fmt: skip
+            continue
+        spec = space[name]
+        ok, setting, rule = _convert(value, hints[name], f"{where}.{name}.", [])
+        if not ok:
+            problems.append(f"{where}.{name}: got {_show(value)}; must be {rule}")
+            continue
+        outside = _outside(spec, setting)
+        if outside:
+            problems.append(f"{where}.{name}: got {_show(value)}; {outside}")
+            continue
+        checked[name] = setting
+    return checked
+
+
+def _outside(spec: ParamSpec, value: Any) -> str:
+    """Why the search space cannot hold `value`; empty if it can."""
+    if spec.type == "categorical":
+        choices = spec.choices or []
+        return "" if value in choices else f"must be one of the choices {_show(choices)}"
+    low, high = spec.low, spec.high
+    if low is None or high is None or isinstance(value, bool):
+        return "must be a number"
+    if not low <= value <= high:
+        return f"must be within [{low:g}, {high:g}]"
+    if spec.step is not None:
+        steps = (value - low) / spec.step
+        if abs(steps - round(steps)) > 1e-9 * max(1.0, abs(steps)):
+            return f"must be {low:g} plus a whole number of steps of {spec.step:g}"
+    return ""
+
+
+def _set_choices(spec: ParamSpec, name: str, choices: list[Any], problems: list[str]) -> None:
+    repeated = [c for i, c in enumerate(choices) if c in choices[:i]]
+    if repeated:
+        problems.append(
+            f"search_space.{name}.choices: {_show(repeated[0])} is listed twice (after "
+            "conversion to a number); list each value once"
+        )
+    spec.choices = choices
 
 
 def _resolve_paths(config: Config, base_dir: Path, problems: list[str]) -> None:
@@ -291,26 +679,44 @@ def _resolve_paths(config: Config, base_dir: Path, problems: list[str]) -> None:
     for key in ("train_file", "eval_file"):
         if not getattr(data, key):
             continue  # reported as required by DataConfig.problems
-        resolved = (base_dir / getattr(data, key)).expanduser()
-        if not resolved.exists():
+        resolved = _resolved(base_dir, getattr(data, key))
+        if not _exists(resolved):
             problems.append(
-                f"data.{key}: {getattr(data, key)!r} not found (looked for {resolved}); "
-                "paths are relative to the config file"
+                f"data.{key}: {_show(getattr(data, key))} not found (looked for "
+                f"{_clip(str(resolved), 200)}); paths are relative to the config file"
             )
         setattr(data, key, str(resolved))
     if config.study.checkpoint_dir is not None:
-        config.study.checkpoint_dir = str((base_dir / config.study.checkpoint_dir).expanduser())
+        config.study.checkpoint_dir = str(_resolved(base_dir, config.study.checkpoint_dir))
     model = config.model
     for key in ("name_or_path", "tokenizer"):
         value = getattr(model, key)
         if value is not None and _looks_local(value):
-            resolved = (base_dir / value).expanduser()
-            if not resolved.exists():
+            resolved = _resolved(base_dir, value)
+            if not _exists(resolved):
                 problems.append(
-                    f"model.{key}: {value!r} not found (looked for {resolved}); "
-                    "paths are relative to the config file"
+                    f"model.{key}: {_show(value)} not found (looked for "
+                    f"{_clip(str(resolved), 200)}); paths are relative to the config file"
                 )
             setattr(model, key, str(resolved))
+
+
+def _resolved(base_dir: Path, location: str) -> Path:
+    """`location` relative to the config's folder, `~` expanded where it names a known user."""
+    path = base_dir / location
+    try:
+        return path.expanduser()
+    except RuntimeError:  # `~nosuchuser/...`: left as written, reported as not found
+        return path
+
+
+def _exists(path: Path) -> bool:
+    """exists() that answers no for a name the OS refuses (too long, a NUL byte) instead of
+    raising."""
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return False
 
 
 def _looks_local(location: str) -> bool:
@@ -330,33 +736,82 @@ def _build(
     problems: list[str],
     skip: frozenset[str] | set[str] = frozenset(),
 ) -> Any:
-    """Instantiate dataclass `cls` from a mapping, appending every problem found to `problems`."""
+    """Instantiate dataclass `cls` from a mapping, appending every problem found to `problems`.
+
+    A section left out (or empty) is built from `{}` and checked like any other: its required
+    keys are reported as missing, not discovered later by the code that needs them."""
     section = prefix.rstrip(".") or "the file"
+    missing = f" (the {section}: section is missing or empty)" if raw is None and prefix else ""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        problems.append(f"{section}: got {raw!r}; must be a mapping")
+        problems.append(f"{section}: got {_described(raw)}; must be a mapping of keys")
         return cls()
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.name not in skip]
     values: dict[str, Any] = {}
+    failed = set()
     for key, value in raw.items():
         if key not in names:
-            problems.append(
-                f"{prefix}{key}: unknown key{_did_you_mean(str(key), names)}; "
-                f"known: {', '.join(names)}"
-            )
+            hint = _did_you_mean(key, names) if isinstance(key, str) else ""
+            problems.append(f"{prefix}{_key(key)}: unknown key{hint}; known: {', '.join(names)}")
             continue
         ok, converted, rule = _convert(value, hints[key], f"{prefix}{key}.", problems)
         if ok:
             values[key] = converted
-        elif rule:
-            problems.append(f"{prefix}{key}: got {value!r}; must be {rule}")
+            continue
+        failed.add(key)
+        if rule:
+            problems.append(f"{prefix}{key}: got {_show(value)}; must be {rule}")
+    for name in names:  # absent sections are validated too
+        if name not in raw and dataclasses.is_dataclass(hints[name]):
+            values[name] = _build(hints[name], None, f"{prefix}{name}.", problems)
     instance = cls(**values)
-    # Fields that failed conversion hold their defaults here, so these rules never re-report them.
+    # Fields that failed conversion hold their defaults here: already reported, not again.
     for key, value, rule in getattr(instance, "problems", list)():
-        problems.append(f"{prefix}{key}: got {value!r}; {rule}")
+        if key in failed:
+            continue
+        if key in raw:
+            problems.append(f"{prefix}{key}: got {_show(value)}; {rule}")
+        else:
+            problems.append(f"{prefix}{key}: {rule}{missing}")
     return instance
+
+
+# Every user value in a message goes through _show: a YAML alias bomb ("billion laughs") or a
+# 10 MB string must give a short line, never a repr the size of the expanded document.
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxlevel = 2
+_SHORT_REPR.maxlist = _SHORT_REPR.maxtuple = _SHORT_REPR.maxset = _SHORT_REPR.maxdict = 4
+_SHORT_REPR.maxstring = _SHORT_REPR.maxother = 60
+_SHORT_REPR.maxlong = 40
+MAX_SHOWN_CHARS = 80
+
+
+def _show(value: Any) -> str:
+    """A user value as YAML users know it (null, true), never longer than MAX_SHOWN_CHARS."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, int) and value.bit_length() > 128:
+        # repr() of an integer over 4300 digits raises; nobody needs its digits anyway.
+        return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    return _clip(_SHORT_REPR.repr(value), MAX_SHOWN_CHARS)
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _key(key: Any) -> str:
+    """A mapping key for a message: a string as written, anything else as _show gives it."""
+    return _clip(key, MAX_SHOWN_CHARS) if isinstance(key, str) else _show(key)
+
+
+def _described(value: Any) -> str:
+    """A value with the YAML word for its type, for a section that is not a mapping."""
+    kinds = ((list, "a list"), (str, "the text"), (bool, ""), ((int, float), "the number"))
+    kind = next((word for types_, word in kinds if isinstance(value, types_)), "")
+    return f"{kind} {_show(value)}".strip()
 
 
 def _convert(value: Any, hint: Any, prefix: str, problems: list[str]) -> tuple[bool, Any, str]:
@@ -387,9 +842,10 @@ def _convert(value: Any, hint: Any, prefix: str, problems: list[str]) -> tuple[b
             return False, None, "a list"
         (item_hint,) = typing.get_args(hint) or (Any,)
         items = [_convert(v, item_hint, prefix, problems) for v in value]
-        if all(ok for ok, _, _ in items):
+        failed = [rule for ok, _, rule in items if not ok]
+        if not failed:
             return True, [v for _, v, _ in items], ""
-        return False, None, f"a list of {items[0][2] if items else 'values'}"
+        return False, None, f"a list, each item {failed[0]}"
     if origin is dict:
         return (True, value, "") if isinstance(value, dict) else (False, None, "a mapping")
     if dataclasses.is_dataclass(hint):
@@ -405,13 +861,16 @@ def _convert_scalar(value: Any, hint: Any) -> tuple[bool, Any, str]:
     if hint is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return True, value, ""
-        if isinstance(value, float) and value.is_integer():
-            return True, int(value), ""
+        number = _as_float(value)  # 64.0, and `1e3`, which YAML 1.1 reads as a string
+        if number is not None and number.is_integer():
+            return True, int(number), ""
         return False, None, "an integer"
     if hint is float:
         number = _as_float(value)
         if number is None:
             return False, None, "a number"
+        if not math.isfinite(number):
+            return False, None, "a finite number"
         return True, number, ""
     if hint is str:
         return (True, value, "") if isinstance(value, str) else (False, None, "a string")
@@ -422,16 +881,14 @@ def _as_float(value: Any) -> float | None:
     """Numbers and numeric strings: YAML 1.1 reads `1e-6` (no dot) as a string."""
     if isinstance(value, bool):
         return None
-    if isinstance(value, (int, float)):
-        number = float(value)
-    elif isinstance(value, str):
-        try:
-            number = float(value)
-        except ValueError:
-            return None
-    else:
+    if not isinstance(value, (int, float, str)):
         return None
-    return number if math.isfinite(number) else None
+    if isinstance(value, str) and "_" in value:
+        return None  # float() reads "1_0" as 10; nobody means that
+    try:
+        return float(value)
+    except (ValueError, OverflowError):  # not a number; an integer beyond the float range
+        return None
 
 
 def _did_you_mean(word: str, candidates: typing.Iterable[str]) -> str:

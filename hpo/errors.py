@@ -1,7 +1,11 @@
-"""The one exception tree of hpo. The CLI turns an `HPOError` into one line and exit code 2.
+"""The errors the `hpo` CLI turns into one line and exit code 2; a traceback only with --debug.
 
-Every message says what is wrong and what to do about it.
+`trainer/` and `storage/` own their errors (they import nothing from `hpo`); they are named here
+so that the CLI maps one tuple, `USER_ERRORS`. Every message says what is wrong and what to do.
 """
+
+from storage.errors import StorageError
+from trainer.errors import DataError, DeviceError, ModelError, TrainerError
 
 
 class HPOError(Exception):
@@ -11,20 +15,28 @@ class HPOError(Exception):
 class ConfigError(HPOError):
     """The YAML config breaks one or more rules; `problems` lists every one of them."""
 
+    SHOWN = 20  # a file of 5,000 bad keys gets 20 lines and a count, not 5,000 lines
+
     def __init__(self, problems: list[str], source: str = "config") -> None:
         self.problems = problems
-        lines = "\n".join(f"  - {p}" for p in problems)
+        shown = [f"  - {p}" for p in problems[: self.SHOWN]]
+        if len(problems) > self.SHOWN:
+            shown.append(f"  - ... and {len(problems) - self.SHOWN} more")
+        lines = "\n".join(shown)
         noun = "problem" if len(problems) == 1 else "problems"
         super().__init__(f"{source}: {len(problems)} {noun}; fix them and run again:\n{lines}")
 
 
-class DataError(HPOError):
-    """A dataset file is missing, unreadable or does not match the config."""
+# Every error that is the user's to fix: one line and exit code 2.
+USER_ERRORS = (HPOError, TrainerError, StorageError)
 
-
-class ModelError(HPOError):
-    """A model or tokenizer cannot be loaded or built."""
-
-
-class StorageError(HPOError):
-    """The study database cannot be reached or used. Messages never contain a password."""
+__all__ = [
+    "USER_ERRORS",
+    "ConfigError",
+    "DataError",
+    "DeviceError",
+    "HPOError",
+    "ModelError",
+    "StorageError",
+    "TrainerError",
+]

@@ -30,6 +30,11 @@ def setup_logging(level: int) -> None:
         stream=sys.stderr,
         force=True,
     )
+    # torch's own INFO lines (FakeTensor cache statistics at exit, compile notes) are for
+    # torch's developers; --debug shows them.
+    logging.getLogger("torch").setLevel(
+        level if level <= logging.DEBUG else max(level, logging.WARNING)
+    )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # "Some weights were newly initialized" is expected for every fine-tuning run, and a
     # progress bar at every checkpoint ("Writing model shards") is noise in a worker's log.

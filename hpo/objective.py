@@ -9,24 +9,40 @@ import functools
 import logging
 import os
 import socket
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import optuna
 
-from hpo.checkpoints import checkpoint_root, folder_name
-from hpo.config import Config
+from hpo.checkpoints import checkpoint_root, folder_name, prepare_trial_folder
+from hpo.config import Config, StudyConfig
 from hpo.logs import worker_label
 from hpo.search_space import sample, training_for_trial
-from hpo.stopping import Interrupted, StopRequest
-from hpo.trial_process import TrialLike, TrialTarget, run_in_child, stop_requested
+from hpo.stopping import Interrupted, StopRequest, TrialTimedOut
+from hpo.trial_process import (
+    TrialLike,
+    TrialLimits,
+    TrialProcess,
+    TrialTarget,
+    TrialValue,
+    replace_after_this_trial,
+    stop_reason,
+    stop_requested,
+)
 from storage.batch_cache import BatchSizeCache
 from storage.engine import create_engine
 from storage.url import StorageURL
 from trainer import device as dev
-from trainer.batch_finder import BatchSearch, batch_key, find_physical_batch_size
+from trainer.batch_finder import (
+    BatchSearch,
+    NoPhysicalBatchFits,
+    PhysicalBatch,
+    resolve_physical_batch,
+)
 from trainer.checkpoint import CheckpointStore
 from trainer.config import TrainJob
 from trainer.data import PreparedData
@@ -51,6 +67,7 @@ class TrialTask:
     params: dict[str, Any] = field(default_factory=dict)
     checkpoint_dir: Path | None = None  # this configuration's folder, shared by its retries
     resume: bool = False  # a retry: resume from the folder's checkpoint if there is one
+    asked_at: float | None = None  # wall clock (time.time()) when the trial was created
 
 
 class Objective:
@@ -69,33 +86,78 @@ class Objective:
         self.stop = stop
         self.target: TrialTarget = target or train_trial
         self.trial_number: int | None = None
+        self.trial_process = TrialProcess(self.target, self.task, stop, _limits(config.study))
 
-    def __call__(self, trial: optuna.Trial) -> float:
+    def __call__(
+        self, trial: optuna.Trial, taken_over: threading.Event | None = None
+    ) -> TrialValue:
+        """The trial's value; raises TrialPruned, Interrupted, TakenOver (`taken_over` was set:
+        another worker took the trial over) or the trial's error."""
         self.trial_number = trial.number
         study_config = self.task.config.study
         trial.set_user_attr("worker", worker_id())
         if worker_label() is not None:
             trial.set_user_attr("gpu", worker_label())
-        task = dataclasses.replace(self.task, params=sample(trial, self.task.config.search_space))
+        changes: dict[str, Any] = {
+            "params": sample(trial, self.task.config.search_space),
+            "asked_at": _created_at(trial),
+        }
         if study_config.checkpoints:
-            root = checkpoint_root(self.task.config, trial.study.study_name)
-            task.checkpoint_dir = root / folder_name(trial)
-            task.resume = "first_attempt" in trial.user_attrs
+            changes["checkpoint_dir"] = _trial_folder(self.task.config, trial)
+            changes["resume"] = "first_attempt" in trial.user_attrs
         try:
             if study_config.trial_isolation == "process":
-                return run_in_child(trial, self.target, task, self.stop, study_config.stop_timeout)
-            return self.target(trial, task)
+                return self.trial_process.run(trial, changes, taken_over)
+            return self.target(trial, dataclasses.replace(self.task, **changes))
+        except TrialTimedOut as e:
+            reason = f"timeout: {e}"
+            trial.set_user_attr("prune_reason", reason)
+            raise optuna.TrialPruned(reason) from e
         except Interrupted as e:
-            trial.set_user_attr("interrupted", e.signal_name)
-            trial.set_user_attr("fail_reason", f"interrupted: the worker got {e.signal_name}")
+            self.mark_interrupted(trial, e.signal_name)
             raise
 
+    def close(self) -> None:
+        """Ends the trial process kept between trials, if any."""
+        self.trial_process.close()
 
-def train_trial(trial: TrialLike, task: TrialTask) -> float:
+    @staticmethod
+    def mark_interrupted(trial: optuna.Trial, signal_name: str) -> None:
+        trial.set_user_attr("interrupted", signal_name)
+        trial.set_user_attr("fail_reason", f"interrupted: the worker got {signal_name}")
+
+
+def _created_at(trial: optuna.Trial) -> float:
+    """When the trial was created (Optuna stores the local time of the worker that asked)."""
+    start = trial.datetime_start
+    return start.timestamp() if start is not None else time.time()
+
+
+def _trial_folder(config: Config, trial: optuna.Trial) -> Path | None:
+    """The configuration's checkpoint folder, created with hpo's markers. A disk that refuses,
+    or a folder there that is not hpo's, is not fatal: the trial trains without checkpoints and
+    records why."""
+    root = checkpoint_root(config, trial.study.study_name)
+    try:
+        return prepare_trial_folder(root, trial.study.study_name, folder_name(trial))
+    except OSError as e:
+        reason = f"no checkpoints for this trial: {e}"
+        log.warning("trial %d: %s", trial.number, reason)
+        trial.set_user_attr("checkpoint_error", reason[:500])
+        return None
+
+
+def _limits(study_config: StudyConfig) -> TrialLimits:
+    return TrialLimits(study_config.stop_timeout, study_config.trial_timeout)
+
+
+def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
     """Find the physical batch, train with the trial's parameters, report each evaluation and
-    return the best value; an OOM at batch 1 or a divergence prunes, any other error fails."""
+    return the best value (one per objective); an OOM at batch 1 or a divergence prunes, any
+    other error fails."""
     started = time.perf_counter()
-    metric = task.config.study.metric
+    objectives = task.config.study.objectives
+    metric = task.config.study.primary_metric
     training = training_for_trial(task.config.training, task.params)
     job = TrainJob(data=task.config.data, model=task.config.model, training=training)
     cache = batch_cache_for(task.storage_url, task.config.study.database_patience)
@@ -105,9 +167,12 @@ def train_trial(trial: TrialLike, task: TrialTask) -> float:
         store = CheckpointStore(task.checkpoint_dir, resume=task.resume, interval_s=interval)
     try:
         key = _resolve_physical_batch(trial, job, cache, task.data)
-        reporter = _reporter(trial, metric)
-        result = train(job, task.data, reporter, metric, store, should_stop=stop_requested)
+        # Optuna's pruning (report, should_prune) serves a single objective only.
+        reporter = _reporter(trial, metric) if len(objectives) == 1 else _log_evaluation(trial)
+        should_stop = _stop_check(started, task.config.study.trial_timeout)
+        result = train(job, task.data, reporter, metric, store, should_stop=should_stop)
     except OutOfMemoryAtBatchOne as e:
+        replace_after_this_trial("out of memory at batch 1")
         reason = f"oom: {e}"
         trial.set_user_attr("prune_reason", reason)
         trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
@@ -117,13 +182,33 @@ def train_trial(trial: TrialLike, task: TrialTask) -> float:
         trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
         raise
     if result.status == "interrupted":
-        raise Interrupted("SIGTERM")  # checkpointed: the retry resumes from here
+        _raise_stopped(started, task.config.study.trial_timeout)
     record_result(trial, result)
+    if result.first_step_at is not None and task.asked_at is not None:
+        # Trial created to its first optimizer step: process start, data, model, batch size.
+        trial.set_user_attr("startup_s", round(result.first_step_at - task.asked_at, 3))
     if store is not None:
         _record_checkpoints(trial, store, result, task)
     if result.oom_recoveries and key is not None:
         cache.lower(key, result.physical_batch_size)
-    return _value(trial, result, metric)
+    return _value(trial, result, objectives)
+
+
+def _stop_check(started: float, trial_timeout: float | None) -> Callable[[], bool]:
+    """Asked between optimizer steps: stop for the worker (SIGTERM) or past the trial timeout."""
+    if trial_timeout is None:
+        return stop_requested
+    return lambda: stop_requested() or time.perf_counter() - started > trial_timeout
+
+
+def _raise_stopped(started: float, trial_timeout: float | None) -> NoReturn:
+    """The run checkpointed and stopped: past its timeout it is pruned, with that reason;
+    otherwise its worker is stopping, and the retry resumes from the checkpoint."""
+    elapsed = time.perf_counter() - started
+    if trial_timeout is not None and elapsed > trial_timeout and not stop_requested():
+        raise TrialTimedOut(f"stopped after {elapsed:.0f} s, past study.trial_timeout "
+                            f"({trial_timeout:g} s)")  # fmt: skip
+    raise Interrupted(stop_reason())
 
 
 def _record_checkpoints(
@@ -150,59 +235,39 @@ def batch_cache_for(storage_url: StorageURL, patience_s: float) -> BatchSizeCach
 def _resolve_physical_batch(
     trial: TrialLike, job: TrainJob, cache: BatchSizeCache, data: PreparedData
 ) -> dict[str, Any] | None:
-    """Set job.training.physical_batch_size from the config, the study's cache or a search;
-    returns the cache key when the size is found rather than configured."""
+    """Set job.training.physical_batch_size from the config, the study's cache or a search (the
+    trainer decides which) and record where it came from; returns the cache key when the size
+    is found rather than configured."""
+    device = dev.resolve_device(job.training.device)
+    try:
+        batch = resolve_physical_batch(job, data.label_names, device, cache)
+    except NoPhysicalBatchFits as e:
+        _record_batch_source(trial, e.batch)
+        raise
+    _record_batch_source(trial, batch)
     training = job.training
-    key = None
-    if training.physical_batch_size == "auto":
-        device = dev.resolve_device(training.device)
-        key = batch_key(job, device, dev.resolve_precision(training.precision, device))
-        training.physical_batch_size = _cached_or_searched(trial, job, key, device, cache, data)
-    else:
-        trial.set_user_attr("batch_size_source", "config")
-    if training.physical_batch_size == 0:
-        raise OutOfMemoryAtBatchOne("the batch finder found that not even 1 example fits")
-    physical = min(training.physical_batch_size, training.effective_batch_size)
+    training.physical_batch_size = batch.size
+    physical = min(batch.size, training.effective_batch_size)
     trial.set_user_attr("physical_batch_size", physical)
     trial.set_user_attr(
         "grad_accum_steps", grad_accum_steps_for(training.effective_batch_size, physical)
     )
-    return key
+    return batch.key
 
 
-def _cached_or_searched(
-    trial: TrialLike,
-    job: TrainJob,
-    key: dict[str, Any],
-    device: Any,
-    cache: BatchSizeCache,
-    data: PreparedData,
-) -> int:
-    cached = cache.get(key)
-    if cached is None:
-        with cache.searching(key):
-            cached = cache.get(key)  # another worker may have searched while we waited
-            if cached is None:
-                search = find_physical_batch_size(job, data.label_names, device)
-                log.info("%s", search.report())
-                trial.set_user_attr("batch_size_source", "search")
-                trial.set_user_attr("batch_search", search_summary(search))
-                return cache.record(key, search.chosen, search.as_dict())
-    trial.set_user_attr("batch_size_source", "cache")
-    return cached
+def _record_batch_source(trial: TrialLike, batch: PhysicalBatch) -> None:
+    trial.set_user_attr("batch_size_source", batch.source)
+    if batch.search is not None:
+        trial.set_user_attr("batch_search", search_summary(batch.search))
 
 
 def _reporter(trial: TrialLike, metric: str) -> Any:
+    log_evaluation = _log_evaluation(trial)
+
     def on_evaluation(evaluation: Evaluation) -> str | None:
         value = evaluation.metrics[metric]
         trial.report(value, evaluation.index)
-        log.info(
-            "trial %d evaluation %d (epoch %.2f): %s",
-            trial.number,
-            evaluation.index,
-            evaluation.epoch,
-            ", ".join(f"{k}={v:.4f}" for k, v in evaluation.metrics.items()),
-        )
+        log_evaluation(evaluation)
         if trial.should_prune():
             return f"pruner: {metric}={value:.4f} at evaluation {evaluation.index}"
         return None
@@ -210,7 +275,22 @@ def _reporter(trial: TrialLike, metric: str) -> Any:
     return on_evaluation
 
 
-def _value(trial: TrialLike, result: TrainResult, metric: str) -> float:
+def _log_evaluation(trial: TrialLike) -> Callable[[Evaluation], None]:
+    def on_evaluation(evaluation: Evaluation) -> None:
+        log.info(
+            "trial %d evaluation %d (epoch %.2f): %s",
+            trial.number,
+            evaluation.index,
+            evaluation.epoch,
+            ", ".join(f"{k}={v:.4f}" for k, v in evaluation.metrics.items()),
+        )
+
+    return on_evaluation
+
+
+def _value(trial: TrialLike, result: TrainResult, objectives: list[str]) -> TrialValue:
+    """The best evaluation's value (by the first objective); with several objectives, that
+    evaluation's value of each, and the trial's samples/s for `samples_per_s`."""
     if result.status == "stopped":
         trial.set_user_attr("prune_reason", result.stop_reason)
         raise optuna.TrialPruned(result.stop_reason)
@@ -218,7 +298,9 @@ def _value(trial: TrialLike, result: TrainResult, metric: str) -> float:
         reason = f"diverged: {result.stop_reason or 'no evaluation'}"
         trial.set_user_attr("prune_reason", reason)
         raise optuna.TrialPruned(reason)
-    return result.best.metrics[metric]
+    metrics = {**result.best.metrics, "samples_per_s": result.samples_per_s}
+    values = [float(metrics[name]) for name in objectives]
+    return values[0] if len(values) == 1 else values
 
 
 def search_summary(search: BatchSearch) -> dict[str, Any]:
@@ -244,6 +326,8 @@ def record_result(trial: TrialLike, result: TrainResult) -> None:
         "precision": result.precision,
         "optimizer": result.optimizer,
         "wall_s": round(result.wall_s, 3),
+        "train_s": round(result.train_s, 3),
+        "eval_s": round(result.eval_s, 3),
         "curve": [round(v, 6) for v in result.curve],
         "oom_recoveries": result.oom_recoveries,
     }

@@ -11,15 +11,19 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from hpo import checkpoints
+
 
 def studies(storage: optuna.storages.BaseStorage) -> list[dict[str, Any]]:
     rows = []
     for summary in optuna.study.get_all_study_summaries(storage, include_best_trial=True):
-        best = summary.best_trial
+        best = summary.best_trial if len(summary.directions) == 1 else None
         rows.append(
             {
                 "name": summary.study_name,
-                "direction": summary.direction.name.lower(),
+                # One direction, or one per objective of a study with several.
+                "direction": " and ".join(d.name.lower() for d in summary.directions),
+                "directions": [d.name.lower() for d in summary.directions],
                 "n_trials": summary.n_trials,
                 "best_value": best.value if best is not None else None,
                 "started": _iso(summary.datetime_start),
@@ -28,18 +32,23 @@ def studies(storage: optuna.storages.BaseStorage) -> list[dict[str, Any]]:
     return rows
 
 
-def best_trial(study: optuna.Study) -> dict[str, Any] | None:
-    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-    if not complete:
-        return None
-    best = study.best_trial
-    return {
-        "study": study.study_name,
-        "number": best.number,
-        "value": best.value,
-        "params": best.params,
-        "user_attrs": best.user_attrs,
-    }
+def best_trials(
+    study: optuna.Study, trials: list[FrozenTrial] | None = None
+) -> list[dict[str, Any]]:
+    """The best trial, or with several objectives the trials of the Pareto front; empty when
+    no trial has completed. `trials`: the study's trials, if the caller has read them."""
+    if trials is None:
+        trials = study.get_trials(deepcopy=False)
+    return [_trial_summary(study, t) for t in checkpoints.best_trials(trials, study.directions)]
+
+
+def _trial_summary(study: optuna.Study, trial: FrozenTrial) -> dict[str, Any]:
+    summary: dict[str, Any] = {"study": study.study_name, "number": trial.number}
+    if len(study.directions) == 1:
+        summary["value"] = trial.value
+    else:
+        summary["values"] = trial.values
+    return {**summary, "params": trial.params, "user_attrs": trial.user_attrs}
 
 
 def status(study: optuna.Study, now: dt.datetime | None = None) -> dict[str, Any]:
@@ -48,11 +57,14 @@ def status(study: optuna.Study, now: dt.datetime | None = None) -> dict[str, Any
     now = now or dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)  # Optuna stores naive UTC
     trials = study.get_trials(deepcopy=False)
     finished = [t for t in trials if t.state.is_finished() and t.datetime_complete]
+    best = best_trials(study, trials)
+    several = len(study.directions) > 1
     return {
         "study": study.study_name,
         "trials": dict(Counter(t.state.name.lower() for t in trials)),
         "running": [_running(t, now) for t in trials if t.state == TrialState.RUNNING],
-        "best": best_trial(study),
+        "best": best[0] if best and not several else None,
+        "pareto_front": best if several else None,
         "device_hours": round(sum(t.user_attrs.get("wall_s", 0.0) for t in trials) / 3600, 4),
         "trials_per_hour": _trials_per_hour(finished),
         "failures": _reasons(trials, TrialState.FAIL, "fail_reason"),
@@ -68,6 +80,9 @@ def status_lines(report: dict[str, Any]) -> list[str]:
     best = report["best"]
     if best is not None:
         lines.append(f"best #{best['number']}: {best['value']:.4f} {best['params']}")
+    for trial in report["pareto_front"] or []:
+        values = ", ".join(f"{v:.4f}" for v in trial["values"])
+        lines.append(f"Pareto front #{trial['number']}: {values} {trial['params']}")
     per_hour = report["trials_per_hour"] or 0.0
     lines.append(f"device-hours {report['device_hours']:.3f}, {per_hour:.1f} trials/hour")
     for title in ("failures", "prunes"):

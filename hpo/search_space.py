@@ -19,7 +19,8 @@ def sample(trial: optuna.Trial, space: dict[str, ParamSpec]) -> dict[str, Any]:
 def suggest(trial: optuna.Trial, name: str, spec: ParamSpec) -> Any:
     if spec.type == "categorical":
         return trial.suggest_categorical(name, list(spec.choices or []))
-    assert spec.low is not None and spec.high is not None  # checked by ParamSpec.problems
+    if spec.low is None or spec.high is None:  # ParamSpec.problems reports it first
+        raise ValueError(f"search_space.{name}: a {spec.type} parameter needs low and high")
     if spec.type == "int":
         step = int(spec.step) if spec.step is not None else 1
         return trial.suggest_int(name, int(spec.low), int(spec.high), step=step, log=spec.log)

@@ -13,6 +13,11 @@ log = logging.getLogger(__name__)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells expect after Ctrl-C
 
 
+def stopped_exit_code(signal_name: str) -> int:
+    # SIGTERM is how schedulers and spot instances preempt: a clean, expected stop.
+    return EXIT_INTERRUPTED if signal_name == "SIGINT" else 0
+
+
 class Interrupted(KeyboardInterrupt):
     """Raised where a trial stops because its worker was asked to stop. A KeyboardInterrupt, so
     that Optuna records the trial as failed and then lets it through rather than going on."""
@@ -22,14 +27,31 @@ class Interrupted(KeyboardInterrupt):
         self.signal_name = signal_name
 
 
+class TakenOver(Exception):
+    """This worker's trial was failed and queued again by another worker (its heartbeats had
+    stopped: the worker was paused or unreachable); this worker drops its result."""
+
+
+class HandBack(Exception):
+    """The trial stopped for a reason that is not its own (its fork server died, say): it is
+    recorded FAIL with the reason and queued again, and the worker goes on."""
+
+
+class TrialTimedOut(Exception):
+    """The trial ran past `study.trial_timeout`."""
+
+
 class StopRequest:
     """Remembers the first SIGINT/SIGTERM. With `interrupt_at_once` (a trial training in this
     very process) the signal raises Interrupted where the worker is; otherwise the worker polls
     `requested` and stops its trial process itself."""
 
-    def __init__(self, interrupt_at_once: bool = False) -> None:
+    RUNNING = "stopping the running trial and handing it back"
+
+    def __init__(self, interrupt_at_once: bool = False, doing: str = RUNNING) -> None:
         self.signal_name: str | None = None
         self.interrupt_at_once = interrupt_at_once
+        self.doing = doing  # what the signal stops, for the log line
 
     @property
     def requested(self) -> bool:
@@ -37,8 +59,7 @@ class StopRequest:
 
     @property
     def exit_code(self) -> int:
-        # SIGTERM is how schedulers and spot instances preempt: a clean, expected stop.
-        return EXIT_INTERRUPTED if self.signal_name == "SIGINT" else 0
+        return stopped_exit_code(self.signal_name or "SIGINT")
 
     def install(self) -> None:
         signal.signal(signal.SIGINT, self._handle)
@@ -51,6 +72,6 @@ class StopRequest:
                 raise Interrupted(name)  # a second Ctrl-C: the user does not want to wait
             return
         self.signal_name = name
-        log.warning("%s received: stopping the running trial and handing it back", name)
+        log.warning("%s received: %s", name, self.doing)
         if self.interrupt_at_once:
             raise Interrupted(name)

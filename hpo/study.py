@@ -1,38 +1,96 @@
-"""Create or load a study and run trials on it until the study's own trial budget is spent.
-
-The budget (`n_trials`) counts the study's trials in storage, not this process's.
+"""Create or join a study and run trials on it, ask-and-tell, until the study's own trial
+budget is spent. The budget (`n_trials`) counts the study's trials in storage, not this
+process's; see hpo/trials.py for how many workers share it.
 """
 
 from __future__ import annotations
 
-import json
+import gc
+import hashlib
 import logging
 import time
-from dataclasses import asdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import optuna
+from optuna.exceptions import UpdateFinishedTrialError
+from optuna.trial import TrialState
 
-from hpo.checkpoints import checkpoint_root, remove_stale_checkpoints
-from hpo.config import Config, PrunerConfig, SamplerConfig
+from hpo.checkpoints import checkpoint_root
+from hpo.config import (
+    Config,
+    ParamSpec,
+    PrunerConfig,
+    SamplerConfig,
+    StudyConfig,
+    grid_points,
+    objective_list,
+    space_record,
+)
 from hpo.errors import ConfigError
-from hpo.objective import Objective
-from hpo.stopping import Interrupted, StopRequest
-from storage.budget import TrialBudgetSpent
-from storage.retry import retry_trial
+from hpo.objective import Objective, worker_id
+from hpo.stopping import HandBack, Interrupted, StopRequest, TakenOver
+from hpo.trials import StudyTrials
+from storage.engine import StudyStorage
 
 log = logging.getLogger(__name__)
 
+# How many workers have joined the study: the next one's index, for its sampler seed.
+WORKERS_ATTR = "hpo:workers_joined"
 
-def build_sampler(cfg: SamplerConfig) -> optuna.samplers.BaseSampler:
+
+def build_sampler(
+    cfg: SamplerConfig, worker_index: int = 0, space: dict[str, ParamSpec] | None = None
+) -> optuna.samplers.BaseSampler:
+    """The study's sampler for the `worker_index`-th worker to join the study; the grid
+    sampler needs the search `space`."""
+    seed = worker_seed(cfg.seed, worker_index)
     if cfg.type == "random":
-        return optuna.samplers.RandomSampler(seed=cfg.seed)
-    # Constant liar keeps parallel workers from proposing the same configuration in a row.
+        return optuna.samplers.RandomSampler(seed=seed)
+    if cfg.type == "gp":
+        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=cfg.n_startup_trials)
+    if cfg.type == "cmaes":
+        return optuna.samplers.CmaEsSampler(
+            seed=seed, n_startup_trials=cfg.n_startup_trials, warn_independent_sampling=False
+        )
+    if cfg.type == "nsga2":
+        return optuna.samplers.NSGAIISampler(seed=seed)
+    if cfg.type == "qmc":
+        return optuna.samplers.QMCSampler(seed=seed, warn_independent_sampling=False)
+    if cfg.type == "grid":
+        grid = {name: grid_points(spec) for name, spec in (space or {}).items()}
+        if not grid or any(points is None for points in grid.values()):
+            raise ValueError("the grid sampler needs a finite search space")  # config checks it
+        return optuna.samplers.GridSampler(grid, seed=seed)  # type: ignore[arg-type]
     return optuna.samplers.TPESampler(
-        seed=cfg.seed, constant_liar=True, n_startup_trials=cfg.n_startup_trials
+        seed=seed,
+        n_startup_trials=cfg.n_startup_trials,
+        multivariate=cfg.multivariate,
+        group=cfg.group,
+        constant_liar=cfg.constant_liar,
     )
 
 
+def worker_seed(seed: int | None, worker_index: int) -> int | None:
+    """Workers that share a sampler seed draw the same random trials: each worker of a study
+    gets its own seed, derived from the configured one and the order it joined the study in.
+    The first worker uses the configured seed itself, so a single worker stays reproducible."""
+    if seed is None or worker_index == 0:
+        return seed
+    digest = hashlib.sha256(f"hpo-worker-seed/{seed}/{worker_index}".encode()).digest()
+    return int.from_bytes(digest[:4], "big")
+
+
 def build_pruner(cfg: PrunerConfig) -> optuna.pruners.BasePruner:
+    pruner = _base_pruner(cfg)
+    if cfg.patience is None:
+        return pruner
+    wrapped = None if isinstance(pruner, optuna.pruners.NopPruner) else pruner
+    return optuna.pruners.PatientPruner(wrapped, patience=cfg.patience, min_delta=cfg.min_delta)
+
+
+def _base_pruner(cfg: PrunerConfig) -> optuna.pruners.BasePruner:
     if cfg.type == "median":
         return optuna.pruners.MedianPruner(
             n_startup_trials=cfg.n_startup_trials, n_warmup_steps=cfg.n_warmup_steps
@@ -53,93 +111,236 @@ def build_pruner(cfg: PrunerConfig) -> optuna.pruners.BasePruner:
     return optuna.pruners.NopPruner()
 
 
-def open_study(storage: optuna.storages.BaseStorage, name: str, config: Config) -> optuna.Study:
-    """Create the study, or join it if it exists with the same direction."""
-    direction = config.study.resolved_direction
-    study = optuna.create_study(
-        storage=storage,
-        study_name=name,
-        direction=direction,
-        sampler=build_sampler(config.study.sampler),
-        pruner=build_pruner(config.study.pruner),
-        load_if_exists=True,
-    )
-    existing = study.direction.name.lower()
-    if existing != direction:
+def open_study(storage: StudyStorage, name: str, config: Config) -> optuna.Study:
+    """Create the study, or join it if it exists with the same direction and search space.
+    The check and the first worker's record of the search space happen under the study's lock:
+    two workers creating one study with different spaces cannot both succeed."""
+    directions = config.study.resolved_directions
+    optuna.create_study(
+        storage=storage, study_name=name, directions=directions, load_if_exists=True,
+        sampler=optuna.samplers.RandomSampler(),  # this worker's own sampler is built below
+    )  # fmt: skip
+    study_id = storage.get_study_id_from_name(name)
+    existing = [d.name.lower() for d in storage.get_study_directions(study_id)]
+    if existing != directions:
         raise ConfigError(
             [
-                f"study.direction: study {name!r} already exists and is {existing}d, but this "
-                f"config "
-                f"says {direction}; use another --study name or the same metric"
+                f"study.direction: study {name!r} already exists and is {_said(existing)}, but "
+                f"this config says {_said(directions)}; use another --study name or the same "
+                "metric"
             ],
             config.source,
         )
-    space = json.loads(json.dumps({k: asdict(v) for k, v in config.search_space.items()}))
-    if not study.user_attrs:
-        study.set_user_attr("metric", config.study.metric)
-        study.set_user_attr("search_space", space)
-    else:
-        stored = study.user_attrs.get("search_space", space)
-        differ = sorted(k for k in stored.keys() | space.keys() if stored.get(k) != space.get(k))
-        if differ:
-            raise ConfigError(
-                [
-                    f"search_space: study {name!r} was created with another search space "
-                    f"(it differs in {', '.join(differ)}); every worker of a study needs the "
-                    "same search space: use the study's config or another --study name"
-                ],
-                config.source,
-            )
+    with storage.lock(study_id):
+        _check_study_settings(storage, study_id, name, config)
+        worker_index = int(storage.get_study_system_attrs(study_id).get(WORKERS_ATTR, 0))
+        storage.set_study_system_attr(study_id, WORKERS_ATTR, worker_index + 1)
+    pruner = build_pruner(config.study.pruner)
+    if len(directions) > 1 and not isinstance(pruner, optuna.pruners.NopPruner):
+        log.info("study %r has %d objectives: pruning is off (Optuna's pruners serve one "
+                 "objective)", name, len(directions))  # fmt: skip
+        pruner = optuna.pruners.NopPruner()
+    study = optuna.load_study(
+        study_name=name,
+        storage=storage,
+        sampler=build_sampler(config.study.sampler, worker_index, config.search_space),
+        pruner=pruner,
+    )
+    if config.study.enqueue:
+        budget = config.study.n_trials
+        if budget is not None and len(config.study.enqueue) > budget:
+            count = len(config.study.enqueue)
+            log.warning("study.enqueue lists %d configurations but n_trials is %d: the ones "
+                        "past the budget stay queued", count, budget)  # fmt: skip
+        with storage.lock(study_id):
+            for params in config.study.enqueue:
+                enqueue(study, params)
     return study
 
 
-def run_trials(study: optuna.Study, objective: Objective, stop: StopRequest) -> int:
+def enqueue(study: optuna.Study, params: dict[str, Any]) -> bool:
+    """Queue a configuration to try next, unless a trial of the study (in any state) was
+    queued or ran with exactly these parameters; whether it was queued. Call it under the
+    study's lock: two workers must not both queue it."""
+    before = len(study.get_trials(deepcopy=False))
+    study.enqueue_trial(params, skip_if_exists=True)
+    return len(study.get_trials(deepcopy=False)) > before
+
+
+def _check_study_settings(storage: StudyStorage, study_id: int, name: str, config: Config) -> None:
+    """The first worker records the study's metrics, search space and sampler; every later one
+    must have the same metrics and search space (a study that mixed accuracy and macro-F1
+    values would compare unlike numbers)."""
+    space = space_record(config.search_space)
+    attrs = storage.get_study_user_attrs(study_id)
+    if "search_space" not in attrs:
+        storage.set_study_user_attr(study_id, "metric", config.study.metric)
+        storage.set_study_user_attr(study_id, "search_space", space)
+        storage.set_study_user_attr(study_id, "sampler", config.study.sampler.type)
+        return
+    stored_metric = attrs.get("metric")
+    if stored_metric is not None and objective_list(stored_metric) != config.study.objectives:
+        raise ConfigError(
+            [
+                f"study.metric: study {name!r} optimises {stored_metric}, but this config says "
+                f"{config.study.metric}; use the study's metric or another --study name"
+            ],
+            config.source,
+        )
+    stored = attrs["search_space"]
+    differ = sorted(k for k in stored.keys() | space.keys() if stored.get(k) != space.get(k))
+    if differ:
+        raise ConfigError(
+            [
+                f"search_space: study {name!r} was created with another search space "
+                f"(it differs in {', '.join(differ)}); every worker of a study needs the "
+                "same search space: use the study's config or another --study name"
+            ],
+            config.source,
+        )
+
+
+def run_trials(
+    study: optuna.Study, storage: StudyStorage, objective: Objective, stop: StopRequest
+) -> int:
     """Run trials until the study holds n_trials, this worker's timeout passes or it is asked
-    to stop; returns how many this worker ran. A failing trial is recorded as FAIL and never
-    stops the worker; an interrupted one is handed back to the study for another attempt."""
+    to stop; returns how many trials this worker finished. A failing trial is recorded as FAIL
+    (one line in the log) and never stops the worker; an interrupted one is handed back."""
     study_config = objective.task.config.study
-    timeout = study_config.timeout
-    deadline = time.monotonic() + timeout if timeout is not None else None
-    # A trial process takes its garbage with it; in the worker itself a collection frees the
-    # trial's memory, at about 150 ms a trial with torch loaded.
-    collect = study_config.trial_isolation == "none"
-    checkpoints = checkpoint_root(objective.task.config, study.study_name)
+    trials = StudyTrials(study, storage, worker_id(), study_config.n_trials, liveness(study_config))
+    deadline = None if study_config.timeout is None else time.monotonic() + study_config.timeout
+    checkpoints = None
+    if study_config.checkpoints:
+        checkpoints = checkpoint_root(objective.task.config, study.study_name)
+    in_worker = study_config.trial_isolation == "none"
+    if in_worker:
+        # What is alive now (torch, transformers, the data) outlives every trial: frozen out of
+        # the collection that frees each trial's memory (150 ms a trial otherwise).
+        gc.freeze()
+    try:
+        return _trial_loop(trials, objective, stop, checkpoints, deadline, collect=in_worker)
+    finally:
+        objective.close()
+        if in_worker:
+            gc.unfreeze()
+
+
+def _trial_loop(
+    trials: StudyTrials,
+    objective: Objective,
+    stop: StopRequest,
+    checkpoints: Path | None,
+    deadline: float | None,
+    collect: bool,
+) -> int:
     ran = 0
     while not stop.requested:
         if deadline is not None and time.monotonic() >= deadline:
-            log.info("timeout of %.0f s reached; stopping", timeout)
+            log.info("timeout reached; starting no new trial")
             break
+        trials.sweep_if_due()
+        trial = trials.next_trial(checkpoints)
+        if trial is None:
+            if _wait_for_silent_trials(trials, stop):
+                continue  # swept: a dead worker's trial may be queued again now
+            waiting = len(trials.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+            queued = f"; {waiting} queued trials wait for a larger n_trials" if waiting else ""
+            log.info("study %r holds %d started trials, its budget%s; stopping",
+                     trials.study.study_name, trials.budget, queued)  # fmt: skip
+            return ran
         try:
-            study.optimize(objective, n_trials=1, catch=(Exception,), gc_after_trial=collect)
-        except TrialBudgetSpent:
-            log.info(
-                "study %r holds %d trials, its budget; stopping",
-                study.study_name,
-                study_config.n_trials,
-            )
-            break
+            run_trial(trials, trial, objective)
+            ran += 1
         except Interrupted:
-            hand_back(study, objective.trial_number, study_config.max_retries)
-            break
+            trials.hand_back(trial)
+            return ran  # its folder stays: the retry resumes from it
         finally:
-            if study_config.checkpoints:
-                remove_stale_checkpoints(study, checkpoints)
-        ran += 1
+            if collect:
+                gc.collect()  # the trial's memory, in the worker itself
+    if checkpoints is not None:
+        trials.remove_stale_checkpoints(checkpoints)
     return ran
 
 
-def hand_back(study: optuna.Study, trial_number: int | None, max_retries: int) -> None:
-    """The interrupted trial is FAIL now; queue it again so that the study does not lose it."""
-    interrupted = [t for t in study.get_trials(deepcopy=False) if t.number == trial_number]
-    if not interrupted or interrupted[0].state != optuna.trial.TrialState.FAIL:
-        return
-    retry = retry_trial(study, interrupted[0], max_retries)
-    if retry is not None:
-        log.warning("trial %d was interrupted; handed back as trial %d", trial_number, retry)
+def _wait_for_silent_trials(trials: StudyTrials, stop: StopRequest) -> bool:
+    """The budget is spent, but a running trial's worker has gone silent (killed moments ago?):
+    rather than leave it RUNNING with no worker to retry it, wait a heartbeat interval and sweep
+    again. Returns False once no running trial is silent; live workers keep beating."""
+    silent = trials.silent_running()
+    if not silent:
+        return False
+    log.info("the workers of trials %s are silent; waiting to take them over once they are "
+             "past the grace period", silent)  # fmt: skip
+    waited = 0.0
+    while waited < trials.heartbeat_interval_s and not stop.requested:
+        time.sleep(0.2)
+        waited += 0.2
+    trials.sweep()
+    return not stop.requested
 
 
-def summary_lines(study: optuna.Study, metric: str) -> list[str]:
-    """What the user wants at the end: counts by state and the best trial."""
+def liveness(study_config: StudyConfig) -> tuple[float, float, int]:
+    """Heartbeat interval, grace period and retries of the study's running trials."""
+    grace = study_config.grace_period or 3 * study_config.heartbeat_interval
+    return study_config.heartbeat_interval, grace, study_config.max_retries
+
+
+def run_trial(trials: StudyTrials, trial: optuna.Trial, objective: Objective) -> None:
+    """Run one trial with heartbeats and record how it ended. Interrupted propagates."""
+    with trials.heartbeat(trial) as beat:
+        try:
+            value = objective(trial, beat.lost)
+        except optuna.TrialPruned as e:
+            log.info("trial %d pruned: %s", trial.number, e)
+            trials.tell(trial, TrialState.PRUNED)
+            return
+        except TakenOver:
+            trials.tell(trial, TrialState.FAIL)  # one line: it was taken over
+            return
+        except HandBack as e:
+            log.warning("trial %d: %s; queueing it again", trial.number, e)
+            trials.hand_back(trial)
+            return
+        except Exception as e:  # Interrupted is a KeyboardInterrupt: it passes on
+            if objective.stop.signal_name is not None:
+                # What broke while the worker was stopping (the fork server died with the same
+                # signal, say) is not the trial's fault: it is handed back like any stopped one.
+                log.debug("trial %d broke while stopping", trial.number, exc_info=e)
+                objective.mark_interrupted(trial, objective.stop.signal_name)
+                raise Interrupted(objective.stop.signal_name) from e
+            # Another worker took the trial over while this one was unresponsive: not a failure
+            # of the trial; tell() says so in one line.
+            if not (beat.lost.is_set() or isinstance(e, UpdateFinishedTrialError)):
+                _record_failure(trial, e)
+            trials.tell(trial, TrialState.FAIL)
+            return
+    if trials.tell(trial, TrialState.COMPLETE, value):
+        shown = _values_text(objective.task.config.study.objectives, value)
+        log.info("trial %d finished: %s", trial.number, shown)
+
+
+def _said(directions: Sequence[str]) -> str:
+    return " and ".join(f"{d}d" for d in directions)
+
+
+def _values_text(objectives: list[str], value: float | list[float] | None) -> str:
+    values = value if isinstance(value, list) else [value]
+    return ", ".join(f"{name}={v:.4f}" for name, v in zip(objectives, values, strict=False))
+
+
+def _record_failure(trial: optuna.Trial, error: Exception) -> None:
+    """One line in the log; the traceback only with --debug."""
+    reason = trial.user_attrs.get("fail_reason")
+    if reason is None:
+        reason = f"{type(error).__name__}: {error}".strip()[:1000]
+        trial.set_user_attr("fail_reason", reason)
+    log.warning("trial %d failed: %s", trial.number, str(reason).splitlines()[0])
+    log.debug("trial %d failed", trial.number, exc_info=error)
+
+
+def summary_lines(study: optuna.Study, objectives: list[str]) -> list[str]:
+    """What the user wants at the end: counts by state and the best trial (the Pareto front's
+    trials for several objectives)."""
     trials = study.get_trials(deepcopy=False)
     counts: dict[str, int] = {}
     for trial in trials:
@@ -150,8 +351,14 @@ def summary_lines(study: optuna.Study, metric: str) -> list[str]:
     if not complete:
         lines.append("no completed trial yet, so no best trial")
         return lines
+    if len(study.directions) > 1:
+        front = sorted(study.best_trials, key=lambda t: t.number)
+        lines.append(f"Pareto front: {len(front)} trials")
+        for best in front:
+            lines.append(f"  trial #{best.number}: {_values_text(objectives, best.values)}")
+        return lines
     best = study.best_trial
-    lines.append(f"best trial #{best.number}: {metric}={best.value:.4f}")
+    lines.append(f"best trial #{best.number}: {_values_text(objectives, best.value)}")
     for key, value in best.params.items():
         lines.append(f"  {key}: {value:.3g}" if isinstance(value, float) else f"  {key}: {value}")
     attrs = best.user_attrs

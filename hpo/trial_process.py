@@ -5,15 +5,23 @@ the study as they happen.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
+import dataclasses
+import gc
 import logging
 import multiprocessing
 import os
 import select
 import signal
 import sys
+import threading
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
@@ -23,11 +31,22 @@ from typing import Any, Protocol
 import optuna
 
 from hpo.logs import set_optuna_verbosity, setup_logging
-from hpo.stopping import Interrupted, StopRequest
+from hpo.stopping import HandBack, Interrupted, StopRequest, TakenOver, TrialTimedOut
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2
+# How often a trial process looks at its worker: gone (it stops), or stopped by SIGSTOP (it
+# pauses too, so that it writes no checkpoint into a folder that a retry may take over).
+WORKER_WATCH_S = 0.5
+PAUSED = "paused"
+TAKEN = "taken"
+
+
+class _JobNotTaken(Exception):
+    """The kept trial process ended before it took the trial (it died while idle)."""
+
+
 # Imported once by the fork server: a trial process then starts in milliseconds, not seconds.
 # None of them initialises CUDA, which must happen in the trial process itself.
 _PRELOAD = ["torch", "transformers", "optuna", "hpo.objective"]
@@ -47,7 +66,9 @@ class TrialLike(Protocol):
     def should_prune(self) -> bool: ...
 
 
-TrialTarget = Callable[[TrialLike, Any], float]
+# A trial's value: one number, or one per objective of a study with several.
+TrialValue = float | list[float]
+TrialTarget = Callable[[TrialLike, Any], TrialValue]
 
 
 class TrialFailed(Exception):
@@ -58,12 +79,24 @@ class TrialProcessDied(Exception):
     """The child process ended without a result: killed, crashed or exited."""
 
 
-# Set in a trial process by SIGTERM (the worker stopping it) or a lost worker.
+# Set in a trial process by SIGTERM (the worker stopping it, or its fork server dying) or a lost
+# worker.
 _stop_reason: list[str] = []
+# The trial process's parent, the fork server: a SIGTERM after it died is the kernel's notice.
+_parent_pid: list[int] = []
+ORPHANED = "orphaned"
 # Whether the trial process has begun training, so that a stop would checkpoint. Until then
 # (batch search, model build: many seconds on a GPU) a SIGTERM ends it at once: nothing is lost.
 _training: list[bool] = []
 EXIT_STOPPED_BEFORE_TRAINING = 128 + signal.SIGTERM
+# Set by the trial through `replace_after_this_trial`: this process ends after the trial.
+_replace_after_trial: list[str] = []
+# The pipe to the worker is written by the trial and by the worker watch's thread.
+_sending = threading.Lock()
+# A trial process is replaced once it holds this much more memory than after its first trial,
+# or when this much CUDA memory is still allocated after a trial.
+MEMORY_GROWTH_LIMIT = 2 * 1024**3
+CUDA_LEFT_OVER_LIMIT = 64 * 1024**2
 
 
 def stop_requested() -> bool:
@@ -75,8 +108,19 @@ def stop_requested() -> bool:
     return bool(_stop_reason)
 
 
+def stop_reason() -> str:
+    """Why this trial process was asked to stop: SIGTERM (its worker), or `orphaned` (its fork
+    server died and the kernel sent the notice)."""
+    return _stop_reason[0] if _stop_reason else "SIGTERM"
+
+
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    _stop_reason.append("SIGTERM")
+    _stop(ORPHANED if _parent_pid and os.getppid() != _parent_pid[0] else "SIGTERM")
+
+
+def _stop(reason: str) -> None:
+    """Checkpoint and stop at the next optimizer step; before training, exit at once."""
+    _stop_reason.append(reason)
     if not _training:
         os._exit(EXIT_STOPPED_BEFORE_TRAINING)  # nothing to save; the worker hands it back
 
@@ -113,78 +157,260 @@ class ChildTrial:
         if _stop_reason:
             return False
         try:
-            self._conn.send(message)
+            with _sending:
+                self._conn.send(message)
             return True
         except OSError:  # BrokenPipeError: the worker is gone or stopping this trial
             _stop_reason.append("the worker stopped listening")
             return False
 
 
+@dataclass(frozen=True)
+class TrialLimits:
+    """How long a trial process may take: to stop once asked, and to run at all (None: no
+    limit). Past `trial_timeout_s` it is asked to checkpoint and stop; past that plus
+    `stop_timeout_s` (stuck where it cannot stop: a data load, a batch search) it is ended."""
+
+    stop_timeout_s: float
+    trial_timeout_s: float | None = None
+
+
+class TrialProcess:
+    """The worker's trial process, kept from one trial to the next: a new trial starts in
+    milliseconds, with torch, the model's code, the data and (on a GPU) the CUDA context already
+    loaded. Each trial still gets a fresh model, optimizer and RNG state (the target builds
+    them). The process is replaced after a trial that failed, crashed, was stopped, timed out or
+    taken over, when the target asks for it (`replace_after_this_trial`: an OOM at batch 1, a
+    CUDA error), or when its memory grew past MEMORY_GROWTH_LIMIT since its first trial.
+
+    `base` goes to the process once, when it starts; each trial sends only its `changes`
+    (fields of the `base` dataclass), so the prepared data is not pickled per trial."""
+
+    def __init__(self, target: TrialTarget, base: Any, stop: StopRequest, limits: TrialLimits):
+        self.target = target
+        self.base = base
+        self.stop = stop
+        self.limits = limits
+        self.started = 0  # processes started, for logs and tests
+        self._process: BaseProcess | None = None
+        self._conn: Connection | None = None
+        self._watch: _ProcessWatch | None = None
+
+    def run(
+        self,
+        trial: optuna.Trial,
+        changes: dict[str, Any] | None = None,
+        taken_over: threading.Event | None = None,
+    ) -> TrialValue:
+        """The trial's value; raises what the worker needs to record the outcome
+        (TrialPruned, TrialFailed, TrialProcessDied, Interrupted, HandBack, TrialTimedOut,
+        TakenOver: then the process is killed at once, saving nothing)."""
+        deadline = None
+        if self.limits.trial_timeout_s is not None:
+            deadline = time.monotonic() + self.limits.trial_timeout_s + self.limits.stop_timeout_s
+        watchers = _Watchers(deadline, taken_over)
+        try:
+            while True:
+                started = self.started
+                conn, watch = self._send_job(("run", trial.number, changes))
+                try:
+                    message = _relay(trial, conn, watch, self.stop, watchers)
+                    break
+                except _JobNotTaken:
+                    if self.started != started:
+                        message = None  # a new process that died at once: the trial's fate
+                        break
+                    self.close()  # a kept one that died while idle, as the job came: a new one
+        except TakenOver:
+            if self._watch is not None:
+                self._watch.kill()  # its checkpoints now belong to the worker that took over
+            self.close()
+            raise
+        except BaseException:
+            self.close()  # stopped (checkpointing if it trains) or killed after the timeout
+            raise
+        if message is None or not message[2]:  # it died, or ends after this trial
+            if message is not None:
+                watch.wait(self.limits.stop_timeout_s)  # it sent its result and is exiting
+            process = self._process
+            self.close()
+            exitcode = process.exitcode if process is not None else None
+            return _result(trial, None if message is None else message[1], exitcode, self.stop)
+        return _result(trial, message[1], None, self.stop)
+
+    def close(self) -> None:
+        """End the process: closing its pipe tells an idle one to exit; a running one is asked
+        to stop (SIGTERM), then killed after the stop timeout."""
+        if self._conn is not None:
+            self._conn.close()  # a child waiting for an answer or a job learns none will come
+        if self._watch is not None:
+            self._watch.end(self.limits.stop_timeout_s)
+        self._process = self._conn = self._watch = None
+        atexit.unregister(self.close)
+
+    def _send_job(self, job: tuple[Any, ...]) -> tuple[Connection, _ProcessWatch]:
+        if self._watch is not None and self._watch.wait(0):
+            self.close()  # it died while idle (the OOM killer, a stray signal): a new one
+        if self._conn is not None and self._watch is not None:
+            try:
+                self._conn.send(job)
+                return self._conn, self._watch
+            except OSError:
+                self.close()
+        conn, watch = self._start()
+        with contextlib.suppress(OSError):  # it died at once: the relay reads its end
+            conn.send(job)
+        return conn, watch
+
+    def _start(self) -> tuple[Connection, _ProcessWatch]:
+        context = _mp_context()
+        parent_conn, child_conn = context.Pipe()
+        process = context.Process(
+            target=_child_main,
+            args=(child_conn, self.target, self.base, logging.getLogger().level, os.getpid()),
+            name="hpo-trial-process",
+        )
+        try:
+            with _sigint_blocked():
+                process.start()
+        except OSError as e:  # the fork server died with a stop signal to the process group
+            parent_conn.close()
+            if self.stop.signal_name is not None:
+                raise Interrupted(self.stop.signal_name) from e
+            raise
+        finally:
+            child_conn.close()
+        self.started += 1
+        self._process, self._conn, self._watch = process, parent_conn, _ProcessWatch(process)
+        # Before multiprocessing's own exit hook, which would wait for an idle child forever.
+        atexit.register(self.close)
+        return parent_conn, self._watch
+
+
 def run_in_child(
-    trial: optuna.Trial, target: TrialTarget, payload: Any, stop: StopRequest, stop_timeout_s: float
-) -> float:
-    """Run `target(trial, payload)` in a fresh process; returns its value or raises what Optuna
-    needs to record the outcome (TrialPruned, TrialFailed, TrialProcessDied, Interrupted)."""
-    context = _mp_context()
-    parent_conn, child_conn = context.Pipe()
-    process = context.Process(
-        target=_child_main,
-        args=(child_conn, target, payload, trial.number, logging.getLogger().level),
-        name=f"hpo-trial-{trial.number}",
-    )
-    process.start()
-    child_conn.close()
-    watch = _ProcessWatch(process)
+    trial: optuna.Trial,
+    target: TrialTarget,
+    payload: Any,
+    stop: StopRequest,
+    limits: TrialLimits,
+    taken_over: threading.Event | None = None,
+) -> TrialValue:
+    """Run `target(trial, payload)` in a process of its own, used for this trial only."""
+    process = TrialProcess(target, payload, stop, limits)
     try:
-        outcome = _relay(trial, parent_conn, stop)
-        watch.wait(stop_timeout_s)  # it sent its result, or died, and is exiting
+        return process.run(trial, None, taken_over)
     finally:
-        parent_conn.close()  # a child waiting for an answer learns that none will come
-        watch.end(stop_timeout_s)
-    return _result(trial, outcome, process.exitcode)
+        process.close()
 
 
-def _relay(trial: optuna.Trial, conn: Connection, stop: StopRequest) -> tuple[Any, ...] | None:
-    """Pass the child's calls on to the trial until it sends its outcome; None if it died."""
+@dataclass(frozen=True)
+class _Watchers:
+    """What ends a trial from the worker's side, besides a stop request."""
+
+    deadline: float | None  # monotonic; past it the trial is ended as timed out
+    taken_over: threading.Event | None
+
+    def check(self) -> None:
+        if self.taken_over is not None and self.taken_over.is_set():
+            raise TakenOver()
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise TrialTimedOut("the trial process did not stop at study.trial_timeout")
+
+
+def _relay(
+    trial: optuna.Trial,
+    conn: Connection,
+    watch: _ProcessWatch,
+    stop: StopRequest,
+    watchers: _Watchers,
+) -> tuple[Any, ...] | None:
+    """Pass the child's calls on to the trial until it sends ("outcome", outcome, staying);
+    None if it died first."""
+    paused = False  # the child stopped itself while this worker was stopped
+    taken = False  # the child took the job: its death from now on is this trial's
     while True:
         if stop.signal_name is not None:
             raise Interrupted(stop.signal_name)
+        watchers.check()
+        if paused and watch.stopped():
+            log.info("trial %d: continuing its trial process, paused with this worker",
+                     trial.number)  # fmt: skip
+            watch.resume()
+            paused = False
         if not conn.poll(POLL_S):
             continue
         try:
             message = conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # OSError: ECONNRESET, it died with a job unread
             if stop.signal_name is not None:
                 continue  # the signal reached the trial process too (a process group's stop)
+            if not taken:
+                raise _JobNotTaken() from None
             return None
-        kind = message[0]
-        if kind == "attr":
-            trial.set_user_attr(message[1], message[2])
-        elif kind == "report":
-            trial.report(message[1], message[2])
-        elif kind == "should_prune":
+        if message[0] == PAUSED:
+            paused = True
+            continue
+        if message[0] == TAKEN:
+            taken = True
+            continue
+        try:
+            outcome = _pass_on(trial, conn, stop, message)
+        except optuna.exceptions.UpdateFinishedTrialError as e:
+            raise TakenOver() from e  # another worker failed the trial while this one slept
+        if outcome is not None:
+            return outcome
+
+
+def _pass_on(
+    trial: optuna.Trial, conn: Connection, stop: StopRequest, message: tuple[Any, ...]
+) -> tuple[Any, ...] | None:
+    """One call of the child on the trial; returns the child's outcome once it sends it."""
+    kind = message[0]
+    if kind == "attr":
+        trial.set_user_attr(message[1], message[2])
+    elif kind == "report":
+        trial.report(message[1], message[2])
+    elif kind == "should_prune":
+        with contextlib.suppress(OSError):  # it died asking: the next read says so
             conn.send(trial.should_prune())
-        elif kind == "failed" and stop.signal_name is not None:
-            # What broke after a stop request (a DataLoader worker the signal reached, say) is
-            # not the trial's fault: it is handed back like any stopped trial.
-            log.warning("trial %d failed while stopping: %s", trial.number, message[1])
-            raise Interrupted(stop.signal_name)
-        else:
-            return message
+    elif kind == "outcome" and message[1][0] == "failed" and stop.signal_name is not None:
+        # What broke after a stop request (a DataLoader worker the signal reached, say) is
+        # not the trial's fault: it is handed back like any stopped trial.
+        log.warning("trial %d failed while stopping: %s", trial.number, message[1][1])
+        raise Interrupted(stop.signal_name)
+    else:
+        return message
+    return None
 
 
-def _result(trial: optuna.Trial, outcome: tuple[Any, ...] | None, exitcode: int | None) -> float:
+def _result(
+    trial: optuna.Trial, outcome: tuple[Any, ...] | None, exitcode: int | None, stop: StopRequest
+) -> TrialValue:
     if outcome is None:
         reason = f"the trial process {describe_exit(exitcode)}"
         trial.set_user_attr("fail_reason", reason)
+        if exitcode == EXIT_STOPPED_BEFORE_TRAINING and stop.signal_name is None:
+            raise HandBack(reason + ", though its worker did not ask (its fork server died?)")
         raise TrialProcessDied(reason)
     kind = outcome[0]
     if kind == "complete":
-        return float(outcome[1])
+        value = outcome[1]
+        return [float(v) for v in value] if isinstance(value, (list, tuple)) else float(value)
     if kind == "pruned":
         raise optuna.TrialPruned(outcome[1])
-    if kind == "interrupted":  # the stop signal reached the trial process first
-        raise Interrupted(outcome[1])
+    if kind == "timed_out":
+        raise TrialTimedOut(outcome[1])
+    if kind == "interrupted":
+        if stop.signal_name is not None:  # the stop signal reached the trial process first
+            raise Interrupted(stop.signal_name)
+        cause = (
+            "lost its fork server (killed?), so the kernel stopped it"
+            if outcome[1] == ORPHANED
+            else "got a SIGTERM that its worker did not send"
+        )
+        reason = f"interrupted: the trial process {cause}; it checkpointed"
+        trial.set_user_attr("fail_reason", reason)
+        raise HandBack(reason)
     trial.set_user_attr("fail_reason", str(outcome[1])[:1000])
     error = TrialFailed(outcome[1])
     error.add_note(f"in the trial process:\n{outcome[2]}")
@@ -214,9 +440,7 @@ class _ProcessWatch:
         if self.pidfd is None:
             self.process.join(timeout=timeout_s)
             return not self.process.is_alive()
-        poller = select.poll()  # not select(): a busy worker's fds may pass 1024
-        poller.register(self.pidfd, select.POLLIN)
-        return bool(poller.poll(timeout_s * 1000))
+        return _exited(self.pidfd, timeout_s)
 
     def end(self, stop_timeout_s: float) -> None:
         """A process still running is asked to stop (SIGTERM: it checkpoints at the next
@@ -224,6 +448,7 @@ class _ProcessWatch:
         try:
             if not self.wait(0):
                 self._signal(signal.SIGTERM)
+                self._signal(signal.SIGCONT)  # a paused process acts on SIGTERM only then
                 if not self.wait(stop_timeout_s):
                     log.warning("trial process %s ignored SIGTERM for %.0f s; killing it",
                                 self.process.pid, stop_timeout_s)  # fmt: skip
@@ -234,6 +459,18 @@ class _ProcessWatch:
             if self.pidfd is not None:
                 os.close(self.pidfd)
                 self.pidfd = None
+
+    def stopped(self) -> bool:
+        """Whether the process is stopped (SIGSTOP): it paused itself with its worker."""
+        return self.process.pid is not None and process_stopped(self.process.pid)
+
+    def resume(self) -> None:
+        self._signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        """At once, with no chance to checkpoint."""
+        if not self.wait(0):
+            self._signal(signal.SIGKILL)
 
     def _signal(self, signum: int) -> None:
         if self.pidfd is None:
@@ -259,30 +496,108 @@ def describe_exit(exitcode: int | None) -> str:
 
 
 def _child_main(
-    conn: Connection, target: TrialTarget, payload: Any, number: int, log_level: int
+    conn: Connection,
+    target: TrialTarget,
+    base: Any,
+    log_level: int,
+    worker_pid: int,
 ) -> None:
     # The worker decides how its trial stops: Ctrl-C in a terminal reaches the whole group, and
     # the worker's SIGTERM means "checkpoint and stop".
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by its fork server
+    _parent_pid.append(os.getppid())
     signal.signal(signal.SIGTERM, _on_sigterm)
     _stop_when_orphaned()
     setup_logging(log_level)
     set_optuna_verbosity(log_level)
-    trial = ChildTrial(conn, number)
+    _watch_worker(worker_pid, conn)
+    # What the fork server loaded and the data live as long as the process: kept out of the
+    # collections after each trial (a full one takes 150 ms with torch loaded).
+    gc.freeze()
+    memory = _MemoryWatch()
+    while True:
+        try:
+            _, number, changes = conn.recv()
+        except (EOFError, OSError):
+            return  # the worker has no more trials for this process
+        try:
+            with _sending:
+                conn.send((TAKEN,))
+        except OSError:
+            return
+        payload = base if changes is None else dataclasses.replace(base, **changes)
+        outcome = _run_target(target, ChildTrial(conn, number), payload)
+        staying = outcome[0] in ("complete", "pruned") and not _stop_reason
+        staying = staying and not _replace_after_trial
+        try:
+            with _sending:
+                conn.send(("outcome", outcome, staying))
+        except OSError:
+            return  # the worker stopped listening: it is handing this trial back
+        _training.clear()  # idle: a SIGTERM now ends this process at once
+        # The memory check runs while the worker records the trial; a process that grew
+        # exits, and the worker starts a new one for its next trial.
+        if not staying or not memory.fit():
+            conn.close()
+            return
+        _stop_reason.clear()
+
+
+def _run_target(target: TrialTarget, trial: ChildTrial, payload: Any) -> tuple[Any, ...]:
     try:
-        outcome: tuple[Any, ...] = ("complete", target(trial, payload))
+        return ("complete", target(trial, payload))
     except optuna.TrialPruned as e:
-        outcome = ("pruned", str(e))
+        return ("pruned", str(e))
+    except TrialTimedOut as e:
+        return ("timed_out", str(e))
     except Interrupted as e:
-        outcome = ("interrupted", e.signal_name)
+        return ("interrupted", e.signal_name)
     except Exception as e:
-        outcome = ("failed", f"{type(e).__name__}: {e}", traceback.format_exc())
+        return ("failed", f"{type(e).__name__}: {e}", traceback.format_exc())
+
+
+def replace_after_this_trial(reason: str) -> None:
+    """In a trial process: end this process after the current trial (its next trial starts
+    in a new one): after an OOM at batch 1 or a CUDA error, the device's state is suspect."""
+    log.info("the trial process will be replaced after this trial: %s", reason)
+    _replace_after_trial.append(reason)
+
+
+class _MemoryWatch:
+    """Whether the process's memory stayed near what it held after its first trial (a trial
+    that leaks, or a library cache that grows, ends its process rather than the host)."""
+
+    def __init__(self) -> None:
+        self.baseline: int | None = None
+
+    def fit(self) -> bool:
+        gc.collect()
+        if "torch" in sys.modules:
+            import torch
+
+            if torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
+                if torch.cuda.memory_allocated() > CUDA_LEFT_OVER_LIMIT:
+                    return False  # tensors outlived their trial
+        rss = _resident_bytes()
+        if rss is None:
+            return True
+        if self.baseline is None:
+            self.baseline = rss
+        if rss - self.baseline > MEMORY_GROWTH_LIMIT:
+            log.info("the trial process holds %d MiB more than after its first trial; "
+                     "replacing it", (rss - self.baseline) // 2**20)  # fmt: skip
+            return False
+        return True
+
+
+def _resident_bytes() -> int | None:
     try:
-        conn.send(outcome)
-    except OSError:
-        pass  # the worker stopped listening: it is handing this trial back
-    finally:
-        conn.close()
+        with open("/proc/self/statm", "rb") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None  # no /proc here: memory growth is not watched
 
 
 def _stop_when_orphaned() -> None:
@@ -292,8 +607,78 @@ def _stop_when_orphaned() -> None:
         return
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-    if os.getppid() == 1:  # orphaned before the line above took effect
-        _stop_reason.append("orphaned")
+    if os.getppid() != _parent_pid[0]:  # orphaned before the line above took effect
+        _stop_reason.append(ORPHANED)
+
+
+def _watch_worker(worker_pid: int, conn: Connection) -> None:
+    """The worker is not this process's parent (the fork server is, and notices the worker's
+    death seconds late): a thread follows the worker itself, so a trial whose worker was killed
+    checkpoints at its next step and stops before another worker retries it.
+
+    A worker stopped by SIGSTOP (`kill -STOP`, a debugger) sends no heartbeats: another worker
+    may fail its trial and resume it from its checkpoint folder. This process then stops
+    itself too, writing nothing more there; the worker continues it once it runs again (and
+    kills it at once if the trial was taken over meanwhile)."""
+    try:
+        pidfd = os.pidfd_open(worker_pid)
+    except (AttributeError, OSError):
+        return  # no pidfds here: the fork server's notice (PR_SET_PDEATHSIG) has to do
+
+    def watch() -> None:
+        seen_stopped = 0
+        while not _exited(pidfd, WORKER_WATCH_S):
+            seen_stopped = seen_stopped + 1 if process_stopped(worker_pid) else 0
+            if seen_stopped >= 2:  # not a moment's ptrace stop (py-spy dump, say)
+                log.warning("trial process: its worker %d is stopped (SIGSTOP?); pausing "
+                            "with it", worker_pid)  # fmt: skip
+                _notify_paused(conn)
+                os.kill(os.getpid(), signal.SIGSTOP)
+                seen_stopped = 0
+        _stop(ORPHANED)
+
+    threading.Thread(target=watch, name="hpo-worker-watch", daemon=True).start()
+
+
+def _notify_paused(conn: Connection) -> None:
+    """Tells the worker that this process stops itself because the worker is stopped: once
+    the worker runs again, it continues this process."""
+    try:
+        with _sending:
+            conn.send((PAUSED,))
+    except OSError:
+        pass  # the worker is gone: the watch sees it next
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped by a signal or a tracer (Linux: /proc/PID/stat)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read()
+    except OSError:
+        return False  # gone, or no /proc here
+    return stat.rpartition(b")")[2].split()[:1] in ([b"T"], [b"t"])
+
+
+def _exited(pidfd: int, timeout_s: float | None) -> bool:
+    """Whether the process of `pidfd` exits within `timeout_s` (None: wait for it)."""
+    poller = select.poll()  # not select(): a busy worker's fds may pass 1024
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(None if timeout_s is None else timeout_s * 1000))
+
+
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """SIGINT held back (not lost) while a trial process starts. A fork server started here
+    inherits the blocked signal and keeps it blocked: a Ctrl-C while it imports torch would
+    otherwise print its KeyboardInterrupt traceback (it ignores SIGINT only once ready).
+    multiprocessing's resource tracker unblocks SIGINT after it starts: it starts first."""
+    resource_tracker.ensure_running()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _mp_context() -> ForkServerContext:

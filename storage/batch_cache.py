@@ -16,8 +16,8 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 
-from hpo.errors import StorageError
-from storage.budget import advisory_lock, sqlite_lock
+from storage.errors import StorageError
+from storage.locks import advisory_lock, create_table_racing
 
 _metadata = sa.MetaData()
 batch_sizes = sa.Table(
@@ -42,7 +42,7 @@ class BatchSizeCache:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         try:
-            _create_table(engine)
+            create_table_racing(engine, batch_sizes)
         except sa.exc.SQLAlchemyError as e:
             raise StorageError(
                 f"cannot create the batch-size cache table: {e.__class__.__name__}"
@@ -89,22 +89,6 @@ class BatchSizeCache:
             return
         with advisory_lock(self.engine, f"hpo-batch-{key_hash(key)}"):
             yield
-
-
-def _create_table(engine: Engine) -> None:
-    # Workers starting together race to create it: on SQLite they take turns under the lock
-    # the trial budget uses; on PostgreSQL the loser of the race finds the table there.
-    lock = (
-        sqlite_lock(engine.url.database)
-        if engine.dialect.name == "sqlite" and engine.url.database not in (None, "", ":memory:")
-        else contextlib.nullcontext()
-    )
-    with lock:
-        try:
-            _metadata.create_all(engine, checkfirst=True)
-        except sa.exc.DBAPIError:
-            if not sa.inspect(engine).has_table(batch_sizes.name):
-                raise
 
 
 def _insert_for(engine: Engine) -> Any:

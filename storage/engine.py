@@ -1,23 +1,28 @@
-"""Open an Optuna RDB storage with engine options that suit the backend.
+"""Open a study database: Optuna's RDB storage with engine options that suit the backend,
+behind hpo's outage retries.
 
 Library errors are wrapped here into StorageError with the password masked.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
-from dataclasses import dataclass
+import urllib.parse
+from pathlib import Path
 from typing import Any
 
+import optuna
 import sqlalchemy
 import sqlalchemy.exc
 from sqlalchemy.engine import make_url
 
-from hpo.errors import StorageError
-from storage.budget import BudgetedRDBStorage, sqlite_lock
+from storage.errors import StorageError
+from storage.locks import sqlite_lock, study_lock
+from storage.optuna_internals import cached
 from storage.outage import wait_for_connections
-from storage.retry import RetryStaleTrial
+from storage.resilient import ResilientStorage
 from storage.url import StorageURL, mask_text
 
 CONNECT_TIMEOUT_S = 10
@@ -58,61 +63,108 @@ def create_engine(
     return engine
 
 
-@dataclass(frozen=True)
-class Liveness:
-    """Heartbeats of running trials: a trial silent for `grace_period_s` is failed and re-run."""
+class StudyStorage(ResilientStorage):
+    """The Optuna storage of hpo's studies (Optuna's trial cache, outage retries) with what
+    hpo's workers add beside it: the engine for hpo's own tables and the per-study lock."""
 
-    heartbeat_interval_s: int
-    grace_period_s: int
-    max_retries: int
+    def __init__(self, rdb: optuna.storages.RDBStorage, url: StorageURL, patience_s: float | None):
+        super().__init__(cached(rdb), patience_s)
+        self.rdb = rdb
+        self.url = url
+
+    @property
+    def engine(self) -> sqlalchemy.engine.Engine:
+        return self.rdb.engine
+
+    def lock(self, study_id: int) -> contextlib.AbstractContextManager[None]:
+        """See storage.locks.study_lock."""
+        return study_lock(self.engine, study_id)
 
 
 def open_storage(
     storage_url: StorageURL,
-    trial_budget: int | None = None,
-    liveness: Liveness | None = None,
     patience_s: float | None = None,
-) -> BudgetedRDBStorage:
+    read_only: bool = False,
+    must_exist: bool = False,
+) -> StudyStorage:
     """Connect (creating the tables if needed); raises StorageError naming what is wrong.
-    With `trial_budget`, no trial is created once the study holds that many. With `patience_s`,
-    once connected, calls ride out a database outage of up to that many seconds."""
+    With `patience_s`, once connected, calls ride out a database outage of up to that many
+    seconds. `read_only` (the monitoring commands) creates nothing: no database file, no tables,
+    no lock file; `must_exist` refuses to create an SQLite file."""
+    if read_only or must_exist:
+        _check_sqlite_file(storage_url)
     try:
-        storage = _create_tables_retrying(storage_url, liveness)
-        storage.trial_budget = trial_budget
+        if read_only:
+            rdb = _open_read_only(storage_url)
+        else:
+            rdb = _create_tables_retrying(storage_url)
         if patience_s is not None:
-            storage.patience_s = patience_s
-            wait_for_connections(storage.engine, patience_s)
-        return storage
-    except (sqlalchemy.exc.SQLAlchemyError, ImportError, ValueError, OSError) as e:
-        reason = _first_line(mask_text(str(getattr(e, "orig", None) or e)))
+            wait_for_connections(rdb.engine, patience_s)
+        return StudyStorage(rdb, storage_url, patience_s)
+    except (
+        sqlalchemy.exc.SQLAlchemyError,
+        optuna.exceptions.StorageInternalError,
+        ImportError,
+        ValueError,
+        OSError,
+    ) as e:
+        reason = _first_line(mask_text(str(_root_cause(e))))
         raise StorageError(
             f"cannot open the study database {storage_url.masked}: {reason}; "
             "check the host, port, database name and credentials (or that the SQLite folder exists)"
         ) from e
 
 
-def _create_tables_retrying(
-    storage_url: StorageURL, liveness: Liveness | None
-) -> BudgetedRDBStorage:
+def _check_sqlite_file(storage_url: StorageURL) -> None:
+    if storage_url.backend != "sqlite":
+        return
+    database = Path(make_url(storage_url.url).database or "")
+    if not database.is_file():
+        raise StorageError(
+            f"no study database at {database.resolve()}: no such file; check --storage or "
+            "$HPO_STORAGE (hpo run creates it)"
+        )
+
+
+def _open_read_only(storage_url: StorageURL) -> optuna.storages.RDBStorage:
+    url = storage_url.url
+    if storage_url.backend == "sqlite":
+        database = Path(make_url(url).database or "").resolve()
+        # SQLite's read-only URI mode: not a byte written, not even a journal beside the file.
+        url = f"sqlite:///file:{urllib.parse.quote(str(database))}?mode=ro&uri=true"
+    return optuna.storages.RDBStorage(
+        url, engine_kwargs=engine_kwargs(storage_url.backend), skip_table_creation=True
+    )
+
+
+def _create_tables_retrying(storage_url: StorageURL) -> optuna.storages.RDBStorage:
     """Workers starting together on an empty database race to create Optuna's tables. On SQLite
     a file lock serialises them; on PostgreSQL the losers see a duplicate-object error and
     succeed on a retry, once the tables exist."""
     kwargs: dict[str, Any] = {"engine_kwargs": engine_kwargs(storage_url.backend)}
-    if liveness is not None:
-        kwargs["heartbeat_interval"] = liveness.heartbeat_interval_s
-        kwargs["grace_period"] = liveness.grace_period_s
-        kwargs["heartbeat_stale_trial_callback"] = RetryStaleTrial(liveness.max_retries)
     if storage_url.backend == "sqlite":
         with sqlite_lock(make_url(storage_url.url).database):
-            return BudgetedRDBStorage(storage_url.url, **kwargs)
+            return optuna.storages.RDBStorage(storage_url.url, **kwargs)
     for attempt in range(TABLE_CREATION_ATTEMPTS):
         try:
-            return BudgetedRDBStorage(storage_url.url, **kwargs)
+            return optuna.storages.RDBStorage(storage_url.url, **kwargs)
         except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
             if attempt == TABLE_CREATION_ATTEMPTS - 1:
                 raise
             time.sleep(0.2 * (attempt + 1) + random.random() * 0.3)
     raise AssertionError("unreachable")
+
+
+def _root_cause(error: BaseException) -> BaseException:
+    """The driver's own words: Optuna wraps them in a generic "exception during the commit"."""
+    seen: set[int] = set()
+    while id(error) not in seen:
+        seen.add(id(error))
+        inner = getattr(error, "orig", None) or error.__cause__
+        if inner is None:
+            break
+        error = inner
+    return error
 
 
 def _first_line(text: str) -> str:

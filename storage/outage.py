@@ -14,7 +14,7 @@ import sqlalchemy
 import sqlalchemy.exc
 from sqlalchemy.engine import Engine
 
-from hpo.errors import StorageError
+from storage.errors import StorageError
 from storage.url import mask_text
 
 log = logging.getLogger(__name__)

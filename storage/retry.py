@@ -46,16 +46,3 @@ def retry_trial(study: optuna.Study, trial: FrozenTrial, max_retries: int) -> in
     # already be running it).
     trials = study.get_trials(deepcopy=False)
     return next(t.number for t in trials if t.system_attrs.get("retry_history") == history)
-
-
-class RetryStaleTrial:
-    """Heartbeat callback: a trial whose worker stopped beating is failed by Optuna, then
-    re-queued here."""
-
-    def __init__(self, max_retries: int) -> None:
-        self.max_retries = max_retries
-
-    def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
-        retry = retry_trial(study, trial, self.max_retries)
-        if retry is not None:
-            log.warning("trial %d lost its worker; re-queued as trial %d", trial.number, retry)

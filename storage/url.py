@@ -13,11 +13,14 @@ from pathlib import Path
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 
-from hpo.errors import StorageError
+from storage.errors import StorageError
 
 ENV_VAR = "HPO_STORAGE"
 DEFAULT_SQLITE_FILE = "hpo.db"
 SUPPORTED_BACKENDS = ("sqlite", "postgresql")
+# SQLAlchemy 2.1 reads a bare postgresql:// as psycopg (3); hpo installs psycopg2.
+DEFAULT_DRIVERS = {"postgresql": "postgresql+psycopg2"}
+EXAMPLE_URLS = "sqlite:///hpo.db or postgresql+psycopg2://user:password@host:5432/dbname"
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,11 @@ class StorageURL:
 
 def resolve_storage_url(cli_value: str | None, config_value: str | None) -> StorageURL:
     """Pick the storage URL by precedence and validate it; raises StorageError on a bad one."""
+    if cli_value is not None and not cli_value.strip():
+        raise StorageError(
+            "--storage is empty; give a database URL such as sqlite:///hpo.db, or leave "
+            f"--storage out for ${ENV_VAR}, the config's study.storage or ./{DEFAULT_SQLITE_FILE}"
+        )
     env_value = os.environ.get(ENV_VAR) or None
     for value, origin in (
         (cli_value, "--storage"),
@@ -62,46 +70,152 @@ def resolve_storage_url(cli_value: str | None, config_value: str | None) -> Stor
 
 
 def _validated(url: str, origin: str) -> str:
+    """The URL to connect with (a bare postgresql:// gets hpo's driver); raises StorageError
+    naming what is wrong with it, password masked."""
+    where = f"storage URL from {origin}"
+    if url != url.strip() or any(ord(c) < 32 for c in url):
+        raise StorageError(
+            f"{where} has spaces around it or control characters in it ({_shown(url)}); "
+            "remove them (a newline read from a file?)"
+        )
     try:
         parsed: URL = make_url(url)
-    except ArgumentError as e:
+    except (ArgumentError, ValueError) as e:  # ValueError: a port that is not a number
         raise StorageError(
-            f"storage URL from {origin} is not a database URL: {mask_url(url)!r}; use e.g. "
-            "sqlite:///hpo.db or postgresql+psycopg2://user:password@host:5432/dbname"
+            f"{where} is not a database URL: {_shown(url)}; use e.g. {EXAMPLE_URLS}"
         ) from e
     backend = parsed.get_backend_name()
     if backend == "postgres":
         raise StorageError(
-            f"storage URL from {origin} starts with 'postgres://', which SQLAlchemy does not "
-            "accept; write it postgresql+psycopg2://... (the rest unchanged)"
+            f"{where} starts with 'postgres://', which SQLAlchemy does not accept; write it "
+            "postgresql+psycopg2://... (the rest unchanged)"
         )
     if backend not in SUPPORTED_BACKENDS:
         raise StorageError(
-            f"storage URL from {origin} uses {backend!r}, which hpo does not support; "
-            "use sqlite:///FILE or postgresql+psycopg2://user:password@host:5432/dbname"
+            f"{where} uses {backend[:40]!r}, which hpo does not support; use {EXAMPLE_URLS}"
         )
-    if backend == "sqlite" and not parsed.database:
+    if backend == "sqlite" and (not parsed.database or parsed.database.startswith(":memory:")
+                                or "mode=memory" in url):  # fmt: skip
         raise StorageError(
-            f"storage URL from {origin} names no SQLite file ({mask_url(url)!r}); "
-            "in-memory databases cannot hold a study: use sqlite:///hpo.db"
+            f"{where} names no SQLite file ({_shown(url)}); in-memory databases cannot hold "
+            "a study: use sqlite:///hpo.db"
         )
+    if backend == "sqlite":
+        _check_sqlite_path(parsed.database or "", url, where)
+    if backend == "postgresql" and not parsed.database:
+        raise StorageError(
+            f"{where} names no database ({_shown(url)}); write "
+            "postgresql+psycopg2://user:password@host:5432/dbname"
+        )
+    if backend == "postgresql":
+        _check_server_address(parsed, url, where)
+    if parsed.drivername in DEFAULT_DRIVERS:
+        url = DEFAULT_DRIVERS[parsed.drivername] + url[url.index("://") :]
+        parsed = make_url(url)
+    _check_driver(parsed, where)
     return url
 
 
-_PASSWORD_IN_URL = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^:/@\s]*:)(?P<pw>[^@\s]*)(?=@)")
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def _check_sqlite_path(database: str, url: str, where: str) -> None:
+    """The file must be an SQLite database or not exist yet, in a folder that exists: checked
+    here, before SQLite or hpo's lock file write anything beside it."""
+    if database.startswith("file:"):
+        return  # an SQLite URI: SQLite itself reads its options
+    path = Path(database)
+    if path.is_dir():
+        raise StorageError(
+            f"{where} names a folder, not an SQLite file ({_shown(url)}); add a file name, "
+            "e.g. sqlite:///FOLDER/hpo.db"
+        )
+    if not path.parent.is_dir():
+        raise StorageError(
+            f"{where} names an SQLite file in {str(path.parent.absolute())[:200]!r}, a folder "
+            "that does not exist; create the folder or fix the path"
+        )
+    try:
+        with path.open("rb") as handle:
+            head = handle.read(len(SQLITE_HEADER))
+    except FileNotFoundError:
+        return  # hpo run creates it
+    except OSError as e:
+        raise StorageError(
+            f"{where}: cannot read {str(path)[:200]!r} ({e.strerror}); check its permissions"
+        ) from e
+    if head and head != SQLITE_HEADER:
+        raise StorageError(
+            f"{where} names {str(path)[:200]!r}, which is not an SQLite database; point it at "
+            "a study database or at a new file name"
+        )
+
+
+def _check_server_address(parsed: URL, url: str, where: str) -> None:
+    if url.partition("://")[2].partition("?")[0].count("@") > 1:
+        # user:p@ss@host parses as password `p` and host `ss@host`: connection errors naming
+        # the host would print the rest of the password.
+        raise StorageError(
+            f"{where} has more than one '@' ({_shown(url)}); write an '@' inside the user "
+            "name or password as %40"
+        )
+    if parsed.port is not None and not 0 < parsed.port < 65536:
+        raise StorageError(
+            f"{where} has port {parsed.port}, outside 1-65535; PostgreSQL listens on 5432 "
+            "by default"
+        )
+
+
+def _check_driver(parsed: URL, where: str) -> None:
+    """The database driver must be installed and synchronous (Optuna's storage is)."""
+    backend, driver = parsed.get_backend_name(), parsed.get_driver_name()[:40]
+    suggestion = "sqlite:///FILE" if backend == "sqlite" else "postgresql+psycopg2://..."
+    try:
+        dialect = parsed.get_dialect()
+        if getattr(dialect, "is_async", False):
+            raise StorageError(
+                f"{where} asks for the asynchronous driver {driver!r}, which Optuna cannot use; "
+                f"write {suggestion}"
+            )
+        dialect.import_dbapi()
+    except ArgumentError as e:  # NoSuchModuleError: SQLAlchemy knows no such driver
+        raise StorageError(
+            f"{where} asks for the driver {driver!r}, which SQLAlchemy does not know; "
+            f"write {suggestion}"
+        ) from e
+    except ImportError as e:
+        raise StorageError(
+            f"{where} asks for the driver {driver!r}, which is not installed; "
+            f"write {suggestion} (installed with hpo) or pip install {e.name or 'that driver'}"
+        ) from e
+
+
+def _shown(url: str) -> str:
+    """The URL for a message: quoted, password masked, at most 200 characters."""
+    masked = mask_url(url)
+    return repr(masked if len(masked) <= 200 else masked[:197] + "...")
+
+
+# A URL in free text ends at whitespace or a quote; a password may hold `@`, `/` or `:`.
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]+")
+# `password=`, also as libpq spells it inside a `dsn=` parameter (`password%3D`, `sslpassword=`).
+_PASSWORD_PARAMETER = re.compile(r"(?i)((?:password|passwd|pwd)\s*(?:=|%3D))[^&\s\"']*")
 
 
 def mask_url(url: str) -> str:
-    """The URL with its password replaced by ***, even when the URL does not parse."""
-    try:
-        parsed = make_url(url)
-    except ArgumentError:
-        return mask_text(url)
-    if parsed.password is None:
-        return mask_text(url)
-    return parsed.render_as_string(hide_password=True)
+    """The URL with its password replaced by ***, even when the URL does not parse.
+
+    Everything between `user:` and the last `@` is hidden: a password with an unescaped `@`
+    is hidden whole, not cut at its first `@`; so is a `password=` query parameter."""
+    scheme, separator, rest = url.partition("://")
+    if separator:
+        userinfo, at, address = rest.rpartition("@")
+        user, colon, _ = userinfo.partition(":")
+        if at and colon:
+            url = f"{scheme}://{user}:***@{address}"
+    return _PASSWORD_PARAMETER.sub(r"\1***", url)
 
 
 def mask_text(text: str) -> str:
     """Mask every `scheme://user:password@` in free text, such as a driver's error message."""
-    return _PASSWORD_IN_URL.sub(lambda m: m.group("head") + "***", text)
+    return _PASSWORD_PARAMETER.sub(r"\1***", _URL_IN_TEXT.sub(lambda m: mask_url(m[0]), text))

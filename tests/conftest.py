@@ -189,6 +189,7 @@ def wait_until_training(
     """Until `trials` RUNNING trials train (their trial process reported the physical batch)
     and each reported `evaluations` evaluations; returns the study."""
     import optuna
+    import sqlalchemy.exc
     from optuna.trial import TrialState
 
     deadline = time.monotonic() + 180
@@ -200,8 +201,8 @@ def wait_until_training(
         if study is None:  # loaded once: a load per poll took seconds under CI load
             try:
                 study = optuna.load_study(study_name=study_name, storage=url)
-            except KeyError:
-                pass
+            except (KeyError, sqlalchemy.exc.SQLAlchemyError):
+                pass  # no study yet, or the worker is creating the tables this very moment
         if study is not None:
             running = study.get_trials(states=(TrialState.RUNNING,))
             ready = [
@@ -244,7 +245,7 @@ def postgres_url() -> Iterator[str]:
     """A fresh, empty PostgreSQL database for one test, dropped afterwards.
 
     Unreachable server: a failure under CI=true, a skip elsewhere."""
-    from storage.scratch import scratch_database
+    from tests.scratch_db import scratch_database
 
     problem = _postgres_reachable()
     if problem is not None:

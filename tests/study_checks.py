@@ -42,7 +42,7 @@ def run_small_study(
     # A second worker finds the study's budget spent and starts nothing.
     again = run_study(config, storage_url, tmp_path, study=study)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "holds 5 trials, its budget" in again.stderr
+    assert "holds 5 started trials, its budget; stopping" in again.stderr
     return optuna.load_study(study_name=study, storage=storage_url)
 
 

@@ -45,11 +45,13 @@ def test_cache_on_postgres(postgres_url: str) -> None:
     check_cache(postgres_url)
 
 
-def _open_cache(url: str, start: float) -> None:
-    time.sleep(max(0.0, start - time.time()))  # every process creates the table at once
+def _open_cache(url: str, start: float, size: int) -> int:
+    """Open the cache at `start` (every process creates the table at once), record `size`
+    and return what the cache then holds."""
+    time.sleep(max(0.0, start - time.time()))
     engine = sa.create_engine(url)
     try:
-        BatchSizeCache(engine)
+        return BatchSizeCache(engine).record(KEY, size, {"by": size})
     finally:
         engine.dispose()
 
@@ -63,8 +65,17 @@ def test_workers_starting_together_on_a_new_sqlite_file_all_open_the_cache(
     for _ in range(3):
         (tmp_path / "race.db").unlink(missing_ok=True)
         start = time.time() + 2.0
-        with context.Pool(6) as pool:
-            pool.starmap(_open_cache, [(url, start)] * 6)  # raises what any process raised
+        with context.Pool(6) as pool:  # raises what any process raised
+            stored = pool.starmap(_open_cache, [(url, start, size) for size in range(10, 16)])
+        # Every process opened the one table and agrees on the one size recorded first.
+        assert len(set(stored)) == 1 and stored[0] in range(10, 16), stored
+        engine = sa.create_engine(url)
+        try:
+            with engine.connect() as conn:
+                rows = conn.execute(sa.text("SELECT physical_batch_size FROM hpo_batch_sizes"))
+                assert [row[0] for row in rows] == stored[:1]
+        finally:
+            engine.dispose()
 
 
 @pytest.mark.postgres

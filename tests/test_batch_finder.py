@@ -2,22 +2,35 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from tests.conftest import long_rows, write_csv
 from tests.test_trainer import tiny_job
-from trainer import loop
-from trainer.batch_finder import BatchFinder, find_physical_batch_size, search_largest
+from trainer import batch_finder, loop
+from trainer.batch_finder import (
+    BatchFinder,
+    BatchSearch,
+    NoPhysicalBatchFits,
+    batch_key,
+    find_physical_batch_size,
+    resolve_physical_batch,
+    search_largest,
+)
 from trainer.config import TrainJob
 from trainer.data import PreparedData, prepare_data
 from trainer.memory import BUDGET_ENV, MemoryBudget, OutOfMemoryAtBatchOne, is_oom
 from trainer.model import load_tokenizer
+from trainer.progress import Progress
 
 CPU = torch.device("cpu")
 
@@ -123,7 +136,7 @@ def test_not_even_one_example_fits(
 
 def weights_after(job: TrainJob, data: PreparedData, steps: int) -> tuple[list[torch.Tensor], int]:
     trainer = loop.Trainer(job, data)
-    run = loop._Run(segment_start=0.0)
+    run = Progress(segment_start=0.0)
     for count, (indices, micro_batches) in enumerate(trainer._steps(0)):
         if count == steps:
             break
@@ -195,3 +208,115 @@ def test_a_non_oom_error_is_not_swallowed(
     monkeypatch.setattr(loop, "accumulate_gradients", broken)
     with pytest.raises(RuntimeError, match="illegal memory access"):
         loop.train(job, data)
+
+
+class FakeCache:
+    """The study's batch-size cache in a dict; `others_recorded` plays another worker that
+    recorded a size while this one waited for the search lock."""
+
+    def __init__(self, others_recorded: int | None = None) -> None:
+        self.sizes: dict[str, int] = {}
+        self.others_recorded = others_recorded
+        self.searching_keys: list[str] = []
+
+    @staticmethod
+    def _hash(key: dict[str, Any]) -> str:
+        return json.dumps(key, sort_keys=True, default=str)
+
+    def get(self, key: dict[str, Any]) -> int | None:
+        return self.sizes.get(self._hash(key))
+
+    @contextlib.contextmanager
+    def searching(self, key: dict[str, Any]) -> Iterator[None]:
+        self.searching_keys.append(self._hash(key))
+        if self.others_recorded is not None:
+            self.sizes[self._hash(key)] = self.others_recorded
+        yield
+
+    def record(self, key: dict[str, Any], physical_batch_size: int, search: dict[str, Any]) -> int:
+        return self.sizes.setdefault(self._hash(key), physical_batch_size)
+
+
+@dataclasses.dataclass
+class FakeSearch:
+    chosen: int = 9
+    calls: int = 0
+
+
+@pytest.fixture
+def search(monkeypatch: pytest.MonkeyPatch) -> FakeSearch:
+    """Stands in for the batch search: finds `chosen` and counts its calls."""
+    fake = FakeSearch()
+
+    def find(job: TrainJob, labels: list[str], device: torch.device) -> BatchSearch:
+        fake.calls += 1
+        limit = fake.chosen + 1 if fake.chosen else 0
+        return BatchSearch(limit, fake.chosen, 0.9, job.data.max_length)
+
+    monkeypatch.setattr(batch_finder, "find_physical_batch_size", find)
+    return fake
+
+
+def test_a_configured_physical_batch_is_used_as_is(
+    prepared: tuple[TrainJob, PreparedData], search: FakeSearch
+) -> None:
+    job, data = prepared
+    cache = FakeCache()
+    batch = resolve_physical_batch(job, data.label_names, CPU, cache)
+    assert (batch.size, batch.source, batch.key, batch.search) == (4, "config", None, None)
+    assert search.calls == 0 and cache.searching_keys == [] and cache.sizes == {}
+
+
+def test_auto_searches_once_then_the_cache_answers(
+    prepared: tuple[TrainJob, PreparedData], search: FakeSearch
+) -> None:
+    job, data = prepared
+    job.training.physical_batch_size = "auto"
+    cache = FakeCache()
+    first = resolve_physical_batch(job, data.label_names, CPU, cache)
+    assert (first.size, first.source) == (9, "search")
+    assert first.key == batch_key(job, CPU, "fp32") and first.search is not None
+    assert cache.get(first.key) == 9 and len(cache.searching_keys) == 1
+    second = resolve_physical_batch(job, data.label_names, CPU, cache)
+    assert (second.size, second.source, second.key) == (9, "cache", first.key)
+    assert second.search is None and search.calls == 1  # one search in all
+
+
+def test_a_size_recorded_while_waiting_for_the_search_lock_is_used(
+    prepared: tuple[TrainJob, PreparedData], search: FakeSearch
+) -> None:
+    job, data = prepared
+    job.training.physical_batch_size = "auto"
+    batch = resolve_physical_batch(job, data.label_names, CPU, FakeCache(others_recorded=6))
+    assert (batch.size, batch.source) == (6, "cache") and search.calls == 0
+
+
+@pytest.mark.parametrize("where", ["search", "cache"])
+def test_nothing_fits_is_an_oom_at_batch_one_wherever_it_was_found(
+    prepared: tuple[TrainJob, PreparedData], search: FakeSearch, where: str
+) -> None:
+    job, data = prepared
+    job.training.physical_batch_size = "auto"
+    cache = FakeCache()
+    if where == "cache":
+        cache.record(batch_key(job, CPU, "fp32"), 0, {})
+    search.chosen = 0  # not even one example fits
+    with pytest.raises(NoPhysicalBatchFits, match="not even 1 example") as raised:
+        resolve_physical_batch(job, data.label_names, CPU, cache)
+    assert isinstance(raised.value, OutOfMemoryAtBatchOne)
+    assert raised.value.batch.source == where and raised.value.batch.size == 0
+    assert cache.get(batch_key(job, CPU, "fp32")) == 0  # later trials need not search again
+    assert search.calls == (1 if where == "search" else 0)
+
+
+def test_train_takes_its_physical_batch_from_the_same_resolver(
+    prepared: tuple[TrainJob, PreparedData], search: FakeSearch
+) -> None:
+    job, data = prepared
+    job.training.physical_batch_size = "auto"
+    job.training.max_steps = 1
+    result = loop.train(job, data)
+    assert search.calls == 1 and result.batch_search is not None
+    assert result.batch_search.chosen == 9
+    # An effective batch of 8 below the found 9: one micro-batch of 8.
+    assert (result.physical_batch_size, result.grad_accum_steps) == (8, 1)

@@ -5,9 +5,16 @@ from __future__ import annotations
 
 import errno
 import itertools
+import json
+import logging
+import os
+import random
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,7 +24,7 @@ from trainer.checkpoint import CheckpointStore
 from trainer.config import TrainJob
 from trainer.data import PreparedData, prepare_data
 from trainer.loop import Evaluation, Trainer, TrainResult
-from trainer.model import load_tokenizer
+from trainer.model import build_model, load_tokenizer
 
 
 @pytest.fixture
@@ -97,8 +104,13 @@ def test_the_best_evaluation_is_kept_as_a_loadable_model(
 
     model = AutoModelForSequenceClassification.from_pretrained(store.best_model_path)
     assert model.config.id2label == {0: "neg", 1: "pos"}
-    leftovers = [p.name for p in store.directory.iterdir() if p.name.startswith(".")]
-    assert leftovers == []  # atomic writes leave no temporary files
+    names = sorted(p.name for p in store.directory.iterdir())
+    assert not [n for n in names if n.endswith((".tmp", ".link"))]  # no temporary files left
+    # best-model points at the newest version; only the version before it is kept besides.
+    versions = [n for n in names if n.startswith(".best-model.v")]
+    assert 1 <= len(versions) <= 2
+    assert store.best_model_path.is_symlink()
+    assert store.best_model_path.resolve().name == max(versions, key=lambda n: int(n[13:]))
 
 
 def test_a_full_disk_loses_the_checkpoint_not_the_run(
@@ -165,3 +177,109 @@ def test_a_stop_before_the_first_step_trains_and_writes_nothing(
     trainer, result = _fit(prepared, CheckpointStore(tmp_path / "t"), should_stop=lambda: True)
     assert result.status == "interrupted" and result.optimizer_steps == 0
     assert not (tmp_path / "t").exists() or not any((tmp_path / "t").iterdir())
+
+
+class _RunsCode:
+    """Unpickling this runs code: what a hostile checkpoint in a shared folder would hold."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (exec, (f"open({str(self.marker)!r}, 'w').write('ran')",))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_and_the_run_starts_over(
+    prepared: tuple[TrainJob, PreparedData], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    job, data = prepared
+    job.training.max_steps = 2
+    trainer = Trainer(job, data)
+    folder, marker = tmp_path / "t", tmp_path / "code-ran"
+    folder.mkdir()
+    state = {"fingerprint": trainer.fingerprint(), "run": _RunsCode(marker)}
+    torch.save(state, folder / ckpt.STATE_FILE)
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+        result = trainer.fit(checkpoints=CheckpointStore(folder, resume=True))
+    assert not marker.exists()
+    assert "refused" in caplog.text and "starting over" in caplog.text
+    assert result.resumed_at_step is None
+    assert result.status == "completed" and result.optimizer_steps == 2
+
+
+def test_rng_states_survive_a_weights_only_load(tmp_path: Path) -> None:
+    random.seed(1)
+    np.random.seed(2)
+    np.random.standard_normal()  # leaves a cached gaussian in numpy's legacy state
+    torch.manual_seed(3)
+    saved = ckpt.rng_state()
+    expected = (random.random(), np.random.standard_normal(), torch.rand(3))
+    torch.save(saved, tmp_path / "rng.pt")
+    ckpt.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert random.random() == expected[0]
+    assert np.random.standard_normal() == expected[1]
+    assert torch.equal(torch.rand(3), expected[2])
+
+
+def test_best_model_is_never_missing_while_it_is_replaced(
+    prepared: tuple[TrainJob, PreparedData], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job, data = prepared
+    model = build_model(job.model, data.label_names, seed=0)
+    store = CheckpointStore(tmp_path / "t")
+    assert store.save_best_model(model)
+    # A slow file system: each rename takes a while, so a gap between two of them shows.
+    for name in ("rename", "replace"):
+        real = getattr(os, name)
+
+        def slow(*args: Any, real: Any = real, **kwargs: Any) -> None:
+            real(*args, **kwargs)
+            time.sleep(0.002)
+
+        monkeypatch.setattr(os, name, slow)
+    misses: list[str] = []
+    reads = 0
+    done = threading.Event()
+
+    def read_continuously() -> None:
+        nonlocal reads
+        while not done.is_set():
+            try:
+                json.loads((store.best_model_path / "config.json").read_text())
+                if "config.json" not in os.listdir(store.best_model_path):
+                    misses.append("config.json not listed")
+            except (OSError, ValueError) as e:
+                misses.append(repr(e))
+            reads += 1
+
+    reader = threading.Thread(target=read_continuously)
+    reader.start()
+    try:
+        for _ in range(20):
+            assert store.save_best_model(model)
+    finally:
+        done.set()
+        reader.join()
+    assert misses == [] and reads > 20
+    from transformers import AutoModelForSequenceClassification
+
+    loaded = AutoModelForSequenceClassification.from_pretrained(store.best_model_path)
+    _assert_same_weights(model.state_dict(), loaded.state_dict())
+    versions = [p for p in store.directory.iterdir() if p.name.startswith(".best-model.v")]
+    assert len(versions) == 2  # the current one and the one before, for readers in flight
+    store.drop_state()  # the trial ended: one copy of the best model is enough
+    versions = [p for p in store.directory.iterdir() if p.name.startswith(".best-model.v")]
+    assert len(versions) == 1 and (store.best_model_path / "config.json").is_file()
+
+
+def test_a_best_model_folder_of_an_older_version_is_replaced(
+    prepared: tuple[TrainJob, PreparedData], tmp_path: Path
+) -> None:
+    job, data = prepared
+    model = build_model(job.model, data.label_names, seed=0)
+    store = CheckpointStore(tmp_path / "t")
+    model.save_pretrained(store.best_model_path)  # type: ignore[operator]
+    assert not store.best_model_path.is_symlink()
+    assert store.save_best_model(model)
+    assert store.best_model_path.is_symlink()
+    assert (store.best_model_path / "config.json").is_file()

@@ -116,3 +116,10 @@ def test_a_failing_trial_never_stops_the_worker(
         "class_weights has 3 weights for 2 labels" in t.user_attrs["fail_reason"] for t in trials
     )
     assert "no completed trial yet" in result.stdout
+    # One line per failed trial with its reason; the traceback only with --debug.
+    failed_lines = [line for line in result.stderr.splitlines() if "failed: " in line]
+    assert len(failed_lines) == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "class_weights has 3 weights" in failed_lines[0]
+    debug = run_hpo("run", "--study", "d", "--config", str(config), "--storage", url, "--debug",
+                    cwd=tmp_path)  # fmt: skip
+    assert debug.returncode == 0 and "Traceback" in debug.stderr

@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hpo.errors import DataError
 from tests.conftest import MINILM_TOKENIZER, easy_rows, write_csv
 from trainer import data as data_module
 from trainer.config import DataConfig, ModelConfig
 from trainer.data import collate, eval_batches, plan_epoch, prepare_data
+from trainer.errors import DataError
 from trainer.model import load_tokenizer
 
 
@@ -142,7 +142,7 @@ def test_cache_skips_tokenization_on_the_second_load(
 @pytest.mark.parametrize(
     ("rows", "message"),
     [
-        ([{"txt": "a", "label": "x"}], "no column 'text'"),
+        ([{"txt": "a", "label": "x"}, {"txt": "b", "label": "y"}], "no column 'text'"),
         ([{"text": "a", "label": ""}], "row 1 has no label"),
     ],
 )
@@ -219,3 +219,84 @@ def test_collate_pads_dynamically(tmp_path: Path, tokenizer: Any) -> None:
     assert batch["attention_mask"].sum(dim=1).tolist() == got.train.lengths.tolist()
     assert (batch["input_ids"][0, got.train.lengths[0] :] == got.pad_token_id).all()
     assert collate(got.train, np.array([0]), got.pad_token_id)["input_ids"].shape[1] < width
+
+
+def test_training_labels_that_are_all_the_same_are_rejected(tmp_path: Path, tokenizer: Any) -> None:
+    path = write_csv(tmp_path / "one.csv", [{"text": t, "label": "pos"} for t in ("a", "b")])
+    with pytest.raises(DataError, match=r"every row of column 'label' has the label 'pos'"):
+        prepare_data(DataConfig(train_file=str(path), eval_file=str(path)), tokenizer)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_integer_labels_are_mapped_to_ids_by_rank(tmp_path: Path, tokenizer: Any, fmt: str) -> None:
+    values = [200_000_000, 0, -3, 200_000_000, 7]
+    rows = [{"text": f"example {i}", "label": v} for i, v in enumerate(values)]
+    path = write_format(tmp_path, "ints", rows, fmt)
+    got = prepare_data(DataConfig(train_file=str(path), eval_file=str(path)), tokenizer)
+    assert got.label_names == ["-3", "0", "7", "200000000"]  # 4 classes, not 200000001
+    np.testing.assert_array_equal(got.train.labels, [3, 1, 0, 3, 2])
+    np.testing.assert_array_equal(got.eval.labels, got.train.labels)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ([1, 0, "pos"], r"mixes label types: 1 \(row 1, integer\), 'pos' \(row 3, string\)"),
+        ([1, True, 0], r"mixes label types: 1 \(row 1, integer\), True \(row 2, boolean\)"),
+        ([0, 0.5, 1], r"row 2 of column 'label' has the label 0.5, a fractional number"),
+    ],
+    ids=["integer and string", "integer and boolean", "fractional"],
+)
+def test_labels_of_mixed_types_are_refused_not_made_extra_classes(
+    tmp_path: Path, tokenizer: Any, values: list[Any], message: str
+) -> None:
+    rows = [{"text": f"example {i}", "label": v} for i, v in enumerate(values)]
+    path = write_format(tmp_path, "mixed", rows, "jsonl")
+    with pytest.raises(DataError, match=message):
+        prepare_data(DataConfig(train_file=str(path), eval_file=str(path)), tokenizer)
+
+
+def test_integral_floats_and_integer_strings_name_the_same_classes(
+    tmp_path: Path, tokenizer: Any
+) -> None:
+    rows = [{"text": "a", "label": 1.0}, {"text": "b", "label": 0}]
+    train = write_format(tmp_path, "train", rows, "jsonl")
+    evaluation = write_csv(tmp_path / "eval.csv", [{"text": "c", "label": "1"}])
+    got = prepare_data(DataConfig(train_file=str(train), eval_file=str(evaluation)), tokenizer)
+    assert got.label_names == ["0", "1"]
+    np.testing.assert_array_equal(got.eval.labels, [1])
+
+
+def test_repeated_columns_in_a_csv_header_are_rejected(tmp_path: Path, tokenizer: Any) -> None:
+    path = tmp_path / "dup.csv"
+    path.write_text("text,label,text\ngood,pos,bad\nbad,neg,good\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"dup.csv: column names \['text'\] appear more than once"):
+        prepare_data(DataConfig(train_file=str(path), eval_file=str(path)), tokenizer)
+
+
+def test_repeated_keys_in_a_jsonl_row_are_rejected(tmp_path: Path, tokenizer: Any) -> None:
+    path = tmp_path / "dup.jsonl"
+    path.write_text(
+        '{"text": "good", "label": "pos"}\n{"text": "bad", "label": "neg", "text": "good"}\n',
+        encoding="utf-8",
+    )
+    with pytest.raises(DataError, match=r"dup.jsonl: line 2 has the key 'text' more than once"):
+        prepare_data(DataConfig(train_file=str(path), eval_file=str(path)), tokenizer)
+
+
+def test_repeated_columns_in_parquet_are_rejected(tmp_path: Path, tokenizer: Any) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "dup.parquet"
+    columns = [pa.array(["good", "bad"]), pa.array(["pos", "neg"]), pa.array(["x", "y"])]
+    pq.write_table(pa.table(columns, names=["text", "label", "label"]), path)
+    with pytest.raises(DataError, match=r"column names \['label'\] appear more than once"):
+        prepare_data(DataConfig(train_file=str(path), eval_file=str(path)), tokenizer)
+
+
+def test_a_jsonl_line_that_is_not_json_is_named(tmp_path: Path, tokenizer: Any) -> None:
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"text": "good", "label": "pos"}\n{"text": "bad", \n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"line 2 is not valid JSON"):
+        prepare_data(DataConfig(train_file=str(path), eval_file=str(path)), tokenizer)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from hpo.errors import ModelError
 from tests.conftest import MINILM_TOKENIZER, TINY_BERT
 from trainer.config import ModelConfig
+from trainer.errors import ModelError
 from trainer.model import (
+    _ask_hub,
+    _hub_options,
     build_model,
     check_model_config,
     load_tokenizer,
@@ -64,6 +67,60 @@ def test_hub_name_without_a_hub_is_one_clear_message() -> None:
     assert "set model.name_or_path to its folder" in message
 
 
+@pytest.fixture
+def hub_unreachable(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """No HF_HUB_OFFLINE, and a hub that does not answer; returns the names asked about."""
+    import huggingface_hub
+
+    asked: list[str] = []
+
+    def model_info(name: str, timeout: float) -> None:
+        asked.append(name)
+        raise ConnectionError("[Errno -2] Name or service not known")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub, "model_info", model_info)
+    _ask_hub.cache_clear()
+    yield asked
+    _ask_hub.cache_clear()
+
+
+def test_an_unreachable_hub_is_asked_once_then_the_cache_serves(
+    hub_unreachable: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import huggingface_hub
+
+    cached = {("org/cached", "config.json"): "/cache/config.json"}
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache",
+                        lambda name, file: cached.get((name, file)))  # fmt: skip
+    assert _hub_options("org/cached", "model") == {"local_files_only": True}
+    assert _hub_options("org/cached", "model") == {"local_files_only": True}
+    assert hub_unreachable == ["org/cached"]  # asked once per process, not per load
+    with pytest.raises(ModelError, match="not a local folder and the model hub could not provide"):
+        _hub_options("org/not-cached", "model")
+
+
+def test_a_local_folder_or_offline_mode_asks_no_hub(
+    hub_unreachable: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert _hub_options(str(tmp_path), "model") == {}
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert _hub_options("org/model", "model") == {}
+    assert hub_unreachable == []
+
+
 def test_unknown_architecture() -> None:
     with pytest.raises(ModelError, match="cannot load model config"):
         check_model_config(ModelConfig(config={"model_type": "not_a_model"}, tokenizer="x"))
+
+
+@pytest.mark.parametrize(
+    "settings", [{"hidden_size": "abc"}, {"layer_norm_eps": "tiny"}, {"num_attention_heads": 3}]
+)
+def test_a_bad_inline_config_value_is_a_model_error_naming_the_inline_config(
+    settings: dict[str, object],
+) -> None:
+    config = ModelConfig(config={**TINY_BERT, **settings}, tokenizer="x")
+    with pytest.raises(ModelError, match="inline model.config") as caught:
+        check_model_config(config)
+    assert "model hub" not in str(caught.value)

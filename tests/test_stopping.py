@@ -13,6 +13,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from hpo.checkpoints import study_folder_name
 from tests.conftest import (
     record_faults,
     run_hpo,
@@ -77,6 +78,45 @@ def test_a_stopped_worker_hands_its_trial_back_and_the_next_worker_runs_it(
     assert study.get_trials()[1].user_attrs["retry_of"] == 0
 
 
+@pytest.mark.parametrize(
+    ("moment", "signum"),
+    [
+        ("while the CLI loads", signal.SIGINT),
+        ("while the CLI loads", signal.SIGTERM),
+        ("while inputs are checked", signal.SIGTERM),
+        ("while the fork server loads", signal.SIGINT),
+    ],
+)
+def test_a_stop_as_a_worker_starts_ends_it_quietly(
+    tmp_path: Path, easy_data: tuple[Path, Path], moment: str, signum: signal.Signals
+) -> None:
+    url = f"sqlite:///{tmp_path / 'stop.db'}"
+    endless = tiny_config(*easy_data, study={"pruner": {"type": "none"}}, training={"epochs": 1000})
+    worker = _start_worker(write_config(tmp_path / "endless.yaml", endless), url, tmp_path)
+    if moment != "while the fork server loads":
+        time.sleep(0.2 if moment == "while the CLI loads" else 1.5)
+    else:  # the first trial exists: its trial process is being started, torch loading
+        deadline = time.monotonic() + 120
+        while not _first_trial_asked(url) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.3)
+    os.killpg(worker.pid, signum)  # Ctrl-C in a terminal, or a scheduler's stop: the group
+    _, stderr = worker.communicate(timeout=60)
+    assert worker.returncode == (130 if signum == signal.SIGINT else 0), stderr[-3000:]
+    assert f"stopped by {signum.name}" in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    assert "torch." not in stderr, stderr[-3000:]  # no library's INFO lines at exit
+    if moment != "while the fork server loads":
+        assert not (tmp_path / "stop.db").exists()  # stopped before anything was written
+
+
+def _first_trial_asked(url: str) -> bool:
+    try:
+        return bool(optuna.load_study(study_name="stop", storage=url).get_trials())
+    except (KeyError, optuna.exceptions.StorageInternalError):
+        return False  # no study (or no tables) yet
+
+
 def _start_worker(config: Path, url: str, cwd: Path) -> subprocess.Popen[str]:
     args = ("run", "--study", "stop", "--config", str(config), "--storage", url)
     return start_hpo(*args, cwd=cwd, own_group=True)
@@ -99,7 +139,7 @@ def test_a_preempted_trial_resumes_from_its_checkpoint_on_the_next_worker(
     worker.send_signal(signal.SIGTERM)
     _, stderr = worker.communicate(timeout=60)
     assert worker.returncode == 0, stderr[-3000:]
-    folder = tmp_path / "hpo-checkpoints" / "stop" / "trial-0"
+    folder = tmp_path / "hpo-checkpoints" / study_folder_name("stop") / "trial-0"
     assert (folder / "checkpoint.pt").is_file(), stderr[-3000:]
 
     finished = run_study(config, url, tmp_path, study="stop")
@@ -131,4 +171,5 @@ def test_an_unwritable_checkpoint_folder_is_recorded_and_the_trial_completes(
     assert result.returncode == 0, result.stderr[-3000:]
     trial = optuna.load_study(study_name="c", storage=url).get_trials()[0]
     assert trial.state == TrialState.COMPLETE
-    assert "not written to" in trial.user_attrs["checkpoint_error"]
+    assert trial.user_attrs["checkpoint_error"].startswith("no checkpoints for this trial")
+    assert "Not a directory" in trial.user_attrs["checkpoint_error"]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from pathlib import Path
 
 import pytest
 
-from hpo.errors import StorageError
 from storage import mask_url, open_storage, resolve_storage_url
+from storage.errors import StorageError
 from storage.url import mask_text
 
 
@@ -55,6 +56,65 @@ def test_masking() -> None:
     assert mask_text(text) == 'connection to "postgresql://bob:***@10.0.0.1/x" failed'
 
 
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("postgresql+psycopg2://u:Zq9@host:abc/db", "is not a database URL: 'postgresql+psy"),
+        ("postgresql+psycopg2://u:Zq9@host:99999/db", "has port 99999, outside 1-65535"),
+        ("postgresql+psycopg2://u:Zq9@Xk7@host/db", "has more than one '@' ("),
+        ("postgresql+asyncpg://u:Zq9@host/db", "asynchronous driver 'asyncpg'"),
+        ("postgresql+nosuch://u:Zq9@host/db", "driver 'nosuch', which SQLAlchemy does not know"),
+        ("sqlite+nosuch:///hpo.db", "write sqlite:///FILE"),
+        (" sqlite:///hpo.db", "spaces around it or control characters in it"),
+        ("postgresql+psycopg2://u:Zq9@host/db\n", "(a newline read from a file?)"),
+    ],
+)
+def test_unusable_urls_are_one_line_without_the_password(url: str, message: str) -> None:
+    with pytest.raises(StorageError) as caught:
+        resolve_storage_url(url, None)
+    text = str(caught.value)
+    assert message in text
+    assert "Zq9" not in text and "Xk7" not in text and "\n" not in text
+
+
+def test_a_driver_that_is_not_installed_names_the_one_to_use() -> None:
+    if importlib.util.find_spec("psycopg") is not None:
+        pytest.skip("psycopg (3) is installed here")
+    with pytest.raises(StorageError) as caught:
+        resolve_storage_url("postgresql+psycopg://u:Zq9@host/db", None)
+    assert "driver 'psycopg', which is not installed; write postgresql+psycopg2://" in str(
+        caught.value
+    )
+
+
+def test_bare_postgresql_means_psycopg2() -> None:
+    # SQLAlchemy 2.1 reads postgresql:// as psycopg (3), which hpo does not install.
+    chosen = resolve_storage_url("postgresql://u:pw@h:5432/db", None)
+    assert chosen.url == "postgresql+psycopg2://u:pw@h:5432/db"
+    assert resolve_storage_url("postgresql+psycopg2://u@h/db", None).url.count("psycopg2") == 1
+
+
+@pytest.mark.parametrize(
+    ("url", "masked"),
+    [
+        ("postgresql+psycopg2://user:p@ss@host/db", "postgresql+psycopg2://user:***@host/db"),
+        ("postgresql://user:a/b:c@d@host:5432/db", "postgresql://user:***@host:5432/db"),
+        ("postgresql://u:Zq9@host:abc/db", "postgresql://u:***@host:abc/db"),
+        ("postgresql://u@host/db?password=Zq9&x=1", "postgresql://u@host/db?password=***&x=1"),
+        (
+            "postgresql://u@/db?dsn=host%3Dh%20password%3DZq9",
+            "postgresql://u@/db?dsn=host%3Dh%20password%3D***",
+        ),
+        ("postgresql://u@h/db?sslpassword=Zq9", "postgresql://u@h/db?sslpassword=***"),
+        ("sqlite:////data/hpo@2024.db", "sqlite:////data/hpo@2024.db"),  # no user:password
+    ],
+)
+def test_masking_hides_everything_up_to_the_last_at(url: str, masked: str) -> None:
+    assert mask_url(url) == masked
+    text = mask_text(f'could not connect to "{url}": refused')
+    assert text == f'could not connect to "{masked}": refused'
+
+
 def test_unreachable_server_fails_fast_without_the_password() -> None:
     # Port 1 on loopback refuses at once; the message must still be one masked line.
     url = resolve_storage_url("postgresql+psycopg2://alice:topsecret@127.0.0.1:1/hpo", None)
@@ -68,35 +128,25 @@ def test_unreachable_server_fails_fast_without_the_password() -> None:
 
 
 def test_sqlite_in_a_missing_folder(tmp_path: Path) -> None:
-    url = resolve_storage_url(f"sqlite:///{tmp_path}/absent/folder/hpo.db", None)
-    with pytest.raises(StorageError, match="cannot open the study database"):
-        open_storage(url)
+    with pytest.raises(StorageError, match="a folder that does not exist; create the folder"):
+        resolve_storage_url(f"sqlite:///{tmp_path}/absent/folder/hpo.db", None)
+    assert list(tmp_path.iterdir()) == []
 
 
-def test_a_running_trial_that_never_sent_a_heartbeat_is_failed_and_retried(
-    tmp_path: Path,
-) -> None:
-    import optuna
-    import sqlalchemy as sa
-    from optuna.trial import TrialState
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("sqlite:///:memory:", "in-memory databases cannot hold a study"),
+        ("sqlite:///file::memory:?mode=memory&uri=true", "in-memory databases"),
+        ("postgresql+psycopg2://", "names no database"),
+        ("postgresql://user@host", "names no database"),
+    ],
+)
+def test_urls_that_cannot_hold_a_study_are_refused(url: str, expected: str) -> None:
+    with pytest.raises(StorageError, match=expected):
+        resolve_storage_url(url, None)
 
-    from storage.engine import Liveness
-    from storage.url import StorageURL
 
-    url = StorageURL(f"sqlite:///{tmp_path / 'silent.db'}", "test")
-    storage = open_storage(url, liveness=Liveness(1, 2, max_retries=1))
-    study = optuna.create_study(study_name="silent", storage=storage)
-    # Two RUNNING trials without a heartbeat, as a creation whose reply an outage lost leaves.
-    with pytest.warns(UserWarning, match="Heartbeat of storage"):
-        old, new = study.ask({"x": optuna.distributions.FloatDistribution(0, 1)}), study.ask()
-    with storage.engine.begin() as conn:
-        conn.execute(
-            sa.text("UPDATE trials SET datetime_start = '2000-01-01' WHERE trial_id = :id"),
-            {"id": old._trial_id},
-        )
-    optuna.storages.fail_stale_trials(study)
-    states = {t.number: t.state for t in study.get_trials()}
-    assert states[old.number] == TrialState.FAIL  # silent for years
-    assert states[new.number] == TrialState.RUNNING  # just started: not yet
-    retry = [t for t in study.get_trials() if t.state == TrialState.WAITING]
-    assert len(retry) == 1 and retry[0].params == {"x": old.params["x"]}
+def test_an_sqlite_url_that_names_a_folder_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(StorageError, match="names a folder"):
+        resolve_storage_url(f"sqlite:///{tmp_path}", None)

@@ -4,24 +4,22 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
-from tests.conftest import MINILM_TOKENIZER, TINY_BERT
-from trainer import loop
+from tests.conftest import MINILM_TOKENIZER, TINY_BERT, easy_rows, write_csv
+from trainer import loaders, loop, step
 from trainer.config import DataConfig, ModelConfig, TrainingConfig, TrainJob
-from trainer.data import PreparedData, collate, prepare_data
-from trainer.loop import (
-    Evaluation,
-    accumulate_gradients,
-    grad_accum_steps_for,
-    optimizer_step,
-    train,
-)
+from trainer.data import BatchCollator, PreparedData, collate, prepare_data
+from trainer.loop import Evaluation, train
 from trainer.model import build_model, load_tokenizer
+from trainer.step import accumulate_gradients, grad_accum_steps_for, optimizer_step
 
 
 def tiny_job(train_file: Path, eval_file: Path, **training: object) -> TrainJob:
@@ -74,7 +72,7 @@ def test_accumulated_step_equals_one_big_batch(
 
     results = []
     for net, batches in ((model, micro), (twin, whole)):
-        optimizer, _ = loop.make_optimizer(net, cfg)
+        optimizer, _ = step.make_optimizer(net, cfg)
         loss = accumulate_gradients(net, batches, cfg, nullcontext, weights)
         grads = [p.grad.clone() for p in net.parameters() if p.grad is not None]
         optimizer_step(net, optimizer, cfg)
@@ -115,12 +113,12 @@ def test_non_finite_loss_is_reported_as_divergence(
     prepared: tuple[TrainJob, PreparedData], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     job, data = prepared
-    real = loop.step_loss
+    real = step.step_loss
 
     def poisoned(*args: object, **kwargs: object) -> torch.Tensor:
         return real(*args, **kwargs) * float("nan")  # type: ignore[arg-type]
 
-    monkeypatch.setattr(loop, "step_loss", poisoned)
+    monkeypatch.setattr(step, "step_loss", poisoned)
     result = train(job, data)
     assert result.status == "diverged"
     assert result.stop_reason is not None and "non-finite training loss" in result.stop_reason
@@ -149,23 +147,67 @@ def test_effective_batch_below_physical_is_one_micro_batch(
     assert result.optimizer_steps == 3
 
 
-def test_balanced_class_weights(prepared: tuple[TrainJob, PreparedData]) -> None:
-    job, data = prepared
-    job.training.class_weights = "balanced"
-    job.training.max_steps = 2
+def test_balanced_class_weights_are_inverse_class_frequencies(tmp_path: Path) -> None:
+    rows = easy_rows(64, 3)
+    positive = [r for r in rows if r["label"] == "pos"]
+    negative = [r for r in rows if r["label"] == "neg"]
+    imbalanced = write_csv(tmp_path / "imbalanced.csv", positive + negative[:8])  # 32 to 8
+    job = tiny_job(imbalanced, imbalanced, class_weights="balanced", max_steps=1)
+    data = prepare_data(job.data, load_tokenizer(job.model))
+    assert data.label_names == ["neg", "pos"]
     trainer = loop.Trainer(job, data)
+    # n / (classes * count): 40 / (2 * 8) and 40 / (2 * 32); the rare class weighs 4x as much.
+    expected_weights = torch.tensor([2.5, 0.625])
     assert trainer.class_weights is not None
-    torch.testing.assert_close(trainer.class_weights, torch.tensor([1.0, 1.0]))
+    torch.testing.assert_close(trainer.class_weights, expected_weights)
+
+    trainer.model.eval()  # no dropout: the loss below is computed twice
+    batch = collate(data.train, np.arange(len(data.train)), data.pad_token_id)
+    labels = batch["labels"]
+    with torch.no_grad():
+        # A head that favours the common class, as training on such data would: the rare class
+        # then has the larger losses, which the weights scale up.
+        trainer.model.get_parameter("classifier.bias").copy_(torch.tensor([0.0, 2.0]))
+        logits = trainer.model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    per_sample = F.cross_entropy(logits, labels, reduction="none")
+    weighted = (expected_weights[labels] * per_sample).sum() / len(labels)
+    unweighted = per_sample.mean()
+    assert not torch.isclose(weighted, unweighted, rtol=0.05)
+    step_loss = trainer._try_step([batch])  # the trainer's own step, with its weights
+    assert step_loss is not None
+    torch.testing.assert_close(step_loss, weighted, rtol=1e-5, atol=1e-6)
 
 
-def test_worker_processes_persist_across_epochs(prepared: tuple[TrainJob, PreparedData]) -> None:
-    job, data = prepared
+class _RecordingCollator(BatchCollator):
+    """Appends which process padded each batch, and of which split (by its size), to a file."""
+
+    log_file: Path
+
+    def __getitem__(self, indices: Any) -> dict[str, torch.Tensor]:
+        with self.log_file.open("a") as out:
+            out.write(f"{len(self.split)} {os.getpid()}\n")
+        return super().__getitem__(indices)
+
+
+def test_the_same_worker_processes_serve_every_epoch_and_evaluation(
+    prepared: tuple[TrainJob, PreparedData], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job, data = prepared  # 2 epochs of 32 steps of 2 micro-batches; 4 evaluations of 8 batches
     job.training.num_workers = 1
-    job.training.max_steps = 40  # past one epoch of 32 steps
-    trainer = loop.Trainer(job, data)
-    result = trainer.fit()
-    assert result.status == "completed" and result.optimizer_steps == 40
-    assert trainer.train_loader.persistent_workers
+    monkeypatch.setattr(_RecordingCollator, "log_file", tmp_path / "batches.log", raising=False)
+    monkeypatch.setattr(loaders, "BatchCollator", _RecordingCollator)
+    result = loop.Trainer(job, data).fit()
+    assert result.status == "completed" and len(result.evaluations) == 4
+    served: dict[int, list[int]] = {len(data.train): [], len(data.eval): []}
+    for line in (tmp_path / "batches.log").read_text().splitlines():
+        size, pid = map(int, line.split())
+        served[size].append(pid)
+    train_pids, eval_pids = served[len(data.train)], served[len(data.eval)]
+    assert len(train_pids) >= 2 * 32 * 2 and len(eval_pids) >= 4 * 8
+    # One worker process padded both epochs, one other every evaluation: none was restarted.
+    assert len(set(train_pids)) == 1 and len(set(eval_pids)) == 1
+    assert not {os.getpid()} & (set(train_pids) | set(eval_pids))
+    assert set(train_pids) != set(eval_pids)
 
 
 @pytest.mark.parametrize(

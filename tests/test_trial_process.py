@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from dataclasses import dataclass
 from multiprocessing import forkserver
 from pathlib import Path
 
@@ -18,7 +21,7 @@ from hpo.config import Config, load_config
 from hpo.objective import Objective
 from hpo.stopping import StopRequest
 from hpo.study import run_trials
-from hpo.trial_process import TrialTarget, run_in_child
+from hpo.trial_process import TrialLimits, TrialProcess, TrialTarget, run_in_child
 from storage import open_storage
 from storage.url import StorageURL
 from tests import trial_targets
@@ -33,7 +36,7 @@ def _study(tmp_path: Path, pruner: optuna.pruners.BasePruner | None = None) -> o
 
 def _run(study: optuna.Study, target: TrialTarget, payload: object = None) -> None:
     def objective(trial: optuna.Trial) -> float:
-        return run_in_child(trial, target, payload, StopRequest(), stop_timeout_s=5)
+        return run_in_child(trial, target, payload, StopRequest(), TrialLimits(5))
 
     study.optimize(objective, n_trials=1, catch=(Exception,))
 
@@ -103,7 +106,8 @@ def _stop_once_started(
     pid (optionally killing the fork server first, as a group signal does); returns the study,
     the trials the worker ran and how long it took."""
     url = StorageURL(f"sqlite:///{tmp_path / 'iso.db'}", "test")
-    study = optuna.create_study(study_name="iso", storage=open_storage(url, trial_budget=3))
+    storage = open_storage(url)
+    study = optuna.create_study(study_name="iso", storage=storage)
     stop = StopRequest()
     pid_file = tmp_path / "child.pid"
 
@@ -117,7 +121,7 @@ def _stop_once_started(
     threading.Thread(target=preempt, daemon=True).start()
     objective = Objective(config, None, url, stop, target=target)  # type: ignore[arg-type]
     started = time.monotonic()
-    ran = run_trials(study, objective, stop)
+    ran = run_trials(study, storage, objective, stop)
     return study, ran, time.monotonic() - started
 
 
@@ -145,3 +149,123 @@ def test_a_stop_ends_a_trial_process_at_once_before_training_and_after_a_checkpo
     checkpointed = (tmp_path / "checkpointed").exists()
     assert checkpointed == (target is trial_targets.train_until_stopped)
     assert [t.state for t in study.get_trials()] == [TrialState.FAIL, TrialState.WAITING]
+
+
+def test_a_sigterm_the_worker_did_not_send_hands_the_trial_back_with_that_reason(
+    tmp_path: Path,
+) -> None:
+    from hpo.stopping import HandBack
+
+    study = _study(tmp_path)
+    trial = study.ask()
+    with pytest.raises(HandBack, match="did not send"):
+        run_in_child(trial, trial_targets.sigterm_itself_while_training, None, StopRequest(),
+                     TrialLimits(5))  # fmt: skip
+    assert "did not send" in study.get_trials()[0].user_attrs["fail_reason"]
+
+
+@dataclass(frozen=True)
+class _Base:
+    data: str = "sent once, when the process starts"
+    params: str = ""  # the name of the trial body in tests.trial_targets
+
+
+def _run_kept(
+    study: optuna.Study, process: TrialProcess, bodies: list[TrialTarget]
+) -> list[optuna.trial.FrozenTrial]:
+    """One trial per body, each in the kept trial process if it is still fit for one."""
+    for body in bodies:
+        trial = study.ask()
+        try:
+            study.tell(trial, process.run(trial, {"params": body.__name__}))
+        except Exception:
+            study.tell(trial, state=TrialState.FAIL)
+    return study.get_trials()
+
+
+def _kept_process() -> TrialProcess:
+    return TrialProcess(trial_targets.run_named, _Base(), StopRequest(), TrialLimits(5))
+
+
+def test_a_kept_trial_process_runs_trial_after_trial_and_gets_only_their_changes(
+    tmp_path: Path,
+) -> None:
+    study = _study(tmp_path)
+    process = _kept_process()
+    try:
+        trials = _run_kept(study, process, [trial_targets.record_pid] * 3)
+    finally:
+        process.close()
+    pids = {t.user_attrs["child_pid"] for t in trials}
+    assert len(pids) == 1 and os.getpid() not in pids and process.started == 1
+    assert [t.user_attrs["payload"]["params"] for t in trials] == ["record_pid"] * 3
+    assert trials[0].user_attrs["payload"]["data"] == "sent once, when the process starts"
+    assert _gone(trials[0].user_attrs["child_pid"])  # closed: the idle process exited
+
+
+@pytest.mark.parametrize(
+    "ending",
+    [trial_targets.raise_error, trial_targets.ask_to_be_replaced, trial_targets.leak_memory],
+    ids=["the trial failed", "the trial asked", "memory grew"],
+)
+def test_a_trial_process_is_replaced_after_a_trial_that_may_have_spoilt_it(
+    tmp_path: Path, ending: TrialTarget
+) -> None:
+    study = _study(tmp_path)
+    # Memory growth counts from the end of the process's first trial.
+    first = (
+        trial_targets.leak_memory
+        if ending is trial_targets.leak_memory
+        else trial_targets.record_pid
+    )
+    process = _kept_process()
+    try:
+        _run_kept(study, process, [first, ending, trial_targets.record_pid])
+    finally:
+        process.close()
+    before, spoilt, after = study.get_trials()
+    failed = ending is trial_targets.raise_error
+    assert spoilt.state == (TrialState.FAIL if failed else TrialState.COMPLETE)
+    if not failed:
+        assert spoilt.user_attrs["child_pid"] == before.user_attrs["child_pid"]
+    assert after.user_attrs["child_pid"] != before.user_attrs["child_pid"]
+    assert process.started == 2
+
+
+def test_a_trial_process_that_died_while_idle_is_replaced_and_the_trial_runs(
+    tmp_path: Path,
+) -> None:
+    study = _study(tmp_path)
+    process = _kept_process()
+    try:
+        (first,) = _run_kept(study, process, [trial_targets.record_pid])
+        os.kill(first.user_attrs["child_pid"], signal.SIGKILL)
+        second = _run_kept(study, process, [trial_targets.record_pid])[-1]
+    finally:
+        process.close()
+    assert second.state == TrialState.COMPLETE
+    assert second.user_attrs["child_pid"] != first.user_attrs["child_pid"]
+
+
+def test_a_worker_that_exits_without_closing_its_trial_process_does_not_hang(
+    tmp_path: Path,
+) -> None:
+    script = f"""
+import optuna
+from hpo.stopping import StopRequest
+from hpo.trial_process import TrialLimits, TrialProcess
+from tests import trial_targets
+study = optuna.create_study(storage="sqlite:///{tmp_path / "exit.db"}")
+trial = study.ask()
+process = TrialProcess(trial_targets.record_pid, None, StopRequest(), TrialLimits(5))
+study.tell(trial, process.run(trial))
+print(study.get_trials()[0].user_attrs["child_pid"])
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120, cwd=Path(__file__).parents[1])  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    child = int(result.stdout.split()[-1])
+    deadline = time.monotonic() + 10
+    while not _gone(child):
+        assert time.monotonic() < deadline, "the idle trial process outlived its worker"
+        time.sleep(0.1)

@@ -52,6 +52,9 @@ def run_workers(tmp_path: Path, easy_data: tuple[Path, Path], url: str, workers:
         (t.number, t.state.name) for t in trials
     ]
     assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    # The config fixes the sampler seed: each worker still draws its own configurations.
+    configurations = {tuple(sorted(t.params.items())) for t in trials}
+    assert len(configurations) == BUDGET, sorted(configurations)
 
 
 @pytest.mark.postgres

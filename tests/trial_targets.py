@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -11,7 +12,7 @@ from typing import Any
 import optuna
 
 from hpo.stopping import Interrupted
-from hpo.trial_process import TrialLike, stop_requested
+from hpo.trial_process import TrialLike, stop_reason, stop_requested
 
 
 def report_until_pruned(trial: TrialLike, payload: dict[str, Any]) -> float:
@@ -65,3 +66,47 @@ def train_until_stopped(trial: TrialLike, payload: Any) -> float:
         time.sleep(0.05)
     pid_file.with_name("checkpointed").write_text("step 1")
     raise Interrupted("SIGTERM")
+
+
+def sigterm_itself_while_training(trial: TrialLike, payload: Any) -> float:
+    """Another process (not the worker) sends the training trial process SIGTERM."""
+    stop_requested()  # training has begun: a SIGTERM now checkpoints at the next step
+    os.kill(os.getpid(), signal.SIGTERM)
+    while not stop_requested():
+        time.sleep(0.01)
+    raise Interrupted(stop_reason())
+
+
+def record_pid(trial: TrialLike, payload: Any) -> float:
+    """Records which process ran the trial, and what the trial was given."""
+    trial.set_user_attr("child_pid", os.getpid())
+    if dataclasses.is_dataclass(payload):
+        trial.set_user_attr("payload", dataclasses.asdict(payload))  # type: ignore[arg-type]
+    return 1.0
+
+
+def ask_to_be_replaced(trial: TrialLike, payload: Any) -> float:
+    from hpo.trial_process import replace_after_this_trial
+
+    trial.set_user_attr("child_pid", os.getpid())
+    replace_after_this_trial("the test asks for it")
+    return 1.0
+
+
+_leaked: list[bytearray] = []
+
+
+def leak_memory(trial: TrialLike, payload: Any) -> float:
+    """Keeps 64 MiB alive after the trial, with the process's growth limit at 16 MiB."""
+    from hpo import trial_process
+
+    trial_process.MEMORY_GROWTH_LIMIT = 16 * 1024**2
+    _leaked.append(bytearray(64 * 1024**2))
+    trial.set_user_attr("child_pid", os.getpid())
+    return 1.0
+
+
+def run_named(trial: TrialLike, payload: Any) -> float:
+    """Runs the target named by the trial's `params`: one kept process, a body per trial."""
+    body: Any = globals()[payload.params]
+    return float(body(trial, payload))

@@ -1,4 +1,7 @@
 """trainer: fine-tune a sequence classifier from a plain config; knows nothing of Optuna.
 
-`train(config, on_evaluation)` returns a `TrainResult`; see `trainer.loop`.
+`train(job, data, on_evaluation)` in `trainer.loop` returns a `TrainResult` (`trainer.result`).
+The loop's parts: `step` (one optimizer step), `loaders`, `evaluation`, `batch_finder` (the
+physical batch), `memory` (out-of-memory handling), `checkpoint` and `resume` (what a checkpoint
+holds), `progress`; its inputs: `config`, `data`, `model`, `device`; its errors: `errors`.
 """

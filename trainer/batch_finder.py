@@ -1,5 +1,6 @@
-"""Find the largest physical batch that fits in device memory: worst-case probes (every sequence
-at max_length, forward + backward + AdamW step, then an evaluation forward), grown geometrically
+"""The physical batch of a run: configured, taken from a cache of earlier searches, or found by a
+search for the largest that fits in device memory: worst-case probes (every sequence at
+max_length, forward + backward + AdamW step, then an evaluation forward), grown geometrically
 until the first failure, then bisected; the result is the limit times a safety margin.
 """
 
@@ -10,16 +11,24 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from trainer import device as dev
 from trainer.config import TrainJob
-from trainer.memory import budget_from_env, is_oom, release_memory, simulated_budget
+from trainer.memory import (
+    OutOfMemoryAtBatchOne,
+    budget_from_env,
+    is_oom,
+    release_memory,
+    simulated_budget,
+)
 from trainer.model import build_model, model_fingerprint
+from trainer.step import make_optimizer, optimizer_step
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +165,6 @@ class BatchFinder:
         return fits
 
     def _worst_case_step(self, size: int) -> None:
-        from trainer.loop import make_optimizer, optimizer_step
-
         model = self._fresh_model()
         forward = torch.compile(model) if self.job.model.compile else model
         optimizer, _ = make_optimizer(model, self.cfg)
@@ -201,3 +208,85 @@ def find_physical_batch_size(
 ) -> BatchSearch:
     """Search the largest worst-case physical batch for `job` on `device` (default: its own)."""
     return BatchFinder(job, label_names, device or dev.resolve_device(job.training.device)).run()
+
+
+PhysicalBatchSource = Literal["config", "search", "cache"]
+
+
+class BatchSizeLookup(Protocol):
+    """Search results shared between runs; hpo keeps them in the study's database
+    (storage.batch_cache.BatchSizeCache)."""
+
+    def get(self, key: dict[str, Any]) -> int | None: ...
+
+    def searching(self, key: dict[str, Any]) -> AbstractContextManager[None]:
+        """Held while this process searches `key`, so that others wait for its result."""
+        ...
+
+    def record(self, key: dict[str, Any], physical_batch_size: int, search: dict[str, Any]) -> int:
+        """Store a search result unless one is there; returns the size stored."""
+        ...
+
+
+@dataclass
+class PhysicalBatch:
+    """The physical batch of a run and where it came from. `key` is the cache key of a size that
+    was searched or cached (None when configured); `search` is set when this run searched."""
+
+    size: int
+    source: PhysicalBatchSource
+    key: dict[str, Any] | None = None
+    search: BatchSearch | None = None
+
+
+class NoPhysicalBatchFits(OutOfMemoryAtBatchOne):
+    """Not even one example fits, as `batch` (size 0) records a search or the cache found."""
+
+    def __init__(self, message: str, batch: PhysicalBatch) -> None:
+        super().__init__(message)
+        self.batch = batch
+
+
+def resolve_physical_batch(
+    job: TrainJob,
+    label_names: list[str],
+    device: torch.device,
+    cache: BatchSizeLookup | None = None,
+) -> PhysicalBatch:
+    """The one place that decides a run's physical batch: the configured size; for `auto`, the
+    size `cache` holds, else a search (recorded in `cache`). Raises NoPhysicalBatchFits (an
+    OutOfMemoryAtBatchOne) when not even one example fits."""
+    configured = job.training.physical_batch_size
+    if configured != "auto":
+        return PhysicalBatch(configured, "config")
+    key = batch_key(job, device, dev.resolve_precision(job.training.precision, device))
+    batch = _cached_or_searched(job, label_names, device, key, cache)
+    if batch.size == 0:
+        earlier = " (an earlier search found so)" if batch.source == "cache" else ""
+        raise NoPhysicalBatchFits(
+            f"not even 1 example at max_length {job.data.max_length} fits in memory{earlier}",
+            batch,
+        )
+    return batch
+
+
+def _cached_or_searched(
+    job: TrainJob,
+    label_names: list[str],
+    device: torch.device,
+    key: dict[str, Any],
+    cache: BatchSizeLookup | None,
+) -> PhysicalBatch:
+    cached = cache.get(key) if cache is not None else None
+    if cached is not None:
+        return PhysicalBatch(cached, "cache", key)
+    if cache is None:
+        search = find_physical_batch_size(job, label_names, device)
+        return PhysicalBatch(search.chosen, "search", key, search)
+    with cache.searching(key):
+        cached = cache.get(key)  # another worker may have searched while this one waited
+        if cached is not None:
+            return PhysicalBatch(cached, "cache", key)
+        search = find_physical_batch_size(job, label_names, device)
+        size = cache.record(key, search.chosen, search.as_dict())
+        return PhysicalBatch(size, "search", key, search)

@@ -2,7 +2,8 @@
 was: model, optimizer, scheduler, position in the epoch, RNG states and the evaluations so far.
 
 Writes are atomic (a temporary file, then a rename). A write that fails (disk full, unwritable
-folder) is reported, never raised: the run goes on without that checkpoint.
+folder) is reported, never raised: the run goes on without that checkpoint. A state is read with
+`weights_only=True`: a file in a shared folder holds tensors and plain values, never code to run.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import random
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -25,6 +28,8 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "checkpoint.pt"
 BEST_MODEL_DIR = "best-model"
+# best-model is a symlink to the newest of these folders, so it can be swapped atomically.
+_VERSION = re.compile(rf"\.{BEST_MODEL_DIR}\.v([0-9]+)")
 
 
 @dataclass
@@ -74,21 +79,32 @@ class CheckpointStore:
         if not self.resume or not self.state_path.is_file():
             return None
         try:
-            state = torch.load(self.state_path, map_location="cpu", weights_only=False)
+            state = torch.load(self.state_path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            log.warning(
+                "checkpoint %s refused: it holds more than tensors and plain values, and "
+                "loading it could run code (%s); starting over",
+                self.state_path,
+                reason,
+            )
+            return None
         except (OSError, RuntimeError, EOFError, ValueError) as e:
             log.warning("checkpoint %s unreadable (%s); starting over", self.state_path, e)
             return None
-        if state.get("fingerprint") != fingerprint:
+        if not isinstance(state, dict) or state.get("fingerprint") != fingerprint:
             log.warning("checkpoint %s is of another job; starting over", self.state_path)
             return None
         return state
 
     def drop_state(self) -> None:
-        """The run finished: its resume state is no longer needed (the best model stays)."""
+        """The run finished: its resume state is no longer needed, nor the best model's
+        earlier versions (the best model stays)."""
         try:
             self.state_path.unlink(missing_ok=True)
+            _remove_versions(self.directory, keep=_current_version(self.directory))
         except OSError as e:  # e.g. the folder was never usable: nothing to drop
-            log.debug("cannot remove %s: %s", self.state_path, e)
+            log.debug("cannot clean %s: %s", self.directory, e)
 
     def _guarded(self, what: str, write: Any) -> bool:
         started = time.perf_counter()
@@ -111,9 +127,13 @@ def job_fingerprint(parts: dict[str, Any]) -> str:
 
 
 def rng_state() -> dict[str, Any]:
+    """Every RNG state a run draws from, as tensors and plain values (weights_only loads it)."""
+    version, internal, gauss_next = random.getstate()
+    name, keys, position, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    numpy_state = [str(name), np.asarray(keys).tolist(), int(position), int(has_gauss)]
     state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": [version, list(internal), gauss_next],
+        "numpy": [*numpy_state, float(cached_gaussian)],
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -122,8 +142,12 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    name, keys, position, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state(
+        (name, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached_gaussian)
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -142,19 +166,54 @@ def _atomic_torch_save(state: dict[str, Any], path: Path) -> None:
 def _atomic_save_pretrained(
     model: torch.nn.Module, directory: Path, state_dict: dict[str, torch.Tensor] | None
 ) -> None:
+    """Write the model into a new version folder, then point best-model at it: a reader finds a
+    complete best model at every instant. The version before stays, for a reader that resolved
+    best-model just before the swap; older ones go."""
+    version = f".{BEST_MODEL_DIR}.v{_newest_version(directory) + 1}"
     tmp = directory / f".{BEST_MODEL_DIR}.{os.getpid()}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(tmp, state_dict=state_dict)  # type: ignore[operator]
-        old = directory / f".{BEST_MODEL_DIR}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        target = directory / BEST_MODEL_DIR
-        if target.exists():
-            target.rename(old)
-        tmp.rename(target)
-        shutil.rmtree(old, ignore_errors=True)
+        tmp.rename(directory / version)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    previous = _point_best_model_at(directory, version)
+    _remove_versions(directory, keep=(version, previous))
+
+
+def _remove_versions(directory: Path, keep: tuple[str | None, ...]) -> None:
+    if not directory.is_dir():
+        return
+    for path in directory.iterdir():
+        if _VERSION.fullmatch(path.name) and path.name not in keep:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _current_version(directory: Path) -> tuple[str | None, ...]:
+    link = directory / BEST_MODEL_DIR
+    return (os.readlink(link),) if link.is_symlink() else ()
+
+
+def _newest_version(directory: Path) -> int:
+    numbers = (_VERSION.fullmatch(p.name) for p in directory.iterdir())
+    return max((int(m.group(1)) for m in numbers if m), default=0)
+
+
+def _point_best_model_at(directory: Path, version: str) -> str | None:
+    """Replace the best-model symlink with one to `version` in one rename; returns the version
+    it pointed at before."""
+    link = directory / BEST_MODEL_DIR
+    previous = os.readlink(link) if link.is_symlink() else None
+    if previous is None and link.is_dir():
+        # A folder an older hpo wrote: moved aside once, the only moment without a best model.
+        previous = f".{BEST_MODEL_DIR}.v0"
+        shutil.rmtree(directory / previous, ignore_errors=True)
+        link.rename(directory / previous)
+    tmp_link = directory / f".{BEST_MODEL_DIR}.{os.getpid()}.link"
+    tmp_link.unlink(missing_ok=True)
+    os.symlink(version, tmp_link)  # relative: the trial folder may be moved or mounted elsewhere
+    os.replace(tmp_link, link)
+    return previous
 
 
 def _fsync(path: Path) -> None:

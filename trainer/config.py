@@ -25,6 +25,28 @@ TUNABLE_FIELDS = (
 )
 
 
+# Upper bounds far above any real run, against typos and runaway values (epochs: 10**9): they
+# also bound what a search space may sample, and no loop or allocation scales past them.
+MAX_EPOCHS = 10_000
+MAX_EVALS_PER_EPOCH = 10_000
+MAX_BATCH_SIZE = 1_048_576  # examples in an optimizer step, micro-batch or evaluation batch
+MAX_STEPS = 10**9
+MAX_NUM_WORKERS = 256
+MAX_LENGTH = 1_048_576  # tokens per example
+_TRAINING_BOUNDS = {
+    "epochs": MAX_EPOCHS,
+    "evals_per_epoch": MAX_EVALS_PER_EPOCH,
+    "effective_batch_size": MAX_BATCH_SIZE,
+    "physical_batch_size": MAX_BATCH_SIZE,
+    "eval_batch_size": MAX_BATCH_SIZE,
+    "batch_search_start": MAX_BATCH_SIZE,
+    "batch_search_max": MAX_BATCH_SIZE,
+    "max_steps": MAX_STEPS,
+    "log_every_steps": MAX_STEPS,
+    "num_workers": MAX_NUM_WORKERS,
+}
+
+
 def _doc(text: str, default: Any = None) -> Any:
     return field(default=default, metadata={"help": text})
 
@@ -52,6 +74,7 @@ class DataConfig:
                 found.append((key, getattr(self, key), "is required: a path to the data"))
         if self.max_length < 2:
             found.append(("max_length", self.max_length, "must be at least 2"))
+        found.extend(_above_bounds(self, {"max_length": MAX_LENGTH}))
         if self.text_pair_column == self.text_column:
             found.append(
                 ("text_pair_column", self.text_pair_column, "must differ from text_column")
@@ -173,7 +196,18 @@ class TrainingConfig:
             found.append(("device", self.device, "must be auto, cpu, cuda or cuda:N"))
         if self.num_workers is not None and self.num_workers < 0:
             found.append(("num_workers", self.num_workers, "must be >= 0 or null"))
+        found.extend(_above_bounds(self, _TRAINING_BOUNDS))
         return found
+
+
+def _above_bounds(config: Any, bounds: dict[str, int]) -> list[tuple[str, Any, str]]:
+    """A problem for each numeric setting of `config` past its bound in `bounds`."""
+    found = []
+    for key, most in bounds.items():
+        value = getattr(config, key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > most:
+            found.append((key, value, f"must be at most {most}"))
+    return found
 
 
 def _is_device_name(name: str) -> bool:

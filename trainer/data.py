@@ -4,10 +4,12 @@ length-grouped optimizer steps split into balanced micro-batches, and dynamic pa
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import os
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from hpo.errors import DataError
 from trainer.config import DataConfig
+from trainer.errors import DataError
 
 CACHE_FORMAT_VERSION = 1
 # Steps per shuffled pool that is sorted by length before it is cut into steps.
@@ -63,21 +65,7 @@ def read_table(path: str, split: str) -> dict[str, list[Any]]:
     if not location.exists():
         raise DataError(f"data file {path} not found; check data.train_file / data.eval_file")
     try:
-        if location.is_dir():
-            return _read_saved_dataset(location, split)
-        suffix = location.suffix.lower()
-        if suffix == ".csv":
-            import pandas as pd
-
-            return _frame_columns(pd.read_csv(location, dtype=object, keep_default_na=False))
-        if suffix in (".jsonl", ".json"):
-            import pandas as pd
-
-            return _frame_columns(pd.read_json(location, lines=True, dtype=False))
-        if suffix == ".parquet":
-            import pyarrow.parquet as pq
-
-            return dict(pq.read_table(location).to_pydict())
+        return _read_location(location, split)
     except DataError:
         raise
     except UnicodeDecodeError as e:
@@ -87,10 +75,93 @@ def read_table(path: str, split: str) -> dict[str, list[Any]]:
         raise DataError(
             f"cannot read {path}: {reason}; is it a valid {location.suffix} file?"
         ) from e
+
+
+def _read_location(location: Path, split: str) -> dict[str, list[Any]]:
+    if location.is_dir():
+        return _read_saved_dataset(location, split)
+    suffix = location.suffix.lower()
+    if suffix == ".csv":
+        return _read_csv(location)
+    if suffix in (".jsonl", ".json"):
+        return _read_jsonl(location)
+    if suffix == ".parquet":
+        return _read_parquet(location)
     raise DataError(
-        f"data file {path} has an unsupported format; use .csv, .jsonl, .parquet "
+        f"data file {location} has an unsupported format; use .csv, .jsonl, .parquet "
         "or a folder written by datasets' save_to_disk"
     )
+
+
+def _read_csv(path: Path) -> dict[str, list[Any]]:
+    import pandas as pd
+
+    # pandas renames a repeated column (text, text.1) and reads on: check the header itself.
+    with path.open(newline="", encoding="utf-8-sig") as handle:
+        header = next(csv.reader(handle), [])
+    _check_unique_columns(header, path)
+    return _frame_columns(pd.read_csv(path, dtype=object, keep_default_na=False))
+
+
+def _read_parquet(path: Path) -> dict[str, list[Any]]:
+    import pyarrow.parquet as pq
+
+    _check_unique_columns(pq.read_schema(path).names, path)
+    return dict(pq.read_table(path).to_pydict())
+
+
+class _RepeatedKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are all different (json.loads would keep the last silently)."""
+    row: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in row:
+            raise _RepeatedKey(key)
+        row[key] = value
+    return row
+
+
+def _read_jsonl(path: Path) -> dict[str, list[Any]]:
+    """One JSON object per line; a key missing from a row reads as None."""
+    rows: list[dict[str, Any]] = []
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if line.strip():
+                rows.append(_json_row(line, number, path))
+    names = dict.fromkeys(key for row in rows for key in row)
+    return {name: [row.get(name) for row in rows] for name in names}
+
+
+def _json_row(line: str, number: int, path: Path) -> dict[str, Any]:
+    try:
+        row = json.loads(line, object_pairs_hook=_unique_keys)
+    except _RepeatedKey as e:
+        raise DataError(
+            f"{path}: line {number} has the key {e.key!r} more than once; "
+            "give each column its own name"
+        ) from e
+    except json.JSONDecodeError as e:
+        raise DataError(
+            f"cannot read {path}: line {number} is not valid JSON ({e.msg}); "
+            "a .jsonl file holds one JSON object per line"
+        ) from e
+    if not isinstance(row, dict):
+        raise DataError(f"{path}: line {number} is not a JSON object; write one object per row")
+    return row
+
+
+def _check_unique_columns(names: list[str], path: Path) -> None:
+    repeated = sorted(name for name, count in Counter(names).items() if count > 1)
+    if repeated:
+        raise DataError(
+            f"{path}: column names {repeated} appear more than once; give each column its own "
+            "name (or drop the extra ones)"
+        )
 
 
 def _undecodable_line(path: Path) -> str:
@@ -133,27 +204,73 @@ def _read_saved_dataset(folder: Path, split: str) -> dict[str, list[Any]]:
 # -- labels and texts ----------------------------------------------------------------------------
 
 
-def label_vocabulary(raw_labels: list[Any], source: str) -> list[str]:
-    """Label names in id order: integers keep their value as id, strings are sorted."""
+def label_vocabulary(raw_labels: list[Any], source: str, column: str = "label") -> list[str]:
+    """Label names in id order: distinct integers in increasing order, or distinct strings
+    sorted. An integer label is named by its value as a string and its id is its rank, so
+    labels {0, 200000000} are two classes, not 200000001. Labels of mixed types (1 and "pos",
+    1 and True) or fractional numbers are refused, not turned into extra classes."""
     _check_no_missing(raw_labels, source)
-    if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in raw_labels):
-        ints = sorted({int(v) for v in raw_labels})
-        if ints[0] < 0:
-            raise DataError(f"{source}: integer labels must be >= 0, found {ints[0]}")
-        return [str(i) for i in range(ints[-1] + 1)]
-    return sorted({str(v) for v in raw_labels})
+    kinds = _label_kinds(raw_labels, source, column)
+    if kinds == {"integer"}:
+        names = [str(value) for value in sorted({int(v) for v in raw_labels})]
+    else:
+        names = sorted({label_name(v) for v in raw_labels})
+    if len(names) < 2:
+        raise DataError(
+            f"{source}: every row of column {column!r} has the label {names[0]!r}; a classifier "
+            "needs at least two classes: add examples of another label or set data.label_column"
+        )
+    return names
+
+
+def label_name(value: Any) -> str:
+    """A label's class name: 7, 7.0 and "7" are all "7"."""
+    if _label_kind(value) == "integer":
+        return str(int(value))
+    return str(value)
+
+
+def _label_kind(value: Any) -> str:
+    if isinstance(value, (bool, np.bool_)):
+        return "boolean"
+    if isinstance(value, (int, np.integer)):
+        return "integer"
+    if isinstance(value, (float, np.floating)):
+        return "integer" if float(value).is_integer() else "fractional"
+    return "string"
+
+
+def _label_kinds(raw_labels: list[Any], source: str, column: str) -> set[str]:
+    first: dict[str, tuple[int, Any]] = {}
+    for row, value in enumerate(raw_labels, start=1):
+        kind = _label_kind(value)
+        first.setdefault(kind, (row, value))
+    if "fractional" in first:
+        row, value = first["fractional"]
+        raise DataError(
+            f"{source}: row {row} of column {column!r} has the label {value!r}, a fractional "
+            "number; hpo trains classifiers: labels must be class names or integers"
+        )
+    if len(first) > 1:
+        seen = ", ".join(f"{value!r} (row {row}, {kind})" for kind, (row, value) in first.items())
+        raise DataError(
+            f"{source}: column {column!r} mixes label types: {seen}; give every label the same "
+            "type (all strings or all integers)"
+        )
+    return set(first)
 
 
 def encode_labels(raw_labels: list[Any], label_names: list[str], source: str) -> np.ndarray:
     _check_no_missing(raw_labels, source)
     index = {name: i for i, name in enumerate(label_names)}
-    unknown = sorted({str(v) for v in raw_labels} - set(index))
+    names = [label_name(v) for v in raw_labels]
+    unknown = sorted(set(names) - set(index))
     if unknown:
         raise DataError(
             f"{source}: labels {unknown[:5]} never appear in the training data "
             f"(training labels: {label_names[:10]}); fix the data or add examples of them"
         )
-    return np.array([index[str(v)] for v in raw_labels], dtype=np.int64)
+    return np.array([index[name] for name in names], dtype=np.int64)
 
 
 def _check_no_missing(values: list[Any], source: str) -> None:
@@ -189,7 +306,9 @@ def prepare_data(config: DataConfig, tokenizer: Any) -> PreparedData:
             )
         if not table[config.label_column]:
             raise DataError(f"{source}: no rows; the file is empty")
-    label_names = label_vocabulary(train_table[config.label_column], config.train_file)
+    label_names = label_vocabulary(
+        train_table[config.label_column], config.train_file, config.label_column
+    )
     train = _tokenize_cached(
         config, tokenizer, train_table, (config.train_file, config.train_split), label_names
     )

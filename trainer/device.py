@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from hpo.errors import HPOError
+from trainer.errors import DeviceError
 
 
 def resolve_device(name: str) -> torch.device:
@@ -17,7 +17,7 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise HPOError(f"training.device is {name!r} but CUDA is not available; use auto or cpu")
+        raise DeviceError(f"training.device is {name!r} but CUDA is not available; use auto or cpu")
     return device
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -28,6 +28,9 @@ _OOM_MESSAGES = (
 )
 
 
+T = TypeVar("T")
+
+
 class OutOfMemoryAtBatchOne(Exception):
     """Even one example per micro-batch does not fit: the run cannot go on on this device."""
 
@@ -36,6 +39,17 @@ def is_oom(error: BaseException) -> bool:
     if isinstance(error, torch.OutOfMemoryError):
         return True
     return isinstance(error, RuntimeError) and any(m in str(error) for m in _OOM_MESSAGES)
+
+
+def none_on_oom(attempt: Callable[[], T]) -> T | None:
+    """`attempt()`, or None when it ran out of memory; any other error propagates. Call
+    release_memory after a None: by then the error's traceback no longer holds its tensors."""
+    try:
+        return attempt()
+    except Exception as error:
+        if not is_oom(error):
+            raise
+        return None
 
 
 def release_memory(device: torch.device) -> None:

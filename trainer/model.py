@@ -4,18 +4,25 @@ ships (`pkg://package/folder`), a hub name, or an inline config with random weig
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
+import logging
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hpo.errors import ModelError
 from trainer.config import ModelConfig
+from trainer.errors import ModelError
+
+log = logging.getLogger(__name__)
 
 PACKAGE_SCHEME = "pkg://"
+# How long the one question to the model hub may take before hpo calls it unreachable.
+HUB_PROBE_TIMEOUT_S = 10.0
 
 
 def resolve_location(location: str) -> str:
@@ -43,14 +50,26 @@ def load_tokenizer(config: ModelConfig) -> Any:
 
     path = resolve_location(location)
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, **_hub_options(path, "tokenizer"))
     except (OSError, ValueError) as e:
         raise ModelError(_load_failure("tokenizer", location, e)) from e
 
 
 def check_model_config(config: ModelConfig) -> None:
-    """Fail fast, before any trial: the model's config must load (or build) cleanly."""
-    _model_config(config, num_labels=2)
+    """Fail fast, before any trial: the model's config must load (or build) cleanly. An inline
+    config is also built into a model on the meta device (no memory, no weights), which catches
+    settings that only clash at build time (a hidden size that the heads do not divide)."""
+    model_config = _model_config(config, num_labels=2)
+    if config.config is not None:
+        from transformers import AutoModelForSequenceClassification
+
+        try:
+            with torch.device("meta"):
+                AutoModelForSequenceClassification.from_config(
+                    model_config, attn_implementation=config.attn_implementation
+                )
+        except (ValueError, TypeError, ImportError) as e:
+            raise ModelError(_inline_failure(config.config, e)) from e
 
 
 def build_model(config: ModelConfig, label_names: list[str], seed: int) -> torch.nn.Module:
@@ -67,14 +86,17 @@ def build_model(config: ModelConfig, label_names: list[str], seed: int) -> torch
                 model_config, attn_implementation=config.attn_implementation
             )
         else:
-            assert config.name_or_path is not None  # checked by ModelConfig.problems
+            path = resolve_location(_pretrained_location(config))
             model = AutoModelForSequenceClassification.from_pretrained(
-                resolve_location(config.name_or_path),
+                path,
                 config=model_config,
+                **_hub_options(path, "model"),
                 attn_implementation=config.attn_implementation,
             )
     except (OSError, ValueError, ImportError) as e:
-        raise ModelError(_load_failure("model", config.name_or_path or "inline config", e)) from e
+        if config.config is not None:
+            raise ModelError(_inline_failure(config.config, e)) from e
+        raise ModelError(_load_failure("model", _pretrained_location(config), e)) from e
     if config.gradient_checkpointing:
         _enable_checkpointing(model)
     return model
@@ -99,23 +121,110 @@ def model_fingerprint(config: ModelConfig) -> str:
 def _model_config(config: ModelConfig, num_labels: int) -> Any:
     from transformers import AutoConfig
 
+    if config.config is not None:
+        return _inline_config(config.config, num_labels)
+    location = _pretrained_location(config)
+    path = resolve_location(location)
     try:
-        if config.config is not None:
-            settings = dict(config.config)
-            model_type = settings.pop("model_type")
-            return AutoConfig.for_model(model_type, num_labels=num_labels, **settings)
-        assert config.name_or_path is not None  # checked by ModelConfig.problems
         return AutoConfig.from_pretrained(
-            resolve_location(config.name_or_path), num_labels=num_labels
+            path, num_labels=num_labels, **_hub_options(path, "model config")
         )
     except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelError(_load_failure("model config", location, e)) from e
+
+
+def _inline_config(settings: dict[str, Any], num_labels: int) -> Any:
+    """A transformers config built from `model.config`; a bad key or value is the user's."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
+
+    settings = dict(settings)
+    model_type = settings.pop("model_type", None)
+    try:
+        return AutoConfig.for_model(model_type, num_labels=num_labels, **settings)
+    except (ValueError, KeyError, TypeError, StrictDataclassError) as e:
+        raise ModelError(_inline_failure({"model_type": model_type}, e)) from e
+
+
+def _hub_options(location: str, what: str) -> dict[str, Any]:
+    """How transformers should load `location`: a local folder as it is; a hub name after one
+    quick question to the hub. Unanswered, transformers retries for half a minute and prints a
+    warning per try; here an unreachable hub means the local cache (if it has the files) or one
+    clear error at once."""
+    if Path(location).exists() or _hub_offline():
+        return {}
+    answer, error = _ask_hub(location)
+    if answer == "answered":
+        return {}
+    if answer == "cached":
+        return {"local_files_only": True}
+    if answer == "unknown":
         raise ModelError(
-            _load_failure("model config", config.name_or_path or "inline config", e)
-        ) from e
+            f"cannot load {what} {location!r}: it is neither a local folder nor a model on the "
+            "Hugging Face Hub (or it is private: log in with `hf auth login`); check "
+            "model.name_or_path"
+        ) from error
+    raise ModelError(_load_failure(what, location, error or ValueError(answer))) from error
+
+
+@functools.cache
+def _ask_hub(location: str) -> tuple[str, Exception | None]:
+    """The hub's answer about a model name, asked once per process (the tokenizer, the config
+    and the model of one name share it): answered, unknown, invalid (not a hub name), cached
+    (unreachable, but the local cache has it) or unreachable."""
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError
+
+    try:
+        huggingface_hub.model_info(location, timeout=HUB_PROBE_TIMEOUT_S)
+        return "answered", None
+    except HFValidationError as e:
+        return "invalid", e
+    except RepositoryNotFoundError as e:
+        return "unknown", e
+    except HfHubHTTPError:
+        return "answered", None  # gated, rate limited: transformers says what it needs
+    except Exception as e:  # no network: the HTTP library's own error types
+        if _in_hub_cache(location):
+            log.warning("the model hub is unreachable (%s); loading %r from the local cache",
+                        _first_line(e), location)  # fmt: skip
+            return "cached", e
+        return "unreachable", e
+
+
+def _hub_offline() -> bool:
+    """HF_HUB_OFFLINE set: transformers reads only the cache, and asks nobody."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _in_hub_cache(name: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    files = ("config.json", "tokenizer_config.json")
+    return any(isinstance(try_to_load_from_cache(name, f), str) for f in files)
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def _pretrained_location(config: ModelConfig) -> str:
+    if config.name_or_path is None:  # ModelConfig.problems reports it first
+        raise ModelError("give model.name_or_path (a model folder) or model.config")
+    return config.name_or_path
+
+
+def _inline_failure(settings: dict[str, Any], error: Exception) -> str:
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return (
+        f"cannot load model config from the inline model.config "
+        f"({settings.get('model_type')!r}): {reason[:300]}; check model.config's model_type "
+        "and its keys and values"
+    )
 
 
 def _load_failure(what: str, location: str, error: Exception) -> str:
-    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    reason = _first_line(error)
     if not Path(location).exists() and not location.startswith(PACKAGE_SCHEME):
         return (
             f"cannot load {what} {location!r}: it is not a local folder and the model hub "

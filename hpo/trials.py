@@ -1,0 +1,157 @@
+"""The life of a trial on a study shared by many workers, with Optuna's public ask-and-tell API:
+a study-wide budget (count, then `study.ask()`, under the study's lock), heartbeats while a trial
+runs, a sweep that fails and re-queues the trials of dead or paused workers, and hand-backs of
+interrupted trials. Everything that fails a trial and queues it again happens under the same
+lock, so a checkpoint cleanup never sees a failed trial without its retry.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import optuna
+from optuna.exceptions import UpdateFinishedTrialError
+from optuna.trial import FrozenTrial, TrialState
+
+from hpo.checkpoints import remove_stale_checkpoints, remove_unneeded_folders
+from storage.engine import StudyStorage
+from storage.heartbeats import Heartbeats, HeartbeatThread
+from storage.retry import retry_trial
+
+log = logging.getLogger(__name__)
+
+
+def counted_trials(trials: list[FrozenTrial]) -> int:
+    """Trials the budget counts: started ones, less the failed ones a retry replaces (each
+    retry carries the `failed_trial` system attribute, and takes its failed trial's place)."""
+    started = sum(t.state != TrialState.WAITING for t in trials)
+    retries = sum("failed_trial" in t.system_attrs for t in trials)
+    return started - retries
+
+
+class StudyTrials:
+    """One worker's view of the trials of a shared study."""
+
+    def __init__(
+        self,
+        study: optuna.Study,
+        storage: StudyStorage,
+        worker: str,
+        budget: int | None,
+        liveness: tuple[float, float, int],
+    ) -> None:
+        self.study, self.storage, self.worker, self.budget = study, storage, worker, budget
+        self.heartbeat_interval_s, self.grace_period_s, self.max_retries = liveness
+        self.study_id = storage.get_study_id_from_name(study.study_name)
+        self.beats = Heartbeats(storage.engine, self.study_id)
+        self._last_sweep: float | None = None
+
+    def next_trial(self, checkpoints: Path | None = None) -> optuna.Trial | None:
+        """A new (or queued) trial for this worker, or None when the study holds its budget.
+        With `checkpoints`, the folders no trial needs any more go first, from the same read of
+        the trials under the same lock."""
+        with self.storage.lock(self.study_id):
+            trials = self.study.get_trials(deepcopy=False)
+            if checkpoints is not None and checkpoints.is_dir():
+                remove_unneeded_folders(checkpoints, self.study.study_name, trials,
+                                        self.study.directions)  # fmt: skip
+            if self.budget is not None and counted_trials(trials) >= self.budget:
+                return None
+            trial = self.study.ask()
+            self.beats.start(trial.number, self.worker)  # before any sweep can find it silent
+        return trial
+
+    @contextmanager
+    def heartbeat(self, trial: optuna.Trial) -> Iterator[HeartbeatThread]:
+        """Beats while the block runs; the thread's `lost` is set once another worker has
+        taken the trial over (its heartbeat row is gone)."""
+        with HeartbeatThread(
+            self.beats, trial.number, self.worker, self.heartbeat_interval_s
+        ) as thread:
+            yield thread
+
+    def sweep_if_due(self) -> list[int]:
+        """A sweep at most once per heartbeat interval: a trial can go stale no faster."""
+        now = time.monotonic()
+        if self._last_sweep is not None and now - self._last_sweep < self.heartbeat_interval_s:
+            return []
+        self._last_sweep = now
+        return self.sweep()
+
+    def silent_running(self) -> list[int]:
+        """Running trials whose worker missed two heartbeats: maybe dead, not yet stale."""
+        running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        silent = self.beats.stale(running, min(2 * self.heartbeat_interval_s, self.grace_period_s))
+        return [t.number for t in silent]
+
+    def sweep(self) -> list[int]:
+        """Fail the running trials whose worker stopped beating, each with its reason, and
+        queue each again; returns the numbers failed."""
+        running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        if not running or not self.beats.stale(running, self.grace_period_s):
+            return []
+        failed = []
+        with self.storage.lock(self.study_id):
+            running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            for stale in self.beats.stale(running, self.grace_period_s):
+                if self._fail(stale.number, stale.reason(self.grace_period_s)):
+                    failed.append(stale.number)
+                    self._queue_again(stale.number, "lost its worker")
+        return failed
+
+    def tell(
+        self, trial: optuna.Trial, state: TrialState, value: float | list[float] | None = None
+    ) -> bool:
+        """Record how this worker's trial ended; False (and one line) when another worker took
+        it over meanwhile, whose record stands."""
+        try:
+            self.study.tell(trial, value, state=state)
+            return True
+        except (ValueError, UpdateFinishedTrialError):
+            if not self.taken_over(trial.number):
+                raise
+        log.warning("trial %d was taken over by another worker while this one was unresponsive; "
+                    "dropping this worker's result", trial.number)  # fmt: skip
+        return False
+
+    def hand_back(self, trial: optuna.Trial) -> None:
+        """An interrupted trial: FAIL, then queued again with the same parameters."""
+        with self.storage.lock(self.study_id):
+            if self.tell(trial, TrialState.FAIL):
+                self._queue_again(trial.number, "was interrupted")
+
+    def taken_over(self, number: int) -> bool:
+        return self._frozen(number).state.is_finished()
+
+    def remove_stale_checkpoints(self, root: Path) -> list[Path]:
+        """Under the lock: no trial is between its FAIL and its retry while this decides."""
+        if not root.is_dir():
+            return []
+        with self.storage.lock(self.study_id):
+            return remove_stale_checkpoints(self.study, root)
+
+    def _fail(self, number: int, reason: str) -> bool:
+        trial_id = self._trial_id(number)
+        try:
+            self.storage.set_trial_user_attr(trial_id, "fail_reason", reason)
+            self.storage.set_trial_state_values(trial_id, TrialState.FAIL)
+        except UpdateFinishedTrialError:
+            return False  # it finished meanwhile, or another worker failed it first
+        self.beats.forget(number)
+        log.warning("trial %d failed: %s", number, reason)
+        return True
+
+    def _queue_again(self, number: int, what: str) -> None:
+        retry = retry_trial(self.study, self._frozen(number), self.max_retries)
+        if retry is not None:
+            log.warning("trial %d %s; queued again as trial %d", number, what, retry)
+
+    def _frozen(self, number: int) -> FrozenTrial:
+        return self.storage.get_trial(self._trial_id(number))
+
+    def _trial_id(self, number: int) -> int:
+        return self.storage.get_trial_id_from_study_id_trial_number(self.study_id, number)

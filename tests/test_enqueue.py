@@ -1,0 +1,146 @@
+"""Warm start: configurations tried first, from the config (`study.enqueue`) or the command
+line (`hpo enqueue`), checked against the search space, queued once per study."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from hpo.config import load_config
+from hpo.errors import ConfigError
+from tests.conftest import run_hpo, run_study, tiny_config, write_config
+
+SPACE = {
+    "effective_batch_size": {"type": "categorical", "choices": [8, 16]},
+    "learning_rate": {"type": "float", "low": 1.0e-3, "high": 5.0e-3, "log": True},
+    "warmup_ratio": {"type": "float", "low": 0.0, "high": 0.2, "step": 0.05},
+}
+
+
+def _config(tmp_path: Path, easy_data: tuple[Path, Path], enqueue: Any, n_trials: int = 3) -> Path:
+    raw = tiny_config(*easy_data, study={"n_trials": n_trials, "enqueue": enqueue,
+                                         "pruner": {"type": "none"}})  # fmt: skip
+    raw["search_space"] = SPACE
+    return write_config(tmp_path / "c.yaml", raw)
+
+
+def test_enqueued_values_are_converted_to_the_settings_types(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    # YAML 1.1 reads 3e-3 as a string and 8.0 as a float: what trains is a float and an int.
+    config = load_config(_config(tmp_path, easy_data, [
+        {"learning_rate": "3e-3", "effective_batch_size": 8.0}, {"warmup_ratio": 0.1},
+    ]))  # fmt: skip
+    assert config.study.enqueue == [
+        {"learning_rate": 0.003, "effective_batch_size": 8},
+        {"warmup_ratio": 0.1},
+    ]
+    assert type(config.study.enqueue[0]["effective_batch_size"]) is int
+
+
+@pytest.mark.parametrize(
+    ("entry", "expected"),
+    [
+        (
+            {"learning_rat": 3e-3},
+            "study.enqueue[0].learning_rat: not in the search space "
+            "(did you mean 'learning_rate'?)",
+        ),
+        (
+            {"learning_rate": 0.5},
+            "study.enqueue[0].learning_rate: got 0.5; must be within [0.001, 0.005]",
+        ),
+        ({"effective_batch_size": 32}, "must be one of the choices [8, 16]"),
+        ({"warmup_ratio": 0.07}, "must be 0 plus a whole number of steps of 0.05"),
+        ({"learning_rate": "fast"}, "study.enqueue[0].learning_rate: got 'fast'; must be a number"),
+        ({"learning_rate": float("nan")}, "must be a finite number"),
+        ("lr=3e-3", "study.enqueue: got ['lr=3e-3']; must be a list, each item a mapping"),
+    ],
+    ids=["unknown", "out of range", "not a choice", "off the step", "text", "nan", "not a map"],
+)
+def test_a_bad_enqueued_configuration_is_named_with_its_fix(
+    tmp_path: Path, easy_data: tuple[Path, Path], entry: Any, expected: str
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(_config(tmp_path, easy_data, [entry]))
+    assert expected in str(caught.value)
+
+
+def test_an_empty_or_partial_grid_configuration_is_refused(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    with pytest.raises(ConfigError, match=r"study.enqueue\[0\]: names no parameter"):
+        load_config(_config(tmp_path, easy_data, [{}]))
+    raw = tiny_config(*easy_data, study={"sampler": {"type": "grid"}, "n_trials": 2,
+                                         "enqueue": [{"learning_rate": 0.002}]})  # fmt: skip
+    raw["search_space"] = {**SPACE, "learning_rate": {"type": "float", "low": 0.001,
+                                                      "high": 0.004, "step": 0.001}}  # fmt: skip
+    with pytest.raises(ConfigError, match="the grid sampler tries whole configurations: add "
+                                          "effective_batch_size, warmup_ratio"):  # fmt: skip
+        load_config(write_config(tmp_path / "grid.yaml", raw))
+
+
+def _params(study: optuna.Study) -> list[dict[str, Any]]:
+    return [t.params for t in study.get_trials()]
+
+
+def test_warm_start_from_the_config_and_the_command_line(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    url = f"sqlite:///{tmp_path / 'warm.db'}"
+    recipe = {"effective_batch_size": 16, "learning_rate": 0.002, "warmup_ratio": 0.05}
+    config = _config(tmp_path, easy_data, [recipe], n_trials=1)
+    first = run_study(config, url, tmp_path, study="warm")
+    assert first.returncode == 0, first.stderr[-3000:]
+    study = optuna.load_study(study_name="warm", storage=url)
+    assert _params(study) == [recipe]  # tried first
+
+    mine = {"effective_batch_size": 8, "learning_rate": 0.004}
+    args = ("enqueue", "--study", "warm", "--storage", url, "--params")
+    queued = run_hpo(*args, json.dumps(mine), cwd=tmp_path)
+    assert queued.returncode == 0 and "queued" in queued.stdout, queued.stderr[-3000:]
+    again = run_hpo(*args, json.dumps(mine), cwd=tmp_path)
+    assert again.returncode == 0 and "already holds a trial" in again.stdout
+    for bad, expected in [
+        ('{"learning_rate": 0.5}', "--params.learning_rate: got 0.5; must be within"),
+        ('{"learning_rate": 3e-3', "--params is not JSON"),
+        ("[0.003]", "--params must be a JSON object"),
+        ('{"learning_rate": 0.002, "learning_rate": 0.003}', "gives 'learning_rate' twice"),
+        ('{"a": ' * 15_000 + "1" + "}" * 15_000, "--params is not JSON (nested too deeply)"),
+    ]:
+        refused = run_hpo(*args, bad, cwd=tmp_path)
+        assert refused.returncode == 2 and expected in refused.stderr, refused.stderr[-3000:]
+        assert "Traceback" not in refused.stderr
+    unknown = run_hpo("enqueue", "--study", "nope", "--storage", url, "--params",
+                      json.dumps(mine), cwd=tmp_path)  # fmt: skip
+    assert unknown.returncode == 2 and "no study 'nope'" in unknown.stderr
+    assert len(study.get_trials()) == 2  # the one run, and one queued: nothing else written
+
+    # A worker with another metric cannot join: the study would compare unlike values.
+    raw = tiny_config(*easy_data, study={"metric": "macro_f1"})
+    raw["search_space"] = SPACE
+    other = run_study(write_config(tmp_path / "f1.yaml", raw), url, tmp_path, study="warm")
+    assert other.returncode == 2 and "study 'warm' optimises accuracy" in other.stderr
+    # A second worker with the same config queues its recipe no second time.
+    more = _config(tmp_path, easy_data, [recipe], n_trials=2)
+    second = run_study(more, url, tmp_path, study="warm")
+    assert second.returncode == 0, second.stderr[-3000:]
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.COMPLETE]
+    assert trials[1].params["learning_rate"] == 0.004
+    assert trials[1].params["effective_batch_size"] == 8
+
+
+def test_thousands_of_bad_keys_give_twenty_lines_and_a_count(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(_config(tmp_path, easy_data, [{f"key_{i}": 1 for i in range(5000)}]))
+    message = str(caught.value)
+    assert len(caught.value.problems) == 5000
+    assert message.count("\n  - ") == 21 and message.endswith("... and 4980 more")

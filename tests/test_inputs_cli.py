@@ -1,0 +1,186 @@
+"""Strange command-line values through the real CLI: storage URLs, dashboard host and port,
+--device. Each is one line naming the fix, exit code 2, no traceback, nothing written."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+
+from tests.conftest import run_hpo, tiny_config, write_config
+
+# A password with unescaped `@` and `/`: SQLAlchemy would read `Zq9` as the password and
+# `Xk7/w@127.0.0.1` as the host, so a message naming the host printed the password's tail.
+AT_PASSWORD_URL = "postgresql+psycopg2://hpo:Zq9@Xk7/w@127.0.0.1:5432/hpo"
+
+
+def _monitor_args(command: str, url: str) -> list[str]:
+    study = ["--study", "s"] if command in ("status", "best") else []
+    return [command, "--storage", url, *study]
+
+
+@pytest.mark.parametrize("command", ["run", "studies", "status", "best", "dashboard"])
+def test_no_fragment_of_a_password_with_an_at_sign_is_printed(
+    tmp_path: Path, easy_data: tuple[Path, Path], command: str
+) -> None:
+    if command == "run":
+        config = write_config(tmp_path / "c.yaml", tiny_config(*easy_data))
+        args = ["run", "--study", "s", "--config", str(config), "--storage", AT_PASSWORD_URL]
+    else:
+        args = _monitor_args(command, AT_PASSWORD_URL)
+    result = run_hpo(*args, cwd=tmp_path, timeout=60)
+    assert result.returncode == 2, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    for fragment in ("Zq9", "Xk7", "Xk7/w"):
+        assert fragment not in output, output
+    assert "write an '@' inside the user name or password as %40" in result.stderr
+    assert "hpo:***@127.0.0.1:5432/hpo" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert list(tmp_path.glob("*.db")) == []
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("postgresql+psycopg2://u:Zq9@host:abc/db", "is not a database URL"),
+        ("postgresql+psycopg2://u:Zq9@host:70000/db", "has port 70000, outside 1-65535"),
+        ("postgresql+asyncpg://u:Zq9@host/db", "which Optuna cannot use; write postgresql+psy"),
+    ],
+    ids=["port not a number", "port out of range", "async driver"],
+)
+def test_a_bad_storage_url_is_one_line(tmp_path: Path, url: str, expected: str) -> None:
+    result = run_hpo("studies", "--storage", url, cwd=tmp_path, timeout=60)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.count("\n") == 1 and expected in result.stderr, result.stderr
+    assert "Zq9" not in result.stdout + result.stderr
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize(
+    ("target", "expected"),
+    [
+        ("notes.txt", "names 'notes.txt', which is not an SQLite database"),
+        ("no-folder/hpo.db", "a folder that does not exist; create the folder or fix the path"),
+    ],
+    ids=["not a database", "no such folder"],
+)
+def test_a_bad_sqlite_path_is_one_line_and_leaves_no_lock_file(
+    tmp_path: Path, target: str, expected: str
+) -> None:
+    (tmp_path / "notes.txt").write_text("my notes\n")
+    result = run_hpo("run", "--study", "s", "--storage", f"sqlite:///{target}", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.count("\n") == 1 and expected in result.stderr, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    assert (tmp_path / "notes.txt").read_text() == "my notes\n"
+
+
+def test_postgresql_without_a_driver_uses_psycopg2(tmp_path: Path, postgres_url: str) -> None:
+    optuna.create_study(study_name="bare-url", storage=postgres_url)
+    bare = postgres_url.replace("postgresql+psycopg2://", "postgresql://", 1)
+    assert bare != postgres_url
+    result = run_hpo("studies", "--storage", bare, cwd=tmp_path, timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "bare-url" in result.stdout
+
+
+@pytest.fixture
+def study_db(tmp_path: Path) -> str:
+    url = f"sqlite:///{tmp_path / 'watch.db'}"
+    optuna.create_study(storage=url, study_name="x")
+    return url
+
+
+def test_dashboard_on_a_port_in_use_is_one_line(tmp_path: Path, study_db: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        result = run_hpo("dashboard", "--storage", study_db, "--port", str(port),
+                         cwd=tmp_path, timeout=30)  # fmt: skip
+    assert time.monotonic() - started < 20
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"hpo: error: dashboard: cannot listen on 127.0.0.1:{port} (" in result.stderr
+    assert "another program listens there: choose another --port" in result.stderr
+    assert "Traceback" not in result.stderr and "http://" not in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--port", "99999"], "argument --port: 99999 is outside 1-65535"),
+        (["--port", "-1"], "argument --port: -1 is outside 1-65535"),
+        (["--port", "http"], "argument --port: 'http' is not a port number"),
+        (["--host", "no-such-host.invalid"], "--host must name this machine: 127.0.0.1"),
+    ],
+    ids=["port too large", "negative port", "port not a number", "unknown host"],
+)
+def test_dashboard_with_a_bad_host_or_port_is_one_line(
+    tmp_path: Path, study_db: str, args: list[str], expected: str
+) -> None:
+    result = run_hpo("dashboard", "--storage", study_db, *args, cwd=tmp_path, timeout=30)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert expected in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.fixture
+def float_choices_config(tmp_path: Path, easy_data: tuple[Path, Path]) -> Path:
+    """A categorical learning rate with float choices: it used to fail to load (TypeError)."""
+    raw = tiny_config(*easy_data)
+    raw["search_space"]["learning_rate"] = {"type": "categorical", "choices": [1e-4, 3e-4]}
+    path = write_config(tmp_path / "c.yaml", raw)
+    path.write_text(path.read_text().replace("0.0001", "1e-4"))  # as YAML 1.1 users write it
+    return path
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "CPU"])
+def test_batch_size_with_a_bad_device_name_is_one_line(
+    tmp_path: Path, float_choices_config: Path, device: str
+) -> None:
+    result = run_hpo("batch-size", "--config", str(float_choices_config), "--device", device,
+                     cwd=tmp_path, timeout=120)  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"--device: got {device!r}; must be auto, cpu, cuda or cuda:N" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
+def test_batch_size_on_cuda_without_cuda_is_one_line(
+    tmp_path: Path, float_choices_config: Path
+) -> None:
+    started = time.monotonic()
+    result = run_hpo("batch-size", "--config", str(float_choices_config), "--device", "cuda",
+                     cwd=tmp_path, timeout=120)  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "'cuda' but CUDA is not available; use auto or cpu" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert time.monotonic() - started < 60  # before the data is tokenized
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
+def test_run_on_cuda_without_cuda_is_one_line_and_writes_nothing(
+    tmp_path: Path, float_choices_config: Path
+) -> None:
+    database = tmp_path / "s.db"
+    result = run_hpo("run", "--study", "s", "--config", str(float_choices_config), "--device",
+                     "cuda", "--storage", f"sqlite:///{database}", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "'cuda' but CUDA is not available; use auto or cpu" in result.stderr
+    assert "Traceback" not in result.stderr and not database.exists()
+
+
+def test_a_database_without_optunas_tables_is_one_line_for_monitoring(tmp_path: Path) -> None:
+    import sqlite3
+
+    database = tmp_path / "other.db"
+    with sqlite3.connect(database) as conn:
+        conn.execute("CREATE TABLE unrelated (x INTEGER)")
+    result = run_hpo("studies", "--storage", f"sqlite:///{database}", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "cannot open the study database" in result.stderr
+    assert "Traceback" not in result.stderr

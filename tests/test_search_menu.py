@@ -1,0 +1,127 @@
+"""The search menu: every sampler and the patience wrapper, built from a config as `hpo run`
+builds them, checked before a study starts, and run through the CLI."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from hpo.config import Config, parse_config
+from hpo.errors import ConfigError
+from hpo.search_space import sample
+from hpo.study import build_pruner, build_sampler
+from tests.conftest import run_study, tiny_config, write_config
+
+FINITE_SPACE = {
+    "effective_batch_size": {"type": "categorical", "choices": [8, 16]},
+    "learning_rate": {"type": "float", "low": 1.0e-3, "high": 4.0e-3, "step": 1.0e-3},
+    "warmup_ratio": {"type": "float", "low": 0.0, "high": 0.1, "step": 0.05},
+}
+SAMPLERS = [
+    ({"type": "tpe"}, optuna.samplers.TPESampler),
+    ({"type": "tpe", "multivariate": True, "group": True}, optuna.samplers.TPESampler),
+    ({"type": "random"}, optuna.samplers.RandomSampler),
+    ({"type": "gp", "n_startup_trials": 2}, optuna.samplers.GPSampler),
+    ({"type": "cmaes", "n_startup_trials": 2}, optuna.samplers.CmaEsSampler),
+    ({"type": "qmc"}, optuna.samplers.QMCSampler),
+    ({"type": "grid"}, optuna.samplers.GridSampler),
+]
+
+
+def _config(easy_data: tuple[Path, Path], study: dict[str, Any]) -> Config:
+    raw = tiny_config(*easy_data, study=study)
+    raw["search_space"] = FINITE_SPACE
+    return parse_config(raw, Path.cwd())
+
+
+@pytest.mark.parametrize(("sampler", "kind"), SAMPLERS, ids=[str(s) for s, _ in SAMPLERS])
+def test_every_sampler_proposes_configurations_of_the_search_space(
+    easy_data: tuple[Path, Path], sampler: dict[str, Any], kind: type
+) -> None:
+    config = _config(easy_data, {"n_trials": 12, "sampler": {**sampler, "seed": 0}})
+    built = build_sampler(config.study.sampler, 0, config.search_space)
+    assert isinstance(built, kind)
+    study = optuna.create_study(sampler=built, direction="maximize")
+    seen = []
+    for _ in range(12):
+        trial = study.ask()
+        params = sample(trial, config.search_space)
+        assert params["effective_batch_size"] in (8, 16)
+        assert 1e-3 <= params["learning_rate"] <= 4e-3 and 0 <= params["warmup_ratio"] <= 0.1
+        seen.append(tuple(sorted(params.items())))
+        study.tell(trial, -abs(math.log10(params["learning_rate"]) + 2.5))
+    if kind is optuna.samplers.GridSampler:  # 2 x 4 x 3 points, each at most once
+        assert len(set(seen)) == 12
+
+
+@pytest.mark.parametrize(
+    ("study", "expected"),
+    [
+        (
+            {"sampler": {"type": "tpe", "group": True}},
+            "study.sampler.group: got true; needs multivariate: true",
+        ),
+        ({"sampler": {"type": "gp", "multivariate": True}}, "only for type: tpe, not gp"),
+        (
+            {"sampler": {"type": "annealing"}},
+            "must be one of tpe, random, gp, cmaes, qmc, grid, nsga2",
+        ),
+        ({"n_trials": 25, "sampler": {"type": "grid"}}, "the grid has 24 combinations"),
+        ({"pruner": {"patience": -1}}, "study.pruner.patience: got -1; must be >= 0"),
+    ],
+    ids=["group alone", "multivariate gp", "unknown", "grid too small", "negative patience"],
+)
+def test_a_bad_search_setting_is_named_with_its_fix(
+    easy_data: tuple[Path, Path], study: dict[str, Any], expected: str
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        _config(easy_data, study)
+    assert expected in str(caught.value)
+
+
+def test_the_grid_sampler_needs_a_finite_search_space(easy_data: tuple[Path, Path]) -> None:
+    raw = tiny_config(*easy_data, study={"sampler": {"type": "grid"}})  # learning_rate: log
+    with pytest.raises(ConfigError, match="learning_rate: the grid sampler needs a finite"):
+        parse_config(raw, Path.cwd())
+
+
+@pytest.mark.parametrize("wrapped", ["none", "median"])
+def test_patience_prunes_a_declining_curve_and_never_an_improving_one(
+    easy_data: tuple[Path, Path], wrapped: str
+) -> None:
+    pruner_config = {"type": wrapped, "patience": 2, "n_startup_trials": 0, "n_warmup_steps": 0}
+    config = _config(easy_data, {"pruner": pruner_config})
+    study = optuna.create_study(direction="maximize", pruner=build_pruner(config.study.pruner))
+    study.enqueue_trial({})
+    for curve in ([0.5, 0.6, 0.7, 0.8, 0.9], [0.5, 0.6, 0.7, 0.8, 0.9]):  # the bar to beat
+        trial = study.ask()
+        for step, value in enumerate(curve):
+            trial.report(value, step)
+        study.tell(trial, max(curve))
+    improving, declining = study.ask(), study.ask()
+    for step, value in enumerate([0.1, 0.2, 0.3, 0.4]):
+        improving.report(value, step)
+        declining.report(0.5 - value, step)
+        assert not improving.should_prune()  # weak, but still improving
+        # Its last `patience` + 1 evaluations are all below its best before them.
+        assert declining.should_prune() == (step >= 3)
+
+
+@pytest.mark.parametrize("sampler", ["cmaes", "grid"])
+def test_a_study_runs_with_another_sampler_through_the_cli(
+    tmp_path: Path, easy_data: tuple[Path, Path], sampler: str
+) -> None:
+    raw = tiny_config(*easy_data, study={"n_trials": 2, "sampler": {"type": sampler},
+                                         "pruner": {"type": "none"}})  # fmt: skip
+    raw["search_space"] = FINITE_SPACE
+    url = f"sqlite:///{tmp_path / 'menu.db'}"
+    result = run_study(write_config(tmp_path / "c.yaml", raw), url, tmp_path, study="menu")
+    assert result.returncode == 0, result.stderr[-3000:]
+    trials = optuna.load_study(study_name="menu", storage=url).get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.COMPLETE]
+    assert trials[0].params != trials[1].params

@@ -1,0 +1,110 @@
+"""Evaluations: when they happen (by arithmetic, for any number of epochs) and metrics that
+follow each batch's own labels, whatever order the batches come in."""
+
+from __future__ import annotations
+
+import math
+import tracemalloc
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.test_trainer import tiny_job
+from trainer import evaluation
+from trainer.data import TokenizedSplit, prepare_data
+from trainer.evaluation import Evaluator, is_evaluation_step
+from trainer.loaders import LoaderSettings
+from trainer.loop import Trainer
+from trainer.model import load_tokenizer
+
+CPU = torch.device("cpu")
+
+
+def listed_evaluation_steps(
+    steps_per_epoch: int, evals_per_epoch: int, epochs: int, total_steps: int
+) -> set[int]:
+    """The schedule spelled out as a set: evenly spaced points of every epoch, and the end."""
+    steps = {
+        epoch * steps_per_epoch + math.ceil(k * steps_per_epoch / evals_per_epoch)
+        for epoch in range(epochs)
+        for k in range(1, evals_per_epoch + 1)
+    }
+    return {s for s in steps if s <= total_steps} | {total_steps}
+
+
+@pytest.mark.parametrize("steps_per_epoch", [1, 2, 3, 7, 10, 32])
+@pytest.mark.parametrize("evals_per_epoch", [1, 2, 3, 4, 9, 40])
+def test_evaluation_steps_follow_the_schedule(steps_per_epoch: int, evals_per_epoch: int) -> None:
+    epochs = 3
+    for total in (steps_per_epoch * epochs, steps_per_epoch * epochs - 1, steps_per_epoch + 1):
+        if total < 1:
+            continue
+        found = {
+            step
+            for step in range(1, total + 1)
+            if is_evaluation_step(step, steps_per_epoch, evals_per_epoch, total)
+        }
+        assert found == listed_evaluation_steps(steps_per_epoch, evals_per_epoch, epochs, total)
+
+
+def test_a_billion_epochs_cost_no_memory(easy_data: tuple[Path, Path]) -> None:
+    base = tiny_job(*easy_data)
+    data = prepare_data(base.data, load_tokenizer(base.model))
+    Trainer(base, data)  # imports and one-time set-up, outside the measurement
+    # A million epochs first: a structure per evaluation step fails there (at a few hundred MB),
+    # before a billion would take tens of GB.
+    for epochs in (10**6, 10**9):
+        job = tiny_job(*easy_data, epochs=epochs, evals_per_epoch=3)
+        tracemalloc.start()
+        try:
+            trainer = Trainer(job, data)
+            last = trainer.total_steps
+            steps = (last - 32, last - 21, last - 20, last)  # an epoch of 32: 11, 22, 32 in
+            decisions = [trainer.is_evaluation_step(step) for step in steps]
+            _, peak_bytes = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert last == 32 * epochs and decisions == [True, True, False, True]
+        assert peak_bytes < 20 * 2**20, epochs
+
+
+class FirstTokenIsTheClass(torch.nn.Module):
+    """Predicts each example's class from its first token: right on every example."""
+
+    def __init__(self, num_labels: int) -> None:
+        super().__init__()
+        self.num_labels = num_labels
+
+    def forward(self, input_ids: torch.Tensor, **_: torch.Tensor) -> SimpleNamespace:
+        return SimpleNamespace(logits=5.0 * F.one_hot(input_ids[:, 0], self.num_labels).float())
+
+
+def test_metrics_follow_the_labels_of_each_batch_in_any_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 3, size=60)
+    lengths = rng.integers(1, 20, size=60)
+    ids = np.concatenate(
+        [[label] + [7] * (n - 1) for label, n in zip(labels, lengths, strict=True)]
+    )
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    split = TokenizedSplit(ids.astype(np.int32), offsets, None, labels.astype(np.int64))
+    # Batches in a random order, not the length order evaluation uses by default.
+    order = rng.permutation(60)
+    assert not np.array_equal(order, np.argsort(lengths, kind="stable"))
+    monkeypatch.setattr(
+        evaluation,
+        "eval_batches",
+        lambda _, size: [order[i : i + size] for i in range(0, 60, size)],
+    )
+    settings = LoaderSettings(pad_token_id=0, pad_multiple=1, num_workers=0, pin_memory=False,
+                              seed=0)  # fmt: skip
+    metrics = Evaluator(split, 3, 8, settings, CPU, "fp32")(FirstTokenIsTheClass(3))
+    assert metrics["accuracy"] == 1.0 and metrics["macro_f1"] == 1.0
+    expected_loss = F.cross_entropy(torch.tensor([[5.0, 0.0, 0.0]]), torch.tensor([0])).item()
+    assert metrics["eval_loss"] == pytest.approx(expected_loss, rel=1e-5)

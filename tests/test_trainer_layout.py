@@ -1,0 +1,82 @@
+"""The trainer package's shape: no module imports another that imports it back (not even from
+inside a function), nothing reaches up into hpo or storage, and functions fit on a screen."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.conftest import REPO
+
+TRAINER = REPO / "trainer"
+SCREEN_LINES = 50
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module `path` imports, at the top or inside a function."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            if node.module == "trainer":  # from trainer import device
+                found.update(f"trainer.{alias.name}" for alias in node.names)
+    return found
+
+
+def _trainer_graph() -> dict[str, set[str]]:
+    modules = {f"trainer.{p.stem}": p for p in TRAINER.glob("*.py") if p.stem != "__init__"}
+    return {name: _imports(path) & modules.keys() for name, path in modules.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle, as the modules along it, or None."""
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> list[str] | None:
+        if module in path:
+            return path[path.index(module) :] + [module]
+        if module in done:
+            return None
+        for imported in sorted(graph[module]):
+            cycle = visit(imported, [*path, module])
+            if cycle:
+                return cycle
+        done.add(module)
+        return None
+
+    return next((c for m in sorted(graph) if (c := visit(m, [])) is not None), None)
+
+
+def test_trainer_modules_import_each_other_without_cycles() -> None:
+    graph = _trainer_graph()
+    assert "trainer.step" in graph["trainer.loop"]  # the graph is read, imports and all
+    assert "trainer.step" in graph["trainer.batch_finder"]
+    assert _cycle(graph) is None, _cycle(graph)
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_trainer_imports_nothing_from_hpo_storage_or_optuna() -> None:
+    upward = {
+        f"{path.name}: {module}"
+        for path in TRAINER.glob("*.py")
+        for module in _imports(path)
+        if module.split(".")[0] in ("hpo", "storage", "optuna")
+    }
+    assert not upward
+
+
+def test_trainer_functions_fit_on_a_screen() -> None:
+    long = []
+    for path in TRAINER.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > SCREEN_LINES:
+                    long.append(f"{path.name}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long

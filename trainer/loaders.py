@@ -1,0 +1,95 @@
+"""DataLoaders of a training run: worker processes that pad batches, kept alive across epochs and
+evaluations, started by fork and deaf to the stop signals the training process handles.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from trainer.data import BatchCollator, TokenizedSplit
+
+LOADER_START_METHOD = "fork" if sys.platform == "linux" else None
+
+
+class PlanSampler:
+    """The current epoch's micro-batches, read afresh at every pass over the loader, so one
+    loader (and its persistent workers) serves every epoch."""
+
+    def __init__(self) -> None:
+        self.micro_batches: list[np.ndarray] = []
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return iter(self.micro_batches)
+
+    def __len__(self) -> int:
+        return len(self.micro_batches)
+
+
+def leave_stop_signals_to_the_trainer(worker_id: int) -> None:
+    """DataLoader workers ignore a Ctrl-C or SIGTERM sent to the whole process group (a
+    terminal, Slurm, systemd): the training process checkpoints first and then ends them."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def num_workers_for(configured: int | None, device: torch.device) -> int:
+    """The configured worker count, or a choice: none on the CPU, a few per GPU on CUDA."""
+    if configured is not None:
+        return configured
+    # Padding pre-tokenized ids is cheap; on the CPU extra processes only steal compute.
+    if device.type != "cuda":
+        return 0
+    return max(1, min(4, (os.cpu_count() or 2) // max(1, torch.cuda.device_count()) - 1))
+
+
+def pad_multiple_for(device: torch.device, compiled: bool) -> int:
+    """Pad to tensor-core friendly widths on CUDA; to few shapes (few recompiles) when compiled."""
+    return 32 if compiled else (8 if device.type == "cuda" else 1)
+
+
+@dataclass(frozen=True)
+class LoaderSettings:
+    """How every loader of one run is built."""
+
+    pad_token_id: int
+    pad_multiple: int
+    num_workers: int
+    pin_memory: bool
+    seed: int
+
+    def build(
+        self, split: TokenizedSplit, batches: Iterable[np.ndarray]
+    ) -> torch.utils.data.DataLoader:
+        """A loader of `batches` (each a list of example indices of `split`), padded."""
+        workers = self.num_workers
+        return torch.utils.data.DataLoader(
+            BatchCollator(split, self.pad_token_id, self.pad_multiple),
+            sampler=batches,
+            batch_size=None,
+            num_workers=workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=workers > 0,
+            prefetch_factor=4 if workers else None,
+            # Forked from this process, whatever start method the caller's multiprocessing
+            # uses: nothing to pickle, and no dependence on a fork server that a signal to the
+            # whole process group may have stopped.
+            multiprocessing_context=LOADER_START_METHOD if workers else None,
+            worker_init_fn=leave_stop_signals_to_the_trainer if workers else None,
+            # Its own generator: starting an epoch must not draw from the global RNG that
+            # dropout uses, or a resumed run would see other dropout masks than the original.
+            generator=torch.Generator().manual_seed(self.seed),
+        )
+
+
+def to_device(
+    batch: dict[str, torch.Tensor], device: torch.device, non_blocking: bool
+) -> dict[str, torch.Tensor]:
+    """Every tensor of a batch on `device`; non-blocking from pinned memory."""
+    return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}

@@ -1,0 +1,42 @@
+"""What a training run returns: its status, evaluations, best evaluation, the batch it ran with
+and throughput figures; plain data that `hpo` records as trial attributes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainer.batch_finder import BatchSearch
+from trainer.evaluation import Evaluation
+from trainer.progress import Status
+
+
+@dataclass
+class TrainResult:
+    status: Status
+    stop_reason: str | None
+    evaluations: list[Evaluation]
+    best: Evaluation | None
+    effective_batch_size: int
+    physical_batch_size: int
+    grad_accum_steps: int
+    optimizer_steps: int
+    samples_per_s: float
+    tokens_per_s: float
+    peak_mem_bytes: int
+    wall_s: float
+    train_s: float
+    eval_s: float
+    device_name: str
+    precision: str
+    optimizer: str
+    metric: str
+    oom_recoveries: int = 0
+    batch_search: BatchSearch | None = None
+    resumed_at_step: int | None = None
+    checkpoint_errors: list[str] = field(default_factory=list)
+    first_step_at: float | None = None  # wall clock (time.time()) after the first step
+
+    @property
+    def curve(self) -> list[float]:
+        return [e.metrics[self.metric] for e in self.evaluations]

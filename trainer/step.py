@@ -1,0 +1,112 @@
+"""One optimizer step, the primitives both the training loop and the batch finder use: AdamW,
+the warmup-then-linear schedule, the loss and exact gradient accumulation over micro-batches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from trainer.config import TrainingConfig
+
+
+def grad_accum_steps_for(effective_batch_size: int, physical_batch_size: int) -> int:
+    """Micro-batches per optimizer step; an effective batch below the physical one is one step."""
+    return max(1, math.ceil(effective_batch_size / physical_batch_size))
+
+
+def make_optimizer(
+    model: torch.nn.Module, cfg: TrainingConfig
+) -> tuple[torch.optim.Optimizer, str]:
+    """AdamW without decay on biases and norms; fused where this torch and device support it."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    options: dict[str, Any] = {
+        "lr": cfg.learning_rate,
+        "betas": (cfg.adam_beta1, cfg.adam_beta2),
+        "eps": cfg.adam_epsilon,
+    }
+    try:
+        return torch.optim.AdamW(groups, fused=True, **options), "adamw_fused"
+    except (RuntimeError, TypeError, ValueError):
+        return torch.optim.AdamW(groups, foreach=True, **options), "adamw_foreach"
+
+
+def linear_schedule(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup over `warmup_steps`, then linear decay to zero at `total_steps`."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def step_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    step_samples: int,
+    cfg: TrainingConfig,
+    class_weights: torch.Tensor | None,
+) -> torch.Tensor:
+    """Summed loss over the micro-batch divided by the samples of the whole optimizer step, so
+    accumulated micro-batches give exactly the gradient of the step's mean loss."""
+    per_sample = F.cross_entropy(
+        logits.float(),
+        labels,
+        weight=class_weights,
+        label_smoothing=cfg.label_smoothing,
+        reduction="none",
+    )
+    return per_sample.sum() / step_samples
+
+
+def accumulate_gradients(
+    model: torch.nn.Module,
+    micro_batches: list[dict[str, torch.Tensor]],
+    cfg: TrainingConfig,
+    autocast: Callable[[], Any],
+    class_weights: torch.Tensor | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+) -> torch.Tensor:
+    """Forward and backward every micro-batch of one optimizer step; returns the step's loss."""
+    step_samples = sum(len(mb["labels"]) for mb in micro_batches)
+    total = torch.zeros((), device=micro_batches[0]["labels"].device)
+    for batch in micro_batches:
+        labels = batch["labels"]
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        with autocast():
+            logits = model(**inputs).logits
+        loss = step_loss(logits, labels, step_samples, cfg, class_weights)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        total += loss.detach()
+    return total
+
+
+def optimizer_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    cfg: TrainingConfig,
+    scaler: torch.amp.GradScaler | None = None,
+) -> None:
+    """Unscale (fp16), clip, step and clear the gradients of one accumulated step."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    if cfg.max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm, foreach=True)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)

@@ -96,6 +96,13 @@ class PrunerConfig:
         "median/percentile: evaluations of a trial before it can be pruned.", 1
     )
     percentile: float = _doc("percentile: prune below this percentile of the other trials.", 25.0)
+    margin: float = _doc(
+        "median/percentile: prune only a trial worse than the median (percentile) by more than "
+        "this, in the metric's units (0.01: one point of accuracy), so that differences within "
+        "evaluation noise, such as runs that all sit at chance level before their metric "
+        "jumps, prune nothing.",
+        0.0,
+    )
     min_resource: int | None = _doc("successive_halving/hyperband: evaluations before a rung.")
     reduction_factor: int = _doc("successive_halving/hyperband: keep 1/this at each rung.", 3)
     patience: int | None = _doc(
@@ -119,6 +126,8 @@ class PrunerConfig:
             found.append(("reduction_factor", self.reduction_factor, "must be >= 2"))
         if self.patience is not None and self.patience < 0:
             found.append(("patience", self.patience, "must be >= 0 or null"))
+        if self.margin < 0:
+            found.append(("margin", self.margin, "must be >= 0"))
         if self.min_delta < 0:
             found.append(("min_delta", self.min_delta, "must be >= 0"))
         return found

@@ -168,7 +168,9 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
     try:
         key = _resolve_physical_batch(trial, job, cache, task.data)
         # Optuna's pruning (report, should_prune) serves a single objective only.
-        reporter = _reporter(trial, metric) if len(objectives) == 1 else _log_evaluation(trial)
+        reporter = (
+            pruning_reporter(trial, metric) if len(objectives) == 1 else _log_evaluation(trial)
+        )
         should_stop = _stop_check(started, task.config.study.trial_timeout)
         result = train(job, task.data, reporter, metric, store, should_stop=should_stop)
     except OutOfMemoryAtBatchOne as e:
@@ -261,7 +263,9 @@ def _record_batch_source(trial: TrialLike, batch: PhysicalBatch) -> None:
         trial.set_user_attr("batch_search", search_summary(batch.search))
 
 
-def _reporter(trial: TrialLike, metric: str) -> Any:
+def pruning_reporter(trial: TrialLike, metric: str) -> Any:
+    """Called with each evaluation: reports the metric to the study and says why the trial is
+    pruned, or None. The search-efficiency benchmark replays stored curves through it."""
     log_evaluation = _log_evaluation(trial)
 
     def on_evaluation(evaluation: Evaluation) -> str | None:

@@ -30,6 +30,7 @@ from hpo.config import (
 )
 from hpo.errors import ConfigError
 from hpo.objective import Objective, worker_id
+from hpo.pruners import MarginPruner
 from hpo.stopping import HandBack, Interrupted, StopRequest, TakenOver
 from hpo.trials import StudyTrials
 from storage.engine import StudyStorage
@@ -91,6 +92,9 @@ def build_pruner(cfg: PrunerConfig) -> optuna.pruners.BasePruner:
 
 
 def _base_pruner(cfg: PrunerConfig) -> optuna.pruners.BasePruner:
+    if cfg.type in ("median", "percentile") and cfg.margin > 0:
+        percentile = 50.0 if cfg.type == "median" else cfg.percentile
+        return MarginPruner(percentile, cfg.n_startup_trials, cfg.n_warmup_steps, cfg.margin)
     if cfg.type == "median":
         return optuna.pruners.MedianPruner(
             n_startup_trials=cfg.n_startup_trials, n_warmup_steps=cfg.n_warmup_steps

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import optuna
 import pytest
 from optuna.trial import TrialState
@@ -73,8 +74,16 @@ def test_every_sampler_proposes_configurations_of_the_search_space(
         ),
         ({"n_trials": 25, "sampler": {"type": "grid"}}, "the grid has 24 combinations"),
         ({"pruner": {"patience": -1}}, "study.pruner.patience: got -1; must be >= 0"),
+        ({"pruner": {"margin": -0.01}}, "study.pruner.margin: got -0.01; must be >= 0"),
     ],
-    ids=["group alone", "multivariate gp", "unknown", "grid too small", "negative patience"],
+    ids=[
+        "group alone",
+        "multivariate gp",
+        "unknown",
+        "grid too small",
+        "negative patience",
+        "negative margin",
+    ],  # fmt: skip
 )
 def test_a_bad_search_setting_is_named_with_its_fix(
     easy_data: tuple[Path, Path], study: dict[str, Any], expected: str
@@ -88,6 +97,52 @@ def test_the_grid_sampler_needs_a_finite_search_space(easy_data: tuple[Path, Pat
     raw = tiny_config(*easy_data, study={"sampler": {"type": "grid"}})  # learning_rate: log
     with pytest.raises(ConfigError, match="learning_rate: the grid sampler needs a finite"):
         parse_config(raw, Path.cwd())
+
+
+def test_a_margin_keeps_runs_at_chance_level_and_prunes_clearly_weaker_ones(
+    easy_data: tuple[Path, Path],
+) -> None:
+    """The plateau before a jump: runs at chance level differ by evaluation noise alone."""
+    pruners = {
+        margin: build_pruner(_config(easy_data, {"pruner": {"margin": margin}}).study.pruner)
+        for margin in (0.0, 0.01)
+    }
+    for margin, pruner in pruners.items():
+        study = optuna.create_study(direction="maximize", pruner=pruner)
+        for curve in ([0.34, 0.9], [0.336, 0.88], [0.333, 0.333], [0.338, 0.91]):
+            trial = study.ask()
+            for step, value in enumerate(curve, 1):
+                trial.report(value, step)
+            study.tell(trial, max(curve))
+        at_chance, weak = study.ask(), study.ask()
+        at_chance.report(0.333, 1)
+        weak.report(0.30, 1)
+        assert at_chance.should_prune() == (margin == 0)  # the median is 0.337
+        assert weak.should_prune()
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # Optuna's, on NaN runs
+def test_a_zero_margin_prunes_exactly_as_optunas_percentile_rule() -> None:
+    """MarginPruner restates Optuna's rule; this breaks if Optuna's rule changes."""
+    from hpo.pruners import MarginPruner
+
+    rng = np.random.default_rng(0)
+    for direction in ("maximize", "minimize"):
+        for percentile, startup, warmup in [(50.0, 2, 1), (25.0, 0, 0), (75.0, 4, 2)]:
+            ours = MarginPruner(percentile, startup, warmup, margin=0.0)
+            optunas = optuna.pruners.PercentilePruner(percentile, startup, warmup)
+            study = optuna.create_study(direction=direction)
+            for _ in range(30):
+                trial = study.ask()
+                steps = int(rng.integers(1, 6))
+                for step in range(steps):
+                    value = float(
+                        rng.choice([rng.random(), 0.333, float("nan")], p=[0.8, 0.15, 0.05])
+                    )
+                    trial.report(value, step)
+                    frozen = study.get_trials(deepcopy=False)[-1]  # what the pruners get
+                    assert ours.prune(study, frozen) == optunas.prune(study, frozen)
+                study.tell(trial, float(rng.random()))
 
 
 @pytest.mark.parametrize("wrapped", ["none", "median"])

@@ -1,0 +1,393 @@
+"""Search efficiency: how much compute each search strategy spends to find a good configuration.
+
+Strategies are built by hpo from a config (the sampler and pruner that `hpo run` would build)
+and replayed against a table of real runs of hpo's trainer (bench/search_grid.py made it: every
+grid point of the task's search space, several training seeds, full learning curves). Each
+replayed trial samples its parameters through hpo's search space code, snaps them to the
+nearest grid point (log scale for log parameters), takes one of that point's training seeds,
+and reports the stored evaluations one by one through hpo's own reporter, which asks the pruner
+after each one, as a real trial does. Many seeds per strategy cost seconds instead of days.
+
+Compute is samples trained (optimizer steps x effective batch, pruned and diverged runs
+included) and device-seconds (the stored runs' clocks). The target is the median over seeds of
+random search's best after `n_trials` trials, without pruning. Per strategy: the median compute
+to reach the target (min and max over seeds that reach it), how many seeds reach it within
+`--budget` x n_trials trials, the best value at a third of random search's compute, and the best
+after n_trials trials.
+
+Run: .venv/bin/python bench/search_efficiency.py [--task nli-scratch] [--seeds 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import math
+import multiprocessing
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "bench")]
+
+from search_grid import TASKS, data_path  # noqa: E402
+
+from hpo.config import Config, ParamSpec, parse_config  # noqa: E402
+from hpo.objective import pruning_reporter  # noqa: E402
+from hpo.search_space import sample  # noqa: E402
+from hpo.study import build_pruner, build_sampler  # noqa: E402
+from trainer.loop import Evaluation  # noqa: E402
+
+# Each strategy: the study.sampler and study.pruner sections of a config (a seed is added).
+# "hpo default" leaves both out: whatever hpo's config defaults are.
+STRATEGIES: dict[str, dict[str, Any]] = {
+    "random, no pruning": {"sampler": {"type": "random"}, "pruner": {"type": "none"}},
+    # transformers' Trainer.hyperparameter_search(backend="optuna"): optuna.create_study()'s
+    # TPESampler() and MedianPruner(), asked at every evaluation.
+    "TPE + median (Trainer.hyperparameter_search)": {
+        "sampler": {"type": "tpe", "n_startup_trials": 10, "constant_liar": False},
+        "pruner": {"type": "median", "n_startup_trials": 5, "n_warmup_steps": 0},
+    },
+    "hpo default": {},
+    "TPE multivariate, grouped + Hyperband": {
+        "sampler": {"type": "tpe", "multivariate": True, "group": True},
+        "pruner": {"type": "hyperband"},
+    },
+    "TPE + successive halving (ASHA)": {
+        "sampler": {"type": "tpe"},
+        "pruner": {"type": "successive_halving"},
+    },
+    "GP + median": {"sampler": {"type": "gp"}, "pruner": {"type": "median"}},
+    "TPE multivariate, no pruning": {
+        "sampler": {"type": "tpe", "multivariate": True},
+        "pruner": {"type": "none"},
+    },
+    "TPE multivariate + median, patience 1": {
+        "sampler": {"type": "tpe", "multivariate": True},
+        "pruner": {"type": "median", "patience": 1, "min_delta": 0.01},
+    },
+}
+
+
+@dataclass
+class Run:
+    """One stored training run: a grid point and seed, its evaluations and status."""
+
+    params: dict[str, Any]
+    seed: int
+    status: str
+    evaluations: list[dict[str, Any]]
+
+
+class Table:
+    """The task's stored runs, looked up by the nearest grid point."""
+
+    def __init__(self, runs: list[Run], space: dict[str, ParamSpec]) -> None:
+        self.space = space
+        self.axes: dict[str, list[Any]] = {
+            name: sorted({run.params[name] for run in runs}) for name in space
+        }
+        self.runs: dict[tuple[Any, ...], list[Run]] = defaultdict(list)
+        for run in runs:
+            self.runs[self._key(run.params)].append(run)
+
+    def _key(self, params: dict[str, Any]) -> tuple[Any, ...]:
+        return tuple(params[name] for name in self.space)
+
+    def nearest(self, params: dict[str, Any]) -> list[Run]:
+        point = {}
+        for name, spec in self.space.items():
+            axis, value = self.axes[name], params[name]
+            if spec.type == "categorical":
+                point[name] = value
+                continue
+            scale = math.log if spec.log else float
+            point[name] = min(axis, key=lambda a: abs(scale(a) - scale(value)))  # noqa: B023
+        runs = self.runs.get(self._key(point))
+        if not runs:
+            raise SystemExit(f"the grid has no run at {point}; finish bench/search_grid.py")
+        return runs
+
+    def values(self, metric: str) -> list[float]:
+        """Every run's best value: how rare good configurations are."""
+        return [best_of(run, metric) for runs in self.runs.values() for run in runs]
+
+
+def best_of(run: Run, metric: str) -> float:
+    values = [e["metrics"][metric] for e in run.evaluations]
+    return max(values, default=0.0)
+
+
+def load_task(task: str) -> tuple[Config, dict[str, Any], Table]:
+    source = Path(TASKS[task]["config"])
+    raw = yaml.safe_load(source.read_text(encoding="utf-8"))
+    config = parse_config(raw, source.parent, str(source))
+    path = data_path(task)
+    if not path.is_file():
+        raise SystemExit(f"{path}: no grid; run bench/search_grid.py --task {task}")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    fields = ("params", "seed", "status", "evaluations")
+    runs = [Run(**{k: json.loads(line)[k] for k in fields}) for line in lines if line.strip()]
+    return config, raw, Table(runs, config.search_space)
+
+
+def strategy_config(raw: dict[str, Any], source: Path, strategy: str, seed: int) -> Config:
+    """The task's config with the strategy's sampler and pruner: what `hpo run` would use."""
+    raw = json.loads(json.dumps(raw))
+    study = raw.setdefault("study", {})
+    study.pop("sampler", None)
+    study.pop("pruner", None)
+    settings = STRATEGIES[strategy]
+    study["sampler"] = {**settings.get("sampler", {}), "seed": seed}
+    if "pruner" in settings:
+        study["pruner"] = settings["pruner"]
+    return parse_config(raw, source.parent, f"{source} ({strategy})")
+
+
+@dataclass
+class Search:
+    """One replayed study: per trial, the compute it used and the best value so far."""
+
+    strategy: str
+    seed: int
+    samples: list[float]  # cumulative, after each trial
+    seconds: list[float]
+    best: list[float]  # best value so far, after each trial
+    pruned: int
+
+
+def replay(task: str, strategy: str, seed: int, n_trials: int) -> Search:
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    source = Path(TASKS[task]["config"])
+    _, raw, table = load_task(task)
+    config = strategy_config(raw, source, strategy, seed)
+    metric = config.study.primary_metric
+    study = optuna.create_study(
+        direction="maximize",
+        sampler=build_sampler(config.study.sampler, 0, config.search_space),
+        pruner=build_pruner(config.study.pruner),
+    )
+    pick = random.Random(seed)
+    spent = {"samples": 0.0, "seconds": 0.0}  # by the running trial, up to its last evaluation
+    samples, seconds, best, pruned = [0.0], [0.0], [-math.inf], 0
+
+    def objective(trial: optuna.Trial) -> float:
+        run = pick.choice(table.nearest(sample(trial, config.search_space)))
+        report = pruning_reporter(trial, metric)
+        for e in run.evaluations:
+            spent.update(samples=e["samples"], seconds=e["seconds"])
+            evaluation = Evaluation(e["index"], 0.0, e["step"], e["metrics"], None)
+            reason = report(evaluation)
+            if reason is not None:
+                raise optuna.TrialPruned(reason)
+        if run.status == "diverged" or not run.evaluations:
+            raise optuna.TrialPruned("diverged")
+        return best_of(run, metric)
+
+    for _ in range(n_trials):
+        spent.update(samples=0.0, seconds=0.0)
+        study.optimize(objective, n_trials=1)
+        trial = study.trials[-1]
+        pruned += trial.state == optuna.trial.TrialState.PRUNED
+        value = trial.value if trial.value is not None else -math.inf
+        best.append(max(value, best[-1]))
+        samples.append(samples[-1] + spent["samples"])
+        seconds.append(seconds[-1] + spent["seconds"])
+    samples, seconds, best = samples[1:], seconds[1:], best[1:]
+    return Search(strategy, seed, samples, seconds, best, pruned)
+
+
+def _replay(job: tuple[str, str, int, int]) -> Search:
+    return replay(*job)
+
+
+def real_search(task: str, strategy: str, seed: int, n_trials: int, folder: Path) -> Search:
+    """The strategy as users run it: `hpo run` on the task's config, real training."""
+    source = Path(TASKS[task]["config"])
+    _, raw, _ = load_task(task)
+    raw = json.loads(json.dumps(raw))
+    study = raw.setdefault("study", {})
+    study.pop("sampler", None)
+    study.pop("pruner", None)
+    settings = STRATEGIES[strategy]
+    study.update(n_trials=n_trials, sampler={**settings.get("sampler", {}), "seed": seed})
+    if "pruner" in settings:
+        study["pruner"] = settings["pruner"]
+    data = raw["data"]
+    for key in ("train_file", "eval_file"):
+        data[key] = str((source.parent / data[key]).resolve())
+    run = folder / f"{strategy.split()[0]}-{seed}-{abs(hash(strategy)) % 10**6}"
+    run.mkdir(parents=True)
+    config = run / "config.yaml"
+    config.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    url = f"sqlite:///{run / 'study.db'}"
+    done = subprocess.run(
+        [sys.executable, "-m", "hpo", "run", "--study", "s", "--config", str(config),
+         "--storage", url, "--quiet"],
+        cwd=run, capture_output=True, text=True,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise SystemExit(f"{strategy}, seed {seed}: hpo run failed:\n{done.stderr[-3000:]}")
+    trials = optuna.load_study(study_name="s", storage=url).get_trials()
+    samples: list[float] = []
+    seconds: list[float] = []
+    best: list[float] = []
+    pruned = 0
+    for trial in sorted(trials, key=lambda t: t.number):
+        attrs = trial.user_attrs
+        steps = attrs.get("optimizer_steps", 0)
+        used = steps * trial.params["effective_batch_size"]
+        samples.append((samples[-1] if samples else 0.0) + used)
+        spent = attrs.get("train_s", 0.0) + attrs.get("eval_s", 0.0)
+        seconds.append((seconds[-1] if seconds else 0.0) + spent)
+        pruned += trial.state == optuna.trial.TrialState.PRUNED
+        value = trial.value if trial.value is not None else -math.inf
+        best.append(max(value, best[-1] if best else -math.inf))
+    return Search(strategy, seed, samples, seconds, best, pruned)
+
+
+def compute_to_reach(search: Search, target: float, unit: str) -> float | None:
+    compute = search.samples if unit == "samples" else search.seconds
+    for used, best in zip(compute, search.best, strict=True):
+        if best >= target:
+            return used
+    return None
+
+
+def best_at(search: Search, compute: float, unit: str) -> float:
+    used = search.samples if unit == "samples" else search.seconds
+    i = bisect.bisect_right(used, compute)
+    return search.best[i - 1] if i else math.nan
+
+
+def report(task: str, searches: list[Search], n_trials: int, unit: str) -> list[str]:
+    by_strategy: dict[str, list[Search]] = defaultdict(list)
+    for search in searches:
+        by_strategy[search.strategy].append(search)
+    random_runs = by_strategy["random, no pruning"]
+    target = statistics.median(s.best[n_trials - 1] for s in random_runs)
+    random_compute = statistics.median(
+        (s.samples if unit == "samples" else s.seconds)[n_trials - 1] for s in random_runs
+    )
+    baseline = {}
+    rows = []
+    for strategy, runs in by_strategy.items():
+        reached = [c for s in runs if (c := compute_to_reach(s, target, unit)) is not None]
+        # A seed that never reaches the target counts as infinite compute in the median.
+        median = statistics.median(sorted(reached) + [math.inf] * (len(runs) - len(reached)))
+        baseline[strategy] = median
+        at_third = statistics.median(best_at(s, random_compute / 3, unit) for s in runs)
+        final = statistics.median(s.best[n_trials - 1] for s in runs)
+        pruned = statistics.mean(s.pruned / len(s.best) for s in runs)
+        rows.append((strategy, median, reached, len(runs), at_third, final, pruned))
+    scale = 1e6 if unit == "samples" else 3600.0
+    label = "M samples" if unit == "samples" else "device-hours"
+    lines = [
+        f"task {task}: target {target:.4f} (median best of random search after {n_trials} "
+        f"trials); random search's {n_trials} trials use {random_compute / scale:.3f} {label}",
+        "",
+        f"| strategy | compute to target ({label}), median [min, max] | vs random | vs TPE+median "
+        f"| seeds reaching | best at 1/3 random's compute | best after {n_trials} trials "
+        "| trials pruned |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    tpe_median = baseline.get("TPE + median (Trainer.hyperparameter_search)", math.inf)
+    for strategy, median, reached, count, at_third, final, pruned in rows:
+        spread = f"[{min(reached) / scale:.3f}, {max(reached) / scale:.3f}]" if reached else ""
+        shown = (
+            f"{median / scale:.3f} {spread}" if math.isfinite(median) else f"not reached {spread}"
+        )
+        lines.append(
+            f"| {strategy} | {shown} | {_ratio(median, baseline['random, no pruning'])} "
+            f"| {_ratio(median, tpe_median)} | {len(reached)}/{count} | {at_third:.4f} "
+            f"| {final:.4f} | {pruned:.0%} |"
+        )
+    return lines
+
+
+def _ratio(a: float, b: float) -> str:
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return "-"
+    return f"{a / b:.2f}x"
+
+
+def rarity(task: str) -> str:
+    config, _, table = load_task(task)
+    values = table.values(config.study.primary_metric)
+    top = max(values)
+    near = sum(v >= top - 0.01 for v in values) / len(values)
+    return (f"grid: {len(values)} runs; best {top:.4f}; within one point of it: {near:.0%} of "
+            f"runs; median run {statistics.median(values):.4f}")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--task", choices=sorted(TASKS), action="append")
+    parser.add_argument("--seeds", type=int, default=20, help="searches per strategy")
+    parser.add_argument("--budget", type=float, default=3.0, help="trials: this x n_trials")
+    parser.add_argument("--unit", choices=["samples", "seconds"], default="samples")
+    parser.add_argument("--strategy", action="append", choices=sorted(STRATEGIES))
+    parser.add_argument("--jobs", type=int, default=multiprocessing.cpu_count())
+    parser.add_argument(
+        "--real",
+        action="store_true",
+        help="run real studies with `hpo run` instead of replaying the grid (slow: use few "
+        "--seeds and --strategy; --budget 1)",
+    )
+    args = parser.parse_args()
+    if args.real:
+        return real_runs(args)
+    strategies = args.strategy or list(STRATEGIES)
+    for required in ("random, no pruning", "TPE + median (Trainer.hyperparameter_search)"):
+        if required not in strategies:
+            strategies.insert(0, required)
+    for task in args.task or ["nli-scratch", "demo"]:
+        config, _, _ = load_task(task)
+        n_trials = config.study.n_trials or 20
+        total = math.ceil(args.budget * n_trials)
+        jobs = [(task, s, seed, total) for s in strategies for seed in range(args.seeds)]
+        started = time.perf_counter()
+        with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
+            searches = pool.map(_replay, jobs, chunksize=1)
+        print(rarity(task))
+        print("\n".join(report(task, searches, n_trials, args.unit)))
+        print(
+            f"({len(jobs)} searches of {total} trials in {time.perf_counter() - started:.0f} s)\n"
+        )
+
+
+def real_runs(args: argparse.Namespace) -> None:
+    """Real studies, one at a time per job, then the same table as the replay's."""
+    strategies = args.strategy or ["random, no pruning", "hpo default"]
+    for task in args.task or ["nli-scratch"]:
+        config, _, _ = load_task(task)
+        n_trials = config.study.n_trials or 20
+        total = math.ceil(args.budget * n_trials)
+        started = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="hpo-search-") as folder:
+            jobs = [(task, s, seed, total, Path(folder)) for s in strategies
+                    for seed in range(args.seeds)]  # fmt: skip
+            with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+                searches = pool.starmap(real_search, jobs, chunksize=1)
+        for search in searches:
+            print(f"{search.strategy}, seed {search.seed}: best {search.best[-1]:.4f}, "
+                  f"{search.samples[-1] / 1e6:.3f} M samples, {search.pruned} pruned")  # fmt: skip
+        print("\n".join(report(task, searches, n_trials, args.unit)))
+        print(f"({len(jobs)} real studies of {total} trials in "
+              f"{time.perf_counter() - started:.0f} s)\n")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

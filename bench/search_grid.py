@@ -1,0 +1,172 @@
+"""Train every point of a grid over a task's search space with hpo's own trainer, several
+training seeds per point, and store each run's full learning curve in bench/data/, for
+bench/search_efficiency.py to replay search strategies against.
+
+Each line of the output (JSON Lines) is one run: its parameters, training seed, status and, per
+evaluation, the optimizer step, samples trained, seconds since the run started (training and
+evaluation, and the model's build) and the metrics. Runs already in
+the file are skipped: an interrupted grid goes on where it stopped.
+
+Run: .venv/bin/python bench/search_grid.py --task nli-scratch [--jobs 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+# The tasks: the config (its search space is what strategies sample) and the grid trained.
+# Float dimensions are covered by points spread over their range; the replay snaps a sampled
+# value to the nearest point (in log space for log-scaled parameters).
+TASKS: dict[str, dict[str, Any]] = {
+    "nli-scratch": {
+        "config": REPO / "bench/configs/search-nli-scratch.yaml",
+        "grid": {
+            "learning_rate": [1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1],
+            "effective_batch_size": [16, 32, 64, 128],
+            "warmup_ratio": [0.0, 0.15, 0.3],
+            "weight_decay": [0.0, 0.2],
+        },
+        "seeds": [1, 2],
+    },
+    "demo": {
+        "config": REPO / "configs/demo.yaml",
+        "grid": {
+            "effective_batch_size": [16, 32, 64, 128],
+            "learning_rate": [3e-5, 7e-5, 1.6e-4, 3.9e-4, 9e-4, 2.1e-3, 5e-3],
+            "warmup_ratio": [0.0, 0.1, 0.2],
+        },
+        "seeds": [1, 2],
+    },
+}
+
+
+def data_path(task: str) -> Path:
+    return REPO / "bench" / "data" / f"search-{task}.jsonl"
+
+
+def grid_runs(task: str) -> list[dict[str, Any]]:
+    """Every (point, seed) of the task's grid, in a fixed shuffled order: a grid stopped
+    part way is a uniform sample of it."""
+    grid: dict[str, list[Any]] = TASKS[task]["grid"]
+    names = list(grid)
+    runs = []
+    for values in itertools.product(*(grid[n] for n in names)):
+        for seed in TASKS[task]["seeds"]:
+            runs.append({"params": dict(zip(names, values, strict=True)), "seed": seed})
+    random.Random(0).shuffle(runs)
+    return runs
+
+
+def run_key(run: dict[str, Any]) -> str:
+    return json.dumps([sorted(run["params"].items()), run["seed"]])
+
+
+def done_keys(path: Path) -> set[str]:
+    if not path.is_file():
+        return set()
+    keys = set()
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            keys.add(run_key(json.loads(line)))
+    return keys
+
+
+_STATE: dict[str, Any] = {}
+
+
+def _init(task: str) -> None:
+    """Per process: one thread (the jobs share the cores), the config, tokenizer and data."""
+    import torch
+
+    torch.set_num_threads(1)
+    from hpo.config import load_config
+    from trainer.data import prepare_data
+    from trainer.model import load_tokenizer
+
+    config = load_config(TASKS[task]["config"])
+    _STATE["config"] = config
+    _STATE["data"] = prepare_data(config.data, load_tokenizer(config.model))
+
+
+def train_point(run: dict[str, Any]) -> dict[str, Any]:
+    """Train one grid point with one seed through hpo's trainer; its curve and status."""
+    import dataclasses
+
+    from hpo.search_space import training_for_trial
+    from trainer.config import TrainJob
+    from trainer.loop import Evaluation, train
+
+    config = _STATE["config"]
+    training = training_for_trial(config.training, run["params"])
+    training = dataclasses.replace(training, seed=run["seed"])
+    job = TrainJob(data=config.data, model=config.model, training=training)
+    evaluations: list[dict[str, Any]] = []
+    started = time.perf_counter()
+
+    def on_evaluation(evaluation: Evaluation) -> None:
+        evaluations.append(
+            {
+                "index": evaluation.index,
+                "step": evaluation.optimizer_step,
+                "samples": evaluation.optimizer_step * training.effective_batch_size,
+                "seconds": round(time.perf_counter() - started, 3),
+                "metrics": {k: round(v, 6) for k, v in evaluation.metrics.items()},
+            }
+        )
+
+    result = train(job, _STATE["data"], on_evaluation, config.study.primary_metric)
+    return {
+        **run,
+        "status": result.status,
+        "stop_reason": result.stop_reason,
+        "wall_s": round(result.wall_s, 3),
+        "train_s": round(result.train_s, 3),
+        "eval_s": round(result.eval_s, 3),
+        "evaluations": evaluations,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--task", choices=sorted(TASKS), required=True)
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--limit", type=int, help="train at most this many runs (a test)")
+    parser.add_argument("--out", type=Path, help="JSON Lines file (default bench/data/...)")
+    args = parser.parse_args()
+    path = args.out or data_path(args.task)
+    done = done_keys(path)
+    todo = [run for run in grid_runs(args.task) if run_key(run) not in done]
+    if args.limit is not None:
+        todo = todo[: args.limit]
+    print(f"{args.task}: {len(done)} runs stored, {len(todo)} to train with {args.jobs} jobs")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    context = multiprocessing.get_context("spawn")
+    with (
+        context.Pool(args.jobs, initializer=_init, initargs=(args.task,)) as pool,
+        path.open("a", encoding="utf-8") as out,
+    ):
+        for i, record in enumerate(pool.imap_unordered(train_point, todo), 1):
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+            best = max((e["metrics"]["accuracy"] for e in record["evaluations"]), default=0.0)
+            elapsed = time.perf_counter() - started
+            print(f"[{i}/{len(todo)} {elapsed:.0f}s] {record['params']} seed {record['seed']}: "
+                  f"{record['status']}, best accuracy {best:.3f}", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -47,7 +47,7 @@ from search_grid import TASKS, data_path  # noqa: E402
 from hpo.config import Config, ParamSpec, parse_config  # noqa: E402
 from hpo.objective import pruning_reporter  # noqa: E402
 from hpo.search_space import sample  # noqa: E402
-from hpo.study import build_pruner, build_sampler  # noqa: E402
+from hpo.study import build_pruner, build_sampler, enqueue  # noqa: E402
 from trainer.loop import Evaluation  # noqa: E402
 
 # Each strategy: the study.sampler and study.pruner sections of a config (a seed is added).
@@ -73,6 +73,16 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "TPE multivariate, no pruning": {
         "sampler": {"type": "tpe", "multivariate": True},
         "pruner": {"type": "none"},
+    },
+    # A fine-tuning recipe from the BERT paper's range, tried first (warm start). On a model
+    # trained from scratch it is a poor guess: what a wrong recipe costs.
+    "hpo default + BERT recipe enqueued": {
+        "enqueue": {
+            "learning_rate": 3e-5,
+            "effective_batch_size": 32,
+            "warmup_ratio": 0.1,
+            "weight_decay": 0.01,
+        },  # fmt: skip
     },
     "TPE multivariate + median, patience 1": {
         "sampler": {"type": "tpe", "multivariate": True},
@@ -143,8 +153,9 @@ def load_task(task: str) -> tuple[Config, dict[str, Any], Table]:
     return config, raw, Table(runs, config.search_space)
 
 
-def strategy_config(raw: dict[str, Any], source: Path, strategy: str, seed: int) -> Config:
-    """The task's config with the strategy's sampler and pruner: what `hpo run` would use."""
+def strategy_raw(raw: dict[str, Any], strategy: str, seed: int) -> dict[str, Any]:
+    """The task's config (as parsed YAML) with the strategy's sampler, pruner and enqueued
+    configurations in place of the task's."""
     raw = json.loads(json.dumps(raw))
     study = raw.setdefault("study", {})
     study.pop("sampler", None)
@@ -153,7 +164,15 @@ def strategy_config(raw: dict[str, Any], source: Path, strategy: str, seed: int)
     study["sampler"] = {**settings.get("sampler", {}), "seed": seed}
     if "pruner" in settings:
         study["pruner"] = settings["pruner"]
-    return parse_config(raw, source.parent, f"{source} ({strategy})")
+    if "enqueue" in settings:  # the recipe's values of the task's parameters
+        recipe = {k: v for k, v in settings["enqueue"].items() if k in raw["search_space"]}
+        study["enqueue"] = [recipe]
+    return raw
+
+
+def strategy_config(raw: dict[str, Any], source: Path, strategy: str, seed: int) -> Config:
+    """What `hpo run` would use for the strategy on the task."""
+    return parse_config(strategy_raw(raw, strategy, seed), source.parent, f"{source} ({strategy})")
 
 
 @dataclass
@@ -179,6 +198,8 @@ def replay(task: str, strategy: str, seed: int, n_trials: int) -> Search:
         sampler=build_sampler(config.study.sampler, 0, config.search_space),
         pruner=build_pruner(config.study.pruner),
     )
+    for params in config.study.enqueue:
+        enqueue(study, params)
     pick = random.Random(seed)
     spent = {"samples": 0.0, "seconds": 0.0}  # by the running trial, up to its last evaluation
     samples, seconds, best, pruned = [0.0], [0.0], [-math.inf], 0
@@ -217,14 +238,8 @@ def real_search(task: str, strategy: str, seed: int, n_trials: int, folder: Path
     """The strategy as users run it: `hpo run` on the task's config, real training."""
     source = Path(TASKS[task]["config"])
     _, raw, _ = load_task(task)
-    raw = json.loads(json.dumps(raw))
-    study = raw.setdefault("study", {})
-    study.pop("sampler", None)
-    study.pop("pruner", None)
-    settings = STRATEGIES[strategy]
-    study.update(n_trials=n_trials, sampler={**settings.get("sampler", {}), "seed": seed})
-    if "pruner" in settings:
-        study["pruner"] = settings["pruner"]
+    raw = strategy_raw(raw, strategy, seed)
+    raw["study"]["n_trials"] = n_trials
     data = raw["data"]
     for key in ("train_file", "eval_file"):
         data[key] = str((source.parent / data[key]).resolve())

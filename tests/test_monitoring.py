@@ -94,7 +94,7 @@ def test_dashboard_serves_the_study_on_localhost(tmp_path: Path) -> None:
         assert attrs[2]["prune_reason"].startswith("oom")
     finally:
         server.terminate()
-        server.wait(timeout=10)
+        server.wait(timeout=30)  # a loaded machine is slow to stop it
 
 
 def _get_json(address: str, server: subprocess.Popen[bytes]) -> dict:

@@ -84,6 +84,22 @@ STRATEGIES: dict[str, dict[str, Any]] = {
             "weight_decay": 0.01,
         },  # fmt: skip
     },
+    "TPE + median, margin 0.01": {
+        "sampler": {"type": "tpe"},
+        "pruner": {"type": "median", "margin": 0.01},
+    },
+    "TPE multivariate + median, margin 0.01": {
+        "sampler": {"type": "tpe", "multivariate": True},
+        "pruner": {"type": "median", "margin": 0.01},
+    },
+    "TPE multivariate + median, margin 0.02, 2 warmup evaluations": {
+        "sampler": {"type": "tpe", "multivariate": True},
+        "pruner": {"type": "median", "margin": 0.02, "n_warmup_steps": 2},
+    },
+    "TPE multivariate + Hyperband": {
+        "sampler": {"type": "tpe", "multivariate": True},
+        "pruner": {"type": "hyperband"},
+    },
     "TPE multivariate + median, patience 1": {
         "sampler": {"type": "tpe", "multivariate": True},
         "pruner": {"type": "median", "patience": 1, "min_delta": 0.01},

@@ -128,6 +128,8 @@ class PrunerConfig:
             found.append(("patience", self.patience, "must be >= 0 or null"))
         if self.margin < 0:
             found.append(("margin", self.margin, "must be >= 0"))
+        elif self.margin > 0 and self.type not in ("median", "percentile"):
+            found.append(("margin", self.margin, f"only for median or percentile, not {self.type}"))
         if self.min_delta < 0:
             found.append(("min_delta", self.min_delta, "must be >= 0"))
         return found
@@ -345,6 +347,12 @@ class ParamSpec:
             return [("step", step, "must be > 0")]
         if high > low and step > high - low:
             return [("step", step, f"must be <= high - low ({high - low:g}), or only low is tried")]
+        ratio = (high - low) / step
+        if abs(ratio - round(ratio)) > 1e-9 * max(1.0, ratio):
+            # Optuna would lower high to the last step silently (with a warning per trial).
+            last = low + math.floor(ratio) * step
+            return [("step", step, f"high - low ({high - low:g}) is not a multiple of it, so "
+                     f"high is never tried; set high: {last:g} or another step")]  # fmt: skip
         return []
 
     def values_for_bounds(self) -> list[Any]:

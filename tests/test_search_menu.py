@@ -35,8 +35,10 @@ SAMPLERS = [
 
 
 def _config(easy_data: tuple[Path, Path], study: dict[str, Any]) -> Config:
+    study = dict(study)
+    space = study.pop("space", {})
     raw = tiny_config(*easy_data, study=study)
-    raw["search_space"] = FINITE_SPACE
+    raw["search_space"] = {**FINITE_SPACE, **space}
     return parse_config(raw, Path.cwd())
 
 
@@ -75,6 +77,18 @@ def test_every_sampler_proposes_configurations_of_the_search_space(
         ({"n_trials": 25, "sampler": {"type": "grid"}}, "the grid has 24 combinations"),
         ({"pruner": {"patience": -1}}, "study.pruner.patience: got -1; must be >= 0"),
         ({"pruner": {"margin": -0.01}}, "study.pruner.margin: got -0.01; must be >= 0"),
+        (
+            {"pruner": {"type": "hyperband", "margin": 0.01}},
+            "margin: got 0.01; only for median or percentile, not hyperband",
+        ),
+        (
+            {"space": {"epochs": {"type": "int", "low": 1, "high": 10, "step": 4}}},
+            "high - low (9) is not a multiple of it, so high is never tried; set high: 9",
+        ),
+        (
+            {"space": {"warmup_ratio": {"type": "float", "low": 0, "high": 0.25, "step": 0.1}}},
+            "set high: 0.2 or another step",
+        ),
     ],
     ids=[
         "group alone",
@@ -83,7 +97,10 @@ def test_every_sampler_proposes_configurations_of_the_search_space(
         "grid too small",
         "negative patience",
         "negative margin",
-    ],  # fmt: skip
+        "margin of hyperband",
+        "int step off the range",
+        "float step off the range",
+    ],
 )
 def test_a_bad_search_setting_is_named_with_its_fix(
     easy_data: tuple[Path, Path], study: dict[str, Any], expected: str

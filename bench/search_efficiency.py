@@ -57,16 +57,21 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     # transformers' Trainer.hyperparameter_search(backend="optuna"): optuna.create_study()'s
     # TPESampler() and MedianPruner(), asked at every evaluation.
     "TPE + median (Trainer.hyperparameter_search)": {
-        "sampler": {"type": "tpe", "n_startup_trials": 10, "constant_liar": False},
+        "sampler": {
+            "type": "tpe",
+            "n_startup_trials": 10,
+            "multivariate": False,
+            "constant_liar": False,
+        },
         "pruner": {"type": "median", "n_startup_trials": 5, "n_warmup_steps": 0},
     },
-    "hpo default": {},
+    "hpo default": {},  # TPE (multivariate) + successive halving (ASHA) since this benchmark
     "TPE multivariate, grouped + Hyperband": {
         "sampler": {"type": "tpe", "multivariate": True, "group": True},
         "pruner": {"type": "hyperband"},
     },
     "TPE + successive halving (ASHA)": {
-        "sampler": {"type": "tpe"},
+        "sampler": {"type": "tpe", "multivariate": False},
         "pruner": {"type": "successive_halving"},
     },
     "GP + median": {"sampler": {"type": "gp"}, "pruner": {"type": "median"}},
@@ -85,7 +90,7 @@ STRATEGIES: dict[str, dict[str, Any]] = {
         },  # fmt: skip
     },
     "TPE + median, margin 0.01": {
-        "sampler": {"type": "tpe"},
+        "sampler": {"type": "tpe", "multivariate": False},
         "pruner": {"type": "median", "margin": 0.01},
     },
     "TPE multivariate + median, margin 0.01": {
@@ -100,6 +105,31 @@ STRATEGIES: dict[str, dict[str, Any]] = {
         "sampler": {"type": "tpe", "multivariate": True},
         "pruner": {"type": "hyperband"},
     },
+    "TPE multivariate, 5 startup trials + ASHA": {
+        "sampler": {"type": "tpe", "multivariate": True, "n_startup_trials": 5},
+        "pruner": {"type": "successive_halving"},
+    },
+    "TPE, 5 startup trials + ASHA": {
+        "sampler": {"type": "tpe", "multivariate": False, "n_startup_trials": 5},
+        "pruner": {"type": "successive_halving"},
+    },
+    "TPE multivariate, 5 startup trials + median, margin 0.02, 2 warmup evaluations": {
+        "sampler": {"type": "tpe", "multivariate": True, "n_startup_trials": 5},
+        "pruner": {"type": "median", "margin": 0.02, "n_warmup_steps": 2},
+    },
+    "TPE multivariate, grouped, 5 startup trials + Hyperband": {
+        "sampler": {"type": "tpe", "multivariate": True, "group": True, "n_startup_trials": 5},
+        "pruner": {"type": "hyperband"},
+    },
+    "TPE multivariate + ASHA, first rung at evaluation 2": {
+        "sampler": {"type": "tpe", "multivariate": True},
+        "pruner": {"type": "successive_halving", "min_resource": 2},
+    },
+    "TPE multivariate + ASHA, reduction factor 2": {
+        "sampler": {"type": "tpe", "multivariate": True},
+        "pruner": {"type": "successive_halving", "reduction_factor": 2},
+    },
+    "random + ASHA": {"sampler": {"type": "random"}, "pruner": {"type": "successive_halving"}},
     "TPE multivariate + median, patience 1": {
         "sampler": {"type": "tpe", "multivariate": True},
         "pruner": {"type": "median", "patience": 1, "min_delta": 0.01},

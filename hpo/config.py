@@ -60,7 +60,10 @@ class SamplerConfig:
     n_startup_trials: int = _doc(
         "tpe, gp, cmaes: random trials before the sampler's model is used.", 10
     )
-    multivariate: bool = _doc("tpe: model the parameters jointly, not one by one.", False)
+    multivariate: bool | None = _doc(
+        "tpe: model the parameters jointly, not one by one (learning rate and batch size "
+        "interact); default true for tpe."
+    )
     group: bool = _doc(
         "tpe with multivariate: model parameters that appear together as groups.", False
     )
@@ -79,7 +82,7 @@ class SamplerConfig:
         for key in ("multivariate", "group"):
             if getattr(self, key) and self.type != "tpe":
                 found.append((key, True, f"only for type: tpe, not {self.type}"))
-        if self.group and not self.multivariate and self.type == "tpe":
+        if self.group and self.multivariate is False and self.type == "tpe":
             found.append(("group", True, "needs multivariate: true"))
         return found
 
@@ -89,7 +92,11 @@ class PrunerConfig:
     """When a weak trial is stopped early, judged at each evaluation."""
 
     type: Literal["median", "percentile", "successive_halving", "hyperband", "none"] = _doc(
-        "median, percentile, successive_halving (ASHA), hyperband or none.", "median"
+        "successive_halving (asynchronous successive halving, ASHA: at evaluations "
+        "min_resource x reduction_factor^k a trial goes on only if it is in the best "
+        "1/reduction_factor of the trials that reached that evaluation; the default, chosen "
+        "by bench/search_efficiency.py), median, percentile, hyperband or none.",
+        "successive_halving",
     )
     n_startup_trials: int = _doc("median/percentile: complete trials before pruning starts.", 3)
     n_warmup_steps: int = _doc(
@@ -126,6 +133,11 @@ class PrunerConfig:
             found.append(("reduction_factor", self.reduction_factor, "must be >= 2"))
         if self.patience is not None and self.patience < 0:
             found.append(("patience", self.patience, "must be >= 0 or null"))
+        if self.type not in ("median", "percentile"):
+            for key, default in (("n_startup_trials", 3), ("n_warmup_steps", 1)):
+                if getattr(self, key) != default:
+                    found.append((key, getattr(self, key), f"only for median or percentile, "
+                                  f"not {self.type}; set type: median to use it"))  # fmt: skip
         if self.margin < 0:
             found.append(("margin", self.margin, "must be >= 0"))
         elif self.margin > 0 and self.type not in ("median", "percentile"):

@@ -5,11 +5,13 @@ process's; see hpo/trials.py for how many workers share it.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import logging
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,13 +66,14 @@ def build_sampler(
         if not grid or any(points is None for points in grid.values()):
             raise ValueError("the grid sampler needs a finite search space")  # config checks it
         return optuna.samplers.GridSampler(grid, seed=seed)  # type: ignore[arg-type]
-    return optuna.samplers.TPESampler(
-        seed=seed,
-        n_startup_trials=cfg.n_startup_trials,
-        multivariate=cfg.multivariate,
-        group=cfg.group,
-        constant_liar=cfg.constant_liar,
-    )
+    with _experimental_features():
+        return optuna.samplers.TPESampler(
+            seed=seed,
+            n_startup_trials=cfg.n_startup_trials,
+            multivariate=cfg.multivariate is not False,
+            group=cfg.group,
+            constant_liar=cfg.constant_liar,
+        )
 
 
 def worker_seed(seed: int | None, worker_index: int) -> int | None:
@@ -88,7 +91,17 @@ def build_pruner(cfg: PrunerConfig) -> optuna.pruners.BasePruner:
     if cfg.patience is None:
         return pruner
     wrapped = None if isinstance(pruner, optuna.pruners.NopPruner) else pruner
-    return optuna.pruners.PatientPruner(wrapped, patience=cfg.patience, min_delta=cfg.min_delta)
+    with _experimental_features():
+        return optuna.pruners.PatientPruner(wrapped, patience=cfg.patience, min_delta=cfg.min_delta)
+
+
+@contextlib.contextmanager
+def _experimental_features() -> Iterator[None]:
+    """TPE's multivariate, group and constant_liar and the PatientPruner are "experimental" in
+    Optuna (for years now): one warning per worker that tells a user of hpo nothing."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        yield
 
 
 def _base_pruner(cfg: PrunerConfig) -> optuna.pruners.BasePruner:

@@ -127,7 +127,14 @@ def easy_data(tmp_path: Path) -> tuple[Path, Path]:
 def tiny_config(train: Path, evaluation: Path, **sections: dict[str, Any]) -> dict[str, Any]:
     """A complete config dict for a tiny, fast study; `sections` update each section."""
     config: dict[str, Any] = {
-        "study": {"metric": "accuracy", "n_trials": 2, "sampler": {"type": "tpe", "seed": 0}},
+        # The median pruner (it waits for 3 complete trials): tests that are not about pruning
+        # see every trial of a short study complete.
+        "study": {
+            "metric": "accuracy",
+            "n_trials": 2,
+            "sampler": {"type": "tpe", "seed": 0},
+            "pruner": {"type": "median"},
+        },
         "search_space": {
             "effective_batch_size": {"type": "categorical", "choices": [8]},
             "learning_rate": {"type": "float", "low": 1.0e-3, "high": 5.0e-3, "log": True},

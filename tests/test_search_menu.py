@@ -66,7 +66,7 @@ def test_every_sampler_proposes_configurations_of_the_search_space(
     ("study", "expected"),
     [
         (
-            {"sampler": {"type": "tpe", "group": True}},
+            {"sampler": {"type": "tpe", "multivariate": False, "group": True}},
             "study.sampler.group: got true; needs multivariate: true",
         ),
         ({"sampler": {"type": "gp", "multivariate": True}}, "only for type: tpe, not gp"),
@@ -82,6 +82,10 @@ def test_every_sampler_proposes_configurations_of_the_search_space(
             "margin: got 0.01; only for median or percentile, not hyperband",
         ),
         (
+            {"pruner": {"n_warmup_steps": 2}},  # the default pruner is successive halving
+            "n_warmup_steps: got 2; only for median or percentile, not successive_halving",
+        ),
+        (
             {"space": {"epochs": {"type": "int", "low": 1, "high": 10, "step": 4}}},
             "high - low (9) is not a multiple of it, so high is never tried; set high: 9",
         ),
@@ -91,13 +95,14 @@ def test_every_sampler_proposes_configurations_of_the_search_space(
         ),
     ],
     ids=[
-        "group alone",
+        "group without multivariate",
         "multivariate gp",
         "unknown",
         "grid too small",
         "negative patience",
         "negative margin",
         "margin of hyperband",
+        "warmup of successive halving",
         "int step off the range",
         "float step off the range",
     ],
@@ -121,7 +126,9 @@ def test_a_margin_keeps_runs_at_chance_level_and_prunes_clearly_weaker_ones(
 ) -> None:
     """The plateau before a jump: runs at chance level differ by evaluation noise alone."""
     pruners = {
-        margin: build_pruner(_config(easy_data, {"pruner": {"margin": margin}}).study.pruner)
+        margin: build_pruner(
+            _config(easy_data, {"pruner": {"type": "median", "margin": margin}}).study.pruner
+        )
         for margin in (0.0, 0.01)
     }
     for margin, pruner in pruners.items():
@@ -166,7 +173,9 @@ def test_a_zero_margin_prunes_exactly_as_optunas_percentile_rule() -> None:
 def test_patience_prunes_a_declining_curve_and_never_an_improving_one(
     easy_data: tuple[Path, Path], wrapped: str
 ) -> None:
-    pruner_config = {"type": wrapped, "patience": 2, "n_startup_trials": 0, "n_warmup_steps": 0}
+    pruner_config: dict[str, Any] = {"type": wrapped, "patience": 2}
+    if wrapped == "median":
+        pruner_config.update(n_startup_trials=0, n_warmup_steps=0)
     config = _config(easy_data, {"pruner": pruner_config})
     study = optuna.create_study(direction="maximize", pruner=build_pruner(config.study.pruner))
     study.enqueue_trial({})

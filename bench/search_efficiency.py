@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import functools
 import json
 import math
 import multiprocessing
@@ -190,7 +191,10 @@ def best_of(run: Run, metric: str) -> float:
     return max(values, default=0.0)
 
 
+@functools.cache
 def load_task(task: str) -> tuple[Config, dict[str, Any], Table]:
+    """The task's config, its parsed YAML (copied before any change: see strategy_raw) and its
+    grid; read once per process, not once per replayed search."""
     source = Path(TASKS[task]["config"])
     raw = yaml.safe_load(source.read_text(encoding="utf-8"))
     config = parse_config(raw, source.parent, str(source))

@@ -49,6 +49,7 @@ def task(tmp_path: Path, easy_data: tuple[Path, Path], monkeypatch: pytest.Monke
     grid.write_text("".join(json.dumps(_run(r, s)) + "\n" for r in RATES for s in (1, 2)))
     monkeypatch.setitem(bench.TASKS, "toy", {"config": config})
     monkeypatch.setattr(bench, "data_path", lambda name: grid)
+    bench.load_task.cache_clear()  # this test's grid, not an earlier test's
     return "toy"
 
 

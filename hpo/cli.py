@@ -11,7 +11,7 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -177,21 +177,24 @@ def _port_number(text: str) -> int:
     return port
 
 
-def _serve_dashboard(storage: object, host: str, port: int, banner: str) -> None:
-    """optuna-dashboard's app on a server bound here, until Ctrl-C: a port in use or a host
-    that is not this machine's is one line, not a traceback from inside the dashboard."""
+def _serve(app: Callable, host: str, port: int, banner: str) -> None:
+    """A WSGI app (optuna-dashboard's) on a server bound here, until Ctrl-C or SIGTERM: a port
+    in use or a host that is not this machine's is one line, not a traceback from inside."""
     import errno
+    import signal
     import socket
-    from wsgiref.simple_server import WSGIServer, make_server
-
-    from optuna_dashboard import wsgi
+    import threading
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
     class Server(WSGIServer):
         # wsgiref listens on IPv4 unless told; an address such as ::1 needs IPv6.
         address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
 
+    class Handler(WSGIRequestHandler):
+        timeout = 10  # seconds: a client that stalls mid-request cannot hold up a stop
+
     try:
-        server = make_server(host, port, wsgi(storage), server_class=Server)
+        server = make_server(host, port, app, server_class=Server, handler_class=Handler)
     except OSError as e:  # in use, not an address of this host, unknown host name
         fix = (
             "another program listens there: choose another --port"
@@ -201,9 +204,28 @@ def _serve_dashboard(storage: object, host: str, port: int, banner: str) -> None
         raise HPOError(
             f"dashboard: cannot listen on {host}:{port} ({e.strerror or e}); {fix}"
         ) from e
-    print(banner)
-    with server:
-        server.serve_forever()
+    # A stop shuts the server down once the request in hand is answered. Raising from the
+    # signal handler would be swallowed by wsgiref's error handler when the signal lands inside
+    # a request, and the server would go on serving after its SIGTERM. A second stop is at once.
+    stops: list[str] = []
+
+    def stop(signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        if stops:
+            raise Interrupted(name)
+        stops.append(name)
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    before = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        print(banner, flush=True)
+        with server:
+            server.serve_forever(poll_interval=0.2)
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+    if stops:
+        raise Interrupted(stops[0])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -408,7 +430,9 @@ def _monitor(args: argparse.Namespace) -> int:
     if args.command == "dashboard":
         address = f"[{args.host}]" if ":" in args.host else args.host  # IPv6 in a URL
         banner = f"hpo: dashboard for {storage_url.describe()} on http://{address}:{args.port}/"
-        _serve_dashboard(storage, args.host, args.port, banner)
+        from optuna_dashboard import wsgi
+
+        _serve(wsgi(storage), args.host, args.port, banner)
         return 0
     if args.command == "studies":
         rows = report.studies(storage)

@@ -107,3 +107,38 @@ def _get_json(address: str, server: subprocess.Popen[bytes]) -> dict:
             if server.poll() is not None or time.monotonic() > deadline:
                 raise
             time.sleep(0.3)
+
+
+# A WSGI app that gets its server's SIGTERM while it answers a request: the moment when
+# wsgiref's own error handling once swallowed the stop and the dashboard served on.
+_STOPPED_MID_REQUEST = """
+import os, signal, sys
+from hpo.cli import _serve
+from hpo.stopping import Interrupted
+
+def app(environ, start_response):
+    os.kill(os.getpid(), signal.SIGTERM)
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"answered"]
+
+try:
+    _serve(app, "127.0.0.1", int(sys.argv[1]), "serving")
+except Interrupted as e:
+    print("stopped by", e.signal_name)
+"""
+
+
+def test_a_sigterm_during_a_request_answers_it_then_stops_the_server(tmp_path: Path) -> None:
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-c", _STOPPED_MID_REQUEST, str(port)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert server.stdout is not None and server.stdout.readline() == "serving\n"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30) as response:
+            assert response.read() == b"answered"
+        out, err = server.communicate(timeout=30)
+    finally:
+        server.kill()
+    assert server.returncode == 0 and out == "stopped by SIGTERM\n", err

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import pickle
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +139,65 @@ def test_cache_skips_tokenization_on_the_second_load(
     write_csv(train, easy_rows(21, 5))
     prepare_data(config, tokenizer)
     assert len(calls) == 4
+
+
+def test_cached_splits_are_memory_mapped_and_travel_as_their_path(
+    tmp_path: Path, tokenizer: Any
+) -> None:
+    train = write_csv(tmp_path / "train.csv", easy_rows(300, 5))
+    config = DataConfig(
+        train_file=str(train), eval_file=str(train), cache_dir=str(tmp_path / "cache")
+    )
+    split = prepare_data(config, tokenizer).train
+    assert isinstance(split.ids, np.memmap) and not split.ids.flags.writeable
+    assert split.cached_at is not None and split.cached_at.parent == tmp_path / "cache"
+    sent = pickle.dumps(split)
+    assert len(sent) < 1000 < split.ids.nbytes  # the path, not the tokens
+    got = pickle.loads(sent)
+    assert isinstance(got.ids, np.memmap) and got.cached_at == split.cached_at
+    np.testing.assert_array_equal(got.ids, split.ids)
+    # An entry removed meanwhile (a cleaned cache): the pages still mapped here travel instead.
+    shutil.rmtree(split.cached_at)
+    got = pickle.loads(pickle.dumps(split))
+    assert got.cached_at is None and not isinstance(got.ids, np.memmap)
+    np.testing.assert_array_equal(got.ids, split.ids)
+    np.testing.assert_array_equal(got.labels, split.labels)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "offsets of another split", "file missing"])
+def test_a_damaged_cache_entry_is_rebuilt(tmp_path: Path, tokenizer: Any, damage: str) -> None:
+    train = write_csv(tmp_path / "train.csv", easy_rows(30, 5))
+    config = DataConfig(
+        train_file=str(train), eval_file=str(train), cache_dir=str(tmp_path / "cache")
+    )
+    first = prepare_data(config, tokenizer).train
+    assert first.cached_at is not None
+    expected = np.array(first.ids), np.array(first.offsets)
+    entry = first.cached_at
+    del first
+    if damage == "truncated":
+        (entry / "ids.npy").write_bytes((entry / "ids.npy").read_bytes()[:100])
+    elif damage == "offsets of another split":
+        np.save(entry / "offsets.npy", np.arange(5, dtype=np.int64))
+    else:
+        (entry / "labels.npy").unlink()
+    again = prepare_data(config, tokenizer).train
+    np.testing.assert_array_equal(again.ids, expected[0])
+    np.testing.assert_array_equal(again.offsets, expected[1])
+    assert sorted(p.name for p in entry.parent.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_second_writer_of_an_entry_keeps_the_first(tmp_path: Path, tokenizer: Any) -> None:
+    train = write_csv(tmp_path / "train.csv", easy_rows(30, 5))
+    config = DataConfig(
+        train_file=str(train), eval_file=str(train), cache_dir=str(tmp_path / "cache")
+    )
+    first = prepare_data(config, tokenizer).train
+    assert first.cached_at is not None
+    written = sorted((p.name, p.stat().st_mtime_ns) for p in first.cached_at.iterdir())
+    data_module._save_split(first, first.cached_at)  # as a worker that lost the race would
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in first.cached_at.iterdir()) == written
+    assert not [p for p in first.cached_at.parent.iterdir() if p.name.startswith(".")]
 
 
 @pytest.mark.parametrize(

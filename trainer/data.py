@@ -8,9 +8,10 @@ import csv
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 from trainer.config import DataConfig
 from trainer.errors import DataError
 
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2  # 2: a folder of .npy files, memory-mapped; 1 was one .npz
 # Steps per shuffled pool that is sorted by length before it is cut into steps.
 STEPS_PER_LENGTH_POOL = 16
 
@@ -33,9 +34,20 @@ class TokenizedSplit:
     offsets: np.ndarray  # int64, len(labels) + 1
     type_ids: np.ndarray | None  # int8, same layout as ids, for models with segment embeddings
     labels: np.ndarray  # int64
+    # The cache entry these arrays are memory-mapped from, if any. A split from the cache is
+    # pickled (to a trial process) as this path alone: the receiver maps the same files, so
+    # the pages are shared by every process of the host instead of copied into each.
+    cached_at: Path | None = field(default=None, compare=False)
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self.cached_at is not None and self.cached_at.is_dir():
+            return (_load_split, (self.cached_at,))
+        arrays = (self.ids, self.offsets, self.type_ids, self.labels)
+        # Copies: a memory-mapped array whose files are gone pickles as plain data.
+        return (TokenizedSplit, tuple(None if a is None else np.asarray(a) for a in arrays))
 
     @property
     def lengths(self) -> np.ndarray:
@@ -328,15 +340,15 @@ def _tokenize_cached(
 ) -> TokenizedSplit:
     """`source` is (path, split); the split matters only for saved DatasetDict folders."""
     key = _cache_key(config, tokenizer, source, label_names)
-    path = cache_dir(config) / f"{key}.npz"
-    if path.exists():
+    path = cache_dir(config) / key
+    if path.is_dir():
         try:
             return _load_split(path)
-        except (OSError, ValueError, KeyError):
-            path.unlink(missing_ok=True)  # a corrupt entry is rebuilt below
-    split = tokenize_table(config, tokenizer, table, source[0], label_names)
-    _save_split(split, path)
-    return split
+        except (OSError, ValueError):
+            # A damaged entry is rebuilt below. Processes that map it keep their pages.
+            shutil.rmtree(path, ignore_errors=True)
+    _save_split(tokenize_table(config, tokenizer, table, source[0], label_names), path)
+    return _load_split(path)
 
 
 def tokenize_table(
@@ -420,26 +432,47 @@ def _content_hash(path: Path) -> str:
     return digest.hexdigest()
 
 
+_SPLIT_ARRAYS = {"ids": np.int32, "offsets": np.int64, "type_ids": np.int8, "labels": np.int64}
+
+
 def _save_split(split: TokenizedSplit, path: Path) -> None:
-    """Write atomically, so concurrent workers never read a half-written entry."""
+    """One .npy file per array in a folder that appears whole (written aside, then renamed),
+    so concurrent workers never read a half-written entry; the first writer's entry stays."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    arrays = {"ids": split.ids, "offsets": split.offsets, "labels": split.labels}
-    if split.type_ids is not None:
-        arrays["type_ids"] = split.type_ids
-    handle, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    aside = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     try:
-        with os.fdopen(handle, "wb") as out:
-            np.savez(out, **arrays)  # type: ignore[arg-type]
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        for name in _SPLIT_ARRAYS:
+            array = getattr(split, name)
+            if array is not None:
+                np.save(aside / f"{name}.npy", np.asarray(array, dtype=_SPLIT_ARRAYS[name]))
+        try:
+            aside.rename(path)
+        except OSError:
+            if not path.is_dir():  # not another worker's entry, written first: a real failure
+                raise
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def _load_split(path: Path) -> TokenizedSplit:
-    with np.load(path) as stored:
-        type_ids = stored["type_ids"] if "type_ids" in stored.files else None
-        return TokenizedSplit(stored["ids"], stored["offsets"], type_ids, stored["labels"])
+    """A cache entry, memory-mapped read-only; ValueError when its files do not fit together."""
+    arrays: dict[str, np.ndarray | None] = {}
+    for name, dtype in _SPLIT_ARRAYS.items():
+        file = path / f"{name}.npy"
+        if name == "type_ids" and not file.exists():
+            arrays[name] = None
+            continue
+        array = np.load(file, mmap_mode="r", allow_pickle=False)
+        if array.dtype != dtype or array.ndim != 1:
+            raise ValueError(f"{file}: {array.dtype}[{array.ndim}d], expected {dtype.__name__}")
+        arrays[name] = array
+    ids, offsets, type_ids, labels = (arrays[name] for name in _SPLIT_ARRAYS)
+    assert ids is not None and offsets is not None and labels is not None
+    if len(offsets) != len(labels) + 1 or offsets[0] != 0 or offsets[-1] != len(ids):
+        raise ValueError(f"{path}: offsets do not match ids and labels")
+    if type_ids is not None and len(type_ids) != len(ids):
+        raise ValueError(f"{path}: type_ids do not match ids")
+    return TokenizedSplit(ids, offsets, type_ids, labels, cached_at=path)
 
 
 # -- batching ------------------------------------------------------------------------------------

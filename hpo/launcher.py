@@ -1,9 +1,11 @@
-"""`hpo run --gpus`: one worker process per GPU of this host, each seeing only its own GPU, all
-stopped together by one Ctrl-C or SIGTERM.
+"""`hpo run --gpus` and `--workers-per-gpu`: worker processes for the GPUs of this host (one per
+GPU, or N sharing each, every one capped at its share of the GPU's memory), each seeing only its
+own GPU, all stopped together by one Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -12,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from types import FrameType
 
-from hpo.errors import ConfigError
+from hpo.errors import ConfigError, HPOError
 from hpo.logs import WORKER_LABEL_ENV
 from hpo.stopping import EXIT_INTERRUPTED
 
@@ -20,6 +22,9 @@ log = logging.getLogger(__name__)
 
 # Tests only: pretend this host has N GPUs; the workers then train on the CPU.
 FAKE_GPUS_ENV = "HPO_TEST_FAKE_GPUS"
+# Workers per GPU that `--workers-per-gpu` accepts, and those `auto` tries, most first.
+MAX_WORKERS_PER_GPU = 16
+AUTO_WORKERS_PER_GPU = (4, 2)
 
 
 def visible_gpus() -> list[str]:
@@ -63,32 +68,75 @@ def select_gpus(spec: str, visible: Sequence[str]) -> list[str]:
 
 
 def worker_argv(argv: Sequence[str]) -> list[str]:
-    """The `hpo run` arguments for one worker: the user's, without --gpus."""
+    """The `hpo run` arguments for one worker: the user's, without --gpus and --workers-per-gpu."""
     out: list[str] = []
     skip = False
     for arg in argv:
         if skip:
             skip = False
-        elif arg == "--gpus":
+        elif arg in ("--gpus", "--workers-per-gpu"):
             skip = True
-        elif not arg.startswith("--gpus="):
+        elif not arg.startswith(("--gpus=", "--workers-per-gpu=")):
             out.append(arg)
     return out
 
 
-def run_workers(gpus: Sequence[str], argv: Sequence[str]) -> int:
-    """Start one `hpo run` per GPU and wait for all of them. Ctrl-C or SIGTERM is passed to every
-    worker once; each hands its running trial back and exits."""
+def choose_workers_per_gpu(config: str, gpu: str, largest_batch: int) -> tuple[int, str]:
+    """`--workers-per-gpu auto`: the most workers (4, then 2) whose share of the GPU still holds
+    the search space's largest effective batch in one micro-batch, so that sharing never makes
+    a trial accumulate more steps than it would alone; else 1. Each share is measured by the
+    batch finder (`hpo batch-size`) in a process of its own on `gpu`, so this one holds no CUDA
+    context. Returns the number and why."""
+    for workers in AUTO_WORKERS_PER_GPU:
+        chosen = _largest_batch_within(config, gpu, 1 / workers)
+        if chosen >= largest_batch:
+            return workers, (
+                f"a 1/{workers} share of GPU {gpu} fits a physical batch of {chosen}, the largest "
+                f"effective batch of the search space is {largest_batch}"
+            )
+    return 1, f"a 1/2 share of GPU {gpu} does not fit the largest effective batch ({largest_batch})"
+
+
+def _largest_batch_within(config: str, gpu: str, share: float) -> int:
+    from trainer.memory import SHARE_ENV  # torch: imported only where workers start
+
     device = "cpu" if os.environ.get(FAKE_GPUS_ENV) else "cuda"
-    threads = max(1, (os.cpu_count() or 1) // len(gpus))
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu, SHARE_ENV: repr(share)}
+    command = [sys.executable, "-m", "hpo", "batch-size", "--config", config, "--device", device,
+               "--json", "--quiet"]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode not in (0, 1):  # 1: not even one example fits in the share
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise HPOError(
+            f"--workers-per-gpu auto: the batch search on GPU {gpu} failed ({last}); "
+            "give a number instead, e.g. --workers-per-gpu 2"
+        )
+    return int(json.loads(done.stdout)["chosen"])
+
+
+def run_workers(gpus: Sequence[str], argv: Sequence[str], per_gpu: int = 1) -> int:
+    """Start `per_gpu` workers (`hpo run`) on each GPU, each capped at 1/per_gpu of its memory,
+    and wait for all of them. Ctrl-C or SIGTERM is passed to every worker once; each hands its
+    running trial back and exits."""
+    from trainer.memory import SHARE_ENV  # torch: imported only where workers start
+
+    device = "cpu" if os.environ.get(FAKE_GPUS_ENV) else "cuda"
+    threads = max(1, (os.cpu_count() or 1) // (len(gpus) * per_gpu))
     workers = []
+    labels = []
     for gpu in gpus:
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu, WORKER_LABEL_ENV: f"gpu{gpu}"}
-        env.setdefault("OMP_NUM_THREADS", str(threads))  # the host's cores, shared
-        command = [sys.executable, "-m", "hpo", *worker_argv(argv), "--device", device]
-        # Their own process group: a terminal's Ctrl-C reaches them once, from here.
-        workers.append(subprocess.Popen(command, env=env, start_new_session=True))
-    log.info("started %d workers: GPUs %s", len(workers), ", ".join(gpus))
+        for k in range(per_gpu):
+            label = f"gpu{gpu}" if per_gpu == 1 else f"gpu{gpu}.{k}"
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu, WORKER_LABEL_ENV: label}
+            if per_gpu > 1:
+                env[SHARE_ENV] = repr(1 / per_gpu)
+            env.setdefault("OMP_NUM_THREADS", str(threads))  # the host's cores, shared
+            command = [sys.executable, "-m", "hpo", *worker_argv(argv), "--device", device]
+            # Their own process group: a terminal's Ctrl-C reaches them once, from here.
+            workers.append(subprocess.Popen(command, env=env, start_new_session=True))
+            labels.append(label)
+    shared = f", {per_gpu} per GPU, each with 1/{per_gpu} of its memory" if per_gpu > 1 else ""
+    log.info("started %d workers: GPUs %s%s", len(workers), ", ".join(gpus), shared)
     received: list[str] = []
 
     def forward(signum: int, frame: FrameType | None) -> None:
@@ -100,9 +148,9 @@ def run_workers(gpus: Sequence[str], argv: Sequence[str]) -> int:
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
     codes = [worker.wait() for worker in workers]
-    for gpu, code in zip(gpus, codes, strict=True):
+    for label, code in zip(labels, codes, strict=True):
         if code not in (0, EXIT_INTERRUPTED):
-            log.warning("the worker on GPU %s exited with code %d", gpu, code)
+            log.warning("the worker %s exited with code %d", label, code)
     if received:
         return EXIT_INTERRUPTED if received[0] == "SIGINT" else 0
     return next((code for code in codes if code != 0), 0)

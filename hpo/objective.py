@@ -47,7 +47,7 @@ from trainer.checkpoint import CheckpointStore
 from trainer.config import TrainJob
 from trainer.data import PreparedData
 from trainer.loop import Evaluation, TrainResult, grad_accum_steps_for, train
-from trainer.memory import OutOfMemoryAtBatchOne
+from trainer.memory import OutOfMemoryAtBatchOne, memory_share
 from trainer.model import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -98,6 +98,8 @@ class Objective:
         trial.set_user_attr("worker", worker_id())
         if worker_label() is not None:
             trial.set_user_attr("gpu", worker_label())
+        if memory_share() < 1:  # one of several workers on its GPU
+            trial.set_user_attr("memory_share", memory_share())
         changes: dict[str, Any] = {
             "params": sample(trial, self.task.config.search_space),
             "asked_at": _created_at(trial),

@@ -28,7 +28,14 @@ from trainer.batch_finder import (
 )
 from trainer.config import TrainJob
 from trainer.data import PreparedData, prepare_data
-from trainer.memory import BUDGET_ENV, MemoryBudget, OutOfMemoryAtBatchOne, is_oom
+from trainer.memory import (
+    BUDGET_ENV,
+    SHARE_ENV,
+    MemoryBudget,
+    OutOfMemoryAtBatchOne,
+    is_oom,
+    memory_share,
+)
 from trainer.model import load_tokenizer
 from trainer.progress import Progress
 
@@ -103,6 +110,33 @@ def test_finder_returns_floor_of_limit_times_margin(
         assert len(search.probes) <= 2 * math.log2(16)
         assert all(p.fits == (p.size <= limit) for p in search.probes)
         assert f"limit {limit}, chosen {search.chosen}" in search.report()
+
+
+def test_a_worker_sharing_its_gpu_searches_within_its_share(
+    long_prepared: tuple[TrainJob, PreparedData], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job, data = long_prepared
+    peaks = {size: probe_peak(job, data.label_names, size) for size in (6, 7, 12, 13)}
+    # The whole device fits exactly 12 examples; half of it fits no more than half of that.
+    monkeypatch.setenv(BUDGET_ENV, str((peaks[12] + peaks[13]) // 2))
+    alone = find_physical_batch_size(job, data.label_names, CPU)
+    key_alone = batch_key(job, CPU, "fp32")
+    monkeypatch.setenv(SHARE_ENV, "0.5")
+    shared = find_physical_batch_size(job, data.label_names, CPU)
+    assert alone.limit == 12 and shared.limit <= 6
+    # A share is part of the cache key: a half-GPU result never serves a whole-GPU worker.
+    key_shared = batch_key(job, CPU, "fp32")
+    assert key_shared["memory_share"] == 0.5 and "memory_share" not in key_alone
+    assert key_shared != key_alone
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "-0.5", "half", "nan"])
+def test_a_memory_share_outside_0_to_1_is_refused(
+    value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(SHARE_ENV, value)
+    with pytest.raises(ValueError, match=r"must be a number in \(0, 1\]"):
+        memory_share()
 
 
 def test_probes_leave_no_memory_behind(

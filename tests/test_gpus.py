@@ -1,4 +1,5 @@
-"""`hpo run --gpus`: which GPUs, one worker process each, and one Ctrl-C stops them all.
+"""`hpo run --gpus` and `--workers-per-gpu`: which GPUs, how many workers each, and one Ctrl-C
+stops them all.
 
 This host has no GPU: HPO_TEST_FAKE_GPUS makes hpo see N GPUs whose workers train on the CPU,
 which exercises everything but CUDA itself (the `gpu` tests do that where a GPU exists)."""
@@ -13,9 +14,12 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from hpo import launcher
+from hpo.cli import build_parser
 from hpo.errors import ConfigError
-from hpo.launcher import select_gpus, worker_argv
+from hpo.launcher import choose_workers_per_gpu, select_gpus, worker_argv
 from tests.conftest import run_hpo, start_hpo, tiny_config, wait_until_training, write_config
+from trainer.memory import BUDGET_ENV
 
 
 def test_gpu_lists_are_checked_against_the_visible_gpus() -> None:
@@ -100,3 +104,69 @@ def test_one_ctrl_c_stops_every_worker_and_hands_their_trials_back(
     assert {t.user_attrs.get("interrupted") for t in trials if t.state == TrialState.FAIL} == {
         "SIGINT"
     }
+
+
+def test_workers_per_gpu_values_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    parse = build_parser().parse_args
+    assert parse(["run", "--study", "s", "--workers-per-gpu", "2"]).workers_per_gpu == 2
+    assert parse(["run", "--study", "s", "--workers-per-gpu", "AUTO"]).workers_per_gpu == "auto"
+    for bad in ("0", "-1", "17", "two", "1.5", ""):
+        with pytest.raises(SystemExit) as exited:
+            parse(["run", "--study", "s", f"--workers-per-gpu={bad}"])
+        assert exited.value.code == 2
+        assert "argument --workers-per-gpu: got" in capsys.readouterr().err
+    argv = ["run", "--workers-per-gpu", "2", "--study", "s", "--workers-per-gpu=auto", "--quiet"]
+    assert worker_argv(argv) == ["run", "--study", "s", "--quiet"]
+
+
+def test_auto_picks_the_most_workers_whose_share_holds_the_largest_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fits = {0.25: 6, 0.5: 13}  # physical batch within a quarter and a half of the GPU
+    asked: list[float] = []
+
+    def within(config: str, gpu: str, share: float) -> int:
+        asked.append(share)
+        return fits[share]
+
+    monkeypatch.setattr(launcher, "_largest_batch_within", within)
+    assert choose_workers_per_gpu("c.yaml", "0", 6)[0] == 4 and asked == [0.25]
+    assert choose_workers_per_gpu("c.yaml", "0", 8)[0] == 2
+    workers, why = choose_workers_per_gpu("c.yaml", "0", 64)
+    assert workers == 1 and "does not fit the largest effective batch (64)" in why
+
+
+def test_explicit_workers_per_gpu_without_a_gpu_is_one_line(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    config = write_config(tmp_path / "c.yaml", tiny_config(*easy_data))
+    url = f"sqlite:///{tmp_path / 'g.db'}"
+    result = run_hpo("run", "--study", "g", "--config", str(config), "--storage", url,
+                     "--workers-per-gpu", "2", cwd=tmp_path, env=_cpu_only_env())  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "--workers-per-gpu 2: no GPU to share on this host" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "g.db").exists()
+
+
+def test_workers_per_gpu_auto_shares_one_gpu_and_keeps_the_budget_exact(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    # The physical batch is searched, within a simulated GPU whose quarter holds the largest
+    # effective batch of the space (8): auto starts 4 workers, each capped at a quarter.
+    raw = tiny_config(*easy_data, study={"n_trials": 4},
+                      training={"max_steps": 2, "physical_batch_size": "auto",
+                                "batch_search_max": 16})  # fmt: skip
+    config = write_config(tmp_path / "c.yaml", raw)
+    url = f"sqlite:///{tmp_path / 'g.db'}"
+    env = {"HPO_TEST_FAKE_GPUS": "1", BUDGET_ENV: str(2 << 30)}
+    result = run_hpo("run", "--study", "g", "--config", str(config), "--storage", url,
+                     "--workers-per-gpu", "auto", cwd=tmp_path, env=env)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--workers-per-gpu auto: 4 workers per GPU" in result.stderr
+    trials = optuna.load_study(study_name="g", storage=url).get_trials()
+    assert sorted(t.number for t in trials) == list(range(4))
+    assert all(t.state == TrialState.COMPLETE for t in trials)
+    assert {t.user_attrs["memory_share"] for t in trials} == {0.25}
+    assert {t.user_attrs["gpu"] for t in trials} <= {f"gpu0.{k}" for k in range(4)}
+    assert len({t.user_attrs["worker"] for t in trials}) >= 2
+    assert {t.user_attrs["batch_size_source"] for t in trials} <= {"search", "cache"}

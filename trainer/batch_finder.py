@@ -23,7 +23,9 @@ from trainer.config import TrainJob
 from trainer.memory import (
     OutOfMemoryAtBatchOne,
     budget_from_env,
+    claim_memory_share,
     is_oom,
+    memory_share,
     release_memory,
     simulated_budget,
 )
@@ -101,7 +103,7 @@ def batch_key(job: TrainJob, device: torch.device, precision: str) -> dict[str, 
     """Everything that changes the memory a step needs; the cache key of a search."""
     cfg = job.training
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    return {
+    key = {
         "model": model_fingerprint(job.model),
         "max_length": job.data.max_length,
         "precision": precision,
@@ -115,6 +117,10 @@ def batch_key(job: TrainJob, device: torch.device, precision: str) -> dict[str, 
         "torch": torch.__version__,
         "search": [cfg.batch_search_start, cfg.batch_search_max, cfg.batch_safety_margin],
     }
+    share = memory_share()
+    if share < 1:  # a worker sharing its GPU (keys of a whole GPU stay as they were)
+        key["memory_share"] = share
+    return key
 
 
 class BatchFinder:
@@ -123,6 +129,7 @@ class BatchFinder:
     def __init__(self, job: TrainJob, label_names: list[str], device: torch.device) -> None:
         self.job, self.cfg = job, job.training
         self.device = device
+        claim_memory_share(device)
         self.precision = dev.resolve_precision(self.cfg.precision, device)
         # Built once on the CPU; every probe moves a deep copy, so the search changes nothing.
         self.base_model = build_model(job.model, label_names, self.cfg.seed)

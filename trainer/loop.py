@@ -30,7 +30,13 @@ from trainer.loaders import (
     pad_multiple_for,
     to_device,
 )
-from trainer.memory import OutOfMemoryAtBatchOne, none_on_oom, release_memory, simulated_budget
+from trainer.memory import (
+    OutOfMemoryAtBatchOne,
+    claim_memory_share,
+    none_on_oom,
+    release_memory,
+    simulated_budget,
+)
 from trainer.metrics import is_better
 from trainer.model import build_model
 from trainer.progress import Progress
@@ -74,6 +80,7 @@ class Trainer:
     def __init__(self, job: TrainJob, data: PreparedData, metric: str = "accuracy") -> None:
         self.job, self.cfg, self.data, self.metric = job, job.training, data, metric
         self.device = dev.resolve_device(self.cfg.device)
+        claim_memory_share(self.device)
         self.precision = dev.resolve_precision(self.cfg.precision, self.device)
         dev.configure_backends(self.device, self.cfg.tf32)
         self._use_physical_batch(min(self._physical_batch_size(), self.cfg.effective_batch_size))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import os
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -16,6 +17,9 @@ from torch.utils._pytree import tree_flatten
 
 # Set by tests, never by users: a CPU run then raises torch.OutOfMemoryError past this many bytes.
 BUDGET_ENV = "HPO_TEST_MEMORY_BUDGET_BYTES"
+# The part of its GPU's memory this worker may use, when several workers share one GPU
+# (`hpo run --workers-per-gpu N` sets 1/N for each): a number in (0, 1].
+SHARE_ENV = "HPO_GPU_MEMORY_SHARE"
 
 # Allocation failures that cuDNN, cuBLAS and the CPU allocator report as plain RuntimeErrors.
 _OOM_MESSAGES = (
@@ -111,9 +115,33 @@ class MemoryBudget(TorchDispatchMode):
         return out
 
 
+def memory_share() -> float:
+    """This worker's share of its device's memory (SHARE_ENV), 1.0 when it has the device alone."""
+    value = os.environ.get(SHARE_ENV, "").strip()
+    if not value:
+        return 1.0
+    try:
+        share = float(value)
+    except ValueError:
+        share = math.nan
+    if not 0 < share <= 1:
+        raise ValueError(f"${SHARE_ENV} is {value!r}; it must be a number in (0, 1], e.g. 0.5")
+    return share
+
+
+def claim_memory_share(device: torch.device) -> None:
+    """Cap this process's CUDA allocations at its share of the GPU; an allocation past it raises
+    the same OOM as a full GPU, so the batch finder and the OOM recovery work within the share.
+    Call it in the process that trains, before it allocates: it initialises CUDA."""
+    share = memory_share()
+    if device.type == "cuda" and share < 1:
+        torch.cuda.set_per_process_memory_fraction(share, device)
+
+
 def budget_from_env() -> int | None:
+    """The simulated memory budget of a CPU test run, scaled by the worker's share."""
     value = os.environ.get(BUDGET_ENV)
-    return int(value) if value else None
+    return int(int(value) * memory_share()) if value else None
 
 
 @contextlib.contextmanager

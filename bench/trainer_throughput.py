@@ -31,7 +31,7 @@ from hpo.errors import USER_ERRORS
 from trainer import device as dev
 from trainer.config import TrainingConfig, TrainJob
 from trainer.data import PreparedData, TokenizedSplit, collate, prepare_data
-from trainer.loaders import num_workers_for, pad_multiple_for
+from trainer.loaders import num_workers_for, padding_for
 from trainer.loop import Trainer
 from trainer.model import build_model, load_tokenizer
 from trainer.step import grad_accum_steps_for, make_optimizer
@@ -225,7 +225,7 @@ def make_setup(args: argparse.Namespace) -> Setup:
         device=device,
         precision=precision,
         fused_adamw=optimizer_name == "adamw_fused",
-        pad_multiple=pad_multiple_for(device, config.model.compile),
+        pad_multiple=padding_for(device, config.model.compile, config.data.max_length).multiple,
     )
 
 
@@ -250,10 +250,10 @@ def warm_up(setup: Setup) -> int:
 def run_ours(setup: Setup) -> Run:
     job = TrainJob(data=setup.config.data, model=setup.config.model, training=setup.training)
     trainer = Trainer(job, setup.data, setup.config.study.primary_metric)
-    if trainer.pad_multiple != setup.pad_multiple:
+    if trainer.padding.multiple != setup.pad_multiple:
         raise RuntimeError(
-            f"trainer.loop pads to multiples of {trainer.pad_multiple}, the benchmark's HF "
-            f"collator to {setup.pad_multiple}; both should use trainer.loaders.pad_multiple_for"
+            f"trainer.loop pads to multiples of {trainer.padding.multiple}, the benchmark's HF "
+            f"collator to {setup.pad_multiple}; both should use trainer.loaders.padding_for"
         )
     counter = BatchCounter()
     handle = counter.attach(trainer.model)

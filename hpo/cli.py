@@ -639,8 +639,9 @@ def _apply_overrides(config: Config, args: argparse.Namespace) -> None:
                 f"--trial-timeout: got {args.trial_timeout}; must be a finite number > 0 seconds"
             )
         config.study.trial_timeout = args.trial_timeout
-    if args.gpus is not None and args.device is not None:
-        problems.append("--device: cannot be combined with --gpus, which sets each worker's GPU")
+    for flag, value in (("--gpus", args.gpus), ("--workers-per-gpu", args.workers_per_gpu)):
+        if value is not None and args.device is not None:
+            problems.append(f"--device: cannot be combined with {flag}, which sets the GPU")
     if args.device is not None:
         config.training.device = args.device
         for key, value, rule in config.training.problems():

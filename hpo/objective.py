@@ -339,6 +339,9 @@ def record_result(trial: TrialLike, result: TrainResult) -> None:
     }
     if result.batch_search is not None:
         attrs["batch_search"] = search_summary(result.batch_search)
+    if result.compiled is not None:  # 0 graphs: every shape ran on an earlier trial's kernels
+        attrs["compile_graphs"] = result.compiled.graphs
+        attrs["compile_s"] = round(result.compiled.seconds, 3)
     if result.best is not None:
         attrs["best_evaluation"] = dataclasses.asdict(result.best)
     if result.status == "early_stopped":

@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import MINILM_TOKENIZER, easy_rows, write_csv
 from trainer import data as data_module
 from trainer.config import DataConfig, ModelConfig
-from trainer.data import collate, eval_batches, plan_epoch, prepare_data
+from trainer.data import Padding, collate, eval_batches, plan_epoch, prepare_data
 from trainer.errors import DataError
 from trainer.model import load_tokenizer
 
@@ -274,12 +274,23 @@ def test_collate_pads_dynamically(tmp_path: Path, tokenizer: Any) -> None:
         [{"text": "one", "label": "a"}, {"text": "one two three four", "label": "b"}],
     )
     got = prepare_data(DataConfig(train_file=str(path), eval_file=str(path)), tokenizer)
-    batch = collate(got.train, np.array([0, 1]), got.pad_token_id, pad_to_multiple_of=8)
+    batch = collate(got.train, np.array([0, 1]), got.pad_token_id, Padding(8))
     width = int(got.train.lengths.max())
     assert batch["input_ids"].shape == (2, 8)
     assert batch["attention_mask"].sum(dim=1).tolist() == got.train.lengths.tolist()
     assert (batch["input_ids"][0, got.train.lengths[0] :] == got.pad_token_id).all()
     assert collate(got.train, np.array([0]), got.pad_token_id)["input_ids"].shape[1] < width
+
+
+def test_bucketed_padding_gives_few_widths_and_never_passes_max_length() -> None:
+    buckets = Padding(buckets=True, cap=512)
+    widths = {buckets.width(n) for n in range(1, 513)}
+    assert sorted(widths) == [32, 48, 64, 96, 128, 192, 256, 384, 512]
+    assert all(n <= buckets.width(n) <= max(32, n * 3 // 2) for n in range(1, 513))
+    assert Padding(buckets=True, cap=100).width(97) == 100  # the cap is a width of its own
+    assert Padding(buckets=True, cap=20).width(7) == 20
+    assert Padding(8, cap=128).width(121) == 128 and Padding(8).width(9) == 16
+    assert Padding().width(13) == 13
 
 
 def test_training_labels_that_are_all_the_same_are_rejected(tmp_path: Path, tokenizer: Any) -> None:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer import device as dev
+from trainer.compiled import compile_model
 from trainer.config import TrainJob
 from trainer.memory import (
     OutOfMemoryAtBatchOne,
@@ -173,7 +174,7 @@ class BatchFinder:
 
     def _worst_case_step(self, size: int) -> None:
         model = self._fresh_model()
-        forward = torch.compile(model) if self.job.model.compile else model
+        forward = compile_model(model) if self.job.model.compile else model
         optimizer, _ = make_optimizer(model, self.cfg)
         labels = torch.zeros(size, dtype=torch.long, device=self.device)
         # The first step allocates the AdamW state. The second accumulates two micro-batches,

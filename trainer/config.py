@@ -95,7 +95,11 @@ class ModelConfig:
     tokenizer: str | None = _doc("Tokenizer location, same forms as name_or_path; default: it.")
     attn_implementation: str = _doc("Attention kernel: sdpa, eager or flash_attention_2.", "sdpa")
     gradient_checkpointing: bool = _doc("Trade compute for activation memory.", False)
-    compile: bool = _doc("Wrap the model in torch.compile (recompiles per sequence length).", False)
+    compile: bool = _doc(
+        "torch.compile the model: once per worker (its kept trial process), batch dimension "
+        "dynamic, lengths padded to a few widths; trials record compile_graphs and compile_s.",
+        False,
+    )
 
     def problems(self) -> list[tuple[str, Any, str]]:
         found: list[tuple[str, Any, str]] = []

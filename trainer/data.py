@@ -512,30 +512,48 @@ def eval_batches(lengths: np.ndarray, batch_size: int) -> list[np.ndarray]:
     return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
+@dataclass(frozen=True)
+class Padding:
+    """How wide a batch is padded: its longest example, rounded up to `multiple` (8 feeds
+    tensor cores), or with `buckets` to the next of 32, 48, 64, 96, 128, 192, ... (two widths per
+    octave, at most a third of padding): a compiled model then sees a handful of shapes, so its
+    recompiles are few and bounded. Never wider than `cap` (the data's max_length)."""
+
+    multiple: int = 1
+    buckets: bool = False
+    cap: int | None = None
+
+    def width(self, longest: int) -> int:
+        if self.buckets:
+            width = 32
+            while width < longest:
+                width = width * 3 // 2 if width & (width - 1) == 0 else width * 4 // 3
+        else:
+            width = -(-longest // self.multiple) * self.multiple
+        return max(longest, min(width, self.cap)) if self.cap is not None else width
+
+
 class BatchCollator(torch.utils.data.Dataset):
     """`dataset[indices]` is one dynamically padded batch, so DataLoader workers do the padding."""
 
-    def __init__(
-        self, split: TokenizedSplit, pad_token_id: int, pad_to_multiple_of: int = 1
-    ) -> None:
+    def __init__(self, split: TokenizedSplit, pad_token_id: int, padding: Padding) -> None:
         self.split = split
         self.pad_token_id = pad_token_id
-        self.pad_to_multiple_of = pad_to_multiple_of
+        self.padding = padding
 
     def __len__(self) -> int:
         return len(self.split)
 
     def __getitem__(self, indices: Any) -> dict[str, torch.Tensor]:
-        return collate(self.split, np.asarray(indices), self.pad_token_id, self.pad_to_multiple_of)
+        return collate(self.split, np.asarray(indices), self.pad_token_id, self.padding)
 
 
 def collate(
-    split: TokenizedSplit, indices: np.ndarray, pad_token_id: int, pad_to_multiple_of: int = 1
+    split: TokenizedSplit, indices: np.ndarray, pad_token_id: int, padding: Padding = Padding()
 ) -> dict[str, torch.Tensor]:
     starts, ends = split.offsets[indices], split.offsets[indices + 1]
     lengths = ends - starts
-    width = int(lengths.max())
-    width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
+    width = padding.width(int(lengths.max()))
     input_ids = np.full((len(indices), width), pad_token_id, dtype=np.int64)
     mask = np.zeros((len(indices), width), dtype=np.int64)
     type_ids = (

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trainer.data import BatchCollator, TokenizedSplit
+from trainer.data import BatchCollator, Padding, TokenizedSplit
 
 LOADER_START_METHOD = "fork" if sys.platform == "linux" else None
 
@@ -49,9 +49,10 @@ def num_workers_for(configured: int | None, device: torch.device) -> int:
     return max(1, min(4, (os.cpu_count() or 2) // max(1, torch.cuda.device_count()) - 1))
 
 
-def pad_multiple_for(device: torch.device, compiled: bool) -> int:
-    """Pad to tensor-core friendly widths on CUDA; to few shapes (few recompiles) when compiled."""
-    return 32 if compiled else (8 if device.type == "cuda" else 1)
+def padding_for(device: torch.device, compiled: bool, max_length: int) -> Padding:
+    """Tensor-core friendly widths on CUDA; few shapes (bucketed widths, few recompiles) when
+    the model is compiled."""
+    return Padding(8 if device.type == "cuda" else 1, buckets=compiled, cap=max_length)
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class LoaderSettings:
     """How every loader of one run is built."""
 
     pad_token_id: int
-    pad_multiple: int
+    padding: Padding
     num_workers: int
     pin_memory: bool
     seed: int
@@ -70,7 +71,7 @@ class LoaderSettings:
         """A loader of `batches` (each a list of example indices of `split`), padded."""
         workers = self.num_workers
         return torch.utils.data.DataLoader(
-            BatchCollator(split, self.pad_token_id, self.pad_multiple),
+            BatchCollator(split, self.pad_token_id, self.padding),
             sampler=batches,
             batch_size=None,
             num_workers=workers,

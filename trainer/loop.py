@@ -20,6 +20,7 @@ import torch
 from trainer import device as dev
 from trainer.batch_finder import resolve_physical_batch
 from trainer.checkpoint import CheckpointStore
+from trainer.compiled import compile_model, compile_stats
 from trainer.config import TrainJob
 from trainer.data import PreparedData, collate, plan_epoch, split_micro_batches
 from trainer.evaluation import Evaluation, Evaluator, is_evaluation_step
@@ -27,7 +28,7 @@ from trainer.loaders import (
     LoaderSettings,
     PlanSampler,
     num_workers_for,
-    pad_multiple_for,
+    padding_for,
     to_device,
 )
 from trainer.memory import (
@@ -81,6 +82,7 @@ class Trainer:
         self.job, self.cfg, self.data, self.metric = job, job.training, data, metric
         self.device = dev.resolve_device(self.cfg.device)
         claim_memory_share(self.device)
+        self.compiled_before = compile_stats()
         self.precision = dev.resolve_precision(self.cfg.precision, self.device)
         dev.configure_backends(self.device, self.cfg.tf32)
         self._use_physical_batch(min(self._physical_batch_size(), self.cfg.effective_batch_size))
@@ -93,10 +95,10 @@ class Trainer:
         self._build_model_and_optimizer()
         self.class_weights = self._class_weights()
         self.pin = self.device.type == "cuda"
-        self.pad_multiple = pad_multiple_for(self.device, job.model.compile)
+        self.padding = padding_for(self.device, job.model.compile, job.data.max_length)
         self.loaders = LoaderSettings(
             data.pad_token_id,
-            self.pad_multiple,
+            self.padding,
             num_workers_for(self.cfg.num_workers, self.device),
             self.pin,
             self.cfg.seed,
@@ -115,7 +117,7 @@ class Trainer:
         self.model.to(self.device)
         self.forward_model: torch.nn.Module = self.model
         if self.job.model.compile:
-            self.forward_model = torch.compile(self.model)  # type: ignore[assignment]
+            self.forward_model = compile_model(self.model)
         self.optimizer, self.optimizer_name = make_optimizer(self.model, self.cfg)
         warmup = round(self.cfg.warmup_ratio * self.total_steps)
         self.scheduler = linear_schedule(self.optimizer, warmup, self.total_steps)
@@ -334,9 +336,7 @@ class Trainer:
             indices, grad_accum_steps_for(len(indices), self.physical_batch_size)
         )
         return [
-            self._to_device(
-                collate(self.data.train, part, self.data.pad_token_id, self.pad_multiple)
-            )
+            self._to_device(collate(self.data.train, part, self.data.pad_token_id, self.padding))
             for part in parts
         ]
 
@@ -426,6 +426,7 @@ class Trainer:
             optimizer=self.optimizer_name,
             metric=self.metric,
             oom_recoveries=self.oom_recoveries,
+            compiled=compile_stats() - self.compiled_before if self.job.model.compile else None,
         )
 
 

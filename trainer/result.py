@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trainer.batch_finder import BatchSearch
+from trainer.compiled import CompileStats
 from trainer.evaluation import Evaluation
 from trainer.progress import Status
 
@@ -36,6 +37,7 @@ class TrainResult:
     resumed_at_step: int | None = None
     checkpoint_errors: list[str] = field(default_factory=list)
     first_step_at: float | None = None  # wall clock (time.time()) after the first step
+    compiled: CompileStats | None = None  # what this run compiled, with model.compile
 
     @property
     def curve(self) -> list[float]:

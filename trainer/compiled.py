@@ -1,0 +1,91 @@
+"""`model.compile: true`: torch.compile, paid once per trial process rather than once per trial.
+
+The worker keeps its trial process from one trial to the next, and torch.compile treats a
+module's parameters as graph inputs, so a fresh model of the same architecture runs the graphs
+compiled for an earlier trial, provided that every trial compiles through the same backend
+object: `BACKEND`, one per process. What a trial compiles is counted (`compile_stats`): graphs
+and seconds spent in the compiler. Shapes are kept few: the batch dimension is marked dynamic
+(micro-batches of an accumulated step differ by one, evaluation batches are twice as large), and
+sequence lengths are padded to a handful of widths (`trainer.data.Padding`). Inductor keeps
+its caches in one folder per host (`inductor_cache_dir`), which every worker of the host shares.
+
+The only private torch names hpo uses for compilation are here, with a test that breaks when
+an upgrade moves them (tests/test_compiled.py).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Tests only: compile with this backend (aot_eager compiles in seconds on a CPU, inductor takes
+# minutes there); users get torch's default, inductor.
+BACKEND_ENV = "HPO_TEST_COMPILE_BACKEND"
+
+
+@dataclass(frozen=True)
+class CompileStats:
+    graphs: int = 0  # graphs compiled: the first ones, then every recompile
+    seconds: float = 0.0  # in the compiler backend (a lazily compiled backward graph excepted)
+
+    def __sub__(self, other: CompileStats) -> CompileStats:
+        return CompileStats(self.graphs - other.graphs, self.seconds - other.seconds)
+
+
+_stats = CompileStats()
+_lock = threading.Lock()
+
+
+def compile_stats() -> CompileStats:
+    """Everything compiled in this process so far; a run subtracts what it found at its start."""
+    return _stats
+
+
+def _compiler(name: str) -> Callable[..., Any]:
+    from torch._dynamo import lookup_backend  # private: see the module's docstring
+
+    return lookup_backend(name)
+
+
+def _counting_backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    global _stats
+    started = time.perf_counter()
+    try:
+        return _compiler(os.environ.get(BACKEND_ENV) or "inductor")(graph, example_inputs)
+    finally:
+        with _lock:
+            _stats = CompileStats(_stats.graphs + 1, _stats.seconds + time.perf_counter() - started)
+
+
+BACKEND = _counting_backend
+
+
+def _batch_dimension_dynamic(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+    from torch._dynamo import maybe_mark_dynamic  # private: see the module's docstring
+
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            maybe_mark_dynamic(value, 0)
+
+
+def compile_model(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` compiled through this process's one backend, its batch dimension dynamic."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
+    compiled: torch.nn.Module = torch.compile(model, backend=BACKEND)  # type: ignore[assignment]
+    compiled.register_forward_pre_hook(_batch_dimension_dynamic, with_kwargs=True)
+    return compiled
+
+
+def inductor_cache_dir() -> Path:
+    """Inductor's kernel and graph caches, beside hpo's token cache: every worker of the host
+    shares them, and they outlive a reboot (torch's default is under /tmp)."""
+    env = os.environ.get("HPO_CACHE_DIR")
+    base = Path(env).expanduser() if env else Path.home() / ".cache" / "hpo"
+    return base / "inductor"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import dataclasses
 import functools
 import json
 import math
@@ -437,25 +438,83 @@ def main() -> None:
         )
 
 
+def real_path(task: str) -> Path:
+    """Finished real studies of a task, one JSON line each, kept so that runs resume."""
+    return REPO / "bench" / "data" / f"search-{task}-real.jsonl"
+
+
 def real_runs(args: argparse.Namespace) -> None:
-    """Real studies, one at a time per job, then the same table as the replay's."""
+    """Real studies (each finished one saved at once, so a stopped run resumes), then the
+    same table as the replay's, and the replay's spread for the same strategies beside them."""
     strategies = args.strategy or ["random, no pruning", "hpo default"]
     for task in args.task or ["nli-scratch"]:
         config, _, _ = load_task(task)
         n_trials = config.study.n_trials or 20
         total = math.ceil(args.budget * n_trials)
+        path = real_path(task)
+        lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+        done = [Search(**json.loads(line)) for line in lines if line.strip()]
+        done = [s for s in done if len(s.best) == total]
+        have = {(s.strategy, s.seed) for s in done}
         started = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="hpo-search-") as folder:
             jobs = [(task, s, seed, total, Path(folder)) for s in strategies
-                    for seed in range(args.seeds)]  # fmt: skip
+                    for seed in range(args.seeds) if (s, seed) not in have]  # fmt: skip
             with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
-                searches = pool.starmap(real_search, jobs, chunksize=1)
-        for search in searches:
-            print(f"{search.strategy}, seed {search.seed}: best {search.best[-1]:.4f}, "
-                  f"{search.samples[-1] / 1e6:.3f} M samples, {search.pruned} pruned")  # fmt: skip
+                for search in pool.imap_unordered(_real_search, jobs):
+                    with path.open("a", encoding="utf-8") as out:
+                        out.write(json.dumps(dataclasses.asdict(search)) + "\n")
+                    done.append(search)
+                    print(f"{search.strategy}, seed {search.seed}: best {search.best[-1]:.4f}, "
+                          f"{search.samples[-1] / 1e6:.3f} M samples, {search.pruned} pruned",
+                          flush=True)  # fmt: skip
+        searches = [s for s in done if s.strategy in strategies and s.seed < args.seeds]
         print("\n".join(report(task, searches, n_trials, args.unit)))
-        print(f"({len(jobs)} real studies of {total} trials in "
-              f"{time.perf_counter() - started:.0f} s)\n")  # fmt: skip
+        print(f"({len(jobs)} real studies of {total} trials run in "
+              f"{time.perf_counter() - started:.0f} s; {len(searches) - len(jobs)} read from "
+              f"{path.relative_to(REPO)})\n")  # fmt: skip
+        print("\n".join(agreement(task, searches, n_trials, args.unit)))
+
+
+def _real_search(job: tuple[str, str, int, int, Path]) -> Search:
+    return real_search(*job)
+
+
+def agreement(task: str, real: list[Search], n_trials: int, unit: str) -> list[str]:
+    """Real studies against 100 replayed ones of the same strategies: where each real study's
+    best value and compute fall in the replay's spread."""
+    replayed = [replay(task, s, seed, n_trials) for s in sorted({r.strategy for r in real})
+                for seed in range(100)]  # fmt: skip
+    lines = [
+        f"| strategy | real: best after {n_trials} trials, per seed | replay (100 seeds): "
+        f"best, median [10th, 90th percentile] | real: compute ({unit}) | replay: compute, "
+        "median [10th, 90th] |",
+        "|---|---|---|---|---|",
+    ]
+    for strategy in sorted({r.strategy for r in real}):
+        runs = sorted((r for r in real if r.strategy == strategy), key=lambda r: r.seed)
+        ours = [r for r in replayed if r.strategy == strategy]
+        best = sorted(r.best[n_trials - 1] for r in ours)
+        used = sorted(_used(r, unit)[n_trials - 1] for r in ours)
+        scale = 1e6 if unit == "samples" else 3600.0
+        lines.append(
+            f"| {strategy} | {', '.join(f'{r.best[n_trials - 1]:.4f}' for r in runs)} "
+            f"| {_spread(best, 1.0, '.4f')} "
+            f"| {', '.join(f'{_used(r, unit)[n_trials - 1] / scale:.3f}' for r in runs)} "
+            f"| {_spread(used, scale, '.3f')} |"
+        )
+    return lines
+
+
+def _used(search: Search, unit: str) -> list[float]:
+    return search.samples if unit == "samples" else search.seconds
+
+
+def _spread(values: list[float], scale: float, form: str) -> str:
+    def at(q: float) -> float:
+        return values[min(len(values) - 1, round(q * (len(values) - 1)))] / scale
+
+    return f"{format(at(0.5), form)} [{format(at(0.1), form)}, {format(at(0.9), form)}]"
 
 
 if __name__ == "__main__":

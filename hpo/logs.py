@@ -48,7 +48,10 @@ def setup_logging(level: int) -> None:
 
 
 def set_optuna_verbosity(level: int) -> None:
-    """Optuna resets its logger when imported: call this once it is."""
+    """Optuna resets its logger when imported: call this once it is. Optuna's messages then go
+    through hpo's handler, in hpo's format (not a second format of Optuna's own)."""
     import optuna
 
     optuna.logging.set_verbosity(level)
+    optuna.logging.disable_default_handler()
+    optuna.logging.enable_propagation()

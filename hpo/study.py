@@ -97,8 +97,9 @@ def build_pruner(cfg: PrunerConfig) -> optuna.pruners.BasePruner:
 
 @contextlib.contextmanager
 def _experimental_features() -> Iterator[None]:
-    """TPE's multivariate, group and constant_liar and the PatientPruner are "experimental" in
-    Optuna (for years now): one warning per worker that tells a user of hpo nothing."""
+    """TPE's multivariate, group and constant_liar, the PatientPruner and metric names are
+    "experimental" in Optuna (for years now): one warning per worker that tells a user of hpo
+    nothing."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         yield
@@ -163,6 +164,10 @@ def open_study(storage: StudyStorage, name: str, config: Config) -> optuna.Study
         sampler=build_sampler(config.study.sampler, worker_index, config.search_space),
         pruner=pruner,
     )
+    # Named metrics: the dashboard shows "accuracy", not "Objective 0".
+    if study.metric_names != config.study.objectives:
+        with _experimental_features():
+            study.set_metric_names(config.study.objectives)
     if config.study.enqueue:
         budget = config.study.n_trials
         if budget is not None and len(config.study.enqueue) > budget:

@@ -39,6 +39,8 @@ def run_small_study(
     result = run_study(config, storage_url, tmp_path, study=study)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "best trial #" in result.stdout
+    # Optuna's own lines come in hpo's format, not in a second one ("[I 2026-...]").
+    assert "[optuna." in result.stderr and "\n[I 20" not in result.stderr, result.stderr[-3000:]
     # A second worker finds the study's budget spent and starts nothing.
     again = run_study(config, storage_url, tmp_path, study=study)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -67,3 +69,4 @@ def check_small_study(study: optuna.Study) -> None:
         assert trial.intermediate_values  # reported as the trial ran
     assert study.best_trial.number in (0, 1)
     assert study.user_attrs["metric"] == "accuracy"
+    assert study.metric_names == ["accuracy"]  # named in the dashboard

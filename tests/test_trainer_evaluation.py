@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from tests.test_trainer import tiny_job
 from trainer import evaluation
-from trainer.data import TokenizedSplit, prepare_data
+from trainer.data import Padding, TokenizedSplit, prepare_data
 from trainer.evaluation import Evaluator, is_evaluation_step
 from trainer.loaders import LoaderSettings
 from trainer.loop import Trainer
@@ -102,7 +102,7 @@ def test_metrics_follow_the_labels_of_each_batch_in_any_order(
         "eval_batches",
         lambda _, size: [order[i : i + size] for i in range(0, 60, size)],
     )
-    settings = LoaderSettings(pad_token_id=0, pad_multiple=1, num_workers=0, pin_memory=False,
+    settings = LoaderSettings(pad_token_id=0, padding=Padding(), num_workers=0, pin_memory=False,
                               seed=0)  # fmt: skip
     metrics = Evaluator(split, 3, 8, settings, CPU, "fp32")(FirstTokenIsTheClass(3))
     assert metrics["accuracy"] == 1.0 and metrics["macro_f1"] == 1.0

@@ -164,12 +164,20 @@ def _add_monitoring_commands(commands: argparse._SubParsersAction) -> None:
     best = add("best", help="print the best trial of a study")
     status = add("status", help="summarise a study: states, running, failures")
     dashboard = add("dashboard", help="serve optuna-dashboard on the storage")
-    for sub in (studies, best, status, dashboard):
+    report = add(
+        "report", help="write a study's report: one HTML page that opens offline, or Markdown"
+    )
+    for sub in (studies, best, status, dashboard, report):
         sub.add_argument("--storage", default=None, help=storage_help)
         sub.add_argument("--debug", action="store_true", help="show tracebacks")
         sub.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
-    for sub in (best, status):
+    for sub in (best, status, report):
         sub.add_argument("--study", required=True, help="study name")
+    report.add_argument("--format", choices=["html", "md"], default="html")
+    report.add_argument(
+        "--out", type=Path, default=None,
+        help="file to write (default: hpo-report-<study>.html here; Markdown: standard output)",
+    )  # fmt: skip
     for sub in (studies, best, status):
         sub.add_argument("--json", action="store_true", help="machine-readable output")
     dashboard.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost)")
@@ -504,6 +512,8 @@ def _monitor(args: argparse.Namespace) -> int:
         study = optuna.load_study(study_name=args.study, storage=storage)
     except KeyError as e:
         raise HPOError(f"no study {args.study!r} in {storage_url.masked}; see `hpo studies`") from e
+    if args.command == "report":
+        return _write_report(study, args.format, args.out)
     if args.command == "best":
         best = report.best_trials(study)
         if not best:
@@ -519,6 +529,39 @@ def _monitor(args: argparse.Namespace) -> int:
         if args.json
         else "\n".join(report.status_lines(summary))
     )
+    return 0
+
+
+def _write_report(study: Any, form: str, out: Path | None) -> int:
+    """The report to `out` (written aside, then renamed: never half a file), or Markdown to
+    standard output."""
+    import tempfile
+
+    from hpo import study_report
+    from hpo.checkpoints import study_folder_name
+
+    text = study_report.markdown(study) if form == "md" else study_report.html_page(study)
+    if out is None and form == "md":
+        print(text, end="")
+        return 0
+    out = out or Path(f"hpo-report-{study_folder_name(study.study_name)}.html")
+    if not out.parent.is_dir() or out.is_dir():
+        raise HPOError(f"--out {out}: no such folder, or a folder; name a file in a folder")
+    try:
+        handle, aside = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    except OSError as e:
+        raise HPOError(f"--out {out}: cannot write there ({e.strerror or e})") from e
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            file.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(aside, 0o666 & ~umask)  # as any new file, not mkstemp's owner-only mode
+        os.replace(aside, out)
+    except OSError as e:
+        Path(aside).unlink(missing_ok=True)
+        raise HPOError(f"--out {out}: cannot write it ({e.strerror or e})") from e
+    print(f"hpo: report of study {study.study_name!r} written to {out}")
     return 0
 
 

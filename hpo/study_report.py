@@ -1,0 +1,291 @@
+"""`hpo report`: a study on one page. HTML that opens offline (plotly's JavaScript inlined, nothing
+fetched), with Optuna's own plots where it has them; or the same summary and tables as Markdown.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import shlex
+from collections.abc import Callable
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from hpo import report
+
+PRUNED_GREY = "#b0b0b0"
+
+
+def markdown(study: optuna.Study) -> str:
+    """Summary, best configuration, reasons and every trial, as Markdown."""
+    lines = [f"# Study {study.study_name!r}", ""]
+    lines += [f"- {line}" for line in _summary(study)]
+    lines += ["", "## Best configuration", "", *_best_block(study, fence="```"), ""]
+    for title, rows in _reason_tables(study):
+        lines += [f"## {title}", "", "| reason | trials |", "|---|---:|"]
+        lines += [f"| {reason} | {count} |" for reason, count in rows] or ["| none | 0 |"]
+        lines.append("")
+    header, table = _trial_table(study)
+    lines += ["## Trials", "", "| " + " | ".join(header) + " |"]
+    lines.append("|" + "---|" * len(header))
+    lines += ["| " + " | ".join(row) + " |" for row in table]
+    return "\n".join(lines) + "\n"
+
+
+def html_page(study: optuna.Study) -> str:
+    """The whole report, one self-contained HTML page."""
+    sections = []
+    first = True
+    finished = bool(_trials(study, TrialState.COMPLETE, TrialState.PRUNED))
+    for title, build in _plots(study):
+        try:
+            if not finished:  # Optuna's plots would draw empty axes
+                raise ValueError("no trial has finished yet")
+            figure = build()
+        except (ValueError, RuntimeError, ZeroDivisionError) as e:  # too few trials for it
+            sections.append(f"<h2>{html.escape(title)}</h2><p class=note>not drawn: {e}</p>")
+            continue
+        figure.update_layout(height=420, margin={"t": 40})
+        body = figure.to_html(full_html=False, include_plotlyjs=first, config={"responsive": True})
+        first = False
+        sections.append(f"<h2>{html.escape(title)}</h2><div class=plot>{body}</div>")
+    summary = "".join(f"<li>{html.escape(line)}</li>" for line in _summary(study))
+    best = html.escape("\n".join(_best_block(study, fence="")))
+    reasons = "".join(
+        f"<h2>{html.escape(title)}</h2>" + _html_table(["reason", "trials"], rows or [("none", 0)])
+        for title, rows in _reason_tables(study)
+    )
+    header, rows = _trial_table(study)
+    name = html.escape(study.study_name)
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>hpo report: {name}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }}
+table {{ border-collapse: collapse; font-size: 0.9em; }}
+td, th {{ border: 1px solid #ccc; padding: 0.2em 0.6em; text-align: left; }}
+pre {{ background: #f4f4f4; padding: 0.8em; overflow-x: auto; }}
+.note {{ color: #777; }}
+</style></head><body>
+<h1>Study {name}</h1>
+<ul>{summary}</ul>
+<h2>Best configuration</h2>
+<pre>{best}</pre>
+{"".join(sections)}
+{reasons}
+<h2>Trials</h2>
+{_html_table(header, rows)}
+</body></html>
+"""
+
+
+# -- what the page says ------------------------------------------------------------------------
+
+
+def _summary(study: optuna.Study) -> list[str]:
+    status = report.status(study)
+    states = ", ".join(f"{n} {s}" for s, n in sorted(status["trials"].items())) or "no trials"
+    metrics = ", ".join(_metric_names(study))
+    directions = ", ".join(d.name.lower() for d in study.directions)
+    lines = [
+        f"trials: {states}",
+        f"objective: {metrics} ({directions})",
+        f"device-hours: {status['device_hours']:.3f}; trials per hour: "
+        f"{status['trials_per_hour'] or 0:.1f}",
+    ]
+    if status["best"] is not None:
+        lines.append(f"best: trial #{status['best']['number']}, {status['best']['value']:.4f}")
+    for trial in status["pareto_front"] or []:
+        values = ", ".join(f"{v:.4f}" for v in trial["values"])
+        lines.append(f"Pareto front: trial #{trial['number']}, {values}")
+    return lines
+
+
+def _best_block(study: optuna.Study, fence: str) -> list[str]:
+    best = report.best_trials(study)
+    if not best:
+        return ["no completed trial yet"]
+    params = best[0]["params"]
+    text = json.dumps(params, sort_keys=True)
+    lines = [f"trial #{best[0]['number']}: {text}"]
+    model = best[0]["user_attrs"].get("best_model")
+    if model:
+        lines.append(f"model: {model} (AutoModelForSequenceClassification.from_pretrained)")
+    lines += [
+        "",
+        "To train this configuration again, add it to your config and run one trial:",
+        *([fence] if fence else []),
+        "study:",
+        f"  enqueue: [{text}]",
+        *([fence, ""] if fence else [""]),
+        *([fence] if fence else []),
+        f"hpo run --study {shlex.quote(study.study_name + '-again')} --config YOUR_CONFIG.yaml "
+        "--n-trials 1",
+        *([fence] if fence else []),
+    ]
+    return lines
+
+
+def _reason_tables(study: optuna.Study) -> list[tuple[str, list[tuple[str, int]]]]:
+    status = report.status(study)
+    return [
+        ("Failures by reason", list(status["failures"].items())),
+        ("Prunes by reason", list(status["prunes"].items())),
+    ]
+
+
+def _trial_table(study: optuna.Study) -> tuple[list[str], list[list[str]]]:
+    names = sorted({k for t in study.get_trials(deepcopy=False) for k in t.params})
+    header = ["#", "state", *_metric_names(study), *names, "samples/s", "physical batch"]
+    rows = []
+    for trial in study.get_trials(deepcopy=False):
+        values = trial.values or [None] * len(study.directions)
+        rows.append(
+            [
+                str(trial.number),
+                trial.state.name.lower(),
+                *(_number(v) for v in values),
+                *(_number(trial.params.get(n)) for n in names),
+                _number(trial.user_attrs.get("samples_per_s")),
+                _number(trial.user_attrs.get("physical_batch_size")),
+            ]
+        )
+    return header, rows
+
+
+def _number(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _html_table(header: list[str], rows: list[Any]) -> str:
+    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows
+    )
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _metric_names(study: optuna.Study) -> list[str]:
+    return study.metric_names or [f"objective {i}" for i in range(len(study.directions))]
+
+
+# -- the plots ---------------------------------------------------------------------------------
+
+
+def _plots(study: optuna.Study) -> list[tuple[str, Callable[[], Any]]]:
+    import optuna.visualization as vis
+
+    names = _metric_names(study)
+    if len(study.directions) > 1:
+        return [
+            ("Pareto front", lambda: vis.plot_pareto_front(study, target_names=names)),
+            ("Learning rate against effective batch size", lambda: _lr_batch(study)),
+            ("Throughput and peak memory by physical batch size", lambda: _throughput(study)),
+        ]
+    return [
+        ("Optimization history",
+         lambda: vis.plot_optimization_history(study, target_name=names[0])),
+        ("Learning rate against effective batch size", lambda: _lr_batch(study)),
+        ("Parameter importances", lambda: vis.plot_param_importances(study, target_name=names[0])),
+        ("Learning curves (pruned in grey)", lambda: _curves(study)),
+        ("Parallel coordinates",
+         lambda: vis.plot_parallel_coordinate(study, target_name=names[0])),
+        ("Throughput and peak memory by physical batch size", lambda: _throughput(study)),
+    ]  # fmt: skip
+
+
+def _trials(study: optuna.Study, *states: TrialState) -> list[FrozenTrial]:
+    return study.get_trials(deepcopy=False, states=states)
+
+
+def _lr_batch(study: optuna.Study) -> Any:
+    import plotly.graph_objects as go
+
+    figure = go.Figure()
+    complete = [
+        t for t in _trials(study, TrialState.COMPLETE) if {"learning_rate", "effective_batch_size"}
+        <= set(t.params)
+    ]  # fmt: skip
+    pruned = [
+        t for t in _trials(study, TrialState.PRUNED) if {"learning_rate", "effective_batch_size"}
+        <= set(t.params)
+    ]  # fmt: skip
+    if not complete and not pruned:
+        raise ValueError("no trial samples both learning_rate and effective_batch_size")
+    figure.add_trace(
+        go.Scatter(
+            x=[t.params["effective_batch_size"] for t in complete],
+            y=[t.params["learning_rate"] for t in complete],
+            mode="markers", name="complete",
+            marker={"size": 11, "color": [t.values[0] for t in complete], "colorscale": "Viridis",
+                    "showscale": True, "colorbar": {"title": _metric_names(study)[0]}},
+            text=[f"#{t.number}: {t.values[0]:.4f}" for t in complete],
+        )
+    )  # fmt: skip
+    figure.add_trace(
+        go.Scatter(
+            x=[t.params["effective_batch_size"] for t in pruned],
+            y=[t.params["learning_rate"] for t in pruned],
+            mode="markers", name="pruned",
+            marker={"size": 9, "color": PRUNED_GREY, "symbol": "x"},
+            text=[f"#{t.number}: pruned" for t in pruned],
+        )
+    )  # fmt: skip
+    figure.update_xaxes(title="effective batch size", type="log")
+    figure.update_yaxes(title="learning rate", type="log")
+    return figure
+
+
+def _curves(study: optuna.Study) -> Any:
+    import plotly.graph_objects as go
+
+    figure = go.Figure()
+    trials = _trials(study, TrialState.COMPLETE, TrialState.PRUNED)
+    drawn = [t for t in trials if t.intermediate_values]
+    if not drawn:
+        raise ValueError("no trial has reported an evaluation yet")
+    for trial in drawn:
+        steps = sorted(trial.intermediate_values)
+        pruned = trial.state == TrialState.PRUNED
+        figure.add_trace(
+            go.Scatter(
+                x=steps, y=[trial.intermediate_values[s] for s in steps], mode="lines+markers",
+                name=f"#{trial.number}" + (" (pruned)" if pruned else ""),
+                line={"color": PRUNED_GREY} if pruned else None,
+            )
+        )  # fmt: skip
+    figure.update_xaxes(title="evaluation")
+    figure.update_yaxes(title=_metric_names(study)[0])
+    return figure
+
+
+def _throughput(study: optuna.Study) -> Any:
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    trials = [
+        t for t in _trials(study, TrialState.COMPLETE, TrialState.PRUNED)
+        if "physical_batch_size" in t.user_attrs and "samples_per_s" in t.user_attrs
+    ]  # fmt: skip
+    if not trials:
+        raise ValueError("no trial has recorded its throughput yet")
+    figure = make_subplots(rows=1, cols=2, subplot_titles=("samples/s", "peak memory (GiB)"))
+    batch = [t.user_attrs["physical_batch_size"] for t in trials]
+    labels = [f"#{t.number}" for t in trials]
+    figure.add_trace(
+        go.Scatter(x=batch, y=[t.user_attrs["samples_per_s"] for t in trials], mode="markers",
+                   text=labels, name="samples/s"), row=1, col=1,
+    )  # fmt: skip
+    peaks = [t.user_attrs.get("peak_mem_bytes", math.nan) / 2**30 for t in trials]
+    figure.add_trace(
+        go.Scatter(x=batch, y=peaks, mode="markers", text=labels, name="peak memory"),
+        row=1, col=2,
+    )  # fmt: skip
+    figure.update_xaxes(title="physical batch size")
+    return figure

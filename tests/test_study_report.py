@@ -1,0 +1,103 @@
+"""`hpo report`: a study on one offline HTML page, or Markdown; bad arguments are one line."""
+
+from __future__ import annotations
+
+import html
+import random
+import re
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+
+from hpo import study_report
+from tests.conftest import run_hpo
+
+
+def finished_study(url: str, name: str = "watched") -> optuna.Study:
+    """Complete, pruned and failed trials with the attributes hpo records."""
+    rng = random.Random(0)
+    study = optuna.create_study(study_name=name, storage=url, direction="maximize")
+    study.set_metric_names(["accuracy"])
+    for i in range(10):
+        trial = study.ask()
+        trial.suggest_float("learning_rate", 1e-5, 1e-2, log=True)
+        batch = trial.suggest_categorical("effective_batch_size", [16, 32, 64])
+        trial.set_user_attr("samples_per_s", 100.0 + batch)
+        trial.set_user_attr("physical_batch_size", batch)
+        trial.set_user_attr("peak_mem_bytes", batch * 2**24)
+        for step in range(3):
+            trial.report(0.3 + 0.1 * step + rng.random() * 0.1, step)
+        if i % 4 == 3:
+            trial.set_user_attr("prune_reason", "pruner: accuracy=0.3 at evaluation 1")
+            study.tell(trial, state=TrialState.PRUNED)
+        elif i == 5:
+            trial.set_user_attr("fail_reason", "RuntimeError: NaN loss")
+            study.tell(trial, state=TrialState.FAIL)
+        else:
+            study.tell(trial, 0.5 + rng.random() * 0.4)
+    return study
+
+
+PLOTS = [
+    "Optimization history",
+    "Learning rate against effective batch size",
+    "Parameter importances",
+    "Learning curves (pruned in grey)",
+    "Parallel coordinates",
+    "Throughput and peak memory by physical batch size",
+]
+
+
+def test_the_html_report_draws_every_plot_and_fetches_nothing(tmp_path: Path) -> None:
+    study = finished_study(f"sqlite:///{tmp_path / 'r.db'}")
+    page = study_report.html_page(study)
+    for title in PLOTS:
+        assert f"<h2>{title}</h2><div class=plot>" in page, title
+    assert "not drawn" not in page
+    assert len(re.findall(r'class="plotly-graph-div"', page)) == len(PLOTS)
+    assert page.count("plotly.js v") == 1  # the library once, inlined
+    assert not re.search(r"<script[^>]+src=", page)  # nothing to fetch: opens offline
+    assert "NaN loss" not in page and "RuntimeError" in page  # reasons by kind
+    best = study.best_trial
+    assert f"trial #{best.number}: " in page and "enqueue: [" in page
+
+
+def test_an_empty_study_and_one_with_two_objectives(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    empty = optuna.create_study(study_name="empty", storage=url)
+    page = study_report.html_page(empty)
+    assert "no completed trial yet" in page and page.count("not drawn") == len(PLOTS)
+    pareto = optuna.create_study(study_name="two", storage=url, directions=["maximize"] * 2)
+    pareto.set_metric_names(["accuracy", "samples_per_s"])
+    for accuracy, speed in ((0.9, 100.0), (0.8, 300.0), (0.7, 50.0)):
+        trial = pareto.ask()
+        trial.suggest_float("learning_rate", 1e-5, 1e-2, log=True)
+        pareto.tell(trial, [accuracy, speed])
+    page = study_report.html_page(pareto)
+    assert "<h2>Pareto front</h2><div class=plot>" in page
+    assert "Pareto front: trial #0" in page and "Pareto front: trial #2" not in page
+    text = study_report.markdown(pareto)
+    assert "| # | state | accuracy | samples_per_s | learning_rate |" in text
+
+
+def test_hpo_report_through_the_cli(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    finished_study(url, name="it's/../odd")
+    done = run_hpo("report", "--study", "it's/../odd", "--storage", url, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    [page] = tmp_path.glob("hpo-report-*.html")  # a safe file name, in this folder
+    assert page.stat().st_mode & 0o044 == 0o044  # readable like any file, not mkstemp's 0600
+    assert "--study 'it'\"'\"'s/../odd-again'" in html.unescape(page.read_text(encoding="utf-8"))
+    md = run_hpo("report", "--study", "it's/../odd", "--storage", url, "--format", "md",
+                 cwd=tmp_path)  # fmt: skip
+    assert md.returncode == 0 and md.stdout.startswith('# Study "it\'s/../odd"')
+    assert "| 9 | complete |" in md.stdout
+    missing = tmp_path / "no" / "such" / "r.html"
+    bad = run_hpo("report", "--study", "it's/../odd", "--storage", url, "--out", str(missing),
+                  cwd=tmp_path)  # fmt: skip
+    assert bad.returncode == 2 and "no such folder" in bad.stderr
+    assert "Traceback" not in bad.stderr and not (tmp_path / "no").exists()
+    unknown = run_hpo("report", "--study", "nope", "--storage", url, cwd=tmp_path)
+    assert unknown.returncode == 2 and "no study 'nope'" in unknown.stderr
+    assert len(list(tmp_path.glob("hpo-report-*"))) == 1 and not list(tmp_path.glob(".hpo-*"))

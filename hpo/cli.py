@@ -173,7 +173,16 @@ def _add_monitoring_commands(commands: argparse._SubParsersAction) -> None:
         sub.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
     for sub in (best, status, report):
         sub.add_argument("--study", required=True, help="study name")
-    report.add_argument("--format", choices=["html", "md"], default="html")
+    report.add_argument(
+        "--format", choices=["html", "md"], default="html", help="html (default) or md"
+    )
+    status.add_argument(
+        "--watch", action="store_true",
+        help="refresh until the study ends (no trial running or queued, its budget spent)",
+    )  # fmt: skip
+    status.add_argument(
+        "--interval", type=_seconds, default=5.0, help="seconds between refreshes (default 5)"
+    )
     report.add_argument(
         "--out", type=Path, default=None,
         help="file to write (default: hpo-report-<study>.html here; Markdown: standard output)",
@@ -523,12 +532,51 @@ def _monitor(args: argparse.Namespace) -> int:
         else:
             print("\n".join(_best_text(trial) for trial in best))
         return 0
+    if args.watch:
+        return _watch(study, args.json, args.interval)
     summary = report.status(study)
     print(
         json.dumps(summary, indent=2, default=str)
         if args.json
         else "\n".join(report.status_lines(summary))
     )
+    return 0
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.1 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"got {text!r}; give seconds from 0.1 to 3600, e.g. 5")
+    return value
+
+
+def _watch(study: Any, as_json: bool, interval: float) -> int:
+    """`hpo status --watch`: the status again every `interval` seconds (the screen redrawn on a
+    terminal, one block per refresh otherwise) until the study has ended at two refreshes in a
+    row; Ctrl-C ends it at once."""
+    import datetime as dt
+    import json
+    import time
+
+    from hpo import report
+
+    terminal = sys.stdout.isatty()
+    ended_polls = 0
+    while ended_polls < 2:
+        summary = report.status(study)
+        text = (
+            json.dumps(summary, default=str) if as_json else "\n".join(report.status_lines(summary))
+        )
+        stamp = dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+        clear = "\x1b[H\x1b[2J" if terminal else ""
+        print(f"{clear}{text}" if as_json else f"{clear}[{stamp}] {text}", flush=True)
+        ended_polls = ended_polls + 1 if report.ended(summary) else 0
+        if ended_polls < 2:
+            time.sleep(interval)
+    print(f"hpo: study {study.study_name!r} has ended", file=sys.stderr)
     return 0
 
 

@@ -69,7 +69,18 @@ def status(study: optuna.Study, now: dt.datetime | None = None) -> dict[str, Any
         "trials_per_hour": _trials_per_hour(finished),
         "failures": _reasons(trials, TrialState.FAIL, "fail_reason"),
         "prunes": _reasons(trials, TrialState.PRUNED, "prune_reason"),
+        "budget": study.user_attrs.get("n_trials"),
     }
+
+
+def ended(report: dict[str, Any]) -> bool:
+    """No trial runs or waits, and the budget (when the study records one) is spent. Between
+    two trials of a worker nothing runs for a moment: a watcher asks twice, some time apart."""
+    states = report["trials"]
+    if not states or states.get("running") or states.get("waiting"):
+        return False
+    budget = report.get("budget")
+    return budget is None or sum(states.values()) >= budget
 
 
 def status_lines(report: dict[str, Any]) -> list[str]:
@@ -84,7 +95,8 @@ def status_lines(report: dict[str, Any]) -> list[str]:
         values = ", ".join(f"{v:.4f}" for v in trial["values"])
         lines.append(f"Pareto front #{trial['number']}: {values} {trial['params']}")
     per_hour = report["trials_per_hour"] or 0.0
-    lines.append(f"device-hours {report['device_hours']:.3f}, {per_hour:.1f} trials/hour")
+    budget = f", budget {report['budget']} trials" if report.get("budget") else ""
+    lines.append(f"device-hours {report['device_hours']:.3f}, {per_hour:.1f} trials/hour{budget}")
     for title in ("failures", "prunes"):
         for reason, count in report[title].items():
             lines.append(f"  {title[:-1]}: {count} x {reason}")

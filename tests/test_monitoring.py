@@ -12,6 +12,7 @@ from pathlib import Path
 
 import optuna
 
+from hpo import report
 from tests.conftest import run_hpo
 
 
@@ -142,3 +143,45 @@ def test_a_sigterm_during_a_request_answers_it_then_stops_the_server(tmp_path: P
     finally:
         server.kill()
     assert server.returncode == 0 and out == "stopped by SIGTERM\n", err
+
+
+def test_ended_needs_nothing_running_or_queued_and_the_budget_spent() -> None:
+    def summary(budget: int | None, **states: int) -> dict:
+        return {"trials": states, "budget": budget}
+
+    assert not report.ended(summary(None))  # no trial yet
+    assert not report.ended(summary(None, complete=3, running=1))
+    assert not report.ended(summary(None, complete=3, waiting=1))  # a hand-back, queued
+    assert report.ended(summary(None, complete=3, pruned=1))
+    assert not report.ended(summary(8, complete=3, fail=1))  # workers will start more
+    assert report.ended(summary(4, complete=3, fail=1))
+
+
+def test_status_watch_refreshes_until_the_running_trial_ends(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'watch.db'}"
+    study = optuna.create_study(study_name="w", storage=url, direction="maximize")
+    study.set_user_attr("n_trials", 2)
+    done = study.ask()
+    study.tell(done, 0.5)
+    running = study.ask()
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "hpo", "status", "--study", "w", "--storage", url, "--watch",
+         "--interval", "0.2"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert watcher.stdout is not None
+        first = watcher.stdout.readline()
+        assert "study 'w': 1 complete, 1 running" in first
+        time.sleep(1.0)
+        assert watcher.poll() is None  # a trial runs: the watch goes on
+        study.tell(running, 0.7)
+        out, err = watcher.communicate(timeout=60)
+    finally:
+        watcher.kill()
+    assert watcher.returncode == 0, err
+    assert "2 complete" in out and "best #1: 0.7000" in out and "budget 2 trials" in out
+    assert "study 'w' has ended" in err and "Traceback" not in err
+    bad = run_hpo("status", "--study", "w", "--storage", url, "--watch", "--interval", "0",
+                  cwd=tmp_path)  # fmt: skip
+    assert bad.returncode == 2 and "give seconds from 0.1 to 3600" in bad.stderr

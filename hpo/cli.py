@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from hpo import __version__
+from hpo import progress as live
 from hpo.config import Config, load_config
 from hpo.errors import USER_ERRORS, ConfigError, HPOError
 from hpo.launcher import MAX_WORKERS_PER_GPU
@@ -338,7 +339,12 @@ def _run(args: argparse.Namespace) -> int:
         print("\n".join(summary_lines(study, config.study.objectives)))
         return code
     stop.interrupt_at_once = config.study.trial_isolation == "none"
-    run_trials(study, storage, Objective(config, data, storage_url, stop), stop)
+    if not args.quiet:
+        live.start()  # a progress line below the log, on a terminal only
+    try:
+        run_trials(study, storage, Objective(config, data, storage_url, stop), stop)
+    finally:
+        live.stop()
     print("\n".join(summary_lines(study, config.study.objectives)))
     if stop.signal_name is not None:
         print(f"hpo: stopped by {stop.signal_name}", file=sys.stderr)

@@ -16,6 +16,7 @@ from types import FrameType
 
 from hpo.errors import ConfigError, HPOError
 from hpo.logs import WORKER_LABEL_ENV
+from hpo.progress import OFF_ENV as LIVE_LINE_OFF_ENV
 from hpo.stopping import EXIT_INTERRUPTED
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,7 @@ def run_workers(gpus: Sequence[str], argv: Sequence[str], per_gpu: int = 1) -> i
         for k in range(per_gpu):
             label = f"gpu{gpu}" if per_gpu == 1 else f"gpu{gpu}.{k}"
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu, WORKER_LABEL_ENV: label}
+            env[LIVE_LINE_OFF_ENV] = "1"  # several progress lines on one terminal would fight
             if per_gpu > 1:
                 env[SHARE_ENV] = repr(1 / per_gpu)
             env.setdefault("OMP_NUM_THREADS", str(threads))  # the host's cores, shared

@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 
 import optuna
 
+from hpo import progress as live
 from hpo.checkpoints import checkpoint_root, folder_name, prepare_trial_folder
 from hpo.config import Config, StudyConfig
 from hpo.logs import worker_label
@@ -174,7 +175,8 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
             pruning_reporter(trial, metric) if len(objectives) == 1 else _log_evaluation(trial)
         )
         should_stop = _stop_check(started, task.config.study.trial_timeout)
-        result = train(job, task.data, reporter, metric, store, should_stop=should_stop)
+        result = train(job, task.data, reporter, metric, store, should_stop=should_stop,
+                       on_progress=_progress_sender(trial, task.config.study.n_trials))  # fmt: skip
     except OutOfMemoryAtBatchOne as e:
         replace_after_this_trial("out of memory at batch 1")
         reason = f"oom: {e}"
@@ -263,6 +265,21 @@ def _record_batch_source(trial: TrialLike, batch: PhysicalBatch) -> None:
     trial.set_user_attr("batch_size_source", batch.source)
     if batch.search is not None:
         trial.set_user_attr("batch_search", search_summary(batch.search))
+
+
+def _progress_sender(trial: TrialLike, budget: int | None) -> Callable[[dict[str, Any]], None]:
+    """Where the loop's progress goes: over the pipe to the worker's live line from a trial
+    process, or straight to it when the trial runs in the worker."""
+    send = getattr(trial, "send_progress", None)
+
+    def on_progress(progress: dict[str, Any]) -> None:
+        progress["budget"] = budget
+        if send is not None:
+            send(progress)
+        else:
+            live.trial_progress(trial.number, progress)
+
+    return on_progress
 
 
 def pruning_reporter(trial: TrialLike, metric: str) -> Any:

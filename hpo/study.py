@@ -19,6 +19,7 @@ import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import TrialState
 
+from hpo import progress as live
 from hpo.checkpoints import checkpoint_root
 from hpo.config import (
     Config,
@@ -279,11 +280,28 @@ def _trial_loop(
             trials.hand_back(trial)
             return ran  # its folder stays: the retry resumes from it
         finally:
+            live.trial_ended()
             if collect:
                 gc.collect()  # the trial's memory, in the worker itself
+        if live.active():
+            _show_study(trials.study)
     if checkpoints is not None:
         trials.remove_stale_checkpoints(checkpoints)
     return ran
+
+
+def _show_study(study: optuna.Study) -> None:
+    """The study part of the live progress line: trials by state and the best value."""
+    finished = study.get_trials(
+        deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+    )
+    counts: dict[str, int] = {}
+    for trial in finished:
+        counts[trial.state.name.lower()] = counts.get(trial.state.name.lower(), 0) + 1
+    best = None
+    if len(study.directions) == 1 and counts.get("complete"):
+        best = study.best_value
+    live.study_progress(counts, best)
 
 
 def _wait_for_silent_trials(trials: StudyTrials, stop: StopRequest) -> bool:

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import optuna
 
+from hpo import progress as live
 from hpo.logs import set_optuna_verbosity, setup_logging
 from hpo.stopping import HandBack, Interrupted, StopRequest, TakenOver, TrialTimedOut
 
@@ -143,6 +144,9 @@ class ChildTrial:
 
     def report(self, value: float, step: int) -> None:
         self._send(("report", value, step))
+
+    def send_progress(self, progress: dict[str, Any]) -> None:
+        self._send(("progress", progress))
 
     def should_prune(self) -> bool:
         if not self._send(("should_prune",)):
@@ -370,6 +374,8 @@ def _pass_on(
         trial.set_user_attr(message[1], message[2])
     elif kind == "report":
         trial.report(message[1], message[2])
+    elif kind == "progress":
+        live.trial_progress(trial.number, message[1])
     elif kind == "should_prune":
         with contextlib.suppress(OSError):  # it died asking: the next read says so
             conn.send(trial.should_prune())

@@ -60,6 +60,7 @@ from trainer.step import (
 __all__ = [
     "Evaluation",
     "OnEvaluation",
+    "OnProgress",
     "ShouldStop",
     "TrainResult",
     "Trainer",
@@ -71,6 +72,9 @@ log = logging.getLogger(__name__)
 
 # Return a reason to stop training after this evaluation, or None to go on.
 OnEvaluation = Callable[[Evaluation], str | None]
+# Called at each logging interval with where the run is: epoch, step, samples/s, loss, the last
+# evaluation's metric and the seconds left (for a live progress line; it must be cheap).
+OnProgress = Callable[[dict[str, Any]], None]
 # Polled between optimizer steps: True checkpoints the run and ends it as "interrupted".
 ShouldStop = Callable[[], bool]
 
@@ -87,6 +91,7 @@ class Trainer:
         dev.configure_backends(self.device, self.cfg.tf32)
         self._use_physical_batch(min(self._physical_batch_size(), self.cfg.effective_batch_size))
         self.step_oom_recoveries = 0  # the evaluator counts its own
+        self.on_progress: OnProgress | None = None
         self.unsaved_best: dict[str, torch.Tensor] | None = None  # see _save_best_model
         self.steps_per_epoch = math.ceil(len(data.train) / self.cfg.effective_batch_size)
         self.total_steps = self.steps_per_epoch * self.cfg.epochs
@@ -350,6 +355,25 @@ class Trainer:
             run.stop("diverged", f"non-finite training loss ({value}) at step {run.step}")
             return
         log.debug("step %d/%d loss %.4f", run.step, self.total_steps, value)
+        if self.on_progress is not None:
+            self.on_progress(self._progress(run, value))
+
+    def _progress(self, run: Progress, loss: float) -> dict[str, Any]:
+        # No device sync: reading the loss just now did it.
+        trained_s = run.train_s + time.perf_counter() - run.segment_start
+        rate = run.samples / trained_s if trained_s > 0 and run.samples else None
+        left_samples = (self.total_steps - run.step) * self.cfg.effective_batch_size
+        last = run.evaluations[-1].metrics.get(self.metric) if run.evaluations else None
+        return {
+            "epoch": run.step / self.steps_per_epoch,
+            "epochs": self.cfg.epochs,
+            "step": run.step,
+            "total_steps": self.total_steps,
+            "samples_per_s": rate,
+            "loss": loss,
+            "metric": (self.metric, last) if last is not None else None,
+            "seconds_left": left_samples / rate if rate else None,
+        }
 
     def _evaluate(
         self,
@@ -437,6 +461,7 @@ def train(
     metric: str = "accuracy",
     checkpoints: CheckpointStore | None = None,
     should_stop: ShouldStop | None = None,
+    on_progress: OnProgress | None = None,
 ) -> TrainResult:
     """Fine-tune one model with `job`'s settings on prepared data; see TrainResult and
     Trainer.fit. Raises OutOfMemoryAtBatchOne when even one example does not fit."""
@@ -446,6 +471,7 @@ def train(
     job = dataclasses.replace(job, training=training)
     with simulated_budget(device):
         trainer = Trainer(job, data, metric)
+        trainer.on_progress = on_progress
         log.info(
             "training on %s, %s, %s; effective batch %d = %d x %d micro-batches",
             dev.device_name(trainer.device),

@@ -1,0 +1,180 @@
+"""Live progress of a worker on a terminal: one line, rewritten in place, with the running
+trial (trial k of N, epoch, step, samples/s, loss, last metric, time left) and the study
+(complete, pruned, failed, best so far). Log lines still scroll above it: the line is cleared
+before each log record and drawn again after. Off when stderr is not a terminal (a log file,
+a pipe, a job scheduler): the plain log lines are the record there.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import os
+import sys
+import threading
+import time
+from typing import Any, TextIO
+
+CLEAR = "\r\x1b[K"
+# Set for the workers that `hpo run --gpus` starts: several lines on one terminal would fight.
+OFF_ENV = "HPO_NO_LIVE_LINE"
+
+
+class LiveLine:
+    """The worker's progress line; `update_trial` and `update_study` change its parts."""
+
+    def __init__(self, stream: TextIO, width: int = 0) -> None:
+        self.stream = stream
+        self.width = width
+        self.trial = ""
+        self.study = ""
+        self._lock = threading.RLock()
+
+    def update_trial(self, number: int, budget: int | None, progress: dict[str, Any]) -> None:
+        self.trial = trial_text(number, budget, progress)
+        self.draw()
+
+    def end_trial(self) -> None:
+        self.trial = ""
+        self.draw()
+
+    def update_study(self, text: str) -> None:
+        self.study = text
+        self.draw()
+
+    def text(self) -> str:
+        line = " | ".join(part for part in (self.trial, self.study) if part)
+        width = self.width or _terminal_width(self.stream)
+        return line if len(line) < width else line[: max(0, width - 2)] + "…"
+
+    def draw(self) -> None:
+        with self._lock:
+            self.stream.write(CLEAR + self.text())
+            self.stream.flush()
+
+    def clear(self) -> None:
+        with self._lock:
+            self.stream.write(CLEAR)
+            self.stream.flush()
+
+
+def trial_text(number: int, budget: int | None, progress: dict[str, Any]) -> str:
+    """`trial 5/24 · epoch 1.3/3 · step 120/300 · 412 samples/s · loss 0.531 · accuracy 0.81 ·
+    1m20s left` (the parts that are known)."""
+    parts = [f"trial {number + 1}/{budget}" if budget else f"trial {number + 1}"]
+    epoch, epochs = progress.get("epoch"), progress.get("epochs")
+    if epoch is not None:
+        parts.append(f"epoch {epoch:.1f}/{epochs}" if epochs else f"epoch {epoch:.1f}")
+    step, steps = progress.get("step"), progress.get("total_steps")
+    if step is not None:
+        parts.append(f"step {step}/{steps}" if steps else f"step {step}")
+    rate = progress.get("samples_per_s")
+    if rate:
+        parts.append(f"{rate:.0f} samples/s")
+    loss = progress.get("loss")
+    if loss is not None and math.isfinite(loss):
+        parts.append(f"loss {loss:.3f}")
+    metric = progress.get("metric")
+    if metric is not None:
+        parts.append(f"{metric[0]} {metric[1]:.4f}")
+    left = progress.get("seconds_left")
+    if left is not None and math.isfinite(left):
+        parts.append(f"{_duration(left)} left")
+    return " · ".join(parts)
+
+
+def study_text(counts: dict[str, int], best: float | None) -> str:
+    done = ", ".join(f"{counts.get(s, 0)} {s}" for s in ("complete", "pruned", "fail"))
+    return f"study: {done}" + (f"; best {best:.4f}" if best is not None else "")
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def _terminal_width(stream: TextIO) -> int:
+    try:
+        columns = os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        columns = 0
+    return columns or 120  # 0: a terminal that does not say (a bare pty)
+
+
+class _KeepLineHandler(logging.Handler):
+    """Wraps the terminal's log handler: clears the live line, lets the record print, draws
+    the line again below it."""
+
+    def __init__(self, inner: logging.Handler, line: LiveLine) -> None:
+        super().__init__(inner.level)
+        self.inner, self.line = inner, line
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with self.line._lock:
+            self.line.clear()
+            self.inner.emit(record)
+            self.line.draw()
+
+
+_line: LiveLine | None = None
+_last_draw = 0.0
+
+
+def start(stream: TextIO = sys.stderr) -> LiveLine | None:
+    """The live line on `stream` when it is a terminal (and TERM is not `dumb`), with the root
+    logger's handlers on that stream wrapped to keep it below the log; None otherwise."""
+    global _line
+    if not stream.isatty() or os.environ.get("TERM") == "dumb" or os.environ.get(OFF_ENV):
+        return None
+    _line = LiveLine(stream)
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if getattr(handler, "stream", None) is stream:
+            root.removeHandler(handler)
+            root.addHandler(_KeepLineHandler(handler, _line))
+    return _line
+
+
+def stop() -> None:
+    """Clear the line and give the log handlers back."""
+    global _line
+    if _line is None:
+        return
+    _line.clear()
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, _KeepLineHandler):
+            root.removeHandler(handler)
+            root.addHandler(handler.inner)
+    _line = None
+
+
+def trial_progress(number: int, progress: dict[str, Any]) -> None:
+    """A running trial's progress (its `budget` included), from the worker's relay or from the
+    trial itself in the worker; drawn at most 4 times a second."""
+    global _last_draw
+    if _line is None:
+        return
+    now = time.monotonic()
+    if now - _last_draw >= 0.25:
+        _last_draw = now
+        _line.update_trial(number, progress.get("budget"), progress)
+
+
+def active() -> bool:
+    return _line is not None
+
+
+def trial_ended() -> None:
+    if _line is not None:
+        _line.end_trial()
+
+
+def study_progress(counts: dict[str, int], best: float | None) -> None:
+    if _line is not None:
+        _line.update_study(study_text(counts, best))

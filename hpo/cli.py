@@ -594,13 +594,15 @@ def _write_report(study: Any, form: str, out: Path | None) -> int:
     from hpo import study_report
     from hpo.checkpoints import study_folder_name
 
-    text = study_report.markdown(study) if form == "md" else study_report.html_page(study)
     if out is None and form == "md":
-        print(text, end="")
+        print(study_report.markdown(study), end="")
         return 0
     out = out or Path(f"hpo-report-{study_folder_name(study.study_name)}.html")
     if not out.parent.is_dir() or out.is_dir():
         raise HPOError(f"--out {out}: no such folder, or a folder; name a file in a folder")
+    if out.exists() and not out.is_file():  # a device, a pipe: never replaced by a file
+        raise HPOError(f"--out {out}: not a regular file; name a file to write")
+    text = study_report.markdown(study) if form == "md" else study_report.html_page(study)
     try:
         handle, aside = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
     except OSError as e:

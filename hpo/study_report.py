@@ -8,6 +8,7 @@ import html
 import json
 import math
 import shlex
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +37,20 @@ def markdown(study: optuna.Study) -> str:
 
 
 def html_page(study: optuna.Study) -> str:
-    """The whole report, one self-contained HTML page."""
+    """The whole report, one self-contained HTML page. Optuna's notes while plotting (a trial
+    left out for an infinite value, importances from few trials) stay out of the terminal: the
+    page says what it could not draw."""
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _html_page(study)
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+
+
+def _html_page(study: optuna.Study) -> str:
     sections = []
     first = True
     finished = bool(_trials(study, TrialState.COMPLETE, TrialState.PRUNED))

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import html
+import os
 import random
 import re
+import stat
 from pathlib import Path
 
 import optuna
@@ -86,6 +88,7 @@ def test_hpo_report_through_the_cli(tmp_path: Path) -> None:
     finished_study(url, name="it's/../odd")
     done = run_hpo("report", "--study", "it's/../odd", "--storage", url, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert "WARNING" not in done.stderr and "Warning" not in done.stderr  # plotting notes
     [page] = tmp_path.glob("hpo-report-*.html")  # a safe file name, in this folder
     assert page.stat().st_mode & 0o044 == 0o044  # readable like any file, not mkstemp's 0600
     assert "--study 'it'\"'\"'s/../odd-again'" in html.unescape(page.read_text(encoding="utf-8"))
@@ -98,6 +101,12 @@ def test_hpo_report_through_the_cli(tmp_path: Path) -> None:
                   cwd=tmp_path)  # fmt: skip
     assert bad.returncode == 2 and "no such folder" in bad.stderr
     assert "Traceback" not in bad.stderr and not (tmp_path / "no").exists()
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    special = run_hpo("report", "--study", "it's/../odd", "--storage", url, "--out", str(fifo),
+                      cwd=tmp_path)  # fmt: skip
+    assert special.returncode == 2 and "not a regular file" in special.stderr
+    assert stat.S_ISFIFO(fifo.stat().st_mode)  # left as it was (a device such as /dev/full too)
     unknown = run_hpo("report", "--study", "nope", "--storage", url, cwd=tmp_path)
     assert unknown.returncode == 2 and "no study 'nope'" in unknown.stderr
     assert len(list(tmp_path.glob("hpo-report-*"))) == 1 and not list(tmp_path.glob(".hpo-*"))

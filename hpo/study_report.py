@@ -22,10 +22,11 @@ PRUNED_GREY = "#b0b0b0"
 
 def markdown(study: optuna.Study) -> str:
     """Summary, best configuration, reasons and every trial, as Markdown."""
+    status = report.status(study)  # one read of the study's trials for every section
     lines = [f"# Study {study.study_name!r}", ""]
-    lines += [f"- {line}" for line in _summary(study)]
-    lines += ["", "## Best configuration", "", *_best_block(study, fence="```"), ""]
-    for title, rows in _reason_tables(study):
+    lines += [f"- {line}" for line in _summary(study, status)]
+    lines += ["", "## Best configuration", "", *_best_block(study, status, fence="```"), ""]
+    for title, rows in _reason_tables(status):
         lines += [f"## {title}", "", "| reason | trials |", "|---|---:|"]
         lines += [f"| {reason} | {count} |" for reason, count in rows] or ["| none | 0 |"]
         lines.append("")
@@ -66,11 +67,12 @@ def _html_page(study: optuna.Study) -> str:
         body = figure.to_html(full_html=False, include_plotlyjs=first, config={"responsive": True})
         first = False
         sections.append(f"<h2>{html.escape(title)}</h2><div class=plot>{body}</div>")
-    summary = "".join(f"<li>{html.escape(line)}</li>" for line in _summary(study))
-    best = html.escape("\n".join(_best_block(study, fence="")))
+    status = report.status(study)  # one read of the study's trials for every section
+    summary = "".join(f"<li>{html.escape(line)}</li>" for line in _summary(study, status))
+    best = html.escape("\n".join(_best_block(study, status, fence="")))
     reasons = "".join(
         f"<h2>{html.escape(title)}</h2>" + _html_table(["reason", "trials"], rows or [("none", 0)])
-        for title, rows in _reason_tables(study)
+        for title, rows in _reason_tables(status)
     )
     header, rows = _trial_table(study)
     name = html.escape(study.study_name)
@@ -98,8 +100,7 @@ pre {{ background: #f4f4f4; padding: 0.8em; overflow-x: auto; }}
 # -- what the page says ------------------------------------------------------------------------
 
 
-def _summary(study: optuna.Study) -> list[str]:
-    status = report.status(study)
+def _summary(study: optuna.Study, status: dict[str, Any]) -> list[str]:
     states = ", ".join(f"{n} {s}" for s, n in sorted(status["trials"].items())) or "no trials"
     metrics = ", ".join(_metric_names(study))
     directions = ", ".join(d.name.lower() for d in study.directions)
@@ -117,8 +118,8 @@ def _summary(study: optuna.Study) -> list[str]:
     return lines
 
 
-def _best_block(study: optuna.Study, fence: str) -> list[str]:
-    best = report.best_trials(study)
+def _best_block(study: optuna.Study, status: dict[str, Any], fence: str) -> list[str]:
+    best = [status["best"]] if status["best"] is not None else status["pareto_front"] or []
     if not best:
         return ["no completed trial yet"]
     params = best[0]["params"]
@@ -142,8 +143,7 @@ def _best_block(study: optuna.Study, fence: str) -> list[str]:
     return lines
 
 
-def _reason_tables(study: optuna.Study) -> list[tuple[str, list[tuple[str, int]]]]:
-    status = report.status(study)
+def _reason_tables(status: dict[str, Any]) -> list[tuple[str, list[tuple[str, int]]]]:
     return [
         ("Failures by reason", list(status["failures"].items())),
         ("Prunes by reason", list(status["prunes"].items())),

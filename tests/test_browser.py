@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 import pytest
 
 from hpo import study_report
-from tests.test_monitoring import free_port
+from tests.test_monitoring import start_dashboard
 from tests.test_study_report import PLOTS, finished_study
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
@@ -94,11 +93,7 @@ def test_the_dashboard_names_the_metric_and_shows_user_attributes(
 ) -> None:
     url = f"sqlite:///{tmp_path / 'r.db'}"
     finished_study(url)
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "hpo", "dashboard", "--storage", url, "--port", str(port)],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+    server, port = start_dashboard(url, tmp_path)
     try:
         base = f"http://127.0.0.1:{port}/dashboard/studies/1"
         wait_for(lambda: _serving(base, server), "the dashboard answering")

@@ -78,14 +78,20 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def test_dashboard_serves_the_study_on_localhost(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'watch.db'}"
-    known_study(url)
+def start_dashboard(url: str, cwd: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """`hpo dashboard` on `url` at a free port of localhost; returns the server and its port."""
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "hpo", "dashboard", "--storage", url, "--port", str(port)],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
     )  # fmt: skip
+    return server, port
+
+
+def test_dashboard_serves_the_study_on_localhost(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'watch.db'}"
+    known_study(url)
+    server, port = start_dashboard(url, tmp_path)
     try:
         studies = _get_json(f"http://127.0.0.1:{port}/api/studies", server)
         watched = next(s for s in studies["study_summaries"] if s["study_name"] == "watched")

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from trainer.data import hpo_cache_root
+
 # Tests only: compile with this backend (aot_eager compiles in seconds on a CPU, inductor takes
 # minutes there); users get torch's default, inductor.
 BACKEND_ENV = "HPO_TEST_COMPILE_BACKEND"
@@ -86,6 +88,4 @@ def compile_model(model: torch.nn.Module) -> torch.nn.Module:
 def inductor_cache_dir() -> Path:
     """Inductor's kernel and graph caches, beside hpo's token cache: every worker of the host
     shares them, and they outlive a reboot (torch's default is under /tmp)."""
-    env = os.environ.get("HPO_CACHE_DIR")
-    base = Path(env).expanduser() if env else Path.home() / ".cache" / "hpo"
-    return base / "inductor"
+    return hpo_cache_root() / "inductor"

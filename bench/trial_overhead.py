@@ -36,6 +36,8 @@ class Run:
     outside_s: list[float]  # per warm trial: duration - train_s - eval_s
     startup_s: list[float]
     duration_s: list[float]
+    parts: dict[str, list[float]]  # startup_s broken down (dispatch, setup, first step)
+    kept: int  # warm trials that ran in a trial process kept from an earlier trial
 
 
 def study_config(source: Path, isolation: str, trials: int) -> dict[str, Any]:
@@ -72,7 +74,12 @@ def measure(variant: str, source: Path, trials: int) -> Run:
         for d, t in zip(durations, warm, strict=True)
     ]
     startup = [t.user_attrs["startup_s"] for t in warm if "startup_s" in t.user_attrs]
-    return Run(variant, wall_s, outside, startup, durations)
+    parts: dict[str, list[float]] = {}
+    for t in warm:
+        for name, seconds in t.user_attrs.get("startup_parts", {}).items():
+            parts.setdefault(name, []).append(seconds)
+    kept = sum(t.user_attrs.get("process_trials", 1) > 1 for t in warm)
+    return Run(variant, wall_s, outside, startup, durations, parts, kept)
 
 
 def main() -> None:
@@ -95,6 +102,11 @@ def main() -> None:
             f"{ratio:.2f}x the baseline's time outside training"
         )
     print("outside: trial created to finished, less its training and evaluation clocks")
+    for run in runs:
+        parts = ", ".join(f"{name} {statistics.median(v):.2f}" for name, v in run.parts.items())
+        kept = f"; {run.kept}/{len(run.outside_s)} warm trials in a kept process"
+        print(f"{run.variant}: startup = {parts or 'not recorded'}"
+              f"{kept if VARIANTS[run.variant] == 'process' else ''}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -158,7 +158,7 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
     """Find the physical batch, train with the trial's parameters, report each evaluation and
     return the best value (one per objective); an OOM at batch 1 or a divergence prunes, any
     other error fails."""
-    started = time.perf_counter()
+    started, began_at = time.perf_counter(), time.time()
     objectives = task.config.study.objectives
     metric = task.config.study.primary_metric
     training = training_for_trial(task.config.training, task.params)
@@ -193,11 +193,25 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
     if result.first_step_at is not None and task.asked_at is not None:
         # Trial created to its first optimizer step: process start, data, model, batch size.
         trial.set_user_attr("startup_s", round(result.first_step_at - task.asked_at, 3))
+        if result.fit_started_at is not None:
+            trial.set_user_attr("startup_parts", _startup_parts(task.asked_at, began_at, result))
     if store is not None:
         _record_checkpoints(trial, store, result, task)
     if result.oom_recoveries and key is not None:
         cache.lower(key, result.physical_batch_size)
     return _value(trial, result, objectives)
+
+
+def _startup_parts(asked_at: float, began_at: float, result: TrainResult) -> dict[str, float]:
+    """Where startup_s went: `dispatch_s` from the trial's creation to its code running (a new
+    trial process, or the job handed to a kept one), `setup_s` the batch size, model, optimizer
+    and loaders, `first_step_s` the first optimizer step (kernels loaded on first use)."""
+    first_step_at, fit_started_at = result.first_step_at or 0.0, result.fit_started_at or 0.0
+    return {
+        "dispatch_s": round(began_at - asked_at, 3),
+        "setup_s": round(fit_started_at - began_at, 3),
+        "first_step_s": round(first_step_at - fit_started_at, 3),
+    }
 
 
 def _stop_check(started: float, trial_timeout: float | None) -> Callable[[], bool]:

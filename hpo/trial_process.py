@@ -95,7 +95,7 @@ _replace_after_trial: list[str] = []
 # The pipe to the worker is written by the trial and by the worker watch's thread.
 _sending = threading.Lock()
 # A trial process is replaced once it holds this much more memory than after its first trial,
-# or when this much CUDA memory is still allocated after a trial.
+# or this much more CUDA memory in live tensors.
 MEMORY_GROWTH_LIMIT = 2 * 1024**3
 CUDA_LEFT_OVER_LIMIT = 64 * 1024**2
 
@@ -522,6 +522,7 @@ def _child_main(
     # collections after each trial (a full one takes 150 ms with torch loaded).
     gc.freeze()
     memory = _MemoryWatch()
+    runs = 0
     while True:
         try:
             _, number, changes = conn.recv()
@@ -533,7 +534,10 @@ def _child_main(
         except OSError:
             return
         payload = base if changes is None else dataclasses.replace(base, **changes)
-        outcome = _run_target(target, ChildTrial(conn, number), payload)
+        runs += 1
+        trial = ChildTrial(conn, number)
+        trial.set_user_attr("process_trials", runs)  # 1: a new process; more: a kept one
+        outcome = _run_target(target, trial, payload)
         staying = outcome[0] in ("complete", "pruned") and not _stop_reason
         staying = staying and not _replace_after_trial
         try:
@@ -572,30 +576,45 @@ def replace_after_this_trial(reason: str) -> None:
 
 class _MemoryWatch:
     """Whether the process's memory stayed near what it held after its first trial (a trial
-    that leaks, or a library cache that grows, ends its process rather than the host)."""
+    that leaks, or a library cache that grows, ends its process rather than the host). Both
+    baselines are taken after the first trial: what a process keeps on purpose (torch's
+    imports, cuBLAS and attention workspaces, the caching allocator's own blocks) is not a
+    leak; growth past the limits is, and the reason is logged."""
 
     def __init__(self) -> None:
-        self.baseline: int | None = None
+        self.rss_baseline: int | None = None
+        self.cuda_baseline: int | None = None
 
     def fit(self) -> bool:
         gc.collect()
-        if "torch" in sys.modules:
-            import torch
-
-            if torch.cuda.is_initialized():
-                torch.cuda.empty_cache()
-                if torch.cuda.memory_allocated() > CUDA_LEFT_OVER_LIMIT:
-                    return False  # tensors outlived their trial
+        cuda = _cuda_allocated_bytes()
+        if cuda is not None:
+            if self.cuda_baseline is None:
+                self.cuda_baseline = cuda
+            if cuda - self.cuda_baseline > CUDA_LEFT_OVER_LIMIT:
+                log.info("%d MiB of CUDA tensors outlived the trial; replacing the trial "
+                         "process", (cuda - self.cuda_baseline) // 2**20)  # fmt: skip
+                return False
         rss = _resident_bytes()
         if rss is None:
             return True
-        if self.baseline is None:
-            self.baseline = rss
-        if rss - self.baseline > MEMORY_GROWTH_LIMIT:
+        if self.rss_baseline is None:
+            self.rss_baseline = rss
+        if rss - self.rss_baseline > MEMORY_GROWTH_LIMIT:
             log.info("the trial process holds %d MiB more than after its first trial; "
-                     "replacing it", (rss - self.baseline) // 2**20)  # fmt: skip
+                     "replacing it", (rss - self.rss_baseline) // 2**20)  # fmt: skip
             return False
         return True
+
+
+def _cuda_allocated_bytes() -> int | None:
+    """CUDA memory held by live tensors after emptying the allocator's cache; None when this
+    process never used CUDA."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    torch.cuda.empty_cache()
+    return int(torch.cuda.memory_allocated())
 
 
 def _resident_bytes() -> int | None:

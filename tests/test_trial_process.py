@@ -199,6 +199,7 @@ def test_a_kept_trial_process_runs_trial_after_trial_and_gets_only_their_changes
     pids = {t.user_attrs["child_pid"] for t in trials}
     assert len(pids) == 1 and os.getpid() not in pids and process.started == 1
     assert [t.user_attrs["payload"]["params"] for t in trials] == ["record_pid"] * 3
+    assert [t.user_attrs["process_trials"] for t in trials] == [1, 2, 3]
     assert trials[0].user_attrs["payload"]["data"] == "sent once, when the process starts"
     assert _gone(trials[0].user_attrs["child_pid"])  # closed: the idle process exited
 
@@ -230,6 +231,19 @@ def test_a_trial_process_is_replaced_after_a_trial_that_may_have_spoilt_it(
         assert spoilt.user_attrs["child_pid"] == before.user_attrs["child_pid"]
     assert after.user_attrs["child_pid"] != before.user_attrs["child_pid"]
     assert process.started == 2
+
+
+def test_cuda_memory_a_process_keeps_on_purpose_is_not_taken_for_a_leak(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hpo import trial_process
+
+    # After the first trial: 200 MiB of cuBLAS and attention workspaces, kept by design.
+    allocated = iter([200, 200, 230, 200 + 65])
+    monkeypatch.setattr(trial_process, "_cuda_allocated_bytes", lambda: next(allocated) * 2**20)
+    monkeypatch.setattr(trial_process, "_resident_bytes", lambda: None)
+    watch = trial_process._MemoryWatch()
+    assert [watch.fit() for _ in range(4)] == [True, True, True, False]
 
 
 def test_a_trial_process_that_died_while_idle_is_replaced_and_the_trial_runs(

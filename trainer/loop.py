@@ -481,6 +481,8 @@ def train(
             trainer.physical_batch_size,
             trainer.grad_accum_steps,
         )
+        fit_started_at = time.time()
         result = trainer.fit(on_evaluation, checkpoints, should_stop)
+    result.fit_started_at = fit_started_at
     result.batch_search = batch.search
     return result

@@ -37,6 +37,7 @@ class TrainResult:
     resumed_at_step: int | None = None
     checkpoint_errors: list[str] = field(default_factory=list)
     first_step_at: float | None = None  # wall clock (time.time()) after the first step
+    fit_started_at: float | None = None  # wall clock once model, optimizer and loaders are built
     compiled: CompileStats | None = None  # what this run compiled, with model.compile
 
     @property

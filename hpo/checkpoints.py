@@ -1,6 +1,6 @@
 """Where a study's trial checkpoints live, and which of them it keeps: those a trial may still
-resume from (running or queued attempts) and the best trial's model; the rest are removed as
-trials finish.
+resume from (running or queued attempts) and the best trial's model (in a retrain study, each
+configuration's best run's); the rest are removed as trials finish.
 
 A study name is data, never a path: the study's folder is a slug of the name plus a hash of it,
 always directly inside the checkpoint root, and hpo removes only folders that carry its own
@@ -91,11 +91,23 @@ def remove_unneeded_folders(
         return []
     folders = [p for p in root.iterdir() if _is_trial_folder(p, study_name)]
     keep = {folder_name(t) for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)}
-    keep |= {folder_name(t) for t in best_trials(trials, directions)}
+    for group in _model_groups(trials):
+        keep |= {folder_name(t) for t in best_trials(group, directions)}
     removed = [p for p in folders if p.name not in keep]
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
     return removed
+
+
+def _model_groups(trials: list[FrozenTrial]) -> list[list[FrozenTrial]]:
+    """Trials whose best model is kept apart: a search's trials are one group; a retrain
+    study's runs are grouped by configuration (each configuration's best run may become the
+    final model), its full-data run alone."""
+    groups: dict[tuple[object, bool], list[FrozenTrial]] = {}
+    for trial in trials:
+        key = (trial.user_attrs.get("retrain_config"), bool(trial.user_attrs.get("full_data")))
+        groups.setdefault(key, []).append(trial)
+    return list(groups.values())
 
 
 def best_trials(

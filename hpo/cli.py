@@ -10,6 +10,7 @@ import functools
 import logging
 import math
 import os
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -116,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="only warnings and the final summary")
     _add_monitoring_commands(commands)
     _add_enqueue_command(commands)
+    _add_retrain_command(commands)
     finder = commands.add_parser(
         "batch-size",
         allow_abbrev=False,
@@ -130,6 +132,65 @@ def build_parser() -> argparse.ArgumentParser:
     finder.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
     finder.add_argument("--quiet", action="store_true", help="only warnings and the report")
     return parser
+
+
+def _add_retrain_command(commands: argparse._SubParsersAction) -> None:
+    from hpo.retrain import MAX_SEEDS, MAX_TOP
+
+    retrain = commands.add_parser(
+        "retrain",
+        allow_abbrev=False,
+        help="train the study's best configurations again with new seeds; save the winner",
+        description="Train the --top best configurations of a study again, each with --seeds new "
+        "seeds, in a study of its own (`<study> [retrain top K x S seeds]`: in the dashboard and "
+        "`hpo status`; a stopped retrain resumes when run again). The configuration with the "
+        "best mean metric wins; its best run's model and tokenizer go to --out with a model "
+        "card (parameters, per-seed metrics, data hashes, versions).",
+    )
+    retrain.add_argument("--study", required=True, help="the searched study")
+    retrain.add_argument(
+        "--config", type=Path, default=None,
+        help="YAML config the study ran with (default: the demo config)",
+    )  # fmt: skip
+    retrain.add_argument("--storage", default=None, help="database URL (default: $HPO_STORAGE, "
+                         "then the config's study.storage, then ./hpo.db)")  # fmt: skip
+    retrain.add_argument(
+        "--top", type=functools.partial(_count, "--top", MAX_TOP), default=3,
+        help="configurations to retrain, best first (default 3)",
+    )  # fmt: skip
+    retrain.add_argument(
+        "--seeds", type=functools.partial(_count, "--seeds", MAX_SEEDS), default=3,
+        help="new seeds per configuration (default 3)",
+    )  # fmt: skip
+    retrain.add_argument(
+        "--out", type=Path, default=None,
+        help="folder for the final model (default: hpo-final-<study> here)",
+    )  # fmt: skip
+    retrain.add_argument(
+        "--full-data", action="store_true",
+        help="then train the winner once more on the training and evaluation splits together "
+        "and save that model; its metric is then the mean of the held-out retrain runs",
+    )  # fmt: skip
+    retrain.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N")
+    retrain.add_argument(
+        "--gpus", default=None,
+        help="one worker per GPU of this host, as for hpo run: auto, none or ids like 0,1,3",
+    )  # fmt: skip
+    retrain.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
+    retrain.add_argument("--quiet", action="store_true", help="only warnings and the summary")
+    # A worker of `--gpus` runs trials only; its launcher waits, picks and saves.
+    retrain.add_argument("--as-worker", action="store_true", help=argparse.SUPPRESS)
+    retrain.set_defaults(n_trials=None, timeout=None, trial_timeout=None, workers_per_gpu=None)
+
+
+def _count(flag: str, most: int, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= most:
+        raise argparse.ArgumentTypeError(f"got {text!r}; give a whole number from 1 to {most}")
+    return value
 
 
 def _add_enqueue_command(commands: argparse._SubParsersAction) -> None:
@@ -288,6 +349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _batch_size(args)
         if args.command == "enqueue":
             return _enqueue(args)
+        if args.command == "retrain":
+            return _retrain(args)
         return _monitor(args)
     except USER_ERRORS as e:
         if args.debug:
@@ -325,19 +388,31 @@ def _run(args: argparse.Namespace) -> int:
     if inputs is None or stop.requested:
         print(f"hpo: stopped by {stop.signal_name} before the first trial", file=sys.stderr)
         return stop.exit_code
-    config, storage_url, gpus, data, per_gpu = inputs
-    from hpo.launcher import run_workers
-    from hpo.objective import Objective
-    from hpo.study import open_study, run_trials, summary_lines
+    config, storage_url = inputs[0], inputs[1]
+    from hpo.study import open_study, summary_lines
     from storage import open_storage
 
     print(f"hpo: study {args.study!r} in {storage_url.describe()}", file=sys.stderr)
     storage = open_storage(storage_url, config.study.database_patience)
     study = open_study(storage, args.study, config)
+    code = _work(study, storage, inputs, stop, args)
+    print("\n".join(summary_lines(study, config.study.objectives)))
+    if stop.signal_name is not None:
+        print(f"hpo: stopped by {stop.signal_name}", file=sys.stderr)
+    return code
+
+
+def _work(study: Any, storage: Any, inputs: tuple, stop: StopRequest, args: Any) -> int:
+    """Run the study's trials: in this process, or in one worker process per GPU (each runs
+    the same command with `worker_args` added)."""
+    from hpo.launcher import run_workers
+    from hpo.objective import Objective
+    from hpo.study import run_trials
+
+    config, storage_url, gpus, data, per_gpu = inputs
     if len(gpus) * per_gpu > 1:
-        code = run_workers(gpus, args.argv, per_gpu)
-        print("\n".join(summary_lines(study, config.study.objectives)))
-        return code
+        worker_args = ["--as-worker"] if args.command == "retrain" else []
+        return run_workers(gpus, [*args.argv, *worker_args], per_gpu)
     stop.interrupt_at_once = config.study.trial_isolation == "none"
     if not args.quiet:
         live.start()  # a progress line below the log, on a terminal only
@@ -345,10 +420,85 @@ def _run(args: argparse.Namespace) -> int:
         run_trials(study, storage, Objective(config, data, storage_url, stop), stop)
     finally:
         live.stop()
-    print("\n".join(summary_lines(study, config.study.objectives)))
-    if stop.signal_name is not None:
-        print(f"hpo: stopped by {stop.signal_name}", file=sys.stderr)
+        stop.interrupt_at_once = False
     return stop.exit_code if stop.requested else 0
+
+
+def _retrain(args: argparse.Namespace) -> int:
+    """`hpo retrain`: see hpo.retrain."""
+    import optuna
+
+    from hpo import retrain
+    from hpo.study import open_study
+    from storage import open_storage
+
+    stop = StopRequest(interrupt_at_once=True, doing="stopping before the first trial")
+    stop.install()
+    out = args.out if args.out is not None else retrain.default_out(args.study)
+    inputs = None
+    with contextlib.suppress(Interrupted):
+        if not args.as_worker:
+            retrain.check_out(out)
+        inputs = _check_inputs(args)
+    stop.interrupt_at_once, stop.doing = False, StopRequest.RUNNING
+    if inputs is None or stop.requested:
+        print(f"hpo: stopped by {stop.signal_name} before the first trial", file=sys.stderr)
+        return stop.exit_code
+    config, storage_url = inputs[0], inputs[1]
+    storage = open_storage(storage_url, config.study.database_patience, must_exist=True)
+    try:
+        source = optuna.load_study(study_name=args.study, storage=storage)
+    except KeyError as e:
+        raise HPOError(f"no study {args.study!r} in {storage_url.masked}; see `hpo studies`") from e
+    plan = retrain.make_plan(source, config, args.top, args.seeds)
+    plan = retrain.stored_plan(storage, plan.study_name) or plan  # a resumed retrain
+    retrain_config = retrain.study_config(config, plan)
+    print(f"hpo: retraining {len(plan.configs)} configurations of study {args.study!r} with "
+          f"{len(plan.seeds)} seeds each, in study {plan.study_name!r} in "
+          f"{storage_url.describe()}", file=sys.stderr)  # fmt: skip
+    study = open_study(storage, plan.study_name, retrain_config)
+    retrain.queue_runs(storage, study, plan)
+    work = (retrain_config, *inputs[1:])
+    code = _work(study, storage, work, stop, args)
+    if args.as_worker or stop.requested or code != 0:
+        return _retrain_stopped(stop, code, args)
+    if not retrain.wait_until_finished(study, stop):
+        return _retrain_stopped(stop, code, args)
+    found = retrain.results(study, plan)
+    direction = study.directions[0]
+    winner = retrain.pick_winner(found, direction)
+    if winner is None:
+        print(f"hpo: no retrain run of study {plan.study_name!r} completed; see "
+              f"`hpo status --study {shlex.quote(plan.study_name)}`", file=sys.stderr)  # fmt: skip
+        return 1
+    chosen = retrain.best_run(winner, direction)
+    model_trial = chosen["trial"]
+    full_data_trial = None
+    if args.full_data:
+        retrain.queue_full_data_run(storage, study, winner)
+        retrain_config.study.n_trials = plan.runs + 1
+        code = _work(study, storage, (retrain_config, *inputs[1:-1], 1), stop, args)
+        if stop.requested or code != 0 or not retrain.wait_until_finished(study, stop):
+            return _retrain_stopped(stop, code, args)
+        full_data_trial = retrain.full_data_trial(study)
+        if full_data_trial is None:
+            print("hpo: the full-data run did not complete; see `hpo status --study "
+                  f"{shlex.quote(plan.study_name)}`", file=sys.stderr)  # fmt: skip
+            return 1
+        model_trial = full_data_trial
+    metric = config.study.primary_metric
+    card = retrain.model_card(plan, found, winner, chosen, config, metric, full_data_trial)
+    retrain.save_final_model(retrain.model_folder(study, model_trial), out, card)
+    source.set_user_attr(retrain.OUTCOME_ATTR, retrain.outcome(card, out))
+    print(retrain.summary(card, out))
+    return 0
+
+
+def _retrain_stopped(stop: StopRequest, code: int, args: argparse.Namespace) -> int:
+    if stop.signal_name is not None and not args.as_worker:
+        print(f"hpo: stopped by {stop.signal_name}; run the same hpo retrain again to resume",
+              file=sys.stderr)  # fmt: skip
+    return stop.exit_code if stop.requested else code
 
 
 def _check_inputs(args: argparse.Namespace) -> tuple[Config, StorageURL, list[str], Any, int]:
@@ -533,10 +683,16 @@ def _monitor(args: argparse.Namespace) -> int:
         best = report.best_trials(study)
         if not best:
             raise HPOError(f"study {args.study!r} has no completed trial yet")
+        retrained = study.user_attrs.get("retrain")
         if args.json:  # several objectives: the Pareto front, a list
-            print(json.dumps(best if len(study.directions) > 1 else best[0], indent=2, default=str))
+            shown: Any = best if len(study.directions) > 1 else best[0]
+            if retrained is not None and isinstance(shown, dict):
+                shown = {**shown, "retrain": retrained}
+            print(json.dumps(shown, indent=2, default=str))
         else:
             print("\n".join(_best_text(trial) for trial in best))
+            if retrained is not None:
+                print(_retrain_text(retrained))
         return 0
     if args.watch:
         return _watch(study, args.json, args.interval)
@@ -632,6 +788,21 @@ def _studies_table(rows: list[dict]) -> str:
             best = "Pareto front (hpo best)"
         lines.append(f"{row['name']:<30} {row['direction']:<{width}} {row['n_trials']:>6}  {best}")
     return "\n".join(lines)
+
+
+def _retrain_text(retrained: dict) -> str:
+    """`hpo best` after `hpo retrain`: the configuration that won on the mean over seeds."""
+    params = ", ".join(f"{k}={_short(v)}" for k, v in retrained["params"].items())
+    full = ", trained on both splits" if retrained.get("full_data") else ""
+    return (
+        f"retrain winner (mean over {retrained['seeds']} seeds, study {retrained['study']!r}): "
+        f"{retrained['metric']} {retrained['mean']:.4f} ± {retrained['std']:.4f} ({params}), "
+        f"search trial #{retrained['search_trial']}\nfinal model: {retrained['model']}{full}"
+    )
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _best_text(best: dict) -> str:

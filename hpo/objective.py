@@ -46,7 +46,7 @@ from trainer.batch_finder import (
 )
 from trainer.checkpoint import CheckpointStore
 from trainer.config import TrainJob
-from trainer.data import PreparedData
+from trainer.data import PreparedData, with_eval_in_training
 from trainer.loop import Evaluation, TrainResult, grad_accum_steps_for, train
 from trainer.memory import OutOfMemoryAtBatchOne, memory_share
 from trainer.model import load_tokenizer
@@ -69,6 +69,7 @@ class TrialTask:
     checkpoint_dir: Path | None = None  # this configuration's folder, shared by its retries
     resume: bool = False  # a retry: resume from the folder's checkpoint if there is one
     asked_at: float | None = None  # wall clock (time.time()) when the trial was created
+    full_data: bool = False  # train on the evaluation split too (hpo retrain --full-data)
 
 
 class Objective:
@@ -104,6 +105,7 @@ class Objective:
         changes: dict[str, Any] = {
             "params": sample(trial, self.task.config.search_space),
             "asked_at": _created_at(trial),
+            "full_data": bool(trial.user_attrs.get("full_data")),
         }
         if study_config.checkpoints:
             changes["checkpoint_dir"] = _trial_folder(self.task.config, trial)
@@ -175,7 +177,8 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
             pruning_reporter(trial, metric) if len(objectives) == 1 else _log_evaluation(trial)
         )
         should_stop = _stop_check(started, task.config.study.trial_timeout)
-        result = train(job, task.data, reporter, metric, store, should_stop=should_stop,
+        data = with_eval_in_training(task.data) if task.full_data else task.data
+        result = train(job, data, reporter, metric, store, should_stop=should_stop,
                        on_progress=_progress_sender(trial, task.config.study.n_trials))  # fmt: skip
     except OutOfMemoryAtBatchOne as e:
         replace_after_this_trial("out of memory at batch 1")

@@ -5,6 +5,7 @@ length-grouped optimizer steps split into balanced micro-batches, and dynamic pa
 from __future__ import annotations
 
 import csv
+import dataclasses
 import hashlib
 import json
 import os
@@ -66,6 +67,22 @@ class PreparedData:
     @property
     def num_labels(self) -> int:
         return len(self.label_names)
+
+
+def with_eval_in_training(data: PreparedData) -> PreparedData:
+    """Train on both splits (a final model trained on every labelled example); the evaluation
+    split stays as it is, so its metric is no longer a held-out one."""
+    train, held = data.train, data.eval
+    type_ids = None
+    if train.type_ids is not None and held.type_ids is not None:
+        type_ids = np.concatenate([train.type_ids, held.type_ids])
+    joined = TokenizedSplit(
+        ids=np.concatenate([train.ids, held.ids]),
+        offsets=np.concatenate([train.offsets, held.offsets[1:] + train.offsets[-1]]),
+        type_ids=type_ids,
+        labels=np.concatenate([train.labels, held.labels]),
+    )
+    return dataclasses.replace(data, train=joined)
 
 
 # -- reading tables ------------------------------------------------------------------------------
@@ -400,7 +417,7 @@ def _cache_key(
     digest = hashlib.sha256()
     parts = {
         "version": CACHE_FORMAT_VERSION,
-        "data": _content_hash(Path(source[0])),
+        "data": content_hash(Path(source[0])),
         "split": source[1],
         "columns": [config.text_column, config.text_pair_column, config.label_column],
         "max_length": config.max_length,
@@ -425,7 +442,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _content_hash(path: Path) -> str:
+def content_hash(path: Path) -> str:
     digest = hashlib.sha256()
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     for file in files:

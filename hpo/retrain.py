@@ -1,0 +1,439 @@
+"""`hpo retrain`: a final model from a study. The best configurations of the search are trained
+again with new seeds, in a study of their own (`<study> [retrain top K x S seeds]`, run by the
+same workers, heartbeats, retries and resume as `hpo run`); the configuration with the best
+mean metric wins, and its best run's model and tokenizer are saved with a model card.
+
+A single training run's score is partly the luck of its seed (Dodge et al. 2020): the mean and
+spread over seeds is what tells two close configurations apart.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime as dt
+import json
+import logging
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.study import StudyDirection
+from optuna.trial import FrozenTrial, TrialState
+
+from hpo import __version__
+from hpo.checkpoints import study_folder_name
+from hpo.config import Config, ParamSpec, PrunerConfig, SamplerConfig, space_record
+from hpo.errors import HPOError
+from hpo.stopping import StopRequest
+from storage.engine import StudyStorage
+
+log = logging.getLogger(__name__)
+
+PLAN_ATTR = "retrain_plan"  # on the retrain study: what it trains
+OUTCOME_ATTR = "retrain"  # on the searched study: the latest retrain's winner
+CARD_JSON = "hpo_model_card.json"
+CARD_MD = "README.md"
+MAX_TOP = 100
+MAX_SEEDS = 100
+_SEED_LIMIT = 2**32  # numpy's RandomState takes seeds below this
+
+
+@dataclass(frozen=True)
+class RetrainPlan:
+    """What a retrain study trains: each configuration (ranked by its search value) once per
+    seed. Stored with the retrain study, so a resumed retrain trains what it began with."""
+
+    source: str
+    configs: list[dict[str, Any]]  # {"rank", "trial", "value", "params"}, best first
+    seeds: list[int]
+
+    @property
+    def study_name(self) -> str:
+        return retrain_study_name(self.source, len(self.configs), len(self.seeds))
+
+    @property
+    def runs(self) -> int:
+        return len(self.configs) * len(self.seeds)
+
+
+@dataclass
+class ConfigResult:
+    """One configuration's retrain runs: their values, mean and spread."""
+
+    rank: int
+    source_trial: int
+    params: dict[str, Any]
+    search_value: float
+    runs: list[dict[str, Any]]  # {"trial", "seed", "value"} of its complete runs
+    unfinished: int  # runs that failed or were pruned (a failure, an OOM, a divergence)
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(r["value"] for r in self.runs)
+
+    @property
+    def std(self) -> float:
+        values = [r["value"] for r in self.runs]
+        return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def retrain_study_name(source: str, top: int, seeds: int) -> str:
+    suffix = f" [retrain top {top} x {seeds} seeds]"
+    return source[: 512 - len(suffix)] + suffix
+
+
+def make_plan(source: optuna.Study, config: Config, top: int, seeds: int) -> RetrainPlan:
+    """The `top` best complete configurations of the search (distinct parameters; with several
+    objectives, ranked by the first), each to train with `seeds` seeds not used by the search."""
+    recorded = source.user_attrs.get("search_space")
+    if recorded is not None and recorded != space_record(config.search_space):
+        raise HPOError(f"--config: its search space is not the one study {source.study_name!r} "
+                       "was created with; pass the config the study ran with")  # fmt: skip
+    if "seed" in config.search_space:
+        raise HPOError("search_space tunes training.seed, but retrain varies the seed to measure "
+                       "its effect: remove seed from the search space")  # fmt: skip
+    sign = 1.0 if source.directions[0] == StudyDirection.MAXIMIZE else -1.0
+    complete = [t for t in source.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                if t.values]  # fmt: skip
+    complete.sort(key=lambda t: (-sign * t.values[0], t.number))
+    configs: list[dict[str, Any]] = []
+    seen: list[dict[str, Any]] = []
+    for trial in complete:
+        if trial.params in seen:
+            continue  # the same configuration trained twice (enqueued again, say)
+        seen.append(trial.params)
+        configs.append({"rank": len(configs) + 1, "trial": trial.number,
+                        "value": trial.values[0], "params": trial.params})  # fmt: skip
+        if len(configs) == top:
+            break
+    if not configs:
+        raise HPOError(f"study {source.study_name!r} has no completed trial to retrain; run it "
+                       "first (hpo run), or check --study with `hpo studies`")  # fmt: skip
+    if len(configs) < top:
+        log.info("study %r has %d distinct completed configurations; retraining those",
+                 source.study_name, len(configs))  # fmt: skip
+    first = config.training.seed + 1
+    new_seeds = [(first + i) % _SEED_LIMIT for i in range(seeds)]
+    return RetrainPlan(source.study_name, configs, new_seeds)
+
+
+def stored_plan(storage: StudyStorage, name: str) -> RetrainPlan | None:
+    """The plan of an existing retrain study (a resumed retrain), if there is one."""
+    try:
+        study_id = storage.get_study_id_from_name(name)
+    except KeyError:
+        return None
+    stored = storage.get_study_user_attrs(study_id).get(PLAN_ATTR)
+    return None if stored is None else RetrainPlan(**stored)
+
+
+def study_config(config: Config, plan: RetrainPlan, full_data: bool = False) -> Config:
+    """The searched study's config, made to train exactly the plan's runs: the seed joins the
+    search space, nothing is sampled or pruned, and every run keeps its best model. With
+    `full_data`, one more run: the winner on the training and evaluation splits together."""
+    retrain = copy.deepcopy(config)
+    retrain.search_space = {
+        **config.search_space,
+        "seed": ParamSpec(type="categorical", choices=list(plan.seeds)),
+    }
+    retrain.study.n_trials = plan.runs + (1 if full_data else 0)
+    retrain.study.sampler = SamplerConfig(type="random", seed=0)
+    retrain.study.pruner = PrunerConfig(type="none")
+    retrain.study.enqueue = []
+    retrain.study.checkpoints = True
+    return retrain
+
+
+def queue_runs(storage: StudyStorage, study: optuna.Study, plan: RetrainPlan) -> int:
+    """Queue each configuration x seed the retrain study does not hold yet; how many. Under the
+    study's lock: workers of several GPUs or hosts queue each run once."""
+    study_id = storage.get_study_id_from_name(study.study_name)
+    queued = 0
+    with storage.lock(study_id):
+        if PLAN_ATTR not in storage.get_study_user_attrs(study_id):
+            storage.set_study_user_attr(study_id, PLAN_ATTR, dataclasses.asdict(plan))
+            storage.set_study_user_attr(study_id, "retrain_of", plan.source)
+        held = {_run_key(t) for t in study.get_trials(deepcopy=False)}
+        for config in plan.configs:
+            for seed in plan.seeds:
+                if (config["rank"], seed, False) in held:
+                    continue
+                attrs = {"retrain_config": config["rank"], "source_trial": config["trial"],
+                         "seed": seed}  # fmt: skip
+                study.enqueue_trial({**config["params"], "seed": seed}, user_attrs=attrs)
+                queued += 1
+    return queued
+
+
+def queue_full_data_run(storage: StudyStorage, study: optuna.Study, winner: ConfigResult) -> None:
+    """Queue the winner once more, trained on both splits, with the seed of its best run."""
+    study_id = storage.get_study_id_from_name(study.study_name)
+    seed = best_run(winner, study.directions[0])["seed"]
+    with storage.lock(study_id):
+        if any(_run_key(t)[2] for t in study.get_trials(deepcopy=False)):
+            return
+        attrs = {"retrain_config": winner.rank, "source_trial": winner.source_trial,
+                 "seed": seed, "full_data": True}  # fmt: skip
+        study.enqueue_trial({**winner.params, "seed": seed}, user_attrs=attrs)
+        # The budget `hpo status --watch` waits for: the runs and this one.
+        study.set_user_attr("n_trials", int(study.user_attrs.get("n_trials") or 0) + 1)
+
+
+def full_data_trial(study: optuna.Study) -> int | None:
+    """The number of the complete full-data run, if there is one."""
+    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    return next((t.number for t in done if _run_key(t)[2]), None)
+
+
+def model_folder(study: optuna.Study, number: int) -> Path:
+    """Where a run of the retrain study saved its best model (with the tokenizer)."""
+    trial = next(t for t in study.get_trials(deepcopy=False) if t.number == number)
+    return Path(trial.user_attrs.get("best_model", "(no model recorded)"))
+
+
+def _run_key(trial: FrozenTrial) -> tuple[Any, Any, bool]:
+    attrs = trial.user_attrs
+    return attrs.get("retrain_config"), attrs.get("seed"), bool(attrs.get("full_data"))
+
+
+def wait_until_finished(study: optuna.Study, stop: StopRequest, poll_s: float = 5.0) -> bool:
+    """Wait while other workers still run (or will run) retrain trials; False if stopped."""
+    said = False
+    while not stop.requested:
+        left = study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING))
+        if not left:
+            return True
+        if not said:
+            log.info("waiting for %d retrain runs of other workers to finish", len(left))
+            said = True
+        time.sleep(poll_s)
+    return False
+
+
+def results(study: optuna.Study, plan: RetrainPlan) -> list[ConfigResult]:
+    """Each configuration's complete runs (the full-data run is not one: its evaluation split
+    was trained on)."""
+    trials = study.get_trials(deepcopy=False)
+    out = []
+    for config in plan.configs:
+        mine = [t for t in trials if _run_key(t)[0] == config["rank"] and not _run_key(t)[2]]
+        runs = [
+            {"trial": t.number, "seed": t.user_attrs.get("seed"), "value": t.values[0]}
+            for t in mine
+            if t.state == TrialState.COMPLETE and t.values
+        ]
+        failed = {t.user_attrs.get("seed") for t in mine if t.state in _ENDED_BADLY}
+        unfinished = len(failed - {r["seed"] for r in runs})
+        out.append(ConfigResult(config["rank"], config["trial"], config["params"],
+                                config["value"], runs, unfinished))  # fmt: skip
+    return out
+
+
+_ENDED_BADLY = (TrialState.FAIL, TrialState.PRUNED)
+
+
+def pick_winner(found: list[ConfigResult], direction: StudyDirection) -> ConfigResult | None:
+    """The configuration with the best mean over its seeds (ties: the better search rank)."""
+    sign = 1.0 if direction == StudyDirection.MAXIMIZE else -1.0
+    scored = [r for r in found if r.runs]
+    return min(scored, key=lambda r: (-sign * r.mean, r.rank), default=None)
+
+
+def best_run(result: ConfigResult, direction: StudyDirection) -> dict[str, Any]:
+    sign = 1.0 if direction == StudyDirection.MAXIMIZE else -1.0
+    return min(result.runs, key=lambda r: (-sign * r["value"], r["trial"]))
+
+
+def check_out(out: Path) -> None:
+    """--out, before any training: a folder to create, or a final model hpo wrote before."""
+    if out.exists() or out.is_symlink():
+        if out.is_symlink() or not out.is_dir() or not (out / CARD_JSON).is_file():
+            raise HPOError(f"--out {out}: exists and is not a final model hpo wrote; name a new "
+                           "folder")  # fmt: skip
+    elif not out.parent.is_dir():
+        raise HPOError(f"--out {out}: its parent folder does not exist; create it first")
+
+
+def save_final_model(model_dir: Path, out: Path, card: dict[str, Any]) -> None:
+    """Copy the model and tokenizer to `out` with its card: written aside, then renamed in, so
+    `out` is never half a model; a final model hpo wrote there before is replaced."""
+    if not (model_dir / "config.json").is_file():
+        raise HPOError(f"the winning run's model {model_dir} is missing (removed, or on another "
+                       "host's disk); run hpo retrain on the host that trained it")  # fmt: skip
+    check_out(out)
+    aside = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    old = None
+    try:
+        shutil.copytree(model_dir, aside, dirs_exist_ok=True)
+        (aside / CARD_JSON).write_text(json.dumps(card, indent=2, default=str) + "\n",
+                                       encoding="utf-8")  # fmt: skip
+        (aside / CARD_MD).write_text(card_markdown(card), encoding="utf-8")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(aside, 0o777 & ~umask)  # as any new folder, not mkdtemp's owner-only mode
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+        os.replace(aside, out)
+    except OSError as e:
+        shutil.rmtree(aside, ignore_errors=True)
+        if old is not None and not out.exists():
+            os.replace(old, out)
+        raise HPOError(f"--out {out}: cannot write the final model ({e.strerror or e})") from e
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def model_card(
+    plan: RetrainPlan,
+    found: list[ConfigResult],
+    winner: ConfigResult,
+    chosen: dict[str, Any],
+    config: Config,
+    metric: str,
+    full_data_trial: int | None,
+) -> dict[str, Any]:
+    """Everything needed to trust and reproduce the final model."""
+    return {
+        "model": "AutoModelForSequenceClassification.from_pretrained(<this folder>)",
+        "study": plan.source,
+        "retrain_study": plan.study_name,
+        "metric": metric,
+        "winner": {
+            "rank_in_search": winner.rank,
+            "search_trial": winner.source_trial,
+            "params": winner.params,
+            "mean": winner.mean,
+            "std": winner.std,
+            "seeds": len(winner.runs),
+        },
+        "saved_run": {**chosen, "full_data": full_data_trial is not None}
+        if full_data_trial is None
+        else {"trial": full_data_trial, "seed": chosen["seed"], "full_data": True},
+        "full_data_note": None
+        if full_data_trial is None
+        else "trained on the training and evaluation splits together; its metric is the mean "
+        "of the held-out retrain runs above, not a measurement of this model",
+        "configurations": [
+            {
+                **dataclasses.asdict(r),
+                "mean": r.mean if r.runs else None,
+                "std": r.std if r.runs else None,
+            }  # fmt: skip
+            for r in found
+        ],
+        "training": {
+            k: v
+            for k, v in dataclasses.asdict(config.training).items()
+            if k not in winner.params and k != "seed"  # each run's seed is listed with it
+        },
+        "data": data_files(config),
+        "versions": versions(),
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def data_files(config: Config) -> list[dict[str, Any]]:
+    from trainer.data import content_hash
+
+    files = []
+    for role, location, split in (
+        ("train", config.data.train_file, config.data.train_split),
+        ("eval", config.data.eval_file, config.data.eval_split),
+    ):
+        path = Path(location).resolve()
+        files.append({"role": role, "path": str(path), "split": split,
+                      "sha256": content_hash(path) if path.exists() else None})  # fmt: skip
+    return files
+
+
+def versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    return {"hpo": __version__, "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "optuna": optuna.__version__}  # fmt: skip
+
+
+def card_markdown(card: dict[str, Any]) -> str:
+    """The model card as Markdown (README.md beside the weights)."""
+    metric, winner = card["metric"], card["winner"]
+    lines = [
+        f"# Final model of study {card['study']!r}",
+        "",
+        f"Retrained by hpo {card['versions']['hpo']} in study {card['retrain_study']!r} on "
+        f"{card['created']}. Load it with `{card['model']}`.",
+        "",
+        f"**{metric}: {winner['mean']:.4f} ± {winner['std']:.4f}** (mean ± standard deviation "
+        f"over {winner['seeds']} seeds), configuration ranked {winner['rank_in_search']} in the "
+        f"search (trial {winner['search_trial']}).",
+        "",
+    ]
+    saved = card["saved_run"]
+    if saved["full_data"]:
+        lines += [f"This model: {card['full_data_note']} (trial {saved['trial']}, seed "
+                  f"{saved['seed']}).", ""]  # fmt: skip
+    else:
+        lines += [f"This model: the winner's best run (trial {saved['trial']}, seed "
+                  f"{saved['seed']}, {metric} {saved['value']:.4f}).", ""]  # fmt: skip
+    lines += ["## Parameters", ""]
+    lines += [f"- `{k}`: {v}" for k, v in winner["params"].items()]
+    lines += ["", "## Configurations retrained", "",
+              f"| rank | search trial | search {metric} | per seed | mean | std |",
+              "|---:|---:|---:|---|---:|---:|"]  # fmt: skip
+    for r in card["configurations"]:
+        per_seed = ", ".join(f"{run['value']:.4f} (seed {run['seed']})" for run in r["runs"])
+        if r["unfinished"]:
+            per_seed += f"; {r['unfinished']} failed or pruned"
+        mean = "-" if r["mean"] is None else f"{r['mean']:.4f}"
+        std = "-" if r["std"] is None else f"{r['std']:.4f}"
+        lines.append(f"| {r['rank']} | {r['source_trial']} | {r['search_value']:.4f} | "
+                     f"{per_seed or '-'} | {mean} | {std} |")  # fmt: skip
+    lines += ["", "## Data", ""]
+    for f in card["data"]:
+        lines.append(f"- {f['role']}: `{f['path']}` (split {f['split']}), sha256 {f['sha256']}")
+    lines += ["", "## Training settings", ""]
+    lines += [f"- `{k}`: {v}" for k, v in card["training"].items()]
+    lines += ["", "## Versions", ""]
+    lines += [f"- {k} {v}" for k, v in card["versions"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def default_out(source: str) -> Path:
+    return Path(f"hpo-final-{study_folder_name(source)}")
+
+
+def outcome(card: dict[str, Any], out: Path) -> dict[str, Any]:
+    """What the searched study records of its latest retrain, for `hpo best`."""
+    winner = card["winner"]
+    return {"study": card["retrain_study"], "params": winner["params"], "mean": winner["mean"],
+            "std": winner["std"], "seeds": winner["seeds"], "search_trial": winner["search_trial"],
+            "model": str(out.resolve()), "full_data": card["saved_run"]["full_data"],
+            "metric": card["metric"]}  # fmt: skip
+
+
+def summary(card: dict[str, Any], out: Path) -> str:
+    """The retrain's result for the terminal: every configuration, the winner, the model."""
+    metric = card["metric"]
+    lines = [f"retrain of study {card['study']!r} ({card['retrain_study']!r}), {metric}:"]
+    for r in card["configurations"]:
+        values = ", ".join(f"{run['value']:.4f}" for run in r["runs"]) or "no run completed"
+        mean = "" if r["mean"] is None else f"  mean {r['mean']:.4f} ± {r['std']:.4f}"
+        mark = "  <- winner" if r["rank"] == card["winner"]["rank_in_search"] else ""
+        lines.append(f"  #{r['rank']} (search trial {r['source_trial']}, "
+                     f"{r['search_value']:.4f}): {values}{mean}{mark}")  # fmt: skip
+    params = ", ".join(
+        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+        for k, v in card["winner"]["params"].items()
+    )
+    lines.append(f"winner: {params}")
+    lines.append(f"final model: {out} (with README.md, its model card)")
+    return "\n".join(lines)

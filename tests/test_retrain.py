@@ -1,0 +1,275 @@
+"""`hpo retrain`: the plan, the winner on the mean, what cleanup keeps, the final model's folder,
+and end to end through the CLI (search, retrain stopped and resumed, full data, `hpo best`)."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import optuna
+import pytest
+from optuna.distributions import CategoricalDistribution, FloatDistribution
+from optuna.trial import TrialState
+
+from hpo import retrain
+from hpo.checkpoints import prepare_trial_folder, remove_unneeded_folders
+from hpo.config import Config, ParamSpec, space_record
+from hpo.errors import HPOError
+from tests.conftest import run_hpo, start_hpo, tiny_config, wait_until_training, write_config
+from trainer.data import PreparedData, TokenizedSplit, with_eval_in_training
+
+SPACE = {"learning_rate": ParamSpec(type="float", low=1e-4, high=1e-1, log=True)}
+LR = FloatDistribution(1e-4, 1e-1, log=True)
+
+
+def _searched(values: list[float | None], direction: str = "maximize") -> optuna.Study:
+    """A searched study: one trial per value (None: pruned), learning rate 1e-3 * (k + 1)."""
+    study = optuna.create_study(direction=direction)
+    study.set_user_attr("search_space", space_record(SPACE))
+    for k, value in enumerate(values):
+        study.add_trial(
+            optuna.create_trial(
+                state=TrialState.COMPLETE if value is not None else TrialState.PRUNED,
+                value=value,
+                params={"learning_rate": 1e-3 * (k + 1)},
+                distributions={"learning_rate": LR},
+            )
+        )
+    return study
+
+
+def _config() -> Config:
+    config = Config(search_space=dict(SPACE))
+    config.training.seed = 42
+    return config
+
+
+def test_the_plan_takes_the_best_distinct_configurations_and_seeds_the_search_did_not_use() -> None:
+    study = _searched([0.7, 0.9, None, 0.8, 0.9])
+    study.enqueue_trial({"learning_rate": 2e-3})  # trial 1's configuration again: once in the plan
+    plan = retrain.make_plan(study, _config(), top=3, seeds=2)
+    assert [c["trial"] for c in plan.configs] == [1, 4, 3]  # ties: the earlier trial first
+    assert [c["rank"] for c in plan.configs] == [1, 2, 3]
+    assert plan.seeds == [43, 44] and 42 not in plan.seeds
+    assert plan.runs == 6 and plan.study_name == f"{study.study_name} [retrain top 3 x 2 seeds]"
+    minimized = retrain.make_plan(_searched([0.3, 0.1, 0.2], "minimize"), _config(), 1, 1)
+    assert [c["trial"] for c in minimized.configs] == [1]
+    fewer = retrain.make_plan(_searched([0.5]), _config(), top=3, seeds=1)
+    assert len(fewer.configs) == 1 and "top 1 x 1" in fewer.study_name
+
+
+@pytest.mark.parametrize(
+    ("values", "space", "message"),
+    [
+        ([None, None], SPACE, "no completed trial"),
+        ([0.5], {"learning_rate": ParamSpec(type="float", low=1e-5, high=1e-1)}, "search space"),
+        ([0.5], {**SPACE, "seed": ParamSpec(type="categorical", choices=[1, 2])}, "seed"),
+    ],
+    ids=["nothing completed", "another search space", "the seed is tuned"],
+)
+def test_a_plan_that_cannot_be_made_is_one_line(
+    values: list[float | None], space: dict[str, ParamSpec], message: str
+) -> None:
+    study = _searched(values)
+    if "seed" in space:
+        study.set_user_attr("search_space", space_record(space))
+    config = _config()
+    config.search_space = space
+    with pytest.raises(HPOError, match=message):
+        retrain.make_plan(study, config, 3, 3)
+
+
+def _retrain_study(plan: retrain.RetrainPlan, runs: dict[int, list[float | None]]) -> optuna.Study:
+    """The retrain study after its runs: per configuration rank, one value per seed (None:
+    the run failed)."""
+    study = optuna.create_study(direction="maximize")
+    seed = CategoricalDistribution(plan.seeds)
+    for config in plan.configs:
+        for s, value in zip(plan.seeds, runs[config["rank"]], strict=True):
+            study.add_trial(
+                optuna.create_trial(
+                    state=TrialState.COMPLETE if value is not None else TrialState.FAIL,
+                    value=value,
+                    params={**config["params"], "seed": s},
+                    distributions={"learning_rate": LR, "seed": seed},
+                    user_attrs={"retrain_config": config["rank"], "seed": s},
+                )
+            )
+    return study
+
+
+def test_the_winner_is_the_best_mean_not_the_luckiest_run() -> None:
+    plan = retrain.make_plan(_searched([0.95, 0.90]), _config(), top=2, seeds=3)
+    # Configuration 1 had the best search value and has the best single run, by luck.
+    study = _retrain_study(plan, {1: [0.97, 0.70, 0.72], 2: [0.90, 0.91, None]})
+    found = retrain.results(study, plan)
+    assert [len(r.runs) for r in found] == [3, 2] and [r.unfinished for r in found] == [0, 1]
+    winner = retrain.pick_winner(found, study.direction)
+    assert winner is not None and winner.rank == 2
+    assert winner.mean == pytest.approx(0.905) and winner.std == pytest.approx(0.00707, abs=1e-4)
+    assert retrain.best_run(winner, study.direction)["value"] == 0.91
+    nothing = _retrain_study(plan, {1: [None] * 3, 2: [None] * 3})
+    assert retrain.pick_winner(retrain.results(nothing, plan), study.direction) is None
+
+
+def test_cleanup_keeps_every_configurations_best_run_in_a_retrain_study(tmp_path: Path) -> None:
+    plan = retrain.make_plan(_searched([0.95, 0.90]), _config(), top=2, seeds=3)
+    study = _retrain_study(plan, {1: [0.97, 0.70, 0.72], 2: [0.90, 0.91, 0.89]})
+    trials = study.get_trials()
+    root = tmp_path / "r"
+    for trial in trials:
+        prepare_trial_folder(root, "r", f"trial-{trial.number}")
+    removed = remove_unneeded_folders(root, "r", trials, study.directions)
+    # The overall best run (trial 0) and configuration 2's best run (trial 4) stay.
+    assert sorted(p.name for p in removed) == ["trial-1", "trial-2", "trial-3", "trial-5"]
+
+
+def test_full_data_trains_on_both_splits_and_keeps_the_evaluation_split() -> None:
+    train = TokenizedSplit(np.array([1, 2, 3], np.int32), np.array([0, 1, 3]), None,
+                           np.array([0, 1]))  # fmt: skip
+    held = TokenizedSplit(np.array([7, 8, 9, 9], np.int32), np.array([0, 3, 4]), None,
+                          np.array([1, 1]))  # fmt: skip
+    joined = with_eval_in_training(PreparedData(train, held, ["a", "b"], 0))
+    assert joined.train.ids.tolist() == [1, 2, 3, 7, 8, 9, 9]
+    assert joined.train.lengths.tolist() == [1, 2, 3, 1] and joined.train.labels.tolist() == [
+        0, 1, 1, 1,
+    ]  # fmt: skip
+    assert joined.eval is held
+
+
+def _model_folder(path: Path) -> Path:
+    path.mkdir()
+    (path / "config.json").write_text("{}", encoding="utf-8")
+    (path / "model.safetensors").write_bytes(b"weights")
+    return path
+
+
+def test_the_final_model_is_written_whole_or_not_at_all(tmp_path: Path) -> None:
+    model = _model_folder(tmp_path / "best-model")
+    card: dict[str, Any] = {"study": "s", "metric": "accuracy"}
+    out = tmp_path / "final"
+    stranger = tmp_path / "mine"
+    stranger.mkdir()
+    with pytest.raises(HPOError, match="not a final model hpo wrote"):
+        retrain.check_out(stranger)
+    with pytest.raises(HPOError, match="parent folder does not exist"):
+        retrain.check_out(tmp_path / "no" / "final")
+    with pytest.raises(HPOError, match="missing"):
+        retrain.save_final_model(tmp_path / "gone", out, card)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best-model", "mine"]  # nothing left
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(retrain, "card_markdown", lambda card: "# card\n")
+        retrain.save_final_model(model, out, card)
+        retrain.check_out(out)  # hpo's own: a later retrain may replace it
+        (model / "model.safetensors").write_bytes(b"better weights")
+        retrain.save_final_model(model, out, {**card, "study": "s2"})
+    assert (out / "model.safetensors").read_bytes() == b"better weights"
+    assert json.loads((out / retrain.CARD_JSON).read_text(encoding="utf-8"))["study"] == "s2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best-model", "final", "mine"]
+
+
+# -- through the CLI ------------------------------------------------------------------------
+
+
+def _search(tmp_path: Path, easy_data: tuple[Path, Path]) -> tuple[Path, str]:
+    raw = tiny_config(
+        *easy_data,
+        study={"n_trials": 2, "pruner": {"type": "none"}},
+        training={"epochs": 3, "evals_per_epoch": 1},
+    )
+    config = write_config(tmp_path / "c.yaml", raw)
+    url = f"sqlite:///{tmp_path / 'hpo.db'}"
+    done = run_hpo("run", "--study", "s", "--config", str(config), "--storage", url, "--quiet",
+                   cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return config, url
+
+
+def test_retrain_through_the_cli_stopped_resumed_then_best_names_the_winner(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    config, url = _search(tmp_path, easy_data)
+    args = ("retrain", "--study", "s", "--config", str(config), "--storage", url, "--top", "2",
+            "--seeds", "2", "--full-data", "--out", "final")  # fmt: skip
+    name = "s [retrain top 2 x 2 seeds]"
+
+    # Stopped while its first run trains: handed back, resumed by the next call.
+    first = start_hpo(*args, cwd=tmp_path, own_group=True)
+    wait_until_training(url, name, [first])
+    first.send_signal(signal.SIGTERM)
+    _, stderr = first.communicate(timeout=60)
+    assert first.returncode == 0 and "run the same hpo retrain again" in stderr, stderr[-3000:]
+    assert not (tmp_path / "final").exists()
+
+    done = run_hpo(*args, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "<- winner" in done.stdout and "final model: final" in done.stdout
+    study = optuna.load_study(study_name=name, storage=url)
+    trials = study.get_trials()
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    runs = {(t.user_attrs["retrain_config"], t.user_attrs["seed"]) for t in complete}
+    assert len(complete) == 5 and len(runs) == 4  # 2 x 2 runs, each once, and the full-data run
+    assert [t.user_attrs.get("full_data", False) for t in complete].count(True) == 1
+    assert sum(t.state == TrialState.FAIL for t in trials) == 1  # the stopped attempt
+    card = json.loads((tmp_path / "final" / retrain.CARD_JSON).read_text(encoding="utf-8"))
+    assert card["saved_run"]["full_data"] and card["retrain_study"] == name
+    assert len(card["configurations"]) == 2 and all(
+        len(c["runs"]) == 2 for c in card["configurations"]
+    )
+    assert [f["sha256"] for f in card["data"]] == [
+        retrain.data_files(retrain_config_of(config))[i]["sha256"] for i in range(2)
+    ]
+    assert "± " in (tmp_path / "final" / "README.md").read_text(encoding="utf-8")
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "final")
+    AutoTokenizer.from_pretrained(tmp_path / "final")
+    assert model.config.num_labels == 2
+
+    best = run_hpo("best", "--study", "s", "--storage", url, cwd=tmp_path)
+    assert "retrain winner (mean over 2 seeds" in best.stdout, best.stdout
+    assert f"final model: {tmp_path / 'final'}" in best.stdout
+    shown = json.loads(run_hpo("best", "--study", "s", "--storage", url, "--json",
+                               cwd=tmp_path).stdout)  # fmt: skip
+    assert shown["retrain"]["params"] == card["winner"]["params"]
+
+    again = run_hpo(*args, cwd=tmp_path)  # everything ran: nothing trains again
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert len(optuna.load_study(study_name=name, storage=url).get_trials()) == len(trials)
+
+
+def retrain_config_of(path: Path) -> Config:
+    from hpo.config import load_config
+
+    return load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--top", "0"), "--top: got '0'"),
+        (("--seeds", "x"), "--seeds: got 'x'"),
+        (("--out", "c.yaml"), "--out c.yaml: exists and is not a final model"),
+        (("--study", "nope"), "no study 'nope'"),
+    ],
+    ids=["top 0", "seeds not a number", "out a user's file", "unknown study"],
+)
+def test_bad_retrain_input_is_one_line_and_trains_nothing(
+    tmp_path: Path, easy_data: tuple[Path, Path], extra: tuple[str, ...], message: str
+) -> None:
+    config = write_config(tmp_path / "c.yaml", tiny_config(*easy_data))
+    url = f"sqlite:///{tmp_path / 'hpo.db'}"
+    if "--study" in extra:
+        run_hpo("run", "--study", "s", "--config", str(config), "--storage", url, "--n-trials",
+                "1", "--quiet", cwd=tmp_path)  # fmt: skip
+    args = ["retrain", "--study", "s", "--config", str(config), "--storage", url]
+    args += [*extra] if "--study" not in extra else ["--study", "nope"]
+    done = run_hpo(*args, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert message in done.stderr and "Traceback" not in done.stderr
+    if "--study" not in extra:
+        assert not (tmp_path / "hpo.db").exists()  # nothing written

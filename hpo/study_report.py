@@ -139,7 +139,23 @@ def _best_block(study: optuna.Study, status: dict[str, Any], fence: str) -> list
         f"hpo run --study {shlex.quote(study.study_name + '-again')} --config YOUR_CONFIG.yaml "
         "--n-trials 1",
         *([fence] if fence else []),
+        "",
+        "For a final model: the best configurations trained again with new seeds, the winner "
+        "chosen on the mean (one run's score is partly its seed's luck):",
+        *([fence] if fence else []),
+        f"hpo retrain --study {shlex.quote(study.study_name)} --config YOUR_CONFIG.yaml "
+        "--top 3 --seeds 3",
+        *([fence] if fence else []),
     ]
+    retrained = study.user_attrs.get("retrain")
+    if retrained:
+        params = json.dumps(retrained["params"], sort_keys=True)
+        lines += [
+            "",
+            f"Retrain winner ({retrained['study']}): {retrained['metric']} "
+            f"{retrained['mean']:.4f} ± {retrained['std']:.4f} over {retrained['seeds']} seeds, "
+            f"{params}; final model: {retrained['model']}",
+        ]
     return lines
 
 

@@ -15,7 +15,7 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution
 from optuna.trial import TrialState
 
 from hpo import retrain
-from hpo.checkpoints import prepare_trial_folder, remove_unneeded_folders
+from hpo.checkpoints import prepare_trial_folder, remove_unneeded_folders, study_folder_name
 from hpo.config import Config, ParamSpec, space_record
 from hpo.errors import HPOError
 from tests.conftest import run_hpo, start_hpo, tiny_config, wait_until_training, write_config
@@ -273,3 +273,19 @@ def test_bad_retrain_input_is_one_line_and_trains_nothing(
     assert message in done.stderr and "Traceback" not in done.stderr
     if "--study" not in extra:
         assert not (tmp_path / "hpo.db").exists()  # nothing written
+
+
+def test_retrain_runs_on_the_workers_of_several_gpus(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    config, url = _search(tmp_path, easy_data)
+    done = run_hpo("retrain", "--study", "s", "--config", str(config), "--storage", url,
+                   "--top", "1", "--seeds", "4", "--gpus", "0,1", cwd=tmp_path,
+                   env={"HPO_TEST_FAKE_GPUS": "2"})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "started 2 workers" in done.stderr
+    study = optuna.load_study(study_name="s [retrain top 1 x 4 seeds]", storage=url)
+    complete = study.get_trials(states=(TrialState.COMPLETE,))
+    assert sorted(t.user_attrs["seed"] for t in complete) == [43, 44, 45, 46]  # each once
+    assert len(study.get_trials()) == 4
+    assert (tmp_path / f"hpo-final-{study_folder_name('s')}" / retrain.CARD_JSON).is_file()

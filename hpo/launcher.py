@@ -11,12 +11,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from types import FrameType
 
+from hpo import progress as live
 from hpo.errors import ConfigError, HPOError
 from hpo.logs import WORKER_LABEL_ENV
-from hpo.progress import OFF_ENV as LIVE_LINE_OFF_ENV
 from hpo.stopping import EXIT_INTERRUPTED
 
 log = logging.getLogger(__name__)
@@ -123,20 +124,40 @@ def run_workers(gpus: Sequence[str], argv: Sequence[str], per_gpu: int = 1) -> i
 
     device = "cpu" if os.environ.get(FAKE_GPUS_ENV) else "cuda"
     threads = max(1, (os.cpu_count() or 1) // (len(gpus) * per_gpu))
+    # On a terminal: a progress line per worker, drawn here below the workers' log lines.
+    block = (
+        live.LiveBlock(sys.stderr) if live.wanted(sys.stderr) and "--quiet" not in argv else None
+    )
     workers = []
     labels = []
     for gpu in gpus:
         for k in range(per_gpu):
             label = f"gpu{gpu}" if per_gpu == 1 else f"gpu{gpu}.{k}"
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu, WORKER_LABEL_ENV: label}
-            env[LIVE_LINE_OFF_ENV] = "1"  # several progress lines on one terminal would fight
+            env[live.RELAY_ENV if block else live.OFF_ENV] = "1"
             if per_gpu > 1:
                 env[SHARE_ENV] = repr(1 / per_gpu)
             env.setdefault("OMP_NUM_THREADS", str(threads))  # the host's cores, shared
             command = [sys.executable, "-m", "hpo", *worker_argv(argv), "--device", device]
             # Their own process group: a terminal's Ctrl-C reaches them once, from here.
-            workers.append(subprocess.Popen(command, env=env, start_new_session=True))
+            workers.append(
+                subprocess.Popen(
+                    command,
+                    env=env,
+                    start_new_session=True,
+                    text=True,
+                    errors="replace",
+                    stderr=subprocess.PIPE if block else None,
+                )  # fmt: skip
+            )
             labels.append(label)
+    readers = [
+        threading.Thread(target=_relay_lines, args=(worker, label, block), daemon=True)
+        for worker, label in zip(workers, labels, strict=True)
+        if block is not None
+    ]
+    for reader in readers:
+        reader.start()
     shared = f", {per_gpu} per GPU, each with 1/{per_gpu} of its memory" if per_gpu > 1 else ""
     log.info("started %d workers: GPUs %s%s", len(workers), ", ".join(gpus), shared)
     received: list[str] = []
@@ -150,9 +171,21 @@ def run_workers(gpus: Sequence[str], argv: Sequence[str], per_gpu: int = 1) -> i
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
     codes = [worker.wait() for worker in workers]
+    for reader in readers:
+        reader.join(timeout=5)
+    if block is not None:
+        block.close()
     for label, code in zip(labels, codes, strict=True):
         if code not in (0, EXIT_INTERRUPTED):
             log.warning("the worker %s exited with code %d", label, code)
     if received:
         return EXIT_INTERRUPTED if received[0] == "SIGINT" else 0
     return next((code for code in codes if code != 0), 0)
+
+
+def _relay_lines(worker: subprocess.Popen[str], label: str, block: live.LiveBlock | None) -> None:
+    """A worker's stderr, line by line, to the block that keeps its progress line below."""
+    if worker.stderr is None or block is None:
+        return
+    for line in worker.stderr:
+        block.feed(label, line.rstrip("\n"))

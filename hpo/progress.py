@@ -8,6 +8,7 @@ a pipe, a job scheduler): the plain log lines are the record there.
 from __future__ import annotations
 
 import io
+import json
 import logging
 import math
 import os
@@ -17,8 +18,12 @@ import time
 from typing import Any, TextIO
 
 CLEAR = "\r\x1b[K"
-# Set for the workers that `hpo run --gpus` starts: several lines on one terminal would fight.
+# Set for the workers that `hpo run --gpus` starts when its own output is not a terminal.
 OFF_ENV = "HPO_NO_LIVE_LINE"
+# Set for those workers when it is: each sends its line's parts up as one marked line on
+# stderr, and the launcher draws one line per worker (LiveBlock).
+RELAY_ENV = "HPO_LIVE_RELAY"
+RELAY_MARK = "\x02hpo-live "  # never the start of a log line (STX, and not a line break)
 
 
 class LiveLine:
@@ -106,6 +111,82 @@ def _terminal_width(stream: TextIO) -> int:
     return columns or 120  # 0: a terminal that does not say (a bare pty)
 
 
+class _RelayLine(LiveLine):
+    """The line of a worker whose launcher draws it: every change goes up as a marked line."""
+
+    def draw(self) -> None:
+        with self._lock:
+            self.stream.write(RELAY_MARK + json.dumps({"trial": self.trial, "study": self.study}))
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def clear(self) -> None:
+        pass  # the launcher's block owns the terminal
+
+
+class LiveBlock:
+    """The launcher's view of its workers on a terminal: a line per worker with a running
+    trial and the study's line, below the log lines of every worker, which it prints for them
+    (each worker's stderr comes through `feed`)."""
+
+    def __init__(self, stream: TextIO, width: int = 0) -> None:
+        self.stream, self.width = stream, width
+        self.trials: dict[str, str] = {}
+        self.study = ""
+        self._drawn = 0  # lines of the block on the screen now
+        self._lock = threading.Lock()
+
+    def feed(self, label: str, line: str) -> None:
+        """One line of a worker's stderr: its progress, or a log line to print above."""
+        parts = _relayed(line)
+        with self._lock:
+            self._clear()
+            if parts is None:
+                self.stream.write(line + "\n")
+            else:
+                self.trials[label] = str(parts.get("trial") or "")
+                self.study = str(parts.get("study") or self.study)
+            self._draw()
+
+    def lines(self) -> list[str]:
+        width = self.width or _terminal_width(self.stream)
+        shown = [f"{label}: {text}" for label, text in sorted(self.trials.items()) if text]
+        shown += [self.study] if self.study else []
+        return [line if len(line) < width else line[: max(0, width - 2)] + "…" for line in shown]
+
+    def close(self) -> None:
+        with self._lock:
+            self._clear()
+            self.stream.flush()
+
+    def _clear(self) -> None:
+        if self._drawn:
+            up = f"\x1b[{self._drawn - 1}A" if self._drawn > 1 else ""
+            self.stream.write(f"{up}\r\x1b[J")
+            self._drawn = 0
+
+    def _draw(self) -> None:
+        shown = self.lines()
+        self.stream.write("\n".join(shown))
+        self.stream.flush()
+        self._drawn = len(shown)
+
+
+def _relayed(line: str) -> dict[str, Any] | None:
+    if not line.startswith(RELAY_MARK):
+        return None
+    try:
+        parts = json.loads(line[len(RELAY_MARK) :])
+    except ValueError:
+        return None
+    return parts if isinstance(parts, dict) else None
+
+
+def wanted(stream: TextIO) -> bool:
+    """Whether progress lines belong on `stream`: a terminal that can redraw, not turned off."""
+    return stream.isatty() and os.environ.get("TERM") != "dumb" and not os.environ.get(OFF_ENV)
+
+
 class _KeepLineHandler(logging.Handler):
     """Wraps the terminal's log handler: clears the live line, lets the record print, draws
     the line again below it."""
@@ -129,7 +210,10 @@ def start(stream: TextIO = sys.stderr) -> LiveLine | None:
     """The live line on `stream` when it is a terminal (and TERM is not `dumb`), with the root
     logger's handlers on that stream wrapped to keep it below the log; None otherwise."""
     global _line
-    if not stream.isatty() or os.environ.get("TERM") == "dumb" or os.environ.get(OFF_ENV):
+    if os.environ.get(RELAY_ENV):
+        _line = _RelayLine(stream)  # a worker of `--gpus`: its launcher draws the line
+        return _line
+    if not wanted(stream):
         return None
     _line = LiveLine(stream)
     root = logging.getLogger()

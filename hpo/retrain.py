@@ -93,6 +93,10 @@ def retrain_study_name(source: str, top: int, seeds: int) -> str:
 def make_plan(source: optuna.Study, config: Config, top: int, seeds: int) -> RetrainPlan:
     """The `top` best complete configurations of the search (distinct parameters; with several
     objectives, ranked by the first), each to train with `seeds` seeds not used by the search."""
+    searched = source.user_attrs.get("retrain_of")
+    if searched is not None:
+        raise HPOError(f"study {source.study_name!r} is the retrain of study {searched!r}: give "
+                       "that one to --study")  # fmt: skip
     recorded = source.user_attrs.get("search_space")
     if recorded is not None and recorded != space_record(config.search_space):
         raise HPOError(f"--config: its search space is not the one study {source.study_name!r} "
@@ -283,11 +287,13 @@ def save_final_model(model_dir: Path, out: Path, card: dict[str, Any]) -> None:
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             os.replace(out, old)
         os.replace(aside, out)
-    except OSError as e:
+    except BaseException as e:  # a full disk, or a stop: nothing half-written stays
         shutil.rmtree(aside, ignore_errors=True)
         if old is not None and not out.exists():
             os.replace(old, out)
-        raise HPOError(f"--out {out}: cannot write the final model ({e.strerror or e})") from e
+        if isinstance(e, OSError):
+            raise HPOError(f"--out {out}: cannot write the final model ({e.strerror or e})") from e
+        raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -67,13 +67,16 @@ def test_the_plan_takes_the_best_distinct_configurations_and_seeds_the_search_di
         ([None, None], SPACE, "no completed trial"),
         ([0.5], {"learning_rate": ParamSpec(type="float", low=1e-5, high=1e-1)}, "search space"),
         ([0.5], {**SPACE, "seed": ParamSpec(type="categorical", choices=[1, 2])}, "seed"),
+        ([0.5], SPACE, "is the retrain of study 'searched'"),
     ],
-    ids=["nothing completed", "another search space", "the seed is tuned"],
+    ids=["nothing completed", "another search space", "the seed is tuned", "a retrain study"],
 )
 def test_a_plan_that_cannot_be_made_is_one_line(
     values: list[float | None], space: dict[str, ParamSpec], message: str
 ) -> None:
     study = _searched(values)
+    if message.startswith("is the retrain"):
+        study.set_user_attr("retrain_of", "searched")
     if "seed" in space:
         study.set_user_attr("search_space", space_record(space))
     config = _config()

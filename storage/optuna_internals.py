@@ -2,7 +2,8 @@
 
 `optuna.create_study(storage=RDBStorage(...))` wraps the storage in `_CachedStorage`, so finished
 trials are read once; hpo wraps the storage in its own class (outage retries) and so has to add
-the cache itself. tests/test_optuna_internals.py breaks if an upgrade moves or changes it.
+the cache itself. tests/test_study_trials.py::test_optunas_trial_cache_that_hpo_uses_is_still_there
+breaks if an upgrade moves or changes it.
 """
 
 from __future__ import annotations

@@ -36,6 +36,13 @@ def _config_change(tmp_path: Path, data: tuple[Path, Path], kind: str) -> dict[s
     elif kind == "label only in evaluation":
         rows = [{"text": "meh", "label": "neutral"}]
         raw["data"]["eval_file"] = str(write_csv(tmp_path / "e.csv", rows))
+    elif kind == "one class":
+        rows = [{"text": t, "label": "pos"} for t in ("good", "fine", "great")]
+        raw["data"]["train_file"] = str(write_csv(tmp_path / "t.csv", rows))
+    elif kind == "repeated columns":
+        repeated = tmp_path / "repeated.csv"
+        repeated.write_text("text,label,text\ngood,pos,x\nbad,neg,y\n")
+        raw["data"]["train_file"] = str(repeated)
     elif kind == "empty file":
         empty = tmp_path / "empty.csv"
         empty.write_text("text,label\n")
@@ -59,6 +66,8 @@ CASES = [
     ("not utf-8", ["line 3 is not valid UTF-8 (byte 0xe9 at column 4); save the file as UTF-8"]),
     ("missing label", ["row 2 has no label"]),
     ("label only in evaluation", ["labels ['neutral'] never appear in the training data"]),
+    ("one class", ["has the label 'pos'; a classifier needs at least two classes"]),
+    ("repeated columns", ["column names ['text'] appear more than once; give each column"]),
     ("empty file", ["no rows; the file is empty"]),
     ("missing model folder", ["model.name_or_path", "not found"]),
     ("unknown architecture", ["cannot load model config"]),
@@ -142,6 +151,11 @@ FILE_CASES = [
      ["key 'study' appears twice in one mapping; keep one (line "]),
     ("a list", ["study", "search_space", "model", "data", "training"], "- study\n",
      ["must hold a mapping of sections", "got a list ['study']"]),
+    ("huge epochs", ["training"], "training: {epochs: 1000000000}\n",
+     ["training.epochs: got 1000000000; must be"]),
+    ("fractional int step", ["search_space"],
+     _SPACE + "  epochs: {type: int, low: 1, high: 3, step: 1.5}\n",
+     ["search_space.epochs.step: got 1.5; must be a positive whole number"]),
     ("huge seed", ["study"], "study: {n_trials: 2, sampler: {seed: 1" + "0" * 20 + "}}\n",
      ["study.sampler.seed: got 100000000000000000000; must be in [0, 2**32) or null"]),
 ]  # fmt: skip

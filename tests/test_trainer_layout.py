@@ -1,5 +1,6 @@
-"""The trainer package's shape: no module imports another that imports it back (not even from
-inside a function), nothing reaches up into hpo or storage, and functions fit on a screen."""
+"""The packages' shape: no trainer module imports another that imports it back (not even from
+inside a function), nothing in trainer/ or storage/ reaches up into hpo, and functions fit on a
+screen."""
 
 from __future__ import annotations
 
@@ -67,6 +68,19 @@ def test_the_trainer_imports_nothing_from_hpo_storage_or_optuna() -> None:
         for path in TRAINER.glob("*.py")
         for module in _imports(path)
         if module.split(".")[0] in ("hpo", "storage", "optuna")
+    }
+    assert not upward
+
+
+def test_storage_imports_nothing_from_hpo_or_the_trainer() -> None:
+    """storage/ sits below hpo/: its errors are its own, which hpo/cli.py maps to exit 2."""
+    files = list((REPO / "storage").glob("*.py"))
+    assert len(files) > 5  # the package is there and read
+    upward = {
+        f"{path.name}: {module}"
+        for path in files
+        for module in _imports(path)
+        if module.split(".")[0] in ("hpo", "trainer")
     }
     assert not upward
 

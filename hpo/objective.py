@@ -191,6 +191,8 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
         trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
         raise
     if result.status == "interrupted":
+        if store is not None:  # it checkpointed on the way out: say what that cost
+            _record_checkpoint_cost(trial, store)
         _raise_stopped(started, task.config.study.trial_timeout)
     record_result(trial, result)
     if result.first_step_at is not None and task.asked_at is not None:
@@ -244,6 +246,10 @@ def _record_checkpoints(
         trial.set_user_attr("resumed_at_step", result.resumed_at_step)
     if store.best_model_path.is_dir() and store.save_tokenizer(load_tokenizer(task.config.model)):
         trial.set_user_attr("best_model", str(store.best_model_path))
+    _record_checkpoint_cost(trial, store)
+
+
+def _record_checkpoint_cost(trial: TrialLike, store: CheckpointStore) -> None:
     if store.errors:
         trial.set_user_attr("checkpoint_error", store.errors[-1][:500])
     trial.set_user_attr("checkpoint_s", round(store.seconds, 3))

@@ -109,6 +109,13 @@ def write_csv(path: Path, rows: list[dict[str, str]]) -> Path:
     return path
 
 
+def read_csv(path: Path) -> list[dict[str, str]]:
+    import csv
+
+    with path.open(newline="", encoding="utf-8") as source:
+        return list(csv.DictReader(source))
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HPO_CACHE_DIR", str(tmp_path / "cache"))

@@ -20,12 +20,17 @@ def test_help_explains_every_option(tmp_path: Path) -> None:
         "--storage",
         "--n-trials",
         "--timeout",
+        "--trial-timeout",
         "--device",
         "--gpus",
         "--debug",
     ):
         assert option in run.stdout
     assert "HPO_STORAGE" in run.stdout and "hpo.db" in run.stdout
+    # What each timeout does: one ends the worker's run between trials, one stops a trial.
+    text = " ".join(run.stdout.split())
+    assert "this worker starts no new trial; the running trial finishes" in text
+    assert "past it the trial checkpoints, stops and is pruned" in text
 
 
 def test_study_on_sqlite(tmp_path: Path, easy_data: tuple[Path, Path]) -> None:

@@ -23,12 +23,14 @@ from hpo.checkpoints import (
 from hpo.cli import build_parser
 from hpo.trial_process import process_stopped
 from tests.conftest import (
+    read_csv,
     run_hpo,
     run_study,
     start_hpo,
     tiny_config,
     wait_until_training,
     write_config,
+    write_csv,
 )
 
 # -- study names are data, not paths ------------------------------------------------------------
@@ -86,6 +88,34 @@ def test_a_study_named_dot_dot_writes_inside_the_checkpoint_root_and_removes_not
         best_model = Path(study.best_trial.user_attrs["best_model"])
         root = (tmp_path / "hpo-checkpoints" / study_folder_name(name)).resolve()
         assert best_model.parent.parent == root and (best_model / "config.json").is_file()
+
+
+def test_a_name_of_512_characters_with_quotes_and_slashes_trains_on_integer_labels(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    # The longest name the database holds (it once trained a trial, then failed on "File name
+    # too long"), and labels that are numbers far apart (they once became 200M classes).
+    name = ("é'\"/ ünïcødé " * 40)[:512]
+    train, evaluation = (
+        write_csv(
+            tmp_path / f"{split}.csv",
+            [
+                {**row, "label": "200000000" if row["label"] == "pos" else "0"}
+                for row in read_csv(path)
+            ],
+        )  # fmt: skip
+        for split, path in (("train", easy_data[0]), ("eval", easy_data[1]))
+    )
+    raw = tiny_config(train, evaluation, study={"n_trials": 1}, training={"max_steps": 4})
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    result = run_study(write_config(tmp_path / "c.yaml", raw), url, tmp_path, study=name)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (trial,) = optuna.load_study(study_name=name, storage=url).get_trials()
+    assert trial.state == TrialState.COMPLETE
+    best_model = Path(trial.user_attrs["best_model"])
+    assert best_model.is_relative_to((tmp_path / "hpo-checkpoints").resolve())
+    model_config = json.loads((best_model / "config.json").read_text())
+    assert model_config["id2label"] == {"0": "0", "1": "200000000"}  # two classes, mapped
 
 
 @pytest.mark.parametrize(
@@ -162,7 +192,7 @@ def test_a_worker_that_wakes_after_its_trial_was_taken_over_drops_it_and_goes_on
     url = f"sqlite:///{tmp_path / 'wake.db'}"
     raw = tiny_config(
         *easy_data,
-        study={"n_trials": 1, "pruner": {"type": "none"}, "heartbeat_interval": 1,
+        study={"n_trials": 2, "pruner": {"type": "none"}, "heartbeat_interval": 1,
                "grace_period": 3, "checkpoint_interval": 0},
         training={"epochs": 12, "evals_per_epoch": 1},
     )  # fmt: skip
@@ -173,17 +203,20 @@ def test_a_worker_that_wakes_after_its_trial_was_taken_over_drops_it_and_goes_on
         wait_until_training(url, "wake", [sleeper], evaluations=1)
         sleeper.send_signal(signal.SIGSTOP)
         time.sleep(5)  # past the grace period
-        taker = run_hpo(*args, cwd=tmp_path)
+        taker = run_hpo(*args, "--n-trials", "1", cwd=tmp_path)  # the retry, and no more
         assert taker.returncode == 0, taker.stderr[-3000:]
     finally:
         sleeper.send_signal(signal.SIGCONT)
     _, stderr = sleeper.communicate(timeout=120)
     assert sleeper.returncode == 0, stderr[-3000:]
     assert "was taken over by another worker" in stderr and "Traceback" not in stderr
-    stale, retry = optuna.load_study(study_name="wake", storage=url).get_trials()
+    stale, retry, following = optuna.load_study(study_name="wake", storage=url).get_trials()
     assert stale.state == TrialState.FAIL
     assert stale.user_attrs["fail_reason"].startswith("stale: no heartbeat from its worker")
     assert retry.state == TrialState.COMPLETE and retry.user_attrs["resumed_at_step"] > 0
+    # The woken worker dropped its result and went on with the study's next trial.
+    assert following.state == TrialState.COMPLETE
+    assert following.user_attrs["worker"] == stale.user_attrs["worker"]
 
 
 def test_a_paused_worker_pauses_its_trial_process_and_continues_it_on_waking(
@@ -251,6 +284,8 @@ def test_a_trial_past_its_timeout_is_pruned_with_that_reason_and_the_worker_goes
     assert [t.state for t in trials] == [TrialState.PRUNED, TrialState.PRUNED]
     for trial in trials:
         assert trial.user_attrs["prune_reason"].startswith("timeout: stopped after"), trial
+        # Stopped the way a SIGTERM stops it: checkpointed on the way out.
+        assert trial.user_attrs["checkpoint_s"] > 0 and "checkpoint_error" not in trial.user_attrs
     # What a trial reached counts for the sampler (a loaded machine may start one slowly).
     assert any(trial.intermediate_values for trial in trials)
 
@@ -372,3 +407,32 @@ def test_a_trial_in_a_kept_trial_process_trains_exactly_as_in_a_new_one(
         assert 0 < attrs["train_s"] and 0 < attrs["eval_s"] and 0 < attrs["startup_s"]
         # startup_s ends after the first step, which train_s counts too.
         assert attrs["startup_s"] < duration and attrs["train_s"] + attrs["eval_s"] < duration
+
+
+def test_monitoring_commands_read_a_database_in_a_read_only_folder(tmp_path: Path) -> None:
+    import subprocess
+
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    database = folder / "s.db"
+    study = optuna.create_study(study_name="s", storage=f"sqlite:///{database}")
+    study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
+    # Root writes through permissions: as root the folder is made immutable instead.
+    as_root = os.geteuid() == 0
+    if as_root:
+        made = subprocess.run(["chattr", "+i", str(database), str(folder)], capture_output=True)
+        if made.returncode != 0:
+            pytest.skip(f"chattr +i does not work here: {made.stderr!r}")
+    else:
+        database.chmod(0o444)
+        folder.chmod(0o555)
+    try:
+        for command in (["studies"], ["status", "--study", "s"], ["best", "--study", "s"]):
+            result = run_hpo(*command, "--storage", f"sqlite:///{database}", cwd=folder)
+            assert result.returncode == 0, result.stderr[-3000:]
+            assert "Traceback" not in result.stderr
+        assert sorted(p.name for p in folder.iterdir()) == ["s.db"]
+    finally:
+        if as_root:
+            subprocess.run(["chattr", "-i", str(database), str(folder)], check=True)
+        folder.chmod(0o755)

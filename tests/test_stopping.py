@@ -63,6 +63,8 @@ def test_a_stopped_worker_hands_its_trial_back_and_the_next_worker_runs_it(
     assert worker.returncode == exit_code, stderr[-3000:]
     took = time.monotonic() - sent
     assert took < STOP_TIMEOUT_S + 10, f"stopped after {took:.1f} s:\n{stderr[-3000:]}"
+    # The stop is told in a line or two (handed back, stopped by ...), never as a traceback.
+    assert "Traceback" not in stderr, stderr[-3000:]
     interrupted, retry = study.get_trials()
     assert interrupted.state == TrialState.FAIL, stderr[-3000:]
     assert interrupted.user_attrs["interrupted"] == signal.Signals(signum).name

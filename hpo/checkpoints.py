@@ -93,6 +93,9 @@ def remove_unneeded_folders(
     keep = {folder_name(t) for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)}
     for group in _model_groups(trials):
         keep |= {folder_name(t) for t in best_trials(group, directions)}
+        if "retrain_config" in group[0].user_attrs:
+            # hpo retrain saves the best run on the first objective (hpo.retrain.best_run).
+            keep |= {folder_name(t) for t in best_on_first_objective(group, directions[0])}
     removed = [p for p in folders if p.name not in keep]
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
@@ -129,6 +132,16 @@ def best_trials(
             continue
         front = [(t, s) for t, s in front if not _dominates(score, s)] + [(trial, score)]
     return [trial for trial, _ in front]
+
+
+def best_on_first_objective(
+    trials: list[FrozenTrial], direction: StudyDirection
+) -> list[FrozenTrial]:
+    """The complete trial best on the first objective, the earliest of equals; none if no
+    trial completed."""
+    sign = 1.0 if direction == StudyDirection.MAXIMIZE else -1.0
+    done = [t for t in trials if t.state == TrialState.COMPLETE and t.values]
+    return [min(done, key=lambda t: (-sign * t.values[0], t.number))] if done else []
 
 
 def _dominates(a: list[float], b: list[float]) -> bool:

@@ -142,8 +142,9 @@ def _add_retrain_command(commands: argparse._SubParsersAction) -> None:
         allow_abbrev=False,
         help="train the study's best configurations again with new seeds; save the winner",
         description="Train the --top best configurations of a study again, each with --seeds new "
-        "seeds, in a study of its own (`<study> [retrain top K x S seeds]`: in the dashboard and "
-        "`hpo status`; a stopped retrain resumes when run again). The configuration with the "
+        "seeds, in a study of its own (`<study> [retrain top K x S seeds, PLAN]`: in the "
+        "dashboard and `hpo status`; a stopped retrain resumes when run again). The "
+        "configuration with the "
         "best mean metric wins; its best run's model and tokenizer go to --out with a model "
         "card (parameters, per-seed metrics, data hashes, versions).",
     )
@@ -402,9 +403,11 @@ def _run(args: argparse.Namespace) -> int:
     return code
 
 
-def _work(study: Any, storage: Any, inputs: tuple, stop: StopRequest, args: Any) -> int:
-    """Run the study's trials: in this process, or in one worker process per GPU (each runs
-    the same command with `worker_args` added)."""
+def _work(
+    study: Any, storage: Any, inputs: tuple, stop: StopRequest, args: Any, queued_only: bool = False
+) -> int:
+    """Run the study's trials (`queued_only`: its queued ones): in this process, or in one
+    worker process per GPU (each runs the same command with `worker_args` added)."""
     from hpo.launcher import run_workers
     from hpo.objective import Objective
     from hpo.study import run_trials
@@ -412,12 +415,12 @@ def _work(study: Any, storage: Any, inputs: tuple, stop: StopRequest, args: Any)
     config, storage_url, gpus, data, per_gpu = inputs
     if len(gpus) * per_gpu > 1:
         worker_args = ["--as-worker"] if args.command == "retrain" else []
-        return run_workers(gpus, [*args.argv, *worker_args], per_gpu)
+        return run_workers(gpus, [*args.argv, *worker_args], per_gpu, stop)
     stop.interrupt_at_once = config.study.trial_isolation == "none"
     if not args.quiet:
         live.start()  # a progress line below the log, on a terminal only
     try:
-        run_trials(study, storage, Objective(config, data, storage_url, stop), stop)
+        run_trials(study, storage, Objective(config, data, storage_url, stop), stop, queued_only)
     finally:
         live.stop()
         stop.interrupt_at_once = False
@@ -438,7 +441,7 @@ def _retrain(args: argparse.Namespace) -> int:
     inputs = None
     with contextlib.suppress(Interrupted):
         if not args.as_worker:
-            retrain.check_out(out)
+            retrain.check_out(out, args.study)
         inputs = _check_inputs(args)
     stop.interrupt_at_once, stop.doing = False, StopRequest.RUNNING
     if inputs is None or stop.requested:
@@ -459,39 +462,60 @@ def _retrain(args: argparse.Namespace) -> int:
     study = open_study(storage, plan.study_name, retrain_config)
     retrain.queue_runs(storage, study, plan)
     work = (retrain_config, *inputs[1:])
-    code = _work(study, storage, work, stop, args)
-    if args.as_worker or stop.requested or code != 0:
-        return _retrain_stopped(stop, code, args)
-    if not retrain.wait_until_finished(study, stop):
-        return _retrain_stopped(stop, code, args)
+    code = _retrain_runs(study, storage, work, stop, args)
+    if args.as_worker and code is None and args.full_data:
+        # A worker of several GPUs also runs the full-data run, once the winner's is queued.
+        with contextlib.suppress(KeyError):
+            storage.get_study_id_from_name(plan.full_data_study_name)
+            full = open_study(storage, plan.full_data_study_name, retrain_config)
+            code = _retrain_runs(full, storage, work, stop, args)
+    if code is not None or args.as_worker:
+        return code or 0
     found = retrain.results(study, plan)
     direction = study.directions[0]
-    winner = retrain.pick_winner(found, direction)
+    winner = retrain.pick_winner(found, direction, len(plan.seeds))
     if winner is None:
         print(f"hpo: no retrain run of study {plan.study_name!r} completed; see "
               f"`hpo status --study {shlex.quote(plan.study_name)}`", file=sys.stderr)  # fmt: skip
         return 1
     chosen = retrain.best_run(winner, direction)
-    model_trial = chosen["trial"]
+    model_study, model_trial = study, chosen["trial"]
     full_data_trial = None
     if args.full_data:
-        retrain.queue_full_data_run(storage, study, winner)
-        retrain_config.study.n_trials = plan.runs + 1
-        code = _work(study, storage, (retrain_config, *inputs[1:-1], 1), stop, args)
-        if stop.requested or code != 0 or not retrain.wait_until_finished(study, stop):
-            return _retrain_stopped(stop, code, args)
-        full_data_trial = retrain.full_data_trial(study)
+        model_study = open_study(storage, plan.full_data_study_name, retrain_config)
+        retrain.queue_full_data_run(storage, model_study, plan, winner)
+        code = _retrain_runs(model_study, storage, work, stop, args)
+        if code is not None:
+            return code
+        full_data_trial = retrain.full_data_trial(model_study, winner)
         if full_data_trial is None:
             print("hpo: the full-data run did not complete; see `hpo status --study "
-                  f"{shlex.quote(plan.study_name)}`", file=sys.stderr)  # fmt: skip
+                  f"{shlex.quote(plan.full_data_study_name)}`", file=sys.stderr)  # fmt: skip
             return 1
         model_trial = full_data_trial
     metric = config.study.primary_metric
     card = retrain.model_card(plan, found, winner, chosen, config, metric, full_data_trial)
-    retrain.save_final_model(retrain.model_folder(study, model_trial), out, card)
+    retrain.save_final_model(retrain.model_folder(model_study, model_trial), out, card)
     source.set_user_attr(retrain.OUTCOME_ATTR, retrain.outcome(card, out))
     print(retrain.summary(card, out))
     return 0
+
+
+def _retrain_runs(
+    study: Any, storage: Any, work: tuple, stop: StopRequest, args: Any
+) -> int | None:
+    """Run a retrain study's queued runs (here, or on the workers of several GPUs) until none
+    is left, none running anywhere; None when done, else the exit code (stopped, or a worker
+    failed)."""
+    from hpo import retrain
+
+    while True:
+        code = _work(study, storage, work, stop, args, queued_only=True)
+        if stop.requested or code != 0:
+            return _retrain_stopped(stop, code, args)
+        if args.as_worker or not retrain.unfinished(study):
+            return None
+        # Handed back, or queued again by a sweep, after this worker's loop had ended.
 
 
 def _retrain_stopped(stop: StopRequest, code: int, args: argparse.Namespace) -> int:
@@ -686,7 +710,9 @@ def _monitor(args: argparse.Namespace) -> int:
         retrained = study.user_attrs.get("retrain")
         if args.json:  # several objectives: the Pareto front, a list
             shown: Any = best if len(study.directions) > 1 else best[0]
-            if retrained is not None and isinstance(shown, dict):
+            if retrained is not None:
+                several = isinstance(shown, list)
+                shown = {"pareto_front": shown} if several else shown
                 shown = {**shown, "retrain": retrained}
             print(json.dumps(shown, indent=2, default=str))
         else:
@@ -792,11 +818,13 @@ def _studies_table(rows: list[dict]) -> str:
 
 def _retrain_text(retrained: dict) -> str:
     """`hpo best` after `hpo retrain`: the configuration that won on the mean over seeds."""
+    from hpo.retrain import mean_std_text
+
     params = ", ".join(f"{k}={_short(v)}" for k, v in retrained["params"].items())
     full = ", trained on both splits" if retrained.get("full_data") else ""
     return (
         f"retrain winner (mean over {retrained['seeds']} seeds, study {retrained['study']!r}): "
-        f"{retrained['metric']} {retrained['mean']:.4f} ± {retrained['std']:.4f} ({params}), "
+        f"{retrained['metric']} {mean_std_text(retrained['mean'], retrained['std'])} ({params}), "
         f"search trial #{retrained['search_trial']}\nfinal model: {retrained['model']}{full}"
     )
 

@@ -18,7 +18,7 @@ from types import FrameType
 from hpo import progress as live
 from hpo.errors import ConfigError, HPOError
 from hpo.logs import WORKER_LABEL_ENV
-from hpo.stopping import EXIT_INTERRUPTED
+from hpo.stopping import EXIT_INTERRUPTED, StopRequest
 
 log = logging.getLogger(__name__)
 
@@ -116,10 +116,13 @@ def _largest_batch_within(config: str, gpu: str, share: float) -> int:
     return int(json.loads(done.stdout)["chosen"])
 
 
-def run_workers(gpus: Sequence[str], argv: Sequence[str], per_gpu: int = 1) -> int:
+def run_workers(
+    gpus: Sequence[str], argv: Sequence[str], per_gpu: int = 1, stop: StopRequest | None = None
+) -> int:
     """Start `per_gpu` workers (`hpo run`) on each GPU, each capped at 1/per_gpu of its memory,
     and wait for all of them. Ctrl-C or SIGTERM is passed to every worker once; each hands its
-    running trial back and exits."""
+    running trial back and exits. The caller's `stop` learns of the signal, and its handlers
+    are back in place on return."""
     from trainer.memory import SHARE_ENV  # torch: imported only where workers start
 
     device = "cpu" if os.environ.get(FAKE_GPUS_ENV) else "cuda"
@@ -168,9 +171,14 @@ def run_workers(gpus: Sequence[str], argv: Sequence[str], per_gpu: int = 1) -> i
             if worker.poll() is None:
                 worker.send_signal(signum)
 
-    signal.signal(signal.SIGINT, forward)
-    signal.signal(signal.SIGTERM, forward)
-    codes = [worker.wait() for worker in workers]
+    handlers = signal.signal(signal.SIGINT, forward), signal.signal(signal.SIGTERM, forward)
+    try:
+        codes = [worker.wait() for worker in workers]
+    finally:
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
+    if received and stop is not None:
+        stop.note(received[0])
     for reader in readers:
         reader.join(timeout=5)
     if block is not None:

@@ -1,7 +1,8 @@
 """`hpo retrain`: a final model from a study. The best configurations of the search are trained
-again with new seeds, in a study of their own (`<study> [retrain top K x S seeds]`, run by the
-same workers, heartbeats, retries and resume as `hpo run`); the configuration with the best
-mean metric wins, and its best run's model and tokenizer are saved with a model card.
+again with new seeds, in a study of their own (`<study> [retrain top K x S seeds, PLAN]`, where
+PLAN is a short hash of the configurations and seeds; run by the same workers, heartbeats,
+retries and resume as `hpo run`, which run its queued runs only); the configuration with the
+best mean metric wins, and its best run's model and tokenizer are saved with a model card.
 
 A single training run's score is partly the luck of its seed (Dodge et al. 2020): the mean and
 spread over seeds is what tells two close configurations apart.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import datetime as dt
+import hashlib
 import json
 import logging
 import os
@@ -19,7 +21,6 @@ import platform
 import shutil
 import statistics
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,6 @@ from hpo import __version__
 from hpo.checkpoints import study_folder_name
 from hpo.config import Config, ParamSpec, PrunerConfig, SamplerConfig, space_record
 from hpo.errors import HPOError
-from hpo.stopping import StopRequest
 from storage.engine import StudyStorage
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,21 @@ class RetrainPlan:
 
     @property
     def study_name(self) -> str:
-        return retrain_study_name(self.source, len(self.configs), len(self.seeds))
+        """Named by what it trains: a search that went on (new top configurations) or other
+        seeds make another retrain study; the same plan resumes the same study."""
+        return retrain_study_name(self.source, len(self.configs), len(self.seeds), self.digest)
+
+    @property
+    def full_data_study_name(self) -> str:
+        """The winner trained on both splits: a study apart, as its metric is measured on
+        data it trained on and must not stand beside the held-out runs."""
+        return retrain_study_name(self.source, len(self.configs), len(self.seeds),
+                                  f"{self.digest}, full data")  # fmt: skip
+
+    @property
+    def digest(self) -> str:
+        what = [[c["trial"], c["params"]] for c in self.configs], self.seeds
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:6]
 
     @property
     def runs(self) -> int:
@@ -80,13 +94,14 @@ class ConfigResult:
         return statistics.fmean(r["value"] for r in self.runs)
 
     @property
-    def std(self) -> float:
+    def std(self) -> float | None:
+        """The spread over seeds; None with one run (a spread of one value is not zero)."""
         values = [r["value"] for r in self.runs]
-        return statistics.stdev(values) if len(values) > 1 else 0.0
+        return statistics.stdev(values) if len(values) > 1 else None
 
 
-def retrain_study_name(source: str, top: int, seeds: int) -> str:
-    suffix = f" [retrain top {top} x {seeds} seeds]"
+def retrain_study_name(source: str, top: int, seeds: int, tag: str) -> str:
+    suffix = f" [retrain top {top} x {seeds} seeds, {tag}]"
     return source[: 512 - len(suffix)] + suffix
 
 
@@ -118,6 +133,10 @@ def make_plan(source: optuna.Study, config: Config, top: int, seeds: int) -> Ret
                         "value": trial.values[0], "params": trial.params})  # fmt: skip
         if len(configs) == top:
             break
+    if len(source.directions) > 1:
+        log.info("study %r has %d objectives: configurations are ranked, and the winner is "
+                 "picked, by the first (%s)", source.study_name, len(source.directions),
+                 config.study.primary_metric)  # fmt: skip
     if not configs:
         raise HPOError(f"study {source.study_name!r} has no completed trial to retrain; run it "
                        "first (hpo run), or check --study with `hpo studies`")  # fmt: skip
@@ -139,16 +158,18 @@ def stored_plan(storage: StudyStorage, name: str) -> RetrainPlan | None:
     return None if stored is None else RetrainPlan(**stored)
 
 
-def study_config(config: Config, plan: RetrainPlan, full_data: bool = False) -> Config:
-    """The searched study's config, made to train exactly the plan's runs: the seed joins the
-    search space, nothing is sampled or pruned, and every run keeps its best model. With
-    `full_data`, one more run: the winner on the training and evaluation splits together."""
+def study_config(config: Config, plan: RetrainPlan) -> Config:
+    """The searched study's config, made to train the plan's runs: the seed joins the search
+    space, nothing is pruned, and every run keeps its best model. The workers run queued runs
+    only (nothing is sampled), with no budget or worker timeout: a retrain ends when every
+    queued run (and every retry of one) has ended."""
     retrain = copy.deepcopy(config)
     retrain.search_space = {
         **config.search_space,
         "seed": ParamSpec(type="categorical", choices=list(plan.seeds)),
     }
-    retrain.study.n_trials = plan.runs + (1 if full_data else 0)
+    retrain.study.n_trials = None
+    retrain.study.timeout = None  # a worker that left queued runs behind would wait for ever
     retrain.study.sampler = SamplerConfig(type="random", seed=0)
     retrain.study.pruner = PrunerConfig(type="none")
     retrain.study.enqueue = []
@@ -177,24 +198,29 @@ def queue_runs(storage: StudyStorage, study: optuna.Study, plan: RetrainPlan) ->
     return queued
 
 
-def queue_full_data_run(storage: StudyStorage, study: optuna.Study, winner: ConfigResult) -> None:
-    """Queue the winner once more, trained on both splits, with the seed of its best run."""
+def queue_full_data_run(
+    storage: StudyStorage, study: optuna.Study, plan: RetrainPlan, winner: ConfigResult
+) -> None:
+    """Queue the winner once more in the full-data study, trained on both splits, with the seed
+    of its best run (once: a resumed retrain finds it there)."""
     study_id = storage.get_study_id_from_name(study.study_name)
     seed = best_run(winner, study.directions[0])["seed"]
     with storage.lock(study_id):
-        if any(_run_key(t)[2] for t in study.get_trials(deepcopy=False)):
+        if PLAN_ATTR not in storage.get_study_user_attrs(study_id):
+            storage.set_study_user_attr(study_id, PLAN_ATTR, dataclasses.asdict(plan))
+            storage.set_study_user_attr(study_id, "retrain_of", plan.source)
+        if any(_run_key(t) == (winner.rank, seed, True) for t in study.get_trials(deepcopy=False)):
             return
         attrs = {"retrain_config": winner.rank, "source_trial": winner.source_trial,
                  "seed": seed, "full_data": True}  # fmt: skip
         study.enqueue_trial({**winner.params, "seed": seed}, user_attrs=attrs)
-        # The budget `hpo status --watch` waits for: the runs and this one.
-        study.set_user_attr("n_trials", int(study.user_attrs.get("n_trials") or 0) + 1)
 
 
-def full_data_trial(study: optuna.Study) -> int | None:
-    """The number of the complete full-data run, if there is one."""
+def full_data_trial(study: optuna.Study, winner: ConfigResult) -> int | None:
+    """The number of the winner's complete full-data run, if there is one."""
     done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-    return next((t.number for t in done if _run_key(t)[2]), None)
+    return next((t.number for t in done if _run_key(t)[0] == winner.rank and _run_key(t)[2]),
+                None)  # fmt: skip
 
 
 def model_folder(study: optuna.Study, number: int) -> Path:
@@ -208,18 +234,9 @@ def _run_key(trial: FrozenTrial) -> tuple[Any, Any, bool]:
     return attrs.get("retrain_config"), attrs.get("seed"), bool(attrs.get("full_data"))
 
 
-def wait_until_finished(study: optuna.Study, stop: StopRequest, poll_s: float = 5.0) -> bool:
-    """Wait while other workers still run (or will run) retrain trials; False if stopped."""
-    said = False
-    while not stop.requested:
-        left = study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING))
-        if not left:
-            return True
-        if not said:
-            log.info("waiting for %d retrain runs of other workers to finish", len(left))
-            said = True
-        time.sleep(poll_s)
-    return False
+def unfinished(study: optuna.Study) -> int:
+    """Runs still running or queued (by other workers, or handed back meanwhile)."""
+    return len(study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING)))
 
 
 def results(study: optuna.Study, plan: RetrainPlan) -> list[ConfigResult]:
@@ -244,11 +261,19 @@ def results(study: optuna.Study, plan: RetrainPlan) -> list[ConfigResult]:
 _ENDED_BADLY = (TrialState.FAIL, TrialState.PRUNED)
 
 
-def pick_winner(found: list[ConfigResult], direction: StudyDirection) -> ConfigResult | None:
-    """The configuration with the best mean over its seeds (ties: the better search rank)."""
+def pick_winner(
+    found: list[ConfigResult], direction: StudyDirection, seeds: int
+) -> ConfigResult | None:
+    """The configuration with the best mean over its seeds (ties: the better search rank), among
+    those that completed most of their `seeds` runs: one that diverged or failed on most seeds
+    is unreliable, and one lucky surviving run must not win. When none did, among those with
+    the most complete runs."""
     sign = 1.0 if direction == StudyDirection.MAXIMIZE else -1.0
-    scored = [r for r in found if r.runs]
-    return min(scored, key=lambda r: (-sign * r.mean, r.rank), default=None)
+    eligible = [r for r in found if 2 * len(r.runs) > seeds]
+    if not eligible:
+        most = max((len(r.runs) for r in found), default=0)
+        eligible = [r for r in found if r.runs and len(r.runs) == most]
+    return min(eligible, key=lambda r: (-sign * r.mean, r.rank), default=None)
 
 
 def best_run(result: ConfigResult, direction: StudyDirection) -> dict[str, Any]:
@@ -256,14 +281,34 @@ def best_run(result: ConfigResult, direction: StudyDirection) -> dict[str, Any]:
     return min(result.runs, key=lambda r: (-sign * r["value"], r["trial"]))
 
 
-def check_out(out: Path) -> None:
-    """--out, before any training: a folder to create, or a final model hpo wrote before."""
-    if out.exists() or out.is_symlink():
-        if out.is_symlink() or not out.is_dir() or not (out / CARD_JSON).is_file():
+def check_out(out: Path, source: str) -> None:
+    """--out, before any training: a folder to create, an empty one, or the final model hpo
+    wrote there before for the same study (replaced whole)."""
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise HPOError(f"--out {out}: exists and is not a final model hpo wrote; name a new "
+                       "folder")  # fmt: skip
+    if out.is_dir() and any(out.iterdir()):
+        card = _card_study(out)
+        if card is None:
             raise HPOError(f"--out {out}: exists and is not a final model hpo wrote; name a new "
                            "folder")  # fmt: skip
-    elif not out.parent.is_dir():
+        if card != source:
+            raise HPOError(f"--out {out}: holds the final model of study {card!r}, not "
+                           f"{source!r}; name another folder")  # fmt: skip
+    parent = out.parent
+    if not parent.is_dir():
         raise HPOError(f"--out {out}: its parent folder does not exist; create it first")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise HPOError(f"--out {out}: cannot write in {parent}; name a folder you can write in")
+
+
+def _card_study(out: Path) -> str | None:
+    """The study named by the model card in `out`, if it holds one hpo wrote."""
+    try:
+        card = json.loads((out / CARD_JSON).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return card.get("study") if isinstance(card, dict) else None
 
 
 def save_final_model(model_dir: Path, out: Path, card: dict[str, Any]) -> None:
@@ -272,10 +317,10 @@ def save_final_model(model_dir: Path, out: Path, card: dict[str, Any]) -> None:
     if not (model_dir / "config.json").is_file():
         raise HPOError(f"the winning run's model {model_dir} is missing (removed, or on another "
                        "host's disk); run hpo retrain on the host that trained it")  # fmt: skip
-    check_out(out)
-    aside = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
-    old = None
+    check_out(out, str(card.get("study")))
+    aside, old = None, None
     try:
+        aside = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
         shutil.copytree(model_dir, aside, dirs_exist_ok=True)
         (aside / CARD_JSON).write_text(json.dumps(card, indent=2, default=str) + "\n",
                                        encoding="utf-8")  # fmt: skip
@@ -288,7 +333,8 @@ def save_final_model(model_dir: Path, out: Path, card: dict[str, Any]) -> None:
             os.replace(out, old)
         os.replace(aside, out)
     except BaseException as e:  # a full disk, or a stop: nothing half-written stays
-        shutil.rmtree(aside, ignore_errors=True)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
         if old is not None and not out.exists():
             os.replace(old, out)
         if isinstance(e, OSError):
@@ -378,7 +424,7 @@ def card_markdown(card: dict[str, Any]) -> str:
         f"Retrained by hpo {card['versions']['hpo']} in study {card['retrain_study']!r} on "
         f"{card['created']}. Load it with `{card['model']}`.",
         "",
-        f"**{metric}: {winner['mean']:.4f} ± {winner['std']:.4f}** (mean ± standard deviation "
+        f"**{metric}: {mean_std_text(winner['mean'], winner['std'])}** (mean ± standard deviation "
         f"over {winner['seeds']} seeds), configuration ranked {winner['rank_in_search']} in the "
         f"search (trial {winner['search_trial']}).",
         "",
@@ -400,7 +446,7 @@ def card_markdown(card: dict[str, Any]) -> str:
         if r["unfinished"]:
             per_seed += f"; {r['unfinished']} failed or pruned"
         mean = "-" if r["mean"] is None else f"{r['mean']:.4f}"
-        std = "-" if r["std"] is None else f"{r['std']:.4f}"
+        std = "-" if r["std"] is None else f"{r['std']:.4f}"  # one run: no spread
         lines.append(f"| {r['rank']} | {r['source_trial']} | {r['search_value']:.4f} | "
                      f"{per_seed or '-'} | {mean} | {std} |")  # fmt: skip
     lines += ["", "## Data", ""]
@@ -432,7 +478,7 @@ def summary(card: dict[str, Any], out: Path) -> str:
     lines = [f"retrain of study {card['study']!r} ({card['retrain_study']!r}), {metric}:"]
     for r in card["configurations"]:
         values = ", ".join(f"{run['value']:.4f}" for run in r["runs"]) or "no run completed"
-        mean = "" if r["mean"] is None else f"  mean {r['mean']:.4f} ± {r['std']:.4f}"
+        mean = "" if r["mean"] is None else f"  mean {mean_std_text(r['mean'], r['std'])}"
         mark = "  <- winner" if r["rank"] == card["winner"]["rank_in_search"] else ""
         lines.append(f"  #{r['rank']} (search trial {r['source_trial']}, "
                      f"{r['search_value']:.4f}): {values}{mean}{mark}")  # fmt: skip
@@ -441,5 +487,11 @@ def summary(card: dict[str, Any], out: Path) -> str:
         for k, v in card["winner"]["params"].items()
     )
     lines.append(f"winner: {params}")
+    if card["saved_run"]["full_data"]:
+        lines.append(f"the final model: {card['full_data_note']}")
     lines.append(f"final model: {out} (with README.md, its model card)")
     return "\n".join(lines)
+
+
+def mean_std_text(mean: float, std: float | None) -> str:
+    return f"{mean:.4f} ± {std:.4f}" if std is not None else f"{mean:.4f} (one run, no spread)"

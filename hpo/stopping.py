@@ -61,6 +61,12 @@ class StopRequest:
     def exit_code(self) -> int:
         return stopped_exit_code(self.signal_name or "SIGINT")
 
+    def note(self, signal_name: str) -> None:
+        """A stop signal that another handler received (the launcher's, passing it on to its
+        workers): from now on this request says the worker was asked to stop."""
+        if self.signal_name is None:
+            self.signal_name = signal_name
+
     def install(self) -> None:
         signal.signal(signal.SIGINT, self._handle)
         signal.signal(signal.SIGTERM, self._handle)

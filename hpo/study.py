@@ -226,13 +226,20 @@ def _check_study_settings(storage: StudyStorage, study_id: int, name: str, confi
 
 
 def run_trials(
-    study: optuna.Study, storage: StudyStorage, objective: Objective, stop: StopRequest
+    study: optuna.Study,
+    storage: StudyStorage,
+    objective: Objective,
+    stop: StopRequest,
+    queued_only: bool = False,
 ) -> int:
     """Run trials until the study holds n_trials, this worker's timeout passes or it is asked
     to stop; returns how many trials this worker finished. A failing trial is recorded as FAIL
-    (one line in the log) and never stops the worker; an interrupted one is handed back."""
+    (one line in the log) and never stops the worker; an interrupted one is handed back.
+    `queued_only` (a retrain): run queued trials only, and stay while other workers' trials
+    run, so that a retry of one whose worker dies is run here."""
     study_config = objective.task.config.study
-    trials = StudyTrials(study, storage, worker_id(), study_config.n_trials, liveness(study_config))
+    trials = StudyTrials(study, storage, worker_id(), study_config.n_trials,
+                         liveness(study_config), queued_only)  # fmt: skip
     deadline = None if study_config.timeout is None else time.monotonic() + study_config.timeout
     checkpoints = None
     if study_config.checkpoints:
@@ -268,6 +275,11 @@ def _trial_loop(
         if trial is None:
             if _wait_for_silent_trials(trials, stop):
                 continue  # swept: a dead worker's trial may be queued again now
+            if trials.queued_only and _wait_for_other_workers(trials, stop):
+                continue
+            if trials.queued_only:
+                log.info("no queued trial left in study %r; stopping", trials.study.study_name)
+                return ran
             waiting = len(trials.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
             queued = f"; {waiting} queued trials wait for a larger n_trials" if waiting else ""
             log.info("study %r holds %d started trials, its budget%s; stopping",
@@ -318,6 +330,22 @@ def _wait_for_silent_trials(trials: StudyTrials, stop: StopRequest) -> bool:
         time.sleep(0.2)
         waited += 0.2
     trials.sweep()
+    return not stop.requested
+
+
+def _wait_for_other_workers(trials: StudyTrials, stop: StopRequest, poll_s: float = 1.0) -> bool:
+    """A queued-only worker with nothing queued waits while other workers' trials run (any
+    may be handed back or swept, and queued again); False once none runs."""
+    running = trials.running()
+    if not running:
+        return False
+    if not trials.said_waiting:
+        log.info("waiting for %d trials of other workers to finish", running)
+        trials.said_waiting = True
+    waited = 0.0
+    while waited < poll_s and not stop.requested:
+        time.sleep(0.2)
+        waited += 0.2
     return not stop.requested
 
 

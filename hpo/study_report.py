@@ -16,6 +16,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from hpo import report
+from hpo.retrain import mean_std_text
 
 PRUNED_GREY = "#b0b0b0"
 
@@ -28,13 +29,20 @@ def markdown(study: optuna.Study) -> str:
     lines += ["", "## Best configuration", "", *_best_block(study, status, fence="```"), ""]
     for title, rows in _reason_tables(status):
         lines += [f"## {title}", "", "| reason | trials |", "|---|---:|"]
-        lines += [f"| {reason} | {count} |" for reason, count in rows] or ["| none | 0 |"]
+        lines += [_md_row([reason, str(count)]) for reason, count in rows] or ["| none | 0 |"]
         lines.append("")
     header, table = _trial_table(study)
-    lines += ["## Trials", "", "| " + " | ".join(header) + " |"]
+    lines += ["## Trials", "", _md_row(header)]
     lines.append("|" + "---|" * len(header))
-    lines += ["| " + " | ".join(row) + " |" for row in table]
+    lines += [_md_row(row) for row in table]
     return "\n".join(lines) + "\n"
+
+
+def _md_row(cells: list[str]) -> str:
+    """A table row; a `|` or a line break inside a cell (a reason, a categorical value) would
+    break the table."""
+    safe = [str(c).replace("|", "\\|").replace("\n", " ") for c in cells]
+    return "| " + " | ".join(safe) + " |"
 
 
 def html_page(study: optuna.Study) -> str:
@@ -140,6 +148,13 @@ def _best_block(study: optuna.Study, status: dict[str, Any], fence: str) -> list
         "--n-trials 1",
         *([fence] if fence else []),
         "",
+    ]
+    searched = study.user_attrs.get("retrain_of")
+    if searched is not None:  # a retrain study: its winner is in the searched study's report
+        lines.append(f"This study holds the retrain runs of study {searched!r}; `hpo best --study "
+                     f"{shlex.quote(str(searched))}` names the winner on the mean.")  # fmt: skip
+        return lines
+    lines += [
         "For a final model: the best configurations trained again with new seeds, the winner "
         "chosen on the mean (one run's score is partly its seed's luck):",
         *([fence] if fence else []),
@@ -153,7 +168,8 @@ def _best_block(study: optuna.Study, status: dict[str, Any], fence: str) -> list
         lines += [
             "",
             f"Retrain winner ({retrained['study']}): {retrained['metric']} "
-            f"{retrained['mean']:.4f} ± {retrained['std']:.4f} over {retrained['seeds']} seeds, "
+            f"{mean_std_text(retrained['mean'], retrained['std'])} "
+            f"over {retrained['seeds']} seeds, "
             f"{params}; final model: {retrained['model']}",
         ]
     return lines

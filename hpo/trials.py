@@ -43,8 +43,12 @@ class StudyTrials:
         worker: str,
         budget: int | None,
         liveness: tuple[float, float, int],
+        queued_only: bool = False,
     ) -> None:
         self.study, self.storage, self.worker, self.budget = study, storage, worker, budget
+        # Only queued trials (a retrain study's runs, its retries): nothing is ever sampled.
+        self.queued_only = queued_only
+        self.said_waiting = False  # that it waits for other workers' trials (said once)
         self.heartbeat_interval_s, self.grace_period_s, self.max_retries = liveness
         self.study_id = storage.get_study_id_from_name(study.study_name)
         self.beats = Heartbeats(storage.engine, self.study_id)
@@ -60,6 +64,8 @@ class StudyTrials:
                 remove_unneeded_folders(checkpoints, self.study.study_name, trials,
                                         self.study.directions)  # fmt: skip
             if self.budget is not None and counted_trials(trials) >= self.budget:
+                return None
+            if self.queued_only and not any(t.state == TrialState.WAITING for t in trials):
                 return None
             trial = self.study.ask()
             self.beats.start(trial.number, self.worker)  # before any sweep can find it silent
@@ -81,6 +87,9 @@ class StudyTrials:
             return []
         self._last_sweep = now
         return self.sweep()
+
+    def running(self) -> int:
+        return len(self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
 
     def silent_running(self) -> list[int]:
         """Running trials whose worker missed two heartbeats: maybe dead, not yet stale."""

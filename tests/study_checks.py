@@ -41,6 +41,8 @@ def run_small_study(
     assert "best trial #" in result.stdout
     # Optuna's own lines come in hpo's format, not in a second one ("[I 2026-...]").
     assert "[optuna." in result.stderr and "\n[I 20" not in result.stderr, result.stderr[-3000:]
+    # Not a terminal: plain log lines, no progress line drawn in place.
+    assert "\r" not in result.stderr and "\x1b[" not in result.stderr
     # A second worker finds the study's budget spent and starts nothing.
     again = run_study(config, storage_url, tmp_path, study=study)
     assert again.returncode == 0, again.stderr[-3000:]

@@ -54,11 +54,21 @@ def test_the_plan_takes_the_best_distinct_configurations_and_seeds_the_search_di
     assert [c["trial"] for c in plan.configs] == [1, 4, 3]  # ties: the earlier trial first
     assert [c["rank"] for c in plan.configs] == [1, 2, 3]
     assert plan.seeds == [43, 44] and 42 not in plan.seeds
-    assert plan.runs == 6 and plan.study_name == f"{study.study_name} [retrain top 3 x 2 seeds]"
+    name = f"{study.study_name} [retrain top 3 x 2 seeds, {plan.digest}]"
+    assert plan.runs == 6 and plan.study_name == name and len(plan.digest) == 6
+    assert retrain.make_plan(study, _config(), top=3, seeds=2).study_name == name  # resumable
+    # The search went on and found a better configuration: another plan, another study.
+    study.add_trial(optuna.create_trial(value=0.99, params={"learning_rate": 9e-3},
+                                        distributions={"learning_rate": LR}))  # fmt: skip
+    assert retrain.make_plan(study, _config(), top=3, seeds=2).study_name != name
+    assert "full data" in plan.full_data_study_name
+    assert plan.full_data_study_name not in (name, plan.study_name)
     minimized = retrain.make_plan(_searched([0.3, 0.1, 0.2], "minimize"), _config(), 1, 1)
     assert [c["trial"] for c in minimized.configs] == [1]
     fewer = retrain.make_plan(_searched([0.5]), _config(), top=3, seeds=1)
     assert len(fewer.configs) == 1 and "top 1 x 1" in fewer.study_name
+    longest = retrain.make_plan(_searched([0.5]), _config(), top=3, seeds=1)
+    assert len(retrain.retrain_study_name("x" * 512, 3, 3, longest.digest)) == 512
 
 
 @pytest.mark.parametrize(
@@ -110,12 +120,26 @@ def test_the_winner_is_the_best_mean_not_the_luckiest_run() -> None:
     study = _retrain_study(plan, {1: [0.97, 0.70, 0.72], 2: [0.90, 0.91, None]})
     found = retrain.results(study, plan)
     assert [len(r.runs) for r in found] == [3, 2] and [r.unfinished for r in found] == [0, 1]
-    winner = retrain.pick_winner(found, study.direction)
+    winner = retrain.pick_winner(found, study.direction, seeds=3)
     assert winner is not None and winner.rank == 2
     assert winner.mean == pytest.approx(0.905) and winner.std == pytest.approx(0.00707, abs=1e-4)
     assert retrain.best_run(winner, study.direction)["value"] == 0.91
     nothing = _retrain_study(plan, {1: [None] * 3, 2: [None] * 3})
-    assert retrain.pick_winner(retrain.results(nothing, plan), study.direction) is None
+    assert retrain.pick_winner(retrain.results(nothing, plan), study.direction, 3) is None
+
+
+def test_one_lucky_run_of_a_configuration_that_failed_on_most_seeds_does_not_win() -> None:
+    plan = retrain.make_plan(_searched([0.95, 0.90]), _config(), top=2, seeds=3)
+    study = _retrain_study(plan, {1: [0.99, None, None], 2: [0.90, 0.91, 0.89]})
+    found = retrain.results(study, plan)
+    winner = retrain.pick_winner(found, study.direction, seeds=3)
+    assert winner is not None and winner.rank == 2
+    assert found[0].std is None  # one run: no spread, not a spread of zero
+    assert "one run, no spread" in retrain.mean_std_text(found[0].mean, found[0].std)
+    # When every configuration lost most of its runs, the ones with the most runs compete.
+    study = _retrain_study(plan, {1: [0.99, None, None], 2: [0.70, 0.71, None]})
+    winner = retrain.pick_winner(retrain.results(study, plan), study.direction, seeds=3)
+    assert winner is not None and winner.rank == 2
 
 
 def test_cleanup_keeps_every_configurations_best_run_in_a_retrain_study(tmp_path: Path) -> None:
@@ -128,6 +152,23 @@ def test_cleanup_keeps_every_configurations_best_run_in_a_retrain_study(tmp_path
     removed = remove_unneeded_folders(root, "r", trials, study.directions)
     # The overall best run (trial 0) and configuration 2's best run (trial 4) stay.
     assert sorted(p.name for p in removed) == ["trial-1", "trial-2", "trial-3", "trial-5"]
+
+
+def test_cleanup_keeps_the_run_retrain_saves_in_a_study_of_two_objectives(tmp_path: Path) -> None:
+    # Two runs tie on the first objective; the later is better on the second, so the Pareto
+    # front holds only it, but retrain saves the earlier (best on the first, earliest of equals).
+    study = optuna.create_study(directions=["maximize", "maximize"])
+    for values in ([0.9, 0.5], [0.9, 0.7], [0.8, 0.9]):
+        study.add_trial(optuna.create_trial(values=values, params={}, distributions={},
+                                            user_attrs={"retrain_config": 1}))  # fmt: skip
+    trials = study.get_trials()
+    root = tmp_path / "r"
+    for trial in trials:
+        prepare_trial_folder(root, "r", f"trial-{trial.number}")
+    remove_unneeded_folders(root, "r", trials, study.directions)
+    kept = sorted(p.name for p in root.iterdir() if p.name.startswith("trial-"))
+    assert "trial-0" in kept  # what retrain.best_run picks
+    assert {"trial-1", "trial-2"} <= set(kept)  # the Pareto front
 
 
 def test_full_data_trains_on_both_splits_and_keeps_the_evaluation_split() -> None:
@@ -156,10 +197,11 @@ def test_the_final_model_is_written_whole_or_not_at_all(tmp_path: Path) -> None:
     out = tmp_path / "final"
     stranger = tmp_path / "mine"
     stranger.mkdir()
+    (stranger / "notes.txt").write_text("the user's")
     with pytest.raises(HPOError, match="not a final model hpo wrote"):
-        retrain.check_out(stranger)
+        retrain.check_out(stranger, "s")
     with pytest.raises(HPOError, match="parent folder does not exist"):
-        retrain.check_out(tmp_path / "no" / "final")
+        retrain.check_out(tmp_path / "no" / "final", "s")
     with pytest.raises(HPOError, match="missing"):
         retrain.save_final_model(tmp_path / "gone", out, card)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best-model", "mine"]  # nothing left
@@ -167,12 +209,24 @@ def test_the_final_model_is_written_whole_or_not_at_all(tmp_path: Path) -> None:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(retrain, "card_markdown", lambda card: "# card\n")
         retrain.save_final_model(model, out, card)
-        retrain.check_out(out)  # hpo's own: a later retrain may replace it
+        retrain.check_out(out, "s")  # hpo's own: a later retrain may replace it
+        with pytest.raises(HPOError, match="holds the final model of study 's', not 'other'"):
+            retrain.check_out(out, "other")  # another study's final model is never replaced
         (model / "model.safetensors").write_bytes(b"better weights")
-        retrain.save_final_model(model, out, {**card, "study": "s2"})
+        retrain.save_final_model(model, out, card)
+        # A parent folder it cannot write in: one line, nothing left behind.
+        patch.setattr(retrain.tempfile, "mkdtemp", _refused)
+        with pytest.raises(HPOError, match="cannot write the final model"):
+            retrain.save_final_model(model, tmp_path / "empty", card)
     assert (out / "model.safetensors").read_bytes() == b"better weights"
-    assert json.loads((out / retrain.CARD_JSON).read_text(encoding="utf-8"))["study"] == "s2"
+    assert json.loads((out / retrain.CARD_JSON).read_text(encoding="utf-8"))["study"] == "s"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best-model", "final", "mine"]
+    (tmp_path / "empty").mkdir()
+    retrain.check_out(tmp_path / "empty", "s")  # an empty folder is a fine place for it
+
+
+def _refused(*args: Any, **kwargs: Any) -> str:
+    raise PermissionError(13, "Permission denied")
 
 
 # -- through the CLI ------------------------------------------------------------------------
@@ -192,6 +246,22 @@ def _search(tmp_path: Path, easy_data: tuple[Path, Path]) -> tuple[Path, str]:
     return config, url
 
 
+def _plan(url: str, config: Path, top: int, seeds: int) -> retrain.RetrainPlan:
+    searched = optuna.load_study(study_name="s", storage=url)
+    return retrain.make_plan(searched, retrain_config_of(config), top, seeds)
+
+
+def _stop_once_training(args: tuple[str, ...], url: str, study: str, cwd: Path) -> None:
+    """Start `hpo retrain`, SIGTERM it once a run of `study` trains: handed back, told how to
+    resume."""
+    process = start_hpo(*args, cwd=cwd, own_group=True)
+    wait_until_training(url, study, [process])
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 0 and "run the same hpo retrain again" in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr
+
+
 def test_retrain_through_the_cli_stopped_resumed_then_best_names_the_winner(
     tmp_path: Path, easy_data: tuple[Path, Path]
 ) -> None:
@@ -200,34 +270,39 @@ def test_retrain_through_the_cli_stopped_resumed_then_best_names_the_winner(
     config, url = _search(tmp_path, easy_data)
     args = ("retrain", "--study", "s", "--config", str(config), "--storage", url, "--top", "2",
             "--seeds", "2", "--full-data", "--out", "final")  # fmt: skip
-    name = "s [retrain top 2 x 2 seeds]"
+    plan = _plan(url, config, 2, 2)
+    name, full_name = plan.study_name, plan.full_data_study_name
 
-    # Stopped while its first run trains: handed back, resumed by the next call.
-    first = start_hpo(*args, cwd=tmp_path, own_group=True)
-    wait_until_training(url, name, [first])
-    first.send_signal(signal.SIGTERM)
-    _, stderr = first.communicate(timeout=60)
-    assert first.returncode == 0 and "run the same hpo retrain again" in stderr, stderr[-3000:]
+    # Stopped while its first run trains, then while the full-data run trains: each handed
+    # back and resumed by the next call.
+    _stop_once_training(args, url, name, tmp_path)
+    _stop_once_training(args, url, full_name, tmp_path)
     assert not (tmp_path / "final").exists()
 
     done = run_hpo(*args, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "<- winner" in done.stdout and "final model: final" in done.stdout
+    assert "the final model: trained on the training and evaluation splits" in done.stdout
     study = optuna.load_study(study_name=name, storage=url)
     trials = study.get_trials()
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     runs = {(t.user_attrs["retrain_config"], t.user_attrs["seed"]) for t in complete}
-    assert len(complete) == 5 and len(runs) == 4  # 2 x 2 runs, each once, and the full-data run
-    assert [t.user_attrs.get("full_data", False) for t in complete].count(True) == 1
+    assert len(complete) == 4 and len(runs) == 4  # 2 x 2 runs, each once
     assert sum(t.state == TrialState.FAIL for t in trials) == 1  # the stopped attempt
+    # The full-data run (its metric is measured on data it trained on) is in a study apart.
+    full = optuna.load_study(study_name=full_name, storage=url).get_trials()
+    assert [t.state for t in full] == [TrialState.FAIL, TrialState.COMPLETE]
+    assert all(t.user_attrs["full_data"] for t in full)
     card = json.loads((tmp_path / "final" / retrain.CARD_JSON).read_text(encoding="utf-8"))
-    assert card["saved_run"]["full_data"] and card["retrain_study"] == name
+    assert card["saved_run"] == {"trial": 1, "seed": card["saved_run"]["seed"], "full_data": True}
+    assert card["retrain_study"] == name and card["full_data_note"]
     assert len(card["configurations"]) == 2 and all(
         len(c["runs"]) == 2 for c in card["configurations"]
     )
     assert [f["sha256"] for f in card["data"]] == [
         retrain.data_files(retrain_config_of(config))[i]["sha256"] for i in range(2)
     ]
+    assert set(card["versions"]) >= {"hpo", "torch", "transformers", "optuna", "python"}
     assert "± " in (tmp_path / "final" / "README.md").read_text(encoding="utf-8")
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "final")
     AutoTokenizer.from_pretrained(tmp_path / "final")
@@ -239,10 +314,13 @@ def test_retrain_through_the_cli_stopped_resumed_then_best_names_the_winner(
     shown = json.loads(run_hpo("best", "--study", "s", "--storage", url, "--json",
                                cwd=tmp_path).stdout)  # fmt: skip
     assert shown["retrain"]["params"] == card["winner"]["params"]
+    status = run_hpo("status", "--study", name, "--storage", url, cwd=tmp_path)
+    assert status.returncode == 0 and "4 complete" in status.stdout, status.stdout
 
     again = run_hpo(*args, cwd=tmp_path)  # everything ran: nothing trains again
     assert again.returncode == 0, again.stderr[-3000:]
     assert len(optuna.load_study(study_name=name, storage=url).get_trials()) == len(trials)
+    assert len(optuna.load_study(study_name=full_name, storage=url).get_trials()) == 2
 
 
 def retrain_config_of(path: Path) -> Config:
@@ -282,13 +360,25 @@ def test_retrain_runs_on_the_workers_of_several_gpus(
     tmp_path: Path, easy_data: tuple[Path, Path]
 ) -> None:
     config, url = _search(tmp_path, easy_data)
-    done = run_hpo("retrain", "--study", "s", "--config", str(config), "--storage", url,
-                   "--top", "1", "--seeds", "4", "--gpus", "0,1", cwd=tmp_path,
-                   env={"HPO_TEST_FAKE_GPUS": "2"})  # fmt: skip
+    args = ("retrain", "--study", "s", "--config", str(config), "--storage", url, "--top", "1",
+            "--seeds", "4", "--gpus", "0,1", "--full-data")  # fmt: skip
+    env = {"HPO_TEST_FAKE_GPUS": "2"}
+    plan = _plan(url, config, 1, 4)
+    # A SIGTERM to the launcher reaches its workers, and the launcher ends too (it once went on
+    # waiting for the runs its workers had handed back, deaf to any further signal).
+    launcher = start_hpo(*args, cwd=tmp_path, env=env, own_group=True)
+    wait_until_training(url, plan.study_name, [launcher], trials=2)
+    launcher.send_signal(signal.SIGTERM)
+    _, stderr = launcher.communicate(timeout=90)
+    assert launcher.returncode == 0 and "run the same hpo retrain again" in stderr, stderr[-3000:]
+
+    done = run_hpo(*args, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "started 2 workers" in done.stderr
-    study = optuna.load_study(study_name="s [retrain top 1 x 4 seeds]", storage=url)
+    study = optuna.load_study(study_name=plan.study_name, storage=url)
     complete = study.get_trials(states=(TrialState.COMPLETE,))
     assert sorted(t.user_attrs["seed"] for t in complete) == [43, 44, 45, 46]  # each once
-    assert len(study.get_trials()) == 4
+    assert len(study.get_trials()) == 4 + 2  # and the two handed-back attempts
+    full = optuna.load_study(study_name=plan.full_data_study_name, storage=url)
+    assert [t.state for t in full.get_trials()] == [TrialState.COMPLETE]  # the workers ran it
     assert (tmp_path / f"hpo-final-{study_folder_name('s')}" / retrain.CARD_JSON).is_file()

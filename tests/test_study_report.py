@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import math
 import os
 import random
 import re
@@ -28,6 +29,7 @@ def finished_study(url: str, name: str = "watched") -> optuna.Study:
         trial.set_user_attr("samples_per_s", 100.0 + batch)
         trial.set_user_attr("physical_batch_size", batch)
         trial.set_user_attr("peak_mem_bytes", batch * 2**24)
+        trial.set_user_attr("wall_s", 360.0)  # ten trials of 6 minutes: one device-hour
         for step in range(3):
             trial.report(0.3 + 0.1 * step + rng.random() * 0.1, step)
         if i % 4 == 3:
@@ -63,6 +65,28 @@ def test_the_html_report_draws_every_plot_and_fetches_nothing(tmp_path: Path) ->
     assert "NaN loss" not in page and "RuntimeError" in page  # reasons by kind
     best = study.best_trial
     assert f"trial #{best.number}: " in page and "enqueue: [" in page
+    assert "device-hours: 1.000" in page and "pruner" in page  # summary; prunes by reason
+
+
+def test_the_plots_mark_pruned_trials_and_colour_by_value(tmp_path: Path) -> None:
+    study = finished_study(f"sqlite:///{tmp_path / 'r.db'}")
+    states = [t.state for t in study.get_trials()]
+    complete, pruned = states.count(TrialState.COMPLETE), states.count(TrialState.PRUNED)
+    lr_batch = {trace.name: trace for trace in study_report._lr_batch(study).data}
+    assert len(lr_batch["complete"].x) == complete and len(lr_batch["pruned"].x) == pruned
+    assert lr_batch["pruned"].marker.color == study_report.PRUNED_GREY
+    assert lr_batch["complete"].marker.showscale  # coloured by the metric, with its scale
+    assert sorted(lr_batch["complete"].marker.color) == sorted(
+        t.value for t in study.get_trials() if t.state == TrialState.COMPLETE
+    )
+    curves = study_report._curves(study).data
+    assert len(curves) == complete + pruned  # a failed trial's curve is left out
+    grey = [c for c in curves if c.line.color == study_report.PRUNED_GREY]
+    assert len(grey) == pruned and all("(pruned)" in c.name for c in grey)
+    throughput = {trace.name: trace for trace in study_report._throughput(study).data}
+    assert list(throughput["peak memory"].y) and not any(
+        math.isnan(y) for y in throughput["peak memory"].y
+    )
 
 
 def test_an_empty_study_and_one_with_two_objectives(tmp_path: Path) -> None:
@@ -110,3 +134,36 @@ def test_hpo_report_through_the_cli(tmp_path: Path) -> None:
     unknown = run_hpo("report", "--study", "nope", "--storage", url, cwd=tmp_path)
     assert unknown.returncode == 2 and "no study 'nope'" in unknown.stderr
     assert len(list(tmp_path.glob("hpo-report-*"))) == 1 and not list(tmp_path.glob(".hpo-*"))
+
+
+def test_the_report_names_the_retrain_winner_and_a_retrain_study_points_back(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    searched = finished_study(url, name="s")
+    searched.set_user_attr("retrain", {
+        "study": "s [retrain top 1 x 1 seeds, abc123]", "metric": "accuracy", "mean": 0.9,
+        "std": None, "seeds": 1, "params": {"learning_rate": 0.01}, "model": "/final",
+        "search_trial": 3, "full_data": False})  # fmt: skip
+    text = study_report.markdown(searched)
+    assert "Retrain winner (s [retrain top 1 x 1 seeds, abc123]): accuracy 0.9000 (one run" in text
+    assert "hpo retrain --study s" in text
+    runs = finished_study(url, name="s [retrain top 1 x 1 seeds, abc123]")
+    runs.set_user_attr("retrain_of", "s")
+    text = study_report.markdown(runs)
+    assert "hpo retrain" not in text  # a retrain of a retrain study is refused: not suggested
+    assert "holds the retrain runs of study 's'; `hpo best --study s`" in text
+
+
+def test_markdown_cells_with_a_bar_or_a_line_break_keep_the_table_whole(tmp_path: Path) -> None:
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'r.db'}", study_name="bars")
+    trial = study.ask()
+    trial.suggest_categorical("pooling", ["mean|max"])
+    trial.set_user_attr("fail_reason", "ValueError: a|b\nsecond line")
+    study.tell(trial, state=TrialState.FAIL)
+    text = study_report.markdown(study)
+    assert "| ValueError | 1 |" in text  # reasons by kind
+    row = next(line for line in text.splitlines() if line.startswith("| 0 |"))
+    assert "mean\\|max" in row and row.count(" | ") == text.split("## Trials")[1].splitlines()[
+        2
+    ].count(" | ")

@@ -16,12 +16,15 @@ import re
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import optuna
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
 from hpo.config import Config
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -118,20 +121,30 @@ def best_trials(
 ) -> list[FrozenTrial]:
     """The best complete trial, or with several objectives the Pareto front: the complete
     trials no other complete trial is at least as good as in every objective and better in one."""
-    signs = [1.0 if d == StudyDirection.MAXIMIZE else -1.0 for d in directions]
-    scored = [
-        (t, [s * v for s, v in zip(signs, t.values, strict=True)])
+    done = [
+        (t, t.values)
         for t in trials
-        if t.state == TrialState.COMPLETE and t.values is not None and len(t.values) == len(signs)
-    ]
+        if t.state == TrialState.COMPLETE and t.values is not None
+        and len(t.values) == len(directions)
+    ]  # fmt: skip
+    return best_of(done, directions)
+
+
+def best_of(scored: Sequence[tuple[T, Sequence[float]]], directions: Sequence[StudyDirection]
+            ) -> list[T]:  # fmt: skip
+    """Of (item, values) pairs in trial order: the best on the one objective (the first of
+    equals), or the Pareto front, in the same order."""
+    signs = [1.0 if d == StudyDirection.MAXIMIZE else -1.0 for d in directions]
+    signed = [(item, [s * v for s, v in zip(signs, values, strict=True)])
+              for item, values in scored]  # fmt: skip
     if len(signs) == 1:
-        return [max(scored, key=lambda pair: pair[1][0])[0]] if scored else []
-    front: list[tuple[FrozenTrial, list[float]]] = []
-    for trial, score in scored:
+        return [max(signed, key=lambda pair: pair[1][0])[0]] if signed else []
+    front: list[tuple[T, list[float]]] = []
+    for item, score in signed:
         if any(_dominates(other, score) or other == score for _, other in front):
             continue
-        front = [(t, s) for t, s in front if not _dominates(score, s)] + [(trial, score)]
-    return [trial for trial, _ in front]
+        front = [(t, s) for t, s in front if not _dominates(score, s)] + [(item, score)]
+    return [item for item, _ in front]
 
 
 def best_on_first_objective(

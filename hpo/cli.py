@@ -704,7 +704,7 @@ def _monitor(args: argparse.Namespace) -> int:
     if args.command == "report":
         return _write_report(study, args.format, args.out)
     if args.command == "best":
-        best = report.best_trials(study)
+        best = report.best_trials(study, storage=storage)
         if not best:
             raise HPOError(f"study {args.study!r} has no completed trial yet")
         retrained = study.user_attrs.get("retrain")
@@ -721,8 +721,8 @@ def _monitor(args: argparse.Namespace) -> int:
                 print(_retrain_text(retrained))
         return 0
     if args.watch:
-        return _watch(study, args.json, args.interval)
-    summary = report.status(study)
+        return _watch(study, storage, args.json, args.interval)
+    summary = report.status(study, storage=storage)
     print(
         json.dumps(summary, indent=2, default=str)
         if args.json
@@ -741,7 +741,7 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _watch(study: Any, as_json: bool, interval: float) -> int:
+def _watch(study: Any, storage: Any, as_json: bool, interval: float) -> int:
     """`hpo status --watch`: the status again every `interval` seconds (the screen redrawn on a
     terminal, one block per refresh otherwise) until the study has ended at two refreshes in a
     row; Ctrl-C ends it at once."""
@@ -754,7 +754,7 @@ def _watch(study: Any, as_json: bool, interval: float) -> int:
     terminal = sys.stdout.isatty()
     ended_polls = 0
     while ended_polls < 2:
-        summary = report.status(study)
+        summary = report.status(study, storage=storage)
         text = (
             json.dumps(summary, default=str) if as_json else "\n".join(report.status_lines(summary))
         )

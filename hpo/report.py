@@ -1,20 +1,44 @@
 """What a user asks of a running or finished study: the list of studies, the best trial, and a
 status summary (states, running trials, throughput, failures and prunes by reason).
+
+Given hpo's StudyStorage, each is answered by the database (storage.study_queries: counts and
+aggregates, the best trial, the running ones), in about the same time at 100,000 trials as at
+ten; otherwise, from the study's trials read whole.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import optuna
+from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
 from hpo import checkpoints
+from storage import study_queries
+from storage.engine import StudyStorage
+
+
+@dataclass(frozen=True)
+class _Database:
+    """A study whose questions the database answers."""
+
+    storage: StudyStorage
+    study_id: int
+
+
+def _database(study: optuna.Study, storage: object) -> _Database | None:
+    if not isinstance(storage, StudyStorage) or not study_queries.supported(storage.engine):
+        return None
+    return _Database(storage, storage.get_study_id_from_name(study.study_name))
 
 
 def studies(storage: optuna.storages.BaseStorage) -> list[dict[str, Any]]:
+    if isinstance(storage, StudyStorage) and study_queries.supported(storage.engine):
+        return [_study_row(storage, study) for study in storage.rdb.get_all_studies()]
     rows = []
     for summary in optuna.study.get_all_study_summaries(storage, include_best_trial=True):
         best = summary.best_trial if len(summary.directions) == 1 else None
@@ -32,14 +56,51 @@ def studies(storage: optuna.storages.BaseStorage) -> list[dict[str, Any]]:
     return rows
 
 
+def _study_row(storage: StudyStorage, study: Any) -> dict[str, Any]:
+    """`studies`' row of one study, from the database's counts and best trial."""
+    directions = list(study.directions)
+    study_id = storage.rdb.get_study_id_from_name(study.study_name)
+    size, started = study_queries.size_and_start(storage.engine, study_id)
+    best_value = None
+    if len(directions) == 1:
+        maximize = directions[0] == StudyDirection.MAXIMIZE
+        best_id = study_queries.best_trial_id(storage.engine, study_id, maximize)
+        if best_id is not None:
+            best_value = storage.rdb.get_trial(best_id).value
+    return {
+        "name": study.study_name,
+        "direction": " and ".join(d.name.lower() for d in directions),
+        "directions": [d.name.lower() for d in directions],
+        "n_trials": size,
+        "best_value": best_value,
+        "started": _iso(started),
+    }
+
+
 def best_trials(
-    study: optuna.Study, trials: list[FrozenTrial] | None = None
+    study: optuna.Study, trials: list[FrozenTrial] | None = None, storage: object = None
 ) -> list[dict[str, Any]]:
     """The best trial, or with several objectives the trials of the Pareto front; empty when
-    no trial has completed. `trials`: the study's trials, if the caller has read them."""
-    if trials is None:
-        trials = study.get_trials(deepcopy=False)
-    return [_trial_summary(study, t) for t in checkpoints.best_trials(trials, study.directions)]
+    no trial has completed. `trials`: the study's trials, if the caller has read them;
+    `storage`: hpo's, to ask the database instead."""
+    database = _database(study, storage) if trials is None else None
+    if database is not None:
+        best = _best_from_database(study, database)
+    else:
+        trials = study.get_trials(deepcopy=False) if trials is None else trials
+        best = checkpoints.best_trials(trials, study.directions)
+    return [_trial_summary(study, t) for t in best]
+
+
+def _best_from_database(study: optuna.Study, db: _Database) -> list[FrozenTrial]:
+    directions = study.directions
+    if len(directions) == 1:
+        maximize = directions[0] == StudyDirection.MAXIMIZE
+        best_id = study_queries.best_trial_id(db.storage.engine, db.study_id, maximize)
+        return [] if best_id is None else [db.storage.rdb.get_trial(best_id)]
+    values = study_queries.complete_values(db.storage.engine, db.study_id, len(directions))
+    front = checkpoints.best_of(sorted(values.items()), directions)
+    return [db.storage.rdb.get_trial(trial_id) for trial_id in front]
 
 
 def _trial_summary(study: optuna.Study, trial: FrozenTrial) -> dict[str, Any]:
@@ -51,10 +112,16 @@ def _trial_summary(study: optuna.Study, trial: FrozenTrial) -> dict[str, Any]:
     return {**summary, "params": trial.params, "user_attrs": trial.user_attrs}
 
 
-def status(study: optuna.Study, now: dt.datetime | None = None) -> dict[str, Any]:
+def status(
+    study: optuna.Study, now: dt.datetime | None = None, storage: object = None
+) -> dict[str, Any]:
     """Trials by state, running trials with worker and age, best, device-hours, trials/hour,
-    and failures and prunes grouped by reason."""
-    now = now or dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)  # Optuna stores naive UTC
+    and failures and prunes grouped by reason. `storage`: hpo's, to ask the database."""
+    # Optuna stores naive UTC but hands trials' times back as naive local time: so is `now`.
+    now = now or dt.datetime.now()
+    database = _database(study, storage)
+    if database is not None:
+        return _status_from_database(study, database, now)
     trials = study.get_trials(deepcopy=False)
     finished = [t for t in trials if t.state.is_finished() and t.datetime_complete]
     best = best_trials(study, trials)
@@ -65,10 +132,32 @@ def status(study: optuna.Study, now: dt.datetime | None = None) -> dict[str, Any
         "running": [_running(t, now) for t in trials if t.state == TrialState.RUNNING],
         "best": best[0] if best and not several else None,
         "pareto_front": best if several else None,
-        "device_hours": round(sum(t.user_attrs.get("wall_s", 0.0) for t in trials) / 3600, 4),
+        "device_hours": round(sum(_seconds(t.user_attrs.get("wall_s")) for t in trials) / 3600, 4),
         "trials_per_hour": _trials_per_hour(finished),
         "failures": _reasons(trials, TrialState.FAIL, "fail_reason"),
         "prunes": _reasons(trials, TrialState.PRUNED, "prune_reason"),
+        "budget": study.user_attrs.get("n_trials"),
+    }
+
+
+def _status_from_database(study: optuna.Study, db: _Database, now: dt.datetime) -> dict[str, Any]:
+    engine, study_id = db.storage.engine, db.study_id
+    counts = study_queries.state_counts(engine, study_id)
+    running = db.storage.rdb.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,))
+    best = best_trials(study, storage=db.storage)
+    several = len(study.directions) > 1
+    finished, first, last = study_queries.finished_span(engine, study_id)
+    hours = (last - first).total_seconds() / 3600 if first and last else 0.0
+    return {
+        "study": study.study_name,
+        "trials": {state.name.lower(): n for state, n in sorted(counts.items()) if n},
+        "running": [_running(t, now) for t in sorted(running, key=lambda t: t.number)],
+        "best": best[0] if best and not several else None,
+        "pareto_front": best if several else None,
+        "device_hours": round(study_queries.user_attr_sum(engine, study_id, "wall_s") / 3600, 4),
+        "trials_per_hour": round(finished / hours, 2) if hours > 0 else None,
+        "failures": study_queries.reasons(engine, study_id, TrialState.FAIL, "fail_reason"),
+        "prunes": study_queries.reasons(engine, study_id, TrialState.PRUNED, "prune_reason"),
         "budget": study.user_attrs.get("n_trials"),
     }
 
@@ -101,6 +190,12 @@ def status_lines(report: dict[str, Any]) -> list[str]:
         for reason, count in report[title].items():
             lines.append(f"  {title[:-1]}: {count} x {reason}")
     return lines
+
+
+def _seconds(value: object) -> float:
+    """A trial's wall_s; 0 for one that is not a number (set by hand, say)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return float(value) if number else 0.0  # type: ignore[arg-type]
 
 
 def _running(trial: FrozenTrial, now: dt.datetime) -> dict[str, Any]:

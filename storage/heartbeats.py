@@ -101,7 +101,8 @@ class Heartbeats:
         for trial in running:
             if trial.number in beating or trial.datetime_start is None:
                 continue
-            age_s = (local_now - _utc(trial.datetime_start)).total_seconds()
+            # Optuna hands a trial's start out as naive local time (it stores UTC).
+            age_s = (local_now - trial.datetime_start.astimezone(timezone.utc)).total_seconds()
             if age_s > 2 * grace_s + CLOCK_SKEW_S:
                 worker = str(trial.user_attrs.get("worker", "unknown"))
                 found.append(StaleTrial(trial.number, worker, age_s))
@@ -148,7 +149,7 @@ class HeartbeatThread:
 
 
 def _utc(moment: datetime) -> datetime:
-    """Aware UTC: PostgreSQL returns aware times, SQLite and Optuna naive UTC ones."""
+    """Aware UTC: PostgreSQL returns aware times, SQLite naive UTC ones."""
     if moment.tzinfo is None:
         return moment.replace(tzinfo=timezone.utc)
     return moment.astimezone(timezone.utc)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +114,19 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 
     with path.open(newline="", encoding="utf-8") as source:
         return list(csv.DictReader(source))
+
+
+@pytest.fixture
+def local_time_zone(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], None]]:
+    """Sets this process's local time zone (TZ) for one test."""
+
+    def set_zone(zone: str) -> None:
+        monkeypatch.setenv("TZ", zone)
+        time.tzset()
+
+    yield set_zone
+    monkeypatch.undo()
+    time.tzset()
 
 
 @pytest.fixture(autouse=True)

@@ -9,6 +9,7 @@ import re
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
@@ -98,7 +99,13 @@ def test_a_trial_whose_heartbeats_stopped_is_failed_with_its_reason_and_queued_a
     assert other.sweep() == []  # failed once, by one worker
 
 
-def test_a_running_trial_that_never_beat_is_swept_once_it_is_old(tmp_path: Path) -> None:
+@pytest.mark.parametrize("zone", ["UTC", "Asia/Kolkata", "America/Los_Angeles"])
+def test_a_running_trial_that_never_beat_is_swept_once_it_is_old(
+    tmp_path: Path, zone: str, local_time_zone: Any
+) -> None:
+    # Optuna hands trials' start times out in local time: a worker east of UTC once took a
+    # trial created a moment ago for one hours old.
+    local_time_zone(zone)
     storage = _storage(tmp_path)
     study = optuna.create_study(study_name="s", storage=storage)
     # RUNNING without a heartbeat row, as a worker lost between creation and its first beat.

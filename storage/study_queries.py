@@ -1,0 +1,313 @@
+"""What hpo's commands and workers ask of a study's trials as a whole, answered by the database:
+counts by state, the study-wide budget count, device-seconds, the time span, and reasons by kind.
+Optuna's public API answers each of these by reading every trial of the study with all its
+parameters and attributes (Optuna's own `get_n_trials` too): seconds at 20,000 trials.
+
+These read Optuna's tables directly: the one place hpo depends on Optuna's schema. Each answer is
+checked against the public API's on a study with every kind of trial in
+tests/test_study_queries.py, which breaks on an upgrade that changes the schema; a database of a
+schema version hpo does not know gets `None` (`supported`), and callers use the public API.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+from collections import Counter
+from typing import Any
+
+import sqlalchemy as sa
+from optuna.distributions import json_to_distribution
+from optuna.trial import FrozenTrial, TrialState
+from sqlalchemy.engine import Engine
+
+# Optuna's schema versions these queries were checked against (`version_info.schema_version`).
+KNOWN_SCHEMA_VERSIONS = frozenset({12})
+
+_metadata = sa.MetaData()
+_version_info = sa.Table("version_info", _metadata, sa.Column("schema_version", sa.Integer))
+_trials = sa.Table(
+    "trials",
+    _metadata,
+    sa.Column("trial_id", sa.Integer),
+    sa.Column("number", sa.Integer),
+    sa.Column("study_id", sa.Integer),
+    sa.Column("state", sa.String),
+    sa.Column("datetime_start", sa.DateTime),
+    sa.Column("datetime_complete", sa.DateTime),
+)
+_user_attrs = sa.Table(
+    "trial_user_attributes",
+    _metadata,
+    sa.Column("trial_id", sa.Integer),
+    sa.Column("key", sa.String),
+    sa.Column("value_json", sa.Text),
+)
+_system_attrs = sa.Table(
+    "trial_system_attributes",
+    _metadata,
+    sa.Column("trial_id", sa.Integer),
+    sa.Column("key", sa.String),
+    sa.Column("value_json", sa.Text),
+)
+_values = sa.Table(
+    "trial_values",
+    _metadata,
+    sa.Column("trial_id", sa.Integer),
+    sa.Column("objective", sa.Integer),
+    sa.Column("value", sa.Float),
+    sa.Column("value_type", sa.String),
+)
+_params = sa.Table(
+    "trial_params",
+    _metadata,
+    sa.Column("trial_id", sa.Integer),
+    sa.Column("param_name", sa.String),
+    sa.Column("param_value", sa.Float),
+    sa.Column("distribution_json", sa.Text),
+)
+_steps = sa.Table(
+    "trial_intermediate_values",
+    _metadata,
+    sa.Column("trial_id", sa.Integer),
+    sa.Column("step", sa.Integer),
+    sa.Column("intermediate_value", sa.Float),
+    sa.Column("intermediate_value_type", sa.String),
+)
+_INFINITE = {"INF_POS": math.inf, "INF_NEG": -math.inf}
+_PARTS = ("params", "distributions", "values", "user", "system", "steps")
+
+
+def supported(engine: Engine) -> bool:
+    """Whether this database has a schema these queries know."""
+    try:
+        with engine.connect() as conn:
+            version = conn.execute(sa.select(_version_info.c.schema_version)).scalar()
+    except sa.exc.SQLAlchemyError:
+        return False
+    return version in KNOWN_SCHEMA_VERSIONS
+
+
+def state_counts(engine: Engine, study_id: int) -> dict[TrialState, int]:
+    query = (
+        sa.select(_trials.c.state, sa.func.count())
+        .where(_trials.c.study_id == study_id)
+        .group_by(_trials.c.state)
+    )
+    with engine.connect() as conn:
+        return {TrialState[state]: count for state, count in conn.execute(query)}
+
+
+def with_system_attr(engine: Engine, study_id: int, key: str) -> int:
+    """Trials of the study that carry the system attribute `key` (in any state)."""
+    query = (
+        sa.select(sa.func.count())
+        .select_from(_system_attrs.join(_trials, _trials.c.trial_id == _system_attrs.c.trial_id))
+        .where(_trials.c.study_id == study_id, _system_attrs.c.key == key)
+    )
+    with engine.connect() as conn:
+        return int(conn.execute(query).scalar() or 0)
+
+
+def user_attr_sum(engine: Engine, study_id: int, key: str) -> float:
+    """The sum of a numeric user attribute over the study's trials (others are skipped)."""
+    query = (
+        sa.select(_user_attrs.c.value_json)
+        .select_from(_user_attrs.join(_trials, _trials.c.trial_id == _user_attrs.c.trial_id))
+        .where(_trials.c.study_id == study_id, _user_attrs.c.key == key)
+    )
+    total = 0.0
+    with engine.connect() as conn:
+        for (raw,) in conn.execute(query):
+            value = json.loads(raw)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                total += value
+    return total
+
+
+def finished_span(
+    engine: Engine, study_id: int
+) -> tuple[int, dt.datetime | None, dt.datetime | None]:
+    """Finished trials with an end time: how many, the first start and the last end among
+    them (naive UTC, as Optuna stores them)."""
+    finished = [s.name for s in TrialState if s.is_finished()]
+    start, end = _trials.c.datetime_start, _trials.c.datetime_complete
+    query = sa.select(sa.func.count(), sa.func.min(start), sa.func.max(end)).where(
+        _trials.c.study_id == study_id, _trials.c.state.in_(finished), end.is_not(None)
+    )
+    with engine.connect() as conn:
+        count, first, last = conn.execute(query).one()
+    return int(count), _datetime(first), _datetime(last)
+
+
+def reasons(engine: Engine, study_id: int, state: TrialState, key: str) -> dict[str, int]:
+    """Trials in `state` counted by the kind of their `key` user attribute, most first."""
+    query = (
+        sa.select(_user_attrs.c.value_json, sa.func.count())
+        .select_from(_user_attrs.join(_trials, _trials.c.trial_id == _user_attrs.c.trial_id))
+        .where(
+            _trials.c.study_id == study_id, _trials.c.state == state.name, _user_attrs.c.key == key
+        )  # fmt: skip
+        .group_by(_user_attrs.c.value_json)
+    )
+    kinds: Counter[str] = Counter()
+    with engine.connect() as conn:
+        for raw, count in conn.execute(query):
+            kinds[str(json.loads(raw)).split(":")[0]] += count
+    without = state_counts(engine, study_id).get(state, 0) - sum(kinds.values())
+    if without > 0:
+        kinds["no reason recorded"] += without
+    return dict(kinds.most_common())
+
+
+def complete_values(engine: Engine, study_id: int, objectives: int) -> dict[int, list[float]]:
+    """Every complete trial's values (trial id -> one per objective): the Pareto front of a
+    study of several objectives needs these, not the trials' parameters and attributes."""
+    query = (
+        sa.select(_values.c.trial_id, _values.c.objective, _values.c.value, _values.c.value_type)
+        .select_from(_values.join(_trials, _trials.c.trial_id == _values.c.trial_id))
+        .where(_trials.c.study_id == study_id, _trials.c.state == TrialState.COMPLETE.name)
+    )
+    found: dict[int, list[float]] = {}
+    with engine.connect() as conn:
+        for trial_id, objective, value, kind in conn.execute(query):
+            row = found.setdefault(trial_id, [math.nan] * objectives)
+            if 0 <= objective < objectives:
+                row[objective] = _INFINITE.get(kind, value)
+    return {k: v for k, v in found.items() if not any(math.isnan(x) for x in v)}
+
+
+def best_trial_id(engine: Engine, study_id: int, maximize: bool) -> int | None:
+    """The complete trial with the best first value, the earliest of equals (as
+    `max(trials, ...)` over the trials in order would pick); None if none completed."""
+    rank = sa.case(
+        (_values.c.value_type == "INF_NEG", -1), (_values.c.value_type == "INF_POS", 1), else_=0
+    )
+    sign = 1 if maximize else -1
+    query = (
+        sa.select(_trials.c.trial_id)
+        .select_from(_values.join(_trials, _trials.c.trial_id == _values.c.trial_id))
+        .where(
+            _trials.c.study_id == study_id,
+            _trials.c.state == TrialState.COMPLETE.name,
+            _values.c.objective == 0,
+        )  # fmt: skip
+        .order_by(
+            (sign * rank).desc(),
+            (sign * sa.func.coalesce(_values.c.value, 0)).desc(),
+            _trials.c.number,
+        )  # fmt: skip
+        .limit(1)
+    )
+    with engine.connect() as conn:
+        return conn.execute(query).scalar()
+
+
+def size_and_start(engine: Engine, study_id: int) -> tuple[int, dt.datetime | None]:
+    """How many trials the study holds, and when its first one started."""
+    query = sa.select(sa.func.count(), sa.func.min(_trials.c.datetime_start)).where(
+        _trials.c.study_id == study_id
+    )
+    with engine.connect() as conn:
+        count, first = conn.execute(query).one()
+    return int(count), _datetime(first)
+
+
+def sample_ids(engine: Engine, study_id: int, maximize: bool, limit: int) -> list[int]:
+    """At most `limit` trial ids to draw a large study from: the best quarter by the first
+    value, the latest quarter, and the rest spread evenly over the study (by trial number)."""
+    quarter = max(1, limit // 4)
+    sign = 1 if maximize else -1
+    best = (
+        sa.select(_trials.c.trial_id)
+        .select_from(_values.join(_trials, _trials.c.trial_id == _values.c.trial_id))
+        .where(
+            _trials.c.study_id == study_id,
+            _trials.c.state == TrialState.COMPLETE.name,
+            _values.c.objective == 0,
+            _values.c.value_type == "FINITE",
+        )  # fmt: skip
+        .order_by((sign * _values.c.value).desc(), _trials.c.number)
+        .limit(quarter)
+    )
+    latest = (
+        sa.select(_trials.c.trial_id)
+        .where(_trials.c.study_id == study_id)
+        .order_by(_trials.c.number.desc())
+        .limit(quarter)
+    )
+    size, _ = size_and_start(engine, study_id)
+    stride = max(1, size // max(1, limit - 2 * quarter))
+    spread = sa.select(_trials.c.trial_id).where(
+        _trials.c.study_id == study_id, _trials.c.number % stride == 0
+    )
+    with engine.connect() as conn:
+        ids = {row[0] for query in (best, latest, spread) for row in conn.execute(query)}
+    return sorted(ids)[: limit + quarter]
+
+
+def trials(engine: Engine, trial_ids: list[int]) -> list[FrozenTrial]:
+    """These trials, whole (what Optuna's `get_trial` gives for each), in a few queries."""
+    found: dict[int, dict[str, Any]] = {}
+    chunks = [trial_ids[i : i + 5000] for i in range(0, len(trial_ids), 5000)]
+    with engine.connect() as conn:
+        for chunk in chunks:
+            for row in conn.execute(sa.select(_trials).where(_trials.c.trial_id.in_(chunk))):
+                found[row.trial_id] = {"row": row, **{part: {} for part in _PARTS}}
+            _fill_parts(conn, chunk, found)
+    return [_frozen(found[i]) for i in trial_ids if i in found]
+
+
+def _fill_parts(conn: sa.Connection, chunk: list[int], found: dict[int, dict[str, Any]]) -> None:
+    for trial_id, name, value, dist_json in conn.execute(
+        sa.select(
+            _params.c.trial_id,
+            _params.c.param_name,
+            _params.c.param_value,
+            _params.c.distribution_json,
+        ).where(_params.c.trial_id.in_(chunk))  # fmt: skip
+    ):
+        distribution = json_to_distribution(dist_json)
+        found[trial_id]["distributions"][name] = distribution
+        found[trial_id]["params"][name] = distribution.to_external_repr(value)
+    for trial_id, objective, value, kind in conn.execute(
+        sa.select(
+            _values.c.trial_id, _values.c.objective, _values.c.value, _values.c.value_type
+        ).where(_values.c.trial_id.in_(chunk))  # fmt: skip
+    ):
+        found[trial_id]["values"][objective] = _INFINITE.get(kind, value)
+    for table, part in ((_user_attrs, "user"), (_system_attrs, "system")):
+        query = sa.select(table.c.trial_id, table.c.key, table.c.value_json)
+        for trial_id, key, raw in conn.execute(query.where(table.c.trial_id.in_(chunk))):
+            found[trial_id][part][key] = json.loads(raw)
+    for trial_id, step, value, kind in conn.execute(
+        sa.select(
+            _steps.c.trial_id,
+            _steps.c.step,
+            _steps.c.intermediate_value,
+            _steps.c.intermediate_value_type,
+        ).where(_steps.c.trial_id.in_(chunk))  # fmt: skip
+    ):
+        found[trial_id]["steps"][step] = math.nan if kind == "NAN" else _INFINITE.get(kind, value)
+
+
+def _frozen(parts: dict[str, Any]) -> FrozenTrial:
+    row = parts["row"]
+    values = [parts["values"][k] for k in sorted(parts["values"])] or None
+    return FrozenTrial(
+        number=row.number, state=TrialState[row.state], value=None, values=values,
+        datetime_start=_datetime(row.datetime_start),
+        datetime_complete=_datetime(row.datetime_complete), params=parts["params"],
+        distributions=parts["distributions"], user_attrs=parts["user"],
+        system_attrs=parts["system"], intermediate_values=parts["steps"], trial_id=row.trial_id,
+    )  # fmt: skip
+
+
+def _datetime(value: object) -> dt.datetime | None:
+    """A stored time (naive UTC) as Optuna hands it out: naive local time."""
+    if value is None:
+        return None
+    # SQLite may hand back text for an aggregate.
+    moment = value if isinstance(value, dt.datetime) else dt.datetime.fromisoformat(str(value))
+    return moment.replace(tzinfo=dt.timezone.utc).astimezone().replace(tzinfo=None)

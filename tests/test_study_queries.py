@@ -1,0 +1,174 @@
+"""The database's answers (storage.study_queries, used by hpo status, best and studies and by the
+worker's budget count) equal the public API's, on SQLite and PostgreSQL, for a study with every
+kind of trial. These tests break when an Optuna upgrade changes the schema the queries read."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+import sqlalchemy as sa
+from optuna.distributions import FloatDistribution
+from optuna.trial import TrialState
+
+from hpo import report
+from hpo.trials import counted_trials
+from storage import open_storage, study_queries
+from storage.engine import StudyStorage
+from storage.url import StorageURL
+
+LR = FloatDistribution(1e-5, 1e-1, log=True)
+NOW = dt.datetime(2030, 1, 1)
+
+
+def _trial(
+    state: TrialState, value: float | list[float] | None = None, **attrs: object
+) -> optuna.trial.FrozenTrial:
+    values = value if isinstance(value, list) or value is None else [value]
+    return optuna.create_trial(
+        state=state,
+        values=values,
+        params={"learning_rate": 1e-3},
+        distributions={"learning_rate": LR},
+        user_attrs=dict(attrs),
+        intermediate_values={} if state == TrialState.WAITING else {0: 0.5},
+    )
+
+
+def _fill(study: optuna.Study, storage: StudyStorage) -> None:
+    """Complete (finite, tied, infinite), pruned and failed trials with and without reasons,
+    running and waiting ones, retries, and a wall_s that is not a number."""
+    for trial in [
+        _trial(TrialState.COMPLETE, 0.8, wall_s=30.0),
+        _trial(TrialState.COMPLETE, 0.9, wall_s=60),
+        _trial(TrialState.COMPLETE, 0.9, wall_s="n/a"),  # tied with the one before: not best
+        _trial(TrialState.COMPLETE, -math.inf),
+        _trial(TrialState.PRUNED, prune_reason="pruner: accuracy=0.3 at evaluation 1", wall_s=5),
+        _trial(TrialState.PRUNED, prune_reason="pruner: accuracy=0.2 at evaluation 2"),
+        _trial(TrialState.PRUNED, prune_reason="diverged: loss is NaN at step 3"),
+        _trial(TrialState.PRUNED),
+        _trial(TrialState.FAIL, fail_reason="stale: no heartbeat from its worker h:1 for 90 s"),
+        _trial(TrialState.FAIL, fail_reason="RuntimeError: x|y: z"),
+        _trial(TrialState.FAIL),
+        _trial(TrialState.RUNNING, worker="host:42"),
+        _trial(TrialState.WAITING),
+    ]:
+        study.add_trial(trial)
+    for number in (11, 12):  # two retries: a running one and a queued one
+        trial_id = storage.get_trial_id_from_study_id_trial_number(
+            storage.get_study_id_from_name(study.study_name), number
+        )
+        storage.set_trial_system_attr(trial_id, "failed_trial", 8)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StudyStorage]:
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'q.db'}"
+    else:
+        url = request.getfixturevalue("postgres_url")
+    opened = open_storage(StorageURL(url, "test"))
+    yield opened
+    opened.engine.dispose()
+
+
+@contextlib.contextmanager
+def _reading_no_whole_study(study: optuna.Study, storage: StudyStorage) -> Iterator[None]:
+    """Fails the block if it reads every trial of a study (all it may read whole is the
+    running ones)."""
+    read = storage.rdb.get_all_trials
+
+    def running_only(study_id: int, deepcopy: bool = True, states: Any = None) -> Any:
+        assert states == (TrialState.RUNNING,), "read every trial of the study"
+        return read(study_id, deepcopy=deepcopy, states=states)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(storage.rdb, "get_all_trials", running_only)
+        patch.setattr(study, "get_trials", None)
+        yield
+
+
+def test_the_database_answers_as_the_public_api_does(storage: StudyStorage) -> None:
+    study = optuna.create_study(storage=storage, study_name="q", direction="maximize")
+    _fill(study, storage)
+    optuna.create_study(storage=storage, study_name="empty", direction="minimize")
+    assert study_queries.supported(storage.engine)
+    with _reading_no_whole_study(study, storage):
+        fast = report.status(study, NOW, storage=storage)
+        best = report.best_trials(study, storage=storage)
+        rows = report.studies(storage)
+    slow = report.status(study, NOW)
+    assert fast == slow
+    assert fast["best"]["number"] == 1  # 0.9, the first of two
+    assert fast["trials"] == {"complete": 4, "pruned": 4, "fail": 3, "running": 1, "waiting": 1}
+    assert fast["prunes"] == {"pruner": 2, "diverged": 1, "no reason recorded": 1}
+    assert fast["device_hours"] == round(95 / 3600, 4)
+    assert best == report.best_trials(study)
+    assert rows == report.studies(storage.rdb)
+    assert counted_trials(study.get_trials(deepcopy=False)) == 10
+
+
+def test_a_study_of_two_objectives_gets_its_pareto_front(storage: StudyStorage) -> None:
+    study = optuna.create_study(storage=storage, study_name="two", directions=["maximize"] * 2)
+    for values in ([0.9, 0.5], [0.9, 0.5], [0.8, 0.9], [0.7, 0.7], [math.inf, 0.1]):
+        study.add_trial(_trial(TrialState.COMPLETE, values))
+    with _reading_no_whole_study(study, storage):
+        fast = report.status(study, NOW, storage=storage)
+    assert fast == report.status(study, NOW)
+    assert [t["number"] for t in fast["pareto_front"]] == [0, 2, 4]
+    assert report.studies(storage) == report.studies(storage.rdb)
+
+
+def test_a_schema_hpo_does_not_know_gets_the_public_api(storage: StudyStorage) -> None:
+    study = optuna.create_study(storage=storage, study_name="q", direction="maximize")
+    _fill(study, storage)
+    with storage.engine.begin() as conn:
+        conn.execute(sa.text("UPDATE version_info SET schema_version = 999"))
+    assert not study_queries.supported(storage.engine)
+    assert report.status(study, NOW, storage=storage) == report.status(study, NOW)
+
+
+def test_the_schema_version_the_queries_know_is_the_installed_optunas() -> None:
+    from optuna.storages._rdb import models  # the guard: a new schema must be checked first
+
+    assert models.SCHEMA_VERSION in study_queries.KNOWN_SCHEMA_VERSIONS
+
+
+def test_trials_read_in_bulk_are_optunas_trials(
+    storage: StudyStorage, local_time_zone: Any
+) -> None:
+    local_time_zone("Asia/Kolkata")  # Optuna hands times out in local time: so must these
+    study = optuna.create_study(storage=storage, study_name="q", direction="maximize")
+    _fill(study, storage)
+    trial = study.ask()
+    trial.suggest_int("layers", 1, 12, log=True)
+    trial.suggest_categorical("pooling", ["mean", None, 3])
+    trial.report(float("nan"), 0)
+    trial.report(float("inf"), 1)
+    study_id = storage.get_study_id_from_name("q")
+    ids = [storage.get_trial_id_from_study_id_trial_number(study_id, t.number)
+           for t in study.get_trials()]  # fmt: skip
+    bulk = [_comparable(t) for t in study_queries.trials(storage.engine, ids)]
+    assert bulk == [_comparable(storage.rdb.get_trial(i)) for i in ids]
+    # A sample to draw a large study from: the best, the latest, and some of the rest.
+    picked = study_queries.sample_ids(storage.engine, study_id, maximize=True, limit=8)
+    best_id = storage.get_trial_id_from_study_id_trial_number(study_id, 1)
+    assert best_id in picked and ids[-1] in picked and len(picked) <= 10
+    status = report.status(study, storage=storage)
+    (running,) = [r for r in status["running"] if r["number"] == 11]
+    assert 0 <= running["age_s"] < 600  # its age, not hours off by the time zone
+
+
+def _comparable(trial: optuna.trial.FrozenTrial) -> dict[str, Any]:
+    """The trial's fields, NaN written out (NaN equals nothing, itself included)."""
+    fields = dict(vars(trial))
+    fields["intermediate_values"] = {
+        step: "nan" if math.isnan(v) else v for step, v in trial.intermediate_values.items()
+    }
+    return fields

@@ -702,7 +702,7 @@ def _monitor(args: argparse.Namespace) -> int:
     except KeyError as e:
         raise HPOError(f"no study {args.study!r} in {storage_url.masked}; see `hpo studies`") from e
     if args.command == "report":
-        return _write_report(study, args.format, args.out)
+        return _write_report(study, storage, args.format, args.out)
     if args.command == "best":
         best = report.best_trials(study, storage=storage)
         if not best:
@@ -768,7 +768,7 @@ def _watch(study: Any, storage: Any, as_json: bool, interval: float) -> int:
     return 0
 
 
-def _write_report(study: Any, form: str, out: Path | None) -> int:
+def _write_report(study: Any, storage: Any, form: str, out: Path | None) -> int:
     """The report to `out` (written aside, then renamed: never half a file), or Markdown to
     standard output."""
     import tempfile
@@ -777,14 +777,15 @@ def _write_report(study: Any, form: str, out: Path | None) -> int:
     from hpo.checkpoints import study_folder_name
 
     if out is None and form == "md":
-        print(study_report.markdown(study), end="")
+        print(study_report.markdown(study, storage), end="")
         return 0
     out = out or Path(f"hpo-report-{study_folder_name(study.study_name)}.html")
     if not out.parent.is_dir() or out.is_dir():
         raise HPOError(f"--out {out}: no such folder, or a folder; name a file in a folder")
     if out.exists() and not out.is_file():  # a device, a pipe: never replaced by a file
         raise HPOError(f"--out {out}: not a regular file; name a file to write")
-    text = study_report.markdown(study) if form == "md" else study_report.html_page(study)
+    text = (study_report.markdown(study, storage) if form == "md"
+            else study_report.html_page(study, storage))  # fmt: skip
     try:
         handle, aside = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
     except OSError as e:

@@ -23,17 +23,18 @@ from storage.engine import StudyStorage
 
 
 @dataclass(frozen=True)
-class _Database:
+class Database:
     """A study whose questions the database answers."""
 
     storage: StudyStorage
     study_id: int
 
 
-def _database(study: optuna.Study, storage: object) -> _Database | None:
+def database_of(study: optuna.Study, storage: object) -> Database | None:
+    """The study's database, when hpo's storage holds it and the queries know its schema."""
     if not isinstance(storage, StudyStorage) or not study_queries.supported(storage.engine):
         return None
-    return _Database(storage, storage.get_study_id_from_name(study.study_name))
+    return Database(storage, storage.get_study_id_from_name(study.study_name))
 
 
 def studies(storage: optuna.storages.BaseStorage) -> list[dict[str, Any]]:
@@ -83,16 +84,16 @@ def best_trials(
     """The best trial, or with several objectives the trials of the Pareto front; empty when
     no trial has completed. `trials`: the study's trials, if the caller has read them;
     `storage`: hpo's, to ask the database instead."""
-    database = _database(study, storage) if trials is None else None
-    if database is not None:
-        best = _best_from_database(study, database)
+    db = database_of(study, storage) if trials is None else None
+    if db is not None:
+        best = _best_from_database(study, db)
     else:
         trials = study.get_trials(deepcopy=False) if trials is None else trials
         best = checkpoints.best_trials(trials, study.directions)
     return [_trial_summary(study, t) for t in best]
 
 
-def _best_from_database(study: optuna.Study, db: _Database) -> list[FrozenTrial]:
+def _best_from_database(study: optuna.Study, db: Database) -> list[FrozenTrial]:
     directions = study.directions
     if len(directions) == 1:
         maximize = directions[0] == StudyDirection.MAXIMIZE
@@ -119,9 +120,9 @@ def status(
     and failures and prunes grouped by reason. `storage`: hpo's, to ask the database."""
     # Optuna stores naive UTC but hands trials' times back as naive local time: so is `now`.
     now = now or dt.datetime.now()
-    database = _database(study, storage)
-    if database is not None:
-        return _status_from_database(study, database, now)
+    db = database_of(study, storage)
+    if db is not None:
+        return _status_from_database(study, db, now)
     trials = study.get_trials(deepcopy=False)
     finished = [t for t in trials if t.state.is_finished() and t.datetime_complete]
     best = best_trials(study, trials)
@@ -140,7 +141,7 @@ def status(
     }
 
 
-def _status_from_database(study: optuna.Study, db: _Database, now: dt.datetime) -> dict[str, Any]:
+def _status_from_database(study: optuna.Study, db: Database, now: dt.datetime) -> dict[str, Any]:
     engine, study_id = db.storage.engine, db.study_id
     counts = study_queries.state_counts(engine, study_id)
     running = db.storage.rdb.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,))

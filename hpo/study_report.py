@@ -10,28 +10,75 @@ import math
 import shlex
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import optuna
+from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
 from hpo import report
 from hpo.retrain import mean_std_text
+from storage import study_queries
 
 PRUNED_GREY = "#b0b0b0"
+# Past this many trials the plots and the table draw a sample: a page of 100,000 learning curves
+# would not open, and reading every trial takes a minute.
+DRAW_LIMIT = 2000
+_NUMBER = "hpo:number"  # a sampled trial's number in the study
 
 
-def markdown(study: optuna.Study) -> str:
-    """Summary, best configuration, reasons and every trial, as Markdown."""
-    status = report.status(study)  # one read of the study's trials for every section
+@dataclass(frozen=True)
+class Drawn:
+    """The study the plots and the table read: the study itself, or an in-memory study of a
+    sample of its trials (`numbers`: their numbers in the study; `total`: its size)."""
+
+    study: optuna.Study
+    numbers: list[int]
+    total: int | None = None
+
+
+def _drawn(study: optuna.Study, storage: object) -> Drawn:
+    db = report.database_of(study, storage)
+    if db is None:
+        return Drawn(study, [])
+    engine, study_id = db.storage.engine, db.study_id
+    total, _ = study_queries.size_and_start(engine, study_id)
+    if total <= DRAW_LIMIT:
+        return Drawn(study, [])
+    maximize = study.directions[0] == StudyDirection.MAXIMIZE
+    sample = study_queries.trials(
+        engine, study_queries.sample_ids(engine, study_id, maximize, DRAW_LIMIT)
+    )
+    view = optuna.create_study(study_name=study.study_name, directions=study.directions)
+    for key, value in study.user_attrs.items():
+        view.set_user_attr(key, value)
+    if study.metric_names:
+        view.set_metric_names(study.metric_names)
+    for trial in sample:
+        trial.set_user_attr(_NUMBER, trial.number)
+    view.add_trials(sample)
+    return Drawn(view, [t.number for t in sample], total)
+
+
+def _shown(trial: FrozenTrial) -> int:
+    """The trial's number in the study (a sampled trial's differs in its in-memory copy)."""
+    return int(trial.user_attrs.get(_NUMBER, trial.number))
+
+
+def markdown(study: optuna.Study, storage: object = None) -> str:
+    """Summary, best configuration, reasons and every trial (of a large study: a sample), as
+    Markdown. `storage`: hpo's, to ask the database (see hpo.report)."""
+    status = report.status(study, storage=storage)
+    drawn = _drawn(study, storage)
     lines = [f"# Study {study.study_name!r}", ""]
-    lines += [f"- {line}" for line in _summary(study, status)]
+    lines += [f"- {line}" for line in _summary(study, status, drawn)]
     lines += ["", "## Best configuration", "", *_best_block(study, status, fence="```"), ""]
     for title, rows in _reason_tables(status):
         lines += [f"## {title}", "", "| reason | trials |", "|---|---:|"]
         lines += [_md_row([reason, str(count)]) for reason, count in rows] or ["| none | 0 |"]
         lines.append("")
-    header, table = _trial_table(study)
+    header, table = _trial_table(drawn.study)
     lines += ["## Trials", "", _md_row(header)]
     lines.append("|" + "---|" * len(header))
     lines += [_md_row(row) for row in table]
@@ -45,7 +92,7 @@ def _md_row(cells: list[str]) -> str:
     return "| " + " | ".join(safe) + " |"
 
 
-def html_page(study: optuna.Study) -> str:
+def html_page(study: optuna.Study, storage: object = None) -> str:
     """The whole report, one self-contained HTML page. Optuna's notes while plotting (a trial
     left out for an infinite value, importances from few trials) stay out of the terminal: the
     page says what it could not draw."""
@@ -54,16 +101,17 @@ def html_page(study: optuna.Study) -> str:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return _html_page(study)
+            return _html_page(study, storage)
     finally:
         optuna.logging.set_verbosity(verbosity)
 
 
-def _html_page(study: optuna.Study) -> str:
+def _html_page(study: optuna.Study, storage: object) -> str:
     sections = []
     first = True
-    finished = bool(_trials(study, TrialState.COMPLETE, TrialState.PRUNED))
-    for title, build in _plots(study):
+    drawn = _drawn(study, storage)
+    finished = bool(_trials(drawn.study, TrialState.COMPLETE, TrialState.PRUNED))
+    for title, build in _plots(drawn):
         try:
             if not finished:  # Optuna's plots would draw empty axes
                 raise ValueError("no trial has finished yet")
@@ -75,14 +123,14 @@ def _html_page(study: optuna.Study) -> str:
         body = figure.to_html(full_html=False, include_plotlyjs=first, config={"responsive": True})
         first = False
         sections.append(f"<h2>{html.escape(title)}</h2><div class=plot>{body}</div>")
-    status = report.status(study)  # one read of the study's trials for every section
-    summary = "".join(f"<li>{html.escape(line)}</li>" for line in _summary(study, status))
+    status = report.status(study, storage=storage)
+    summary = "".join(f"<li>{html.escape(line)}</li>" for line in _summary(study, status, drawn))
     best = html.escape("\n".join(_best_block(study, status, fence="")))
     reasons = "".join(
         f"<h2>{html.escape(title)}</h2>" + _html_table(["reason", "trials"], rows or [("none", 0)])
         for title, rows in _reason_tables(status)
     )
-    header, rows = _trial_table(study)
+    header, rows = _trial_table(drawn.study)
     name = html.escape(study.study_name)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>hpo report: {name}</title>
@@ -108,7 +156,7 @@ pre {{ background: #f4f4f4; padding: 0.8em; overflow-x: auto; }}
 # -- what the page says ------------------------------------------------------------------------
 
 
-def _summary(study: optuna.Study, status: dict[str, Any]) -> list[str]:
+def _summary(study: optuna.Study, status: dict[str, Any], drawn: Drawn) -> list[str]:
     states = ", ".join(f"{n} {s}" for s, n in sorted(status["trials"].items())) or "no trials"
     metrics = ", ".join(_metric_names(study))
     directions = ", ".join(d.name.lower() for d in study.directions)
@@ -123,6 +171,10 @@ def _summary(study: optuna.Study, status: dict[str, Any]) -> list[str]:
     for trial in status["pareto_front"] or []:
         values = ", ".join(f"{v:.4f}" for v in trial["values"])
         lines.append(f"Pareto front: trial #{trial['number']}, {values}")
+    if drawn.total is not None:
+        lines.append(f"plots and the trial table show {len(drawn.numbers)} of the study's "
+                     f"{drawn.total} trials: the best, the latest and an even spread of the rest; "
+                     "the counts above are of every trial")  # fmt: skip
     return lines
 
 
@@ -190,7 +242,7 @@ def _trial_table(study: optuna.Study) -> tuple[list[str], list[list[str]]]:
         values = trial.values or [None] * len(study.directions)
         rows.append(
             [
-                str(trial.number),
+                str(_shown(trial)),
                 trial.state.name.lower(),
                 *(_number(v) for v in values),
                 *(_number(trial.params.get(n)) for n in names),
@@ -224,9 +276,10 @@ def _metric_names(study: optuna.Study) -> list[str]:
 # -- the plots ---------------------------------------------------------------------------------
 
 
-def _plots(study: optuna.Study) -> list[tuple[str, Callable[[], Any]]]:
+def _plots(drawn: Drawn) -> list[tuple[str, Callable[[], Any]]]:
     import optuna.visualization as vis
 
+    study = drawn.study
     names = _metric_names(study)
     if len(study.directions) > 1:
         return [
@@ -236,7 +289,7 @@ def _plots(study: optuna.Study) -> list[tuple[str, Callable[[], Any]]]:
         ]
     return [
         ("Optimization history",
-         lambda: vis.plot_optimization_history(study, target_name=names[0])),
+         lambda: _renumbered(vis.plot_optimization_history(study, target_name=names[0]), drawn)),
         ("Learning rate against effective batch size", lambda: _lr_batch(study)),
         ("Parameter importances", lambda: vis.plot_param_importances(study, target_name=names[0])),
         ("Learning curves (pruned in grey)", lambda: _curves(study)),
@@ -244,6 +297,16 @@ def _plots(study: optuna.Study) -> list[tuple[str, Callable[[], Any]]]:
          lambda: vis.plot_parallel_coordinate(study, target_name=names[0])),
         ("Throughput and peak memory by physical batch size", lambda: _throughput(study)),
     ]  # fmt: skip
+
+
+def _renumbered(figure: Any, drawn: Drawn) -> Any:
+    """A plot of a sample, its x axis (trial numbers of the in-memory copy) back to the
+    study's trial numbers."""
+    if drawn.total is not None:
+        for trace in figure.data:
+            if trace.x is not None:
+                trace.x = [drawn.numbers[int(x)] for x in trace.x]
+    return figure
 
 
 def _trials(study: optuna.Study, *states: TrialState) -> list[FrozenTrial]:
@@ -271,7 +334,7 @@ def _lr_batch(study: optuna.Study) -> Any:
             mode="markers", name="complete",
             marker={"size": 11, "color": [t.values[0] for t in complete], "colorscale": "Viridis",
                     "showscale": True, "colorbar": {"title": _metric_names(study)[0]}},
-            text=[f"#{t.number}: {t.values[0]:.4f}" for t in complete],
+            text=[f"#{_shown(t)}: {t.values[0]:.4f}" for t in complete],
         )
     )  # fmt: skip
     figure.add_trace(
@@ -280,7 +343,7 @@ def _lr_batch(study: optuna.Study) -> Any:
             y=[t.params["learning_rate"] for t in pruned],
             mode="markers", name="pruned",
             marker={"size": 9, "color": PRUNED_GREY, "symbol": "x"},
-            text=[f"#{t.number}: pruned" for t in pruned],
+            text=[f"#{_shown(t)}: pruned" for t in pruned],
         )
     )  # fmt: skip
     figure.update_xaxes(title="effective batch size", type="log")
@@ -302,7 +365,7 @@ def _curves(study: optuna.Study) -> Any:
         figure.add_trace(
             go.Scatter(
                 x=steps, y=[trial.intermediate_values[s] for s in steps], mode="lines+markers",
-                name=f"#{trial.number}" + (" (pruned)" if pruned else ""),
+                name=f"#{_shown(trial)}" + (" (pruned)" if pruned else ""),
                 line={"color": PRUNED_GREY} if pruned else None,
             )
         )  # fmt: skip
@@ -323,7 +386,7 @@ def _throughput(study: optuna.Study) -> Any:
         raise ValueError("no trial has recorded its throughput yet")
     figure = make_subplots(rows=1, cols=2, subplot_titles=("samples/s", "peak memory (GiB)"))
     batch = [t.user_attrs["physical_batch_size"] for t in trials]
-    labels = [f"#{t.number}" for t in trials]
+    labels = [f"#{_shown(t)}" for t in trials]
     figure.add_trace(
         go.Scatter(x=batch, y=[t.user_attrs["samples_per_s"] for t in trials], mode="markers",
                    text=labels, name="samples/s"), row=1, col=1,

@@ -11,6 +11,7 @@ import stat
 from pathlib import Path
 
 import optuna
+import pytest
 from optuna.trial import TrialState
 
 from hpo import study_report
@@ -167,3 +168,33 @@ def test_markdown_cells_with_a_bar_or_a_line_break_keep_the_table_whole(tmp_path
     assert "mean\\|max" in row and row.count(" | ") == text.split("## Trials")[1].splitlines()[
         2
     ].count(" | ")
+
+
+def test_a_large_study_is_drawn_from_a_sample_read_from_the_database(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from storage import open_storage
+    from storage.url import StorageURL
+
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    study = finished_study(url)
+    for i in range(50):
+        study.add_trial(optuna.create_trial(
+            value=0.5 + i / 1000, params={"learning_rate": 1e-3, "effective_batch_size": 32},
+            distributions=study.trials[0].distributions, intermediate_values={0: 0.4},
+            user_attrs={"samples_per_s": 10.0, "physical_batch_size": 8}))  # fmt: skip
+    monkeypatch.setattr(study_report, "DRAW_LIMIT", 20)
+    storage = open_storage(StorageURL(url, "test"))
+    view = study_report._drawn(study, storage)
+    assert view.total == 60 and 20 <= len(view.numbers) <= 25
+    best = study.best_trial.number
+    assert best in view.numbers and 59 in view.numbers  # the best and the latest
+    history = dict(study_report._plots(view))["Optimization history"]()
+    assert max(history.data[0].x) == 59  # the study's trial numbers, not the copy's
+    text = study_report.markdown(study, storage)
+    assert f"show {len(view.numbers)} of the study's 60 trials" in text
+    assert "- trials: 57 complete, 1 fail, 2 pruned" in text  # counts of every trial
+    rows = [line for line in text.split("## Trials")[1].splitlines() if line.startswith("| ")]
+    assert len(rows) == len(view.numbers) + 1 and any(r.startswith(f"| {best} |") for r in rows)
+    page = study_report.html_page(study, storage)
+    assert page.count("class=plot>") == len(PLOTS)

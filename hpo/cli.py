@@ -440,9 +440,9 @@ def _retrain(args: argparse.Namespace) -> int:
     out = args.out if args.out is not None else retrain.default_out(args.study)
     inputs = None
     with contextlib.suppress(Interrupted):
-        if not args.as_worker:
-            retrain.check_out(out, args.study)
         inputs = _check_inputs(args)
+        if not args.as_worker:  # before any training: a bad --out is found in seconds
+            retrain.check_out(out, args.study, inputs[1].masked)
     stop.interrupt_at_once, stop.doing = False, StopRequest.RUNNING
     if inputs is None or stop.requested:
         print(f"hpo: stopped by {stop.signal_name} before the first trial", file=sys.stderr)
@@ -453,7 +453,7 @@ def _retrain(args: argparse.Namespace) -> int:
         source = optuna.load_study(study_name=args.study, storage=storage)
     except KeyError as e:
         raise HPOError(f"no study {args.study!r} in {storage_url.masked}; see `hpo studies`") from e
-    plan = retrain.make_plan(source, config, args.top, args.seeds)
+    plan = retrain.make_plan(source, config, args.top, args.seeds, args.config is not None)
     plan = retrain.stored_plan(storage, plan.study_name) or plan  # a resumed retrain
     retrain_config = retrain.study_config(config, plan)
     print(f"hpo: retraining {len(plan.configs)} configurations of study {args.study!r} with "
@@ -494,7 +494,8 @@ def _retrain(args: argparse.Namespace) -> int:
             return 1
         model_trial = full_data_trial
     metric = config.study.primary_metric
-    card = retrain.model_card(plan, found, winner, chosen, config, metric, full_data_trial)
+    card = retrain.model_card(plan, found, winner, chosen, config, metric, full_data_trial,
+                              storage_url.masked)  # fmt: skip
     retrain.save_final_model(retrain.model_folder(model_study, model_trial), out, card)
     source.set_user_attr(retrain.OUTCOME_ATTR, retrain.outcome(card, out))
     print(retrain.summary(card, out))
@@ -753,6 +754,7 @@ def _watch(study: Any, storage: Any, as_json: bool, interval: float) -> int:
 
     terminal = sys.stdout.isatty()
     ended_polls = 0
+    stalled_since = None
     while ended_polls < 2:
         summary = report.status(study, storage=storage)
         text = (
@@ -762,6 +764,13 @@ def _watch(study: Any, storage: Any, as_json: bool, interval: float) -> int:
         clear = "\x1b[H\x1b[2J" if terminal else ""
         print(f"{clear}{text}" if as_json else f"{clear}[{stamp}] {text}", flush=True)
         ended_polls = ended_polls + 1 if report.ended(summary) else 0
+        stalled_since = (stalled_since or time.monotonic()) if report.stalled(summary) else None
+        # No live worker for longer than a worker takes between two trials: nothing will move.
+        patience = max(3 * interval, summary.get("grace_period_s") or 60)
+        if stalled_since is not None and time.monotonic() - stalled_since >= patience:
+            print(f"hpo: study {study.study_name!r} has stopped moving: no trial runs with a live "
+                  "worker; start a worker (hpo run) to go on", file=sys.stderr)  # fmt: skip
+            return 1
         if ended_polls < 2:
             time.sleep(interval)
     print(f"hpo: study {study.study_name!r} has ended", file=sys.stderr)
@@ -819,12 +828,15 @@ def _studies_table(rows: list[dict]) -> str:
 
 def _retrain_text(retrained: dict) -> str:
     """`hpo best` after `hpo retrain`: the configuration that won on the mean over seeds."""
-    from hpo.retrain import mean_std_text
+    from hpo.retrain import mean_std_text, seeds_text
 
     params = ", ".join(f"{k}={_short(v)}" for k, v in retrained["params"].items())
     full = ", trained on both splits" if retrained.get("full_data") else ""
+    if not Path(retrained["model"]).is_dir():
+        full += " (not there any more: moved or removed; hpo retrain again writes it)"
+    seeds, study = seeds_text(retrained["seeds"]), retrained["study"]
     return (
-        f"retrain winner (mean over {retrained['seeds']} seeds, study {retrained['study']!r}): "
+        f"retrain winner (mean over {seeds}, study {study!r}): "
         f"{retrained['metric']} {mean_std_text(retrained['mean'], retrained['std'])} ({params}), "
         f"search trial #{retrained['search_trial']}\nfinal model: {retrained['model']}{full}"
     )

@@ -18,7 +18,7 @@ from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
 from hpo import checkpoints
-from storage import study_queries
+from storage import heartbeats, study_queries
 from storage.engine import StudyStorage
 
 
@@ -130,9 +130,12 @@ def status(
     return {
         "study": study.study_name,
         "trials": dict(Counter(t.state.name.lower() for t in trials)),
-        "running": [_running(t, now) for t in trials if t.state == TrialState.RUNNING],
+        "running": [
+            {**_running(t, now), "silent_s": None} for t in trials if t.state == TrialState.RUNNING
+        ],
         "best": best[0] if best and not several else None,
         "pareto_front": best if several else None,
+        "grace_period_s": study.user_attrs.get("grace_period_s"),
         "device_hours": round(sum(_seconds(t.user_attrs.get("wall_s")) for t in trials) / 3600, 4),
         "trials_per_hour": _trials_per_hour(finished),
         "failures": _reasons(trials, TrialState.FAIL, "fail_reason"),
@@ -145,6 +148,7 @@ def _status_from_database(study: optuna.Study, db: Database, now: dt.datetime) -
     engine, study_id = db.storage.engine, db.study_id
     counts = study_queries.state_counts(engine, study_id)
     running = db.storage.rdb.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,))
+    silent = heartbeats.silences(engine, study_id)
     best = best_trials(study, storage=db.storage)
     several = len(study.directions) > 1
     finished, first, last = study_queries.finished_span(engine, study_id)
@@ -152,15 +156,38 @@ def _status_from_database(study: optuna.Study, db: Database, now: dt.datetime) -
     return {
         "study": study.study_name,
         "trials": {state.name.lower(): n for state, n in sorted(counts.items()) if n},
-        "running": [_running(t, now) for t in sorted(running, key=lambda t: t.number)],
+        "running": [
+            {**_running(t, now), "silent_s": silent.get(t.number)}
+            for t in sorted(running, key=lambda t: t.number)
+        ],
         "best": best[0] if best and not several else None,
         "pareto_front": best if several else None,
+        "grace_period_s": study.user_attrs.get("grace_period_s"),
         "device_hours": round(study_queries.user_attr_sum(engine, study_id, "wall_s") / 3600, 4),
         "trials_per_hour": round(finished / hours, 2) if hours > 0 else None,
         "failures": study_queries.reasons(engine, study_id, TrialState.FAIL, "fail_reason"),
         "prunes": study_queries.reasons(engine, study_id, TrialState.PRUNED, "prune_reason"),
         "budget": study.user_attrs.get("n_trials"),
     }
+
+
+def stale(report: dict[str, Any]) -> list[int]:
+    """Running trials silent past the study's grace period: their worker died or hangs, and
+    they wait for a live worker to take them over."""
+    grace = report.get("grace_period_s")
+    return [
+        run["number"]
+        for run in report["running"]
+        if grace is not None and run.get("silent_s") is not None and run["silent_s"] > grace
+    ]
+
+
+def stalled(report: dict[str, Any]) -> bool:
+    """Trials run or wait, but none runs with a live worker: nothing moves until a worker
+    starts (a watcher asks more than once, as between two trials of a worker nothing runs)."""
+    states = report["trials"]
+    unfinished = states.get("running", 0) + states.get("waiting", 0)
+    return unfinished > 0 and len(stale(report)) == states.get("running", 0)
 
 
 def ended(report: dict[str, Any]) -> bool:
@@ -176,8 +203,13 @@ def ended(report: dict[str, Any]) -> bool:
 def status_lines(report: dict[str, Any]) -> list[str]:
     states = ", ".join(f"{n} {s}" for s, n in sorted(report["trials"].items())) or "no trials"
     lines = [f"study {report['study']!r}: {states}"]
+    stale_trials = stale(report)
     for run in report["running"]:
-        lines.append(f"  running #{run['number']} on {run['worker']} for {run['age_s']:.0f} s")
+        line = f"  running #{run['number']} on {run['worker']} for {run['age_s']:.0f} s"
+        if run["number"] in stale_trials:
+            line += (f", silent for {run['silent_s']:.0f} s: its worker is gone or hangs; the "
+                     "next worker to start a trial takes it over")  # fmt: skip
+        lines.append(line)
     best = report["best"]
     if best is not None:
         lines.append(f"best #{best['number']}: {best['value']:.4f} {best['params']}")

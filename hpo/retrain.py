@@ -13,12 +13,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import datetime as dt
+import glob
 import hashlib
 import json
 import logging
 import os
 import platform
 import shutil
+import socket
 import statistics
 import tempfile
 from dataclasses import dataclass
@@ -41,6 +43,7 @@ PLAN_ATTR = "retrain_plan"  # on the retrain study: what it trains
 OUTCOME_ATTR = "retrain"  # on the searched study: the latest retrain's winner
 CARD_JSON = "hpo_model_card.json"
 CARD_MD = "README.md"
+ASIDE_MARKER = ".hpo-writing"  # in a final model being written aside: who writes it
 MAX_TOP = 100
 MAX_SEEDS = 100
 _SEED_LIMIT = 2**32  # numpy's RandomState takes seeds below this
@@ -105,7 +108,9 @@ def retrain_study_name(source: str, top: int, seeds: int, tag: str) -> str:
     return source[: 512 - len(suffix)] + suffix
 
 
-def make_plan(source: optuna.Study, config: Config, top: int, seeds: int) -> RetrainPlan:
+def make_plan(
+    source: optuna.Study, config: Config, top: int, seeds: int, config_given: bool = True
+) -> RetrainPlan:
     """The `top` best complete configurations of the search (distinct parameters; with several
     objectives, ranked by the first), each to train with `seeds` seeds not used by the search."""
     searched = source.user_attrs.get("retrain_of")
@@ -114,8 +119,9 @@ def make_plan(source: optuna.Study, config: Config, top: int, seeds: int) -> Ret
                        "that one to --study")  # fmt: skip
     recorded = source.user_attrs.get("search_space")
     if recorded is not None and recorded != space_record(config.search_space):
-        raise HPOError(f"--config: its search space is not the one study {source.study_name!r} "
-                       "was created with; pass the config the study ran with")  # fmt: skip
+        which = "its search space" if config_given else "no --config given, and the demo's"
+        raise HPOError(f"--config: {which} is not the one study {source.study_name!r} was "
+                       "created with; pass the config the study ran with")  # fmt: skip
     if "seed" in config.search_space:
         raise HPOError("search_space tunes training.seed, but retrain varies the seed to measure "
                        "its effect: remove seed from the search space")  # fmt: skip
@@ -281,34 +287,77 @@ def best_run(result: ConfigResult, direction: StudyDirection) -> dict[str, Any]:
     return min(result.runs, key=lambda r: (-sign * r["value"], r["trial"]))
 
 
-def check_out(out: Path, source: str) -> None:
+def check_out(out: Path, source: str, storage: str) -> None:
     """--out, before any training: a folder to create, an empty one, or the final model hpo
-    wrote there before for the same study (replaced whole)."""
+    wrote there before for the same study of the same database (replaced whole); and a place
+    this process can write in."""
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise HPOError(f"--out {out}: exists and is not a final model hpo wrote; name a new "
                        "folder")  # fmt: skip
     if out.is_dir() and any(out.iterdir()):
-        card = _card_study(out)
+        card = _card_owner(out)
         if card is None:
             raise HPOError(f"--out {out}: exists and is not a final model hpo wrote; name a new "
                            "folder")  # fmt: skip
-        if card != source:
-            raise HPOError(f"--out {out}: holds the final model of study {card!r}, not "
-                           f"{source!r}; name another folder")  # fmt: skip
+        if card != (source, storage) and card != (source, None):
+            raise HPOError(f"--out {out}: holds the final model of study {card[0]!r} of "
+                           f"{card[1] or 'another database'}, not of study {source!r} of "
+                           f"{storage}; name another folder")  # fmt: skip
     parent = out.parent
     if not parent.is_dir():
-        raise HPOError(f"--out {out}: its parent folder does not exist; create it first")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise HPOError(f"--out {out}: cannot write in {parent}; name a folder you can write in")
+        what = "is not a folder" if parent.exists() else "does not exist; create it first"
+        raise HPOError(f"--out {out}: its parent {parent} {what}")
+    _probe_writable(out)
 
 
-def _card_study(out: Path) -> str | None:
-    """The study named by the model card in `out`, if it holds one hpo wrote."""
+def _probe_writable(out: Path) -> None:
+    """Write where saving will write (permissions say nothing to root; an immutable folder
+    refuses root too): a folder beside `out`, and a file inside `out` if it exists."""
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.probe."))
+        if out.is_dir():
+            probe = out / f".hpo-probe-{os.getpid()}"
+            probe.touch()
+            probe.unlink()
+    except OSError as e:
+        raise HPOError(
+            f"--out {out}: cannot write there ({e.strerror or e}); name a folder you can write in"
+        ) from e
+
+
+def _card_owner(out: Path) -> tuple[str, str | None] | None:
+    """(study, database) of the model card in `out`, if it holds one hpo wrote."""
     try:
         card = json.loads((out / CARD_JSON).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return card.get("study") if isinstance(card, dict) else None
+    if not isinstance(card, dict) or not isinstance(card.get("study"), str):
+        return None
+    return card["study"], card.get("storage")
+
+
+def _remove_abandoned(out: Path) -> None:
+    """Folders a killed save left beside `out` (each names its writer; only this host's dead
+    writers' are removed)."""
+    for folder in out.parent.glob(f".{glob.escape(out.name)}.*.tmp"):
+        try:
+            writer = json.loads((folder / ASIDE_MARKER).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if writer.get("host") == socket.gethostname() and not _alive(int(writer.get("pid", 0))):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def save_final_model(model_dir: Path, out: Path, card: dict[str, Any]) -> None:
@@ -317,10 +366,13 @@ def save_final_model(model_dir: Path, out: Path, card: dict[str, Any]) -> None:
     if not (model_dir / "config.json").is_file():
         raise HPOError(f"the winning run's model {model_dir} is missing (removed, or on another "
                        "host's disk); run hpo retrain on the host that trained it")  # fmt: skip
-    check_out(out, str(card.get("study")))
+    check_out(out, str(card.get("study")), str(card.get("storage")))
+    _remove_abandoned(out)
     aside, old = None, None
     try:
         aside = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+        writer = {"host": socket.gethostname(), "pid": os.getpid()}
+        (aside / ASIDE_MARKER).write_text(json.dumps(writer), encoding="utf-8")
         shutil.copytree(model_dir, aside, dirs_exist_ok=True)
         (aside / CARD_JSON).write_text(json.dumps(card, indent=2, default=str) + "\n",
                                        encoding="utf-8")  # fmt: skip
@@ -328,6 +380,9 @@ def save_final_model(model_dir: Path, out: Path, card: dict[str, Any]) -> None:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(aside, 0o777 & ~umask)  # as any new folder, not mkdtemp's owner-only mode
+        for path in aside.rglob("*"):  # and files as any new file (checkpoints are private)
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
+        (aside / ASIDE_MARKER).unlink()
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             os.replace(out, old)
@@ -352,11 +407,14 @@ def model_card(
     config: Config,
     metric: str,
     full_data_trial: int | None,
+    storage: str,
 ) -> dict[str, Any]:
-    """Everything needed to trust and reproduce the final model."""
+    """Everything needed to trust and reproduce the final model (`storage`: the study's
+    database, its URL with the password masked)."""
     return {
         "model": "AutoModelForSequenceClassification.from_pretrained(<this folder>)",
         "study": plan.source,
+        "storage": storage,
         "retrain_study": plan.study_name,
         "metric": metric,
         "winner": {
@@ -425,8 +483,8 @@ def card_markdown(card: dict[str, Any]) -> str:
         f"{card['created']}. Load it with `{card['model']}`.",
         "",
         f"**{metric}: {mean_std_text(winner['mean'], winner['std'])}** (mean ± standard deviation "
-        f"over {winner['seeds']} seeds), configuration ranked {winner['rank_in_search']} in the "
-        f"search (trial {winner['search_trial']}).",
+        f"over {seeds_text(winner['seeds'])}), configuration ranked "
+        f"{winner['rank_in_search']} in the search (trial {winner['search_trial']}).",
         "",
     ]
     saved = card["saved_run"]
@@ -491,6 +549,10 @@ def summary(card: dict[str, Any], out: Path) -> str:
         lines.append(f"the final model: {card['full_data_note']}")
     lines.append(f"final model: {out} (with README.md, its model card)")
     return "\n".join(lines)
+
+
+def seeds_text(count: int) -> str:
+    return f"{count} seed" if count == 1 else f"{count} seeds"
 
 
 def mean_std_text(mean: float, std: float | None) -> str:

@@ -154,6 +154,8 @@ def open_study(storage: StudyStorage, name: str, config: Config) -> optuna.Study
         _check_study_settings(storage, study_id, name, config)
         # The budget of the latest worker to join, for `hpo status --watch` to know the end.
         storage.set_study_user_attr(study_id, "n_trials", config.study.n_trials)
+        # When a running trial's silence means its worker is gone, for `hpo status`.
+        storage.set_study_user_attr(study_id, "grace_period_s", liveness(config.study)[1])
         worker_index = int(storage.get_study_system_attrs(study_id).get(WORKERS_ATTR, 0))
         storage.set_study_system_attr(study_id, WORKERS_ATTR, worker_index + 1)
     pruner = build_pruner(config.study.pruner)

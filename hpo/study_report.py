@@ -18,7 +18,7 @@ from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
 from hpo import report
-from hpo.retrain import mean_std_text
+from hpo.retrain import mean_std_text, seeds_text
 from storage import study_queries
 
 PRUNED_GREY = "#b0b0b0"
@@ -182,7 +182,10 @@ def _best_block(study: optuna.Study, status: dict[str, Any], fence: str) -> list
     best = [status["best"]] if status["best"] is not None else status["pareto_front"] or []
     if not best:
         return ["no completed trial yet"]
-    params = best[0]["params"]
+    params = dict(best[0]["params"])
+    searched = study.user_attrs.get("retrain_of")
+    # A retrain run's seed is a parameter of its study only: elsewhere it is training.seed.
+    seed = params.pop("seed", None) if searched is not None else None
     text = json.dumps(params, sort_keys=True)
     lines = [f"trial #{best[0]['number']}: {text}"]
     model = best[0]["user_attrs"].get("best_model")
@@ -194,6 +197,7 @@ def _best_block(study: optuna.Study, status: dict[str, Any], fence: str) -> list
         *([fence] if fence else []),
         "study:",
         f"  enqueue: [{text}]",
+        *(["training:", f"  seed: {seed}"] if seed is not None else []),
         *([fence, ""] if fence else [""]),
         *([fence] if fence else []),
         f"hpo run --study {shlex.quote(study.study_name + '-again')} --config YOUR_CONFIG.yaml "
@@ -201,7 +205,6 @@ def _best_block(study: optuna.Study, status: dict[str, Any], fence: str) -> list
         *([fence] if fence else []),
         "",
     ]
-    searched = study.user_attrs.get("retrain_of")
     if searched is not None:  # a retrain study: its winner is in the searched study's report
         lines.append(f"This study holds the retrain runs of study {searched!r}; `hpo best --study "
                      f"{shlex.quote(str(searched))}` names the winner on the mean.")  # fmt: skip
@@ -216,13 +219,13 @@ def _best_block(study: optuna.Study, status: dict[str, Any], fence: str) -> list
     ]
     retrained = study.user_attrs.get("retrain")
     if retrained:
-        params = json.dumps(retrained["params"], sort_keys=True)
+        winner = json.dumps(retrained["params"], sort_keys=True)
         lines += [
             "",
             f"Retrain winner ({retrained['study']}): {retrained['metric']} "
             f"{mean_std_text(retrained['mean'], retrained['std'])} "
-            f"over {retrained['seeds']} seeds, "
-            f"{params}; final model: {retrained['model']}",
+            f"over {seeds_text(retrained['seeds'])}, "
+            f"{winner}; final model: {retrained['model']}",
         ]
     return lines
 

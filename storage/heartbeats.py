@@ -112,6 +112,17 @@ class Heartbeats:
         return sa.and_(heartbeats.c.study_id == self.study_id, heartbeats.c.number == number)
 
 
+def silences(engine: Engine, study_id: int) -> dict[int, float]:
+    """Seconds since each beating trial's last beat (trial number -> seconds), read only: an
+    empty answer where no worker has created hpo's table yet."""
+    if not sa.inspect(engine).has_table(heartbeats.name):
+        return {}
+    query = sa.select(heartbeats.c.number, heartbeats.c.beat_at, sa.func.current_timestamp())
+    with engine.connect() as conn:
+        rows = conn.execute(query.where(heartbeats.c.study_id == study_id)).all()
+    return {number: (_utc(now) - _utc(beat_at)).total_seconds() for number, beat_at, now in rows}
+
+
 class HeartbeatThread:
     """Beats for one trial every `interval_s` while the trial runs; `lost` is set when the
     trial was taken over by another worker. A database outage only delays beats."""

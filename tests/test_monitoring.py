@@ -191,3 +191,24 @@ def test_status_watch_refreshes_until_the_running_trial_ends(tmp_path: Path) -> 
     bad = run_hpo("status", "--study", "w", "--storage", url, "--watch", "--interval", "0",
                   cwd=tmp_path)  # fmt: skip
     assert bad.returncode == 2 and "give seconds from 0.1 to 3600" in bad.stderr
+
+
+def test_status_watch_ends_when_only_a_dead_workers_trial_is_left(tmp_path: Path) -> None:
+    import sqlalchemy as sa
+
+    from storage.heartbeats import Heartbeats
+
+    url = f"sqlite:///{tmp_path / 'watch.db'}"
+    study = optuna.create_study(study_name="w", storage=url, direction="maximize")
+    study.set_user_attr("grace_period_s", 1)
+    orphan = study.ask()  # its worker was SIGKILLed: its beats stopped
+    engine = sa.create_engine(url)
+    Heartbeats(engine, study._study_id).start(orphan.number, "host:4242")
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE hpo_heartbeats SET beat_at = '2000-01-01'"))
+    engine.dispose()
+    done = run_hpo("status", "--study", "w", "--storage", url, "--watch", "--interval", "0.2",
+                   cwd=tmp_path, timeout=60)  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "silent for" in done.stdout and "its worker is gone or hangs" in done.stdout
+    assert "has stopped moving: no trial runs with a live worker" in done.stderr

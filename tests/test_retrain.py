@@ -4,7 +4,11 @@ and end to end through the CLI (search, retrain stopped and resumed, full data, 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
+import socket
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -193,15 +197,19 @@ def _model_folder(path: Path) -> Path:
 
 def test_the_final_model_is_written_whole_or_not_at_all(tmp_path: Path) -> None:
     model = _model_folder(tmp_path / "best-model")
-    card: dict[str, Any] = {"study": "s", "metric": "accuracy"}
+    (model / "model.safetensors").chmod(0o600)  # as checkpoints are written
+    db = "sqlite:////data/a.db"
+    card: dict[str, Any] = {"study": "s", "metric": "accuracy", "storage": db}
     out = tmp_path / "final"
     stranger = tmp_path / "mine"
     stranger.mkdir()
     (stranger / "notes.txt").write_text("the user's")
     with pytest.raises(HPOError, match="not a final model hpo wrote"):
-        retrain.check_out(stranger, "s")
-    with pytest.raises(HPOError, match="parent folder does not exist"):
-        retrain.check_out(tmp_path / "no" / "final", "s")
+        retrain.check_out(stranger, "s", db)
+    with pytest.raises(HPOError, match="parent .* does not exist"):
+        retrain.check_out(tmp_path / "no" / "final", "s", db)
+    with pytest.raises(HPOError, match="is not a folder"):
+        retrain.check_out(stranger / "notes.txt" / "final", "s", db)
     with pytest.raises(HPOError, match="missing"):
         retrain.save_final_model(tmp_path / "gone", out, card)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best-model", "mine"]  # nothing left
@@ -209,20 +217,40 @@ def test_the_final_model_is_written_whole_or_not_at_all(tmp_path: Path) -> None:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(retrain, "card_markdown", lambda card: "# card\n")
         retrain.save_final_model(model, out, card)
-        retrain.check_out(out, "s")  # hpo's own: a later retrain may replace it
-        with pytest.raises(HPOError, match="holds the final model of study 's', not 'other'"):
-            retrain.check_out(out, "other")  # another study's final model is never replaced
+        retrain.check_out(out, "s", db)  # hpo's own: a later retrain may replace it
+        with pytest.raises(HPOError, match="holds the final model of study 's' of sqlite"):
+            retrain.check_out(out, "other", db)  # another study's final model is never replaced
+        with pytest.raises(HPOError, match="holds the final model of study 's'"):
+            retrain.check_out(out, "s", "sqlite:////data/b.db")  # nor another database's
+        # A save killed midway left a folder aside; the next save removes it (its writer is
+        # dead), not one that another live process is writing.
+        dead, live = (tmp_path / f".final.{tag}.tmp" for tag in ("dead", "live"))
+        for folder, pid in ((dead, 2**22 + 1), (live, os.getpid())):
+            folder.mkdir()
+            writer = {"host": socket.gethostname(), "pid": pid}
+            (folder / retrain.ASIDE_MARKER).write_text(json.dumps(writer))
         (model / "model.safetensors").write_bytes(b"better weights")
         retrain.save_final_model(model, out, card)
+        assert not dead.exists() and live.is_dir()
+        shutil.rmtree(live)
         # A parent folder it cannot write in: one line, nothing left behind.
         patch.setattr(retrain.tempfile, "mkdtemp", _refused)
-        with pytest.raises(HPOError, match="cannot write the final model"):
+        with pytest.raises(HPOError, match="cannot write"):
             retrain.save_final_model(model, tmp_path / "empty", card)
     assert (out / "model.safetensors").read_bytes() == b"better weights"
+    assert (out / "model.safetensors").stat().st_mode & 0o044 == 0o044  # readable as any file
+    assert not (out / retrain.ASIDE_MARKER).exists()
     assert json.loads((out / retrain.CARD_JSON).read_text(encoding="utf-8"))["study"] == "s"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best-model", "final", "mine"]
     (tmp_path / "empty").mkdir()
-    retrain.check_out(tmp_path / "empty", "s")  # an empty folder is a fine place for it
+    retrain.check_out(tmp_path / "empty", "s", db)  # an empty folder is a fine place for it
+    made = subprocess.run(["chattr", "+i", str(tmp_path / "empty")], capture_output=True)
+    if made.returncode == 0:  # an immutable folder (root writes through permissions)
+        try:
+            with pytest.raises(HPOError, match="cannot write there"):
+                retrain.check_out(tmp_path / "empty", "s", db)
+        finally:
+            subprocess.run(["chattr", "-i", str(tmp_path / "empty")], check=True)
 
 
 def _refused(*args: Any, **kwargs: Any) -> str:

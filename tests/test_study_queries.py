@@ -172,3 +172,26 @@ def _comparable(trial: optuna.trial.FrozenTrial) -> dict[str, Any]:
         step: "nan" if math.isnan(v) else v for step, v in trial.intermediate_values.items()
     }
     return fields
+
+
+def test_a_running_trial_whose_worker_went_silent_is_shown_and_the_study_stalled(
+    storage: StudyStorage,
+) -> None:
+    from storage.heartbeats import Heartbeats
+
+    study = optuna.create_study(storage=storage, study_name="q", direction="maximize")
+    study.set_user_attr("grace_period_s", 90)
+    alive, dead = study.ask(), study.ask()
+    beats = Heartbeats(storage.engine, storage.get_study_id_from_name("q"))
+    beats.start(alive.number, "host:1")
+    beats.start(dead.number, "host:2")
+    with storage.engine.begin() as conn:
+        conn.execute(sa.text("UPDATE hpo_heartbeats SET beat_at = '2000-01-01' WHERE number = 1"))
+    summary = report.status(study, storage=storage)
+    assert report.stale(summary) == [dead.number] and not report.stalled(summary)
+    lines = "\n".join(report.status_lines(summary))
+    assert f"running #{dead.number} on unknown for" in lines and "silent for" in lines
+    assert lines.count("silent for") == 1
+    study.tell(alive, 0.5)  # the live worker ended its trial; the dead one's trial is all left
+    summary = report.status(study, storage=storage)
+    assert report.stalled(summary) and not report.ended(summary)

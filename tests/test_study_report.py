@@ -149,9 +149,16 @@ def test_the_report_names_the_retrain_winner_and_a_retrain_study_points_back(
     text = study_report.markdown(searched)
     assert "Retrain winner (s [retrain top 1 x 1 seeds, abc123]): accuracy 0.9000 (one run" in text
     assert "hpo retrain --study s" in text
-    runs = finished_study(url, name="s [retrain top 1 x 1 seeds, abc123]")
+    runs = optuna.create_study(study_name="s [retrain top 1 x 1 seeds, abc123]", storage=url,
+                               direction="maximize")  # fmt: skip
     runs.set_user_attr("retrain_of", "s")
+    runs.add_trial(optuna.create_trial(
+        value=0.9, params={"learning_rate": 0.01, "seed": 43},
+        distributions={"learning_rate": optuna.distributions.FloatDistribution(1e-5, 1e-1),
+                       "seed": optuna.distributions.CategoricalDistribution([43])}))  # fmt: skip
     text = study_report.markdown(runs)
+    # The recipe to train it again is one hpo accepts: the seed as training.seed, not a param.
+    assert 'enqueue: [{"learning_rate": 0.01}]\ntraining:\n  seed: 43' in text
     assert "hpo retrain" not in text  # a retrain of a retrain study is refused: not suggested
     assert "holds the retrain runs of study 's'; `hpo best --study s`" in text
 

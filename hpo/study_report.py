@@ -24,7 +24,7 @@ from storage import study_queries
 PRUNED_GREY = "#b0b0b0"
 # Past this many trials the plots and the table draw a sample: a page of 100,000 learning curves
 # would not open, and reading every trial takes a minute.
-DRAW_LIMIT = 2000
+DRAW_LIMIT = 1000
 _NUMBER = "hpo:number"  # a sampled trial's number in the study
 
 
@@ -50,7 +50,12 @@ def _drawn(study: optuna.Study, storage: object) -> Drawn:
     sample = study_queries.trials(
         engine, study_queries.sample_ids(engine, study_id, maximize, DRAW_LIMIT)
     )
-    view = optuna.create_study(study_name=study.study_name, directions=study.directions)
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "study created in memory" line
+    try:
+        view = optuna.create_study(study_name=study.study_name, directions=study.directions)
+    finally:
+        optuna.logging.set_verbosity(verbosity)
     for key, value in study.user_attrs.items():
         view.set_user_attr(key, value)
     if study.metric_names:

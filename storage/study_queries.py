@@ -111,19 +111,21 @@ def with_system_attr(engine: Engine, study_id: int, key: str) -> int:
 
 
 def user_attr_sum(engine: Engine, study_id: int, key: str) -> float:
-    """The sum of a numeric user attribute over the study's trials (others are skipped)."""
+    """The sum of a numeric user attribute over the study's trials (others count 0)."""
+    raw = _user_attrs.c.value_json
+    number: sa.ColumnElement[float]
+    if engine.dialect.name == "postgresql":  # a cast of text that is not a number would fail
+        number = sa.case((raw.regexp_match(r"^-?[0-9.]+([eE][-+]?[0-9]+)?$"),
+                          sa.cast(raw, sa.Float)), else_=0.0)  # fmt: skip
+    else:  # SQLite casts text that is not a number to 0
+        number = sa.cast(raw, sa.Float)
     query = (
-        sa.select(_user_attrs.c.value_json)
+        sa.select(sa.func.sum(number))
         .select_from(_user_attrs.join(_trials, _trials.c.trial_id == _user_attrs.c.trial_id))
         .where(_trials.c.study_id == study_id, _user_attrs.c.key == key)
     )
-    total = 0.0
     with engine.connect() as conn:
-        for (raw,) in conn.execute(query):
-            value = json.loads(raw)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                total += value
-    return total
+        return float(conn.execute(query).scalar() or 0.0)
 
 
 def finished_span(
@@ -142,23 +144,39 @@ def finished_span(
 
 
 def reasons(engine: Engine, study_id: int, state: TrialState, key: str) -> dict[str, int]:
-    """Trials in `state` counted by the kind of their `key` user attribute, most first."""
+    """Trials in `state` counted by the kind of their `key` user attribute (its text before the
+    first colon), most first; grouped by the database, as reasons carry numbers and differ."""
+    raw = _user_attrs.c.value_json
+    if engine.dialect.name == "postgresql":
+        kind = sa.func.split_part(raw, ":", 1)
+    else:
+        kind = sa.func.substr(raw, 1, sa.func.instr(raw + ":", ":") - 1)
     query = (
-        sa.select(_user_attrs.c.value_json, sa.func.count())
+        sa.select(kind, sa.func.count())
         .select_from(_user_attrs.join(_trials, _trials.c.trial_id == _user_attrs.c.trial_id))
         .where(
             _trials.c.study_id == study_id, _trials.c.state == state.name, _user_attrs.c.key == key
         )  # fmt: skip
-        .group_by(_user_attrs.c.value_json)
+        .group_by(kind)
     )
     kinds: Counter[str] = Counter()
     with engine.connect() as conn:
-        for raw, count in conn.execute(query):
-            kinds[str(json.loads(raw)).split(":")[0]] += count
+        for text, count in conn.execute(query):
+            kinds[_json_prefix(text)] += count
     without = state_counts(engine, study_id).get(state, 0) - sum(kinds.values())
     if without > 0:
         kinds["no reason recorded"] += without
     return dict(kinds.most_common())
+
+
+def _json_prefix(text: str) -> str:
+    """The start of a JSON value, cut at a colon, as the text it stands for."""
+    for candidate in (text, text + '"'):
+        try:
+            return str(json.loads(candidate))
+        except ValueError:
+            continue
+    return text.strip('"')
 
 
 def complete_values(engine: Engine, study_id: int, objectives: int) -> dict[int, list[float]]:

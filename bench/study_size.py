@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -126,6 +127,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    # A stop (timeout, Ctrl-C) still drops the scratch database: exit through its `finally`.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     with scratch_database(args.admin_url, "hpo_bench_size") as url, \
             tempfile.TemporaryDirectory() as work:  # fmt: skip

@@ -94,3 +94,30 @@ def test_trainer_functions_fit_on_a_screen() -> None:
                 if lines > SCREEN_LINES:
                     long.append(f"{path.name}:{node.lineno} {node.name} ({lines} lines)")
     assert not long
+
+
+def test_one_place_decides_an_auto_physical_batch() -> None:
+    """trainer/batch_finder.py's resolve_physical_batch decides between the configured size,
+    the cache and a search; nothing else searches or keys the cache itself (train() and the
+    objective both once did, and could disagree)."""
+    deciders = {"find_physical_batch_size", "batch_key", "BatchFinder"}
+    calls = []
+    for package in ("trainer", "hpo"):
+        for path in (REPO / package).glob("*.py"):
+            # `hpo batch-size` (cli.py) runs a search on request and prints it: it decides
+            # no run's batch.
+            if path.name == "batch_finder.py" or f"{package}/{path.name}" == "hpo/cli.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Call):
+                    name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                    if name in deciders:
+                        calls.append(f"{package}/{path.name}:{node.lineno} {name}")
+    assert calls == []
+    users = [
+        path.name
+        for package in ("trainer", "hpo")
+        for path in (REPO / package).glob("*.py")
+        if "resolve_physical_batch(" in path.read_text(encoding="utf-8")
+    ]
+    assert sorted(users) == ["batch_finder.py", "loop.py", "objective.py"]

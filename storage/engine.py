@@ -10,19 +10,23 @@ import contextlib
 import random
 import time
 import urllib.parse
+from collections.abc import Container
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import optuna
 import sqlalchemy
 import sqlalchemy.exc
+from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.engine import make_url
 
+from storage import study_queries
 from storage.errors import StorageError
 from storage.locks import sqlite_lock, study_lock
-from storage.optuna_internals import cached
 from storage.outage import wait_for_connections
 from storage.resilient import ResilientStorage
+from storage.trial_cache import TrialCache
 from storage.url import StorageURL, mask_text
 
 CONNECT_TIMEOUT_S = 10
@@ -64,13 +68,31 @@ def create_engine(
 
 
 class StudyStorage(ResilientStorage):
-    """The Optuna storage of hpo's studies (Optuna's trial cache, outage retries) with what
-    hpo's workers add beside it: the engine for hpo's own tables and the per-study lock."""
+    """The Optuna storage of hpo's studies (a cache of finished trials, outage retries) with
+    what hpo's workers add beside it: the engine for hpo's own tables and the per-study lock.
+    On a schema the study queries do not know, trials are read through Optuna, uncached."""
 
     def __init__(self, rdb: optuna.storages.RDBStorage, url: StorageURL, patience_s: float | None):
-        super().__init__(cached(rdb), patience_s)
+        super().__init__(rdb, patience_s)
         self.rdb = rdb
         self.url = url
+        self.cache = TrialCache(rdb) if study_queries.supported(rdb.engine) else None
+
+    def get_all_trials(
+        self,
+        study_id: int,
+        deepcopy: bool = True,
+        states: Container[TrialState] | None = None,
+    ) -> list[FrozenTrial]:
+        if self.cache is None:
+            return super().get_all_trials(study_id, deepcopy, states)
+        return self._call(
+            "get_all_trials", partial(self.cache.all_trials, study_id, deepcopy, states)
+        )
+
+    def get_trial(self, trial_id: int) -> FrozenTrial:
+        finished = self.cache.finished_trial(trial_id) if self.cache is not None else None
+        return finished if finished is not None else super().get_trial(trial_id)
 
     @property
     def engine(self) -> sqlalchemy.engine.Engine:

@@ -267,47 +267,71 @@ def sample_ids(engine: Engine, study_id: int, maximize: bool, limit: int) -> lis
 
 def trials(engine: Engine, trial_ids: list[int]) -> list[FrozenTrial]:
     """These trials, whole (what Optuna's `get_trial` gives for each), in a few queries."""
-    found: dict[int, dict[str, Any]] = {}
-    chunks = [trial_ids[i : i + 5000] for i in range(0, len(trial_ids), 5000)]
     with engine.connect() as conn:
-        for chunk in chunks:
-            for row in conn.execute(sa.select(_trials).where(_trials.c.trial_id.in_(chunk))):
-                found[row.trial_id] = {"row": row, **{part: {} for part in _PARTS}}
-            _fill_parts(conn, chunk, found)
-    return [_frozen(found[i]) for i in trial_ids if i in found]
+        found = _read(conn, _trials.c.trial_id.in_(trial_ids))
+    return [found[i] for i in trial_ids if i in found]
 
 
-def _fill_parts(conn: sa.Connection, chunk: list[int], found: dict[int, dict[str, Any]]) -> None:
+def study_trials(
+    engine: Engine, study_id: int, after_id: int, also: list[int]
+) -> list[tuple[int, FrozenTrial]]:
+    """(trial id, trial) of the study's trials with an id above `after_id` or in `also`, in
+    bulk: what a cache of finished trials reads (Optuna's own reads them through its ORM, some
+    ten times slower)."""
+    newer = _trials.c.trial_id > after_id
+    which = sa.or_(newer, _trials.c.trial_id.in_(also)) if also else newer
+    with engine.connect() as conn:
+        found = _read(conn, sa.and_(_trials.c.study_id == study_id, which))
+    return sorted(found.items())
+
+
+def _read(conn: sa.Connection, which: sa.ColumnElement[bool]) -> dict[int, FrozenTrial]:
+    """The trials `which` selects (a condition on the trials table), by trial id."""
+    found: dict[int, dict[str, Any]] = {}
+    for row in conn.execute(sa.select(_trials).where(which)):
+        found[row.trial_id] = {"row": row, **{part: {} for part in _PARTS}}
+    if found:
+        _fill_parts(conn, sa.select(_trials.c.trial_id).where(which), found)
+    return {trial_id: _frozen(parts) for trial_id, parts in found.items()}
+
+
+def _fill_parts(conn: sa.Connection, ids: sa.Select[Any], found: dict[int, dict[str, Any]]) -> None:
     for trial_id, name, value, dist_json in conn.execute(
         sa.select(
             _params.c.trial_id,
             _params.c.param_name,
             _params.c.param_value,
             _params.c.distribution_json,
-        ).where(_params.c.trial_id.in_(chunk))  # fmt: skip
+        ).where(_params.c.trial_id.in_(ids))  # fmt: skip
     ):
+        if trial_id not in found:
+            continue  # created while this read: the next read takes it whole
         distribution = json_to_distribution(dist_json)
         found[trial_id]["distributions"][name] = distribution
         found[trial_id]["params"][name] = distribution.to_external_repr(value)
     for trial_id, objective, value, kind in conn.execute(
         sa.select(
             _values.c.trial_id, _values.c.objective, _values.c.value, _values.c.value_type
-        ).where(_values.c.trial_id.in_(chunk))  # fmt: skip
+        ).where(_values.c.trial_id.in_(ids))  # fmt: skip
     ):
-        found[trial_id]["values"][objective] = _INFINITE.get(kind, value)
+        if trial_id in found:
+            found[trial_id]["values"][objective] = _INFINITE.get(kind, value)
     for table, part in ((_user_attrs, "user"), (_system_attrs, "system")):
         query = sa.select(table.c.trial_id, table.c.key, table.c.value_json)
-        for trial_id, key, raw in conn.execute(query.where(table.c.trial_id.in_(chunk))):
-            found[trial_id][part][key] = json.loads(raw)
+        for trial_id, key, raw in conn.execute(query.where(table.c.trial_id.in_(ids))):
+            if trial_id in found:
+                found[trial_id][part][key] = json.loads(raw)
     for trial_id, step, value, kind in conn.execute(
         sa.select(
             _steps.c.trial_id,
             _steps.c.step,
             _steps.c.intermediate_value,
             _steps.c.intermediate_value_type,
-        ).where(_steps.c.trial_id.in_(chunk))  # fmt: skip
+        ).where(_steps.c.trial_id.in_(ids))  # fmt: skip
     ):
-        found[trial_id]["steps"][step] = math.nan if kind == "NAN" else _INFINITE.get(kind, value)
+        if trial_id in found:
+            steps = found[trial_id]["steps"]
+            steps[step] = math.nan if kind == "NAN" else _INFINITE.get(kind, value)
 
 
 def _frozen(parts: dict[str, Any]) -> FrozenTrial:

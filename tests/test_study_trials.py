@@ -176,19 +176,42 @@ def test_each_worker_gets_its_own_seed_and_the_first_keeps_the_configured_one() 
     assert tuple(t.params["lr"] for t in again.trials) == draws[0]  # reproducible alone
 
 
-def test_optunas_trial_cache_that_hpo_uses_is_still_there(tmp_path: Path) -> None:
-    """storage/optuna_internals.py relies on optuna.storages._CachedStorage: if an Optuna
-    upgrade moves it or changes how it reads trials, this fails first."""
-    from storage.optuna_internals import cached
+def test_the_trial_cache_reads_finished_trials_once_and_sees_other_workers_trials(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from storage import study_queries
 
-    rdb = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'c.db'}")
-    storage = cached(rdb)
-    assert isinstance(storage, optuna.storages.BaseStorage)
+    storage = _storage(tmp_path)
+    assert storage.cache is not None
     study = optuna.create_study(storage=storage, study_name="c")
     study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
-    # A trial created by another process is seen: the cache re-reads unfinished and new trials.
-    optuna.load_study(study_name="c", storage=rdb).optimize(lambda t: 1.0, n_trials=1)
-    assert len(study.get_trials()) == 3
+    reads: list[tuple[int, list[int]]] = []
+    real = study_queries.study_trials
+
+    def counted(engine: Any, study_id: int, after_id: int, also: list[int]) -> Any:
+        reads.append((after_id, also))
+        return real(engine, study_id, after_id, also)
+
+    monkeypatch.setattr(study_queries, "study_trials", counted)
+    # Another worker (another process: its own storage) runs a trial and leaves one running.
+    other = optuna.load_study(study_name="c", storage=storage.rdb)
+    other.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=1)
+    running = other.ask()
+    running.suggest_float("x", 0, 1)
+    seen = study.get_trials()
+    assert [t.state for t in seen] == [TrialState.COMPLETE] * 3 + [TrialState.RUNNING]
+    other.tell(running, 0.5)
+    assert study.get_trials()[-1].state == TrialState.COMPLETE  # the running one, read again
+    assert [t.state for t in study.get_trials(states=(TrialState.RUNNING,))] == []
+    # Finished trials were read once: each read asks only for newer or unfinished ones.
+    # (trial ids 1 and 2 are this worker's: 1 was read finished while 2 was being asked)
+    assert reads[:3] == [(1, [2]), (3, [4]), (4, [])]
+    cached = study.get_trials()
+    assert [t.params for t in cached] == [t.params for t in storage.rdb.get_all_trials(1)]
+    held = storage.get_all_trials(storage.get_study_id_from_name("c"), deepcopy=False)
+    assert storage.get_trial(4) is held[3]  # a finished trial comes from the cache
+    with pytest.raises(KeyError):
+        storage.get_all_trials(99)
 
 
 def test_cleanup_waits_for_a_sweep_so_a_retry_keeps_its_checkpoint_folder(

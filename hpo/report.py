@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,17 +44,8 @@ def studies(storage: optuna.storages.BaseStorage) -> list[dict[str, Any]]:
     rows = []
     for summary in optuna.study.get_all_study_summaries(storage, include_best_trial=True):
         best = summary.best_trial if len(summary.directions) == 1 else None
-        rows.append(
-            {
-                "name": summary.study_name,
-                # One direction, or one per objective of a study with several.
-                "direction": " and ".join(d.name.lower() for d in summary.directions),
-                "directions": [d.name.lower() for d in summary.directions],
-                "n_trials": summary.n_trials,
-                "best_value": best.value if best is not None else None,
-                "started": _iso(summary.datetime_start),
-            }
-        )
+        rows.append(_row(summary.study_name, summary.directions, summary.n_trials, best,
+                         summary.datetime_start))  # fmt: skip
     return rows
 
 
@@ -62,20 +54,35 @@ def _study_row(storage: StudyStorage, study: Any) -> dict[str, Any]:
     directions = list(study.directions)
     study_id = storage.rdb.get_study_id_from_name(study.study_name)
     size, started = study_queries.size_and_start(storage.engine, study_id)
-    best_value = None
-    if len(directions) == 1:
-        maximize = directions[0] == StudyDirection.MAXIMIZE
-        best_id = study_queries.best_trial_id(storage.engine, study_id, maximize)
-        if best_id is not None:
-            best_value = storage.rdb.get_trial(best_id).value
+    best = _best_single(storage, study_id, directions[0]) if len(directions) == 1 else None
+    return _row(study.study_name, directions, size, best, started)
+
+
+def _row(
+    name: str,
+    directions: Sequence[StudyDirection],
+    n_trials: int,
+    best: FrozenTrial | None,
+    started: dt.datetime | None,
+) -> dict[str, Any]:
     return {
-        "name": study.study_name,
+        "name": name,
+        # One direction, or one per objective of a study with several.
         "direction": " and ".join(d.name.lower() for d in directions),
         "directions": [d.name.lower() for d in directions],
-        "n_trials": size,
-        "best_value": best_value,
+        "n_trials": n_trials,
+        "best_value": best.value if best is not None else None,
         "started": _iso(started),
     }
+
+
+def _best_single(
+    storage: StudyStorage, study_id: int, direction: StudyDirection
+) -> FrozenTrial | None:
+    """The best trial of a study of one objective, by the database's ordering."""
+    maximize = direction == StudyDirection.MAXIMIZE
+    best_id = study_queries.best_trial_id(storage.engine, study_id, maximize)
+    return None if best_id is None else storage.rdb.get_trial(best_id)
 
 
 def best_trials(
@@ -96,9 +103,8 @@ def best_trials(
 def _best_from_database(study: optuna.Study, db: Database) -> list[FrozenTrial]:
     directions = study.directions
     if len(directions) == 1:
-        maximize = directions[0] == StudyDirection.MAXIMIZE
-        best_id = study_queries.best_trial_id(db.storage.engine, db.study_id, maximize)
-        return [] if best_id is None else [db.storage.rdb.get_trial(best_id)]
+        best = _best_single(db.storage, db.study_id, directions[0])
+        return [] if best is None else [best]
     values = study_queries.complete_values(db.storage.engine, db.study_id, len(directions))
     front = checkpoints.best_of(sorted(values.items()), directions)
     return [db.storage.rdb.get_trial(trial_id) for trial_id in front]
@@ -149,7 +155,7 @@ def _status_from_database(study: optuna.Study, db: Database, now: dt.datetime) -
     counts = study_queries.state_counts(engine, study_id)
     running = db.storage.rdb.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,))
     silent = heartbeats.silences(engine, study_id)
-    best = best_trials(study, storage=db.storage)
+    best = [_trial_summary(study, t) for t in _best_from_database(study, db)]
     several = len(study.directions) > 1
     finished, first, last = study_queries.finished_span(engine, study_id)
     hours = (last - first).total_seconds() / 3600 if first and last else 0.0
@@ -165,8 +171,12 @@ def _status_from_database(study: optuna.Study, db: Database, now: dt.datetime) -
         "grace_period_s": study.user_attrs.get("grace_period_s"),
         "device_hours": round(study_queries.user_attr_sum(engine, study_id, "wall_s") / 3600, 4),
         "trials_per_hour": round(finished / hours, 2) if hours > 0 else None,
-        "failures": study_queries.reasons(engine, study_id, TrialState.FAIL, "fail_reason"),
-        "prunes": study_queries.reasons(engine, study_id, TrialState.PRUNED, "prune_reason"),
+        "failures": study_queries.reasons(
+            engine, study_id, TrialState.FAIL, "fail_reason", counts.get(TrialState.FAIL, 0)
+        ),
+        "prunes": study_queries.reasons(
+            engine, study_id, TrialState.PRUNED, "prune_reason", counts.get(TrialState.PRUNED, 0)
+        ),
         "budget": study.user_attrs.get("n_trials"),
     }
 

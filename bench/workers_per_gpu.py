@@ -54,8 +54,14 @@ def run(config: Path, workers: int, seconds: float, folder: Path, cpu: bool) -> 
         for t in trials
     )
     peaks = [t.user_attrs["peak_mem_bytes"] for t in finished if "peak_mem_bytes" in t.user_attrs]
+    # Steady state: from the first trial's start to the last finished trial's end, which leaves
+    # out the workers' start (imports, data, the batch search at each share) and their stop.
+    ends = [t.datetime_complete for t in finished if t.datetime_complete is not None]
+    starts = [t.datetime_start for t in trials if t.datetime_start is not None]
+    span = (max(ends) - min(starts)).total_seconds() if ends and starts else float("nan")
     return {
         "samples_per_s": samples / wall,
+        "steady_samples_per_s": samples / span if ends and starts else 0.0,
         "trials_per_hour": len(finished) / wall * 3600,
         "peak_gib": statistics.median(peaks) / 2**30 if peaks else float("nan"),
         "finished": len(finished),
@@ -86,13 +92,16 @@ def main() -> None:
         for workers in args.workers:
             results[workers] = run(config, workers, args.seconds, folder, args.cpu)
             print(f"N={workers}: {results[workers]}", flush=True)
-    base = results[args.workers[0]]["samples_per_s"]
+    base = results[args.workers[0]]["samples_per_s"] or float("nan")
     print(f"\n{args.config.name}, {args.seconds:.0f} s per N\n")
-    print("| workers per GPU | samples/s (all workers) | vs N=1 | trials/hour | finished "
-          "| peak memory per trial (GiB) | trials with an OOM |")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    steady = results[args.workers[0]]["steady_samples_per_s"] or float("nan")
+    print("| workers per GPU | samples/s (all workers) | vs N=1 | samples/s from the first trial "
+          "| vs N=1 | trials/hour | finished | peak memory per trial (GiB) "
+          "| trials with an OOM |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for workers, r in results.items():
         print(f"| {workers} | {r['samples_per_s']:.0f} | {r['samples_per_s'] / base:.2f} "
+              f"| {r['steady_samples_per_s']:.0f} | {r['steady_samples_per_s'] / steady:.2f} "
               f"| {r['trials_per_hour']:.0f} | {r['finished']:.0f} | {r['peak_gib']:.2f} "
               f"| {r['ooms']:.0f} |")  # fmt: skip
 

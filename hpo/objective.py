@@ -172,6 +172,7 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
         store = CheckpointStore(task.checkpoint_dir, resume=task.resume, interval_s=interval)
     try:
         key = _resolve_physical_batch(trial, job, cache, task.data)
+        batch_at = time.time()
         # Optuna's pruning (report, should_prune) serves a single objective only.
         reporter = (
             pruning_reporter(trial, metric) if len(objectives) == 1 else _log_evaluation(trial)
@@ -199,7 +200,8 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
         # Trial created to its first optimizer step: process start, data, model, batch size.
         trial.set_user_attr("startup_s", round(result.first_step_at - task.asked_at, 3))
         if result.fit_started_at is not None:
-            trial.set_user_attr("startup_parts", _startup_parts(task.asked_at, began_at, result))
+            parts = _startup_parts(task.asked_at, began_at, batch_at, result)
+            trial.set_user_attr("startup_parts", parts)
     if store is not None:
         _record_checkpoints(trial, store, result, task)
     if result.oom_recoveries and key is not None:
@@ -207,14 +209,18 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
     return _value(trial, result, objectives)
 
 
-def _startup_parts(asked_at: float, began_at: float, result: TrainResult) -> dict[str, float]:
+def _startup_parts(
+    asked_at: float, began_at: float, batch_at: float, result: TrainResult
+) -> dict[str, float]:
     """Where startup_s went: `dispatch_s` from the trial's creation to its code running (a new
-    trial process, or the job handed to a kept one), `setup_s` the batch size, model, optimizer
-    and loaders, `first_step_s` the first optimizer step (kernels loaded on first use)."""
+    trial process, or the job handed to a kept one), `batch_s` the physical batch size (the
+    study's cache, or a search), `setup_s` the model, optimizer and loaders, `first_step_s` the
+    first optimizer step (kernels loaded on first use)."""
     first_step_at, fit_started_at = result.first_step_at or 0.0, result.fit_started_at or 0.0
     return {
         "dispatch_s": round(began_at - asked_at, 3),
-        "setup_s": round(fit_started_at - began_at, 3),
+        "batch_s": round(batch_at - began_at, 3),
+        "setup_s": round(fit_started_at - batch_at, 3),
         "first_step_s": round(first_step_at - fit_started_at, 3),
     }
 

@@ -407,6 +407,10 @@ def test_a_trial_in_a_kept_trial_process_trains_exactly_as_in_a_new_one(
         assert 0 < attrs["train_s"] and 0 < attrs["eval_s"] and 0 < attrs["startup_s"]
         # startup_s ends after the first step, which train_s counts too.
         assert attrs["startup_s"] < duration and attrs["train_s"] + attrs["eval_s"] < duration
+        parts = attrs["startup_parts"]  # where startup_s went, in order
+        assert list(parts) == ["dispatch_s", "batch_s", "setup_s", "first_step_s"]
+        assert all(v >= 0 for v in parts.values())
+        assert sum(parts.values()) == pytest.approx(attrs["startup_s"], abs=0.01)
 
 
 def test_monitoring_commands_read_a_database_in_a_read_only_folder(tmp_path: Path) -> None:

@@ -118,8 +118,8 @@ class Trainer:
 
     def _build_model_and_optimizer(self) -> None:
         torch.manual_seed(self.cfg.seed)
-        self.model = build_model(self.job.model, self.data.label_names, self.cfg.seed)
-        self.model.to(self.device)
+        self.model = build_model(self.job.model, self.data.label_names, self.cfg.seed, self.device)
+        self.model.to(self.device)  # a pretrained model loads on the CPU
         self.forward_model: torch.nn.Module = self.model
         if self.job.model.compile:
             self.forward_model = compile_model(self.model)

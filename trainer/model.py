@@ -72,8 +72,13 @@ def check_model_config(config: ModelConfig) -> None:
             raise ModelError(_inline_failure(config.config, e)) from e
 
 
-def build_model(config: ModelConfig, label_names: list[str], seed: int) -> torch.nn.Module:
-    """A fresh model with a classification head for `label_names`, deterministic for `seed`."""
+def build_model(
+    config: ModelConfig, label_names: list[str], seed: int, device: torch.device | None = None
+) -> torch.nn.Module:
+    """A fresh model with a classification head for `label_names`, deterministic for `seed` (on
+    one kind of device). A model built from a config is initialised on `device` directly: on a
+    GPU that takes a fraction of a second where BERT-base's random init on the CPU takes over
+    one (the trial's startup, issue 11)."""
     from transformers import AutoModelForSequenceClassification
 
     model_config = _model_config(config, len(label_names))
@@ -82,9 +87,10 @@ def build_model(config: ModelConfig, label_names: list[str], seed: int) -> torch
     torch.manual_seed(seed)  # the new head (or the whole model) initialises the same every trial
     try:
         if config.config is not None:
-            model = AutoModelForSequenceClassification.from_config(
-                model_config, attn_implementation=config.attn_implementation
-            )
+            with torch.device(device or "cpu"):
+                model = AutoModelForSequenceClassification.from_config(
+                    model_config, attn_implementation=config.attn_implementation
+                )
         else:
             path = resolve_location(_pretrained_location(config))
             model = AutoModelForSequenceClassification.from_pretrained(

@@ -47,9 +47,9 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 from search_grid import TASKS, data_path  # noqa: E402
 
 from hpo.config import Config, ParamSpec, parse_config  # noqa: E402
-from hpo.objective import pruning_reporter  # noqa: E402
 from hpo.search_space import sample  # noqa: E402
 from hpo.study import build_pruner, build_sampler, enqueue  # noqa: E402
+from hpo.trial_training import pruning_reporter  # noqa: E402
 from trainer.loop import Evaluation  # noqa: E402
 
 # Each strategy: the study.sampler and study.pruner sections of a config (a seed is added).

@@ -411,16 +411,20 @@ def _work(
     from hpo.launcher import run_workers
     from hpo.objective import Objective
     from hpo.study import run_trials
+    from storage.batch_cache import BatchSizeCache
 
     config, storage_url, gpus, data, per_gpu = inputs
     if len(gpus) * per_gpu > 1:
         worker_args = ["--as-worker"] if args.command == "retrain" else []
+        storage.engine.dispose()  # its workers connect; this process holds none meanwhile
         return run_workers(gpus, [*args.argv, *worker_args], per_gpu, stop)
     stop.interrupt_at_once = config.study.trial_isolation == "none"
     if not args.quiet:
         live.start()  # a progress line below the log, on a terminal only
+    cache = BatchSizeCache(storage.engine)  # the worker's pool: no connection of its own
+    objective = Objective(config, data, storage_url, stop, batch_cache=cache)
     try:
-        run_trials(study, storage, Objective(config, data, storage_url, stop), stop, queued_only)
+        run_trials(study, storage, objective, stop, queued_only)
     finally:
         live.stop()
         stop.interrupt_at_once = False
@@ -569,7 +573,7 @@ def _check_inputs(args: argparse.Namespace) -> tuple[Config, StorageURL, list[st
 
 
 def _check_memory_share() -> None:
-    from trainer.memory import memory_share
+    from trainer.memory_share import memory_share
 
     try:
         memory_share()

@@ -19,6 +19,7 @@ from hpo import progress as live
 from hpo.errors import ConfigError, HPOError
 from hpo.logs import WORKER_LABEL_ENV
 from hpo.stopping import EXIT_INTERRUPTED, StopRequest
+from trainer.memory_share import SHARE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +101,6 @@ def choose_workers_per_gpu(config: str, gpu: str, largest_batch: int) -> tuple[i
 
 
 def _largest_batch_within(config: str, gpu: str, share: float) -> int:
-    from trainer.memory import SHARE_ENV  # torch: imported only where workers start
-
     device = "cpu" if os.environ.get(FAKE_GPUS_ENV) else "cuda"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu, SHARE_ENV: repr(share)}
     command = [sys.executable, "-m", "hpo", "batch-size", "--config", config, "--device", device,
@@ -123,7 +122,6 @@ def run_workers(
     and wait for all of them. Ctrl-C or SIGTERM is passed to every worker once; each hands its
     running trial back and exits. The caller's `stop` learns of the signal, and its handlers
     are back in place on return."""
-    from trainer.memory import SHARE_ENV  # torch: imported only where workers start
 
     device = "cpu" if os.environ.get(FAKE_GPUS_ENV) else "cuda"
     threads = max(1, (os.cpu_count() or 1) // (len(gpus) * per_gpu))

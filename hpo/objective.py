@@ -5,51 +5,37 @@ record what happened as trial user attributes.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import optuna
 
-from hpo import progress as live
 from hpo.checkpoints import checkpoint_root, folder_name, prepare_trial_folder
 from hpo.config import Config, StudyConfig
 from hpo.logs import worker_label
-from hpo.search_space import sample, training_for_trial
+from hpo.search_space import sample
 from hpo.stopping import Interrupted, StopRequest, TrialTimedOut
 from hpo.trial_process import (
+    ChildTrial,
     TrialLike,
     TrialLimits,
     TrialProcess,
     TrialTarget,
     TrialValue,
-    replace_after_this_trial,
-    stop_reason,
-    stop_requested,
 )
-from storage.batch_cache import BatchSizeCache
+from storage.batch_cache import BatchCacheRequests, BatchSizeCache, RelayedBatchCache
 from storage.engine import create_engine
 from storage.url import StorageURL
-from trainer import device as dev
-from trainer.batch_finder import (
-    BatchSearch,
-    NoPhysicalBatchFits,
-    PhysicalBatch,
-    resolve_physical_batch,
-)
-from trainer.checkpoint import CheckpointStore
-from trainer.config import TrainJob
-from trainer.data import PreparedData, with_eval_in_training
-from trainer.loop import Evaluation, TrainResult, grad_accum_steps_for, train
-from trainer.memory import OutOfMemoryAtBatchOne, memory_share
-from trainer.model import load_tokenizer
+from trainer.memory_share import memory_share
+
+if TYPE_CHECKING:
+    from trainer.data import PreparedData
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +69,25 @@ class Objective:
         storage_url: StorageURL,
         stop: StopRequest,
         target: TrialTarget | None = None,
+        batch_cache: BatchSizeCache | None = None,
     ) -> None:
+        """`batch_cache`: on the worker's own storage engine (hpo run passes it), so that the
+        worker holds no more connections than its pool; else one on an engine of its own."""
         self.task = TrialTask(config, data, storage_url)
         self.stop = stop
-        self.target: TrialTarget = target or train_trial
+        if target is None:
+            # torch and transformers, imported only by a worker that trains (a light worker
+            # with a target of its own, bench/many_workers.py, imports neither).
+            from hpo.trial_training import train_trial
+
+            target = train_trial
+        self.target: TrialTarget = target
         self.trial_number: int | None = None
-        self.trial_process = TrialProcess(self.target, self.task, stop, _limits(config.study))
+        cache = batch_cache or batch_cache_for(storage_url, config.study.database_patience)
+        _worker_caches[storage_url.url] = cache  # for trials in the worker (isolation none)
+        self.trial_process = TrialProcess(
+            self.target, self.task, stop, _limits(config.study), BatchCacheRequests(cache)
+        )
 
     def __call__(
         self, trial: optuna.Trial, taken_over: threading.Event | None = None
@@ -156,241 +155,21 @@ def _limits(study_config: StudyConfig) -> TrialLimits:
     return TrialLimits(study_config.stop_timeout, study_config.trial_timeout)
 
 
-def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
-    """Find the physical batch, train with the trial's parameters, report each evaluation and
-    return the best value (one per objective); an OOM at batch 1 or a divergence prunes, any
-    other error fails."""
-    started, began_at = time.perf_counter(), time.time()
-    objectives = task.config.study.objectives
-    metric = task.config.study.primary_metric
-    training = training_for_trial(task.config.training, task.params)
-    job = TrainJob(data=task.config.data, model=task.config.model, training=training)
-    cache = batch_cache_for(task.storage_url, task.config.study.database_patience)
-    store = None
-    if task.checkpoint_dir is not None:
-        interval = task.config.study.checkpoint_interval
-        store = CheckpointStore(task.checkpoint_dir, resume=task.resume, interval_s=interval)
-    try:
-        key = _resolve_physical_batch(trial, job, cache, task.data)
-        batch_at = time.time()
-        # Optuna's pruning (report, should_prune) serves a single objective only.
-        reporter = (
-            pruning_reporter(trial, metric) if len(objectives) == 1 else _log_evaluation(trial)
-        )
-        should_stop = _stop_check(started, task.config.study.trial_timeout)
-        data = with_eval_in_training(task.data) if task.full_data else task.data
-        result = train(job, data, reporter, metric, store, should_stop=should_stop,
-                       on_progress=_progress_sender(trial, task.config.study.n_trials))  # fmt: skip
-    except OutOfMemoryAtBatchOne as e:
-        replace_after_this_trial("out of memory at batch 1")
-        reason = f"oom: {e}"
-        trial.set_user_attr("prune_reason", reason)
-        trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
-        raise optuna.TrialPruned(reason) from e
-    except Exception as e:
-        trial.set_user_attr("fail_reason", f"{type(e).__name__}: {e}"[:1000])
-        trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
-        raise
-    if result.status == "interrupted":
-        if store is not None:  # it checkpointed on the way out: say what that cost
-            _record_checkpoint_cost(trial, store)
-        _raise_stopped(started, task.config.study.trial_timeout)
-    record_result(trial, result)
-    if result.first_step_at is not None and task.asked_at is not None:
-        # Trial created to its first optimizer step: process start, data, model, batch size.
-        trial.set_user_attr("startup_s", round(result.first_step_at - task.asked_at, 3))
-        if result.fit_started_at is not None:
-            parts = _startup_parts(task.asked_at, began_at, batch_at, result)
-            trial.set_user_attr("startup_parts", parts)
-    if store is not None:
-        _record_checkpoints(trial, store, result, task)
-    if result.oom_recoveries and key is not None:
-        cache.lower(key, result.physical_batch_size)
-    return _value(trial, result, objectives)
-
-
-def _startup_parts(
-    asked_at: float, began_at: float, batch_at: float, result: TrainResult
-) -> dict[str, float]:
-    """Where startup_s went: `dispatch_s` from the trial's creation to its code running (a new
-    trial process, or the job handed to a kept one), `batch_s` the physical batch size (the
-    study's cache, or a search), `setup_s` the model, optimizer and loaders, `first_step_s` the
-    first optimizer step (kernels loaded on first use)."""
-    first_step_at, fit_started_at = result.first_step_at or 0.0, result.fit_started_at or 0.0
-    return {
-        "dispatch_s": round(began_at - asked_at, 3),
-        "batch_s": round(batch_at - began_at, 3),
-        "setup_s": round(fit_started_at - batch_at, 3),
-        "first_step_s": round(first_step_at - fit_started_at, 3),
-    }
-
-
-def _stop_check(started: float, trial_timeout: float | None) -> Callable[[], bool]:
-    """Asked between optimizer steps: stop for the worker (SIGTERM) or past the trial timeout."""
-    if trial_timeout is None:
-        return stop_requested
-    return lambda: stop_requested() or time.perf_counter() - started > trial_timeout
-
-
-def _raise_stopped(started: float, trial_timeout: float | None) -> NoReturn:
-    """The run checkpointed and stopped: past its timeout it is pruned, with that reason;
-    otherwise its worker is stopping, and the retry resumes from the checkpoint."""
-    elapsed = time.perf_counter() - started
-    if trial_timeout is not None and elapsed > trial_timeout and not stop_requested():
-        raise TrialTimedOut(f"stopped after {elapsed:.0f} s, past study.trial_timeout "
-                            f"({trial_timeout:g} s)")  # fmt: skip
-    raise Interrupted(stop_reason())
-
-
-def _record_checkpoints(
-    trial: TrialLike, store: CheckpointStore, result: TrainResult, task: TrialTask
-) -> None:
-    """The run is over: its resume state goes; its best model stays, with the tokenizer, until
-    a better trial's does (see hpo.checkpoints)."""
-    store.drop_state()
-    if result.resumed_at_step is not None:
-        trial.set_user_attr("resumed_at_step", result.resumed_at_step)
-    if store.best_model_path.is_dir() and store.save_tokenizer(load_tokenizer(task.config.model)):
-        trial.set_user_attr("best_model", str(store.best_model_path))
-    _record_checkpoint_cost(trial, store)
-
-
-def _record_checkpoint_cost(trial: TrialLike, store: CheckpointStore) -> None:
-    if store.errors:
-        trial.set_user_attr("checkpoint_error", store.errors[-1][:500])
-    trial.set_user_attr("checkpoint_s", round(store.seconds, 3))
-
-
-@functools.cache
 def batch_cache_for(storage_url: StorageURL, patience_s: float) -> BatchSizeCache:
-    """One engine per process for the study's batch-size cache."""
+    """The study's batch-size cache on an engine of its own."""
     return BatchSizeCache(create_engine(storage_url, patience_s))
 
 
-def _resolve_physical_batch(
-    trial: TrialLike, job: TrainJob, cache: BatchSizeCache, data: PreparedData
-) -> dict[str, Any] | None:
-    """Set job.training.physical_batch_size from the config, the study's cache or a search (the
-    trainer decides which) and record where it came from; returns the cache key when the size
-    is found rather than configured."""
-    device = dev.resolve_device(job.training.device)
-    try:
-        batch = resolve_physical_batch(job, data.label_names, device, cache)
-    except NoPhysicalBatchFits as e:
-        _record_batch_source(trial, e.batch)
-        raise
-    _record_batch_source(trial, batch)
-    training = job.training
-    training.physical_batch_size = batch.size
-    physical = min(batch.size, training.effective_batch_size)
-    trial.set_user_attr("physical_batch_size", physical)
-    trial.set_user_attr(
-        "grad_accum_steps", grad_accum_steps_for(training.effective_batch_size, physical)
-    )
-    return batch.key
+# The worker's cache per storage URL, set by its Objective: a trial in the worker uses it.
+_worker_caches: dict[str, BatchSizeCache] = {}
 
 
-def _record_batch_source(trial: TrialLike, batch: PhysicalBatch) -> None:
-    trial.set_user_attr("batch_size_source", batch.source)
-    if batch.search is not None:
-        trial.set_user_attr("batch_search", search_summary(batch.search))
-
-
-def _progress_sender(trial: TrialLike, budget: int | None) -> Callable[[dict[str, Any]], None]:
-    """Where the loop's progress goes: over the pipe to the worker's live line from a trial
-    process, or straight to it when the trial runs in the worker."""
-    send = getattr(trial, "send_progress", None)
-
-    def on_progress(progress: dict[str, Any]) -> None:
-        progress["budget"] = budget
-        if send is not None:
-            send(progress)
-        else:
-            live.trial_progress(trial.number, progress)
-
-    return on_progress
-
-
-def pruning_reporter(trial: TrialLike, metric: str) -> Any:
-    """Called with each evaluation: reports the metric to the study and says why the trial is
-    pruned, or None. The search-efficiency benchmark replays stored curves through it."""
-    log_evaluation = _log_evaluation(trial)
-
-    def on_evaluation(evaluation: Evaluation) -> str | None:
-        value = evaluation.metrics[metric]
-        trial.report(value, evaluation.index)
-        log_evaluation(evaluation)
-        if trial.should_prune():
-            return f"pruner: {metric}={value:.4f} at evaluation {evaluation.index}"
-        return None
-
-    return on_evaluation
-
-
-def _log_evaluation(trial: TrialLike) -> Callable[[Evaluation], None]:
-    def on_evaluation(evaluation: Evaluation) -> None:
-        log.info(
-            "trial %d evaluation %d (epoch %.2f): %s",
-            trial.number,
-            evaluation.index,
-            evaluation.epoch,
-            ", ".join(f"{k}={v:.4f}" for k, v in evaluation.metrics.items()),
-        )
-
-    return on_evaluation
-
-
-def _value(trial: TrialLike, result: TrainResult, objectives: list[str]) -> TrialValue:
-    """The best evaluation's value (by the first objective); with several objectives, that
-    evaluation's value of each, and the trial's samples/s for `samples_per_s`."""
-    if result.status == "stopped":
-        trial.set_user_attr("prune_reason", result.stop_reason)
-        raise optuna.TrialPruned(result.stop_reason)
-    if result.status == "diverged" or result.best is None:
-        reason = f"diverged: {result.stop_reason or 'no evaluation'}"
-        trial.set_user_attr("prune_reason", reason)
-        raise optuna.TrialPruned(reason)
-    metrics = {**result.best.metrics, "samples_per_s": result.samples_per_s}
-    values = [float(metrics[name]) for name in objectives]
-    return values[0] if len(values) == 1 else values
-
-
-def search_summary(search: BatchSearch) -> dict[str, Any]:
-    return {
-        "limit": search.limit,
-        "chosen": search.chosen,
-        "probes": [[p.size, p.fits] for p in search.probes],
-        "seconds": round(search.seconds, 2),
-    }
-
-
-def record_result(trial: TrialLike, result: TrainResult) -> None:
-    """Everything a user compares trials by, stored with the trial."""
-    attrs: dict[str, Any] = {
-        "status": result.status,
-        "physical_batch_size": result.physical_batch_size,
-        "grad_accum_steps": result.grad_accum_steps,
-        "optimizer_steps": result.optimizer_steps,
-        "samples_per_s": round(result.samples_per_s, 2),
-        "tokens_per_s": round(result.tokens_per_s, 1),
-        "peak_mem_bytes": result.peak_mem_bytes,
-        "device_name": result.device_name,
-        "precision": result.precision,
-        "optimizer": result.optimizer,
-        "wall_s": round(result.wall_s, 3),
-        "train_s": round(result.train_s, 3),
-        "eval_s": round(result.eval_s, 3),
-        "curve": [round(v, 6) for v in result.curve],
-        "oom_recoveries": result.oom_recoveries,
-    }
-    if result.batch_search is not None:
-        attrs["batch_search"] = search_summary(result.batch_search)
-    if result.compiled is not None:  # 0 graphs: every shape ran on an earlier trial's kernels
-        attrs["compile_graphs"] = result.compiled.graphs
-        attrs["compile_s"] = round(result.compiled.seconds, 3)
-    if result.best is not None:
-        attrs["best_evaluation"] = dataclasses.asdict(result.best)
-    if result.status == "early_stopped":
-        attrs["stop_reason"] = result.stop_reason
-    for key, value in attrs.items():
-        trial.set_user_attr(key, value)
+def batch_cache(trial: TrialLike, task: TrialTask) -> BatchSizeCache | RelayedBatchCache:
+    """The batch-size cache of a trial's training: a trial process asks its worker (it opens
+    no database connection); a trial in the worker uses the worker's cache."""
+    if isinstance(trial, ChildTrial):
+        return RelayedBatchCache(trial.ask)
+    url = task.storage_url.url
+    if url not in _worker_caches:
+        _worker_caches[url] = batch_cache_for(task.storage_url, task.config.study.database_patience)
+    return _worker_caches[url]

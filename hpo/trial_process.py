@@ -42,6 +42,20 @@ POLL_S = 0.2
 WORKER_WATCH_S = 0.5
 PAUSED = "paused"
 TAKEN = "taken"
+ASK = "ask"  # a request the worker answers (WorkerRequests), e.g. the batch-size cache's
+
+
+class WorkerRequests(Protocol):
+    """What a worker answers for its trial process, so that the process needs no database
+    connection of its own (storage.batch_cache.BatchCacheRequests)."""
+
+    def answer(self, request: tuple[Any, ...]) -> Any | None:
+        """The reply, or None while it cannot be given yet (asked again every poll)."""
+        ...
+
+    def end_trial(self) -> None:
+        """Release what the trial's requests took (it ended, whatever way)."""
+        ...
 
 
 class _JobNotTaken(Exception):
@@ -70,6 +84,13 @@ class TrialLike(Protocol):
 # A trial's value: one number, or one per objective of a study with several.
 TrialValue = float | list[float]
 TrialTarget = Callable[[TrialLike, Any], TrialValue]
+
+
+class WorkerStoppedListening(Exception):
+    """A trial process asked its worker something after the worker stopped this trial."""
+
+    def __init__(self, request: str) -> None:
+        super().__init__(f"no answer to {request!r}: the worker is stopping this trial")
 
 
 class TrialFailed(Exception):
@@ -148,6 +169,17 @@ class ChildTrial:
     def send_progress(self, progress: dict[str, Any]) -> None:
         self._send(("progress", progress))
 
+    def ask(self, request: tuple[Any, ...]) -> Any:
+        """The worker's answer to `request` (see WorkerRequests); waits for it. Raises
+        WorkerStoppedListening once the worker no longer answers (it is stopping this trial)."""
+        if not self._send((ASK, request)):
+            raise WorkerStoppedListening(request[0])
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            _stop_reason.append("the worker stopped listening")
+            raise WorkerStoppedListening(request[0]) from None
+
     def should_prune(self) -> bool:
         if not self._send(("should_prune",)):
             return False
@@ -190,11 +222,19 @@ class TrialProcess:
     `base` goes to the process once, when it starts; each trial sends only its `changes`
     (fields of the `base` dataclass), so the prepared data is not pickled per trial."""
 
-    def __init__(self, target: TrialTarget, base: Any, stop: StopRequest, limits: TrialLimits):
+    def __init__(
+        self,
+        target: TrialTarget,
+        base: Any,
+        stop: StopRequest,
+        limits: TrialLimits,
+        requests: WorkerRequests | None = None,
+    ):
         self.target = target
         self.base = base
         self.stop = stop
         self.limits = limits
+        self.requests = requests
         self.started = 0  # processes started, for logs and tests
         self._process: BaseProcess | None = None
         self._conn: Connection | None = None
@@ -218,7 +258,7 @@ class TrialProcess:
                 started = self.started
                 conn, watch = self._send_job(("run", trial.number, changes))
                 try:
-                    message = _relay(trial, conn, watch, self.stop, watchers)
+                    message = _relay(trial, conn, watch, self.stop, watchers, self.requests)
                     break
                 except _JobNotTaken:
                     if self.started != started:
@@ -233,6 +273,9 @@ class TrialProcess:
         except BaseException:
             self.close()  # stopped (checkpointing if it trains) or killed after the timeout
             raise
+        finally:
+            if self.requests is not None:
+                self.requests.end_trial()
         if message is None or not message[2]:  # it died, or ends after this trial
             if message is not None:
                 watch.wait(self.limits.stop_timeout_s)  # it sent its result and is exiting
@@ -327,12 +370,16 @@ def _relay(
     watch: _ProcessWatch,
     stop: StopRequest,
     watchers: _Watchers,
+    requests: WorkerRequests | None = None,
 ) -> tuple[Any, ...] | None:
     """Pass the child's calls on to the trial until it sends ("outcome", outcome, staying);
     None if it died first."""
     paused = False  # the child stopped itself while this worker was stopped
     taken = False  # the child took the job: its death from now on is this trial's
+    pending: tuple[Any, ...] | None = None  # a request not answerable yet (a lock in use)
     while True:
+        if pending is not None:
+            pending = _answer(requests, conn, pending)
         if stop.signal_name is not None:
             raise Interrupted(stop.signal_name)
         watchers.check()
@@ -357,12 +404,30 @@ def _relay(
         if message[0] == TAKEN:
             taken = True
             continue
+        if message[0] == ASK:
+            pending = _answer(requests, conn, message[1])
+            continue
         try:
             outcome = _pass_on(trial, conn, stop, message)
         except optuna.exceptions.UpdateFinishedTrialError as e:
             raise TakenOver() from e  # another worker failed the trial while this one slept
         if outcome is not None:
             return outcome
+
+
+def _answer(
+    requests: WorkerRequests | None, conn: Connection, request: tuple[Any, ...]
+) -> tuple[Any, ...] | None:
+    """Send the child the answer to `request`; returns the request while it must wait."""
+    if requests is None:
+        reply: Any = ("error", "this worker answers no requests")
+    else:
+        reply = requests.answer(request)
+        if reply is None:
+            return request
+    with contextlib.suppress(OSError):  # it died asking: the next read says so
+        conn.send(reply)
+    return None
 
 
 def _pass_on(

@@ -7,6 +7,7 @@ Library errors are wrapped here into StorageError with the password masked.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import time
 import urllib.parse
@@ -41,15 +42,19 @@ def engine_kwargs(backend: str) -> dict[str, Any]:
             # Optuna sets pre-ping only for MySQL; idle PostgreSQL connections get dropped too.
             "pool_pre_ping": True,
             "pool_recycle": 1800,
+            # A process holds at most 2 connections, whatever it does (issue 13: 256 workers
+            # against one server): a worker's trial calls, its heartbeats, the study lock and
+            # the batch-size cache of its trial process all share them.
             "pool_size": 2,
-            "max_overflow": 2,
+            "max_overflow": 0,
             "connect_args": {
                 "connect_timeout": CONNECT_TIMEOUT_S,
                 "keepalives": 1,
                 "keepalives_idle": 60,
                 "keepalives_interval": 10,
                 "keepalives_count": 5,
-                "application_name": "hpo",
+                # Which process holds a connection, in pg_stat_activity.
+                "application_name": f"hpo {os.getpid()}",
             },
         }
     # SQLite serialises writers; wait for the lock instead of failing at once.

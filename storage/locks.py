@@ -14,17 +14,49 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 
+def _lock_id(name: str) -> int:
+    return int(hashlib.sha256(name.encode()).hexdigest()[:15], 16)
+
+
 @contextlib.contextmanager
 def advisory_lock(engine: Engine, name: str) -> Iterator[None]:
     """A PostgreSQL session lock named by `name`, held on its own connection."""
-    lock_id = int(hashlib.sha256(name.encode()).hexdigest()[:15], 16)
     with engine.connect() as conn:
-        conn.execute(sa.text("SELECT pg_advisory_lock(:id)"), {"id": lock_id})
+        conn.execute(sa.text("SELECT pg_advisory_lock(:id)"), {"id": _lock_id(name)})
         try:
             yield
         finally:
-            conn.execute(sa.text("SELECT pg_advisory_unlock(:id)"), {"id": lock_id})
+            conn.execute(sa.text("SELECT pg_advisory_unlock(:id)"), {"id": _lock_id(name)})
             conn.commit()
+
+
+def try_advisory_lock(engine: Engine, name: str) -> sa.Connection | None:
+    """The PostgreSQL session lock named by `name` if it is free now, held on the connection
+    returned (release it with release_advisory_lock); None while another session holds it. For
+    a caller that must go on with other work while it waits (a worker relaying its trial)."""
+    conn = engine.connect()
+    try:
+        taken = conn.execute(sa.text("SELECT pg_try_advisory_lock(:id)"), {"id": _lock_id(name)})
+        if taken.scalar():
+            conn.commit()
+            return conn
+    except BaseException:
+        conn.close()
+        raise
+    conn.close()
+    return None
+
+
+def release_advisory_lock(conn: sa.Connection, name: str) -> None:
+    """Release a lock from try_advisory_lock. If the unlock fails, the connection is discarded
+    rather than pooled: its session ends, and the server drops the lock with it."""
+    try:
+        conn.execute(sa.text("SELECT pg_advisory_unlock(:id)"), {"id": _lock_id(name)})
+        conn.commit()
+    except sa.exc.SQLAlchemyError:
+        conn.invalidate()
+    finally:
+        conn.close()
 
 
 def sqlite_lock(database: str | None) -> contextlib.AbstractContextManager[None]:

@@ -12,8 +12,17 @@ import pytest
 import sqlalchemy as sa
 import torch
 
-from storage.batch_cache import BatchSizeCache
-from tests.conftest import long_rows, run_hpo, run_study, tiny_config, write_config, write_csv
+from storage.batch_cache import BatchCacheRequests, BatchSizeCache, RelayedBatchCache
+from storage.errors import StorageError
+from tests.conftest import (
+    long_rows,
+    run_hpo,
+    run_study,
+    start_hpo,
+    tiny_config,
+    write_config,
+    write_csv,
+)
 from trainer.memory import BUDGET_ENV
 
 KEY = {"model": "abc", "max_length": 128, "device": "NVIDIA H100 80GB HBM3"}
@@ -187,3 +196,77 @@ def test_an_oom_in_a_trial_lowers_the_cached_size(
 
 def torch_cpu() -> torch.device:
     return torch.device("cpu")
+
+
+@pytest.mark.postgres
+def test_a_trial_process_asks_its_worker_who_takes_search_locks_without_blocking(
+    postgres_url: str,
+) -> None:
+    # Two workers' sides of the relay (issue 13: a trial process opens no connection).
+    engine = sa.create_engine(postgres_url)
+    try:
+        first, second = (
+            BatchCacheRequests(BatchSizeCache(engine)),
+            BatchCacheRequests(BatchSizeCache(engine)),
+        )
+        assert first.answer(("lock", KEY)) == ("ok", True)
+        assert second.answer(("lock", KEY)) is None  # not ready: asked again at the next poll
+        assert second.answer(("lock", {**KEY, "max_length": 64})) == ("ok", True)  # other key
+        relayed = RelayedBatchCache(first.answer)  # the trial process's calls, answered
+        assert relayed.get(KEY) is None and relayed.record(KEY, 48, {"by": "first"}) == 48
+        first.answer(("unlock", KEY))
+        assert second.answer(("lock", KEY)) == ("ok", True)
+        assert RelayedBatchCache(second.answer).get(KEY) == 48
+        second.end_trial()  # the trial died holding both: released with it
+        assert first.answer(("lock", KEY)) == ("ok", True)
+        assert first.answer(("lock", {**KEY, "max_length": 64})) == ("ok", True)
+        first.end_trial()
+        with engine.connect() as conn:  # no lock left behind on pooled connections
+            held = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+            assert conn.execute(sa.text(held)).scalar() == 0
+    finally:
+        engine.dispose()
+
+
+def test_a_cache_error_reaches_the_trial_as_one_storage_error(tmp_path: Path) -> None:
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'cache.db'}")
+    requests = BatchCacheRequests(BatchSizeCache(engine))
+    assert requests.answer(("lock", KEY)) == ("ok", True)  # SQLite: no lock to wait for
+    with engine.begin() as conn:
+        conn.execute(sa.text("DROP TABLE hpo_batch_sizes"))
+    status, reason = requests.answer(("get", KEY))
+    assert status == "error" and "no such table" in reason
+    with pytest.raises(StorageError, match="the batch-size cache: OperationalError"):
+        RelayedBatchCache(requests.answer).get(KEY)
+    engine.dispose()
+
+
+@pytest.mark.postgres
+def test_a_worker_and_its_trial_process_hold_at_most_two_connections(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    # Issue 13: PostgreSQL's stock 100 connections must serve many workers. The trial process
+    # searches its batch size (a lock, a record) and later trials read the cache, all through
+    # the worker; heartbeats, the study lock and Optuna share the worker's pool of 2.
+    config = long_text_config(tmp_path, n_trials=3)
+    worker = start_hpo("run", "--study", "s", "--config", str(config), "--storage", postgres_url,
+                       cwd=tmp_path, env={BUDGET_ENV: str(60_000_000)})  # fmt: skip
+    database = sa.engine.make_url(postgres_url).database
+    watcher = sa.create_engine(postgres_url, poolclass=sa.pool.NullPool)
+    seen: dict[str, int] = {}
+    query = sa.text(
+        "SELECT application_name, count(*) FROM pg_stat_activity "
+        "WHERE datname = :db AND application_name LIKE 'hpo %' GROUP BY application_name"
+    )
+    while worker.poll() is None:
+        with watcher.connect() as conn:
+            for name, count in conn.execute(query, {"db": database}):
+                seen[name] = max(seen.get(name, 0), count)
+        time.sleep(0.02)
+    watcher.dispose()
+    _, stderr = worker.communicate()
+    assert worker.returncode == 0, stderr[-3000:]
+    assert set(seen) == {f"hpo {worker.pid}"}, seen  # the trial process opened none
+    assert max(seen.values()) <= 2, seen
+    trials = optuna.load_study(study_name="s", storage=postgres_url).get_trials()
+    assert [t.user_attrs["batch_size_source"] for t in trials] == ["search", "cache", "cache"]

@@ -28,14 +28,8 @@ from trainer.batch_finder import (
 )
 from trainer.config import TrainJob
 from trainer.data import PreparedData, prepare_data
-from trainer.memory import (
-    BUDGET_ENV,
-    SHARE_ENV,
-    MemoryBudget,
-    OutOfMemoryAtBatchOne,
-    is_oom,
-    memory_share,
-)
+from trainer.memory import BUDGET_ENV, MemoryBudget, OutOfMemoryAtBatchOne, is_oom
+from trainer.memory_share import SHARE_ENV, memory_share
 from trainer.model import load_tokenizer
 from trainer.progress import Progress
 

@@ -120,4 +120,20 @@ def test_one_place_decides_an_auto_physical_batch() -> None:
         for path in (REPO / package).glob("*.py")
         if "resolve_physical_batch(" in path.read_text(encoding="utf-8")
     ]
-    assert sorted(users) == ["batch_finder.py", "loop.py", "objective.py"]
+    assert sorted(users) == ["batch_finder.py", "loop.py", "trial_training.py"]
+
+
+def test_the_worker_loop_imports_neither_torch_nor_transformers() -> None:
+    # A worker's study loop, storage and objective load in 60 MB instead of 240 (issue 13:
+    # hundreds of light workers on a host, bench/many_workers.py); only the trial's training
+    # (hpo/trial_training.py, in the trial process) needs them.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, hpo.study, hpo.objective, hpo.trials, storage.engine, storage.batch_cache; "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

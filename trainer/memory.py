@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import math
 import os
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -15,11 +14,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from trainer.memory_share import memory_share
+
 # Set by tests, never by users: a CPU run then raises torch.OutOfMemoryError past this many bytes.
 BUDGET_ENV = "HPO_TEST_MEMORY_BUDGET_BYTES"
 # The part of its GPU's memory this worker may use, when several workers share one GPU
 # (`hpo run --workers-per-gpu N` sets 1/N for each): a number in (0, 1].
-SHARE_ENV = "HPO_GPU_MEMORY_SHARE"
 
 # Allocation failures that cuDNN, cuBLAS and the CPU allocator report as plain RuntimeErrors.
 _OOM_MESSAGES = (
@@ -113,20 +113,6 @@ class MemoryBudget(TorchDispatchMode):
         self.current_bytes += size
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
         return out
-
-
-def memory_share() -> float:
-    """This worker's share of its device's memory (SHARE_ENV), 1.0 when it has the device alone."""
-    value = os.environ.get(SHARE_ENV, "").strip()
-    if not value:
-        return 1.0
-    try:
-        share = float(value)
-    except ValueError:
-        share = math.nan
-    if not 0 < share <= 1:
-        raise ValueError(f"${SHARE_ENV} is {value!r}; it must be a number in (0, 1], e.g. 0.5")
-    return share
 
 
 def claim_memory_share(device: torch.device) -> None:

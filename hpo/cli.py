@@ -394,7 +394,8 @@ def _run(args: argparse.Namespace) -> int:
     from storage import open_storage
 
     print(f"hpo: study {args.study!r} in {storage_url.describe()}", file=sys.stderr)
-    storage = open_storage(storage_url, config.study.database_patience)
+    on_demand = config.study.database_connections == "on_demand"
+    storage = open_storage(storage_url, config.study.database_patience, on_demand=on_demand)
     study = open_study(storage, args.study, config)
     code = _work(study, storage, inputs, stop, args)
     print("\n".join(summary_lines(study, config.study.objectives)))
@@ -452,7 +453,10 @@ def _retrain(args: argparse.Namespace) -> int:
         print(f"hpo: stopped by {stop.signal_name} before the first trial", file=sys.stderr)
         return stop.exit_code
     config, storage_url = inputs[0], inputs[1]
-    storage = open_storage(storage_url, config.study.database_patience, must_exist=True)
+    on_demand = config.study.database_connections == "on_demand"
+    storage = open_storage(
+        storage_url, config.study.database_patience, must_exist=True, on_demand=on_demand
+    )
     try:
         source = optuna.load_study(study_name=args.study, storage=storage)
     except KeyError as e:

@@ -205,6 +205,14 @@ class StudyConfig:
         "before it gives up.",
         600.0,
     )
+    database_connections: Literal["pooled", "on_demand"] = _doc(
+        "PostgreSQL only. pooled: each worker keeps at most 2 connections open (fastest; up to "
+        "max_connections / 2 workers, 48 on a stock server); on_demand: a connection per "
+        "database call, closed after it, so hundreds of workers share a stock server (each "
+        "call pays a connect: a few ms on a LAN, more over TLS). See README, 'Running on a "
+        "cluster'.",
+        "pooled",
+    )
     stop_timeout: float = _doc(
         "Seconds a worker gives its running trial to stop after SIGTERM or Ctrl-C before it "
         "kills it.",

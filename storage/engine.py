@@ -7,6 +7,7 @@ Library errors are wrapped here into StorageError with the password masked.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import random
 import time
@@ -35,8 +36,12 @@ TABLE_CREATION_ATTEMPTS = 5
 SQLITE_BUSY_TIMEOUT_S = 60
 
 
-def engine_kwargs(backend: str) -> dict[str, Any]:
-    """SQLAlchemy engine options: resilient long-lived connections on PostgreSQL."""
+def engine_kwargs(backend: str, on_demand: bool = False) -> dict[str, Any]:
+    """SQLAlchemy engine options: resilient long-lived connections on PostgreSQL, or with
+    `on_demand` a connection per call, closed after it (study.database_connections)."""
+    if backend == "postgresql" and on_demand:
+        pooled = engine_kwargs(backend)
+        return {"poolclass": sqlalchemy.pool.NullPool, "connect_args": pooled["connect_args"]}
     if backend == "postgresql":
         return {
             # Optuna sets pre-ping only for MySQL; idle PostgreSQL connections get dropped too.
@@ -62,11 +67,12 @@ def engine_kwargs(backend: str) -> dict[str, Any]:
 
 
 def create_engine(
-    storage_url: StorageURL, patience_s: float | None = None
+    storage_url: StorageURL, patience_s: float | None = None, on_demand: bool = False
 ) -> sqlalchemy.engine.Engine:
     """A plain SQLAlchemy engine on the study database, for hpo's own tables; with
     `patience_s`, new connections wait that long for a database that is down."""
-    engine = sqlalchemy.create_engine(storage_url.url, **engine_kwargs(storage_url.backend))
+    kwargs = engine_kwargs(storage_url.backend, on_demand)
+    engine = sqlalchemy.create_engine(storage_url.url, **kwargs)
     if patience_s is not None:
         wait_for_connections(engine, patience_s)
     return engine
@@ -113,18 +119,21 @@ def open_storage(
     patience_s: float | None = None,
     read_only: bool = False,
     must_exist: bool = False,
+    on_demand: bool = False,
 ) -> StudyStorage:
     """Connect (creating the tables if needed); raises StorageError naming what is wrong.
     With `patience_s`, once connected, calls ride out a database outage of up to that many
-    seconds. `read_only` (the monitoring commands) creates nothing: no database file, no tables,
-    no lock file; `must_exist` refuses to create an SQLite file."""
+    seconds, and a server that is full (all its connections taken) is waited for from the
+    start. `read_only` (the monitoring commands) creates nothing: no database file, no tables,
+    no lock file; `must_exist` refuses to create an SQLite file. `on_demand`: see
+    engine_kwargs."""
     if read_only or must_exist:
         _check_sqlite_file(storage_url)
     try:
         if read_only:
             rdb = _open_read_only(storage_url)
         else:
-            rdb = _create_tables_retrying(storage_url)
+            rdb = _create_tables_retrying(storage_url, patience_s or 0.0, on_demand)
         if patience_s is not None:
             wait_for_connections(rdb.engine, patience_s)
         return StudyStorage(rdb, storage_url, patience_s)
@@ -164,22 +173,43 @@ def _open_read_only(storage_url: StorageURL) -> optuna.storages.RDBStorage:
     )
 
 
-def _create_tables_retrying(storage_url: StorageURL) -> optuna.storages.RDBStorage:
+def _create_tables_retrying(
+    storage_url: StorageURL, full_patience_s: float, on_demand: bool
+) -> optuna.storages.RDBStorage:
     """Workers starting together on an empty database race to create Optuna's tables. On SQLite
     a file lock serialises them; on PostgreSQL the losers see a duplicate-object error and
-    succeed on a retry, once the tables exist."""
-    kwargs: dict[str, Any] = {"engine_kwargs": engine_kwargs(storage_url.backend)}
+    succeed on a retry, once the tables exist. A server with no connection free is waited
+    for up to `full_patience_s` (hundreds of workers starting at once); a wrong password or
+    database name fails at once."""
+    kwargs: dict[str, Any] = {"engine_kwargs": engine_kwargs(storage_url.backend, on_demand)}
     if storage_url.backend == "sqlite":
         with sqlite_lock(make_url(storage_url.url).database):
             return optuna.storages.RDBStorage(storage_url.url, **kwargs)
-    for attempt in range(TABLE_CREATION_ATTEMPTS):
+    deadline = time.monotonic() + full_patience_s
+    attempt = 0
+    while True:
         try:
             return optuna.storages.RDBStorage(storage_url.url, **kwargs)
         except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
-            if attempt == TABLE_CREATION_ATTEMPTS - 1:
+            attempt += 1
+            if attempt == TABLE_CREATION_ATTEMPTS:
                 raise
-            time.sleep(0.2 * (attempt + 1) + random.random() * 0.3)
-    raise AssertionError("unreachable")
+            time.sleep(0.2 * attempt + random.random() * 0.3)
+        except (sqlalchemy.exc.OperationalError, optuna.exceptions.StorageInternalError) as e:
+            if not server_full(e) or time.monotonic() > deadline:
+                raise
+            # The failed attempt's engine may hold a connection it got before the server
+            # refused the next one: closed now, not counted by the server while this one waits.
+            gc.collect()
+            time.sleep(0.5 + random.random())
+
+
+def server_full(error: BaseException) -> bool:
+    """PostgreSQL refused a connection because all of its connections are taken."""
+    text = str(_root_cause(error))
+    # The server's limit, its reserved slots, or a database's or role's CONNECTION LIMIT.
+    full = ("too many clients", "connection slots are reserved", "too many connections for")
+    return any(phrase in text for phrase in full)
 
 
 def _root_cause(error: BaseException) -> BaseException:

@@ -7,11 +7,17 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
+
+# Pauses between two tries of a busy advisory lock: from 20 ms, doubling up to 1 s.
+LOCK_FIRST_PAUSE_S = 0.02
+LOCK_MAX_PAUSE_S = 1.0
 
 
 def _lock_id(name: str) -> int:
@@ -20,14 +26,18 @@ def _lock_id(name: str) -> int:
 
 @contextlib.contextmanager
 def advisory_lock(engine: Engine, name: str) -> Iterator[None]:
-    """A PostgreSQL session lock named by `name`, held on its own connection."""
-    with engine.connect() as conn:
-        conn.execute(sa.text("SELECT pg_advisory_lock(:id)"), {"id": _lock_id(name)})
-        try:
-            yield
-        finally:
-            conn.execute(sa.text("SELECT pg_advisory_unlock(:id)"), {"id": _lock_id(name)})
-            conn.commit()
+    """A PostgreSQL session lock named by `name`, held on its own connection. A worker waiting
+    for it holds no connection: waiters blocked in pg_advisory_lock once took every connection
+    of a full server while the holder needed one more to finish (many workers on one server,
+    issue 13), so the lock is tried, and tried again after a random pause that grows."""
+    pause = LOCK_FIRST_PAUSE_S
+    while (conn := try_advisory_lock(engine, name)) is None:
+        time.sleep(random.uniform(pause / 2, pause))
+        pause = min(2 * pause, LOCK_MAX_PAUSE_S)  # many waiters must not flood the server
+    try:
+        yield
+    finally:
+        release_advisory_lock(conn, name)
 
 
 def try_advisory_lock(engine: Engine, name: str) -> sa.Connection | None:

@@ -1,0 +1,109 @@
+"""How many PostgreSQL connections hpo holds (issue 13): a pool of 2 per worker, or one per call
+(`study.database_connections: on_demand`), and a full server waited for, not failed on."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import optuna
+import pytest
+import sqlalchemy as sa
+
+from hpo.config import Config, ParamSpec, StudyConfig
+from hpo.objective import Objective
+from hpo.stopping import StopRequest
+from hpo.study import open_study, run_trials
+from storage.batch_cache import BatchSizeCache
+from storage.engine import engine_kwargs, open_storage
+from storage.errors import StorageError
+from storage.url import StorageURL
+
+pytestmark = pytest.mark.postgres
+
+
+def test_a_pooled_worker_holds_at_most_two_and_on_demand_none_between_calls() -> None:
+    pooled = engine_kwargs("postgresql")
+    assert (pooled["pool_size"], pooled["max_overflow"]) == (2, 0)
+    on_demand = engine_kwargs("postgresql", on_demand=True)
+    assert on_demand["poolclass"] is sa.pool.NullPool
+    assert on_demand["connect_args"] == pooled["connect_args"]  # same timeouts, keepalives
+    assert "poolclass" not in engine_kwargs("sqlite", on_demand=True)  # PostgreSQL only
+
+
+def _trivial(trial: Any, task: Any) -> float:
+    for step in range(2):
+        trial.report(float(step), step)
+    return float(task.params["x"])
+
+
+def test_on_demand_connections_run_a_study_and_hold_none_when_idle(postgres_url: str) -> None:
+    study_config = StudyConfig(n_trials=4, trial_isolation="none", database_connections="on_demand")
+    config = Config(study=study_config, search_space={"x": ParamSpec(type="float", low=0, high=1)})
+    url = StorageURL(postgres_url, "test")
+    storage = open_storage(url, patience_s=30, on_demand=True)
+    study = open_study(storage, "light", config)
+    stop = StopRequest()
+    objective = Objective(config, None, url, stop, _trivial, BatchSizeCache(storage.engine))  # type: ignore[arg-type]
+    assert run_trials(study, storage, objective, stop) == 4
+    states = [t.state for t in optuna.load_study(study_name="light", storage=postgres_url).trials]
+    assert states == [optuna.trial.TrialState.COMPLETE] * 4
+    query = "SELECT count(*) FROM pg_stat_activity WHERE application_name = :name"
+    with sa.create_engine(postgres_url, poolclass=sa.pool.NullPool).connect() as conn:
+        assert conn.execute(sa.text(query), {"name": f"hpo {os.getpid()}"}).scalar() == 0
+
+
+def postgres_admin(url: str) -> str:
+    return sa.engine.make_url(url).set(username="postgres").render_as_string(hide_password=False)
+
+
+@pytest.fixture
+def limited_role(postgres_url: str) -> Iterator[str]:
+    """The URL of `postgres_url`'s database as a role allowed two connections at a time (a
+    superuser ignores connection limits; opening a storage takes two)."""
+    role = f"hpo_limited_{uuid.uuid4().hex[:8]}"
+    admin = sa.create_engine(postgres_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE ROLE "{role}" LOGIN CONNECTION LIMIT 2'))
+        conn.execute(sa.text(f'GRANT ALL ON SCHEMA public TO "{role}"'))
+    try:
+        yield postgres_url.replace("postgres@", f"{role}@", 1)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP OWNED BY "{role}"'))
+            conn.execute(sa.text(f'DROP ROLE "{role}"'))
+        admin.dispose()
+
+
+def test_a_full_server_is_waited_for_at_start_and_a_wrong_name_is_not(limited_role: str) -> None:
+    holder = sa.create_engine(limited_role, poolclass=sa.pool.NullPool)
+    taken = [holder.connect(), holder.connect()]  # the server is "full" for the role
+    with pytest.raises(StorageError, match="too many connections"):
+        open_storage(StorageURL(limited_role, "test"))  # no patience: at once
+    opened: list[Any] = []
+    started = time.monotonic()
+    thread = threading.Thread(
+        target=lambda: opened.append(open_storage(StorageURL(limited_role, "test"), 60.0))
+    )
+    thread.start()
+    time.sleep(1.5)
+    assert not opened  # still waiting for a free connection
+    for conn in taken:
+        conn.close()
+    thread.join(timeout=30)
+    assert opened and 1.5 < time.monotonic() - started < 30
+    role = sa.engine.make_url(limited_role).username
+    with sa.create_engine(postgres_admin(limited_role)).connect() as conn:
+        held = "SELECT count(*) FROM pg_stat_activity WHERE usename = :role"
+        assert conn.execute(sa.text(held), {"role": role}).scalar() <= 2  # none left from waiting
+    opened[0].engine.dispose()
+    holder.dispose()
+    wrong = limited_role.rsplit("/", 1)[0] + "/no_such_database_here"
+    started = time.monotonic()
+    with pytest.raises(StorageError, match="does not exist"):
+        open_storage(StorageURL(wrong, "test"), 60.0)  # bad input: not waited on
+    assert time.monotonic() - started < 10

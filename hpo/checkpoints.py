@@ -23,6 +23,7 @@ from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
 from hpo.config import Config
+from storage.artifacts import ArtifactStore
 
 T = TypeVar("T")
 
@@ -93,16 +94,48 @@ def remove_unneeded_folders(
     if not _is_ours(root, {"study": study_name}):
         return []
     folders = [p for p in root.iterdir() if _is_trial_folder(p, study_name)]
-    keep = {folder_name(t) for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)}
+    keep = _active_folders(trials) | _best_model_folders(trials, directions)
+    removed = [p for p in folders if p.name not in keep]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+def remove_unneeded_artifacts(
+    store: ArtifactStore, study_name: str, trials: list[FrozenTrial],
+    directions: Sequence[StudyDirection],
+) -> list[str]:  # fmt: skip
+    """The artifact store's counterpart of remove_unneeded_folders: a resume state stays while
+    its trial runs or is queued, a best model also while its trial is the best; the rest goes,
+    only what hpo's manifests list. Returns the artifacts removed ("trial-3/state"). Raises
+    ArtifactStoreError when the store fails."""
+    study = study_folder_name(study_name)
+    active = _active_folders(trials)
+    models = active | _best_model_folders(trials, directions)
+    removed = []
+    for folder, kinds in sorted(store.folders(study).items()):
+        unneeded = tuple(k for k in kinds if folder not in (active if k == "state" else models))
+        if unneeded:
+            store.remove(study, folder, unneeded)
+            removed += [f"{folder}/{kind}" for kind in unneeded]
+    return removed
+
+
+def _active_folders(trials: list[FrozenTrial]) -> set[str]:
+    """The folders of running and queued attempts: a retry may resume from them."""
+    return {folder_name(t) for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)}
+
+
+def _best_model_folders(
+    trials: list[FrozenTrial], directions: Sequence[StudyDirection]
+) -> set[str]:
+    keep: set[str] = set()
     for group in _model_groups(trials):
         keep |= {folder_name(t) for t in best_trials(group, directions)}
         if "retrain_config" in group[0].user_attrs:
             # hpo retrain saves the best run on the first objective (hpo.retrain.best_run).
             keep |= {folder_name(t) for t in best_on_first_objective(group, directions[0])}
-    removed = [p for p in folders if p.name not in keep]
-    for path in removed:
-        shutil.rmtree(path, ignore_errors=True)
-    return removed
+    return keep
 
 
 def _model_groups(trials: list[FrozenTrial]) -> list[list[FrozenTrial]]:

@@ -26,6 +26,7 @@ from hpo.stopping import Interrupted, StopRequest, stopped_exit_code
 from storage.url import StorageURL
 
 EXIT_BAD_INPUT = 2
+ARTIFACT_STORE_ATTR = "artifact_store"  # the study's store, as its workers resolved it
 MAX_STUDY_NAME_CHARS = 512  # Optuna's studies.study_name column
 PARAMS_EXAMPLE = '{"learning_rate": 3e-5, "effective_batch_size": 32}'
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -112,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
         "searches within that share): more throughput for small models and batches. auto: "
         "4, 2 or 1, the most whose share still fits the largest effective batch of the search "
         "space in one micro-batch. Implies --gpus auto unless --gpus is given",
+    )
+    run.add_argument(
+        "--artifact-store",
+        default=None,
+        help="where every host finds checkpoints and best models: file:///shared/path or "
+        "s3://bucket/prefix (overrides $HPO_ARTIFACT_STORE and study.artifact_store)",
     )
     run.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
     run.add_argument("--quiet", action="store_true", help="only warnings and the final summary")
@@ -252,6 +259,17 @@ def _add_monitoring_commands(commands: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     for sub in (studies, best, status):
         sub.add_argument("--json", action="store_true", help="machine-readable output")
+    for sub in (best, status):
+        sub.add_argument(
+            "--artifact-store", default=None,
+            help="the study's artifact store (default: $HPO_ARTIFACT_STORE, then the one its "
+            "workers recorded)",
+        )  # fmt: skip
+    best.add_argument(
+        "--download", type=Path, default=None, metavar="DIR",
+        help="fetch the best model from the artifact store into DIR (new or empty), every file "
+        "checked against its sha256",
+    )  # fmt: skip
     dashboard.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost)")
     dashboard.add_argument("--port", type=_port_number, default=8080, help="port (default 8080)")
 
@@ -397,6 +415,11 @@ def _run(args: argparse.Namespace) -> int:
     on_demand = config.study.database_connections == "on_demand"
     storage = open_storage(storage_url, config.study.database_patience, on_demand=on_demand)
     study = open_study(storage, args.study, config)
+    if config.study.artifact_store is not None:
+        # For `hpo best` and `hpo status`, which have no config.
+        study.set_user_attr(ARTIFACT_STORE_ATTR, config.study.artifact_store)
+        print(f"hpo: checkpoints and best models go to {config.study.artifact_store}",
+              file=sys.stderr)  # fmt: skip
     code = _work(study, storage, inputs, stop, args)
     print("\n".join(summary_lines(study, config.study.objectives)))
     if stop.signal_name is not None:
@@ -538,6 +561,7 @@ def _check_inputs(args: argparse.Namespace) -> tuple[Config, StorageURL, list[st
     """Every input of `hpo run`, checked before the database is touched: a bad one writes
     nothing. Returns the config, the storage URL, the worker's GPUs, the prepared data and the
     workers per GPU."""
+    from storage.artifacts import resolve_artifact_url
     from storage.url import resolve_storage_url
 
     check_study_name(args.study)
@@ -547,6 +571,9 @@ def _check_inputs(args: argparse.Namespace) -> tuple[Config, StorageURL, list[st
     config = load_config(config_path)
     _apply_overrides(config, args)
     storage_url = resolve_storage_url(args.storage, config.study.storage)
+    artifacts = resolve_artifact_url(getattr(args, "artifact_store", None),
+                                     config.study.artifact_store)  # fmt: skip
+    config.study.artifact_store = artifacts.url if artifacts is not None else None
     _check_memory_share()
     per_gpu = args.workers_per_gpu
     gpus = _worker_gpus(config, "auto" if args.gpus is None and per_gpu is not None else args.gpus)
@@ -717,6 +744,8 @@ def _monitor(args: argparse.Namespace) -> int:
         if not best:
             raise HPOError(f"study {args.study!r} has no completed trial yet")
         retrained = study.user_attrs.get("retrain")
+        if args.download is not None:
+            return _download_best(study, best, args)
         if args.json:  # several objectives: the Pareto front, a list
             shown: Any = best if len(study.directions) > 1 else best[0]
             if retrained is not None:
@@ -732,11 +761,78 @@ def _monitor(args: argparse.Namespace) -> int:
     if args.watch:
         return _watch(study, storage, args.json, args.interval)
     summary = report.status(study, storage=storage)
-    print(
-        json.dumps(summary, indent=2, default=str)
-        if args.json
-        else "\n".join(report.status_lines(summary))
-    )
+    store = _artifact_summary(study, args)
+    if store is not None:
+        summary["artifact_store"] = store
+    lines = report.status_lines(summary) + ([_artifact_line(store)] if store else [])
+    print(json.dumps(summary, indent=2, default=str) if args.json else "\n".join(lines))
+    return 0
+
+
+def _study_artifact_store(study: Any, args: argparse.Namespace) -> Any:
+    """The study's artifact store (--artifact-store, $HPO_ARTIFACT_STORE, its workers'
+    record), or None."""
+    from storage.artifacts import resolve_artifact_url
+
+    recorded = study.user_attrs.get(ARTIFACT_STORE_ATTR)
+    url = resolve_artifact_url(args.artifact_store, None, recorded)
+    if url is None:
+        return None
+    from storage.artifacts import ArtifactStore
+
+    return ArtifactStore(url.url)
+
+
+def _artifact_summary(study: Any, args: argparse.Namespace) -> dict[str, Any] | None:
+    """What the study holds in its store: URL, bytes and trial folders; an unreachable store is
+    said, not fatal (status is for looking)."""
+    from hpo.checkpoints import study_folder_name
+    from storage.artifacts import ArtifactStoreError
+
+    store = _study_artifact_store(study, args)
+    if store is None:
+        return None
+    slug = study_folder_name(study.study_name)
+    try:
+        return {"url": store.url, "size_bytes": store.size(slug),
+                "trial_folders": len(store.folders(slug))}  # fmt: skip
+    except ArtifactStoreError as e:
+        return {"url": store.url, "error": str(e)}
+
+
+def _artifact_line(store: dict[str, Any]) -> str:
+    if "error" in store:
+        return f"artifact store {store['url']}: unreachable ({store['error']})"
+    return (f"artifact store {store['url']}: {store['size_bytes'] / 1e6:.1f} MB in "
+            f"{store['trial_folders']} trial folders")  # fmt: skip
+
+
+def _download_best(study: Any, best: list[dict], args: argparse.Namespace) -> int:
+    """`hpo best --download DIR`: the best trial's model from the store into DIR (written
+    beside it, then renamed: never half a model), each file checked against its sha256."""
+    from hpo.checkpoints import study_folder_name
+    from storage.artifacts import ArtifactStoreError
+
+    store = _study_artifact_store(study, args)
+    if store is None:
+        raise HPOError(f"study {study.study_name!r} has no artifact store; its best model is on "
+                       "the host that trained it (hpo best names the folder)")  # fmt: skip
+    out = args.download
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise HPOError(f"--download {out}: exists and is not an empty folder; name a new one")
+    folder = f"trial-{int(best[0]['user_attrs'].get('first_attempt', best[0]['number']))}"
+    aside = out.parent / f".{out.name}.{os.getpid()}.download"
+    try:
+        manifest = store.fetch(study_folder_name(study.study_name), folder, "best-model", aside)
+    except (ArtifactStoreError, OSError) as e:
+        raise HPOError(f"best model of trial #{best[0]['number']} not downloaded: {e}") from e
+    if manifest is None:
+        raise HPOError(f"trial #{best[0]['number']} has no best model in {store.url}")
+    if out.is_dir():
+        out.rmdir()
+    aside.rename(out)
+    print(f"hpo: best model of trial #{best[0]['number']} ({manifest.size / 1e6:.1f} MB, "
+          f"sha256 checked) in {out}")  # fmt: skip
     return 0
 
 
@@ -862,7 +958,10 @@ def _best_text(best: dict) -> str:
     else:
         text = f"best trial #{best['number']} of {best['study']!r}: {best['value']:.4f} ({params})"
     model = best["user_attrs"].get("best_model")
-    if model:
+    uri = best["user_attrs"].get("best_model_uri")
+    if uri:
+        text += f"\nmodel: {uri} (hpo best --download DIR fetches it)"
+    elif model:
         text += f"\nmodel: {model} (AutoModelForSequenceClassification.from_pretrained)"
     return text
 

@@ -38,7 +38,19 @@ DURATION_KEYS = (
     "checkpoint_interval",
     "database_patience",
     "stop_timeout",
+    "artifact_patience",
 )
+
+
+def _artifact_store_problems(url: str) -> list[tuple[str, Any, str]]:
+    from storage.artifacts import ArtifactStoreError, validated_artifact_url
+    from storage.url import mask_text
+
+    try:
+        validated_artifact_url(url)
+    except ArtifactStoreError as e:
+        return [("artifact_store", mask_text(url), str(e))]
+    return []
 
 
 def _doc(text: str, default: Any = None) -> Any:
@@ -200,6 +212,18 @@ class StudyConfig:
         "Folder for checkpoints (default ./hpo-checkpoints); on a filesystem every worker "
         "shares, a trial retried on another host resumes too."
     )
+    artifact_store: str | None = _doc(
+        "Where every host finds checkpoints and best models: file:///path (a shared mount) or "
+        "s3://bucket/prefix (S3, MinIO, Ceph, R2: credentials, profile and $AWS_ENDPOINT_URL "
+        "from the usual AWS settings). Checkpoints are written locally first and uploaded in "
+        "the background; a retry on any host resumes from the store. --artifact-store and "
+        "$HPO_ARTIFACT_STORE take precedence. Default: none, checkpoints stay on their host.",
+    )
+    artifact_patience: float = _doc(
+        "Seconds a finished or stopped trial waits for its uploads to the artifact store "
+        "(retried with backoff) before it gives up and records checkpoint_error.",
+        120.0,
+    )
     database_patience: float = _doc(
         "Seconds a worker rides out an unreachable study database (retrying with backoff) "
         "before it gives up.",
@@ -269,6 +293,10 @@ class StudyConfig:
             found.append(("stop_timeout", self.stop_timeout, "must be > 0 seconds"))
         if self.checkpoint_interval < 0:
             found.append(("checkpoint_interval", self.checkpoint_interval, "must be >= 0 seconds"))
+        if self.artifact_patience <= 0:
+            found.append(("artifact_patience", self.artifact_patience, "must be > 0 seconds"))
+        if self.artifact_store is not None:
+            found.extend(_artifact_store_problems(self.artifact_store))
         if self.n_trials is None and self.timeout is None:
             found.append(("n_trials", None, "give n_trials or timeout, or the study never ends"))
         if len(self.enqueue) > MAX_ENQUEUED:

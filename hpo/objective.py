@@ -16,7 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 
-from hpo.checkpoints import checkpoint_root, folder_name, prepare_trial_folder
+from hpo.checkpoints import (
+    checkpoint_root,
+    folder_name,
+    prepare_trial_folder,
+    study_folder_name,
+)
 from hpo.config import Config, StudyConfig
 from hpo.logs import worker_label
 from hpo.search_space import sample
@@ -29,6 +34,7 @@ from hpo.trial_process import (
     TrialTarget,
     TrialValue,
 )
+from storage.artifacts import ArtifactTarget
 from storage.batch_cache import BatchCacheRequests, BatchSizeCache, RelayedBatchCache
 from storage.engine import create_engine
 from storage.url import StorageURL
@@ -56,6 +62,7 @@ class TrialTask:
     resume: bool = False  # a retry: resume from the folder's checkpoint if there is one
     asked_at: float | None = None  # wall clock (time.time()) when the trial was created
     full_data: bool = False  # train on the evaluation split too (hpo retrain --full-data)
+    artifacts: ArtifactTarget | None = None  # the shared store, when the study has one
 
 
 class Objective:
@@ -109,6 +116,7 @@ class Objective:
         if study_config.checkpoints:
             changes["checkpoint_dir"] = _trial_folder(self.task.config, trial)
             changes["resume"] = "first_attempt" in trial.user_attrs
+            changes["artifacts"] = artifact_target(study_config, trial)
         try:
             if study_config.trial_isolation == "process":
                 return self.trial_process.run(trial, changes, taken_over)
@@ -149,6 +157,14 @@ def _trial_folder(config: Config, trial: optuna.Trial) -> Path | None:
         log.warning("trial %d: %s", trial.number, reason)
         trial.set_user_attr("checkpoint_error", reason[:500])
         return None
+
+
+def artifact_target(study_config: StudyConfig, trial: optuna.Trial) -> ArtifactTarget | None:
+    """Where the trial's checkpoints go besides its local folder, if the study has a store."""
+    if study_config.artifact_store is None:
+        return None
+    study = study_folder_name(trial.study.study_name)
+    return ArtifactTarget(study_config.artifact_store, study, folder_name(trial))
 
 
 def _limits(study_config: StudyConfig) -> TrialLimits:

@@ -36,6 +36,7 @@ from hpo.objective import Objective, worker_id
 from hpo.pruners import MarginPruner
 from hpo.stopping import HandBack, Interrupted, StopRequest, TakenOver
 from hpo.trials import StudyTrials
+from storage.artifacts import ArtifactStore
 from storage.engine import StudyStorage
 
 log = logging.getLogger(__name__)
@@ -243,16 +244,19 @@ def run_trials(
     trials = StudyTrials(study, storage, worker_id(), study_config.n_trials,
                          liveness(study_config), queued_only)  # fmt: skip
     deadline = None if study_config.timeout is None else time.monotonic() + study_config.timeout
-    checkpoints = None
+    checkpoints, artifacts = None, None
     if study_config.checkpoints:
         checkpoints = checkpoint_root(objective.task.config, study.study_name)
+        if study_config.artifact_store is not None:
+            artifacts = ArtifactStore(study_config.artifact_store)
     in_worker = study_config.trial_isolation == "none"
     if in_worker:
         # What is alive now (torch, transformers, the data) outlives every trial: frozen out of
         # the collection that frees each trial's memory (150 ms a trial otherwise).
         gc.freeze()
     try:
-        return _trial_loop(trials, objective, stop, checkpoints, deadline, collect=in_worker)
+        return _trial_loop(trials, objective, stop, (checkpoints, artifacts), deadline,
+                           collect=in_worker)  # fmt: skip
     finally:
         objective.close()
         if in_worker:
@@ -263,10 +267,12 @@ def _trial_loop(
     trials: StudyTrials,
     objective: Objective,
     stop: StopRequest,
-    checkpoints: Path | None,
+    kept: tuple[Path | None, ArtifactStore | None],
     deadline: float | None,
     collect: bool,
 ) -> int:
+    """`kept`: where checkpoints live, the local folder and the artifact store."""
+    checkpoints, artifacts = kept
     ran = 0
     while not stop.requested:
         if deadline is not None and time.monotonic() >= deadline:
@@ -297,6 +303,8 @@ def _trial_loop(
             live.trial_ended()
             if collect:
                 gc.collect()  # the trial's memory, in the worker itself
+        if artifacts is not None:
+            trials.remove_stale_artifacts(artifacts)
         if live.active():
             _show_study(trials.study)
     if checkpoints is not None:

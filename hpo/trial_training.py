@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 import optuna
 
 from hpo import progress as live
+from hpo.artifact_upload import BackgroundUploader, fetch_resume_state
 from hpo.objective import TrialTask, batch_cache
 from hpo.search_space import training_for_trial
 from hpo.stopping import Interrupted, TrialTimedOut
@@ -24,6 +25,7 @@ from hpo.trial_process import (
     stop_reason,
     stop_requested,
 )
+from storage.artifacts import ArtifactStore, ArtifactStoreError
 from trainer import device as dev
 from trainer.batch_finder import (
     BatchSearch,
@@ -52,10 +54,11 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
     training = training_for_trial(task.config.training, task.params)
     job = TrainJob(data=task.config.data, model=task.config.model, training=training)
     cache = batch_cache(trial, task)
-    store = None
+    store, uploader = None, None
     if task.checkpoint_dir is not None:
         interval = task.config.study.checkpoint_interval
         store = CheckpointStore(task.checkpoint_dir, resume=task.resume, interval_s=interval)
+        uploader = _start_uploader(trial, task, store)
     try:
         key = _resolve_physical_batch(trial, job, cache, task.data)
         batch_at = time.time()
@@ -68,18 +71,20 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
         result = train(job, data, reporter, metric, store, should_stop=should_stop,
                        on_progress=_progress_sender(trial, task.config.study.n_trials))  # fmt: skip
     except OutOfMemoryAtBatchOne as e:
+        _give_up_uploads(uploader)
         replace_after_this_trial("out of memory at batch 1")
         reason = f"oom: {e}"
         trial.set_user_attr("prune_reason", reason)
         trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
         raise optuna.TrialPruned(reason) from e
     except Exception as e:
+        _give_up_uploads(uploader)
         trial.set_user_attr("fail_reason", f"{type(e).__name__}: {e}"[:1000])
         trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
         raise
     if result.status == "interrupted":
-        if store is not None:  # it checkpointed on the way out: say what that cost
-            _record_checkpoint_cost(trial, store)
+        if store is not None:  # it checkpointed on the way out: upload it, say what that cost
+            _hand_over(trial, task, store, uploader)
         _raise_stopped(started, task.config.study.trial_timeout)
     record_result(trial, result)
     if result.first_step_at is not None and task.asked_at is not None:
@@ -89,10 +94,54 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
             parts = _startup_parts(task.asked_at, began_at, batch_at, result)
             trial.set_user_attr("startup_parts", parts)
     if store is not None:
-        _record_checkpoints(trial, store, result, task)
+        _record_checkpoints(trial, store, result, task, uploader)
     if result.oom_recoveries and key is not None:
         cache.lower(key, result.physical_batch_size)
     return _value(trial, result, objectives)
+
+
+def _start_uploader(
+    trial: TrialLike, task: TrialTask, store: CheckpointStore
+) -> BackgroundUploader | None:
+    """With an artifact store: a retry whose folder has no state (another host's trial) gets
+    it from the store first; then each checkpoint written goes there in the background."""
+    if task.artifacts is None:
+        return None
+    try:
+        artifacts = ArtifactStore(task.artifacts.url)
+    except ArtifactStoreError as e:
+        store.errors.append(f"no artifact store: {e}"[:500])
+        return None
+    if task.resume and not store.state_path.is_file():
+        if fetch_resume_state(artifacts, task.artifacts, store):
+            uri = artifacts.uri(task.artifacts.study, task.artifacts.folder, "state")
+            trial.set_user_attr("resumed_from", uri)
+    uploader = BackgroundUploader(artifacts, task.artifacts)
+    store.on_saved = uploader.submit
+    return uploader
+
+
+def _give_up_uploads(uploader: BackgroundUploader | None) -> None:
+    """A trial that fails or is pruned is not retried: its state is not needed elsewhere."""
+    if uploader is not None:
+        uploader.close(timeout_s=0)
+
+
+def _hand_over(
+    trial: TrialLike, task: TrialTask, store: CheckpointStore, uploader: BackgroundUploader | None
+) -> None:
+    """A stopped trial's last checkpoint goes to the store before the process ends (within
+    half of study.stop_timeout: after it the worker kills the process), for the retry."""
+    if uploader is not None:
+        study = task.config.study
+        uploader.close(timeout_s=min(study.artifact_patience, study.stop_timeout / 2))
+        _record_uploads(trial, store, uploader)
+    _record_checkpoint_cost(trial, store)
+
+
+def _record_uploads(trial: TrialLike, store: CheckpointStore, uploader: BackgroundUploader) -> None:
+    store.errors.extend(uploader.stats.errors)
+    trial.set_user_attr("upload_s", round(uploader.stats.upload_s, 3))
 
 
 def _startup_parts(
@@ -129,16 +178,41 @@ def _raise_stopped(started: float, trial_timeout: float | None) -> NoReturn:
 
 
 def _record_checkpoints(
-    trial: TrialLike, store: CheckpointStore, result: TrainResult, task: TrialTask
+    trial: TrialLike,
+    store: CheckpointStore,
+    result: TrainResult,
+    task: TrialTask,
+    uploader: BackgroundUploader | None,
 ) -> None:
     """The run is over: its resume state goes; its best model stays, with the tokenizer, until
-    a better trial's does (see hpo.checkpoints)."""
+    a better trial's does (see hpo.checkpoints). With a store, the best model goes there (its
+    URI recorded once it is there whole) and the state there goes."""
     store.drop_state()
     if result.resumed_at_step is not None:
         trial.set_user_attr("resumed_at_step", result.resumed_at_step)
-    if store.best_model_path.is_dir() and store.save_tokenizer(load_tokenizer(task.config.model)):
+    has_model = store.best_model_path.is_dir()
+    if has_model and store.save_tokenizer(load_tokenizer(task.config.model)):
         trial.set_user_attr("best_model", str(store.best_model_path))
+    if uploader is not None:
+        if has_model:
+            uploader.submit("best-model", store.best_model_path)  # now with its tokenizer
+        if uploader.close(timeout_s=task.config.study.artifact_patience):
+            _drop_stored_state(trial, uploader, has_model)
+        _record_uploads(trial, store, uploader)
     _record_checkpoint_cost(trial, store)
+
+
+def _drop_stored_state(trial: TrialLike, uploader: BackgroundUploader, has_model: bool) -> None:
+    """Every upload is in: the best model's URI for `hpo best`; the state in the store goes (a
+    store that refuses now: the worker's cleanup removes it later)."""
+    target = uploader.target
+    if has_model:
+        trial.set_user_attr("best_model_uri", uploader.store.uri(target.study, target.folder,
+                                                                 "best-model"))  # fmt: skip
+    try:
+        uploader.store.remove(target.study, target.folder, ("state",))
+    except ArtifactStoreError as e:
+        log.warning("trial %d: its state stays in the store for now: %s", trial.number, e)
 
 
 def _record_checkpoint_cost(trial: TrialLike, store: CheckpointStore) -> None:

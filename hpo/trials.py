@@ -17,7 +17,12 @@ import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import FrozenTrial, TrialState
 
-from hpo.checkpoints import remove_stale_checkpoints, remove_unneeded_folders
+from hpo.checkpoints import (
+    remove_stale_checkpoints,
+    remove_unneeded_artifacts,
+    remove_unneeded_folders,
+)
+from storage.artifacts import ArtifactStore, ArtifactStoreError
 from storage.engine import StudyStorage
 from storage.heartbeats import Heartbeats, HeartbeatThread
 from storage.retry import retry_trial
@@ -142,6 +147,19 @@ class StudyTrials:
             return []
         with self.storage.lock(self.study_id):
             return remove_stale_checkpoints(self.study, root)
+
+    def remove_stale_artifacts(self, store: ArtifactStore) -> list[str]:
+        """The trials read under the lock (none is between its FAIL and its retry), the store's
+        requests made after it: a slow store never holds the study's lock. Never raises: a
+        store that fails now is cleaned after a later trial."""
+        with self.storage.lock(self.study_id):
+            trials = self.study.get_trials(deepcopy=False)
+        try:
+            return remove_unneeded_artifacts(store, self.study.study_name, trials,
+                                             self.study.directions)  # fmt: skip
+        except ArtifactStoreError as e:
+            log.warning("old artifacts of study %r not removed yet: %s", self.study.study_name, e)
+            return []
 
     def _fail(self, number: int, reason: str) -> bool:
         trial_id = self._trial_id(number)

@@ -17,6 +17,7 @@ import random
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,9 @@ class CheckpointStore:
     errors: list[str] = field(default_factory=list)
     seconds: float = 0.0  # spent writing, so a trial shows what its checkpoints cost
     last_state_at: float = field(default_factory=time.monotonic)
+    # Called after each state ("state", its file) or best model ("best-model", its folder) is
+    # written, e.g. to copy it where other hosts can reach it; it must not block for long.
+    on_saved: Callable[[str, Path], None] | None = None
 
     def state_due(self) -> bool:
         return time.monotonic() - self.last_state_at >= self.interval_s
@@ -59,16 +63,26 @@ class CheckpointStore:
     def save_state(self, state: dict[str, Any]) -> bool:
         """Write the resume state atomically; False (and the reason in `errors`) on failure."""
         self.last_state_at = time.monotonic()
-        return self._guarded("checkpoint", lambda: _atomic_torch_save(state, self.state_path))
+        saved = self._guarded("checkpoint", lambda: _atomic_torch_save(state, self.state_path))
+        return self._saved("state", self.state_path, saved)
 
     def save_best_model(
         self, model: torch.nn.Module, state_dict: dict[str, torch.Tensor] | None = None
     ) -> bool:
         """The weights of the run's best evaluation (`state_dict`, or the model's own),
         loadable with `from_pretrained`."""
-        return self._guarded(
+        saved = self._guarded(
             "best model", lambda: _atomic_save_pretrained(model, self.directory, state_dict)
         )
+        return self._saved("best-model", self.best_model_path, saved)
+
+    def adopt_best_model(self, folder: Path) -> None:
+        """Make `folder` (complete, inside this trial's directory, e.g. downloaded from another
+        host) the best model, swapped in as a new version. OSError when the disk refuses."""
+        version = f".{BEST_MODEL_DIR}.v{_newest_version(self.directory) + 1}"
+        folder.rename(self.directory / version)
+        previous = _point_best_model_at(self.directory, version)
+        _remove_versions(self.directory, keep=(version, previous))
 
     def save_tokenizer(self, tokenizer: Any) -> bool:
         """Beside the best model, so that the folder is all a user needs to load it."""
@@ -105,6 +119,11 @@ class CheckpointStore:
             _remove_versions(self.directory, keep=_current_version(self.directory))
         except OSError as e:  # e.g. the folder was never usable: nothing to drop
             log.debug("cannot clean %s: %s", self.directory, e)
+
+    def _saved(self, kind: str, path: Path, saved: bool) -> bool:
+        if saved and self.on_saved is not None:
+            self.on_saved(kind, path)
+        return saved
 
     def _guarded(self, what: str, write: Any) -> bool:
         started = time.perf_counter()

@@ -1,0 +1,158 @@
+"""A trial's artifacts in the shared store: its checkpoints uploaded in the background while it
+trains (the newest of each kind supersedes an older one still queued; failures retried with
+backoff, never fatal), and its state fetched from the store when a retry on another host starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from storage.artifacts import ArtifactStore, ArtifactStoreError, ArtifactTarget
+from trainer.checkpoint import STATE_FILE, CheckpointStore
+
+log = logging.getLogger(__name__)
+
+# Order of a round: the best model before the state that names its evaluation, so that a
+# state in the store always has its best model there too.
+UPLOAD_ORDER = ("best-model", "state")
+
+
+@dataclass
+class Backoff:
+    """Seconds between two tries of a failed upload: doubling from `first_s` up to `most_s`."""
+
+    first_s: float = 1.0
+    most_s: float = 30.0
+
+    def delay(self, failures: int) -> float:
+        return float(min(self.most_s, self.first_s * 2 ** max(0, failures - 1)))
+
+
+@dataclass
+class UploadStats:
+    uploads: int = 0
+    upload_s: float = 0.0
+    uploaded_bytes: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class BackgroundUploader:
+    """One thread that publishes a trial's checkpoints to the store as they are written.
+
+    `submit` never blocks training: it only records the newest path of its kind. The thread
+    publishes best model then state; a failure is recorded (`stats.errors`) and retried after
+    a backoff, with whatever is newest by then."""
+
+    def __init__(self, store: ArtifactStore, target: ArtifactTarget,
+                 backoff: Backoff | None = None) -> None:  # fmt: skip
+        self.store, self.target = store, target
+        self.backoff = backoff or Backoff()
+        self.stats = UploadStats()
+        self._pending: dict[str, Path] = {}
+        self._busy = False
+        self._failures = 0
+        self._closed = False
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="hpo-artifact-upload", daemon=True)
+        self._thread.start()
+
+    def submit(self, kind: str, path: Path) -> None:
+        with self._changed:
+            self._pending[kind] = path
+            self._changed.notify_all()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until everything submitted is in the store, at most `timeout_s`; whether it is."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while self._pending or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(left)
+        return True
+
+    def close(self, timeout_s: float) -> bool:
+        """Flush, then stop the thread; what is still pending after `timeout_s` is given up,
+        with the reason recorded."""
+        done = self.flush(timeout_s)
+        with self._changed:
+            given_up = sorted(self._pending)
+            self._pending.clear()
+            self._closed = True
+            self._changed.notify_all()
+        if given_up:
+            reason = self.stats.errors[-1] if self.stats.errors else "no answer from the store"
+            self._record(f"{', '.join(given_up)} not uploaded after {timeout_s:g} s: {reason}")
+        return done and not given_up
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                while not self._pending and not self._closed:
+                    self._changed.wait()
+                if self._closed:
+                    return
+                kind = next(k for k in UPLOAD_ORDER if k in self._pending)
+                path = self._pending.pop(kind)
+                self._busy = True
+            ok = self._publish(kind, path)
+            with self._changed:
+                self._busy = False
+                if not ok:
+                    self._pending.setdefault(kind, path)  # unless a newer one came meanwhile
+                    self._failures += 1
+                    self._changed.notify_all()
+                    self._changed.wait(self.backoff.delay(self._failures))
+                else:
+                    self._failures = 0
+                    self._changed.notify_all()
+
+    def _publish(self, kind: str, path: Path) -> bool:
+        started = time.perf_counter()
+        try:
+            manifest = self.store.publish(self.target.study, self.target.folder, kind, path)
+        except ArtifactStoreError as e:
+            self._record(f"{kind} not uploaded to {self.target.url}: {e}")
+            return False
+        self.stats.uploads += 1
+        self.stats.upload_s += time.perf_counter() - started
+        self.stats.uploaded_bytes += manifest.size
+        log.debug("%s of %s uploaded (%d bytes)", kind, self.target.folder, manifest.size)
+        return True
+
+    def _record(self, reason: str) -> None:
+        if not self.stats.errors or self.stats.errors[-1] != reason:
+            log.warning("%s; training goes on", reason)
+        self.stats.errors.append(reason[:500])
+
+
+def fetch_resume_state(store: ArtifactStore, target: ArtifactTarget,
+                       checkpoints: CheckpointStore) -> bool:  # fmt: skip
+    """A retry whose folder has no state (it runs on another host): the trial's best model and
+    state from the store into its folder, each checked against its manifest's hashes. Whether a
+    state came; the fingerprint check of the training decides whether it is used."""
+    directory = checkpoints.directory
+    aside = directory / f".download-{uuid.uuid4().hex[:8]}"
+    try:
+        model = store.fetch(target.study, target.folder, "best-model", aside / "best-model")
+        if model is not None:
+            checkpoints.adopt_best_model(aside / "best-model")
+        state = store.fetch(target.study, target.folder, "state", aside / "state")
+        if state is None:
+            return False
+        (aside / "state" / STATE_FILE).replace(checkpoints.state_path)
+        return True
+    except (ArtifactStoreError, OSError) as e:
+        reason = f"resume state not fetched from {target.url}: {e}"
+        log.warning("%s; training starts over", reason)
+        checkpoints.errors.append(reason[:500])
+        return False
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)

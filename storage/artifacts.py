@@ -1,0 +1,572 @@
+"""The artifact store: checkpoints and best models where every host can reach them, on a shared
+mount (`file:///path`) or in S3 and S3-compatible stores (`s3://bucket/prefix`, via boto3).
+
+What a reader may trust is what a manifest names: a publish uploads its files under a new
+version first and writes the manifest (what, where, size, when, sha256) last, so an upload cut
+midway leaves nothing a reader would use; a fetch checks every file's size and hash. Keys are
+made by hpo from slugs (never a user's string), and removal deletes only the keys that hpo's
+own manifests list.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, Protocol
+from urllib.parse import unquote, urlsplit
+
+from storage.errors import StorageError
+from storage.url import mask_text
+
+ENV_VAR = "HPO_ARTIFACT_STORE"
+EXAMPLE_URLS = "file:///mnt/shared/hpo or s3://bucket/prefix"
+KINDS = ("state", "best-model")
+MANIFEST_SUFFIX = ".manifest.json"
+FORMAT = 1
+_SAFE_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# S3's bucket rules (lowercase, digits, dots and hyphens, 3 to 63 characters).
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_CHUNK = 1 << 20
+
+log = logging.getLogger(__name__)
+
+
+class ArtifactStoreError(StorageError):
+    """The artifact store cannot be reached or used, or holds something hpo will not trust.
+    Messages never contain a credential."""
+
+
+class UntrustedArtifact(ArtifactStoreError):
+    """A manifest hpo did not write, or a file that does not match its manifest."""
+
+
+@dataclass(frozen=True)
+class ArtifactURL:
+    """A validated artifact store URL and where it came from."""
+
+    url: str
+    origin: str  # "--artifact-store", "$HPO_ARTIFACT_STORE", "config", "study"
+
+    @property
+    def scheme(self) -> str:
+        return self.url.partition("://")[0]
+
+    def describe(self) -> str:
+        return f"{self.url} (from {self.origin})"
+
+
+def resolve_artifact_url(cli_value: str | None, config_value: str | None,
+                         study_value: str | None = None) -> ArtifactURL | None:  # fmt: skip
+    """The store by precedence (--artifact-store, $HPO_ARTIFACT_STORE, the config, the study's
+    record), validated; None without one. Raises ArtifactStoreError naming what is wrong."""
+    if cli_value is not None and not cli_value.strip():
+        raise ArtifactStoreError(
+            f"--artifact-store is empty; give e.g. {EXAMPLE_URLS}, or leave it out"
+        )
+    candidates = (
+        (cli_value, "--artifact-store"),
+        (os.environ.get(ENV_VAR) or None, f"${ENV_VAR}"),
+        (config_value, "config"),
+        (study_value, "the study's record"),
+    )
+    for value, origin in candidates:
+        if value:
+            return ArtifactURL(validated_artifact_url(value, origin), origin)
+    return None
+
+
+def validated_artifact_url(url: str, origin: str = "config") -> str:
+    """The URL, normalised (no trailing slash); raises ArtifactStoreError with one line."""
+    where = f"artifact store URL from {origin}"
+    shown = repr(mask_text(url)[:200])
+    if url != url.strip() or any(ord(c) < 32 for c in url):
+        raise ArtifactStoreError(f"{where} has spaces or control characters in it ({shown})")
+    parts = urlsplit(url)
+    if parts.scheme not in ("file", "s3"):
+        scheme = repr(parts.scheme[:20]) if parts.scheme else "no scheme"
+        raise ArtifactStoreError(
+            f"{where} has {scheme} ({shown}); use {EXAMPLE_URLS}"
+            + (
+                " (gs:// is not supported yet: mount the bucket and use file://)"
+                if parts.scheme == "gs"
+                else ""
+            )  # fmt: skip
+        )
+    if parts.query or parts.fragment:
+        raise ArtifactStoreError(
+            f"{where} has a query or fragment ({shown}); set the endpoint with "
+            "$AWS_ENDPOINT_URL and credentials with the usual AWS variables or profiles"
+        )
+    if "@" in parts.netloc or parts.password is not None:
+        raise ArtifactStoreError(
+            f"{where} holds credentials ({shown}); never put keys in the URL: use "
+            "$AWS_ACCESS_KEY_ID and $AWS_SECRET_ACCESS_KEY, $AWS_PROFILE or an instance role"
+        )
+    if parts.scheme == "file":
+        return _validated_file_url(parts.netloc, parts.path, where, shown)
+    return _validated_s3_url(parts.netloc, parts.path, where, shown)
+
+
+def _validated_file_url(host: str, path: str, where: str, shown: str) -> str:
+    if host not in ("", "localhost") or not path.startswith("/"):
+        raise ArtifactStoreError(
+            f"{where} needs an absolute path, file:///path (three slashes), got {shown}"
+        )
+    folder = Path(unquote(path))
+    if not folder.is_dir():
+        raise ArtifactStoreError(
+            f"{where}: {str(folder)[:200]!r} is not a folder; create it on the shared mount "
+            "(every host must see the same folder there)"
+        )
+    return "file://" + str(folder.resolve())
+
+
+def _validated_s3_url(bucket: str, path: str, where: str, shown: str) -> str:
+    if not _BUCKET.fullmatch(bucket):
+        raise ArtifactStoreError(
+            f"{where} names no valid bucket ({shown}); a bucket name has 3 to 63 lowercase "
+            "letters, digits, dots or hyphens: s3://bucket/prefix"
+        )
+    prefix = path.strip("/")
+    if prefix and not all(_SAFE_PART.fullmatch(p) for p in prefix.split("/")):
+        raise ArtifactStoreError(
+            f"{where} has a prefix hpo will not use ({shown}); use letters, digits, '.', '_' "
+            "and '-' between slashes"
+        )
+    return f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+
+
+@dataclass(frozen=True)
+class ArtifactTarget:
+    """Where one trial's artifacts go: the store's URL, the study's folder name (a slug and a
+    hash of the study name) and the trial's folder name; pickled into the trial process."""
+
+    url: str
+    study: str
+    folder: str
+
+
+# -- the two backends ---------------------------------------------------------------------------
+
+
+class Backend(Protocol):
+    """Objects by key: what the file and S3 stores have in common."""
+
+    def put(self, key: str, source: BinaryIO) -> None: ...
+    def get(self, key: str, target: BinaryIO) -> None: ...
+    def read(self, key: str) -> bytes | None: ...
+    def write(self, key: str, data: bytes) -> None: ...
+    def delete(self, keys: list[str]) -> None: ...
+    def list(self, prefix: str) -> Iterator[tuple[str, int]]: ...
+
+
+class FileBackend:
+    """A folder on a mount every host shares; each write goes aside, then is renamed."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def put(self, key: str, source: BinaryIO) -> None:
+        with self._writing(key) as target:
+            shutil.copyfileobj(source, target, _CHUNK)
+
+    def write(self, key: str, data: bytes) -> None:
+        with self._writing(key) as target:
+            target.write(data)
+
+    def get(self, key: str, target: BinaryIO) -> None:
+        try:
+            with (self.root / key).open("rb") as source:
+                shutil.copyfileobj(source, target, _CHUNK)
+        except OSError as e:
+            raise ArtifactStoreError(f"cannot read {key}: {e.strerror or e}") from e
+
+    def read(self, key: str) -> bytes | None:
+        try:
+            return (self.root / key).read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise ArtifactStoreError(f"cannot read {key}: {e.strerror or e}") from e
+
+    def delete(self, keys: list[str]) -> None:
+        try:
+            for key in keys:
+                (self.root / key).unlink(missing_ok=True)
+            for key in keys:  # the version folders hpo made, once empty
+                for parent in (self.root / key).parents:
+                    if parent == self.root or not _remove_empty(parent):
+                        break
+        except OSError as e:
+            raise ArtifactStoreError(f"cannot remove from {self.root}: {e.strerror or e}") from e
+
+    def list(self, prefix: str) -> Iterator[tuple[str, int]]:
+        base = self.root / prefix
+        if not base.is_dir():
+            return
+        for path in base.rglob("*"):
+            if path.is_file() and not path.name.startswith("."):
+                yield path.relative_to(self.root).as_posix(), path.stat().st_size
+
+    def _writing(self, key: str) -> Any:
+        return _AtomicFile(self.root / key)
+
+
+class _AtomicFile:
+    """A file written aside (`.NAME.UUID.part`) and renamed into place on success only."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.aside = path.with_name(f".{path.name}.{uuid.uuid4().hex}.part")
+
+    def __enter__(self) -> BinaryIO:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.handle = self.aside.open("wb")
+        except OSError as e:
+            raise ArtifactStoreError(f"cannot write {self.path}: {e.strerror or e}") from e
+        return self.handle
+
+    def __exit__(self, kind: object, error: object, traceback: object) -> None:
+        try:
+            self.handle.close()
+            if error is None:
+                os.replace(self.aside, self.path)
+        except OSError as e:
+            raise ArtifactStoreError(f"cannot write {self.path}: {e.strerror or e}") from e
+        finally:
+            self.aside.unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            raise ArtifactStoreError(f"cannot write {self.path}: {error.strerror or error}")
+
+
+def _remove_empty(folder: Path) -> bool:
+    try:
+        folder.rmdir()
+        return True
+    except OSError:  # not empty (another version, a manifest): it stays
+        return False
+
+
+class S3Backend:
+    """A bucket and prefix, through boto3: credentials, profiles, regions and the endpoint
+    (`$AWS_ENDPOINT_URL`, for MinIO, Ceph or R2) come from the usual AWS settings."""
+
+    def __init__(self, bucket: str, prefix: str) -> None:
+        import boto3
+        from botocore.config import Config as BotoConfig
+
+        self.bucket, self.prefix = bucket, prefix
+        # Few quick retries here: hpo's uploader retries with its own backoff.
+        settings = BotoConfig(
+            connect_timeout=5, read_timeout=60, retries={"max_attempts": 2, "mode": "standard"}
+        )
+        try:
+            self.client = boto3.session.Session().client("s3", config=settings)
+        except Exception as e:  # botocore raises many kinds for a bad profile or region
+            raise ArtifactStoreError(f"cannot set up S3: {_reason(e)}") from e
+
+    def put(self, key: str, source: BinaryIO) -> None:
+        with self._errors(f"cannot upload {key}"):
+            self.client.upload_fileobj(source, self.bucket, self._key(key))
+
+    def write(self, key: str, data: bytes) -> None:
+        with self._errors(f"cannot write {key}"):
+            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+
+    def get(self, key: str, target: BinaryIO) -> None:
+        with self._errors(f"cannot download {key}"):
+            self.client.download_fileobj(self.bucket, self._key(key), target)
+
+    def read(self, key: str) -> bytes | None:
+        from botocore.exceptions import ClientError
+
+        with self._errors(f"cannot read {key}"):
+            try:
+                answer = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+            except ClientError as e:
+                if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                    return None
+                raise
+            return bytes(answer["Body"].read())
+
+    def delete(self, keys: list[str]) -> None:
+        with self._errors("cannot remove objects"):
+            for start in range(0, len(keys), 1000):  # S3's most per request
+                batch = [{"Key": self._key(k)} for k in keys[start : start + 1000]]
+                self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch})
+
+    def list(self, prefix: str) -> Iterator[tuple[str, int]]:
+        strip = len(self._key(""))
+        with self._errors(f"cannot list {prefix}"):
+            pages = self.client.get_paginator("list_objects_v2")
+            for page in pages.paginate(Bucket=self.bucket, Prefix=self._key(prefix)):
+                for item in page.get("Contents", []):
+                    yield item["Key"][strip:], int(item["Size"])
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _errors(self, doing: str) -> Any:
+        return _Wrapped(f"{doing} (s3://{self.bucket})")
+
+
+class _Wrapped:
+    """Turns botocore's and the OS's errors into ArtifactStoreError, credentials masked."""
+
+    def __init__(self, doing: str) -> None:
+        self.doing = doing
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: object) -> None:  # fmt: skip
+        if error is None or isinstance(error, ArtifactStoreError):
+            return
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        if isinstance(error, BotoCoreError | ClientError | OSError):
+            raise ArtifactStoreError(f"{self.doing}: {_reason(error)}") from error
+
+
+def _reason(error: BaseException) -> str:
+    """The error in a line, with anything that looks like a URL's password masked."""
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return mask_text(text)[:300]
+
+
+# -- the store ----------------------------------------------------------------------------------
+
+
+@dataclass
+class FileEntry:
+    path: str  # inside the artifact, e.g. model.safetensors
+    key: str
+    size: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    """What one artifact (a trial's resume state or best model) holds, written last."""
+
+    study: str  # the study's folder name (a slug and a hash, hpo.checkpoints)
+    folder: str  # trial-N
+    kind: str
+    version: str
+    written_at: str
+    files: list[FileEntry] = field(default_factory=list)
+    format: int = FORMAT
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_json(self) -> bytes:
+        return json.dumps({**asdict(self), "size": self.size}, indent=1).encode()
+
+
+class ArtifactStore:
+    """A study's artifacts: per trial folder, a resume state and a best model, each published
+    whole (objects first, the manifest last) and fetched verified."""
+
+    def __init__(self, url: str, backend: Backend | None = None) -> None:
+        self.url = url
+        self.backend = backend or _backend_for(url)
+
+    def uri(self, study: str, folder: str, kind: str) -> str:
+        return f"{self.url}/{_prefix(study, folder)}/{kind}"
+
+    def publish(self, study: str, folder: str, kind: str, source: Path) -> Manifest:
+        """Upload `source` (a file, or a folder's files) as the trial's `kind`, replacing the
+        one there; the old version's objects go once the new manifest is written."""
+        try:
+            previous = self.manifest(study, folder, kind)
+        except ArtifactStoreError as e:
+            if not isinstance(e, UntrustedArtifact):
+                raise  # the store itself failed
+            previous = None  # a manifest hpo will not trust is replaced, its objects left
+        manifest = Manifest(study, folder, kind, _new_version(), _now())
+        prefix = f"{_prefix(study, folder)}/{kind}/{manifest.version}"
+        try:
+            for name, path in _files_of(source):
+                manifest.files.append(self._put(f"{prefix}/{name}", name, path))
+            self.backend.write(_manifest_key(study, folder, kind), manifest.to_json())
+        except ArtifactStoreError:
+            self._forget([f.key for f in manifest.files])
+            raise
+        if previous is not None and previous.version != manifest.version:
+            self._forget([f.key for f in previous.files])
+        return manifest
+
+    def manifest(self, study: str, folder: str, kind: str) -> Manifest | None:
+        """The trial's manifest of `kind`, or None. One that does not parse, or names keys
+        outside its own version, is refused (ArtifactStoreError)."""
+        raw = self.backend.read(_manifest_key(study, folder, kind))
+        return None if raw is None else _parsed_manifest(raw, study, folder, kind)
+
+    def fetch(self, study: str, folder: str, kind: str, into: Path) -> Manifest | None:
+        """Download the artifact into the new folder `into`, every file checked against the
+        manifest's size and sha256; None (and no folder) when there is none."""
+        manifest = self.manifest(study, folder, kind)
+        if manifest is None:
+            return None
+        into.mkdir(parents=True)
+        try:
+            for entry in manifest.files:
+                self._get(entry, into / entry.path)
+        except BaseException:
+            shutil.rmtree(into, ignore_errors=True)
+            raise
+        return manifest
+
+    def remove(self, study: str, folder: str, kinds: tuple[str, ...] = KINDS) -> None:
+        """Remove the trial's artifacts of `kinds`: the manifest first (readers stop trusting
+        the objects), then the objects it lists, nothing else."""
+        for kind in kinds:
+            manifest = self.manifest(study, folder, kind)
+            if manifest is not None:
+                self.backend.delete([_manifest_key(study, folder, kind)])
+                self.backend.delete([f.key for f in manifest.files])
+
+    def folders(self, study: str) -> dict[str, list[str]]:
+        """The trial folders of `study` with artifacts: folder -> kinds."""
+        found: dict[str, list[str]] = {}
+        for key, _ in self.backend.list(f"{study}/"):
+            parts = key.split("/")
+            if len(parts) == 3 and parts[2].endswith(MANIFEST_SUFFIX):
+                kind = parts[2][: -len(MANIFEST_SUFFIX)]
+                if kind in KINDS:
+                    found.setdefault(parts[1], []).append(kind)
+        return {folder: sorted(kinds, key=KINDS.index) for folder, kinds in found.items()}
+
+    def size(self, study: str) -> int:
+        """Bytes the study's artifacts take in the store (every object under its folder)."""
+        return sum(size for _, size in self.backend.list(f"{study}/"))
+
+    def _put(self, key: str, name: str, path: Path) -> FileEntry:
+        """Hash and upload one open file: a checkpoint replaced meanwhile (by a rename) is
+        still read whole from the file that was opened."""
+        try:
+            with path.open("rb") as handle:
+                digest, size = _sha256(handle)
+                handle.seek(0)
+                self.backend.put(key, handle)
+        except OSError as e:
+            raise ArtifactStoreError(f"cannot read {path}: {e.strerror or e}") from e
+        return FileEntry(name, key, size, digest)
+
+    def _get(self, entry: FileEntry, target: Path) -> None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with target.open("w+b") as handle:
+                self.backend.get(entry.key, handle)
+                handle.seek(0)
+                digest, size = _sha256(handle)
+        except OSError as e:
+            raise ArtifactStoreError(f"cannot write {target}: {e.strerror or e}") from e
+        if (digest, size) != (entry.sha256, entry.size):
+            raise UntrustedArtifact(
+                f"{entry.key} does not match its manifest (sha256 {digest[:12]}..., {size} "
+                f"bytes; expected {entry.sha256[:12]}..., {entry.size} bytes): refused"
+            )
+
+    def _forget(self, keys: list[str]) -> None:
+        """Remove objects that no manifest names (a cut upload's, a replaced version's). A
+        store that refuses now keeps them: no reader uses them; the loss is logged."""
+        if not keys:
+            return
+        try:
+            self.backend.delete(keys)
+        except ArtifactStoreError as e:
+            log.warning("%d objects no manifest names stay in the store: %s", len(keys), e)
+
+
+def open_artifact_store(url: str) -> ArtifactStore:
+    return ArtifactStore(url)
+
+
+def _backend_for(url: str) -> Backend:
+    scheme, _, rest = url.partition("://")
+    if scheme == "file":
+        return FileBackend(Path(rest))
+    bucket, _, prefix = rest.partition("/")
+    return S3Backend(bucket, prefix)
+
+
+def _prefix(study: str, folder: str) -> str:
+    for part in (study, folder):
+        if not _SAFE_PART.fullmatch(part):
+            raise ArtifactStoreError(f"{part[:80]!r} is not a folder name hpo makes")
+    return f"{study}/{folder}"
+
+
+def _manifest_key(study: str, folder: str, kind: str) -> str:
+    if kind not in KINDS:
+        raise ArtifactStoreError(f"unknown artifact kind {kind!r}")
+    return f"{_prefix(study, folder)}/{kind}{MANIFEST_SUFFIX}"
+
+
+def _files_of(source: Path) -> list[tuple[str, Path]]:
+    """(name in the artifact, local path): the file itself, or a folder's files (a symlinked
+    folder, such as best-model, is read where it points, at this moment)."""
+    try:
+        if source.is_file():
+            return [(source.name, source)]
+        folder = source.resolve(strict=True)
+        files = sorted(
+            (p.relative_to(folder).as_posix(), p)
+            for p in folder.rglob("*")
+            if p.is_file() and not p.is_symlink()
+        )
+    except OSError as e:
+        raise ArtifactStoreError(f"cannot read {source}: {e.strerror or e}") from e
+    for name, _ in files:
+        if not all(_SAFE_PART.fullmatch(part) for part in name.split("/")):
+            raise ArtifactStoreError(f"{source} holds {name[:80]!r}, a name hpo does not upload")
+    return files
+
+
+def _parsed_manifest(raw: bytes, study: str, folder: str, kind: str) -> Manifest:
+    where = f"{_manifest_key(study, folder, kind)}"
+    try:
+        data = json.loads(raw)
+        data.pop("size", None)
+        files = [FileEntry(**f) for f in data.pop("files")]
+        manifest = Manifest(**data, files=files)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise UntrustedArtifact(f"{where} is not a manifest hpo wrote: refused") from e
+    expected = f"{_prefix(study, folder)}/{kind}/{manifest.version}/"
+    for entry in manifest.files:
+        names = entry.path.split("/")
+        if entry.key != expected + entry.path or not all(_SAFE_PART.fullmatch(n) for n in names):
+            raise UntrustedArtifact(f"{where} names {entry.key[:120]!r}, outside its version")
+    if (manifest.study, manifest.folder, manifest.kind) != (study, folder, kind):
+        raise UntrustedArtifact(f"{where} belongs to another trial: refused")
+    return manifest
+
+
+def _sha256(handle: BinaryIO) -> tuple[str, int]:
+    digest, size = hashlib.sha256(), 0
+    while chunk := handle.read(_CHUNK):
+        digest.update(chunk)
+        size += len(chunk)
+    return digest.hexdigest(), size
+
+
+def _new_version() -> str:
+    return f"{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")

@@ -1,0 +1,296 @@
+"""The artifact store (storage.artifacts) and a trial's background uploads to it
+(hpo.artifact_upload): URLs, manifests, verified fetches, cut uploads, removal, supersede and
+backoff. Fast: a folder as the store, and an S3 API served by moto on 127.0.0.1."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+import pytest
+
+from hpo.artifact_upload import BackgroundUploader, Backoff
+from storage.artifacts import (
+    ArtifactStore,
+    ArtifactStoreError,
+    ArtifactTarget,
+    FileBackend,
+    UntrustedArtifact,
+    resolve_artifact_url,
+    validated_artifact_url,
+)
+
+STUDY, FOLDER = "s-0123456789ab", "trial-0"
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("s3://AKIAKEY:wJalrSECRET@bucket/x", "never put keys in the URL"),
+        ("gs://bucket/x", "gs:// is not supported yet"),
+        ("http://example.com/x", "use file:///mnt/shared/hpo or s3://bucket/prefix"),
+        ("file://relative/path", "absolute path"),
+        ("file:///no/such/folder", "is not a folder"),
+        ("s3://Bad_Bucket/x", "no valid bucket"),
+        ("s3://bucket/../x", "prefix hpo will not use"),
+        ("s3://bucket/x?endpoint=http://evil", "$AWS_ENDPOINT_URL"),
+        (" s3://bucket/x", "spaces or control characters"),
+    ],
+)
+def test_a_bad_store_url_is_one_line_that_says_why_and_never_shows_a_secret(
+    url: str, said: str
+) -> None:
+    with pytest.raises(ArtifactStoreError) as caught:
+        validated_artifact_url(url, "--artifact-store")
+    message = str(caught.value)
+    assert said in message and "\n" not in message
+    assert "wJalr" not in message and message.startswith("artifact store URL from --artifact")
+
+
+def test_store_urls_are_normalised_and_taken_by_precedence(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert validated_artifact_url("s3://my.bucket/a/b/") == "s3://my.bucket/a/b"
+    assert validated_artifact_url(f"file://{tmp_path}/") == f"file://{tmp_path.resolve()}"
+    monkeypatch.delenv("HPO_ARTIFACT_STORE", raising=False)
+    assert resolve_artifact_url(None, None) is None
+    assert resolve_artifact_url(None, "s3://cfg", "s3://recorded").origin == "config"  # type: ignore[union-attr]
+    monkeypatch.setenv("HPO_ARTIFACT_STORE", "s3://env")
+    assert resolve_artifact_url(None, "s3://cfg").url == "s3://env"  # type: ignore[union-attr]
+    assert resolve_artifact_url("s3://cli", "s3://cfg").url == "s3://cli"  # type: ignore[union-attr]
+
+
+def _model_folder(path: Path, weights: bytes = b"weights" * 1000) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text('{"model_type": "bert"}')
+    (path / "model.safetensors").write_bytes(weights)
+    return path
+
+
+def test_a_published_folder_comes_back_whole_with_its_manifest(tmp_path: Path) -> None:
+    store = ArtifactStore(f"file://{tmp_path / 'store'}", FileBackend(tmp_path / "store"))
+    model = _model_folder(tmp_path / "model")
+    manifest = store.publish(STUDY, FOLDER, "best-model", model)
+    assert sorted(f.path for f in manifest.files) == ["config.json", "model.safetensors"]
+    raw = json.loads((tmp_path / "store" / STUDY / FOLDER / "best-model.manifest.json").read_text())
+    assert raw["size"] == 7000 + 22 and len(raw["files"][1]["sha256"]) == 64 and raw["written_at"]
+
+    fetched = store.fetch(STUDY, FOLDER, "best-model", tmp_path / "out")
+    assert fetched is not None and fetched.version == manifest.version
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == b"weights" * 1000
+    assert store.fetch(STUDY, "trial-9", "best-model", tmp_path / "none") is None
+    assert not (tmp_path / "none").exists()
+
+
+def test_a_changed_file_in_the_store_is_refused_and_nothing_is_left(tmp_path: Path) -> None:
+    store = ArtifactStore("file://store", FileBackend(tmp_path / "store"))
+    manifest = store.publish(STUDY, FOLDER, "best-model", _model_folder(tmp_path / "model"))
+    weights = next(f for f in manifest.files if f.path == "model.safetensors")
+    (tmp_path / "store" / weights.key).write_bytes(b"weightz" * 1000)  # same size, other bytes
+    with pytest.raises(UntrustedArtifact, match="does not match its manifest"):
+        store.fetch(STUDY, FOLDER, "best-model", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_manifest_naming_keys_outside_its_version_is_refused(tmp_path: Path) -> None:
+    store = ArtifactStore("file://store", FileBackend(tmp_path / "store"))
+    store.publish(STUDY, FOLDER, "best-model", _model_folder(tmp_path / "model"))
+    path = tmp_path / "store" / STUDY / FOLDER / "best-model.manifest.json"
+    raw = json.loads(path.read_text())
+    raw["files"][0]["path"] = raw["files"][0]["key"] = "../../../etc/passwd"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(UntrustedArtifact, match="outside its version"):
+        store.fetch(STUDY, FOLDER, "best-model", tmp_path / "out")
+
+
+class CutAfter:
+    """A backend whose uploads fail after `puts` of them: the connection cut mid-upload."""
+
+    def __init__(self, inner: FileBackend, puts: int) -> None:
+        self.inner, self.puts, self.deletes_fail = inner, puts, False
+
+    def put(self, key: str, source: BinaryIO) -> None:
+        if self.puts <= 0:
+            source.read(10)  # some bytes went before the cut
+            raise ArtifactStoreError("cannot upload: connection reset")
+        self.puts -= 1
+        self.inner.put(key, source)
+
+    def __getattr__(self, name: str) -> object:
+        if name == "delete" and self.deletes_fail:
+            raise ArtifactStoreError("store gone")
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("store_gone_after_cut", [False, True])
+def test_an_upload_cut_midway_leaves_the_previous_version_for_every_reader(
+    tmp_path: Path, store_gone_after_cut: bool
+) -> None:
+    files = FileBackend(tmp_path / "store")
+    ArtifactStore("file://s", files).publish(
+        STUDY, FOLDER, "best-model", _model_folder(tmp_path / "v1", b"one" * 100)
+    )
+    cut = CutAfter(files, puts=1)
+    cut.deletes_fail = store_gone_after_cut
+    writer = ArtifactStore("file://s", cut)  # type: ignore[arg-type]
+    with pytest.raises(ArtifactStoreError, match="connection reset"):
+        writer.publish(STUDY, FOLDER, "best-model", _model_folder(tmp_path / "v2", b"two" * 100))
+
+    reader = ArtifactStore("file://s", files)
+    assert reader.fetch(STUDY, FOLDER, "best-model", tmp_path / "out") is not None
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == b"one" * 100
+    listed = {f.key for f in reader.manifest(STUDY, FOLDER, "best-model").files}  # type: ignore[union-attr]
+    stored = {key for key, _ in files.list(STUDY) if not key.endswith(".manifest.json")}
+    leftover = stored - listed  # the cut version's first object, when the store cannot delete it
+    assert len(leftover) == (1 if store_gone_after_cut else 0)
+    assert not list((tmp_path / "store").rglob("*.part"))  # nothing half-written
+
+
+def test_removal_deletes_what_the_manifests_list_and_nothing_else(tmp_path: Path) -> None:
+    files = FileBackend(tmp_path / "store")
+    store = ArtifactStore("file://s", files)
+    store.publish(STUDY, FOLDER, "best-model", _model_folder(tmp_path / "m"))
+    (tmp_path / "state.pt").write_bytes(b"state")
+    store.publish(STUDY, FOLDER, "state", tmp_path / "state.pt")
+    mine = tmp_path / "store" / STUDY / FOLDER / "notes.txt"
+    mine.write_text("a user's file under hpo's prefix")
+    assert store.folders(STUDY) == {FOLDER: ["state", "best-model"]}
+    assert store.size(STUDY) > 7000
+
+    store.remove(STUDY, FOLDER, ("state",))
+    assert store.folders(STUDY) == {FOLDER: ["best-model"]}
+    store.remove(STUDY, FOLDER)
+    assert store.folders(STUDY) == {}
+    assert mine.read_text() == "a user's file under hpo's prefix"
+    assert sorted(p.name for p in (tmp_path / "store" / STUDY / FOLDER).iterdir()) == ["notes.txt"]
+
+
+class Gate:
+    """A backend whose first upload waits for the test, counting what was published."""
+
+    def __init__(self, inner: FileBackend, failures: int = 0) -> None:
+        self.inner, self.failures = inner, failures
+        self.started, self.release = threading.Event(), threading.Event()
+        self.published: list[bytes] = []
+
+    def put(self, key: str, source: BinaryIO) -> None:
+        self.started.set()
+        self.release.wait(10)
+        if self.failures:
+            self.failures -= 1
+            raise ArtifactStoreError("cannot upload: Could not connect to the endpoint URL")
+        data = source.read()
+        self.published.append(data)
+        self.inner.put(key, io.BytesIO(data))
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+@pytest.fixture
+def target(tmp_path: Path) -> ArtifactTarget:
+    return ArtifactTarget(f"file://{tmp_path / 'store'}", STUDY, FOLDER)
+
+
+def test_the_newest_state_supersedes_one_still_queued(
+    tmp_path: Path, target: ArtifactTarget
+) -> None:
+    gate = Gate(FileBackend(tmp_path / "store"))
+    uploader = BackgroundUploader(ArtifactStore(target.url, gate), target)  # type: ignore[arg-type]
+    states = [tmp_path / f"state-{n}.pt" for n in range(4)]
+    for n, path in enumerate(states):
+        path.write_bytes(f"state {n}".encode())
+    uploader.submit("state", states[0])
+    assert gate.started.wait(5)  # state 0 is uploading; 1, 2, 3 come meanwhile
+    for path in states[1:]:
+        uploader.submit("state", path)
+    gate.release.set()
+    assert uploader.close(timeout_s=10)
+    assert gate.published == [b"state 0", b"state 3"]
+    assert uploader.stats.uploads == 2 and not uploader.stats.errors
+
+
+def test_a_failed_upload_is_retried_with_backoff_and_recorded(
+    tmp_path: Path, target: ArtifactTarget
+) -> None:
+    assert [Backoff(1.0, 30.0).delay(n) for n in (1, 2, 3, 6, 9)] == [1, 2, 4, 30, 30]
+    gate = Gate(FileBackend(tmp_path / "store"), failures=2)
+    gate.release.set()
+    store = ArtifactStore(target.url, gate)  # type: ignore[arg-type]
+    uploader = BackgroundUploader(store, target, Backoff(0.05, 0.2))
+    (tmp_path / "checkpoint.pt").write_bytes(b"state")
+    uploader.submit("state", tmp_path / "checkpoint.pt")
+    assert uploader.close(timeout_s=10)
+    assert len(uploader.stats.errors) == 2 and uploader.stats.uploads == 1
+    assert "Could not connect" in uploader.stats.errors[0]
+    assert store.manifest(STUDY, FOLDER, "state") is not None
+
+
+def test_uploads_still_failing_at_close_are_given_up_with_the_reason(
+    tmp_path: Path, target: ArtifactTarget
+) -> None:
+    gate = Gate(FileBackend(tmp_path / "store"), failures=1000)
+    gate.release.set()
+    uploader = BackgroundUploader(
+        ArtifactStore(target.url, gate),
+        target,
+        Backoff(0.05, 0.1),  # type: ignore[arg-type]
+    )
+    (tmp_path / "checkpoint.pt").write_bytes(b"state")
+    uploader.submit("state", tmp_path / "checkpoint.pt")
+    assert not uploader.close(timeout_s=0.5)
+    assert uploader.stats.errors[-1].startswith("state not uploaded after 0.5 s: state not")
+    assert "Could not connect" in uploader.stats.errors[-1]
+
+
+# -- S3, served by moto on 127.0.0.1 -----------------------------------------------------------
+
+
+@pytest.fixture
+def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+    """An S3 API on a free local port with a bucket `hpo`; the AWS settings a worker needs."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing-secret-never-shown",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    boto3.client("s3").create_bucket(Bucket="hpo")
+    try:
+        yield env
+    finally:
+        server.stop()
+
+
+def test_s3_publish_fetch_size_and_remove(tmp_path: Path, s3: dict[str, str]) -> None:
+    store = ArtifactStore("s3://hpo/studies")
+    store.publish(STUDY, FOLDER, "best-model", _model_folder(tmp_path / "model"))
+    assert store.uri(STUDY, FOLDER, "best-model") == f"s3://hpo/studies/{STUDY}/{FOLDER}/best-model"
+    assert store.folders(STUDY) == {FOLDER: ["best-model"]}
+    assert store.fetch(STUDY, FOLDER, "best-model", tmp_path / "out") is not None
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == b"weights" * 1000
+    assert store.size(STUDY) > 7000
+    store.remove(STUDY, FOLDER)
+    assert store.size(STUDY) == 0
+
+
+def test_s3_errors_name_the_problem_without_the_secret(tmp_path: Path, s3: dict[str, str]) -> None:
+    state = tmp_path / "checkpoint.pt"
+    state.write_bytes(b"state")
+    with pytest.raises(ArtifactStoreError) as caught:
+        ArtifactStore("s3://no-such-bucket").publish(STUDY, FOLDER, "state", state)
+    assert "NoSuchBucket" in str(caught.value) or "does not exist" in str(caught.value)
+    assert "testing-secret" not in str(caught.value)

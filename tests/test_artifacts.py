@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import io
 import json
+import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 import pytest
+from optuna.trial import TrialState
 
 from hpo.artifact_upload import BackgroundUploader, Backoff
+from hpo.checkpoints import study_folder_name
 from storage.artifacts import (
     ArtifactStore,
     ArtifactStoreError,
@@ -23,6 +26,7 @@ from storage.artifacts import (
     resolve_artifact_url,
     validated_artifact_url,
 )
+from tests.conftest import run_hpo, start_hpo, tiny_config, wait_until_training, write_config
 
 STUDY, FOLDER = "s-0123456789ab", "trial-0"
 
@@ -294,3 +298,69 @@ def test_s3_errors_name_the_problem_without_the_secret(tmp_path: Path, s3: dict[
         ArtifactStore("s3://no-such-bucket").publish(STUDY, FOLDER, "state", state)
     assert "NoSuchBucket" in str(caught.value) or "does not exist" in str(caught.value)
     assert "testing-secret" not in str(caught.value)
+
+
+# -- end to end: workers on two "hosts" (two working directories) sharing one store ------------
+
+
+def _store_url(kind: str, tmp_path: Path) -> str:
+    if kind == "s3":
+        return "s3://hpo/studies"
+    (tmp_path / "shared").mkdir()
+    return f"file://{tmp_path / 'shared'}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["file", "s3"])
+def test_a_trial_stopped_on_one_host_resumes_on_another_from_the_store(
+    tmp_path: Path, easy_data: tuple[Path, Path], kind: str, request: pytest.FixtureRequest
+) -> None:
+    if kind == "s3":
+        request.getfixturevalue("s3")
+    store_url = _store_url(kind, tmp_path)
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    raw = tiny_config(
+        *easy_data,
+        study={"n_trials": 1, "pruner": {"type": "none"}, "artifact_store": store_url},
+        # 384 steps, an evaluation every 32: time to see the first one before the trial ends
+        training={"epochs": 12, "evals_per_epoch": 1},
+    )
+    config = write_config(tmp_path / "c.yaml", raw)
+    host_a, host_b = tmp_path / "host-a", tmp_path / "host-b"
+    host_a.mkdir(), host_b.mkdir()
+    args = ("run", "--study", "nli/1", "--config", str(config), "--storage", url)
+    worker = start_hpo(*args, cwd=host_a, own_group=True)
+    study = wait_until_training(url, "nli/1", [worker], evaluations=1)
+    worker.send_signal(signal.SIGTERM)
+    _, stderr = worker.communicate(timeout=60)
+    assert worker.returncode == 0, stderr[-3000:]
+
+    finished = run_hpo(*args, cwd=host_b)  # another host: its local folder is empty
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    interrupted, retry = study.get_trials()
+    assert interrupted.state == TrialState.FAIL and retry.state == TrialState.COMPLETE
+    uri = f"{store_url}/{study_folder_name('nli/1')}/trial-0"
+    assert retry.user_attrs["resumed_from"] == f"{uri}/state"
+    assert retry.user_attrs["resumed_at_step"] > 32  # SIGTERM checkpointed after evaluation 1
+    assert sorted(retry.intermediate_values) == list(range(1, 13))  # the curve continues
+    assert "checkpoint_error" not in retry.user_attrs, retry.user_attrs["checkpoint_error"]
+    assert retry.user_attrs["best_model_uri"] == f"{uri}/best-model"
+    store = ArtifactStore(store_url)
+    assert store.folders(study_folder_name("nli/1")) == {"trial-0": ["best-model"]}  # state gone
+
+    # Anywhere else: `hpo best` names the model in the store and fetches it, checked.
+    elsewhere = tmp_path / "laptop"
+    elsewhere.mkdir()
+    best = run_hpo("best", "--study", "nli/1", "--storage", url, cwd=elsewhere)
+    assert f"model: {uri}/best-model" in best.stdout, best.stderr[-2000:]
+    got = run_hpo("best", "--study", "nli/1", "--storage", url, "--download", "model",
+                  cwd=elsewhere)  # fmt: skip
+    assert got.returncode == 0 and "sha256 checked" in got.stdout, got.stderr[-2000:]
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(elsewhere / "model")
+    assert model.config.num_labels == 2
+    AutoTokenizer.from_pretrained(elsewhere / "model")
+    status = run_hpo("status", "--study", "nli/1", "--storage", url, cwd=elsewhere)
+    assert f"artifact store {store_url}: " in status.stdout, status.stderr[-2000:]
+    assert "MB in 1 trial folders" in status.stdout

@@ -4,14 +4,17 @@ backoff. Fast: a folder as the store, and an S3 API served by moto on 127.0.0.1.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+import optuna
 import pytest
 from optuna.trial import TrialState
 
@@ -279,6 +282,51 @@ def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
         server.stop()
 
 
+class CuttableLink:
+    """A TCP relay to the S3 server that drops every connection for good, and refuses new
+    ones, once `cut_after_bytes` have gone upstream: the store lost in the middle of an upload."""
+
+    def __init__(self, target: tuple[str, int], cut_after_bytes: int) -> None:
+        self.target, self.left = target, cut_after_bytes
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.sockets: list[socket.socket] = [self.listener]
+        self.lock = threading.Lock()
+        self.cut_done = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def cut(self) -> None:
+        with self.lock:
+            self.cut_done.set()
+            for sock in self.sockets:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+
+    def _accept(self) -> None:
+        while not self.cut_done.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            with self.lock:
+                self.sockets += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, counted: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                if counted:
+                    with self.lock:
+                        self.left -= len(data)
+                    if self.left <= 0:
+                        self.cut()
+                        return
+                sink.sendall(data)
+
+
 def test_s3_publish_fetch_size_and_remove(tmp_path: Path, s3: dict[str, str]) -> None:
     store = ArtifactStore("s3://hpo/studies")
     store.publish(STUDY, FOLDER, "best-model", _model_folder(tmp_path / "model"))
@@ -364,3 +412,60 @@ def test_a_trial_stopped_on_one_host_resumes_on_another_from_the_store(
     status = run_hpo("status", "--study", "nli/1", "--storage", url, cwd=elsewhere)
     assert f"artifact store {store_url}: " in status.stdout, status.stderr[-2000:]
     assert "MB in 1 trial folders" in status.stdout
+
+
+@pytest.mark.slow
+def test_a_store_lost_mid_upload_never_stops_the_trial_and_leaves_nothing_half_written(
+    tmp_path: Path, easy_data: tuple[Path, Path], s3: dict[str, str]
+) -> None:
+    endpoint = s3["AWS_ENDPOINT_URL"].rpartition(":")
+    # The tiny model is 8 MB, its state (with AdamW's moments) 24 MB: cut in the first state.
+    link = CuttableLink(("127.0.0.1", int(endpoint[2])), cut_after_bytes=14_000_000)
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    study_settings = {"n_trials": 1, "pruner": {"type": "none"}, "checkpoint_interval": 0,
+                      "artifact_store": "s3://hpo/studies", "artifact_patience": 3}  # fmt: skip
+    raw = tiny_config(*easy_data, study=study_settings, training={"epochs": 2})
+    config = write_config(tmp_path / "c.yaml", raw)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{link.port}"}
+    done = run_hpo("run", "--study", "cut", "--config", str(config), "--storage", url,
+                   cwd=tmp_path, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert link.cut_done.is_set()
+    trial = optuna.load_study(study_name="cut", storage=url).get_trials()[0]
+    assert trial.state == TrialState.COMPLETE and len(trial.intermediate_values) == 4
+    error = trial.user_attrs["checkpoint_error"]
+    assert "not uploaded" in error and "s3://hpo" in error, error
+    assert "Could not connect" in error or "Connection was closed" in error, error
+    assert s3["AWS_SECRET_ACCESS_KEY"] not in error and "testing-secret" not in done.stderr
+    assert "best_model_uri" not in trial.user_attrs  # never claimed while it is not there
+    # What is in the store (read past the cut link): every object a manifest lists, verified.
+    store = ArtifactStore("s3://hpo/studies")
+    study = study_folder_name("cut")
+    listed = set()
+    for folder, kinds in store.folders(study).items():
+        for kind in kinds:
+            manifest = store.fetch(study, folder, kind, tmp_path / "check" / folder / kind)
+            listed |= {f.key for f in manifest.files} if manifest else set()
+    objects = {key for key, _ in store.backend.list(study) if not key.endswith(".manifest.json")}
+    assert objects == listed
+
+
+@pytest.mark.parametrize(
+    ("where", "said"),
+    [
+        ("--artifact-store", "artifact store URL from --artifact-store has 'gs'"),
+        ("config", "study.artifact_store: got 's3://AKIA:***@bucket/x'"),
+    ],
+)
+def test_a_bad_store_url_at_start_is_one_line_and_exit_2(
+    tmp_path: Path, easy_data: tuple[Path, Path], where: str, said: str
+) -> None:
+    study = {"artifact_store": "s3://AKIA:wJalrXUtn@bucket/x"} if where == "config" else {}
+    config = write_config(tmp_path / "c.yaml", tiny_config(*easy_data, study=study))
+    args = ["run", "--study", "s", "--config", str(config), "--storage", "sqlite:///s.db"]
+    if where == "--artifact-store":
+        args += ["--artifact-store", "gs://bucket/x"]
+    result = run_hpo(*args, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert said in result.stderr and "wJalr" not in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "s.db").exists()

@@ -5,6 +5,7 @@ backoff, never fatal), and its state fetched from the store when a retry on anot
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import shutil
 import threading
@@ -13,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from storage.artifacts import ArtifactStore, ArtifactStoreError, ArtifactTarget
+from storage.artifacts import ArtifactStore, ArtifactStoreError, ArtifactTarget, Manifest
 from trainer.checkpoint import STATE_FILE, CheckpointStore
 
 log = logging.getLogger(__name__)
@@ -21,6 +22,8 @@ log = logging.getLogger(__name__)
 # Order of a round: the best model before the state that names its evaluation, so that a
 # state in the store always has its best model there too.
 UPLOAD_ORDER = ("best-model", "state")
+# In a trial's local folder: the version of the stored state that its checkpoint.pt is.
+STORED_VERSION_FILE = ".hpo-stored-state"
 
 
 @dataclass
@@ -121,6 +124,8 @@ class BackgroundUploader:
         except ArtifactStoreError as e:
             self._record(f"{kind} not uploaded to {self.target.url}: {e}")
             return False
+        if kind == "state":
+            _remember_stored_version(path.parent, manifest.version)
         self.stats.uploads += 1
         self.stats.upload_s += time.perf_counter() - started
         self.stats.uploaded_bytes += manifest.size
@@ -135,12 +140,16 @@ class BackgroundUploader:
 
 def fetch_resume_state(store: ArtifactStore, target: ArtifactTarget,
                        checkpoints: CheckpointStore) -> bool:  # fmt: skip
-    """A retry whose folder has no state (it runs on another host): the trial's best model and
-    state from the store into its folder, each checked against its manifest's hashes. Whether a
-    state came; the fingerprint check of the training decides whether it is used."""
+    """A retry: unless its folder holds the newest state (this host wrote it, or fetched it,
+    and no other host has published one since), the trial's best model and state come from the
+    store into its folder, each checked against its manifest's hashes. Whether a state came; the
+    fingerprint check of the training decides whether it is used."""
     directory = checkpoints.directory
     aside = directory / f".download-{uuid.uuid4().hex[:8]}"
     try:
+        stored = store.manifest(target.study, target.folder, "state")
+        if stored is None or _local_state_is_newest(checkpoints.state_path, stored):
+            return False
         model = store.fetch(target.study, target.folder, "best-model", aside / "best-model")
         if model is not None:
             checkpoints.adopt_best_model(aside / "best-model")
@@ -148,6 +157,7 @@ def fetch_resume_state(store: ArtifactStore, target: ArtifactTarget,
         if state is None:
             return False
         (aside / "state" / STATE_FILE).replace(checkpoints.state_path)
+        _remember_stored_version(directory, state.version)
         return True
     except (ArtifactStoreError, OSError) as e:
         reason = f"resume state not fetched from {target.url}: {e}"
@@ -156,3 +166,29 @@ def fetch_resume_state(store: ArtifactStore, target: ArtifactTarget,
         return False
     finally:
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def _local_state_is_newest(state_path: Path, stored: Manifest) -> bool:
+    """The local state is the stored one (its version remembered), or was written after the
+    stored one was published (its upload never finished): either way, no download."""
+    if not state_path.is_file():
+        return False
+    if _stored_version(state_path.parent) == stored.version:
+        return True
+    published = dt.datetime.fromisoformat(stored.written_at).timestamp()
+    return state_path.stat().st_mtime > published
+
+
+def _stored_version(directory: Path) -> str | None:
+    try:
+        return (directory / STORED_VERSION_FILE).read_text(encoding="utf-8")
+    except OSError:  # none: this host never uploaded nor fetched a state of the trial
+        return None
+
+
+def _remember_stored_version(directory: Path, version: str) -> None:
+    """Which stored state the local one is, for the next retry on this host."""
+    try:
+        (directory / STORED_VERSION_FILE).write_text(version, encoding="utf-8")
+    except OSError as e:
+        log.debug("cannot note the stored state's version in %s: %s", directory, e)

@@ -103,8 +103,9 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
 def _start_uploader(
     trial: TrialLike, task: TrialTask, store: CheckpointStore
 ) -> BackgroundUploader | None:
-    """With an artifact store: a retry whose folder has no state (another host's trial) gets
-    it from the store first; then each checkpoint written goes there in the background."""
+    """With an artifact store: a retry gets the stored state first, unless its folder holds
+    the newest (see fetch_resume_state); then each checkpoint written goes there in the
+    background."""
     if task.artifacts is None:
         return None
     try:
@@ -112,10 +113,9 @@ def _start_uploader(
     except ArtifactStoreError as e:
         store.errors.append(f"no artifact store: {e}"[:500])
         return None
-    if task.resume and not store.state_path.is_file():
-        if fetch_resume_state(artifacts, task.artifacts, store):
-            uri = artifacts.uri(task.artifacts.study, task.artifacts.folder, "state")
-            trial.set_user_attr("resumed_from", uri)
+    if task.resume and fetch_resume_state(artifacts, task.artifacts, store):
+        uri = artifacts.uri(task.artifacts.study, task.artifacts.folder, "state")
+        trial.set_user_attr("resumed_from", uri)
     uploader = BackgroundUploader(artifacts, task.artifacts)
     store.on_saved = uploader.submit
     return uploader

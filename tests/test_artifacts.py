@@ -469,3 +469,45 @@ def test_a_bad_store_url_at_start_is_one_line_and_exit_2(
     assert result.returncode == 2, result.stderr[-2000:]
     assert said in result.stderr and "wJalr" not in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "s.db").exists()
+
+
+@pytest.mark.parametrize(
+    ("local", "fetched"),
+    [
+        ("none", True),  # another host's trial
+        ("older, of another host's attempt", True),  # this host ran an earlier attempt
+        ("the stored one", False),  # this host uploaded it: no download
+        ("newer than the stored one", False),  # its upload never finished: the local one wins
+    ],
+)
+def test_a_retry_takes_the_newest_state_local_or_stored(
+    tmp_path: Path, local: str, fetched: bool
+) -> None:
+    import os
+
+    from hpo.artifact_upload import fetch_resume_state
+    from trainer.checkpoint import CheckpointStore
+
+    files = FileBackend(tmp_path / "store")
+    store = ArtifactStore("file://s", files)
+    host_a = tmp_path / "a" / FOLDER
+    host_a.mkdir(parents=True)
+    target = ArtifactTarget("file://s", STUDY, FOLDER)
+    uploader = BackgroundUploader(store, target)
+    (host_a / "checkpoint.pt").write_bytes(b"stored state")
+    uploader.submit("state", host_a / "checkpoint.pt")
+    assert uploader.close(timeout_s=10)
+
+    retry = CheckpointStore(tmp_path / "b" / FOLDER if local == "none" else host_a, resume=True)
+    retry.directory.mkdir(parents=True, exist_ok=True)
+    if local == "older, of another host's attempt":
+        (host_a / ".hpo-stored-state").unlink()
+        (host_a / "checkpoint.pt").write_bytes(b"older state")
+        os.utime(host_a / "checkpoint.pt", (1e9, 1e9))
+    if local == "newer than the stored one":
+        (host_a / "checkpoint.pt").write_bytes(b"newer state")
+        (host_a / ".hpo-stored-state").write_text("an older version")
+    before = retry.state_path.read_bytes() if retry.state_path.is_file() else None
+    assert fetch_resume_state(store, target, retry) is fetched
+    assert retry.state_path.read_bytes() == (b"stored state" if fetched else before)
+    assert not retry.errors

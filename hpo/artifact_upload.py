@@ -95,6 +95,14 @@ class BackgroundUploader:
             self._record(f"{', '.join(given_up)} not uploaded after {timeout_s:g} s: {reason}")
         return done and not given_up
 
+    def abandon(self) -> None:
+        """Stop without uploading what is pending (a trial that will not be resumed); an
+        upload in flight finishes or dies with the process."""
+        with self._changed:
+            self._pending.clear()
+            self._closed = True
+            self._changed.notify_all()
+
     def _run(self) -> None:
         while True:
             with self._changed:

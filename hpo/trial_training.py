@@ -124,7 +124,7 @@ def _start_uploader(
 def _give_up_uploads(uploader: BackgroundUploader | None) -> None:
     """A trial that fails or is pruned is not retried: its state is not needed elsewhere."""
     if uploader is not None:
-        uploader.close(timeout_s=0)
+        uploader.abandon()
 
 
 def _hand_over(
@@ -193,13 +193,22 @@ def _record_checkpoints(
     has_model = store.best_model_path.is_dir()
     if has_model and store.save_tokenizer(load_tokenizer(task.config.model)):
         trial.set_user_attr("best_model", str(store.best_model_path))
-    if uploader is not None:
+    if uploader is not None and not _completes(result):
+        uploader.abandon()  # pruned: its model is never the best; the worker cleans up
+        _record_uploads(trial, store, uploader)
+    elif uploader is not None:
         if has_model:
             uploader.submit("best-model", store.best_model_path)  # now with its tokenizer
         if uploader.close(timeout_s=task.config.study.artifact_patience):
             _drop_stored_state(trial, uploader, has_model)
         _record_uploads(trial, store, uploader)
     _record_checkpoint_cost(trial, store)
+
+
+def _completes(result: TrainResult) -> bool:
+    """Whether the trial ends COMPLETE (see _value): stopped by the pruner or diverged, it is
+    pruned."""
+    return result.status not in ("stopped", "diverged") and result.best is not None
 
 
 def _drop_stored_state(trial: TrialLike, uploader: BackgroundUploader, has_model: bool) -> None:

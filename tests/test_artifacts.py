@@ -511,3 +511,61 @@ def test_a_retry_takes_the_newest_state_local_or_stored(
     assert fetch_resume_state(store, target, retry) is fetched
     assert retry.state_path.read_bytes() == (b"stored state" if fetched else before)
     assert not retry.errors
+
+
+def test_abandoned_uploads_are_dropped_without_an_error(
+    tmp_path: Path, target: ArtifactTarget
+) -> None:
+    gate = Gate(FileBackend(tmp_path / "store"))
+    uploader = BackgroundUploader(ArtifactStore(target.url, gate), target)  # type: ignore[arg-type]
+    (tmp_path / "a.pt").write_bytes(b"a")
+    (tmp_path / "b.pt").write_bytes(b"b")
+    uploader.submit("state", tmp_path / "a.pt")
+    assert gate.started.wait(5)
+    uploader.submit("state", tmp_path / "b.pt")
+    uploader.abandon()
+    gate.release.set()
+    assert uploader.flush(timeout_s=5)
+    assert gate.published == [b"a"] and not uploader.stats.errors
+
+
+def test_the_workers_remove_old_artifacts_under_the_rules_of_local_folders(tmp_path: Path) -> None:
+    from optuna.distributions import FloatDistribution
+    from optuna.study import StudyDirection
+    from optuna.trial import create_trial
+
+    from hpo.checkpoints import remove_unneeded_artifacts
+
+    def trial(number: int, state: TrialState, value: float | None = None, **attrs: int) -> object:
+        made = create_trial(state=state, value=value, params={"x": 0.5}, user_attrs=attrs,
+                            distributions={"x": FloatDistribution(0, 1)})  # fmt: skip
+        made.number = number
+        return made
+
+    trials = [
+        trial(0, TrialState.COMPLETE, 0.9),  # the best: its model stays, its state goes
+        trial(1, TrialState.COMPLETE, 0.5),
+        trial(2, TrialState.RUNNING),
+        trial(3, TrialState.FAIL),  # handed back: its retry (4) resumes from trial-3
+        trial(4, TrialState.WAITING, first_attempt=3),
+    ]
+    files = FileBackend(tmp_path / "store")
+    store = ArtifactStore("file://s", files)
+    study = study_folder_name("s")
+    (tmp_path / "state.pt").write_bytes(b"state")
+    for number in range(4):
+        store.publish(study, f"trial-{number}", "state", tmp_path / "state.pt")
+        model = _model_folder(tmp_path / f"m{number}")
+        store.publish(study, f"trial-{number}", "best-model", model)
+    foreign = tmp_path / "store" / study / "trial-7" / "state.manifest.json.bak"
+    foreign.parent.mkdir()
+    foreign.write_text("not hpo's")
+
+    removed = remove_unneeded_artifacts(store, "s", trials, [StudyDirection.MAXIMIZE])  # type: ignore[arg-type]
+    assert removed == ["trial-0/state", "trial-1/state", "trial-1/best-model"]
+    assert store.folders(study) == {
+        "trial-0": ["best-model"],
+        "trial-2": ["state", "best-model"],
+        "trial-3": ["state", "best-model"],
+    }
+    assert foreign.read_text() == "not hpo's"

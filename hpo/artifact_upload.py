@@ -5,7 +5,6 @@ backoff, never fatal), and its state fetched from the store when a retry on anot
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import shutil
 import threading
@@ -183,8 +182,7 @@ def _local_state_is_newest(state_path: Path, stored: Manifest) -> bool:
         return False
     if _stored_version(state_path.parent) == stored.version:
         return True
-    published = dt.datetime.fromisoformat(stored.written_at).timestamp()
-    return state_path.stat().st_mtime > published
+    return state_path.stat().st_mtime > stored.published_at()
 
 
 def _stored_version(directory: Path) -> str | None:

@@ -134,13 +134,20 @@ def _hand_over(
     half of study.stop_timeout: after it the worker kills the process), for the retry."""
     if uploader is not None:
         study = task.config.study
-        uploader.close(timeout_s=min(study.artifact_patience, study.stop_timeout / 2))
-        _record_uploads(trial, store, uploader)
+        done = uploader.close(timeout_s=min(study.artifact_patience, study.stop_timeout / 2))
+        _record_uploads(trial, store, uploader, done)
     _record_checkpoint_cost(trial, store)
 
 
-def _record_uploads(trial: TrialLike, store: CheckpointStore, uploader: BackgroundUploader) -> None:
-    store.errors.extend(uploader.stats.errors)
+def _record_uploads(
+    trial: TrialLike, store: CheckpointStore, uploader: BackgroundUploader, done: bool
+) -> None:
+    """Seconds the uploads took, and failures: the reason (checkpoint_error) when something
+    never reached the store; only a count (upload_retries) when retries got it there."""
+    if not done:
+        store.errors.extend(uploader.stats.errors)
+    if uploader.stats.errors:
+        trial.set_user_attr("upload_retries", len(uploader.stats.errors))
     trial.set_user_attr("upload_s", round(uploader.stats.upload_s, 3))
 
 
@@ -195,13 +202,14 @@ def _record_checkpoints(
         trial.set_user_attr("best_model", str(store.best_model_path))
     if uploader is not None and not _completes(result):
         uploader.abandon()  # pruned: its model is never the best; the worker cleans up
-        _record_uploads(trial, store, uploader)
+        _record_uploads(trial, store, uploader, done=True)
     elif uploader is not None:
         if has_model:
             uploader.submit("best-model", store.best_model_path)  # now with its tokenizer
-        if uploader.close(timeout_s=task.config.study.artifact_patience):
+        done = uploader.close(timeout_s=task.config.study.artifact_patience)
+        if done:
             _drop_stored_state(trial, uploader, has_model)
-        _record_uploads(trial, store, uploader)
+        _record_uploads(trial, store, uploader, done)
     _record_checkpoint_cost(trial, store)
 
 

@@ -372,6 +372,10 @@ class Manifest:
     def size(self) -> int:
         return sum(f.size for f in self.files)
 
+    def published_at(self) -> float:
+        """`written_at` as a POSIX timestamp; ValueError if it does not parse."""
+        return dt.datetime.fromisoformat(self.written_at).timestamp()
+
     def to_json(self) -> bytes:
         return json.dumps({**asdict(self), "size": self.size}, indent=1).encode()
 
@@ -544,6 +548,7 @@ def _parsed_manifest(raw: bytes, study: str, folder: str, kind: str) -> Manifest
         data.pop("size", None)
         files = [FileEntry(**f) for f in data.pop("files")]
         manifest = Manifest(**data, files=files)
+        manifest.published_at()  # a time that does not parse is not hpo's
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise UntrustedArtifact(f"{where} is not a manifest hpo wrote: refused") from e
     expected = f"{_prefix(study, folder)}/{kind}/{manifest.version}/"

@@ -12,7 +12,7 @@ import math
 import os
 import shlex
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -527,10 +527,44 @@ def _retrain(args: argparse.Namespace) -> int:
     metric = config.study.primary_metric
     card = retrain.model_card(plan, found, winner, chosen, config, metric, full_data_trial,
                               storage_url.masked)  # fmt: skip
-    retrain.save_final_model(retrain.model_folder(model_study, model_trial), out, card)
+    with _winner_model(model_study, model_trial, config, out) as model_dir:
+        retrain.save_final_model(model_dir, out, card)
     source.set_user_attr(retrain.OUTCOME_ATTR, retrain.outcome(card, out))
     print(retrain.summary(card, out))
     return 0
+
+
+@contextlib.contextmanager
+def _winner_model(study: Any, number: int, config: Config, out: Path) -> Iterator[Path]:
+    """The winning run's model folder: on this host, or (trained on another host) fetched from
+    the artifact store beside `out`, checked against its sha256, and removed afterwards."""
+    import shutil
+    import tempfile
+
+    from hpo import retrain
+    from hpo.checkpoints import folder_name, study_folder_name
+    from storage.artifacts import ArtifactStore, ArtifactStoreError
+
+    local = retrain.model_folder(study, number)
+    if (local / "config.json").is_file() or config.study.artifact_store is None:
+        yield local
+        return
+    trial = next(t for t in study.get_trials(deepcopy=False) if t.number == number)
+    scratch = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".fetch"))
+    try:
+        store = ArtifactStore(config.study.artifact_store)
+        slug = study_folder_name(study.study_name)
+        if store.fetch(slug, folder_name(trial), "best-model", scratch / "model") is None:
+            yield local  # not in the store either: save_final_model says so
+        else:
+            yield scratch / "model"
+    except ArtifactStoreError as e:
+        raise HPOError(
+            f"the winning run's model is not on this host and not fetched from "
+            f"{config.study.artifact_store}: {e}"
+        ) from e
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _retrain_runs(

@@ -569,3 +569,29 @@ def test_the_workers_remove_old_artifacts_under_the_rules_of_local_folders(tmp_p
         "trial-3": ["state", "best-model"],
     }
     assert foreign.read_text() == "not hpo's"
+
+
+def test_retrain_takes_a_winner_trained_on_another_host_from_the_store(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    from optuna.distributions import FloatDistribution
+    from optuna.trial import create_trial
+
+    from hpo.cli import _winner_model
+    from hpo.config import load_config
+
+    (tmp_path / "shared").mkdir()
+    store_url = f"file://{tmp_path / 'shared'}"
+    raw = tiny_config(*easy_data, study={"artifact_store": store_url})
+    config = load_config(write_config(tmp_path / "c.yaml", raw))
+    study = optuna.create_study(study_name="s.retrain", direction="maximize")
+    elsewhere = {"best_model": "/elsewhere/trial-0/best-model"}  # another host's disk
+    study.add_trial(create_trial(value=0.9, params={"x": 0.5}, user_attrs=elsewhere,
+                                 distributions={"x": FloatDistribution(0, 1)}))  # fmt: skip
+    store = ArtifactStore(store_url)
+    model = _model_folder(tmp_path / "model")
+    store.publish(study_folder_name("s.retrain"), "trial-0", "best-model", model)
+
+    with _winner_model(study, 0, config, tmp_path / "final") as folder:
+        assert (folder / "model.safetensors").read_bytes() == b"weights" * 1000
+    assert not folder.exists()  # the fetched copy goes once the final model is saved

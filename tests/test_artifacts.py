@@ -395,6 +395,8 @@ def test_a_trial_stopped_on_one_host_resumes_on_another_from_the_store(
     assert retry.user_attrs["best_model_uri"] == f"{uri}/best-model"
     store = ArtifactStore(store_url)
     assert store.folders(study_folder_name("nli/1")) == {"trial-0": ["best-model"]}  # state gone
+    if kind == "file":
+        return  # what follows reads the store the same way whatever it is
 
     # Anywhere else: `hpo best` names the model in the store and fetches it, checked.
     elsewhere = tmp_path / "laptop"

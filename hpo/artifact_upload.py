@@ -94,6 +94,13 @@ class BackgroundUploader:
             self._record(f"{', '.join(given_up)} not uploaded after {timeout_s:g} s: {reason}")
         return done and not given_up
 
+    def discard(self, kind: str) -> None:
+        """Drop a pending upload of `kind` (the trial ended: its state is no longer needed); one
+        in flight that fails is not tried again once its file is gone."""
+        with self._changed:
+            self._pending.pop(kind, None)
+            self._changed.notify_all()
+
     def abandon(self) -> None:
         """Stop without uploading what is pending (a trial that will not be resumed); an
         upload in flight finishes or dies with the process."""
@@ -115,7 +122,7 @@ class BackgroundUploader:
             ok = self._publish(kind, path)
             with self._changed:
                 self._busy = False
-                if not ok:
+                if not ok and path.exists():  # gone: the trial dropped it, nothing to retry
                     self._pending.setdefault(kind, path)  # unless a newer one came meanwhile
                     self._failures += 1
                     self._changed.notify_all()

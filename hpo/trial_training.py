@@ -194,6 +194,8 @@ def _record_checkpoints(
     """The run is over: its resume state goes; its best model stays, with the tokenizer, until
     a better trial's does (see hpo.checkpoints). With a store, the best model goes there (its
     URI recorded once it is there whole) and the state there goes."""
+    if uploader is not None:
+        uploader.discard("state")  # before its file goes: a pending upload would wait for it
     store.drop_state()
     if result.resumed_at_step is not None:
         trial.set_user_attr("resumed_at_step", result.resumed_at_step)

@@ -597,3 +597,22 @@ def test_retrain_takes_a_winner_trained_on_another_host_from_the_store(
     with _winner_model(study, 0, config, tmp_path / "final") as folder:
         assert (folder / "model.safetensors").read_bytes() == b"weights" * 1000
     assert not folder.exists()  # the fetched copy goes once the final model is saved
+
+
+def test_a_state_dropped_at_the_end_of_a_trial_is_not_waited_for(
+    tmp_path: Path, target: ArtifactTarget
+) -> None:
+    gate = Gate(FileBackend(tmp_path / "store"), failures=1)  # the upload in flight fails
+    store = ArtifactStore(target.url, gate)  # type: ignore[arg-type]
+    uploader = BackgroundUploader(store, target, Backoff(0.05, 0.1))
+    (tmp_path / "old.pt").write_bytes(b"old")
+    (tmp_path / "new.pt").write_bytes(b"new")
+    uploader.submit("state", tmp_path / "old.pt")
+    assert gate.started.wait(5)
+    uploader.submit("state", tmp_path / "new.pt")
+    uploader.discard("state")  # the trial completed: its state files go
+    (tmp_path / "old.pt").unlink()
+    (tmp_path / "new.pt").unlink()
+    gate.release.set()
+    assert uploader.close(timeout_s=5)
+    assert gate.published == [] and store.manifest(STUDY, FOLDER, "state") is None

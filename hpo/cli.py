@@ -823,15 +823,17 @@ def _artifact_summary(study: Any, args: argparse.Namespace) -> dict[str, Any] | 
     from hpo.checkpoints import study_folder_name
     from storage.artifacts import ArtifactStoreError
 
-    store = _study_artifact_store(study, args)
-    if store is None:
-        return None
-    slug = study_folder_name(study.study_name)
     try:
+        store = _study_artifact_store(study, args)
+        if store is None:
+            return None
+        slug = study_folder_name(study.study_name)
         return {"url": store.url, "size_bytes": store.size(slug),
                 "trial_folders": len(store.folders(slug))}  # fmt: skip
-    except ArtifactStoreError as e:
-        return {"url": store.url, "error": str(e)}
+    except ArtifactStoreError as e:  # e.g. the workers' shared mount is not mounted here
+        if args.artifact_store is not None:
+            raise
+        return {"url": study.user_attrs.get(ARTIFACT_STORE_ATTR), "error": str(e)}
 
 
 def _artifact_line(store: dict[str, Any]) -> str:

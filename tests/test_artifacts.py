@@ -616,3 +616,21 @@ def test_a_state_dropped_at_the_end_of_a_trial_is_not_waited_for(
     gate.release.set()
     assert uploader.close(timeout_s=5)
     assert gate.published == [] and store.manifest(STUDY, FOLDER, "state") is None
+
+
+def test_status_says_when_the_store_is_not_reachable_from_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import argparse
+
+    from hpo.cli import _artifact_line, _artifact_summary
+
+    monkeypatch.delenv("HPO_ARTIFACT_STORE", raising=False)
+    study = optuna.create_study(study_name="s")
+    study.set_user_attr("artifact_store", "file:///mnt/not-mounted-here")
+    summary = _artifact_summary(study, argparse.Namespace(artifact_store=None))
+    assert summary is not None
+    assert _artifact_line(summary).startswith("artifact store file:///mnt/not-mounted-here: "
+                                              "unreachable (")  # fmt: skip
+    with pytest.raises(ArtifactStoreError, match="not a folder"):  # asked for: an error
+        _artifact_summary(study, argparse.Namespace(artifact_store="file:///mnt/not-mounted"))

@@ -595,7 +595,7 @@ def _check_inputs(args: argparse.Namespace) -> tuple[Config, StorageURL, list[st
     """Every input of `hpo run`, checked before the database is touched: a bad one writes
     nothing. Returns the config, the storage URL, the worker's GPUs, the prepared data and the
     workers per GPU."""
-    from storage.artifacts import resolve_artifact_url
+    from storage.artifacts import ArtifactStore, resolve_artifact_url
     from storage.url import resolve_storage_url
 
     check_study_name(args.study)
@@ -608,6 +608,8 @@ def _check_inputs(args: argparse.Namespace) -> tuple[Config, StorageURL, list[st
     artifacts = resolve_artifact_url(getattr(args, "artifact_store", None),
                                      config.study.artifact_store)  # fmt: skip
     config.study.artifact_store = artifacts.url if artifacts is not None else None
+    if artifacts is not None:  # a missing AWS profile or a bad endpoint: one line, now
+        ArtifactStore(artifacts.url)
     _check_memory_share()
     per_gpu = args.workers_per_gpu
     gpus = _worker_gpus(config, "auto" if args.gpus is None and per_gpu is not None else args.gpus)

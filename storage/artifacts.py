@@ -264,6 +264,7 @@ class S3Backend:
     def __init__(self, bucket: str, prefix: str) -> None:
         import boto3
         from botocore.config import Config as BotoConfig
+        from botocore.exceptions import BotoCoreError
 
         self.bucket, self.prefix = bucket, prefix
         # Few quick retries here: hpo's uploader retries with its own backoff.
@@ -272,8 +273,8 @@ class S3Backend:
         )
         try:
             self.client = boto3.session.Session().client("s3", config=settings)
-        except Exception as e:  # botocore raises many kinds for a bad profile or region
-            raise ArtifactStoreError(f"cannot set up S3: {_reason(e)}") from e
+        except (BotoCoreError, ValueError) as e:  # a missing profile; an endpoint or region
+            raise ArtifactStoreError(f"cannot set up S3: {_reason(e)}") from e  # that is no URL
 
     def put(self, key: str, source: BinaryIO) -> None:
         with self._errors(f"cannot upload {key}"):

@@ -457,6 +457,7 @@ def test_a_store_lost_mid_upload_never_stops_the_trial_and_leaves_nothing_half_w
     [
         ("--artifact-store", "artifact store URL from --artifact-store has 'gs'"),
         ("config", "study.artifact_store: got 's3://AKIA:***@bucket/x'"),
+        ("$AWS_PROFILE", "cannot set up S3: The config profile (no-such-profile) could not be"),
     ],
 )
 def test_a_bad_store_url_at_start_is_one_line_and_exit_2(
@@ -467,7 +468,10 @@ def test_a_bad_store_url_at_start_is_one_line_and_exit_2(
     args = ["run", "--study", "s", "--config", str(config), "--storage", "sqlite:///s.db"]
     if where == "--artifact-store":
         args += ["--artifact-store", "gs://bucket/x"]
-    result = run_hpo(*args, cwd=tmp_path)
+    env = {}
+    if where == "$AWS_PROFILE":
+        env = {"HPO_ARTIFACT_STORE": "s3://bucket/x", "AWS_PROFILE": "no-such-profile"}
+    result = run_hpo(*args, cwd=tmp_path, env=env)
     assert result.returncode == 2, result.stderr[-2000:]
     assert said in result.stderr and "wJalr" not in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "s.db").exists()

@@ -133,6 +133,7 @@ def local_time_zone(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str],
 def _isolated_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HPO_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("HPO_STORAGE", raising=False)
+    monkeypatch.delenv("HPO_ARTIFACT_STORE", raising=False)  # no test writes to a user's store
 
 
 @pytest.fixture

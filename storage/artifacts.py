@@ -176,11 +176,11 @@ class FileBackend:
         self.root = root
 
     def put(self, key: str, source: BinaryIO) -> None:
-        with self._writing(key) as target:
+        with _AtomicFile(self.root / key) as target:
             shutil.copyfileobj(source, target, _CHUNK)
 
     def write(self, key: str, data: bytes) -> None:
-        with self._writing(key) as target:
+        with _AtomicFile(self.root / key) as target:
             target.write(data)
 
     def get(self, key: str, target: BinaryIO) -> None:
@@ -217,9 +217,6 @@ class FileBackend:
             if path.is_file() and not path.name.startswith("."):
                 yield path.relative_to(self.root).as_posix(), path.stat().st_size
 
-    def _writing(self, key: str) -> Any:
-        return _AtomicFile(self.root / key)
-
 
 class _AtomicFile:
     """A file written aside (`.NAME.UUID.part`) and renamed into place on success only."""
@@ -236,8 +233,11 @@ class _AtomicFile:
             raise ArtifactStoreError(f"cannot write {self.path}: {e.strerror or e}") from e
         return self.handle
 
-    def __exit__(self, kind: object, error: object, traceback: object) -> None:
+    def __exit__(self, kind: object, error: BaseException | None, traceback: object) -> None:
         try:
+            if error is None:  # on the disk before the name says it is there
+                self.handle.flush()
+                os.fsync(self.handle.fileno())
             self.handle.close()
             if error is None:
                 os.replace(self.aside, self.path)
@@ -245,8 +245,10 @@ class _AtomicFile:
             raise ArtifactStoreError(f"cannot write {self.path}: {e.strerror or e}") from e
         finally:
             self.aside.unlink(missing_ok=True)
-        if isinstance(error, OSError):
-            raise ArtifactStoreError(f"cannot write {self.path}: {error.strerror or error}")
+        if isinstance(error, OSError):  # e.g. the disk full mid-copy
+            raise ArtifactStoreError(
+                f"cannot write {self.path}: {error.strerror or error}"
+            ) from error
 
 
 def _remove_empty(folder: Path) -> bool:
@@ -495,10 +497,6 @@ class ArtifactStore:
             self.backend.delete(keys)
         except ArtifactStoreError as e:
             log.warning("%d objects no manifest names stay in the store: %s", len(keys), e)
-
-
-def open_artifact_store(url: str) -> ArtifactStore:
-    return ArtifactStore(url)
 
 
 def _backend_for(url: str) -> Backend:

@@ -638,3 +638,18 @@ def test_status_says_when_the_store_is_not_reachable_from_here(
                                               "unreachable (")  # fmt: skip
     with pytest.raises(ArtifactStoreError, match="not a folder"):  # asked for: an error
         _artifact_summary(study, argparse.Namespace(artifact_store="file:///mnt/not-mounted"))
+
+
+def test_a_disk_full_mid_copy_leaves_no_file_on_the_shared_mount(tmp_path: Path) -> None:
+    import errno
+
+    class FillsTheDisk(io.BytesIO):
+        def read(self, size: int | None = -1) -> bytes:
+            if self.tell() > 0:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return super().read(4)
+
+    files = FileBackend(tmp_path / "store")
+    with pytest.raises(ArtifactStoreError, match="No space left on device"):
+        files.put(f"{STUDY}/{FOLDER}/state/v1/checkpoint.pt", FillsTheDisk(b"0123456789"))
+    assert [p for p in (tmp_path / "store").rglob("*") if p.is_file()] == []

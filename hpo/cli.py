@@ -14,7 +14,7 @@ import shlex
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from hpo import __version__
 from hpo import progress as live
@@ -24,6 +24,9 @@ from hpo.launcher import MAX_WORKERS_PER_GPU
 from hpo.logs import set_optuna_verbosity, setup_logging
 from hpo.stopping import Interrupted, StopRequest, stopped_exit_code
 from storage.url import StorageURL
+
+if TYPE_CHECKING:
+    from storage.artifacts import ArtifactStore
 
 EXIT_BAD_INPUT = 2
 ARTIFACT_STORE_ATTR = "artifact_store"  # the study's store, as its workers resolved it
@@ -805,18 +808,14 @@ def _monitor(args: argparse.Namespace) -> int:
     return 0
 
 
-def _study_artifact_store(study: Any, args: argparse.Namespace) -> Any:
+def _study_artifact_store(study: Any, args: argparse.Namespace) -> ArtifactStore | None:
     """The study's artifact store (--artifact-store, $HPO_ARTIFACT_STORE, its workers'
     record), or None."""
-    from storage.artifacts import resolve_artifact_url
+    from storage.artifacts import ArtifactStore, resolve_artifact_url
 
     recorded = study.user_attrs.get(ARTIFACT_STORE_ATTR)
     url = resolve_artifact_url(args.artifact_store, None, recorded)
-    if url is None:
-        return None
-    from storage.artifacts import ArtifactStore
-
-    return ArtifactStore(url.url)
+    return None if url is None else ArtifactStore(url.url)
 
 
 def _artifact_summary(study: Any, args: argparse.Namespace) -> dict[str, Any] | None:

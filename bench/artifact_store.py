@@ -59,6 +59,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--epochs", type=int, default=None, help="override training.epochs")
     parser.add_argument("--device", default=None, help="override training.device")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--hidden-size", type=int, default=None,
+        help="an inline model's hidden size (intermediate 4x): bigger checkpoints",
+    )  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -67,11 +72,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    if args.threads is not None:  # on a shared CPU, spinning threads stall (see README)
+        import torch
+
+        torch.set_num_threads(args.threads)
     config = load_config(args.config)
     if args.epochs is not None:
         config.training.epochs = args.epochs
     if args.device is not None:
         config.training.device = args.device
+    if args.hidden_size is not None and config.model.config:
+        config.model.config["hidden_size"] = args.hidden_size
+        config.model.config["intermediate_size"] = 4 * args.hidden_size
     data = prepare_data(config.data, load_tokenizer(config.model))
     job = TrainJob(data=config.data, model=config.model, training=config.training)
     runs: list[Run] = []

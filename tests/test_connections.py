@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import threading
 import time
@@ -13,6 +14,7 @@ from typing import Any
 import optuna
 import pytest
 import sqlalchemy as sa
+from optuna.trial import TrialState
 
 from hpo.config import Config, ParamSpec, StudyConfig
 from hpo.objective import Objective
@@ -22,6 +24,7 @@ from storage.batch_cache import BatchSizeCache
 from storage.engine import engine_kwargs, open_storage
 from storage.errors import StorageError
 from storage.url import StorageURL
+from tests.pgbouncer import pgbouncer, pgbouncer_binary
 
 pytestmark = pytest.mark.postgres
 
@@ -107,3 +110,82 @@ def test_a_full_server_is_waited_for_at_start_and_a_wrong_name_is_not(limited_ro
     with pytest.raises(StorageError, match="does not exist"):
         open_storage(StorageURL(wrong, "test"), 60.0)  # bad input: not waited on
     assert time.monotonic() - started < 10
+
+
+def _light_worker(url: str) -> None:
+    """A worker process: a study of trivial trials, a connection per call."""
+    study_config = StudyConfig(
+        n_trials=BOUNCED_BUDGET, trial_isolation="none", database_connections="on_demand"
+    )
+    config = Config(study=study_config, search_space={"x": ParamSpec(type="float", low=0, high=1)})
+    storage_url = StorageURL(url, "test")
+    storage = open_storage(storage_url, patience_s=60, on_demand=True)
+    study = open_study(storage, "bounced", config)
+    stop = StopRequest()
+    objective = Objective(config, None, storage_url, stop, _trivial, BatchSizeCache(storage.engine))  # type: ignore[arg-type]
+    run_trials(study, storage, objective, stop)
+
+
+BOUNCED_BUDGET = 12
+
+
+def test_on_demand_workers_behind_pgbouncer_share_two_server_connections(
+    postgres_url: str,
+) -> None:
+    """README "Running on a cluster": more workers than server connections, through the shipped
+    deploy/pgbouncer/pgbouncer.ini (session mode). Six workers, each of which may hold two
+    sessions at once (the study lock and a call under it), get by with two server connections:
+    the budget exact, no trial failed, none left running."""
+    if pgbouncer_binary() is None:
+        message = "pgbouncer is not installed (scripts/test installs it as root)"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(message)
+        pytest.skip(message)
+    optuna.storages.RDBStorage(postgres_url).engine.dispose()  # tables first, not raced here
+    context = multiprocessing.get_context("fork")
+    with pgbouncer(postgres_url, pool_size=2) as bounced, ServerConnections(postgres_url) as seen:
+        workers = [context.Process(target=_light_worker, args=(bounced,)) for _ in range(6)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(timeout=90)
+        stuck = [w.pid for w in workers if w.is_alive()]
+        for worker in workers:
+            worker.kill()
+    assert not stuck, f"workers {stuck} never ended: waiting for a server connection?"
+    assert [w.exitcode for w in workers] == [0] * 6
+    trials = optuna.load_study(study_name="bounced", storage=postgres_url).trials
+    assert sorted(t.number for t in trials) == list(range(BOUNCED_BUDGET))
+    assert {t.state for t in trials} <= {TrialState.COMPLETE, TrialState.PRUNED}
+    assert len({t.user_attrs["worker"] for t in trials}) > 1  # the workers shared the study
+    assert 1 <= seen.most <= 2
+
+
+class ServerConnections:
+    """The most connections the server held at once on a database (its own left out), sampled
+    every 20 ms while the block runs."""
+
+    def __init__(self, url: str) -> None:
+        self.engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+        self.database = sa.engine.make_url(url).database
+        self.most = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> ServerConnections:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+        self.engine.dispose()
+
+    def _watch(self) -> None:
+        query = sa.text(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = :db AND pid <> pg_backend_pid()"
+        )
+        with self.engine.connect() as conn:
+            while not self._done.wait(0.02):
+                self.most = max(self.most, conn.execute(query, {"db": self.database}).scalar_one())
+                conn.rollback()

@@ -105,7 +105,7 @@ class ConnectionWatch:
         )
         with self.engine.connect() as conn:  # one connection for the whole watch
             while not self._done.wait(0.05):
-                counts = dict(conn.execute(query, {"db": self.database}).all())
+                counts: dict[str, int] = dict(conn.execute(query, {"db": self.database}).all())
                 conn.rollback()  # a fresh snapshot of pg_stat_activity each time
                 self.total = max(self.total, sum(counts.values()))
                 hpo = [n for name, n in counts.items() if str(name).startswith("hpo ")]

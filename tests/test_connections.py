@@ -16,7 +16,7 @@ import pytest
 import sqlalchemy as sa
 from optuna.trial import TrialState
 
-from hpo.config import Config, ParamSpec, StudyConfig
+from hpo.config import Config, ParamSpec, PrunerConfig, StudyConfig
 from hpo.objective import Objective
 from hpo.stopping import StopRequest
 from hpo.study import open_study, run_trials
@@ -25,6 +25,7 @@ from storage.engine import engine_kwargs, open_storage
 from storage.errors import StorageError
 from storage.url import StorageURL
 from tests.pgbouncer import pgbouncer, pgbouncer_binary
+from tests.tcp_proxy import CuttableProxy
 
 pytestmark = pytest.mark.postgres
 
@@ -112,17 +113,25 @@ def test_a_full_server_is_waited_for_at_start_and_a_wrong_name_is_not(limited_ro
     assert time.monotonic() - started < 10
 
 
-def _light_worker(url: str) -> None:
+def _light_worker(url: str, budget: int = 12, report_pause_s: float = 0.0) -> None:
     """A worker process: a study of trivial trials, a connection per call."""
     study_config = StudyConfig(
-        n_trials=BOUNCED_BUDGET, trial_isolation="none", database_connections="on_demand"
-    )
+        n_trials=budget, trial_isolation="none", database_connections="on_demand",
+        heartbeat_interval=1, pruner=PrunerConfig(type="none"),
+    )  # fmt: skip
     config = Config(study=study_config, search_space={"x": ParamSpec(type="float", low=0, high=1)})
     storage_url = StorageURL(url, "test")
     storage = open_storage(storage_url, patience_s=60, on_demand=True)
     study = open_study(storage, "bounced", config)
     stop = StopRequest()
-    objective = Objective(config, None, storage_url, stop, _trivial, BatchSizeCache(storage.engine))  # type: ignore[arg-type]
+
+    def slow(trial: Any, task: Any) -> float:
+        for step in range(3):
+            time.sleep(report_pause_s)
+            trial.report(float(step), step)
+        return float(task.params["x"])
+
+    objective = Objective(config, None, storage_url, stop, slow, BatchSizeCache(storage.engine))  # type: ignore[arg-type]
     run_trials(study, storage, objective, stop)
 
 
@@ -136,15 +145,13 @@ def test_on_demand_workers_behind_pgbouncer_share_two_server_connections(
     deploy/pgbouncer/pgbouncer.ini (session mode). Six workers, each of which may hold two
     sessions at once (the study lock and a call under it), get by with two server connections:
     the budget exact, no trial failed, none left running."""
-    if pgbouncer_binary() is None:
-        message = "pgbouncer is not installed (scripts/test installs it as root)"
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(message)
-        pytest.skip(message)
+    _need_pgbouncer()
     optuna.storages.RDBStorage(postgres_url).engine.dispose()  # tables first, not raced here
     context = multiprocessing.get_context("fork")
     with pgbouncer(postgres_url, pool_size=2) as bounced, ServerConnections(postgres_url) as seen:
-        workers = [context.Process(target=_light_worker, args=(bounced,)) for _ in range(6)]
+        workers = [
+            context.Process(target=_light_worker, args=(bounced, BOUNCED_BUDGET)) for _ in range(6)
+        ]
         for worker in workers:
             worker.start()
         for worker in workers:
@@ -159,6 +166,51 @@ def test_on_demand_workers_behind_pgbouncer_share_two_server_connections(
     assert {t.state for t in trials} <= {TrialState.COMPLETE, TrialState.PRUNED}
     assert len({t.user_attrs["worker"] for t in trials}) > 1  # the workers shared the study
     assert 1 <= seen.most <= 2
+
+
+def test_on_demand_workers_behind_pgbouncer_ride_out_a_server_outage(postgres_url: str) -> None:
+    """The server goes away under PgBouncer (every server connection dropped, new ones refused,
+    for 4 s) while two workers report: their calls are retried until it is back, and the study
+    ends exact, every trial complete with every report."""
+    _need_pgbouncer()
+    optuna.storages.RDBStorage(postgres_url).engine.dispose()
+    url = sa.engine.make_url(postgres_url)
+    proxy = CuttableProxy(url.host or "127.0.0.1", url.port or 5432)
+    proxied = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    context = multiprocessing.get_context("fork")
+    try:
+        with pgbouncer(proxied, pool_size=4) as bounced:
+            workers = [
+                context.Process(target=_light_worker, args=(bounced, 6, 0.4)) for _ in range(2)
+            ]
+            for worker in workers:
+                worker.start()
+            time.sleep(2.5)  # the workers are into their trials
+            proxy.cut()
+            time.sleep(4)
+            proxy.restore()
+            for worker in workers:
+                worker.join(timeout=120)
+            for worker in workers:
+                worker.kill()
+    finally:
+        proxy.close()
+    assert [w.exitcode for w in workers] == [0, 0]
+    trials = optuna.load_study(study_name="bounced", storage=postgres_url).trials
+    assert sorted(t.number for t in trials) == list(range(6))
+    assert all(t.state == TrialState.COMPLETE for t in trials), [t.state for t in trials]
+    assert all(sorted(t.intermediate_values) == [0, 1, 2] for t in trials)
+    starts = sorted(t.datetime_start for t in trials if t.datetime_start is not None)
+    ends = sorted(t.datetime_complete for t in trials if t.datetime_complete is not None)
+    assert (ends[-1] - starts[0]).total_seconds() > 4  # the study ran through the outage
+
+
+def _need_pgbouncer() -> None:
+    if pgbouncer_binary() is None:
+        message = "pgbouncer is not installed (scripts/test installs it as root)"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(message)
+        pytest.skip(message)
 
 
 class ServerConnections:

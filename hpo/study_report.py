@@ -29,28 +29,43 @@ DRAW_LIMIT = 1000
 _NUMBER = "hpo:number"  # a sampled trial's number in the study
 
 
+# The user attributes the trial table shows.
+_TABLE_USER_KEYS = ("samples_per_s", "physical_batch_size")
+
+
 @dataclass
 class Drawn:
     """The trials the plots and the table show: the study's own, or of a large study a sample
-    read from its database (`total`: the study's size)."""
+    read from its database (`sample_ids`, with `engine`; `total`: the study's size). Each read
+    is made only when something needs it: a Markdown report reads the table's columns only."""
 
     study: optuna.Study
-    sample: list[FrozenTrial] | None = None
+    engine: Any = None
+    sample_ids: list[int] | None = None
     total: int | None = None
 
     def trials(self) -> list[FrozenTrial]:
-        return self.study.get_trials(deepcopy=False) if self.sample is None else self.sample
+        """The trials of the table (of a sample: whole if the plots read them, else only the
+        table's columns)."""
+        if self.sample_ids is None:
+            return self.study.get_trials(deepcopy=False)
+        if "whole_sample" in self.__dict__:
+            return self.whole_sample
+        return study_queries.trials(self.engine, self.sample_ids, _TABLE_USER_KEYS)
+
+    @functools.cached_property
+    def whole_sample(self) -> list[FrozenTrial]:
+        return study_queries.trials(self.engine, self.sample_ids or [])
 
     @property
     def numbers(self) -> list[int]:
         """The study's numbers of the view's trials, in the view's order."""
-        return [t.number for t in self.sample or []]
+        return [t.number for t in self.whole_sample] if self.sample_ids is not None else []
 
     @functools.cached_property
     def view(self) -> optuna.Study:
-        """What Optuna's plots read: the study, or an in-memory study of the sample (built only
-        for the plots: copying 1,000 trials into it was half of a Markdown report's time)."""
-        if self.sample is None:
+        """What Optuna's plots read: the study, or an in-memory study of the sample."""
+        if self.sample_ids is None:
             return self.study
         verbosity = optuna.logging.get_verbosity()
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "study created in memory" line
@@ -64,9 +79,9 @@ class Drawn:
             view.set_user_attr(key, value)
         if self.study.metric_names:
             view.set_metric_names(self.study.metric_names)
-        for trial in self.sample:
+        for trial in self.whole_sample:
             trial.set_user_attr(_NUMBER, trial.number)
-        view.add_trials(self.sample)
+        view.add_trials(self.whole_sample)
         return view
 
 
@@ -79,10 +94,8 @@ def _drawn(study: optuna.Study, storage: object) -> Drawn:
     if total <= DRAW_LIMIT:
         return Drawn(study)
     maximize = study.directions[0] == StudyDirection.MAXIMIZE
-    sample = study_queries.trials(
-        engine, study_queries.sample_ids(engine, study_id, maximize, DRAW_LIMIT)
-    )
-    return Drawn(study, sample, total)
+    sample_ids = study_queries.sample_ids(engine, study_id, maximize, DRAW_LIMIT)
+    return Drawn(study, engine, sample_ids, total)
 
 
 def _shown(trial: FrozenTrial) -> int:
@@ -196,7 +209,7 @@ def _summary(study: optuna.Study, status: dict[str, Any], drawn: Drawn) -> list[
         values = ", ".join(f"{v:.4f}" for v in trial["values"])
         lines.append(f"Pareto front: trial #{trial['number']}, {values}")
     if drawn.total is not None:
-        lines.append(f"plots and the trial table show {len(drawn.numbers)} of the study's "
+        lines.append(f"plots and the trial table show {len(drawn.sample_ids or [])} of the study's "
                      f"{drawn.total} trials: the best, the latest and an even spread of the rest; "
                      "the counts above are of every trial")  # fmt: skip
     return lines

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import threading
@@ -117,7 +118,7 @@ def _light_worker(url: str, budget: int = 12, report_pause_s: float = 0.0) -> No
     """A worker process: a study of trivial trials, a connection per call."""
     study_config = StudyConfig(
         n_trials=budget, trial_isolation="none", database_connections="on_demand",
-        heartbeat_interval=1, pruner=PrunerConfig(type="none"),
+        heartbeat_interval=1, grace_period=3, pruner=PrunerConfig(type="none"),
     )  # fmt: skip
     config = Config(study=study_config, search_space={"x": ParamSpec(type="float", low=0, high=1)})
     storage_url = StorageURL(url, "test")
@@ -203,6 +204,37 @@ def test_on_demand_workers_behind_pgbouncer_ride_out_a_server_outage(postgres_ur
     starts = sorted(t.datetime_start for t in trials if t.datetime_start is not None)
     ends = sorted(t.datetime_complete for t in trials if t.datetime_complete is not None)
     assert (ends[-1] - starts[0]).total_seconds() > 4  # the study ran through the outage
+
+
+def test_a_killed_workers_trial_is_retried_behind_pgbouncer(postgres_url: str) -> None:
+    """Heartbeats and retries through PgBouncer: a worker killed mid-trial (and mid-session,
+    perhaps holding the study lock: PgBouncer's DISCARD ALL drops it) stops beating; another
+    worker fails its trial after the grace period and runs the same configuration again."""
+    _need_pgbouncer()
+    optuna.storages.RDBStorage(postgres_url).engine.dispose()
+    context = multiprocessing.get_context("fork")
+    with pgbouncer(postgres_url, pool_size=2) as bounced:
+        doomed = context.Process(target=_light_worker, args=(bounced, 1, 30.0))
+        doomed.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            time.sleep(0.3)
+            with contextlib.suppress(KeyError):
+                study = optuna.load_study(study_name="bounced", storage=postgres_url)
+                trials = study.trials
+                if trials and trials[0].state == TrialState.RUNNING and trials[0].params:
+                    break  # into its first report's pause
+        doomed.kill()
+        doomed.join()
+        time.sleep(4)  # past the grace period: the trial's heartbeat has stopped
+        survivor = context.Process(target=_light_worker, args=(bounced, 1, 0.0))
+        survivor.start()
+        survivor.join(timeout=90)
+        survivor.kill()
+    assert survivor.exitcode == 0
+    failed, retry = optuna.load_study(study_name="bounced", storage=postgres_url).trials
+    assert failed.state == TrialState.FAIL and retry.state == TrialState.COMPLETE
+    assert retry.params == failed.params and retry.system_attrs["failed_trial"] == 0
 
 
 def _need_pgbouncer() -> None:

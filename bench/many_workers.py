@@ -17,6 +17,8 @@ see bench/README.md. The workers are forked from this process after hpo is impor
 60 MB, most of it shared).
 
 Run: .venv/bin/python bench/many_workers.py [--workers 8 32 128 256] [--trials-per-worker 3]
+       [--connections pooled on_demand] [--pgbouncer 0 80]  (0: straight to the server; 80:
+       through PgBouncer holding 80 server connections, from deploy/pgbouncer/pgbouncer.ini)
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from storage_overhead import bench_config, hpo_target  # noqa: E402
 
+from tests.pgbouncer import pgbouncer  # noqa: E402
 from tests.scratch_db import scratch_database  # noqa: E402
 
 ADMIN_URL = "postgresql+psycopg2://postgres@127.0.0.1:5432/postgres"
@@ -75,8 +78,9 @@ def light_worker(url: str, budget: int, on_demand: bool, barrier: Barrier, log_p
 
 
 class ConnectionWatch:
-    """Samples the connections of hpo's processes (application_name 'hpo <pid>') on one
-    database: the most at once in all, and the most of one process."""
+    """Samples the server connections on one database (all but its own: hpo's, or PgBouncer's
+    on their behalf): the most at once, and the most of one hpo process (application_name
+    'hpo <pid>'; through PgBouncer a server connection carries its latest client's name)."""
 
     def __init__(self, url: str) -> None:
         self.engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
@@ -97,14 +101,15 @@ class ConnectionWatch:
     def _run(self) -> None:
         query = sa.text(
             "SELECT application_name, count(*) FROM pg_stat_activity "
-            "WHERE datname = :db AND application_name LIKE 'hpo %' GROUP BY application_name"
+            "WHERE datname = :db AND pid <> pg_backend_pid() GROUP BY application_name"
         )
         with self.engine.connect() as conn:  # one connection for the whole watch
             while not self._done.wait(0.05):
-                counts = [n for _, n in conn.execute(query, {"db": self.database})]
+                counts: dict[str, int] = dict(conn.execute(query, {"db": self.database}).all())
                 conn.rollback()  # a fresh snapshot of pg_stat_activity each time
-                self.total = max(self.total, sum(counts))
-                self.per_process = max([self.per_process, *counts])
+                self.total = max(self.total, sum(counts.values()))
+                hpo = [n for name, n in counts.items() if str(name).startswith("hpo ")]
+                self.per_process = max([self.per_process, *hpo])
 
 
 @dataclass
@@ -132,10 +137,22 @@ class Result:
         return self.trials == self.budget and self.states.get("RUNNING", 0) == 0
 
 
-def measure(workers: int, per_worker: int, on_demand: bool, admin_url: str) -> Result:
+def measure(
+    workers: int, per_worker: int, on_demand: bool, admin_url: str, bouncer_pool: int
+) -> Result:
+    """One run of `workers` light workers on a fresh database, straight to the server or, with
+    `bouncer_pool` > 0, through PgBouncer holding that many server connections."""
+    with scratch_database(admin_url, "hpo_many") as url:
+        if not bouncer_pool:
+            return _measure(workers, per_worker, on_demand, url, url)
+        with pgbouncer(url, bouncer_pool) as bounced:
+            return _measure(workers, per_worker, on_demand, url, bounced)
+
+
+def _measure(workers: int, per_worker: int, on_demand: bool, url: str, worker_url: str) -> Result:
     budget = workers * per_worker
     context = multiprocessing.get_context("fork")
-    with scratch_database(admin_url, "hpo_many") as url, tempfile.TemporaryDirectory() as logs:
+    with tempfile.TemporaryDirectory() as logs:
         # The tables exist before the workers start: creating them is not what is measured.
         # Its connections are closed before the fork: a child must not share a parent's socket.
         rdb = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs("postgresql"))
@@ -143,7 +160,8 @@ def measure(workers: int, per_worker: int, on_demand: bool, admin_url: str) -> R
         barrier = context.Barrier(workers + 1)
         processes = [
             context.Process(
-                target=light_worker, args=(url, budget, on_demand, barrier, f"{logs}/{i}.log")
+                target=light_worker,
+                args=(worker_url, budget, on_demand, barrier, f"{logs}/{i}.log"),
             )
             for i in range(workers)
         ]
@@ -213,21 +231,27 @@ def main() -> None:
         "--connections", nargs="+", choices=["pooled", "on_demand"],
         default=["pooled", "on_demand"], help="study.database_connections, each in turn",
     )  # fmt: skip
+    parser.add_argument(
+        "--pgbouncer", type=int, nargs="+", default=[0], metavar="POOL",
+        help="through PgBouncer (deploy/pgbouncer/pgbouncer.ini, session mode) holding POOL "
+        "server connections; 0: straight to the server (default)",
+    )  # fmt: skip
     args = parser.parse_args()
     with sa.create_engine(args.admin_url).connect() as conn:
         limit = conn.execute(sa.text("SHOW max_connections")).scalar()
     pool = engine_kwargs("postgresql")
     print(f"PostgreSQL max_connections {limit}; a pooled worker's pool: {pool['pool_size']} + "
           f"{pool['max_overflow']} overflow; {args.trials_per_worker} trials a worker")  # fmt: skip
-    print("| connections | workers | trials/s | cycle p50 ms | cycle p99 ms | connections held "
-          "(most at once) | most per worker | errors | retries | budget exact, none RUNNING "
-          "| states |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
-    for mode, workers in ((m, w) for m in args.connections for w in args.workers):
-        r = measure(workers, args.trials_per_worker, mode == "on_demand", args.admin_url)
+    print("| connections | PgBouncer pool | workers | trials/s | cycle p50 ms | cycle p99 ms "
+          "| server connections (most at once) | most per worker | errors | retries "
+          "| budget exact, none RUNNING | states |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
+    runs = ((m, b, w) for m in args.connections for b in args.pgbouncer for w in args.workers)
+    for mode, bouncer, workers in runs:
+        r = measure(workers, args.trials_per_worker, mode == "on_demand", args.admin_url, bouncer)
         states = ", ".join(f"{k} {v}" for k, v in sorted(r.states.items()))
-        print(f"| {mode} | {r.workers} | {r.trials / r.seconds:.1f} | {r.cycle_p50_ms:.0f} "
-              f"| {r.cycle_p99_ms:.0f} | {r.connections} | {r.per_worker} "
+        print(f"| {mode} | {bouncer or 'none'} | {r.workers} | {r.trials / r.seconds:.1f} "
+              f"| {r.cycle_p50_ms:.0f} | {r.cycle_p99_ms:.0f} | {r.connections} | {r.per_worker} "
               f"| {r.errors} | {r.retries} "
               f"| {'yes' if r.exact else f'NO: {r.trials} of {r.budget}'} | {states} |",
               flush=True)  # fmt: skip

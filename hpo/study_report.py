@@ -4,6 +4,7 @@ fetched), with Optuna's own plots where it has them; or the same summary and tab
 
 from __future__ import annotations
 
+import functools
 import html
 import json
 import math
@@ -28,42 +29,73 @@ DRAW_LIMIT = 1000
 _NUMBER = "hpo:number"  # a sampled trial's number in the study
 
 
-@dataclass(frozen=True)
+# The user attributes the trial table shows.
+_TABLE_USER_KEYS = ("samples_per_s", "physical_batch_size")
+
+
+@dataclass
 class Drawn:
-    """The study the plots and the table read: the study itself, or an in-memory study of a
-    sample of its trials (`numbers`: their numbers in the study; `total`: its size)."""
+    """The trials the plots and the table show: the study's own, or of a large study a sample
+    read from its database (`sample_ids`, with `engine`; `total`: the study's size). Each read
+    is made only when something needs it: a Markdown report reads the table's columns only."""
 
     study: optuna.Study
-    numbers: list[int]
+    engine: Any = None
+    sample_ids: list[int] | None = None
     total: int | None = None
+
+    def trials(self) -> list[FrozenTrial]:
+        """The trials of the table (of a sample: whole if the plots read them, else only the
+        table's columns)."""
+        if self.sample_ids is None:
+            return self.study.get_trials(deepcopy=False)
+        if "whole_sample" in self.__dict__:
+            return self.whole_sample
+        return study_queries.trials(self.engine, self.sample_ids, _TABLE_USER_KEYS)
+
+    @functools.cached_property
+    def whole_sample(self) -> list[FrozenTrial]:
+        return study_queries.trials(self.engine, self.sample_ids or [])
+
+    @property
+    def numbers(self) -> list[int]:
+        """The study's numbers of the view's trials, in the view's order."""
+        return [t.number for t in self.whole_sample] if self.sample_ids is not None else []
+
+    @functools.cached_property
+    def view(self) -> optuna.Study:
+        """What Optuna's plots read: the study, or an in-memory study of the sample."""
+        if self.sample_ids is None:
+            return self.study
+        verbosity = optuna.logging.get_verbosity()
+        optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "study created in memory" line
+        try:
+            view = optuna.create_study(
+                study_name=self.study.study_name, directions=self.study.directions
+            )
+        finally:
+            optuna.logging.set_verbosity(verbosity)
+        for key, value in self.study.user_attrs.items():
+            view.set_user_attr(key, value)
+        if self.study.metric_names:
+            view.set_metric_names(self.study.metric_names)
+        for trial in self.whole_sample:
+            trial.set_user_attr(_NUMBER, trial.number)
+        view.add_trials(self.whole_sample)
+        return view
 
 
 def _drawn(study: optuna.Study, storage: object) -> Drawn:
     db = report.database_of(study, storage)
     if db is None:
-        return Drawn(study, [])
+        return Drawn(study)
     engine, study_id = db.storage.engine, db.study_id
     total, _ = study_queries.size_and_start(engine, study_id)
     if total <= DRAW_LIMIT:
-        return Drawn(study, [])
+        return Drawn(study)
     maximize = study.directions[0] == StudyDirection.MAXIMIZE
-    sample = study_queries.trials(
-        engine, study_queries.sample_ids(engine, study_id, maximize, DRAW_LIMIT)
-    )
-    verbosity = optuna.logging.get_verbosity()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "study created in memory" line
-    try:
-        view = optuna.create_study(study_name=study.study_name, directions=study.directions)
-    finally:
-        optuna.logging.set_verbosity(verbosity)
-    for key, value in study.user_attrs.items():
-        view.set_user_attr(key, value)
-    if study.metric_names:
-        view.set_metric_names(study.metric_names)
-    for trial in sample:
-        trial.set_user_attr(_NUMBER, trial.number)
-    view.add_trials(sample)
-    return Drawn(view, [t.number for t in sample], total)
+    sample_ids = study_queries.sample_ids(engine, study_id, maximize, DRAW_LIMIT)
+    return Drawn(study, engine, sample_ids, total)
 
 
 def _shown(trial: FrozenTrial) -> int:
@@ -83,7 +115,7 @@ def markdown(study: optuna.Study, storage: object = None) -> str:
         lines += [f"## {title}", "", "| reason | trials |", "|---|---:|"]
         lines += [_md_row([reason, str(count)]) for reason, count in rows] or ["| none | 0 |"]
         lines.append("")
-    header, table = _trial_table(drawn.study)
+    header, table = _trial_table(study, drawn.trials())
     lines += ["## Trials", "", _md_row(header)]
     lines.append("|" + "---|" * len(header))
     lines += [_md_row(row) for row in table]
@@ -115,7 +147,7 @@ def _html_page(study: optuna.Study, storage: object) -> str:
     sections = []
     first = True
     drawn = _drawn(study, storage)
-    finished = bool(_trials(drawn.study, TrialState.COMPLETE, TrialState.PRUNED))
+    finished = bool(_trials(drawn.view, TrialState.COMPLETE, TrialState.PRUNED))
     for title, build in _plots(drawn):
         try:
             if not finished:  # Optuna's plots would draw empty axes
@@ -135,7 +167,7 @@ def _html_page(study: optuna.Study, storage: object) -> str:
         f"<h2>{html.escape(title)}</h2>" + _html_table(["reason", "trials"], rows or [("none", 0)])
         for title, rows in _reason_tables(status)
     )
-    header, rows = _trial_table(drawn.study)
+    header, rows = _trial_table(study, drawn.trials())
     name = html.escape(study.study_name)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>hpo report: {name}</title>
@@ -177,7 +209,7 @@ def _summary(study: optuna.Study, status: dict[str, Any], drawn: Drawn) -> list[
         values = ", ".join(f"{v:.4f}" for v in trial["values"])
         lines.append(f"Pareto front: trial #{trial['number']}, {values}")
     if drawn.total is not None:
-        lines.append(f"plots and the trial table show {len(drawn.numbers)} of the study's "
+        lines.append(f"plots and the trial table show {len(drawn.sample_ids or [])} of the study's "
                      f"{drawn.total} trials: the best, the latest and an even spread of the rest; "
                      "the counts above are of every trial")  # fmt: skip
     return lines
@@ -242,11 +274,13 @@ def _reason_tables(status: dict[str, Any]) -> list[tuple[str, list[tuple[str, in
     ]
 
 
-def _trial_table(study: optuna.Study) -> tuple[list[str], list[list[str]]]:
-    names = sorted({k for t in study.get_trials(deepcopy=False) for k in t.params})
+def _trial_table(
+    study: optuna.Study, trials: list[FrozenTrial]
+) -> tuple[list[str], list[list[str]]]:
+    names = sorted({k for t in trials for k in t.params})
     header = ["#", "state", *_metric_names(study), *names, "samples/s", "physical batch"]
     rows = []
-    for trial in study.get_trials(deepcopy=False):
+    for trial in trials:
         values = trial.values or [None] * len(study.directions)
         rows.append(
             [
@@ -287,7 +321,7 @@ def _metric_names(study: optuna.Study) -> list[str]:
 def _plots(drawn: Drawn) -> list[tuple[str, Callable[[], Any]]]:
     import optuna.visualization as vis
 
-    study = drawn.study
+    study = drawn.view
     names = _metric_names(study)
     if len(study.directions) > 1:
         return [

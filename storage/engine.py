@@ -168,8 +168,31 @@ def _open_read_only(storage_url: StorageURL) -> optuna.storages.RDBStorage:
         database = Path(make_url(url).database or "").resolve()
         # SQLite's read-only URI mode: not a byte written, not even a journal beside the file.
         url = f"sqlite:///file:{urllib.parse.quote(str(database))}?mode=ro&uri=true"
-    return optuna.storages.RDBStorage(
-        url, engine_kwargs=engine_kwargs(storage_url.backend), skip_table_creation=True
+    rdb = optuna.storages.RDBStorage(
+        url,
+        engine_kwargs=engine_kwargs(storage_url.backend),
+        skip_table_creation=True,
+        skip_compatibility_check=True,
+    )
+    check_schema(rdb, storage_url)
+    return rdb
+
+
+def check_schema(rdb: optuna.storages.RDBStorage, storage_url: StorageURL) -> None:
+    """Refuse a database whose Optuna schema is not this Optuna's. Optuna's own check holds one
+    connection while it opens a second: behind a pooler that queues (PgBouncer), workers
+    starting together each held one and waited for ever on the other. This one, through
+    Optuna's public version calls, holds one at a time."""
+    current, head = rdb.get_current_version(), rdb.get_head_version()
+    if current == head:
+        return
+    if current in rdb.get_all_versions():
+        fix = f"upgrade it with `optuna storage upgrade --storage {storage_url.masked}`"
+    else:
+        fix = "use the (newer) Optuna version that wrote it"
+    raise StorageError(
+        f"the study database {storage_url.masked} has Optuna schema {current}, not {head} of "
+        f"the installed Optuna {optuna.__version__}: {fix}"
     )
 
 
@@ -181,15 +204,22 @@ def _create_tables_retrying(
     succeed on a retry, once the tables exist. A server with no connection free is waited
     for up to `full_patience_s` (hundreds of workers starting at once); a wrong password or
     database name fails at once."""
-    kwargs: dict[str, Any] = {"engine_kwargs": engine_kwargs(storage_url.backend, on_demand)}
+    kwargs: dict[str, Any] = {
+        "engine_kwargs": engine_kwargs(storage_url.backend, on_demand),
+        "skip_compatibility_check": True,  # check_schema, below
+    }
     if storage_url.backend == "sqlite":
         with sqlite_lock(make_url(storage_url.url).database):
-            return optuna.storages.RDBStorage(storage_url.url, **kwargs)
+            rdb = optuna.storages.RDBStorage(storage_url.url, **kwargs)
+        check_schema(rdb, storage_url)
+        return rdb
     deadline = time.monotonic() + full_patience_s
     attempt = 0
     while True:
         try:
-            return optuna.storages.RDBStorage(storage_url.url, **kwargs)
+            rdb = optuna.storages.RDBStorage(storage_url.url, **kwargs)
+            check_schema(rdb, storage_url)
+            return rdb
         except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
             attempt += 1
             if attempt == TABLE_CREATION_ATTEMPTS:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import os
 import threading
 import time
@@ -13,8 +15,9 @@ from typing import Any
 import optuna
 import pytest
 import sqlalchemy as sa
+from optuna.trial import TrialState
 
-from hpo.config import Config, ParamSpec, StudyConfig
+from hpo.config import Config, ParamSpec, PrunerConfig, StudyConfig
 from hpo.objective import Objective
 from hpo.stopping import StopRequest
 from hpo.study import open_study, run_trials
@@ -22,6 +25,8 @@ from storage.batch_cache import BatchSizeCache
 from storage.engine import engine_kwargs, open_storage
 from storage.errors import StorageError
 from storage.url import StorageURL
+from tests.pgbouncer import pgbouncer, pgbouncer_binary
+from tests.tcp_proxy import CuttableProxy
 
 pytestmark = pytest.mark.postgres
 
@@ -107,3 +112,164 @@ def test_a_full_server_is_waited_for_at_start_and_a_wrong_name_is_not(limited_ro
     with pytest.raises(StorageError, match="does not exist"):
         open_storage(StorageURL(wrong, "test"), 60.0)  # bad input: not waited on
     assert time.monotonic() - started < 10
+
+
+def _light_worker(url: str, budget: int = 12, report_pause_s: float = 0.0) -> None:
+    """A worker process: a study of trivial trials, a connection per call."""
+    study_config = StudyConfig(
+        n_trials=budget, trial_isolation="none", database_connections="on_demand",
+        heartbeat_interval=1, grace_period=3, pruner=PrunerConfig(type="none"),
+    )  # fmt: skip
+    config = Config(study=study_config, search_space={"x": ParamSpec(type="float", low=0, high=1)})
+    storage_url = StorageURL(url, "test")
+    storage = open_storage(storage_url, patience_s=60, on_demand=True)
+    study = open_study(storage, "bounced", config)
+    stop = StopRequest()
+
+    def slow(trial: Any, task: Any) -> float:
+        for step in range(3):
+            time.sleep(report_pause_s)
+            trial.report(float(step), step)
+        return float(task.params["x"])
+
+    objective = Objective(config, None, storage_url, stop, slow, BatchSizeCache(storage.engine))  # type: ignore[arg-type]
+    run_trials(study, storage, objective, stop)
+
+
+BOUNCED_BUDGET = 12
+
+
+def test_on_demand_workers_behind_pgbouncer_share_two_server_connections(
+    postgres_url: str,
+) -> None:
+    """README "Running on a cluster": more workers than server connections, through the shipped
+    deploy/pgbouncer/pgbouncer.ini (session mode). Six workers, each of which may hold two
+    sessions at once (the study lock and a call under it), get by with two server connections:
+    the budget exact, no trial failed, none left running."""
+    _need_pgbouncer()
+    optuna.storages.RDBStorage(postgres_url).engine.dispose()  # tables first, not raced here
+    context = multiprocessing.get_context("fork")
+    with pgbouncer(postgres_url, pool_size=2) as bounced, ServerConnections(postgres_url) as seen:
+        workers = [
+            context.Process(target=_light_worker, args=(bounced, BOUNCED_BUDGET)) for _ in range(6)
+        ]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(timeout=90)
+        stuck = [w.pid for w in workers if w.is_alive()]
+        for worker in workers:
+            worker.kill()
+    assert not stuck, f"workers {stuck} never ended: waiting for a server connection?"
+    assert [w.exitcode for w in workers] == [0] * 6
+    trials = optuna.load_study(study_name="bounced", storage=postgres_url).trials
+    assert sorted(t.number for t in trials) == list(range(BOUNCED_BUDGET))
+    assert {t.state for t in trials} <= {TrialState.COMPLETE, TrialState.PRUNED}
+    assert len({t.user_attrs["worker"] for t in trials}) > 1  # the workers shared the study
+    assert 1 <= seen.most <= 2
+
+
+def test_on_demand_workers_behind_pgbouncer_ride_out_a_server_outage(postgres_url: str) -> None:
+    """The server goes away under PgBouncer (every server connection dropped, new ones refused,
+    for 4 s) while two workers report: their calls are retried until it is back, and the study
+    ends exact, every trial complete with every report."""
+    _need_pgbouncer()
+    optuna.storages.RDBStorage(postgres_url).engine.dispose()
+    url = sa.engine.make_url(postgres_url)
+    proxy = CuttableProxy(url.host or "127.0.0.1", url.port or 5432)
+    proxied = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    context = multiprocessing.get_context("fork")
+    try:
+        with pgbouncer(proxied, pool_size=4) as bounced:
+            workers = [
+                context.Process(target=_light_worker, args=(bounced, 6, 0.4)) for _ in range(2)
+            ]
+            for worker in workers:
+                worker.start()
+            time.sleep(2.5)  # the workers are into their trials
+            proxy.cut()
+            time.sleep(4)
+            proxy.restore()
+            for worker in workers:
+                worker.join(timeout=120)
+            for worker in workers:
+                worker.kill()
+    finally:
+        proxy.close()
+    assert [w.exitcode for w in workers] == [0, 0]
+    trials = optuna.load_study(study_name="bounced", storage=postgres_url).trials
+    assert sorted(t.number for t in trials) == list(range(6))
+    assert all(t.state == TrialState.COMPLETE for t in trials), [t.state for t in trials]
+    assert all(sorted(t.intermediate_values) == [0, 1, 2] for t in trials)
+    starts = sorted(t.datetime_start for t in trials if t.datetime_start is not None)
+    ends = sorted(t.datetime_complete for t in trials if t.datetime_complete is not None)
+    assert (ends[-1] - starts[0]).total_seconds() > 4  # the study ran through the outage
+
+
+def test_a_killed_workers_trial_is_retried_behind_pgbouncer(postgres_url: str) -> None:
+    """Heartbeats and retries through PgBouncer: a worker killed mid-trial (and mid-session,
+    perhaps holding the study lock: PgBouncer's DISCARD ALL drops it) stops beating; another
+    worker fails its trial after the grace period and runs the same configuration again."""
+    _need_pgbouncer()
+    optuna.storages.RDBStorage(postgres_url).engine.dispose()
+    context = multiprocessing.get_context("fork")
+    with pgbouncer(postgres_url, pool_size=2) as bounced:
+        doomed = context.Process(target=_light_worker, args=(bounced, 1, 30.0))
+        doomed.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            time.sleep(0.3)
+            with contextlib.suppress(KeyError):
+                study = optuna.load_study(study_name="bounced", storage=postgres_url)
+                trials = study.trials
+                if trials and trials[0].state == TrialState.RUNNING and trials[0].params:
+                    break  # into its first report's pause
+        doomed.kill()
+        doomed.join()
+        time.sleep(4)  # past the grace period: the trial's heartbeat has stopped
+        survivor = context.Process(target=_light_worker, args=(bounced, 1, 0.0))
+        survivor.start()
+        survivor.join(timeout=90)
+        survivor.kill()
+    assert survivor.exitcode == 0
+    failed, retry = optuna.load_study(study_name="bounced", storage=postgres_url).trials
+    assert failed.state == TrialState.FAIL and retry.state == TrialState.COMPLETE
+    assert retry.params == failed.params and retry.system_attrs["failed_trial"] == 0
+
+
+def _need_pgbouncer() -> None:
+    if pgbouncer_binary() is None:
+        message = "pgbouncer is not installed (scripts/test installs it as root)"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+class ServerConnections:
+    """The most connections the server held at once on a database (its own left out), sampled
+    every 20 ms while the block runs."""
+
+    def __init__(self, url: str) -> None:
+        self.engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+        self.database = sa.engine.make_url(url).database
+        self.most = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> ServerConnections:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+        self.engine.dispose()
+
+    def _watch(self) -> None:
+        query = sa.text(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = :db AND pid <> pg_backend_pid()"
+        )
+        with self.engine.connect() as conn:
+            while not self._done.wait(0.02):
+                self.most = max(self.most, conn.execute(query, {"db": self.database}).scalar_one())
+                conn.rollback()

@@ -150,3 +150,26 @@ def test_urls_that_cannot_hold_a_study_are_refused(url: str, expected: str) -> N
 def test_an_sqlite_url_that_names_a_folder_is_refused(tmp_path: Path) -> None:
     with pytest.raises(StorageError, match="names a folder"):
         resolve_storage_url(f"sqlite:///{tmp_path}", None)
+
+
+@pytest.mark.parametrize(
+    ("stamped", "advice"), [("older", "optuna storage upgrade"), ("unknown", "newer")]
+)
+def test_a_database_of_another_optuna_schema_is_one_clear_error(
+    tmp_path: Path, stamped: str, advice: str
+) -> None:
+    """hpo's own schema check (Optuna's holds two connections at once: see check_schema)."""
+    import sqlalchemy as sa
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    storage = open_storage(resolve_storage_url(url, None))
+    versions = storage.rdb.get_all_versions()
+    revision = versions[1] if stamped == "older" else "f00dbeef"  # walk_revisions: newest first
+    storage.engine.dispose()
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE alembic_version SET version_num = :v"), {"v": revision})
+    engine.dispose()
+    for read_only in (False, True):
+        with pytest.raises(StorageError, match=f"schema {revision}, not {versions[0]}.*{advice}"):
+            open_storage(resolve_storage_url(url, None), read_only=read_only)

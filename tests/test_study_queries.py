@@ -195,3 +195,12 @@ def test_a_running_trial_whose_worker_went_silent_is_shown_and_the_study_stalled
     study.tell(alive, 0.5)  # the live worker ended its trial; the dead one's trial is all left
     summary = report.status(study, storage=storage)
     assert report.stalled(summary) and not report.ended(summary)
+
+
+def test_the_indexes_the_queries_rely_on_exist(storage: StudyStorage) -> None:
+    """An Optuna upgrade that drops one would make every per-trial read a scan of the table."""
+    inspector = sa.inspect(storage.engine)
+    for table, leading in study_queries.INDEXES_USED:
+        indexed = [tuple(i["column_names"]) for i in inspector.get_indexes(table)]
+        indexed += [tuple(u["column_names"]) for u in inspector.get_unique_constraints(table)]
+        assert any(cols[: len(leading)] == leading for cols in indexed), (table, indexed)

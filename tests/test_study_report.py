@@ -215,5 +215,6 @@ def test_a_large_study_is_drawn_from_a_sample_read_from_the_database(
     assert "- trials: 57 complete, 1 fail, 2 pruned" in text  # counts of every trial
     rows = [line for line in text.split("## Trials")[1].splitlines() if line.startswith("| ")]
     assert len(rows) == len(view.numbers) + 1 and any(r.startswith(f"| {best} |") for r in rows)
+    assert sum(r.endswith("| 10 | 8 |") for r in rows) >= len(view.numbers) - 10  # light read
     page = study_report.html_page(study, storage)
     assert page.count("class=plot>") == len(PLOTS)

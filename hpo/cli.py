@@ -269,7 +269,7 @@ def _add_monitoring_commands(commands: argparse._SubParsersAction) -> None:
             "workers recorded)",
         )  # fmt: skip
     best.add_argument(
-        "--download", type=Path, default=None, metavar="DIR",
+        "--download", default=None, metavar="DIR",
         help="fetch the best model from the artifact store into DIR (new or empty), every file "
         "checked against its sha256",
     )  # fmt: skip
@@ -854,7 +854,10 @@ def _download_best(study: Any, best: list[dict], args: argparse.Namespace) -> in
     if store is None:
         raise HPOError(f"study {study.study_name!r} has no artifact store; its best model is on "
                        "the host that trained it (hpo best names the folder)")  # fmt: skip
-    out = args.download
+    out = Path(args.download)
+    if not args.download.strip() or out.resolve() == Path.cwd() or out.name in ("", ".", ".."):
+        raise HPOError(f"--download {args.download!r}: name a new (or empty) folder for the "
+                       "model, e.g. --download ./best-model")  # fmt: skip
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise HPOError(f"--download {out}: exists and is not an empty folder; name a new one")
     folder = f"trial-{int(best[0]['user_attrs'].get('first_attempt', best[0]['number']))}"

@@ -43,13 +43,12 @@ DURATION_KEYS = (
 
 
 def _artifact_store_problems(url: str) -> list[tuple[str, Any, str]]:
-    from storage.artifacts import ArtifactStoreError, validated_artifact_url
-    from storage.url import mask_text
+    from storage.artifacts import ArtifactStoreError, masked_artifact_url, validated_artifact_url
 
     try:
         validated_artifact_url(url)
     except ArtifactStoreError as e:
-        return [("artifact_store", mask_text(url), str(e))]
+        return [("artifact_store", masked_artifact_url(url), str(e))]
     return []
 
 

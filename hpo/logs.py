@@ -32,9 +32,12 @@ def setup_logging(level: int) -> None:
     )
     # torch's own INFO lines (FakeTensor cache statistics at exit, compile notes) are for
     # torch's developers; --debug shows them.
-    logging.getLogger("torch").setLevel(
-        level if level <= logging.DEBUG else max(level, logging.WARNING)
-    )
+    # So are botocore's ("Found credentials in environment variables", before every S3 call's
+    # error): an artifact store's failure is one line of hpo's.
+    for library in ("torch", "botocore", "boto3", "s3transfer"):
+        logging.getLogger(library).setLevel(
+            level if level <= logging.DEBUG else max(level, logging.WARNING)
+        )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # "Some weights were newly initialized" is expected for every fine-tuning run, and a
     # progress bar at every checkpoint ("Writing model shards") is noise in a worker's log.

@@ -40,6 +40,8 @@ from storage.artifacts import ArtifactStore
 from storage.engine import StudyStorage
 
 log = logging.getLogger(__name__)
+# How long a worker done with its trials lets its last cleanup of the artifact store go on.
+ARTIFACT_CLEANUP_WAIT_S = 60.0
 
 # How many workers have joined the study: the next one's index, for its sampler seed.
 WORKERS_ATTR = "hpo:workers_joined"
@@ -258,6 +260,8 @@ def run_trials(
         return _trial_loop(trials, objective, stop, (checkpoints, artifacts), deadline,
                            collect=in_worker)  # fmt: skip
     finally:
+        if not stop.requested:  # done with its trials: its last cleanup of the store may end
+            trials.finish_cleanup(ARTIFACT_CLEANUP_WAIT_S)
         objective.close()
         if in_worker:
             gc.unfreeze()

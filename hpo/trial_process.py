@@ -161,7 +161,9 @@ class ChildTrial:
         return self._number
 
     def set_user_attr(self, key: str, value: Any) -> None:
-        self._send(("attr", key, value))
+        # Also while stopping: what the way out cost (checkpoint_s, checkpoint_error), which
+        # the worker records until the process exits (TrialProcess._last_words).
+        self._send(("attr", key, value), while_stopping=True)
 
     def report(self, value: float, step: int) -> None:
         self._send(("report", value, step))
@@ -189,8 +191,8 @@ class ChildTrial:
             _stop_reason.append("the worker stopped listening")
             return False
 
-    def _send(self, message: tuple[Any, ...]) -> bool:
-        if _stop_reason:
+    def _send(self, message: tuple[Any, ...], while_stopping: bool = False) -> bool:
+        if _stop_reason and not while_stopping:
             return False
         try:
             with _sending:
@@ -270,6 +272,10 @@ class TrialProcess:
                 self._watch.kill()  # its checkpoints now belong to the worker that took over
             self.close()
             raise
+        except Interrupted:
+            self._last_words(trial)  # a second stop meanwhile goes on at once, as from close()
+            self.close()
+            raise
         except BaseException:
             self.close()  # stopped (checkpointing if it trains) or killed after the timeout
             raise
@@ -284,6 +290,38 @@ class TrialProcess:
             exitcode = process.exitcode if process is not None else None
             return _result(trial, None if message is None else message[1], exitcode, self.stop)
         return _result(trial, message[1], None, self.stop)
+
+    def _last_words(self, trial: optuna.Trial) -> None:
+        """A stopped trial process checkpoints on its way out and says what that cost (seconds,
+        a checkpoint or upload that failed): its user attributes are recorded until it sends
+        its outcome or exits, for at most the stop timeout. Nothing else is passed on; a
+        question it asked before it heard of the stop gets a reply that lets it go on (not
+        pruned; a request refused), or it would wait for ever."""
+        conn, watch = self._conn, self._watch
+        if conn is None or watch is None:
+            return
+        watch.ask_to_stop()
+        deadline = time.monotonic() + self.limits.stop_timeout_s
+        while time.monotonic() < deadline and not watch.wait(0):
+            try:
+                if not conn.poll(POLL_S):
+                    continue
+                message = conn.recv()
+            except (EOFError, OSError):
+                return
+            if message[0] == "outcome":
+                return
+            if message[0] == "attr":
+                with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
+                    trial.set_user_attr(message[1], message[2])
+            elif message[0] in ("should_prune", ASK):  # asked before it heard of the stop
+                reply = False if message[0] == "should_prune" else ("error", "stopping")
+                with contextlib.suppress(OSError):
+                    conn.send(reply)
+        if not watch.wait(0):  # the stop timeout has passed: as close() would, after it
+            log.warning("trial process %s did not stop within %.0f s; killing it",
+                        watch.process.pid, self.limits.stop_timeout_s)  # fmt: skip
+            watch.kill()
 
     def close(self) -> None:
         """End the process: closing its pipe tells an idle one to exit; a running one is asked
@@ -513,13 +551,18 @@ class _ProcessWatch:
             return not self.process.is_alive()
         return _exited(self.pidfd, timeout_s)
 
+    def ask_to_stop(self) -> None:
+        """SIGTERM: it checkpoints at the next optimizer step and exits."""
+        if not self.wait(0):
+            self._signal(signal.SIGTERM)
+            self._signal(signal.SIGCONT)  # a paused process acts on SIGTERM only then
+
     def end(self, stop_timeout_s: float) -> None:
-        """A process still running is asked to stop (SIGTERM: it checkpoints at the next
-        optimizer step and exits), then killed after the timeout."""
+        """A process still running is asked to stop (see ask_to_stop), then killed after the
+        timeout."""
         try:
             if not self.wait(0):
-                self._signal(signal.SIGTERM)
-                self._signal(signal.SIGCONT)  # a paused process acts on SIGTERM only then
+                self.ask_to_stop()
                 if not self.wait(stop_timeout_s):
                     log.warning("trial process %s ignored SIGTERM for %.0f s; killing it",
                                 self.process.pid, stop_timeout_s)  # fmt: skip

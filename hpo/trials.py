@@ -8,6 +8,7 @@ lock, so a checkpoint cleanup never sees a failed trial without its retry.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -58,6 +59,7 @@ class StudyTrials:
         self.study_id = storage.get_study_id_from_name(study.study_name)
         self.beats = Heartbeats(storage.engine, self.study_id)
         self._last_sweep: float | None = None
+        self._cleanup: threading.Thread | None = None  # of the artifact store
 
     def next_trial(self, checkpoints: Path | None = None) -> optuna.Trial | None:
         """A new (or queued) trial for this worker, or None when the study holds its budget.
@@ -148,18 +150,33 @@ class StudyTrials:
         with self.storage.lock(self.study_id):
             return remove_stale_checkpoints(self.study, root)
 
-    def remove_stale_artifacts(self, store: ArtifactStore) -> list[str]:
-        """The trials read under the lock (none is between its FAIL and its retry), the store's
-        requests made after it: a slow store never holds the study's lock. Never raises: a
-        store that fails now is cleaned after a later trial."""
+    def remove_stale_artifacts(self, store: ArtifactStore) -> None:
+        """The trials read under the lock (none is between its FAIL and its retry); the store's
+        requests made after it, in a thread of its own: a slow or hanging store never holds
+        the study's lock, the next trial or a stop. One cleanup at a time: what one leaves, a
+        later one finds."""
+        if self._cleanup is not None and self._cleanup.is_alive():
+            return
         with self.storage.lock(self.study_id):
             trials = self.study.get_trials(deepcopy=False)
+        self._cleanup = threading.Thread(
+            target=self._remove_artifacts, args=(store, trials), name="hpo-artifact-cleanup",
+            daemon=True,  # a worker stopped by a signal does not wait for it
+        )  # fmt: skip
+        self._cleanup.start()
+
+    def finish_cleanup(self, timeout_s: float) -> None:
+        """Give a cleanup still running up to `timeout_s` to end (a worker done with its trials).
+        One cut short leaves objects no manifest lists: never read, and removed by no one."""
+        if self._cleanup is not None:
+            self._cleanup.join(timeout_s)
+
+    def _remove_artifacts(self, store: ArtifactStore, trials: list[FrozenTrial]) -> None:
+        """Never raises: a store that fails now is cleaned after a later trial."""
         try:
-            return remove_unneeded_artifacts(store, self.study.study_name, trials,
-                                             self.study.directions)  # fmt: skip
+            remove_unneeded_artifacts(store, self.study.study_name, trials, self.study.directions)
         except ArtifactStoreError as e:
             log.warning("old artifacts of study %r not removed yet: %s", self.study.study_name, e)
-            return []
 
     def _fail(self, number: int, reason: str) -> bool:
         trial_id = self._trial_id(number)

@@ -36,6 +36,8 @@ _SAFE_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # S3's bucket rules (lowercase, digits, dots and hyphens, 3 to 63 characters).
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _CHUNK = 1 << 20
+# Seconds an S3 call waits to connect, or for the next bytes of an answer, before a retry.
+S3_TIMEOUT_S = 10
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +89,7 @@ def resolve_artifact_url(cli_value: str | None, config_value: str | None,
 def validated_artifact_url(url: str, origin: str = "config") -> str:
     """The URL, normalised (no trailing slash); raises ArtifactStoreError with one line."""
     where = f"artifact store URL from {origin}"
-    shown = repr(mask_text(url)[:200])
+    shown = repr(masked_artifact_url(url)[:200])
     if url != url.strip() or any(ord(c) < 32 for c in url):
         raise ArtifactStoreError(f"{where} has spaces or control characters in it ({shown})")
     parts = urlsplit(url)
@@ -114,6 +116,16 @@ def validated_artifact_url(url: str, origin: str = "config") -> str:
     if parts.scheme == "file":
         return _validated_file_url(parts.netloc, parts.path, where, shown)
     return _validated_s3_url(parts.netloc, parts.path, where, shown)
+
+
+def masked_artifact_url(url: str) -> str:
+    """The URL as hpo shows it: credentials masked, and a query or fragment (where a presigned
+    URL keeps its signature) replaced by `***`."""
+    masked = mask_text(url)
+    for mark in ("?", "#"):
+        if mark in masked:
+            masked = masked.split(mark, 1)[0] + mark + "***"
+    return masked
 
 
 def _validated_file_url(host: str, path: str, where: str, shown: str) -> str:
@@ -269,9 +281,13 @@ class S3Backend:
         from botocore.exceptions import BotoCoreError
 
         self.bucket, self.prefix = bucket, prefix
-        # Few quick retries here: hpo's uploader retries with its own backoff.
+        # Few quick retries and short timeouts: hpo's uploader retries with its own backoff, and
+        # a store that accepts connections but never answers (a dead proxy, a firewall's drop)
+        # held `hpo status` and every trial's end for 3 minutes at botocore's 60 s x 3.
         settings = BotoConfig(
-            connect_timeout=5, read_timeout=60, retries={"max_attempts": 2, "mode": "standard"}
+            connect_timeout=S3_TIMEOUT_S,
+            read_timeout=S3_TIMEOUT_S,
+            retries={"max_attempts": 2, "mode": "standard"},
         )
         try:
             self.client = boto3.session.Session().client("s3", config=settings)

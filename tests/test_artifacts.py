@@ -45,6 +45,8 @@ STUDY, FOLDER = "s-0123456789ab", "trial-0"
         ("s3://Bad_Bucket/x", "no valid bucket"),
         ("s3://bucket/../x", "prefix hpo will not use"),
         ("s3://bucket/x?endpoint=http://evil", "$AWS_ENDPOINT_URL"),
+        ("s3://bucket/x?X-Amz-Signature=wJalrSECRET", "a query or fragment ('s3://bucket/x?***')"),
+        ("s3://bucket/x#wJalrSECRET", "a query or fragment"),
         (" s3://bucket/x", "spaces or control characters"),
     ],
 )
@@ -406,6 +408,9 @@ def test_a_trial_stopped_on_one_host_resumes_on_another_from_the_store(
     got = run_hpo("best", "--study", "nli/1", "--storage", url, "--download", "model",
                   cwd=elsewhere)  # fmt: skip
     assert got.returncode == 0 and "sha256 checked" in got.stdout, got.stderr[-2000:]
+    empty = run_hpo("best", "--study", "nli/1", "--storage", url, "--download", "",
+                    cwd=elsewhere / "model")  # fmt: skip
+    assert empty.returncode == 2 and "name a new (or empty) folder" in empty.stderr, empty.stderr
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     model = AutoModelForSequenceClassification.from_pretrained(elsewhere / "model")

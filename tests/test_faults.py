@@ -95,5 +95,7 @@ def test_sigterm_during_evaluation_checkpoints_and_the_retry_resumes(
     record_faults(study, faults=1, budget=1)
     stopped, retry = study.get_trials()
     assert stopped.state == TrialState.FAIL and stopped.user_attrs["interrupted"] == "SIGTERM"
+    # It checkpointed on its way out and said what that cost before the worker handed it back.
+    assert stopped.user_attrs.get("checkpoint_s", 0) > 0, (stopped.user_attrs, stderr[-3000:])
     assert retry.state == TrialState.COMPLETE and retry.user_attrs["resumed_at_step"] >= 8
     assert sorted(retry.intermediate_values) == list(range(1, 13))

@@ -114,11 +114,15 @@ def test_a_full_server_is_waited_for_at_start_and_a_wrong_name_is_not(limited_ro
     assert time.monotonic() - started < 10
 
 
-def _light_worker(url: str, budget: int = 12, report_pause_s: float = 0.0) -> None:
-    """A worker process: a study of trivial trials, a connection per call."""
+def _light_worker(
+    url: str, budget: int = 12, report_pause_s: float = 0.0, grace_period: int = 60
+) -> None:
+    """A worker process: a study of trivial trials, a connection per call. A trial whose
+    heartbeats stop for `grace_period` is failed and retried: longer than any outage here,
+    except where a killed worker's trial must be retried."""
     study_config = StudyConfig(
         n_trials=budget, trial_isolation="none", database_connections="on_demand",
-        heartbeat_interval=1, grace_period=3, pruner=PrunerConfig(type="none"),
+        heartbeat_interval=1, grace_period=grace_period, pruner=PrunerConfig(type="none"),
     )  # fmt: skip
     config = Config(study=study_config, search_space={"x": ParamSpec(type="float", low=0, high=1)})
     storage_url = StorageURL(url, "test")
@@ -214,7 +218,7 @@ def test_a_killed_workers_trial_is_retried_behind_pgbouncer(postgres_url: str) -
     optuna.storages.RDBStorage(postgres_url).engine.dispose()
     context = multiprocessing.get_context("fork")
     with pgbouncer(postgres_url, pool_size=2) as bounced:
-        doomed = context.Process(target=_light_worker, args=(bounced, 1, 30.0))
+        doomed = context.Process(target=_light_worker, args=(bounced, 1, 30.0, 3))
         doomed.start()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -227,7 +231,7 @@ def test_a_killed_workers_trial_is_retried_behind_pgbouncer(postgres_url: str) -
         doomed.kill()
         doomed.join()
         time.sleep(4)  # past the grace period: the trial's heartbeat has stopped
-        survivor = context.Process(target=_light_worker, args=(bounced, 1, 0.0))
+        survivor = context.Process(target=_light_worker, args=(bounced, 1, 0.0, 3))
         survivor.start()
         survivor.join(timeout=90)
         survivor.kill()

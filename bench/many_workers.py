@@ -30,7 +30,6 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from storage_overhead import bench_config, hpo_target  # noqa: E402
 
+from tests.connection_watch import ConnectionWatch  # noqa: E402
 from tests.pgbouncer import pgbouncer  # noqa: E402
 from tests.scratch_db import scratch_database  # noqa: E402
 
@@ -75,41 +75,6 @@ def light_worker(url: str, budget: int, on_demand: bool, barrier: Barrier, log_p
     cache = BatchSizeCache(storage.engine)
     objective = Objective(config, None, storage_url, stop, target=hpo_target, batch_cache=cache)  # type: ignore[arg-type]
     run_trials(study, storage, objective, stop)
-
-
-class ConnectionWatch:
-    """Samples the server connections on one database (all but its own: hpo's, or PgBouncer's
-    on their behalf): the most at once, and the most of one hpo process (application_name
-    'hpo <pid>'; through PgBouncer a server connection carries its latest client's name)."""
-
-    def __init__(self, url: str) -> None:
-        self.engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
-        self.database = sa.engine.make_url(url).database
-        self.total = self.per_process = 0
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> ConnectionWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join()
-        self.engine.dispose()
-
-    def _run(self) -> None:
-        query = sa.text(
-            "SELECT application_name, count(*) FROM pg_stat_activity "
-            "WHERE datname = :db AND pid <> pg_backend_pid() GROUP BY application_name"
-        )
-        with self.engine.connect() as conn:  # one connection for the whole watch
-            while not self._done.wait(0.05):
-                counts: dict[str, int] = dict(conn.execute(query, {"db": self.database}).all())
-                conn.rollback()  # a fresh snapshot of pg_stat_activity each time
-                self.total = max(self.total, sum(counts.values()))
-                hpo = [n for name, n in counts.items() if str(name).startswith("hpo ")]
-                self.per_process = max([self.per_process, *hpo])
 
 
 @dataclass

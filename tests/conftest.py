@@ -10,7 +10,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 import yaml
@@ -268,6 +268,13 @@ def _postgres_reachable() -> str | None:
         engine.dispose()
 
 
+def missing(message: str) -> NoReturn:
+    """Something a test needs is not here: a failure under CI=true, a skip elsewhere."""
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
 @pytest.fixture
 def postgres_url() -> Iterator[str]:
     """A fresh, empty PostgreSQL database for one test, dropped afterwards.
@@ -277,9 +284,6 @@ def postgres_url() -> Iterator[str]:
 
     problem = _postgres_reachable()
     if problem is not None:
-        message = f"PostgreSQL at {PG_ADMIN_URL} unreachable: {problem}"
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(message)
-        pytest.skip(message)
+        missing(f"PostgreSQL at {PG_ADMIN_URL} unreachable: {problem}")
     with scratch_database(PG_ADMIN_URL, "hpo_test") as url:
         yield url

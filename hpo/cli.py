@@ -257,8 +257,9 @@ def _add_monitoring_commands(commands: argparse._SubParsersAction) -> None:
         "--interval", type=_seconds, default=5.0, help="seconds between refreshes (default 5)"
     )
     report.add_argument(
-        "--out", type=Path, default=None,
-        help="file to write (default: hpo-report-<study>.html here; Markdown: standard output)",
+        "--out", default=None,
+        help="file or existing folder to write to (default: hpo-report-<study>.html here; "
+        "Markdown: standard output)",
     )  # fmt: skip
     for sub in (studies, best, status):
         sub.add_argument("--json", action="store_true", help="machine-readable output")
@@ -470,23 +471,32 @@ def _retrain(args: argparse.Namespace) -> int:
     stop.install()
     out = args.out if args.out is not None else retrain.default_out(args.study)
     inputs = None
-    with contextlib.suppress(Interrupted):
-        inputs = _check_inputs(args)
+    opened: list[Any] = []
+
+    def open_source(config: Config, storage_url: StorageURL) -> None:
+        """The study to retrain, found before the data is prepared; --out checked first."""
         if not args.as_worker:  # before any training: a bad --out is found in seconds
-            retrain.check_out(out, args.study, inputs[1].masked)
+            retrain.check_out(out, args.study, storage_url.masked)
+        on_demand = config.study.database_connections == "on_demand"
+        storage = open_storage(
+            storage_url, config.study.database_patience, must_exist=True, on_demand=on_demand
+        )
+        try:
+            storage.get_study_id_from_name(args.study)
+        except KeyError as e:
+            raise HPOError(
+                f"no study {args.study!r} in {storage_url.masked}; see `hpo studies`"
+            ) from e
+        opened.append(storage)
+
+    with contextlib.suppress(Interrupted):
+        inputs = _check_inputs(args, before_data=open_source)
     stop.interrupt_at_once, stop.doing = False, StopRequest.RUNNING
     if inputs is None or stop.requested:
         print(f"hpo: stopped by {stop.signal_name} before the first trial", file=sys.stderr)
         return stop.exit_code
-    config, storage_url = inputs[0], inputs[1]
-    on_demand = config.study.database_connections == "on_demand"
-    storage = open_storage(
-        storage_url, config.study.database_patience, must_exist=True, on_demand=on_demand
-    )
-    try:
-        source = optuna.load_study(study_name=args.study, storage=storage)
-    except KeyError as e:
-        raise HPOError(f"no study {args.study!r} in {storage_url.masked}; see `hpo studies`") from e
+    config, storage_url, storage = inputs[0], inputs[1], opened[0]
+    source = optuna.load_study(study_name=args.study, storage=storage)
     plan = retrain.make_plan(source, config, args.top, args.seeds, args.config is not None)
     plan = retrain.stored_plan(storage, plan.study_name) or plan  # a resumed retrain
     retrain_config = retrain.study_config(config, plan)
@@ -594,10 +604,13 @@ def _retrain_stopped(stop: StopRequest, code: int, args: argparse.Namespace) -> 
     return stop.exit_code if stop.requested else code
 
 
-def _check_inputs(args: argparse.Namespace) -> tuple[Config, StorageURL, list[str], Any, int]:
+def _check_inputs(
+    args: argparse.Namespace, before_data: Callable[[Config, StorageURL], None] | None = None
+) -> tuple[Config, StorageURL, list[str], Any, int]:
     """Every input of `hpo run`, checked before the database is touched: a bad one writes
     nothing. Returns the config, the storage URL, the worker's GPUs, the prepared data and the
-    workers per GPU."""
+    workers per GPU. `before_data` checks what it must (retrain: that the study exists) before
+    the data is prepared, which takes seconds."""
     from storage.artifacts import ArtifactStore, resolve_artifact_url
     from storage.url import resolve_storage_url
 
@@ -621,6 +634,8 @@ def _check_inputs(args: argparse.Namespace) -> tuple[Config, StorageURL, list[st
             f"--workers-per-gpu {per_gpu}: no GPU to share on this host; leave it out to run "
             "one worker on the CPU"
         )
+    if before_data is not None:
+        before_data(config, storage_url)
     # Only now the heavy imports: a config or URL error is reported in well under a second.
     from trainer.data import prepare_data
     from trainer.device import resolve_device
@@ -921,20 +936,37 @@ def _watch(study: Any, storage: Any, as_json: bool, interval: float) -> int:
     return 0
 
 
-def _write_report(study: Any, storage: Any, form: str, out: Path | None) -> int:
-    """The report to `out` (written aside, then renamed: never half a file), or Markdown to
+def report_path(given: str | None, study_name: str, form: str) -> Path:
+    """Where `hpo report --out` writes: the file named, or the default name in the folder
+    named (an existing folder, or any name ending in a slash, which must be one)."""
+    from hpo.checkpoints import study_folder_name
+
+    default = Path(f"hpo-report-{study_folder_name(study_name)}.{form}")
+    if given is None:
+        return default
+    if not given.strip():
+        raise HPOError("--out is empty; name a file, or a folder to write it in")
+    out = Path(given)
+    if out.is_dir():
+        return out / default
+    if given.endswith(("/", os.sep)):
+        raise HPOError(f"--out {given}: no such folder; create it first, or name a file")
+    if not out.parent.is_dir():
+        raise HPOError(f"--out {given}: no such folder {str(out.parent)!r}; create it first")
+    return out
+
+
+def _write_report(study: Any, storage: Any, form: str, given: str | None) -> int:
+    """The report to `given` (written aside, then renamed: never half a file), or Markdown to
     standard output."""
     import tempfile
 
     from hpo import study_report
-    from hpo.checkpoints import study_folder_name
 
-    if out is None and form == "md":
+    if given is None and form == "md":
         print(study_report.markdown(study, storage), end="")
         return 0
-    out = out or Path(f"hpo-report-{study_folder_name(study.study_name)}.html")
-    if not out.parent.is_dir() or out.is_dir():
-        raise HPOError(f"--out {out}: no such folder, or a folder; name a file in a folder")
+    out = report_path(given, study.study_name, form)
     if out.exists() and not out.is_file():  # a device, a pipe: never replaced by a file
         raise HPOError(f"--out {out}: not a regular file; name a file to write")
     text = (study_report.markdown(study, storage) if form == "md"
@@ -960,14 +992,24 @@ def _write_report(study: Any, storage: Any, form: str, out: Path | None) -> int:
 def _studies_table(rows: list[dict]) -> str:
     if not rows:
         return "no studies"
+    names = [_one_line(row["name"]) for row in rows]
+    name_width = max(4, *(len(name) for name in names))
     width = max(9, *(len(row["direction"]) for row in rows))
-    lines = [f"{'name':<30} {'direction':<{width}} {'trials':>6}  best"]
-    for row in rows:
+    lines = [f"{'name':<{name_width}}  {'direction':<{width}} {'trials':>6}  best"]
+    for name, row in zip(names, rows, strict=True):
         best = "-" if row["best_value"] is None else f"{row['best_value']:.4f}"
         if len(row["directions"]) > 1:
             best = "Pareto front (hpo best)"
-        lines.append(f"{row['name']:<30} {row['direction']:<{width}} {row['n_trials']:>6}  {best}")
+        lines.append(
+            f"{name:<{name_width}}  {row['direction']:<{width}} {row['n_trials']:>6}  {best}"
+        )
     return "\n".join(lines)
+
+
+def _one_line(text: str) -> str:
+    """`text` with its control characters (a line break in a study name made with Optuna
+    itself) shown escaped, so a table row stays one line."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 def _retrain_text(retrained: dict) -> str:

@@ -111,9 +111,13 @@ def markdown(study: optuna.Study, storage: object = None) -> str:
     lines = [f"# Study {study.study_name!r}", ""]
     lines += [f"- {line}" for line in _summary(study, status, drawn)]
     lines += ["", "## Best configuration", "", *_best_block(study, status, fence="```"), ""]
-    for title, rows in _reason_tables(status):
-        lines += [f"## {title}", "", "| reason | trials |", "|---|---:|"]
-        lines += [_md_row([reason, str(count)]) for reason, count in rows] or ["| none | 0 |"]
+    for title, rows, empty in _reason_tables(status):
+        lines += [f"## {title}", ""]
+        if rows:
+            lines += ["| reason | trials |", "|---|---:|"]
+            lines += [_md_row([reason, str(count)]) for reason, count in rows]
+        else:
+            lines.append(empty)
         lines.append("")
     header, table = _trial_table(study, drawn.trials())
     lines += ["## Trials", "", _md_row(header)]
@@ -164,8 +168,9 @@ def _html_page(study: optuna.Study, storage: object) -> str:
     summary = "".join(f"<li>{html.escape(line)}</li>" for line in _summary(study, status, drawn))
     best = html.escape("\n".join(_best_block(study, status, fence="")))
     reasons = "".join(
-        f"<h2>{html.escape(title)}</h2>" + _html_table(["reason", "trials"], rows or [("none", 0)])
-        for title, rows in _reason_tables(status)
+        f"<h2>{html.escape(title)}</h2>"
+        + (_html_table(["reason", "trials"], rows) if rows else f"<p class=note>{empty}</p>")
+        for title, rows, empty in _reason_tables(status)
     )
     header, rows = _trial_table(study, drawn.trials())
     name = html.escape(study.study_name)
@@ -267,10 +272,11 @@ def _best_block(study: optuna.Study, status: dict[str, Any], fence: str) -> list
     return lines
 
 
-def _reason_tables(status: dict[str, Any]) -> list[tuple[str, list[tuple[str, int]]]]:
+def _reason_tables(status: dict[str, Any]) -> list[tuple[str, list[tuple[str, int]], str]]:
+    """Each table's title, its rows, and the sentence that replaces it when it has none."""
     return [
-        ("Failures by reason", list(status["failures"].items())),
-        ("Prunes by reason", list(status["prunes"].items())),
+        ("Failures by reason", list(status["failures"].items()), "No trial failed."),
+        ("Prunes by reason", list(status["prunes"].items()), "No trial was pruned."),
     ]
 
 

@@ -63,6 +63,21 @@ def test_studies_best_and_status(tmp_path: Path) -> None:
     assert "running #4 on gpu-host-3:4242" in text and "prune: 1 x oom" in text
 
 
+def test_the_studies_table_keeps_its_columns_with_long_and_odd_names() -> None:
+    from hpo.cli import _studies_table
+
+    names = ["s", "a-study-name-longer-than-thirty-characters-by-far", "two\nlines"]
+    rows = [
+        {"name": name, "direction": "maximize", "directions": ["maximize"], "n_trials": 3,
+         "best_value": 0.5}
+        for name in names
+    ]  # fmt: skip
+    lines = _studies_table(rows).splitlines()
+    assert len(lines) == 4 and "two\\nlines" in lines[3]
+    columns = {line.index("maximize") for line in lines[1:]}
+    assert columns == {lines[0].index("direction")}
+
+
 def test_unknown_study_and_no_best(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'watch.db'}"
     known_study(url)

@@ -382,6 +382,7 @@ def test_bad_retrain_input_is_one_line_and_trains_nothing(
     assert message in done.stderr and "Traceback" not in done.stderr
     if "--study" not in extra:
         assert not (tmp_path / "hpo.db").exists()  # nothing written
+    assert "data: " not in done.stderr  # refused before the data is prepared (seconds)
 
 
 def test_retrain_runs_on_the_workers_of_several_gpus(

@@ -118,6 +118,35 @@ def test_an_empty_study_and_one_with_two_objectives(tmp_path: Path) -> None:
     assert "Pareto front: trial #0" in page and "Pareto front: trial #2" not in page
     text = study_report.markdown(pareto)
     assert "| # | state | accuracy | samples_per_s | learning_rate |" in text
+    # No failure and no prune: a sentence, not a table with a "none | 0" row.
+    assert "No trial failed." in text and "No trial was pruned." in text
+    assert "| reason |" not in text and "none" not in text
+    assert "<p class=note>No trial failed.</p>" in page
+
+
+def test_report_out_names_a_file_or_a_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hpo.cli import report_path
+    from hpo.errors import HPOError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rep").mkdir()
+    html_name, md_name = report_path(None, "s", "html"), report_path(None, "s", "md")
+    assert html_name.name.startswith("hpo-report-s") and html_name.suffix == ".html"
+    assert html_name.parent == Path(".") and md_name == html_name.with_suffix(".md")
+    assert "/" not in report_path(None, "a/../b", "html").name
+    assert report_path("rep", "s", "html") == Path("rep") / html_name
+    assert report_path("rep/", "s", "md") == Path("rep") / md_name
+    assert report_path("rep/r.html", "s", "html") == Path("rep/r.html")
+    for given, message in (
+        ("new/", "--out new/: no such folder; create it first"),  # not a file named "new"
+        ("no/r.html", "no such folder 'no'"),
+        ("  ", "--out is empty"),
+    ):
+        with pytest.raises(HPOError, match=re.escape(message)):
+            report_path(given, "s", "html")
+    assert not (tmp_path / "new").exists()
 
 
 def test_hpo_report_through_the_cli(tmp_path: Path) -> None:

@@ -36,8 +36,8 @@ class LiveLine:
         self.study = ""
         self._lock = threading.RLock()
 
-    def update_trial(self, number: int, budget: int | None, progress: dict[str, Any]) -> None:
-        self.trial = trial_text(number, budget, progress)
+    def update_trial(self, number: int, progress: dict[str, Any]) -> None:
+        self.trial = trial_text(number, progress)
         self.draw()
 
     def end_trial(self) -> None:
@@ -64,10 +64,12 @@ class LiveLine:
             self.stream.flush()
 
 
-def trial_text(number: int, budget: int | None, progress: dict[str, Any]) -> str:
-    """`trial 5/24 · epoch 1.3/3 · step 120/300 · 412 samples/s · loss 0.531 · accuracy 0.81 ·
-    1m20s left` (the parts that are known)."""
-    parts = [f"trial {number + 1}/{budget}" if budget else f"trial {number + 1}"]
+def trial_text(number: int, progress: dict[str, Any]) -> str:
+    """`trial #4 · epoch 1.3/3 · step 120/300 · 412 samples/s · loss 0.531 · accuracy 0.81 ·
+    1m20s left` (the parts that are known). The trial's number is Optuna's, as in the log and
+    the dashboard; how much of the budget is spent is the study part's (a retry has a number
+    past the budget)."""
+    parts = [f"trial #{number}"]
     epoch, epochs = progress.get("epoch"), progress.get("epochs")
     if epoch is not None:
         parts.append(f"epoch {epoch:.1f}/{epochs}" if epochs else f"epoch {epoch:.1f}")
@@ -89,8 +91,10 @@ def trial_text(number: int, budget: int | None, progress: dict[str, Any]) -> str
     return " · ".join(parts)
 
 
-def study_text(counts: dict[str, int], best: float | None) -> str:
+def study_text(counts: dict[str, int], best: float | None, budget: int | None = None) -> str:
+    """`study: 3 complete, 2 pruned, 0 fail, budget 16; best 0.9123`."""
     done = ", ".join(f"{counts.get(s, 0)} {s}" for s in ("complete", "pruned", "fail"))
+    done += f", budget {budget}" if budget is not None else ""
     return f"study: {done}" + (f"; best {best:.4f}" if best is not None else "")
 
 
@@ -239,15 +243,15 @@ def stop() -> None:
 
 
 def trial_progress(number: int, progress: dict[str, Any]) -> None:
-    """A running trial's progress (its `budget` included), from the worker's relay or from the
-    trial itself in the worker; drawn at most 4 times a second."""
+    """A running trial's progress, from the worker's relay or from the trial itself in the
+    worker; drawn at most 4 times a second."""
     global _last_draw
     if _line is None:
         return
     now = time.monotonic()
     if now - _last_draw >= 0.25:
         _last_draw = now
-        _line.update_trial(number, progress.get("budget"), progress)
+        _line.update_trial(number, progress)
 
 
 def active() -> bool:
@@ -259,6 +263,6 @@ def trial_ended() -> None:
         _line.end_trial()
 
 
-def study_progress(counts: dict[str, int], best: float | None) -> None:
+def study_progress(counts: dict[str, int], best: float | None, budget: int | None) -> None:
     if _line is not None:
-        _line.update_study(study_text(counts, best))
+        _line.update_study(study_text(counts, best, budget))

@@ -310,14 +310,14 @@ def _trial_loop(
         if artifacts is not None:
             trials.remove_stale_artifacts(artifacts)
         if live.active():
-            _show_study(trials.study)
+            _show_study(trials.study, trials.budget)
     if checkpoints is not None:
         trials.remove_stale_checkpoints(checkpoints)
     return ran
 
 
-def _show_study(study: optuna.Study) -> None:
-    """The study part of the live progress line: trials by state and the best value."""
+def _show_study(study: optuna.Study, budget: int | None) -> None:
+    """The study part of the live progress line: trials by state, the budget, the best value."""
     finished = study.get_trials(
         deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
     )
@@ -327,7 +327,7 @@ def _show_study(study: optuna.Study) -> None:
     best = None
     if len(study.directions) == 1 and counts.get("complete"):
         best = study.best_value
-    live.study_progress(counts, best)
+    live.study_progress(counts, best, budget)
 
 
 def _wait_for_silent_trials(trials: StudyTrials, stop: StopRequest) -> bool:

@@ -69,7 +69,7 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
         should_stop = _stop_check(started, task.config.study.trial_timeout)
         data = with_eval_in_training(task.data) if task.full_data else task.data
         result = train(job, data, reporter, metric, store, should_stop=should_stop,
-                       on_progress=_progress_sender(trial, task.config.study.n_trials))  # fmt: skip
+                       on_progress=_progress_sender(trial))  # fmt: skip
     except OutOfMemoryAtBatchOne as e:
         _give_up_uploads(uploader)
         replace_after_this_trial("out of memory at batch 1")
@@ -269,13 +269,12 @@ def _record_batch_source(trial: TrialLike, batch: PhysicalBatch) -> None:
         trial.set_user_attr("batch_search", search_summary(batch.search))
 
 
-def _progress_sender(trial: TrialLike, budget: int | None) -> Callable[[dict[str, Any]], None]:
+def _progress_sender(trial: TrialLike) -> Callable[[dict[str, Any]], None]:
     """Where the loop's progress goes: over the pipe to the worker's live line from a trial
     process, or straight to it when the trial runs in the worker."""
     send = getattr(trial, "send_progress", None)
 
     def on_progress(progress: dict[str, Any]) -> None:
-        progress["budget"] = budget
         if send is not None:
             send(progress)
         else:

@@ -12,6 +12,7 @@ import math
 import os
 import shlex
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -90,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="seconds after which this worker starts no new trial; the running trial finishes "
-        "(overrides study.timeout)",
+        "(counted from the worker's start; overrides study.timeout)",
     )
     run.add_argument(
         "--trial-timeout",
@@ -358,12 +359,13 @@ def _serve(app: Callable, host: str, port: int, banner: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     # Before CUDA initialises: fewer fragmentation OOMs as batch shapes change between steps.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    started = time.monotonic()  # --timeout counts from here
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser().parse_args(argv)
     except KeyboardInterrupt as e:
         return _stopped(e)
-    args.argv = argv
+    args.argv, args.started = argv, started
     _setup_logging(args.debug, args.quiet)
     try:
         if args.command == "run":
@@ -452,7 +454,7 @@ def _work(
     cache = BatchSizeCache(storage.engine)  # the worker's pool: no connection of its own
     objective = Objective(config, data, storage_url, stop, batch_cache=cache)
     try:
-        run_trials(study, storage, objective, stop, queued_only)
+        run_trials(study, storage, objective, stop, queued_only, started=args.started)
     finally:
         live.stop()
         stop.interrupt_at_once = False
@@ -907,7 +909,6 @@ def _watch(study: Any, storage: Any, as_json: bool, interval: float) -> int:
     row; Ctrl-C ends it at once."""
     import datetime as dt
     import json
-    import time
 
     from hpo import report
 

@@ -178,7 +178,8 @@ class StudyConfig:
         "Trials for the whole study (all workers); null: until timeout.", 20
     )
     timeout: float | None = _doc(
-        "Seconds after which this worker starts no new trial (the running one finishes)."
+        "Seconds after which this worker starts no new trial (the running one finishes), "
+        "counted from the worker's start."
     )
     trial_timeout: float | None = _doc(
         "Seconds one trial may train: past it, the trial checkpoints, stops and is pruned with "

@@ -236,16 +236,21 @@ def run_trials(
     objective: Objective,
     stop: StopRequest,
     queued_only: bool = False,
+    started: float | None = None,
 ) -> int:
     """Run trials until the study holds n_trials, this worker's timeout passes or it is asked
     to stop; returns how many trials this worker finished. A failing trial is recorded as FAIL
     (one line in the log) and never stops the worker; an interrupted one is handed back.
     `queued_only` (a retrain): run queued trials only, and stay while other workers' trials
-    run, so that a retry of one whose worker dies is run here."""
+    run, so that a retry of one whose worker dies is run here. The timeout counts from
+    `started` (time.monotonic() when the worker started: preparing the data is part of its
+    time), else from now."""
     study_config = objective.task.config.study
     trials = StudyTrials(study, storage, worker_id(), study_config.n_trials,
                          liveness(study_config), queued_only)  # fmt: skip
-    deadline = None if study_config.timeout is None else time.monotonic() + study_config.timeout
+    deadline = None
+    if study_config.timeout is not None:
+        deadline = (time.monotonic() if started is None else started) + study_config.timeout
     checkpoints, artifacts = None, None
     if study_config.checkpoints:
         checkpoints = checkpoint_root(objective.task.config, study.study_name)

@@ -99,6 +99,24 @@ def test_a_stop_request_ends_the_trial_process_and_hands_the_trial_back(
     assert retry.system_attrs["failed_trial"] == 0
 
 
+def test_the_timeout_counts_from_the_worker_start(tmp_path: Path, stub_config: Config) -> None:
+    """`--timeout 0.001`: the data took longer than that to prepare, so no trial starts (the
+    deadline once counted from the loop's start, and a fast one ran a trial)."""
+    url = StorageURL(f"sqlite:///{tmp_path / 'iso.db'}", "test")
+    storage = open_storage(url)
+    study = optuna.create_study(study_name="iso", storage=storage)
+
+    def trials_run(timeout: float, started: float) -> int:
+        stub_config.study.timeout = timeout
+        target = trial_targets.return_one
+        objective = Objective(stub_config, None, url, StopRequest(), target=target)  # type: ignore[arg-type]
+        return run_trials(study, storage, objective, StopRequest(), started=started)
+
+    assert trials_run(0.5, started=time.monotonic() - 1.0) == 0  # started a second ago
+    assert study.get_trials() == []
+    assert trials_run(600.0, started=time.monotonic() - 1.0) == 3  # the budget: n_trials 3
+
+
 def _stop_once_started(
     tmp_path: Path, config: Config, target: TrialTarget, fork_server_dies: bool = False
 ) -> tuple[optuna.Study, int, float]:

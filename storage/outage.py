@@ -43,6 +43,17 @@ def is_transient(error: BaseException) -> bool:
     return False
 
 
+def is_gone(error: BaseException) -> bool:
+    """An SQLite file deleted, moved or made read-only under the worker: SQLite says
+    "attempt to write a readonly database". It will not come back by waiting."""
+    root: BaseException | None = error
+    while root is not None:
+        if "readonly database" in str(root) and "sqlite" in type(root).__module__:
+            return True
+        root = root.__cause__ or root.__context__
+    return False
+
+
 def retrying(call: Callable[[], T], what: str, patience_s: float) -> T:
     """`call()`, again and again while the database is unreachable, for up to `patience_s`."""
     deadline = time.monotonic() + patience_s
@@ -52,6 +63,12 @@ def retrying(call: Callable[[], T], what: str, patience_s: float) -> T:
         try:
             result = call()
         except Exception as e:
+            if is_gone(e):
+                raise StorageError(
+                    "the study's SQLite file refuses writes (attempt to write a readonly "
+                    "database): it was deleted, moved or made read-only while the worker ran; "
+                    "put it back or start a new study"
+                ) from e
             if not is_transient(e):
                 raise
             if time.monotonic() + delay > deadline:

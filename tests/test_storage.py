@@ -173,3 +173,21 @@ def test_a_database_of_another_optuna_schema_is_one_clear_error(
     for read_only in (False, True):
         with pytest.raises(StorageError, match=f"schema {revision}, not {versions[0]}.*{advice}"):
             open_storage(resolve_storage_url(url, None), read_only=read_only)
+
+
+def test_an_sqlite_file_deleted_under_a_worker_fails_at_once(tmp_path: Path) -> None:
+    """Not retried as an outage for `database_patience` (600 s): it will not come back. (A file
+    made read-only gives SQLite's same error; as root, which CI is, a mode cannot make it so.)"""
+    import optuna
+
+    from storage.url import StorageURL
+
+    db = tmp_path / "gone.db"
+    storage = open_storage(StorageURL(f"sqlite:///{db}", "test"), patience_s=600)
+    study = optuna.create_study(study_name="s", storage=storage)
+    trial = study.ask()
+    db.unlink()
+    started = time.monotonic()
+    with pytest.raises(StorageError, match="deleted, moved or made read-only"):
+        trial.report(0.5, 1)
+    assert time.monotonic() - started < 5

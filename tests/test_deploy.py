@@ -151,3 +151,14 @@ def test_the_workers_get_a_gpu_time_to_hand_back_and_the_secret_never_written_do
 def _containers(document: dict[str, Any]) -> list[dict[str, Any]]:
     spec = document.get("spec", {})
     return list(spec.get("template", {}).get("spec", {}).get("containers", []))
+
+
+def test_the_image_runs_hpo_under_an_init_that_reaps_orphans() -> None:
+    """In Kubernetes the container's first process inherits every orphan; hpo is not an init."""
+    import json
+
+    lines = (REPO / "Dockerfile").read_text(encoding="utf-8").splitlines()
+    entrypoints = [json.loads(line.split(None, 1)[1]) for line in lines
+                   if line.startswith("ENTRYPOINT")]  # fmt: skip
+    assert entrypoints == [["tini", "-s", "--", "hpo"]]
+    assert any("apt-get install" in line and "tini" in line for line in lines)

@@ -60,6 +60,7 @@ class BackgroundUploader:
         self._busy = False
         self._failures = 0
         self._closed = False
+        self._ending = False  # close() called: the trial is over, training no longer goes on
         self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="hpo-artifact-upload", daemon=True)
         self._thread.start()
@@ -83,6 +84,7 @@ class BackgroundUploader:
     def close(self, timeout_s: float) -> bool:
         """Flush, then stop the thread; what is still pending after `timeout_s` is given up,
         with the reason recorded."""
+        self._ending = True
         done = self.flush(timeout_s)
         with self._changed:
             given_up = sorted(self._pending)
@@ -148,7 +150,8 @@ class BackgroundUploader:
 
     def _record(self, reason: str) -> None:
         if not self.stats.errors or self.stats.errors[-1] != reason:
-            log.warning("%s; training goes on", reason)
+            then = "the trial ends without it" if self._ending else "training goes on"
+            log.warning("%s; %s", reason, then)
         self.stats.errors.append(reason[:500])
 
 

@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import shlex
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -553,7 +554,6 @@ def _retrain(args: argparse.Namespace) -> int:
 def _winner_model(study: Any, number: int, config: Config, out: Path) -> Iterator[Path]:
     """The winning run's model folder: on this host, or (trained on another host) fetched from
     the artifact store beside `out`, checked against its sha256, and removed afterwards."""
-    import shutil
     import tempfile
 
     from hpo import retrain
@@ -879,16 +879,22 @@ def _download_best(study: Any, best: list[dict], args: argparse.Namespace) -> in
         raise HPOError(f"--download {out}: exists and is not an empty folder; name a new one")
     folder = f"trial-{int(best[0]['user_attrs'].get('first_attempt', best[0]['number']))}"
     aside = out.parent / f".{out.name}.{os.getpid()}.download"
+    number = best[0]["number"]
     try:
         manifest = store.fetch(study_folder_name(study.study_name), folder, "best-model", aside)
-    except (ArtifactStoreError, OSError) as e:
-        raise HPOError(f"best model of trial #{best[0]['number']} not downloaded: {e}") from e
+    except ArtifactStoreError as e:
+        raise HPOError(f"best model of trial #{number} not downloaded: {e}") from e
+    except OSError as e:  # named by the folder asked for, not the one written beside it
+        shutil.rmtree(aside, ignore_errors=True)
+        raise HPOError(f"--download {out}: cannot write there ({e.strerror or e})") from e
     if manifest is None:
-        raise HPOError(f"trial #{best[0]['number']} has no best model in {store.url}")
+        error = best[0]["user_attrs"].get("checkpoint_error")
+        why = f" ({error})" if error else ""
+        raise HPOError(f"trial #{number} has no best model in {store.url}{why}")
     if out.is_dir():
         out.rmdir()
     aside.rename(out)
-    print(f"hpo: best model of trial #{best[0]['number']} ({manifest.size / 1e6:.1f} MB, "
+    print(f"hpo: best model of trial #{number} ({manifest.size / 1e6:.1f} MB, "
           f"sha256 checked) in {out}")  # fmt: skip
     return 0
 
@@ -1046,6 +1052,9 @@ def _best_text(best: dict) -> str:
         text += f"\nmodel: {uri} (hpo best --download DIR fetches it)"
     elif model:
         text += f"\nmodel: {model} (AutoModelForSequenceClassification.from_pretrained)"
+    error = best["user_attrs"].get("checkpoint_error")
+    if error and not uri:  # why the model is only on the host that trained it, or nowhere
+        text += f"\nnot saved or not uploaded: {error}"
     return text
 
 

@@ -240,7 +240,7 @@ def test_a_failed_upload_is_retried_with_backoff_and_recorded(
 
 
 def test_uploads_still_failing_at_close_are_given_up_with_the_reason(
-    tmp_path: Path, target: ArtifactTarget
+    tmp_path: Path, target: ArtifactTarget, caplog: pytest.LogCaptureFixture
 ) -> None:
     gate = Gate(FileBackend(tmp_path / "store"), failures=1000)
     gate.release.set()
@@ -254,6 +254,8 @@ def test_uploads_still_failing_at_close_are_given_up_with_the_reason(
     assert not uploader.close(timeout_s=0.5)
     assert uploader.stats.errors[-1].startswith("state not uploaded after 0.5 s: state not")
     assert "Could not connect" in uploader.stats.errors[-1]
+    last = [r.getMessage() for r in caplog.records if r.name == "hpo.artifact_upload"][-1]
+    assert last.endswith("; the trial ends without it")  # not "training goes on": it has ended
 
 
 # -- S3, served by moto on 127.0.0.1 -----------------------------------------------------------
@@ -411,6 +413,11 @@ def test_a_trial_stopped_on_one_host_resumes_on_another_from_the_store(
     empty = run_hpo("best", "--study", "nli/1", "--storage", url, "--download", "",
                     cwd=elsewhere / "model")  # fmt: skip
     assert empty.returncode == 2 and "name a new (or empty) folder" in empty.stderr, empty.stderr
+    nowhere = run_hpo("best", "--study", "nli/1", "--storage", url, "--download",
+                      "/proc/hpo-model", cwd=elsewhere)  # fmt: skip
+    assert nowhere.returncode == 2, nowhere.stderr[-2000:]
+    assert "--download /proc/hpo-model: cannot write there" in nowhere.stderr
+    assert ".download" not in nowhere.stderr  # the folder written beside it is no concern
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     model = AutoModelForSequenceClassification.from_pretrained(elsewhere / "model")

@@ -227,3 +227,18 @@ def test_status_watch_ends_when_only_a_dead_workers_trial_is_left(tmp_path: Path
     assert done.returncode == 1, done.stderr
     assert "silent for" in done.stdout and "its worker is gone or hangs" in done.stdout
     assert "has stopped moving: no trial runs with a live worker" in done.stderr
+
+
+def test_hpo_best_says_why_the_model_is_not_in_the_store() -> None:
+    from hpo.cli import _best_text
+
+    attrs = {
+        "best_model": "/data/hpo-checkpoints/s/trial-3/best-model",
+        "checkpoint_error": "best-model not uploaded to s3://b/p: timed out",
+    }
+    best = {"study": "s", "number": 3, "value": 0.9, "params": {"lr": 0.001}, "user_attrs": attrs}
+    text = _best_text(best)
+    assert "model: /data/hpo-checkpoints/s/trial-3/best-model" in text
+    assert "not saved or not uploaded: best-model not uploaded to s3://b/p: timed out" in text
+    best["user_attrs"]["best_model_uri"] = "s3://b/p/s/trial-3/best-model"  # uploaded after all
+    assert "not uploaded" not in _best_text(best)

@@ -547,6 +547,9 @@ def _retrain(args: argparse.Namespace) -> int:
         retrain.save_final_model(model_dir, out, card)
     source.set_user_attr(retrain.OUTCOME_ATTR, retrain.outcome(card, out))
     print(retrain.summary(card, out))
+    if stop.requested:  # exit 0 all the same: nothing is left to do, a rerun would redo nothing
+        print(f"hpo: {stop.signal_name} came during the final save, which was finished first",
+              file=sys.stderr)  # fmt: skip
     return 0
 
 

@@ -776,8 +776,10 @@ def _monitor(args: argparse.Namespace) -> int:
     set_optuna_verbosity(logging.getLogger().level)
 
     storage_url = resolve_storage_url(args.storage, None)
-    if getattr(args, "study", None) is not None:
-        check_study_name(args.study)
+    # No check_study_name: a study that plain Optuna made may have any name `hpo studies` lists
+    # (a tab, 600 characters, spaces only), and looking at it creates nothing.
+    if getattr(args, "study", None) == "":
+        raise HPOError("--study: the study name is empty; `hpo studies` lists the names")
     # Monitoring never creates a database, a table or a lock file (a typo in --storage, a
     # read-only folder); the dashboard may write notes, but only into an existing study database.
     storage = open_storage(storage_url, read_only=args.command != "dashboard", must_exist=True)
@@ -796,13 +798,28 @@ def _monitor(args: argparse.Namespace) -> int:
         study = optuna.load_study(study_name=args.study, storage=storage)
     except KeyError as e:
         raise HPOError(f"no study {args.study!r} in {storage_url.masked}; see `hpo studies`") from e
+    try:
+        return _look_at(study, storage, args)
+    except KeyError as e:
+        if "Record does not exist" not in str(e):  # Optuna's word for a row that has gone
+            raise
+        raise HPOError(f"study {args.study!r} is no longer in {storage_url.masked}: deleted "
+                       "while hpo read it; see `hpo studies`") from e  # fmt: skip
+
+
+def _look_at(study: Any, storage: Any, args: argparse.Namespace) -> int:
+    """`hpo report`, `best` and `status` of a study that exists."""
+    import json
+
+    from hpo import report, retrain
+
     if args.command == "report":
         return _write_report(study, storage, args.format, args.out)
     if args.command == "best":
         best = report.best_trials(study, storage=storage)
         if not best:
             raise HPOError(f"study {args.study!r} has no completed trial yet")
-        retrained = study.user_attrs.get("retrain")
+        retrained = retrain.recorded_outcome(study.user_attrs)
         if args.download is not None:
             return _download_best(study, best, args)
         if args.json:  # several objectives: the Pareto front, a list

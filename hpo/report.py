@@ -9,6 +9,7 @@ ten; otherwise, from the study's trials read whole.
 from __future__ import annotations
 
 import datetime as dt
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -141,12 +142,12 @@ def status(
         ],
         "best": best[0] if best and not several else None,
         "pareto_front": best if several else None,
-        "grace_period_s": study.user_attrs.get("grace_period_s"),
+        "grace_period_s": _positive(study.user_attrs.get("grace_period_s")),
         "device_hours": round(sum(_seconds(t.user_attrs.get("wall_s")) for t in trials) / 3600, 4),
         "trials_per_hour": _trials_per_hour(finished),
         "failures": _reasons(trials, TrialState.FAIL, "fail_reason"),
         "prunes": _reasons(trials, TrialState.PRUNED, "prune_reason"),
-        "budget": study.user_attrs.get("n_trials"),
+        "budget": _budget(study.user_attrs.get("n_trials")),
     }
 
 
@@ -168,7 +169,7 @@ def _status_from_database(study: optuna.Study, db: Database, now: dt.datetime) -
         ],
         "best": best[0] if best and not several else None,
         "pareto_front": best if several else None,
-        "grace_period_s": study.user_attrs.get("grace_period_s"),
+        "grace_period_s": _positive(study.user_attrs.get("grace_period_s")),
         "device_hours": round(study_queries.user_attr_sum(engine, study_id, "wall_s") / 3600, 4),
         "trials_per_hour": round(finished / hours, 2) if hours > 0 else None,
         "failures": study_queries.reasons(
@@ -177,7 +178,7 @@ def _status_from_database(study: optuna.Study, db: Database, now: dt.datetime) -
         "prunes": study_queries.reasons(
             engine, study_id, TrialState.PRUNED, "prune_reason", counts.get(TrialState.PRUNED, 0)
         ),
-        "budget": study.user_attrs.get("n_trials"),
+        "budget": _budget(study.user_attrs.get("n_trials")),
     }
 
 
@@ -233,6 +234,19 @@ def status_lines(report: dict[str, Any]) -> list[str]:
         for reason, count in report[title].items():
             lines.append(f"  {title[:-1]}: {count} x {reason}")
     return lines
+
+
+def _positive(value: object) -> float | None:
+    """A number hpo recorded in the study's attributes; None for anything else (a plain Optuna
+    study may hold an attribute of the same name, of its own kind)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    return float(value) if 0 < value < math.inf else None
+
+
+def _budget(value: object) -> int | None:
+    """The study's n_trials as hpo recorded it (a positive whole number), or None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _seconds(value: object) -> float:

@@ -530,6 +530,25 @@ def outcome(card: dict[str, Any], out: Path) -> dict[str, Any]:
             "metric": card["metric"]}  # fmt: skip
 
 
+def recorded_outcome(attrs: dict[str, Any]) -> dict[str, Any] | None:
+    """The latest retrain's winner as `outcome` recorded it in a study's attributes, or None
+    when there is none, or when the attribute is not hpo's (a plain Optuna study may hold a
+    `retrain` attribute of its own)."""
+    found = attrs.get(OUTCOME_ATTR)
+    if not isinstance(found, dict):
+        return None
+    number: tuple[type, ...] = (int, float)
+    kinds: dict[str, type | tuple[type, ...]] = {
+        "study": str, "params": dict, "mean": number, "seeds": int, "model": str,
+        "metric": str, "search_trial": int,
+    }  # fmt: skip
+    if any(not isinstance(found.get(key), kind) for key, kind in kinds.items()):
+        return None
+    if found.get("std") is not None and not isinstance(found["std"], number):
+        return None
+    return found
+
+
 def summary(card: dict[str, Any], out: Path) -> str:
     """The retrain's result for the terminal: every configuration, the winner, the model."""
     metric = card["metric"]

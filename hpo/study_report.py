@@ -19,7 +19,7 @@ from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
 from hpo import report
-from hpo.retrain import mean_std_text, seeds_text
+from hpo.retrain import mean_std_text, recorded_outcome, seeds_text
 from storage import study_queries
 
 PRUNED_GREY = "#b0b0b0"
@@ -100,7 +100,8 @@ def _drawn(study: optuna.Study, storage: object) -> Drawn:
 
 def _shown(trial: FrozenTrial) -> int:
     """The trial's number in the study (a sampled trial's differs in its in-memory copy)."""
-    return int(trial.user_attrs.get(_NUMBER, trial.number))
+    number = trial.user_attrs.get(_NUMBER)
+    return number if isinstance(number, int) else trial.number
 
 
 def markdown(study: optuna.Study, storage: object = None) -> str:
@@ -157,8 +158,10 @@ def _html_page(study: optuna.Study, storage: object) -> str:
             if not finished:  # Optuna's plots would draw empty axes
                 raise ValueError("no trial has finished yet")
             figure = build()
-        except (ValueError, RuntimeError, ZeroDivisionError) as e:  # too few trials for it
-            sections.append(f"<h2>{html.escape(title)}</h2><p class=note>not drawn: {e}</p>")
+        except (ValueError, RuntimeError, ZeroDivisionError, TypeError) as e:  # too few trials,
+            # or values of a kind Optuna's plots cannot draw: the page says so, and goes on
+            note = html.escape(f"not drawn: {e}")
+            sections.append(f"<h2>{html.escape(title)}</h2><p class=note>{note}</p>")
             continue
         figure.update_layout(height=420, margin={"t": 40})
         body = figure.to_html(full_html=False, include_plotlyjs=first, config={"responsive": True})
@@ -259,7 +262,7 @@ def _best_block(study: optuna.Study, status: dict[str, Any], fence: str) -> list
         "--top 3 --seeds 3",
         *([fence] if fence else []),
     ]
-    retrained = study.user_attrs.get("retrain")
+    retrained = recorded_outcome(study.user_attrs)
     if retrained:
         winner = json.dumps(retrained["params"], sort_keys=True)
         lines += [
@@ -299,6 +302,16 @@ def _trial_table(
             ]
         )
     return header, rows
+
+
+def _gib(value: Any) -> float:
+    return value / 2**30 if _finite(value) else math.nan
+
+
+def _finite(value: Any) -> bool:
+    """A finite number (not a bool, not text)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return number and math.isfinite(value)
 
 
 def _number(value: Any) -> str:
@@ -427,9 +440,11 @@ def _throughput(study: optuna.Study) -> Any:
     from plotly.subplots import make_subplots
 
     trials = [
-        t for t in _trials(study, TrialState.COMPLETE, TrialState.PRUNED)
-        if "physical_batch_size" in t.user_attrs and "samples_per_s" in t.user_attrs
-    ]  # fmt: skip
+        t
+        for t in _trials(study, TrialState.COMPLETE, TrialState.PRUNED)
+        if _finite(t.user_attrs.get("physical_batch_size"))
+        and _finite(t.user_attrs.get("samples_per_s"))
+    ]  # fmt: skip  (hpo's figures; a plain Optuna study's attributes of these names may be text)
     if not trials:
         raise ValueError("no trial has recorded its throughput yet")
     figure = make_subplots(rows=1, cols=2, subplot_titles=("samples/s", "peak memory (GiB)"))
@@ -439,7 +454,7 @@ def _throughput(study: optuna.Study) -> Any:
         go.Scatter(x=batch, y=[t.user_attrs["samples_per_s"] for t in trials], mode="markers",
                    text=labels, name="samples/s"), row=1, col=1,
     )  # fmt: skip
-    peaks = [t.user_attrs.get("peak_mem_bytes", math.nan) / 2**30 for t in trials]
+    peaks = [_gib(t.user_attrs.get("peak_mem_bytes")) for t in trials]
     figure.add_trace(
         go.Scatter(x=batch, y=peaks, mode="markers", text=labels, name="peak memory"),
         row=1, col=2,

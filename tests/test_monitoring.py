@@ -9,8 +9,10 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import optuna
+import pytest
 
 from hpo import report
 from tests.conftest import run_hpo
@@ -242,3 +244,57 @@ def test_hpo_best_says_why_the_model_is_not_in_the_store() -> None:
     assert "not saved or not uploaded: best-model not uploaded to s3://b/p: timed out" in text
     best["user_attrs"]["best_model_uri"] = "s3://b/p/s/trial-3/best-model"  # uploaded after all
     assert "not uploaded" not in _best_text(best)
+
+
+def _plain_study(url: str, name: str, **attrs: object) -> optuna.Study:
+    """A study that plain Optuna made, whose attributes happen to carry hpo's names."""
+    study = optuna.create_study(study_name=name, storage=url, direction="maximize")
+    for key, value in attrs.items():
+        study.set_user_attr(key, value)
+    return study
+
+
+def test_attributes_of_hpo_names_but_not_hpo_kinds_are_ignored(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hpo.cli import main
+    from hpo.study_report import html_page
+
+    url = f"sqlite:///{tmp_path / 'odd.db'}"
+    odd = {"n_trials": "ten", "grace_period_s": "long", "retrain": {"params": {"a": 1}}}
+    study = _plain_study(url, "odd", **odd)
+
+    def objective(trial: optuna.Trial) -> float:
+        for key, value in (("samples_per_s", "fast"), ("peak_mem_bytes", "lots"),
+                           ("physical_batch_size", "big"), ("hpo:number", "x")):  # fmt: skip
+            trial.set_user_attr(key, value)
+        return trial.suggest_float("x", 0, 1)
+
+    study.optimize(objective, n_trials=3)
+    assert main(["status", "--study", "odd", "--storage", url, "--watch", "--interval", "0.1"]) == 0
+    assert main(["best", "--study", "odd", "--storage", url]) == 0
+    out = capsys.readouterr().out
+    assert "budget" not in out and "retrain winner" not in out
+    page = html_page(optuna.load_study(study_name="odd", storage=url))
+    assert "no trial has recorded its throughput yet" in page  # not drawn, and the page is whole
+    _plain_study(url, "yes", retrain="yes").optimize(lambda t: t.suggest_float("x", 0, 1), 1)
+    assert main(["best", "--study", "yes", "--storage", url]) == 0
+
+
+def test_a_study_deleted_while_hpo_reads_it_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hpo.cli import main
+
+    url = f"sqlite:///{tmp_path / 'gone.db'}"
+    _plain_study(url, "gone").optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
+    load = optuna.load_study
+
+    def load_then_lose(**kwargs: Any) -> optuna.Study:
+        study = load(**kwargs)
+        optuna.delete_study(study_name="gone", storage=url)
+        return study
+
+    monkeypatch.setattr(optuna, "load_study", load_then_lose)
+    assert main(["status", "--study", "gone", "--storage", url, "--watch"]) == 2
+    assert "study 'gone' is no longer in" in capsys.readouterr().err

@@ -895,6 +895,10 @@ def _download_best(study: Any, best: list[dict], args: argparse.Namespace) -> in
     if not args.download.strip() or out.resolve() == Path.cwd() or out.name in ("", ".", ".."):
         raise HPOError(f"--download {args.download!r}: name a new (or empty) folder for the "
                        "model, e.g. --download ./best-model")  # fmt: skip
+    if out.is_symlink():  # a link to an empty folder: that folder; a link to nothing: refused
+        if not out.is_dir():
+            raise HPOError(f"--download {out}: a link to nothing; name a new folder")
+        out = out.resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise HPOError(f"--download {out}: exists and is not an empty folder; name a new one")
     folder = f"trial-{int(best[0]['user_attrs'].get('first_attempt', best[0]['number']))}"
@@ -911,9 +915,13 @@ def _download_best(study: Any, best: list[dict], args: argparse.Namespace) -> in
         error = best[0]["user_attrs"].get("checkpoint_error")
         why = f" ({error})" if error else ""
         raise HPOError(f"trial #{number} has no best model in {store.url}{why}")
-    if out.is_dir():
-        out.rmdir()
-    aside.rename(out)
+    try:
+        if out.is_dir():
+            out.rmdir()
+        aside.rename(out)
+    except OSError as e:  # taken meanwhile, or out of reach: nothing is left beside it
+        shutil.rmtree(aside, ignore_errors=True)
+        raise HPOError(f"--download {out}: cannot write there ({e.strerror or e})") from e
     print(f"hpo: best model of trial #{number} ({manifest.size / 1e6:.1f} MB, "
           f"sha256 checked) in {out}")  # fmt: skip
     return 0

@@ -413,11 +413,6 @@ def test_a_trial_stopped_on_one_host_resumes_on_another_from_the_store(
     empty = run_hpo("best", "--study", "nli/1", "--storage", url, "--download", "",
                     cwd=elsewhere / "model")  # fmt: skip
     assert empty.returncode == 2 and "name a new (or empty) folder" in empty.stderr, empty.stderr
-    nowhere = run_hpo("best", "--study", "nli/1", "--storage", url, "--download",
-                      "/proc/hpo-model", cwd=elsewhere)  # fmt: skip
-    assert nowhere.returncode == 2, nowhere.stderr[-2000:]
-    assert "--download /proc/hpo-model: cannot write there" in nowhere.stderr
-    assert ".download" not in nowhere.stderr  # the folder written beside it is no concern
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     model = AutoModelForSequenceClassification.from_pretrained(elsewhere / "model")
@@ -665,3 +660,34 @@ def test_a_disk_full_mid_copy_leaves_no_file_on_the_shared_mount(tmp_path: Path)
     with pytest.raises(ArtifactStoreError, match="No space left on device"):
         files.put(f"{STUDY}/{FOLDER}/state/v1/checkpoint.pt", FillsTheDisk(b"0123456789"))
     assert [p for p in (tmp_path / "store").rglob("*") if p.is_file()] == []
+
+
+def test_best_download_into_a_link_or_out_of_reach_leaves_nothing_beside_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hpo.cli import main
+
+    (tmp_path / "store").mkdir()
+    store_url = f"file://{tmp_path / 'store'}"
+    url = f"sqlite:///{tmp_path / 'hpo.db'}"
+    study = optuna.create_study(study_name="s", storage=url, direction="maximize")
+    study.set_user_attr("artifact_store", store_url)
+    study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=1)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    ArtifactStore(store_url).publish(study_folder_name("s"), "trial-0", "best-model", model)
+
+    def download(to: Path) -> int:
+        return main(["best", "--study", "s", "--storage", url, "--download", str(to)])
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "to-empty").symlink_to(tmp_path / "empty")
+    assert download(tmp_path / "to-empty") == 0  # the empty folder behind the link gets it
+    assert (tmp_path / "empty" / "config.json").is_file()
+    (tmp_path / "dangling").symlink_to(tmp_path / "nothing")
+    assert download(tmp_path / "dangling") == 2
+    assert download(Path("/proc/hpo-model")) == 2
+    err = capsys.readouterr().err
+    assert "a link to nothing" in err and "--download /proc/hpo-model: cannot write" in err
+    assert not list(tmp_path.glob(".*download")) and "Traceback" not in err

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import json
 import logging
 import math
 import os
@@ -690,7 +691,6 @@ def _auto_workers_per_gpu(config: Config, config_path: Path, gpus: list[str]) ->
 
 
 def _enqueue(args: argparse.Namespace) -> int:
-    import json
 
     import optuna
 
@@ -744,7 +744,6 @@ def _enqueue(args: argparse.Namespace) -> int:
 
 def _json_params(text: str) -> dict[str, Any]:
     """--params: a JSON object, no key twice (the last would win silently)."""
-    import json
 
     def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         keys = [key for key, _ in pairs]
@@ -766,7 +765,6 @@ def _json_params(text: str) -> dict[str, Any]:
 
 
 def _monitor(args: argparse.Namespace) -> int:
-    import json
 
     import optuna
 
@@ -792,7 +790,7 @@ def _monitor(args: argparse.Namespace) -> int:
         return 0
     if args.command == "studies":
         rows = report.studies(storage)
-        print(json.dumps(rows, indent=2) if args.json else _studies_table(rows))
+        print(strict_json(rows, indent=2) if args.json else _studies_table(rows))
         return 0
     try:
         study = optuna.load_study(study_name=args.study, storage=storage)
@@ -809,7 +807,6 @@ def _monitor(args: argparse.Namespace) -> int:
 
 def _look_at(study: Any, storage: Any, args: argparse.Namespace) -> int:
     """`hpo report`, `best` and `status` of a study that exists."""
-    import json
 
     from hpo import report, retrain
 
@@ -828,7 +825,7 @@ def _look_at(study: Any, storage: Any, args: argparse.Namespace) -> int:
                 several = isinstance(shown, list)
                 shown = {"pareto_front": shown} if several else shown
                 shown = {**shown, "retrain": retrained}
-            print(json.dumps(shown, indent=2, default=str))
+            print(strict_json(shown, indent=2))
         else:
             print("\n".join(_best_text(trial) for trial in best))
             if retrained is not None:
@@ -841,7 +838,7 @@ def _look_at(study: Any, storage: Any, args: argparse.Namespace) -> int:
     if store is not None:
         summary["artifact_store"] = store
     lines = report.status_lines(summary) + ([_artifact_line(store)] if store else [])
-    print(json.dumps(summary, indent=2, default=str) if args.json else "\n".join(lines))
+    print(strict_json(summary, indent=2) if args.json else "\n".join(lines))
     return 0
 
 
@@ -942,7 +939,6 @@ def _watch(study: Any, storage: Any, as_json: bool, interval: float) -> int:
     terminal, one block per refresh otherwise) until the study has ended at two refreshes in a
     row; Ctrl-C ends it at once."""
     import datetime as dt
-    import json
 
     from hpo import report
 
@@ -951,9 +947,7 @@ def _watch(study: Any, storage: Any, as_json: bool, interval: float) -> int:
     stalled_since = None
     while ended_polls < 2:
         summary = report.status(study, storage=storage)
-        text = (
-            json.dumps(summary, default=str) if as_json else "\n".join(report.status_lines(summary))
-        )
+        text = strict_json(summary) if as_json else "\n".join(report.status_lines(summary))
         stamp = dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
         clear = "\x1b[H\x1b[2J" if terminal else ""
         print(f"{clear}{text}" if as_json else f"{clear}[{stamp}] {text}", flush=True)
@@ -1063,6 +1057,23 @@ def _retrain_text(retrained: dict) -> str:
     )
 
 
+def strict_json(value: Any, indent: int | None = None) -> str:
+    """JSON that strict parsers (jq, JSON.parse) read: an infinite or NaN value (a diverged
+    trial's, say) is written as the string "inf", "-inf" or "nan", which float() reads back;
+    anything else JSON has no type for (a date) as its text."""
+
+    def finite(item: Any) -> Any:
+        if isinstance(item, float) and not math.isfinite(item):
+            return str(item)
+        if isinstance(item, dict):
+            return {key: finite(v) for key, v in item.items()}
+        if isinstance(item, (list, tuple)):
+            return [finite(v) for v in item]
+        return item
+
+    return json.dumps(finite(value), indent=indent, default=str, allow_nan=False)
+
+
 def _short(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
@@ -1087,7 +1098,6 @@ def _best_text(best: dict) -> str:
 
 
 def _batch_size(args: argparse.Namespace) -> int:
-    import json
 
     from trainer import device as dev
     from trainer.batch_finder import batch_key, find_physical_batch_size

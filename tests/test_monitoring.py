@@ -298,3 +298,23 @@ def test_a_study_deleted_while_hpo_reads_it_is_one_line(
     monkeypatch.setattr(optuna, "load_study", load_then_lose)
     assert main(["status", "--study", "gone", "--storage", url, "--watch"]) == 2
     assert "study 'gone' is no longer in" in capsys.readouterr().err
+
+
+def test_json_output_is_strict_json_with_infinite_values(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hpo.cli import main
+
+    url = f"sqlite:///{tmp_path / 'inf.db'}"
+    values = iter([float("inf"), float("-inf"), 0.5])
+    _plain_study(url, "inf").optimize(lambda t: (t.suggest_float("x", 0, 1), next(values))[1], 3)
+
+    def reject(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    for command in (["studies"], ["best", "--study", "inf"], ["status", "--study", "inf"]):
+        assert main([*command, "--storage", url, "--json"]) == 0
+        shown = json.loads(capsys.readouterr().out, parse_constant=reject)
+        assert "inf" in json.dumps(shown)
+    assert main(["best", "--study", "inf", "--storage", url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["value"] == "inf"  # float("inf") reads it back

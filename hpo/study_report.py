@@ -8,6 +8,7 @@ import functools
 import html
 import json
 import math
+import re
 import shlex
 import warnings
 from collections.abc import Callable
@@ -109,9 +110,9 @@ def markdown(study: optuna.Study, storage: object = None) -> str:
     Markdown. `storage`: hpo's, to ask the database (see hpo.report)."""
     status = report.status(study, storage=storage)
     drawn = _drawn(study, storage)
-    lines = [f"# Study {study.study_name!r}", ""]
-    lines += [f"- {line}" for line in _summary(study, status, drawn)]
-    lines += ["", "## Best configuration", "", *_best_block(study, status, fence="```"), ""]
+    lines = [f"# Study {_md(repr(study.study_name))}", ""]
+    lines += [f"- {_md(line)}" for line in _summary(study, status, drawn)]
+    lines += ["", "## Best configuration", "", *_md_block(_best_block, study, status), ""]
     for title, rows, empty in _reason_tables(status):
         lines += [f"## {title}", ""]
         if rows:
@@ -129,9 +130,32 @@ def markdown(study: optuna.Study, storage: object = None) -> str:
 
 def _md_row(cells: list[str]) -> str:
     """A table row; a `|` or a line break inside a cell (a reason, a categorical value) would
-    break the table."""
-    safe = [str(c).replace("|", "\\|").replace("\n", " ") for c in cells]
+    break the table, and HTML in it (a parameter's value) would be rendered by many viewers."""
+    safe = [_md(str(c)).replace("|", "\\|").replace("\n", " ") for c in cells]
     return "| " + " | ".join(safe) + " |"
+
+
+def _md(text: str) -> str:
+    """Text from the study (names, values, paths) as Markdown shows it, never as HTML."""
+    return html.escape(text, quote=False)
+
+
+def _md_block(
+    block: Callable[[optuna.Study, dict[str, Any], str], list[str]],
+    study: optuna.Study,
+    status: dict[str, Any],
+) -> list[str]:
+    """`block`'s lines as Markdown: its code fences longer than any run of backticks in the
+    study's values (which would close them early), its text outside them escaped."""
+    plain = block(study, status, "")
+    longest = max((len(run) for line in plain for run in re.findall("`+", line)), default=0)
+    fence = "`" * max(3, longest + 1)
+    lines, inside = [], False
+    for line in block(study, status, fence):
+        if line == fence:
+            inside = not inside
+        lines.append(line if inside or line == fence else _md(line))
+    return lines
 
 
 def html_page(study: optuna.Study, storage: object = None) -> str:

@@ -247,3 +247,23 @@ def test_a_large_study_is_drawn_from_a_sample_read_from_the_database(
     assert sum(r.endswith("| 10 | 8 |") for r in rows) >= len(view.numbers) - 10  # light read
     page = study_report.html_page(study, storage)
     assert page.count("class=plot>") == len(PLOTS)
+
+
+def test_markdown_shows_html_and_backticks_from_the_study_as_text(tmp_path: Path) -> None:
+    """Many Markdown viewers render inline HTML; a value with backticks could close a fence."""
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    payload = "<img src=x onerror=alert(1)>"
+    study = optuna.create_study(study_name=payload, storage=url, direction="maximize")
+    study.set_metric_names([payload])
+
+    def objective(trial: optuna.Trial) -> float:
+        trial.set_user_attr("best_model", payload)
+        trial.suggest_categorical("lr" + payload, ["```\\n# injected"])
+        return 0.5
+
+    study.optimize(objective, n_trials=2)
+    text = study_report.markdown(study)
+    fences = re.findall(r"^`{3,}$", text, flags=re.M)
+    assert fences and all(len(f) >= 4 for f in fences)  # longer than the value's ```
+    outside = re.sub(r"^(`{4,})$.*?^\1$", "", text, flags=re.M | re.S)  # code shows no HTML
+    assert "<img" not in outside and "&lt;img src=x onerror=alert(1)&gt;" in outside

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import functools
 import json
 import logging
@@ -277,7 +278,9 @@ def _add_monitoring_commands(commands: argparse._SubParsersAction) -> None:
         help="fetch the best model from the artifact store into DIR (new or empty), every file "
         "checked against its sha256",
     )  # fmt: skip
-    dashboard.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost)")
+    dashboard.add_argument(
+        "--host", type=_host, default="127.0.0.1", help="bind address (default: localhost)"
+    )
     dashboard.add_argument("--port", type=_port_number, default=8080, help="port (default 8080)")
 
 
@@ -291,6 +294,19 @@ def _port_number(text: str) -> int:
     if not 1 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"{port} is outside 1-65535; e.g. 8080")
     return port
+
+
+def _host(text: str) -> str:
+    """argparse type for --host: an empty one (an unset variable) would listen on every
+    interface, which only 0.0.0.0 should mean; [::1], as the banner writes it, is ::1."""
+    host = text.strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host:
+        raise argparse.ArgumentTypeError(
+            "is empty; give 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)"
+        )
+    return host
 
 
 def _workers_per_gpu(text: str) -> int | str:
@@ -310,7 +326,6 @@ def _workers_per_gpu(text: str) -> int | str:
 def _serve(app: Callable, host: str, port: int, banner: str) -> None:
     """A WSGI app (optuna-dashboard's) on a server bound here, until Ctrl-C or SIGTERM: a port
     in use or a host that is not this machine's is one line, not a traceback from inside."""
-    import errno
     import signal
     import socket
     import threading
@@ -391,6 +406,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     return 0
+
+
+def _out(text: str, end: str = "\n") -> None:
+    """What a command answers, on standard output: `hpo status > /dev/full` (or a full disk
+    under a redirect) is one line, not a traceback."""
+    try:
+        print(text, end=end, flush=True)
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush
+        raise HPOError(f"cannot write the output to standard output ({e.strerror or e})") from e
 
 
 def _stopped(interrupt: KeyboardInterrupt) -> int:
@@ -790,7 +817,7 @@ def _monitor(args: argparse.Namespace) -> int:
         return 0
     if args.command == "studies":
         rows = report.studies(storage)
-        print(strict_json(rows, indent=2) if args.json else _studies_table(rows))
+        _out(strict_json(rows, indent=2) if args.json else _studies_table(rows))
         return 0
     try:
         study = optuna.load_study(study_name=args.study, storage=storage)
@@ -825,11 +852,11 @@ def _look_at(study: Any, storage: Any, args: argparse.Namespace) -> int:
                 several = isinstance(shown, list)
                 shown = {"pareto_front": shown} if several else shown
                 shown = {**shown, "retrain": retrained}
-            print(strict_json(shown, indent=2))
+            _out(strict_json(shown, indent=2))
         else:
-            print("\n".join(_best_text(trial) for trial in best))
+            _out("\n".join(_best_text(trial) for trial in best))
             if retrained is not None:
-                print(_retrain_text(retrained))
+                _out(_retrain_text(retrained))
         return 0
     if args.watch:
         return _watch(study, storage, args.json, args.interval)
@@ -838,7 +865,7 @@ def _look_at(study: Any, storage: Any, args: argparse.Namespace) -> int:
     if store is not None:
         summary["artifact_store"] = store
     lines = report.status_lines(summary) + ([_artifact_line(store)] if store else [])
-    print(strict_json(summary, indent=2) if args.json else "\n".join(lines))
+    _out(strict_json(summary, indent=2) if args.json else "\n".join(lines))
     return 0
 
 
@@ -950,7 +977,7 @@ def _watch(study: Any, storage: Any, as_json: bool, interval: float) -> int:
         text = strict_json(summary) if as_json else "\n".join(report.status_lines(summary))
         stamp = dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
         clear = "\x1b[H\x1b[2J" if terminal else ""
-        print(f"{clear}{text}" if as_json else f"{clear}[{stamp}] {text}", flush=True)
+        _out(f"{clear}{text}" if as_json else f"{clear}[{stamp}] {text}")
         ended_polls = ended_polls + 1 if report.ended(summary) else 0
         stalled_since = (stalled_since or time.monotonic()) if report.stalled(summary) else None
         # No live worker for longer than a worker takes between two trials: nothing will move.
@@ -993,7 +1020,7 @@ def _write_report(study: Any, storage: Any, form: str, given: str | None) -> int
     from hpo import study_report
 
     if given is None and form == "md":
-        print(study_report.markdown(study, storage), end="")
+        _out(study_report.markdown(study, storage), end="")
         return 0
     out = report_path(given, study.study_name, form)
     if out.exists() and not out.is_file():  # a device, a pipe: never replaced by a file

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -11,7 +14,7 @@ import optuna
 import pytest
 import torch
 
-from tests.conftest import run_hpo, tiny_config, write_config
+from tests.conftest import REPO, run_hpo, tiny_config, write_config
 
 # A password with unescaped `@` and `/`: SQLAlchemy would read `Zq9` as the password and
 # `Xk7/w@127.0.0.1` as the host, so a message naming the host printed the password's tail.
@@ -117,8 +120,9 @@ def test_dashboard_on_a_port_in_use_is_one_line(tmp_path: Path, study_db: str) -
         (["--port", "-1"], "argument --port: -1 is outside 1-65535"),
         (["--port", "http"], "argument --port: 'http' is not a port number"),
         (["--host", "no-such-host.invalid"], "--host must name this machine: 127.0.0.1"),
+        (["--host", " "], "argument --host: is empty; give 127.0.0.1"),  # not every interface
     ],
-    ids=["port too large", "negative port", "port not a number", "unknown host"],
+    ids=["port too large", "negative port", "port not a number", "unknown host", "empty host"],
 )
 def test_dashboard_with_a_bad_host_or_port_is_one_line(
     tmp_path: Path, study_db: str, args: list[str], expected: str
@@ -126,6 +130,13 @@ def test_dashboard_with_a_bad_host_or_port_is_one_line(
     result = run_hpo("dashboard", "--storage", study_db, *args, cwd=tmp_path, timeout=30)
     assert result.returncode == 2, result.stderr[-3000:]
     assert expected in result.stderr and "Traceback" not in result.stderr
+
+
+def test_dashboard_host_as_the_banner_writes_it() -> None:
+    from hpo.cli import build_parser
+
+    args = build_parser().parse_args(["dashboard", "--host", "[::1]"])
+    assert args.host == "::1"
 
 
 @pytest.fixture
@@ -184,3 +195,15 @@ def test_a_database_without_optunas_tables_is_one_line_for_monitoring(tmp_path: 
     assert result.returncode == 2, result.stderr[-3000:]
     assert "cannot open the study database" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_output_that_cannot_be_written_is_one_line(tmp_path: Path, study_db: str) -> None:
+    """`hpo studies > /dev/full`: a full disk under a redirect."""
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "hpo", "studies", "--storage", study_db],
+            cwd=tmp_path, stdout=full, stderr=subprocess.PIPE, text=True, timeout=60,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "cannot write the output to standard output (No space left on device)" in done.stderr

@@ -168,6 +168,16 @@ def _open_read_only(storage_url: StorageURL) -> optuna.storages.RDBStorage:
         database = Path(make_url(url).database or "").resolve()
         # SQLite's read-only URI mode: not a byte written, not even a journal beside the file.
         url = f"sqlite:///file:{urllib.parse.quote(str(database))}?mode=ro&uri=true"
+    probe = sqlalchemy.create_engine(url, **engine_kwargs(storage_url.backend))
+    try:
+        tables = sqlalchemy.inspect(probe).has_table("version_info")
+    finally:
+        probe.dispose()
+    if not tables:  # Optuna's own open would say "no such table: version_info"
+        raise StorageError(
+            f"{storage_url.masked} holds no Optuna tables: no study was ever created in it (or "
+            "it is another program's database); check --storage, or start a study with hpo run"
+        )
     rdb = optuna.storages.RDBStorage(
         url,
         engine_kwargs=engine_kwargs(storage_url.backend),

@@ -103,13 +103,22 @@ class BackgroundUploader:
             self._pending.pop(kind, None)
             self._changed.notify_all()
 
-    def abandon(self) -> None:
-        """Stop without uploading what is pending (a trial that will not be resumed); an
-        upload in flight finishes or dies with the process."""
+    def abandon(self, wait_s: float = 0.0) -> bool:
+        """Stop without uploading what is pending (a trial that will not be resumed). An
+        upload in flight is waited for, up to `wait_s`: the kept trial process lives on, and a
+        worker that ends next would cut it, leaving a half-written file no manifest names and no
+        cleanup finds. Whether none is in flight any more."""
+        deadline = time.monotonic() + wait_s
         with self._changed:
             self._pending.clear()
             self._closed = True
             self._changed.notify_all()
+            while self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(left)
+        return True
 
     def _run(self) -> None:
         while True:

@@ -71,14 +71,14 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
         result = train(job, data, reporter, metric, store, should_stop=should_stop,
                        on_progress=_progress_sender(trial))  # fmt: skip
     except OutOfMemoryAtBatchOne as e:
-        _give_up_uploads(uploader)
+        _give_up_uploads(uploader, task)
         replace_after_this_trial("out of memory at batch 1")
         reason = f"oom: {e}"
         trial.set_user_attr("prune_reason", reason)
         trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
         raise optuna.TrialPruned(reason) from e
     except Exception as e:
-        _give_up_uploads(uploader)
+        _give_up_uploads(uploader, task)
         trial.set_user_attr("fail_reason", f"{type(e).__name__}: {e}"[:1000])
         trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
         raise
@@ -121,10 +121,12 @@ def _start_uploader(
     return uploader
 
 
-def _give_up_uploads(uploader: BackgroundUploader | None) -> None:
-    """A trial that fails or is pruned is not retried: its state is not needed elsewhere."""
+def _give_up_uploads(uploader: BackgroundUploader | None, task: TrialTask) -> None:
+    """A trial that fails or is pruned is not retried: its state is not needed elsewhere; an
+    upload already in flight is let finish (the worker's cleanup then removes it whole)."""
     if uploader is not None:
-        uploader.abandon()
+        study = task.config.study
+        uploader.abandon(wait_s=min(study.artifact_patience, study.stop_timeout / 2))
 
 
 def _hand_over(
@@ -203,7 +205,7 @@ def _record_checkpoints(
     if has_model and store.save_tokenizer(load_tokenizer(task.config.model)):
         trial.set_user_attr("best_model", str(store.best_model_path))
     if uploader is not None and not _completes(result):
-        uploader.abandon()  # pruned: its model is never the best; the worker cleans up
+        _give_up_uploads(uploader, task)  # pruned: its model is never the best
         _record_uploads(trial, store, uploader, done=True)
     elif uploader is not None:
         if has_model:

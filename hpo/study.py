@@ -20,7 +20,7 @@ from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import TrialState
 
 from hpo import progress as live
-from hpo.checkpoints import checkpoint_root
+from hpo.checkpoints import checkpoint_root, folder_name
 from hpo.config import (
     Config,
     ParamSpec,
@@ -38,6 +38,7 @@ from hpo.stopping import HandBack, Interrupted, StopRequest, TakenOver
 from hpo.trials import StudyTrials
 from storage.artifacts import ArtifactStore
 from storage.engine import StudyStorage
+from trainer.files import STATE_FILE
 
 log = logging.getLogger(__name__)
 # How long a worker done with its trials lets its last cleanup of the artifact store go on.
@@ -303,7 +304,7 @@ def _trial_loop(
                      trials.study.study_name, trials.budget, queued)  # fmt: skip
             return ran
         try:
-            run_trial(trials, trial, objective)
+            run_trial(trials, trial, objective, checkpoints)
             ran += 1
         except Interrupted:
             trials.hand_back(trial)
@@ -376,14 +377,19 @@ def liveness(study_config: StudyConfig) -> tuple[float, float, int]:
     return study_config.heartbeat_interval, grace, study_config.max_retries
 
 
-def run_trial(trials: StudyTrials, trial: optuna.Trial, objective: Objective) -> None:
-    """Run one trial with heartbeats and record how it ended. Interrupted propagates."""
+def run_trial(
+    trials: StudyTrials, trial: optuna.Trial, objective: Objective, checkpoints: Path | None = None
+) -> None:
+    """Run one trial with heartbeats and record how it ended. Interrupted propagates. Once its
+    end is recorded, a trial that completed or was pruned needs its resume state (in its folder
+    under `checkpoints`) no more; until then, a retry after a crash would resume from it."""
     with trials.heartbeat(trial) as beat:
         try:
             value = objective(trial, beat.lost)
         except optuna.TrialPruned as e:
             log.info("trial %d pruned: %s", trial.number, e)
-            trials.tell(trial, TrialState.PRUNED)
+            if trials.tell(trial, TrialState.PRUNED):
+                _drop_state(checkpoints, trial)
             return
         except TakenOver:
             trials.tell(trial, TrialState.FAIL)  # one line: it was taken over
@@ -406,8 +412,17 @@ def run_trial(trials: StudyTrials, trial: optuna.Trial, objective: Objective) ->
             trials.tell(trial, TrialState.FAIL)
             return
     if trials.tell(trial, TrialState.COMPLETE, value):
+        _drop_state(checkpoints, trial)
         shown = _values_text(objective.task.config.study.objectives, value)
         log.info("trial %d finished: %s", trial.number, shown)
+
+
+def _drop_state(checkpoints: Path | None, trial: optuna.Trial) -> None:
+    """The resume state of a trial whose end is recorded (its stored copy: the worker's
+    cleanup of the artifact store)."""
+    if checkpoints is not None:
+        with contextlib.suppress(OSError):
+            (checkpoints / folder_name(trial) / STATE_FILE).unlink(missing_ok=True)
 
 
 def _said(directions: Sequence[str]) -> str:

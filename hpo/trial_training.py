@@ -193,12 +193,14 @@ def _record_checkpoints(
     task: TrialTask,
     uploader: BackgroundUploader | None,
 ) -> None:
-    """The run is over: its resume state goes; its best model stays, with the tokenizer, until
-    a better trial's does (see hpo.checkpoints). With a store, the best model goes there (its
-    URI recorded once it is there whole) and the state there goes."""
+    """The run is over: its best model stays, with the tokenizer, until a better trial's does
+    (see hpo.checkpoints). With a store, the best model goes there (its URI recorded once it is
+    there whole). Its resume state stays, here and in the store, until the worker has recorded
+    the trial's end (hpo.study.run_trial drops it then, and the worker's cleanup the stored
+    one): a worker killed in between leaves a trial that resumes from it, not from scratch."""
     if uploader is not None:
-        uploader.discard("state")  # before its file goes: a pending upload would wait for it
-    store.drop_state()
+        uploader.discard("state")  # a newer state pending: the one stored already will do
+    store.drop_old_versions()
     if result.resumed_at_step is not None:
         trial.set_user_attr("resumed_at_step", result.resumed_at_step)
     has_model = store.best_model_path.is_dir()
@@ -211,8 +213,10 @@ def _record_checkpoints(
         if has_model:
             uploader.submit("best-model", store.best_model_path)  # now with its tokenizer
         done = uploader.close(timeout_s=task.config.study.artifact_patience)
-        if done:
-            _drop_stored_state(trial, uploader, has_model)
+        if done and has_model:  # `hpo best` names it, and fetches it
+            target = uploader.target
+            uri = uploader.store.uri(target.study, target.folder, "best-model")
+            trial.set_user_attr("best_model_uri", uri)
         _record_uploads(trial, store, uploader, done)
     _record_checkpoint_cost(trial, store)
 
@@ -221,19 +225,6 @@ def _completes(result: TrainResult) -> bool:
     """Whether the trial ends COMPLETE (see _value): stopped by the pruner or diverged, it is
     pruned."""
     return result.status not in ("stopped", "diverged") and result.best is not None
-
-
-def _drop_stored_state(trial: TrialLike, uploader: BackgroundUploader, has_model: bool) -> None:
-    """Every upload is in: the best model's URI for `hpo best`; the state in the store goes (a
-    store that refuses now: the worker's cleanup removes it later)."""
-    target = uploader.target
-    if has_model:
-        trial.set_user_attr("best_model_uri", uploader.store.uri(target.study, target.folder,
-                                                                 "best-model"))  # fmt: skip
-    try:
-        uploader.store.remove(target.study, target.folder, ("state",))
-    except ArtifactStoreError as e:
-        log.warning("trial %d: its state stays in the store for now: %s", trial.number, e)
 
 
 def _record_checkpoint_cost(trial: TrialLike, store: CheckpointStore) -> None:

@@ -175,3 +175,58 @@ def test_an_unwritable_checkpoint_folder_is_recorded_and_the_trial_completes(
     assert trial.state == TrialState.COMPLETE
     assert trial.user_attrs["checkpoint_error"].startswith("no checkpoints for this trial")
     assert "Not a directory" in trial.user_attrs["checkpoint_error"]
+
+
+def test_a_worker_killed_between_a_trials_end_and_its_record_leaves_it_resumable(
+    tmp_path: Path, easy_data: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trial trained to its end, but its worker died before the study recorded that: its
+    resume state must still be there, so that the retry resumes rather than starts over (the
+    trial once dropped its state before handing its result to the worker)."""
+    from hpo.config import load_config
+    from hpo.objective import Objective
+    from hpo.stopping import StopRequest
+    from hpo.study import open_study, run_trials
+    from hpo.trials import StudyTrials
+    from storage import open_storage
+    from storage.retry import retry_trial
+    from storage.url import StorageURL
+    from trainer.data import prepare_data
+    from trainer.model import load_tokenizer
+
+    raw = tiny_config(
+        *easy_data,
+        study={"n_trials": 1, "pruner": {"type": "none"}, "trial_isolation": "none",
+               "checkpoint_interval": 0, "checkpoint_dir": str(tmp_path / "hpo-checkpoints")},
+    )  # fmt: skip
+    config = load_config(write_config(tmp_path / "c.yaml", raw))
+    url = StorageURL(f"sqlite:///{tmp_path / 'k.db'}", "test")
+    storage = open_storage(url, patience_s=30)
+    study = open_study(storage, "k", config)
+    data = prepare_data(config.data, load_tokenizer(config.model))
+    folder = tmp_path / "hpo-checkpoints" / study_folder_name("k") / "trial-0"
+
+    class WorkerKilled(BaseException):
+        pass
+
+    tell = StudyTrials.tell
+
+    def killed_before_the_record(self: StudyTrials, trial: optuna.Trial, *args: object) -> bool:
+        raise WorkerKilled
+
+    monkeypatch.setattr(StudyTrials, "tell", killed_before_the_record)
+    with pytest.raises(WorkerKilled):
+        run_trials(study, storage, Objective(config, data, url, StopRequest()), StopRequest())
+    assert (folder / "checkpoint.pt").is_file()  # kept until the trial's end is recorded
+    assert study.get_trials()[0].state == TrialState.RUNNING
+
+    monkeypatch.setattr(StudyTrials, "tell", tell)
+    # What the next worker's sweep does once the dead worker's heartbeats are past the grace
+    # period (its beats ended with this process's exception here, not with a kill).
+    storage.set_trial_state_values(study.get_trials()[0]._trial_id, TrialState.FAIL)
+    assert retry_trial(study, study.get_trials()[0], max_retries=2) == 1
+    run_trials(study, storage, Objective(config, data, url, StopRequest()), StopRequest())
+    killed, retry = study.get_trials()
+    assert killed.state == TrialState.FAIL and retry.state == TrialState.COMPLETE
+    assert retry.user_attrs["resumed_at_step"] > 0  # from the last evaluation's checkpoint
+    assert not (folder / "checkpoint.pt").exists()  # recorded now: the state goes

@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainer.files import BEST_MODEL_DIR, STATE_FILE
+
 log = logging.getLogger(__name__)
 
-STATE_FILE = "checkpoint.pt"
-BEST_MODEL_DIR = "best-model"
 # best-model is a symlink to the newest of these folders, so it can be swapped atomically.
 _VERSION = re.compile(rf"\.{BEST_MODEL_DIR}\.v([0-9]+)")
 
@@ -112,12 +112,20 @@ class CheckpointStore:
         return state
 
     def drop_state(self) -> None:
-        """The run finished: its resume state is no longer needed, nor the best model's
-        earlier versions (the best model stays)."""
+        """The run finished and its end is recorded: its resume state is no longer needed, nor
+        the best model's earlier versions (the best model stays)."""
         try:
             self.state_path.unlink(missing_ok=True)
-            _remove_versions(self.directory, keep=_current_version(self.directory))
         except OSError as e:  # e.g. the folder was never usable: nothing to drop
+            log.debug("cannot clean %s: %s", self.directory, e)
+        self.drop_old_versions()
+
+    def drop_old_versions(self) -> None:
+        """The run finished: the best model's earlier versions go. Its resume state stays until
+        its end is recorded (hpo drops it then: a crash before that resumes from it)."""
+        try:
+            _remove_versions(self.directory, keep=_current_version(self.directory))
+        except OSError as e:
             log.debug("cannot clean %s: %s", self.directory, e)
 
     def _saved(self, kind: str, path: Path, saved: bool) -> bool:

@@ -5,6 +5,7 @@ so that the CLI maps one tuple, `USER_ERRORS`. Every message says what is wrong 
 """
 
 from storage.errors import StorageError
+from storage.url import mask_text
 from trainer.errors import DataError, DeviceError, ModelError, TrainerError
 
 
@@ -18,6 +19,8 @@ class ConfigError(HPOError):
     SHOWN = 20  # a file of 5,000 bad keys gets 20 lines and a count, not 5,000 lines
 
     def __init__(self, problems: list[str], source: str = "config") -> None:
+        # A value shown back may hold a password: `storage: [postgresql://u:secret@h/db]`.
+        problems = [mask_text(p) for p in problems]
         self.problems = problems
         shown = [f"  - {p}" for p in problems[: self.SHOWN]]
         if len(problems) > self.SHOWN:

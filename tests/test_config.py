@@ -399,3 +399,17 @@ def test_an_unreadable_or_non_utf8_config_is_one_problem(
     with pytest.raises(ConfigError) as caught:
         load_config(latin)
     assert caught.value.problems == ["cannot read the file (Permission denied)"]
+
+
+def test_a_password_in_a_value_of_the_wrong_kind_is_never_shown(tmp_path: Path) -> None:
+    """`storage: [url]` or `storage: {url: ...}`: the error shows the value back, masked."""
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "study:\n  storage: ['postgresql://u:CfgSecret3@127.0.0.1/x']\n"
+        "  artifact_store: {url: 's3://AKIA:DictSecret@bucket/p'}\n",
+        encoding="utf-8",
+    )
+    with pytest.raises(ConfigError) as raised:
+        load_config(path)
+    assert "study.storage: got ['postgresql://u:***@127.0.0.1/x']" in str(raised.value)
+    assert "Secret" not in str(raised.value) and "Secret" not in repr(raised.value.problems)

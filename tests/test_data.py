@@ -339,6 +339,29 @@ def test_integral_floats_and_integer_strings_name_the_same_classes(
     np.testing.assert_array_equal(got.eval.labels, [1])
 
 
+def test_csv_labels_are_read_as_numbers_where_they_are_numbers(
+    tmp_path: Path, tokenizer: Any
+) -> None:
+    """A CSV holds only text: "1" and "1.0" are one class, as 1 and 1.0 are in JSONL, and "0"
+    beside "pos" is refused as mixed types (both once passed as extra classes)."""
+    rows = [{"text": t, "label": v} for t, v in (("a", "1"), ("b", "1.0"), ("c", "0"))]
+    path = write_csv(tmp_path / "floats.csv", rows)
+    got = prepare_data(DataConfig(train_file=str(path), eval_file=str(path)), tokenizer)
+    assert got.label_names == ["0", "1"]
+    np.testing.assert_array_equal(got.train.labels, [1, 1, 0])
+    mixed_rows = [{"text": "a", "label": "0"}, {"text": "b", "label": "pos"}]
+    mixed = write_csv(tmp_path / "mixed.csv", mixed_rows)
+    with pytest.raises(DataError, match=r"mixes label types: '0' \(row 1, integer\), 'pos'"):
+        prepare_data(DataConfig(train_file=str(mixed), eval_file=str(mixed)), tokenizer)
+
+
+def test_the_label_column_is_never_the_text(tmp_path: Path) -> None:
+    config = DataConfig(train_file="t.csv", eval_file="e.csv", text_column="label")
+    assert ("text_column", "label", "must differ from label_column") in config.problems()
+    config = DataConfig(train_file="t.csv", eval_file="e.csv", text_pair_column="label")
+    assert ("text_pair_column", "label", "must differ from label_column") in config.problems()
+
+
 def test_repeated_columns_in_a_csv_header_are_rejected(tmp_path: Path, tokenizer: Any) -> None:
     path = tmp_path / "dup.csv"
     path.write_text("text,label,text\ngood,pos,bad\nbad,neg,good\n", encoding="utf-8")

@@ -79,6 +79,9 @@ class DataConfig:
             found.append(
                 ("text_pair_column", self.text_pair_column, "must differ from text_column")
             )
+        for key in ("text_column", "text_pair_column"):  # the model would read the answer
+            if getattr(self, key) == self.label_column:
+                found.append((key, self.label_column, "must differ from label_column"))
         return found
 
 

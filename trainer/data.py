@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import decimal
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections import Counter
@@ -241,7 +243,7 @@ def label_vocabulary(raw_labels: list[Any], source: str, column: str = "label") 
     _check_no_missing(raw_labels, source)
     kinds = _label_kinds(raw_labels, source, column)
     if kinds == {"integer"}:
-        names = [str(value) for value in sorted({int(v) for v in raw_labels})]
+        names = [str(value) for value in sorted({int(_label_value(v)) for v in raw_labels})]
     else:
         names = sorted({label_name(v) for v in raw_labels})
     if len(names) < 2:
@@ -253,13 +255,27 @@ def label_vocabulary(raw_labels: list[Any], source: str, column: str = "label") 
 
 
 def label_name(value: Any) -> str:
-    """A label's class name: 7, 7.0 and "7" are all "7"."""
+    """A label's class name: 7, 7.0, "7" and "7.0" (a CSV holds only text) are all "7"."""
+    value = _label_value(value)
     if _label_kind(value) == "integer":
         return str(int(value))
     return str(value)
 
 
+_DECIMAL = re.compile(r"[+-]?[0-9]+(\.[0-9]+)?")
+
+
+def _label_value(value: Any) -> Any:
+    """A label written as a plain decimal number ("1", "1.0", " 2 ") is that number, as in
+    JSONL or Parquet; any other text is a class name."""
+    if isinstance(value, str) and _DECIMAL.fullmatch(value.strip()):
+        number = decimal.Decimal(value.strip())
+        return int(number) if number == number.to_integral_value() else float(number)
+    return value
+
+
 def _label_kind(value: Any) -> str:
+    value = _label_value(value)
     if isinstance(value, (bool, np.bool_)):
         return "boolean"
     if isinstance(value, (int, np.integer)):

@@ -677,7 +677,7 @@ def _check_inputs(
     set_optuna_verbosity(logging.getLogger().level)
     # The device first: `cuda` on a host without CUDA is reported before the data is prepared.
     resolve_device(config.training.device)
-    check_model_config(config.model)
+    check_model_config(config.model, config.data.max_length)
     data = prepare_data(config.data, load_tokenizer(config.model))
     log.info(
         "data: %d training and %d evaluation examples, labels %s",
@@ -1140,7 +1140,7 @@ def _batch_size(args: argparse.Namespace) -> int:
             raise ConfigError([f"--device: got {args.device!r}; {rules[0]}"], "command line")
     # The device first: `cuda` on a host without CUDA is reported before minutes of data prep.
     device = dev.resolve_device(config.training.device)
-    check_model_config(config.model)
+    check_model_config(config.model, config.data.max_length)
     data = prepare_data(config.data, load_tokenizer(config.model))
     job = TrainJob(config.data, config.model, config.training)
     search = find_physical_batch_size(job, data.label_names, device)

@@ -125,8 +125,10 @@ def test_unknown_architecture() -> None:
 
 
 @pytest.mark.parametrize(
-    "settings", [{"hidden_size": "abc"}, {"layer_norm_eps": "tiny"}, {"num_attention_heads": 3}]
-)
+    "settings",
+    [{"hidden_size": "abc"}, {"layer_norm_eps": "tiny"}, {"num_attention_heads": 3},
+     {"hidden_size": -64}],  # a negative size: torch's RuntimeError, once a traceback
+)  # fmt: skip
 def test_a_bad_inline_config_value_is_a_model_error_naming_the_inline_config(
     settings: dict[str, object],
 ) -> None:
@@ -134,3 +136,11 @@ def test_a_bad_inline_config_value_is_a_model_error_naming_the_inline_config(
     with pytest.raises(ModelError, match="inline model.config") as caught:
         check_model_config(config)
     assert "model hub" not in str(caught.value)
+
+
+def test_a_model_with_fewer_positions_than_max_length_is_refused_before_any_trial() -> None:
+    """Every trial of it failed on a tensor size mismatch, and the run exited 0."""
+    config = ModelConfig(config={**TINY_BERT, "max_position_embeddings": 16}, tokenizer="x")
+    with pytest.raises(ModelError, match=r"data.max_length is 48 but the model holds at most 16"):
+        check_model_config(config, max_length=48)
+    check_model_config(config, max_length=16)

@@ -55,10 +55,11 @@ def load_tokenizer(config: ModelConfig) -> Any:
         raise ModelError(_load_failure("tokenizer", location, e)) from e
 
 
-def check_model_config(config: ModelConfig) -> None:
-    """Fail fast, before any trial: the model's config must load (or build) cleanly. An inline
-    config is also built into a model on the meta device (no memory, no weights), which catches
-    settings that only clash at build time (a hidden size that the heads do not divide)."""
+def check_model_config(config: ModelConfig, max_length: int | None = None) -> None:
+    """Fail fast, before any trial: the model's config must load (or build) cleanly, and hold
+    `max_length` (data.max_length) positions. An inline config is also built into a model on
+    the meta device (no memory, no weights), which catches settings that only clash at build
+    time (a hidden size that the heads do not divide, a negative size)."""
     model_config = _model_config(config, num_labels=2)
     if config.config is not None:
         from transformers import AutoModelForSequenceClassification
@@ -68,8 +69,15 @@ def check_model_config(config: ModelConfig) -> None:
                 AutoModelForSequenceClassification.from_config(
                     model_config, attn_implementation=config.attn_implementation
                 )
-        except (ValueError, TypeError, ImportError) as e:
+        except (ValueError, TypeError, ImportError, RuntimeError) as e:
             raise ModelError(_inline_failure(config.config, e)) from e
+    positions = getattr(model_config, "max_position_embeddings", None)
+    if max_length is not None and isinstance(positions, int) and max_length > positions:
+        where = "model.config.max_position_embeddings" if config.config is not None else "model"
+        raise ModelError(
+            f"data.max_length is {max_length} but the model holds at most {positions} positions "
+            f"({where}); set data.max_length to at most {positions}"
+        )
 
 
 def build_model(

@@ -191,10 +191,12 @@ def test_a_database_without_optunas_tables_is_one_line_for_monitoring(tmp_path: 
     database = tmp_path / "other.db"
     with sqlite3.connect(database) as conn:
         conn.execute("CREATE TABLE unrelated (x INTEGER)")
+    before = database.read_bytes()
     result = run_hpo("studies", "--storage", f"sqlite:///{database}", cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
-    assert "cannot open the study database" in result.stderr
-    assert "Traceback" not in result.stderr
+    # Not "check the host, port and credentials": the connection worked.
+    assert "holds no Optuna tables: no study was ever created in it" in result.stderr
+    assert "Traceback" not in result.stderr and database.read_bytes() == before
 
 
 def test_output_that_cannot_be_written_is_one_line(tmp_path: Path, study_db: str) -> None:

@@ -191,18 +191,3 @@ def test_an_sqlite_file_deleted_under_a_worker_fails_at_once(tmp_path: Path) -> 
     with pytest.raises(StorageError, match="deleted, moved or made read-only"):
         trial.report(0.5, 1)
     assert time.monotonic() - started < 5
-
-
-def test_a_database_without_optuna_tables_is_named_as_such(tmp_path: Path) -> None:
-    """Not "check the host, port and credentials": the connection worked."""
-    import sqlite3
-
-    from storage.url import StorageURL
-
-    other = tmp_path / "other.db"
-    with sqlite3.connect(other) as connection:
-        connection.execute("CREATE TABLE notes (a)")
-    before = other.read_bytes()
-    with pytest.raises(StorageError, match="holds no Optuna tables: no study was ever created"):
-        open_storage(StorageURL(f"sqlite:///{other}", "test"), read_only=True)
-    assert other.read_bytes() == before  # looked at, not written

@@ -265,6 +265,11 @@ class StudyConfig:
         return self.objectives[0]
 
     @property
+    def grace_period_s(self) -> int:
+        """The grace period, its default resolved: 3x the heartbeat interval."""
+        return self.grace_period or 3 * self.heartbeat_interval
+
+    @property
     def resolved_directions(self) -> list[Direction]:
         if self.direction is None:
             return [OBJECTIVE_DIRECTIONS[name] for name in self.objectives]

@@ -168,7 +168,10 @@ def artifact_target(study_config: StudyConfig, trial: optuna.Trial) -> ArtifactT
 
 
 def _limits(study_config: StudyConfig) -> TrialLimits:
-    return TrialLimits(study_config.stop_timeout, study_config.trial_timeout)
+    # A trial process stopped as long as a dead worker's silence: given up the same way.
+    return TrialLimits(
+        study_config.stop_timeout, study_config.trial_timeout, study_config.grace_period_s
+    )
 
 
 def batch_cache_for(storage_url: StorageURL, patience_s: float) -> BatchSizeCache:

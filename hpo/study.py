@@ -373,8 +373,7 @@ def _pause(seconds: float, stop: StopRequest) -> None:
 
 def liveness(study_config: StudyConfig) -> tuple[float, float, int]:
     """Heartbeat interval, grace period and retries of the study's running trials."""
-    grace = study_config.grace_period or 3 * study_config.heartbeat_interval
-    return study_config.heartbeat_interval, grace, study_config.max_retries
+    return study_config.heartbeat_interval, study_config.grace_period_s, study_config.max_retries
 
 
 def run_trial(

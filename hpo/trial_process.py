@@ -20,7 +20,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerContext
@@ -207,10 +207,13 @@ class ChildTrial:
 class TrialLimits:
     """How long a trial process may take: to stop once asked, and to run at all (None: no
     limit). Past `trial_timeout_s` it is asked to checkpoint and stop; past that plus
-    `stop_timeout_s` (stuck where it cannot stop: a data load, a batch search) it is ended."""
+    `stop_timeout_s` (stuck where it cannot stop: a data load, a batch search) it is ended.
+    Stopped (SIGSTOP, a debugger) for `stopped_limit_s` while its worker runs, it is killed and
+    its trial handed back: the worker beats for it, so no other worker would take it over."""
 
     stop_timeout_s: float
     trial_timeout_s: float | None = None
+    stopped_limit_s: float | None = None
 
 
 class TrialProcess:
@@ -254,7 +257,7 @@ class TrialProcess:
         deadline = None
         if self.limits.trial_timeout_s is not None:
             deadline = time.monotonic() + self.limits.trial_timeout_s + self.limits.stop_timeout_s
-        watchers = _Watchers(deadline, taken_over)
+        watchers = _Watchers(deadline, taken_over, self.limits.stopped_limit_s)
         try:
             while True:
                 started = self.started
@@ -394,12 +397,31 @@ class _Watchers:
 
     deadline: float | None  # monotonic; past it the trial is ended as timed out
     taken_over: threading.Event | None
+    stopped_limit_s: float | None = None  # see TrialLimits
+    stopped_since: list[float] = field(default_factory=list)  # when it was first seen stopped
 
     def check(self) -> None:
         if self.taken_over is not None and self.taken_over.is_set():
             raise TakenOver()
         if self.deadline is not None and time.monotonic() > self.deadline:
             raise TrialTimedOut("the trial process did not stop at study.trial_timeout")
+
+    def check_stopped(self, watch: _ProcessWatch) -> None:
+        """A trial process stopped by someone else than its worker's pause: past the limit it is
+        killed (a stopped process cannot checkpoint) and its trial handed back, to resume from
+        its last checkpoint."""
+        if self.stopped_limit_s is None:
+            return
+        if not watch.stopped():
+            self.stopped_since.clear()
+            return
+        now = time.monotonic()
+        since = self.stopped_since[0] if self.stopped_since else now
+        self.stopped_since[:] = [since]
+        if now - since >= self.stopped_limit_s:
+            watch.kill()
+            raise HandBack(f"its trial process was stopped (SIGSTOP, a debugger) for "
+                           f"{now - since:.0f} s, past study.grace_period; killed")  # fmt: skip
 
 
 def _relay(
@@ -426,6 +448,8 @@ def _relay(
                      trial.number)  # fmt: skip
             watch.resume()
             paused = False
+        elif not paused:
+            watchers.check_stopped(watch)
         if not conn.poll(POLL_S):
             continue
         try:

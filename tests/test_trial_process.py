@@ -301,3 +301,30 @@ print(study.get_trials()[0].user_attrs["child_pid"])
     while not _gone(child):
         assert time.monotonic() < deadline, "the idle trial process outlived its worker"
         time.sleep(0.1)
+
+
+def test_a_trial_process_stopped_by_someone_else_is_given_up_after_the_grace_period(
+    tmp_path: Path, stub_config: Config
+) -> None:
+    """`kill -STOP` of the trial process (not its worker): the worker beats for the trial, so
+    no other worker would take it over; it stayed RUNNING for ever."""
+    from types import SimpleNamespace
+
+    from hpo.stopping import HandBack
+
+    study = _study(tmp_path)
+    pid_file = Path(stub_config.source).with_name("child.pid")
+
+    def stop_the_child() -> None:
+        while not pid_file.exists():
+            time.sleep(0.05)
+        os.kill(int(pid_file.read_text()), signal.SIGSTOP)
+
+    threading.Thread(target=stop_the_child, daemon=True).start()
+    limits = TrialLimits(5, stopped_limit_s=1)
+    started = time.monotonic()
+    with pytest.raises(HandBack, match=r"stopped \(SIGSTOP, a debugger\) for 1 s"):
+        run_in_child(study.ask(), trial_targets.sleep_forever, SimpleNamespace(config=stub_config),
+                     StopRequest(), limits)  # fmt: skip
+    assert time.monotonic() - started < 30
+    assert _gone(int(pid_file.read_text()))  # killed: a stopped process cannot checkpoint

@@ -35,7 +35,7 @@ from hpo.errors import ConfigError
 from hpo.objective import Objective, worker_id
 from hpo.pruners import MarginPruner
 from hpo.stopping import HandBack, Interrupted, StopRequest, TakenOver
-from hpo.trials import StudyTrials
+from hpo.trials import StudyTrials, counted_trials
 from storage.artifacts import ArtifactStore
 from storage.engine import StudyStorage
 from trainer.files import STATE_FILE
@@ -156,6 +156,7 @@ def open_study(storage: StudyStorage, name: str, config: Config) -> optuna.Study
         )
     with storage.lock(study_id):
         _check_study_settings(storage, study_id, name, config)
+        _say_budget_change(storage, study_id, name, config.study.n_trials)
         # The budget of the latest worker to join, for `hpo status --watch` to know the end.
         storage.set_study_user_attr(study_id, "n_trials", config.study.n_trials)
         # When a running trial's silence means its worker is gone, for `hpo status`.
@@ -196,6 +197,17 @@ def enqueue(study: optuna.Study, params: dict[str, Any]) -> bool:
     before = len(study.get_trials(deepcopy=False))
     study.enqueue_trial(params, skip_if_exists=True)
     return len(study.get_trials(deepcopy=False)) > before
+
+
+def _say_budget_change(storage: StudyStorage, study_id: int, name: str, budget: int | None) -> None:
+    """Each worker counts the study's trials against its own budget: one that joins with
+    another n_trials than the last one's (a rerun without --n-trials, say) grows or ends the
+    study at its own; said in one line, as it may not be what was meant."""
+    before = storage.get_study_user_attrs(study_id).get("n_trials")
+    if before is not None and before != budget:
+        shown = "no limit" if budget is None else f"{budget} trials"
+        log.warning("study %r had a budget of %s trials; this worker's is %s (--n-trials or "
+                    "study.n_trials), which now applies", name, before, shown)  # fmt: skip
 
 
 def _check_study_settings(storage: StudyStorage, study_id: int, name: str, config: Config) -> None:
@@ -300,8 +312,9 @@ def _trial_loop(
                 return ran
             waiting = len(trials.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
             queued = f"; {waiting} queued trials wait for a larger n_trials" if waiting else ""
-            log.info("study %r holds %d started trials, its budget%s; stopping",
-                     trials.study.study_name, trials.budget, queued)  # fmt: skip
+            held = counted_trials(trials.study.get_trials(deepcopy=False))
+            log.info("study %r holds %d started trials, this worker's budget being %d%s; "
+                     "stopping", trials.study.study_name, held, trials.budget, queued)  # fmt: skip
             return ran
         try:
             run_trial(trials, trial, objective, checkpoints)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import optuna
 
-from tests.conftest import run_study, tiny_config, write_config
+from tests.conftest import run_hpo, run_study, tiny_config, write_config
 
 RECORDED_ATTRS = {
     "physical_batch_size",
@@ -46,7 +46,13 @@ def run_small_study(
     # A second worker finds the study's budget spent and starts nothing.
     again = run_study(config, storage_url, tmp_path, study=study)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "holds 5 started trials, its budget; stopping" in again.stderr
+    assert "holds 5 started trials, this worker's budget being 5; stopping" in again.stderr
+    assert "had a budget of" not in again.stderr
+    # One with a smaller budget says so, and what it found (it once said "holds 3", its own).
+    args = ("run", "--study", study, "--config", str(config), "--storage", storage_url)
+    smaller = run_hpo(*args, "--n-trials", "3", cwd=tmp_path)
+    assert "had a budget of 5 trials; this worker's is 3 trials" in smaller.stderr
+    assert "holds 5 started trials, this worker's budget being 3; stopping" in smaller.stderr
     return optuna.load_study(study_name=study, storage=storage_url)
 
 

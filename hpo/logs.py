@@ -31,12 +31,13 @@ def setup_logging(level: int) -> None:
         force=True,
     )
     # torch's own INFO lines (FakeTensor cache statistics at exit, compile notes) are for
-    # torch's developers; --debug shows them.
-    # So are botocore's ("Found credentials in environment variables", before every S3 call's
-    # error): an artifact store's failure is one line of hpo's.
+    # torch's developers; --debug shows them, but never their DEBUG lines: a line per autograd
+    # op per step (1,845 lines for one tiny trial), or every HTTP exchange of botocore's.
+    # So are botocore's INFO lines ("Found credentials in environment variables", before every
+    # S3 call's error): an artifact store's failure is one line of hpo's.
     for library in ("torch", "botocore", "boto3", "s3transfer"):
         logging.getLogger(library).setLevel(
-            level if level <= logging.DEBUG else max(level, logging.WARNING)
+            logging.INFO if level <= logging.DEBUG else max(level, logging.WARNING)
         )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # "Some weights were newly initialized" is expected for every fine-tuning run, and a

@@ -128,3 +128,24 @@ def test_a_failing_trial_never_stops_the_worker(
     debug = run_hpo("run", "--study", "d", "--config", str(config), "--storage", url, "--debug",
                     cwd=tmp_path)  # fmt: skip
     assert debug.returncode == 0 and "Traceback" in debug.stderr
+
+
+def test_debug_shows_hpo_s_debug_lines_but_not_the_libraries_own() -> None:
+    """--debug once printed a line per autograd op per step: 1,845 lines for one tiny trial."""
+    import logging
+
+    from hpo.logs import setup_logging
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        setup_logging(logging.DEBUG)
+        assert logging.getLogger("hpo").getEffectiveLevel() == logging.DEBUG
+        for library in ("torch", "botocore"):
+            assert logging.getLogger(library).getEffectiveLevel() == logging.INFO
+        setup_logging(logging.INFO)
+        assert logging.getLogger("torch").getEffectiveLevel() == logging.WARNING
+    finally:
+        root.handlers, root.level = saved[0], saved[1]
+        for library in ("torch", "botocore", "boto3", "s3transfer"):
+            logging.getLogger(library).setLevel(logging.NOTSET)

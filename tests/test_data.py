@@ -362,6 +362,17 @@ def test_the_label_column_is_never_the_text(tmp_path: Path) -> None:
     assert ("text_pair_column", "label", "must differ from label_column") in config.problems()
 
 
+def test_a_csv_row_with_more_fields_than_the_header_is_named(
+    tmp_path: Path, tokenizer: Any
+) -> None:
+    """pandas made the first row's extra fields an index and shifted every row: row 2 was then
+    said to have no label."""
+    path = tmp_path / "extra.csv"
+    path.write_text("text,label\na,b,c,positive\nfoo,negative\nbar,positive\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"extra.csv: row 1 has 4 fields, the header 2; quote"):
+        prepare_data(DataConfig(train_file=str(path), eval_file=str(path)), tokenizer)
+
+
 def test_repeated_columns_in_a_csv_header_are_rejected(tmp_path: Path, tokenizer: Any) -> None:
     path = tmp_path / "dup.csv"
     path.write_text("text,label,text\ngood,pos,bad\nbad,neg,good\n", encoding="utf-8")

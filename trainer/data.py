@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,7 +132,24 @@ def _read_csv(path: Path) -> dict[str, list[Any]]:
     with path.open(newline="", encoding="utf-8-sig") as handle:
         header = next(csv.reader(handle), [])
     _check_unique_columns(header, path)
-    return _frame_columns(pd.read_csv(path, dtype=object, keep_default_na=False))
+    # index_col=False: a first row with more fields than the header would otherwise turn the
+    # first columns into an index and shift every row (a wrong row then blamed for it).
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pd.errors.ParserWarning)
+        try:
+            frame = pd.read_csv(path, dtype=object, keep_default_na=False, index_col=False)
+        except pd.errors.ParserWarning as e:
+            raise DataError(_longer_row(path, len(header))) from e
+    return _frame_columns(frame)
+
+
+def _longer_row(path: Path, fields: int) -> str:
+    with path.open(newline="", encoding="utf-8-sig") as handle:
+        for row, values in enumerate(csv.reader(handle)):
+            if row and len(values) > fields:
+                return (f"{path}: row {row} has {len(values)} fields, the header {fields}; quote "
+                        "a text that holds a comma")  # fmt: skip
+    return f"{path}: a row has more fields than the header ({fields}); quote texts with commas"
 
 
 def _read_parquet(path: Path) -> dict[str, list[Any]]:

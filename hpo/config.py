@@ -446,6 +446,9 @@ class Config:
 
 def load_config(path: str | Path) -> Config:
     """Read, type-check and validate a config file; raises ConfigError listing every problem."""
+    if not str(path).strip():  # Path("") is the working folder
+        raise ConfigError(["the config path is empty; pass --config with a YAML file such as "
+                           "configs/demo.yaml"])  # fmt: skip
     path = Path(path)
     if not path.is_file():
         what = (

@@ -58,7 +58,7 @@ def select_gpus(spec: str, visible: Sequence[str]) -> list[str]:
         problems.append(f"--gpus: got {spec!r}; use auto, none or a list of GPU ids like 0,1,3")
     if len(set(wanted)) != len(wanted):
         problems.append(f"--gpus: got {spec!r}; a GPU is listed twice")
-    missing = [gpu for gpu in wanted if gpu not in visible]
+    missing = list(dict.fromkeys(gpu for gpu in wanted if gpu not in visible))
     if missing:
         seen = ", ".join(visible) if visible else "none"
         problems.append(

@@ -145,9 +145,13 @@ def open_storage(
         OSError,
     ) as e:
         reason = _first_line(mask_text(str(_root_cause(e))))
+        fix = (
+            "check that its folder exists and can be written"
+            if storage_url.backend == "sqlite"
+            else "check the host, port, database name and credentials"
+        )
         raise StorageError(
-            f"cannot open the study database {storage_url.masked}: {reason}; "
-            "check the host, port, database name and credentials (or that the SQLite folder exists)"
+            f"cannot open the study database {storage_url.masked}: {reason}; {fix}"
         ) from e
 
 

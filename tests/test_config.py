@@ -147,6 +147,8 @@ def test_not_yaml_and_missing_file(tmp_path: Path) -> None:
         load_config(tmp_path / "absent.yaml")
     with pytest.raises(ConfigError, match="a folder, not a file; pass --config with a YAML file"):
         load_config(tmp_path)
+    with pytest.raises(ConfigError, match="the config path is empty; pass --config"):
+        load_config("")  # --config '': not the working folder
 
 
 def _problems(raw: Any, base_dir: Path = Path(".")) -> list[str]:

@@ -31,6 +31,8 @@ def test_gpu_lists_are_checked_against_the_visible_gpus() -> None:
         select_gpus("0,2", ["0", "1"])
     with pytest.raises(ConfigError, match="listed twice"):
         select_gpus("1,1", ["0", "1"])
+    with pytest.raises(ConfigError, match=r"GPU 0 is not visible on this host \(visible: none"):
+        select_gpus("0,0", [])  # named once
 
 
 def test_workers_get_the_users_arguments_without_gpus() -> None:

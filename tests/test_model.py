@@ -64,9 +64,19 @@ def test_inline_config_is_built_on_the_training_device() -> None:
     assert {p.device.type for p in on_cpu.parameters()} == {"cpu"}
 
 
-def test_missing_local_folder(tmp_path: Path) -> None:
+def test_a_local_model_that_is_no_model_folder_is_said_plainly(tmp_path: Path) -> None:
+    """Not transformers' words ("should have a model_type key", "not a valid JSON file")."""
+    with pytest.raises(ModelError, match="has no config.json; point model.name_or_path at"):
+        check_model_config(ModelConfig(name_or_path=str(tmp_path)))
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ModelError, match="is a file; set model.name_or_path to the folder"):
+        check_model_config(ModelConfig(name_or_path=str(tmp_path / "weights.bin")))
+    (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ModelError, match="check that the folder holds a transformers model"):
         check_model_config(ModelConfig(name_or_path=str(tmp_path)))
+    assert ("name_or_path", " ", "is empty; give the model's folder or name") in ModelConfig(
+        name_or_path=" "
+    ).problems()
 
 
 def test_hub_name_without_a_hub_is_one_clear_message() -> None:

@@ -110,6 +110,10 @@ class ModelConfig:
             found.append(
                 ("name_or_path", self.name_or_path, "give exactly one of name_or_path or config")
             )
+        elif self.name_or_path is not None and not self.name_or_path.strip():
+            found.append(
+                ("name_or_path", self.name_or_path, "is empty; give the model's folder or name")
+            )
         if self.config is not None:
             if "model_type" not in self.config:
                 found.append(("config", self.config, "needs a `model_type` key, e.g. bert"))

@@ -139,12 +139,24 @@ def _model_config(config: ModelConfig, num_labels: int) -> Any:
         return _inline_config(config.config, num_labels)
     location = _pretrained_location(config)
     path = resolve_location(location)
+    _check_model_folder(Path(path), location)
     try:
         return AutoConfig.from_pretrained(
             path, num_labels=num_labels, **_hub_options(path, "model config")
         )
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ModelError(_load_failure("model config", location, e)) from e
+
+
+def _check_model_folder(path: Path, location: str) -> None:
+    """A local model is a folder with a config.json; said plainly, not in transformers' words
+    ("not a valid JSON file" for a file, "should have a model_type key" for an empty folder)."""
+    if path.is_file():
+        raise ModelError(f"model {location!r} is a file; set model.name_or_path to the folder "
+                         "that holds the model's config.json")  # fmt: skip
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ModelError(f"model folder {location!r} has no config.json; point "
+                         "model.name_or_path at a folder written by save_pretrained")  # fmt: skip
 
 
 def _inline_config(settings: dict[str, Any], num_labels: int) -> Any:

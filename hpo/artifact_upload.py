@@ -57,6 +57,7 @@ class BackgroundUploader:
         self.backoff = backoff or Backoff()
         self.stats = UploadStats()
         self._pending: dict[str, Path] = {}
+        self._discarded: set[str] = set()  # kinds no longer wanted: a failed one is not retried
         self._busy = False
         self._failures = 0
         self._closed = False
@@ -67,6 +68,7 @@ class BackgroundUploader:
 
     def submit(self, kind: str, path: Path) -> None:
         with self._changed:
+            self._discarded.discard(kind)
             self._pending[kind] = path
             self._changed.notify_all()
 
@@ -98,9 +100,11 @@ class BackgroundUploader:
 
     def discard(self, kind: str) -> None:
         """Drop a pending upload of `kind` (the trial ended: its state is no longer needed); one
-        in flight that fails is not tried again once its file is gone."""
+        in flight that fails is not tried again (its file stays until the worker has recorded
+        the trial's end: it would be, for the whole artifact patience)."""
         with self._changed:
             self._pending.pop(kind, None)
+            self._discarded.add(kind)
             self._changed.notify_all()
 
     def abandon(self, wait_s: float = 0.0) -> bool:
@@ -109,6 +113,7 @@ class BackgroundUploader:
         worker that ends next would cut it, leaving a half-written file no manifest names and no
         cleanup finds. Whether none is in flight any more."""
         deadline = time.monotonic() + wait_s
+        self._ending = True
         with self._changed:
             self._pending.clear()
             self._closed = True
@@ -133,7 +138,8 @@ class BackgroundUploader:
             ok = self._publish(kind, path)
             with self._changed:
                 self._busy = False
-                if not ok and path.exists():  # gone: the trial dropped it, nothing to retry
+                # Discarded, or its file gone (the trial dropped it): nothing to retry.
+                if not ok and kind not in self._discarded and path.exists():
                     self._pending.setdefault(kind, path)  # unless a newer one came meanwhile
                     self._failures += 1
                     self._changed.notify_all()

@@ -112,8 +112,13 @@ def remove_unneeded_artifacts(
     study = study_folder_name(study_name)
     active = _active_folders(trials)
     models = active | _best_model_folders(trials, directions)
+    # The store is listed after `trials` was read: a folder of a trial started since is in no
+    # set above, and is left alone (it was once removed while its trial ran).
+    known = {folder_name(t) for t in trials}
     removed = []
     for folder, kinds in sorted(store.folders(study).items()):
+        if folder not in known:
+            continue
         unneeded = tuple(k for k in kinds if folder not in (active if k == "state" else models))
         if unneeded:
             store.remove(study, folder, unneeded)

@@ -60,6 +60,7 @@ class StudyTrials:
         self.beats = Heartbeats(storage.engine, self.study_id)
         self._last_sweep: float | None = None
         self._cleanup: threading.Thread | None = None  # of the artifact store
+        self._cleanup_due: ArtifactStore | None = None  # a cleanup skipped while one ran
 
     def next_trial(self, checkpoints: Path | None = None) -> optuna.Trial | None:
         """A new (or queued) trial for this worker, or None when the study holds its budget.
@@ -156,7 +157,9 @@ class StudyTrials:
         the study's lock, the next trial or a stop. One cleanup at a time: what one leaves, a
         later one finds."""
         if self._cleanup is not None and self._cleanup.is_alive():
+            self._cleanup_due = store  # finish_cleanup runs one more, on what it missed
             return
+        self._cleanup_due = None
         with self.storage.lock(self.study_id):
             trials = self.study.get_trials(deepcopy=False)
         self._cleanup = threading.Thread(
@@ -166,10 +169,17 @@ class StudyTrials:
         self._cleanup.start()
 
     def finish_cleanup(self, timeout_s: float) -> None:
-        """Give a cleanup still running up to `timeout_s` to end (a worker done with its trials).
-        One cut short leaves objects no manifest lists: never read, and removed by no one."""
+        """Give a cleanup still running up to `timeout_s` to end (a worker done with its trials),
+        then one more if one was skipped meanwhile: the last trials' stored states (a finished
+        trial's goes only here) would otherwise stay, with no later worker to remove them. One
+        cut short leaves objects no manifest lists: never read, and removed by no one."""
+        deadline = time.monotonic() + timeout_s
         if self._cleanup is not None:
             self._cleanup.join(timeout_s)
+        due = self._cleanup_due
+        if due is not None and self._cleanup is not None and not self._cleanup.is_alive():
+            self.remove_stale_artifacts(due)
+            self._cleanup.join(max(0.0, deadline - time.monotonic()))
 
     def _remove_artifacts(self, store: ArtifactStore, trials: list[FrozenTrial]) -> None:
         """Never raises: a store that fails now is cleaned after a later trial."""

@@ -574,6 +574,8 @@ def test_the_workers_remove_old_artifacts_under_the_rules_of_local_folders(tmp_p
     foreign = tmp_path / "store" / study / "trial-7" / "state.manifest.json.bak"
     foreign.parent.mkdir()
     foreign.write_text("not hpo's")
+    # A trial started after the cleanup read the trials: its first upload landed meanwhile.
+    store.publish(study, "trial-4", "state", tmp_path / "state.pt")
 
     removed = remove_unneeded_artifacts(store, "s", trials, [StudyDirection.MAXIMIZE])  # type: ignore[arg-type]
     assert removed == ["trial-0/state", "trial-1/state", "trial-1/best-model"]
@@ -581,6 +583,7 @@ def test_the_workers_remove_old_artifacts_under_the_rules_of_local_folders(tmp_p
         "trial-0": ["best-model"],
         "trial-2": ["state", "best-model"],
         "trial-3": ["state", "best-model"],
+        "trial-4": ["state"],  # not in the trials read: left alone
     }
     assert foreign.read_text() == "not hpo's"
 
@@ -692,3 +695,19 @@ def test_best_download_into_a_link_or_out_of_reach_leaves_nothing_beside_it(
     err = capsys.readouterr().err
     assert "a link to nothing" in err and "--download /proc/hpo-model: cannot write" in err
     assert not list(tmp_path.glob(".*download")) and "Traceback" not in err
+
+
+def test_a_discarded_upload_that_fails_in_flight_is_not_tried_again(
+    tmp_path: Path, target: ArtifactTarget
+) -> None:
+    """The trial ended while its state was uploading: the state file stays until the worker
+    records the end, but nobody needs it; the best model's upload is not held up by it."""
+    gate = Gate(FileBackend(tmp_path / "store"), failures=1)
+    uploader = BackgroundUploader(ArtifactStore(target.url, gate), target, Backoff(0.05, 0.1))  # type: ignore[arg-type]
+    (tmp_path / "checkpoint.pt").write_bytes(b"state")
+    uploader.submit("state", tmp_path / "checkpoint.pt")
+    assert gate.started.wait(5)
+    uploader.discard("state")
+    gate.release.set()
+    assert uploader.close(timeout_s=5)  # nothing left to do: the failed state is not retried
+    assert gate.published == [] and len(uploader.stats.errors) == 1

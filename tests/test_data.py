@@ -342,17 +342,18 @@ def test_integral_floats_and_integer_strings_name_the_same_classes(
 def test_csv_labels_are_read_as_numbers_where_they_are_numbers(
     tmp_path: Path, tokenizer: Any
 ) -> None:
-    """A CSV holds only text: "1" and "1.0" are one class, as 1 and 1.0 are in JSONL, and "0"
-    beside "pos" is refused as mixed types (both once passed as extra classes)."""
-    rows = [{"text": t, "label": v} for t, v in (("a", "1"), ("b", "1.0"), ("c", "0"))]
-    path = write_csv(tmp_path / "floats.csv", rows)
+    """A CSV holds only text: "1" and "1.0" are one class, as 1 and 1.0 are in JSONL (they once
+    were two), ranked as numbers; a column with any other label keeps them all as names."""
+    labels = ["1", "1.0", "0", "10", "2"]
+    rows = [{"text": f"t{i}", "label": v} for i, v in enumerate(labels)]
+    path = write_csv(tmp_path / "numbers.csv", rows)
     got = prepare_data(DataConfig(train_file=str(path), eval_file=str(path)), tokenizer)
-    assert got.label_names == ["0", "1"]
-    np.testing.assert_array_equal(got.train.labels, [1, 1, 0])
-    mixed_rows = [{"text": "a", "label": "0"}, {"text": "b", "label": "pos"}]
-    mixed = write_csv(tmp_path / "mixed.csv", mixed_rows)
-    with pytest.raises(DataError, match=r"mixes label types: '0' \(row 1, integer\), 'pos'"):
-        prepare_data(DataConfig(train_file=str(mixed), eval_file=str(mixed)), tokenizer)
+    assert got.label_names == ["0", "1", "2", "10"]
+    np.testing.assert_array_equal(got.train.labels, [1, 1, 0, 3, 2])
+    code_rows = [{"text": t, "label": v} for t, v in (("a", "1"), ("b", "other"), ("c", "1.5"))]
+    codes = write_csv(tmp_path / "codes.csv", code_rows)
+    got = prepare_data(DataConfig(train_file=str(codes), eval_file=str(codes)), tokenizer)
+    assert got.label_names == ["1", "1.5", "other"]  # class names, as before
 
 
 def test_the_label_column_is_never_the_text(tmp_path: Path) -> None:

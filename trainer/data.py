@@ -259,9 +259,10 @@ def label_vocabulary(raw_labels: list[Any], source: str, column: str = "label") 
     labels {0, 200000000} are two classes, not 200000001. Labels of mixed types (1 and "pos",
     1 and True) or fractional numbers are refused, not turned into extra classes."""
     _check_no_missing(raw_labels, source)
+    raw_labels = whole_number_labels(raw_labels)
     kinds = _label_kinds(raw_labels, source, column)
     if kinds == {"integer"}:
-        names = [str(value) for value in sorted({int(_label_value(v)) for v in raw_labels})]
+        names = [str(value) for value in sorted({int(v) for v in raw_labels})]
     else:
         names = sorted({label_name(v) for v in raw_labels})
     if len(names) < 2:
@@ -273,27 +274,27 @@ def label_vocabulary(raw_labels: list[Any], source: str, column: str = "label") 
 
 
 def label_name(value: Any) -> str:
-    """A label's class name: 7, 7.0, "7" and "7.0" (a CSV holds only text) are all "7"."""
-    value = _label_value(value)
+    """A label's class name: 7, 7.0 and "7" are all "7"."""
     if _label_kind(value) == "integer":
         return str(int(value))
     return str(value)
 
 
-_DECIMAL = re.compile(r"[+-]?[0-9]+(\.[0-9]+)?")
+_WHOLE_NUMBER = re.compile(r"[+-]?[0-9]+(\.0+)?")
 
 
-def _label_value(value: Any) -> Any:
-    """A label written as a plain decimal number ("1", "1.0", " 2 ") is that number, as in
-    JSONL or Parquet; any other text is a class name."""
-    if isinstance(value, str) and _DECIMAL.fullmatch(value.strip()):
-        number = decimal.Decimal(value.strip())
-        return int(number) if number == number.to_integral_value() else float(number)
-    return value
+def whole_number_labels(raw_labels: list[Any]) -> list[Any]:
+    """A column whose every label is text written as a whole number ("1", "1.0": a CSV holds
+    only text) holds those numbers, as a JSONL or Parquet column of them would: "1" and "1.0"
+    are one class, ranked as numbers. Any other column is left as it is (codes such as "1",
+    "2" and "other", or "1.5", stay class names)."""
+    texts = [v.strip() for v in raw_labels if isinstance(v, str)]
+    if len(texts) != len(raw_labels) or not all(_WHOLE_NUMBER.fullmatch(t) for t in texts):
+        return raw_labels
+    return [int(decimal.Decimal(t)) for t in texts]
 
 
 def _label_kind(value: Any) -> str:
-    value = _label_value(value)
     if isinstance(value, (bool, np.bool_)):
         return "boolean"
     if isinstance(value, (int, np.integer)):
@@ -326,7 +327,7 @@ def _label_kinds(raw_labels: list[Any], source: str, column: str) -> set[str]:
 def encode_labels(raw_labels: list[Any], label_names: list[str], source: str) -> np.ndarray:
     _check_no_missing(raw_labels, source)
     index = {name: i for i, name in enumerate(label_names)}
-    names = [label_name(v) for v in raw_labels]
+    names = [label_name(v) for v in whole_number_labels(raw_labels)]
     unknown = sorted(set(names) - set(index))
     if unknown:
         raise DataError(

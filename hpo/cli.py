@@ -416,7 +416,9 @@ def _out(text: str, end: str = "\n") -> None:
     except BrokenPipeError:
         raise
     except OSError as e:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # nothing left to flush at exit
+        os.close(devnull)
         raise HPOError(f"cannot write the output to standard output ({e.strerror or e})") from e
 
 
@@ -946,8 +948,10 @@ def _download_best(study: Any, best: list[dict], args: argparse.Namespace) -> in
     except OSError as e:  # taken meanwhile, or out of reach: nothing is left beside it
         shutil.rmtree(aside, ignore_errors=True)
         raise HPOError(f"--download {out}: cannot write there ({e.strerror or e})") from e
-    print(f"hpo: best model of trial #{number} ({manifest.size / 1e6:.1f} MB, "
-          f"sha256 checked) in {out}")  # fmt: skip
+    _out(
+        f"hpo: best model of trial #{number} ({manifest.size / 1e6:.1f} MB, sha256 checked) "
+        f"in {out}"
+    )
     return 0
 
 
@@ -1041,7 +1045,7 @@ def _write_report(study: Any, storage: Any, form: str, given: str | None) -> int
     except OSError as e:
         Path(aside).unlink(missing_ok=True)
         raise HPOError(f"--out {out}: cannot write it ({e.strerror or e})") from e
-    print(f"hpo: report of study {study.study_name!r} written to {out}")
+    _out(f"hpo: report of study {study.study_name!r} written to {out}")
     return 0
 
 

@@ -203,11 +203,16 @@ def _say_budget_change(storage: StudyStorage, study_id: int, name: str, budget: 
     """Each worker counts the study's trials against its own budget: one that joins with
     another n_trials than the last one's (a rerun without --n-trials, say) grows or ends the
     study at its own; said in one line, as it may not be what was meant."""
-    before = storage.get_study_user_attrs(study_id).get("n_trials")
-    if before is not None and before != budget:
-        shown = "no limit" if budget is None else f"{budget} trials"
-        log.warning("study %r had a budget of %s trials; this worker's is %s (--n-trials or "
-                    "study.n_trials), which now applies", name, before, shown)  # fmt: skip
+    attrs = storage.get_study_user_attrs(study_id)
+    if "n_trials" not in attrs or attrs["n_trials"] == budget:  # a new study, or the same
+        return
+    log.warning("study %r had a budget of %s; this worker's is %s (--n-trials or "
+                "study.n_trials), which now applies", name, _budget_text(attrs["n_trials"]),
+                _budget_text(budget))  # fmt: skip
+
+
+def _budget_text(budget: int | None) -> str:
+    return "no limit" if budget is None else f"{budget} trials"
 
 
 def _check_study_settings(storage: StudyStorage, study_id: int, name: str, config: Config) -> None:

@@ -37,6 +37,9 @@ from hpo.stopping import HandBack, Interrupted, StopRequest, TakenOver, TrialTim
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2
+# After its PAUSED message, a trial process stops itself at once: past this, one that runs was
+# continued by someone else.
+PAUSE_SETTLE_S = 5.0
 # How often a trial process looks at its worker: gone (it stops), or stopped by SIGSTOP (it
 # pauses too, so that it writes no checkpoint into a folder that a retry may take over).
 WORKER_WATCH_S = 0.5
@@ -398,7 +401,7 @@ class _Watchers:
     deadline: float | None  # monotonic; past it the trial is ended as timed out
     taken_over: threading.Event | None
     stopped_limit_s: float | None = None  # see TrialLimits
-    stopped_since: list[float] = field(default_factory=list)  # when it was first seen stopped
+    stopped_since: list[float] = field(default_factory=list)  # first and last seen stopped
 
     def check(self) -> None:
         if self.taken_over is not None and self.taken_over.is_set():
@@ -416,8 +419,10 @@ class _Watchers:
             self.stopped_since.clear()
             return
         now = time.monotonic()
-        since = self.stopped_since[0] if self.stopped_since else now
-        self.stopped_since[:] = [since]
+        since, last = self.stopped_since if self.stopped_since else (now, now)
+        if now - last > 10 * POLL_S:  # not looked at meanwhile (this worker slept): count anew
+            since = now
+        self.stopped_since[:] = [since, now]
         if now - since >= self.stopped_limit_s:
             watch.kill()
             raise HandBack(f"its trial process was stopped (SIGSTOP, a debugger) for "
@@ -435,6 +440,7 @@ def _relay(
     """Pass the child's calls on to the trial until it sends ("outcome", outcome, staying);
     None if it died first."""
     paused = False  # the child stopped itself while this worker was stopped
+    paused_at = 0.0
     taken = False  # the child took the job: its death from now on is this trial's
     pending: tuple[Any, ...] | None = None  # a request not answerable yet (a lock in use)
     while True:
@@ -448,9 +454,11 @@ def _relay(
                      trial.number)  # fmt: skip
             watch.resume()
             paused = False
-        elif not paused:
-            watchers.check_stopped(watch)
+        elif paused and time.monotonic() - paused_at > PAUSE_SETTLE_S:
+            paused = False  # continued by someone else meanwhile: it runs, watch it again
         if not conn.poll(POLL_S):
+            if not paused:  # nothing unread: a PAUSED it sent would have been read by now
+                watchers.check_stopped(watch)
             continue
         try:
             message = conn.recv()
@@ -461,7 +469,7 @@ def _relay(
                 raise _JobNotTaken() from None
             return None
         if message[0] == PAUSED:
-            paused = True
+            paused, paused_at = True, time.monotonic()
             continue
         if message[0] == TAKEN:
             taken = True

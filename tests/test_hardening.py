@@ -291,7 +291,7 @@ def test_a_trial_past_its_timeout_is_pruned_with_that_reason_and_the_worker_goes
         *easy_data,
         # Long enough that a trial reaches its first evaluation on a loaded CI machine (the
         # trial process imports torch and builds the model inside the timeout).
-        study={"n_trials": 2, "pruner": {"type": "none"}, "trial_timeout": 15},
+        study={"n_trials": 2, "pruner": {"type": "none"}, "trial_timeout": 20},
         training={"epochs": 500, "evals_per_epoch": 4},
     )
     config = write_config(tmp_path / "c.yaml", raw)

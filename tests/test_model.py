@@ -154,3 +154,14 @@ def test_a_model_with_fewer_positions_than_max_length_is_refused_before_any_tria
     with pytest.raises(ModelError, match=r"data.max_length is 48 but the model holds at most 16"):
         check_model_config(config, max_length=48)
     check_model_config(config, max_length=16)
+    roberta = {"model_type": "roberta", "max_position_embeddings": 514, "pad_token_id": 1,
+               "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+               "intermediate_size": 128}  # fmt: skip
+    check_model_config(ModelConfig(config=roberta, tokenizer="x"), max_length=512)
+    with pytest.raises(ModelError, match="at most 512 positions"):  # numbered from pad + 1
+        check_model_config(ModelConfig(config=roberta, tokenizer="x"), max_length=514)
+    deberta = {"model_type": "deberta-v2", "max_position_embeddings": 512, "hidden_size": 64,
+               "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 128,
+               "position_biased_input": False, "relative_attention": True}  # fmt: skip
+    relative = ModelConfig(config=deberta, tokenizer="x", attn_implementation="eager")
+    check_model_config(relative, max_length=1024)  # relative positions: no such limit

@@ -71,8 +71,8 @@ def check_model_config(config: ModelConfig, max_length: int | None = None) -> No
                 )
         except (ValueError, TypeError, ImportError, RuntimeError) as e:
             raise ModelError(_inline_failure(config.config, e)) from e
-    positions = getattr(model_config, "max_position_embeddings", None)
-    if max_length is not None and isinstance(positions, int) and max_length > positions:
+    positions = _absolute_positions(model_config)
+    if max_length is not None and positions is not None and max_length > positions:
         where = "model.config.max_position_embeddings" if config.config is not None else "model"
         raise ModelError(
             f"data.max_length is {max_length} but the model holds at most {positions} positions "
@@ -146,6 +146,23 @@ def _model_config(config: ModelConfig, num_labels: int) -> Any:
         )
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ModelError(_load_failure("model config", location, e)) from e
+
+
+# Models that number positions from pad_token_id + 1: RoBERTa's 514 embeddings hold 512 tokens.
+_PADDING_OFFSET_MODELS = {"roberta", "xlm-roberta", "xlm-roberta-xl", "roberta-prelayernorm",
+                          "camembert", "longformer", "data2vec-text", "ibert", "mpnet"}  # fmt: skip
+
+
+def _absolute_positions(model_config: Any) -> int | None:
+    """How many tokens the model's absolute position embeddings hold; None where it has none
+    (DeBERTa-v2/v3's relative positions) or says nothing of them."""
+    positions = getattr(model_config, "max_position_embeddings", None)
+    if not isinstance(positions, int) or not getattr(model_config, "position_biased_input", True):
+        return None
+    if getattr(model_config, "model_type", None) in _PADDING_OFFSET_MODELS:
+        pad = getattr(model_config, "pad_token_id", None)
+        positions -= (pad if isinstance(pad, int) else 1) + 1
+    return positions
 
 
 def _check_model_folder(path: Path, location: str) -> None:

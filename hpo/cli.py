@@ -720,7 +720,6 @@ def _auto_workers_per_gpu(config: Config, config_path: Path, gpus: list[str]) ->
 
 
 def _enqueue(args: argparse.Namespace) -> int:
-
     import optuna
 
     from hpo.config import ParamSpec, check_params, space_record
@@ -794,7 +793,6 @@ def _json_params(text: str) -> dict[str, Any]:
 
 
 def _monitor(args: argparse.Namespace) -> int:
-
     import optuna
 
     from hpo import report
@@ -836,7 +834,6 @@ def _monitor(args: argparse.Namespace) -> int:
 
 def _look_at(study: Any, storage: Any, args: argparse.Namespace) -> int:
     """`hpo report`, `best` and `status` of a study that exists."""
-
     from hpo import report, retrain
 
     if args.command == "report":
@@ -932,22 +929,19 @@ def _download_best(study: Any, best: list[dict], args: argparse.Namespace) -> in
     number = best[0]["number"]
     try:
         manifest = store.fetch(study_folder_name(study.study_name), folder, "best-model", aside)
+        if manifest is not None:
+            if out.is_dir():
+                out.rmdir()
+            aside.rename(out)
     except ArtifactStoreError as e:
         raise HPOError(f"best model of trial #{number} not downloaded: {e}") from e
-    except OSError as e:  # named by the folder asked for, not the one written beside it
-        shutil.rmtree(aside, ignore_errors=True)
+    except OSError as e:  # out of reach, or taken meanwhile: named by the folder asked for,
+        shutil.rmtree(aside, ignore_errors=True)  # and nothing is left beside it
         raise HPOError(f"--download {out}: cannot write there ({e.strerror or e})") from e
     if manifest is None:
         error = best[0]["user_attrs"].get("checkpoint_error")
         why = f" ({error})" if error else ""
         raise HPOError(f"trial #{number} has no best model in {store.url}{why}")
-    try:
-        if out.is_dir():
-            out.rmdir()
-        aside.rename(out)
-    except OSError as e:  # taken meanwhile, or out of reach: nothing is left beside it
-        shutil.rmtree(aside, ignore_errors=True)
-        raise HPOError(f"--download {out}: cannot write there ({e.strerror or e})") from e
     _out(
         f"hpo: best model of trial #{number} ({manifest.size / 1e6:.1f} MB, sha256 checked) "
         f"in {out}"
@@ -1129,7 +1123,6 @@ def _best_text(best: dict) -> str:
 
 
 def _batch_size(args: argparse.Namespace) -> int:
-
     from trainer import device as dev
     from trainer.batch_finder import batch_key, find_physical_batch_size
     from trainer.config import TrainJob

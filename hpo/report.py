@@ -236,12 +236,16 @@ def status_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def finite_number(value: object) -> bool:
+    """A finite int or float (not a bool, not text): a figure hpo recorded, not a plain Optuna
+    study's attribute of the same name and of its own kind."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return number and math.isfinite(value)  # type: ignore[arg-type]
+
+
 def _positive(value: object) -> float | None:
-    """A number hpo recorded in the study's attributes; None for anything else (a plain Optuna
-    study may hold an attribute of the same name, of its own kind)."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return None
-    return float(value) if 0 < value < math.inf else None
+    """A positive number hpo recorded in the study's attributes; None for anything else."""
+    return float(value) if finite_number(value) and value > 0 else None  # type: ignore[arg-type,operator]
 
 
 def _budget(value: object) -> int | None:

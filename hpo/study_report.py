@@ -329,13 +329,7 @@ def _trial_table(
 
 
 def _gib(value: Any) -> float:
-    return value / 2**30 if _finite(value) else math.nan
-
-
-def _finite(value: Any) -> bool:
-    """A finite number (not a bool, not text)."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return number and math.isfinite(value)
+    return value / 2**30 if report.finite_number(value) else math.nan
 
 
 def _number(value: Any) -> str:
@@ -466,8 +460,8 @@ def _throughput(study: optuna.Study) -> Any:
     trials = [
         t
         for t in _trials(study, TrialState.COMPLETE, TrialState.PRUNED)
-        if _finite(t.user_attrs.get("physical_batch_size"))
-        and _finite(t.user_attrs.get("samples_per_s"))
+        if report.finite_number(t.user_attrs.get("physical_batch_size"))
+        and report.finite_number(t.user_attrs.get("samples_per_s"))
     ]  # fmt: skip  (hpo's figures; a plain Optuna study's attributes of these names may be text)
     if not trials:
         raise ValueError("no trial has recorded its throughput yet")

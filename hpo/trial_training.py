@@ -125,8 +125,14 @@ def _give_up_uploads(uploader: BackgroundUploader | None, task: TrialTask) -> No
     """A trial that fails or is pruned is not retried: its state is not needed elsewhere; an
     upload already in flight is let finish (the worker's cleanup then removes it whole)."""
     if uploader is not None:
-        study = task.config.study
-        uploader.abandon(wait_s=min(study.artifact_patience, study.stop_timeout / 2))
+        uploader.abandon(wait_s=_last_upload_wait_s(task))
+
+
+def _last_upload_wait_s(task: TrialTask) -> float:
+    """How long a trial that ends early waits for an upload: within half of study.stop_timeout
+    (after it the worker kills the process), and no longer than the store's patience."""
+    study = task.config.study
+    return min(study.artifact_patience, study.stop_timeout / 2)
 
 
 def _hand_over(
@@ -135,8 +141,7 @@ def _hand_over(
     """A stopped trial's last checkpoint goes to the store before the process ends (within
     half of study.stop_timeout: after it the worker kills the process), for the retry."""
     if uploader is not None:
-        study = task.config.study
-        done = uploader.close(timeout_s=min(study.artifact_patience, study.stop_timeout / 2))
+        done = uploader.close(timeout_s=_last_upload_wait_s(task))
         _record_uploads(trial, store, uploader, done)
     _record_checkpoint_cost(trial, store)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import sqlalchemy
@@ -29,29 +29,31 @@ _CONNECTION_ERRORS = (
 )
 
 
-def is_transient(error: BaseException) -> bool:
-    """A lost or refused connection, possibly wrapped by Optuna in StorageInternalError."""
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    """`error` and what caused it, in turn (each once: a chain may loop)."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, _CONNECTION_ERRORS):
-            return True
-        if isinstance(current, sqlalchemy.exc.DBAPIError) and current.connection_invalidated:
-            return True
+        yield current
         current = current.__cause__ or current.__context__
-    return False
+
+
+def is_transient(error: BaseException) -> bool:
+    """A lost or refused connection, possibly wrapped by Optuna in StorageInternalError."""
+    return any(
+        isinstance(e, _CONNECTION_ERRORS)
+        or (isinstance(e, sqlalchemy.exc.DBAPIError) and e.connection_invalidated)
+        for e in _chain(error)
+    )
 
 
 def is_gone(error: BaseException) -> bool:
     """An SQLite file deleted, moved or made read-only under the worker: SQLite says
     "attempt to write a readonly database". It will not come back by waiting."""
-    root: BaseException | None = error
-    while root is not None:
-        if "readonly database" in str(root) and "sqlite" in type(root).__module__:
-            return True
-        root = root.__cause__ or root.__context__
-    return False
+    return any(
+        "readonly database" in str(e) and "sqlite" in type(e).__module__ for e in _chain(error)
+    )
 
 
 def retrying(call: Callable[[], T], what: str, patience_s: float) -> T:

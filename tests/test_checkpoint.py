@@ -276,7 +276,7 @@ def test_best_model_is_never_missing_while_it_is_replaced(
     _assert_same_weights(model.state_dict(), loaded.state_dict())
     versions = [p for p in store.directory.iterdir() if p.name.startswith(".best-model.v")]
     assert len(versions) == 2  # the current one and the one before, for readers in flight
-    store.drop_state()  # the trial ended: one copy of the best model is enough
+    store.drop_old_versions()  # the trial ended: one copy of the best model is enough
     versions = [p for p in store.directory.iterdir() if p.name.startswith(".best-model.v")]
     assert len(versions) == 1 and (store.best_model_path / "config.json").is_file()
 

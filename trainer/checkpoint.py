@@ -111,21 +111,12 @@ class CheckpointStore:
             return None
         return state
 
-    def drop_state(self) -> None:
-        """The run finished and its end is recorded: its resume state is no longer needed, nor
-        the best model's earlier versions (the best model stays)."""
-        try:
-            self.state_path.unlink(missing_ok=True)
-        except OSError as e:  # e.g. the folder was never usable: nothing to drop
-            log.debug("cannot clean %s: %s", self.directory, e)
-        self.drop_old_versions()
-
     def drop_old_versions(self) -> None:
         """The run finished: the best model's earlier versions go. Its resume state stays until
         its end is recorded (hpo drops it then: a crash before that resumes from it)."""
         try:
             _remove_versions(self.directory, keep=_current_version(self.directory))
-        except OSError as e:
+        except OSError as e:  # e.g. the folder was never usable: nothing to drop
             log.debug("cannot clean %s: %s", self.directory, e)
 
     def _saved(self, kind: str, path: Path, saved: bool) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import subprocess
@@ -287,3 +288,19 @@ def postgres_url() -> Iterator[str]:
         missing(f"PostgreSQL at {PG_ADMIN_URL} unreachable: {problem}")
     with scratch_database(PG_ADMIN_URL, "hpo_test") as url:
         yield url
+
+
+@pytest.fixture
+def hpo_main() -> Iterator[Callable[[list[str]], int]]:
+    """hpo's `main()` in this process, for a fast test of a command. The log handler it installs
+    writes to this test's captured stderr: it goes with the test, or a later test's log line
+    would meet a closed stream ("--- Logging error ---" in that test's output)."""
+    from hpo.cli import main
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield main
+    for handler in root.handlers[:]:
+        if handler not in handlers:
+            root.removeHandler(handler)
+    root.setLevel(level)

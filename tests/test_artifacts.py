@@ -10,7 +10,7 @@ import json
 import signal
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -667,10 +667,9 @@ def test_a_disk_full_mid_copy_leaves_no_file_on_the_shared_mount(tmp_path: Path)
 
 
 def test_best_download_into_a_link_or_out_of_reach_leaves_nothing_beside_it(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], hpo_main: Callable[[list[str]], int]
 ) -> None:
-    from hpo.cli import main
-
+    main = hpo_main
     (tmp_path / "store").mkdir()
     store_url = f"file://{tmp_path / 'store'}"
     url = f"sqlite:///{tmp_path / 'hpo.db'}"

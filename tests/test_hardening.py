@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import optuna
@@ -143,10 +144,9 @@ def test_an_unusable_study_name_is_refused_before_anything_is_written(
 
 
 def test_studies_that_plain_optuna_named_oddly_can_be_looked_at(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], hpo_main: Callable[[list[str]], int]
 ) -> None:
-    from hpo.cli import main
-
+    main = hpo_main
     url = f"sqlite:///{tmp_path / 'names.db'}"
     names = ["tab\there", "L" * 600, "   "]
     for name in names:

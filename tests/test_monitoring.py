@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -255,9 +256,9 @@ def _plain_study(url: str, name: str, **attrs: object) -> optuna.Study:
 
 
 def test_attributes_of_hpo_names_but_not_hpo_kinds_are_ignored(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], hpo_main: Callable[[list[str]], int]
 ) -> None:
-    from hpo.cli import main
+    main = hpo_main
     from hpo.study_report import html_page
 
     url = f"sqlite:///{tmp_path / 'odd.db'}"
@@ -282,10 +283,12 @@ def test_attributes_of_hpo_names_but_not_hpo_kinds_are_ignored(
 
 
 def test_a_study_deleted_while_hpo_reads_it_is_one_line(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
 ) -> None:
-    from hpo.cli import main
-
+    main = hpo_main
     url = f"sqlite:///{tmp_path / 'gone.db'}"
     _plain_study(url, "gone").optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
     load = optuna.load_study
@@ -301,10 +304,9 @@ def test_a_study_deleted_while_hpo_reads_it_is_one_line(
 
 
 def test_json_output_is_strict_json_with_infinite_values(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], hpo_main: Callable[[list[str]], int]
 ) -> None:
-    from hpo.cli import main
-
+    main = hpo_main
     url = f"sqlite:///{tmp_path / 'inf.db'}"
     values = iter([float("inf"), float("-inf"), 0.5])
     _plain_study(url, "inf").optimize(lambda t: (t.suggest_float("x", 0, 1), next(values))[1], 3)

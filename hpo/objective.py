@@ -10,7 +10,6 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,16 +26,14 @@ from hpo.logs import worker_label
 from hpo.search_space import sample
 from hpo.stopping import Interrupted, StopRequest, TrialTimedOut
 from hpo.trial_process import (
-    ChildTrial,
-    TrialLike,
     TrialLimits,
     TrialProcess,
     TrialTarget,
     TrialValue,
 )
+from hpo.trial_task import TrialTask, batch_cache_for, remember_worker_cache
 from storage.artifacts import ArtifactTarget
-from storage.batch_cache import BatchCacheRequests, BatchSizeCache, RelayedBatchCache
-from storage.engine import create_engine
+from storage.batch_cache import BatchCacheRequests, BatchSizeCache
 from storage.url import StorageURL
 from trainer.memory_share import memory_share
 
@@ -48,21 +45,6 @@ log = logging.getLogger(__name__)
 
 def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
-
-
-@dataclass
-class TrialTask:
-    """What one trial trains on; pickled into the trial process."""
-
-    config: Config
-    data: PreparedData
-    storage_url: StorageURL
-    params: dict[str, Any] = field(default_factory=dict)
-    checkpoint_dir: Path | None = None  # this configuration's folder, shared by its retries
-    resume: bool = False  # a retry: resume from the folder's checkpoint if there is one
-    asked_at: float | None = None  # wall clock (time.time()) when the trial was created
-    full_data: bool = False  # train on the evaluation split too (hpo retrain --full-data)
-    artifacts: ArtifactTarget | None = None  # the shared store, when the study has one
 
 
 class Objective:
@@ -91,7 +73,7 @@ class Objective:
         self.target: TrialTarget = target
         self.trial_number: int | None = None
         cache = batch_cache or batch_cache_for(storage_url, config.study.database_patience)
-        _worker_caches[storage_url.url] = cache  # for trials in the worker (isolation none)
+        remember_worker_cache(storage_url, cache)  # for trials in the worker (isolation none)
         self.trial_process = TrialProcess(
             self.target, self.task, stop, _limits(config.study), BatchCacheRequests(cache)
         )
@@ -172,23 +154,3 @@ def _limits(study_config: StudyConfig) -> TrialLimits:
     return TrialLimits(
         study_config.stop_timeout, study_config.trial_timeout, study_config.grace_period_s
     )
-
-
-def batch_cache_for(storage_url: StorageURL, patience_s: float) -> BatchSizeCache:
-    """The study's batch-size cache on an engine of its own."""
-    return BatchSizeCache(create_engine(storage_url, patience_s))
-
-
-# The worker's cache per storage URL, set by its Objective: a trial in the worker uses it.
-_worker_caches: dict[str, BatchSizeCache] = {}
-
-
-def batch_cache(trial: TrialLike, task: TrialTask) -> BatchSizeCache | RelayedBatchCache:
-    """The batch-size cache of a trial's training: a trial process asks its worker (it opens
-    no database connection); a trial in the worker uses the worker's cache."""
-    if isinstance(trial, ChildTrial):
-        return RelayedBatchCache(trial.ask)
-    url = task.storage_url.url
-    if url not in _worker_caches:
-        _worker_caches[url] = batch_cache_for(task.storage_url, task.config.study.database_patience)
-    return _worker_caches[url]

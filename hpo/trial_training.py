@@ -15,7 +15,6 @@ import optuna
 
 from hpo import progress as live
 from hpo.artifact_upload import BackgroundUploader, fetch_resume_state
-from hpo.objective import TrialTask, batch_cache
 from hpo.search_space import training_for_trial
 from hpo.stopping import Interrupted, TrialTimedOut
 from hpo.trial_process import (
@@ -25,6 +24,7 @@ from hpo.trial_process import (
     stop_reason,
     stop_requested,
 )
+from hpo.trial_task import TrialTask, batch_cache
 from storage.artifacts import ArtifactStore, ArtifactStoreError
 from trainer import device as dev
 from trainer.batch_finder import (

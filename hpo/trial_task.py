@@ -1,0 +1,60 @@
+"""What one trial trains on (its task, pickled into the trial process) and the batch-size
+cache its training reads: shared by the worker's side (hpo.objective) and the training side
+(hpo.trial_training), so neither imports the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpo.config import Config
+from hpo.trial_process import ChildTrial, TrialLike
+from storage.artifacts import ArtifactTarget
+from storage.batch_cache import BatchSizeCache, RelayedBatchCache
+from storage.engine import create_engine
+from storage.url import StorageURL
+
+if TYPE_CHECKING:
+    from trainer.data import PreparedData
+
+
+@dataclass
+class TrialTask:
+    """What one trial trains on; pickled into the trial process."""
+
+    config: Config
+    data: PreparedData
+    storage_url: StorageURL
+    params: dict[str, Any] = field(default_factory=dict)
+    checkpoint_dir: Path | None = None  # this configuration's folder, shared by its retries
+    resume: bool = False  # a retry: resume from the folder's checkpoint if there is one
+    asked_at: float | None = None  # wall clock (time.time()) when the trial was created
+    full_data: bool = False  # train on the evaluation split too (hpo retrain --full-data)
+    artifacts: ArtifactTarget | None = None  # the shared store, when the study has one
+
+
+def batch_cache_for(storage_url: StorageURL, patience_s: float) -> BatchSizeCache:
+    """The study's batch-size cache on an engine of its own."""
+    return BatchSizeCache(create_engine(storage_url, patience_s))
+
+
+# The worker's cache per storage URL, set by its Objective: a trial in the worker uses it.
+_worker_caches: dict[str, BatchSizeCache] = {}
+
+
+def remember_worker_cache(storage_url: StorageURL, cache: BatchSizeCache) -> None:
+    """The worker's own cache, for the trials it trains in its own process."""
+    _worker_caches[storage_url.url] = cache
+
+
+def batch_cache(trial: TrialLike, task: TrialTask) -> BatchSizeCache | RelayedBatchCache:
+    """The batch-size cache of a trial's training: a trial process asks its worker (it opens
+    no database connection); a trial in the worker uses the worker's cache."""
+    if isinstance(trial, ChildTrial):
+        return RelayedBatchCache(trial.ask)
+    url = task.storage_url.url
+    if url not in _worker_caches:
+        _worker_caches[url] = batch_cache_for(task.storage_url, task.config.study.database_patience)
+    return _worker_caches[url]

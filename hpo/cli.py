@@ -132,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_monitoring_commands(commands)
     _add_enqueue_command(commands)
     _add_retrain_command(commands)
+    _add_config_command(commands)
     finder = commands.add_parser(
         "batch-size",
         allow_abbrev=False,
@@ -206,6 +207,33 @@ def _count(flag: str, most: int, text: str) -> int:
     if not 1 <= value <= most:
         raise argparse.ArgumentTypeError(f"got {text!r}; give a whole number from 1 to {most}")
     return value
+
+
+def _add_config_command(commands: argparse._SubParsersAction) -> None:
+    config = commands.add_parser(
+        "config",
+        allow_abbrev=False,
+        help="about the config file: `hpo config schema` prints its JSON Schema",
+        description="About the study config file.",
+    )
+    actions = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    schema = actions.add_parser(
+        "schema",
+        allow_abbrev=False,
+        help="print the config's JSON Schema, for an editor that completes and checks YAML",
+        description="Print the JSON Schema (draft-07) of a study config. Save it and point your "
+        "editor at it, e.g. for the VS Code YAML extension a first line "
+        "`# yaml-language-server: $schema=hpo-config.schema.json` in the config.",
+    )
+    schema.add_argument("--debug", action="store_true", help="show tracebacks")
+    schema.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
+
+
+def _config(args: argparse.Namespace) -> int:
+    from hpo.config_schema import schema_text
+
+    _out(schema_text(), end="")
+    return 0
 
 
 def _add_enqueue_command(commands: argparse._SubParsersAction) -> None:
@@ -393,6 +421,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _enqueue(args)
         if args.command == "retrain":
             return _retrain(args)
+        if args.command == "config":
+            return _config(args)
         return _monitor(args)
     except USER_ERRORS as e:
         if args.debug:

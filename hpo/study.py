@@ -38,6 +38,7 @@ from hpo.stopping import HandBack, Interrupted, StopRequest, TakenOver
 from hpo.trials import StudyTrials, counted_trials
 from storage.artifacts import ArtifactStore
 from storage.engine import StudyStorage
+from storage.tables import check_version
 from trainer.files import STATE_FILE
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,7 @@ def open_study(storage: StudyStorage, name: str, config: Config) -> optuna.Study
     """Create the study, or join it if it exists with the same direction and search space.
     The check and the first worker's record of the search space happen under the study's lock:
     two workers creating one study with different spaces cannot both succeed."""
+    check_version(storage.engine)  # a database of another hpo's layout: refused, nothing written
     directions = config.study.resolved_directions
     optuna.create_study(
         storage=storage, study_name=name, directions=directions, load_if_exists=True,

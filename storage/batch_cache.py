@@ -19,22 +19,10 @@ from sqlalchemy.engine import Engine
 from storage.errors import StorageError
 from storage.locks import (
     advisory_lock,
-    create_table_racing,
     release_advisory_lock,
     try_advisory_lock,
 )
-
-_metadata = sa.MetaData()
-batch_sizes = sa.Table(
-    "hpo_batch_sizes",
-    _metadata,
-    sa.Column("key_hash", sa.String(64), primary_key=True),
-    sa.Column("key", sa.Text, nullable=False),
-    sa.Column("physical_batch_size", sa.Integer, nullable=False),
-    sa.Column("search", sa.Text, nullable=True),
-    sa.Column("host", sa.String(255), nullable=True),
-    sa.Column("updated_at", sa.DateTime, nullable=False),
-)
+from storage.tables import batch_sizes, ensure_tables
 
 
 def key_hash(key: dict[str, Any]) -> str:
@@ -47,7 +35,7 @@ class BatchSizeCache:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         try:
-            create_table_racing(engine, batch_sizes)
+            ensure_tables(engine)
         except sa.exc.SQLAlchemyError as e:
             raise StorageError(
                 f"cannot create the batch-size cache table: {e.__class__.__name__}"

@@ -18,22 +18,12 @@ from optuna.trial import FrozenTrial
 from sqlalchemy.engine import Engine
 
 from storage.errors import StorageError
-from storage.locks import create_table_racing
+from storage.tables import ensure_tables, heartbeats
 
 log = logging.getLogger(__name__)
 
 # Hosts' clocks disagree a little: a trial's start time is written with its worker's clock.
 CLOCK_SKEW_S = 60
-
-_metadata = sa.MetaData()
-heartbeats = sa.Table(
-    "hpo_heartbeats",
-    _metadata,
-    sa.Column("study_id", sa.Integer, primary_key=True),
-    sa.Column("number", sa.Integer, primary_key=True),
-    sa.Column("worker", sa.String(255), nullable=False),
-    sa.Column("beat_at", sa.DateTime(timezone=True), nullable=False),
-)
 
 
 @dataclass(frozen=True)
@@ -55,7 +45,7 @@ class Heartbeats:
     def __init__(self, engine: Engine, study_id: int) -> None:
         self.engine = engine
         self.study_id = study_id
-        create_table_racing(engine, heartbeats)
+        ensure_tables(engine)
 
     def start(self, number: int, worker: str) -> None:
         """The first beat of a trial this worker now runs."""

@@ -59,6 +59,7 @@ class TrialTask:
     storage_url: StorageURL
     params: dict[str, Any] = field(default_factory=dict)
     checkpoint_dir: Path | None = None  # this configuration's folder, shared by its retries
+    study_name: str = ""  # whose marker the folder carries (made again if it vanishes)
     resume: bool = False  # a retry: resume from the folder's checkpoint if there is one
     asked_at: float | None = None  # wall clock (time.time()) when the trial was created
     full_data: bool = False  # train on the evaluation split too (hpo retrain --full-data)
@@ -115,6 +116,7 @@ class Objective:
         }
         if study_config.checkpoints:
             changes["checkpoint_dir"] = _trial_folder(self.task.config, trial)
+            changes["study_name"] = trial.study.study_name
             changes["resume"] = "first_attempt" in trial.user_attrs
             changes["artifacts"] = artifact_target(study_config, trial)
         try:

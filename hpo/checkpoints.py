@@ -9,14 +9,17 @@ marker for that very study.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
+import os
 import re
 import shutil
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import optuna
 from optuna.study import StudyDirection
@@ -35,6 +38,9 @@ TRIAL_MARKER = ".hpo-trial"
 _TRIAL_FOLDER = re.compile(r"trial-[0-9]+")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 SLUG_CHARS = 40
+# How long a folder found without hpo's marker may still be getting it: another worker (or
+# trial process) that created it a moment ago writes the marker next.
+MARKER_WAIT_S = 2.0
 
 
 def study_folder_name(study_name: str) -> str:
@@ -63,19 +69,66 @@ def prepare_trial_folder(root: Path, study_name: str, folder: str) -> Path:
     return _claim(root / folder, {"study": study_name, "folder": folder})
 
 
+def trial_folder_maker(study_name: str) -> Callable[[Path], None]:
+    """For a trial's CheckpointStore: its folder, should it vanish while the trial trains (a
+    cleanup job, an rm of the wrong folder), made again the way prepare_trial_folder makes it,
+    markers included, so that every later trial of the study still has checkpoints. A folder
+    that hpo did not make is never taken over (FileExistsError)."""
+    return functools.partial(_remake_trial_folder, study_name)
+
+
+def _remake_trial_folder(study_name: str, folder: Path) -> None:
+    prepare_trial_folder(folder.parent, study_name, folder.name)
+
+
 def _claim(folder: Path, marker: dict[str, str], parents: bool = False) -> Path:
     try:
         folder.mkdir(parents=parents)
     except FileExistsError:
-        if not _is_ours(folder, marker):
+        if not _is_ours(folder, marker) and not _marked_soon(folder, marker):
             raise FileExistsError(
                 f"{folder} exists and hpo did not make it for this study; hpo will not write "
                 "into it (move it away, or set study.checkpoint_dir elsewhere)"
             ) from None
         return folder
     name = TRIAL_MARKER if "folder" in marker else STUDY_MARKER
-    (folder / name).write_text(json.dumps(marker), encoding="utf-8")
+    # Written aside, then renamed: a worker that finds the folder meanwhile never reads half.
+    aside = folder / f".{name}.{os.getpid()}.tmp"
+    aside.write_text(json.dumps(marker), encoding="utf-8")
+    os.replace(aside, folder / name)
     return folder
+
+
+def _marked_soon(folder: Path, marker: dict[str, str]) -> bool:
+    """An empty folder may be one that another process made a moment ago, its marker on the
+    way: it gets MARKER_WAIT_S to appear. Anything else is not hpo's."""
+    deadline = time.monotonic() + MARKER_WAIT_S
+    while not folder.is_symlink() and folder.is_dir() and time.monotonic() < deadline:
+        if _is_ours(folder, marker):
+            return True
+        if any(not p.name.endswith(".tmp") for p in folder.iterdir()):
+            return False
+        time.sleep(0.05)
+    return _is_ours(folder, marker)
+
+
+def missing_model(number: int, attrs: Mapping[str, Any]) -> str | None:
+    """Why trial `number`'s best model (from its user attributes `attrs`) cannot be had, in a
+    sentence; None when it can (in its folder on this host, or in the artifact store), or when
+    the trial never had checkpoints (study.checkpoints off, or a plain Optuna study)."""
+    if attrs.get("best_model_uri"):
+        return None
+    model, error = attrs.get("best_model"), attrs.get("checkpoint_error")
+    if isinstance(model, str) and model:
+        if Path(model).is_dir():
+            return None
+        return (f"the model of trial #{number} is gone: {model} is not on this host (removed "
+                "since the trial ended, or on another host's disk)")  # fmt: skip
+    if error:
+        return f"trial #{number} has no saved model: {error}"
+    if "checkpoint_s" in attrs:  # it had a checkpoint folder, and no model came out of it
+        return f"trial #{number} has no saved model: its checkpoint folder was lost"
+    return None
 
 
 def remove_stale_checkpoints(study: optuna.Study, root: Path) -> list[Path]:

@@ -1142,12 +1142,15 @@ def _best_text(best: dict) -> str:
         text = f"best trial #{best['number']} of {best['study']!r}: {best['value']:.4f} ({params})"
     model = best["user_attrs"].get("best_model")
     uri = best["user_attrs"].get("best_model_uri")
+    missing = best.get("model_missing")
     if uri:
         text += f"\nmodel: {uri} (hpo best --download DIR fetches it)"
-    elif model:
+    elif model and not missing:
         text += f"\nmodel: {model} (AutoModelForSequenceClassification.from_pretrained)"
     error = best["user_attrs"].get("checkpoint_error")
-    if error and not uri:  # why the model is only on the host that trained it, or nowhere
+    if missing:
+        text += f"\nWARNING: {missing}"
+    elif error and not uri:  # why the model is only on the host that trained it
         text += f"\nnot saved or not uploaded: {error}"
     return text
 

@@ -97,6 +97,7 @@ class Objective:
         }
         if study_config.checkpoints:
             changes["checkpoint_dir"] = _trial_folder(self.task.config, trial)
+            changes["study_name"] = trial.study.study_name
             changes["resume"] = "first_attempt" in trial.user_attrs
             changes["artifacts"] = artifact_target(study_config, trial)
         try:

@@ -23,6 +23,12 @@ from hpo import checkpoints
 from storage import heartbeats, study_queries
 from storage.engine import StudyStorage
 
+# Trials that reached an outcome the search learns from: what trials/hour counts.
+DONE = (TrialState.COMPLETE, TrialState.PRUNED)
+FINISHED = tuple(s for s in TrialState if s.is_finished())
+WALL_S = "wall_s"  # a trial's own record of its time, written however it ends
+CHECKPOINT_ERROR = "checkpoint_error"
+
 
 @dataclass(frozen=True)
 class Database:
@@ -117,21 +123,28 @@ def _trial_summary(study: optuna.Study, trial: FrozenTrial) -> dict[str, Any]:
         summary["value"] = trial.value
     else:
         summary["values"] = trial.values
-    return {**summary, "params": trial.params, "user_attrs": trial.user_attrs}
+    missing = checkpoints.missing_model(trial.number, trial.user_attrs)
+    return {**summary, "params": trial.params, "user_attrs": trial.user_attrs,
+            "model_missing": missing}  # fmt: skip
 
 
 def status(
     study: optuna.Study, now: dt.datetime | None = None, storage: object = None
 ) -> dict[str, Any]:
     """Trials by state, running trials with worker and age, best, device-hours, trials/hour,
-    and failures and prunes grouped by reason. `storage`: hpo's, to ask the database."""
+    failures and prunes grouped by reason, and trials whose checkpoints were lost. `storage`:
+    hpo's, to ask the database.
+
+    Device-hours: every trial's time, however it ended (the time its worker recorded, else
+    from its start to its end) and running ones' so far. Trials/hour: trials that completed or
+    were pruned, from the first one's start to the last one's end; None before one has."""
     # Optuna stores naive UTC but hands trials' times back as naive local time: so is `now`.
     now = now or dt.datetime.now()
     db = database_of(study, storage)
     if db is not None:
         return _status_from_database(study, db, now)
     trials = study.get_trials(deepcopy=False)
-    finished = [t for t in trials if t.state.is_finished() and t.datetime_complete]
+    done = [t for t in trials if t.state in DONE and t.datetime_complete]
     best = best_trials(study, trials)
     several = len(study.directions) > 1
     return {
@@ -143,11 +156,12 @@ def status(
         "best": best[0] if best and not several else None,
         "pareto_front": best if several else None,
         "grace_period_s": _positive(study.user_attrs.get("grace_period_s")),
-        "device_hours": round(sum(_seconds(t.user_attrs.get("wall_s")) for t in trials) / 3600, 4),
-        "trials_per_hour": _trials_per_hour(finished),
+        "device_hours": round(sum(_device_s(t, now) for t in trials) / 3600, 4),
+        "trials_per_hour": _trials_per_hour(done),
         "failures": _reasons(trials, TrialState.FAIL, "fail_reason"),
         "prunes": _reasons(trials, TrialState.PRUNED, "prune_reason"),
         "budget": _budget(study.user_attrs.get("n_trials")),
+        "lost_checkpoints": lost_checkpoints(trials),
     }
 
 
@@ -158,8 +172,14 @@ def _status_from_database(study: optuna.Study, db: Database, now: dt.datetime) -
     silent = heartbeats.silences(engine, study_id)
     best = [_trial_summary(study, t) for t in _best_from_database(study, db)]
     several = len(study.directions) > 1
-    finished, first, last = study_queries.finished_span(engine, study_id)
+    done, first, last = study_queries.finished_span(engine, study_id, DONE)
     hours = (last - first).total_seconds() / 3600 if first and last else 0.0
+    device_s = (
+        study_queries.user_attr_sum(engine, study_id, WALL_S, FINISHED)
+        + sum(study_queries.spans_without(engine, study_id, WALL_S))
+        + sum(_device_s(t, now) for t in running)
+    )
+    lost, latest, reason = study_queries.latest_user_attr(engine, study_id, CHECKPOINT_ERROR)
     return {
         "study": study.study_name,
         "trials": {state.name.lower(): n for state, n in sorted(counts.items()) if n},
@@ -170,8 +190,8 @@ def _status_from_database(study: optuna.Study, db: Database, now: dt.datetime) -
         "best": best[0] if best and not several else None,
         "pareto_front": best if several else None,
         "grace_period_s": _positive(study.user_attrs.get("grace_period_s")),
-        "device_hours": round(study_queries.user_attr_sum(engine, study_id, "wall_s") / 3600, 4),
-        "trials_per_hour": round(finished / hours, 2) if hours > 0 else None,
+        "device_hours": round(device_s / 3600, 4),
+        "trials_per_hour": round(done / hours, 2) if hours > 0 else None,
         "failures": study_queries.reasons(
             engine, study_id, TrialState.FAIL, "fail_reason", counts.get(TrialState.FAIL, 0)
         ),
@@ -179,6 +199,7 @@ def _status_from_database(study: optuna.Study, db: Database, now: dt.datetime) -
             engine, study_id, TrialState.PRUNED, "prune_reason", counts.get(TrialState.PRUNED, 0)
         ),
         "budget": _budget(study.user_attrs.get("n_trials")),
+        "lost_checkpoints": _lost(lost, latest, reason),
     }
 
 
@@ -227,12 +248,35 @@ def status_lines(report: dict[str, Any]) -> list[str]:
     for trial in report["pareto_front"] or []:
         values = ", ".join(f"{v:.4f}" for v in trial["values"])
         lines.append(f"Pareto front #{trial['number']}: {values} {trial['params']}")
-    per_hour = report["trials_per_hour"] or 0.0
-    budget = f", budget {report['budget']} trials" if report.get("budget") else ""
-    lines.append(f"device-hours {report['device_hours']:.3f}, {per_hour:.1f} trials/hour{budget}")
+    lines.append(figures_line(report))
     for title in ("failures", "prunes"):
         for reason, count in report[title].items():
             lines.append(f"  {title[:-1]}: {count} x {reason}")
+    best = [report["best"]] if report["best"] is not None else report["pareto_front"] or []
+    return lines + checkpoint_warnings(best, report.get("lost_checkpoints"))
+
+
+def figures_line(report: dict[str, Any]) -> str:
+    """Device-hours, saying what they count, trials/hour once it means something, and the
+    budget."""
+    text = f"device-hours {report['device_hours']:.3f} (every trial, however it ended; running "
+    text += "ones so far)"
+    if report["trials_per_hour"] is not None:
+        text += f", {report['trials_per_hour']:.1f} trials/hour (completed or pruned)"
+    if report.get("budget"):
+        text += f", budget {report['budget']} trials"
+    return text
+
+
+def checkpoint_warnings(best: list[dict[str, Any]], lost: dict[str, Any] | None) -> list[str]:
+    """Loud lines for what leaves a study without a best model (`best`: best_trials' entries)
+    or without checkpoints (`lost`: status' lost_checkpoints)."""
+    lines = [f"WARNING: {trial['model_missing']}" for trial in best if trial.get("model_missing")]
+    if lost:
+        trials = "1 trial" if lost["trials"] == 1 else f"{lost['trials']} trials"
+        lines.append(f"WARNING: checkpoints not written or not stored for {trials} "
+                     f"(checkpoint_error); the latest, trial #{lost['latest']}: "
+                     f"{lost['reason']}")  # fmt: skip
     return lines
 
 
@@ -259,6 +303,31 @@ def _seconds(value: object) -> float:
     return float(value) if number else 0.0  # type: ignore[arg-type]
 
 
+def _device_s(trial: FrozenTrial, now: dt.datetime) -> float:
+    """A trial's time: a running one's so far; a finished one's as it recorded it (wall_s),
+    else from its start to its end (its worker was killed, or it stopped before training)."""
+    start, end = trial.datetime_start, trial.datetime_complete
+    if trial.state == TrialState.RUNNING:
+        return max(0.0, (now - start).total_seconds()) if start else 0.0
+    if not trial.state.is_finished():
+        return 0.0
+    if WALL_S in trial.user_attrs:
+        return _seconds(trial.user_attrs[WALL_S])
+    return max(0.0, (end - start).total_seconds()) if start and end else 0.0
+
+
+def lost_checkpoints(trials: list[FrozenTrial]) -> dict[str, Any] | None:
+    """How many trials recorded a checkpoint_error, and the latest one's; None if none did."""
+    lost = [t for t in trials if CHECKPOINT_ERROR in t.user_attrs]
+    if not lost:
+        return None
+    return _lost(len(lost), lost[-1].number, lost[-1].user_attrs[CHECKPOINT_ERROR])
+
+
+def _lost(count: int, latest: int | None, reason: object) -> dict[str, Any] | None:
+    return {"trials": count, "latest": latest, "reason": reason} if count else None
+
+
 def _running(trial: FrozenTrial, now: dt.datetime) -> dict[str, Any]:
     started = trial.datetime_start
     return {
@@ -268,13 +337,13 @@ def _running(trial: FrozenTrial, now: dt.datetime) -> dict[str, Any]:
     }
 
 
-def _trials_per_hour(finished: list[FrozenTrial]) -> float | None:
-    starts = [t.datetime_start for t in finished if t.datetime_start]
-    ends = [t.datetime_complete for t in finished if t.datetime_complete]
+def _trials_per_hour(done: list[FrozenTrial]) -> float | None:
+    starts = [t.datetime_start for t in done if t.datetime_start]
+    ends = [t.datetime_complete for t in done if t.datetime_complete]
     if not starts or not ends:
         return None
     hours = (max(ends) - min(starts)).total_seconds() / 3600
-    return round(len(finished) / hours, 2) if hours > 0 else None
+    return round(len(done) / hours, 2) if hours > 0 else None
 
 
 def _reasons(trials: list[FrozenTrial], state: TrialState, attr: str) -> dict[str, int]:

@@ -17,9 +17,10 @@ from typing import Any
 
 import optuna
 from optuna.exceptions import UpdateFinishedTrialError
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from hpo import progress as live
+from hpo import report
 from hpo.checkpoints import checkpoint_root, folder_name
 from hpo.config import (
     Config,
@@ -465,7 +466,8 @@ def _record_failure(trial: optuna.Trial, error: Exception) -> None:
 
 def summary_lines(study: optuna.Study, objectives: list[str]) -> list[str]:
     """What the user wants at the end: counts by state and the best trial (the Pareto front's
-    trials for several objectives)."""
+    trials for several objectives), and loudly what left the study without checkpoints or
+    without its best model."""
     trials = study.get_trials(deepcopy=False)
     counts: dict[str, int] = {}
     for trial in trials:
@@ -475,15 +477,24 @@ def summary_lines(study: optuna.Study, objectives: list[str]) -> list[str]:
     complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
     if not complete:
         lines.append("no completed trial yet, so no best trial")
-        return lines
-    if len(study.directions) > 1:
-        front = sorted(study.best_trials, key=lambda t: t.number)
-        lines.append(f"Pareto front: {len(front)} trials")
-        for best in front:
-            lines.append(f"  trial #{best.number}: {_values_text(objectives, best.values)}")
-        return lines
-    best = study.best_trial
-    lines.append(f"best trial #{best.number}: {_values_text(objectives, best.value)}")
+    elif len(study.directions) > 1:
+        lines += _front_lines(study, objectives)
+    else:
+        lines += _best_lines(study.best_trial, objectives)
+    best = report.best_trials(study, trials)
+    return lines + report.checkpoint_warnings(best, report.lost_checkpoints(trials))
+
+
+def _front_lines(study: optuna.Study, objectives: list[str]) -> list[str]:
+    front = sorted(study.best_trials, key=lambda t: t.number)
+    lines = [f"Pareto front: {len(front)} trials"]
+    for best in front:
+        lines.append(f"  trial #{best.number}: {_values_text(objectives, best.values)}")
+    return lines
+
+
+def _best_lines(best: FrozenTrial, objectives: list[str]) -> list[str]:
+    lines = [f"best trial #{best.number}: {_values_text(objectives, best.value)}"]
     for key, value in best.params.items():
         lines.append(f"  {key}: {value:.3g}" if isinstance(value, float) else f"  {key}: {value}")
     attrs = best.user_attrs

@@ -232,8 +232,7 @@ def _summary(study: optuna.Study, status: dict[str, Any], drawn: Drawn) -> list[
     lines = [
         f"trials: {states}",
         f"objective: {metrics} ({directions})",
-        f"device-hours: {status['device_hours']:.3f}; trials per hour: "
-        f"{status['trials_per_hour'] or 0:.1f}",
+        report.figures_line(status),
     ]
     if status["best"] is not None:
         lines.append(f"best: trial #{status['best']['number']}, {status['best']['value']:.4f}")
@@ -244,7 +243,8 @@ def _summary(study: optuna.Study, status: dict[str, Any], drawn: Drawn) -> list[
         lines.append(f"plots and the trial table show {len(drawn.sample_ids or [])} of the study's "
                      f"{drawn.total} trials: the best, the latest and an even spread of the rest; "
                      "the counts above are of every trial")  # fmt: skip
-    return lines
+    best = [status["best"]] if status["best"] is not None else status["pareto_front"] or []
+    return lines + report.checkpoint_warnings(best, status.get("lost_checkpoints"))
 
 
 def _best_block(study: optuna.Study, status: dict[str, Any], fence: str) -> list[str]:

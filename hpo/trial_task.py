@@ -29,6 +29,7 @@ class TrialTask:
     storage_url: StorageURL
     params: dict[str, Any] = field(default_factory=dict)
     checkpoint_dir: Path | None = None  # this configuration's folder, shared by its retries
+    study_name: str = ""  # whose marker the folder carries (made again if it vanishes)
     resume: bool = False  # a retry: resume from the folder's checkpoint if there is one
     asked_at: float | None = None  # wall clock (time.time()) when the trial was created
     full_data: bool = False  # train on the evaluation split too (hpo retrain --full-data)

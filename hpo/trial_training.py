@@ -15,6 +15,7 @@ import optuna
 
 from hpo import progress as live
 from hpo.artifact_upload import BackgroundUploader, fetch_resume_state
+from hpo.checkpoints import trial_folder_maker
 from hpo.search_space import training_for_trial
 from hpo.stopping import Interrupted, TrialTimedOut
 from hpo.trial_process import (
@@ -57,7 +58,9 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
     store, uploader = None, None
     if task.checkpoint_dir is not None:
         interval = task.config.study.checkpoint_interval
-        store = CheckpointStore(task.checkpoint_dir, resume=task.resume, interval_s=interval)
+        remake = trial_folder_maker(task.study_name) if task.study_name else None
+        store = CheckpointStore(task.checkpoint_dir, resume=task.resume, interval_s=interval,
+                                make_directory=remake)  # fmt: skip
         uploader = _start_uploader(trial, task, store)
     try:
         key = _resolve_physical_batch(trial, job, cache, task.data)
@@ -82,7 +85,8 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
         trial.set_user_attr("fail_reason", f"{type(e).__name__}: {e}"[:1000])
         trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
         raise
-    if result.status == "interrupted":
+    if result.status == "interrupted":  # stopped, or past its timeout: its time counts too
+        trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
         if store is not None:  # it checkpointed on the way out: upload it, say what that cost
             _hand_over(trial, task, store, uploader)
         _raise_stopped(started, task.config.study.trial_timeout)

@@ -7,6 +7,7 @@ lock, so a checkpoint cleanup never sees a failed trial without its retry.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import threading
 import time
@@ -114,8 +115,10 @@ class StudyTrials:
         failed = []
         with self.storage.lock(self.study_id):
             running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            started = {t.number: t.datetime_start for t in running}
             for stale in self.beats.stale(running, self.grace_period_s):
-                if self._fail(stale.number, stale.reason(self.grace_period_s)):
+                ran_s = _time_until_silent(started.get(stale.number), stale.silent_s)
+                if self._fail(stale.number, stale.reason(self.grace_period_s), ran_s):
                     failed.append(stale.number)
                     self._queue_again(stale.number, "lost its worker")
         return failed
@@ -188,9 +191,13 @@ class StudyTrials:
         except ArtifactStoreError as e:
             log.warning("old artifacts of study %r not removed yet: %s", self.study.study_name, e)
 
-    def _fail(self, number: int, reason: str) -> bool:
+    def _fail(self, number: int, reason: str, ran_s: float | None = None) -> bool:
+        """`ran_s`: how long it ran (wall_s, for the study's device-hours), if its worker did
+        not record it."""
         trial_id = self._trial_id(number)
         try:
+            if ran_s is not None:
+                self.storage.set_trial_user_attr(trial_id, "wall_s", ran_s)
             self.storage.set_trial_user_attr(trial_id, "fail_reason", reason)
             self.storage.set_trial_state_values(trial_id, TrialState.FAIL)
         except UpdateFinishedTrialError:
@@ -209,3 +216,10 @@ class StudyTrials:
 
     def _trial_id(self, number: int) -> int:
         return self.storage.get_trial_id_from_study_id_trial_number(self.study_id, number)
+
+
+def _time_until_silent(started: dt.datetime | None, silent_s: float) -> float | None:
+    """A trial whose worker went silent ran from its start to its last heartbeat."""
+    if started is None:
+        return None
+    return round(max(0.0, (dt.datetime.now() - started).total_seconds() - silent_s), 3)

@@ -119,8 +119,11 @@ def state_counts(engine: Engine, study_id: int) -> dict[TrialState, int]:
         return {TrialState[state]: count for state, count in conn.execute(query)}
 
 
-def user_attr_sum(engine: Engine, study_id: int, key: str) -> float:
-    """The sum of a numeric user attribute over the study's trials (others count 0)."""
+def user_attr_sum(
+    engine: Engine, study_id: int, key: str, states: Sequence[TrialState] | None = None
+) -> float:
+    """The sum of a numeric user attribute over the study's trials (of `states`, if given;
+    others count 0)."""
     raw = _user_attrs.c.value_json
     number: sa.ColumnElement[float]
     if engine.dialect.name == "postgresql":  # a cast of text that is not a number would fail
@@ -133,23 +136,69 @@ def user_attr_sum(engine: Engine, study_id: int, key: str) -> float:
         .select_from(_of_study(_user_attrs))
         .where(_trials.c.study_id == study_id, _user_attrs.c.key == key)
     )
+    if states is not None:
+        query = query.where(_trials.c.state.in_([s.name for s in states]))
     with engine.connect() as conn:
         return float(conn.execute(query).scalar() or 0.0)
 
 
 def finished_span(
-    engine: Engine, study_id: int
+    engine: Engine, study_id: int, states: Sequence[TrialState] | None = None
 ) -> tuple[int, dt.datetime | None, dt.datetime | None]:
-    """Finished trials with an end time: how many, the first start and the last end among
-    them (naive UTC, as Optuna stores them)."""
-    finished = [s.name for s in TrialState if s.is_finished()]
+    """Finished trials (of `states`, if given) with an end time: how many, the first start and
+    the last end among them (naive UTC, as Optuna stores them)."""
+    ended = [s.name for s in (states or TrialState) if s.is_finished()]
     start, end = _trials.c.datetime_start, _trials.c.datetime_complete
     query = sa.select(sa.func.count(), sa.func.min(start), sa.func.max(end)).where(
-        _trials.c.study_id == study_id, _trials.c.state.in_(finished), end.is_not(None)
+        _trials.c.study_id == study_id, _trials.c.state.in_(ended), end.is_not(None)
     )
     with engine.connect() as conn:
         count, first, last = conn.execute(query).one()
     return int(count), _datetime(first), _datetime(last)
+
+
+def spans_without(engine: Engine, study_id: int, key: str) -> list[float]:
+    """Seconds from start to end of each finished trial without the user attribute `key` (a
+    trial whose worker recorded no time of its own: killed, lost, or stopped before it ran)."""
+    finished = [s.name for s in TrialState if s.is_finished()]
+    has_key = sa.exists().where(
+        _user_attrs.c.trial_id == _trials.c.trial_id, _user_attrs.c.key == key
+    )
+    start, end = _trials.c.datetime_start, _trials.c.datetime_complete
+    query = sa.select(start, end).where(
+        _trials.c.study_id == study_id,
+        _trials.c.state.in_(finished),
+        start.is_not(None),
+        end.is_not(None),
+        ~has_key,
+    )
+    spans = []
+    with engine.connect() as conn:
+        for began, ended in conn.execute(query):
+            began, ended = _datetime(began), _datetime(ended)
+            if began is not None and ended is not None:
+                spans.append(max(0.0, (ended - began).total_seconds()))
+    return spans
+
+
+def latest_user_attr(engine: Engine, study_id: int, key: str) -> tuple[int, int | None, Any]:
+    """How many of the study's trials have the user attribute `key`, and the latest of them:
+    its number and the attribute's value (None, None when none has it)."""
+    with_key = sa.select(sa.func.count(), sa.func.max(_trials.c.number)).select_from(
+        _of_study(_user_attrs)
+    ).where(_trials.c.study_id == study_id, _user_attrs.c.key == key)  # fmt: skip
+    with engine.connect() as conn:
+        count, number = conn.execute(with_key).one()
+        if not count:
+            return 0, None, None
+        value = conn.execute(
+            sa.select(_user_attrs.c.value_json)
+            .select_from(_of_study(_user_attrs))
+            .where(
+                _trials.c.study_id == study_id, _trials.c.number == number, _user_attrs.c.key == key
+            )  # fmt: skip
+        ).scalar()
+    return int(count), int(number), None if value is None else json.loads(value)
 
 
 def reasons(

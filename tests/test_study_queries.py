@@ -54,8 +54,8 @@ def _fill(study: optuna.Study, storage: StudyStorage) -> None:
         _trial(TrialState.PRUNED, prune_reason="diverged: loss is NaN at step 3"),
         _trial(TrialState.PRUNED),
         _trial(TrialState.FAIL, fail_reason="stale: no heartbeat from its worker h:1 for 90 s"),
-        _trial(TrialState.FAIL, fail_reason="RuntimeError: x|y: z"),
-        _trial(TrialState.FAIL),
+        _trial(TrialState.FAIL, fail_reason="RuntimeError: x|y: z", checkpoint_error="e: 1"),
+        _trial(TrialState.FAIL, checkpoint_error="no checkpoints for this trial: x"),
         _trial(TrialState.RUNNING, worker="host:42"),
         _trial(TrialState.WAITING),
     ]:
@@ -108,7 +108,11 @@ def test_the_database_answers_as_the_public_api_does(storage: StudyStorage) -> N
     assert fast["best"]["number"] == 1  # 0.9, the first of two
     assert fast["trials"] == {"complete": 4, "pruned": 4, "fail": 3, "running": 1, "waiting": 1}
     assert fast["prunes"] == {"pruner": 2, "diverged": 1, "no reason recorded": 1}
-    assert fast["device_hours"] == round(95 / 3600, 4)
+    running = study.trials[11].datetime_start  # its time so far counts too
+    assert fast["device_hours"] == round((95 + (NOW - running).total_seconds()) / 3600, 4)
+    assert fast["lost_checkpoints"] == {
+        "trials": 2, "latest": 10, "reason": "no checkpoints for this trial: x"
+    }  # fmt: skip
     assert best == report.best_trials(study)
     assert rows == report.studies(storage.rdb)
     assert counted_trials(study.get_trials(deepcopy=False)) == 10
@@ -204,3 +208,35 @@ def test_the_indexes_the_queries_rely_on_exist(storage: StudyStorage) -> None:
         indexed = [tuple(i["column_names"]) for i in inspector.get_indexes(table)]
         indexed += [tuple(u["column_names"]) for u in inspector.get_unique_constraints(table)]
         assert any(cols[: len(leading)] == leading for cols in indexed), (table, indexed)
+
+
+def test_device_hours_count_every_trial_and_trials_per_hour_waits_for_one(
+    storage: StudyStorage,
+) -> None:
+    study = optuna.create_study(storage=storage, study_name="t", direction="maximize")
+    started = NOW - dt.timedelta(hours=1)
+
+    def add(state: TrialState, ran_s: float, **attrs: object) -> None:
+        trial = _trial(state, 0.5 if state == TrialState.COMPLETE else None, **attrs)
+        trial.datetime_start = started
+        trial.datetime_complete = started + dt.timedelta(seconds=ran_s) if ran_s else None
+        study.add_trial(trial)
+
+    # Interrupted after 195 s (it recorded its time), a worker killed after 120 s (it could
+    # not: from start to end), and one running for an hour.
+    add(TrialState.FAIL, 200, wall_s=195.0, fail_reason="interrupted: the worker got SIGTERM")
+    add(TrialState.FAIL, 120, fail_reason="stale: no heartbeat")
+    add(TrialState.RUNNING, 0)
+    shown = report.status(study, NOW, storage=storage)
+    assert shown == report.status(study, NOW)
+    assert shown["device_hours"] == round((195 + 120 + 3600) / 3600, 4)
+    assert shown["trials_per_hour"] is None  # none completed or was pruned: no rate yet
+    line = next(text for text in report.status_lines(shown) if "device-hours" in text)
+    assert line.startswith("device-hours 1.087 (every trial") and "trials/hour" not in line
+
+    add(TrialState.PRUNED, 90, wall_s=80.0)
+    add(TrialState.COMPLETE, 180, wall_s=170.0)
+    shown = report.status(study, NOW, storage=storage)
+    assert shown == report.status(study, NOW)
+    assert shown["trials_per_hour"] == 40.0  # two in the 180 s from the first start
+    assert "40.0 trials/hour (completed or pruned)" in report.figures_line(shown)

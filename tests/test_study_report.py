@@ -78,7 +78,9 @@ def test_the_html_report_draws_every_plot_and_fetches_nothing(tmp_path: Path) ->
     assert "NaN loss" not in page and "RuntimeError" in page  # reasons by kind
     best = study.best_trial
     assert f"trial #{best.number}: " in page and "enqueue: [" in page
-    assert "device-hours: 1.000" in page and "pruner" in page  # summary; prunes by reason
+    assert (
+        "device-hours 1.000 (every trial" in page and "pruner" in page
+    )  # summary; prunes by reason
 
 
 def test_the_plots_mark_pruned_trials_and_colour_by_value(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ over, worker seeds, and the one private Optuna name hpo uses."""
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import re
 import threading
@@ -158,6 +159,16 @@ def test_only_one_worker_fails_a_stale_trial_when_many_sweep_at_once(tmp_path: P
     assert sorted(n for found in results for n in found) == [trial.number]
     states = [t.state for t in sweepers[0].study.get_trials()]
     assert states == [TrialState.FAIL, TrialState.WAITING]  # one retry, not four
+    # Its time until its last beat, for device-hours (its worker could not record it).
+    assert sweepers[0].study.get_trials()[0].user_attrs["wall_s"] == 0.0  # beat "before" start
+
+
+def test_a_stale_trial_ran_from_its_start_to_its_last_heartbeat() -> None:
+    from hpo.trials import _time_until_silent
+
+    started = dt.datetime.now() - dt.timedelta(seconds=100)
+    assert _time_until_silent(started, 30.0) == pytest.approx(70.0, abs=1)
+    assert _time_until_silent(None, 30.0) is None
 
 
 def test_each_worker_gets_its_own_seed_and_the_first_keeps_the_configured_one() -> None:

@@ -48,6 +48,15 @@ class CheckpointStore:
     # Called after each state ("state", its file) or best model ("best-model", its folder) is
     # written, e.g. to copy it where other hosts can reach it; it must not block for long.
     on_saved: Callable[[str, Path], None] | None = None
+    # Creates `directory` when it is missing (OSError when it cannot): the caller's own way, e.g.
+    # with a marker that says who made it. Without one, a plain mkdir.
+    make_directory: Callable[[Path], None] | None = None
+    # The directory was there (at the start, or at a write): if it is missing later, something
+    # else removed it.
+    _was_there: bool = field(default=False, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._was_there = self.directory.is_dir()
 
     def state_due(self) -> bool:
         return time.monotonic() - self.last_state_at >= self.interval_s
@@ -114,6 +123,8 @@ class CheckpointStore:
     def drop_old_versions(self) -> None:
         """The run finished: the best model's earlier versions go. Its resume state stays until
         its end is recorded (hpo drops it then: a crash before that resumes from it)."""
+        if not self.still_there():
+            return
         try:
             _remove_versions(self.directory, keep=_current_version(self.directory))
         except OSError as e:  # e.g. the folder was never usable: nothing to drop
@@ -124,10 +135,34 @@ class CheckpointStore:
             self.on_saved(kind, path)
         return saved
 
+    def _ensure_directory(self) -> None:
+        """The directory, made again if it vanished since the run began (a cleanup job, an rm
+        of the wrong folder)."""
+        if not self.still_there():
+            if self.make_directory is not None:
+                self.make_directory(self.directory)
+            else:
+                self.directory.mkdir(parents=True, exist_ok=True)
+        self._was_there = True
+
+    def still_there(self) -> bool:
+        """Whether the directory is there; if it was once and is no more, something else
+        removed it, with what it held: the errors say so (once)."""
+        if self.directory.is_dir():
+            self._was_there = True
+            return True
+        if self._was_there:
+            self._was_there = False
+            self.errors.append(f"{self.directory} was removed while the run trained (by "
+                               "something else than the run): the checkpoint and best model it "
+                               "held are lost")  # fmt: skip
+            log.warning("%s", self.errors[-1])
+        return False
+
     def _guarded(self, what: str, write: Any) -> bool:
         started = time.perf_counter()
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            self._ensure_directory()
             write()
             return True
         except OSError as e:

@@ -1000,12 +1000,18 @@ def _watch(study: Any, storage: Any, as_json: bool, interval: float) -> int:
     terminal = sys.stdout.isatty()
     ended_polls = 0
     stalled_since = None
+    first = True
     while ended_polls < 2:
         summary = report.status(study, storage=storage)
         text = strict_json(summary) if as_json else "\n".join(report.status_lines(summary))
         stamp = dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
-        clear = "\x1b[H\x1b[2J" if terminal else ""
-        _out(f"{clear}{text}" if as_json else f"{clear}[{stamp}] {text}")
+        text = text if as_json else f"[{stamp}] {text}"
+        if terminal:  # redrawn in place, within the screen as it is sized now
+            columns, rows = live.terminal_size(sys.stdout)
+            _out(live.screen_frame(text.splitlines(), columns, rows, first), end="")
+        else:
+            _out(text)
+        first = False
         ended_polls = ended_polls + 1 if report.ended(summary) else 0
         stalled_since = (stalled_since or time.monotonic()) if report.stalled(summary) else None
         # No live worker for longer than a worker takes between two trials: nothing will move.

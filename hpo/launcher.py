@@ -14,6 +14,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from types import FrameType
+from typing import IO, TextIO
 
 from hpo import progress as live
 from hpo.errors import ConfigError, HPOError
@@ -149,18 +150,21 @@ def run_workers(
                     text=True,
                     errors="replace",
                     stderr=subprocess.PIPE if block else None,
+                    stdout=subprocess.PIPE if block and sys.stdout.isatty() else None,
                 )  # fmt: skip
             )
             labels.append(label)
+    shared = f", {per_gpu} per GPU, each with 1/{per_gpu} of its memory" if per_gpu > 1 else ""
+    # Before the block is drawn: a line of the launcher's own never lands on it.
+    log.info("started %d workers: GPUs %s%s", len(workers), ", ".join(gpus), shared)
     readers = [
-        threading.Thread(target=_relay_lines, args=(worker, label, block), daemon=True)
+        threading.Thread(target=_relay_lines, args=(pipe, label, block, out), daemon=True)
         for worker, label in zip(workers, labels, strict=True)
-        if block is not None
+        for pipe, out in ((worker.stderr, None), (worker.stdout, sys.stdout))
+        if block is not None and pipe is not None
     ]
     for reader in readers:
         reader.start()
-    shared = f", {per_gpu} per GPU, each with 1/{per_gpu} of its memory" if per_gpu > 1 else ""
-    log.info("started %d workers: GPUs %s%s", len(workers), ", ".join(gpus), shared)
     received: list[str] = []
 
     def forward(signum: int, frame: FrameType | None) -> None:
@@ -189,9 +193,12 @@ def run_workers(
     return next((code for code in codes if code != 0), 0)
 
 
-def _relay_lines(worker: subprocess.Popen[str], label: str, block: live.LiveBlock | None) -> None:
-    """A worker's stderr, line by line, to the block that keeps its progress line below."""
-    if worker.stderr is None or block is None:
+def _relay_lines(
+    pipe: IO[str], label: str, block: live.LiveBlock | None, out: TextIO | None
+) -> None:
+    """A worker's stderr (or its stdout, printed on `out`), line by line, to the block that
+    keeps its progress line below."""
+    if block is None:
         return
-    for line in worker.stderr:
-        block.feed(label, line.rstrip("\n"))
+    for line in pipe:
+        block.feed(label, line.rstrip("\n"), out)

@@ -19,6 +19,7 @@ import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import TrialState
 
+from hpo import cpu_share
 from hpo import progress as live
 from hpo.checkpoints import checkpoint_root, folder_name
 from hpo.config import (
@@ -275,13 +276,17 @@ def run_trials(
         if study_config.artifact_store is not None:
             artifacts = ArtifactStore(study_config.artifact_store)
     in_worker = study_config.trial_isolation == "none"
+    # On the CPU, counted among the host's workers, so that their trials share its cores.
+    host = cpu_share.registered() if objective.trains_on_cpu() else contextlib.nullcontext()
     if in_worker:
         # What is alive now (torch, transformers, the data) outlives every trial: frozen out of
         # the collection that frees each trial's memory (150 ms a trial otherwise).
         gc.freeze()
     try:
-        return _trial_loop(trials, objective, stop, (checkpoints, artifacts), deadline,
-                           collect=in_worker)  # fmt: skip
+        with host as entry:
+            objective.cpu_worker = entry
+            return _trial_loop(trials, objective, stop, (checkpoints, artifacts), deadline,
+                               collect=in_worker)  # fmt: skip
     finally:
         if not stop.requested:  # done with its trials: its last cleanup of the store may end
             trials.finish_cleanup(ARTIFACT_CLEANUP_WAIT_S)

@@ -19,16 +19,18 @@ import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import optuna
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
 from hpo.config import Config
+from hpo.front import FrontRule, as_rule, best_of, rule_for
 from storage.artifacts import ArtifactStore
 
-T = TypeVar("T")
+# Which trials' models are best: hpo's rule for the study (hpo.front), or its directions alone.
+Rule = FrontRule | Sequence[StudyDirection]
 
 log = logging.getLogger(__name__)
 
@@ -134,11 +136,11 @@ def missing_model(number: int, attrs: Mapping[str, Any]) -> str | None:
 def remove_stale_checkpoints(study: optuna.Study, root: Path) -> list[Path]:
     """Remove the trial folders no trial of `study` needs any more; returns them."""
     trials = study.get_trials(deepcopy=False)
-    return remove_unneeded_folders(root, study.study_name, trials, study.directions)
+    return remove_unneeded_folders(root, study.study_name, trials, rule_for(study))
 
 
 def remove_unneeded_folders(
-    root: Path, study_name: str, trials: list[FrozenTrial], directions: Sequence[StudyDirection]
+    root: Path, study_name: str, trials: list[FrozenTrial], rule: Rule
 ) -> list[Path]:
     """Remove the trial folders in `root` that none of `trials` needs: not a running or queued
     attempt's, not the best trial's (with several objectives: not a Pareto-front trial's).
@@ -147,7 +149,7 @@ def remove_unneeded_folders(
     if not _is_ours(root, {"study": study_name}):
         return []
     folders = [p for p in root.iterdir() if _is_trial_folder(p, study_name)]
-    keep = _active_folders(trials) | _best_model_folders(trials, directions)
+    keep = _active_folders(trials) | _best_model_folders(trials, rule)
     removed = [p for p in folders if p.name not in keep]
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
@@ -155,16 +157,15 @@ def remove_unneeded_folders(
 
 
 def remove_unneeded_artifacts(
-    store: ArtifactStore, study_name: str, trials: list[FrozenTrial],
-    directions: Sequence[StudyDirection],
-) -> list[str]:  # fmt: skip
+    store: ArtifactStore, study_name: str, trials: list[FrozenTrial], rule: Rule
+) -> list[str]:
     """The artifact store's counterpart of remove_unneeded_folders: a resume state stays while
     its trial runs or is queued, a best model also while its trial is the best; the rest goes,
     only what hpo's manifests list. Returns the artifacts removed ("trial-3/state"). Raises
     ArtifactStoreError when the store fails."""
     study = study_folder_name(study_name)
     active = _active_folders(trials)
-    models = active | _best_model_folders(trials, directions)
+    models = active | _best_model_folders(trials, rule)
     # The store is listed after `trials` was read: a folder of a trial started since is in no
     # set above, and is left alone (it was once removed while its trial ran).
     known = {folder_name(t) for t in trials}
@@ -184,15 +185,14 @@ def _active_folders(trials: list[FrozenTrial]) -> set[str]:
     return {folder_name(t) for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)}
 
 
-def _best_model_folders(
-    trials: list[FrozenTrial], directions: Sequence[StudyDirection]
-) -> set[str]:
+def _best_model_folders(trials: list[FrozenTrial], rule: Rule) -> set[str]:
+    rule = as_rule(rule)
     keep: set[str] = set()
     for group in _model_groups(trials):
-        keep |= {folder_name(t) for t in best_trials(group, directions)}
+        keep |= {folder_name(t) for t in best_trials(group, rule)}
         if "retrain_config" in group[0].user_attrs:
             # hpo retrain saves the best run on the first objective (hpo.retrain.best_run).
-            keep |= {folder_name(t) for t in best_on_first_objective(group, directions[0])}
+            keep |= {folder_name(t) for t in best_on_first_objective(group, rule.directions[0])}
     return keep
 
 
@@ -207,35 +207,17 @@ def _model_groups(trials: list[FrozenTrial]) -> list[list[FrozenTrial]]:
     return list(groups.values())
 
 
-def best_trials(
-    trials: list[FrozenTrial], directions: Sequence[StudyDirection]
-) -> list[FrozenTrial]:
-    """The best complete trial, or with several objectives the Pareto front: the complete
-    trials no other complete trial is at least as good as in every objective and better in one."""
+def best_trials(trials: list[FrozenTrial], rule: Rule) -> list[FrozenTrial]:
+    """The best complete trial, or with several objectives the Pareto front by hpo's rule
+    (hpo.front; directions alone: plain Pareto dominance)."""
+    rule = as_rule(rule)
     done = [
         (t, t.values)
         for t in trials
         if t.state == TrialState.COMPLETE and t.values is not None
-        and len(t.values) == len(directions)
+        and len(t.values) == len(rule.directions)
     ]  # fmt: skip
-    return best_of(done, directions)
-
-
-def best_of(scored: Sequence[tuple[T, Sequence[float]]], directions: Sequence[StudyDirection]
-            ) -> list[T]:  # fmt: skip
-    """Of (item, values) pairs in trial order: the best on the one objective (the first of
-    equals), or the Pareto front, in the same order."""
-    signs = [1.0 if d == StudyDirection.MAXIMIZE else -1.0 for d in directions]
-    signed = [(item, [s * v for s, v in zip(signs, values, strict=True)])
-              for item, values in scored]  # fmt: skip
-    if len(signs) == 1:
-        return [max(signed, key=lambda pair: pair[1][0])[0]] if signed else []
-    front: list[tuple[T, list[float]]] = []
-    for item, score in signed:
-        if any(_dominates(other, score) or other == score for _, other in front):
-            continue
-        front = [(t, s) for t, s in front if not _dominates(score, s)] + [(item, score)]
-    return [item for item, _ in front]
+    return best_of(done, rule)
 
 
 def best_on_first_objective(
@@ -246,10 +228,6 @@ def best_on_first_objective(
     sign = 1.0 if direction == StudyDirection.MAXIMIZE else -1.0
     done = [t for t in trials if t.state == TrialState.COMPLETE and t.values]
     return [min(done, key=lambda t: (-sign * t.values[0], t.number))] if done else []
-
-
-def _dominates(a: list[float], b: list[float]) -> bool:
-    return all(x >= y for x, y in zip(a, b, strict=True)) and a != b
 
 
 def _is_trial_folder(path: Path, study_name: str) -> bool:

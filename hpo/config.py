@@ -28,6 +28,8 @@ MetricName = Literal["accuracy", "macro_f1", "eval_loss"]
 ObjectiveName = Literal["accuracy", "macro_f1", "eval_loss", "samples_per_s"]
 # What a study can optimise: the evaluation metrics, and a trial's training throughput.
 OBJECTIVE_DIRECTIONS: dict[str, Direction] = {**METRIC_DIRECTIONS, "samples_per_s": "maximize"}
+# study.throughput_tolerance: the run-to-run noise of samples/s is a few percent (hpo.front).
+DEFAULT_THROUGHPUT_TOLERANCE = 0.05
 MAX_SECONDS = 1e9  # about 31 years; a timer cannot wait 1e300 s
 MAX_ENQUEUED = 1000  # configurations in study.enqueue
 DURATION_KEYS = (
@@ -174,6 +176,13 @@ class StudyConfig:
         "Optimisation direction (a list for several objectives); default: each metric's "
         "natural one."
     )
+    throughput_tolerance: float = _doc(
+        "With samples_per_s among several objectives: the fraction of a trial's throughput "
+        "that is noise. A trial better on the quality metrics dominates one whose samples/s "
+        "is higher by no more than this; a trial no better than chance (always the most "
+        "common label) is never on the Pareto front while another beats chance.",
+        DEFAULT_THROUGHPUT_TOLERANCE,
+    )
     n_trials: int | None = _doc(
         "Trials for the whole study (all workers); null: until timeout.", 20
     )
@@ -280,6 +289,9 @@ class StudyConfig:
         if len(self.objectives) > 1 and self.sampler.type == "cmaes":
             rule = "several objectives need tpe, gp, nsga2, random, qmc or grid, not cmaes"
             found.append(("metric", self.objectives, rule))
+        if not 0 <= self.throughput_tolerance < 1:
+            found.append(("throughput_tolerance", self.throughput_tolerance,
+                          "must be a fraction in [0, 1), e.g. 0.05"))  # fmt: skip
         if self.n_trials is not None and self.n_trials < 1:
             found.append(("n_trials", self.n_trials, "must be a positive integer or null"))
         if self.timeout is not None and self.timeout <= 0:

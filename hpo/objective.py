@@ -64,6 +64,8 @@ class Objective:
         worker holds no more connections than its pool; else one on an engine of its own."""
         self.task = TrialTask(config, data, storage_url)
         self.stop = stop
+        # hpo's training (its trials then share the host's cores when they run on the CPU).
+        self.trains = target is None
         if target is None:
             # torch and transformers, imported only by a worker that trains (a light worker
             # with a target of its own, bench/many_workers.py, imports neither).
@@ -71,6 +73,8 @@ class Objective:
 
             target = train_trial
         self.target: TrialTarget = target
+        # Set by run_trials while this worker is registered as one of the host's CPU workers.
+        self.cpu_worker: Path | None = None
         self.trial_number: int | None = None
         cache = batch_cache or batch_cache_for(storage_url, config.study.database_patience)
         remember_worker_cache(storage_url, cache)  # for trials in the worker (isolation none)
@@ -94,6 +98,7 @@ class Objective:
             "params": sample(trial, self.task.config.search_space),
             "asked_at": _created_at(trial),
             "full_data": bool(trial.user_attrs.get("full_data")),
+            "cpu_worker": self.cpu_worker,
         }
         if study_config.checkpoints:
             changes["checkpoint_dir"] = _trial_folder(self.task.config, trial)
@@ -111,6 +116,15 @@ class Objective:
         except Interrupted as e:
             self.mark_interrupted(trial, e.signal_name)
             raise
+
+    def trains_on_cpu(self) -> bool:
+        """Whether this worker's trials train on the CPU: they then share the host's cores."""
+        device = self.task.config.training.device
+        if not self.trains or device not in ("auto", "cpu"):
+            return False
+        import torch  # imported already by a worker that trains
+
+        return device == "cpu" or not torch.cuda.is_available()
 
     def close(self) -> None:
         """Ends the trial process kept between trials, if any."""

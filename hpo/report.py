@@ -20,6 +20,7 @@ from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
 from hpo import checkpoints
+from hpo.front import rule_for
 from storage import heartbeats, study_queries
 from storage.engine import StudyStorage
 
@@ -103,7 +104,7 @@ def best_trials(
         best = _best_from_database(study, db)
     else:
         trials = study.get_trials(deepcopy=False) if trials is None else trials
-        best = checkpoints.best_trials(trials, study.directions)
+        best = checkpoints.best_trials(trials, rule_for(study))
     return [_trial_summary(study, t) for t in best]
 
 
@@ -113,7 +114,7 @@ def _best_from_database(study: optuna.Study, db: Database) -> list[FrozenTrial]:
         best = _best_single(db.storage, db.study_id, directions[0])
         return [] if best is None else [best]
     values = study_queries.complete_values(db.storage.engine, db.study_id, len(directions))
-    front = checkpoints.best_of(sorted(values.items()), directions)
+    front = checkpoints.best_of(sorted(values.items()), rule_for(study))
     return [db.storage.rdb.get_trial(trial_id) for trial_id in front]
 
 

@@ -19,9 +19,9 @@ import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import FrozenTrial, TrialState
 
+from hpo import cpu_share, report
 from hpo import progress as live
-from hpo import report
-from hpo.checkpoints import checkpoint_root, folder_name
+from hpo.checkpoints import best_trials, checkpoint_root, folder_name
 from hpo.config import (
     Config,
     ParamSpec,
@@ -33,6 +33,7 @@ from hpo.config import (
     space_record,
 )
 from hpo.errors import ConfigError
+from hpo.front import CHANCE_ATTR, TOLERANCE_ATTR, rule_for
 from hpo.objective import Objective, worker_id
 from hpo.pruners import MarginPruner
 from hpo.stopping import HandBack, Interrupted, StopRequest, TakenOver
@@ -162,6 +163,8 @@ def open_study(storage: StudyStorage, name: str, config: Config) -> optuna.Study
         _say_budget_change(storage, study_id, name, config.study.n_trials)
         # The budget of the latest worker to join, for `hpo status --watch` to know the end.
         storage.set_study_user_attr(study_id, "n_trials", config.study.n_trials)
+        # The Pareto front's tolerance of throughput noise (hpo.front), the latest worker's.
+        storage.set_study_user_attr(study_id, TOLERANCE_ATTR, config.study.throughput_tolerance)
         # When a running trial's silence means its worker is gone, for `hpo status`.
         storage.set_study_user_attr(study_id, "grace_period_s", liveness(config.study)[1])
         worker_index = int(storage.get_study_system_attrs(study_id).get(WORKERS_ATTR, 0))
@@ -277,20 +280,35 @@ def run_trials(
         checkpoints = checkpoint_root(objective.task.config, study.study_name)
         if study_config.artifact_store is not None:
             artifacts = ArtifactStore(study_config.artifact_store)
+    if objective.trains and len(study.directions) > 1:
+        _record_chance_level(study, objective)
     in_worker = study_config.trial_isolation == "none"
+    # On the CPU, counted among the host's workers, so that their trials share its cores.
+    host = cpu_share.registered() if objective.trains_on_cpu() else contextlib.nullcontext()
     if in_worker:
         # What is alive now (torch, transformers, the data) outlives every trial: frozen out of
         # the collection that frees each trial's memory (150 ms a trial otherwise).
         gc.freeze()
     try:
-        return _trial_loop(trials, objective, stop, (checkpoints, artifacts), deadline,
-                           collect=in_worker)  # fmt: skip
+        with host as entry:
+            objective.cpu_worker = entry
+            return _trial_loop(trials, objective, stop, (checkpoints, artifacts), deadline,
+                               collect=in_worker)  # fmt: skip
     finally:
         if not stop.requested:  # done with its trials: its last cleanup of the store may end
             trials.finish_cleanup(ARTIFACT_CLEANUP_WAIT_S)
         objective.close()
         if in_worker:
             gc.unfreeze()
+
+
+def _record_chance_level(study: optuna.Study, objective: Objective) -> None:
+    """What guessing scores on the evaluation split: no trial at that level is on the Pareto
+    front (hpo.front)."""
+    from trainer.metrics import chance_levels
+
+    data = objective.task.data
+    study.set_user_attr(CHANCE_ATTR, chance_levels(data.eval.labels, data.num_labels))
 
 
 def _trial_loop(
@@ -478,15 +496,17 @@ def summary_lines(study: optuna.Study, objectives: list[str]) -> list[str]:
     if not complete:
         lines.append("no completed trial yet, so no best trial")
     elif len(study.directions) > 1:
-        lines += _front_lines(study, objectives)
+        lines += _front_lines(study, trials, objectives)
     else:
         lines += _best_lines(study.best_trial, objectives)
     best = report.best_trials(study, trials)
     return lines + report.checkpoint_warnings(best, report.lost_checkpoints(trials))
 
 
-def _front_lines(study: optuna.Study, objectives: list[str]) -> list[str]:
-    front = sorted(study.best_trials, key=lambda t: t.number)
+def _front_lines(
+    study: optuna.Study, trials: list[FrozenTrial], objectives: list[str]
+) -> list[str]:
+    front = sorted(best_trials(trials, rule_for(study)), key=lambda t: t.number)
     lines = [f"Pareto front: {len(front)} trials"]
     for best in front:
         lines.append(f"  trial #{best.number}: {_values_text(objectives, best.values)}")

@@ -34,6 +34,7 @@ class TrialTask:
     asked_at: float | None = None  # wall clock (time.time()) when the trial was created
     full_data: bool = False  # train on the evaluation split too (hpo retrain --full-data)
     artifacts: ArtifactTarget | None = None  # the shared store, when the study has one
+    cpu_worker: Path | None = None  # the worker's entry among the host's CPU workers (cpu_share)
 
 
 def batch_cache_for(storage_url: StorageURL, patience_s: float) -> BatchSizeCache:

@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 
 import optuna
 
+from hpo import cpu_share
 from hpo import progress as live
 from hpo.artifact_upload import BackgroundUploader, fetch_resume_state
 from hpo.checkpoints import trial_folder_maker
@@ -54,6 +55,7 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
     metric = task.config.study.primary_metric
     training = training_for_trial(task.config.training, task.params)
     job = TrainJob(data=task.config.data, model=task.config.model, training=training)
+    _take_cpu_share(trial, task, job)
     cache = batch_cache(trial, task)
     store, uploader = None, None
     if task.checkpoint_dir is not None:
@@ -102,6 +104,19 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
     if result.oom_recoveries and key is not None:
         cache.lower(key, result.physical_batch_size)
     return _value(trial, result, objectives)
+
+
+def _take_cpu_share(trial: TrialLike, task: TrialTask, job: TrainJob) -> None:
+    """On the CPU: the trial's share of the host's cores, taken anew at each trial (a worker
+    that started or ended since changes it; see hpo.cpu_share), and the threads it trains with
+    recorded beside its samples_per_s."""
+    if dev.resolve_device(job.training.device).type != "cpu":
+        return
+    share = cpu_share.trial_share(task.cpu_worker) if task.cpu_worker is not None else None
+    if share is not None:
+        dev.use_cpu_share(share.threads, share.host_threads, share.why())
+        trial.set_user_attr("cpu_workers", share.workers)
+    trial.set_user_attr("cpu_threads", dev.cpu_threads())
 
 
 def _start_uploader(

@@ -24,6 +24,7 @@ from hpo.checkpoints import (
     remove_unneeded_artifacts,
     remove_unneeded_folders,
 )
+from hpo.front import rule_for
 from storage.artifacts import ArtifactStore, ArtifactStoreError
 from storage.engine import StudyStorage
 from storage.heartbeats import Heartbeats, HeartbeatThread
@@ -71,7 +72,7 @@ class StudyTrials:
             trials = self.study.get_trials(deepcopy=False)
             if checkpoints is not None and checkpoints.is_dir():
                 remove_unneeded_folders(checkpoints, self.study.study_name, trials,
-                                        self.study.directions)  # fmt: skip
+                                        rule_for(self.study))  # fmt: skip
             if self.budget is not None and counted_trials(trials) >= self.budget:
                 return None
             if self.queued_only and not any(t.state == TrialState.WAITING for t in trials):
@@ -187,7 +188,7 @@ class StudyTrials:
     def _remove_artifacts(self, store: ArtifactStore, trials: list[FrozenTrial]) -> None:
         """Never raises: a store that fails now is cleaned after a later trial."""
         try:
-            remove_unneeded_artifacts(store, self.study.study_name, trials, self.study.directions)
+            remove_unneeded_artifacts(store, self.study.study_name, trials, rule_for(self.study))
         except ArtifactStoreError as e:
             log.warning("old artifacts of study %r not removed yet: %s", self.study.study_name, e)
 

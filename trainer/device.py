@@ -44,10 +44,31 @@ def configure_backends(device: torch.device, tf32: bool) -> None:
         torch.backends.cudnn.benchmark = True
 
 
+# The share of the host's cores this process last took (threads, of host threads, why), for
+# device_name: torch's thread count is the process's, and so is this note.
+_cpu_share: list[tuple[int, int, str]] = []
+
+
+def use_cpu_share(threads: int, host_threads: int, why: str) -> None:
+    """Train on `threads` of the host's `host_threads` (`why`: who uses the rest)."""
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    _cpu_share[:] = [(threads, host_threads, why)]
+
+
+def cpu_threads() -> int:
+    """The threads torch's CPU operations use in this process."""
+    return torch.get_num_threads()
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu ({torch.get_num_threads()} threads)"
+    threads = torch.get_num_threads()
+    if _cpu_share and _cpu_share[0][0] == threads:
+        _, host_threads, why = _cpu_share[0]
+        return f"cpu ({threads} of {host_threads} threads: {why})"
+    return f"cpu ({threads} threads)"
 
 
 def reset_peak_memory(device: torch.device) -> None:

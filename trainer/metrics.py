@@ -42,3 +42,19 @@ def is_better(candidate: float, best: float | None, metric: str) -> bool:
     if METRIC_DIRECTIONS[metric] == "maximize":
         return candidate > best
     return candidate < best
+
+
+def chance_levels(labels: np.ndarray, num_labels: int) -> dict[str, float]:
+    """What a model that learned nothing scores on these labels: accuracy and macro-F1 of
+    always answering the most common label, and the mean loss of answering the labels'
+    frequencies (their entropy, in nats, as the evaluation's cross-entropy)."""
+    if len(labels) == 0:
+        return {}
+    counts = np.bincount(labels, minlength=num_labels)
+    constant = np.full_like(labels, int(np.argmax(counts)))
+    shares = counts[counts > 0] / len(labels)
+    return {
+        "accuracy": accuracy(constant, labels),
+        "macro_f1": macro_f1(constant, labels, num_labels),
+        "eval_loss": float(-np.sum(shares * np.log(shares))),
+    }

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from hpo import __version__
 from hpo import progress as live
-from hpo.config import Config, load_config
+from hpo.config import DEMO_CONFIG, Config, load_config
 from hpo.errors import USER_ERRORS, ConfigError, HPOError
 from hpo.launcher import MAX_WORKERS_PER_GPU
 from hpo.logs import set_optuna_verbosity, setup_logging
@@ -37,7 +37,6 @@ ARTIFACT_STORE_ATTR = "artifact_store"  # the study's store, as its workers reso
 MAX_STUDY_NAME_CHARS = 512  # Optuna's studies.study_name column
 PARAMS_EXAMPLE = '{"learning_rate": 3e-5, "effective_batch_size": 32}'
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
 
 log = logging.getLogger("hpo")
 

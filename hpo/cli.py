@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from hpo import __version__
 from hpo import progress as live
-from hpo.config import Config, load_config
+from hpo.config import DEMO_CONFIG, Config, load_config
 from hpo.errors import USER_ERRORS, ConfigError, HPOError
 from hpo.launcher import MAX_WORKERS_PER_GPU
 from hpo.logs import set_optuna_verbosity, setup_logging
@@ -37,7 +37,6 @@ ARTIFACT_STORE_ATTR = "artifact_store"  # the study's store, as its workers reso
 MAX_STUDY_NAME_CHARS = 512  # Optuna's studies.study_name column
 PARAMS_EXAMPLE = '{"learning_rate": 3e-5, "effective_batch_size": 32}'
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
 
 log = logging.getLogger("hpo")
 
@@ -735,7 +734,8 @@ def _auto_workers_per_gpu(config: Config, config_path: Path, gpus: list[str]) ->
     """`--workers-per-gpu auto` on the first GPU (the others are taken to be alike)."""
     from hpo.launcher import choose_workers_per_gpu
 
-    if not gpus:
+    if not gpus:  # said, since --workers-per-gpu 2 is refused here
+        log.info("--workers-per-gpu auto: 1 worker, on the CPU (no GPU on this host to share)")
         return 1
     space = config.search_space.get("effective_batch_size")
     if space is None:
@@ -1175,7 +1175,8 @@ def _batch_size(args: argparse.Namespace) -> int:
         if rules:
             raise ConfigError([f"--device: got {args.device!r}; {rules[0]}"], "command line")
     # The device first: `cuda` on a host without CUDA is reported before minutes of data prep.
-    device = dev.resolve_device(config.training.device)
+    source = "--device" if args.device is not None else "training.device"
+    device = dev.resolve_device(config.training.device, source)
     check_model_config(config.model, config.data.max_length)
     data = prepare_data(config.data, load_tokenizer(config.model))
     job = TrainJob(config.data, config.model, config.training)
@@ -1260,3 +1261,7 @@ def _apply_overrides(config: Config, args: argparse.Namespace) -> None:
                 problems.append(f"--device: got {value!r}; {rule}")
     if problems:
         raise ConfigError(problems, "command line")
+    if args.device is not None and args.device.startswith("cuda"):
+        from trainer.device import resolve_device
+
+        resolve_device(args.device, "--device")  # named as typed, not as training.device

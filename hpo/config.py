@@ -23,6 +23,8 @@ from hpo.errors import ConfigError
 from trainer.config import TUNABLE_FIELDS, DataConfig, ModelConfig, TrainingConfig
 from trainer.metrics import METRIC_DIRECTIONS, Direction
 
+# The demo config, where hpo runs from its repository (an editable install); a wheel has none.
+DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 DEFAULT_BATCH_CHOICES = [32, 64, 128, 256, 512]
 MetricName = Literal["accuracy", "macro_f1", "eval_loss"]
 ObjectiveName = Literal["accuracy", "macro_f1", "eval_loss", "samples_per_s"]
@@ -459,8 +461,7 @@ class Config:
 def load_config(path: str | Path) -> Config:
     """Read, type-check and validate a config file; raises ConfigError listing every problem."""
     if not str(path).strip():  # Path("") is the working folder
-        raise ConfigError(["the config path is empty; pass --config with a YAML file such as "
-                           "configs/demo.yaml"])  # fmt: skip
+        raise ConfigError([f"the config path is empty; {config_hint()}"])
     path = Path(path)
     if not path.is_file():
         what = (
@@ -470,11 +471,21 @@ def load_config(path: str | Path) -> Config:
             if path.exists()
             else "no such file"
         )
-        raise ConfigError(
-            [f"{path}: {what}; pass --config with a YAML file such as configs/demo.yaml"]
-        )
+        raise ConfigError([f"{path}: {what}; {config_hint()}"])
     raw = _read_yaml(path)
     return parse_config(raw if raw is not None else {}, base_dir=path.parent, source=str(path))
+
+
+def config_hint() -> str:
+    """What to pass instead, true in the folder hpo runs in: the demo config by a path that
+    reaches it from there, or, where hpo is installed without it, where to find one."""
+    if not DEMO_CONFIG.is_file():
+        return "pass --config with a YAML file (an example: configs/demo.yaml in hpo's sources)"
+    try:
+        shown = DEMO_CONFIG.relative_to(Path.cwd())
+    except ValueError:  # not under the working folder
+        shown = DEMO_CONFIG
+    return f"pass --config with a YAML file such as {shown}"
 
 
 def _read_yaml(path: Path) -> Any:
@@ -542,7 +553,9 @@ def parse_config(raw: Any, base_dir: Path, source: str = "config") -> Config:
         )
     raw = dict(raw)
     space_raw = raw.pop("search_space", None)
-    config = _build(Config, raw, "", problems, skip={"search_space", "source"})
+    # search_space is built on its own below, but is a known key all the same: `search_spaces:`
+    # must get its did-you-mean.
+    config = _build(Config, raw, "", problems, skip={"source"})
     config.source = source
     config.search_space = _build_search_space(space_raw, problems)
     if not 0 <= config.training.seed < 2**64:  # what numpy and torch.manual_seed both take

@@ -14,7 +14,8 @@ class HPOError(Exception):
 
 
 class ConfigError(HPOError):
-    """The YAML config breaks one or more rules; `problems` lists every one of them."""
+    """The YAML config breaks one or more rules; `problems` lists every one of them. One problem
+    is one line; several are a count and a line each."""
 
     SHOWN = 20  # a file of 5,000 bad keys gets 20 lines and a count, not 5,000 lines
 
@@ -22,12 +23,14 @@ class ConfigError(HPOError):
         # A value shown back may hold a password: `storage: [postgresql://u:secret@h/db]`.
         problems = [mask_text(p) for p in problems]
         self.problems = problems
+        if len(problems) == 1:  # one problem, one line
+            super().__init__(f"{source}: {problems[0]}")
+            return
         shown = [f"  - {p}" for p in problems[: self.SHOWN]]
         if len(problems) > self.SHOWN:
             shown.append(f"  - ... and {len(problems) - self.SHOWN} more")
         lines = "\n".join(shown)
-        noun = "problem" if len(problems) == 1 else "problems"
-        super().__init__(f"{source}: {len(problems)} {noun}; fix them and run again:\n{lines}")
+        super().__init__(f"{source}: {len(problems)} problems; fix them and run again:\n{lines}")
 
 
 # Every error that is the user's to fix: one line and exit code 2.

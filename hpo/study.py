@@ -49,6 +49,7 @@ ARTIFACT_CLEANUP_WAIT_S = 60.0
 
 # How many workers have joined the study: the next one's index, for its sampler seed.
 WORKERS_ATTR = "hpo:workers_joined"
+QUEUED_BY_ATTR = "queued_by"  # study.enqueue or hpo enqueue, on a queued trial
 
 
 def build_sampler(
@@ -192,16 +193,17 @@ def open_study(storage: StudyStorage, name: str, config: Config) -> optuna.Study
                         "past the budget stay queued", count, budget)  # fmt: skip
         with storage.lock(study_id):
             for params in config.study.enqueue:
-                enqueue(study, params)
+                enqueue(study, params, "study.enqueue")
     return study
 
 
-def enqueue(study: optuna.Study, params: dict[str, Any]) -> bool:
+def enqueue(study: optuna.Study, params: dict[str, Any], by: str = "hpo enqueue") -> bool:
     """Queue a configuration to try next, unless a trial of the study (in any state) was
     queued or ran with exactly these parameters; whether it was queued. Call it under the
-    study's lock: two workers must not both queue it."""
+    study's lock: two workers must not both queue it. `by` (the trial's `queued_by`) is said
+    in the log when the trial starts."""
     before = len(study.get_trials(deepcopy=False))
-    study.enqueue_trial(params, skip_if_exists=True)
+    study.enqueue_trial(params, user_attrs={QUEUED_BY_ATTR: by}, skip_if_exists=True)
     return len(study.get_trials(deepcopy=False)) > before
 
 
@@ -342,6 +344,7 @@ def _trial_loop(
             log.info("study %r holds %d started trials, this worker's budget being %d%s; "
                      "stopping", trials.study.study_name, held, trials.budget, queued)  # fmt: skip
             return ran
+        _say_queued(trial)
         try:
             run_trial(trials, trial, objective, checkpoints)
             ran += 1
@@ -359,6 +362,14 @@ def _trial_loop(
     if checkpoints is not None:
         trials.remove_stale_checkpoints(checkpoints)
     return ran
+
+
+def _say_queued(trial: optuna.Trial) -> None:
+    """A queued configuration, not a sampled one, is said when it starts (a retry is said
+    when it is queued)."""
+    by = trial.user_attrs.get(QUEUED_BY_ATTR)
+    if by is not None and "retry_of" not in trial.user_attrs:
+        log.info("trial %d (queued by %s) starts", trial.number, by)
 
 
 def _show_study(study: optuna.Study, budget: int | None) -> None:

@@ -209,8 +209,8 @@ class ChildTrial:
 @dataclass(frozen=True)
 class TrialLimits:
     """How long a trial process may take: to stop once asked, and to run at all (None: no
-    limit). Past `trial_timeout_s` it is asked to checkpoint and stop; past that plus
-    `stop_timeout_s` (stuck where it cannot stop: a data load, a batch search) it is ended.
+    limit). Past `trial_timeout_s` of training (its startup is not counted) it checkpoints and
+    stops itself; past that plus `stop_timeout_s` (stuck where it cannot stop) it is ended.
     Stopped (SIGSTOP, a debugger) for `stopped_limit_s` while its worker runs, it is killed and
     its trial handed back: the worker beats for it, so no other worker would take it over."""
 
@@ -257,10 +257,10 @@ class TrialProcess:
         """The trial's value; raises what the worker needs to record the outcome
         (TrialPruned, TrialFailed, TrialProcessDied, Interrupted, HandBack, TrialTimedOut,
         TakenOver: then the process is killed at once, saving nothing)."""
-        deadline = None
+        limit_s = None
         if self.limits.trial_timeout_s is not None:
-            deadline = time.monotonic() + self.limits.trial_timeout_s + self.limits.stop_timeout_s
-        watchers = _Watchers(deadline, taken_over, self.limits.stopped_limit_s)
+            limit_s = self.limits.trial_timeout_s + self.limits.stop_timeout_s
+        watchers = _Watchers(limit_s, taken_over, self.limits.stopped_limit_s)
         try:
             while True:
                 started = self.started
@@ -398,15 +398,22 @@ def run_in_child(
 class _Watchers:
     """What ends a trial from the worker's side, besides a stop request."""
 
-    deadline: float | None  # monotonic; past it the trial is ended as timed out
+    limit_s: float | None  # training time (trial_timeout) plus the stop timeout
     taken_over: threading.Event | None
     stopped_limit_s: float | None = None  # see TrialLimits
     stopped_since: list[float] = field(default_factory=list)  # first and last seen stopped
+    deadline: list[float] = field(default_factory=list)  # monotonic; past it: timed out
+
+    def training(self) -> None:
+        """The trial trains (its first progress): the trial timeout counts training only, and
+        the trial process starts its own clock no later than this."""
+        if self.limit_s is not None and not self.deadline:
+            self.deadline.append(time.monotonic() + self.limit_s)
 
     def check(self) -> None:
         if self.taken_over is not None and self.taken_over.is_set():
             raise TakenOver()
-        if self.deadline is not None and time.monotonic() > self.deadline:
+        if self.deadline and time.monotonic() > self.deadline[0]:
             raise TrialTimedOut("the trial process did not stop at study.trial_timeout")
 
     def check_stopped(self, watch: _ProcessWatch) -> None:
@@ -477,6 +484,8 @@ def _relay(
         if message[0] == ASK:
             pending = _answer(requests, conn, message[1])
             continue
+        if message[0] == "progress":
+            watchers.training()
         try:
             outcome = _pass_on(trial, conn, stop, message)
         except optuna.exceptions.UpdateFinishedTrialError as e:

@@ -71,9 +71,9 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
         reporter = (
             pruning_reporter(trial, metric) if len(objectives) == 1 else _log_evaluation(trial)
         )
-        should_stop = _stop_check(started, task.config.study.trial_timeout)
+        clock = _TrainingClock(task.config.study.trial_timeout)
         data = with_eval_in_training(task.data) if task.full_data else task.data
-        result = train(job, data, reporter, metric, store, should_stop=should_stop,
+        result = train(job, data, reporter, metric, store, should_stop=clock.should_stop,
                        on_progress=_progress_sender(trial))  # fmt: skip
     except OutOfMemoryAtBatchOne as e:
         _give_up_uploads(uploader, task)
@@ -91,7 +91,7 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
         trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
         if store is not None:  # it checkpointed on the way out: upload it, say what that cost
             _hand_over(trial, task, store, uploader)
-        _raise_stopped(started, task.config.study.trial_timeout)
+        _raise_stopped(clock)
     record_result(trial, result)
     if result.first_step_at is not None and task.asked_at is not None:
         # Trial created to its first optimizer step: process start, data, model, batch size.
@@ -193,20 +193,33 @@ def _startup_parts(
     }
 
 
-def _stop_check(started: float, trial_timeout: float | None) -> Callable[[], bool]:
-    """Asked between optimizer steps: stop for the worker (SIGTERM) or past the trial timeout."""
-    if trial_timeout is None:
-        return stop_requested
-    return lambda: stop_requested() or time.perf_counter() - started > trial_timeout
+class _TrainingClock:
+    """study.trial_timeout counts training only, as its help says: from the loop's first stop
+    check (training starts), not the trial process's start, the model or the batch search."""
+
+    def __init__(self, trial_timeout: float | None) -> None:
+        self.trial_timeout = trial_timeout
+        self.started: float | None = None
+
+    def should_stop(self) -> bool:
+        """Asked between optimizer steps: stop for the worker (SIGTERM) or past the timeout."""
+        if self.started is None:
+            self.started = time.perf_counter()
+        return stop_requested() or self.timed_out()
+
+    def elapsed_s(self) -> float:
+        return 0.0 if self.started is None else time.perf_counter() - self.started
+
+    def timed_out(self) -> bool:
+        return self.trial_timeout is not None and self.elapsed_s() > self.trial_timeout
 
 
-def _raise_stopped(started: float, trial_timeout: float | None) -> NoReturn:
+def _raise_stopped(clock: _TrainingClock) -> NoReturn:
     """The run checkpointed and stopped: past its timeout it is pruned, with that reason;
     otherwise its worker is stopping, and the retry resumes from the checkpoint."""
-    elapsed = time.perf_counter() - started
-    if trial_timeout is not None and elapsed > trial_timeout and not stop_requested():
-        raise TrialTimedOut(f"stopped after {elapsed:.0f} s, past study.trial_timeout "
-                            f"({trial_timeout:g} s)")  # fmt: skip
+    if clock.timed_out() and not stop_requested():
+        raise TrialTimedOut(f"stopped after {clock.elapsed_s():.0f} s of training, past "
+                            f"study.trial_timeout ({clock.trial_timeout:g} s)")  # fmt: skip
     raise Interrupted(stop_reason())
 
 

@@ -56,8 +56,10 @@ def is_gone(error: BaseException) -> bool:
     )
 
 
-def retrying(call: Callable[[], T], what: str, patience_s: float) -> T:
-    """`call()`, again and again while the database is unreachable, for up to `patience_s`."""
+def retrying(call: Callable[[], T], what: str, patience_s: float, wrote_before: bool = True) -> T:
+    """`call()`, again and again while the database is unreachable, for up to `patience_s`.
+    `wrote_before`: whether this process has written to the database yet, which tells an
+    SQLite file made read-only under it from one that never took a write."""
     deadline = time.monotonic() + patience_s
     delay = FIRST_DELAY_S
     failures = 0
@@ -66,11 +68,7 @@ def retrying(call: Callable[[], T], what: str, patience_s: float) -> T:
             result = call()
         except Exception as e:
             if is_gone(e):
-                raise StorageError(
-                    "the study's SQLite file refuses writes (attempt to write a readonly "
-                    "database): it was deleted, moved or made read-only while the worker ran; "
-                    "put it back or start a new study"
-                ) from e
+                raise StorageError(_gone(wrote_before)) from e
             if not is_transient(e):
                 raise
             if time.monotonic() + delay > deadline:
@@ -87,6 +85,20 @@ def retrying(call: Callable[[], T], what: str, patience_s: float) -> T:
         if failures:
             log.warning("study database back after %d retries of %s", failures, what)
         return result
+
+
+def _gone(wrote_before: bool) -> str:
+    refused = "the study's SQLite file refuses writes (attempt to write a readonly database)"
+    if not wrote_before:
+        return (
+            f"{refused}: it is read-only (its permissions, a read-only file system, or mode=ro "
+            "in the URL); make it writable, or copy it to a writable place and point --storage "
+            "at the copy"
+        )
+    return (
+        f"{refused}: it was deleted, moved or made read-only while the worker ran; "
+        "put it back or start a new study"
+    )
 
 
 def wait_for_connections(engine: Engine, patience_s: float) -> None:

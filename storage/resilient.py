@@ -30,11 +30,15 @@ class ResilientStorage(BaseStorage):
     def __init__(self, backend: BaseStorage, patience_s: float | None = None) -> None:
         self.backend = backend
         self.patience_s = patience_s
+        self.wrote = False  # a write went through: a refusal after it is news, not the start
 
     def _call(self, what: str, call: Callable[[], T]) -> T:
         if self.patience_s is None:
             return call()
-        return retrying(call, what, self.patience_s)
+        result = retrying(call, what, self.patience_s, wrote_before=self.wrote)
+        if what.startswith(("create_", "set_", "delete_")):
+            self.wrote = True
+        return result
 
     # -- studies -----------------------------------------------------------------------------
 

@@ -151,6 +151,49 @@ def test_not_yaml_and_missing_file(tmp_path: Path) -> None:
         load_config("")  # --config '': not the working folder
 
 
+def test_a_missing_config_suggests_a_demo_config_that_is_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outside the repository root, `configs/demo.yaml` names nothing: the hint must."""
+    import hpo.config
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as caught:
+        load_config("absent.yaml")
+    suggested = str(caught.value).rpartition("such as ")[2]
+    assert Path(suggested).is_file(), str(caught.value)
+    monkeypatch.chdir(REPO)
+    with pytest.raises(ConfigError, match=r"such as configs/demo\.yaml$"):
+        load_config("absent.yaml")
+    # Installed without its repository (a wheel): no path that is not there.
+    monkeypatch.setattr(hpo.config, "DEMO_CONFIG", tmp_path / "no" / "demo.yaml")
+    with pytest.raises(ConfigError) as caught:
+        load_config("absent.yaml")
+    assert "such as" not in str(caught.value)
+    assert "configs/demo.yaml in hpo's sources" in str(caught.value)
+
+
+def test_one_problem_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(tmp_path / "absent.yaml")
+    assert "\n" not in str(caught.value)
+    assert str(caught.value).startswith(f"config: {tmp_path / 'absent.yaml'}: no such file; ")
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"study": {"metrc": "x", "n_trials": 0}}, base_dir=Path("."))
+    lines = str(caught.value).splitlines()  # several: a count, then a line each
+    assert lines[0] == f"config: {len(lines) - 1} problems; fix them and run again:"
+    assert lines[1].startswith("  - study.metrc: unknown key (did you mean 'metric'?)")
+
+
+def test_search_space_misspelt_at_the_top_gets_a_did_you_mean() -> None:
+    problems = _problems({"search_spaces": {}})
+    assert any(
+        "search_spaces: unknown key (did you mean 'search_space'?); known: study, "
+        "search_space, model" in p
+        for p in problems
+    ), problems
+
+
 def _problems(raw: Any, base_dir: Path = Path(".")) -> list[str]:
     with pytest.raises(ConfigError) as caught:
         parse_config(raw, base_dir=base_dir)

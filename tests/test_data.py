@@ -407,3 +407,14 @@ def test_a_jsonl_line_that_is_not_json_is_named(tmp_path: Path, tokenizer: Any) 
     path.write_text('{"text": "good", "label": "pos"}\n{"text": "bad", \n', encoding="utf-8")
     with pytest.raises(DataError, match=r"line 2 is not valid JSON"):
         prepare_data(DataConfig(train_file=str(path), eval_file=str(path)), tokenizer)
+
+
+def test_a_tab_separated_file_named_csv_is_called_tab_separated(tmp_path: Path) -> None:
+    tsv = tmp_path / "train.csv"
+    tsv.write_text("text\tlabel\ngood meal\tpos\nbad meal\tneg\n", encoding="utf-8")
+    with pytest.raises(DataError) as caught:
+        data_module.read_table(str(tsv), "train")
+    assert "the file is tab-separated (TSV); hpo reads .csv files separated by commas" in str(
+        caught.value
+    )
+    assert "'text\\tlabel'" in str(caught.value)

@@ -99,11 +99,15 @@ def test_warm_start_from_the_config_and_the_command_line(
     assert first.returncode == 0, first.stderr[-3000:]
     study = optuna.load_study(study_name="warm", storage=url)
     assert _params(study) == [recipe]  # tried first
+    assert "trial 0 (queued by study.enqueue) starts" in first.stderr  # said, not only done
+    assert study.get_trials()[0].user_attrs["queued_by"] == "study.enqueue"
 
     mine = {"effective_batch_size": 8, "learning_rate": 0.004}
     args = ("enqueue", "--study", "warm", "--storage", url, "--params")
     queued = run_hpo(*args, json.dumps(mine), cwd=tmp_path)
     assert queued.returncode == 0 and "queued" in queued.stdout, queued.stderr[-3000:]
+    [waiting] = study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+    assert waiting.user_attrs["queued_by"] == "hpo enqueue"
     again = run_hpo(*args, json.dumps(mine), cwd=tmp_path)
     assert again.returncode == 0 and "already holds a trial" in again.stdout
     for bad, expected in [

@@ -150,6 +150,21 @@ def test_explicit_workers_per_gpu_without_a_gpu_is_one_line(
     assert "Traceback" not in result.stderr and not (tmp_path / "g.db").exists()
 
 
+def test_workers_per_gpu_auto_without_a_gpu_says_what_it_chose(
+    tmp_path: Path, easy_data: tuple[Path, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """--workers-per-gpu 2 is refused without a GPU: auto's one CPU worker is not silent."""
+    from hpo.cli import _auto_workers_per_gpu
+    from hpo.config import load_config
+
+    path = write_config(tmp_path / "c.yaml", tiny_config(*easy_data))
+    with caplog.at_level("INFO", logger="hpo"):
+        assert _auto_workers_per_gpu(load_config(path), path, []) == 1
+    assert caplog.messages == [
+        "--workers-per-gpu auto: 1 worker, on the CPU (no GPU on this host to share)"
+    ]
+
+
 def test_workers_per_gpu_auto_shares_one_gpu_and_keeps_the_budget_exact(
     tmp_path: Path, easy_data: tuple[Path, Path]
 ) -> None:

@@ -289,8 +289,7 @@ def test_a_trial_past_its_timeout_is_pruned_with_that_reason_and_the_worker_goes
     url = f"sqlite:///{tmp_path / 't.db'}"
     raw = tiny_config(
         *easy_data,
-        # Long enough that a trial reaches its first evaluation on a loaded CI machine (the
-        # trial process imports torch and builds the model inside the timeout).
+        # Long enough that a trial reaches its first evaluation on a loaded CI machine.
         study={"n_trials": 2, "pruner": {"type": "none"}, "trial_timeout": 20},
         training={"epochs": 500, "evals_per_epoch": 4},
     )
@@ -307,6 +306,34 @@ def test_a_trial_past_its_timeout_is_pruned_with_that_reason_and_the_worker_goes
         assert trial.user_attrs["checkpoint_s"] > 0 and "checkpoint_error" not in trial.user_attrs
     # What a trial reached counts for the sampler (a loaded machine may start one slowly).
     assert any(trial.intermediate_values for trial in trials)
+
+
+def test_the_trial_timeout_counts_training_not_the_startup_before_it(
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    hpo_main: Callable[[list[str]], int],
+) -> None:
+    """--trial-timeout is "seconds one trial may train": a batch search (or a model load) that
+    takes longer than it does not time the trial out before its first step."""
+    from hpo import trial_training
+
+    search = trial_training._resolve_physical_batch
+
+    def slow_search(*args: object, **kwargs: object) -> object:
+        time.sleep(4)  # past the timeout, before any training
+        return search(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(trial_training, "_resolve_physical_batch", slow_search)
+    raw = tiny_config(*easy_data, study={"n_trials": 1, "trial_isolation": "none"},
+                      training={"max_steps": 2, "evals_per_epoch": 1})  # fmt: skip
+    config = write_config(tmp_path / "c.yaml", raw)
+    url = f"sqlite:///{tmp_path / 't.db'}"
+    monkeypatch.chdir(tmp_path)
+    args = ["run", "--study", "t", "--config", str(config), "--storage", url]
+    assert hpo_main([*args, "--trial-timeout", "3"]) == 0
+    [trial] = optuna.load_study(study_name="t", storage=url).get_trials()
+    assert trial.state == TrialState.COMPLETE, trial.user_attrs.get("prune_reason")
 
 
 # -- the command line ------------------------------------------------------------------------------

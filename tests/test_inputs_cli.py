@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import optuna
@@ -168,7 +169,7 @@ def test_batch_size_on_cuda_without_cuda_is_one_line(
     result = run_hpo("batch-size", "--config", str(float_choices_config), "--device", "cuda",
                      cwd=tmp_path, timeout=120)  # fmt: skip
     assert result.returncode == 2, result.stderr[-3000:]
-    assert "'cuda' but CUDA is not available; use auto or cpu" in result.stderr
+    assert "--device is 'cuda' but CUDA is not available; use auto or cpu" in result.stderr
     assert "Traceback" not in result.stderr
     assert time.monotonic() - started < 60  # before the data is tokenized
 
@@ -181,8 +182,31 @@ def test_run_on_cuda_without_cuda_is_one_line_and_writes_nothing(
     result = run_hpo("run", "--study", "s", "--config", str(float_choices_config), "--device",
                      "cuda", "--storage", f"sqlite:///{database}", cwd=tmp_path)  # fmt: skip
     assert result.returncode == 2, result.stderr[-3000:]
-    assert "'cuda' but CUDA is not available; use auto or cpu" in result.stderr
+    assert "--device is 'cuda' but CUDA is not available; use auto or cpu" in result.stderr
     assert "Traceback" not in result.stderr and not database.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
+def test_cuda_without_cuda_names_where_the_user_asked_for_it(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
+    float_choices_config: Path,
+) -> None:
+    """`--device cuda` typed on the command line is not `training.device` in a config."""
+    storage = ["--storage", f"sqlite:///{tmp_path / 's.db'}"]
+    run = ["run", "--study", "s", *storage]
+    assert hpo_main([*run, "--config", str(float_choices_config), "--device", "cuda:0"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "hpo: error: --device is 'cuda:0' but CUDA is not available; use auto or cpu"
+    )
+    in_config = tmp_path / "cuda.yaml"
+    in_config.write_text(
+        float_choices_config.read_text().replace("device: cpu", "device: cuda"), "utf-8"
+    )
+    assert hpo_main([*run, "--config", str(in_config)]) == 2
+    assert "hpo: error: training.device is 'cuda' but CUDA" in capsys.readouterr().err
+    assert not (tmp_path / "s.db").exists()
 
 
 def test_a_database_without_optunas_tables_is_one_line_for_monitoring(tmp_path: Path) -> None:

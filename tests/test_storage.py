@@ -191,3 +191,65 @@ def test_an_sqlite_file_deleted_under_a_worker_fails_at_once(tmp_path: Path) -> 
     with pytest.raises(StorageError, match="deleted, moved or made read-only"):
         trial.report(0.5, 1)
     assert time.monotonic() - started < 5
+
+
+def test_an_sqlite_file_read_only_from_the_start_is_not_said_to_have_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file that never took a write was not "made read-only while the worker ran". (As root,
+    which CI is, a mode cannot make a file read-only: SQLite's mode=ro does.)"""
+    import optuna
+
+    from storage.url import StorageURL
+
+    db = tmp_path / "ro.db"
+    optuna.create_study(study_name="old", storage=f"sqlite:///{db}")
+    monkeypatch.chdir(tmp_path)  # hpo's lock file beside the URI's relative name
+    url = StorageURL("sqlite:///file:ro.db?mode=ro&uri=true", "test")
+    storage = open_storage(url, patience_s=600)
+    with pytest.raises(StorageError) as caught:
+        optuna.create_study(study_name="s", storage=storage)
+    assert "it is read-only (its permissions, a read-only file system, or mode=ro" in str(
+        caught.value
+    )
+    assert "while the worker ran" not in str(caught.value)
+
+
+@pytest.mark.parametrize("damage", ["garbage pages", "a bare header"])
+def test_a_corrupt_sqlite_file_is_called_corrupt(tmp_path: Path, damage: str) -> None:
+    import sqlite3
+
+    from storage.url import StorageURL
+
+    db = tmp_path / "study.db"
+    with sqlite3.connect(db) as conn:
+        conn.execute("CREATE TABLE t (x)")
+        conn.executemany("INSERT INTO t VALUES (?)", [("x" * 100,)] * 500)
+    data = db.read_bytes()
+    kept = 100 if damage == "garbage pages" else 16  # the header that passes hpo's own check
+    db.write_bytes(data[:kept] + b"\xff" * (len(data) - kept))
+    for read_only in (False, True):
+        with pytest.raises(StorageError) as caught:
+            open_storage(StorageURL(f"sqlite:///{db}", "test"), read_only=read_only)
+        message = str(caught.value)
+        assert (
+            "the file is damaged, or is not an SQLite database: restore it from a backup, or "
+            "point --storage at a new file name" in message
+        )
+        assert "folder exists" not in message
+
+
+@pytest.mark.postgres
+def test_a_missing_postgres_database_says_how_to_create_it(postgres_url: str) -> None:
+    from sqlalchemy.engine import make_url
+
+    from storage.url import StorageURL
+
+    parsed = make_url(postgres_url).set(database="hpo_no_such_db", password="s3cret")
+    url = parsed.render_as_string(hide_password=False)
+    with pytest.raises(StorageError) as caught:
+        open_storage(StorageURL(url, "test"))
+    message = str(caught.value)
+    user = f" -U {parsed.username}" if parsed.username else ""
+    assert f"create it with `createdb -h {parsed.host}{user} hpo_no_such_db`" in message
+    assert "s3cret" not in message

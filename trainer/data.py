@@ -131,6 +131,12 @@ def _read_csv(path: Path) -> dict[str, list[Any]]:
     # pandas renames a repeated column (text, text.1) and reads on: check the header itself.
     with path.open(newline="", encoding="utf-8-sig") as handle:
         header = next(csv.reader(handle), [])
+    if len(header) == 1 and "\t" in header[0]:  # one column can hold no text and label anyway
+        raise DataError(
+            f"{path}: the header is one column, {header[0][:80]!r}, with tabs in it: the file is "
+            "tab-separated (TSV); hpo reads .csv files separated by commas: convert it to CSV "
+            "or to .jsonl"
+        )
     _check_unique_columns(header, path)
     # index_col=False: a first row with more fields than the header would otherwise turn the
     # first columns into an index and shift every row (a wrong row then blamed for it).

@@ -12,12 +12,13 @@ import torch
 from trainer.errors import DeviceError
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, source: str = "training.device") -> torch.device:
+    """The torch device `name` means here; `source` is where the user wrote it, for the error."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise DeviceError(f"training.device is {name!r} but CUDA is not available; use auto or cpu")
+        raise DeviceError(f"{source} is {name!r} but CUDA is not available; use auto or cpu")
     return device
 
 

@@ -343,3 +343,16 @@ def test_a_store_without_credentials_stops_hpo_run_in_seconds(
     assert result.stderr.count("\n") == 1 and "Unable to locate credentials" in result.stderr
     assert time.monotonic() - started < 60
     assert not (tmp_path / "s.db").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def test_a_missing_store_folder_is_created_when_the_run_starts(
+    tmp_path: Path, easy_data: tuple[Path, Path], hpo_main: Main
+) -> None:
+    folder = tmp_path / "shared" / "hpo"
+    folder.parent.mkdir()
+    raw = tiny_config(*easy_data, study={"n_trials": 1, "artifact_store": f"file://{folder}"},
+                      training={"epochs": 1})  # fmt: skip
+    config = write_config(tmp_path / "c.yaml", raw)
+    assert run(hpo_main, config, f"sqlite:///{tmp_path / 's.db'}") == 0
+    assert [p.name for p in folder.iterdir()] != []  # the best model went there
+    assert not list(folder.glob(".hpo-probe-*"))

@@ -1,6 +1,7 @@
 """A trial's artifacts in the shared store: its checkpoints uploaded in the background while it
-trains (the newest of each kind supersedes an older one still queued; failures retried with
-backoff, never fatal), and its state fetched from the store when a retry on another host starts.
+trains (the newest of each kind supersedes an older one still queued; failures that may pass
+retried with backoff, a refusal not retried; never fatal), and its state fetched from the
+store when a retry on another host starts.
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from storage.artifacts import ArtifactStore, ArtifactStoreError, ArtifactTarget, Manifest
+from storage.artifacts import (
+    ArtifactStore,
+    ArtifactStoreError,
+    ArtifactTarget,
+    Manifest,
+    StoreRefused,
+)
 from trainer.checkpoint import STATE_FILE, CheckpointStore
 
 log = logging.getLogger(__name__)
@@ -49,7 +56,9 @@ class BackgroundUploader:
 
     `submit` never blocks training: it only records the newest path of its kind. The thread
     publishes best model then state; a failure is recorded (`stats.errors`) and retried after
-    a backoff, with whatever is newest by then."""
+    a backoff, with whatever is newest by then. A refusal (no credentials, access denied, no
+    such bucket: see StoreRefused) ends the trial's uploads: no wait would change it, and each
+    trial's end would otherwise wait out study.artifact_patience for nothing."""
 
     def __init__(self, store: ArtifactStore, target: ArtifactTarget,
                  backoff: Backoff | None = None) -> None:  # fmt: skip
@@ -60,6 +69,7 @@ class BackgroundUploader:
         self._discarded: set[str] = set()  # kinds no longer wanted: a failed one is not retried
         self._busy = False
         self._failures = 0
+        self._refused = False  # the store refused: nothing more is tried
         self._closed = False
         self._ending = False  # close() called: the trial is over, training no longer goes on
         self._changed = threading.Condition()
@@ -68,12 +78,15 @@ class BackgroundUploader:
 
     def submit(self, kind: str, path: Path) -> None:
         with self._changed:
+            if self._refused:
+                return
             self._discarded.discard(kind)
             self._pending[kind] = path
             self._changed.notify_all()
 
     def flush(self, timeout_s: float) -> bool:
-        """Wait until everything submitted is in the store, at most `timeout_s`; whether it is."""
+        """Wait until everything submitted is in the store (or refused), at most `timeout_s`;
+        whether it is in the store."""
         deadline = time.monotonic() + timeout_s
         with self._changed:
             while self._pending or self._busy:
@@ -81,7 +94,7 @@ class BackgroundUploader:
                 if left <= 0:
                     return False
                 self._changed.wait(left)
-        return True
+        return not self._refused
 
     def close(self, timeout_s: float) -> bool:
         """Flush, then stop the thread; what is still pending after `timeout_s` is given up,
@@ -138,8 +151,10 @@ class BackgroundUploader:
             ok = self._publish(kind, path)
             with self._changed:
                 self._busy = False
+                if self._refused:
+                    self._pending.clear()
                 # Discarded, or its file gone (the trial dropped it): nothing to retry.
-                if not ok and kind not in self._discarded and path.exists():
+                if not ok and not self._refused and kind not in self._discarded and path.exists():
                     self._pending.setdefault(kind, path)  # unless a newer one came meanwhile
                     self._failures += 1
                     self._changed.notify_all()
@@ -152,6 +167,10 @@ class BackgroundUploader:
         started = time.perf_counter()
         try:
             manifest = self.store.publish(self.target.study, self.target.folder, kind, path)
+        except StoreRefused as e:
+            self._refused = True  # before the warning: it says what happens next
+            self._record(f"{kind} not uploaded to {self.target.url}: {e}")
+            return False
         except ArtifactStoreError as e:
             self._record(f"{kind} not uploaded to {self.target.url}: {e}")
             return False
@@ -166,6 +185,8 @@ class BackgroundUploader:
     def _record(self, reason: str) -> None:
         if not self.stats.errors or self.stats.errors[-1] != reason:
             then = "the trial ends without it" if self._ending else "training goes on"
+            if self._refused:
+                then = f"the store refused, no more uploads of this trial; {then}"
             log.warning("%s; %s", reason, then)
         self.stats.errors.append(reason[:500])
 

@@ -30,7 +30,7 @@ from hpo.stopping import Interrupted, StopRequest, stopped_exit_code
 from storage.url import StorageURL
 
 if TYPE_CHECKING:
-    from storage.artifacts import ArtifactStore
+    from storage.artifacts import ArtifactStore, ArtifactURL
 
 EXIT_BAD_INPUT = 2
 ARTIFACT_STORE_ATTR = "artifact_store"  # the study's store, as its workers resolved it
@@ -482,6 +482,9 @@ def _run(args: argparse.Namespace) -> int:
     storage = open_storage(storage_url, config.study.database_patience, on_demand=on_demand)
     study = open_study(storage, args.study, config)
     if config.study.artifact_store is not None:
+        from storage.artifacts import ArtifactStore
+
+        ArtifactStore(config.study.artifact_store).create()  # a file store's folder, if missing
         # For `hpo best` and `hpo status`, which have no config.
         study.set_user_attr(ARTIFACT_STORE_ATTR, config.study.artifact_store)
         print(f"hpo: checkpoints and best models go to {config.study.artifact_store}",
@@ -671,11 +674,13 @@ def _retrain_stopped(stop: StopRequest, code: int, args: argparse.Namespace) -> 
 def _check_inputs(
     args: argparse.Namespace, before_data: Callable[[Config, StorageURL], None] | None = None
 ) -> tuple[Config, StorageURL, list[str], Any, int]:
-    """Every input of `hpo run`, checked before the database is touched: a bad one writes
-    nothing. Returns the config, the storage URL, the worker's GPUs, the prepared data and the
-    workers per GPU. `before_data` checks what it must (retrain: that the study exists) before
-    the data is prepared, which takes seconds."""
-    from storage.artifacts import ArtifactStore, resolve_artifact_url
+    """Every input of `hpo run`, checked before anything is written: a bad one writes nothing.
+    The cheap checks first, the data last (it takes seconds, minutes on a real set): the
+    database and the artifact store are reached once, and a model folder's weights read, before
+    it is prepared. Returns the config, the storage URL, the worker's GPUs, the prepared data
+    and the workers per GPU. `before_data` checks what it must (retrain: that the study exists)
+    before the data is prepared."""
+    from storage.artifacts import resolve_artifact_url
     from storage.url import resolve_storage_url
 
     check_study_name(args.study)
@@ -688,8 +693,6 @@ def _check_inputs(
     artifacts = resolve_artifact_url(getattr(args, "artifact_store", None),
                                      config.study.artifact_store)  # fmt: skip
     config.study.artifact_store = artifacts.url if artifacts is not None else None
-    if artifacts is not None:  # a missing AWS profile or a bad endpoint: one line, now
-        ArtifactStore(artifacts.url)
     _check_memory_share()
     per_gpu = args.workers_per_gpu
     gpus = _worker_gpus(config, "auto" if args.gpus is None and per_gpu is not None else args.gpus)
@@ -698,6 +701,7 @@ def _check_inputs(
             f"--workers-per-gpu {per_gpu}: no GPU to share on this host; leave it out to run "
             "one worker on the CPU"
         )
+    _check_stores(storage_url, artifacts)
     if before_data is not None:
         before_data(config, storage_url)
     # Only now the heavy imports: a config or URL error is reported in well under a second.
@@ -719,6 +723,18 @@ def _check_inputs(
     if per_gpu == "auto":
         per_gpu = _auto_workers_per_gpu(config, config_path, gpus)
     return config, storage_url, gpus, data, per_gpu or 1
+
+
+def _check_stores(storage_url: StorageURL, artifacts: ArtifactURL | None) -> None:
+    """The study database reached (credentials, Optuna's tables or the right to create them)
+    and the artifact store tried (a probe written, read and deleted), writing nothing: a
+    permanent refusal is one line now, not a wait of study.artifact_patience in every trial."""
+    from storage.artifacts import ArtifactStore
+    from storage.preflight import check_database
+
+    check_database(storage_url)
+    if artifacts is not None:
+        ArtifactStore(artifacts.url).check()
 
 
 def _check_memory_share() -> None:

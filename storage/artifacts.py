@@ -11,6 +11,7 @@ own manifests list.
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import hashlib
 import json
 import logging
@@ -49,6 +50,45 @@ class ArtifactStoreError(StorageError):
 
 class UntrustedArtifact(ArtifactStoreError):
     """A manifest hpo did not write, or a file that does not match its manifest."""
+
+
+class StoreRefused(ArtifactStoreError):
+    """The store said no in a way no wait will change: no credentials, access denied, no such
+    bucket, a folder that cannot be written. Not retried; at start, `hpo run` stops on it."""
+
+
+# S3's answers that a retry gets again: the credentials, the bucket or the rights are wrong.
+_REFUSED_CODES = frozenset({
+    "AccessDenied", "AllAccessDisabled", "AccountProblem", "InvalidAccessKeyId",
+    "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "AuthorizationHeaderMalformed",
+    "NoSuchBucket", "InvalidBucketName", "PermanentRedirect", "InvalidObjectState",
+})  # fmt: skip
+# The OS's: no right to write, a read-only mount, a file where a folder should be.
+_REFUSED_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR})
+PROBE_PREFIX = ".hpo-probe-"
+
+
+def is_refusal(error: BaseException) -> bool:
+    """Whether the store's error is permanent (see StoreRefused), not a dropped connection,
+    a timeout, a busy server or a full disk, which may pass."""
+    if isinstance(error, StoreRefused):
+        return True
+    if isinstance(error, OSError):
+        return error.errno in _REFUSED_ERRNOS
+    from botocore.exceptions import ClientError, NoCredentialsError, PartialCredentialsError
+
+    if isinstance(error, NoCredentialsError | PartialCredentialsError):
+        return True
+    if isinstance(error, ClientError):
+        code = str(error.response.get("Error", {}).get("Code", ""))
+        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return code in _REFUSED_CODES or status in (401, 403)
+    return False
+
+
+def store_error(message: str, error: BaseException) -> ArtifactStoreError:
+    """`message` as the error it is: StoreRefused when `error` is permanent."""
+    return (StoreRefused if is_refusal(error) else ArtifactStoreError)(message)
 
 
 @dataclass(frozen=True)
@@ -134,10 +174,17 @@ def _validated_file_url(host: str, path: str, where: str, shown: str) -> str:
             f"{where} needs an absolute path, file:///path (three slashes), got {shown}"
         )
     folder = Path(unquote(path))
-    if not folder.is_dir():
+    # A missing folder in a folder that exists is made by `hpo run` (as checkpoint_dir is);
+    # a missing parent is more likely a shared mount not mounted on this host.
+    if folder.exists() and not folder.is_dir():
         raise ArtifactStoreError(
-            f"{where}: {str(folder)[:200]!r} is not a folder; create it on the shared mount "
-            "(every host must see the same folder there)"
+            f"{where}: {str(folder)[:200]!r} is not a folder; name a folder on the shared "
+            "mount (every host must see the same folder there)"
+        )
+    if not folder.is_dir() and not folder.parent.is_dir():
+        raise ArtifactStoreError(
+            f"{where}: {str(folder)[:200]!r} is not a folder, nor is {str(folder.parent)[:200]!r};"
+            " create it on the shared mount (every host must see the same folder there)"
         )
     return "file://" + str(folder.resolve())
 
@@ -173,6 +220,8 @@ class ArtifactTarget:
 class Backend(Protocol):
     """Objects by key: what the file and S3 stores have in common."""
 
+    def check(self) -> None: ...
+    def create(self) -> None: ...
     def put(self, key: str, source: BinaryIO) -> None: ...
     def get(self, key: str, target: BinaryIO) -> None: ...
     def read(self, key: str) -> bytes | None: ...
@@ -187,6 +236,25 @@ class FileBackend:
     def __init__(self, root: Path) -> None:
         self.root = root
 
+    def check(self) -> None:
+        """A probe file written, read and deleted. A missing folder is made for the probe and
+        removed after it: a check leaves nothing behind (`create` makes it for good)."""
+        made = not self.root.is_dir()
+        if made:
+            self.create()
+        try:
+            _probe(self, listed=False)  # a file store lists by folder, never a dot file
+        finally:
+            if made:
+                _remove_empty(self.root)
+
+    def create(self) -> None:
+        """The folder, if missing (its parent exists: see validated_artifact_url)."""
+        try:
+            self.root.mkdir(exist_ok=True)
+        except OSError as e:
+            raise store_error(f"cannot create {self.root}: {e.strerror or e}", e) from e
+
     def put(self, key: str, source: BinaryIO) -> None:
         with _AtomicFile(self.root / key) as target:
             shutil.copyfileobj(source, target, _CHUNK)
@@ -200,7 +268,7 @@ class FileBackend:
             with (self.root / key).open("rb") as source:
                 shutil.copyfileobj(source, target, _CHUNK)
         except OSError as e:
-            raise ArtifactStoreError(f"cannot read {key}: {e.strerror or e}") from e
+            raise store_error(f"cannot read {key}: {e.strerror or e}", e) from e
 
     def read(self, key: str) -> bytes | None:
         try:
@@ -208,7 +276,7 @@ class FileBackend:
         except FileNotFoundError:
             return None
         except OSError as e:
-            raise ArtifactStoreError(f"cannot read {key}: {e.strerror or e}") from e
+            raise store_error(f"cannot read {key}: {e.strerror or e}", e) from e
 
     def delete(self, keys: list[str]) -> None:
         try:
@@ -219,9 +287,11 @@ class FileBackend:
                     if parent == self.root or not _remove_empty(parent):
                         break
         except OSError as e:
-            raise ArtifactStoreError(f"cannot remove from {self.root}: {e.strerror or e}") from e
+            raise store_error(f"cannot remove from {self.root}: {e.strerror or e}", e) from e
 
     def list(self, prefix: str) -> Iterator[tuple[str, int]]:
+        if not self.root.is_dir():  # e.g. the shared mount is not mounted on this host
+            raise ArtifactStoreError(f"{self.root} is not a folder")
         base = self.root / prefix
         if not base.is_dir():
             return
@@ -242,7 +312,7 @@ class _AtomicFile:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.handle = self.aside.open("wb")
         except OSError as e:
-            raise ArtifactStoreError(f"cannot write {self.path}: {e.strerror or e}") from e
+            raise store_error(f"cannot write {self.path}: {e.strerror or e}", e) from e
         return self.handle
 
     def __exit__(self, kind: object, error: BaseException | None, traceback: object) -> None:
@@ -254,13 +324,12 @@ class _AtomicFile:
             if error is None:
                 os.replace(self.aside, self.path)
         except OSError as e:
-            raise ArtifactStoreError(f"cannot write {self.path}: {e.strerror or e}") from e
+            raise store_error(f"cannot write {self.path}: {e.strerror or e}", e) from e
         finally:
             self.aside.unlink(missing_ok=True)
         if isinstance(error, OSError):  # e.g. the disk full mid-copy
-            raise ArtifactStoreError(
-                f"cannot write {self.path}: {error.strerror or error}"
-            ) from error
+            raise store_error(f"cannot write {self.path}: {error.strerror or error}",
+                              error) from error  # fmt: skip
 
 
 def _remove_empty(folder: Path) -> bool:
@@ -294,6 +363,13 @@ class S3Backend:
         except (BotoCoreError, ValueError) as e:  # a missing profile; an endpoint or region
             raise ArtifactStoreError(f"cannot set up S3: {_reason(e)}") from e  # that is no URL
 
+    def check(self) -> None:
+        """A probe object written, read, listed and deleted under the prefix."""
+        _probe(self, listed=True)
+
+    def create(self) -> None:
+        """Nothing to make: a prefix exists once an object is under it."""
+
     def put(self, key: str, source: BinaryIO) -> None:
         with self._errors(f"cannot upload {key}"):
             self.client.upload_fileobj(source, self.bucket, self._key(key))
@@ -322,7 +398,10 @@ class S3Backend:
         with self._errors("cannot remove objects"):
             for start in range(0, len(keys), 1000):  # S3's most per request
                 batch = [{"Key": self._key(k)} for k in keys[start : start + 1000]]
-                self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch})
+                answer = self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch})
+                # Refusals come per key in the answer, not as an error of the call.
+                for refused in answer.get("Errors", [])[:1]:
+                    raise _refused_deletion(refused, len(answer["Errors"]), self.bucket)
 
     def list(self, prefix: str) -> Iterator[tuple[str, int]]:
         strip = len(self._key(""))
@@ -355,7 +434,33 @@ class _Wrapped:
         from botocore.exceptions import BotoCoreError, ClientError
 
         if isinstance(error, BotoCoreError | ClientError | OSError):
-            raise ArtifactStoreError(f"{self.doing}: {_reason(error)}") from error
+            raise store_error(f"{self.doing}: {_reason(error)}", error) from error
+
+
+def _refused_deletion(refused: dict[str, Any], count: int, bucket: str) -> ArtifactStoreError:
+    from botocore.exceptions import ClientError
+
+    code, text = str(refused.get("Code", "")), str(refused.get("Message", ""))
+    answer: Any = {"Error": {"Code": code, "Message": text}}
+    return store_error(
+        f"cannot remove {count} objects (s3://{bucket}): {code}: {mask_text(text)[:200]}",
+        ClientError(answer, "DeleteObjects"),
+    )
+
+
+def _probe(backend: Backend, listed: bool) -> None:
+    """Write, read back, (list) and delete a small object: what every trial's uploads and the
+    workers' cleanup of the store do."""
+    key = f"{PROBE_PREFIX}{uuid.uuid4().hex[:12]}"
+    data = b"hpo checks that it may write here; this file is removed at once\n"
+    backend.write(key, data)
+    try:
+        if backend.read(key) != data:
+            raise ArtifactStoreError(f"cannot read back {key}: it came back changed")
+        if listed and not any(name == key for name, _ in backend.list(PROBE_PREFIX)):
+            raise ArtifactStoreError(f"cannot list {key}: the store does not list it")
+    finally:
+        backend.delete([key])
 
 
 def _reason(error: BaseException) -> str:
@@ -406,6 +511,35 @@ class ArtifactStore:
     def __init__(self, url: str, backend: Backend | None = None) -> None:
         self.url = url
         self.backend = backend or _backend_for(url)
+
+    def check(self) -> None:
+        """Once, before the first trial: a small object written, read and deleted under the
+        URL. No credentials, access denied, no such bucket or a folder that cannot be written
+        raise StoreRefused; a store that does not answer, ArtifactStoreError; each one line
+        that says what to do, where otherwise every trial's uploads would wait out
+        study.artifact_patience in vain."""
+        try:
+            self.backend.check()
+        except ArtifactStoreError as e:
+            refused = isinstance(e, StoreRefused)
+            raise (StoreRefused if refused else ArtifactStoreError)(
+                f"artifact store {self.url}: {e}; {self._fix(refused)}"
+            ) from e
+
+    def create(self) -> None:
+        """Make what the store needs before the first upload (a file store's folder)."""
+        self.backend.create()
+
+    def _fix(self, refused: bool) -> str:
+        if self.url.startswith("s3://") and refused:
+            return ("check the bucket's name and the AWS credentials ($AWS_ACCESS_KEY_ID and "
+                    "$AWS_SECRET_ACCESS_KEY, $AWS_PROFILE or an instance role): hpo writes, "
+                    "reads, lists and deletes under the prefix")  # fmt: skip
+        if self.url.startswith("s3://"):
+            return "check $AWS_ENDPOINT_URL and the network, then start again"
+        if refused:
+            return "let this user write to the folder (on every host), or name another"
+        return "check the shared mount, then start again"
 
     def uri(self, study: str, folder: str, kind: str) -> str:
         return f"{self.url}/{_prefix(study, folder)}/{kind}"

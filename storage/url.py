@@ -135,6 +135,13 @@ def _check_sqlite_path(database: str, url: str, where: str) -> None:
             f"{where} names an SQLite file in {str(path.parent.absolute())[:200]!r}, a folder "
             "that does not exist; create the folder or fix the path"
         )
+    if path.exists() and not path.is_file():
+        # /dev/null, a pipe, a socket: SQLite would open it (a pipe blocks) and leave its
+        # journal and hpo's lock file beside it.
+        raise StorageError(
+            f"{where} names {str(path)[:200]!r}, which is not a regular file (a device, a pipe "
+            "or a socket); point it at a study database or at a new file name"
+        )
     try:
         with path.open("rb") as handle:
             head = handle.read(len(SQLITE_HEADER))

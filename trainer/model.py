@@ -11,6 +11,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from pickle import UnpicklingError
 from typing import Any
 
 import torch
@@ -21,6 +22,9 @@ from trainer.errors import ModelError
 log = logging.getLogger(__name__)
 
 PACKAGE_SCHEME = "pkg://"
+# The weights transformers loads from a model folder, in the order it looks for them.
+WEIGHTS_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")  # fmt: skip
 # How long the one question to the model hub may take before hpo calls it unreachable.
 HUB_PROBE_TIMEOUT_S = 10.0
 
@@ -59,8 +63,13 @@ def check_model_config(config: ModelConfig, max_length: int | None = None) -> No
     """Fail fast, before any trial: the model's config must load (or build) cleanly, and hold
     `max_length` (data.max_length) positions. An inline config is also built into a model on
     the meta device (no memory, no weights), which catches settings that only clash at build
-    time (a hidden size that the heads do not divide, a negative size)."""
+    time (a hidden size that the heads do not divide, a negative size); a local model folder's
+    weights must be there and whole."""
     model_config = _model_config(config, num_labels=2)
+    if config.config is None:
+        folder = Path(resolve_location(_pretrained_location(config)))
+        if folder.is_dir():  # a hub name: transformers downloads and checks its files
+            check_weights(folder, _pretrained_location(config))
     if config.config is not None:
         from transformers import AutoModelForSequenceClassification
 
@@ -174,6 +183,53 @@ def _check_model_folder(path: Path, location: str) -> None:
     if path.is_dir() and not (path / "config.json").is_file():
         raise ModelError(f"model folder {location!r} has no config.json; point "
                          "model.name_or_path at a folder written by save_pretrained")  # fmt: skip
+
+
+def check_weights(folder: Path, location: str) -> None:
+    """The weights transformers would load from `folder` are there and whole: a safetensors
+    file's header (which says how long the file must be) is read, a .bin's index opened on the
+    meta device; no tensor is read. Else every trial would fail on them, one after another."""
+    found = next((name for name in WEIGHTS_FILES if (folder / name).is_file()), None)
+    if found is None:
+        raise ModelError(
+            f"model folder {location!r} has a config.json but no weights (model.safetensors or "
+            "pytorch_model.bin); copy them into it, or give model.config to train from random "
+            "weights"
+        )
+    files = [folder / found]
+    if found.endswith(".index.json"):
+        files = [folder / shard for shard in _shards(folder / found, location)]
+    for path in files:
+        if not path.is_file():
+            raise ModelError(f"model folder {location!r} has no {path.name}, which {found} "
+                             "names; copy the whole model folder again")  # fmt: skip
+        _check_weights_file(path, location)
+
+
+def _shards(index: Path, location: str) -> list[str]:
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        return sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ModelError(f"model folder {location!r}: {index.name} is not a weights index "
+                         f"({_first_line(e)}); copy the model folder again") from e  # fmt: skip
+
+
+def _check_weights_file(path: Path, location: str) -> None:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        if path.name.endswith(".safetensors"):
+            with safe_open(str(path), framework="pt"):
+                return
+        torch.load(path, map_location="meta", weights_only=True, mmap=True)
+    except (SafetensorError, OSError, RuntimeError, ValueError, EOFError, UnpicklingError) as e:
+        if "mmap" in str(e):
+            return  # the legacy (non-zip) format: not checked without reading it all
+        raise ModelError(
+            f"model folder {location!r}: {path.name} is damaged ({_first_line(e)[:200]}); copy "
+            "the model folder again (a download or copy cut short?)"
+        ) from e
 
 
 def _inline_config(settings: dict[str, Any], num_labels: int) -> Any:

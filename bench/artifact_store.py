@@ -28,8 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from hpo.artifact_upload import BackgroundUploader  # noqa: E402
-from hpo.config import load_config  # noqa: E402
+from hpo.config.loader import load_config  # noqa: E402
+from hpo.trial.uploads import BackgroundUploader  # noqa: E402
 from storage.artifacts import ArtifactStore, ArtifactTarget  # noqa: E402
 from trainer.checkpoint import CheckpointStore  # noqa: E402
 from trainer.config import TrainJob  # noqa: E402

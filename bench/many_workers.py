@@ -40,9 +40,10 @@ import optuna
 import sqlalchemy as sa
 
 from hpo.logs import setup_logging
-from hpo.objective import Objective
 from hpo.stopping import StopRequest
-from hpo.study import open_study, run_trials
+from hpo.study.join import open_study
+from hpo.study.loop import run_trials
+from hpo.trial.objective import Objective
 from storage.batch_cache import BatchSizeCache
 from storage.engine import engine_kwargs, open_storage
 from storage.url import StorageURL

@@ -46,10 +46,12 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 from search_grid import TASKS, data_path  # noqa: E402
 
-from hpo.config import Config, ParamSpec, parse_config  # noqa: E402
-from hpo.search_space import sample  # noqa: E402
-from hpo.study import build_pruner, build_sampler, enqueue  # noqa: E402
-from hpo.trial_training import pruning_reporter  # noqa: E402
+from hpo.config.loader import parse_config  # noqa: E402
+from hpo.config.schema import Config, ParamSpec  # noqa: E402
+from hpo.study.join import enqueue  # noqa: E402
+from hpo.study.sampling import build_pruner, build_sampler  # noqa: E402
+from hpo.trial.search_space import sample  # noqa: E402
+from hpo.trial.training import pruning_reporter  # noqa: E402
 from trainer.loop import Evaluation  # noqa: E402
 
 # Each strategy: the study.sampler and study.pruner sections of a config (a seed is added).

@@ -92,7 +92,7 @@ def _init(task: str) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from hpo.config import load_config
+    from hpo.config.loader import load_config
     from trainer.data import prepare_data
     from trainer.model import load_tokenizer
 
@@ -109,7 +109,7 @@ def train_point(run: dict[str, Any]) -> dict[str, Any]:
     """Train one grid point with one seed through hpo's trainer; its curve and status."""
     import dataclasses
 
-    from hpo.search_space import training_for_trial
+    from hpo.trial.search_space import training_for_trial
     from trainer.config import TrainJob
     from trainer.loop import Evaluation, train
 

@@ -26,12 +26,14 @@ from typing import Any
 
 import optuna
 
-from hpo.config import Config, ParamSpec, StudyConfig
+from hpo.config.schema import Config, ParamSpec, StudyConfig
 from hpo.logs import setup_logging
-from hpo.objective import Objective
 from hpo.stopping import StopRequest
-from hpo.study import build_pruner, build_sampler, open_study, run_trials
-from hpo.trial_process import TrialLike
+from hpo.study.join import open_study
+from hpo.study.loop import run_trials
+from hpo.study.sampling import build_pruner, build_sampler
+from hpo.trial.objective import Objective
+from hpo.trial.protocol import TrialLike
 from storage.engine import engine_kwargs, open_storage
 from storage.url import StorageURL
 

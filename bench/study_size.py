@@ -104,8 +104,8 @@ def grow(url: str, name: str, size: int) -> None:
 def sampler_seconds(url: str, name: str, sampler: optuna.samplers.BaseSampler) -> float:
     """Seconds per `ask` (then a tell, so the next ask sees one more trial) once the study's
     trials are read: the sampler's own cost, apart from reading the study."""
-    from hpo.config import load_config
-    from hpo.search_space import sample
+    from hpo.config.loader import load_config
+    from hpo.trial.search_space import sample
 
     config = load_config(CONFIG)
     study = optuna.load_study(study_name=name, storage=url, sampler=sampler)

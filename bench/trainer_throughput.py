@@ -26,7 +26,8 @@ from torch.utils.hooks import RemovableHandle
 from transformers import DataCollatorWithPadding, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback
 
-from hpo.config import Config, load_config
+from hpo.config.loader import load_config
+from hpo.config.schema import Config
 from hpo.errors import USER_ERRORS
 from trainer import device as dev
 from trainer.config import TrainingConfig, TrainJob

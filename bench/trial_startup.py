@@ -25,7 +25,7 @@ def phases(config_path: str) -> dict[str, float]:
 
     import torch
 
-    from hpo.config import load_config
+    from hpo.config.loader import load_config
     from trainer.config import TrainJob
     from trainer.data import prepare_data
     from trainer.loop import Trainer

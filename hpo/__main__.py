@@ -18,7 +18,7 @@ def entry() -> int:
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        from hpo.cli import main
+        from hpo.cli.app import main
     except KeyboardInterrupt as e:
         name = getattr(e, "signal_name", "SIGINT")
         print(f"hpo: stopped by {name} while starting", file=sys.stderr)

@@ -484,7 +484,7 @@ class FileEntry:
 class Manifest:
     """What one artifact (a trial's resume state or best model) holds, written last."""
 
-    study: str  # the study's folder name (a slug and a hash, hpo.checkpoints)
+    study: str  # the study's folder name (a slug and a hash, hpo.trial.folders)
     folder: str  # trial-N
     kind: str
     version: str

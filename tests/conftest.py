@@ -295,7 +295,7 @@ def hpo_main() -> Iterator[Callable[[list[str]], int]]:
     """hpo's `main()` in this process, for a fast test of a command. The log handler it installs
     writes to this test's captured stderr: it goes with the test, or a later test's log line
     would meet a closed stream ("--- Logging error ---" in that test's output)."""
-    from hpo.cli import main
+    from hpo.cli.app import main
 
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level

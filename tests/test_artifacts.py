@@ -1,5 +1,5 @@
 """The artifact store (storage.artifacts) and a trial's background uploads to it
-(hpo.artifact_upload): URLs, manifests, verified fetches, cut uploads, removal, supersede and
+(hpo.trial.uploads): URLs, manifests, verified fetches, cut uploads, removal, supersede and
 backoff. Fast: a folder as the store, and an S3 API served by moto on 127.0.0.1."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from hpo.artifact_upload import BackgroundUploader, Backoff
-from hpo.checkpoints import study_folder_name
+from hpo.trial.folders import study_folder_name
+from hpo.trial.uploads import BackgroundUploader, Backoff
 from storage.artifacts import (
     ArtifactStore,
     ArtifactStoreError,
@@ -254,7 +254,7 @@ def test_uploads_still_failing_at_close_are_given_up_with_the_reason(
     assert not uploader.close(timeout_s=0.5)
     assert uploader.stats.errors[-1].startswith("state not uploaded after 0.5 s: state not")
     assert "Could not connect" in uploader.stats.errors[-1]
-    last = [r.getMessage() for r in caplog.records if r.name == "hpo.artifact_upload"][-1]
+    last = [r.getMessage() for r in caplog.records if r.name == "hpo.trial.uploads"][-1]
     assert last.endswith("; the trial ends without it")  # not "training goes on": it has ended
 
 
@@ -498,7 +498,7 @@ def test_a_retry_takes_the_newest_state_local_or_stored(
 ) -> None:
     import os
 
-    from hpo.artifact_upload import fetch_resume_state
+    from hpo.trial.uploads import fetch_resume_state
     from trainer.checkpoint import CheckpointStore
 
     files = FileBackend(tmp_path / "store")
@@ -548,7 +548,7 @@ def test_the_workers_remove_old_artifacts_under_the_rules_of_local_folders(tmp_p
     from optuna.study import StudyDirection
     from optuna.trial import create_trial
 
-    from hpo.checkpoints import remove_unneeded_artifacts
+    from hpo.trial.folders import remove_unneeded_artifacts
 
     def trial(number: int, state: TrialState, value: float | None = None, **attrs: int) -> object:
         made = create_trial(state=state, value=value, params={"x": 0.5}, user_attrs=attrs,
@@ -594,8 +594,8 @@ def test_retrain_takes_a_winner_trained_on_another_host_from_the_store(
     from optuna.distributions import FloatDistribution
     from optuna.trial import create_trial
 
-    from hpo.cli import _winner_model
-    from hpo.config import load_config
+    from hpo.commands.retrain import winner_model
+    from hpo.config.loader import load_config
 
     (tmp_path / "shared").mkdir()
     store_url = f"file://{tmp_path / 'shared'}"
@@ -609,7 +609,7 @@ def test_retrain_takes_a_winner_trained_on_another_host_from_the_store(
     model = _model_folder(tmp_path / "model")
     store.publish(study_folder_name("s.retrain"), "trial-0", "best-model", model)
 
-    with _winner_model(study, 0, config, tmp_path / "final") as folder:
+    with winner_model(study, 0, config, tmp_path / "final") as folder:
         assert (folder / "model.safetensors").read_bytes() == b"weights" * 1000
     assert not folder.exists()  # the fetched copy goes once the final model is saved
 
@@ -638,17 +638,18 @@ def test_status_says_when_the_store_is_not_reachable_from_here(
 ) -> None:
     import argparse
 
-    from hpo.cli import _artifact_line, _artifact_summary
+    from hpo.commands.monitor import artifact_summary
+    from hpo.reports.text import artifact_line
 
     monkeypatch.delenv("HPO_ARTIFACT_STORE", raising=False)
     study = optuna.create_study(study_name="s")
     study.set_user_attr("artifact_store", "file:///mnt/not-mounted-here")
-    summary = _artifact_summary(study, argparse.Namespace(artifact_store=None))
+    summary = artifact_summary(study, argparse.Namespace(artifact_store=None))
     assert summary is not None
-    assert _artifact_line(summary).startswith("artifact store file:///mnt/not-mounted-here: "
+    assert artifact_line(summary).startswith("artifact store file:///mnt/not-mounted-here: "
                                               "unreachable (")  # fmt: skip
     with pytest.raises(ArtifactStoreError, match="not a folder"):  # asked for: an error
-        _artifact_summary(study, argparse.Namespace(artifact_store="file:///mnt/not-mounted"))
+        artifact_summary(study, argparse.Namespace(artifact_store="file:///mnt/not-mounted"))
 
 
 def test_a_disk_full_mid_copy_leaves_no_file_on_the_shared_mount(tmp_path: Path) -> None:

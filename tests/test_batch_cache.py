@@ -163,7 +163,7 @@ def test_out_of_memory_at_batch_one_prunes_and_the_worker_goes_on(tmp_path: Path
 def test_an_oom_in_a_trial_lowers_the_cached_size(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hpo.config import load_config
+    from hpo.config.loader import load_config
     from tests.test_batch_finder import training_peak
     from trainer.batch_finder import batch_key
     from trainer.config import TrainJob

@@ -14,8 +14,8 @@ from typing import Any
 import optuna
 import pytest
 
-from hpo import progress as live
-from hpo.checkpoints import STUDY_MARKER, TRIAL_MARKER, prepare_trial_folder, study_folder_name
+from hpo import live
+from hpo.trial.folders import STUDY_MARKER, TRIAL_MARKER, prepare_trial_folder, study_folder_name
 from tests.conftest import tiny_config, write_config
 from trainer.checkpoint import CheckpointStore
 
@@ -46,7 +46,7 @@ def test_a_checkpoint_folder_removed_during_a_trial_is_made_again_for_the_next_o
         return saved
 
     monkeypatch.setattr(CheckpointStore, "save_state", save_then_lose_the_folder)
-    # No live line: its default stream is the sys.stderr of when hpo.progress was imported,
+    # No live line: its default stream is the sys.stderr of when hpo.live was imported,
     # pytest's capture of the collection, closed by now.
     monkeypatch.setattr(live, "start", lambda: None)
     url = f"sqlite:///{tmp_path / 's.db'}"
@@ -103,7 +103,7 @@ def test_a_trial_folder_removed_between_writes_is_made_again_by_the_callers_make
 def test_a_vanished_trial_folder_is_made_again_with_markers_never_over_a_users_folder(
     tmp_path: Path,
 ) -> None:
-    from hpo.checkpoints import trial_folder_maker
+    from hpo.trial.folders import trial_folder_maker
 
     root = tmp_path / study_folder_name("s")
     folder = prepare_trial_folder(root, "s", "trial-0")
@@ -139,7 +139,7 @@ def test_a_study_folder_another_worker_is_marking_is_recognised(tmp_path: Path) 
 def test_an_empty_folder_without_marker_is_refused_after_a_short_wait(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hpo import checkpoints
+    from hpo.trial import folders as checkpoints
 
     monkeypatch.setattr(checkpoints, "MARKER_WAIT_S", 0.2)
     root = tmp_path / study_folder_name("s")
@@ -152,7 +152,7 @@ def test_an_empty_folder_without_marker_is_refused_after_a_short_wait(
 
 
 def test_a_best_model_that_cannot_be_had_is_named_with_the_reason(tmp_path: Path) -> None:
-    from hpo.checkpoints import missing_model
+    from hpo.trial.folders import missing_model
 
     here = tmp_path / "trial-3" / "best-model"
     here.mkdir(parents=True)
@@ -168,12 +168,12 @@ def test_a_best_model_that_cannot_be_had_is_named_with_the_reason(tmp_path: Path
 
 
 def test_hpo_best_warns_instead_of_naming_a_model_that_is_not_there(tmp_path: Path) -> None:
-    from hpo.cli import _best_text
+    from hpo.reports.text import best_text
 
     gone = str(tmp_path / "trial-3" / "best-model")
     attrs = {"best_model": gone, "checkpoint_s": 0.1}
     missing = f"the model of trial #3 is gone: {gone} is not on this host"
     best = {"study": "s", "number": 3, "value": 0.9, "params": {}, "user_attrs": attrs,
             "model_missing": missing}  # fmt: skip
-    text = _best_text(best)
+    text = best_text(best)
     assert "WARNING: the model of trial #3 is gone" in text and "\nmodel:" not in text

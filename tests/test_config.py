@@ -11,15 +11,10 @@ import optuna
 import pytest
 import yaml
 
-from hpo.config import (
-    DEFAULT_BATCH_CHOICES,
-    MAX_SHOWN_CHARS,
-    _show,
-    load_config,
-    parse_config,
-)
+from hpo.config.loader import MAX_SHOWN_CHARS, _show, load_config, parse_config
+from hpo.config.schema import DEFAULT_BATCH_CHOICES
 from hpo.errors import ConfigError
-from hpo.search_space import sample
+from hpo.trial.search_space import sample
 from tests.conftest import REPO, tiny_config, write_config
 
 SHIPPED = sorted((REPO / "configs").glob("*.yaml")) + sorted(
@@ -155,7 +150,7 @@ def test_a_missing_config_suggests_a_demo_config_that_is_there(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Outside the repository root, `configs/demo.yaml` names nothing: the hint must."""
-    import hpo.config
+    import hpo.config.loader
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError) as caught:
@@ -166,7 +161,7 @@ def test_a_missing_config_suggests_a_demo_config_that_is_there(
     with pytest.raises(ConfigError, match=r"such as configs/demo\.yaml$"):
         load_config("absent.yaml")
     # Installed without its repository (a wheel): no path that is not there.
-    monkeypatch.setattr(hpo.config, "DEMO_CONFIG", tmp_path / "no" / "demo.yaml")
+    monkeypatch.setattr(hpo.config.loader, "DEMO_CONFIG", tmp_path / "no" / "demo.yaml")
     with pytest.raises(ConfigError) as caught:
         load_config("absent.yaml")
     assert "such as" not in str(caught.value)

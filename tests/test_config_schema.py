@@ -13,8 +13,8 @@ import jsonschema
 import pytest
 import yaml
 
-from hpo.config import parse_config
-from hpo.config_schema import config_schema
+from hpo.config.json_schema import config_schema
+from hpo.config.loader import parse_config
 from hpo.errors import ConfigError
 from tests.conftest import REPO, tiny_config
 

@@ -17,10 +17,11 @@ import pytest
 import sqlalchemy as sa
 from optuna.trial import TrialState
 
-from hpo.config import Config, ParamSpec, PrunerConfig, StudyConfig
-from hpo.objective import Objective
+from hpo.config.schema import Config, ParamSpec, PrunerConfig, StudyConfig
 from hpo.stopping import StopRequest
-from hpo.study import open_study, run_trials
+from hpo.study.join import open_study
+from hpo.study.loop import run_trials
+from hpo.trial.objective import Objective
 from storage.batch_cache import BatchSizeCache
 from storage.engine import engine_kwargs, open_storage
 from storage.errors import StorageError

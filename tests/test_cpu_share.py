@@ -13,7 +13,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from hpo import cpu_share
+from hpo.trial import cpu_share
 from tests.conftest import start_hpo, tiny_config, write_config
 
 

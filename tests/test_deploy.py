@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
-from hpo.cli import build_parser
-from hpo.config import StudyConfig
+from hpo.cli.parser import build_parser
+from hpo.config.schema import StudyConfig
 from tests.conftest import REPO
 
 SBATCH = REPO / "deploy" / "slurm" / "hpo-workers.sbatch"

@@ -11,7 +11,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from hpo.config import load_config
+from hpo.config.loader import load_config
 from hpo.errors import ConfigError
 from tests.conftest import run_hpo, run_study, tiny_config, write_config
 

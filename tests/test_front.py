@@ -11,10 +11,10 @@ import optuna
 import pytest
 from optuna.study import StudyDirection
 
-from hpo import report
-from hpo.checkpoints import prepare_trial_folder, remove_stale_checkpoints
-from hpo.front import FrontRule, best_of, rule_for
-from hpo.study import summary_lines
+from hpo.reports import status as report
+from hpo.reports.summary import summary_lines
+from hpo.trial.folders import prepare_trial_folder, remove_stale_checkpoints
+from hpo.trial.front import FrontRule, best_of, rule_for
 from trainer.metrics import chance_levels
 
 MAX = StudyDirection.MAXIMIZE

@@ -14,10 +14,10 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from hpo import launcher
-from hpo.cli import build_parser
+from hpo.cli.parser import build_parser
+from hpo.commands import launcher
+from hpo.commands.launcher import choose_workers_per_gpu, select_gpus, worker_argv
 from hpo.errors import ConfigError
-from hpo.launcher import choose_workers_per_gpu, select_gpus, worker_argv
 from tests.conftest import run_hpo, start_hpo, tiny_config, wait_until_training, write_config
 from trainer.memory import BUDGET_ENV
 
@@ -154,8 +154,8 @@ def test_workers_per_gpu_auto_without_a_gpu_says_what_it_chose(
     tmp_path: Path, easy_data: tuple[Path, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
     """--workers-per-gpu 2 is refused without a GPU: auto's one CPU worker is not silent."""
-    from hpo.cli import _auto_workers_per_gpu
-    from hpo.config import load_config
+    from hpo.commands.run import _auto_workers_per_gpu
+    from hpo.config.loader import load_config
 
     path = write_config(tmp_path / "c.yaml", tiny_config(*easy_data))
     with caplog.at_level("INFO", logger="hpo"):

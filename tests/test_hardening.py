@@ -15,14 +15,14 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from hpo.checkpoints import (
+from hpo.cli.parser import build_parser
+from hpo.trial.folders import (
     STUDY_MARKER,
     prepare_trial_folder,
     remove_stale_checkpoints,
     study_folder_name,
 )
-from hpo.cli import build_parser
-from hpo.trial_process import process_stopped
+from hpo.trial.protocol import process_stopped
 from tests.conftest import (
     read_csv,
     run_hpo,
@@ -316,7 +316,7 @@ def test_the_trial_timeout_counts_training_not_the_startup_before_it(
 ) -> None:
     """--trial-timeout is "seconds one trial may train": a batch search (or a model load) that
     takes longer than it does not time the trial out before its first step."""
-    from hpo import trial_training
+    from hpo.trial import training as trial_training
 
     search = trial_training._resolve_physical_batch
 

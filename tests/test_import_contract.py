@@ -1,5 +1,6 @@
 """The import contract in pyproject.toml ([tool.importlinter]), as scripts/test runs it: kept
-by the tree as it is, and broken by an upward import or an import cycle."""
+by the tree as it is, and broken by an upward import, between packages or between hpo's rooms,
+or by an import cycle."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import REPO
 
@@ -19,10 +22,13 @@ def _lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _copy_of_the_tree(tmp_path: Path) -> Path:
+def _tree_with(tmp_path: Path, module: str, line: str) -> Path:
+    """A copy of hpo, trainer and storage where `module` (a file path) has `line` in a function."""
     for package in ("hpo", "trainer", "storage"):
         shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("*.pyc"))
     shutil.copy(REPO / "pyproject.toml", tmp_path)
+    with (tmp_path / module).open("a") as f:
+        f.write(f"\n\ndef _added() -> None:\n    {line}  # noqa: F401\n")
     return tmp_path
 
 
@@ -32,22 +38,45 @@ def test_the_tree_keeps_the_contract() -> None:
     assert "0 broken" in result.stdout
 
 
-def test_an_upward_import_breaks_it(tmp_path: Path) -> None:
-    root = _copy_of_the_tree(tmp_path)
-    with (root / "trainer" / "metrics.py").open("a") as f:
-        f.write("\n\ndef _upward() -> None:\n    from hpo import cli  # noqa: F401\n")
-    result = _lint_imports(root)
-    assert result.returncode != 0
-    assert "hpo sits above trainer and storage" in result.stdout
-    assert "trainer.metrics -> hpo.cli" in result.stdout
+BREAKS = {
+    "trainer reaching up into hpo": (
+        "trainer/metrics.py",
+        "from hpo.cli import app",
+        "hpo sits above trainer and storage",
+    ),
+    "a trial reaching up into a command": (
+        "hpo/trial/objective.py",
+        "from hpo.commands import run",
+        "hpo's rooms, each importing only those below it",
+    ),
+    "the config reaching up into the study": (
+        "hpo/config/loader.py",
+        "from hpo.study import join",
+        "hpo's rooms, each importing only those below it",
+    ),
+    "a shared module reaching into a room": (
+        "hpo/live.py",
+        "from hpo.reports import text",
+        "hpo's shared modules",
+    ),
+    "the command line importing the trainer": (
+        "hpo/cli/parser.py",
+        "import trainer.loop",
+        "the command line parses and prints",
+    ),
+    # trial/training imports trial/task; the other way round closes a cycle, as
+    # hpo/objective.py and hpo/trial_training.py once did, each importing the other.
+    "an import cycle": (
+        "hpo/trial/task.py",
+        "from hpo.trial import training",
+        "No cycles are allowed in hpo.trial",
+    ),
+}
 
 
-def test_an_import_cycle_breaks_it(tmp_path: Path) -> None:
-    root = _copy_of_the_tree(tmp_path)
-    # trial_training imports trial_task; the other way round closes a cycle (as objective and
-    # trial_training once did, each importing the other).
-    with (root / "hpo" / "trial_task.py").open("a") as f:
-        f.write("\n\ndef _back() -> None:\n    from hpo import trial_training  # noqa: F401\n")
-    result = _lint_imports(root)
-    assert result.returncode != 0
-    assert "No cycles are allowed in hpo" in result.stdout
+@pytest.mark.parametrize("case", BREAKS.values(), ids=BREAKS.keys())
+def test_a_wrong_import_breaks_it(tmp_path: Path, case: tuple[str, str, str]) -> None:
+    module, line, contract = case
+    result = _lint_imports(_tree_with(tmp_path, module, line))
+    assert result.returncode != 0, result.stdout
+    assert contract in result.stdout

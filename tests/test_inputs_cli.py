@@ -134,7 +134,7 @@ def test_dashboard_with_a_bad_host_or_port_is_one_line(
 
 
 def test_dashboard_host_as_the_banner_writes_it() -> None:
-    from hpo.cli import build_parser
+    from hpo.cli.parser import build_parser
 
     args = build_parser().parse_args(["dashboard", "--host", "[::1]"])
     assert args.host == "::1"

@@ -15,7 +15,7 @@ from typing import Any
 import optuna
 import pytest
 
-from hpo import report
+from hpo.reports import status as report
 from tests.conftest import run_hpo
 
 
@@ -67,7 +67,7 @@ def test_studies_best_and_status(tmp_path: Path) -> None:
 
 
 def test_the_studies_table_keeps_its_columns_with_long_and_odd_names() -> None:
-    from hpo.cli import _studies_table
+    from hpo.reports.text import studies_table
 
     names = ["s", "a-study-name-longer-than-thirty-characters-by-far", "two\nlines"]
     rows = [
@@ -75,7 +75,7 @@ def test_the_studies_table_keeps_its_columns_with_long_and_odd_names() -> None:
          "best_value": 0.5}
         for name in names
     ]  # fmt: skip
-    lines = _studies_table(rows).splitlines()
+    lines = studies_table(rows).splitlines()
     assert len(lines) == 4 and "two\\nlines" in lines[3]
     columns = {line.index("maximize") for line in lines[1:]}
     assert columns == {lines[0].index("direction")}
@@ -138,7 +138,7 @@ def _get_json(address: str, server: subprocess.Popen[bytes]) -> dict:
 # wsgiref's own error handling once swallowed the stop and the dashboard served on.
 _STOPPED_MID_REQUEST = """
 import os, signal, sys
-from hpo.cli import _serve
+from hpo.cli.app import _serve
 from hpo.stopping import Interrupted
 
 def app(environ, start_response):
@@ -233,18 +233,18 @@ def test_status_watch_ends_when_only_a_dead_workers_trial_is_left(tmp_path: Path
 
 
 def test_hpo_best_says_why_the_model_is_not_in_the_store() -> None:
-    from hpo.cli import _best_text
+    from hpo.reports.text import best_text
 
     attrs = {
         "best_model": "/data/hpo-checkpoints/s/trial-3/best-model",
         "checkpoint_error": "best-model not uploaded to s3://b/p: timed out",
     }
     best = {"study": "s", "number": 3, "value": 0.9, "params": {"lr": 0.001}, "user_attrs": attrs}
-    text = _best_text(best)
+    text = best_text(best)
     assert "model: /data/hpo-checkpoints/s/trial-3/best-model" in text
     assert "not saved or not uploaded: best-model not uploaded to s3://b/p: timed out" in text
     best["user_attrs"]["best_model_uri"] = "s3://b/p/s/trial-3/best-model"  # uploaded after all
-    assert "not uploaded" not in _best_text(best)
+    assert "not uploaded" not in best_text(best)
 
 
 def _plain_study(url: str, name: str, **attrs: object) -> optuna.Study:
@@ -259,7 +259,7 @@ def test_attributes_of_hpo_names_but_not_hpo_kinds_are_ignored(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], hpo_main: Callable[[list[str]], int]
 ) -> None:
     main = hpo_main
-    from hpo.study_report import html_page
+    from hpo.reports.document import html_page
 
     url = f"sqlite:///{tmp_path / 'odd.db'}"
     odd = {"n_trials": "ten", "grace_period_s": "long", "retrain": {"params": {"a": 1}}}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hpo.config import load_config
+from hpo.config.loader import load_config
 from tests.conftest import REPO
 from trainer.config import TrainJob
 from trainer.data import prepare_data

@@ -12,10 +12,10 @@ import pytest
 from optuna.study import StudyDirection
 from optuna.trial import TrialState
 
-from hpo.checkpoints import best_trials
-from hpo.config import parse_config
+from hpo.config.loader import parse_config
 from hpo.errors import ConfigError
-from hpo.front import rule_for
+from hpo.trial.folders import best_trials
+from hpo.trial.front import rule_for
 from tests.conftest import run_hpo, run_study, tiny_config, write_config
 
 
@@ -88,7 +88,7 @@ def test_a_study_with_two_objectives_through_the_cli(
     best = run_hpo("best", "--study", "two", "--storage", url, "--json", cwd=tmp_path)
     assert best.returncode == 0, best.stderr[-3000:]
     front = json.loads(best.stdout)
-    # hpo's front (hpo.front), not Optuna's: throughput within the tolerance is noise.
+    # hpo's front (hpo.trial.front), not Optuna's: throughput within the tolerance is noise.
     assert {t["number"] for t in front} == {t.number for t in best_trials(trials, rule_for(study))}
     assert all(len(t["values"]) == 2 for t in front)
     # The front's best models stay; the folders of the trials off the front are gone.

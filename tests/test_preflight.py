@@ -16,7 +16,7 @@ from typing import Any, BinaryIO
 import pytest
 import sqlalchemy as sa
 
-from hpo.artifact_upload import BackgroundUploader, Backoff
+from hpo.trial.uploads import BackgroundUploader, Backoff
 from storage.artifacts import (
     ArtifactStore,
     ArtifactStoreError,

@@ -21,7 +21,7 @@ import optuna
 import pyte
 import pytest
 
-from hpo import progress
+from hpo import live as progress
 from tests.conftest import REPO, tiny_config, write_config
 
 # A log line's timestamp; on a clean screen it starts its row (wrapped rows carry none).
@@ -141,7 +141,7 @@ def test_what_other_processes_write_to_the_terminal_goes_above_the_line() -> Non
         subprocess.run([sys.executable, "-c", child], stderr=secondary, check=True)
         progress._last_draw = 0.0
         progress.trial_progress(1, {"step": 3})
-        logging.getLogger("hpo.study").warning("a log line of the worker")
+        logging.getLogger("hpo.study.loop").warning("a log line of the worker")
         progress.stop()
     finally:
         root.handlers = saved
@@ -155,7 +155,7 @@ def test_what_other_processes_write_to_the_terminal_goes_above_the_line() -> Non
     rows = [row for row in _screen(out.decode(), 80, 24) if row]
     assert rows == [
         "2026-11-25 20:51:47 [trainer.loop INFO] training on cpu",
-        "2026-11-25 20:51:46 [hpo.study] a log line of the worker",
+        "2026-11-25 20:51:46 [hpo.study.loop] a log line of the worker",
     ]
 
 
@@ -206,7 +206,7 @@ def test_hpo_run_on_a_terminal_shows_a_live_line(
     rows = _screen(out, columns)
     _assert_clean(rows, progress_rows=0)  # the line is gone at the end, and left no copy
     # The trial processes' log lines came through, each on rows of its own.
-    assert any(re.match(r"\S+ \S+ \[hpo.trial_training INFO\] trial 1 evaluation", r) for r in rows)
+    assert any(re.match(r"\S+ \S+ \[hpo.trial.training INFO\] trial 1 evaluation", r) for r in rows)
     assert any(row.startswith("best trial #") for row in rows), "\n".join(rows)
 
 

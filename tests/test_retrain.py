@@ -18,10 +18,10 @@ import pytest
 from optuna.distributions import CategoricalDistribution, FloatDistribution
 from optuna.trial import TrialState
 
-from hpo import retrain
-from hpo.checkpoints import prepare_trial_folder, remove_unneeded_folders, study_folder_name
-from hpo.config import Config, ParamSpec, space_record
+from hpo.config.schema import Config, ParamSpec, space_record
 from hpo.errors import HPOError
+from hpo.study import retrain
+from hpo.trial.folders import prepare_trial_folder, remove_unneeded_folders, study_folder_name
 from tests.conftest import run_hpo, start_hpo, tiny_config, wait_until_training, write_config
 from trainer.data import PreparedData, TokenizedSplit, with_eval_in_training
 
@@ -352,7 +352,7 @@ def test_retrain_through_the_cli_stopped_resumed_then_best_names_the_winner(
 
 
 def retrain_config_of(path: Path) -> Config:
-    from hpo.config import load_config
+    from hpo.config.loader import load_config
 
     return load_config(path)
 

@@ -12,10 +12,11 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from hpo.config import Config, parse_config
+from hpo.config.loader import parse_config
+from hpo.config.schema import Config
 from hpo.errors import ConfigError
-from hpo.search_space import sample
-from hpo.study import build_pruner, build_sampler
+from hpo.study.sampling import build_pruner, build_sampler
+from hpo.trial.search_space import sample
 from tests.conftest import run_study, tiny_config, write_config
 
 FINITE_SPACE = {
@@ -148,7 +149,7 @@ def test_a_margin_keeps_runs_at_chance_level_and_prunes_clearly_weaker_ones(
 @pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # Optuna's, on NaN runs
 def test_a_zero_margin_prunes_exactly_as_optunas_percentile_rule() -> None:
     """MarginPruner restates Optuna's rule; this breaks if Optuna's rule changes."""
-    from hpo.pruners import MarginPruner
+    from hpo.study.pruners import MarginPruner
 
     rng = np.random.default_rng(0)
     for direction in ("maximize", "minimize"):

@@ -13,7 +13,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from hpo.checkpoints import study_folder_name
+from hpo.trial.folders import study_folder_name
 from tests.conftest import (
     record_faults,
     run_hpo,
@@ -183,13 +183,14 @@ def test_a_worker_killed_between_a_trials_end_and_its_record_leaves_it_resumable
     """The trial trained to its end, but its worker died before the study recorded that: its
     resume state must still be there, so that the retry resumes rather than starts over (the
     trial once dropped its state before handing its result to the worker)."""
-    from hpo.config import load_config
-    from hpo.objective import Objective
+    from hpo.config.loader import load_config
     from hpo.stopping import StopRequest
-    from hpo.study import open_study, run_trials
-    from hpo.trials import StudyTrials
+    from hpo.study.join import open_study
+    from hpo.study.loop import run_trials
+    from hpo.study.retry import retry_trial
+    from hpo.study.trials import StudyTrials
+    from hpo.trial.objective import Objective
     from storage import open_storage
-    from storage.retry import retry_trial
     from storage.url import StorageURL
     from trainer.data import prepare_data
     from trainer.model import load_tokenizer

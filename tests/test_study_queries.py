@@ -17,8 +17,8 @@ import sqlalchemy as sa
 from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState
 
-from hpo import report
-from hpo.trials import counted_trials
+from hpo.reports import status as report
+from hpo.study.trials import counted_trials
 from storage import open_storage, study_queries
 from storage.engine import StudyStorage
 from storage.url import StorageURL

@@ -15,7 +15,7 @@ import pytest
 import sqlalchemy as sa
 from optuna.trial import TrialState
 
-from hpo import study_report
+from hpo.reports import document as study_report
 from tests.conftest import run_hpo
 
 
@@ -129,7 +129,7 @@ def test_an_empty_study_and_one_with_two_objectives(tmp_path: Path) -> None:
 def test_report_out_names_a_file_or_a_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hpo.cli import report_path
+    from hpo.commands.monitor import report_path
     from hpo.errors import HPOError
 
     monkeypatch.chdir(tmp_path)

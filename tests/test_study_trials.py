@@ -18,9 +18,9 @@ import sqlalchemy as sa
 from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState
 
-from hpo.config import SamplerConfig
-from hpo.study import build_sampler, worker_seed
-from hpo.trials import StudyTrials, counted_trials
+from hpo.config.schema import SamplerConfig
+from hpo.study.sampling import build_sampler, worker_seed
+from hpo.study.trials import StudyTrials, counted_trials
 from storage.engine import StudyStorage, open_storage
 from storage.heartbeats import heartbeats
 from storage.url import StorageURL
@@ -164,7 +164,7 @@ def test_only_one_worker_fails_a_stale_trial_when_many_sweep_at_once(tmp_path: P
 
 
 def test_a_stale_trial_ran_from_its_start_to_its_last_heartbeat() -> None:
-    from hpo.trials import _time_until_silent
+    from hpo.study.trials import _time_until_silent
 
     started = dt.datetime.now() - dt.timedelta(seconds=100)
     assert _time_until_silent(started, 30.0) == pytest.approx(70.0, abs=1)
@@ -228,8 +228,8 @@ def test_the_trial_cache_reads_finished_trials_once_and_sees_other_workers_trial
 def test_cleanup_waits_for_a_sweep_so_a_retry_keeps_its_checkpoint_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hpo import trials as trials_module
-    from hpo.checkpoints import folder_name, prepare_trial_folder
+    from hpo.study import trials as trials_module
+    from hpo.trial.folders import folder_name, prepare_trial_folder
 
     storage = _storage(tmp_path)
     trial = _start(_trials(storage, "dead:1", grace_s=1))
@@ -257,9 +257,9 @@ def test_cleanup_waits_for_a_sweep_so_a_retry_keeps_its_checkpoint_folder(
 def test_two_workers_creating_one_study_with_different_search_spaces_cannot_both_succeed(
     tmp_path: Path, easy_data: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hpo.config import parse_config
+    from hpo.config.loader import parse_config
     from hpo.errors import ConfigError
-    from hpo.study import open_study
+    from hpo.study.join import open_study
     from tests.conftest import tiny_config
 
     configs = []
@@ -298,7 +298,7 @@ def test_a_worker_with_the_budget_spent_waits_to_take_over_a_silent_trial(
     tmp_path: Path,
 ) -> None:
     from hpo.stopping import StopRequest
-    from hpo.study import _wait_for_silent_trials
+    from hpo.study.loop import _wait_for_silent_trials
 
     storage = _storage(tmp_path)
     liveness = (1, 6, 2)  # beats every second, stale after 6

@@ -59,7 +59,7 @@ def test_max_length_past_its_bound_is_refused() -> None:
 
 
 def test_a_search_space_past_a_bound_is_refused(easy_data: tuple[Path, Path]) -> None:
-    from hpo.config import parse_config
+    from hpo.config.loader import parse_config
     from hpo.errors import ConfigError
 
     raw: dict[str, Any] = tiny_config(*easy_data)

@@ -131,7 +131,8 @@ def test_the_worker_loop_imports_neither_torch_nor_transformers() -> None:
     import sys
 
     code = (
-        "import sys, hpo.study, hpo.objective, hpo.trials, storage.engine, storage.batch_cache; "
+        "import sys, hpo.study.loop, hpo.trial.objective, hpo.study.trials, storage.engine, "
+        "storage.batch_cache; "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)

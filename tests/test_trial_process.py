@@ -17,11 +17,13 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from hpo.config import Config, load_config
-from hpo.objective import Objective
+from hpo.config.loader import load_config
+from hpo.config.schema import Config
 from hpo.stopping import StopRequest
-from hpo.study import run_trials
-from hpo.trial_process import TrialLimits, TrialProcess, TrialTarget, run_in_child
+from hpo.study.loop import run_trials
+from hpo.trial.objective import Objective
+from hpo.trial.process import TrialLimits, TrialProcess, run_in_child
+from hpo.trial.protocol import TrialTarget
 from storage import open_storage
 from storage.url import StorageURL
 from tests import trial_targets
@@ -254,7 +256,7 @@ def test_a_trial_process_is_replaced_after_a_trial_that_may_have_spoilt_it(
 def test_cuda_memory_a_process_keeps_on_purpose_is_not_taken_for_a_leak(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from hpo import trial_process
+    from hpo.trial import child as trial_process
 
     # After the first trial: 200 MiB of cuBLAS and attention workspaces, kept by design.
     allocated = iter([200, 200, 230, 200 + 65])
@@ -285,7 +287,7 @@ def test_a_worker_that_exits_without_closing_its_trial_process_does_not_hang(
     script = f"""
 import optuna
 from hpo.stopping import StopRequest
-from hpo.trial_process import TrialLimits, TrialProcess
+from hpo.trial.process import TrialLimits, TrialProcess
 from tests import trial_targets
 study = optuna.create_study(storage="sqlite:///{tmp_path / "exit.db"}")
 trial = study.ask()

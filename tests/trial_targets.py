@@ -12,7 +12,8 @@ from typing import Any
 import optuna
 
 from hpo.stopping import Interrupted
-from hpo.trial_process import TrialLike, stop_reason, stop_requested
+from hpo.trial.child import stop_reason, stop_requested
+from hpo.trial.protocol import TrialLike
 
 
 def report_until_pruned(trial: TrialLike, payload: dict[str, Any]) -> float:
@@ -86,7 +87,7 @@ def record_pid(trial: TrialLike, payload: Any) -> float:
 
 
 def ask_to_be_replaced(trial: TrialLike, payload: Any) -> float:
-    from hpo.trial_process import replace_after_this_trial
+    from hpo.trial.child import replace_after_this_trial
 
     trial.set_user_attr("child_pid", os.getpid())
     replace_after_this_trial("the test asks for it")
@@ -98,7 +99,7 @@ _leaked: list[bytearray] = []
 
 def leak_memory(trial: TrialLike, payload: Any) -> float:
     """Keeps 64 MiB alive after the trial, with the process's growth limit at 16 MiB."""
-    from hpo import trial_process
+    from hpo.trial import child as trial_process
 
     trial_process.MEMORY_GROWTH_LIMIT = 16 * 1024**2
     _leaked.append(bytearray(64 * 1024**2))

@@ -1,7 +1,7 @@
 """A trial's training, run in the worker's trial process (or in the worker with
 `study.trial_isolation: none`): find the physical batch, train, report each evaluation, prune
 weak or diverged runs and record what happened as trial user attributes. The one module of the
-worker's trial path that needs torch and transformers (hpo.objective does not)."""
+worker's trial path that needs torch and transformers (hpo.trial.objective does not)."""
 
 from __future__ import annotations
 
@@ -13,20 +13,15 @@ from typing import Any, NoReturn
 
 import optuna
 
-from hpo import cpu_share
-from hpo import progress as live
-from hpo.artifact_upload import BackgroundUploader, fetch_resume_state
-from hpo.checkpoints import trial_folder_maker
-from hpo.search_space import training_for_trial
+from hpo import live
 from hpo.stopping import Interrupted, TrialTimedOut
-from hpo.trial_process import (
-    TrialLike,
-    TrialValue,
-    replace_after_this_trial,
-    stop_reason,
-    stop_requested,
-)
-from hpo.trial_task import TrialTask, batch_cache
+from hpo.trial import cpu_share
+from hpo.trial.child import replace_after_this_trial, stop_reason, stop_requested
+from hpo.trial.folders import trial_folder_maker
+from hpo.trial.protocol import TrialLike, TrialValue
+from hpo.trial.search_space import training_for_trial
+from hpo.trial.task import TrialTask, batch_cache
+from hpo.trial.uploads import BackgroundUploader, fetch_resume_state
 from storage.artifacts import ArtifactStore, ArtifactStoreError
 from trainer import device as dev
 from trainer.batch_finder import (
@@ -108,7 +103,7 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
 
 def _take_cpu_share(trial: TrialLike, task: TrialTask, job: TrainJob) -> None:
     """On the CPU: the trial's share of the host's cores, taken anew at each trial (a worker
-    that started or ended since changes it; see hpo.cpu_share), and the threads it trains with
+    that started or ended since changes it; see hpo.trial.cpu_share), and the threads it trains with
     recorded beside its samples_per_s."""
     if dev.resolve_device(job.training.device).type != "cpu":
         return
@@ -231,9 +226,9 @@ def _record_checkpoints(
     uploader: BackgroundUploader | None,
 ) -> None:
     """The run is over: its best model stays, with the tokenizer, until a better trial's does
-    (see hpo.checkpoints). With a store, the best model goes there (its URI recorded once it is
+    (see hpo.trial.folders). With a store, the best model goes there (its URI recorded once it is
     there whole). Its resume state stays, here and in the store, until the worker has recorded
-    the trial's end (hpo.study.run_trial drops it then, and the worker's cleanup the stored
+    the trial's end (hpo.study.loop.run_trial drops it then, and the worker's cleanup the stored
     one): a worker killed in between leaves a trial that resumes from it, not from scratch."""
     if uploader is not None:
         uploader.discard("state")  # a newer state pending: the one stored already will do

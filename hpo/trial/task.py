@@ -1,6 +1,6 @@
 """What one trial trains on (its task, pickled into the trial process) and the batch-size
-cache its training reads: shared by the worker's side (hpo.objective) and the training side
-(hpo.trial_training), so neither imports the other.
+cache its training reads: shared by the worker's side (hpo.trial.objective) and the training side
+(hpo.trial.training), so neither imports the other.
 """
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpo.config import Config
-from hpo.trial_process import ChildTrial, TrialLike
+from hpo.config.schema import Config
+from hpo.trial.child import ChildTrial
+from hpo.trial.protocol import TrialLike
 from storage.artifacts import ArtifactTarget
 from storage.batch_cache import BatchSizeCache, RelayedBatchCache
 from storage.engine import create_engine

@@ -7,7 +7,7 @@ from typing import Any
 
 import optuna
 
-from hpo.config import ParamSpec
+from hpo.config.schema import ParamSpec
 from trainer.config import TrainingConfig
 
 

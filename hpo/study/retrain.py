@@ -1,4 +1,5 @@
-"""`hpo retrain`: a final model from a study. The best configurations of the search are trained
+"""The retrain plan and its results (`hpo retrain` runs it: hpo/commands/retrain.py): a final
+model from a study. The best configurations of the search are trained
 again with new seeds, in a study of their own (`<study> [retrain top K x S seeds, PLAN]`, where
 PLAN is a short hash of the configurations and seeds; run by the same workers, heartbeats,
 retries and resume as `hpo run`, which run its queued runs only); the configuration with the
@@ -32,9 +33,9 @@ from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
 from hpo import __version__
-from hpo.checkpoints import study_folder_name
-from hpo.config import Config, ParamSpec, PrunerConfig, SamplerConfig, space_record
+from hpo.config.schema import Config, ParamSpec, PrunerConfig, SamplerConfig, space_record
 from hpo.errors import HPOError
+from hpo.trial.folders import study_folder_name
 from storage.engine import StudyStorage
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import IO, TextIO
 
-from hpo import progress as live
+from hpo import live
 from hpo.errors import ConfigError, HPOError
 from hpo.logs import WORKER_LABEL_ENV
 from hpo.stopping import EXIT_INTERRUPTED, StopRequest

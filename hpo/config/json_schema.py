@@ -1,6 +1,6 @@
 """The config file's JSON Schema, for editors that complete and check YAML as users type (the
 VS Code YAML extension, JetBrains IDEs): derived from the config's dataclasses and their field
-docs, so it cannot drift from what `hpo.config` loads. `hpo config schema` prints it.
+docs, so it cannot drift from what `hpo.config.loader` loads. `hpo config schema` prints it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import types
 import typing
 from typing import Any, Literal
 
-from hpo.config import Config, ParamSpec
+from hpo.config.schema import Config, ParamSpec
 from trainer.config import TUNABLE_FIELDS
 
 SCHEMA_DIALECT = "http://json-schema.org/draft-07/schema#"

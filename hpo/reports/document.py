@@ -19,8 +19,8 @@ import optuna
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
-from hpo import report
-from hpo.retrain import mean_std_text, recorded_outcome, seeds_text
+from hpo.reports import status as report
+from hpo.study.retrain import mean_std_text, recorded_outcome, seeds_text
 from storage import study_queries
 
 PRUNED_GREY = "#b0b0b0"
@@ -107,7 +107,7 @@ def _shown(trial: FrozenTrial) -> int:
 
 def markdown(study: optuna.Study, storage: object = None) -> str:
     """Summary, best configuration, reasons and every trial (of a large study: a sample), as
-    Markdown. `storage`: hpo's, to ask the database (see hpo.report)."""
+    Markdown. `storage`: hpo's, to ask the database (see hpo.reports.status)."""
     status = report.status(study, storage=storage)
     drawn = _drawn(study, storage)
     lines = [f"# Study {_md(repr(study.study_name))}", ""]

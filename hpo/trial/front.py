@@ -20,12 +20,12 @@ from typing import Any, TypeVar
 import optuna
 from optuna.study import StudyDirection
 
-from hpo.config import DEFAULT_THROUGHPUT_TOLERANCE
+from hpo.config.schema import DEFAULT_THROUGHPUT_TOLERANCE
 
 T = TypeVar("T")
 
 THROUGHPUT_OBJECTIVES = frozenset({"samples_per_s"})
-# Study user attributes the rule reads (set by the workers: hpo.study).
+# Study user attributes the rule reads (set by the workers: hpo.study.loop).
 TOLERANCE_ATTR = "throughput_tolerance"
 CHANCE_ATTR = "chance_level"
 

@@ -15,23 +15,19 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 
-from hpo.checkpoints import (
+from hpo.config.schema import Config, StudyConfig
+from hpo.logs import worker_label
+from hpo.stopping import Interrupted, StopRequest, TrialTimedOut
+from hpo.trial.folders import (
     checkpoint_root,
     folder_name,
     prepare_trial_folder,
     study_folder_name,
 )
-from hpo.config import Config, StudyConfig
-from hpo.logs import worker_label
-from hpo.search_space import sample
-from hpo.stopping import Interrupted, StopRequest, TrialTimedOut
-from hpo.trial_process import (
-    TrialLimits,
-    TrialProcess,
-    TrialTarget,
-    TrialValue,
-)
-from hpo.trial_task import TrialTask, batch_cache_for, remember_worker_cache
+from hpo.trial.process import TrialLimits, TrialProcess
+from hpo.trial.protocol import TrialTarget, TrialValue
+from hpo.trial.search_space import sample
+from hpo.trial.task import TrialTask, batch_cache_for, remember_worker_cache
 from storage.artifacts import ArtifactTarget
 from storage.batch_cache import BatchCacheRequests, BatchSizeCache
 from storage.url import StorageURL
@@ -69,7 +65,7 @@ class Objective:
         if target is None:
             # torch and transformers, imported only by a worker that trains (a light worker
             # with a target of its own, bench/many_workers.py, imports neither).
-            from hpo.trial_training import train_trial
+            from hpo.trial.training import train_trial
 
             target = train_trial
         self.target: TrialTarget = target

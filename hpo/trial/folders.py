@@ -25,11 +25,11 @@ import optuna
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
-from hpo.config import Config
-from hpo.front import FrontRule, as_rule, best_of, rule_for
+from hpo.config.schema import Config
+from hpo.trial.front import FrontRule, as_rule, best_of, rule_for
 from storage.artifacts import ArtifactStore
 
-# Which trials' models are best: hpo's rule for the study (hpo.front), or its directions alone.
+# Which trials' models are best: hpo's rule for the study (trial.front), or its directions alone.
 Rule = FrontRule | Sequence[StudyDirection]
 
 log = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ def _best_model_folders(trials: list[FrozenTrial], rule: Rule) -> set[str]:
     for group in _model_groups(trials):
         keep |= {folder_name(t) for t in best_trials(group, rule)}
         if "retrain_config" in group[0].user_attrs:
-            # hpo retrain saves the best run on the first objective (hpo.retrain.best_run).
+            # hpo retrain saves the best run on the first objective (hpo.study.retrain.best_run).
             keep |= {folder_name(t) for t in best_on_first_objective(group, rule.directions[0])}
     return keep
 
@@ -209,7 +209,7 @@ def _model_groups(trials: list[FrozenTrial]) -> list[list[FrozenTrial]]:
 
 def best_trials(trials: list[FrozenTrial], rule: Rule) -> list[FrozenTrial]:
     """The best complete trial, or with several objectives the Pareto front by hpo's rule
-    (hpo.front; directions alone: plain Pareto dominance)."""
+    (hpo.trial.front; directions alone: plain Pareto dominance)."""
     rule = as_rule(rule)
     done = [
         (t, t.values)

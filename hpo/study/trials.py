@@ -19,16 +19,16 @@ import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import FrozenTrial, TrialState
 
-from hpo.checkpoints import (
+from hpo.study.retry import retry_trial
+from hpo.trial.folders import (
     remove_stale_checkpoints,
     remove_unneeded_artifacts,
     remove_unneeded_folders,
 )
-from hpo.front import rule_for
+from hpo.trial.front import rule_for
 from storage.artifacts import ArtifactStore, ArtifactStoreError
 from storage.engine import StudyStorage
 from storage.heartbeats import Heartbeats, HeartbeatThread
-from storage.retry import retry_trial
 
 log = logging.getLogger(__name__)
 

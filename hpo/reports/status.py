@@ -19,8 +19,8 @@ import optuna
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
-from hpo import checkpoints
-from hpo.front import rule_for
+from hpo.trial import folders as checkpoints
+from hpo.trial.front import rule_for
 from storage import heartbeats, study_queries
 from storage.engine import StudyStorage
 

@@ -1,0 +1,83 @@
+"""`main()`: parse the arguments, run the command, and turn its end into an exit code: bad
+input is one clear line and exit code 2 (a traceback only with --debug), a signal its own code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from hpo.cli.parser import build_parser
+from hpo.commands.batch_size import batch_size_command
+from hpo.commands.enqueue import enqueue_command
+from hpo.commands.monitor import monitor_command
+from hpo.commands.retrain import retrain_command
+from hpo.commands.run import (
+    configure_logging,
+    run_command,
+)
+from hpo.errors import USER_ERRORS
+from hpo.reports.text import (
+    emit,
+)
+from hpo.stopping import stopped_exit_code
+
+EXIT_BAD_INPUT = 2
+
+log = logging.getLogger("hpo")
+
+
+def _config(args: argparse.Namespace) -> int:
+    from hpo.config.json_schema import schema_text
+
+    emit(schema_text(), end="")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    # Before CUDA initialises: fewer fragmentation OOMs as batch shapes change between steps.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    started = time.monotonic()  # --timeout counts from here
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt as e:
+        return _stopped(e)
+    args.argv, args.started = argv, started
+    configure_logging(args.debug, args.quiet)
+    try:
+        if args.command == "run":
+            return run_command(args)
+        if args.command == "batch-size":
+            return batch_size_command(args)
+        if args.command == "enqueue":
+            return enqueue_command(args)
+        if args.command == "retrain":
+            return retrain_command(args)
+        if args.command == "config":
+            return _config(args)
+        return monitor_command(args)
+    except USER_ERRORS as e:
+        if args.debug:
+            log.exception("hpo failed")
+        print(f"hpo: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt as e:
+        return _stopped(e)
+    except BrokenPipeError:
+        # `hpo status | head`: the reader has gone; nothing left to say to it.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    return 0
+
+
+def _stopped(interrupt: KeyboardInterrupt) -> int:
+    name = getattr(interrupt, "signal_name", "SIGINT")
+    print(f"hpo: stopped by {name}", file=sys.stderr)
+    return stopped_exit_code(name)
+
+    # Handed back, or queued again by a sweep, after this worker's loop had ended.

@@ -1,0 +1,96 @@
+"""hpo enqueue: configurations queued in a study, checked against its search space, tried before
+the sampler's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+from hpo.config.loader import load_config
+from hpo.errors import ConfigError, HPOError
+from hpo.logs import set_optuna_verbosity
+
+if TYPE_CHECKING:
+    pass
+from hpo.commands.run import (
+    check_study_name,
+)
+
+PARAMS_EXAMPLE = '{"learning_rate": 3e-5, "effective_batch_size": 32}'
+
+
+def enqueue_command(args: argparse.Namespace) -> int:
+    import optuna
+
+    from hpo.config.loader import check_params
+    from hpo.config.schema import ParamSpec, space_record
+    from hpo.study.join import enqueue
+    from storage import open_storage, resolve_storage_url
+
+    check_study_name(args.study)
+    raw = _json_params(args.params)
+    config = load_config(args.config) if args.config is not None else None
+    storage_url = resolve_storage_url(args.storage, config.study.storage if config else None)
+    set_optuna_verbosity(logging.getLogger().level)
+    storage = open_storage(storage_url, must_exist=True)
+    try:
+        study_id = storage.get_study_id_from_name(args.study)
+    except KeyError as e:
+        raise HPOError(f"no study {args.study!r} in {storage_url.masked}; start it with `hpo "
+                       "run` (or check --study with `hpo studies`)") from e  # fmt: skip
+    attrs = storage.get_study_user_attrs(study_id)
+    recorded = attrs.get("search_space")
+    if config is not None:
+        space = config.search_space
+        if recorded is not None and recorded != space_record(space):
+            raise HPOError(
+                f"--config: its search space is not the one study {args.study!r} was created "
+                "with; use the study's config or leave --config out"
+            )
+    elif recorded is None:
+        raise HPOError(f"study {args.study!r} has no search space recorded by hpo; pass the "
+                       "--config it runs with")  # fmt: skip
+    else:
+        space = {name: ParamSpec(**spec) for name, spec in recorded.items()}
+    problems: list[str] = []
+    grid = (config.study.sampler.type if config else attrs.get("sampler")) == "grid"
+    params = check_params(space, raw, "--params", problems, complete=grid)
+    if problems:
+        raise ConfigError(problems, "--params")
+    study = optuna.load_study(study_name=args.study, storage=storage)
+    optuna.logging.set_verbosity(max(logging.getLogger().level, logging.WARNING))  # hpo says it
+    with storage.lock(study_id):
+        queued = enqueue(study, params)
+    shown = json.dumps(params)
+    if queued:
+        print(f"hpo: queued {shown} in study {args.study!r}: the next worker to start a trial "
+              "trains it, if the study's n_trials leaves room (queued trials count once "
+              "started)")  # fmt: skip
+    else:
+        print(f"hpo: study {args.study!r} already holds a trial with {shown}; nothing queued")
+    return 0
+
+
+def _json_params(text: str) -> dict[str, Any]:
+    """--params: a JSON object, no key twice (the last would win silently)."""
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [key for key, _ in pairs]
+        repeated = sorted({key for key in keys if keys.count(key) > 1})
+        if repeated:
+            raise HPOError(f"--params gives {repeated[0][:80]!r} twice; give each parameter once")
+        return dict(pairs)
+
+    try:
+        raw = json.loads(text, object_pairs_hook=unique)
+    except (ValueError, RecursionError) as e:
+        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
+        raise HPOError(f"--params is not JSON ({reason}); write e.g. '{PARAMS_EXAMPLE}'") from e
+    if not isinstance(raw, dict) or not raw:
+        raise HPOError(
+            f"--params must be a JSON object of search-space parameters, e.g. '{PARAMS_EXAMPLE}'"
+        )
+    return raw

@@ -1,0 +1,326 @@
+"""The read commands (studies, status, best, report, dashboard): a study looked at, never changed,
+from any host that reaches its database.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpo import live
+from hpo.errors import HPOError
+from hpo.logs import set_optuna_verbosity
+from hpo.stopping import Interrupted
+
+if TYPE_CHECKING:
+    from storage.artifacts import ArtifactStore
+from hpo.commands.run import (
+    ARTIFACT_STORE_ATTR,
+)
+from hpo.reports.text import (
+    artifact_line,
+    best_text,
+    emit,
+    retrain_text,
+    strict_json,
+    studies_table,
+)
+
+
+def _serve(app: Callable, host: str, port: int, banner: str) -> None:
+    """A WSGI app (optuna-dashboard's) on a server bound here, until Ctrl-C or SIGTERM: a port
+    in use or a host that is not this machine's is one line, not a traceback from inside."""
+    import signal
+    import socket
+    import threading
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    class Server(WSGIServer):
+        # wsgiref listens on IPv4 unless told; an address such as ::1 needs IPv6.
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    class Handler(WSGIRequestHandler):
+        timeout = 10  # seconds: a client that stalls mid-request cannot hold up a stop
+
+    try:
+        server = make_server(host, port, app, server_class=Server, handler_class=Handler)
+    except OSError as e:  # in use, not an address of this host, unknown host name
+        fix = (
+            "another program listens there: choose another --port"
+            if e.errno == errno.EADDRINUSE
+            else "--host must name this machine: 127.0.0.1, or 0.0.0.0 for every interface"
+        )
+        raise HPOError(
+            f"dashboard: cannot listen on {host}:{port} ({e.strerror or e}); {fix}"
+        ) from e
+    # A stop shuts the server down once the request in hand is answered. Raising from the
+    # signal handler would be swallowed by wsgiref's error handler when the signal lands inside
+    # a request, and the server would go on serving after its SIGTERM. A second stop is at once.
+    stops: list[str] = []
+
+    def stop(signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        if stops:
+            raise Interrupted(name)
+        stops.append(name)
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    before = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        print(banner, flush=True)
+        with server:
+            server.serve_forever(poll_interval=0.2)
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+    if stops:
+        raise Interrupted(stops[0])
+
+
+def monitor_command(args: argparse.Namespace) -> int:
+    import optuna
+
+    from hpo.reports import status as report
+    from storage import open_storage, resolve_storage_url
+
+    set_optuna_verbosity(logging.getLogger().level)
+
+    storage_url = resolve_storage_url(args.storage, None)
+    # No check_study_name: a study that plain Optuna made may have any name `hpo studies` lists
+    # (a tab, 600 characters, spaces only), and looking at it creates nothing.
+    if getattr(args, "study", None) == "":
+        raise HPOError("--study: the study name is empty; `hpo studies` lists the names")
+    # Monitoring never creates a database, a table or a lock file (a typo in --storage, a
+    # read-only folder); the dashboard may write notes, but only into an existing study database.
+    storage = open_storage(storage_url, read_only=args.command != "dashboard", must_exist=True)
+    if args.command == "dashboard":
+        address = f"[{args.host}]" if ":" in args.host else args.host  # IPv6 in a URL
+        banner = f"hpo: dashboard for {storage_url.describe()} on http://{address}:{args.port}/"
+        from optuna_dashboard import wsgi
+
+        _serve(wsgi(storage), args.host, args.port, banner)
+        return 0
+    if args.command == "studies":
+        rows = report.studies(storage)
+        emit(strict_json(rows, indent=2) if args.json else studies_table(rows))
+        return 0
+    try:
+        study = optuna.load_study(study_name=args.study, storage=storage)
+    except KeyError as e:
+        raise HPOError(f"no study {args.study!r} in {storage_url.masked}; see `hpo studies`") from e
+    try:
+        return _look_at(study, storage, args)
+    except KeyError as e:
+        if "Record does not exist" not in str(e):  # Optuna's word for a row that has gone
+            raise
+        raise HPOError(f"study {args.study!r} is no longer in {storage_url.masked}: deleted "
+                       "while hpo read it; see `hpo studies`") from e  # fmt: skip
+
+
+def _look_at(study: Any, storage: Any, args: argparse.Namespace) -> int:
+    """`hpo report`, `best` and `status` of a study that exists."""
+    from hpo.reports import status as report
+    from hpo.study import retrain
+
+    if args.command == "report":
+        return _write_report(study, storage, args.format, args.out)
+    if args.command == "best":
+        best = report.best_trials(study, storage=storage)
+        if not best:
+            raise HPOError(f"study {args.study!r} has no completed trial yet")
+        retrained = retrain.recorded_outcome(study.user_attrs)
+        if args.download is not None:
+            return _download_best(study, best, args)
+        if args.json:  # several objectives: the Pareto front, a list
+            shown: Any = best if len(study.directions) > 1 else best[0]
+            if retrained is not None:
+                several = isinstance(shown, list)
+                shown = {"pareto_front": shown} if several else shown
+                shown = {**shown, "retrain": retrained}
+            emit(strict_json(shown, indent=2))
+        else:
+            emit("\n".join(best_text(trial) for trial in best))
+            if retrained is not None:
+                emit(retrain_text(retrained))
+        return 0
+    if args.watch:
+        return _watch(study, storage, args.json, args.interval)
+    summary = report.status(study, storage=storage)
+    store = artifact_summary(study, args)
+    if store is not None:
+        summary["artifact_store"] = store
+    lines = report.status_lines(summary) + ([artifact_line(store)] if store else [])
+    emit(strict_json(summary, indent=2) if args.json else "\n".join(lines))
+    return 0
+
+
+def _study_artifact_store(study: Any, args: argparse.Namespace) -> ArtifactStore | None:
+    """The study's artifact store (--artifact-store, $HPO_ARTIFACT_STORE, its workers'
+    record), or None."""
+    from storage.artifacts import ArtifactStore, resolve_artifact_url
+
+    recorded = study.user_attrs.get(ARTIFACT_STORE_ATTR)
+    url = resolve_artifact_url(args.artifact_store, None, recorded)
+    return None if url is None else ArtifactStore(url.url)
+
+
+def artifact_summary(study: Any, args: argparse.Namespace) -> dict[str, Any] | None:
+    """What the study holds in its store: URL, bytes and trial folders; an unreachable store is
+    said, not fatal (status is for looking)."""
+    from hpo.trial.folders import study_folder_name
+    from storage.artifacts import ArtifactStoreError
+
+    try:
+        store = _study_artifact_store(study, args)
+        if store is None:
+            return None
+        slug = study_folder_name(study.study_name)
+        return {"url": store.url, "size_bytes": store.size(slug),
+                "trial_folders": len(store.folders(slug))}  # fmt: skip
+    except ArtifactStoreError as e:  # e.g. the workers' shared mount is not mounted here
+        if args.artifact_store is not None:
+            raise
+        return {"url": study.user_attrs.get(ARTIFACT_STORE_ATTR), "error": str(e)}
+
+
+def _download_best(study: Any, best: list[dict], args: argparse.Namespace) -> int:
+    """`hpo best --download DIR`: the best trial's model from the store into DIR (written
+    beside it, then renamed: never half a model), each file checked against its sha256."""
+    from hpo.trial.folders import study_folder_name
+    from storage.artifacts import ArtifactStoreError
+
+    store = _study_artifact_store(study, args)
+    if store is None:
+        raise HPOError(f"study {study.study_name!r} has no artifact store; its best model is on "
+                       "the host that trained it (hpo best names the folder)")  # fmt: skip
+    out = Path(args.download)
+    if not args.download.strip() or out.resolve() == Path.cwd() or out.name in ("", ".", ".."):
+        raise HPOError(f"--download {args.download!r}: name a new (or empty) folder for the "
+                       "model, e.g. --download ./best-model")  # fmt: skip
+    if out.is_symlink():  # a link to an empty folder: that folder; a link to nothing: refused
+        if not out.is_dir():
+            raise HPOError(f"--download {out}: a link to nothing; name a new folder")
+        out = out.resolve()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise HPOError(f"--download {out}: exists and is not an empty folder; name a new one")
+    folder = f"trial-{int(best[0]['user_attrs'].get('first_attempt', best[0]['number']))}"
+    aside = out.parent / f".{out.name}.{os.getpid()}.download"
+    number = best[0]["number"]
+    try:
+        manifest = store.fetch(study_folder_name(study.study_name), folder, "best-model", aside)
+        if manifest is not None:
+            if out.is_dir():
+                out.rmdir()
+            aside.rename(out)
+    except ArtifactStoreError as e:
+        raise HPOError(f"best model of trial #{number} not downloaded: {e}") from e
+    except OSError as e:  # out of reach, or taken meanwhile: named by the folder asked for,
+        shutil.rmtree(aside, ignore_errors=True)  # and nothing is left beside it
+        raise HPOError(f"--download {out}: cannot write there ({e.strerror or e})") from e
+    if manifest is None:
+        error = best[0]["user_attrs"].get("checkpoint_error")
+        why = f" ({error})" if error else ""
+        raise HPOError(f"trial #{number} has no best model in {store.url}{why}")
+    emit(
+        f"hpo: best model of trial #{number} ({manifest.size / 1e6:.1f} MB, sha256 checked) "
+        f"in {out}"
+    )
+    return 0
+
+
+def _watch(study: Any, storage: Any, as_json: bool, interval: float) -> int:
+    """`hpo status --watch`: the status again every `interval` seconds (the screen redrawn on a
+    terminal, one block per refresh otherwise) until the study has ended at two refreshes in a
+    row; Ctrl-C ends it at once."""
+    import datetime as dt
+
+    from hpo.reports import status as report
+
+    terminal = sys.stdout.isatty()
+    ended_polls = 0
+    stalled_since = None
+    first = True
+    while ended_polls < 2:
+        summary = report.status(study, storage=storage)
+        text = strict_json(summary) if as_json else "\n".join(report.status_lines(summary))
+        stamp = dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+        text = text if as_json else f"[{stamp}] {text}"
+        if terminal:  # redrawn in place, within the screen as it is sized now
+            columns, rows = live.terminal_size(sys.stdout)
+            emit(live.screen_frame(text.splitlines(), columns, rows, first), end="")
+        else:
+            emit(text)
+        first = False
+        ended_polls = ended_polls + 1 if report.ended(summary) else 0
+        stalled_since = (stalled_since or time.monotonic()) if report.stalled(summary) else None
+        # No live worker for longer than a worker takes between two trials: nothing will move.
+        patience = max(3 * interval, summary.get("grace_period_s") or 60)
+        if stalled_since is not None and time.monotonic() - stalled_since >= patience:
+            print(f"hpo: study {study.study_name!r} has stopped moving: no trial runs with a live "
+                  "worker; start a worker (hpo run) to go on", file=sys.stderr)  # fmt: skip
+            return 1
+        if ended_polls < 2:
+            time.sleep(interval)
+    print(f"hpo: study {study.study_name!r} has ended", file=sys.stderr)
+    return 0
+
+
+def report_path(given: str | None, study_name: str, form: str) -> Path:
+    """Where `hpo report --out` writes: the file named, or the default name in the folder
+    named (an existing folder, or any name ending in a slash, which must be one)."""
+    from hpo.trial.folders import study_folder_name
+
+    default = Path(f"hpo-report-{study_folder_name(study_name)}.{form}")
+    if given is None:
+        return default
+    if not given.strip():
+        raise HPOError("--out is empty; name a file, or a folder to write it in")
+    out = Path(given)
+    if out.is_dir():
+        return out / default
+    if given.endswith(("/", os.sep)):
+        raise HPOError(f"--out {given}: no such folder; create it first, or name a file")
+    if not out.parent.is_dir():
+        raise HPOError(f"--out {given}: no such folder {str(out.parent)!r}; create it first")
+    return out
+
+
+def _write_report(study: Any, storage: Any, form: str, given: str | None) -> int:
+    """The report to `given` (written aside, then renamed: never half a file), or Markdown to
+    standard output."""
+    import tempfile
+
+    from hpo.reports import document as study_report
+
+    if given is None and form == "md":
+        emit(study_report.markdown(study, storage), end="")
+        return 0
+    out = report_path(given, study.study_name, form)
+    if out.exists() and not out.is_file():  # a device, a pipe: never replaced by a file
+        raise HPOError(f"--out {out}: not a regular file; name a file to write")
+    text = (study_report.markdown(study, storage) if form == "md"
+            else study_report.html_page(study, storage))  # fmt: skip
+    try:
+        handle, aside = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    except OSError as e:
+        raise HPOError(f"--out {out}: cannot write there ({e.strerror or e})") from e
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            file.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(aside, 0o666 & ~umask)  # as any new file, not mkstemp's owner-only mode
+        os.replace(aside, out)
+    except OSError as e:
+        Path(aside).unlink(missing_ok=True)
+        raise HPOError(f"--out {out}: cannot write it ({e.strerror or e})") from e
+    emit(f"hpo: report of study {study.study_name!r} written to {out}")
+    return 0

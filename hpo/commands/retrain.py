@@ -1,0 +1,172 @@
+"""hpo retrain: a final model from a study (the plan and its results are hpo.study.retrain's),
+trained by the same workers as hpo run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shlex
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpo.config.schema import Config
+from hpo.errors import HPOError
+from hpo.stopping import Interrupted, StopRequest
+from storage.url import StorageURL
+
+if TYPE_CHECKING:
+    pass
+from hpo.commands.run import (
+    check_inputs,
+    work_on_study,
+)
+
+
+def retrain_command(args: argparse.Namespace) -> int:
+    """`hpo retrain`: see hpo.study.retrain."""
+    import optuna
+
+    from hpo.study import retrain
+    from hpo.study.join import open_study
+    from storage import open_storage
+
+    stop = StopRequest(interrupt_at_once=True, doing="stopping before the first trial")
+    stop.install()
+    out = args.out if args.out is not None else retrain.default_out(args.study)
+    inputs = None
+    opened: list[Any] = []
+
+    def open_source(config: Config, storage_url: StorageURL) -> None:
+        """The study to retrain, found before the data is prepared; --out checked first."""
+        if not args.as_worker:  # before any training: a bad --out is found in seconds
+            retrain.check_out(out, args.study, storage_url.masked)
+        on_demand = config.study.database_connections == "on_demand"
+        storage = open_storage(
+            storage_url, config.study.database_patience, must_exist=True, on_demand=on_demand
+        )
+        try:
+            storage.get_study_id_from_name(args.study)
+        except KeyError as e:
+            raise HPOError(
+                f"no study {args.study!r} in {storage_url.masked}; see `hpo studies`"
+            ) from e
+        opened.append(storage)
+
+    with contextlib.suppress(Interrupted):
+        inputs = check_inputs(args, before_data=open_source)
+    stop.interrupt_at_once, stop.doing = False, StopRequest.RUNNING
+    if inputs is None or stop.requested:
+        print(f"hpo: stopped by {stop.signal_name} before the first trial", file=sys.stderr)
+        return stop.exit_code
+    config, storage_url, storage = inputs[0], inputs[1], opened[0]
+    source = optuna.load_study(study_name=args.study, storage=storage)
+    plan = retrain.make_plan(source, config, args.top, args.seeds, args.config is not None)
+    plan = retrain.stored_plan(storage, plan.study_name) or plan  # a resumed retrain
+    retrain_config = retrain.study_config(config, plan)
+    print(f"hpo: retraining {len(plan.configs)} configurations of study {args.study!r} with "
+          f"{len(plan.seeds)} seeds each, in study {plan.study_name!r} in "
+          f"{storage_url.describe()}", file=sys.stderr)  # fmt: skip
+    study = open_study(storage, plan.study_name, retrain_config)
+    retrain.queue_runs(storage, study, plan)
+    work = (retrain_config, *inputs[1:])
+    code = _retrain_runs(study, storage, work, stop, args)
+    if args.as_worker and code is None and args.full_data:
+        # A worker of several GPUs also runs the full-data run, once the winner's is queued.
+        with contextlib.suppress(KeyError):
+            storage.get_study_id_from_name(plan.full_data_study_name)
+            full = open_study(storage, plan.full_data_study_name, retrain_config)
+            code = _retrain_runs(full, storage, work, stop, args)
+    if code is not None or args.as_worker:
+        return code or 0
+    found = retrain.results(study, plan)
+    direction = study.directions[0]
+    winner = retrain.pick_winner(found, direction, len(plan.seeds))
+    if winner is None:
+        print(f"hpo: no retrain run of study {plan.study_name!r} completed; see "
+              f"`hpo status --study {shlex.quote(plan.study_name)}`", file=sys.stderr)  # fmt: skip
+        return 1
+    chosen = retrain.best_run(winner, direction)
+    model_study, model_trial = study, chosen["trial"]
+    full_data_trial = None
+    if args.full_data:
+        model_study = open_study(storage, plan.full_data_study_name, retrain_config)
+        retrain.queue_full_data_run(storage, model_study, plan, winner)
+        code = _retrain_runs(model_study, storage, work, stop, args)
+        if code is not None:
+            return code
+        full_data_trial = retrain.full_data_trial(model_study, winner)
+        if full_data_trial is None:
+            print("hpo: the full-data run did not complete; see `hpo status --study "
+                  f"{shlex.quote(plan.full_data_study_name)}`", file=sys.stderr)  # fmt: skip
+            return 1
+        model_trial = full_data_trial
+    metric = config.study.primary_metric
+    card = retrain.model_card(plan, found, winner, chosen, config, metric, full_data_trial,
+                              storage_url.masked)  # fmt: skip
+    with winner_model(model_study, model_trial, config, out) as model_dir:
+        retrain.save_final_model(model_dir, out, card)
+    source.set_user_attr(retrain.OUTCOME_ATTR, retrain.outcome(card, out))
+    print(retrain.summary(card, out))
+    if stop.requested:  # exit 0 all the same: nothing is left to do, a rerun would redo nothing
+        print(f"hpo: {stop.signal_name} came during the final save, which was finished first",
+              file=sys.stderr)  # fmt: skip
+    return 0
+
+
+@contextlib.contextmanager
+def winner_model(study: Any, number: int, config: Config, out: Path) -> Iterator[Path]:
+    """The winning run's model folder: on this host, or (trained on another host) fetched from
+    the artifact store beside `out`, checked against its sha256, and removed afterwards."""
+    import tempfile
+
+    from hpo.study import retrain
+    from hpo.trial.folders import folder_name, study_folder_name
+    from storage.artifacts import ArtifactStore, ArtifactStoreError
+
+    local = retrain.model_folder(study, number)
+    if (local / "config.json").is_file() or config.study.artifact_store is None:
+        yield local
+        return
+    trial = next(t for t in study.get_trials(deepcopy=False) if t.number == number)
+    scratch = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".fetch"))
+    try:
+        store = ArtifactStore(config.study.artifact_store)
+        slug = study_folder_name(study.study_name)
+        if store.fetch(slug, folder_name(trial), "best-model", scratch / "model") is None:
+            yield local  # not in the store either: save_final_model says so
+        else:
+            yield scratch / "model"
+    except ArtifactStoreError as e:
+        raise HPOError(
+            f"the winning run's model is not on this host and not fetched from "
+            f"{config.study.artifact_store}: {e}"
+        ) from e
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _retrain_runs(
+    study: Any, storage: Any, work: tuple, stop: StopRequest, args: Any
+) -> int | None:
+    """Run a retrain study's queued runs (here, or on the workers of several GPUs) until none
+    is left, none running anywhere; None when done, else the exit code (stopped, or a worker
+    failed)."""
+    from hpo.study import retrain
+
+    while True:
+        code = work_on_study(study, storage, work, stop, args, queued_only=True)
+        if stop.requested or code != 0:
+            return _retrain_stopped(stop, code, args)
+        if args.as_worker or not retrain.unfinished(study):
+            return None
+
+
+def _retrain_stopped(stop: StopRequest, code: int, args: argparse.Namespace) -> int:
+    if stop.signal_name is not None and not args.as_worker:
+        print(f"hpo: stopped by {stop.signal_name}; run the same hpo retrain again to resume",
+              file=sys.stderr)  # fmt: skip
+    return stop.exit_code if stop.requested else code

@@ -1,0 +1,266 @@
+"""hpo run: every input checked before anything is written, then the worker's trials, in this
+process or in one worker process per GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import math
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpo import live
+from hpo.config.loader import DEMO_CONFIG, load_config
+from hpo.config.schema import Config
+from hpo.errors import ConfigError, HPOError
+from hpo.logs import set_optuna_verbosity, setup_logging
+from hpo.stopping import Interrupted, StopRequest
+from storage.url import StorageURL
+
+if TYPE_CHECKING:
+    from storage.artifacts import ArtifactURL
+log = logging.getLogger("hpo")
+
+
+ARTIFACT_STORE_ATTR = "artifact_store"  # the study's store, as its workers resolved it
+MAX_STUDY_NAME_CHARS = 512  # Optuna's studies.study_name column
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def configure_logging(debug: bool, quiet: bool) -> None:
+    setup_logging(logging.DEBUG if debug else logging.WARNING if quiet else logging.INFO)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    # From the start: a SIGTERM or Ctrl-C while torch loads and the data is prepared stops
+    # the worker at once, before anything is written: no traceback, no signal's exit code.
+    stop = StopRequest(interrupt_at_once=True, doing="stopping before the first trial")
+    stop.install()
+    inputs = None
+    with contextlib.suppress(Interrupted):
+        inputs = check_inputs(args)
+    stop.interrupt_at_once, stop.doing = False, StopRequest.RUNNING
+    if inputs is None or stop.requested:
+        print(f"hpo: stopped by {stop.signal_name} before the first trial", file=sys.stderr)
+        return stop.exit_code
+    config, storage_url = inputs[0], inputs[1]
+    from hpo.reports.summary import summary_lines
+    from hpo.study.join import open_study
+    from storage import open_storage
+
+    print(f"hpo: study {args.study!r} in {storage_url.describe()}", file=sys.stderr)
+    on_demand = config.study.database_connections == "on_demand"
+    storage = open_storage(storage_url, config.study.database_patience, on_demand=on_demand)
+    study = open_study(storage, args.study, config)
+    if config.study.artifact_store is not None:
+        from storage.artifacts import ArtifactStore
+
+        ArtifactStore(config.study.artifact_store).create()  # a file store's folder, if missing
+        # For `hpo best` and `hpo status`, which have no config.
+        study.set_user_attr(ARTIFACT_STORE_ATTR, config.study.artifact_store)
+        print(f"hpo: checkpoints and best models go to {config.study.artifact_store}",
+              file=sys.stderr)  # fmt: skip
+    code = work_on_study(study, storage, inputs, stop, args)
+    print("\n".join(summary_lines(study, config.study.objectives)))
+    if stop.signal_name is not None:
+        print(f"hpo: stopped by {stop.signal_name}", file=sys.stderr)
+    return code
+
+
+def work_on_study(
+    study: Any, storage: Any, inputs: tuple, stop: StopRequest, args: Any, queued_only: bool = False
+) -> int:
+    """Run the study's trials (`queued_only`: its queued ones): in this process, or in one
+    worker process per GPU (each runs the same command with `worker_args` added)."""
+    from hpo.commands.launcher import run_workers
+    from hpo.study.loop import run_trials
+    from hpo.trial.objective import Objective
+    from storage.batch_cache import BatchSizeCache
+
+    config, storage_url, gpus, data, per_gpu = inputs
+    if len(gpus) * per_gpu > 1:
+        worker_args = ["--as-worker"] if args.command == "retrain" else []
+        storage.engine.dispose()  # its workers connect; this process holds none meanwhile
+        return run_workers(gpus, [*args.argv, *worker_args], per_gpu, stop)
+    stop.interrupt_at_once = config.study.trial_isolation == "none"
+    if not args.quiet:
+        live.start()  # a progress line below the log, on a terminal only
+    cache = BatchSizeCache(storage.engine)  # the worker's pool: no connection of its own
+    objective = Objective(config, data, storage_url, stop, batch_cache=cache)
+    try:
+        run_trials(study, storage, objective, stop, queued_only, started=args.started)
+    finally:
+        live.stop()
+        stop.interrupt_at_once = False
+    return stop.exit_code if stop.requested else 0
+
+
+def check_inputs(
+    args: argparse.Namespace, before_data: Callable[[Config, StorageURL], None] | None = None
+) -> tuple[Config, StorageURL, list[str], Any, int]:
+    """Every input of `hpo run`, checked before anything is written: a bad one writes nothing.
+    The cheap checks first, the data last (it takes seconds, minutes on a real set): the
+    database and the artifact store are reached once, and a model folder's weights read, before
+    it is prepared. Returns the config, the storage URL, the worker's GPUs, the prepared data
+    and the workers per GPU. `before_data` checks what it must (retrain: that the study exists)
+    before the data is prepared."""
+    from storage.artifacts import resolve_artifact_url
+    from storage.url import resolve_storage_url
+
+    check_study_name(args.study)
+    config_path = args.config or DEMO_CONFIG
+    if args.config is None and not DEMO_CONFIG.is_file():
+        raise HPOError("no --config given and the demo config is not installed; pass --config FILE")
+    config = load_config(config_path)
+    _apply_overrides(config, args)
+    storage_url = resolve_storage_url(args.storage, config.study.storage)
+    artifacts = resolve_artifact_url(getattr(args, "artifact_store", None),
+                                     config.study.artifact_store)  # fmt: skip
+    config.study.artifact_store = artifacts.url if artifacts is not None else None
+    _check_memory_share()
+    per_gpu = args.workers_per_gpu
+    gpus = _worker_gpus(config, "auto" if args.gpus is None and per_gpu is not None else args.gpus)
+    if not gpus and isinstance(per_gpu, int) and per_gpu > 1:
+        raise HPOError(
+            f"--workers-per-gpu {per_gpu}: no GPU to share on this host; leave it out to run "
+            "one worker on the CPU"
+        )
+    _check_stores(storage_url, artifacts)
+    if before_data is not None:
+        before_data(config, storage_url)
+    # Only now the heavy imports: a config or URL error is reported in well under a second.
+    from trainer.data import prepare_data
+    from trainer.device import resolve_device
+    from trainer.model import check_model_config, load_tokenizer
+
+    set_optuna_verbosity(logging.getLogger().level)
+    # The device first: `cuda` on a host without CUDA is reported before the data is prepared.
+    resolve_device(config.training.device)
+    check_model_config(config.model, config.data.max_length)
+    data = prepare_data(config.data, load_tokenizer(config.model))
+    log.info(
+        "data: %d training and %d evaluation examples, labels %s",
+        len(data.train),
+        len(data.eval),
+        data.label_names,
+    )
+    if per_gpu == "auto":
+        per_gpu = _auto_workers_per_gpu(config, config_path, gpus)
+    return config, storage_url, gpus, data, per_gpu or 1
+
+
+def _check_stores(storage_url: StorageURL, artifacts: ArtifactURL | None) -> None:
+    """The study database reached (credentials, Optuna's tables or the right to create them)
+    and the artifact store tried (a probe written, read and deleted), writing nothing: a
+    permanent refusal is one line now, not a wait of study.artifact_patience in every trial."""
+    from storage.artifacts import ArtifactStore
+    from storage.preflight import check_database
+
+    check_database(storage_url)
+    if artifacts is not None:
+        ArtifactStore(artifacts.url).check()
+
+
+def _check_memory_share() -> None:
+    from trainer.memory_share import memory_share
+
+    try:
+        memory_share()
+    except ValueError as e:
+        raise HPOError(f"{e}, or unset it") from e
+
+
+def _auto_workers_per_gpu(config: Config, config_path: Path, gpus: list[str]) -> int:
+    """`--workers-per-gpu auto` on the first GPU (the others are taken to be alike)."""
+    from hpo.commands.launcher import choose_workers_per_gpu
+
+    if not gpus:  # said, since --workers-per-gpu 2 is refused here
+        log.info("--workers-per-gpu auto: 1 worker, on the CPU (no GPU on this host to share)")
+        return 1
+    space = config.search_space.get("effective_batch_size")
+    if space is None:
+        largest = config.training.effective_batch_size
+    elif space.choices is not None:
+        largest = max(int(choice) for choice in space.choices)
+    else:
+        largest = int(space.high or 1)
+    workers, why = choose_workers_per_gpu(str(config_path), gpus[0], largest)
+    log.info("--workers-per-gpu auto: %d workers per GPU (%s)", workers, why)
+    return workers
+
+
+def _worker_gpus(config: Config, spec: str | None) -> list[str]:
+    """With --gpus, the GPUs to start workers on; one of them (or the CPU) is set up to run in
+    this very process."""
+    from hpo.commands.launcher import FAKE_GPUS_ENV, select_gpus, visible_gpus
+    from hpo.logs import WORKER_LABEL_ENV
+
+    if spec is None:
+        return []
+    gpus = select_gpus(spec, visible_gpus())
+    if not gpus:
+        if spec.strip().lower() == "auto":
+            log.info("no GPU visible on this host: one worker on the CPU")
+        config.training.device = "cpu"
+    elif len(gpus) == 1:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus[0]  # before anything initialises CUDA
+        os.environ[WORKER_LABEL_ENV] = f"gpu{gpus[0]}"
+        setup_logging(logging.getLogger().level)  # log lines now name the GPU
+        config.training.device = "cpu" if os.environ.get(FAKE_GPUS_ENV) else "cuda"
+    return gpus
+
+
+def check_study_name(name: str) -> None:
+    """Any name the database can hold is a valid study name (quotes, slashes, unicode: on disk
+    it becomes a slug and a hash, see hpo.trial.folders); these it cannot, or nobody means."""
+    if not name.strip():
+        raise HPOError("--study: the study name is empty; give a name, e.g. --study demo")
+    if len(name) > MAX_STUDY_NAME_CHARS:
+        raise HPOError(
+            f"--study: the study name has {len(name)} characters; Optuna's database holds at "
+            f"most {MAX_STUDY_NAME_CHARS}: use a shorter name"
+        )
+    if any(ord(c) < 32 for c in name):
+        raise HPOError(
+            "--study: the study name contains a control character (NUL, newline, tab...); "
+            "use printable characters"
+        )
+
+
+def _apply_overrides(config: Config, args: argparse.Namespace) -> None:
+    problems = []
+    if args.n_trials is not None:
+        if args.n_trials < 1:
+            problems.append(f"--n-trials: got {args.n_trials}; must be a positive integer")
+        config.study.n_trials = args.n_trials
+    if args.timeout is not None:
+        if not 0 < args.timeout < math.inf:
+            problems.append(f"--timeout: got {args.timeout}; must be a finite number > 0 seconds")
+        config.study.timeout = args.timeout
+    if args.trial_timeout is not None:
+        if not 0 < args.trial_timeout < math.inf:
+            problems.append(
+                f"--trial-timeout: got {args.trial_timeout}; must be a finite number > 0 seconds"
+            )
+        config.study.trial_timeout = args.trial_timeout
+    for flag, value in (("--gpus", args.gpus), ("--workers-per-gpu", args.workers_per_gpu)):
+        if value is not None and args.device is not None:
+            problems.append(f"--device: cannot be combined with {flag}, which sets the GPU")
+    if args.device is not None:
+        config.training.device = args.device
+        for key, value, rule in config.training.problems():
+            if key == "device":
+                problems.append(f"--device: got {value!r}; {rule}")
+    if problems:
+        raise ConfigError(problems, "command line")
+    if args.device is not None and args.device.startswith("cuda"):
+        from trainer.device import resolve_device
+
+        resolve_device(args.device, "--device")  # named as typed, not as training.device

@@ -1,0 +1,17 @@
+"""The study config: its schema (schema.py: typed sections, one description per field), the
+YAML loader that checks a file and reports every problem at once (loader.py), and the JSON
+Schema editors read (json_schema.py, `hpo config schema`).
+"""
+
+from hpo.config.loader import load_config, parse_config
+from hpo.config.schema import Config, ParamSpec, PrunerConfig, SamplerConfig, StudyConfig
+
+__all__ = [
+    "Config",
+    "ParamSpec",
+    "PrunerConfig",
+    "SamplerConfig",
+    "StudyConfig",
+    "load_config",
+    "parse_config",
+]

@@ -1,0 +1,447 @@
+"""The study config's schema: typed sections with a description per field, their defaults, and the
+rules between a section's own fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from trainer.config import DataConfig, ModelConfig, TrainingConfig
+from trainer.metrics import METRIC_DIRECTIONS, Direction
+
+DEFAULT_BATCH_CHOICES = [32, 64, 128, 256, 512]
+MetricName = Literal["accuracy", "macro_f1", "eval_loss"]
+ObjectiveName = Literal["accuracy", "macro_f1", "eval_loss", "samples_per_s"]
+# What a study can optimise: the evaluation metrics, and a trial's training throughput.
+OBJECTIVE_DIRECTIONS: dict[str, Direction] = {**METRIC_DIRECTIONS, "samples_per_s": "maximize"}
+# study.throughput_tolerance: the run-to-run noise of samples/s is a few percent (hpo.trial.front).
+DEFAULT_THROUGHPUT_TOLERANCE = 0.05
+MAX_SECONDS = 1e9  # about 31 years; a timer cannot wait 1e300 s
+MAX_ENQUEUED = 1000  # configurations in study.enqueue
+DURATION_KEYS = (
+    "timeout",
+    "trial_timeout",
+    "heartbeat_interval",
+    "grace_period",
+    "checkpoint_interval",
+    "database_patience",
+    "stop_timeout",
+    "artifact_patience",
+)
+
+
+def _artifact_store_problems(url: str) -> list[tuple[str, Any, str]]:
+    from storage.artifacts import ArtifactStoreError, masked_artifact_url, validated_artifact_url
+
+    try:
+        validated_artifact_url(url)
+    except ArtifactStoreError as e:
+        return [("artifact_store", masked_artifact_url(url), str(e))]
+    return []
+
+
+def _doc(text: str, default: Any = None) -> Any:
+    return field(default=default, metadata={"help": text})
+
+
+@dataclass
+class SamplerConfig:
+    """How Optuna proposes the next trial."""
+
+    type: Literal["tpe", "random", "gp", "cmaes", "qmc", "grid", "nsga2"] = _doc(
+        "tpe (Bayesian, tree-structured Parzen estimators), random, gp (Gaussian process), "
+        "cmaes (CMA-ES; categorical parameters are sampled at random; one objective only), qmc "
+        "(quasi-random Sobol points), grid (every combination, once; needs a finite search "
+        "space) or nsga2 (genetic, for several objectives).",
+        "tpe",
+    )
+    seed: int | None = _doc("Sampler seed, for a reproducible sequence of trials.")
+    n_startup_trials: int = _doc(
+        "tpe, gp, cmaes: random trials before the sampler's model is used.", 10
+    )
+    multivariate: bool | None = _doc(
+        "tpe: model the parameters jointly, not one by one (learning rate and batch size "
+        "interact); default true for tpe."
+    )
+    group: bool = _doc(
+        "tpe with multivariate: model parameters that appear together as groups.", False
+    )
+    constant_liar: bool = _doc(
+        "tpe: count running trials as bad, so parallel workers do not propose the same "
+        "configuration in a row.",
+        True,
+    )
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        found: list[tuple[str, Any, str]] = []
+        if self.n_startup_trials < 0:
+            found.append(("n_startup_trials", self.n_startup_trials, "must be >= 0"))
+        if self.seed is not None and not 0 <= self.seed < 2**32:  # numpy's RandomState
+            found.append(("seed", self.seed, "must be in [0, 2**32) or null"))
+        for key in ("multivariate", "group"):
+            if getattr(self, key) and self.type != "tpe":
+                found.append((key, True, f"only for type: tpe, not {self.type}"))
+        if self.group and self.multivariate is False and self.type == "tpe":
+            found.append(("group", True, "needs multivariate: true"))
+        return found
+
+
+@dataclass
+class PrunerConfig:
+    """When a weak trial is stopped early, judged at each evaluation."""
+
+    type: Literal["median", "percentile", "successive_halving", "hyperband", "none"] = _doc(
+        "successive_halving (asynchronous successive halving, ASHA: at evaluations "
+        "min_resource x reduction_factor^k a trial goes on only if it is in the best "
+        "1/reduction_factor of the trials that reached that evaluation; the default, chosen "
+        "by bench/search_efficiency.py), median, percentile, hyperband or none.",
+        "successive_halving",
+    )
+    n_startup_trials: int = _doc("median/percentile: complete trials before pruning starts.", 3)
+    n_warmup_steps: int = _doc(
+        "median/percentile: evaluations of a trial before it can be pruned.", 1
+    )
+    percentile: float = _doc("percentile: prune below this percentile of the other trials.", 25.0)
+    margin: float = _doc(
+        "median/percentile: prune only a trial worse than the median (percentile) by more than "
+        "this, in the metric's units (0.01: one point of accuracy), so that differences within "
+        "evaluation noise, such as runs that all sit at chance level before their metric "
+        "jumps, prune nothing.",
+        0.0,
+    )
+    min_resource: int | None = _doc("successive_halving/hyperband: evaluations before a rung.")
+    reduction_factor: int = _doc("successive_halving/hyperband: keep 1/this at each rung.", 3)
+    patience: int | None = _doc(
+        "Optuna's PatientPruner around the pruner: a trial may be pruned only once its last "
+        "patience + 1 evaluations are all worse (by more than min_delta) than its best before "
+        "them, so a trial that still improves is never pruned; with type none, such a trial is "
+        "pruned. null: no patience."
+    )
+    min_delta: float = _doc("patience: how much worse an evaluation must be to count.", 0.0)
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        found: list[tuple[str, Any, str]] = []
+        for key in ("n_startup_trials", "n_warmup_steps"):
+            if getattr(self, key) < 0:
+                found.append((key, getattr(self, key), "must be >= 0"))
+        if not 0 < self.percentile < 100:
+            found.append(("percentile", self.percentile, "must be in (0, 100)"))
+        if self.min_resource is not None and self.min_resource < 1:
+            found.append(("min_resource", self.min_resource, "must be a positive integer or null"))
+        if self.reduction_factor < 2:
+            found.append(("reduction_factor", self.reduction_factor, "must be >= 2"))
+        if self.patience is not None and self.patience < 0:
+            found.append(("patience", self.patience, "must be >= 0 or null"))
+        if self.type not in ("median", "percentile"):
+            for key, default in (("n_startup_trials", 3), ("n_warmup_steps", 1)):
+                if getattr(self, key) != default:
+                    found.append((key, getattr(self, key), f"only for median or percentile, "
+                                  f"not {self.type}; set type: median to use it"))  # fmt: skip
+        if self.margin < 0:
+            found.append(("margin", self.margin, "must be >= 0"))
+        elif self.margin > 0 and self.type not in ("median", "percentile"):
+            found.append(("margin", self.margin, f"only for median or percentile, not {self.type}"))
+        if self.min_delta < 0:
+            found.append(("min_delta", self.min_delta, "must be >= 0"))
+        return found
+
+
+@dataclass
+class StudyConfig:
+    """What the study optimises and how long it runs."""
+
+    metric: MetricName | list[ObjectiveName] = _doc(
+        "Evaluation metric that is the trial's value (its best evaluation): accuracy, macro_f1 "
+        "or eval_loss. A list (e.g. [macro_f1, eval_loss], or [accuracy, samples_per_s]) makes "
+        "several objectives: the first, an evaluation metric, picks the trial's best "
+        "evaluation, whose values the others take (samples_per_s: the trial's throughput); "
+        "the study then keeps a Pareto front, and pruning is off.",
+        "accuracy",
+    )
+    direction: Direction | list[Direction] | None = _doc(
+        "Optimisation direction (a list for several objectives); default: each metric's "
+        "natural one."
+    )
+    throughput_tolerance: float = _doc(
+        "With samples_per_s among several objectives: the fraction of a trial's throughput "
+        "that is noise. A trial better on the quality metrics dominates one whose samples/s "
+        "is higher by no more than this; a trial no better than chance (always the most "
+        "common label) is never on the Pareto front while another beats chance.",
+        DEFAULT_THROUGHPUT_TOLERANCE,
+    )
+    n_trials: int | None = _doc(
+        "Trials for the whole study (all workers); null: until timeout.", 20
+    )
+    timeout: float | None = _doc(
+        "Seconds after which this worker starts no new trial (the running one finishes), "
+        "counted from the worker's start."
+    )
+    trial_timeout: float | None = _doc(
+        "Seconds one trial may train: past it, the trial checkpoints, stops and is pruned with "
+        "reason `timeout`; null: no limit."
+    )
+    storage: str | None = _doc("Database URL; --storage and $HPO_STORAGE take precedence.")
+    heartbeat_interval: int = _doc("Seconds between a running trial's heartbeats.", 30)
+    grace_period: int | None = _doc(
+        "Seconds without a heartbeat before a trial counts as dead; default 3x the interval."
+    )
+    max_retries: int = _doc(
+        "Times a trial whose worker died or was stopped is re-run by a worker.", 2
+    )
+    trial_isolation: Literal["process", "none"] = _doc(
+        "process: each trial trains in a child process, so a crash, a CUDA error or leaked "
+        "memory ends with the trial; none: in the worker itself (for debuggers).",
+        "process",
+    )
+    checkpoints: bool = _doc(
+        "Checkpoint each trial, so that a retried trial resumes; the best trial's model is kept.",
+        True,
+    )
+    checkpoint_interval: float = _doc(
+        "Least seconds between two checkpoints of a trial, written at evaluations (0: at every "
+        "evaluation). A stop (SIGTERM, Ctrl-C) always checkpoints; a crash loses at most this "
+        "much training.",
+        300.0,
+    )
+    checkpoint_dir: str | None = _doc(
+        "Folder for checkpoints (default ./hpo-checkpoints); on a filesystem every worker "
+        "shares, a trial retried on another host resumes too."
+    )
+    artifact_store: str | None = _doc(
+        "Where every host finds checkpoints and best models: file:///path (a shared mount) or "
+        "s3://bucket/prefix (S3, MinIO, Ceph, R2: credentials, profile and $AWS_ENDPOINT_URL "
+        "from the usual AWS settings). Checkpoints are written locally first and uploaded in "
+        "the background; a retry on any host resumes from the store. --artifact-store and "
+        "$HPO_ARTIFACT_STORE take precedence. Default: none, checkpoints stay on their host.",
+    )
+    artifact_patience: float = _doc(
+        "Seconds a finished or stopped trial waits for its uploads to the artifact store "
+        "(retried with backoff) before it gives up and records checkpoint_error.",
+        120.0,
+    )
+    database_patience: float = _doc(
+        "Seconds a worker rides out an unreachable study database (retrying with backoff) "
+        "before it gives up.",
+        600.0,
+    )
+    database_connections: Literal["pooled", "on_demand"] = _doc(
+        "PostgreSQL only. pooled: each worker keeps at most 2 connections open (fastest; up to "
+        "max_connections / 2 workers, 48 on a stock server); on_demand: a connection per "
+        "database call, closed after it, so hundreds of workers share a stock server (each "
+        "call pays a connect: a few ms on a LAN, more over TLS). See README, 'Running on a "
+        "cluster'.",
+        "pooled",
+    )
+    stop_timeout: float = _doc(
+        "Seconds a worker gives its running trial to stop after SIGTERM or Ctrl-C before it "
+        "kills it.",
+        30.0,
+    )
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    pruner: PrunerConfig = field(default_factory=PrunerConfig)
+    enqueue: list[dict[str, Any]] = field(
+        default_factory=list,
+        metadata={
+            "help": "Configurations tried first (a paper's recipe, a known-good run): each a "
+            "mapping of search-space parameters to values; parameters left out are sampled. "
+            "Queued once per study, whichever worker starts first; one already in the study "
+            "is not queued again."
+        },
+    )
+
+    @property
+    def objectives(self) -> list[str]:
+        """The study's objectives, in order: one metric, or the list given."""
+        return objective_list(self.metric)
+
+    @property
+    def primary_metric(self) -> str:
+        """The evaluation metric that picks a trial's best evaluation (and checkpoint)."""
+        return self.objectives[0]
+
+    @property
+    def grace_period_s(self) -> int:
+        """The grace period, its default resolved: 3x the heartbeat interval."""
+        return self.grace_period or 3 * self.heartbeat_interval
+
+    @property
+    def resolved_directions(self) -> list[Direction]:
+        if self.direction is None:
+            return [OBJECTIVE_DIRECTIONS[name] for name in self.objectives]
+        return [self.direction] if isinstance(self.direction, str) else list(self.direction)
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        found = self._objective_problems()
+        if len(self.objectives) > 1 and self.sampler.type == "cmaes":
+            rule = "several objectives need tpe, gp, nsga2, random, qmc or grid, not cmaes"
+            found.append(("metric", self.objectives, rule))
+        if not 0 <= self.throughput_tolerance < 1:
+            found.append(("throughput_tolerance", self.throughput_tolerance,
+                          "must be a fraction in [0, 1), e.g. 0.05"))  # fmt: skip
+        if self.n_trials is not None and self.n_trials < 1:
+            found.append(("n_trials", self.n_trials, "must be a positive integer or null"))
+        if self.timeout is not None and self.timeout <= 0:
+            found.append(("timeout", self.timeout, "must be > 0 seconds or null"))
+        if self.trial_timeout is not None and self.trial_timeout <= 0:
+            found.append(("trial_timeout", self.trial_timeout, "must be > 0 seconds or null"))
+        if self.heartbeat_interval < 1:
+            found.append(("heartbeat_interval", self.heartbeat_interval, "must be >= 1 second"))
+        if self.grace_period is not None and self.grace_period <= self.heartbeat_interval:
+            found.append(("grace_period", self.grace_period, "must exceed heartbeat_interval"))
+        if self.max_retries < 0:
+            found.append(("max_retries", self.max_retries, "must be >= 0"))
+        if self.database_patience <= 0:
+            found.append(("database_patience", self.database_patience, "must be > 0 seconds"))
+        if self.stop_timeout <= 0:
+            found.append(("stop_timeout", self.stop_timeout, "must be > 0 seconds"))
+        if self.checkpoint_interval < 0:
+            found.append(("checkpoint_interval", self.checkpoint_interval, "must be >= 0 seconds"))
+        if self.artifact_patience <= 0:
+            found.append(("artifact_patience", self.artifact_patience, "must be > 0 seconds"))
+        if self.artifact_store is not None:
+            found.extend(_artifact_store_problems(self.artifact_store))
+        if self.n_trials is None and self.timeout is None:
+            found.append(("n_trials", None, "give n_trials or timeout, or the study never ends"))
+        if len(self.enqueue) > MAX_ENQUEUED:
+            found.append(("enqueue", f"{len(self.enqueue)} configurations",
+                          f"at most {MAX_ENQUEUED}"))  # fmt: skip
+        return found + self._duration_problems()
+
+    def _duration_problems(self) -> list[tuple[str, Any, str]]:
+        """Seconds past what the OS can wait for (1e300) overflow a timer mid-study."""
+        found: list[tuple[str, Any, str]] = []
+        for key in DURATION_KEYS:
+            value = getattr(self, key)
+            if value is not None and value > MAX_SECONDS:
+                nullable = " (null: no limit)" if key in ("timeout", "trial_timeout") else ""
+                found.append((key, value, f"must be at most {MAX_SECONDS:.0e} seconds{nullable}"))
+        return found
+
+    def _objective_problems(self) -> list[tuple[str, Any, str]]:
+        objectives = self.objectives
+        if not objectives:
+            return [("metric", [], "give a metric, or a list of them")]
+        if len(set(objectives)) < len(objectives):
+            return [("metric", objectives, "lists a metric twice")]
+        if objectives[0] not in METRIC_DIRECTIONS:
+            metrics = ", ".join(METRIC_DIRECTIONS)
+            rule = f"must begin with an evaluation metric ({metrics}): it picks the best evaluation"
+            return [("metric", objectives, rule)]
+        directions = self.direction
+        if directions is None:
+            return []
+        if isinstance(directions, str) and len(objectives) > 1:
+            return [("direction", directions, f"give one per metric ({len(objectives)}) or leave "
+                     "it out")]  # fmt: skip
+        given = [directions] if isinstance(directions, str) else list(directions)
+        if len(given) != len(objectives):
+            return [("direction", given, f"give one per metric ({len(objectives)})")]
+        for name, direction in zip(objectives, given, strict=True):
+            natural = OBJECTIVE_DIRECTIONS[name]
+            if direction != natural:
+                shown = direction if isinstance(self.direction, str) else given
+                return [("direction", shown, f"metric {name} must be {natural}d")]
+        return []
+
+    @property
+    def resolved_direction(self) -> Direction:
+        """The direction of a single-objective study."""
+        return self.resolved_directions[0]
+
+
+@dataclass
+class ParamSpec:
+    """One dimension of the search space."""
+
+    type: Literal["categorical", "float", "int"] = _doc("categorical, float or int.", "float")
+    choices: list[Any] | None = _doc("categorical: the values to choose from.")
+    low: float | None = _doc("float/int: lower bound, inclusive.")
+    high: float | None = _doc("float/int: upper bound, inclusive.")
+    log: bool = _doc("float/int: sample uniformly in log space.", False)
+    step: float | None = _doc("float/int: discretisation step.")
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        if self.type == "categorical":
+            return self._categorical_problems()
+        if self.choices is not None:
+            return [("choices", self.choices, f"only for type: categorical, not {self.type}")]
+        if self.low is None or self.high is None:
+            return [("low", self.low, f"a {self.type} parameter needs both low and high")]
+        found: list[tuple[str, Any, str]] = []
+        if self.low > self.high:
+            found.append(("low", self.low, f"must be <= high ({self.high})"))
+        if self.log and self.low <= 0:
+            found.append(("low", self.low, "must be > 0 for a log-scale parameter"))
+        if self.type == "int" and not all(float(v).is_integer() for v in (self.low, self.high)):
+            found.append(("low", (self.low, self.high), "int bounds must be whole numbers"))
+        return found + self._step_problems(self.low, self.high)
+
+    def _categorical_problems(self) -> list[tuple[str, Any, str]]:
+        if not self.choices:
+            return [("choices", self.choices, "a categorical parameter needs a non-empty list")]
+        ranged = {"low": self.low, "high": self.high, "step": self.step, "log": self.log or None}
+        given = [key for key, value in ranged.items() if value is not None]
+        if given:
+            return [(given[0], ranged[given[0]], "only for type: float or int; use choices")]
+        return []
+
+    def _step_problems(self, low: float, high: float) -> list[tuple[str, Any, str]]:
+        """A step Optuna cannot use fails every trial at once; refuse it before the study."""
+        step = self.step
+        if step is None:
+            return []
+        if self.log:
+            return [("step", step, "cannot be combined with log: true")]
+        if self.type == "int" and not (step >= 1 and float(step).is_integer()):
+            return [("step", step, "must be a positive whole number for an int parameter")]
+        if step <= 0:
+            return [("step", step, "must be > 0")]
+        if high > low and step > high - low:
+            return [("step", step, f"must be <= high - low ({high - low:g}), or only low is tried")]
+        ratio = (high - low) / step
+        if abs(ratio - round(ratio)) > 1e-9 * max(1.0, ratio):
+            # Optuna would lower high to the last step silently (with a warning per trial).
+            last = low + math.floor(ratio) * step
+            return [("step", step, f"high - low ({high - low:g}) is not a multiple of it, so "
+                     f"high is never tried; set high: {last:g} or another step")]  # fmt: skip
+        return []
+
+    def values_for_bounds(self) -> list[Any]:
+        """Every value the parameter can take at its extremes, for range checks."""
+        if self.type == "categorical":
+            return list(self.choices or [])
+        return [self.low, self.high]
+
+
+def objective_list(metric: str | Sequence[str]) -> list[str]:
+    """`study.metric` (as written, or as a study recorded it) as a list of objectives."""
+    return [metric] if isinstance(metric, str) else list(metric)
+
+
+def space_record(space: dict[str, ParamSpec]) -> dict[str, Any]:
+    """The search space as a study records it (plain JSON values), to compare with a config."""
+    return json.loads(json.dumps({name: dataclasses.asdict(spec) for name, spec in space.items()}))
+
+
+def default_search_space() -> dict[str, ParamSpec]:
+    return {
+        "effective_batch_size": ParamSpec(type="categorical", choices=list(DEFAULT_BATCH_CHOICES)),
+        "learning_rate": ParamSpec(type="float", low=1e-6, high=1e-3, log=True),
+    }
+
+
+@dataclass
+class Config:
+    """A whole study config file."""
+
+    study: StudyConfig = field(default_factory=StudyConfig)
+    search_space: dict[str, ParamSpec] = field(default_factory=default_search_space)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    source: str = "config"

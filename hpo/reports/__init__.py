@@ -1,0 +1,1 @@
+"""What a user reads about a study: status, best trials, the report."""

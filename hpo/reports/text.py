@@ -1,0 +1,120 @@
+"""What the read commands print: tables and lines of status, best trials and retrain results,
+strict JSON, and the one way output reaches standard output.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpo.errors import HPOError
+
+if TYPE_CHECKING:
+    pass
+
+
+def emit(text: str, end: str = "\n") -> None:
+    """What a command answers, on standard output: `hpo status > /dev/full` (or a full disk
+    under a redirect) is one line, not a traceback."""
+    try:
+        print(text, end=end, flush=True)
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # nothing left to flush at exit
+        os.close(devnull)
+        raise HPOError(f"cannot write the output to standard output ({e.strerror or e})") from e
+
+
+def artifact_line(store: dict[str, Any]) -> str:
+    if "error" in store:
+        return f"artifact store {store['url']}: unreachable ({store['error']})"
+    return (f"artifact store {store['url']}: {store['size_bytes'] / 1e6:.1f} MB in "
+            f"{store['trial_folders']} trial folders")  # fmt: skip
+
+
+def studies_table(rows: list[dict]) -> str:
+    if not rows:
+        return "no studies"
+    names = [_one_line(row["name"]) for row in rows]
+    name_width = max(4, *(len(name) for name in names))
+    width = max(9, *(len(row["direction"]) for row in rows))
+    lines = [f"{'name':<{name_width}}  {'direction':<{width}} {'trials':>6}  best"]
+    for name, row in zip(names, rows, strict=True):
+        best = "-" if row["best_value"] is None else f"{row['best_value']:.4f}"
+        if len(row["directions"]) > 1:
+            best = "Pareto front (hpo best)"
+        lines.append(
+            f"{name:<{name_width}}  {row['direction']:<{width}} {row['n_trials']:>6}  {best}"
+        )
+    return "\n".join(lines)
+
+
+def _one_line(text: str) -> str:
+    """`text` with its control characters (a line break in a study name made with Optuna
+    itself) shown escaped, so a table row stays one line."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
+def retrain_text(retrained: dict) -> str:
+    """`hpo best` after `hpo retrain`: the configuration that won on the mean over seeds."""
+    from hpo.study.retrain import mean_std_text, seeds_text
+
+    params = ", ".join(f"{k}={_short(v)}" for k, v in retrained["params"].items())
+    full = ", trained on both splits" if retrained.get("full_data") else ""
+    if not Path(retrained["model"]).is_dir():
+        full += " (not there any more: moved or removed; hpo retrain again writes it)"
+    seeds, study = seeds_text(retrained["seeds"]), retrained["study"]
+    return (
+        f"retrain winner (mean over {seeds}, study {study!r}): "
+        f"{retrained['metric']} {mean_std_text(retrained['mean'], retrained['std'])} ({params}), "
+        f"search trial #{retrained['search_trial']}\nfinal model: {retrained['model']}{full}"
+    )
+
+
+def strict_json(value: Any, indent: int | None = None) -> str:
+    """JSON that strict parsers (jq, JSON.parse) read: an infinite or NaN value (a diverged
+    trial's, say) is written as the string "inf", "-inf" or "nan", which float() reads back;
+    anything else JSON has no type for (a date) as its text."""
+
+    def finite(item: Any) -> Any:
+        if isinstance(item, float) and not math.isfinite(item):
+            return str(item)
+        if isinstance(item, dict):
+            return {key: finite(v) for key, v in item.items()}
+        if isinstance(item, (list, tuple)):
+            return [finite(v) for v in item]
+        return item
+
+    return json.dumps(finite(value), indent=indent, default=str, allow_nan=False)
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def best_text(best: dict) -> str:
+    params = ", ".join(f"{k}={v}" for k, v in best["params"].items())
+    if "values" in best:  # a trial of the Pareto front
+        values = ", ".join(f"{v:.4f}" for v in best["values"])
+        text = f"Pareto-front trial #{best['number']} of {best['study']!r}: {values} ({params})"
+    else:
+        text = f"best trial #{best['number']} of {best['study']!r}: {best['value']:.4f} ({params})"
+    model = best["user_attrs"].get("best_model")
+    uri = best["user_attrs"].get("best_model_uri")
+    missing = best.get("model_missing")
+    if uri:
+        text += f"\nmodel: {uri} (hpo best --download DIR fetches it)"
+    elif model and not missing:
+        text += f"\nmodel: {model} (AutoModelForSequenceClassification.from_pretrained)"
+    error = best["user_attrs"].get("checkpoint_error")
+    if missing:
+        text += f"\nWARNING: {missing}"
+    elif error and not uri:  # why the model is only on the host that trained it
+        text += f"\nnot saved or not uploaded: {error}"
+    return text

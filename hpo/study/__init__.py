@@ -1,0 +1,1 @@
+"""A study: opening it, its budget, ask and tell, retries, sampler and pruner."""

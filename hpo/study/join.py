@@ -1,0 +1,157 @@
+"""Create or join a study: the same directions and search space as its other workers, the budget of
+the latest worker, configurations queued before the sampler's own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import optuna
+
+from hpo.config.schema import (
+    Config,
+    StudyConfig,
+    objective_list,
+    space_record,
+)
+from hpo.errors import ConfigError
+from hpo.study.sampling import build_pruner, build_sampler, experimental_features
+from hpo.trial.front import TOLERANCE_ATTR
+from storage.engine import StudyStorage
+from storage.tables import check_version
+
+log = logging.getLogger(__name__)
+
+
+# How many workers have joined the study: the next one's index, for its sampler seed.
+WORKERS_ATTR = "hpo:workers_joined"
+QUEUED_BY_ATTR = "queued_by"  # study.enqueue or hpo enqueue, on a queued trial
+
+
+def open_study(storage: StudyStorage, name: str, config: Config) -> optuna.Study:
+    """Create the study, or join it if it exists with the same direction and search space.
+    The check and the first worker's record of the search space happen under the study's lock:
+    two workers creating one study with different spaces cannot both succeed."""
+    check_version(storage.engine)  # a database of another hpo's layout: refused, nothing written
+    directions = config.study.resolved_directions
+    optuna.create_study(
+        storage=storage, study_name=name, directions=directions, load_if_exists=True,
+        sampler=optuna.samplers.RandomSampler(),  # this worker's own sampler is built below
+    )  # fmt: skip
+    study_id = storage.get_study_id_from_name(name)
+    existing = [d.name.lower() for d in storage.get_study_directions(study_id)]
+    if existing != directions:
+        raise ConfigError(
+            [
+                f"study.direction: study {name!r} already exists and is {_said(existing)}, but "
+                f"this config says {_said(directions)}; use another --study name or the same "
+                "metric"
+            ],
+            config.source,
+        )
+    with storage.lock(study_id):
+        _check_study_settings(storage, study_id, name, config)
+        _say_budget_change(storage, study_id, name, config.study.n_trials)
+        # The budget of the latest worker to join, for `hpo status --watch` to know the end.
+        storage.set_study_user_attr(study_id, "n_trials", config.study.n_trials)
+        # The Pareto front's tolerance of throughput noise (hpo.trial.front), the latest worker's.
+        storage.set_study_user_attr(study_id, TOLERANCE_ATTR, config.study.throughput_tolerance)
+        # When a running trial's silence means its worker is gone, for `hpo status`.
+        storage.set_study_user_attr(study_id, "grace_period_s", liveness(config.study)[1])
+        worker_index = int(storage.get_study_system_attrs(study_id).get(WORKERS_ATTR, 0))
+        storage.set_study_system_attr(study_id, WORKERS_ATTR, worker_index + 1)
+    pruner = build_pruner(config.study.pruner)
+    if len(directions) > 1 and not isinstance(pruner, optuna.pruners.NopPruner):
+        log.info("study %r has %d objectives: pruning is off (Optuna's pruners serve one "
+                 "objective)", name, len(directions))  # fmt: skip
+        pruner = optuna.pruners.NopPruner()
+    study = optuna.load_study(
+        study_name=name,
+        storage=storage,
+        sampler=build_sampler(config.study.sampler, worker_index, config.search_space),
+        pruner=pruner,
+    )
+    # Named metrics: the dashboard shows "accuracy", not "Objective 0".
+    if study.metric_names != config.study.objectives:
+        with experimental_features():
+            study.set_metric_names(config.study.objectives)
+    if config.study.enqueue:
+        budget = config.study.n_trials
+        if budget is not None and len(config.study.enqueue) > budget:
+            count = len(config.study.enqueue)
+            log.warning("study.enqueue lists %d configurations but n_trials is %d: the ones "
+                        "past the budget stay queued", count, budget)  # fmt: skip
+        with storage.lock(study_id):
+            for params in config.study.enqueue:
+                enqueue(study, params, "study.enqueue")
+    return study
+
+
+def enqueue(study: optuna.Study, params: dict[str, Any], by: str = "hpo enqueue") -> bool:
+    """Queue a configuration to try next, unless a trial of the study (in any state) was
+    queued or ran with exactly these parameters; whether it was queued. Call it under the
+    study's lock: two workers must not both queue it. `by` (the trial's `queued_by`) is said
+    in the log when the trial starts."""
+    before = len(study.get_trials(deepcopy=False))
+    study.enqueue_trial(params, user_attrs={QUEUED_BY_ATTR: by}, skip_if_exists=True)
+    return len(study.get_trials(deepcopy=False)) > before
+
+
+def _say_budget_change(storage: StudyStorage, study_id: int, name: str, budget: int | None) -> None:
+    """Each worker counts the study's trials against its own budget: one that joins with
+    another n_trials than the last one's (a rerun without --n-trials, say) grows or ends the
+    study at its own; said in one line, as it may not be what was meant."""
+    attrs = storage.get_study_user_attrs(study_id)
+    if "n_trials" not in attrs or attrs["n_trials"] == budget:  # a new study, or the same
+        return
+    log.warning("study %r had a budget of %s; this worker's is %s (--n-trials or "
+                "study.n_trials), which now applies", name, _budget_text(attrs["n_trials"]),
+                _budget_text(budget))  # fmt: skip
+
+
+def _budget_text(budget: int | None) -> str:
+    return "no limit" if budget is None else f"{budget} trials"
+
+
+def _check_study_settings(storage: StudyStorage, study_id: int, name: str, config: Config) -> None:
+    """The first worker records the study's metrics, search space and sampler; every later one
+    must have the same metrics and search space (a study that mixed accuracy and macro-F1
+    values would compare unlike numbers)."""
+    space = space_record(config.search_space)
+    attrs = storage.get_study_user_attrs(study_id)
+    if "search_space" not in attrs:
+        storage.set_study_user_attr(study_id, "metric", config.study.metric)
+        storage.set_study_user_attr(study_id, "search_space", space)
+        storage.set_study_user_attr(study_id, "sampler", config.study.sampler.type)
+        return
+    stored_metric = attrs.get("metric")
+    if stored_metric is not None and objective_list(stored_metric) != config.study.objectives:
+        raise ConfigError(
+            [
+                f"study.metric: study {name!r} optimises {stored_metric}, but this config says "
+                f"{config.study.metric}; use the study's metric or another --study name"
+            ],
+            config.source,
+        )
+    stored = attrs["search_space"]
+    differ = sorted(k for k in stored.keys() | space.keys() if stored.get(k) != space.get(k))
+    if differ:
+        raise ConfigError(
+            [
+                f"search_space: study {name!r} was created with another search space "
+                f"(it differs in {', '.join(differ)}); every worker of a study needs the "
+                "same search space: use the study's config or another --study name"
+            ],
+            config.source,
+        )
+
+
+def liveness(study_config: StudyConfig) -> tuple[float, float, int]:
+    """Heartbeat interval, grace period and retries of the study's running trials."""
+    return study_config.heartbeat_interval, study_config.grace_period_s, study_config.max_retries
+
+
+def _said(directions: Sequence[str]) -> str:
+    return " and ".join(f"{d}d" for d in directions)

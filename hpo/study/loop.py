@@ -1,0 +1,260 @@
+"""A worker's loop over a study: ask, train, tell, until the study's own trial budget is spent,
+and the summary it prints at the end. The budget (`n_trials`) counts the study's trials in
+storage, not this process's; see hpo/study/trials.py for how many workers share it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import time
+from pathlib import Path
+
+import optuna
+from optuna.exceptions import UpdateFinishedTrialError
+from optuna.trial import TrialState
+
+from hpo import live
+from hpo.stopping import HandBack, Interrupted, StopRequest, TakenOver
+from hpo.study.join import QUEUED_BY_ATTR, liveness
+from hpo.study.trials import StudyTrials, counted_trials
+from hpo.trial import cpu_share
+from hpo.trial.folders import checkpoint_root, folder_name
+from hpo.trial.front import CHANCE_ATTR
+from hpo.trial.objective import Objective, worker_id
+from storage.artifacts import ArtifactStore
+from storage.engine import StudyStorage
+from trainer.files import STATE_FILE
+
+log = logging.getLogger(__name__)
+# How long a worker done with its trials lets its last cleanup of the artifact store go on.
+ARTIFACT_CLEANUP_WAIT_S = 60.0
+
+
+def run_trials(
+    study: optuna.Study,
+    storage: StudyStorage,
+    objective: Objective,
+    stop: StopRequest,
+    queued_only: bool = False,
+    started: float | None = None,
+) -> int:
+    """Run trials until the study holds n_trials, this worker's timeout passes or it is asked
+    to stop; returns how many trials this worker finished. A failing trial is recorded as FAIL
+    (one line in the log) and never stops the worker; an interrupted one is handed back.
+    `queued_only` (a retrain): run queued trials only, and stay while other workers' trials
+    run, so that a retry of one whose worker dies is run here. The timeout counts from
+    `started` (time.monotonic() when the worker started: preparing the data is part of its
+    time), else from now."""
+    study_config = objective.task.config.study
+    trials = StudyTrials(study, storage, worker_id(), study_config.n_trials,
+                         liveness(study_config), queued_only)  # fmt: skip
+    deadline = None
+    if study_config.timeout is not None:
+        deadline = (time.monotonic() if started is None else started) + study_config.timeout
+    checkpoints, artifacts = None, None
+    if study_config.checkpoints:
+        checkpoints = checkpoint_root(objective.task.config, study.study_name)
+        if study_config.artifact_store is not None:
+            artifacts = ArtifactStore(study_config.artifact_store)
+    if objective.trains and len(study.directions) > 1:
+        _record_chance_level(study, objective)
+    in_worker = study_config.trial_isolation == "none"
+    # On the CPU, counted among the host's workers, so that their trials share its cores.
+    host = cpu_share.registered() if objective.trains_on_cpu() else contextlib.nullcontext()
+    if in_worker:
+        # What is alive now (torch, transformers, the data) outlives every trial: frozen out of
+        # the collection that frees each trial's memory (150 ms a trial otherwise).
+        gc.freeze()
+    try:
+        with host as entry:
+            objective.cpu_worker = entry
+            return _trial_loop(trials, objective, stop, (checkpoints, artifacts), deadline,
+                               collect=in_worker)  # fmt: skip
+    finally:
+        if not stop.requested:  # done with its trials: its last cleanup of the store may end
+            trials.finish_cleanup(ARTIFACT_CLEANUP_WAIT_S)
+        objective.close()
+        if in_worker:
+            gc.unfreeze()
+
+
+def _record_chance_level(study: optuna.Study, objective: Objective) -> None:
+    """What guessing scores on the evaluation split: no trial at that level is on the Pareto
+    front (hpo.trial.front)."""
+    from trainer.metrics import chance_levels
+
+    data = objective.task.data
+    study.set_user_attr(CHANCE_ATTR, chance_levels(data.eval.labels, data.num_labels))
+
+
+def _trial_loop(
+    trials: StudyTrials,
+    objective: Objective,
+    stop: StopRequest,
+    kept: tuple[Path | None, ArtifactStore | None],
+    deadline: float | None,
+    collect: bool,
+) -> int:
+    """`kept`: where checkpoints live, the local folder and the artifact store."""
+    checkpoints, artifacts = kept
+    ran = 0
+    while not stop.requested:
+        if deadline is not None and time.monotonic() >= deadline:
+            log.info("timeout reached; starting no new trial")
+            break
+        trials.sweep_if_due()
+        trial = trials.next_trial(checkpoints)
+        if trial is None:
+            if _wait_for_silent_trials(trials, stop):
+                continue  # swept: a dead worker's trial may be queued again now
+            if trials.queued_only and _wait_for_other_workers(trials, stop):
+                continue
+            if trials.queued_only:
+                log.info("no queued trial left in study %r; stopping", trials.study.study_name)
+                return ran
+            waiting = len(trials.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+            queued = f"; {waiting} queued trials wait for a larger n_trials" if waiting else ""
+            held = counted_trials(trials.study.get_trials(deepcopy=False))
+            log.info("study %r holds %d started trials, this worker's budget being %d%s; "
+                     "stopping", trials.study.study_name, held, trials.budget, queued)  # fmt: skip
+            return ran
+        _say_queued(trial)
+        try:
+            run_trial(trials, trial, objective, checkpoints)
+            ran += 1
+        except Interrupted:
+            trials.hand_back(trial)
+            return ran  # its folder stays: the retry resumes from it
+        finally:
+            live.trial_ended()
+            if collect:
+                gc.collect()  # the trial's memory, in the worker itself
+        if artifacts is not None:
+            trials.remove_stale_artifacts(artifacts)
+        if live.active():
+            _show_study(trials.study, trials.budget)
+    if checkpoints is not None:
+        trials.remove_stale_checkpoints(checkpoints)
+    return ran
+
+
+def _say_queued(trial: optuna.Trial) -> None:
+    """A queued configuration, not a sampled one, is said when it starts (a retry is said
+    when it is queued)."""
+    by = trial.user_attrs.get(QUEUED_BY_ATTR)
+    if by is not None and "retry_of" not in trial.user_attrs:
+        log.info("trial %d (queued by %s) starts", trial.number, by)
+
+
+def _show_study(study: optuna.Study, budget: int | None) -> None:
+    """The study part of the live progress line: trials by state, the budget, the best value."""
+    finished = study.get_trials(
+        deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+    )
+    counts: dict[str, int] = {}
+    for trial in finished:
+        counts[trial.state.name.lower()] = counts.get(trial.state.name.lower(), 0) + 1
+    best = None
+    if len(study.directions) == 1 and counts.get("complete"):
+        best = study.best_value
+    live.study_progress(counts, best, budget)
+
+
+def _wait_for_silent_trials(trials: StudyTrials, stop: StopRequest) -> bool:
+    """The budget is spent, but a running trial's worker has gone silent (killed moments ago?):
+    rather than leave it RUNNING with no worker to retry it, wait a heartbeat interval and sweep
+    again. Returns False once no running trial is silent; live workers keep beating."""
+    silent = trials.silent_running()
+    if not silent:
+        return False
+    log.info("the workers of trials %s are silent; waiting to take them over once they are "
+             "past the grace period", silent)  # fmt: skip
+    _pause(trials.heartbeat_interval_s, stop)
+    trials.sweep()
+    return not stop.requested
+
+
+def _wait_for_other_workers(trials: StudyTrials, stop: StopRequest, poll_s: float = 1.0) -> bool:
+    """A queued-only worker with nothing queued waits while other workers' trials run (any
+    may be handed back or swept, and queued again); False once none runs."""
+    running = trials.running()
+    if not running:
+        return False
+    if not trials.said_waiting:
+        log.info("waiting for %d trials of other workers to finish", running)
+        trials.said_waiting = True
+    _pause(poll_s, stop)
+    return not stop.requested
+
+
+def _pause(seconds: float, stop: StopRequest) -> None:
+    """Sleep `seconds`, or less once the worker is asked to stop."""
+    waited = 0.0
+    while waited < seconds and not stop.requested:
+        time.sleep(0.2)
+        waited += 0.2
+
+
+def run_trial(
+    trials: StudyTrials, trial: optuna.Trial, objective: Objective, checkpoints: Path | None = None
+) -> None:
+    """Run one trial with heartbeats and record how it ended. Interrupted propagates. Once its
+    end is recorded, a trial that completed or was pruned needs its resume state (in its folder
+    under `checkpoints`) no more; until then, a retry after a crash would resume from it."""
+    with trials.heartbeat(trial) as beat:
+        try:
+            value = objective(trial, beat.lost)
+        except optuna.TrialPruned as e:
+            log.info("trial %d pruned: %s", trial.number, e)
+            if trials.tell(trial, TrialState.PRUNED):
+                _drop_state(checkpoints, trial)
+            return
+        except TakenOver:
+            trials.tell(trial, TrialState.FAIL)  # one line: it was taken over
+            return
+        except HandBack as e:
+            log.warning("trial %d: %s; queueing it again", trial.number, e)
+            trials.hand_back(trial)
+            return
+        except Exception as e:  # Interrupted is a KeyboardInterrupt: it passes on
+            if objective.stop.signal_name is not None:
+                # What broke while the worker was stopping (the fork server died with the same
+                # signal, say) is not the trial's fault: it is handed back like any stopped one.
+                log.debug("trial %d broke while stopping", trial.number, exc_info=e)
+                objective.mark_interrupted(trial, objective.stop.signal_name)
+                raise Interrupted(objective.stop.signal_name) from e
+            # Another worker took the trial over while this one was unresponsive: not a failure
+            # of the trial; tell() says so in one line.
+            if not (beat.lost.is_set() or isinstance(e, UpdateFinishedTrialError)):
+                _record_failure(trial, e)
+            trials.tell(trial, TrialState.FAIL)
+            return
+    if trials.tell(trial, TrialState.COMPLETE, value):
+        _drop_state(checkpoints, trial)
+        shown = values_text(objective.task.config.study.objectives, value)
+        log.info("trial %d finished: %s", trial.number, shown)
+
+
+def _drop_state(checkpoints: Path | None, trial: optuna.Trial) -> None:
+    """The resume state of a trial whose end is recorded (its stored copy: the worker's
+    cleanup of the artifact store)."""
+    if checkpoints is not None:
+        with contextlib.suppress(OSError):
+            (checkpoints / folder_name(trial) / STATE_FILE).unlink(missing_ok=True)
+
+
+def values_text(objectives: list[str], value: float | list[float] | None) -> str:
+    values = value if isinstance(value, list) else [value]
+    return ", ".join(f"{name}={v:.4f}" for name, v in zip(objectives, values, strict=False))
+
+
+def _record_failure(trial: optuna.Trial, error: Exception) -> None:
+    """One line in the log; the traceback only with --debug."""
+    reason = trial.user_attrs.get("fail_reason")
+    if reason is None:
+        reason = f"{type(error).__name__}: {error}".strip()[:1000]
+        trial.set_user_attr("fail_reason", reason)
+    log.warning("trial %d failed: %s", trial.number, str(reason).splitlines()[0])
+    log.debug("trial %d failed", trial.number, exc_info=error)

@@ -1,0 +1,106 @@
+"""How the study proposes and prunes: its sampler (with a seed of each worker's own) and its
+pruner, built from the config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import warnings
+from collections.abc import Iterator
+
+import optuna
+
+from hpo.config.loader import grid_points
+from hpo.config.schema import (
+    ParamSpec,
+    PrunerConfig,
+    SamplerConfig,
+)
+from hpo.study.pruners import MarginPruner
+
+
+def build_sampler(
+    cfg: SamplerConfig, worker_index: int = 0, space: dict[str, ParamSpec] | None = None
+) -> optuna.samplers.BaseSampler:
+    """The study's sampler for the `worker_index`-th worker to join the study; the grid
+    sampler needs the search `space`."""
+    seed = worker_seed(cfg.seed, worker_index)
+    if cfg.type == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if cfg.type == "gp":
+        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=cfg.n_startup_trials)
+    if cfg.type == "cmaes":
+        return optuna.samplers.CmaEsSampler(
+            seed=seed, n_startup_trials=cfg.n_startup_trials, warn_independent_sampling=False
+        )
+    if cfg.type == "nsga2":
+        return optuna.samplers.NSGAIISampler(seed=seed)
+    if cfg.type == "qmc":
+        return optuna.samplers.QMCSampler(seed=seed, warn_independent_sampling=False)
+    if cfg.type == "grid":
+        grid = {name: grid_points(spec) for name, spec in (space or {}).items()}
+        if not grid or any(points is None for points in grid.values()):
+            raise ValueError("the grid sampler needs a finite search space")  # config checks it
+        return optuna.samplers.GridSampler(grid, seed=seed)  # type: ignore[arg-type]
+    with experimental_features():
+        return optuna.samplers.TPESampler(
+            seed=seed,
+            n_startup_trials=cfg.n_startup_trials,
+            multivariate=cfg.multivariate is not False,
+            group=cfg.group,
+            constant_liar=cfg.constant_liar,
+        )
+
+
+def worker_seed(seed: int | None, worker_index: int) -> int | None:
+    """Workers that share a sampler seed draw the same random trials: each worker of a study
+    gets its own seed, derived from the configured one and the order it joined the study in.
+    The first worker uses the configured seed itself, so a single worker stays reproducible."""
+    if seed is None or worker_index == 0:
+        return seed
+    digest = hashlib.sha256(f"hpo-worker-seed/{seed}/{worker_index}".encode()).digest()
+    return int.from_bytes(digest[:4], "big")
+
+
+def build_pruner(cfg: PrunerConfig) -> optuna.pruners.BasePruner:
+    pruner = _base_pruner(cfg)
+    if cfg.patience is None:
+        return pruner
+    wrapped = None if isinstance(pruner, optuna.pruners.NopPruner) else pruner
+    with experimental_features():
+        return optuna.pruners.PatientPruner(wrapped, patience=cfg.patience, min_delta=cfg.min_delta)
+
+
+@contextlib.contextmanager
+def experimental_features() -> Iterator[None]:
+    """TPE's multivariate, group and constant_liar, the PatientPruner and metric names are
+    "experimental" in Optuna (for years now): one warning per worker that tells a user of hpo
+    nothing."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        yield
+
+
+def _base_pruner(cfg: PrunerConfig) -> optuna.pruners.BasePruner:
+    if cfg.type in ("median", "percentile") and cfg.margin > 0:
+        percentile = 50.0 if cfg.type == "median" else cfg.percentile
+        return MarginPruner(percentile, cfg.n_startup_trials, cfg.n_warmup_steps, cfg.margin)
+    if cfg.type == "median":
+        return optuna.pruners.MedianPruner(
+            n_startup_trials=cfg.n_startup_trials, n_warmup_steps=cfg.n_warmup_steps
+        )
+    if cfg.type == "percentile":
+        return optuna.pruners.PercentilePruner(
+            cfg.percentile, n_startup_trials=cfg.n_startup_trials, n_warmup_steps=cfg.n_warmup_steps
+        )
+    min_resource = cfg.min_resource if cfg.min_resource is not None else "auto"
+    if cfg.type == "successive_halving":
+        return optuna.pruners.SuccessiveHalvingPruner(
+            min_resource=min_resource, reduction_factor=cfg.reduction_factor
+        )
+    if cfg.type == "hyperband":
+        return optuna.pruners.HyperbandPruner(
+            min_resource=cfg.min_resource or 1, reduction_factor=cfg.reduction_factor
+        )
+    return optuna.pruners.NopPruner()

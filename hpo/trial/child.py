@@ -1,0 +1,311 @@
+"""The trial process's own side: it trains one trial after another for its worker, stops cleanly on
+SIGTERM or when its worker is gone, and asks to be replaced when its memory grew.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import gc
+import logging
+import os
+import signal
+import sys
+import threading
+import traceback
+from multiprocessing.connection import Connection
+from types import FrameType
+from typing import Any
+
+import optuna
+
+from hpo.logs import set_optuna_verbosity, setup_logging
+from hpo.stopping import Interrupted, TrialTimedOut
+from hpo.trial.protocol import (
+    ASK,
+    EXIT_STOPPED_BEFORE_TRAINING,
+    ORPHANED,
+    PAUSED,
+    TAKEN,
+    WORKER_WATCH_S,
+    TrialTarget,
+    WorkerStoppedListening,
+    exited,
+    process_stopped,
+)
+
+log = logging.getLogger(__name__)
+
+
+# Set in a trial process by SIGTERM (the worker stopping it, or its fork server dying) or a lost
+# worker.
+_stop_reason: list[str] = []
+# The trial process's parent, the fork server: a SIGTERM after it died is the kernel's notice.
+_parent_pid: list[int] = []
+# Whether the trial process has begun training, so that a stop would checkpoint. Until then
+# (batch search, model build: many seconds on a GPU) a SIGTERM ends it at once: nothing is lost.
+_training: list[bool] = []
+# Set by the trial through `replace_after_this_trial`: this process ends after the trial.
+_replace_after_trial: list[str] = []
+# The pipe to the worker is written by the trial and by the worker watch's thread.
+_sending = threading.Lock()
+# A trial process is replaced once it holds this much more memory than after its first trial,
+# or this much more CUDA memory in live tensors.
+MEMORY_GROWTH_LIMIT = 2 * 1024**3
+CUDA_LEFT_OVER_LIMIT = 64 * 1024**2
+
+
+def stop_requested() -> bool:
+    """In a trial process: whether to checkpoint and stop at the next optimizer step. The
+    training loop first asks before its first step, so the first question also says that
+    training runs."""
+    if not _training:
+        _training.append(True)
+    return bool(_stop_reason)
+
+
+def stop_reason() -> str:
+    """Why this trial process was asked to stop: SIGTERM (its worker), or `orphaned` (its fork
+    server died and the kernel sent the notice)."""
+    return _stop_reason[0] if _stop_reason else "SIGTERM"
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    _stop(ORPHANED if _parent_pid and os.getppid() != _parent_pid[0] else "SIGTERM")
+
+
+def _stop(reason: str) -> None:
+    """Checkpoint and stop at the next optimizer step; before training, exit at once."""
+    _stop_reason.append(reason)
+    if not _training:
+        os._exit(EXIT_STOPPED_BEFORE_TRAINING)  # nothing to save; the worker hands it back
+
+
+class ChildTrial:
+    """The trial as the child process sees it: every call goes to the worker over a pipe. Once
+    the worker stops listening (it is stopping this trial), calls do nothing and the trial is
+    asked to stop."""
+
+    def __init__(self, conn: Connection, number: int) -> None:
+        self._conn = conn
+        self._number = number
+
+    @property
+    def number(self) -> int:
+        return self._number
+
+    def set_user_attr(self, key: str, value: Any) -> None:
+        # Also while stopping: what the way out cost (checkpoint_s, checkpoint_error), which
+        # the worker records until the process exits (TrialProcess._last_words).
+        self._send(("attr", key, value), while_stopping=True)
+
+    def report(self, value: float, step: int) -> None:
+        self._send(("report", value, step))
+
+    def send_progress(self, progress: dict[str, Any]) -> None:
+        self._send(("progress", progress))
+
+    def ask(self, request: tuple[Any, ...]) -> Any:
+        """The worker's answer to `request` (see WorkerRequests); waits for it. Raises
+        WorkerStoppedListening once the worker no longer answers (it is stopping this trial)."""
+        if not self._send((ASK, request)):
+            raise WorkerStoppedListening(request[0])
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            _stop_reason.append("the worker stopped listening")
+            raise WorkerStoppedListening(request[0]) from None
+
+    def should_prune(self) -> bool:
+        if not self._send(("should_prune",)):
+            return False
+        try:
+            return bool(self._conn.recv())
+        except (EOFError, OSError):
+            _stop_reason.append("the worker stopped listening")
+            return False
+
+    def _send(self, message: tuple[Any, ...], while_stopping: bool = False) -> bool:
+        if _stop_reason and not while_stopping:
+            return False
+        try:
+            with _sending:
+                self._conn.send(message)
+            return True
+        except OSError:  # BrokenPipeError: the worker is gone or stopping this trial
+            _stop_reason.append("the worker stopped listening")
+            return False
+
+
+def child_main(
+    conn: Connection,
+    target: TrialTarget,
+    base: Any,
+    log_level: int,
+    worker_pid: int,
+) -> None:
+    # The worker decides how its trial stops: Ctrl-C in a terminal reaches the whole group, and
+    # the worker's SIGTERM means "checkpoint and stop".
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by its fork server
+    _parent_pid.append(os.getppid())
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    _stop_when_orphaned()
+    setup_logging(log_level)
+    set_optuna_verbosity(log_level)
+    _watch_worker(worker_pid, conn)
+    # What the fork server loaded and the data live as long as the process: kept out of the
+    # collections after each trial (a full one takes 150 ms with torch loaded).
+    gc.freeze()
+    memory = _MemoryWatch()
+    runs = 0
+    while True:
+        try:
+            _, number, changes = conn.recv()
+        except (EOFError, OSError):
+            return  # the worker has no more trials for this process
+        try:
+            with _sending:
+                conn.send((TAKEN,))
+        except OSError:
+            return
+        payload = base if changes is None else dataclasses.replace(base, **changes)
+        runs += 1
+        trial = ChildTrial(conn, number)
+        trial.set_user_attr("process_trials", runs)  # 1: a new process; more: a kept one
+        outcome = _run_target(target, trial, payload)
+        staying = outcome[0] in ("complete", "pruned") and not _stop_reason
+        staying = staying and not _replace_after_trial
+        try:
+            with _sending:
+                conn.send(("outcome", outcome, staying))
+        except OSError:
+            return  # the worker stopped listening: it is handing this trial back
+        _training.clear()  # idle: a SIGTERM now ends this process at once
+        # The memory check runs while the worker records the trial; a process that grew
+        # exits, and the worker starts a new one for its next trial.
+        if not staying or not memory.fit():
+            conn.close()
+            return
+        _stop_reason.clear()
+
+
+def _run_target(target: TrialTarget, trial: ChildTrial, payload: Any) -> tuple[Any, ...]:
+    try:
+        return ("complete", target(trial, payload))
+    except optuna.TrialPruned as e:
+        return ("pruned", str(e))
+    except TrialTimedOut as e:
+        return ("timed_out", str(e))
+    except Interrupted as e:
+        return ("interrupted", e.signal_name)
+    except Exception as e:
+        return ("failed", f"{type(e).__name__}: {e}", traceback.format_exc())
+
+
+def replace_after_this_trial(reason: str) -> None:
+    """In a trial process: end this process after the current trial (its next trial starts
+    in a new one): after an OOM at batch 1 or a CUDA error, the device's state is suspect."""
+    log.info("the trial process will be replaced after this trial: %s", reason)
+    _replace_after_trial.append(reason)
+
+
+class _MemoryWatch:
+    """Whether the process's memory stayed near what it held after its first trial (a trial
+    that leaks, or a library cache that grows, ends its process rather than the host). Both
+    baselines are taken after the first trial: what a process keeps on purpose (torch's
+    imports, cuBLAS and attention workspaces, the caching allocator's own blocks) is not a
+    leak; growth past the limits is, and the reason is logged."""
+
+    def __init__(self) -> None:
+        self.rss_baseline: int | None = None
+        self.cuda_baseline: int | None = None
+
+    def fit(self) -> bool:
+        gc.collect()
+        cuda = _cuda_allocated_bytes()
+        if cuda is not None:
+            if self.cuda_baseline is None:
+                self.cuda_baseline = cuda
+            if cuda - self.cuda_baseline > CUDA_LEFT_OVER_LIMIT:
+                log.info("%d MiB of CUDA tensors outlived the trial; replacing the trial "
+                         "process", (cuda - self.cuda_baseline) // 2**20)  # fmt: skip
+                return False
+        rss = _resident_bytes()
+        if rss is None:
+            return True
+        if self.rss_baseline is None:
+            self.rss_baseline = rss
+        if rss - self.rss_baseline > MEMORY_GROWTH_LIMIT:
+            log.info("the trial process holds %d MiB more than after its first trial; "
+                     "replacing it", (rss - self.rss_baseline) // 2**20)  # fmt: skip
+            return False
+        return True
+
+
+def _cuda_allocated_bytes() -> int | None:
+    """CUDA memory held by live tensors after emptying the allocator's cache; None when this
+    process never used CUDA."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    torch.cuda.empty_cache()
+    return int(torch.cuda.memory_allocated())
+
+
+def _resident_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm", "rb") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None  # no /proc here: memory growth is not watched
+
+
+def _stop_when_orphaned() -> None:
+    """A worker killed outright takes its fork server with it; the kernel then sends this
+    process SIGTERM (Linux), so it checkpoints and stops instead of training on unseen."""
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != _parent_pid[0]:  # orphaned before the line above took effect
+        _stop_reason.append(ORPHANED)
+
+
+def _watch_worker(worker_pid: int, conn: Connection) -> None:
+    """The worker is not this process's parent (the fork server is, and notices the worker's
+    death seconds late): a thread follows the worker itself, so a trial whose worker was killed
+    checkpoints at its next step and stops before another worker retries it.
+
+    A worker stopped by SIGSTOP (`kill -STOP`, a debugger) sends no heartbeats: another worker
+    may fail its trial and resume it from its checkpoint folder. This process then stops
+    itself too, writing nothing more there; the worker continues it once it runs again (and
+    kills it at once if the trial was taken over meanwhile)."""
+    try:
+        pidfd = os.pidfd_open(worker_pid)
+    except (AttributeError, OSError):
+        return  # no pidfds here: the fork server's notice (PR_SET_PDEATHSIG) has to do
+
+    def watch() -> None:
+        seen_stopped = 0
+        while not exited(pidfd, WORKER_WATCH_S):
+            seen_stopped = seen_stopped + 1 if process_stopped(worker_pid) else 0
+            if seen_stopped >= 2:  # not a moment's ptrace stop (py-spy dump, say)
+                log.warning("trial process: its worker %d is stopped (SIGSTOP?); pausing "
+                            "with it", worker_pid)  # fmt: skip
+                _notify_paused(conn)
+                os.kill(os.getpid(), signal.SIGSTOP)
+                seen_stopped = 0
+        _stop(ORPHANED)
+
+    threading.Thread(target=watch, name="hpo-worker-watch", daemon=True).start()
+
+
+def _notify_paused(conn: Connection) -> None:
+    """Tells the worker that this process stops itself because the worker is stopped: once
+    the worker runs again, it continues this process."""
+    try:
+        with _sending:
+            conn.send((PAUSED,))
+    except OSError:
+        pass  # the worker is gone: the watch sees it next

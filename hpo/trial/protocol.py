@@ -1,0 +1,100 @@
+"""What passes between a worker and its trial process: the messages' kinds, what training code may
+ask of a trial (TrialLike), how each side sees the other gone or stopped, and the errors each
+side raises then.
+"""
+
+from __future__ import annotations
+
+import select
+import signal
+from collections.abc import Callable
+from typing import Any, Protocol
+
+# How often a trial process looks at its worker: gone (it stops), or stopped by SIGSTOP (it
+# pauses too, so that it writes no checkpoint into a folder that a retry may take over).
+WORKER_WATCH_S = 0.5
+PAUSED = "paused"
+TAKEN = "taken"
+ASK = "ask"  # a request the worker answers (WorkerRequests), e.g. the batch-size cache's
+
+
+class WorkerRequests(Protocol):
+    """What a worker answers for its trial process, so that the process needs no database
+    connection of its own (storage.batch_cache.BatchCacheRequests)."""
+
+    def answer(self, request: tuple[Any, ...]) -> Any | None:
+        """The reply, or None while it cannot be given yet (asked again every poll)."""
+        ...
+
+    def end_trial(self) -> None:
+        """Release what the trial's requests took (it ended, whatever way)."""
+        ...
+
+
+class TrialLike(Protocol):
+    """What training code needs of a trial; an optuna.Trial, or ChildTrial inside the child."""
+
+    @property
+    def number(self) -> int: ...
+
+    def set_user_attr(self, key: str, value: Any) -> None: ...
+
+    def report(self, value: float, step: int) -> None: ...
+
+    def should_prune(self) -> bool: ...
+
+
+# A trial's value: one number, or one per objective of a study with several.
+TrialValue = float | list[float]
+TrialTarget = Callable[[TrialLike, Any], TrialValue]
+
+
+class WorkerStoppedListening(Exception):
+    """A trial process asked its worker something after the worker stopped this trial."""
+
+    def __init__(self, request: str) -> None:
+        super().__init__(f"no answer to {request!r}: the worker is stopping this trial")
+
+
+class TrialFailed(Exception):
+    """The trial raised in its child process; the child's traceback is attached as a note."""
+
+
+class TrialProcessDied(Exception):
+    """The child process ended without a result: killed, crashed or exited."""
+
+
+ORPHANED = "orphaned"
+
+
+EXIT_STOPPED_BEFORE_TRAINING = 128 + signal.SIGTERM
+
+
+def describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "stopped answering"
+    if exitcode == EXIT_STOPPED_BEFORE_TRAINING:
+        return "got SIGTERM before it began training, and exited"
+    if exitcode >= 0:
+        return f"exited with code {exitcode} before it sent a result"
+    name = signal.Signals(-exitcode).name
+    if name == "SIGKILL":
+        return "was killed (SIGKILL); the host may have run out of memory (see dmesg)"
+    return f"was killed by {name}"
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped by a signal or a tracer (Linux: /proc/PID/stat)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read()
+    except OSError:
+        return False  # gone, or no /proc here
+    return stat.rpartition(b")")[2].split()[:1] in ([b"T"], [b"t"])
+
+
+def exited(pidfd: int, timeout_s: float | None) -> bool:
+    """Whether the process of `pidfd` exits within `timeout_s` (None: wait for it)."""
+    poller = select.poll()  # not select(): a busy worker's fds may pass 1024
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(None if timeout_s is None else timeout_s * 1000))

@@ -9,6 +9,8 @@ import os
 import sys
 import warnings
 
+from storage.url import mask_text
+
 # Set by `hpo run --gpus` for each worker it starts, e.g. "gpu1".
 WORKER_LABEL_ENV = "HPO_WORKER_LABEL"
 
@@ -17,19 +19,28 @@ def worker_label() -> str | None:
     return os.environ.get(WORKER_LABEL_ENV) or None
 
 
+class MaskingFormatter(logging.Formatter):
+    """Every log line, traceback included, with a database password masked: a library's error
+    (SQLAlchemy's "Could not parse SQLAlchemy URL from string ...") quotes the URL it got."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return mask_text(super().format(record))
+
+
 def setup_logging(level: int) -> None:
     """Logging for hpo; the libraries are quietened without importing them (a config error
     is reported before torch, transformers or Optuna load)."""
     label = worker_label()
     prefix = f"{label} " if label else ""
-    logging.basicConfig(
-        level=level,
-        # Studies run for days: every line says when (Optuna's own lines do too).
-        format=f"%(asctime)s [{prefix}%(name)s %(levelname)s] %(message)s",
-        datefmt="%Y-%m-%d %H:%M:%S",
-        stream=sys.stderr,
-        force=True,
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        MaskingFormatter(
+            # Studies run for days: every line says when (Optuna's own lines do too).
+            f"%(asctime)s [{prefix}%(name)s %(levelname)s] %(message)s",
+            datefmt="%Y-%m-%d %H:%M:%S",
+        )
     )
+    logging.basicConfig(level=level, handlers=[handler], force=True)
     # torch's own INFO lines (FakeTensor cache statistics at exit, compile notes) are for
     # torch's developers; --debug shows them, but never their DEBUG lines: a line per autograd
     # op per step (1,845 lines for one tiny trial), or every HTTP exchange of botocore's.

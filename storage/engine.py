@@ -146,9 +146,10 @@ def open_storage(
         OSError,
     ) as e:
         reason = _first_line(mask_text(str(_root_cause(e))))
+        # The fix names the user and database, which a mistyped URL can make hold the password.
+        fix = mask_text(_open_fix(storage_url, reason))
         raise StorageError(
-            f"cannot open the study database {storage_url.masked}: {reason}; "
-            f"{_open_fix(storage_url, reason)}"
+            f"cannot open the study database {storage_url.masked}: {reason}; {fix}"
         ) from e
 
 

@@ -107,4 +107,5 @@ def _connection_failure(storage_url: StorageURL, error: BaseException) -> str:
         )
     else:
         fix = "check the host, port, database name and credentials"
-    return f"cannot open the study database {storage_url.masked}: {reason}; {fix}"
+    # The fix names the database, which a mistyped URL can make hold the password.
+    return mask_text(f"cannot open the study database {storage_url.masked}: {reason}; {fix}")

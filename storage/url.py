@@ -166,6 +166,14 @@ def _check_server_address(parsed: URL, url: str, where: str) -> None:
             f"{where} has more than one '@' ({_shown(url)}); write an '@' inside the user "
             "name or password as %40"
         )
+    if not parsed.host and "host" not in parsed.query and "@" in (parsed.database or ""):
+        # postgresql:///user:pw@host/db: no host, and a database named `user:pw@host/db`,
+        # which the server would echo back in its "does not exist".
+        raise StorageError(
+            f"{where} has a third '/' after the scheme ({_shown(url)}), so the user, "
+            "password and host are read as the database name; write "
+            "postgresql+psycopg2://user:password@host:5432/dbname"
+        )
     if parsed.port is not None and not 0 < parsed.port < 65536:
         raise StorageError(
             f"{where} has port {parsed.port}, outside 1-65535; PostgreSQL listens on 5432 "
@@ -204,7 +212,10 @@ def _shown(url: str) -> str:
 
 
 # A URL in free text ends at whitespace or a quote; a password may hold `@`, `/` or `:`.
-_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]+")
+_WORD = re.compile(r"[^\s\"'<>`]*@[^\s\"'<>`]*")
+# A scheme before the user name, however it is typed: `scheme://`, `scheme:/`, `scheme:///`,
+# `scheme:` or `scheme//`.
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*(?::/*|/+)")
 # `password=`, also as libpq spells it inside a `dsn=` parameter (`password%3D`, `sslpassword=`).
 _PASSWORD_PARAMETER = re.compile(r"(?i)((?:password|passwd|pwd)\s*(?:=|%3D))[^&\s\"']*")
 
@@ -212,17 +223,31 @@ _PASSWORD_PARAMETER = re.compile(r"(?i)((?:password|passwd|pwd)\s*(?:=|%3D))[^&\
 def mask_url(url: str) -> str:
     """The URL with its password replaced by ***, even when the URL does not parse.
 
+    Anything shaped like `user:password@host` is masked, with or without a scheme and with any
+    number of slashes after it (a mistyped URL is where a password is most often shown).
     Everything between `user:` and the last `@` is hidden: a password with an unescaped `@`
     is hidden whole, not cut at its first `@`; so is a `password=` query parameter."""
-    scheme, separator, rest = url.partition("://")
-    if separator:
-        userinfo, at, address = rest.rpartition("@")
-        user, colon, _ = userinfo.partition(":")
-        if at and colon:
-            url = f"{scheme}://{user}:***@{address}"
-    return _PASSWORD_PARAMETER.sub(r"\1***", url)
+    return _PASSWORD_PARAMETER.sub(r"\1***", _mask_userinfo(url))
+
+
+def _mask_userinfo(url: str) -> str:
+    userinfo, at, address = url.rpartition("@")
+    if not at:
+        return url
+    scheme = _SCHEME.match(userinfo)
+    if scheme and ":" in userinfo[scheme.end() :]:
+        start = scheme.end()  # scheme, then user:password
+    elif scheme and "/" in scheme[0]:
+        return url  # `scheme://user@host`, or a path that holds an `@`: no password
+    else:
+        start = 0  # `user:password@host`, no scheme: `user:` is not one
+    user, colon, _ = userinfo[start:].partition(":")
+    if not colon:
+        return url
+    return f"{userinfo[:start]}{user}:***@{address}"
 
 
 def mask_text(text: str) -> str:
-    """Mask every `scheme://user:password@` in free text, such as a driver's error message."""
-    return _PASSWORD_PARAMETER.sub(r"\1***", _URL_IN_TEXT.sub(lambda m: mask_url(m[0]), text))
+    """Mask every `user:password@` in free text, such as a driver's error message that echoes
+    a database name (`database "user:pw@host/db" does not exist`), and every `password=`."""
+    return _PASSWORD_PARAMETER.sub(r"\1***", _WORD.sub(lambda m: _mask_userinfo(m[0]), text))

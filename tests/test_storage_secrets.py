@@ -1,0 +1,142 @@
+"""A password in a mistyped storage URL is never printed or logged, whatever the typo: one
+slash, none, `//` without the colon, no scheme, three slashes; nor when the server echoes it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from storage.url import StorageURL, mask_text, mask_url, resolve_storage_url
+
+SECRET = "Sekr1t"
+
+MISTYPED_URLS = [
+    f"postgresql+psycopg2:/user:{SECRET}@127.0.0.1/db",  # one slash
+    f"postgresql+psycopg2:user:{SECRET}@127.0.0.1/db",  # no slash
+    f"postgresql+psycopg2//user:{SECRET}@127.0.0.1/db",  # no colon
+    f"user:{SECRET}@127.0.0.1:5432/db",  # no scheme
+    f"postgresql+psycopg2:///user:{SECRET}@127.0.0.1/db",  # three slashes
+    f"postgresql+psycopg2:////user:{SECRET}@127.0.0.1/db",  # four
+    f"postgresql+psycopg2:/user:{SECRET}@x@127.0.0.1/db",  # and an `@` in the password
+    f"postgresql+psycopg2:/:{SECRET}@127.0.0.1/db",  # no user name
+    f" postgresql+psycopg2:/user:{SECRET}@127.0.0.1/db",  # a space before it
+    f"postgresql+psycopg2:/user:{SECRET}@127.0.0.1/db\n",  # a newline after it
+]
+IDS = ["1 slash", "0 slashes", "no colon", "no scheme", "3 slashes", "4 slashes", "@ in password",
+       "no user", "space", "newline"]  # fmt: skip
+
+
+@pytest.mark.parametrize("url", MISTYPED_URLS, ids=IDS)
+def test_masking_finds_the_password_in_any_shape(url: str) -> None:
+    assert SECRET not in mask_url(url)
+    assert SECRET not in mask_text(f"got {url!r} here")
+    assert SECRET not in mask_text(f"got {url} here")
+
+
+@pytest.mark.parametrize(
+    ("text", "masked"),
+    [
+        (
+            f'FATAL:  database "user:{SECRET}@127.0.0.1/db" does not exist',
+            'FATAL:  database "user:***@127.0.0.1/db" does not exist',
+        ),
+        (
+            f"createdb -h localhost 'user:{SECRET}@127.0.0.1/db'",
+            "createdb -h localhost 'user:***@127.0.0.1/db'",
+        ),
+        (f"postgresql+psycopg2:user:{SECRET}@h/db", "postgresql+psycopg2:user:***@h/db"),
+        # What has no password is left alone: an address, a path or a time with an `@`.
+        ("mail alice@example.com at 12:00", "mail alice@example.com at 12:00"),
+        ("sqlite:////data/hpo@2024.db", "sqlite:////data/hpo@2024.db"),
+        ("file:///shared/run@1/best", "file:///shared/run@1/best"),
+        ("postgresql+psycopg2://alice@db/hpo", "postgresql+psycopg2://alice@db/hpo"),
+    ],
+)
+def test_mask_text_keeps_what_is_not_a_password(text: str, masked: str) -> None:
+    assert mask_text(text) == masked
+
+
+def test_three_slashes_are_refused_before_a_server_is_asked() -> None:
+    from storage.errors import StorageError
+
+    with pytest.raises(StorageError) as caught:
+        resolve_storage_url(f"postgresql+psycopg2:///user:{SECRET}@127.0.0.1/db", None)
+    message = str(caught.value)
+    assert "has a third '/' after the scheme" in message and SECRET not in message
+
+
+class _ServerError(Exception):
+    """What psycopg2 says of a database that does not exist."""
+
+
+def test_a_database_name_the_server_echoes_is_masked_with_its_createdb_line() -> None:
+    # A URL that reached the server with the password inside the database name.
+    url = StorageURL(f"postgresql+psycopg2://h/user:{SECRET}@127.0.0.1", "test")
+    error = _ServerError(f'FATAL:  database "user:{SECRET}@127.0.0.1" does not exist')
+    from storage.engine import _open_fix
+    from storage.preflight import _connection_failure
+
+    message = _connection_failure(url, error)
+    assert "createdb" in message and SECRET not in message, message
+    fix = mask_text(_open_fix(url, str(error)))
+    assert "createdb" in fix and SECRET not in fix, fix
+
+
+def _args(command: str, config: Path) -> list[str]:
+    if command == "run":
+        return ["run", "--study", "s", "--config", str(config)]
+    return ["status", "--study", "s"] if command == "status" else ["studies"]
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["plain", "--debug"])
+@pytest.mark.parametrize("source", ["--storage", "$HPO_STORAGE"])
+@pytest.mark.parametrize("command", ["run", "studies", "status"])
+@pytest.mark.parametrize("url", MISTYPED_URLS, ids=IDS)
+def test_no_command_prints_or_logs_the_password_of_a_mistyped_url(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
+    url: str,
+    command: str,
+    source: str,
+    debug: bool,
+) -> None:
+    from tests.conftest import easy_rows, tiny_config, write_config, write_csv
+
+    monkeypatch.chdir(tmp_path)
+    train = write_csv(tmp_path / "train.csv", easy_rows(16, 1))
+    evaluation = write_csv(tmp_path / "eval.csv", easy_rows(8, 2))
+    config = write_config(tmp_path / "c.yaml", tiny_config(train, evaluation))
+    args = _args(command, config) + (["--debug"] if debug else [])
+    if source == "--storage":
+        args += ["--storage", url]
+    else:
+        monkeypatch.setenv("HPO_STORAGE", url)
+    assert hpo_main(args) == 2
+    captured = capsys.readouterr()
+    output = captured.out + captured.err
+    assert SECRET not in output, output
+    assert "hpo: error: storage URL" in captured.err
+    assert ("Traceback" in captured.err) == debug
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml", "eval.csv", "train.csv"]
+
+
+def test_a_log_line_and_its_traceback_are_masked(
+    capsys: pytest.CaptureFixture[str], hpo_main: Callable[[list[str]], int]
+) -> None:
+    """A library's error quoted in a --debug traceback (a driver echoing the database name)."""
+    import logging
+
+    from hpo.logs import setup_logging
+
+    setup_logging(logging.DEBUG)  # hpo_main's teardown removes the handler
+    try:
+        raise RuntimeError(f'database "user:{SECRET}@127.0.0.1/db" does not exist')
+    except RuntimeError:
+        logging.getLogger("hpo").exception(f"opening postgresql+psycopg2:/user:{SECRET}@h/db")
+    logged = capsys.readouterr().err
+    assert "Traceback" in logged and "user:***@127.0.0.1/db" in logged
+    assert SECRET not in logged, logged

@@ -299,8 +299,14 @@ def hpo_main() -> Iterator[Callable[[list[str]], int]]:
 
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
+    # --debug sets torch's logger to INFO: left so, torch's own handler logged its cache
+    # statistics at exit to this test's closed stderr ("I/O operation on closed file").
+    names = ("torch", "botocore", "boto3", "s3transfer")
+    libraries = {name: logging.getLogger(name).level for name in names}
     yield main
     for handler in root.handlers[:]:
         if handler not in handlers:
             root.removeHandler(handler)
     root.setLevel(level)
+    for name, library_level in libraries.items():
+        logging.getLogger(name).setLevel(library_level)

@@ -69,6 +69,28 @@ def resolve_storage_url(cli_value: str | None, config_value: str | None) -> Stor
     return StorageURL(default, "default")
 
 
+def sqlite_file_relative_to(url: str, folder: Path) -> str:
+    """An SQLite URL whose file name is relative, made absolute against `folder`; any other
+    URL as given. For a config's study.storage: relative to the config file, as its data paths
+    are, so that workers started from different folders share one database (--storage and
+    $HPO_STORAGE stay relative to the working folder, as a path on a command line is)."""
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError):
+        return url  # resolve_storage_url says what is wrong with it
+    database = parsed.database or ""
+    if parsed.get_backend_name() != "sqlite" or not database or database.startswith(":memory:"):
+        return url
+    try:
+        path = Path(database).expanduser()
+    except RuntimeError:  # `~nosuchuser/...`: left as written
+        path = Path(database)
+    if str(path) == database and path.is_absolute():
+        return url
+    absolute = str((folder / path).absolute())  # `folder /` keeps an absolute path as it is
+    return parsed.set(database=absolute).render_as_string(hide_password=False)
+
+
 def _validated(url: str, origin: str) -> str:
     """The URL to connect with (a bare postgresql:// gets hpo's driver); raises StorageError
     naming what is wrong with it, password masked."""

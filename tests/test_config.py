@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,78 @@ def test_relative_paths_resolve_against_the_config_folder(
     config = parse_config(raw, base_dir=train.parent.parent)
     assert Path(config.data.train_file) == train
     assert Path(config.data.eval_file) == evaluation
+
+
+@pytest.mark.parametrize(
+    ("storage", "expected"),
+    [
+        ("sqlite:///rel.db", "conf/rel.db"),
+        ("sqlite:///sub/rel.db", "conf/sub/rel.db"),
+        ("sqlite+pysqlite:///rel.db", "conf/rel.db"),
+        ("sqlite:///../rel.db", "rel.db"),
+        ("sqlite:///{tmp}/abs.db", "abs.db"),
+    ],
+)
+def test_a_relative_sqlite_file_in_the_config_is_relative_to_the_config(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    easy_data: tuple[Path, Path],
+    storage: str,
+    expected: str,
+) -> None:
+    """As data paths are: workers started from two folders share one database, one budget."""
+    from storage.url import resolve_storage_url
+
+    conf, elsewhere = tmp_path / "conf", tmp_path / "run" / "deeper"
+    (conf / "sub").mkdir(parents=True)
+    elsewhere.mkdir(parents=True)
+    raw = tiny_config(*easy_data, study={"storage": storage.format(tmp=tmp_path)})
+    write_config(conf / "c.yaml", raw)
+    monkeypatch.chdir(elsewhere)
+    config = load_config(Path("../../conf/c.yaml"))
+    described = resolve_storage_url(None, config.study.storage).describe()
+    assert described == f"SQLite file {tmp_path / expected} (from config)"
+
+
+@pytest.mark.slow
+def test_workers_started_from_two_folders_share_the_config_s_database(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    easy_data: tuple[Path, Path],
+    hpo_main: Callable[[list[str]], int],
+) -> None:
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    raw = tiny_config(*easy_data, study={"storage": "sqlite:///rel.db", "n_trials": 1})
+    config = write_config(conf / "c.yaml", raw)
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        monkeypatch.chdir(tmp_path / folder)
+        assert hpo_main(["run", "--study", "s", "--config", str(config), "--quiet"]) == 0
+    assert sorted(p.name for p in tmp_path.rglob("*.db")) == ["rel.db"]
+    study = optuna.load_study(study_name="s", storage=f"sqlite:///{conf / 'rel.db'}")
+    assert len(study.trials) == 1  # the second worker found the budget spent
+
+
+@pytest.mark.parametrize("storage", ["postgresql+psycopg2://u:pw@h/db", "sqlite:///:memory:"])
+def test_a_config_storage_that_is_no_relative_file_is_kept_as_written(
+    easy_data: tuple[Path, Path], storage: str
+) -> None:
+    raw = tiny_config(*easy_data, study={"storage": storage})
+    assert parse_config(raw, base_dir=Path("/elsewhere")).study.storage == storage
+
+
+def test_a_relative_sqlite_file_from_the_command_line_is_relative_to_the_working_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from storage.url import resolve_storage_url
+
+    monkeypatch.chdir(tmp_path)
+    for cli, env in (("sqlite:///rel.db", None), (None, "sqlite:///rel.db")):
+        if env is not None:
+            monkeypatch.setenv("HPO_STORAGE", env)
+        chosen = resolve_storage_url(cli, "sqlite:////elsewhere/config.db")
+        assert chosen.describe().startswith(f"SQLite file {tmp_path / 'rel.db'} (from ")
 
 
 def test_model_needs_exactly_one_source(easy_data: tuple[Path, Path]) -> None:

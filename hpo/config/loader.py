@@ -19,6 +19,7 @@ import yaml
 
 from hpo.config.schema import Config, ParamSpec, default_search_space
 from hpo.errors import ConfigError
+from storage.url import sqlite_file_relative_to
 from trainer.config import TUNABLE_FIELDS, TrainingConfig
 
 # The demo config, where hpo runs from its repository (an editable install); a wheel has none.
@@ -353,6 +354,8 @@ def _resolve_paths(config: Config, base_dir: Path, problems: list[str]) -> None:
         setattr(data, key, str(resolved))
     if config.study.checkpoint_dir is not None:
         config.study.checkpoint_dir = str(_resolved(base_dir, config.study.checkpoint_dir))
+    if isinstance(config.study.storage, str):
+        config.study.storage = sqlite_file_relative_to(config.study.storage, base_dir)
     model = config.model
     for key in ("name_or_path", "tokenizer"):
         value = getattr(model, key)

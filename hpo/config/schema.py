@@ -185,7 +185,10 @@ class StudyConfig:
         "Seconds one trial may train: past it, the trial checkpoints, stops and is pruned with "
         "reason `timeout`; null: no limit."
     )
-    storage: str | None = _doc("Database URL; --storage and $HPO_STORAGE take precedence.")
+    storage: str | None = _doc(
+        "Database URL; --storage and $HPO_STORAGE take precedence. A relative SQLite file "
+        "(sqlite:///hpo.db) is relative to this config file."
+    )
     heartbeat_interval: int = _doc("Seconds between a running trial's heartbeats.", 30)
     grace_period: int | None = _doc(
         "Seconds without a heartbeat before a trial counts as dead; default 3x the interval."

@@ -31,10 +31,7 @@ def check_database(storage_url: StorageURL) -> None:
 def _check_sqlite(storage_url: StorageURL) -> None:
     """Cheap: no connection. The file (if there) and its folder, where SQLite writes its
     journal and hpo its lock file, must be writable by this user."""
-    database = make_url(storage_url.url).database or ""
-    if database.startswith("file:"):
-        return  # an SQLite URI: SQLite reads its own options
-    path = Path(database).absolute()
+    path = Path(make_url(storage_url.url).database or "").absolute()
     if path.exists() and not os.access(path, os.R_OK | os.W_OK):
         raise StorageError(
             f"the study database {path} cannot be written by this user (read-only file or "

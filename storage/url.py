@@ -123,6 +123,7 @@ def _validated(url: str, origin: str) -> str:
             "a study: use sqlite:///hpo.db"
         )
     if backend == "sqlite":
+        _check_sqlite_options(url, parsed.database or "", where)
         _check_sqlite_path(parsed.database or "", url, where)
     if backend == "postgresql" and not parsed.database:
         raise StorageError(
@@ -141,11 +142,29 @@ def _validated(url: str, origin: str) -> str:
 SQLITE_HEADER = b"SQLite format 3\x00"
 
 
+def _check_sqlite_options(url: str, database: str, where: str) -> None:
+    """No `?options` and no `file:` URI: hpo derives its lock file, its checks that the file
+    exists and can be written, and the monitoring commands' read-only opening from the file
+    name, and each would name another file than SQLite opens (sqlite:///z.db?cache=shared&uri=true
+    made a file named `z.db?cache=shared`, locked as z.db and looked for as z.db). hpo sets
+    the options it needs (the busy timeout) itself."""
+    if "?" in url:
+        options = url.partition("?")[2].split("&")
+        names = ", ".join(sorted({o.partition("=")[0][:40] for o in options if o}))[:200]
+        raise StorageError(
+            f"{where} has options after '?' ({names or 'empty'}), which hpo does not support "
+            f"in an SQLite URL: write {_shown(url.partition('?')[0])}, nothing after the file name"
+        )
+    if database.startswith("file:"):
+        raise StorageError(
+            f"{where} is an SQLite URI ({_shown(url)}), which hpo does not support: write "
+            "sqlite:///FILE, the file's path after the third '/'"
+        )
+
+
 def _check_sqlite_path(database: str, url: str, where: str) -> None:
     """The file must be an SQLite database or not exist yet, in a folder that exists: checked
     here, before SQLite or hpo's lock file write anything beside it."""
-    if database.startswith("file:"):
-        return  # an SQLite URI: SQLite itself reads its options
     path = Path(database)
     if path.is_dir():
         raise StorageError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -253,3 +254,56 @@ def test_a_missing_postgres_database_says_how_to_create_it(postgres_url: str) ->
     user = f" -U {parsed.username}" if parsed.username else ""
     assert f"create it with `createdb -h {parsed.host}{user} hpo_no_such_db`" in message
     assert "s3cret" not in message
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        (
+            "sqlite:///z.db?cache=shared&uri=true",
+            "has options after '?' (cache, uri), which hpo does not support in an SQLite URL: "
+            "write 'sqlite:///z.db', nothing after the file name",
+        ),
+        ("sqlite:///z.db?timeout=60", "has options after '?' (timeout)"),
+        ("sqlite:///z.db?mode=ro", "has options after '?' (mode)"),
+        ("sqlite:///z.db?", "has options after '?' (empty)"),
+        ("sqlite:///file:z.db", "is an SQLite URI ('sqlite:///file:z.db'), which hpo does not"),
+    ],
+)
+def test_sqlite_options_are_refused_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str, expected: str
+) -> None:
+    """Options would make hpo's lock file, its existence checks and SQLite name different files:
+    `?cache=shared&uri=true` made a file named `z.db?cache=shared`."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(StorageError) as caught:
+        resolve_storage_url(url, None)
+    assert expected in str(caught.value) and "\n" not in str(caught.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["run", "studies", "status"])
+def test_no_command_makes_a_file_named_after_sqlite_options(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    easy_data: tuple[Path, Path],
+    hpo_main: Callable[[list[str]], int],
+    command: str,
+) -> None:
+    from tests.conftest import tiny_config, write_config
+
+    config = write_config(tmp_path / "c.yaml", tiny_config(*easy_data, study={"n_trials": 1}))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    args = {"run": ["run", "--config", str(config)], "status": ["status"], "studies": ["studies"]}
+    study = [] if command == "studies" else ["--study", "s"]
+    url = "sqlite:///z.db?cache=shared&uri=true"
+    assert hpo_main([*args[command], *study, "--storage", url]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert errors == [
+        "hpo: error: storage URL from --storage has options after '?' (cache, uri), which hpo "
+        "does not support in an SQLite URL: write 'sqlite:///z.db', nothing after the file name"
+    ]
+    assert list(work.iterdir()) == []

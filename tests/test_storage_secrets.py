@@ -58,6 +58,17 @@ def test_mask_text_keeps_what_is_not_a_password(text: str, masked: str) -> None:
     assert mask_text(text) == masked
 
 
+def test_masking_a_long_text_takes_no_time() -> None:
+    """A driver's message is masked before it is cut to one line: one long word must not make
+    the masking take seconds (a pattern that searched each word for an `@` did: quadratic)."""
+    import time
+
+    started = time.monotonic()
+    masked = mask_text("x" * 1_000_000 + f" user:{SECRET}@h")
+    assert time.monotonic() - started < 1.0
+    assert masked.endswith(" user:***@h")
+
+
 def test_three_slashes_are_refused_before_a_server_is_asked() -> None:
     from storage.errors import StorageError
 

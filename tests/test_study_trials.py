@@ -62,7 +62,7 @@ def test_the_budget_counts_started_trials_and_a_retry_takes_its_failed_trials_pl
 ) -> None:
     trials = _trials(_storage(tmp_path), "w1", budget=2)
     first = _start(trials)
-    trials.hand_back(first)  # FAIL, and a WAITING retry: the retry fits in the budget
+    trials.hand_back(first, "interrupted")  # FAIL and a WAITING retry, which fits in the budget
     study = trials.study
     assert counted_trials(study.get_trials()) == 0
     retry = trials.next_trial()
@@ -316,3 +316,56 @@ def test_a_worker_with_the_budget_spent_waits_to_take_over_a_silent_trial(
     retry = restarted.next_trial()
     assert retry is not None and retry.params == trial.params
     assert _wait_for_silent_trials(restarted, StopRequest()) is False  # nothing silent now
+
+
+class _FailingObjective:
+    """Stands in for hpo.trial.objective.Objective: each trial ends with `error`."""
+
+    def __init__(self, error: BaseException) -> None:
+        from hpo.stopping import StopRequest
+
+        self.error = error
+        self.stop = StopRequest()
+
+    def __call__(self, trial: optuna.Trial, lost: threading.Event) -> float:
+        trial.suggest_float("x", 0, 1)
+        if isinstance(self.error, KeyboardInterrupt):
+            self.stop.note("SIGTERM")  # as the signal handler would, during the trial
+        raise self.error
+
+    @staticmethod
+    def mark_interrupted(trial: optuna.Trial, signal_name: str) -> None:
+        pass  # the real one records a reason: here the loop's own must be there
+
+
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        (ValueError("bad batch"), "ValueError: bad batch"),
+        # The trial process stopped (SIGSTOP) past the grace period, killed and handed back:
+        # recorded with no reason before (hpo status: "1 x no reason recorded").
+        ("hand_back", "its trial process was stopped (SIGSTOP, a debugger) for 6 s"),
+        ("taken_over", "taken over by another worker"),
+        ("interrupted", "interrupted: the worker got SIGTERM"),
+    ],
+)
+def test_every_way_a_worker_fails_its_trial_records_why(
+    tmp_path: Path, error: Any, reason: str
+) -> None:
+    from hpo.stopping import HandBack, Interrupted, TakenOver
+    from hpo.study.loop import _trial_loop
+
+    raised = {
+        "hand_back": HandBack(
+            "its trial process was stopped (SIGSTOP, a debugger) for 6 s, "
+            "past study.grace_period; killed"
+        ),  # fmt: skip
+        "taken_over": TakenOver(),
+        "interrupted": Interrupted("SIGTERM"),
+    }.get(error, error)
+    trials = _trials(_storage(tmp_path), "w1", budget=1)
+    objective: Any = _FailingObjective(raised)
+    _trial_loop(trials, objective, objective.stop, (None, None), None, collect=False)
+    failed = trials.study.get_trials()[0]
+    assert failed.state == TrialState.FAIL
+    assert failed.user_attrs.get("fail_reason", "").startswith(reason), failed.user_attrs

@@ -125,7 +125,7 @@ def _trial_loop(
             run_trial(trials, trial, objective, checkpoints)
             ran += 1
         except Interrupted:
-            trials.hand_back(trial)
+            trials.hand_back(trial, f"interrupted: the worker got {stop.signal_name or 'SIGINT'}")
             return ran  # its folder stays: the retry resumes from it
         finally:
             live.trial_ended()
@@ -212,11 +212,12 @@ def run_trial(
                 _drop_state(checkpoints, trial)
             return
         except TakenOver:
-            trials.tell(trial, TrialState.FAIL)  # one line: it was taken over
+            # One line: it was taken over, and the worker that did so recorded why.
+            trials.fail(trial, "taken over by another worker: this one had stopped beating")
             return
         except HandBack as e:
             log.warning("trial %d: %s; queueing it again", trial.number, e)
-            trials.hand_back(trial)
+            trials.hand_back(trial, f"{e}; queued again")
             return
         except Exception as e:  # Interrupted is a KeyboardInterrupt: it passes on
             if objective.stop.signal_name is not None:
@@ -229,7 +230,7 @@ def run_trial(
             # of the trial; tell() says so in one line.
             if not (beat.lost.is_set() or isinstance(e, UpdateFinishedTrialError)):
                 _record_failure(trial, e)
-            trials.tell(trial, TrialState.FAIL)
+            trials.fail(trial, _error_text(e))
             return
     if trials.tell(trial, TrialState.COMPLETE, value):
         _drop_state(checkpoints, trial)
@@ -254,7 +255,11 @@ def _record_failure(trial: optuna.Trial, error: Exception) -> None:
     """One line in the log; the traceback only with --debug."""
     reason = trial.user_attrs.get("fail_reason")
     if reason is None:
-        reason = f"{type(error).__name__}: {error}".strip()[:1000]
+        reason = _error_text(error)
         trial.set_user_attr("fail_reason", reason)
     log.warning("trial %d failed: %s", trial.number, str(reason).splitlines()[0])
     log.debug("trial %d failed", trial.number, exc_info=error)
+
+
+def _error_text(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}".strip()[:1000]

@@ -7,6 +7,7 @@ lock, so a checkpoint cleanup never sees a failed trial without its retry.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import threading
@@ -139,10 +140,22 @@ class StudyTrials:
                     "dropping this worker's result", trial.number)  # fmt: skip
         return False
 
-    def hand_back(self, trial: optuna.Trial) -> None:
-        """An interrupted trial: FAIL, then queued again with the same parameters."""
+    def fail(self, trial: optuna.Trial, reason: str) -> bool:
+        """Record this worker's trial as FAIL with `reason`, unless a reason is recorded already
+        (the trial's own, more precise): `hpo status` counts failures by reason. False (and one
+        line) when another worker took it over meanwhile."""
+        if not trial.user_attrs.get("fail_reason"):
+            # Taken over meanwhile: the other worker's reason stands, and tell() says so.
+            with contextlib.suppress(UpdateFinishedTrialError):
+                trial.set_user_attr("fail_reason", reason[:1000])
+        return self.tell(trial, TrialState.FAIL)
+
+    def hand_back(self, trial: optuna.Trial, reason: str) -> None:
+        """A trial stopped for a reason that is not its own (the worker was asked to stop, its
+        process was stopped or lost): FAIL with `reason`, then queued again with the same
+        parameters."""
         with self.storage.lock(self.study_id):
-            if self.tell(trial, TrialState.FAIL):
+            if self.fail(trial, reason):
                 self._queue_again(trial.number, "was interrupted")
 
     def taken_over(self, number: int) -> bool:

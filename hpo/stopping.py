@@ -46,7 +46,9 @@ class StopRequest:
     very process) the signal raises Interrupted where the worker is; otherwise the worker polls
     `requested` and stops its trial process itself."""
 
+    BEFORE_FIRST_TRIAL = "stopping before the first trial"
     RUNNING = "stopping the running trial and handing it back"
+    BETWEEN_TRIALS = "starting no new trial"
 
     def __init__(self, interrupt_at_once: bool = False, doing: str = RUNNING) -> None:
         self.signal_name: str | None = None

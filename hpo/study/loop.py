@@ -120,6 +120,7 @@ def _trial_loop(
             log.info("study %r holds %d started trials, this worker's budget being %d%s; "
                      "stopping", trials.study.study_name, held, trials.budget, queued)  # fmt: skip
             return ran
+        stop.doing = StopRequest.RUNNING  # what a signal stops, said in its log line
         _say_queued(trial)
         try:
             run_trial(trials, trial, objective, checkpoints)
@@ -128,6 +129,7 @@ def _trial_loop(
             trials.hand_back(trial, f"interrupted: the worker got {stop.signal_name or 'SIGINT'}")
             return ran  # its folder stays: the retry resumes from it
         finally:
+            stop.doing = StopRequest.BETWEEN_TRIALS
             live.trial_ended()
             if collect:
                 gc.collect()  # the trial's memory, in the worker itself

@@ -4,8 +4,11 @@ interrupted and handed back to the study, then the worker exits; a second Ctrl-C
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
+import sys
 from types import FrameType
 
 log = logging.getLogger(__name__)
@@ -46,7 +49,9 @@ class StopRequest:
     very process) the signal raises Interrupted where the worker is; otherwise the worker polls
     `requested` and stops its trial process itself."""
 
+    BEFORE_FIRST_TRIAL = "stopping before the first trial"
     RUNNING = "stopping the running trial and handing it back"
+    BETWEEN_TRIALS = "starting no new trial"
 
     def __init__(self, interrupt_at_once: bool = False, doing: str = RUNNING) -> None:
         self.signal_name: str | None = None
@@ -75,9 +80,27 @@ class StopRequest:
         name = signal.Signals(signum).name
         if self.signal_name is not None:
             if name == "SIGINT":
-                raise Interrupted(name)  # a second Ctrl-C: the user does not want to wait
+                self._stop_at_once(name)  # a second Ctrl-C: the user does not want to wait
             return
         self.signal_name = name
         log.warning("%s received: %s", name, self.doing)
         if self.interrupt_at_once:
             raise Interrupted(name)
+
+    def _stop_at_once(self, name: str) -> None:
+        """An exception raised from a signal handler lands wherever the worker is: in a garbage
+        collector's callback or an exit hook it is printed as a traceback and ignored, and the
+        worker goes on. So it is raised only while a trial trains in this very process (the
+        only way to stop it there); elsewhere the worker exits now, without handing its trial
+        back: its trial process, orphaned, checkpoints and exits, and the next worker queues
+        the trial again once past the grace period."""
+        if self.interrupt_at_once:
+            raise Interrupted(name)
+        log.warning("%s again: exiting at once", name)
+        for handler in logging.getLogger().handlers:
+            with contextlib.suppress(Exception):
+                handler.flush()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(EXIT_INTERRUPTED)

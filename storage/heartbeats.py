@@ -39,6 +39,13 @@ class StaleTrial:
         )
 
 
+@dataclass(frozen=True)
+class LastBeat:
+    worker: str
+    beat_at: datetime  # on the database's clock: a later beat changes it
+    silent_s: float  # seconds since
+
+
 class Heartbeats:
     """The heartbeat rows of one study."""
 
@@ -67,6 +74,21 @@ class Heartbeats:
     def forget(self, number: int) -> None:
         with self.engine.begin() as conn:
             conn.execute(heartbeats.delete().where(self._row(number)))
+
+    def last_beats(self, numbers: list[int]) -> dict[int, LastBeat]:
+        """The last beat of each of these trials that has a heartbeat row."""
+        if not numbers:
+            return {}
+        columns = (heartbeats.c.number, heartbeats.c.worker, heartbeats.c.beat_at)
+        query = sa.select(*columns, sa.func.current_timestamp()).where(
+            heartbeats.c.study_id == self.study_id, heartbeats.c.number.in_(numbers)
+        )
+        with self.engine.connect() as conn:
+            rows = conn.execute(query).all()
+        return {
+            number: LastBeat(worker, beat_at, (_utc(now) - _utc(beat_at)).total_seconds())
+            for number, worker, beat_at, now in rows
+        }
 
     def stale(self, running: list[FrozenTrial], grace_s: float) -> list[StaleTrial]:
         """The running trials whose last beat is older than `grace_s`, and those that never

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
@@ -231,3 +232,93 @@ def test_a_worker_killed_between_a_trials_end_and_its_record_leaves_it_resumable
     assert killed.state == TrialState.FAIL and retry.state == TrialState.COMPLETE
     assert retry.user_attrs["resumed_at_step"] > 0  # from the last evaluation's checkpoint
     assert not (folder / "checkpoint.pt").exists()  # recorded now: the state goes
+
+
+def test_a_stop_as_the_database_opens_creates_no_study_and_says_no_trial_runs(
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A SIGTERM after the inputs are checked, as the database opens: found by a hostile try,
+    the log said "stopping the running trial and handing it back" (there was none) and the
+    study was created after the signal."""
+    import argparse
+
+    import sqlalchemy as sa
+
+    import storage
+    from hpo.commands import run
+    from hpo.config.loader import load_config
+    from storage.url import resolve_storage_url
+
+    url = f"sqlite:///{tmp_path / 'stop.db'}"
+    config = load_config(write_config(tmp_path / "c.yaml", tiny_config(*easy_data)))
+    inputs = (config, resolve_storage_url(url, None), [], None, 1)
+    monkeypatch.setattr(run, "check_inputs", lambda args: inputs)
+    real_open_storage = storage.open_storage
+
+    def open_storage_on_sigterm(*args: Any, **kwargs: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before the next line
+        return real_open_storage(*args, **kwargs)
+
+    monkeypatch.setattr(storage, "open_storage", open_storage_on_sigterm)
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        code = run.run_command(argparse.Namespace(study="s", quiet=True))
+    finally:
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
+    assert code == 0
+    assert "SIGTERM received: stopping before the first trial" in caplog.text
+    assert "handing it back" not in caplog.text
+    assert "stopped by SIGTERM before the first trial" in capsys.readouterr().err
+    engine = sa.create_engine(url)
+    with engine.connect() as conn:
+        tables = sa.inspect(conn).get_table_names()
+        studies = conn.execute(sa.text("SELECT study_name FROM studies")).all() if tables else []
+    engine.dispose()
+    assert studies == []
+
+
+def test_a_second_ctrl_c_exits_at_once_and_raises_nowhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Raised from the signal handler, the second Ctrl-C landed in a garbage collector's
+    callback or an exit hook: a traceback, and the Ctrl-C ignored (found by a hostile try)."""
+    from hpo.stopping import Interrupted, StopRequest
+
+    exits: list[int] = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    for first in (signal.SIGINT, signal.SIGTERM):
+        stop = StopRequest()
+        stop._handle(first, None)
+        stop._handle(signal.SIGTERM, None)  # a second SIGTERM changes nothing
+        assert exits == [] and stop.signal_name == first.name
+        stop._handle(signal.SIGINT, None)
+        assert exits == [130]
+        exits.clear()
+    training_here = StopRequest(interrupt_at_once=True)  # the only way to stop it is to raise
+    with pytest.raises(Interrupted):
+        training_here._handle(signal.SIGINT, None)
+    with pytest.raises(Interrupted):
+        training_here._handle(signal.SIGINT, None)
+    assert exits == []
+
+
+def test_a_second_ctrl_c_soon_after_the_first_ends_the_worker_quietly(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    study_settings = {"n_trials": 10, "pruner": {"type": "none"}, "stop_timeout": STOP_TIMEOUT_S}
+    endless = tiny_config(*easy_data, study=study_settings, training={"epochs": 1000})
+    config = write_config(tmp_path / "endless.yaml", endless)
+    for gap_s in (0.05, 0.25, 0.3):  # while the trial checkpoints, is handed back, the exit
+        url = f"sqlite:///{tmp_path / f'stop-{gap_s}.db'}"  # a study of its own: a new worker
+        worker = _start_worker(config, url, tmp_path)
+        wait_until_training(url, "stop", [worker])
+        os.killpg(worker.pid, signal.SIGINT)
+        time.sleep(gap_s)
+        os.killpg(worker.pid, signal.SIGINT)
+        _, stderr = worker.communicate(timeout=60)
+        # -SIGINT: it came as the interpreter shut down, its handlers gone; a shell says 130.
+        assert worker.returncode in (130, -signal.SIGINT), stderr[-3000:]
+        assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr[-3000:]

@@ -10,6 +10,7 @@ import re
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import optuna
@@ -62,7 +63,7 @@ def test_the_budget_counts_started_trials_and_a_retry_takes_its_failed_trials_pl
 ) -> None:
     trials = _trials(_storage(tmp_path), "w1", budget=2)
     first = _start(trials)
-    trials.hand_back(first)  # FAIL, and a WAITING retry: the retry fits in the budget
+    trials.hand_back(first, "interrupted")  # FAIL and a WAITING retry, which fits in the budget
     study = trials.study
     assert counted_trials(study.get_trials()) == 0
     retry = trials.next_trial()
@@ -294,25 +295,131 @@ def test_two_workers_creating_one_study_with_different_search_spaces_cannot_both
     assert sorted(outcomes) == ["joined", "joined", "refused", "refused"]
 
 
-def test_a_worker_with_the_budget_spent_waits_to_take_over_a_silent_trial(
+class _QuickObjective:
+    """Stands in for hpo.trial.objective.Objective: each trial completes at once."""
+
+    def __init__(self) -> None:
+        from hpo.stopping import StopRequest
+
+        self.stop = StopRequest()
+        self.task = SimpleNamespace(config=SimpleNamespace(study=SimpleNamespace(objectives=["a"])))
+
+    def __call__(self, trial: optuna.Trial, lost: threading.Event) -> float:
+        return trial.suggest_float("x", 0, 1)
+
+
+def _loop(trials: StudyTrials, objective: Any) -> int:
+    from hpo.study.loop import _trial_loop
+
+    return _trial_loop(trials, objective, objective.stop, (None, None), None, collect=False)
+
+
+def test_a_worker_restarted_at_once_after_a_crash_takes_the_dead_workers_trial_over(
     tmp_path: Path,
 ) -> None:
-    from hpo.stopping import StopRequest
-    from hpo.study.loop import _wait_for_silent_trials
-
+    """Found by a hostile try: a worker killed mid-trial and restarted at once ran its one
+    trial, found the budget spent and exited 0, the dead worker's trial left RUNNING: the study
+    one short until a worker started past the grace period. Its last beat is recent, so it is
+    not silent yet; the restarted worker waits for it to go stale and runs it again."""
     storage = _storage(tmp_path)
-    liveness = (1, 6, 2)  # beats every second, stale after 6
+    liveness = (2, 3, 2)  # beats every 2 s, stale after 3
+    dead = StudyTrials(
+        optuna.create_study(study_name="s", storage=storage), storage, "dead:1", 2, liveness
+    )
+    lost = _start(dead)  # its worker killed now: no beat ever again
+    restarted = StudyTrials(dead.study, _storage(tmp_path), "new:2", 2, liveness)
+    started = time.monotonic()
+    assert _loop(restarted, _QuickObjective()) == 2
+    assert time.monotonic() - started < 3 + 2 + 10  # within the grace, an interval, a margin
+    failed, second, retry = dead.study.get_trials()
+    assert failed.state == TrialState.FAIL and "stale" in failed.user_attrs["fail_reason"]
+    assert (second.state, retry.state) == (TrialState.COMPLETE, TrialState.COMPLETE)
+    assert retry.params == lost.params and retry.user_attrs["retry_of"] == lost.number
+
+
+def test_a_worker_done_with_the_budget_leaves_a_live_workers_long_trial_to_it(
+    tmp_path: Path,
+) -> None:
+    storage = _storage(tmp_path)
+    liveness = (1, 5, 2)  # beats every second, stale after 5
+    live = StudyTrials(
+        optuna.create_study(study_name="s", storage=storage), storage, "live:1", 1, liveness
+    )
+    trial = _start(live)
+    other = StudyTrials(live.study, _storage(tmp_path), "new:2", 1, liveness)
+    with live.heartbeat(trial):
+        started = time.monotonic()
+        assert _loop(other, _QuickObjective()) == 0
+        waited_s = time.monotonic() - started
+    assert waited_s < 4, waited_s  # one heartbeat seen, not the grace period waited out
+    assert live.study.get_trials()[0].state == TrialState.RUNNING  # not taken over
+    assert 0 in other.seen_beating
+
+
+def test_a_worker_waiting_for_a_silent_trial_stops_at_once_when_asked(tmp_path: Path) -> None:
+    storage = _storage(tmp_path)
+    liveness = (5, 30, 2)
     dead = StudyTrials(
         optuna.create_study(study_name="s", storage=storage), storage, "dead:1", 1, liveness
     )
-    trial = _start(dead)
-    # Killed 3 s ago: silent (two beats missed), not yet past the grace period.
-    _last_beat(storage, 3)
-    restarted = StudyTrials(dead.study, _storage(tmp_path), "new:2", 1, liveness)
-    assert restarted.next_trial() is None and restarted.sweep() == []
-    assert restarted.silent_running() == [trial.number]
-    _last_beat(storage, 30)  # by the time the restarted worker has waited, it is stale
-    assert _wait_for_silent_trials(restarted, StopRequest()) is True  # waited, then swept
-    retry = restarted.next_trial()
-    assert retry is not None and retry.params == trial.params
-    assert _wait_for_silent_trials(restarted, StopRequest()) is False  # nothing silent now
+    _start(dead)
+    waiting = StudyTrials(dead.study, _storage(tmp_path), "new:2", 1, liveness)
+    objective = _QuickObjective()
+    threading.Timer(1.0, objective.stop.note, args=("SIGTERM",)).start()
+    started = time.monotonic()
+    assert _loop(waiting, objective) == 0
+    assert time.monotonic() - started < 3
+    assert dead.study.get_trials()[0].state == TrialState.RUNNING
+
+
+class _FailingObjective:
+    """Stands in for hpo.trial.objective.Objective: each trial ends with `error`."""
+
+    def __init__(self, error: BaseException) -> None:
+        from hpo.stopping import StopRequest
+
+        self.error = error
+        self.stop = StopRequest()
+
+    def __call__(self, trial: optuna.Trial, lost: threading.Event) -> float:
+        trial.suggest_float("x", 0, 1)
+        if isinstance(self.error, KeyboardInterrupt):
+            self.stop.note("SIGTERM")  # as the signal handler would, during the trial
+        raise self.error
+
+    @staticmethod
+    def mark_interrupted(trial: optuna.Trial, signal_name: str) -> None:
+        pass  # the real one records a reason: here the loop's own must be there
+
+
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        (ValueError("bad batch"), "ValueError: bad batch"),
+        # The trial process stopped (SIGSTOP) past the grace period, killed and handed back:
+        # recorded with no reason before (hpo status: "1 x no reason recorded").
+        ("hand_back", "its trial process was stopped (SIGSTOP, a debugger) for 6 s"),
+        ("taken_over", "taken over by another worker"),
+        ("interrupted", "interrupted: the worker got SIGTERM"),
+    ],
+)
+def test_every_way_a_worker_fails_its_trial_records_why(
+    tmp_path: Path, error: Any, reason: str
+) -> None:
+    from hpo.stopping import HandBack, Interrupted, TakenOver
+    from hpo.study.loop import _trial_loop
+
+    raised = {
+        "hand_back": HandBack(
+            "its trial process was stopped (SIGSTOP, a debugger) for 6 s, "
+            "past study.grace_period; killed"
+        ),  # fmt: skip
+        "taken_over": TakenOver(),
+        "interrupted": Interrupted("SIGTERM"),
+    }.get(error, error)
+    trials = _trials(_storage(tmp_path), "w1", budget=1)
+    objective: Any = _FailingObjective(raised)
+    _trial_loop(trials, objective, objective.stop, (None, None), None, collect=False)
+    failed = trials.study.get_trials()[0]
+    assert failed.state == TrialState.FAIL
+    assert failed.user_attrs.get("fail_reason", "").startswith(reason), failed.user_attrs

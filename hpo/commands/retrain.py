@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     pass
 from hpo.commands.run import (
     check_inputs,
+    stopped_before_first_trial,
     work_on_study,
 )
 
@@ -34,7 +35,7 @@ def retrain_command(args: argparse.Namespace) -> int:
     from hpo.study.join import open_study
     from storage import open_storage
 
-    stop = StopRequest(interrupt_at_once=True, doing="stopping before the first trial")
+    stop = StopRequest(interrupt_at_once=True, doing=StopRequest.BEFORE_FIRST_TRIAL)
     stop.install()
     out = args.out if args.out is not None else retrain.default_out(args.study)
     inputs = None
@@ -58,10 +59,9 @@ def retrain_command(args: argparse.Namespace) -> int:
 
     with contextlib.suppress(Interrupted):
         inputs = check_inputs(args, before_data=open_source)
-    stop.interrupt_at_once, stop.doing = False, StopRequest.RUNNING
+    stop.interrupt_at_once = False  # noted from here: the loop says when a trial runs
     if inputs is None or stop.requested:
-        print(f"hpo: stopped by {stop.signal_name} before the first trial", file=sys.stderr)
-        return stop.exit_code
+        return stopped_before_first_trial(stop)
     config, storage_url, storage = inputs[0], inputs[1], opened[0]
     source = optuna.load_study(study_name=args.study, storage=storage)
     plan = retrain.make_plan(source, config, args.top, args.seeds, args.config is not None)
@@ -70,6 +70,8 @@ def retrain_command(args: argparse.Namespace) -> int:
     print(f"hpo: retraining {len(plan.configs)} configurations of study {args.study!r} with "
           f"{len(plan.seeds)} seeds each, in study {plan.study_name!r} in "
           f"{storage_url.describe()}", file=sys.stderr)  # fmt: skip
+    if stop.requested:
+        return stopped_before_first_trial(stop)
     study = open_study(storage, plan.study_name, retrain_config)
     retrain.queue_runs(storage, study, plan)
     work = (retrain_config, *inputs[1:])

@@ -41,15 +41,16 @@ def configure_logging(debug: bool, quiet: bool) -> None:
 def run_command(args: argparse.Namespace) -> int:
     # From the start: a SIGTERM or Ctrl-C while torch loads and the data is prepared stops
     # the worker at once, before anything is written: no traceback, no signal's exit code.
-    stop = StopRequest(interrupt_at_once=True, doing="stopping before the first trial")
+    stop = StopRequest(interrupt_at_once=True, doing=StopRequest.BEFORE_FIRST_TRIAL)
     stop.install()
     inputs = None
     with contextlib.suppress(Interrupted):
         inputs = check_inputs(args)
-    stop.interrupt_at_once, stop.doing = False, StopRequest.RUNNING
+    # From here a signal is only noted, never raised: the study is not left half-written. The
+    # loop says "stopping the running trial" once it starts one (hpo.study.loop).
+    stop.interrupt_at_once = False
     if inputs is None or stop.requested:
-        print(f"hpo: stopped by {stop.signal_name} before the first trial", file=sys.stderr)
-        return stop.exit_code
+        return stopped_before_first_trial(stop)
     config, storage_url = inputs[0], inputs[1]
     from hpo.reports.summary import summary_lines
     from hpo.study.join import open_study
@@ -58,6 +59,8 @@ def run_command(args: argparse.Namespace) -> int:
     print(f"hpo: study {args.study!r} in {storage_url.describe()}", file=sys.stderr)
     on_demand = config.study.database_connections == "on_demand"
     storage = open_storage(storage_url, config.study.database_patience, on_demand=on_demand)
+    if stop.requested:  # while the database opened: the study is not created
+        return stopped_before_first_trial(stop)
     study = open_study(storage, args.study, config)
     if config.study.artifact_store is not None:
         from storage.artifacts import ArtifactStore
@@ -72,6 +75,11 @@ def run_command(args: argparse.Namespace) -> int:
     if stop.signal_name is not None:
         print(f"hpo: stopped by {stop.signal_name}", file=sys.stderr)
     return code
+
+
+def stopped_before_first_trial(stop: StopRequest) -> int:
+    print(f"hpo: stopped by {stop.signal_name} before the first trial", file=sys.stderr)
+    return stop.exit_code
 
 
 def work_on_study(

@@ -18,18 +18,22 @@ from optuna.trial import TrialState
 from hpo import live
 from hpo.stopping import HandBack, Interrupted, StopRequest, TakenOver
 from hpo.study.join import QUEUED_BY_ATTR, liveness
-from hpo.study.trials import StudyTrials, counted_trials
+from hpo.study.trials import StudyTrials, counted_trials, unsure_trials
 from hpo.trial import cpu_share
 from hpo.trial.folders import checkpoint_root, folder_name
 from hpo.trial.front import CHANCE_ATTR
 from hpo.trial.objective import Objective, worker_id
 from storage.artifacts import ArtifactStore
 from storage.engine import StudyStorage
+from storage.heartbeats import LastBeat
 from trainer.files import STATE_FILE
 
 log = logging.getLogger(__name__)
 # How long a worker done with its trials lets its last cleanup of the artifact store go on.
 ARTIFACT_CLEANUP_WAIT_S = 60.0
+# How much longer than a grace period and a heartbeat interval a worker with its budget spent
+# waits for a silent trial to go stale (a slow database, clocks that tick unevenly).
+UNSURE_WAIT_MARGIN_S = 10.0
 
 
 def run_trials(
@@ -107,10 +111,12 @@ def _trial_loop(
         trials.sweep_if_due()
         trial = trials.next_trial(checkpoints)
         if trial is None:
-            if _wait_for_silent_trials(trials, stop):
-                continue  # swept: a dead worker's trial may be queued again now
             if trials.queued_only and _wait_for_other_workers(trials, stop):
                 continue
+            if not trials.queued_only and _wait_for_unsure_trials(trials, stop):
+                continue  # a trial ended or was swept: one may be queued again now
+            if stop.requested:
+                break
             if trials.queued_only:
                 log.info("no queued trial left in study %r; stopping", trials.study.study_name)
                 return ran
@@ -120,14 +126,16 @@ def _trial_loop(
             log.info("study %r holds %d started trials, this worker's budget being %d%s; "
                      "stopping", trials.study.study_name, held, trials.budget, queued)  # fmt: skip
             return ran
+        stop.doing = StopRequest.RUNNING  # what a signal stops, said in its log line
         _say_queued(trial)
         try:
             run_trial(trials, trial, objective, checkpoints)
             ran += 1
         except Interrupted:
-            trials.hand_back(trial)
+            trials.hand_back(trial, f"interrupted: the worker got {stop.signal_name or 'SIGINT'}")
             return ran  # its folder stays: the retry resumes from it
         finally:
+            stop.doing = StopRequest.BETWEEN_TRIALS
             live.trial_ended()
             if collect:
                 gc.collect()  # the trial's memory, in the worker itself
@@ -162,18 +170,51 @@ def _show_study(study: optuna.Study, budget: int | None) -> None:
     live.study_progress(counts, best, budget)
 
 
-def _wait_for_silent_trials(trials: StudyTrials, stop: StopRequest) -> bool:
-    """The budget is spent, but a running trial's worker has gone silent (killed moments ago?):
-    rather than leave it RUNNING with no worker to retry it, wait a heartbeat interval and sweep
-    again. Returns False once no running trial is silent; live workers keep beating."""
-    silent = trials.silent_running()
-    if not silent:
+def _wait_for_unsure_trials(trials: StudyTrials, stop: StopRequest, poll_s: float = 1.0) -> bool:
+    """The budget is spent, but other workers' trials run, and a worker killed moments ago
+    looks alive (its last beat is recent): left RUNNING, its trial would leave the study one
+    short. So wait, watching heartbeats: a trial whose worker beats again is left to it (a live
+    worker's long trial keeps no one more than a heartbeat interval); one that stays silent is
+    failed and queued again by the sweep once past the grace period, and run here. True when a
+    trial ended or was swept (one may be queued again); at most the grace period, an interval
+    and a margin."""
+    watched = {n: b for n, b in trials.running_beats().items() if n not in trials.seen_beating}
+    if not watched:
         return False
-    log.info("the workers of trials %s are silent; waiting to take them over once they are "
-             "past the grace period", silent)  # fmt: skip
-    _pause(trials.heartbeat_interval_s, stop)
-    trials.sweep()
-    return not stop.requested
+    limit_s = trials.grace_period_s + trials.heartbeat_interval_s + UNSURE_WAIT_MARGIN_S
+    _say_waiting(trials, watched, limit_s)
+    deadline = time.monotonic() + limit_s
+    while not stop.requested and time.monotonic() < deadline:
+        if trials.sweep():
+            return True
+        now = trials.running_beats()
+        if any(n not in now for n in watched):
+            return True  # it ended: completed, or handed back and queued again
+        unsure = unsure_trials(watched, now)
+        for number in watched.keys() - set(unsure):
+            log.info("trial %d: its worker beats; leaving the trial to it", number)
+            trials.seen_beating.add(number)
+        watched = {n: watched[n] for n in unsure}
+        if not watched:
+            return False
+        _pause(poll_s, stop)
+    if watched and not stop.requested:
+        log.warning("trials %s still run with no heartbeat after %.0f s; not waiting longer",
+                    sorted(watched), limit_s)  # fmt: skip
+    return False
+
+
+def _say_waiting(trials: StudyTrials, watched: dict[int, LastBeat | None], limit_s: float) -> None:
+    """One line: which trials this worker waits for, and what ends the wait."""
+    shown = ", ".join(
+        f"#{n} (no heartbeat)" if beat is None
+        else f"#{n} on {beat.worker}, last heartbeat {beat.silent_s:.0f} s ago"
+        for n, beat in sorted(watched.items())
+    )  # fmt: skip
+    log.info("study %r holds this worker's budget of %s trials, but trials run: %s; waiting up "
+             "to %.0f s for each to end, beat again (its worker is alive: left to it), or pass "
+             "the grace period (%.0f s: queued again and run here)", trials.study.study_name,
+             trials.budget, shown, limit_s, trials.grace_period_s)  # fmt: skip
 
 
 def _wait_for_other_workers(trials: StudyTrials, stop: StopRequest, poll_s: float = 1.0) -> bool:
@@ -212,11 +253,12 @@ def run_trial(
                 _drop_state(checkpoints, trial)
             return
         except TakenOver:
-            trials.tell(trial, TrialState.FAIL)  # one line: it was taken over
+            # One line: it was taken over, and the worker that did so recorded why.
+            trials.fail(trial, "taken over by another worker: this one had stopped beating")
             return
         except HandBack as e:
             log.warning("trial %d: %s; queueing it again", trial.number, e)
-            trials.hand_back(trial)
+            trials.hand_back(trial, f"{e}; queued again")
             return
         except Exception as e:  # Interrupted is a KeyboardInterrupt: it passes on
             if objective.stop.signal_name is not None:
@@ -229,7 +271,7 @@ def run_trial(
             # of the trial; tell() says so in one line.
             if not (beat.lost.is_set() or isinstance(e, UpdateFinishedTrialError)):
                 _record_failure(trial, e)
-            trials.tell(trial, TrialState.FAIL)
+            trials.fail(trial, _error_text(e))
             return
     if trials.tell(trial, TrialState.COMPLETE, value):
         _drop_state(checkpoints, trial)
@@ -254,7 +296,11 @@ def _record_failure(trial: optuna.Trial, error: Exception) -> None:
     """One line in the log; the traceback only with --debug."""
     reason = trial.user_attrs.get("fail_reason")
     if reason is None:
-        reason = f"{type(error).__name__}: {error}".strip()[:1000]
+        reason = _error_text(error)
         trial.set_user_attr("fail_reason", reason)
     log.warning("trial %d failed: %s", trial.number, str(reason).splitlines()[0])
     log.debug("trial %d failed", trial.number, exc_info=error)
+
+
+def _error_text(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}".strip()[:1000]

@@ -7,6 +7,7 @@ lock, so a checkpoint cleanup never sees a failed trial without its retry.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import threading
@@ -28,7 +29,7 @@ from hpo.trial.folders import (
 from hpo.trial.front import rule_for
 from storage.artifacts import ArtifactStore, ArtifactStoreError
 from storage.engine import StudyStorage
-from storage.heartbeats import Heartbeats, HeartbeatThread
+from storage.heartbeats import Heartbeats, HeartbeatThread, LastBeat
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,21 @@ def counted_trials(trials: list[FrozenTrial]) -> int:
     started = sum(t.state != TrialState.WAITING for t in trials)
     retries = sum("failed_trial" in t.system_attrs for t in trials)
     return started - retries
+
+
+def unsure_trials(
+    watched: dict[int, LastBeat | None], now: dict[int, LastBeat | None]
+) -> list[int]:
+    """Of the running trials `watched` since some moment, those still running whose worker has
+    not beaten since: it may be dead. A new beat (the time of the last one changed, or a
+    heartbeat row that appeared or went) says that their worker is alive."""
+    return sorted(
+        n for n, beat in watched.items() if n in now and _beat_at(now[n]) == _beat_at(beat)
+    )
+
+
+def _beat_at(beat: LastBeat | None) -> dt.datetime | None:
+    return None if beat is None else beat.beat_at
 
 
 class StudyTrials:
@@ -57,6 +73,9 @@ class StudyTrials:
         # Only queued trials (a retrain study's runs, its retries): nothing is ever sampled.
         self.queued_only = queued_only
         self.said_waiting = False  # that it waits for other workers' trials (said once)
+        # Trials seen beating while this worker waited for them: their workers are alive, and
+        # it does not wait for them again (hpo.study.loop).
+        self.seen_beating: set[int] = set()
         self.heartbeat_interval_s, self.grace_period_s, self.max_retries = liveness
         self.study_id = storage.get_study_id_from_name(study.study_name)
         self.beats = Heartbeats(storage.engine, self.study_id)
@@ -101,11 +120,11 @@ class StudyTrials:
     def running(self) -> int:
         return len(self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
 
-    def silent_running(self) -> list[int]:
-        """Running trials whose worker missed two heartbeats: maybe dead, not yet stale."""
+    def running_beats(self) -> dict[int, LastBeat | None]:
+        """Each running trial and its last heartbeat (None: it has no heartbeat row)."""
         running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-        silent = self.beats.stale(running, min(2 * self.heartbeat_interval_s, self.grace_period_s))
-        return [t.number for t in silent]
+        beats = self.beats.last_beats([t.number for t in running])
+        return {t.number: beats.get(t.number) for t in running}
 
     def sweep(self) -> list[int]:
         """Fail the running trials whose worker stopped beating, each with its reason, and
@@ -139,10 +158,22 @@ class StudyTrials:
                     "dropping this worker's result", trial.number)  # fmt: skip
         return False
 
-    def hand_back(self, trial: optuna.Trial) -> None:
-        """An interrupted trial: FAIL, then queued again with the same parameters."""
+    def fail(self, trial: optuna.Trial, reason: str) -> bool:
+        """Record this worker's trial as FAIL with `reason`, unless a reason is recorded already
+        (the trial's own, more precise): `hpo status` counts failures by reason. False (and one
+        line) when another worker took it over meanwhile."""
+        if not trial.user_attrs.get("fail_reason"):
+            # Taken over meanwhile: the other worker's reason stands, and tell() says so.
+            with contextlib.suppress(UpdateFinishedTrialError):
+                trial.set_user_attr("fail_reason", reason[:1000])
+        return self.tell(trial, TrialState.FAIL)
+
+    def hand_back(self, trial: optuna.Trial, reason: str) -> None:
+        """A trial stopped for a reason that is not its own (the worker was asked to stop, its
+        process was stopped or lost): FAIL with `reason`, then queued again with the same
+        parameters."""
         with self.storage.lock(self.study_id):
-            if self.tell(trial, TrialState.FAIL):
+            if self.fail(trial, reason):
                 self._queue_again(trial.number, "was interrupted")
 
     def taken_over(self, number: int) -> bool:

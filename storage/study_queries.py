@@ -119,6 +119,17 @@ def state_counts(engine: Engine, study_id: int) -> dict[TrialState, int]:
         return {TrialState[state]: count for state, count in conn.execute(query)}
 
 
+def system_attr_count(engine: Engine, study_id: int, key: str) -> int:
+    """How many of the study's trials carry the system attribute `key`."""
+    query = (
+        sa.select(sa.func.count())
+        .select_from(_of_study(_system_attrs))
+        .where(_trials.c.study_id == study_id, _system_attrs.c.key == key)
+    )
+    with engine.connect() as conn:
+        return int(conn.execute(query).scalar() or 0)
+
+
 def user_attr_sum(
     engine: Engine, study_id: int, key: str, states: Sequence[TrialState] | None = None
 ) -> float:

@@ -105,28 +105,28 @@ def test_missing_config_file(tmp_path: Path) -> None:
 def test_a_failing_trial_never_stops_the_worker(
     tmp_path: Path, easy_data: tuple[Path, Path]
 ) -> None:
-    # Three class weights for two labels: every trial raises once training starts.
-    raw = tiny_config(
-        *easy_data, study={"n_trials": 2}, training={"class_weights": [1.0, 2.0, 3.0]}
-    )
+    # A compiler backend that does not exist: every trial raises at its first training step
+    # (a setting the data refutes, such as class weights for the wrong number of labels, is
+    # refused before the first trial instead).
+    broken = {"HPO_TEST_COMPILE_BACKEND": "no_such_backend"}
+    raw = tiny_config(*easy_data, study={"n_trials": 2}, model={"compile": True})
     config = write_config(tmp_path / "c.yaml", raw)
     url = f"sqlite:///{tmp_path / 'study.db'}"
-    result = run_study(config, url, tmp_path)
+    result = run_study(config, url, tmp_path, env=broken)
     assert result.returncode == 0, result.stderr[-2000:]
     import optuna
 
     trials = optuna.load_study(study_name="s", storage=url).get_trials()
     assert [t.state for t in trials] == [optuna.trial.TrialState.FAIL] * 2
-    assert all(
-        "class_weights has 3 weights for 2 labels" in t.user_attrs["fail_reason"] for t in trials
-    )
+    reasons = [t.user_attrs["fail_reason"] for t in trials]
+    assert all("no_such_backend" in reason for reason in reasons), reasons
     assert "no completed trial yet" in result.stdout
     # One line per failed trial with its reason; the traceback only with --debug.
     failed_lines = [line for line in result.stderr.splitlines() if "failed: " in line]
     assert len(failed_lines) == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert "class_weights has 3 weights" in failed_lines[0]
+    assert "BackendCompilerFailed" in failed_lines[0]
     debug = run_hpo("run", "--study", "d", "--config", str(config), "--storage", url, "--debug",
-                    cwd=tmp_path)  # fmt: skip
+                    cwd=tmp_path, env=broken)  # fmt: skip
     assert debug.returncode == 0 and "Traceback" in debug.stderr
 
 

@@ -148,3 +148,61 @@ def test_thousands_of_bad_keys_give_twenty_lines_and_a_count(
     message = str(caught.value)
     assert len(caught.value.problems) == 5000
     assert message.count("\n  - ") == 21 and message.endswith("... and 4980 more")
+
+
+def _spent_study(url: str) -> optuna.Study:
+    """A finished study of 2 trials whose budget (n_trials 2) is spent, as hpo run leaves it."""
+    from hpo.config.schema import ParamSpec, space_record
+
+    study = optuna.create_study(study_name="pw", storage=url, direction="maximize")
+    space = {name: ParamSpec(**spec) for name, spec in SPACE.items()}
+    study.set_user_attr("search_space", space_record(space))
+    study.set_user_attr("n_trials", 2)
+    distribution = optuna.distributions.FloatDistribution(1e-3, 5e-3, log=True)
+    for value in (0.7, 0.8):
+        study.add_trial(optuna.trial.create_trial(
+            params={"learning_rate": 2e-3}, distributions={"learning_rate": distribution},
+            value=value))  # fmt: skip
+    return study
+
+
+def test_enqueue_into_a_spent_budget_says_what_runs_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], hpo_main: Any
+) -> None:
+    """Hostile try F2: enqueue said only 'if the study's n_trials leaves room', and status
+    --watch then said 'start a worker (hpo run) to go on', which stops at once."""
+    url = f"sqlite:///{tmp_path / 'pw.db'}"
+    _spent_study(url)
+    args = ["--study", "pw", "--storage", url]
+    assert hpo_main(["enqueue", *args, "--params", '{"learning_rate": 0.004}']) == 0
+    said = capsys.readouterr().out
+    assert "but its budget is spent (2 of n_trials 2 started)" in said, said
+    assert (
+        "run only with a larger budget, e.g. hpo run --study pw --config ... --n-trials 3" in said
+    )
+
+    advice = "1 queued trial waits: the budget of 2 trials is spent; run them with a larger one"
+    assert hpo_main(["status", *args]) == 0
+    assert advice in capsys.readouterr().out
+    # The watch ends at once (two refreshes), saying what runs the queued trial: no 'start a
+    # worker', which would stop at once.
+    assert hpo_main(["status", *args, "--watch", "--interval", "0.1"]) == 0
+    err = capsys.readouterr().err
+    assert f"hpo: study 'pw' has ended: {advice}" in err and "start a worker" not in err, err
+
+
+def test_enqueue_with_room_in_the_budget_says_the_next_worker_trains_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], hpo_main: Any
+) -> None:
+    from hpo.reports import status as report
+
+    url = f"sqlite:///{tmp_path / 'pw.db'}"
+    _spent_study(url).set_user_attr("n_trials", 3)
+    assert hpo_main(["enqueue", "--study", "pw", "--storage", url, "--params",
+                     '{"learning_rate": 0.004}']) == 0  # fmt: skip
+    said = capsys.readouterr().out
+    assert "the next worker to start a trial trains it" in said and "spent" not in said
+    room = {"study": "pw", "trials": {"complete": 2, "waiting": 1}, "running": [],
+            "budget": 3, "counted": 2}  # fmt: skip
+    assert report.stalled(room) and not report.ended(room)  # a worker would run it
+    assert not report.waiting_for_budget(room)

@@ -35,6 +35,30 @@ def test_gpu_lists_are_checked_against_the_visible_gpus() -> None:
         select_gpus("0,0", [])  # named once
 
 
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("auto,1", "auto stands alone and cannot be combined with GPU ids: give --gpus auto or"),
+        ("none,0", "none stands alone and cannot be combined with GPU ids: give --gpus none or"),
+        ("0.5", "'0.5' is not a GPU id: GPU ids are the whole numbers nvidia-smi lists (0, 1"),
+        ("0,gpu1", "'gpu1' is not a GPU id"),
+    ],
+)
+def test_a_gpu_list_that_is_not_one_says_why(spec: str, expected: str) -> None:
+    """Hostile try F9: each was refused as 'GPU auto, 1 is not visible on this host'."""
+    with pytest.raises(ConfigError) as refused:
+        select_gpus(spec, ["0", "1"])
+    assert expected in str(refused.value) and "not visible" not in str(refused.value)
+    assert "\n" not in str(refused.value)  # one line
+
+
+def test_gpus_named_by_uuid_pass_as_cuda_visible_devices_names_them() -> None:
+    visible = ["GPU-8f6e2d1c", "MIG-4a1b"]
+    assert select_gpus("GPU-8f6e2d1c", visible) == ["GPU-8f6e2d1c"]
+    with pytest.raises(ConfigError, match="GPU GPU-0000 is not visible"):
+        select_gpus("GPU-0000", visible)
+
+
 def test_workers_get_the_users_arguments_without_gpus() -> None:
     argv = ["run", "--study", "s", "--gpus", "0,1", "--n-trials=4", "--gpus=auto", "--quiet"]
     assert worker_argv(argv) == ["run", "--study", "s", "--n-trials=4", "--quiet"]

@@ -233,3 +233,34 @@ def test_output_that_cannot_be_written_is_one_line(tmp_path: Path, study_db: str
         )  # fmt: skip
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "cannot write the output to standard output (No space left on device)" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["report", "--study", "x", "--format", "md"],
+        ["studies"],
+        ["enqueue", "--study", "x", "--params", '{"learning_rate": 0.002}'],
+        ["run", "--study", "new", "--n-trials", "1"],
+    ],
+    ids=["report", "studies", "enqueue", "run"],
+)
+def test_a_closed_standard_output_is_one_line(
+    tmp_path: Path, study_db: str, args: list[str]
+) -> None:
+    """`hpo report --format md >&-` exited 0 with the report nowhere (hostile try F11); now
+    every command refuses at once, as for /dev/full, and does nothing."""
+    database = tmp_path / "watch.db"
+    before = database.read_bytes()
+    done = subprocess.run(
+        ["bash", "-c", 'exec "$@" >&-', "bash", sys.executable, "-m", "hpo", *args,
+         "--storage", study_db],
+        cwd=tmp_path, stderr=subprocess.PIPE, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        "hpo: error: standard output is closed (>&-), and hpo writes its answer there: send it "
+        "to a file (> out.txt) or, to drop it, to /dev/null"
+    ]
+    assert database.read_bytes() == before  # nothing queued, no study created

@@ -210,6 +210,15 @@ class TrainingConfig:
         found.extend(_above_bounds(self, _TRAINING_BOUNDS))
         return found
 
+    def data_problems(self, label_names: list[str]) -> list[tuple[str, Any, str]]:
+        """What only the data can decide: checked once its labels are known, before any trial."""
+        weights = self.class_weights
+        if isinstance(weights, list) and len(weights) != len(label_names):
+            rule = (f"has {len(weights)} weights for {len(label_names)} labels {label_names}; "
+                    "give one weight per label, in this order, or `balanced`")  # fmt: skip
+            return [("class_weights", weights, rule)]
+        return []
+
 
 def _above_bounds(config: Any, bounds: dict[str, int]) -> list[tuple[str, Any, str]]:
     """A problem for each numeric setting of `config` past its bound in `bounds`."""

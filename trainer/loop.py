@@ -150,11 +150,8 @@ class Trainer:
             counts = np.bincount(self.data.train.labels, minlength=self.data.num_labels)
             values = len(self.data.train) / (self.data.num_labels * np.maximum(counts, 1))
         else:
-            if len(weights) != self.data.num_labels:
-                raise ValueError(
-                    f"training.class_weights has {len(weights)} weights for "
-                    f"{self.data.num_labels} labels {self.data.label_names}"
-                )
+            for key, _, rule in self.cfg.data_problems(self.data.label_names):
+                raise ValueError(f"training.{key} {rule}")  # hpo run checks this up front
             values = np.asarray(weights)
         return torch.tensor(values, dtype=torch.float32, device=self.device)
 

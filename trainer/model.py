@@ -12,12 +12,15 @@ import logging
 import os
 from pathlib import Path
 from pickle import UnpicklingError
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainer.config import ModelConfig
 from trainer.errors import ModelError
+
+if TYPE_CHECKING:
+    from trainer.data import PreparedData
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +62,7 @@ def load_tokenizer(config: ModelConfig) -> Any:
         raise ModelError(_load_failure("tokenizer", location, e)) from e
 
 
-def check_model_config(config: ModelConfig, max_length: int | None = None) -> None:
+def check_model_config(config: ModelConfig, max_length: int | None = None) -> Any:
     """Fail fast, before any trial: the model's config must load (or build) cleanly, and hold
     `max_length` (data.max_length) positions. An inline config is also built into a model on
     the meta device (no memory, no weights), which catches settings that only clash at build
@@ -87,6 +90,35 @@ def check_model_config(config: ModelConfig, max_length: int | None = None) -> No
             f"data.max_length is {max_length} but the model holds at most {positions} positions "
             f"({where}); set data.max_length to at most {positions}"
         )
+    return model_config
+
+
+def check_data_fits_model(config: ModelConfig, model_config: Any, data: PreparedData) -> None:
+    """Fail fast, before any trial: every token id of the tokenized data must have a row in the
+    model's embeddings (and every segment id one in its segment embeddings). A tokenizer that
+    does not match the model otherwise fails each trial with an IndexError (on a GPU, a device
+    assert). `model_config` is what check_model_config returned."""
+    inline = config.config is not None
+    for name, attr, largest in (
+        ("token id", "vocab_size", _largest(data, "ids")),
+        ("segment (token type) id", "type_vocab_size", _largest(data, "type_ids")),
+    ):
+        rows = getattr(model_config, attr, None)
+        if isinstance(rows, int) and largest is not None and largest >= rows:
+            where = f"model.config.{attr}" if inline else f"the model's {attr}"
+            fix = (f"set model.config.{attr} to at least {largest + 1}" if inline
+                   else "use the model's own tokenizer (model.tokenizer)")  # fmt: skip
+            raise ModelError(
+                f"the tokenized data holds {name} {largest} but the model has only {rows} "
+                f"({where}): model.tokenizer does not match the model; {fix}"
+            )
+
+
+def _largest(data: PreparedData, field_name: str) -> int | None:
+    """The largest value of a token array over both splits; None where there is none."""
+    arrays = [getattr(split, field_name) for split in (data.train, data.eval)]
+    largest = [int(a.max()) for a in arrays if a is not None and a.size]
+    return max(largest) if largest else None
 
 
 def build_model(

@@ -21,9 +21,7 @@ from hpo.commands.run import (
     run_command,
 )
 from hpo.errors import USER_ERRORS
-from hpo.reports.text import (
-    emit,
-)
+from hpo.reports.text import CLOSED_STDOUT, emit, stdout_is_closed
 from hpo.stopping import stopped_exit_code
 
 EXIT_BAD_INPUT = 2
@@ -43,6 +41,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     started = time.monotonic()  # --timeout counts from here
     argv = list(sys.argv[1:] if argv is None else argv)
+    if stdout_is_closed():  # every command answers there: refused before it does anything
+        print(f"hpo: error: {CLOSED_STDOUT}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         args = build_parser().parse_args(argv)
     except KeyboardInterrupt as e:

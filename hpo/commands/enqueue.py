@@ -7,11 +7,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 from typing import TYPE_CHECKING, Any
 
 from hpo.config.loader import load_config
 from hpo.errors import ConfigError, HPOError
 from hpo.logs import set_optuna_verbosity
+from hpo.reports.text import emit
 
 if TYPE_CHECKING:
     pass
@@ -65,13 +67,35 @@ def enqueue_command(args: argparse.Namespace) -> int:
     with storage.lock(study_id):
         queued = enqueue(study, params)
     shown = json.dumps(params)
-    if queued:
-        print(f"hpo: queued {shown} in study {args.study!r}: the next worker to start a trial "
-              "trains it, if the study's n_trials leaves room (queued trials count once "
-              "started)")  # fmt: skip
+    if not queued:
+        emit(f"hpo: study {args.study!r} already holds a trial with {shown}; nothing queued")
+    elif (spent := _budget_spent(study, attrs.get("n_trials"))) is not None:
+        emit(f"hpo: queued {shown} in study {args.study!r}, but {spent}")
     else:
-        print(f"hpo: study {args.study!r} already holds a trial with {shown}; nothing queued")
+        emit(f"hpo: queued {shown} in study {args.study!r}: the next worker to start a trial "
+             "trains it, if the study's n_trials leaves room (queued trials count once "
+             "started)")  # fmt: skip
     return 0
+
+
+def _budget_spent(study: Any, budget: object) -> str | None:
+    """Why no worker will start the queued trials (the study's budget is spent, counted as its
+    workers count it), and what will; None when there is room or no budget."""
+    from optuna.trial import TrialState
+
+    from hpo.study.trials import counted_trials
+
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        return None
+    trials = study.get_trials(deepcopy=False)
+    counted = counted_trials(trials)
+    if counted < budget:
+        return None
+    waiting = sum(t.state == TrialState.WAITING for t in trials)
+    return (f"its budget is spent ({counted} of n_trials {budget} started): a worker starts no "
+            "trial, and `hpo run` stops at once. The queued trials run only with a larger "
+            f"budget, e.g. hpo run --study {shlex.quote(study.study_name)} --config ... "
+            f"--n-trials {counted + waiting}")  # fmt: skip
 
 
 def _json_params(text: str) -> dict[str, Any]:

@@ -29,6 +29,7 @@ FAKE_GPUS_ENV = "HPO_TEST_FAKE_GPUS"
 # Workers per GPU that `--workers-per-gpu` accepts, and those `auto` tries, most first.
 MAX_WORKERS_PER_GPU = 16
 AUTO_WORKERS_PER_GPU = (4, 2)
+GPUS_RULE = "use auto, none or a list of GPU ids like 0,1,3"
 
 
 def visible_gpus() -> list[str]:
@@ -48,18 +49,29 @@ def visible_gpus() -> list[str]:
 def select_gpus(spec: str, visible: Sequence[str]) -> list[str]:
     """The GPUs named by --gpus: `auto` (every visible one), `none`, or a list like `0,1,3`.
     An empty list means one CPU worker."""
-    spec = spec.strip().lower()
-    if spec == "none":
+    spec = spec.strip()
+    if spec.lower() == "none":
         return []
-    if spec == "auto":
+    if spec.lower() == "auto":
         return list(visible)
     wanted = [gpu.strip() for gpu in spec.split(",") if gpu.strip()]
-    problems = []
-    if not wanted:
-        problems.append(f"--gpus: got {spec!r}; use auto, none or a list of GPU ids like 0,1,3")
+    problems = [] if wanted else [f"--gpus: got {spec!r}; {GPUS_RULE}"]
     if len(set(wanted)) != len(wanted):
         problems.append(f"--gpus: got {spec!r}; a GPU is listed twice")
-    missing = list(dict.fromkeys(gpu for gpu in wanted if gpu not in visible))
+    words = [gpu for gpu in wanted if gpu.lower() in ("auto", "none")]
+    if words:
+        problems.append(
+            f"--gpus: got {spec!r}; {words[0].lower()} stands alone and cannot be combined with "
+            f"GPU ids: give --gpus {words[0].lower()} or a list of ids like 0,1,3"
+        )
+    ids = [gpu for gpu in wanted if gpu not in words]
+    not_ids = [gpu for gpu in ids if gpu not in visible and not _looks_like_gpu_id(gpu)]
+    if not_ids:
+        problems.append(
+            f"--gpus: got {spec!r}; {', '.join(map(repr, not_ids))} is not a GPU id: GPU ids "
+            "are the whole numbers nvidia-smi lists (0, 1, ...), e.g. --gpus 0,1,3"
+        )
+    missing = list(dict.fromkeys(gpu for gpu in ids if gpu not in visible and gpu not in not_ids))
     if missing:
         seen = ", ".join(visible) if visible else "none"
         problems.append(
@@ -69,6 +81,11 @@ def select_gpus(spec: str, visible: Sequence[str]) -> list[str]:
     if problems:
         raise ConfigError(problems, "command line")
     return wanted
+
+
+def _looks_like_gpu_id(name: str) -> bool:
+    """A GPU id as CUDA_VISIBLE_DEVICES may name one: an index, or a GPU or MIG UUID."""
+    return (name.isascii() and name.isdigit()) or name.startswith(("GPU-", "MIG-"))
 
 
 def worker_argv(argv: Sequence[str]) -> list[str]:

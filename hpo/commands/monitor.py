@@ -269,7 +269,8 @@ def _watch(study: Any, storage: Any, as_json: bool, interval: float) -> int:
             return 1
         if ended_polls < 2:
             time.sleep(interval)
-    print(f"hpo: study {study.study_name!r} has ended", file=sys.stderr)
+    spent = f": {report.budget_advice(summary)}" if report.waiting_for_budget(summary) else ""
+    print(f"hpo: study {study.study_name!r} has ended{spent}", file=sys.stderr)
     return 0
 
 

@@ -151,7 +151,7 @@ def check_inputs(
     set_optuna_verbosity(logging.getLogger().level)
     # The device first: `cuda` on a host without CUDA is reported before the data is prepared.
     resolve_device(config.training.device)
-    check_model_config(config.model, config.data.max_length)
+    model_config = check_model_config(config.model, config.data.max_length)
     data = prepare_data(config.data, load_tokenizer(config.model))
     log.info(
         "data: %d training and %d evaluation examples, labels %s",
@@ -159,9 +159,21 @@ def check_inputs(
         len(data.eval),
         data.label_names,
     )
+    _check_against_data(config, model_config, data)
     if per_gpu == "auto":
         per_gpu = _auto_workers_per_gpu(config, config_path, gpus)
     return config, storage_url, gpus, data, per_gpu or 1
+
+
+def _check_against_data(config: Config, model_config: Any, data: Any) -> None:
+    """What only the prepared data can decide (the number of labels, the largest token id),
+    checked before anything is written: otherwise every trial fails the same way."""
+    from trainer.model import check_data_fits_model
+
+    problems = config.training.data_problems(data.label_names)
+    if problems:
+        raise ConfigError([f"training.{k}: got {value!r}; {rule}" for k, value, rule in problems])
+    check_data_fits_model(config.model, model_config, data)
 
 
 def _check_stores(storage_url: StorageURL, artifacts: ArtifactURL | None) -> None:

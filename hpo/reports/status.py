@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import shlex
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import optuna
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
+from hpo.study.trials import RETRY_ATTR, counted_trials
 from hpo.trial import folders as checkpoints
 from hpo.trial.front import rule_for
 from storage import heartbeats, study_queries
@@ -162,6 +164,7 @@ def status(
         "failures": _reasons(trials, TrialState.FAIL, "fail_reason"),
         "prunes": _reasons(trials, TrialState.PRUNED, "prune_reason"),
         "budget": _budget(study.user_attrs.get("n_trials")),
+        "counted": counted_trials(trials),
         "lost_checkpoints": lost_checkpoints(trials),
     }
 
@@ -200,6 +203,9 @@ def _status_from_database(study: optuna.Study, db: Database, now: dt.datetime) -
             engine, study_id, TrialState.PRUNED, "prune_reason", counts.get(TrialState.PRUNED, 0)
         ),
         "budget": _budget(study.user_attrs.get("n_trials")),
+        # As counted_trials counts: started trials, less the failed ones a retry replaces.
+        "counted": sum(n for state, n in counts.items() if state != TrialState.WAITING)
+        - study_queries.system_attr_count(engine, study_id, RETRY_ATTR),
         "lost_checkpoints": _lost(lost, latest, reason),
     }
 
@@ -217,20 +223,45 @@ def stale(report: dict[str, Any]) -> list[int]:
 
 def stalled(report: dict[str, Any]) -> bool:
     """Trials run or wait, but none runs with a live worker: nothing moves until a worker
-    starts (a watcher asks more than once, as between two trials of a worker nothing runs)."""
+    starts (a watcher asks more than once, as between two trials of a worker nothing runs).
+    Queued trials past a spent budget are not stalled: a new worker would not start them."""
     states = report["trials"]
     unfinished = states.get("running", 0) + states.get("waiting", 0)
+    if waiting_for_budget(report):
+        return False
     return unfinished > 0 and len(stale(report)) == states.get("running", 0)
 
 
 def ended(report: dict[str, Any]) -> bool:
-    """No trial runs or waits, and the budget (when the study records one) is spent. Between
-    two trials of a worker nothing runs for a moment: a watcher asks twice, some time apart."""
+    """No trial runs, the budget (when the study records one) is spent, and no trial waits
+    but past it. Between two trials of a worker nothing runs for a moment: a watcher asks
+    twice, some time apart."""
     states = report["trials"]
-    if not states or states.get("running") or states.get("waiting"):
+    if not states or states.get("running"):
         return False
+    if states.get("waiting"):
+        return bool(waiting_for_budget(report))
     budget = report.get("budget")
     return budget is None or sum(states.values()) >= budget
+
+
+def waiting_for_budget(report: dict[str, Any]) -> int:
+    """Queued trials that no worker will start: nothing runs and the budget is spent. Only a
+    worker with a larger n_trials (the study's budget is its latest worker's) runs them."""
+    states, budget = report["trials"], report.get("budget")
+    waiting = states.get("waiting", 0)
+    if not waiting or states.get("running") or budget is None:
+        return 0
+    return waiting if report.get("counted", 0) >= budget else 0
+
+
+def budget_advice(report: dict[str, Any]) -> str:
+    """What runs the queued trials that wait for a larger budget."""
+    waiting, budget = waiting_for_budget(report), report["budget"]
+    trials = "1 queued trial waits" if waiting == 1 else f"{waiting} queued trials wait"
+    return (f"{trials}: the budget of {budget} trials is spent; run them with a larger one, "
+            f"e.g. hpo run --study {shlex.quote(report['study'])} --config ... "
+            f"--n-trials {report['counted'] + waiting}")  # fmt: skip
 
 
 def status_lines(report: dict[str, Any]) -> list[str]:
@@ -250,6 +281,8 @@ def status_lines(report: dict[str, Any]) -> list[str]:
         values = ", ".join(f"{v:.4f}" for v in trial["values"])
         lines.append(f"Pareto front #{trial['number']}: {values} {trial['params']}")
     lines.append(figures_line(report))
+    if waiting_for_budget(report):
+        lines.append(f"  {budget_advice(report)}")
     for title in ("failures", "prunes"):
         for reason, count in report[title].items():
             lines.append(f"  {title[:-1]}: {count} x {reason}")

@@ -17,9 +17,23 @@ if TYPE_CHECKING:
     pass
 
 
+# Python sets sys.stdout to None when the process starts with it closed, and print() then
+# writes nothing without a word: `hpo report >&-` exited 0 with the report nowhere.
+CLOSED_STDOUT = (
+    "standard output is closed (>&-), and hpo writes its answer there: send it to a file "
+    "(> out.txt) or, to drop it, to /dev/null"
+)
+
+
+def stdout_is_closed() -> bool:
+    return sys.stdout is None
+
+
 def emit(text: str, end: str = "\n") -> None:
     """What a command answers, on standard output: `hpo status > /dev/full` (or a full disk
-    under a redirect) is one line, not a traceback."""
+    under a redirect) is one line, not a traceback; so is a closed standard output."""
+    if stdout_is_closed():
+        raise HPOError(CLOSED_STDOUT)
     try:
         print(text, end=end, flush=True)
     except BrokenPipeError:

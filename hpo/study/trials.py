@@ -34,11 +34,14 @@ from storage.heartbeats import Heartbeats, HeartbeatThread, LastBeat
 log = logging.getLogger(__name__)
 
 
+RETRY_ATTR = "failed_trial"  # a retry's system attribute: the trial it takes the place of
+
+
 def counted_trials(trials: list[FrozenTrial]) -> int:
     """Trials the budget counts: started ones, less the failed ones a retry replaces (each
     retry carries the `failed_trial` system attribute, and takes its failed trial's place)."""
     started = sum(t.state != TrialState.WAITING for t in trials)
-    retries = sum("failed_trial" in t.system_attrs for t in trials)
+    retries = sum(RETRY_ATTR in t.system_attrs for t in trials)
     return started - retries
 
 

@@ -10,6 +10,7 @@ import json
 import signal
 import socket
 import threading
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -270,6 +271,10 @@ def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
+    # Moto keeps its buckets in the process: a bucket another test of this process filled
+    # would still hold that test's objects.
+    reset = urllib.request.Request(f"http://{host}:{port}/moto-api/reset", method="POST")
+    urllib.request.urlopen(reset, timeout=30).close()
     env = {
         "AWS_ENDPOINT_URL": f"http://{host}:{port}",
         "AWS_ACCESS_KEY_ID": "testing",

@@ -138,7 +138,7 @@ def _get_json(address: str, server: subprocess.Popen[bytes]) -> dict:
 # wsgiref's own error handling once swallowed the stop and the dashboard served on.
 _STOPPED_MID_REQUEST = """
 import os, signal, sys
-from hpo.cli.app import _serve
+from hpo.commands.monitor import _serve
 from hpo.stopping import Interrupted
 
 def app(environ, start_response):

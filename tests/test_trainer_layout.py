@@ -103,24 +103,24 @@ def test_one_place_decides_an_auto_physical_batch() -> None:
     deciders = {"find_physical_batch_size", "batch_key", "BatchFinder"}
     calls = []
     for package in ("trainer", "hpo"):
-        for path in (REPO / package).glob("*.py"):
-            # `hpo batch-size` (cli.py) runs a search on request and prints it: it decides
-            # no run's batch.
-            if path.name == "batch_finder.py" or f"{package}/{path.name}" == "hpo/cli.py":
+        for path in (REPO / package).rglob("*.py"):
+            where = path.relative_to(REPO).as_posix()
+            # `hpo batch-size` runs a search on request and prints it: it decides no run's batch.
+            if where in ("trainer/batch_finder.py", "hpo/commands/batch_size.py"):
                 continue
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
                 if isinstance(node, ast.Call):
                     name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
                     if name in deciders:
-                        calls.append(f"{package}/{path.name}:{node.lineno} {name}")
+                        calls.append(f"{where}:{node.lineno} {name}")
     assert calls == []
     users = [
-        path.name
+        path.relative_to(REPO).as_posix()
         for package in ("trainer", "hpo")
-        for path in (REPO / package).glob("*.py")
+        for path in (REPO / package).rglob("*.py")
         if "resolve_physical_batch(" in path.read_text(encoding="utf-8")
     ]
-    assert sorted(users) == ["batch_finder.py", "loop.py", "trial_training.py"]
+    assert sorted(users) == ["hpo/trial/training.py", "trainer/batch_finder.py", "trainer/loop.py"]
 
 
 def test_the_worker_loop_imports_neither_torch_nor_transformers() -> None:

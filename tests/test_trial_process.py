@@ -330,3 +330,26 @@ def test_a_trial_process_stopped_by_someone_else_is_given_up_after_the_grace_per
                      StopRequest(), limits)  # fmt: skip
     assert time.monotonic() - started < 30
     assert _gone(int(pid_file.read_text()))  # killed: a stopped process cannot checkpoint
+
+
+def test_the_trial_timeout_counts_training_yet_bounds_a_stuck_startup() -> None:
+    from hpo.stopping import TrialTimedOut
+    from hpo.trial.process import _Watchers
+
+    now = time.monotonic()
+    # A slow startup is not counted against the limit (trial_timeout + stop_timeout: 10 s)...
+    slow = _Watchers(10.0, None, created=now - 15)
+    slow.check()
+    slow.training()  # ...and once training starts, the limit counts from there.
+    slow.check()
+    assert slow.deadline[0] >= now + 10
+    # A process that never starts training is ended after twice the limit.
+    stuck = _Watchers(10.0, None, created=now - 21)
+    with pytest.raises(TrialTimedOut, match="did not start training"):
+        stuck.check()
+    # Past the deadline of its training: ended as before.
+    late = _Watchers(10.0, None, created=now - 30, deadline=[now - 1])
+    with pytest.raises(TrialTimedOut, match="did not stop at study.trial_timeout"):
+        late.check()
+    # No trial timeout: no limit at all.
+    _Watchers(None, None, created=now - 10**6).check()

@@ -258,6 +258,7 @@ class _Watchers:
     stopped_limit_s: float | None = None  # see TrialLimits
     stopped_since: list[float] = field(default_factory=list)  # first and last seen stopped
     deadline: list[float] = field(default_factory=list)  # monotonic; past it: timed out
+    created: float = field(default_factory=time.monotonic)
 
     def training(self) -> None:
         """The trial trains (its first progress): the trial timeout counts training only, and
@@ -268,8 +269,16 @@ class _Watchers:
     def check(self) -> None:
         if self.taken_over is not None and self.taken_over.is_set():
             raise TakenOver()
-        if self.deadline and time.monotonic() > self.deadline[0]:
+        now = time.monotonic()
+        if self.deadline and now > self.deadline[0]:
             raise TrialTimedOut("the trial process did not stop at study.trial_timeout")
+        # Startup (data, model, batch search) is not counted, but it may not last for ever: a
+        # process that has not started training after twice its whole limit is stuck there.
+        if not self.deadline and self.limit_s is not None and now > self.created + 2 * self.limit_s:
+            raise TrialTimedOut(
+                "the trial process did not start training within twice study.trial_timeout "
+                "plus study.stop_timeout (stuck loading its data or model, or searching its batch)"
+            )
 
     def check_stopped(self, watch: _ProcessWatch) -> None:
         """A trial process stopped by someone else than its worker's pause: past the limit it is

@@ -161,7 +161,8 @@ def artifact_target(study_config: StudyConfig, trial: optuna.Trial) -> ArtifactT
 
 
 def _limits(study_config: StudyConfig) -> TrialLimits:
-    # A trial process stopped as long as a dead worker's silence: given up the same way.
+    # A trial process that stays stopped (kill -STOP, a debugger) for the grace period is
+    # treated like a dead worker's trial: killed, and its trial queued again.
     return TrialLimits(
         study_config.stop_timeout, study_config.trial_timeout, study_config.grace_period_s
     )

@@ -26,7 +26,7 @@ from hpo.trial.objective import Objective, worker_id
 from storage.artifacts import ArtifactStore
 from storage.engine import StudyStorage
 from storage.heartbeats import LastBeat
-from trainer.files import STATE_FILE
+from trainer.files import drop_resume_state
 
 log = logging.getLogger(__name__)
 # How long a worker done with its trials lets its last cleanup of the artifact store go on.
@@ -283,8 +283,7 @@ def _drop_state(checkpoints: Path | None, trial: optuna.Trial) -> None:
     """The resume state of a trial whose end is recorded (its stored copy: the worker's
     cleanup of the artifact store)."""
     if checkpoints is not None:
-        with contextlib.suppress(OSError):
-            (checkpoints / folder_name(trial) / STATE_FILE).unlink(missing_ok=True)
+        drop_resume_state(checkpoints / folder_name(trial))
 
 
 def values_text(objectives: list[str], value: float | list[float] | None) -> str:

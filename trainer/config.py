@@ -1,6 +1,7 @@
 """Typed settings of the trainer: data, model and training loop.
 
-Each field's `help` metadata is its documentation; `hpo.config` loads YAML into these classes.
+Each field's `help` metadata is its documentation; `hpo.config.loader` loads YAML into
+these classes.
 """
 
 from __future__ import annotations

@@ -80,5 +80,3 @@ def _stopped(interrupt: KeyboardInterrupt) -> int:
     name = getattr(interrupt, "signal_name", "SIGINT")
     print(f"hpo: stopped by {name}", file=sys.stderr)
     return stopped_exit_code(name)
-
-    # Handed back, or queued again by a sweep, after this worker's loop had ended.

@@ -63,7 +63,8 @@ def enqueue_command(args: argparse.Namespace) -> int:
     if problems:
         raise ConfigError(problems, "--params")
     study = optuna.load_study(study_name=args.study, storage=storage)
-    optuna.logging.set_verbosity(max(logging.getLogger().level, logging.WARNING))  # hpo says it
+    # Optuna's own INFO lines are left out: hpo says what it queued.
+    optuna.logging.set_verbosity(max(logging.getLogger().level, logging.WARNING))
     with storage.lock(study_id):
         queued = enqueue(study, params)
     shown = json.dumps(params)

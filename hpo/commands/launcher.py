@@ -158,7 +158,9 @@ def run_workers(
                 env[SHARE_ENV] = repr(1 / per_gpu)
             env.setdefault("OMP_NUM_THREADS", str(threads))  # the host's cores, shared
             command = [sys.executable, "-m", "hpo", *worker_argv(argv), "--device", device]
-            # Their own process group: a terminal's Ctrl-C reaches them once, from here.
+            # Each worker in a session of its own: a terminal's Ctrl-C reaches the launcher alone,
+            # which passes it on once (with the terminal's too, a worker would get it twice, and
+            # a second Ctrl-C stops at once).
             workers.append(
                 subprocess.Popen(
                     command,
@@ -172,7 +174,7 @@ def run_workers(
             )
             labels.append(label)
     shared = f", {per_gpu} per GPU, each with 1/{per_gpu} of its memory" if per_gpu > 1 else ""
-    # Before the block is drawn: a line of the launcher's own never lands on it.
+    # Logged before the progress block is drawn, so that this line cannot land inside it.
     log.info("started %d workers: GPUs %s%s", len(workers), ", ".join(gpus), shared)
     readers = [
         threading.Thread(target=_relay_lines, args=(pipe, label, block, out), daemon=True)

@@ -222,8 +222,10 @@ def _download_best(study: Any, best: list[dict], args: argparse.Namespace) -> in
             aside.rename(out)
     except ArtifactStoreError as e:
         raise HPOError(f"best model of trial #{number} not downloaded: {e}") from e
-    except OSError as e:  # out of reach, or taken meanwhile: named by the folder asked for,
-        shutil.rmtree(aside, ignore_errors=True)  # and nothing is left beside it
+    except OSError as e:
+        # The folder cannot be written, or its name was taken meanwhile: the message names the
+        # folder asked for, and the partial download beside it is removed.
+        shutil.rmtree(aside, ignore_errors=True)
         raise HPOError(f"--download {out}: cannot write there ({e.strerror or e})") from e
     if manifest is None:
         error = best[0]["user_attrs"].get("checkpoint_error")

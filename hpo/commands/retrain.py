@@ -59,7 +59,7 @@ def retrain_command(args: argparse.Namespace) -> int:
 
     with contextlib.suppress(Interrupted):
         inputs = check_inputs(args, before_data=open_source)
-    stop.interrupt_at_once = False  # noted from here: the loop says when a trial runs
+    stop.interrupt_at_once = False  # a signal is only noted now; the loop stops the trial
     if inputs is None or stop.requested:
         return stopped_before_first_trial(stop)
     config, storage_url, storage = inputs[0], inputs[1], opened[0]
@@ -165,6 +165,8 @@ def _retrain_runs(
             return _retrain_stopped(stop, code, args)
         if args.as_worker or not retrain.unfinished(study):
             return None
+        # Runs are still unfinished: one was handed back, or queued again by a sweep, after
+        # this worker's loop had ended. Run the loop again.
 
 
 def _retrain_stopped(stop: StopRequest, code: int, args: argparse.Namespace) -> int:

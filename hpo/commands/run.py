@@ -59,7 +59,7 @@ def run_command(args: argparse.Namespace) -> int:
     print(f"hpo: study {args.study!r} in {storage_url.describe()}", file=sys.stderr)
     on_demand = config.study.database_connections == "on_demand"
     storage = open_storage(storage_url, config.study.database_patience, on_demand=on_demand)
-    if stop.requested:  # while the database opened: the study is not created
+    if stop.requested:  # a signal came while the database opened: no study is created
         return stopped_before_first_trial(stop)
     study = open_study(storage, args.study, config)
     if config.study.artifact_store is not None:

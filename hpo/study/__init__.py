@@ -1,1 +1,2 @@
-"""A study: opening it, its budget, ask and tell, retries, sampler and pruner."""
+"""A study: joining it, its budget, the worker's loop, retries, sampler and pruner, and the
+retrain plan."""

@@ -58,7 +58,8 @@ def open_study(storage: StudyStorage, name: str, config: Config) -> optuna.Study
         storage.set_study_user_attr(study_id, "n_trials", config.study.n_trials)
         # The Pareto front's tolerance of throughput noise (hpo.trial.front), the latest worker's.
         storage.set_study_user_attr(study_id, TOLERANCE_ATTR, config.study.throughput_tolerance)
-        # When a running trial's silence means its worker is gone, for `hpo status`.
+        # The grace period (how long a running trial's worker may be silent before it counts
+        # as gone), for `hpo status`.
         storage.set_study_user_attr(study_id, "grace_period_s", liveness(config.study)[1])
         worker_index = int(storage.get_study_system_attrs(study_id).get(WORKERS_ATTR, 0))
         storage.set_study_system_attr(study_id, WORKERS_ATTR, worker_index + 1)

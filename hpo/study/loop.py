@@ -1,6 +1,7 @@
 """A worker's loop over a study: ask, train, tell, until the study's own trial budget is spent,
-and the summary it prints at the end. The budget (`n_trials`) counts the study's trials in
-storage, not this process's; see hpo/study/trials.py for how many workers share it.
+the worker's timeout passes or it is asked to stop. The budget (`n_trials`) counts the study's
+trials in storage, not this process's; see hpo/study/trials.py for how many workers share it.
+The summary printed at the end is hpo/reports/summary.py's.
 """
 
 from __future__ import annotations
@@ -65,11 +66,12 @@ def run_trials(
     if objective.trains and len(study.directions) > 1:
         _record_chance_level(study, objective)
     in_worker = study_config.trial_isolation == "none"
-    # On the CPU, counted among the host's workers, so that their trials share its cores.
+    # A worker training on the CPU registers among the host's CPU workers, so that their trials
+    # share its cores (hpo.trial.cpu_share).
     host = cpu_share.registered() if objective.trains_on_cpu() else contextlib.nullcontext()
     if in_worker:
-        # What is alive now (torch, transformers, the data) outlives every trial: frozen out of
-        # the collection that frees each trial's memory (150 ms a trial otherwise).
+        # What is alive now (torch, transformers, the data) outlives every trial: frozen, so the
+        # collection after each trial skips it (150 ms a trial otherwise).
         gc.freeze()
     try:
         with host as entry:
@@ -77,7 +79,9 @@ def run_trials(
             return _trial_loop(trials, objective, stop, (checkpoints, artifacts), deadline,
                                collect=in_worker)  # fmt: skip
     finally:
-        if not stop.requested:  # done with its trials: its last cleanup of the store may end
+        # A worker that ran out of trials (not one told to stop) lets its last cleanup of the
+        # artifact store finish, for up to ARTIFACT_CLEANUP_WAIT_S.
+        if not stop.requested:
             trials.finish_cleanup(ARTIFACT_CLEANUP_WAIT_S)
         objective.close()
         if in_worker:
@@ -138,7 +142,7 @@ def _trial_loop(
             stop.doing = StopRequest.BETWEEN_TRIALS
             live.trial_ended()
             if collect:
-                gc.collect()  # the trial's memory, in the worker itself
+                gc.collect()  # the trial ran in this process: free its memory now
         if artifacts is not None:
             trials.remove_stale_artifacts(artifacts)
         if live.active():
@@ -253,7 +257,7 @@ def run_trial(
                 _drop_state(checkpoints, trial)
             return
         except TakenOver:
-            # One line: it was taken over, and the worker that did so recorded why.
+            # The worker that took the trial over has recorded why; this one logs one line.
             trials.fail(trial, "taken over by another worker: this one had stopped beating")
             return
         except HandBack as e:
@@ -267,8 +271,8 @@ def run_trial(
                 log.debug("trial %d broke while stopping", trial.number, exc_info=e)
                 objective.mark_interrupted(trial, objective.stop.signal_name)
                 raise Interrupted(objective.stop.signal_name) from e
-            # Another worker took the trial over while this one was unresponsive: not a failure
-            # of the trial; tell() says so in one line.
+            # If another worker took the trial over while this one was unresponsive, the error
+            # is not the trial's failure: nothing is recorded, and tell() logs one line.
             if not (beat.lost.is_set() or isinstance(e, UpdateFinishedTrialError)):
                 _record_failure(trial, e)
             trials.fail(trial, _error_text(e))

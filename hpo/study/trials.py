@@ -75,16 +75,16 @@ class StudyTrials:
         self.study, self.storage, self.worker, self.budget = study, storage, worker, budget
         # Only queued trials (a retrain study's runs, its retries): nothing is ever sampled.
         self.queued_only = queued_only
-        self.said_waiting = False  # that it waits for other workers' trials (said once)
-        # Trials seen beating while this worker waited for them: their workers are alive, and
-        # it does not wait for them again (hpo.study.loop).
+        self.said_waiting = False  # whether it logged that it waits for others' trials
+        # Trials whose workers beat while this worker waited for them (hpo.study.loop): those
+        # workers are alive, so this one does not wait for these trials again.
         self.seen_beating: set[int] = set()
         self.heartbeat_interval_s, self.grace_period_s, self.max_retries = liveness
         self.study_id = storage.get_study_id_from_name(study.study_name)
         self.beats = Heartbeats(storage.engine, self.study_id)
         self._last_sweep: float | None = None
-        self._cleanup: threading.Thread | None = None  # of the artifact store
-        self._cleanup_due: ArtifactStore | None = None  # a cleanup skipped while one ran
+        self._cleanup: threading.Thread | None = None  # the artifact store's cleanup
+        self._cleanup_due: ArtifactStore | None = None  # skipped: a cleanup was running
 
     def next_trial(self, checkpoints: Path | None = None) -> optuna.Trial | None:
         """A new (or queued) trial for this worker, or None when the study holds its budget.
@@ -166,7 +166,8 @@ class StudyTrials:
         (the trial's own, more precise): `hpo status` counts failures by reason. False (and one
         line) when another worker took it over meanwhile."""
         if not trial.user_attrs.get("fail_reason"):
-            # Taken over meanwhile: the other worker's reason stands, and tell() says so.
+            # If another worker took the trial over meanwhile, its reason stands (this write
+            # fails) and tell() below logs it.
             with contextlib.suppress(UpdateFinishedTrialError):
                 trial.set_user_attr("fail_reason", reason[:1000])
         return self.tell(trial, TrialState.FAIL)
@@ -195,7 +196,7 @@ class StudyTrials:
         the study's lock, the next trial or a stop. One cleanup at a time: what one leaves, a
         later one finds."""
         if self._cleanup is not None and self._cleanup.is_alive():
-            self._cleanup_due = store  # finish_cleanup runs one more, on what it missed
+            self._cleanup_due = store  # done by the next cleanup, or by finish_cleanup
             return
         self._cleanup_due = None
         with self.storage.lock(self.study_id):

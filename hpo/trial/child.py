@@ -37,17 +37,19 @@ from hpo.trial.protocol import (
 log = logging.getLogger(__name__)
 
 
-# Set in a trial process by SIGTERM (the worker stopping it, or its fork server dying) or a lost
-# worker.
+# Why this trial process was asked to stop, once it was: a SIGTERM (from its worker, or from the
+# kernel when its fork server died), its worker gone, or its worker no longer answering.
 _stop_reason: list[str] = []
-# The trial process's parent, the fork server: a SIGTERM after it died is the kernel's notice.
+# The pid of this process's parent, the fork server. A SIGTERM that comes once the parent has
+# died is the kernel's notice (PR_SET_PDEATHSIG), not a stop from the worker.
 _parent_pid: list[int] = []
 # Whether the trial process has begun training, so that a stop would checkpoint. Until then
 # (batch search, model build: many seconds on a GPU) a SIGTERM ends it at once: nothing is lost.
 _training: list[bool] = []
 # Set by the trial through `replace_after_this_trial`: this process ends after the trial.
 _replace_after_trial: list[str] = []
-# The pipe to the worker is written by the trial and by the worker watch's thread.
+# Two threads write to the pipe to the worker: the trial's, and the one that watches the worker
+# (it sends PAUSED); one message at a time.
 _sending = threading.Lock()
 # A trial process is replaced once it holds this much more memory than after its first trial,
 # or this much more CUDA memory in live tensors.
@@ -95,8 +97,9 @@ class ChildTrial:
         return self._number
 
     def set_user_attr(self, key: str, value: Any) -> None:
-        # Also while stopping: what the way out cost (checkpoint_s, checkpoint_error), which
-        # the worker records until the process exits (TrialProcess._last_words).
+        # Sent while stopping too: the attributes that say what stopping cost (checkpoint_s,
+        # checkpoint_error), which the worker records until the process exits
+        # (TrialProcess._last_words).
         self._send(("attr", key, value), while_stopping=True)
 
     def report(self, value: float, step: int) -> None:

@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 # The thread settings a user makes: any of them set means this worker's count is theirs.
 THREAD_ENVS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 _SUFFIX = ".worker"
-# A temporary entry is locked a moment after it is made: only an old one may be a dead worker's.
+# A worker's entry is made under a temporary name and locked a moment later, so an unlocked
+# temporary entry is taken for a dead worker's only once it is this old.
 STALE_TEMPORARY_S = 60.0
 _AUTO = "auto"
 

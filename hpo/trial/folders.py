@@ -29,7 +29,7 @@ from hpo.config.schema import Config
 from hpo.trial.front import FrontRule, as_rule, best_of, rule_for
 from storage.artifacts import ArtifactStore
 
-# Which trials' models are best: hpo's rule for the study (trial.front), or its directions alone.
+# Which trials' models are best: hpo's rule (hpo.trial.front), or the study's directions alone.
 Rule = FrontRule | Sequence[StudyDirection]
 
 log = logging.getLogger(__name__)

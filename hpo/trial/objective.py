@@ -1,5 +1,6 @@
-"""One Optuna trial: sample, train, report each evaluation, prune weak or diverged runs, and
-record what happened as trial user attributes.
+"""One Optuna trial from the worker's side: sample its parameters, have it trained (in the trial
+process, or in the worker with `study.trial_isolation: none`) and turn how it ended into Optuna's
+terms. Imports no torch: the training itself is hpo.trial.training.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class Objective:
         worker holds no more connections than its pool; else one on an engine of its own."""
         self.task = TrialTask(config, data, storage_url)
         self.stop = stop
-        # hpo's training (its trials then share the host's cores when they run on the CPU).
+        # Whether this worker runs hpo's own training rather than a target of its own (a test's,
+        # a benchmark's): only such trials share the host's cores when they run on the CPU.
         self.trains = target is None
         if target is None:
             # torch and transformers, imported only by a worker that trains (a light worker

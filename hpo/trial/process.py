@@ -46,8 +46,9 @@ from hpo.trial.protocol import (
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2
-# After its PAUSED message, a trial process stops itself at once: past this, one that runs was
-# continued by someone else.
+# A trial process sends PAUSED just before it stops itself (SIGSTOP) because its worker was
+# stopped. One still running this long after the message was continued (SIGCONT) by someone
+# else, and the worker watches it as a running process again.
 PAUSE_SETTLE_S = 5.0
 
 
@@ -125,16 +126,16 @@ class TrialProcess:
                     break
                 except _JobNotTaken:
                     if self.started != started:
-                        message = None  # a new process that died at once: the trial's fate
+                        message = None  # a fresh process died before taking the job: trial fails
                         break
-                    self.close()  # a kept one that died while idle, as the job came: a new one
+                    self.close()  # the kept process had died while idle: start a new one
         except TakenOver:
             if self._watch is not None:
                 self._watch.kill()  # its checkpoints now belong to the worker that took over
             self.close()
             raise
         except Interrupted:
-            self._last_words(trial)  # a second stop meanwhile goes on at once, as from close()
+            self._last_words(trial)  # a second Ctrl-C here exits at once, as during close()
             self.close()
             raise
         except BaseException:
@@ -179,7 +180,7 @@ class TrialProcess:
                 reply = False if message[0] == "should_prune" else ("error", "stopping")
                 with contextlib.suppress(OSError):
                     conn.send(reply)
-        if not watch.wait(0):  # the stop timeout has passed: as close() would, after it
+        if not watch.wait(0):  # still running past the stop timeout: killed, as close() would
             log.warning("trial process %s did not stop within %.0f s; killing it",
                         watch.process.pid, self.limits.stop_timeout_s)  # fmt: skip
             watch.kill()
@@ -204,7 +205,7 @@ class TrialProcess:
             except OSError:
                 self.close()
         conn, watch = self._start()
-        with contextlib.suppress(OSError):  # it died at once: the relay reads its end
+        with contextlib.suppress(OSError):  # died at once: _relay finds the pipe closed
             conn.send(job)
         return conn, watch
 
@@ -281,9 +282,9 @@ class _Watchers:
             )
 
     def check_stopped(self, watch: _ProcessWatch) -> None:
-        """A trial process stopped by someone else than its worker's pause: past the limit it is
-        killed (a stopped process cannot checkpoint) and its trial handed back, to resume from
-        its last checkpoint."""
+        """A trial process stopped by someone else (not paused along with its worker): past the
+        limit it is killed (a stopped process cannot checkpoint) and its trial handed back, to
+        resume from its last checkpoint."""
         if self.stopped_limit_s is None:
             return
         if not watch.stopped():
@@ -310,9 +311,9 @@ def _relay(
 ) -> tuple[Any, ...] | None:
     """Pass the child's calls on to the trial until it sends ("outcome", outcome, staying);
     None if it died first."""
-    paused = False  # the child stopped itself while this worker was stopped
+    paused = False  # the child said it stops itself, because this worker was stopped
     paused_at = 0.0
-    taken = False  # the child took the job: its death from now on is this trial's
+    taken = False  # the child took the job: if it dies from now on, the trial fails with it
     pending: tuple[Any, ...] | None = None  # a request not answerable yet (a lock in use)
     while True:
         if pending is not None:
@@ -326,16 +327,16 @@ def _relay(
             watch.resume()
             paused = False
         elif paused and time.monotonic() - paused_at > PAUSE_SETTLE_S:
-            paused = False  # continued by someone else meanwhile: it runs, watch it again
+            paused = False  # someone else continued it: watched as running again
         if not conn.poll(POLL_S):
-            if not paused:  # nothing unread: a PAUSED it sent would have been read by now
+            if not paused:  # pipe empty, so a stop now is not its own pause (PAUSED comes first)
                 watchers.check_stopped(watch)
             continue
         try:
             message = conn.recv()
         except (EOFError, OSError):  # OSError: ECONNRESET, it died with a job unread
             if stop.signal_name is not None:
-                continue  # the signal reached the trial process too (a process group's stop)
+                continue  # the group's stop signal ended it too: Interrupted is raised next round
             if not taken:
                 raise _JobNotTaken() from None
             return None

@@ -231,7 +231,7 @@ def _record_checkpoints(
     the trial's end (hpo.study.loop.run_trial drops it then, and the worker's cleanup the stored
     one): a worker killed in between leaves a trial that resumes from it, not from scratch."""
     if uploader is not None:
-        uploader.discard("state")  # a newer state pending: the one stored already will do
+        uploader.discard("state")  # the run is over: the state already stored will do to resume
     store.drop_old_versions()
     if result.resumed_at_step is not None:
         trial.set_user_attr("resumed_at_step", result.resumed_at_step)

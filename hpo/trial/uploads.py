@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 # Order of a round: the best model before the state that names its evaluation, so that a
 # state in the store always has its best model there too.
 UPLOAD_ORDER = ("best-model", "state")
-# In a trial's local folder: the version of the stored state that its checkpoint.pt is.
+# A file in a trial's local folder naming the stored state that its checkpoint.pt is a copy of:
+# a retry on this host then need not download it.
 STORED_VERSION_FILE = ".hpo-stored-state"
 
 

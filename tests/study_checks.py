@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import optuna
+import pytest
 
-from tests.conftest import run_hpo, run_study, tiny_config, write_config
+from tests.conftest import run_study, tiny_config, write_config
 
 RECORDED_ATTRS = {
     "physical_batch_size",
@@ -23,7 +25,12 @@ ENQUEUED_LEARNING_RATES = [2e-3, 3e-3, 1e-6, 1.1e-6]
 
 
 def run_small_study(
-    tmp_path: Path, data: tuple[Path, Path], storage_url: str, study: str
+    tmp_path: Path,
+    data: tuple[Path, Path],
+    storage_url: str,
+    study: str,
+    hpo_main: Callable[[list[str]], int],
+    capsys: pytest.CaptureFixture[str],
 ) -> optuna.Study:
     raw = tiny_config(
         *data,
@@ -43,16 +50,19 @@ def run_small_study(
     assert "[optuna." in result.stderr and "\n[I 20" not in result.stderr, result.stderr[-3000:]
     # Not a terminal: plain log lines, no progress line drawn in place.
     assert "\r" not in result.stderr and "\x1b[" not in result.stderr
-    # A second worker finds the study's budget spent and starts nothing.
-    again = run_study(config, storage_url, tmp_path, study=study)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "holds 5 started trials, this worker's budget being 5; stopping" in again.stderr
-    assert "had a budget of" not in again.stderr
+    # A second worker finds the study's budget spent and starts nothing. It and the next one
+    # run hpo's main in this process: as subprocesses, each took seconds to start nothing.
+    args = ["run", "--study", study, "--config", str(config), "--storage", storage_url]
+    capsys.readouterr()
+    assert hpo_main(args) == 0
+    again = capsys.readouterr().err
+    assert "holds 5 started trials, this worker's budget being 5; stopping" in again, again
+    assert "had a budget of" not in again
     # One with a smaller budget says so, and what it found (it once said "holds 3", its own).
-    args = ("run", "--study", study, "--config", str(config), "--storage", storage_url)
-    smaller = run_hpo(*args, "--n-trials", "3", cwd=tmp_path)
-    assert "had a budget of 5 trials; this worker's is 3 trials" in smaller.stderr
-    assert "holds 5 started trials, this worker's budget being 3; stopping" in smaller.stderr
+    assert hpo_main([*args, "--n-trials", "3"]) == 0
+    smaller = capsys.readouterr().err
+    assert "had a budget of 5 trials; this worker's is 3 trials" in smaller, smaller
+    assert "holds 5 started trials, this worker's budget being 3; stopping" in smaller
     return optuna.load_study(study_name=study, storage=storage_url)
 
 

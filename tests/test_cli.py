@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,9 +34,14 @@ def test_help_explains_every_option(tmp_path: Path) -> None:
     assert "past it the trial checkpoints, stops and is pruned" in text
 
 
-def test_study_on_sqlite(tmp_path: Path, easy_data: tuple[Path, Path]) -> None:
+def test_study_on_sqlite(
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    hpo_main: Callable[[list[str]], int],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     url = f"sqlite:///{tmp_path / 'studies.db'}"
-    check_small_study(run_small_study(tmp_path, easy_data, url, "cli-sqlite"))
+    check_small_study(run_small_study(tmp_path, easy_data, url, "cli-sqlite", hpo_main, capsys))
 
 
 def test_default_storage_is_hpo_db_in_the_working_directory(
@@ -50,15 +56,20 @@ def test_default_storage_is_hpo_db_in_the_working_directory(
 
 
 def test_a_worker_with_another_search_space_is_refused(
-    tmp_path: Path, easy_data: tuple[Path, Path]
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    hpo_main: Callable[[list[str]], int],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     raw = tiny_config(*easy_data, study={"n_trials": 1}, training={"max_steps": 1})
     url = f"sqlite:///{tmp_path / 's.db'}"
     assert run_study(write_config(tmp_path / "a.yaml", raw), url, tmp_path).returncode == 0
     raw["search_space"]["learning_rate"]["high"] = 0.1
-    refused = run_study(write_config(tmp_path / "b.yaml", raw), url, tmp_path)
-    assert refused.returncode == 2
-    assert "created with another search space (it differs in learning_rate)" in refused.stderr
+    # The refused worker runs hpo's main in this process: a subprocess took seconds to start.
+    b = write_config(tmp_path / "b.yaml", raw)
+    assert hpo_main(["run", "--study", "s", "--config", str(b), "--storage", url]) == 2
+    refused = capsys.readouterr().err
+    assert "created with another search space (it differs in learning_rate)" in refused, refused
 
 
 @pytest.mark.parametrize(
@@ -125,8 +136,9 @@ def test_a_failing_trial_never_stops_the_worker(
     failed_lines = [line for line in result.stderr.splitlines() if "failed: " in line]
     assert len(failed_lines) == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert "BackendCompilerFailed" in failed_lines[0]
+    # One failing trial is enough to show its traceback.
     debug = run_hpo("run", "--study", "d", "--config", str(config), "--storage", url, "--debug",
-                    cwd=tmp_path, env=broken)  # fmt: skip
+                    "--n-trials", "1", cwd=tmp_path, env=broken)  # fmt: skip
     assert debug.returncode == 0 and "Traceback" in debug.stderr
 
 

@@ -77,7 +77,9 @@ def test_a_study_named_dot_dot_writes_inside_the_checkpoint_root_and_removes_not
     (user_folder / "keep.txt").write_text("mine")
     decoy = tmp_path / "hpo-checkpoints" / "trial-7"  # hpo's old naming, not hpo's folder
     decoy.mkdir(parents=True)
-    raw = tiny_config(*easy_data, study={"n_trials": 2, "pruner": {"type": "none"}})
+    # Four steps a trial: where a study's files go does not depend on how long it trains.
+    raw = tiny_config(*easy_data, study={"n_trials": 2, "pruner": {"type": "none"}},
+                      training={"max_steps": 4, "evals_per_epoch": 1})  # fmt: skip
     config = write_config(tmp_path / "c.yaml", raw)
     for name in ("..", "x/../b"):
         result = run_study(config, f"sqlite:///{tmp_path / 's.db'}", tmp_path, study=name)
@@ -183,7 +185,8 @@ def test_a_killed_fork_server_fails_its_trial_with_that_reason_and_the_worker_go
     raw = tiny_config(
         *easy_data,
         study={"n_trials": 3, "pruner": {"type": "none"}, "checkpoint_interval": 0},
-        training={"epochs": 5, "evals_per_epoch": 1},
+        # The fork server is killed after the first of 4 evaluations (a checkpoint each).
+        training={"epochs": 2, "evals_per_epoch": 2},
     )
     config = write_config(tmp_path / "c.yaml", raw)
     worker = start_hpo("run", "--study", "fs", "--config", str(config), "--storage", url,
@@ -213,7 +216,9 @@ def test_a_worker_that_wakes_after_its_trial_was_taken_over_drops_it_and_goes_on
         *easy_data,
         study={"n_trials": 2, "pruner": {"type": "none"}, "heartbeat_interval": 1,
                "grace_period": 3, "checkpoint_interval": 0},
-        training={"epochs": 12, "evals_per_epoch": 1},
+        # 12 evaluations (a checkpoint each) over 3 epochs: the sleeper stops after the first,
+        # the retry and the next trial train 3 epochs at most (they trained 12).
+        training={"epochs": 3, "evals_per_epoch": 4},
     )  # fmt: skip
     config = write_config(tmp_path / "c.yaml", raw)
     args = ("run", "--study", "wake", "--config", str(config), "--storage", url)
@@ -247,7 +252,8 @@ def test_a_paused_worker_pauses_its_trial_process_and_continues_it_on_waking(
     raw = tiny_config(
         *easy_data,
         study={"n_trials": 1, "pruner": {"type": "none"}, "checkpoint_interval": 0},
-        training={"epochs": 16, "evals_per_epoch": 2},
+        # Paused after the first of 16 evaluations: 15 are left to train once it continues.
+        training={"epochs": 4, "evals_per_epoch": 4},
     )
     config = write_config(tmp_path / "c.yaml", raw)
     worker = start_hpo("run", "--study", "p", "--config", str(config), "--storage", url,
@@ -289,8 +295,9 @@ def test_a_trial_past_its_timeout_is_pruned_with_that_reason_and_the_worker_goes
     url = f"sqlite:///{tmp_path / 't.db'}"
     raw = tiny_config(
         *easy_data,
-        # Long enough that a trial reaches its first evaluation on a loaded CI machine.
-        study={"n_trials": 2, "pruner": {"type": "none"}, "trial_timeout": 20},
+        # Long enough that a trial reaches its first evaluation (8 steps, under a second here)
+        # on a loaded CI machine; the timeout counts training only, not the trial's startup.
+        study={"n_trials": 2, "pruner": {"type": "none"}, "trial_timeout": 8},
         training={"epochs": 500, "evals_per_epoch": 4},
     )
     config = write_config(tmp_path / "c.yaml", raw)

@@ -71,8 +71,10 @@ def test_a_study_with_two_objectives_through_the_cli(
     tmp_path: Path, easy_data: tuple[Path, Path]
 ) -> None:
     url = f"sqlite:///{tmp_path / 'two.db'}"
+    # One epoch a trial: a curve of its 2 evaluations, the best of them the trial's value.
     raw = tiny_config(*easy_data, study={"n_trials": 3, "metric": ["accuracy", "samples_per_s"],
-                                         "checkpoint_interval": 0})  # fmt: skip
+                                         "checkpoint_interval": 0},
+                      training={"epochs": 1})  # fmt: skip
     result = run_study(write_config(tmp_path / "c.yaml", raw), url, tmp_path, study="two")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 objectives: pruning is off" in result.stderr
@@ -83,7 +85,7 @@ def test_a_study_with_two_objectives_through_the_cli(
     for trial in trials:
         assert trial.values[0] == trial.user_attrs["best_evaluation"]["metrics"]["accuracy"]
         assert trial.values[1] == pytest.approx(trial.user_attrs["samples_per_s"], rel=0.01)
-        assert trial.intermediate_values == {} and len(trial.user_attrs["curve"]) == 4
+        assert trial.intermediate_values == {} and len(trial.user_attrs["curve"]) == 2
 
     best = run_hpo("best", "--study", "two", "--storage", url, "--json", cwd=tmp_path)
     assert best.returncode == 0, best.stderr[-3000:]

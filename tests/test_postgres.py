@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import optuna
@@ -13,8 +14,15 @@ from tests.study_checks import check_small_study, run_small_study
 pytestmark = pytest.mark.postgres
 
 
-def test_study_on_postgres(tmp_path: Path, easy_data: tuple[Path, Path], postgres_url: str) -> None:
-    check_small_study(run_small_study(tmp_path, easy_data, postgres_url, "cli-postgres"))
+def test_study_on_postgres(
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    postgres_url: str,
+    hpo_main: Callable[[list[str]], int],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    study = run_small_study(tmp_path, easy_data, postgres_url, "cli-postgres", hpo_main, capsys)
+    check_small_study(study)
 
 
 def test_bad_config_writes_no_study(

@@ -195,7 +195,9 @@ def _on_a_terminal(
 def test_hpo_run_on_a_terminal_shows_a_live_line(
     tmp_path: Path, easy_data: tuple[Path, Path], columns: int
 ) -> None:
-    raw = tiny_config(*easy_data, study={"n_trials": 2}, training={"log_every_steps": 1})
+    # One epoch a trial (two evaluations): the line is drawn at every step all the same.
+    raw = tiny_config(*easy_data, study={"n_trials": 2},
+                      training={"log_every_steps": 1, "epochs": 1})  # fmt: skip
     config = write_config(tmp_path / "c.yaml", raw)
     out = _on_a_terminal(
         ["run", "--study", "s", "--config", str(config), "--storage",
@@ -213,7 +215,9 @@ def test_hpo_run_on_a_terminal_shows_a_live_line(
 def test_workers_of_several_gpus_each_get_a_line_on_the_terminal(
     tmp_path: Path, easy_data: tuple[Path, Path]
 ) -> None:
-    raw = tiny_config(*easy_data, study={"n_trials": 4}, training={"log_every_steps": 1})
+    # One epoch a trial (two evaluations): the line is drawn at every step all the same.
+    raw = tiny_config(*easy_data, study={"n_trials": 4},
+                      training={"log_every_steps": 1, "epochs": 1})  # fmt: skip
     config = write_config(tmp_path / "c.yaml", raw)
     out = _on_a_terminal(
         ["run", "--study", "s", "--config", str(config), "--storage",

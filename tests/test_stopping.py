@@ -133,8 +133,8 @@ def test_a_preempted_trial_resumes_from_its_checkpoint_on_the_next_worker(
     raw = tiny_config(
         *easy_data,
         study={"n_trials": 1, "pruner": {"type": "none"}},
-        # 384 steps, an evaluation every 32: time to see the first one before the trial ends
-        training={"epochs": 12, "evals_per_epoch": 1},
+        # 96 steps, an evaluation every 8: time to see the first one before the trial ends
+        training={"epochs": 3, "evals_per_epoch": 4},
     )
     config = write_config(tmp_path / "c.yaml", raw)
     worker = _start_worker(config, url, tmp_path)
@@ -150,7 +150,7 @@ def test_a_preempted_trial_resumes_from_its_checkpoint_on_the_next_worker(
     record_faults(study, faults=1, budget=1)
     interrupted, retry = study.get_trials()
     assert interrupted.state == TrialState.FAIL and retry.state == TrialState.COMPLETE
-    assert retry.user_attrs["resumed_at_step"] > 32  # SIGTERM checkpointed after evaluation 1
+    assert retry.user_attrs["resumed_at_step"] > 8  # SIGTERM checkpointed after evaluation 1
     assert sorted(retry.intermediate_values) == list(range(1, 13))  # the curve continues
     assert not (folder / "checkpoint.pt").exists()  # done: only the best model stays
     assert retry.user_attrs["best_model"] == str(folder / "best-model")

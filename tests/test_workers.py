@@ -70,7 +70,9 @@ def test_a_killed_workers_trial_is_failed_and_retried_elsewhere(
             "pruner": {"type": "none"},
             "checkpoint_interval": 0,  # a checkpoint at every evaluation, for the retry
         },
-        training={"epochs": 12, "evals_per_epoch": 1},
+        # 12 evaluations (a checkpoint each) over 3 epochs, not 12 epochs of one: the worker is
+        # killed after the first, and the retry trains what is left (seconds, not a minute).
+        training={"epochs": 3, "evals_per_epoch": 4},
     )
     config = write_config(tmp_path / "c.yaml", raw)
     args = ("run", "--study", "kill", "--config", str(config), "--storage", postgres_url, "--quiet")

@@ -75,7 +75,7 @@ def test_a_dead_workers_entry_is_ignored_and_removed(tmp_path: Path) -> None:
 
 def test_a_killed_workers_entry_is_ignored(tmp_path: Path) -> None:
     code = (
-        "import sys, time; from pathlib import Path; from hpo import cpu_share\n"
+        "import sys, time; from pathlib import Path; from hpo.trial import cpu_share\n"
         "with cpu_share.registered(Path(sys.argv[1])):\n"
         "    print('registered', flush=True); time.sleep(600)\n"
     )

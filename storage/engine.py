@@ -10,7 +10,6 @@ import contextlib
 import gc
 import os
 import random
-import shlex
 import time
 import urllib.parse
 from collections.abc import Container
@@ -30,7 +29,7 @@ from storage.locks import sqlite_lock, study_lock
 from storage.outage import wait_for_connections
 from storage.resilient import ResilientStorage
 from storage.trial_cache import TrialCache
-from storage.url import StorageURL, mask_text
+from storage.url import StorageURL, mask_text, open_fix
 
 CONNECT_TIMEOUT_S = 10
 TABLE_CREATION_ATTEMPTS = 5
@@ -147,40 +146,13 @@ def open_storage(
     ) as e:
         reason = _first_line(mask_text(str(_root_cause(e))))
         # The fix names the user and database, which a mistyped URL can make hold the password.
-        fix = mask_text(_open_fix(storage_url, reason))
+        fix = mask_text(open_fix(storage_url, reason))
         raise StorageError(
             f"cannot open the study database {storage_url.masked}: {reason}; {fix}"
         ) from e
 
 
 # SQLite's words for a file that is not one of its databases (past a right header) or is damaged.
-_SQLITE_NOT_A_DATABASE = ("file is not a database", "database disk image is malformed")
-
-
-def _open_fix(storage_url: StorageURL, reason: str) -> str:
-    """What to do about a database that would not open, from the driver's reason."""
-    if storage_url.backend == "sqlite":
-        if any(words in reason for words in _SQLITE_NOT_A_DATABASE):
-            return (
-                "the file is damaged, or is not an SQLite database: restore it from a backup, "
-                "or point --storage at a new file name for a new study"
-            )
-        return "check that its folder exists and can be written"
-    # hpo creates its tables, never the database or the user (the compose file makes both).
-    parsed = make_url(storage_url.url)
-    server = ["-h", parsed.host or "localhost"]
-    if parsed.port is not None and parsed.port != 5432:
-        server += ["-p", str(parsed.port)]
-    if 'role "' in reason and "does not exist" in reason:
-        command = shlex.join(["createuser", *server, "-P", parsed.username or ""])
-        return f"hpo does not create users: create it with `{command}` (as an admin)"
-    if 'database "' in reason and "does not exist" in reason:
-        user = ["-U", parsed.username] if parsed.username else []
-        command = shlex.join(["createdb", *server, *user, parsed.database or ""])
-        return f"hpo does not create databases: create it with `{command}`"
-    return "check the host, port, database name and credentials"
-
-
 def _check_sqlite_file(storage_url: StorageURL) -> None:
     if storage_url.backend != "sqlite":
         return

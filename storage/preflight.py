@@ -13,7 +13,7 @@ import sqlalchemy.exc
 from sqlalchemy.engine import Connection, make_url
 
 from storage.errors import StorageError
-from storage.url import StorageURL, mask_text
+from storage.url import StorageURL, mask_text, open_fix
 
 CONNECT_TIMEOUT_S = 10
 # A table of Optuna's every hpo worker writes to.
@@ -94,15 +94,6 @@ def _connection_failure(storage_url: StorageURL, error: BaseException) -> str:
     root = getattr(error, "orig", None) or error
     lines = [line.strip() for line in str(root).splitlines() if line.strip()]
     reason = mask_text(lines[0] if lines else type(root).__name__)[:300]
-    parsed = make_url(storage_url.url)
-    if "database" in reason and "does not exist" in reason:
-        port = f" -p {parsed.port}" if parsed.port not in (None, 5432) else ""
-        fix = (
-            f"hpo creates tables, not databases: create it once with `createdb -h "
-            f"{parsed.host or 'localhost'}{port} -U {parsed.username or 'postgres'} "
-            f"{parsed.database}`"
-        )
-    else:
-        fix = "check the host, port, database name and credentials"
+    fix = open_fix(storage_url, reason)
     # The fix names the database, which a mistyped URL can make hold the password.
     return mask_text(f"cannot open the study database {storage_url.masked}: {reason}; {fix}")

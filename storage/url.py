@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -296,3 +297,30 @@ def mask_text(text: str) -> str:
     words = _BETWEEN_WORDS.split(text)
     masked = "".join(_mask_userinfo(word) if "@" in word else word for word in words)
     return _PASSWORD_PARAMETER.sub(r"\1***", masked)
+
+
+_SQLITE_NOT_A_DATABASE = ("file is not a database", "database disk image is malformed")
+
+
+def open_fix(storage_url: StorageURL, reason: str) -> str:
+    """What to do about a database that would not open, from the driver's reason."""
+    if storage_url.backend == "sqlite":
+        if any(words in reason for words in _SQLITE_NOT_A_DATABASE):
+            return (
+                "the file is damaged, or is not an SQLite database: restore it from a backup, "
+                "or point --storage at a new file name for a new study"
+            )
+        return "check that its folder exists and can be written"
+    # hpo creates its tables, never the database or the user (the compose file makes both).
+    parsed = make_url(storage_url.url)
+    server = ["-h", parsed.host or "localhost"]
+    if parsed.port is not None and parsed.port != 5432:
+        server += ["-p", str(parsed.port)]
+    if 'role "' in reason and "does not exist" in reason:
+        command = shlex.join(["createuser", *server, "-P", parsed.username or ""])
+        return f"hpo does not create users: create it with `{command}` (as an admin)"
+    if 'database "' in reason and "does not exist" in reason:
+        user = ["-U", parsed.username] if parsed.username else []
+        command = shlex.join(["createdb", *server, *user, parsed.database or ""])
+        return f"hpo does not create databases: create it with `{command}`"
+    return "check the host, port, database name and credentials"

@@ -86,12 +86,12 @@ def test_a_database_name_the_server_echoes_is_masked_with_its_createdb_line() ->
     # A URL that reached the server with the password inside the database name.
     url = StorageURL(f"postgresql+psycopg2://h/user:{SECRET}@127.0.0.1", "test")
     error = _ServerError(f'FATAL:  database "user:{SECRET}@127.0.0.1" does not exist')
-    from storage.engine import _open_fix
     from storage.preflight import _connection_failure
+    from storage.url import open_fix
 
     message = _connection_failure(url, error)
     assert "createdb" in message and SECRET not in message, message
-    fix = mask_text(_open_fix(url, str(error)))
+    fix = mask_text(open_fix(url, str(error)))
     assert "createdb" in fix and SECRET not in fix, fix
 
 

@@ -31,11 +31,12 @@ from hpo.config.schema import Config
 from hpo.errors import USER_ERRORS
 from trainer import device as dev
 from trainer.config import TrainingConfig, TrainJob
-from trainer.data import PreparedData, TokenizedSplit, collate, prepare_data
+from trainer.data import PreparedData, TokenizedSplit, collate
 from trainer.loaders import num_workers_for, padding_for
 from trainer.loop import Trainer
 from trainer.model import build_model, load_tokenizer
 from trainer.step import grad_accum_steps_for, make_optimizer
+from trainer.tasks import prepare_data
 
 REPO = Path(__file__).resolve().parents[1]
 LEARNING_RATE = 1e-4
@@ -148,6 +149,7 @@ class TokenizedExamples(torch.utils.data.Dataset):
 
 def _example(split: TokenizedSplit, index: int) -> dict[str, Any]:
     start, end = int(split.offsets[index]), int(split.offsets[index + 1])
+    assert split.labels is not None
     example: dict[str, Any] = {
         "input_ids": split.ids[start:end].tolist(),
         "labels": int(split.labels[index]),

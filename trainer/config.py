@@ -245,3 +245,4 @@ class TrainJob:
     data: DataConfig
     model: ModelConfig
     training: TrainingConfig
+    task: str = "sequence_classification"  # a name in trainer.tasks.TASKS

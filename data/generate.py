@@ -867,14 +867,17 @@ def _ner_names(eval_split: bool) -> dict[str, Sequence[str]]:
     }
 
 
-def build_ner(seed: int = NER_SEED) -> tuple[list[dict[str, list[str]]], list[dict[str, list[str]]]]:
+NerRow = dict[str, list[str]]  # {"tokens": words, "tags": their BIO tags}
+
+
+def build_ner(seed: int = NER_SEED) -> tuple[list[NerRow], list[NerRow]]:
     """Return (train, eval) rows of {"tokens": words, "tags": BIO tags}; no shared sentence."""
     rng = random.Random(seed)
     seen: set[tuple[str, ...]] = set()
-    splits: list[list[dict[str, list[str]]]] = []
+    splits: list[list[NerRow]] = []
     for rows_wanted, eval_split in ((NER_TRAIN_ROWS, False), (NER_EVAL_ROWS, True)):
         names = _ner_names(eval_split)
-        rows: list[dict[str, list[str]]] = []
+        rows: list[NerRow] = []
         while len(rows) < rows_wanted:
             words, tags = _ner_sentence(rng, names)
             if tuple(words) in seen:

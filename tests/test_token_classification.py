@@ -206,7 +206,16 @@ def test_one_batch_of_32_and_8_micro_batches_of_4_give_the_same_gradient(
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
-    # The mean of the micro-batches' mean losses is not the step's loss.
+    # The step's loss is the mean over its counted tokens (not over examples) ...
+    with torch.no_grad():
+        labels = whole[0]["labels"]
+        logits = twin(**_inputs(whole[0])).logits
+        counted = labels != IGNORE
+        expected = torch.nn.functional.cross_entropy(
+            logits[counted], labels[counted], label_smoothing=0.1
+        )
+    torch.testing.assert_close(losses[1], expected, rtol=1e-5, atol=1e-6)
+    # ... and the mean of the micro-batches' mean losses is not it.
     with torch.no_grad():
         means = [
             task.loss_sum(model(**_inputs(b)).logits, b["labels"], None, 0.1) / n
@@ -340,6 +349,12 @@ def test_training_data_without_an_entity_is_refused(tmp_path: Path, tokenizer: A
     files = write_jsonl(tmp_path / "t.jsonl", rows), write_jsonl(tmp_path / "e.jsonl", rows)
     with pytest.raises(DataError, match="every tag in column 'tags' is 'O'; a tagger needs"):
         prepare_data(data_config(*files), tokenizer, TASK)
+
+
+def test_a_max_length_that_leaves_no_word_is_refused(tmp_path: Path, tokenizer: Any) -> None:
+    files = write_jsonl(tmp_path / "t.jsonl", [GOOD]), write_jsonl(tmp_path / "e.jsonl", [GOOD])
+    with pytest.raises(DataError, match="no word keeps a token after truncation to data.max_"):
+        prepare_data(data_config(*files, max_length=2), tokenizer, TASK)  # [CLS] [SEP] only
 
 
 def test_bad_ner_input_through_hpo_run_exits_2_and_writes_nothing(

@@ -404,7 +404,7 @@ def test_a_ner_study_prunes_resumes_and_downloads_a_token_classifier(
     """Through `hpo run`: a study of three trials, one stopped by SIGTERM and resumed from its
     checkpoint by the next worker, one pruned; `hpo best --download` gives a folder that loads
     as a token classifier with the tags as its labels."""
-    from transformers import AutoModelForTokenClassification
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
 
     (tmp_path / "store").mkdir()
     url = f"sqlite:///{tmp_path / 'study.db'}"
@@ -440,14 +440,24 @@ def test_a_ner_study_prunes_resumes_and_downloads_a_token_classifier(
     assert states == {0: TrialState.FAIL, 1: TrialState.COMPLETE, 2: TrialState.PRUNED,
                       3: TrialState.COMPLETE}, states  # fmt: skip
     retry = trials[3]
-    assert retry.system_attrs["failed_trial"] == 0 and retry.user_attrs["resumed_at_step"] > 0
+    assert retry.system_attrs["failed_trial"] == 0 and retry.user_attrs["resumed_at_step"] >= 6
     assert sorted(retry.intermediate_values) == list(range(1, 13))  # the curve continues
     assert trials[2].user_attrs["prune_reason"].startswith("pruner: f1=")
     assert all(t.value is not None and t.value > 0.5 for t in (trials[1], retry))  # chance: 0
     assert "best trial #" in finished.out and "f1=" in finished.out, finished
 
     assert hpo_main(["best", "--study", "ner", "--storage", url, "--download", "model"]) == 0
-    model = AutoModelForTokenClassification.from_pretrained(tmp_path / "model")
+    model = AutoModelForTokenClassification.from_pretrained(tmp_path / "model").eval()
     assert list(model.config.id2label.values()) == [
         "B-LOC", "B-ORG", "B-PER", "I-LOC", "I-ORG", "I-PER", "O"
     ]  # fmt: skip
+    # It tags: each word's first sub-token, read back through the model's own tokenizer.
+    words = ["Kenji", "Tanaka", "flew", "to", "Cape", "Town", "today", "."]
+    encoded = AutoTokenizer.from_pretrained(tmp_path / "model")(
+        words, is_split_into_words=True, return_tensors="pt"
+    )
+    with torch.no_grad():
+        predicted = model(**encoded).logits.argmax(-1)[0].tolist()
+    word_ids = encoded.word_ids()
+    tags = [model.config.id2label[predicted[word_ids.index(w)]] for w in range(len(words))]
+    assert tags == ["B-PER", "I-PER", "O", "O", "B-LOC", "I-LOC", "O", "O"], tags

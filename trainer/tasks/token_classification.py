@@ -233,7 +233,7 @@ def _tokenize_words(tokenizer: Any, words: list[list[str]], max_length: int, sou
             padding=False,
             return_attention_mask=False,
         )
-    except ValueError as e:  # a byte-level BPE (RoBERTa, GPT-2) built without a prefix space
+    except ValueError as e:  # a tokenizer that refuses input split into words
         raise DataError(f"{source}: the tokenizer cannot take words: {e}") from e
 
 

@@ -65,8 +65,14 @@ class TokenClassification(Task):
     ) -> tuple[list[list[str]], list[list[str]]]:
         """Every row's words and tags, checked: lists of text of one length, BIO-shaped tags."""
         text, label = self.data.text_column, self.data.label_column
-        words = [_cell_list(v, source, row, text, "words") for row, v in _numbered(table[text])]
-        tags = [_cell_list(v, source, row, label, "tags") for row, v in _numbered(table[label])]
+        words = [
+            _cell_list(value, source, row, text, "words")
+            for row, value in enumerate(table[text], start=1)
+        ]
+        tags = [
+            _cell_list(value, source, row, label, "tags")
+            for row, value in enumerate(table[label], start=1)
+        ]
         for row, (row_words, row_tags) in enumerate(zip(words, tags, strict=True), start=1):
             if len(row_words) != len(row_tags):
                 raise DataError(
@@ -158,10 +164,6 @@ def tag_metrics(
         "recall": float(recall),
         "token_accuracy": correct / tokens if tokens else float("nan"),
     }
-
-
-def _numbered(values: list[Any]) -> enumerate[Any]:
-    return enumerate(values, start=1)
 
 
 def _spans(offsets: np.ndarray) -> list[tuple[int, int]]:

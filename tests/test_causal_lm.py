@@ -423,4 +423,3 @@ def _fork_server(worker_pid: int) -> int:
             if b"forkserver" in Path(f"/proc/{child}/cmdline").read_bytes():
                 return int(child)
     raise AssertionError("no fork server among the worker's children")
-

@@ -315,6 +315,49 @@ def test_the_batch_finders_worst_case_counts_every_token() -> None:
     assert labels.shape == (3, 16) and int(task.units(labels)) == 48
 
 
+# -- config ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("task", "data", "message"),
+    [
+        ("causal_lm", {"prompt_column": "prompt"}, "data.completion_column: is "
+         "required with data.prompt_column: give both"),
+        ("causal_lm", {"completion_column": "answer"}, "data.prompt_column: is "
+         "required with data.completion_column"),
+        ("causal_lm", {"prompt_column": "q", "completion_column": "q"},
+         "data.completion_column: got 'q'; must differ from prompt_column"),
+        ("sequence_classification", {"prompt_column": "q", "completion_column": "a"},
+         "data.prompt_column: means nothing for the task sequence_classification"),
+        ("causal_lm", {"text_pair_column": "other"},
+         "data.text_pair_column: means nothing for the task causal_lm"),
+    ],
+)  # fmt: skip
+def test_prompt_settings_are_checked_up_front(
+    tmp_path: Path, task: str, data: dict[str, Any], message: str
+) -> None:
+    from hpo.config.loader import parse_config
+    from hpo.errors import ConfigError
+    from tests.conftest import tiny_config
+
+    raw = tiny_config(tmp_path / "t.csv", tmp_path / "e.csv", data=data)
+    raw["task"] = task
+    raw["study"].pop("metric")  # the task's default
+    with pytest.raises(ConfigError) as caught:
+        parse_config(raw, tmp_path)
+    assert message in str(caught.value)
+
+
+def test_the_shipped_config_trains_a_causal_llama_on_the_instruction_set() -> None:
+    from hpo.config.loader import load_config
+
+    config = load_config(Path(__file__).resolve().parents[1] / "configs" / "causal-lm.yaml")
+    assert config.task == "causal_lm" and config.study.objectives == ["eval_loss"]
+    assert config.model.config is not None and config.model.config["model_type"] == "llama"
+    assert (config.data.prompt_column, config.data.completion_column) == ("prompt", "completion")
+    assert Path(config.data.train_file).is_file() and Path(config.data.eval_file).is_file()
+
+
 # -- end to end ------------------------------------------------------------------------------------
 
 

@@ -1,5 +1,5 @@
-"""Generate the synthetic demo (sentiment) and NLI datasets as CSV files, and the NER dataset as
-JSON Lines, under data/.
+"""Generate the synthetic demo (sentiment), NLI and instruction datasets as CSV files, and the NER
+dataset as JSON Lines, under data/.
 Deterministic: fixed seeds and stdlib ``random`` only; run ``python data/generate.py``."""
 
 from __future__ import annotations
@@ -889,6 +889,71 @@ def build_ner(seed: int = NER_SEED) -> tuple[list[NerRow], list[NerRow]]:
 
 
 # --------------------------------------------------------------------------------------------
+# Instruction dataset (causal_lm): a prompt, and a completion that follows a rule
+# --------------------------------------------------------------------------------------------
+
+INSTRUCT_SEED = 20240525
+INSTRUCT_TRAIN_ROWS = 2000
+INSTRUCT_EVAL_ROWS = 200
+INSTRUCT_WORDS: tuple[str, ...] = (
+    "cat", "dog", "fish", "bird", "tree", "house", "car", "book", "lamp", "door", "river",
+    "stone", "apple", "bread", "milk", "chair", "table", "clock", "shoe", "hat", "ship", "moon",
+    "star", "rain",
+)  # fmt: skip
+OPPOSITES: tuple[tuple[str, str], ...] = (
+    ("hot", "cold"), ("big", "small"), ("fast", "slow"), ("up", "down"), ("left", "right"),
+    ("open", "closed"), ("early", "late"), ("light", "dark"), ("happy", "sad"), ("old", "new"),
+    ("full", "empty"), ("rich", "poor"), ("hard", "soft"), ("wet", "dry"), ("loud", "quiet"),
+    ("high", "low"),
+)  # fmt: skip
+
+
+def _word_list_instruction(rng: random.Random) -> tuple[str, str]:
+    """reverse / first word / last word / count of a list of 2 to 5 words."""
+    words = rng.sample(INSTRUCT_WORDS, rng.randint(2, 5))
+    listed = " ".join(words)
+    kind = rng.choice(("reverse", "reverse", "first", "last", "count"))
+    if kind == "reverse":
+        return f"reverse: {listed}", " ".join(reversed(words))
+    if kind == "count":
+        return f"count the words: {listed}", str(len(words))
+    return f"{kind} word: {listed}", words[0] if kind == "first" else words[-1]
+
+
+def _fact_instruction(rng: random.Random) -> tuple[str, str]:
+    """A lookup the model must memorise: the sum of two digits, or a word's opposite."""
+    if rng.random() < 0.5:
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        return f"add {a} and {b}", str(a + b)
+    word, opposite = rng.choice(OPPOSITES)
+    if rng.random() < 0.5:
+        word, opposite = opposite, word
+    return f"opposite of {word}", opposite
+
+
+def build_instruct(seed: int = INSTRUCT_SEED) -> tuple[list[list[str]], list[list[str]]]:
+    """Return (train, eval) rows of [prompt, completion, text]; `text` is the row as one plain
+    text ("prompt -> completion"). Two rows in three operate on a word list (no list prompt is
+    in both splits); one in three asks a fact from a fixed table (seen in training)."""
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    splits: list[list[list[str]]] = []
+    for size in (INSTRUCT_TRAIN_ROWS, INSTRUCT_EVAL_ROWS):
+        rows: list[list[str]] = []
+        while len(rows) < size:
+            if rng.random() < 2 / 3:
+                prompt, completion = _word_list_instruction(rng)
+                if prompt in seen:
+                    continue
+                seen.add(prompt)
+            else:
+                prompt, completion = _fact_instruction(rng)
+            rows.append([prompt, completion, f"{prompt} -> {completion}"])
+        splits.append(rows)
+    return splits[0], splits[1]
+
+
+# --------------------------------------------------------------------------------------------
 # Output
 # --------------------------------------------------------------------------------------------
 
@@ -917,11 +982,16 @@ def main() -> None:
     nli_train, nli_eval = build_nli()
     write_csv(DATA_DIR / "nli" / "train.csv", ("premise", "hypothesis", "label"), nli_train)
     write_csv(DATA_DIR / "nli" / "eval.csv", ("premise", "hypothesis", "label"), nli_eval)
+    instruct_train, instruct_eval = build_instruct()
+    write_csv(DATA_DIR / "instruct" / "train.csv", ("prompt", "completion", "text"), instruct_train)
+    write_csv(DATA_DIR / "instruct" / "eval.csv", ("prompt", "completion", "text"), instruct_eval)
     for name, rows in (
         ("demo/train.csv", sentiment_train),
         ("demo/eval.csv", sentiment_eval),
         ("nli/train.csv", nli_train),
         ("nli/eval.csv", nli_eval),
+        ("instruct/train.csv", instruct_train),
+        ("instruct/eval.csv", instruct_eval),
     ):
         print(f"wrote {DATA_DIR / name} ({len(rows)} rows)")
     ner_train, ner_eval = build_ner()

@@ -194,9 +194,14 @@ class BatchFinder:
                 del logits
             optimizer_step(model, optimizer, self.cfg)
         eval_size = self.cfg.eval_batch_size or 2 * size
+        eval_labels = self.task.worst_case_labels(eval_size, length, self.num_labels)
         model.eval()
-        with torch.inference_mode(), dev.autocast(self.device, self.precision):
-            forward(**self._inputs(eval_size))
+        with torch.inference_mode():
+            with dev.autocast(self.device, self.precision):
+                logits = forward(**self._inputs(eval_size)).logits
+            # The evaluation's loss as well: for a causal LM, the float32 log-softmax of
+            # [batch, max_length, vocabulary] logits needs as much memory again as the logits.
+            self.task.loss_sum(logits, eval_labels.to(self.device))
 
     def _fresh_model(self) -> torch.nn.Module:
         model = copy.deepcopy(self.base_model)

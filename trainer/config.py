@@ -94,7 +94,24 @@ class DataConfig:
         for key in ("text_column", "text_pair_column"):  # the model would read the answer
             if getattr(self, key) == self.label_column:
                 found.append((key, self.label_column, "must differ from label_column"))
+        found.extend(self._prompt_problems())
         return found
+
+    def _prompt_problems(self) -> list[tuple[str, Any, str]]:
+        """prompt_column and completion_column come together (or neither: plain text)."""
+        prompt, completion = self.prompt_column, self.completion_column
+        if (prompt is None) != (completion is None):
+            given, missing = ("prompt_column", "completion_column")
+            if prompt is None:
+                given, missing = missing, given
+            rule = (
+                f"is required with data.{given}: give both (the loss then counts the "
+                "completion only), or neither to train on data.text_column"
+            )
+            return [(missing, None, rule)]
+        if prompt is not None and prompt == completion:
+            return [("completion_column", completion, "must differ from prompt_column")]
+        return []
 
 
 @dataclass

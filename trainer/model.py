@@ -133,7 +133,10 @@ def build_model(
     kind of device). A model built from a config is initialised on `device` directly: on a
     GPU that takes a fraction of a second where BERT-base's random init on the CPU takes over
     one (the trial's startup, issue 11)."""
-    head = task_class(task).head_options(label_names)
+    task_cls = task_class(task)
+    head = task_cls.head_options(label_names)
+    if task_cls.model_follows_tokenizer:
+        head.update(task_cls.tokenizer_options(_tokenizer_of(config)))
     model_config = _model_config(config, head.pop("num_labels", 2))
     for key, value in head.items():
         setattr(model_config, key, value)
@@ -160,6 +163,16 @@ def build_model(
     if config.gradient_checkpointing:
         _enable_checkpointing(model)
     return model
+
+
+def _tokenizer_of(config: ModelConfig) -> Any:
+    """The run's tokenizer, loaded once per process (every trial's model asks for it)."""
+    return _cached_tokenizer(config.tokenizer, config.name_or_path)
+
+
+@functools.cache
+def _cached_tokenizer(tokenizer: str | None, name_or_path: str | None) -> Any:
+    return load_tokenizer(ModelConfig(name_or_path=name_or_path, tokenizer=tokenizer))
 
 
 def _enable_checkpointing(model: Any) -> None:

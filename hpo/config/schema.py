@@ -491,4 +491,7 @@ class Config:
             found.append(("training.label_smoothing", self.training.label_smoothing, unused))
         if self.data.text_pair_column is not None and not info.text_pairs:
             found.append(("data.text_pair_column", self.data.text_pair_column, unused))
+        for key in ("prompt_column", "completion_column"):
+            if getattr(self.data, key) is not None and not info.prompts:
+                found.append((f"data.{key}", getattr(self.data, key), unused))
         return found

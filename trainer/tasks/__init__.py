@@ -37,6 +37,7 @@ class TaskInfo:
     class_weights: bool = False  # training.class_weights
     label_smoothing: bool = True  # training.label_smoothing (cross-entropy losses)
     text_pairs: bool = True  # data.text_pair_column
+    prompts: bool = False  # data.prompt_column and data.completion_column
 
 
 TASKS: dict[str, TaskInfo] = {
@@ -111,6 +112,7 @@ TASKS: dict[str, TaskInfo] = {
             "AutoModelForCausalLM",
             "next-token prediction on text, or on a completion given a prompt",
             text_pairs=False,
+            prompts=True,
         ),
     )
 }

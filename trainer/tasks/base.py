@@ -79,6 +79,16 @@ class Task(ABC):
             "label2id": {name: i for i, name in enumerate(label_names)},
         }
 
+    # Whether the model config takes settings from the tokenizer (`tokenizer_options`): only
+    # then does building a model load the tokenizer.
+    model_follows_tokenizer: ClassVar[bool] = False
+
+    @classmethod
+    def tokenizer_options(cls, tokenizer: Any) -> dict[str, Any]:
+        """Settings of the model config that must agree with the tokenizer (the special tokens
+        a generating model starts, ends and pads with); read where model_follows_tokenizer."""
+        return {}
+
     # -- loss ----------------------------------------------------------------------------------
 
     @abstractmethod

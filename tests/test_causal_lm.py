@@ -424,9 +424,10 @@ def test_a_causal_lm_study_prunes_resumes_and_downloads_a_generating_model(
     model = AutoModelForCausalLM.from_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     assert (model.config.bos_token_id, model.config.eos_token_id) == (CLS, SEP)
-    # [CLS] prompt [SEP], as in training; a Llama takes no token_type_ids (BERT's tokenizer
-    # gives them unless told not to).
-    prompt = tokenizer("reverse: cat dog", return_tensors="pt", return_token_type_ids=False)
+    # [CLS] prompt [SEP], as in training; a Llama takes no token_type_ids, and the tokenizer
+    # saved with it gives none.
+    prompt = tokenizer("reverse: cat dog", return_tensors="pt")
+    assert "token_type_ids" not in prompt
     generated = model.generate(**prompt, max_new_tokens=8, do_sample=False)
     assert generated.shape[1] > prompt["input_ids"].shape[1]
 

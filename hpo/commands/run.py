@@ -153,12 +153,9 @@ def check_inputs(
     resolve_device(config.training.device)
     model_config = check_model_config(config.model, config.data.max_length, config.task)
     data = prepare_data(config.data, load_tokenizer(config.model), config.task, config.training)
-    log.info(
-        "data: %d training and %d evaluation examples, labels %s",
-        len(data.train),
-        len(data.eval),
-        data.label_names,
-    )
+    named = f", labels {data.label_names}" if data.label_names else ""
+    log.info("data: %d training and %d evaluation examples%s", len(data.train), len(data.eval),
+             named)  # fmt: skip
     _check_against_data(config, model_config, data)
     if per_gpu == "auto":
         per_gpu = _auto_workers_per_gpu(config, config_path, gpus)

@@ -37,6 +37,7 @@ from trainer.data import PreparedData, with_eval_in_training
 from trainer.loop import Evaluation, TrainResult, grad_accum_steps_for, train
 from trainer.memory import OutOfMemoryAtBatchOne
 from trainer.model import load_tokenizer
+from trainer.tasks import task_class
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +237,8 @@ def _record_checkpoints(
     if result.resumed_at_step is not None:
         trial.set_user_attr("resumed_at_step", result.resumed_at_step)
     has_model = store.best_model_path.is_dir()
-    if has_model and store.save_tokenizer(load_tokenizer(task.config.model)):
+    tokenizer = task_class(task.config.task).tokenizer_to_save(load_tokenizer(task.config.model))
+    if has_model and store.save_tokenizer(tokenizer):
         trial.set_user_attr("best_model", str(store.best_model_path))
     if uploader is not None and not _completes(result):
         _give_up_uploads(uploader, task)  # pruned: its model is never the best

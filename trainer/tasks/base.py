@@ -89,6 +89,11 @@ class Task(ABC):
         a generating model starts, ends and pads with); read where model_follows_tokenizer."""
         return {}
 
+    @classmethod
+    def tokenizer_to_save(cls, tokenizer: Any) -> Any:
+        """The tokenizer as it is saved beside the model, for users to load with it."""
+        return tokenizer
+
     # -- loss ----------------------------------------------------------------------------------
 
     @abstractmethod

@@ -212,6 +212,15 @@ class CausalLM(Task):
         return {}  # no classes: the head is the vocabulary
 
     @classmethod
+    def tokenizer_to_save(cls, tokenizer: Any) -> Any:
+        """Without token type ids: a BERT tokenizer would return them, and a decoder's
+        generate() refuses them (`model.generate(**tokenizer(prompt))` must just work)."""
+        names = [name for name in tokenizer.model_input_names if name != "token_type_ids"]
+        tokenizer.model_input_names = names
+        tokenizer.init_kwargs["model_input_names"] = names  # what save_pretrained writes
+        return tokenizer
+
+    @classmethod
     def tokenizer_options(cls, tokenizer: Any) -> dict[str, Any]:
         """The model config's bos, eos and pad ids: the tokenizer's start, end and pad tokens
         (for BERT WordPiece: [CLS], [SEP], [PAD]), so that generate() stops where training ended

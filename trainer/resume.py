@@ -31,7 +31,10 @@ RESUMABLE_ACROSS = frozenset(
 )
 # Settings added after checkpoints existed, with the value every earlier run had: left out of
 # the fingerprint at that value, so a retry after an upgrade still resumes its checkpoint.
-_ADDED_LATER = {"training": {"lr_schedule": "linear"}, "model": {"dropout": None}}
+_ADDED_LATER: dict[str, dict[str, Any]] = {
+    "training": {"lr_schedule": "linear"},
+    "model": {"dropout": None},
+}
 
 
 def run_fingerprint(job: TrainJob, label_names: list[str], examples: int) -> str:

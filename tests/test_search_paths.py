@@ -22,7 +22,15 @@ from hpo.config.schema import space_record
 from hpo.errors import ConfigError
 from hpo.study.sampling import build_sampler
 from hpo.trial.search_space import job_for_trial, sample
-from tests.conftest import MINILM_TOKENIZER, TINY_BERT, run_hpo, tiny_config, write_config
+from tests.conftest import (
+    MINILM_TOKENIZER,
+    TINY_BERT,
+    easy_rows,
+    run_hpo,
+    tiny_config,
+    write_config,
+    write_csv,
+)
 from trainer.config import ModelConfig
 from trainer.errors import ModelError
 from trainer.model import check_model_config
@@ -340,9 +348,13 @@ def test_a_bad_choice_is_refused_before_anything_is_written(
 def test_a_study_chooses_between_two_models_with_a_parameter_of_one_of_them(
     tmp_path: Path, easy_data: tuple[Path, Path]
 ) -> None:
-    train_texts = [line.split(",")[0] for line in easy_data[0].read_text().splitlines()[1:]]
-    _tiny_bert_maker()(tmp_path / "tiny-bert", train_texts, vocab_size=200)
-    raw = _model_choice_config(tmp_path, easy_data, "./tiny-bert")
+    # Few examples: MiniLM's six layers train for seconds on a CPU.
+    data = (
+        write_csv(tmp_path / "t.csv", easy_rows(48, 1)),
+        write_csv(tmp_path / "e.csv", easy_rows(16, 2)),
+    )
+    _tiny_bert_maker()(tmp_path / "tiny-bert", [row["text"] for row in easy_rows(48, 1)], 200)
+    raw = _model_choice_config(tmp_path, data, "./tiny-bert")
     enqueue = [{"model.name_or_path": MINILM},
                {"model.name_or_path": "./tiny-bert", "model.dropout": 0.1}]  # fmt: skip
     raw["study"].update(

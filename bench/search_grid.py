@@ -109,15 +109,11 @@ def _init(task: str) -> None:
 
 def train_point(run: dict[str, Any]) -> dict[str, Any]:
     """Train one grid point with one seed through hpo's trainer; its curve and status."""
-    import dataclasses
-
-    from hpo.trial.search_space import training_for_trial
+    from hpo.trial.search_space import job_for_trial
     from trainer.loop import Evaluation, train
 
     config = _STATE["config"]
-    training = training_for_trial(config.training, run["params"])
-    training = dataclasses.replace(training, seed=run["seed"])
-    job = config.job(training)
+    job = job_for_trial(config, {**run["params"], "seed": run["seed"]})
     evaluations: list[dict[str, Any]] = []
     started = time.perf_counter()
 
@@ -126,7 +122,7 @@ def train_point(run: dict[str, Any]) -> dict[str, Any]:
             {
                 "index": evaluation.index,
                 "step": evaluation.optimizer_step,
-                "samples": evaluation.optimizer_step * training.effective_batch_size,
+                "samples": evaluation.optimizer_step * job.training.effective_batch_size,
                 "seconds": round(time.perf_counter() - started, 3),
                 "metrics": {k: round(v, 6) for k, v in evaluation.metrics.items()},
             }

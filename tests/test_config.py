@@ -321,8 +321,9 @@ def test_every_user_value_in_a_message_is_short() -> None:
     }
     problems = _problems(huge)
     assert len(problems) >= 5
-    # The longest is the list of known keys: the user's 10 000-character key is cut to 80.
-    assert max(len(p) for p in problems) < 500, max(problems, key=len)
+    # The longest is the list of training's known keys (about 440 characters, growing with the
+    # section): the user's 10 000-character key is cut to 80.
+    assert max(len(p) for p in problems) < 700, max(problems, key=len)
     assert "training.seed: got an integer of about 5001 digits; must be in [0, 2**64)" in problems
     assert "training.learning_rate: got an integer of about 5001 digits; must be a number" in (
         problems

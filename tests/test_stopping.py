@@ -255,7 +255,7 @@ def test_a_stop_as_the_database_opens_creates_no_study_and_says_no_trial_runs(
 
     url = f"sqlite:///{tmp_path / 'stop.db'}"
     config = load_config(write_config(tmp_path / "c.yaml", tiny_config(*easy_data)))
-    inputs = (config, resolve_storage_url(url, None), [], None, 1)
+    inputs = (config, resolve_storage_url(url, None), [], None, 1, {})
     monkeypatch.setattr(run, "check_inputs", lambda args: inputs)
     real_open_storage = storage.open_storage
 

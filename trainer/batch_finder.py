@@ -109,7 +109,7 @@ def batch_key(job: TrainJob, device: torch.device, precision: str) -> dict[str, 
         "task": job.task,
         "max_length": job.data.max_length,
         "precision": precision,
-        "gradient_checkpointing": job.model.gradient_checkpointing,
+        "gradient_checkpointing": job.gradient_checkpointing,
         "compile": job.model.compile,
         "attn_implementation": job.model.attn_implementation,
         "eval_batch_size": cfg.eval_batch_size or "2x",
@@ -119,6 +119,9 @@ def batch_key(job: TrainJob, device: torch.device, precision: str) -> dict[str, 
         "torch": torch.__version__,
         "search": [cfg.batch_search_start, cfg.batch_search_max, cfg.batch_safety_margin],
     }
+    if job.model.dropout is not None:
+        # A dropout of 0 stores no masks; any other stores the same ones, whatever its value.
+        key["dropout_masks"] = job.model.dropout > 0
     share = memory_share()
     if share < 1:  # a worker sharing its GPU (keys of a whole GPU stay as they were)
         key["memory_share"] = share
@@ -136,7 +139,10 @@ class BatchFinder:
         # Built once on the CPU; every probe moves a deep copy, so the search changes nothing.
         self.task = make_task(job.task, job.data, job.training)
         self.num_labels = len(label_names)
-        self.base_model = build_model(job.model, label_names, self.cfg.seed, task=job.task)
+        self.base_model = build_model(
+            job.model, label_names, self.cfg.seed, task=job.task,
+            gradient_checkpointing=job.gradient_checkpointing,
+        )  # fmt: skip
         self.vocab_size = int(getattr(self.base_model, "config").vocab_size)  # noqa: B009
         self.probes: list[Probe] = []
 

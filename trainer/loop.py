@@ -52,7 +52,7 @@ from trainer.resume import (
 from trainer.step import (
     accumulate_gradients,
     grad_accum_steps_for,
-    linear_schedule,
+    lr_schedule,
     make_optimizer,
     optimizer_step,
 )
@@ -134,15 +134,16 @@ class Trainer:
     def _build_model_and_optimizer(self) -> None:
         torch.manual_seed(self.cfg.seed)
         self.model = build_model(
-            self.job.model, self.data.label_names, self.cfg.seed, self.device, self.job.task
-        )
+            self.job.model, self.data.label_names, self.cfg.seed, self.device, self.job.task,
+            gradient_checkpointing=self.job.gradient_checkpointing,
+        )  # fmt: skip
         self.model.to(self.device)  # a pretrained model loads on the CPU
         self.forward_model: torch.nn.Module = self.model
         if self.job.model.compile:
             self.forward_model = compile_model(self.model)
         self.optimizer, self.optimizer_name = make_optimizer(self.model, self.cfg)
         warmup = round(self.cfg.warmup_ratio * self.total_steps)
-        self.scheduler = linear_schedule(self.optimizer, warmup, self.total_steps)
+        self.scheduler = lr_schedule(self.optimizer, self.cfg.lr_schedule, warmup, self.total_steps)
         use_scaler = self.precision == "fp16" and self.device.type == "cuda"
         self.scaler = torch.amp.GradScaler("cuda") if use_scaler else None
 

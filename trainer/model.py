@@ -128,11 +128,13 @@ def build_model(
     seed: int,
     device: torch.device | None = None,
     task: str = DEFAULT_TASK,
+    gradient_checkpointing: bool | None = None,
 ) -> torch.nn.Module:
     """A fresh model with `task`'s head for `label_names`, deterministic for `seed` (on one
     kind of device). A model built from a config is initialised on `device` directly: on a
     GPU that takes a fraction of a second where BERT-base's random init on the CPU takes over
-    one (the trial's startup, issue 11)."""
+    one (the trial's startup, issue 11). `gradient_checkpointing`: the job's
+    (TrainJob.gradient_checkpointing); default model.gradient_checkpointing."""
     task_cls = task_class(task)
     head = task_cls.head_options(label_names)
     if task_cls.model_follows_tokenizer:
@@ -160,7 +162,7 @@ def build_model(
         if config.config is not None:
             raise ModelError(_inline_failure(config.config, e)) from e
         raise ModelError(_load_failure("model", _pretrained_location(config), e)) from e
-    if config.gradient_checkpointing:
+    if gradient_checkpointing or (gradient_checkpointing is None and config.gradient_checkpointing):
         _enable_checkpointing(model)
     return model
 
@@ -185,13 +187,44 @@ def _enable_checkpointing(model: Any) -> None:
 
 
 def model_fingerprint(config: ModelConfig) -> str:
-    """Identity of the architecture (its config), for caches keyed by model."""
-    model_config = _model_config(config, num_labels=2)
+    """Identity of the architecture (its config), for caches keyed by model. Without
+    model.dropout: each value of a searched dropout would otherwise search its batch anew."""
+    model_config = _loaded_model_config(config, num_labels=2)
     text = json.dumps(model_config.to_diff_dict(), sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _model_config(config: ModelConfig, num_labels: int) -> Any:
+    model_config = _loaded_model_config(config, num_labels)
+    if config.dropout is not None:
+        set_dropout(model_config, config.dropout)
+    return model_config
+
+
+# The dropout settings of transformers' model configs, by family: BERT-like (RoBERTa, ELECTRA,
+# DeBERTa, MiniLM), DistilBERT and BART, GPT-2, T5, Llama-like decoders (attention only).
+DROPOUT_FIELDS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "dropout",
+                  "attention_dropout", "activation_dropout", "hidden_dropout", "resid_pdrop",
+                  "embd_pdrop", "attn_pdrop", "dropout_rate")  # fmt: skip
+
+
+def set_dropout(model_config: Any, probability: float) -> list[str]:
+    """model.dropout on every dropout setting `model_config` has; which ones. A family with
+    none is refused: the setting would change nothing, and a search over it would be noise."""
+    fields = [name for name in DROPOUT_FIELDS if hasattr(model_config, name)]
+    if not fields:
+        family = getattr(model_config, "model_type", "?")
+        raise ModelError(
+            f"model.dropout: the {family} model's config has no dropout setting (none of "
+            f"{', '.join(DROPOUT_FIELDS)}); leave model.dropout out of the config and the "
+            "search space"
+        )
+    for name in fields:
+        setattr(model_config, name, probability)
+    return fields
+
+
+def _loaded_model_config(config: ModelConfig, num_labels: int) -> Any:
     from transformers import AutoConfig
 
     if config.config is not None:

@@ -26,23 +26,35 @@ RESUMABLE_ACROSS = frozenset(
         "batch_search_start",
         "batch_search_max",
         "batch_safety_margin",
+        "gradient_checkpointing",  # recomputes the same activations: the same gradients
     }
 )
+# Settings added after checkpoints existed, with the value every earlier run had: left out of
+# the fingerprint at that value, so a retry after an upgrade still resumes its checkpoint.
+_ADDED_LATER: dict[str, dict[str, Any]] = {
+    "training": {"lr_schedule": "linear"},
+    "model": {"dropout": None},
+}
 
 
 def run_fingerprint(job: TrainJob, label_names: list[str], examples: int) -> str:
     """Identifies the job a checkpoint belongs to: a run resumes only a state of the same job."""
-    training = dataclasses.asdict(job.training)
+    training = _fingerprinted(dataclasses.asdict(job.training), "training")
     return job_fingerprint(
         {
             "training": {k: v for k, v in training.items() if k not in RESUMABLE_ACROSS},
-            "model": dataclasses.asdict(job.model),
+            "model": _fingerprinted(dataclasses.asdict(job.model), "model"),
             "data": dataclasses.asdict(job.data),
             "task": job.task,
             "labels": label_names,
             "examples": examples,
         }
     )
+
+
+def _fingerprinted(settings: dict[str, Any], section: str) -> dict[str, Any]:
+    earlier = _ADDED_LATER[section]
+    return {k: v for k, v in settings.items() if not (k in earlier and v == earlier[k])}
 
 
 @dataclass

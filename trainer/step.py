@@ -1,5 +1,5 @@
 """One optimizer step, the primitives both the training loop and the batch finder use: AdamW,
-the warmup-then-linear schedule and exact gradient accumulation over micro-batches (the loss
+the learning-rate schedules and exact gradient accumulation over micro-batches (the loss
 itself is the task's).
 """
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.config import TrainingConfig
+from trainer.config import LRSchedule, TrainingConfig
 
 if TYPE_CHECKING:
     from trainer.tasks.base import Task
@@ -42,17 +42,41 @@ def make_optimizer(
         return torch.optim.AdamW(groups, foreach=True, **options), "adamw_foreach"
 
 
-def linear_schedule(
-    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int
+# inverse_sqrt without warmup: the rate decays as if warmup had been this many steps
+# (transformers' choice), so that it does not halve within the first four steps.
+INVERSE_SQRT_TIMESCALE = 10_000
+
+
+def lr_factor(schedule: LRSchedule, step: int, warmup_steps: int, total_steps: int) -> float:
+    """The learning rate of optimizer step `step` (from 0) as a fraction of the peak."""
+    # 1) linear warmup, the same for every schedule
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    # 2) after it, the schedule's own curve
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    if schedule == "linear":
+        return max(0.0, 1.0 - progress)
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    if schedule == "constant_with_warmup":
+        return 1.0
+    if schedule == "inverse_sqrt":
+        timescale = warmup_steps or INVERSE_SQRT_TIMESCALE
+        return 1.0 / math.sqrt((step + timescale - warmup_steps) / timescale)
+    raise ValueError(f"unknown learning-rate schedule {schedule!r}")  # the config refuses it
+
+
+def lr_schedule(
+    optimizer: torch.optim.Optimizer,
+    schedule: LRSchedule,
+    warmup_steps: int,
+    total_steps: int,
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warmup over `warmup_steps`, then linear decay to zero at `total_steps`."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / (warmup_steps + 1)
-        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    """Linear warmup over `warmup_steps`, then `schedule` (training.lr_schedule) up to
+    `total_steps`."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(schedule, step, warmup_steps, total_steps)
+    )
 
 
 def accumulate_gradients(

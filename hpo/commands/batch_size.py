@@ -42,7 +42,7 @@ def batch_size_command(args: argparse.Namespace) -> int:
     if search.chosen == 0:
         print(
             "hpo: not even one example fits in memory: shorten data.max_length, enable "
-            "model.gradient_checkpointing or use a smaller model",
+            "training.gradient_checkpointing or use a smaller model",
             file=sys.stderr,
         )
         return 1

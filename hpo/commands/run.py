@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -92,7 +93,7 @@ def work_on_study(
     from hpo.trial.objective import Objective
     from storage.batch_cache import BatchSizeCache
 
-    config, storage_url, gpus, data, per_gpu = inputs
+    config, storage_url, gpus, data, per_gpu, prepared = inputs
     if len(gpus) * per_gpu > 1:
         worker_args = ["--as-worker"] if args.command == "retrain" else []
         storage.engine.dispose()  # its workers connect; this process holds none meanwhile
@@ -101,7 +102,7 @@ def work_on_study(
     if not args.quiet:
         live.start()  # a progress line below the log, on a terminal only
     cache = BatchSizeCache(storage.engine)  # the worker's pool: no connection of its own
-    objective = Objective(config, data, storage_url, stop, batch_cache=cache)
+    objective = Objective(config, data, storage_url, stop, batch_cache=cache, prepared=prepared)
     try:
         run_trials(study, storage, objective, stop, queued_only, started=args.started)
     finally:
@@ -112,12 +113,13 @@ def work_on_study(
 
 def check_inputs(
     args: argparse.Namespace, before_data: Callable[[Config, StorageURL], None] | None = None
-) -> tuple[Config, StorageURL, list[str], Any, int]:
+) -> tuple[Config, StorageURL, list[str], Any, int, dict[str, Any]]:
     """Every input of `hpo run`, checked before anything is written: a bad one writes nothing.
     The cheap checks first, the data last (it takes seconds, minutes on a real set): the
     database and the artifact store are reached once, and a model folder's weights read, before
-    it is prepared. Returns the config, the storage URL, the worker's GPUs, the prepared data
-    and the workers per GPU. `before_data` checks what it must (retrain: that the study exists)
+    it is prepared. Returns the config, the storage URL, the worker's GPUs, the prepared data,
+    the workers per GPU and the data of every other model the search may choose (by
+    hpo.trial.task.data_key). `before_data` checks what it must (retrain: that the study exists)
     before the data is prepared."""
     from storage.artifacts import resolve_artifact_url
     from storage.url import resolve_storage_url
@@ -145,32 +147,78 @@ def check_inputs(
         before_data(config, storage_url)
     # Only now the heavy imports: a config or URL error is reported in well under a second.
     from trainer.device import resolve_device
-    from trainer.model import check_model_config, load_tokenizer
-    from trainer.tasks import prepare_data
 
     set_optuna_verbosity(logging.getLogger().level)
     # The device first: `cuda` on a host without CUDA is reported before the data is prepared.
     resolve_device(config.training.device)
-    model_config = check_model_config(config.model, config.data.max_length, config.task)
-    data = prepare_data(config.data, load_tokenizer(config.model), config.task, config.training)
+    data, prepared = _prepare_every_model(config)
     named = f", labels {data.label_names}" if data.label_names else ""
     log.info("data: %d training and %d evaluation examples%s", len(data.train), len(data.eval),
              named)  # fmt: skip
-    _check_against_data(config, model_config, data)
-    if per_gpu == "auto":
-        per_gpu = _auto_workers_per_gpu(config, config_path, gpus)
-    return config, storage_url, gpus, data, per_gpu or 1
-
-
-def _check_against_data(config: Config, model_config: Any, data: Any) -> None:
-    """What only the prepared data can decide (the number of labels, the largest token id),
-    checked before anything is written: otherwise every trial fails the same way."""
-    from trainer.model import check_data_fits_model
-
     problems = config.training.data_problems(data.label_names)
     if problems:
         raise ConfigError([f"training.{k}: got {value!r}; {rule}" for k, value, rule in problems])
-    check_data_fits_model(config.model, model_config, data)
+    if per_gpu == "auto":
+        per_gpu = _auto_workers_per_gpu(config, config_path, gpus)
+    return config, storage_url, gpus, data, per_gpu or 1, prepared
+
+
+def _prepare_every_model(config: Config) -> tuple[Any, dict[str, Any]]:
+    """The config's data, and that of each other model the search may choose, each checked
+    against its model before the first trial (its config loads, it holds the longest
+    data.max_length, its dropout settings exist, every token id has an embedding): a bad
+    choice is one line now, not a failure in every trial that draws it."""
+    from hpo.trial.search_space import job_for_trial
+    from hpo.trial.task import data_key
+    from trainer.errors import TrainerError
+    from trainer.model import check_data_fits_model, check_model_config, load_tokenizer
+    from trainer.tasks import prepare_data
+
+    prepared: dict[str, Any] = {}
+    for params in model_choices(config):
+        job = job_for_trial(config, params)
+        try:
+            model_config = check_model_config(job.model, job.data.max_length, job.task)
+            key = data_key(job)
+            if key not in prepared:
+                tokenizer = load_tokenizer(job.model)
+                prepared[key] = prepare_data(job.data, tokenizer, job.task, job.training)
+            check_data_fits_model(job.model, model_config, prepared[key])
+        except TrainerError as e:
+            if not params:
+                raise
+            choice = ", ".join(f"{name}: {value}" for name, value in params.items())
+            raise HPOError(f"{e} (with the search's {choice})") from e
+    data = prepared.pop(data_key(config.job()), None)
+    if data is None:  # the config's own data settings are not among the choices' (max_length)
+        data = prepare_data(config.data, load_tokenizer(config.model), config.task,
+                            config.training)  # fmt: skip
+    return data, prepared
+
+
+def model_choices(config: Config) -> list[dict[str, Any]]:
+    """A configuration per model the search may choose, with what makes a model fail at once:
+    the longest data.max_length searched, and a model.dropout (where it applies) to be set."""
+    from hpo.config.schema import applies
+
+    space = config.search_space
+    models = space.get("model.name_or_path")
+    choices: list[dict[str, Any]] = (
+        [{"model.name_or_path": model} for model in models.choices or []] if models else [{}]
+    )
+    for params in choices:
+        for name in ("data.max_length", "model.dropout"):
+            spec = space.get(name)
+            if spec is not None and _may_apply(spec, params, applies):
+                params[name] = max(spec.values_for_bounds())
+    return choices
+
+
+def _may_apply(spec: Any, params: dict[str, Any], applies: Callable[..., bool]) -> bool:
+    """Whether `spec` can apply to a trial with `params`: its conditions on other parameters
+    (not decided here) are taken to hold."""
+    known = {name: values for name, values in (spec.when or {}).items() if name in params}
+    return applies(dataclasses.replace(spec, when=known), params)
 
 
 def _check_stores(storage_url: StorageURL, artifacts: ArtifactURL | None) -> None:

@@ -13,12 +13,12 @@ import typing
 from typing import Any, Literal
 
 from hpo.config.schema import Config, ParamSpec
-from trainer.config import TUNABLE_FIELDS
+from hpo.config.search_paths import accepted_names
 
 SCHEMA_DIALECT = "http://json-schema.org/draft-07/schema#"
 SCHEMA_ID = "https://hpo.invalid/config.schema.json"  # a name for editors; nothing is served
 # Fields of the dataclasses that are hpo's own bookkeeping, not keys of the file.
-NOT_KEYS = frozenset({"source"})
+NOT_KEYS = frozenset({"source", "base_dir"})
 
 
 def config_schema() -> dict[str, Any]:
@@ -42,9 +42,10 @@ def _search_space_schema() -> dict[str, Any]:
     spec = {"$ref": "#/definitions/param"}
     return {
         "type": "object",
-        "description": "The parameters to tune, each a spec; those left out keep their default "
-        "(effective_batch_size and learning_rate are always searched).",
-        "properties": {name: spec for name in TUNABLE_FIELDS},
+        "description": "The parameters to tune, each a spec, by dotted path (training fields "
+        "also by their own name); those left out keep their default (effective_batch_size and "
+        "learning_rate are always searched).",
+        "properties": {name: spec for name in accepted_names()},
         "additionalProperties": False,
     }
 

@@ -17,10 +17,17 @@ from typing import Any, Literal
 
 import yaml
 
-from hpo.config.schema import Config, ParamSpec, default_search_space
+from hpo.config import search_paths
+from hpo.config.schema import (
+    Config,
+    ParamSpec,
+    applies,
+    default_search_space,
+    has_conditions,
+    sampling_order,
+)
 from hpo.errors import ConfigError
 from storage.url import sqlite_file_relative_to
-from trainer.config import TUNABLE_FIELDS, TrainingConfig
 from trainer.tasks import DEFAULT_TASK, TASKS
 
 # The demo config, where hpo runs from its repository (an editable install); a wheel has none.
@@ -123,10 +130,11 @@ def parse_config(raw: Any, base_dir: Path, source: str = "config") -> Config:
     raw = dict(raw)
     _default_metric_of_task(raw)
     space_raw = raw.pop("search_space", None)
+    _default_model_of_search(raw, space_raw)
     # search_space is built on its own below, but is a known key all the same: `search_spaces:`
     # must get its did-you-mean.
-    config = _build(Config, raw, "", problems, skip={"source"})
-    config.source = source
+    config = _build(Config, raw, "", problems, skip={"source", "base_dir"})
+    config.source, config.base_dir = source, str(base_dir)
     config.search_space = _build_search_space(space_raw, problems)
     if not 0 <= config.training.seed < 2**64:  # what numpy and torch.manual_seed both take
         problems.append(f"training.seed: got {_show(config.training.seed)}; must be in [0, 2**64)")
@@ -164,7 +172,25 @@ def _default_metric_of_task(raw: dict[Any, Any]) -> None:
         raw["study"] = {**(study or {}), "metric": TASKS[task].default_metric}
 
 
+def _default_model_of_search(raw: dict[Any, Any], space_raw: Any) -> None:
+    """A search over model.name_or_path needs no model.name_or_path of its own: the first
+    choice is the config's model (what `hpo batch-size` measures, say)."""
+    model, space = raw.get("model"), space_raw
+    if not isinstance(space, dict) or not (model is None or isinstance(model, dict)):
+        return
+    spec = next((v for k, v in space.items() if search_paths.resolve(k)[0] == "model.name_or_path"),
+                None)  # fmt: skip
+    choices = spec.get("choices") if isinstance(spec, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], str):
+        return
+    if model is None or ("name_or_path" not in model and "config" not in model):
+        raw["model"] = {**(model or {}), "name_or_path": choices[0]}
+
+
 def _build_search_space(raw: Any, problems: list[str]) -> dict[str, ParamSpec]:
+    """Each key resolved to its parameter's name (search_paths: `learning_rate` and
+    `training.learning_rate` are one parameter), each spec typed; conditions are checked once
+    every parameter is known (_check_conditions)."""
     space = default_search_space()
     if raw is None:
         return space
@@ -173,19 +199,24 @@ def _build_search_space(raw: Any, problems: list[str]) -> dict[str, ParamSpec]:
             f"search_space: got {_described(raw)}; must be a mapping of parameter name to spec"
         )
         return space
+    given: dict[str, str] = {}
     for name, spec in raw.items():
         key = f"search_space.{_key(name)}"
-        if name not in TUNABLE_FIELDS:
-            hint = _did_you_mean(name, TUNABLE_FIELDS) if isinstance(name, str) else ""
-            problems.append(f"{key}: unknown parameter{hint}; tunable: {', '.join(TUNABLE_FIELDS)}")
+        param, why = search_paths.resolve(name)
+        if param is None:
+            problems.append(f"{key}: {why}")
             continue
+        if param in given:
+            problems.append(f"{key}: the same parameter as {given[param]}; give it once")
+            continue
+        given[param] = _key(name)
         if spec is None:
             problems.append(
                 f"{key}: is empty; give its spec, e.g. {{type: float, low: 1.0e-5, high: 1.0e-3}}, "
                 "or remove the entry to use the default"
             )
             continue
-        space[name] = _build(ParamSpec, spec, key + ".", problems)
+        space[param] = _build(ParamSpec, spec, key + ".", problems)
     return space
 
 
@@ -225,13 +256,13 @@ def _count_values(value: Any, limit: int) -> int:
 
 
 def _check_search_space(config: Config, problems: list[str]) -> None:
-    """Every value a parameter can take must itself be a valid training setting.
+    """Every value a parameter can take must itself be a valid setting of its field.
 
     Categorical choices are converted to the setting's type here (YAML 1.1 reads `1e-4` as a
     string, `32.0` is a float), so a trial receives the same values the range check saw."""
-    hints = typing.get_type_hints(TrainingConfig)
     for name, spec in config.search_space.items():
-        if spec.type == "float" and hints[name] is int:
+        hint = _field_hint(name)
+        if spec.type == "float" and hint is int:
             problems.append(
                 f"search_space.{name}: got type float; {name} is a whole number, "
                 "use type: int or categorical"
@@ -239,12 +270,11 @@ def _check_search_space(config: Config, problems: list[str]) -> None:
             continue
         converted = []
         for value in spec.values_for_bounds():
-            ok, setting, rule = _convert(value, hints[name], f"search_space.{name}.", [])
+            ok, setting, rule = _convert(value, hint, f"search_space.{name}.", [])
             if not ok:
                 problems.append(f"search_space.{name}: value {_show(value)} must be {rule}")
                 break
-            trial_training = dataclasses.replace(config.training, **{name: setting})
-            broken = [rule for key, _, rule in trial_training.problems() if key == name]
+            broken = _setting_problems(config, name, setting)
             if broken:
                 problems.append(f"search_space.{name}: value {_show(value)} {broken[0]}")
                 break
@@ -252,6 +282,112 @@ def _check_search_space(config: Config, problems: list[str]) -> None:
         else:
             if spec.type == "categorical":
                 _set_choices(spec, name, converted, problems)
+    if not problems:
+        problems.extend(_search_conflicts(config))
+    if not problems:
+        _check_conditions(config.search_space, problems)
+
+
+def _field_hint(name: str) -> Any:
+    """The type annotation of the field a parameter sets."""
+    section, field = search_paths.field_of(name)
+    return typing.get_type_hints(search_paths.SECTIONS[section])[field]
+
+
+def _setting_problems(config: Config, name: str, value: Any) -> list[str]:
+    """What the field's own rules say of `value` (a model choice: also that it exists)."""
+    section, field = search_paths.field_of(name)
+    if (section, field) == ("model", "name_or_path") and isinstance(value, str):
+        resolved = _resolved(Path(config.base_dir), value)
+        if _looks_local(value) and not _exists(resolved):
+            return [f"not found (looked for {_clip(str(resolved), 200)}); paths are relative "
+                    "to the config file"]  # fmt: skip
+    if not isinstance(value, (str, int, float, bool, type(None))):
+        return ["is not a single value (Optuna's choices are numbers, text, true/false, null)"]
+    changed = dataclasses.replace(getattr(config, section), **{field: value})
+    return [rule for key, _, rule in changed.problems() if key == field]
+
+
+def _search_conflicts(config: Config) -> list[str]:
+    """Fixed settings that would override, or contradict, what a trial samples."""
+    space, model = config.search_space, config.model
+    found = []
+    if "model.name_or_path" in space:
+        if model.config is not None:
+            found.append(
+                "model.config: an inline model, but search_space searches model.name_or_path: "
+                "list the model folders there, leave model.config out"
+            )
+        if model.tokenizer is not None:
+            found.append(
+                "model.tokenizer: set, but search_space searches model.name_or_path: each "
+                "model loads its own tokenizer; leave model.tokenizer out"
+            )
+    if "gradient_checkpointing" in space and model.gradient_checkpointing:
+        found.append("model.gradient_checkpointing: true, but search_space searches "
+                     "training.gradient_checkpointing: a trial's false would not turn it off; "
+                     "leave model.gradient_checkpointing out")  # fmt: skip
+    return found
+
+
+def _check_conditions(space: dict[str, ParamSpec], problems: list[str]) -> None:
+    """Each `when` names other searched parameters and values they can take (made lists, in
+    the parameter's type); no cycle. The space is then reordered so conditions come first."""
+    for name, spec in space.items():
+        if spec.when is None:
+            continue
+        where = f"search_space.{name}.when"
+        if not spec.when:
+            problems.append(f"{where}: names no condition; leave `when` out, or name a "
+                            "searched parameter and its value")  # fmt: skip
+            continue
+        spec.when = _conditions(name, spec.when, space, where, problems)
+    if problems:
+        return
+    try:
+        order = sampling_order(space)
+    except ValueError as e:
+        problems.append(f"search_space: the conditions form a cycle ({e}); a parameter's "
+                        "`when` must name parameters decided before it")  # fmt: skip
+        return
+    reordered = {name: space[name] for name in order}
+    space.clear()
+    space.update(reordered)
+
+
+def _conditions(
+    name: str, when: dict[Any, Any], space: dict[str, ParamSpec], where: str, problems: list[str]
+) -> dict[str, list[Any]]:
+    conditions: dict[str, list[Any]] = {}
+    for key, value in when.items():
+        param, why = search_paths.resolve(key)
+        if param is None:
+            problems.append(f"{where}.{_key(key)}: {why}")
+            continue
+        if param == name:
+            problems.append(f"{where}.{_key(key)}: a parameter cannot depend on itself")
+            continue
+        if param not in space:
+            problems.append(f"{where}.{_key(key)}: {param} is not searched; a condition names "
+                            f"a parameter of the search space ({', '.join(space)})")  # fmt: skip
+            continue
+        allowed = []
+        for item in value if isinstance(value, list) else [value]:
+            ok, setting, _ = _convert(item, _field_hint(param), f"{where}.", [])
+            outside = _outside(space[param], setting if ok else item)
+            if outside:
+                problems.append(f"{where}.{_key(key)}: got {_show(item)}; {param} never takes "
+                                f"it: {outside}")  # fmt: skip
+                break
+            allowed.append(setting)
+        conditions[param] = allowed
+    return conditions
+
+
+def model_location(value: str, base_dir: str) -> str:
+    """A model choice as the trainer loads it: a local path made absolute against the config's
+    folder; `pkg://...` and hub names unchanged."""
+    return str(_resolved(Path(base_dir), value)) if _looks_local(value) else value
 
 
 MAX_GRID_POINTS = 1_000_000
@@ -274,6 +410,13 @@ def grid_points(spec: ParamSpec) -> list[Any] | None:
 def _check_grid(config: Config, problems: list[str]) -> None:
     """The grid sampler tries each combination once: every dimension finite, and the budget
     no larger than the grid (more trials would repeat configurations)."""
+    if has_conditions(config.search_space):
+        conditional = next(name for name, spec in config.search_space.items() if spec.when)
+        problems.append(f"search_space.{conditional}.when: the grid sampler tries every "
+                        "combination of every parameter, so it would train one configuration "
+                        "once per value of a parameter that does not apply; use tpe or random, "
+                        "or leave `when` out")  # fmt: skip
+        return
     size = 1
     for name, spec in config.search_space.items():
         points = grid_points(spec)
@@ -300,33 +443,42 @@ def check_params(
     complete: bool = False,
 ) -> dict[str, Any]:
     """A configuration to try (`study.enqueue`, `hpo enqueue`): every key a parameter of the
-    search space and every value one it can take, converted to the setting's type; each
-    problem found is appended to `problems`. `complete` (the grid sampler): every parameter of
-    the space must be given."""
-    hints = typing.get_type_hints(TrainingConfig)
+    search space (a short or dotted name), every value one it can take, converted to the
+    setting's type, and a conditional parameter only where its `when` holds; each problem
+    found is appended to `problems`. Returns it keyed by the parameters' study names.
+    `complete` (the grid sampler): every parameter of the space must be given."""
     checked: dict[str, Any] = {}
     if not params:
         problems.append(f"{where}: names no parameter; give at least one, e.g. learning_rate")
-    missing = [name for name in space if name not in params]
-    if complete and params and missing:
-        problems.append(f"{where}: the grid sampler tries whole configurations: add "
-                        f"{', '.join(missing)}")  # fmt: skip
-    for name, value in params.items():
+    for key, value in params.items():
+        name = search_paths.resolve(key)[0] or key
         if name not in space:
-            hint = _did_you_mean(name, space) if isinstance(name, str) else ""
-            problems.append(f"{where}.{_key(name)}: not in the search space{hint}; its "
+            hint = _did_you_mean(key, space) if isinstance(key, str) else ""
+            problems.append(f"{where}.{_key(key)}: not in the search space{hint}; its "
                             f"parameters: {', '.join(space)}")  # fmt: skip
             continue
-        spec = space[name]
-        ok, setting, rule = _convert(value, hints[name], f"{where}.{name}.", [])
+        if name in checked:
+            problems.append(f"{where}.{_key(key)}: the same parameter as another key; give it once")
+            continue
+        ok, setting, rule = _convert(value, _field_hint(name), f"{where}.{name}.", [])
         if not ok:
             problems.append(f"{where}.{name}: got {_show(value)}; must be {rule}")
             continue
-        outside = _outside(spec, setting)
+        outside = _outside(space[name], setting)
         if outside:
             problems.append(f"{where}.{name}: got {_show(value)}; {outside}")
             continue
         checked[name] = setting
+    for name in checked:
+        when = space[name].when
+        if when and not applies(space[name], checked):
+            said = ", ".join(f"{k} in {_show(v)}" for k, v in when.items())
+            problems.append(f"{where}.{name}: applies only when {said} (its `when`); give "
+                            "those values too, or leave it out")  # fmt: skip
+    missing = [n for n in space if n not in params and n not in checked]
+    if complete and params and missing:
+        problems.append(f"{where}: the grid sampler tries whole configurations: add "
+                        f"{', '.join(missing)}")  # fmt: skip
     return checked
 
 

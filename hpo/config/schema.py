@@ -77,8 +77,10 @@ class SamplerConfig:
         "tpe: model the parameters jointly, not one by one (learning rate and batch size "
         "interact); default true for tpe."
     )
-    group: bool = _doc(
-        "tpe with multivariate: model parameters that appear together as groups.", False
+    group: bool | None = _doc(
+        "tpe with multivariate: model parameters that appear together as groups; default "
+        "true when a search-space parameter has a `when` (Optuna's advice for conditional "
+        "spaces), else false."
     )
     constant_liar: bool = _doc(
         "tpe: count running trials as bad, so parallel workers do not propose the same "
@@ -381,6 +383,11 @@ class ParamSpec:
     high: float | None = _doc("float/int: upper bound, inclusive.")
     log: bool = _doc("float/int: sample uniformly in log space.", False)
     step: float | None = _doc("float/int: discretisation step.")
+    when: dict[str, Any] | None = _doc(
+        "When the parameter applies: searched parameters and the value (or list of values) "
+        "each must have, e.g. {model.name_or_path: ./bert-small}; a trial where one does not "
+        "hold neither samples nor shows it. null: always."
+    )
 
     def problems(self) -> list[tuple[str, Any, str]]:
         if self.type == "categorical":
@@ -441,8 +448,53 @@ def objective_list(metric: str | Sequence[str]) -> list[str]:
 
 
 def space_record(space: dict[str, ParamSpec]) -> dict[str, Any]:
-    """The search space as a study records it (plain JSON values), to compare with a config."""
-    return json.loads(json.dumps({name: dataclasses.asdict(spec) for name, spec in space.items()}))
+    """The search space as a study records it (plain JSON values), to compare with a config. A
+    parameter without `when` is recorded as before conditions existed: older studies match."""
+    record = {}
+    for name, spec in space.items():
+        fields = dataclasses.asdict(spec)
+        if fields["when"] is None:
+            del fields["when"]
+        record[name] = fields
+    return json.loads(json.dumps(record))
+
+
+def has_conditions(space: dict[str, ParamSpec]) -> bool:
+    """Whether some parameter of the space applies only when others have given values."""
+    return any(spec.when for spec in space.values())
+
+
+def applies(spec: ParamSpec, values: dict[str, Any]) -> bool:
+    """Whether a parameter applies given the `values` already decided (sampled or enqueued):
+    each parameter its `when` names has one of the values listed (the loader makes each a
+    list); one that was not decided (itself conditional and off) does not hold."""
+    return all(
+        name in values and values[name] in allowed for name, allowed in (spec.when or {}).items()
+    )
+
+
+def sampling_order(space: dict[str, ParamSpec]) -> list[str]:
+    """The parameters in an order where each comes after those its `when` names (otherwise in
+    the space's order): define-by-run sampling decides the conditions first. Raises
+    ValueError naming the parameters of a cycle."""
+    order: list[str] = []
+    visiting: list[str] = []
+
+    def visit(name: str) -> None:
+        if name in order or name not in space:
+            return
+        if name in visiting:
+            cycle = visiting[visiting.index(name) :]
+            raise ValueError(" -> ".join([*cycle, name]))
+        visiting.append(name)
+        for condition in space[name].when or {}:
+            visit(condition)
+        visiting.pop()
+        order.append(name)
+
+    for name in space:
+        visit(name)
+    return order
 
 
 def default_search_space() -> dict[str, ParamSpec]:
@@ -468,6 +520,7 @@ class Config:
         DEFAULT_TASK,
     )
     source: str = "config"
+    base_dir: str = ""  # the config file's folder: model choices are relative to it
 
     def job(self, training: TrainingConfig | None = None) -> TrainJob:
         """The trainer's input: this config's data, model and task, with `training` (a trial's

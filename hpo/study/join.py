@@ -17,7 +17,7 @@ from hpo.config.schema import (
     space_record,
 )
 from hpo.errors import ConfigError
-from hpo.study.sampling import build_pruner, build_sampler, experimental_features
+from hpo.study.sampling import build_pruner, build_sampler, experimental_features, tpe_group
 from hpo.trial.front import TOLERANCE_ATTR
 from storage.engine import StudyStorage
 from storage.tables import check_version
@@ -76,6 +76,7 @@ def open_study(storage: StudyStorage, name: str, config: Config) -> optuna.Study
         storage.set_study_user_attr(study_id, "grace_period_s", liveness(config.study)[1])
         worker_index = int(storage.get_study_system_attrs(study_id).get(WORKERS_ATTR, 0))
         storage.set_study_system_attr(study_id, WORKERS_ATTR, worker_index + 1)
+    _say_group(config)
     pruner = build_pruner(config.study.pruner)
     if len(directions) > 1 and not isinstance(pruner, optuna.pruners.NopPruner):
         log.info("study %r has %d objectives: pruning is off (Optuna's pruners serve one "
@@ -111,6 +112,15 @@ def enqueue(study: optuna.Study, params: dict[str, Any], by: str = "hpo enqueue"
     before = len(study.get_trials(deepcopy=False))
     study.enqueue_trial(params, user_attrs={QUEUED_BY_ATTR: by}, skip_if_exists=True)
     return len(study.get_trials(deepcopy=False)) > before
+
+
+def _say_group(config: Config) -> None:
+    """A conditional space turns TPE's `group` on unless the config set it: said, once."""
+    sampler = config.study.sampler
+    if sampler.group is None and tpe_group(sampler, config.search_space):
+        log.info("the search space has conditional parameters (`when`): TPE models the "
+                 "parameters that appear together jointly (study.sampler.group: true, Optuna's "
+                 "advice for conditional spaces); set study.sampler.group to choose")  # fmt: skip
 
 
 def _say_budget_change(storage: StudyStorage, study_id: int, name: str, budget: int | None) -> None:

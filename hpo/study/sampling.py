@@ -16,6 +16,7 @@ from hpo.config.schema import (
     ParamSpec,
     PrunerConfig,
     SamplerConfig,
+    has_conditions,
 )
 from hpo.study.pruners import MarginPruner
 
@@ -48,9 +49,19 @@ def build_sampler(
             seed=seed,
             n_startup_trials=cfg.n_startup_trials,
             multivariate=cfg.multivariate is not False,
-            group=cfg.group,
+            group=tpe_group(cfg, space or {}),
             constant_liar=cfg.constant_liar,
         )
+
+
+def tpe_group(cfg: SamplerConfig, space: dict[str, ParamSpec]) -> bool:
+    """TPE's `group`: as set, or on for a multivariate TPE over a space with conditions. Without
+    it, multivariate TPE models only the parameters every trial has, and samples a conditional
+    one independently; with it, each set of parameters that appear together is modelled
+    jointly (Optuna's advice for conditional spaces, TPESampler's docs)."""
+    if cfg.group is not None:
+        return cfg.group
+    return cfg.type == "tpe" and cfg.multivariate is not False and has_conditions(space)
 
 
 def worker_seed(seed: int | None, worker_index: int) -> int | None:

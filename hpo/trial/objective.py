@@ -56,10 +56,12 @@ class Objective:
         stop: StopRequest,
         target: TrialTarget | None = None,
         batch_cache: BatchSizeCache | None = None,
+        prepared: dict[str, PreparedData] | None = None,
     ) -> None:
         """`batch_cache`: on the worker's own storage engine (hpo run passes it), so that the
-        worker holds no more connections than its pool; else one on an engine of its own."""
-        self.task = TrialTask(config, data, storage_url)
+        worker holds no more connections than its pool; else one on an engine of its own.
+        `prepared`: the data of the search's other model choices (hpo.trial.task.data_for)."""
+        self.task = TrialTask(config, data, storage_url, prepared=dict(prepared or {}))
         self.stop = stop
         # Whether this worker runs hpo's own training rather than a target of its own (a test's,
         # a benchmark's): only such trials share the host's cores when they run on the CPU.

@@ -1,4 +1,6 @@
-"""Turn the config's search space into Optuna suggestions and a trial's training settings."""
+"""Turn the config's search space into Optuna suggestions (define-by-run: a parameter whose
+`when` does not hold is never suggested), and a trial's parameters into its training job.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +9,20 @@ from typing import Any
 
 import optuna
 
-from hpo.config.schema import ParamSpec
-from trainer.config import TrainingConfig
+from hpo.config import search_paths
+from hpo.config.loader import model_location
+from hpo.config.schema import Config, ParamSpec, applies, sampling_order
+from trainer.config import TrainJob
 
 
 def sample(trial: optuna.Trial, space: dict[str, ParamSpec]) -> dict[str, Any]:
-    """One value per search-space parameter, suggested by the study's sampler."""
-    return {name: suggest(trial, name, spec) for name, spec in space.items()}
+    """One value per parameter that applies to this trial, suggested by the study's sampler:
+    the parameters a `when` names first, then each conditional one only where it holds."""
+    params: dict[str, Any] = {}
+    for name in sampling_order(space):
+        if applies(space[name], params):
+            params[name] = suggest(trial, name, space[name])
+    return params
 
 
 def suggest(trial: optuna.Trial, name: str, spec: ParamSpec) -> Any:
@@ -27,6 +36,21 @@ def suggest(trial: optuna.Trial, name: str, spec: ParamSpec) -> Any:
     return trial.suggest_float(name, spec.low, spec.high, step=spec.step, log=spec.log)
 
 
-def training_for_trial(base: TrainingConfig, params: dict[str, Any]) -> TrainingConfig:
-    """The fixed training settings with the sampled hyperparameters applied."""
-    return dataclasses.replace(base, **params)
+def job_for_trial(config: Config, params: dict[str, Any]) -> TrainJob:
+    """The trainer's input for a trial: the config's model, data and training settings with the
+    trial's parameters applied (each to the field search_paths names). The trial's training,
+    the batch-size cache key and retrain's runs all come from here."""
+    changes: dict[str, dict[str, Any]] = {section: {} for section in search_paths.SECTIONS}
+    for name, value in params.items():
+        section, field = search_paths.field_of(name)
+        changes[section][field] = value
+    model_changes = changes["model"]
+    if isinstance(model_changes.get("name_or_path"), str):
+        model_changes["name_or_path"] = model_location(model_changes["name_or_path"],
+                                                       config.base_dir)  # fmt: skip
+    return TrainJob(
+        dataclasses.replace(config.data, **changes["data"]),
+        dataclasses.replace(config.model, **model_changes),
+        dataclasses.replace(config.training, **changes["training"]),
+        config.task,
+    )

@@ -5,6 +5,8 @@ cache its training reads: shared by the worker's side (hpo.trial.objective) and 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,6 +18,7 @@ from storage.artifacts import ArtifactTarget
 from storage.batch_cache import BatchSizeCache, RelayedBatchCache
 from storage.engine import create_engine
 from storage.url import StorageURL
+from trainer.config import TrainJob
 
 if TYPE_CHECKING:
     from trainer.data import PreparedData
@@ -36,6 +39,32 @@ class TrialTask:
     full_data: bool = False  # train on the evaluation split too (hpo retrain --full-data)
     artifacts: ArtifactTarget | None = None  # the shared store, when the study has one
     cpu_worker: Path | None = None  # the worker's entry among the host's CPU workers (cpu_share)
+    # The data of each model (and max_length) a trial may choose, by data_key: prepared by the
+    # worker's checks before the first trial, or by the first trial that needs it. Cached
+    # splits pickle as their cache folder: sending them to the trial process copies no tokens.
+    prepared: dict[str, PreparedData] = field(default_factory=dict)
+
+
+def data_key(job: TrainJob) -> str:
+    """What a job's tokenized data depends on besides the files: its tokenizer and data
+    settings. Jobs with one key train on the same PreparedData."""
+    tokenizer = job.model.tokenizer or job.model.name_or_path
+    return json.dumps([tokenizer, dataclasses.asdict(job.data)], sort_keys=True, default=str)
+
+
+def data_for(task: TrialTask, job: TrainJob) -> PreparedData:
+    """A trial's data: the config's own, one the worker prepared for its model choice, or one
+    tokenized now (the token cache on disk makes it a read after the first time)."""
+    key = data_key(job)
+    if key not in task.prepared:
+        if key == data_key(task.config.job()):
+            return task.data
+        from trainer.model import load_tokenizer
+        from trainer.tasks import prepare_data
+
+        task.prepared[key] = prepare_data(job.data, load_tokenizer(job.model), job.task,
+                                          job.training)  # fmt: skip
+    return task.prepared[key]
 
 
 def batch_cache_for(storage_url: StorageURL, patience_s: float) -> BatchSizeCache:

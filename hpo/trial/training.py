@@ -19,8 +19,8 @@ from hpo.trial import cpu_share
 from hpo.trial.child import replace_after_this_trial, stop_reason, stop_requested
 from hpo.trial.folders import trial_folder_maker
 from hpo.trial.protocol import TrialLike, TrialValue
-from hpo.trial.search_space import training_for_trial
-from hpo.trial.task import TrialTask, batch_cache
+from hpo.trial.search_space import job_for_trial
+from hpo.trial.task import TrialTask, batch_cache, data_for
 from hpo.trial.uploads import BackgroundUploader, fetch_resume_state
 from storage.artifacts import ArtifactStore, ArtifactStoreError
 from trainer import device as dev
@@ -49,8 +49,7 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
     started, began_at = time.perf_counter(), time.time()
     objectives = task.config.study.objectives
     metric = task.config.study.primary_metric
-    training = training_for_trial(task.config.training, task.params)
-    job = task.config.job(training)
+    job = job_for_trial(task.config, task.params)
     _take_cpu_share(trial, task, job)
     cache = batch_cache(trial, task)
     store, uploader = None, None
@@ -61,14 +60,15 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
                                 make_directory=remake)  # fmt: skip
         uploader = _start_uploader(trial, task, store)
     try:
-        key = _resolve_physical_batch(trial, job, cache, task.data)
+        prepared = data_for(task, job)
+        key = _resolve_physical_batch(trial, job, cache, prepared)
         batch_at = time.time()
         # Optuna's pruning (report, should_prune) serves a single objective only.
         reporter = (
             pruning_reporter(trial, metric) if len(objectives) == 1 else _log_evaluation(trial)
         )
         clock = _TrainingClock(task.config.study.trial_timeout)
-        data = with_eval_in_training(task.data) if task.full_data else task.data
+        data = with_eval_in_training(prepared) if task.full_data else prepared
         result = train(job, data, reporter, metric, store, should_stop=clock.should_stop,
                        on_progress=_progress_sender(trial))  # fmt: skip
     except OutOfMemoryAtBatchOne as e:
@@ -237,7 +237,8 @@ def _record_checkpoints(
     if result.resumed_at_step is not None:
         trial.set_user_attr("resumed_at_step", result.resumed_at_step)
     has_model = store.best_model_path.is_dir()
-    tokenizer = task_class(task.config.task).tokenizer_to_save(load_tokenizer(task.config.model))
+    job = job_for_trial(task.config, task.params)  # the trial's model choice
+    tokenizer = task_class(job.task).tokenizer_to_save(load_tokenizer(job.model))
     if has_model and store.save_tokenizer(tokenizer):
         trial.set_user_attr("best_model", str(store.best_model_path))
     if uploader is not None and not _completes(result):

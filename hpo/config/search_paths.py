@@ -1,0 +1,168 @@
+"""What a search space may name: the config fields a trial may vary, by dotted path, why every
+other field may not, and the name each parameter has in the study. The one place that decides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any
+
+from trainer.config import DataConfig, ModelConfig, TrainingConfig
+
+# The config sections a trial's parameters change, by the name a dotted path begins with.
+SECTIONS: dict[str, Any] = {"model": ModelConfig, "data": DataConfig, "training": TrainingConfig}
+
+# Every searchable field: each changes what a trial learns (or how fast, for a throughput
+# objective), and hpo prepares what it needs per trial. Adding one is declaring it here (and
+# whatever applies it in the trainer): e.g. "model.peft.r" once model.peft exists.
+SEARCHABLE = (
+    "training.effective_batch_size",
+    "training.learning_rate",
+    "training.weight_decay",
+    "training.warmup_ratio",
+    "training.lr_schedule",
+    "training.epochs",
+    "training.label_smoothing",
+    "training.max_grad_norm",
+    "training.adam_beta1",
+    "training.adam_beta2",
+    "training.adam_epsilon",
+    "training.class_weights",
+    "training.gradient_checkpointing",
+    # Each model brings its tokenizer, token cache entry and physical batch (hpo.trial.task).
+    "model.name_or_path",
+    "model.dropout",
+    # Truncation trades context for speed: each length has its token cache entry and batch key.
+    "data.max_length",
+)
+# Older names, the same parameter as the path they lead to.
+ALIASES = {"model.gradient_checkpointing": "training.gradient_checkpointing"}
+
+_HARDWARE = "how the run uses the hardware, not what it learns: the same for every trial"
+_SPLIT = ("how a step is split to fit memory, not what it computes: search "
+          "training.effective_batch_size")  # fmt: skip
+_BUDGET = ("the trial's budget or how often it is measured: the pruner compares trials at the "
+           "same evaluations; search training.epochs")  # fmt: skip
+_DATA = "which data is read: a study compares its trials on one data set"
+_FILE = "a file path: the same for every trial"
+# Why each other field of a section is not searchable (tests check that every field has a say).
+NOT_SEARCHABLE = {
+    "training.seed": "the seed is luck, not a setting: a search over it finds a lucky seed; "
+    "`hpo retrain` measures the spread over seeds",
+    "training.threshold": "applies to predictions only: every value trains the same model",
+    **dict.fromkeys(
+        (
+            "training.physical_batch_size",
+            "training.eval_batch_size",
+            "training.batch_search_start",
+            "training.batch_search_max",
+            "training.batch_safety_margin",
+        ),
+        _SPLIT,
+    ),  # fmt: skip
+    **dict.fromkeys(
+        ("training.max_steps", "training.evals_per_epoch", "training.early_stopping_patience"),
+        _BUDGET,
+    ),
+    **dict.fromkeys(
+        (
+            "training.log_every_steps",
+            "training.precision",
+            "training.tf32",
+            "training.device",
+            "training.num_workers",
+            "model.attn_implementation",
+            "model.compile",
+        ),
+        _HARDWARE,
+    ),  # fmt: skip
+    "model.config": "an inline model config; search model.name_or_path over saved models",
+    "model.tokenizer": "a file path; each model.name_or_path choice loads its own tokenizer",
+    **dict.fromkeys(("data.train_file", "data.eval_file", "data.cache_dir"), _FILE),
+    **dict.fromkeys(
+        (
+            "data.text_column",
+            "data.text_pair_column",
+            "data.label_column",
+            "data.train_split",
+            "data.eval_split",
+            "data.label_separator",
+            "data.prompt_column",
+            "data.completion_column",
+        ),
+        _DATA,
+    ),  # fmt: skip
+}
+_NOT_A_SECTION = {
+    "study": "study settings say how the search runs, not what a trial trains",
+    "task": "a study trains one task",
+    "search_space": "the search space cannot search itself",
+}
+
+
+def param_name(path: str) -> str:
+    """The parameter's name in the study: a training field's own name (`learning_rate`, as
+    studies have always named it), any other field's dotted path (`model.dropout`)."""
+    path = ALIASES.get(path, path)
+    section, _, field = path.partition(".")
+    return field if section == "training" else path
+
+
+def field_of(name: str) -> tuple[str, str]:
+    """The section and field a parameter sets: `learning_rate` is training's; `seed` too (the
+    seed `hpo retrain` adds to a search space of its own)."""
+    section, dot, field = ALIASES.get(name, name).partition(".")
+    return (section, field) if dot else ("training", name)
+
+
+def resolve(name: Any) -> tuple[str | None, str]:
+    """A search-space key as the parameter's study name, or None and why it is refused (a
+    did-you-mean, or why the field is not searchable, and what is)."""
+    if not isinstance(name, str):
+        return None, "unknown parameter; name a config field by its dotted path"
+    path = ALIASES.get(name, name if "." in name else f"training.{name}")
+    if path in SEARCHABLE:
+        return param_name(path), ""
+    section, _, field = path.partition(".")
+    if path in NOT_SEARCHABLE:
+        return None, f"not searchable: {NOT_SEARCHABLE[path]}{_nearby(section, field)}"
+    top = "study" if name in _fields("study") else name.split(".")[0]  # `storage:`: study's
+    if top in _NOT_A_SECTION:
+        return None, f"not searchable: {_NOT_A_SECTION[top]}"
+    if name in SECTIONS:
+        return None, f"a section, not a field: name the field by its path, e.g. {SEARCHABLE[0]}"
+    if field in _fields(section):
+        return None, "not searchable"  # a field with no say in NOT_SEARCHABLE (tests refuse it)
+    return None, f"unknown parameter{_did_you_mean(name)}; searchable: {', '.join(SEARCHABLE)}"
+
+
+def _nearby(section: str, field: str) -> str:
+    """The searchable fields of `section` nearest to `field`: what the user may have meant."""
+    fields = [p.partition(".")[2] for p in SEARCHABLE if p.startswith(f"{section}.")]
+    close = difflib.get_close_matches(field, fields, n=1, cutoff=0.5)
+    if not close and len(fields) <= 3:  # a small section: all of it
+        close = fields
+    if not close:
+        return ""
+    return f"; searchable in {section}: {', '.join(f'{section}.{f}' for f in close)}"
+
+
+def _did_you_mean(name: str) -> str:
+    """The nearest searchable path, or short training name if the key was short."""
+    candidates = [*SEARCHABLE, *ALIASES, *(param_name(p) for p in SEARCHABLE)]
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _fields(section: str) -> list[str]:
+    from hpo.config.schema import StudyConfig  # the schema imports nothing of this module
+
+    cls = SECTIONS.get(section) or {"study": StudyConfig}.get(section)
+    return [f.name for f in dataclasses.fields(cls)] if cls is not None else []
+
+
+def accepted_names() -> list[str]:
+    """Every key a search space accepts: the dotted paths, their aliases, the short names."""
+    short = [param_name(p) for p in SEARCHABLE if p.startswith("training.")]
+    return [*SEARCHABLE, *ALIASES, *short]

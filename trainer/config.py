@@ -94,6 +94,8 @@ class DataConfig:
         for key in ("text_column", "text_pair_column"):  # the model would read the answer
             if getattr(self, key) == self.label_column:
                 found.append((key, self.label_column, "must differ from label_column"))
+        if not self.label_separator:
+            found.append(("label_separator", self.label_separator, "must not be empty, e.g. |"))
         return found
 
 
@@ -201,6 +203,8 @@ class TrainingConfig:
                     "must be a positive integer or auto",
                 )
             )
+        if not 0 < self.threshold < 1:
+            found.append(("threshold", self.threshold, "must be in (0, 1)"))
         if not 0 < self.batch_safety_margin <= 1:
             found.append(("batch_safety_margin", self.batch_safety_margin, "must be in (0, 1]"))
         for key in ("eval_batch_size", "max_steps", "early_stopping_patience"):

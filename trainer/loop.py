@@ -137,6 +137,7 @@ class Trainer:
             self.job.model, self.data.label_names, self.cfg.seed, self.device, self.job.task
         )
         self.model.to(self.device)  # a pretrained model loads on the CPU
+        self.task.prepare_model(self.model, self.data.train)
         self.forward_model: torch.nn.Module = self.model
         if self.job.model.compile:
             self.forward_model = compile_model(self.model)

@@ -79,6 +79,11 @@ class Task(ABC):
             "label2id": {name: i for i, name in enumerate(label_names)},
         }
 
+    def prepare_model(self, model: torch.nn.Module, train: TokenizedSplit) -> None:  # noqa: B027
+        """Fit a freshly built model's head to the training targets before its first step (the
+        output's bias, say); a resumed run then loads its checkpoint over it. Nothing by
+        default."""
+
     # -- loss ----------------------------------------------------------------------------------
 
     @abstractmethod
@@ -179,3 +184,17 @@ def token_cross_entropy_sum(
 
 def counted_tokens(labels: torch.Tensor) -> torch.Tensor:
     return (labels != IGNORE).sum()
+
+
+def set_output_bias(model: torch.nn.Module, bias: np.ndarray) -> None:
+    """The bias of the model's output layer (its last linear layer with one output per entry of
+    `bias`) set to `bias`; a head without a bias is left as it is."""
+    heads = [
+        module
+        for module in model.modules()
+        if isinstance(module, torch.nn.Linear) and module.out_features == len(bias)
+    ]
+    if heads and heads[-1].bias is not None:
+        target = heads[-1].bias
+        with torch.no_grad():
+            target.copy_(torch.as_tensor(bias, dtype=target.dtype, device=target.device))

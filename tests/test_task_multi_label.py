@@ -115,8 +115,15 @@ def test_integer_labels_rank_as_numbers_and_the_separator_is_a_setting(
         ([{"text": "x", "topics": [True]}], "row 2 of column 'topics' has the label True"),
         ([{"text": "x", "topics": ["cars"]}], "row 2 has the label 'cars', which no training row"),
     ],
-    ids=["null", "absent", "empty between separators", "empty in a list", "a number",
-         "a boolean", "not in training"],  # fmt: skip
+    ids=[
+        "null",
+        "absent",
+        "empty between separators",
+        "empty in a list",
+        "number",
+        "boolean",
+        "not in training",
+    ],
 )
 def test_a_bad_cell_in_jsonl_is_refused_by_row(
     tmp_path: Path, tokenizer: Any, rows: list[dict[str, Any]], expected: str
@@ -179,13 +186,18 @@ def test_the_fresh_head_answers_each_labels_share_of_the_training_rows() -> None
     torch.testing.assert_close(shares[0], torch.tensor([0.75, 0.25, 1e-4]), rtol=1e-4, atol=1e-6)
 
 
-def test_predictions_are_the_labels_at_or_above_the_threshold() -> None:
-    logits = torch.logit(torch.tensor([[0.2, 0.5, 0.8]]))
-    for threshold, expected in ((0.5, [False, True, True]), (0.3, [False, True, True]),
-                                (0.8, [False, False, True]), (0.1, [True, True, True])):  # fmt: skip
-        task = make_task(TASK, DataConfig(), TrainingConfig(threshold=threshold))
-        predicted = task.eval_outputs(logits, torch.zeros(1, 3))["predictions"]
-        assert predicted.tolist() == [expected], threshold
+@pytest.mark.parametrize(
+    ("threshold", "expected"),
+    [(0.5, [False, True, True]), (0.3, [False, True, True]), (0.8, [False, False, True]),
+     (0.1, [True, True, True])],
+)  # fmt: skip
+def test_predictions_are_the_labels_at_or_above_the_threshold(
+    threshold: float, expected: list[bool]
+) -> None:
+    logits = torch.logit(torch.tensor([[0.2, 0.5, 0.8]], dtype=torch.float64))
+    task = make_task(TASK, DataConfig(), TrainingConfig(threshold=threshold))
+    predicted = task.eval_outputs(logits, torch.zeros(1, 3))["predictions"]
+    assert predicted.tolist() == [expected]
 
 
 def test_metrics_agree_with_scikit_learn() -> None:

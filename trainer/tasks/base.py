@@ -10,7 +10,9 @@ The contract with the training loop:
   divided by the units of the whole step: accumulated micro-batches then give exactly the
   gradient of one large batch, also when micro-batches hold different numbers of tokens;
 - `eval_outputs` keeps what the metrics need of one evaluation batch (on the device, small),
-  and `metrics` turns them, brought to the host once per evaluation, into named values.
+  and `metrics` turns them, brought to the host once per evaluation, into named values;
+- `prepare_model` may fit a fresh model's head to the training targets before the first step
+  (regression: the output's bias at the mean target).
 """
 
 from __future__ import annotations

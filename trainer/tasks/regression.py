@@ -115,7 +115,7 @@ def target_number(value: Any, row: int, source: str, column: str) -> float:
         )
     if not math.isfinite(number):
         raise DataError(f"{where} is {value!r}, not a finite number; fix the row or drop it")
-    if abs(number) > np.finfo(np.float32).max:
+    if abs(number) > float(np.finfo(np.float32).max):
         raise DataError(
             f"{where} is {value!r}, beyond what float32 holds (about 3.4e38); rescale the targets"
         )

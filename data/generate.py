@@ -1,5 +1,5 @@
-"""Generate the synthetic demo (sentiment), NLI and instruction datasets as CSV files, and the NER
-dataset as JSON Lines, under data/.
+"""Generate the synthetic datasets under data/: sentiment (demo), NLI, instructions (causal LM)
+and regression as CSV files; NER and multi-label as JSON Lines.
 Deterministic: fixed seeds and stdlib ``random`` only; run ``python data/generate.py``."""
 
 from __future__ import annotations
@@ -954,6 +954,237 @@ def build_instruct(seed: int = INSTRUCT_SEED) -> tuple[list[list[str]], list[lis
 
 
 # --------------------------------------------------------------------------------------------
+# Regression dataset: a review's score, 1 to 5, that follows what it says of each aspect
+# --------------------------------------------------------------------------------------------
+
+REGRESSION_SEED = 20240503
+REGRESSION_TRAIN_ROWS = 2000
+REGRESSION_EVAL_ROWS = 400
+REGRESSION_NOISE = 0.25  # standard deviation of the score around what the words say
+
+ASPECTS: tuple[str, ...] = (
+    "the food",
+    "the service",
+    "the room",
+    "the staff",
+    "the location",
+    "the breakfast",
+    "the price",
+    "the view",
+    "the bed",
+    "the wifi",
+    "the coffee",
+    "the music",
+)
+# Quality words by how good they say an aspect is, -2 (worst) to +2 (best).
+QUALITIES: dict[int, tuple[str, ...]] = {
+    -2: ("awful", "terrible", "dreadful", "horrible"),
+    -1: ("poor", "mediocre", "disappointing", "bland"),
+    0: ("okay", "average", "acceptable", "ordinary"),
+    1: ("good", "nice", "pleasant", "decent"),
+    2: ("excellent", "superb", "outstanding", "perfect"),
+}
+# Degree words and how much they scale the quality word's value.
+DEGREES: tuple[tuple[str, float], ...] = (
+    ("", 1.0),
+    ("", 1.0),
+    ("really ", 1.5),
+    ("very ", 1.5),
+    ("a bit ", 0.5),
+    ("slightly ", 0.5),
+)
+REVIEW_OPENERS: tuple[str, ...] = (
+    "We stayed three nights.",
+    "I came here for a business trip.",
+    "Booked it for our anniversary.",
+    "Second visit this year.",
+    "Stopped by on a Sunday.",
+    "A friend recommended it.",
+)
+ASPECT_JOINERS: tuple[str, ...] = (", and ", ", but ", "; ", ", while ")
+
+
+def _aspect_clause(rng: random.Random, aspect: str) -> tuple[str, float]:
+    """One clause on one aspect ('the food was really good') and the value it says, -3 to 3."""
+    quality = rng.choice(tuple(QUALITIES))
+    word = rng.choice(QUALITIES[quality])
+    degree, scale = rng.choice(DEGREES) if quality else ("", 1.0)
+    verb = rng.choice(("was", "was", "felt", "seemed"))
+    if quality and rng.random() < 0.2:  # "not good" is mildly bad; "not awful" mildly good
+        return f"{aspect} {verb} not {word}", -0.5 * quality
+    return f"{aspect} {verb} {degree}{word}", quality * scale
+
+
+def _review(rng: random.Random) -> tuple[str, float]:
+    """A review of one to three aspects and its score: 3 plus the mean of what the aspect
+    clauses say, with noise, within 1 to 5, to one decimal."""
+    aspects = rng.sample(ASPECTS, rng.choice((1, 2, 2, 3)))
+    clauses, values = zip(*(_aspect_clause(rng, aspect) for aspect in aspects), strict=True)
+    text = clauses[0]
+    for clause in clauses[1:]:
+        text += rng.choice(ASPECT_JOINERS) + clause
+    text = text[0].upper() + text[1:] + "."
+    if rng.random() < 0.3:
+        text = f"{rng.choice(REVIEW_OPENERS)} {text}"
+    score = 3 + sum(values) / len(values) + rng.gauss(0, REGRESSION_NOISE)
+    return text, min(5.0, max(1.0, round(score, 1)))
+
+
+def build_regression(seed: int = REGRESSION_SEED) -> tuple[list[list[str]], list[list[str]]]:
+    """Return (train, eval) rows of [text, score]; no text in both."""
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    rows: list[list[str]] = []
+    while len(rows) < REGRESSION_TRAIN_ROWS + REGRESSION_EVAL_ROWS:
+        text, score = _review(rng)
+        if text not in seen:
+            seen.add(text)
+            rows.append([text, f"{score:.1f}"])
+    return rows[:REGRESSION_TRAIN_ROWS], rows[REGRESSION_TRAIN_ROWS:]
+
+
+# --------------------------------------------------------------------------------------------
+# Multi-label dataset: the topics of a news article, which co-occur
+# --------------------------------------------------------------------------------------------
+
+MULTILABEL_SEED = 20240504
+MULTILABEL_TRAIN_ROWS = 2000
+MULTILABEL_EVAL_ROWS = 400
+NO_TOPIC_SHARE = 0.05  # articles about none of the topics: their list of labels is empty
+
+# Sentences that are about each topic; {place} and {when} are filled in.
+TOPIC_SENTENCES: dict[str, tuple[str, ...]] = {
+    "politics": (
+        "The parliament voted on the new election law {when}.",
+        "The minister resigned after a heated debate in {place}.",
+        "Opposition parties called for a vote of no confidence.",
+        "The mayor of {place} announced a campaign for a second term.",
+        "Senators argued over the reform until late at night.",
+    ),
+    "economy": (
+        "Inflation in {place} rose faster than analysts had expected.",
+        "The central bank kept interest rates unchanged {when}.",
+        "Shares of the largest retailer fell after weak quarterly profits.",
+        "Unemployment dropped to its lowest level in a decade.",
+        "Exporters warned that the strong currency would hurt sales.",
+    ),
+    "sports": (
+        "The home team won the final with a goal in extra time.",
+        "The coach praised the defence after a narrow victory {when}.",
+        "A young striker from {place} signed a three-year contract.",
+        "The marathon drew thousands of runners through {place}.",
+        "The champion lost in straight sets in the semi-final.",
+    ),
+    "health": (
+        "Hospitals in {place} reported a rise in flu patients {when}.",
+        "Doctors recommend a second dose of the vaccine for older patients.",
+        "The clinic cut waiting times for surgery by half.",
+        "Nurses warned that the wards were short of staff.",
+        "A new treatment lowered blood pressure in most patients.",
+    ),
+    "technology": (
+        "The company unveiled a faster smartphone chip {when}.",
+        "A software update fixed a security flaw in millions of laptops.",
+        "Start-ups in {place} raised record sums for their apps.",
+        "The new network promises faster internet in rural areas.",
+        "Engineers built a robot that sorts parcels in a warehouse.",
+    ),
+    "science": (
+        "Astronomers observed a distant galaxy with the new telescope.",
+        "Researchers in {place} published a study on ancient genomes.",
+        "Physicists measured the particle's mass more precisely than before.",
+        "The laboratory confirmed the results of the experiment {when}.",
+        "A team of biologists described a new species of frog.",
+    ),
+    "environment": (
+        "Floods forced hundreds of families in {place} from their homes.",
+        "The city planted ten thousand trees to cool its streets.",
+        "Air pollution reached dangerous levels {when}.",
+        "Farmers struggled with the longest drought on record.",
+        "Volunteers cleared plastic waste from the beaches near {place}.",
+    ),
+    "culture": (
+        "The museum in {place} opened an exhibition of early photographs.",
+        "Critics praised the novel that won the literary prize {when}.",
+        "The orchestra played to a full concert hall.",
+        "A film about a family of bakers topped the box office.",
+        "The festival brought painters and poets to {place}.",
+    ),
+}
+# How likely a second topic is, given the first: the topics that news stories share.
+TOPIC_AFFINITY: dict[str, dict[str, float]] = {
+    "politics": {"economy": 0.35, "environment": 0.15, "health": 0.1},
+    "economy": {"politics": 0.3, "technology": 0.2},
+    "sports": {"health": 0.15, "economy": 0.1, "culture": 0.1},
+    "health": {"science": 0.35, "politics": 0.15},
+    "technology": {"science": 0.3, "economy": 0.3},
+    "science": {"technology": 0.3, "health": 0.2, "environment": 0.2},
+    "environment": {"science": 0.3, "politics": 0.3},
+    "culture": {"economy": 0.1, "politics": 0.1},
+}
+NEWS_PLACES: tuple[str, ...] = (
+    "Lisbon",
+    "Oslo",
+    "Nairobi",
+    "Lima",
+    "Osaka",
+    "Leeds",
+    "Tartu",
+    "Perth",
+)
+NEWS_WHENS: tuple[str, ...] = ("on Monday", "last week", "this morning", "in March", "overnight")
+# Sentences about none of the topics, some with a word one of them uses ("market", "stadium").
+PLAIN_SENTENCES: tuple[str, ...] = (
+    "The reporter walked past the stadium on her way to the office.",
+    "Readers can send their letters to the editor by post.",
+    "The weekly farmers' market will open an hour later.",
+    "A cat was rescued from a tree by a neighbour.",
+    "Roadworks will close the bridge for two nights.",
+    "The bakery on the corner celebrated its fiftieth year.",
+    "Trains will run on a holiday timetable.",
+    "A lost wallet was handed in at the library.",
+)
+
+
+def _topics(rng: random.Random) -> list[str]:
+    """The topics of one article: none (rarely), one, or one and the topics it draws in."""
+    if rng.random() < NO_TOPIC_SHARE:
+        return []
+    first = rng.choice(tuple(TOPIC_SENTENCES))
+    topics = [first]
+    for other, chance in TOPIC_AFFINITY[first].items():
+        if rng.random() < chance:
+            topics.append(other)
+    return topics
+
+
+def _topic_article(rng: random.Random, topics: list[str]) -> str:
+    """One or two sentences on each topic and up to two plain ones, in a random order."""
+    sentences = [
+        sentence.format(place=rng.choice(NEWS_PLACES), when=rng.choice(NEWS_WHENS))
+        for topic in topics
+        for sentence in rng.sample(TOPIC_SENTENCES[topic], rng.choice((1, 1, 2)))
+    ]
+    sentences += rng.sample(PLAIN_SENTENCES, rng.choice((0, 1, 1, 2) if topics else (1, 2, 3)))
+    rng.shuffle(sentences)
+    return " ".join(sentences)
+
+
+def build_multilabel(seed: int = MULTILABEL_SEED) -> tuple[list[dict], list[dict]]:
+    """Return (train, eval) rows of {"text", "topics"} (topics sorted); no text in both."""
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    rows: list[dict] = []
+    while len(rows) < MULTILABEL_TRAIN_ROWS + MULTILABEL_EVAL_ROWS:
+        topics = _topics(rng)
+        text = _topic_article(rng, topics)
+        if text not in seen:
+            seen.add(text)
+            rows.append({"text": text, "topics": sorted(topics)})
+    return rows[:MULTILABEL_TRAIN_ROWS], rows[MULTILABEL_TRAIN_ROWS:]
+
+
+# --------------------------------------------------------------------------------------------
 # Output
 # --------------------------------------------------------------------------------------------
 
@@ -998,6 +1229,15 @@ def main() -> None:
     for name, ner_rows in (("ner/train.jsonl", ner_train), ("ner/eval.jsonl", ner_eval)):
         write_jsonl(DATA_DIR / name, ner_rows)
         print(f"wrote {DATA_DIR / name} ({len(ner_rows)} rows)")
+
+    regression_train, regression_eval = build_regression()
+    for name, rows in (("train.csv", regression_train), ("eval.csv", regression_eval)):
+        write_csv(DATA_DIR / "regression" / name, ("text", "score"), rows)
+        print(f"wrote {DATA_DIR / 'regression' / name} ({len(rows)} rows)")
+    multilabel_train, multilabel_eval = build_multilabel()
+    for name, topic_rows in (("train.jsonl", multilabel_train), ("eval.jsonl", multilabel_eval)):
+        write_jsonl(DATA_DIR / "multilabel" / name, topic_rows)
+        print(f"wrote {DATA_DIR / 'multilabel' / name} ({len(topic_rows)} rows)")
 
 
 if __name__ == "__main__":

@@ -81,6 +81,8 @@ class DataConfig:
             if getattr(self, key) == self.label_column:
                 found.append((key, self.label_column, "must differ from label_column"))
         found.extend(self._prompt_problems())
+        if not self.label_separator:
+            found.append(("label_separator", self.label_separator, "must not be empty, e.g. |"))
         return found
 
     def _prompt_problems(self) -> list[tuple[str, Any, str]]:
@@ -224,6 +226,8 @@ class TrainingConfig:
                     "must be a positive integer or auto",
                 )
             )
+        if not 0 < self.threshold < 1:
+            found.append(("threshold", self.threshold, "must be in (0, 1)"))
         if not 0 < self.batch_safety_margin <= 1:
             found.append(("batch_safety_margin", self.batch_safety_margin, "must be in (0, 1]"))
         for key in ("eval_batch_size", "max_steps", "early_stopping_patience"):

@@ -138,6 +138,7 @@ class Trainer:
             gradient_checkpointing=self.job.gradient_checkpointing,
         )  # fmt: skip
         self.model.to(self.device)  # a pretrained model loads on the CPU
+        self.task.prepare_model(self.model, self.data.train)
         self.forward_model: torch.nn.Module = self.model
         if self.job.model.compile:
             self.forward_model = compile_model(self.model)

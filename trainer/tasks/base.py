@@ -10,7 +10,9 @@ The contract with the training loop:
   divided by the units of the whole step: accumulated micro-batches then give exactly the
   gradient of one large batch, also when micro-batches hold different numbers of tokens;
 - `eval_outputs` keeps what the metrics need of one evaluation batch (on the device, small),
-  and `metrics` turns them, brought to the host once per evaluation, into named values.
+  and `metrics` turns them, brought to the host once per evaluation, into named values;
+- `prepare_model` may fit a fresh model's head to the training targets before the first step
+  (regression: the output's bias at the mean target).
 """
 
 from __future__ import annotations
@@ -93,6 +95,11 @@ class Task(ABC):
     def tokenizer_to_save(cls, tokenizer: Any) -> Any:
         """The tokenizer as it is saved beside the model, for users to load with it."""
         return tokenizer
+
+    def prepare_model(self, model: torch.nn.Module, train: TokenizedSplit) -> None:  # noqa: B027
+        """Fit a freshly built model's head to the training targets before its first step (the
+        output's bias, say); a resumed run then loads its checkpoint over it. Nothing by
+        default."""
 
     # -- loss ----------------------------------------------------------------------------------
 
@@ -194,3 +201,17 @@ def token_cross_entropy_sum(
 
 def counted_tokens(labels: torch.Tensor) -> torch.Tensor:
     return (labels != IGNORE).sum()
+
+
+def set_output_bias(model: torch.nn.Module, bias: np.ndarray) -> None:
+    """The bias of the model's output layer (its last linear layer with one output per entry of
+    `bias`) set to `bias`; a head without a bias is left as it is."""
+    heads = [
+        module
+        for module in model.modules()
+        if isinstance(module, torch.nn.Linear) and module.out_features == len(bias)
+    ]
+    if heads and heads[-1].bias is not None:
+        target = heads[-1].bias
+        with torch.no_grad():
+            target.copy_(torch.as_tensor(bias, dtype=target.dtype, device=target.device))

@@ -127,3 +127,14 @@ def test_the_model_class_users_are_told_follows_the_study_task() -> None:
         "AutoModelForTokenClassification.from_pretrained"
     )
     assert model_loader({TASK_ATTR: "causal_lm"}) == "AutoModelForCausalLM.from_pretrained"
+
+
+def test_a_searched_setting_the_task_ignores_is_refused(easy_data: tuple[Path, Path]) -> None:
+    space = {"label_smoothing": {"type": "float", "low": 0.0, "high": 0.2}}
+    raw = _raw(easy_data, task="multi_label_classification", search_space=space)
+    assert _problems(raw) == [
+        "search_space.label_smoothing: means nothing for the task multi_label_classification; "
+        "leave it out"
+    ]
+    raw = _raw(easy_data, task="token_classification", search_space=space)
+    assert parse_config(raw, base_dir=Path(".")).search_space["label_smoothing"].high == 0.2

@@ -142,6 +142,8 @@ def parse_config(raw: Any, base_dir: Path, source: str = "config") -> Config:
         problems.extend(_inline_model_problems(config.model.config))
     if not problems:  # needs well-typed sections; its findings would be noise otherwise
         _check_search_space(config, problems)
+    if not problems:
+        _check_searched_for_task(config, problems)
     if not problems and config.study.sampler.type == "grid":
         _check_grid(config, problems)
     if not problems:
@@ -155,6 +157,19 @@ def parse_config(raw: Any, base_dir: Path, source: str = "config") -> Config:
     if problems:
         raise ConfigError(problems, source)
     return config
+
+
+def _check_searched_for_task(config: Config, problems: list[str]) -> None:
+    """A searched setting the config's task ignores (label smoothing of a regression) would
+    make trials that differ in nothing but their parameters' names."""
+    info = TASKS.get(config.task)
+    if info is None:
+        return
+    applies = {"label_smoothing": info.label_smoothing, "class_weights": info.class_weights}
+    for name in config.search_space:
+        if not applies.get(name.removeprefix("training."), True):
+            problems.append(f"search_space.{name}: means nothing for the task {config.task}; "
+                            "leave it out")  # fmt: skip
 
 
 def _default_metric_of_task(raw: dict[Any, Any]) -> None:

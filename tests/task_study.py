@@ -50,6 +50,7 @@ def run_task_study(
             # Prunes a trial worse than the complete one was at the same evaluation.
             "pruner": {"type": "median", "n_startup_trials": 1, "n_warmup_steps": JUDGED_FROM},
             "checkpoint_interval": 0,  # a checkpoint at every evaluation, for the retry
+            "checkpoint_dir": str(tmp_path / "checkpoints"),  # not the tests' working folder
             "artifact_store": f"file://{tmp_path / 'store'}",
         },
         # 12 evaluations over 3 epochs: the SIGTERM lands after the first, 11 still to train.

@@ -57,8 +57,9 @@ class _JobNotTaken(Exception):
 
 
 # Imported once by the fork server: a trial process then starts in milliseconds, not seconds.
-# None of them initialises CUDA, which must happen in the trial process itself.
-_PRELOAD = ["torch", "transformers", "optuna", "hpo.trial.objective"]
+# None of them initialises CUDA, which must happen in the trial process itself. The last one
+# makes the fork server exit without the interpreter's slow teardown (see fork_server.py).
+_PRELOAD = ["torch", "transformers", "optuna", "hpo.trial.objective", "hpo.trial.fork_server"]
 _context: ForkServerContext | None = None
 
 

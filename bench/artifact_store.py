@@ -33,9 +33,10 @@ from hpo.trial.uploads import BackgroundUploader  # noqa: E402
 from storage.artifacts import ArtifactStore, ArtifactTarget  # noqa: E402
 from trainer.checkpoint import CheckpointStore  # noqa: E402
 from trainer.config import TrainJob  # noqa: E402
-from trainer.data import PreparedData, prepare_data  # noqa: E402
+from trainer.data import PreparedData  # noqa: E402
 from trainer.loop import train  # noqa: E402
 from trainer.model import load_tokenizer  # noqa: E402
+from trainer.tasks import prepare_data  # noqa: E402
 
 MODES = ("none", "local", "background", "blocking")
 STUDY, FOLDER = "bench-000000000000", "trial-0"
@@ -84,8 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.hidden_size is not None and config.model.config:
         config.model.config["hidden_size"] = args.hidden_size
         config.model.config["intermediate_size"] = 4 * args.hidden_size
-    data = prepare_data(config.data, load_tokenizer(config.model))
-    job = TrainJob(data=config.data, model=config.model, training=config.training)
+    data = prepare_data(config.data, load_tokenizer(config.model), config.task, config.training)
+    job = config.job()
     runs: list[Run] = []
     transfers: list[str] = []
     with tempfile.TemporaryDirectory() as scratch:

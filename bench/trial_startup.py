@@ -26,10 +26,9 @@ def phases(config_path: str) -> dict[str, float]:
     import torch
 
     from hpo.config.loader import load_config
-    from trainer.config import TrainJob
-    from trainer.data import prepare_data
     from trainer.loop import Trainer
     from trainer.model import load_tokenizer
+    from trainer.tasks import prepare_data
 
     mark("imports")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -38,12 +37,12 @@ def phases(config_path: str) -> dict[str, float]:
         torch.zeros(1, device=device)
     mark("cuda context")
     config = load_config(config_path)
-    data = prepare_data(config.data, load_tokenizer(config.model))
+    data = prepare_data(config.data, load_tokenizer(config.model), config.task, config.training)
     mark("data (cached tokens)")
     training = dataclasses.replace(
         config.training, physical_batch_size=64, effective_batch_size=64, device=device.type
     )
-    job = TrainJob(data=config.data, model=config.model, training=training)
+    job = config.job(training)
     trainer = Trainer(job, data)
     mark("model build, to device, optimizer, loaders")
     steps = trainer._steps(0)

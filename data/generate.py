@@ -1,13 +1,16 @@
-"""Generate the synthetic demo (sentiment) and NLI datasets as CSV files under data/.
+"""Generate the synthetic demo (sentiment) and NLI datasets as CSV files, and the NER dataset as
+JSON Lines, under data/.
 Deterministic: fixed seeds and stdlib ``random`` only; run ``python data/generate.py``."""
 
 from __future__ import annotations
 
 import csv
+import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 DATA_DIR = Path(__file__).resolve().parent
 
@@ -741,6 +744,151 @@ def build_nli(seed: int = NLI_SEED) -> tuple[list[list[str]], list[list[str]]]:
 
 
 # --------------------------------------------------------------------------------------------
+# NER dataset (token classification)
+# --------------------------------------------------------------------------------------------
+
+NER_SEED = 20240503
+NER_TRAIN_ROWS = 2000
+NER_EVAL_ROWS = 400
+NER_EVAL_ONLY_EVERY = 5  # every 5th name of each list appears only in eval: tagged by context
+
+FIRST_NAMES: tuple[str, ...] = (
+    "Maria", "James", "Aisha", "Kenji", "Olga", "Pedro", "Fatima", "Liam", "Chen", "Amara",
+    "Lars", "Priya", "Tom", "Nadia", "Omar", "Elena", "Ravi", "Sofia", "Hugo", "Ingrid",
+    "Kwame", "Yuki", "Diego", "Leila", "Anna", "Felix", "Zara", "Mateo", "Ines", "Samuel",
+)  # fmt: skip
+# First names that are also places (NER_PLACE_NAMES): only the context says which is meant.
+FIRST_NAMES_OF_PLACES: tuple[str, ...] = (
+    "Jordan", "Florence", "Georgia", "Austin", "Victoria", "Sydney", "Charlotte", "Chelsea",
+    "Paris", "Madison", "Adelaide", "Savannah",
+)  # fmt: skip
+LAST_NAMES: tuple[str, ...] = (
+    "Smith", "Garcia", "Okafor", "Tanaka", "Ivanova", "Silva", "Haddad", "Murphy", "Wang",
+    "Mensah", "Nilsson", "Sharma", "Rossi", "Novak", "Kowalski", "Dubois", "Petrov", "Nguyen",
+    "Hansen", "Moreau", "Costa", "Adeyemi", "Fischer", "Lopez", "Kim",
+    # also places or companies
+    "Washington", "Lincoln", "Houston", "London", "Berlin", "Jackson", "Florence",
+)  # fmt: skip
+NER_PLACE_NAMES: tuple[str, ...] = (
+    "Lagos", "Lima", "Tokyo", "Oslo", "Cairo", "Nairobi", "Madrid", "Toronto", "Mumbai",
+    "Hanoi", "Berlin", "London", "Quito", "Dakar", "Vienna", "Seoul", "Lisbon", "Dublin",
+    "New York", "Buenos Aires", "Cape Town", "Hong Kong", "Rio de Janeiro", "San Francisco",
+    "Kuala Lumpur", "Sri Lanka", "New Zealand",
+    # also first names, last names or part of a company's name
+    "Jordan", "Florence", "Georgia", "Austin", "Victoria", "Sydney", "Charlotte", "Paris",
+    "Washington", "Lincoln", "Houston", "Madison", "Adelaide", "Savannah", "Amazon",
+)  # fmt: skip
+ORGANISATIONS: tuple[str, ...] = (
+    "Northwind Traders", "Acme Corporation", "Blue River Bank", "Global Health Fund",
+    "Orion Systems", "Redwood Analytics", "Summit Bank", "Greenleaf Foods", "Helix Pharma",
+    "Atlas Logistics", "Red Cross", "Union Rail", "Polar Air", "Nova Media Group",
+    # with a place or a person's name inside: the whole span is the organisation
+    "University of Lagos", "Bank of Jordan", "Lincoln Labs", "Houston Dynamics",
+    "Victoria Textiles", "Sydney Harbour Trust", "Florence Capital", "Amazon",
+    "Jackson and Okafor", "Smith Brothers", "Tokyo Electric", "Paris Opera",
+)  # fmt: skip
+
+# Templates: {PER}, {LOC} and {ORG} are entities; the other words are tagged O.
+NER_TEMPLATES: tuple[str, ...] = (
+    "{PER} flew from {LOC} to {LOC} last week .",
+    "{PER} works for {ORG} .",
+    "{ORG} opened a new office in {LOC} .",
+    "{PER} , the new head of {ORG} , lives in {LOC} .",
+    "yesterday {PER} met {PER} in {LOC} .",
+    "talks between {ORG} and {ORG} ended without a deal .",
+    "{LOC} is famous for its old harbour .",
+    "according to {PER} , prices in {LOC} will rise .",
+    "shares of {ORG} fell sharply after the report .",
+    "{PER} studied at {ORG} before moving to {LOC} .",
+    "we spent the summer in {LOC} with {PER} .",
+    "{PER} said that {ORG} will hire more staff in {LOC} .",
+    "the weather in {LOC} was warm and sunny .",
+    "a spokesperson for {ORG} declined to comment .",
+    "{PER} thanked {PER} for the invitation .",
+    "the road from {LOC} to {LOC} was closed for repairs .",
+    "{ORG} hired {PER} as its chief engineer .",
+    "in {LOC} , {PER} opened a small bakery .",
+    "the flight to {LOC} was delayed by two hours .",
+    "{PER} and {PER} founded {ORG} in {LOC} .",
+    "visitors to {LOC} often ask {PER} for directions .",
+    "{ORG} bought a warehouse near {LOC} .",
+    "the meeting was moved to next monday .",
+    "prices rose again this month .",
+    "she said the results were better than expected .",
+    "our team will visit the new factory soon .",
+)
+
+
+def _ner_people(rng: random.Random, firsts: Sequence[str], lasts: Sequence[str]) -> list[str]:
+    """A person's name as words: first and last name, or one of them alone."""
+    form = rng.randrange(4)
+    if form == 0:
+        return [rng.choice(firsts)]
+    if form == 1:
+        return [rng.choice(lasts)]
+    return [rng.choice(firsts), rng.choice(lasts)]
+
+
+def _ner_sentence(
+    rng: random.Random, names: dict[str, Sequence[str]]
+) -> tuple[list[str], list[str]]:
+    """One templated sentence: its words and their BIO tags."""
+    words: list[str] = []
+    tags: list[str] = []
+    for piece in rng.choice(NER_TEMPLATES).split():
+        if piece in ("{PER}", "{LOC}", "{ORG}"):
+            kind = piece[1:-1]
+            if kind == "PER":
+                entity = _ner_people(rng, names["first"], names["last"])
+            else:
+                entity = rng.choice(names[kind]).split()
+            words.extend(entity)
+            tags.extend([f"B-{kind}"] + [f"I-{kind}"] * (len(entity) - 1))
+        else:
+            words.append(piece)
+            tags.append("O")
+    words[0] = words[0][0].upper() + words[0][1:]
+    return words, tags
+
+
+def _ner_names(eval_split: bool) -> dict[str, Sequence[str]]:
+    """The names a split draws from: eval has all, train all but every NER_EVAL_ONLY_EVERY-th."""
+
+    def kept(names: Sequence[str]) -> Sequence[str]:
+        if eval_split:
+            return names
+        return [name for i, name in enumerate(names) if i % NER_EVAL_ONLY_EVERY != 0]
+
+    return {
+        "first": kept(FIRST_NAMES + FIRST_NAMES_OF_PLACES),
+        "last": kept(LAST_NAMES),
+        "LOC": kept(NER_PLACE_NAMES),
+        "ORG": kept(ORGANISATIONS),
+    }
+
+
+NerRow = dict[str, list[str]]  # {"tokens": words, "tags": their BIO tags}
+
+
+def build_ner(seed: int = NER_SEED) -> tuple[list[NerRow], list[NerRow]]:
+    """Return (train, eval) rows of {"tokens": words, "tags": BIO tags}; no shared sentence."""
+    rng = random.Random(seed)
+    seen: set[tuple[str, ...]] = set()
+    splits: list[list[NerRow]] = []
+    for rows_wanted, eval_split in ((NER_TRAIN_ROWS, False), (NER_EVAL_ROWS, True)):
+        names = _ner_names(eval_split)
+        rows: list[NerRow] = []
+        while len(rows) < rows_wanted:
+            words, tags = _ner_sentence(rng, names)
+            if tuple(words) in seen:
+                continue
+            seen.add(tuple(words))
+            rows.append({"tokens": words, "tags": tags})
+        splits.append(rows)
+    return splits[0], splits[1]
+
+
+# --------------------------------------------------------------------------------------------
 # Output
 # --------------------------------------------------------------------------------------------
 
@@ -752,6 +900,14 @@ def write_csv(path: Path, header: Sequence[str], rows: Sequence[Sequence[str]]) 
         writer = csv.writer(handle, lineterminator="\n")
         writer.writerow(header)
         writer.writerows(rows)
+
+
+def write_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+    """Write `rows` to `path` as JSON Lines (UTF-8, one object per line, LF line endings)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8", newline="\n") as handle:
+        for row in rows:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
 def main() -> None:
@@ -768,6 +924,10 @@ def main() -> None:
         ("nli/eval.csv", nli_eval),
     ):
         print(f"wrote {DATA_DIR / name} ({len(rows)} rows)")
+    ner_train, ner_eval = build_ner()
+    for name, ner_rows in (("ner/train.jsonl", ner_train), ("ner/eval.jsonl", ner_eval)):
+        write_jsonl(DATA_DIR / name, ner_rows)
+        print(f"wrote {DATA_DIR / name} ({len(ner_rows)} rows)")
 
 
 if __name__ == "__main__":

@@ -352,10 +352,12 @@ _passage: _TerminalPassage | None = None
 _last_draw = 0.0
 
 
-def start(stream: TextIO = sys.stderr) -> LiveLine | None:
-    """The live line on `stream` when it is a terminal (and TERM is not `dumb`), with what is
-    written to the terminal meanwhile printed above it; None otherwise."""
+def start(stream: TextIO | None = None) -> LiveLine | None:
+    """The live line on `stream` (default: sys.stderr as it is now, not as it was when this
+    module was imported) when it is a terminal (and TERM is not `dumb`), with what is written
+    to the terminal meanwhile printed above it; None otherwise."""
     global _line, _passage
+    stream = stream if stream is not None else sys.stderr
     if os.environ.get(RELAY_ENV):
         _line = _RelayLine(stream)  # a worker of `--gpus`: its launcher draws the line
         return _line

@@ -167,8 +167,8 @@ def test_an_oom_in_a_trial_lowers_the_cached_size(
     from tests.test_batch_finder import training_peak
     from trainer.batch_finder import batch_key
     from trainer.config import TrainJob
-    from trainer.data import prepare_data
     from trainer.model import load_tokenizer
+    from trainer.tasks import prepare_data
 
     config_path = long_text_config(tmp_path, n_trials=1)
     config = load_config(config_path)

@@ -27,11 +27,12 @@ from trainer.batch_finder import (
     search_largest,
 )
 from trainer.config import TrainJob
-from trainer.data import PreparedData, prepare_data
+from trainer.data import PreparedData
 from trainer.memory import BUDGET_ENV, MemoryBudget, OutOfMemoryAtBatchOne, is_oom
 from trainer.memory_share import SHARE_ENV, memory_share
 from trainer.model import load_tokenizer
 from trainer.progress import Progress
+from trainer.tasks import prepare_data
 
 CPU = torch.device("cpu")
 

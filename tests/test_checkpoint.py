@@ -22,9 +22,10 @@ from tests.test_trainer import tiny_job
 from trainer import checkpoint as ckpt
 from trainer.checkpoint import CheckpointStore
 from trainer.config import TrainJob
-from trainer.data import PreparedData, prepare_data
+from trainer.data import PreparedData
 from trainer.loop import Evaluation, Trainer, TrainResult
 from trainer.model import build_model, load_tokenizer
+from trainer.tasks import prepare_data
 
 
 @pytest.fixture

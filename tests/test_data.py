@@ -14,9 +14,10 @@ import pytest
 from tests.conftest import MINILM_TOKENIZER, easy_rows, write_csv
 from trainer import data as data_module
 from trainer.config import DataConfig, ModelConfig
-from trainer.data import Padding, collate, eval_batches, plan_epoch, prepare_data
+from trainer.data import Padding, collate, eval_batches, plan_epoch
 from trainer.errors import DataError
 from trainer.model import load_tokenizer
+from trainer.tasks import prepare_data
 
 
 @pytest.fixture(scope="module")
@@ -126,9 +127,11 @@ def test_cache_skips_tokenization_on_the_second_load(
     )
     first = prepare_data(config, tokenizer)
     calls = []
-    real = data_module.tokenize_table
+    import trainer.tasks.base as task_base
+
+    real = task_base.tokenize_texts
     monkeypatch.setattr(
-        data_module, "tokenize_table", lambda *a, **k: calls.append(1) or real(*a, **k)
+        task_base, "tokenize_texts", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
     second = prepare_data(config, tokenizer)
     assert calls == []

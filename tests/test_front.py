@@ -15,7 +15,9 @@ from hpo.reports import status as report
 from hpo.reports.summary import summary_lines
 from hpo.trial.folders import prepare_trial_folder, remove_stale_checkpoints
 from hpo.trial.front import FrontRule, best_of, rule_for
-from trainer.metrics import chance_levels
+from trainer.config import DataConfig, TrainingConfig
+from trainer.data import TokenizedSplit
+from trainer.tasks import make_task
 
 MAX = StudyDirection.MAXIMIZE
 # [accuracy, samples_per_s] on an evaluation split where the most common label is half of it.
@@ -52,7 +54,9 @@ def test_when_no_trial_beats_chance_the_front_is_of_all() -> None:
 
 
 def test_chance_levels_are_what_answering_the_common_label_scores() -> None:
-    levels = chance_levels(np.array([0, 0, 0, 1]), num_labels=3)
+    task = make_task("sequence_classification", DataConfig(), TrainingConfig())
+    split = TokenizedSplit(np.arange(4, dtype=np.int32), np.arange(5), None, np.array([0, 0, 0, 1]))
+    levels = task.chance_levels(split, ["a", "b", "c"])
     assert levels["accuracy"] == 0.75
     assert levels["macro_f1"] == pytest.approx((2 * 0.75 / 1.75) / 2)  # class 1 scores 0
     assert levels["eval_loss"] == pytest.approx(-(0.75 * math.log(0.75) + 0.25 * math.log(0.25)))

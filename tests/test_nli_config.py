@@ -7,9 +7,9 @@ from pathlib import Path
 from hpo.config.loader import load_config
 from tests.conftest import REPO
 from trainer.config import TrainJob
-from trainer.data import prepare_data
 from trainer.loop import train
 from trainer.model import load_tokenizer
+from trainer.tasks import prepare_data
 
 
 def test_nli_minilm_config_trains_a_few_steps(tmp_path: Path) -> None:

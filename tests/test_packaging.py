@@ -69,10 +69,13 @@ def test_every_shipped_module_serves_the_command_line() -> None:
     }
     modules = {name.removesuffix(".__init__") for name in files}
     by_module = {name.removesuffix(".__init__"): path for name, path in files.items()}
-    # The fork server imports its preload list by name (hpo.trial.fork_server only there).
+    # Task modules are imported by name from the catalog (trainer.tasks.task_class), and the
+    # fork server imports its preload list by name (hpo.trial.fork_server only there).
     from hpo.trial.process import _PRELOAD
+    from trainer.tasks import TASKS
 
-    reached, todo = set(), ["hpo.__main__", *(name for name in _PRELOAD if name in modules)]
+    by_name = [f"trainer.tasks.{t.module}" for t in TASKS.values()] + _PRELOAD
+    reached, todo = set(), ["hpo.__main__", *(name for name in by_name if name in by_module)]
     while todo:
         module = todo.pop()
         if module in reached:

@@ -193,8 +193,8 @@ def test_a_worker_killed_between_a_trials_end_and_its_record_leaves_it_resumable
     from hpo.trial.objective import Objective
     from storage import open_storage
     from storage.url import StorageURL
-    from trainer.data import prepare_data
     from trainer.model import load_tokenizer
+    from trainer.tasks import prepare_data
 
     raw = tiny_config(
         *easy_data,

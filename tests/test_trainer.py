@@ -16,10 +16,11 @@ import torch.nn.functional as F
 from tests.conftest import MINILM_TOKENIZER, TINY_BERT, easy_rows, write_csv
 from trainer import loaders, loop, step
 from trainer.config import DataConfig, ModelConfig, TrainingConfig, TrainJob
-from trainer.data import BatchCollator, PreparedData, collate, prepare_data
+from trainer.data import BatchCollator, PreparedData, collate
 from trainer.loop import Evaluation, train
 from trainer.model import build_model, load_tokenizer
 from trainer.step import accumulate_gradients, grad_accum_steps_for, optimizer_step
+from trainer.tasks import make_task, prepare_data
 
 
 def tiny_job(train_file: Path, eval_file: Path, **training: object) -> TrainJob:
@@ -70,10 +71,12 @@ def test_accumulated_step_equals_one_big_batch(
 
     from contextlib import nullcontext
 
+    task = make_task(job.task, job.data, cfg)
+
     results = []
     for net, batches in ((model, micro), (twin, whole)):
         optimizer, _ = step.make_optimizer(net, cfg)
-        loss = accumulate_gradients(net, batches, cfg, nullcontext, weights)
+        loss = accumulate_gradients(net, batches, cfg, nullcontext, task, weights)
         grads = [p.grad.clone() for p in net.parameters() if p.grad is not None]
         optimizer_step(net, optimizer, cfg)
         results.append((loss, grads, [p.detach().clone() for p in net.parameters()]))
@@ -113,12 +116,14 @@ def test_non_finite_loss_is_reported_as_divergence(
     prepared: tuple[TrainJob, PreparedData], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     job, data = prepared
-    real = step.step_loss
+    from trainer.tasks.sequence_classification import SequenceClassification
+
+    real = SequenceClassification.loss_sum
 
     def poisoned(*args: object, **kwargs: object) -> torch.Tensor:
         return real(*args, **kwargs) * float("nan")  # type: ignore[arg-type]
 
-    monkeypatch.setattr(step, "step_loss", poisoned)
+    monkeypatch.setattr(SequenceClassification, "loss_sum", poisoned)
     result = train(job, data)
     assert result.status == "diverged"
     assert result.stop_reason is not None and "non-finite training loss" in result.stop_reason

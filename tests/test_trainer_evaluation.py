@@ -15,11 +15,13 @@ import torch.nn.functional as F
 
 from tests.test_trainer import tiny_job
 from trainer import evaluation
-from trainer.data import Padding, TokenizedSplit, prepare_data
+from trainer.config import DataConfig, TrainingConfig
+from trainer.data import Padding, TokenizedSplit
 from trainer.evaluation import Evaluator, is_evaluation_step
 from trainer.loaders import LoaderSettings
 from trainer.loop import Trainer
 from trainer.model import load_tokenizer
+from trainer.tasks import make_task, prepare_data
 
 CPU = torch.device("cpu")
 
@@ -104,7 +106,9 @@ def test_metrics_follow_the_labels_of_each_batch_in_any_order(
     )
     settings = LoaderSettings(pad_token_id=0, padding=Padding(), num_workers=0, pin_memory=False,
                               seed=0)  # fmt: skip
-    metrics = Evaluator(split, 3, 8, settings, CPU, "fp32")(FirstTokenIsTheClass(3))
+    task = make_task("sequence_classification", DataConfig(), TrainingConfig())
+    evaluator = Evaluator(split, task, ["a", "b", "c"], 8, settings, CPU, "fp32")
+    metrics = evaluator(FirstTokenIsTheClass(3))
     assert metrics["accuracy"] == 1.0 and metrics["macro_f1"] == 1.0
     expected_loss = F.cross_entropy(torch.tensor([[5.0, 0.0, 0.0]]), torch.tensor([0])).item()
     assert metrics["eval_loss"] == pytest.approx(expected_loss, rel=1e-5)

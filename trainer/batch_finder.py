@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol
 
 import torch
-import torch.nn.functional as F
 
 from trainer import device as dev
 from trainer.compiled import compile_model
@@ -32,6 +31,7 @@ from trainer.memory import (
 )
 from trainer.model import build_model, model_fingerprint
 from trainer.step import make_optimizer, optimizer_step
+from trainer.tasks import make_task
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,7 @@ def batch_key(job: TrainJob, device: torch.device, precision: str) -> dict[str, 
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     key = {
         "model": model_fingerprint(job.model),
+        "task": job.task,
         "max_length": job.data.max_length,
         "precision": precision,
         "gradient_checkpointing": job.model.gradient_checkpointing,
@@ -133,7 +134,9 @@ class BatchFinder:
         claim_memory_share(device)
         self.precision = dev.resolve_precision(self.cfg.precision, device)
         # Built once on the CPU; every probe moves a deep copy, so the search changes nothing.
-        self.base_model = build_model(job.model, label_names, self.cfg.seed)
+        self.task = make_task(job.task, job.data, job.training)
+        self.num_labels = len(label_names)
+        self.base_model = build_model(job.model, label_names, self.cfg.seed, task=job.task)
         self.vocab_size = int(getattr(self.base_model, "config").vocab_size)  # noqa: B009
         self.probes: list[Probe] = []
 
@@ -176,7 +179,8 @@ class BatchFinder:
         model = self._fresh_model()
         forward = compile_model(model) if self.job.model.compile else model
         optimizer, _ = make_optimizer(model, self.cfg)
-        labels = torch.zeros(size, dtype=torch.long, device=self.device)
+        length = self.job.data.max_length
+        labels = self.task.worst_case_labels(size, length, self.num_labels).to(self.device)
         # The first step allocates the AdamW state. The second accumulates two micro-batches,
         # so the second forward and backward run with the optimizer state and the first one's
         # gradients in memory, as every accumulated training step does (without the gradients,
@@ -185,7 +189,8 @@ class BatchFinder:
             for _ in range(micro_batches):
                 with dev.autocast(self.device, self.precision):
                     logits = forward(**self._inputs(size)).logits
-                F.cross_entropy(logits.float(), labels).backward()
+                loss = self.task.loss_sum(logits, labels) / self.task.units(labels)
+                loss.backward()
                 del logits
             optimizer_step(model, optimizer, self.cfg)
         eval_size = self.cfg.eval_batch_size or 2 * size

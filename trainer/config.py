@@ -64,6 +64,17 @@ class DataConfig:
     train_split: str = _doc("Split to read when train_file is a saved DatasetDict.", "train")
     eval_split: str = _doc("Split to read when eval_file is a saved DatasetDict.", "validation")
     max_length: int = _doc("Tokens per example after truncation.", 128)
+    label_separator: str = _doc(
+        "multi_label_classification: what separates the labels in a CSV cell (JSONL and "
+        "Parquet hold a list).",
+        "|",
+    )
+    prompt_column: str | None = _doc(
+        "causal_lm: column with the prompt; the loss counts only the completion's tokens."
+    )
+    completion_column: str | None = _doc(
+        "causal_lm: column with the completion that follows the prompt (with prompt_column)."
+    )
     cache_dir: str | None = _doc(
         "Tokenized-data cache; default $HPO_CACHE_DIR or ~/.cache/hpo/tokenized."
     )
@@ -156,6 +167,10 @@ class TrainingConfig:
     adam_beta2: float = _doc("AdamW beta2.", 0.999)
     adam_epsilon: float = _doc("AdamW epsilon.", 1e-8)
     label_smoothing: float = _doc("Cross-entropy label smoothing in [0, 1).", 0.0)
+    threshold: float = _doc(
+        "multi_label_classification: a label is predicted when its probability is at least this.",
+        0.5,
+    )
     class_weights: list[float] | Literal["balanced"] | None = _doc(
         "Per-class loss weights in label order, or `balanced` (inverse class frequency)."
     )
@@ -245,3 +260,4 @@ class TrainJob:
     data: DataConfig
     model: ModelConfig
     training: TrainingConfig
+    task: str = "sequence_classification"  # a name in trainer.tasks.TASKS

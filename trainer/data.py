@@ -1,5 +1,8 @@
 """Labelled text in, padded tensors out: table loading, label mapping, cached tokenization,
 length-grouped optimizer steps split into balanced micro-batches, and dynamic padding.
+
+What a row's target is (a class, a number, a tag per word) is the task's to say
+(`trainer.tasks`); this module stores and batches whatever it encoded.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -25,31 +28,35 @@ import torch
 from trainer.config import DataConfig
 from trainer.errors import DataError
 
-CACHE_FORMAT_VERSION = 2  # 2: a folder of .npy files, memory-mapped; 1 was one .npz
+CACHE_FORMAT_VERSION = 3  # 3: targets of any task; 2: a folder of .npy files; 1: one .npz
 # Steps per shuffled pool that is sorted by length before it is cut into steps.
 STEPS_PER_LENGTH_POOL = 16
 
 
 @dataclass
 class TokenizedSplit:
-    """Variable-length token ids stored flat, with per-example offsets and integer labels."""
+    """Variable-length token ids stored flat, with per-example offsets, and the targets: one
+    per example (`labels`) or one per token (`token_labels`), as the task encoded them."""
 
     ids: np.ndarray  # int32, all examples concatenated
-    offsets: np.ndarray  # int64, len(labels) + 1
+    offsets: np.ndarray  # int64, examples + 1
     type_ids: np.ndarray | None  # int8, same layout as ids, for models with segment embeddings
-    labels: np.ndarray  # int64
+    # Per example: int64 class ids, float32 numbers, or float32 multi-hot rows [examples, labels].
+    labels: np.ndarray | None
+    # Per token, same layout as ids: int64 targets, -100 where a token counts for nothing.
+    token_labels: np.ndarray | None = None
     # The cache entry these arrays are memory-mapped from, if any. A split from the cache is
     # pickled (to a trial process) as this path alone: the receiver maps the same files, so
     # the pages are shared by every process of the host instead of copied into each.
     cached_at: Path | None = field(default=None, compare=False)
 
     def __len__(self) -> int:
-        return len(self.labels)
+        return len(self.offsets) - 1
 
     def __reduce__(self) -> tuple[Any, ...]:
         if self.cached_at is not None and self.cached_at.is_dir():
             return (_load_split, (self.cached_at,))
-        arrays = (self.ids, self.offsets, self.type_ids, self.labels)
+        arrays = (self.ids, self.offsets, self.type_ids, self.labels, self.token_labels)
         # Copies: a memory-mapped array whose files are gone pickles as plain data.
         return (TokenizedSplit, tuple(None if a is None else np.asarray(a) for a in arrays))
 
@@ -60,12 +67,14 @@ class TokenizedSplit:
 
 @dataclass
 class PreparedData:
-    """Both splits, tokenized, and the label names in id order."""
+    """Both splits, tokenized, and the names of the model's outputs in id order (classes,
+    tags; none where the task's outputs have no names)."""
 
     train: TokenizedSplit
     eval: TokenizedSplit
     label_names: list[str]
     pad_token_id: int
+    task: str = "sequence_classification"
 
     @property
     def num_labels(self) -> int:
@@ -76,14 +85,17 @@ def with_eval_in_training(data: PreparedData) -> PreparedData:
     """Train on both splits (a final model trained on every labelled example); the evaluation
     split stays as it is, so its metric is no longer a held-out one."""
     train, held = data.train, data.eval
-    type_ids = None
-    if train.type_ids is not None and held.type_ids is not None:
-        type_ids = np.concatenate([train.type_ids, held.type_ids])
+
+    def joined_array(name: str) -> np.ndarray | None:
+        first, second = getattr(train, name), getattr(held, name)
+        return None if first is None or second is None else np.concatenate([first, second])
+
     joined = TokenizedSplit(
         ids=np.concatenate([train.ids, held.ids]),
         offsets=np.concatenate([train.offsets, held.offsets[1:] + train.offsets[-1]]),
-        type_ids=type_ids,
-        labels=np.concatenate([train.labels, held.labels]),
+        type_ids=joined_array("type_ids"),
+        labels=joined_array("labels"),
+        token_labels=joined_array("token_labels"),
     )
     return dataclasses.replace(data, train=joined)
 
@@ -349,7 +361,7 @@ def _check_no_missing(values: list[Any], source: str) -> None:
             raise DataError(f"{source}: row {row + 1} has no label; fill it in or drop the row")
 
 
-def _text_column(table: dict[str, list[Any]], column: str, source: str, key: str) -> list[str]:
+def text_column(table: dict[str, list[Any]], column: str, source: str, key: str) -> list[str]:
     if column not in table:
         raise DataError(
             f"{source}: no column {column!r} (columns: {sorted(table)}); set data.{key}"
@@ -364,29 +376,60 @@ def _text_column(table: dict[str, list[Any]], column: str, source: str, key: str
 # -- tokenization with an on-disk cache ----------------------------------------------------------
 
 
-def prepare_data(config: DataConfig, tokenizer: Any) -> PreparedData:
-    """Load and tokenize both splits, reusing the on-disk cache when nothing changed."""
+class RowEncoder(Protocol):
+    """What prepare_splits needs of a task (trainer.tasks.base.Task has it all)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def required_columns(self) -> list[str]: ...
+
+    def label_names(self, table: dict[str, list[Any]], source: str) -> list[str]: ...
+
+    def encode(
+        self, table: dict[str, list[Any]], source: str, tokenizer: Any, label_names: list[str]
+    ) -> TokenizedSplit: ...
+
+    def cache_parts(self) -> dict[str, Any]: ...
+
+    def check_split(self, split: TokenizedSplit, source: str) -> None: ...
+
+
+def prepare_splits(config: DataConfig, tokenizer: Any, task: RowEncoder) -> PreparedData:
+    """Load and encode both splits for `task`, reusing the on-disk cache when nothing changed.
+    trainer.tasks.prepare_data is the usual way in (a task by name)."""
     train_table = read_table(config.train_file, config.train_split)
     eval_table = read_table(config.eval_file, config.eval_split)
     for table, source in ((train_table, config.train_file), (eval_table, config.eval_file)):
-        if config.label_column not in table:
-            raise DataError(
-                f"{source}: no label column {config.label_column!r} (columns: {sorted(table)}); "
-                "set data.label_column"
-            )
-        if not table[config.label_column]:
+        for column in task.required_columns():
+            if column not in table:
+                raise DataError(
+                    f"{source}: no column {column!r} (columns: {sorted(table)}); "
+                    f"{_column_setting(config, column)}"
+                )
+        if not any(len(values) for values in table.values()):
             raise DataError(f"{source}: no rows; the file is empty")
-    label_names = label_vocabulary(
-        train_table[config.label_column], config.train_file, config.label_column
-    )
-    train = _tokenize_cached(
-        config, tokenizer, train_table, (config.train_file, config.train_split), label_names
-    )
-    evaluation = _tokenize_cached(
-        config, tokenizer, eval_table, (config.eval_file, config.eval_split), label_names
-    )
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return PreparedData(train, evaluation, label_names, int(pad_id))
+    label_names = task.label_names(train_table, config.train_file)
+    splits = []
+    for table, where in (
+        (train_table, (config.train_file, config.train_split)),
+        (eval_table, (config.eval_file, config.eval_split)),
+    ):
+        split = _tokenize_cached(config, tokenizer, table, where, label_names, task)
+        task.check_split(split, where[0])
+        splits.append(split)
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:  # GPT-2-like tokenizers have none: pads are masked out, any id does
+        pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    return PreparedData(splits[0], splits[1], label_names, int(pad_id), task.name)
+
+
+def _column_setting(config: DataConfig, column: str) -> str:
+    """The data setting that names `column`, for a message that says what to set."""
+    for field_ in dataclasses.fields(config):
+        if field_.name.endswith("_column") and getattr(config, field_.name) == column:
+            return f"set data.{field_.name}"
+    return "check the data settings"
 
 
 def _tokenize_cached(
@@ -395,9 +438,10 @@ def _tokenize_cached(
     table: dict[str, list[Any]],
     source: tuple[str, str],
     label_names: list[str],
+    task: RowEncoder,
 ) -> TokenizedSplit:
     """`source` is (path, split); the split matters only for saved DatasetDict folders."""
-    key = _cache_key(config, tokenizer, source, label_names)
+    key = _cache_key(config, tokenizer, source, label_names, task.cache_parts())
     path = cache_dir(config) / key
     if path.is_dir():
         try:
@@ -405,39 +449,37 @@ def _tokenize_cached(
         except (OSError, ValueError):
             # A damaged entry is rebuilt below. Processes that map it keep their pages.
             shutil.rmtree(path, ignore_errors=True)
-    _save_split(tokenize_table(config, tokenizer, table, source[0], label_names), path)
+    _save_split(task.encode(table, source[0], tokenizer, label_names), path)
     return _load_split(path)
 
 
-def tokenize_table(
-    config: DataConfig,
-    tokenizer: Any,
-    table: dict[str, list[Any]],
-    source: str,
-    label_names: list[str],
+def tokenize_texts(
+    tokenizer: Any, texts: list[str], pairs: list[str] | None, max_length: int
 ) -> TokenizedSplit:
-    texts = _text_column(table, config.text_column, source, "text_column")
-    pairs = None
-    if config.text_pair_column is not None:
-        pairs = _text_column(table, config.text_pair_column, source, "text_pair_column")
-    labels = encode_labels(table[config.label_column], label_names, source)
+    """Texts (or text pairs) tokenized and truncated to `max_length`, stored flat, no targets."""
     encoded = tokenizer(
         texts,
         pairs,
         truncation=True,
-        max_length=config.max_length,
+        max_length=max_length,
         padding=False,
         return_attention_mask=False,
     )
-    input_ids = encoded["input_ids"]
+    return flat_split(encoded["input_ids"], encoded.get("token_type_ids"))
+
+
+def flat_split(
+    input_ids: list[list[int]], token_type_ids: list[list[int]] | None
+) -> TokenizedSplit:
+    """Per-example token id lists stored flat, with their offsets."""
     lengths = np.fromiter((len(x) for x in input_ids), dtype=np.int64, count=len(input_ids))
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     ids = np.fromiter((t for x in input_ids for t in x), dtype=np.int32, count=int(offsets[-1]))
     type_ids = None
-    if "token_type_ids" in encoded:
-        flat = (t for x in encoded["token_type_ids"] for t in x)
+    if token_type_ids is not None:
+        flat = (t for x in token_type_ids for t in x)
         type_ids = np.fromiter(flat, dtype=np.int8, count=int(offsets[-1]))
-    return TokenizedSplit(ids, offsets, type_ids, labels)
+    return TokenizedSplit(ids, offsets, type_ids, None)
 
 
 def cache_dir(config: DataConfig) -> Path:
@@ -453,7 +495,11 @@ def hpo_cache_root() -> Path:
 
 
 def _cache_key(
-    config: DataConfig, tokenizer: Any, source: tuple[str, str], label_names: list[str]
+    config: DataConfig,
+    tokenizer: Any,
+    source: tuple[str, str],
+    label_names: list[str],
+    task_parts: dict[str, Any],
 ) -> str:
     digest = hashlib.sha256()
     parts = {
@@ -464,6 +510,7 @@ def _cache_key(
         "max_length": config.max_length,
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "labels": label_names,
+        "task": task_parts,
     }
     digest.update(json.dumps(parts, sort_keys=True).encode())
     return digest.hexdigest()[:32]
@@ -494,7 +541,15 @@ def content_hash(path: Path) -> str:
     return digest.hexdigest()
 
 
-_SPLIT_ARRAYS = {"ids": np.int32, "offsets": np.int64, "type_ids": np.int8, "labels": np.int64}
+# Each array of a split, with the types it may have (the first for ids, offsets and type ids).
+_SPLIT_ARRAYS: dict[str, tuple[type, ...]] = {
+    "ids": (np.int32,),
+    "offsets": (np.int64,),
+    "type_ids": (np.int8,),
+    "labels": (np.int64, np.float32),
+    "token_labels": (np.int64,),
+}
+_OPTIONAL_ARRAYS = ("type_ids", "labels", "token_labels")
 
 
 def _save_split(split: TokenizedSplit, path: Path) -> None:
@@ -503,10 +558,12 @@ def _save_split(split: TokenizedSplit, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     aside = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     try:
-        for name in _SPLIT_ARRAYS:
+        for name, dtypes in _SPLIT_ARRAYS.items():
             array = getattr(split, name)
             if array is not None:
-                np.save(aside / f"{name}.npy", np.asarray(array, dtype=_SPLIT_ARRAYS[name]))
+                if array.dtype not in dtypes:
+                    array = np.asarray(array, dtype=dtypes[0])
+                np.save(aside / f"{name}.npy", array)
         try:
             aside.rename(path)
         except OSError:
@@ -519,22 +576,25 @@ def _save_split(split: TokenizedSplit, path: Path) -> None:
 def _load_split(path: Path) -> TokenizedSplit:
     """A cache entry, memory-mapped read-only; ValueError when its files do not fit together."""
     arrays: dict[str, np.ndarray | None] = {}
-    for name, dtype in _SPLIT_ARRAYS.items():
+    for name, dtypes in _SPLIT_ARRAYS.items():
         file = path / f"{name}.npy"
-        if name == "type_ids" and not file.exists():
+        if name in _OPTIONAL_ARRAYS and not file.exists():
             arrays[name] = None
             continue
         array = np.load(file, mmap_mode="r", allow_pickle=False)
-        if array.dtype != dtype or array.ndim != 1:
-            raise ValueError(f"{file}: {array.dtype}[{array.ndim}d], expected {dtype.__name__}")
+        if array.dtype not in dtypes or not 1 <= array.ndim <= (2 if name == "labels" else 1):
+            raise ValueError(f"{file}: {array.dtype}[{array.ndim}d], not a {name} array")
         arrays[name] = array
-    ids, offsets, type_ids, labels = (arrays[name] for name in _SPLIT_ARRAYS)
-    assert ids is not None and offsets is not None and labels is not None
-    if len(offsets) != len(labels) + 1 or offsets[0] != 0 or offsets[-1] != len(ids):
-        raise ValueError(f"{path}: offsets do not match ids and labels")
-    if type_ids is not None and len(type_ids) != len(ids):
-        raise ValueError(f"{path}: type_ids do not match ids")
-    return TokenizedSplit(ids, offsets, type_ids, labels, cached_at=path)
+    ids, offsets, type_ids, labels, token_labels = (arrays[name] for name in _SPLIT_ARRAYS)
+    assert ids is not None and offsets is not None
+    if offsets[0] != 0 or offsets[-1] != len(ids):
+        raise ValueError(f"{path}: offsets do not match ids")
+    if labels is not None and len(labels) != len(offsets) - 1:
+        raise ValueError(f"{path}: labels do not match offsets")
+    for name, array in (("type_ids", type_ids), ("token_labels", token_labels)):
+        if array is not None and len(array) != len(ids):
+            raise ValueError(f"{path}: {name} do not match ids")
+    return TokenizedSplit(ids, offsets, type_ids, labels, token_labels, cached_at=path)
 
 
 # -- batching ------------------------------------------------------------------------------------
@@ -621,16 +681,24 @@ def collate(
     type_ids = (
         np.zeros((len(indices), width), dtype=np.int64) if split.type_ids is not None else None
     )
+    token_labels = split.token_labels
+    labels = (
+        np.full((len(indices), width), -100, dtype=np.int64)
+        if token_labels is not None
+        else np.asarray(split.labels)[indices]
+    )
     for row, (start, end) in enumerate(zip(starts, ends, strict=True)):
         n = end - start
         input_ids[row, :n] = split.ids[start:end]
         mask[row, :n] = 1
         if type_ids is not None and split.type_ids is not None:
             type_ids[row, :n] = split.type_ids[start:end]
+        if token_labels is not None:
+            labels[row, :n] = token_labels[start:end]
     batch = {
         "input_ids": torch.from_numpy(input_ids),
         "attention_mask": torch.from_numpy(mask),
-        "labels": torch.from_numpy(split.labels[indices]),
+        "labels": torch.from_numpy(labels),
     }
     if type_ids is not None:
         batch["token_type_ids"] = torch.from_numpy(type_ids)

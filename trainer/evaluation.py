@@ -9,13 +9,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from trainer import device as dev
 from trainer.data import TokenizedSplit, eval_batches
 from trainer.loaders import LoaderSettings, to_device
 from trainer.memory import OutOfMemoryAtBatchOne, none_on_oom, release_memory
-from trainer.metrics import accuracy, macro_f1
+from trainer.tasks.base import Task
 
 log = logging.getLogger(__name__)
 
@@ -57,31 +56,32 @@ def evaluate_batches(
     batches: Iterable[dict[str, torch.Tensor]],
     device: torch.device,
     precision: str,
-    num_labels: int,
+    task: Task,
+    label_names: list[str],
     non_blocking: bool = False,
 ) -> dict[str, float]:
-    """Accuracy, macro-F1 and mean loss of `model` over `batches`, in whatever order they come:
-    each batch carries its own labels."""
-    predictions: list[torch.Tensor] = []
-    labels: list[torch.Tensor] = []
+    """The task's metrics and mean loss of `model` over `batches`, in whatever order they come:
+    each batch carries its own labels. What the metrics need stays on the device until the
+    end: one host sync per evaluation."""
+    kept: dict[str, list[torch.Tensor]] = {"labels": []}
     loss_sum = torch.zeros((), device=device)
+    units: torch.Tensor | int = 0
     with torch.inference_mode():
         for batch in batches:
             host_labels = batch["labels"]
             inputs = to_device(batch, device, non_blocking)
             target = inputs.pop("labels")
             with dev.autocast(device, precision):
-                logits = model(**inputs).logits.float()
-            loss_sum += F.cross_entropy(logits, target, reduction="sum")
-            predictions.append(logits.argmax(dim=-1))
-            labels.append(host_labels)
-    predicted = torch.cat(predictions).cpu().numpy()  # one host sync per evaluation
-    truth = torch.cat(labels).numpy()
-    return {
-        "accuracy": accuracy(predicted, truth),
-        "macro_f1": macro_f1(predicted, truth, num_labels),
-        "eval_loss": float(loss_sum.item()) / len(truth),
-    }
+                logits = model(**inputs).logits
+            loss_sum += task.loss_sum(logits, target)
+            units = units + task.units(target)
+            for name, value in task.eval_outputs(logits, target).items():
+                kept.setdefault(name, []).append(value)
+            kept["labels"].append(host_labels)
+    outputs = {name: [t.cpu().numpy() for t in values] for name, values in kept.items()}
+    count = int(units.item()) if isinstance(units, torch.Tensor) else units
+    eval_loss = float(loss_sum.item()) / count if count else float("nan")
+    return task.metrics(outputs, eval_loss, label_names)
 
 
 class Evaluator:
@@ -90,13 +90,14 @@ class Evaluator:
     def __init__(
         self,
         split: TokenizedSplit,
-        num_labels: int,
+        task: Task,
+        label_names: list[str],
         batch_size: int,
         loaders: LoaderSettings,
         device: torch.device,
         precision: str,
     ) -> None:
-        self.split, self.num_labels = split, num_labels
+        self.split, self.task, self.label_names = split, task, label_names
         self.loaders, self.device, self.precision = loaders, device, precision
         self.oom_recoveries = 0
         self.use_batch_size(batch_size)
@@ -126,7 +127,8 @@ class Evaluator:
                 self.loader,
                 self.device,
                 self.precision,
-                self.num_labels,
+                self.task,
+                self.label_names,
                 non_blocking=self.loaders.pin_memory,
             )
         finally:

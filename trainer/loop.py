@@ -56,6 +56,7 @@ from trainer.step import (
     make_optimizer,
     optimizer_step,
 )
+from trainer.tasks import make_task
 
 __all__ = [
     "Evaluation",
@@ -82,8 +83,16 @@ ShouldStop = Callable[[], bool]
 class Trainer:
     """One training run of one hyperparameter setting."""
 
-    def __init__(self, job: TrainJob, data: PreparedData, metric: str = "accuracy") -> None:
-        self.job, self.cfg, self.data, self.metric = job, job.training, data, metric
+    def __init__(self, job: TrainJob, data: PreparedData, metric: str | None = None) -> None:
+        self.job, self.cfg, self.data = job, job.training, data
+        if data.task != job.task:
+            raise ValueError(f"data prepared for the task {data.task}, the job is {job.task}")
+        self.task = make_task(job.task, job.data, job.training)
+        self.metric = metric or self.task.info.default_metric
+        if self.metric not in self.task.info.metrics:
+            raise ValueError(f"the task {job.task} has no metric {self.metric}; its metrics: "
+                             f"{', '.join(self.task.info.metrics)}")  # fmt: skip
+        self.direction = self.task.info.metrics[self.metric]
         self.device = dev.resolve_device(self.cfg.device)
         claim_memory_share(self.device)
         self.compiled_before = compile_stats()
@@ -113,12 +122,20 @@ class Trainer:
         self.train_loader = self.loaders.build(data.train, self.train_sampler)
         eval_batch_size = self.cfg.eval_batch_size or 2 * self.physical_batch_size
         self.evaluator = Evaluator(
-            data.eval, data.num_labels, eval_batch_size, self.loaders, self.device, self.precision
+            data.eval,
+            self.task,
+            data.label_names,
+            eval_batch_size,
+            self.loaders,
+            self.device,
+            self.precision,
         )
 
     def _build_model_and_optimizer(self) -> None:
         torch.manual_seed(self.cfg.seed)
-        self.model = build_model(self.job.model, self.data.label_names, self.cfg.seed, self.device)
+        self.model = build_model(
+            self.job.model, self.data.label_names, self.cfg.seed, self.device, self.job.task
+        )
         self.model.to(self.device)  # a pretrained model loads on the CPU
         self.forward_model: torch.nn.Module = self.model
         if self.job.model.compile:
@@ -143,16 +160,9 @@ class Trainer:
         return self.step_oom_recoveries + self.evaluator.oom_recoveries
 
     def _class_weights(self) -> torch.Tensor | None:
-        weights = self.cfg.class_weights
-        if weights is None:
+        values = self.task.class_weights(self.data.train, self.data.label_names)
+        if values is None:
             return None
-        if weights == "balanced":
-            counts = np.bincount(self.data.train.labels, minlength=self.data.num_labels)
-            values = len(self.data.train) / (self.data.num_labels * np.maximum(counts, 1))
-        else:
-            for key, _, rule in self.cfg.data_problems(self.data.label_names):
-                raise ValueError(f"training.{key} {rule}")  # hpo run checks this up front
-            values = np.asarray(weights)
         return torch.tensor(values, dtype=torch.float32, device=self.device)
 
     def _autocast(self) -> Any:
@@ -304,6 +314,7 @@ class Trainer:
             micro_batches,
             self.cfg,
             self._autocast,
+            self.task,
             self.class_weights,
             self.scaler,
         )
@@ -408,7 +419,7 @@ class Trainer:
             run.stop("diverged", f"non-finite evaluation loss at step {run.step}")
             return
         value = evaluation.metrics[self.metric]
-        if is_better(value, run.best.metrics[self.metric] if run.best else None, self.metric):
+        if is_better(value, run.best.metrics[self.metric] if run.best else None, self.direction):
             run.best, run.since_best = evaluation, 0
         else:
             run.since_best += 1
@@ -455,7 +466,7 @@ def train(
     job: TrainJob,
     data: PreparedData,
     on_evaluation: OnEvaluation | None = None,
-    metric: str = "accuracy",
+    metric: str | None = None,
     checkpoints: CheckpointStore | None = None,
     should_stop: ShouldStop | None = None,
     on_progress: OnProgress | None = None,

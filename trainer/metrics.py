@@ -1,6 +1,7 @@
-"""Classification metrics computed from predictions on the host: accuracy and macro-F1.
+"""Metrics computed on the host from one evaluation's predictions, shared by the tasks:
+accuracy, F1 (macro and micro), ROC AUC, and which way a metric improves.
 
-`METRIC_DIRECTIONS` says which way each metric improves.
+Each task's own metrics, and their directions, are in `trainer.tasks`.
 """
 
 from __future__ import annotations
@@ -10,11 +11,6 @@ from typing import Literal
 import numpy as np
 
 Direction = Literal["maximize", "minimize"]
-METRIC_DIRECTIONS: dict[str, Direction] = {
-    "accuracy": "maximize",
-    "macro_f1": "maximize",
-    "eval_loss": "minimize",
-}
 
 
 def accuracy(predictions: np.ndarray, labels: np.ndarray) -> float:
@@ -36,25 +32,30 @@ def macro_f1(predictions: np.ndarray, labels: np.ndarray, num_labels: int) -> fl
     return float(np.mean(scores)) if scores else float("nan")
 
 
-def is_better(candidate: float, best: float | None, metric: str) -> bool:
+def micro_f1(predictions: np.ndarray, labels: np.ndarray) -> float:
+    """F1 over every (example, class) decision pooled. With one class per example and one
+    prediction each, every miss is one false positive and one false negative: it equals
+    accuracy (as scikit-learn's f1_score(average="micro") does)."""
+    return accuracy(predictions, labels)
+
+
+def binary_roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
+    """Area under the ROC curve of `scores` for the positive class (label 1): the chance that a
+    random positive scores above a random negative, ties counting half (Mann-Whitney U).
+    NaN when one class is absent."""
+    from scipy.stats import rankdata
+
+    positive = labels == 1
+    n_pos, n_neg = int(positive.sum()), int((~positive).sum())
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    ranks = rankdata(scores)  # ties get their mean rank
+    return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def is_better(candidate: float, best: float | None, direction: Direction) -> bool:
     if best is None:
         return True
-    if METRIC_DIRECTIONS[metric] == "maximize":
+    if direction == "maximize":
         return candidate > best
     return candidate < best
-
-
-def chance_levels(labels: np.ndarray, num_labels: int) -> dict[str, float]:
-    """What a model that learned nothing scores on these labels: accuracy and macro-F1 of
-    always answering the most common label, and the mean loss of answering the labels'
-    frequencies (their entropy, in nats, as the evaluation's cross-entropy)."""
-    if len(labels) == 0:
-        return {}
-    counts = np.bincount(labels, minlength=num_labels)
-    constant = np.full_like(labels, int(np.argmax(counts)))
-    shares = counts[counts > 0] / len(labels)
-    return {
-        "accuracy": accuracy(constant, labels),
-        "macro_f1": macro_f1(constant, labels, num_labels),
-        "eval_loss": float(-np.sum(shares * np.log(shares))),
-    }

@@ -1,5 +1,5 @@
-"""Tokenizer and sequence-classification model: from a local folder, a folder a Python package
-ships (`pkg://package/folder`), a hub name, or an inline config with random weights.
+"""Tokenizer and model, with the head of the run's task: from a local folder, a folder a Python
+package ships (`pkg://package/folder`), a hub name, or an inline config with random weights.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 
 from trainer.config import ModelConfig
 from trainer.errors import ModelError
+from trainer.tasks import DEFAULT_TASK, auto_model_class, task_class
 
 if TYPE_CHECKING:
     from trainer.data import PreparedData
@@ -62,7 +63,9 @@ def load_tokenizer(config: ModelConfig) -> Any:
         raise ModelError(_load_failure("tokenizer", location, e)) from e
 
 
-def check_model_config(config: ModelConfig, max_length: int | None = None) -> Any:
+def check_model_config(
+    config: ModelConfig, max_length: int | None = None, task: str = DEFAULT_TASK
+) -> Any:
     """Fail fast, before any trial: the model's config must load (or build) cleanly, and hold
     `max_length` (data.max_length) positions. An inline config is also built into a model on
     the meta device (no memory, no weights), which catches settings that only clash at build
@@ -74,11 +77,9 @@ def check_model_config(config: ModelConfig, max_length: int | None = None) -> An
         if folder.is_dir():  # a hub name: transformers downloads and checks its files
             check_weights(folder, _pretrained_location(config))
     if config.config is not None:
-        from transformers import AutoModelForSequenceClassification
-
         try:
             with torch.device("meta"):
-                AutoModelForSequenceClassification.from_config(
+                auto_model_class(task).from_config(
                     model_config, attn_implementation=config.attn_implementation
                 )
         except (ValueError, TypeError, ImportError, RuntimeError) as e:
@@ -122,27 +123,31 @@ def _largest(data: PreparedData, field_name: str) -> int | None:
 
 
 def build_model(
-    config: ModelConfig, label_names: list[str], seed: int, device: torch.device | None = None
+    config: ModelConfig,
+    label_names: list[str],
+    seed: int,
+    device: torch.device | None = None,
+    task: str = DEFAULT_TASK,
 ) -> torch.nn.Module:
-    """A fresh model with a classification head for `label_names`, deterministic for `seed` (on
-    one kind of device). A model built from a config is initialised on `device` directly: on a
+    """A fresh model with `task`'s head for `label_names`, deterministic for `seed` (on one
+    kind of device). A model built from a config is initialised on `device` directly: on a
     GPU that takes a fraction of a second where BERT-base's random init on the CPU takes over
     one (the trial's startup, issue 11)."""
-    from transformers import AutoModelForSequenceClassification
-
-    model_config = _model_config(config, len(label_names))
-    model_config.id2label = dict(enumerate(label_names))
-    model_config.label2id = {name: i for i, name in enumerate(label_names)}
+    head = task_class(task).head_options(label_names)
+    model_config = _model_config(config, head.pop("num_labels", 2))
+    for key, value in head.items():
+        setattr(model_config, key, value)
+    auto_model = auto_model_class(task)
     torch.manual_seed(seed)  # the new head (or the whole model) initialises the same every trial
     try:
         if config.config is not None:
             with torch.device(device or "cpu"):
-                model = AutoModelForSequenceClassification.from_config(
+                model = auto_model.from_config(
                     model_config, attn_implementation=config.attn_implementation
                 )
         else:
             path = resolve_location(_pretrained_location(config))
-            model = AutoModelForSequenceClassification.from_pretrained(
+            model = auto_model.from_pretrained(
                 path,
                 config=model_config,
                 **_hub_options(path, "model"),

@@ -38,6 +38,7 @@ def run_fingerprint(job: TrainJob, label_names: list[str], examples: int) -> str
             "training": {k: v for k, v in training.items() if k not in RESUMABLE_ACROSS},
             "model": dataclasses.asdict(job.model),
             "data": dataclasses.asdict(job.data),
+            "task": job.task,
             "labels": label_names,
             "examples": examples,
         }

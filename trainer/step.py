@@ -1,17 +1,20 @@
 """One optimizer step, the primitives both the training loop and the batch finder use: AdamW,
-the warmup-then-linear schedule, the loss and exact gradient accumulation over micro-batches.
+the warmup-then-linear schedule and exact gradient accumulation over micro-batches (the loss
+itself is the task's).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from trainer.config import TrainingConfig
+
+if TYPE_CHECKING:
+    from trainer.tasks.base import Task
 
 
 def grad_accum_steps_for(effective_batch_size: int, physical_batch_size: int) -> int:
@@ -52,42 +55,30 @@ def linear_schedule(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def step_loss(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    step_samples: int,
-    cfg: TrainingConfig,
-    class_weights: torch.Tensor | None,
-) -> torch.Tensor:
-    """Summed loss over the micro-batch divided by the samples of the whole optimizer step, so
-    accumulated micro-batches give exactly the gradient of the step's mean loss."""
-    per_sample = F.cross_entropy(
-        logits.float(),
-        labels,
-        weight=class_weights,
-        label_smoothing=cfg.label_smoothing,
-        reduction="none",
-    )
-    return per_sample.sum() / step_samples
-
-
 def accumulate_gradients(
     model: torch.nn.Module,
     micro_batches: list[dict[str, torch.Tensor]],
     cfg: TrainingConfig,
     autocast: Callable[[], Any],
+    task: Task,
     class_weights: torch.Tensor | None = None,
     scaler: torch.amp.GradScaler | None = None,
 ) -> torch.Tensor:
-    """Forward and backward every micro-batch of one optimizer step; returns the step's loss."""
-    step_samples = sum(len(mb["labels"]) for mb in micro_batches)
+    """Forward and backward every micro-batch of one optimizer step; returns the step's loss.
+
+    Each micro-batch's loss is its summed loss divided by the units (examples, or counted
+    tokens) of the whole step, so the accumulated gradient is exactly that of the step's mean
+    loss, however the units fall into micro-batches. Token counts stay on the device: no sync."""
+    units = sum((task.units(mb["labels"]) for mb in micro_batches), start=0)
+    if isinstance(units, torch.Tensor):
+        units = units.clamp(min=1)  # a step of no counted token: zero loss, not NaN
     total = torch.zeros((), device=micro_batches[0]["labels"].device)
     for batch in micro_batches:
         labels = batch["labels"]
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         with autocast():
             logits = model(**inputs).logits
-        loss = step_loss(logits, labels, step_samples, cfg, class_weights)
+        loss = task.loss_sum(logits, labels, class_weights, cfg.label_smoothing) / units
         (scaler.scale(loss) if scaler is not None else loss).backward()
         total += loss.detach()
     return total

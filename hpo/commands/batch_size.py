@@ -17,9 +17,8 @@ if TYPE_CHECKING:
 def batch_size_command(args: argparse.Namespace) -> int:
     from trainer import device as dev
     from trainer.batch_finder import batch_key, find_physical_batch_size
-    from trainer.config import TrainJob
-    from trainer.data import prepare_data
     from trainer.model import check_model_config, load_tokenizer
+    from trainer.tasks import prepare_data
 
     config = load_config(args.config)
     if args.device is not None:
@@ -30,9 +29,9 @@ def batch_size_command(args: argparse.Namespace) -> int:
     # The device first: `cuda` on a host without CUDA is reported before minutes of data prep.
     source = "--device" if args.device is not None else "training.device"
     device = dev.resolve_device(config.training.device, source)
-    check_model_config(config.model, config.data.max_length)
-    data = prepare_data(config.data, load_tokenizer(config.model))
-    job = TrainJob(config.data, config.model, config.training)
+    check_model_config(config.model, config.data.max_length, config.task)
+    data = prepare_data(config.data, load_tokenizer(config.model), config.task, config.training)
+    job = config.job()
     search = find_physical_batch_size(job, data.label_names, device)
     key = batch_key(job, device, dev.resolve_precision(config.training.precision, device))
     if args.json:

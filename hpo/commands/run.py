@@ -144,15 +144,15 @@ def check_inputs(
     if before_data is not None:
         before_data(config, storage_url)
     # Only now the heavy imports: a config or URL error is reported in well under a second.
-    from trainer.data import prepare_data
     from trainer.device import resolve_device
     from trainer.model import check_model_config, load_tokenizer
+    from trainer.tasks import prepare_data
 
     set_optuna_verbosity(logging.getLogger().level)
     # The device first: `cuda` on a host without CUDA is reported before the data is prepared.
     resolve_device(config.training.device)
-    model_config = check_model_config(config.model, config.data.max_length)
-    data = prepare_data(config.data, load_tokenizer(config.model))
+    model_config = check_model_config(config.model, config.data.max_length, config.task)
+    data = prepare_data(config.data, load_tokenizer(config.model), config.task, config.training)
     log.info(
         "data: %d training and %d evaluation examples, labels %s",
         len(data.train),

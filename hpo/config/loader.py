@@ -21,6 +21,7 @@ from hpo.config.schema import Config, ParamSpec, default_search_space
 from hpo.errors import ConfigError
 from storage.url import sqlite_file_relative_to
 from trainer.config import TUNABLE_FIELDS, TrainingConfig
+from trainer.tasks import DEFAULT_TASK, TASKS
 
 # The demo config, where hpo runs from its repository (an editable install); a wheel has none.
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
@@ -120,6 +121,7 @@ def parse_config(raw: Any, base_dir: Path, source: str = "config") -> Config:
             source,
         )
     raw = dict(raw)
+    _default_metric_of_task(raw)
     space_raw = raw.pop("search_space", None)
     # search_space is built on its own below, but is a known key all the same: `search_spaces:`
     # must get its did-you-mean.
@@ -145,6 +147,21 @@ def parse_config(raw: Any, base_dir: Path, source: str = "config") -> Config:
     if problems:
         raise ConfigError(problems, source)
     return config
+
+
+def _default_metric_of_task(raw: dict[Any, Any]) -> None:
+    """A config that names a task but no study.metric optimises the task's default metric
+    (accuracy is only sequence classification's)."""
+    task, study = raw.get("task"), raw.get("study")
+    if (
+        not isinstance(task, str)
+        or task not in TASKS
+        or not (study is None or isinstance(study, dict))
+        or task == DEFAULT_TASK
+    ):
+        return
+    if study is None or "metric" not in study:
+        raw["study"] = {**(study or {}), "metric": TASKS[task].default_metric}
 
 
 def _build_search_space(raw: Any, problems: list[str]) -> dict[str, ParamSpec]:

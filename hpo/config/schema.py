@@ -11,12 +11,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from trainer.config import DataConfig, ModelConfig, TrainingConfig
-from trainer.metrics import METRIC_DIRECTIONS, Direction
+from trainer.config import DataConfig, ModelConfig, TrainingConfig, TrainJob
+from trainer.metrics import Direction
+from trainer.tasks import DEFAULT_TASK, METRIC_DIRECTIONS, TASKS
 
 DEFAULT_BATCH_CHOICES = [32, 64, 128, 256, 512]
-MetricName = Literal["accuracy", "macro_f1", "eval_loss"]
-ObjectiveName = Literal["accuracy", "macro_f1", "eval_loss", "samples_per_s"]
+# Every task's metrics (trainer.tasks.TASKS); the config's task decides which it may name.
+MetricName = Literal[
+    "accuracy", "macro_f1", "micro_f1", "roc_auc", "eval_loss", "subset_accuracy", "mse", "rmse",
+    "mae", "pearson", "spearman", "r2", "f1", "precision", "recall", "token_accuracy", "perplexity",
+]  # fmt: skip
+ObjectiveName = Literal[
+    "accuracy", "macro_f1", "micro_f1", "roc_auc", "eval_loss", "subset_accuracy", "mse", "rmse",
+    "mae", "pearson", "spearman", "r2", "f1", "precision", "recall", "token_accuracy", "perplexity",
+    "samples_per_s",
+]  # fmt: skip
 # What a study can optimise: the evaluation metrics, and a trial's training throughput.
 OBJECTIVE_DIRECTIONS: dict[str, Direction] = {**METRIC_DIRECTIONS, "samples_per_s": "maximize"}
 # study.throughput_tolerance: the run-to-run noise of samples/s is a few percent (hpo.trial.front).
@@ -156,9 +165,14 @@ class StudyConfig:
     """What the study optimises and how long it runs."""
 
     metric: MetricName | list[ObjectiveName] = _doc(
-        "Evaluation metric that is the trial's value (its best evaluation): accuracy, macro_f1 "
-        "or eval_loss. A list (e.g. [macro_f1, eval_loss], or [accuracy, samples_per_s]) makes "
-        "several objectives: the first, an evaluation metric, picks the trial's best "
+        "Evaluation metric that is the trial's value (its best evaluation), one of the task's: "
+        "sequence_classification: accuracy (the default), macro_f1, micro_f1, roc_auc (two "
+        "classes), eval_loss; multi_label_classification: micro_f1 (default), macro_f1, "
+        "subset_accuracy, eval_loss; regression: rmse (default), mse, mae, pearson, spearman, "
+        "r2, eval_loss; token_classification: f1 (default; entity-level), precision, recall, "
+        "token_accuracy, eval_loss; causal_lm: eval_loss (default), perplexity. A list (e.g. "
+        "[macro_f1, eval_loss], or [accuracy, samples_per_s]) makes several objectives: the "
+        "first, an evaluation metric, picks the trial's best "
         "evaluation, whose values the others take (samples_per_s: the trial's throughput); "
         "the study then keeps a Pareto front, and pruning is off.",
         "accuracy",
@@ -447,4 +461,34 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    task: str = _doc(
+        "What the model learns: sequence_classification (the default: a class per text or "
+        "text pair), multi_label_classification, regression, token_classification or "
+        "causal_lm.",
+        DEFAULT_TASK,
+    )
     source: str = "config"
+
+    def job(self, training: TrainingConfig | None = None) -> TrainJob:
+        """The trainer's input: this config's data, model and task, with `training` (a trial's
+        sampled settings) or the config's own."""
+        return TrainJob(self.data, self.model, training or self.training, self.task)
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        """Rules between sections: the metric must be one the task has."""
+        if self.task not in TASKS:
+            return [("task", self.task, f"must be one of {', '.join(TASKS)}")]
+        info = TASKS[self.task]
+        for name in self.study.objectives:
+            if name != "samples_per_s" and name in METRIC_DIRECTIONS and name not in info.metrics:
+                return [("study.metric", name, f"the task {self.task} has no metric {name}; its "
+                         f"metrics: {', '.join(info.metrics)}")]  # fmt: skip
+        found: list[tuple[str, Any, str]] = []
+        unused = f"means nothing for the task {self.task}; leave it out"
+        if self.training.class_weights is not None and not info.class_weights:
+            found.append(("training.class_weights", self.training.class_weights, unused))
+        if self.training.label_smoothing and not info.label_smoothing:
+            found.append(("training.label_smoothing", self.training.label_smoothing, unused))
+        if self.data.text_pair_column is not None and not info.text_pairs:
+            found.append(("data.text_pair_column", self.data.text_pair_column, unused))
+        return found

@@ -20,6 +20,7 @@ from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
 from hpo.reports import status as report
+from hpo.study.join import model_loader
 from hpo.study.retrain import mean_std_text, recorded_outcome, seeds_text
 from storage import study_queries
 
@@ -259,7 +260,7 @@ def _best_block(study: optuna.Study, status: dict[str, Any], fence: str) -> list
     lines = [f"trial #{best[0]['number']}: {text}"]
     model = best[0]["user_attrs"].get("best_model")
     if model:
-        lines.append(f"model: {model} (AutoModelForSequenceClassification.from_pretrained)")
+        lines.append(f"model: {model} ({model_loader(study.user_attrs)})")
     lines += [
         "",
         "To train this configuration again, add it to your config and run one trial:",

@@ -125,7 +125,8 @@ def best_text(best: dict) -> str:
     if uri:
         text += f"\nmodel: {uri} (hpo best --download DIR fetches it)"
     elif model and not missing:
-        text += f"\nmodel: {model} (AutoModelForSequenceClassification.from_pretrained)"
+        loader = best.get("model_loader", "AutoModelForSequenceClassification.from_pretrained")
+        text += f"\nmodel: {model} ({loader})"
     error = best["user_attrs"].get("checkpoint_error")
     if missing:
         text += f"\nWARNING: {missing}"

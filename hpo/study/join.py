@@ -21,6 +21,7 @@ from hpo.study.sampling import build_pruner, build_sampler, experimental_feature
 from hpo.trial.front import TOLERANCE_ATTR
 from storage.engine import StudyStorage
 from storage.tables import check_version
+from trainer.tasks import DEFAULT_TASK, TASKS
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,18 @@ log = logging.getLogger(__name__)
 # How many workers have joined the study: the next one's index, for its sampler seed.
 WORKERS_ATTR = "hpo:workers_joined"
 QUEUED_BY_ATTR = "queued_by"  # study.enqueue or hpo enqueue, on a queued trial
+TASK_ATTR = "task"  # what the study's models learn (trainer.tasks), set by its first worker
+
+
+def study_task(user_attrs: dict[str, Any]) -> str:
+    """The task of a study from its user attributes; studies from before tasks classified."""
+    task = user_attrs.get(TASK_ATTR)
+    return task if isinstance(task, str) and task in TASKS else DEFAULT_TASK
+
+
+def model_loader(user_attrs: dict[str, Any]) -> str:
+    """How a study's saved model loads: `AutoModelFor<its head>.from_pretrained`."""
+    return f"{TASKS[study_task(user_attrs)].auto_model}.from_pretrained"
 
 
 def open_study(storage: StudyStorage, name: str, config: Config) -> optuna.Study:
@@ -123,10 +136,20 @@ def _check_study_settings(storage: StudyStorage, study_id: int, name: str, confi
     space = space_record(config.search_space)
     attrs = storage.get_study_user_attrs(study_id)
     if "search_space" not in attrs:
+        storage.set_study_user_attr(study_id, TASK_ATTR, config.task)
         storage.set_study_user_attr(study_id, "metric", config.study.metric)
         storage.set_study_user_attr(study_id, "search_space", space)
         storage.set_study_user_attr(study_id, "sampler", config.study.sampler.type)
         return
+    stored_task = study_task(attrs)
+    if stored_task != config.task:
+        raise ConfigError(
+            [
+                f"task: study {name!r} trains {stored_task}, but this config says {config.task}; "
+                "use the study's task or another --study name"
+            ],
+            config.source,
+        )
     stored_metric = attrs.get("metric")
     if stored_metric is not None and objective_list(stored_metric) != config.study.objectives:
         raise ConfigError(

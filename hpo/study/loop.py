@@ -91,10 +91,11 @@ def run_trials(
 def _record_chance_level(study: optuna.Study, objective: Objective) -> None:
     """What guessing scores on the evaluation split: no trial at that level is on the Pareto
     front (hpo.trial.front)."""
-    from trainer.metrics import chance_levels
+    from trainer.tasks import make_task
 
-    data = objective.task.data
-    study.set_user_attr(CHANCE_ATTR, chance_levels(data.eval.labels, data.num_labels))
+    config, data = objective.task.config, objective.task.data
+    task = make_task(data.task, config.data, config.training)
+    study.set_user_attr(CHANCE_ATTR, task.chance_levels(data.eval, data.label_names))
 
 
 def _trial_loop(

@@ -37,6 +37,7 @@ from hpo.config.schema import Config, ParamSpec, PrunerConfig, SamplerConfig, sp
 from hpo.errors import HPOError
 from hpo.trial.folders import study_folder_name
 from storage.engine import StudyStorage
+from trainer.tasks import TASKS
 
 log = logging.getLogger(__name__)
 
@@ -413,7 +414,8 @@ def model_card(
     """Everything needed to trust and reproduce the final model (`storage`: the study's
     database, its URL with the password masked)."""
     return {
-        "model": "AutoModelForSequenceClassification.from_pretrained(<this folder>)",
+        "model": f"{TASKS[config.task].auto_model}.from_pretrained(<this folder>)",
+        "task": config.task,
         "study": plan.source,
         "storage": storage,
         "retrain_study": plan.study_name,

@@ -49,7 +49,7 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
     objectives = task.config.study.objectives
     metric = task.config.study.primary_metric
     training = training_for_trial(task.config.training, task.params)
-    job = TrainJob(data=task.config.data, model=task.config.model, training=training)
+    job = task.config.job(training)
     _take_cpu_share(trial, task, job)
     cache = batch_cache(trial, task)
     store, uploader = None, None

@@ -1,0 +1,463 @@
+"""Token classification (named entities in BIO tags): encoding on each word's first sub-token,
+collation, the loss and its exact accumulation over micro-batches, seqeval's entity metrics,
+the chance level, bad input, and one study end to end through `hpo run`."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import signal
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import optuna
+import pytest
+import torch
+from optuna.trial import TrialState
+
+from tests.conftest import (
+    MINILM_TOKENIZER,
+    TINY_BERT,
+    start_hpo,
+    tiny_config,
+    wait_until_training,
+    write_config,
+)
+from trainer.config import DataConfig, ModelConfig, TrainingConfig
+from trainer.data import collate
+from trainer.errors import DataError
+from trainer.model import build_model, load_tokenizer
+from trainer.step import accumulate_gradients
+from trainer.tasks import make_task, prepare_data
+from trainer.tasks.base import IGNORE, Task
+
+TASK = "token_classification"
+PEOPLE = ["Maria", "Kenji", "Olga", "Pedro", "Aisha", "Lars"]
+SURNAMES = ["Okafor", "Tanaka", "Nilsson", "Haddad"]
+PLACES = ["Lagos", "Oslo", "Lima", "Buenos Aires", "Cape Town", "Hanoi"]
+ORGS = ["Acme Corporation", "Summit Bank", "Orion Systems", "Helix Pharma"]
+TEMPLATES = [
+    "{PER} flew to {LOC} today .",
+    "{PER} works for {ORG} in {LOC} .",
+    "{ORG} opened an office in {LOC} .",
+    "yesterday {PER} met {PER} .",
+    "the weather was fine .",
+]
+
+
+def ner_rows(n: int, seed: int) -> list[dict[str, list[str]]]:
+    """Template sentences with people, places and organisations from short lists: a tiny model
+    tags them after a few dozen steps."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        words: list[str] = []
+        tags: list[str] = []
+        for piece in rng.choice(TEMPLATES).split():
+            kind = piece[1:-1] if piece.startswith("{") else None
+            if kind is None:
+                words.append(piece)
+                tags.append("O")
+                continue
+            if kind == "PER":
+                entity = [rng.choice(PEOPLE)] + (
+                    [rng.choice(SURNAMES)] if rng.random() < 0.5 else []
+                )
+            else:
+                entity = rng.choice(PLACES if kind == "LOC" else ORGS).split()
+            words += entity
+            tags += [f"B-{kind}"] + [f"I-{kind}"] * (len(entity) - 1)
+        rows.append({"tokens": words, "tags": tags})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+def data_config(train: Path, evaluation: Path, max_length: int = 32) -> DataConfig:
+    return DataConfig(
+        train_file=str(train),
+        eval_file=str(evaluation),
+        text_column="tokens",
+        label_column="tags",
+        max_length=max_length,
+    )
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return load_tokenizer(ModelConfig(config=dict(TINY_BERT), tokenizer=MINILM_TOKENIZER))
+
+
+@pytest.fixture
+def ner_files(tmp_path: Path) -> tuple[Path, Path]:
+    return (
+        write_jsonl(tmp_path / "train.jsonl", ner_rows(96, 1)),
+        write_jsonl(tmp_path / "eval.jsonl", ner_rows(32, 2)),
+    )
+
+
+def task_for(config: DataConfig, training: TrainingConfig | None = None) -> Task:
+    return make_task(TASK, config, training or TrainingConfig())
+
+
+# -- encoding and collation ------------------------------------------------------------------------
+
+
+def test_each_words_first_sub_token_carries_its_tag_and_cut_words_count_for_nothing(
+    tmp_path: Path, tokenizer: Any
+) -> None:
+    rows = [{"tokens": ["Angela", "Merkel", "visited", "Berlinerstrasse", "today"],
+             "tags": ["B-PER", "I-PER", "O", "B-LOC", "O"]}]  # fmt: skip
+    files = write_jsonl(tmp_path / "t.jsonl", rows), write_jsonl(tmp_path / "e.jsonl", rows)
+    data = prepare_data(data_config(*files, max_length=7), tokenizer, TASK)
+    assert data.label_names == ["B-LOC", "B-PER", "I-PER", "O"]  # sorted, "O" among them
+    split = data.train
+    tokens = tokenizer.convert_ids_to_tokens(split.ids.tolist())
+    assert tokens == ["[CLS]", "angela", "mer", "##kel", "visited", "berlin", "[SEP]"]
+    names = dict(enumerate(data.label_names))
+    shown = [names.get(int(t), "-") for t in split.token_labels]
+    # "##kel" and the specials count for nothing; "##erstrasse" and "today" were cut off.
+    assert shown == ["-", "B-PER", "I-PER", "-", "O", "B-LOC", "-"]
+
+
+def test_a_csv_holds_words_and_tags_separated_by_spaces(
+    tmp_path: Path, ner_files: tuple[Path, Path], tokenizer: Any
+) -> None:
+    import pandas as pd
+
+    rows = ner_rows(96, 1)
+    csv_file = tmp_path / "train.csv"
+    pd.DataFrame(
+        {
+            "tokens": [" ".join(r["tokens"]) for r in rows],
+            "tags": [" ".join(r["tags"]) for r in rows],
+        }
+    ).to_csv(csv_file, index=False)
+    parquet = tmp_path / "train.parquet"
+    pd.DataFrame(rows).to_parquet(parquet)
+    from_jsonl = prepare_data(data_config(*ner_files), tokenizer, TASK)
+    for train in (csv_file, parquet):
+        other = prepare_data(data_config(train, ner_files[1]), tokenizer, TASK)
+        assert other.label_names == from_jsonl.label_names
+        np.testing.assert_array_equal(other.train.ids, from_jsonl.train.ids)
+        np.testing.assert_array_equal(other.train.token_labels, from_jsonl.train.token_labels)
+
+
+def test_collate_pads_the_tags_with_ignore(ner_files: tuple[Path, Path], tokenizer: Any) -> None:
+    data = prepare_data(data_config(*ner_files), tokenizer, TASK)
+    short, long = int(np.argmin(data.train.lengths)), int(np.argmax(data.train.lengths))
+    batch = collate(data.train, np.array([short, long]), data.pad_token_id)
+    labels = batch["labels"]
+    assert labels.shape == batch["input_ids"].shape == (2, data.train.lengths[long])
+    n = data.train.lengths[short]
+    start = data.train.offsets[short]
+    assert labels[0, :n].tolist() == data.train.token_labels[start : start + n].tolist()
+    assert (labels[0, n:] == IGNORE).all() and (batch["attention_mask"][0, n:] == 0).all()
+
+
+# -- loss ------------------------------------------------------------------------------------------
+
+
+def test_the_loss_is_cross_entropy_summed_over_counted_tokens() -> None:
+    task = task_for(DataConfig())
+    logits = torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([[IGNORE, 1, 3, IGNORE, IGNORE], [IGNORE, 0, 0, 2, IGNORE]])
+    assert int(task.units(labels)) == 5
+    mean = task.loss_sum(logits, labels) / task.units(labels)
+    counted = labels != IGNORE
+    expected = torch.nn.functional.cross_entropy(logits[counted], labels[counted])
+    torch.testing.assert_close(mean, expected)
+    # The batch finder's worst case counts every token of every example.
+    worst = task.worst_case_labels(3, 48, 7)
+    assert worst.shape == (3, 48) and int(task.units(worst)) == 3 * 48
+
+
+def test_one_batch_of_32_and_8_micro_batches_of_4_give_the_same_gradient(
+    ner_files: tuple[Path, Path], tokenizer: Any
+) -> None:
+    """Exact accumulation: each micro-batch's summed loss over the counted tokens of the whole
+    step; micro-batches hold different numbers of counted tokens, so a mean of their means
+    (transformers' bug of 2024) would weigh tokens unequally and differ."""
+    config = data_config(*ner_files)
+    data = prepare_data(config, tokenizer, TASK)
+    cfg = TrainingConfig(label_smoothing=0.1)
+    task = task_for(config, cfg)
+    model_config = ModelConfig(config=dict(TINY_BERT), tokenizer=MINILM_TOKENIZER)
+    model = build_model(model_config, data.label_names, seed=0, task=TASK).eval()  # no dropout
+    twin = copy.deepcopy(model)
+    indices = np.argsort(-data.train.lengths, kind="stable")[:32]  # longest: varied widths
+    micro = [collate(data.train, part, data.pad_token_id) for part in np.split(indices, 8)]
+    whole = [collate(data.train, indices, data.pad_token_id)]
+    counts = [int(task.units(batch["labels"])) for batch in micro]
+    assert len(set(counts)) > 1, counts  # the micro-batches count different numbers of tokens
+
+    losses, grads = [], []
+    for net, batches in ((model, micro), (twin, whole)):
+        losses.append(accumulate_gradients(net, batches, cfg, nullcontext, task))
+        grads.append([p.grad.clone() for p in net.parameters() if p.grad is not None])
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+    # The step's loss is the mean over its counted tokens (not over examples) ...
+    with torch.no_grad():
+        labels = whole[0]["labels"]
+        logits = twin(**_inputs(whole[0])).logits
+        counted = labels != IGNORE
+        expected = torch.nn.functional.cross_entropy(
+            logits[counted], labels[counted], label_smoothing=0.1
+        )
+    torch.testing.assert_close(losses[1], expected, rtol=1e-5, atol=1e-6)
+    # ... and the mean of the micro-batches' mean losses is not it.
+    with torch.no_grad():
+        means = [
+            task.loss_sum(model(**_inputs(b)).logits, b["labels"], None, 0.1) / n
+            for b, n in zip(micro, counts, strict=True)
+        ]
+    assert abs(float(sum(means) / len(means)) - float(losses[1])) > 1e-4
+
+
+def _inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in batch.items() if k != "labels"}
+
+
+# -- metrics ---------------------------------------------------------------------------------------
+
+NAMES = ["B-LOC", "B-ORG", "B-PER", "I-LOC", "I-ORG", "I-PER", "O"]
+
+
+Tags = list[list[str]]  # one list of tag names per example, as seqeval takes them
+
+
+def _random_tag_batches(seed: int) -> tuple[dict[str, list[np.ndarray]], Tags, Tags]:
+    """Evaluation outputs in batches of different widths (IGNORE on specials, sub-tokens and
+    padding), and the same tags as seqeval takes them: one list of names per example."""
+    rng = np.random.default_rng(seed)
+    outputs: dict[str, list[np.ndarray]] = {"predictions": [], "labels": []}
+    truth: Tags = []
+    predicted: Tags = []
+    for _ in range(6):
+        size, width = int(rng.integers(1, 6)), int(rng.integers(3, 20))
+        labels = rng.integers(0, len(NAMES), (size, width))
+        labels[rng.random((size, width)) < 0.3] = IGNORE
+        labels[:, 0] = IGNORE  # [CLS]
+        # Mostly right, sometimes wrong: the tag sequences are then often not valid IOB2
+        # (an I- after O, a type switch inside an entity): seqeval's default rules decide.
+        predictions = np.where(
+            rng.random((size, width)) < 0.7, labels, rng.integers(0, len(NAMES), (size, width))
+        )
+        predictions[labels == IGNORE] = rng.integers(0, len(NAMES), int((labels == IGNORE).sum()))
+        outputs["labels"].append(labels)
+        outputs["predictions"].append(predictions)
+        for row_labels, row_predictions in zip(labels, predictions, strict=True):
+            counted = row_labels != IGNORE
+            truth.append([NAMES[i] for i in row_labels[counted]])
+            predicted.append([NAMES[i] for i in row_predictions[counted]])
+    return outputs, truth, predicted
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_entity_metrics_are_seqevals_and_token_accuracy_counts_counted_tokens(seed: int) -> None:
+    from seqeval.metrics import accuracy_score, f1_score, precision_score, recall_score
+
+    outputs, truth, predicted = _random_tag_batches(seed)
+    found = task_for(DataConfig()).metrics(outputs, 0.25, NAMES)
+    assert set(found) == {"f1", "precision", "recall", "token_accuracy", "eval_loss"}
+    assert found["f1"] == pytest.approx(f1_score(truth, predicted), abs=1e-6)
+    assert found["precision"] == pytest.approx(precision_score(truth, predicted), abs=1e-6)
+    assert found["recall"] == pytest.approx(recall_score(truth, predicted), abs=1e-6)
+    assert found["token_accuracy"] == pytest.approx(accuracy_score(truth, predicted), abs=1e-6)
+    assert found["eval_loss"] == 0.25
+    assert 0 < found["f1"] < 1  # a case that tells right from wrong
+
+
+def test_an_entity_counts_only_when_its_type_and_span_both_match() -> None:
+    index = {name: i for i, name in enumerate(NAMES)}
+    truth = ["B-PER", "I-PER", "O", "B-LOC", "I-LOC", "O", "B-ORG"]
+    guess = ["B-PER", "I-PER", "O", "B-LOC", "O", "O", "B-LOC"]  # span cut short; wrong type
+    labels = np.array([[IGNORE] + [index[t] for t in truth] + [IGNORE]])
+    predictions = np.array([[0] + [index[t] for t in guess] + [0]])
+    found = task_for(DataConfig()).metrics(
+        {"predictions": [predictions], "labels": [labels]}, 0.0, NAMES
+    )
+    assert found["precision"] == pytest.approx(1 / 3)
+    assert found["recall"] == pytest.approx(1 / 3)
+    assert found["token_accuracy"] == pytest.approx(5 / 7)
+
+
+def test_the_chance_level_tags_every_word_with_the_most_common_tag(
+    ner_files: tuple[Path, Path], tokenizer: Any
+) -> None:
+    data = prepare_data(data_config(*ner_files), tokenizer, TASK)
+    levels = task_for(data_config(*ner_files)).chance_levels(data.eval, data.label_names)
+    counted = data.eval.token_labels[data.eval.token_labels != IGNORE]
+    share_o = float(np.mean(counted == data.label_names.index("O")))
+    assert levels["token_accuracy"] == pytest.approx(share_o)
+    assert levels["f1"] == levels["precision"] == levels["recall"] == 0.0  # no entity found
+    shares = np.bincount(counted) / len(counted)
+    shares = shares[shares > 0]
+    assert levels["eval_loss"] == pytest.approx(float(-np.sum(shares * np.log(shares))))
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+GOOD = {"tokens": ["Maria", "flew", "to", "Oslo"], "tags": ["B-PER", "O", "O", "B-LOC"]}
+BAD_CASES = [
+    ("train", {"tokens": ["Maria", "flew"], "tags": ["B-PER"]},
+     "train.jsonl: row 2 has 2 words but 1 tags; give every word exactly one tag"),
+    ("train", {"tokens": ["Maria", "flew"], "tags": ["PER", "O"]},
+     "train.jsonl: row 2, tag 1 of column 'tags' is 'PER', not a BIO tag; use 'O' or B-/I-"),
+    ("eval", {"tokens": ["Acme", "won"], "tags": ["B-ORG", "O"]},
+     "eval.jsonl: row 2, tag 1 of column 'tags' is 'B-ORG', which the training data never has"),
+    ("train", {"tokens": [], "tags": []},
+     "train.jsonl: row 2 has no words in column 'tokens'; fill it in or drop the row"),
+    ("eval", {"tokens": "Maria flew", "tags": None},
+     "eval.jsonl: row 2 has no tags in column 'tags'; fill it in or drop the row"),
+    ("train", {"tokens": ["Maria", ""], "tags": ["B-PER", "O"]},
+     "train.jsonl: row 2, item 2 of column 'tokens' is empty"),
+    ("train", {"tokens": ["Maria", "flew"], "tags": [3, 0]},
+     "train.jsonl: row 2, item 1 of column 'tags' is 3, not text; each of the tags must be a "
+     "non-empty string (tags by name: 'B-PER', not ids)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("split", "row", "message"), BAD_CASES,
+                         ids=["unequal lengths", "not BIO", "tag only in eval", "no words",
+                              "no tags", "empty word", "tag ids"])  # fmt: skip
+def test_bad_rows_are_one_line_naming_the_file_row_and_fix(
+    tmp_path: Path, tokenizer: Any, split: str, row: dict[str, Any], message: str
+) -> None:
+    rows = {"train": [GOOD], "eval": [GOOD]}
+    rows[split] = [GOOD, row]
+    files = (write_jsonl(tmp_path / "train.jsonl", rows["train"]),
+             write_jsonl(tmp_path / "eval.jsonl", rows["eval"]))  # fmt: skip
+    with pytest.raises(DataError) as caught:
+        prepare_data(data_config(*files), tokenizer, TASK)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+    assert str(tmp_path) in str(caught.value)
+
+
+def test_training_data_without_an_entity_is_refused(tmp_path: Path, tokenizer: Any) -> None:
+    rows = [{"tokens": ["nothing", "here"], "tags": ["O", "O"]}]
+    files = write_jsonl(tmp_path / "t.jsonl", rows), write_jsonl(tmp_path / "e.jsonl", rows)
+    with pytest.raises(DataError, match="every tag in column 'tags' is 'O'; a tagger needs"):
+        prepare_data(data_config(*files), tokenizer, TASK)
+
+
+def test_a_max_length_that_leaves_no_word_is_refused(tmp_path: Path, tokenizer: Any) -> None:
+    files = write_jsonl(tmp_path / "t.jsonl", [GOOD]), write_jsonl(tmp_path / "e.jsonl", [GOOD])
+    with pytest.raises(DataError, match="no word keeps a token after truncation to data.max_"):
+        prepare_data(data_config(*files, max_length=2), tokenizer, TASK)  # [CLS] [SEP] only
+
+
+def test_bad_ner_input_through_hpo_run_exits_2_and_writes_nothing(
+    tmp_path: Path,
+    ner_files: tuple[Path, Path],
+    hpo_main: Callable[[list[str]], int],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    bad_eval = write_jsonl(tmp_path / "bad-eval.jsonl", [GOOD, {"tokens": ["a"], "tags": ["X"]}])
+    for change, message in (
+        ({"data": {"eval_file": str(bad_eval)}},
+         "bad-eval.jsonl: row 2, tag 1 of column 'tags' is 'X', not a BIO tag"),
+        ({"training": {"class_weights": "balanced"}}, "training.class_weights"),
+        ({"study": {"metric": "accuracy"}}, "f1, precision, recall, token_accuracy, eval_loss"),
+    ):  # fmt: skip
+        raw = ner_config(*ner_files)
+        for section, values in change.items():
+            raw[section].update(values)
+        config = write_config(tmp_path / "bad.yaml", raw)
+        database = tmp_path / "must-not-exist.db"
+        capsys.readouterr()
+        code = hpo_main(["run", "--study", "s", "--config", str(config),
+                         "--storage", f"sqlite:///{database}"])  # fmt: skip
+        err = capsys.readouterr().err
+        assert code == 2 and message in err, err
+        assert "Traceback" not in err and not database.exists()
+
+
+# -- end to end ------------------------------------------------------------------------------------
+
+
+def ner_config(train: Path, evaluation: Path, **sections: dict[str, Any]) -> dict[str, Any]:
+    raw = tiny_config(train, evaluation, **sections)
+    raw["task"] = TASK
+    raw["study"]["metric"] = "f1"
+    raw["data"].update({"text_column": "tokens", "label_column": "tags"})
+    return raw
+
+
+def test_a_ner_study_prunes_resumes_and_downloads_a_token_classifier(
+    tmp_path: Path,
+    ner_files: tuple[Path, Path],
+    hpo_main: Callable[[list[str]], int],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through `hpo run`: a study of three trials, one stopped by SIGTERM and resumed from its
+    checkpoint by the next worker, one pruned; `hpo best --download` gives a folder that loads
+    as a token classifier with the tags as its labels."""
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+    (tmp_path / "store").mkdir()
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    raw = ner_config(
+        *ner_files,
+        study={"n_trials": 3, "artifact_store": f"file://{tmp_path / 'store'}",
+               "pruner": {"type": "median", "n_startup_trials": 1, "n_warmup_steps": 0}},
+        search_space={"effective_batch_size": {"type": "categorical", "choices": [8]},
+                      "learning_rate": {"type": "float", "low": 1e-6, "high": 1e-2, "log": True}},
+        # 72 steps, an evaluation every 6: the SIGTERM after the first one lands in training
+        training={"epochs": 6, "evals_per_epoch": 2},
+    )  # fmt: skip
+    config = write_config(tmp_path / "ner.yaml", raw)
+    queued = optuna.create_study(storage=url, study_name="ner", direction="maximize")
+    for learning_rate in (5e-3, 5e-3, 1e-6):  # two that learn, then one that cannot
+        queued.enqueue_trial({"effective_batch_size": 8, "learning_rate": learning_rate})
+    args = ("run", "--study", "ner", "--config", str(config), "--storage", url)
+
+    first = start_hpo(*args, cwd=tmp_path, own_group=True)
+    study = wait_until_training(url, "ner", [first], evaluations=1)
+    first.send_signal(signal.SIGTERM)
+    _, stderr = first.communicate(timeout=60)
+    assert first.returncode == 0, stderr[-3000:]
+    # The next worker and `hpo best` run hpo's main in this process: a subprocess spent
+    # seconds importing torch before it did anything.
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert hpo_main(list(args)) == 0
+    finished = capsys.readouterr()
+
+    trials = {t.number: t for t in study.get_trials()}
+    states = {n: t.state for n, t in trials.items()}
+    assert states == {0: TrialState.FAIL, 1: TrialState.COMPLETE, 2: TrialState.PRUNED,
+                      3: TrialState.COMPLETE}, states  # fmt: skip
+    retry = trials[3]
+    assert retry.system_attrs["failed_trial"] == 0 and retry.user_attrs["resumed_at_step"] >= 6
+    assert sorted(retry.intermediate_values) == list(range(1, 13))  # the curve continues
+    assert trials[2].user_attrs["prune_reason"].startswith("pruner: f1=")
+    assert all(t.value is not None and t.value > 0.5 for t in (trials[1], retry))  # chance: 0
+    assert "best trial #" in finished.out and "f1=" in finished.out, finished
+
+    assert hpo_main(["best", "--study", "ner", "--storage", url, "--download", "model"]) == 0
+    model = AutoModelForTokenClassification.from_pretrained(tmp_path / "model").eval()
+    assert list(model.config.id2label.values()) == [
+        "B-LOC", "B-ORG", "B-PER", "I-LOC", "I-ORG", "I-PER", "O"
+    ]  # fmt: skip
+    # It tags: each word's first sub-token, read back through the model's own tokenizer.
+    words = ["Kenji", "Tanaka", "flew", "to", "Cape", "Town", "today", "."]
+    encoded = AutoTokenizer.from_pretrained(tmp_path / "model")(
+        words, is_split_into_words=True, return_tensors="pt"
+    )
+    with torch.no_grad():
+        predicted = model(**encoded).logits.argmax(-1)[0].tolist()
+    word_ids = encoded.word_ids()
+    tags = [model.config.id2label[predicted[word_ids.index(w)]] for w in range(len(words))]
+    assert tags == ["B-PER", "I-PER", "O", "O", "B-LOC", "I-LOC", "O", "O"], tags

@@ -1,0 +1,181 @@
+"""What a task is: how rows become tensors, which model head, which loss, which metrics, and
+the worst-case batch the batch finder probes. One subclass per task, one module each.
+
+The contract with the training loop:
+- `encode` turns a table's rows into a `TokenizedSplit`: token ids, and either one target per
+  example (`labels`: class ids, numbers or multi-hot rows) or one per token (`token_labels`,
+  IGNORE where a token counts for nothing);
+- `loss_sum` is the loss *summed* over the units that count (examples, or tokens) and `units`
+  how many there are, so that an optimizer step's loss is the sum over all its micro-batches
+  divided by the units of the whole step: accumulated micro-batches then give exactly the
+  gradient of one large batch, also when micro-batches hold different numbers of tokens;
+- `eval_outputs` keeps what the metrics need of one evaluation batch (on the device, small),
+  and `metrics` turns them, brought to the host once per evaluation, into named values.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from trainer.config import DataConfig, TrainingConfig
+from trainer.data import TokenizedSplit, text_column, tokenize_texts
+from trainer.errors import DataError
+from trainer.tasks import TaskInfo, task_info
+
+IGNORE = -100  # a token label that counts for nothing (transformers' convention too)
+
+
+class Task(ABC):
+    """One kind of problem; an instance holds the settings it reads (data and training)."""
+
+    name: ClassVar[str]
+
+    def __init__(self, data: DataConfig, training: TrainingConfig) -> None:
+        self.data, self.training = data, training
+
+    @property
+    def info(self) -> TaskInfo:
+        return task_info(self.name)
+
+    # -- data ----------------------------------------------------------------------------------
+
+    def required_columns(self) -> list[str]:
+        """Columns every split must have."""
+        return [self.data.text_column, self.data.label_column]
+
+    @abstractmethod
+    def label_names(self, table: dict[str, list[Any]], source: str) -> list[str]:
+        """The names of the model's outputs in id order, read from the training table (class
+        names, tag names); [] where the outputs are not named (one number, the vocabulary)."""
+
+    @abstractmethod
+    def encode(
+        self, table: dict[str, list[Any]], source: str, tokenizer: Any, label_names: list[str]
+    ) -> TokenizedSplit:
+        """Every row of `table` tokenized with its target; DataError naming the row and the fix
+        for a row that cannot be used."""
+
+    def cache_parts(self) -> dict[str, Any]:
+        """The settings besides the data, tokenizer and label names that decide what `encode`
+        returns: part of the token cache's key."""
+        return {"task": self.name}
+
+    def check_split(self, split: TokenizedSplit, source: str) -> None:  # noqa: B027
+        """A split that encodes but cannot train or score (no counted token, say): DataError.
+        Nothing to check by default."""
+
+    # -- model ---------------------------------------------------------------------------------
+
+    @classmethod
+    def head_options(cls, label_names: list[str]) -> dict[str, Any]:
+        """Settings of the model config that shape its head (num_labels, problem_type, names)."""
+        return {
+            "num_labels": len(label_names),
+            "id2label": dict(enumerate(label_names)),
+            "label2id": {name: i for i, name in enumerate(label_names)},
+        }
+
+    # -- loss ----------------------------------------------------------------------------------
+
+    @abstractmethod
+    def loss_sum(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        class_weights: torch.Tensor | None = None,
+        label_smoothing: float = 0.0,
+    ) -> torch.Tensor:
+        """The loss summed over the units of a batch that count (see the module docstring)."""
+
+    def units(self, labels: torch.Tensor) -> torch.Tensor | int:
+        """How many units `loss_sum` sums over: examples here, tokens in token tasks (a device
+        tensor then, so that counting costs no host sync)."""
+        return len(labels)
+
+    def class_weights(self, split: TokenizedSplit, label_names: list[str]) -> np.ndarray | None:
+        """The per-class loss weights `training.class_weights` asks for, or None."""
+        if self.training.class_weights is not None:
+            raise ValueError(f"training.class_weights: the task {self.name} has no classes")
+        return None
+
+    # -- evaluation ----------------------------------------------------------------------------
+
+    @abstractmethod
+    def eval_outputs(self, logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What the metrics need of one evaluation batch; kept on the device until the end."""
+
+    @abstractmethod
+    def metrics(
+        self, outputs: dict[str, list[np.ndarray]], eval_loss: float, label_names: list[str]
+    ) -> dict[str, float]:
+        """Every metric of the task (its catalog entry's names) from the evaluation's outputs,
+        one array per batch under each name, and its mean loss."""
+
+    @abstractmethod
+    def chance_levels(self, split: TokenizedSplit, label_names: list[str]) -> dict[str, float]:
+        """What a model that learned nothing scores on `split` (the majority class, the mean
+        target, the unigram distribution): the baseline a trial must beat."""
+
+    # -- the batch finder ----------------------------------------------------------------------
+
+    @abstractmethod
+    def worst_case_labels(self, size: int, length: int, num_labels: int) -> torch.Tensor:
+        """Targets of a batch of `size` examples of `length` tokens that costs the most memory
+        (every token counted, in token tasks)."""
+
+
+def text_columns(
+    data: DataConfig, table: dict[str, list[Any]], source: str
+) -> tuple[list[str], list[str] | None]:
+    """The text and (for pairs) the second text of every row."""
+    texts = text_column(table, data.text_column, source, "text_column")
+    pairs = None
+    if data.text_pair_column is not None:
+        pairs = text_column(table, data.text_pair_column, source, "text_pair_column")
+    return texts, pairs
+
+
+def encode_texts(
+    data: DataConfig, table: dict[str, list[Any]], source: str, tokenizer: Any
+) -> TokenizedSplit:
+    """The rows' texts (or text pairs) tokenized, without targets yet."""
+    texts, pairs = text_columns(data, table, source)
+    return tokenize_texts(tokenizer, texts, pairs, data.max_length)
+
+
+def missing_target(value: Any) -> bool:
+    """A cell that holds no target: None, an empty string, a float NaN."""
+    return value is None or value == "" or (isinstance(value, float) and np.isnan(value))
+
+
+def check_target_present(values: list[Any], source: str, column: str) -> None:
+    for row, value in enumerate(values, start=1):
+        if missing_target(value):
+            raise DataError(
+                f"{source}: row {row} has no value in column {column!r}; fill it in or drop the row"
+            )
+
+
+def token_cross_entropy_sum(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    class_weights: torch.Tensor | None,
+    label_smoothing: float,
+) -> torch.Tensor:
+    """Cross-entropy summed over every token whose label is not IGNORE."""
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(),
+        labels.reshape(-1),
+        weight=class_weights,
+        ignore_index=IGNORE,
+        label_smoothing=label_smoothing,
+        reduction="sum",
+    )
+
+
+def counted_tokens(labels: torch.Tensor) -> torch.Tensor:
+    return (labels != IGNORE).sum()

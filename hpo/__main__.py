@@ -46,8 +46,9 @@ def _exit_without_teardown() -> None:
         return
     logging.shutdown()
     try:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:  # None: started with that descriptor closed (`>&-`)
+                stream.flush()
     except (OSError, ValueError):
         return
     os._exit(_exit_code[0])

@@ -69,11 +69,13 @@ def test_every_shipped_module_serves_the_command_line() -> None:
     }
     modules = {name.removesuffix(".__init__") for name in files}
     by_module = {name.removesuffix(".__init__"): path for name, path in files.items()}
-    # Task modules are imported by name from the catalog (trainer.tasks.task_class).
+    # Task modules are imported by name from the catalog (trainer.tasks.task_class), and the
+    # fork server imports its preload list by name (hpo.trial.fork_server only there).
+    from hpo.trial.process import _PRELOAD
     from trainer.tasks import TASKS
 
-    tasks = [f"trainer.tasks.{t.module}" for t in TASKS.values()]
-    reached, todo = set(), ["hpo.__main__", *(name for name in tasks if name in by_module)]
+    by_name = [f"trainer.tasks.{t.module}" for t in TASKS.values()] + _PRELOAD
+    reached, todo = set(), ["hpo.__main__", *(name for name in by_name if name in by_module)]
     while todo:
         module = todo.pop()
         if module in reached:

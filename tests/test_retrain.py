@@ -392,9 +392,9 @@ def test_retrain_runs_on_the_workers_of_several_gpus(
 ) -> None:
     config, url = _search(tmp_path, easy_data)
     args = ("retrain", "--study", "s", "--config", str(config), "--storage", url, "--top", "1",
-            "--seeds", "4", "--gpus", "0,1", "--full-data")  # fmt: skip
+            "--seeds", "2", "--gpus", "0,1", "--full-data")  # fmt: skip
     env = {"HPO_TEST_FAKE_GPUS": "2"}
-    plan = _plan(url, config, 1, 4)
+    plan = _plan(url, config, 1, 2)
     # A SIGTERM to the launcher reaches its workers, and the launcher ends too (it once went on
     # waiting for the runs its workers had handed back, deaf to any further signal).
     launcher = start_hpo(*args, cwd=tmp_path, env=env, own_group=True)
@@ -408,8 +408,8 @@ def test_retrain_runs_on_the_workers_of_several_gpus(
     assert "started 2 workers" in done.stderr
     study = optuna.load_study(study_name=plan.study_name, storage=url)
     complete = study.get_trials(states=(TrialState.COMPLETE,))
-    assert sorted(t.user_attrs["seed"] for t in complete) == [43, 44, 45, 46]  # each once
-    assert len(study.get_trials()) == 4 + 2  # and the two handed-back attempts
+    assert sorted(t.user_attrs["seed"] for t in complete) == [43, 44]  # each once
+    assert len(study.get_trials()) == 2 + 2  # and the two handed-back attempts
     full = optuna.load_study(study_name=plan.full_data_study_name, storage=url)
     assert [t.state for t in full.get_trials()] == [TrialState.COMPLETE]  # the workers ran it
     assert (tmp_path / f"hpo-final-{study_folder_name('s')}" / retrain.CARD_JSON).is_file()

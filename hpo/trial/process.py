@@ -57,8 +57,18 @@ class _JobNotTaken(Exception):
 
 
 # Imported once by the fork server: a trial process then starts in milliseconds, not seconds.
-# None of them initialises CUDA, which must happen in the trial process itself.
-_PRELOAD = ["torch", "transformers", "optuna", "hpo.trial.objective"]
+# transformers.modeling_utils is what every model class of transformers imports (with
+# torch._dynamo, seconds of CPU): loaded here, not again in each new trial process. None of
+# them initialises CUDA, which must happen in the trial process itself. The last one makes the
+# fork server exit without the interpreter's slow teardown (see fork_server.py).
+_PRELOAD = [
+    "torch",
+    "transformers",
+    "transformers.modeling_utils",
+    "optuna",
+    "hpo.trial.objective",
+    "hpo.trial.fork_server",
+]
 _context: ForkServerContext | None = None
 
 

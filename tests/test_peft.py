@@ -1,0 +1,269 @@
+"""LoRA through peft: the adapter each task gets, what trains, what a checkpoint holds, resuming,
+the batch finder's key, and the checks a config gets before the first trial."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hpo.config.loader import parse_config
+from hpo.errors import ConfigError
+from tests.conftest import MINILM_TOKENIZER, TINY_BERT, tiny_config
+from trainer.batch_finder import BatchFinder, batch_key
+from trainer.checkpoint import CheckpointStore
+from trainer.config import DataConfig, ModelConfig, PeftSettings, TrainingConfig, TrainJob
+from trainer.data import PreparedData
+from trainer.errors import ModelError
+from trainer.loop import Trainer
+from trainer.model import build_model, check_model_config, load_tokenizer
+from trainer.peft_adapters import (
+    auto_target_modules,
+    check_targets,
+    is_adapted,
+    parameter_counts,
+    peft_task_type,
+    wrap_model,
+)
+from trainer.step import make_optimizer
+from trainer.tasks import TASKS, auto_model_class, prepare_data
+
+TINY_GPT2 = {"model_type": "gpt2", "vocab_size": 128, "n_embd": 32, "n_layer": 1, "n_head": 2,
+             "n_positions": 64}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny BERT saved as a pretrained model folder: LoRA adapts saved weights."""
+    from transformers import AutoConfig, AutoModel
+
+    folder = tmp_path_factory.mktemp("tiny-bert")
+    settings = dict(TINY_BERT)
+    config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    torch.manual_seed(0)
+    AutoModel.from_config(config).save_pretrained(folder)
+    return folder
+
+
+def lora_job(folder: Path, train: Path, evaluation: Path, **peft: Any) -> TrainJob:
+    training = TrainingConfig(physical_batch_size=4, effective_batch_size=8, learning_rate=3e-3,
+                              epochs=2, evals_per_epoch=2, device="cpu")  # fmt: skip
+    return TrainJob(
+        data=DataConfig(train_file=str(train), eval_file=str(evaluation), max_length=32),
+        model=ModelConfig(
+            name_or_path=str(folder), tokenizer=MINILM_TOKENIZER, peft=PeftSettings(**peft)
+        ),  # fmt: skip
+        training=training,
+    )
+
+
+@pytest.fixture
+def prepared(tiny_pretrained: Path, easy_data: tuple[Path, Path]) -> tuple[TrainJob, PreparedData]:
+    job = lora_job(tiny_pretrained, *easy_data, r=4)
+    return job, prepare_data(job.data, load_tokenizer(job.model))
+
+
+def _model_for(task: str, settings: dict[str, Any]) -> Any:
+    from transformers import AutoConfig
+
+    settings = dict(settings)
+    config = AutoConfig.for_model(settings.pop("model_type"), num_labels=3, **settings)
+    return auto_model_class(task).from_config(config)
+
+
+# -- the adapter each task and family gets ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("task", "task_type", "head"),
+    [("sequence_classification", "SEQ_CLS", "classifier"),
+     ("multi_label_classification", "SEQ_CLS", "classifier"),
+     ("regression", "SEQ_CLS", "classifier"),
+     ("token_classification", "TOKEN_CLS", "classifier"),
+     ("causal_lm", "CAUSAL_LM", None)],
+)  # fmt: skip
+def test_every_task_trains_the_adapter_and_its_head_and_nothing_else(
+    task: str, task_type: str, head: str | None
+) -> None:
+    assert set(TASKS) >= {task} and peft_task_type(task) == task_type
+    base = _model_for(task, TINY_GPT2 if task == "causal_lm" else TINY_BERT)
+    model = wrap_model(base, PeftSettings(r=4), task)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any("lora_A" in n for n in trainable) and any("lora_B" in n for n in trainable)
+    heads = [n for n in trainable if "lora_" not in n]
+    if head is None:  # a language model's head is its (tied, frozen) embeddings
+        assert heads == []
+    else:  # the new head trains fully, as peft's modules_to_save copy
+        assert heads and all(f"{head}.modules_to_save.default." in n for n in heads), heads
+    # The optimizer sees exactly the trainable tensors.
+    optimizer, _ = make_optimizer(model, TrainingConfig())
+    in_optimizer = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
+    trainable_count, total = parameter_counts(model)
+    assert in_optimizer == trainable_count < total / 10
+
+
+def test_auto_targets_the_attention_projections_peft_knows_per_family() -> None:
+    assert auto_target_modules("bert") == ["query", "value"]
+    assert auto_target_modules("gpt2") == ["c_attn"]
+    with pytest.raises(ModelError, match="set model.peft.target_modules") as caught:
+        auto_target_modules("distilbert")
+    assert "'distilbert'" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_target_modules_are_checked_against_the_models_layers() -> None:
+    model = _model_for("sequence_classification", TINY_BERT)
+    check_targets(PeftSettings(target_modules=["query", "key", "attention.output.dense"]), model)
+    with pytest.raises(ModelError) as caught:
+        check_targets(PeftSettings(target_modules=["query", "q_proj"]), model)
+    message = str(caught.value)
+    assert "'q_proj' names no layer of the model (bert)" in message and "'query'" not in message
+    assert "its linear layers: classifier, dense, key, query, value" in message
+
+
+def test_auto_on_a_family_peft_does_not_know_names_its_layers() -> None:
+    from transformers import DistilBertConfig
+
+    config = DistilBertConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, hidden_dim=64)
+    model = auto_model_class("sequence_classification").from_config(config)
+    with pytest.raises(ModelError, match=r"its linear layers: .*q_lin.*v_lin"):
+        check_targets(PeftSettings(), model)
+
+
+def test_check_model_config_refuses_unknown_targets_before_any_trial(tiny_pretrained: Path) -> None:
+    good = ModelConfig(name_or_path=str(tiny_pretrained), peft=PeftSettings())
+    check_model_config(good, 32)
+    bad = dataclasses.replace(good, peft=PeftSettings(target_modules=["qkv"]))
+    with pytest.raises(ModelError, match="'qkv' names no layer"):
+        check_model_config(bad, 32)
+
+
+def test_gradient_checkpointing_still_reaches_the_adapter(tiny_pretrained: Path) -> None:
+    config = ModelConfig(name_or_path=str(tiny_pretrained), gradient_checkpointing=True,
+                         peft=PeftSettings(r=4))  # fmt: skip
+    model = build_model(config, ["a", "b"], seed=0).train()
+    ids = torch.randint(0, 100, (2, 8))
+    model(input_ids=ids, labels=torch.tensor([0, 1])).loss.backward()
+    # lora_B starts at zero (so lora_A's first gradient is zero too): B's shows the path.
+    grads = {n: p.grad for n, p in model.named_parameters() if "lora_B" in n}
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads.values())
+
+
+# -- training, checkpoints and resuming -----------------------------------------------------------
+
+
+def _trained(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+
+def test_a_lora_checkpoint_holds_the_adapter_and_resumes_to_the_same_weights(
+    prepared: tuple[TrainJob, PreparedData], tmp_path: Path
+) -> None:
+    reference = Trainer(*prepared)
+    expected = reference.fit()
+    assert is_adapted(reference.model)
+    assert 0 < expected.trainable_params < expected.total_params / 10
+    steps: list[int] = []
+    stopper = Trainer(*prepared)
+    store = CheckpointStore(tmp_path / "t")
+    stopped = stopper.fit(checkpoints=store, should_stop=lambda: len(steps) >= 1,
+                          on_evaluation=lambda e: steps.append(e.optimizer_step) or None)  # fmt: skip
+    assert stopped.status == "interrupted"
+    # The state holds the adapter, the head and their AdamW moments: not the 2M frozen weights.
+    full_model_bytes = 4 * expected.total_params
+    assert store.state_path.stat().st_size < full_model_bytes / 10
+    best = sorted(p.name for p in store.best_model_path.iterdir())
+    assert best == ["README.md", "adapter_config.json", "adapter_model.safetensors",
+                    "config.json"], best  # fmt: skip
+    assert (store.best_model_path / "adapter_model.safetensors").stat().st_size < (
+        full_model_bytes / 10
+    )
+
+    resumed = Trainer(*prepared)  # a fresh base model, as on another host
+    result = resumed.fit(checkpoints=CheckpointStore(tmp_path / "t", resume=True))
+    assert result.resumed_at_step == stopped.optimizer_steps and result.status == "completed"
+    want, got = _trained(reference), _trained(resumed)
+    assert want.keys() == got.keys()
+    assert [k for k in want if not torch.equal(want[k], got[k])] == []
+    assert result.curve == expected.curve
+
+
+def test_the_saved_adapter_loads_through_peft_and_merges_to_a_plain_model(
+    prepared: tuple[TrainJob, PreparedData], tiny_pretrained: Path, tmp_path: Path
+) -> None:
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    trainer = Trainer(*prepared)
+    store = CheckpointStore(tmp_path / "t")
+    trainer.fit(checkpoints=store)
+    folder = store.best_model_path
+    base = AutoModelForSequenceClassification.from_pretrained(
+        tiny_pretrained, config=AutoConfig.from_pretrained(folder)
+    )
+    loaded = PeftModel.from_pretrained(base, folder).eval()
+    ids = torch.tensor([[101, 2204, 102]])
+    with torch.no_grad():
+        adapted = loaded(input_ids=ids).logits
+        merged = loaded.merge_and_unload()(input_ids=ids).logits
+    assert loaded.config.id2label == {0: "neg", 1: "pos"}
+    torch.testing.assert_close(adapted, merged, rtol=1e-4, atol=1e-5)
+
+
+# -- the batch finder -------------------------------------------------------------------------------
+
+
+def test_the_batch_finder_keys_and_probes_the_adapted_model(
+    prepared: tuple[TrainJob, PreparedData], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job, data = prepared
+    full = dataclasses.replace(job, model=dataclasses.replace(job.model, peft=None))
+    cpu = torch.device("cpu")
+    lora_key, full_key = batch_key(job, cpu, "fp32"), batch_key(full, cpu, "fp32")
+    assert lora_key["peft"]["r"] == 4 and "peft" not in full_key
+    wider = dataclasses.replace(job.model, peft=PeftSettings(r=16))
+    assert batch_key(dataclasses.replace(job, model=wider), cpu, "fp32") != lora_key
+    finder = BatchFinder(job, data.label_names, cpu)
+    assert is_adapted(finder.base_model)
+
+
+# -- the config ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("peft", "message"),
+    [({"r": 0}, "model.peft.r: got 0; must be an integer in [1, 4096]"),
+     ({"alpha": 0}, "model.peft.alpha: got 0.0; must be > 0"),
+     ({"dropout": 1.0}, "model.peft.dropout: got 1.0; must be in [0, 1)"),
+     ({"method": "ia3"}, "model.peft.method: got 'ia3'; must be one of lora"),
+     ({"target_modules": []}, "model.peft.target_modules: got []; must be auto or a list"),
+     ({"dropuot": 0.1}, "model.peft.dropuot: unknown key (did you mean 'dropout'?)")],
+)  # fmt: skip
+def test_bad_peft_settings_are_one_line_each(
+    easy_data: tuple[Path, Path], tiny_pretrained: Path, peft: dict[str, Any], message: str
+) -> None:
+    raw = tiny_config(*easy_data, model={"name_or_path": str(tiny_pretrained), "peft": peft})
+    del raw["model"]["config"]
+    with pytest.raises(ConfigError) as caught:
+        parse_config(raw, Path("."))
+    assert [p for p in caught.value.problems if message in p], caught.value.problems
+
+
+def test_lora_on_a_model_built_from_config_is_refused(easy_data: tuple[Path, Path]) -> None:
+    raw = tiny_config(*easy_data, model={"peft": {"r": 8}})
+    with pytest.raises(ConfigError, match="model.peft: got 'lora'; needs a pretrained model"):
+        parse_config(raw, Path("."))
+
+
+def test_a_config_without_peft_fine_tunes_every_weight(
+    easy_data: tuple[Path, Path], tiny_pretrained: Path
+) -> None:
+    config = parse_config(tiny_config(*easy_data), Path("."))
+    assert config.model.peft is None
+    lora = {"name_or_path": str(tiny_pretrained), "peft": {"r": 16, "alpha": 32}}
+    raw = tiny_config(*easy_data, model=lora)
+    del raw["model"]["config"]
+    peft = parse_config(raw, Path(".")).model.peft
+    assert peft == PeftSettings(r=16, alpha=32.0)

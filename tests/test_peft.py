@@ -151,7 +151,7 @@ def test_gradient_checkpointing_still_reaches_the_adapter(tiny_pretrained: Path)
     assert grads and all(g is not None and g.abs().sum() > 0 for g in grads.values())
 
 
-# -- training, checkpoints and resuming -----------------------------------------------------------
+# -- training, checkpoints and resuming ------------------------------------------------------------
 
 
 def _trained(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -168,8 +168,11 @@ def test_a_lora_checkpoint_holds_the_adapter_and_resumes_to_the_same_weights(
     steps: list[int] = []
     stopper = Trainer(*prepared)
     store = CheckpointStore(tmp_path / "t")
-    stopped = stopper.fit(checkpoints=store, should_stop=lambda: len(steps) >= 1,
-                          on_evaluation=lambda e: steps.append(e.optimizer_step) or None)  # fmt: skip
+    stopped = stopper.fit(
+        checkpoints=store,
+        should_stop=lambda: len(steps) >= 1,
+        on_evaluation=lambda e: steps.append(e.optimizer_step) or None,
+    )
     assert stopped.status == "interrupted"
     # The state holds the adapter, the head and their AdamW moments: not the 2M frozen weights.
     full_model_bytes = 4 * expected.total_params
@@ -212,7 +215,7 @@ def test_the_saved_adapter_loads_through_peft_and_merges_to_a_plain_model(
     torch.testing.assert_close(adapted, merged, rtol=1e-4, atol=1e-5)
 
 
-# -- the batch finder -------------------------------------------------------------------------------
+# -- the batch finder ------------------------------------------------------------------------------
 
 
 def test_the_batch_finder_keys_and_probes_the_adapted_model(
@@ -229,7 +232,7 @@ def test_the_batch_finder_keys_and_probes_the_adapted_model(
     assert is_adapted(finder.base_model)
 
 
-# -- the config ---------------------------------------------------------------------------------------
+# -- the config ------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -129,8 +129,8 @@ class PeftSettings:
         if isinstance(self.target_modules, list) and (
             not self.target_modules or not all(name.strip() for name in self.target_modules)
         ):
-            found.append(("target_modules", self.target_modules,
-                          "must be auto or a list of layer names, e.g. [query, value]"))  # fmt: skip
+            rule = "must be auto or a list of layer names, e.g. [query, value]"
+            found.append(("target_modules", self.target_modules, rule))
         return found
 
 

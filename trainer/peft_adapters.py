@@ -4,13 +4,15 @@ the adapter's weights read and put back for checkpoints, and the checks a config
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainer.config import PeftSettings
 from trainer.errors import ModelError
-from trainer.tasks import task_info
+from trainer.tasks import auto_model_class, task_info
 
 if TYPE_CHECKING:
     from peft import LoraConfig
@@ -164,3 +166,47 @@ def save_head_config(model: torch.nn.Module, folder: str) -> None:
     that the base loads with the head the adapter's copy replaces."""
     if is_adapted(model):
         getattr(model, "_orig_mod", model).get_base_model().config.save_pretrained(folder)
+
+
+# -- a saved adapter on another host -----------------------------------------------------------
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def is_adapter_folder(folder: Path) -> bool:
+    """Whether `folder` holds a peft adapter (what a LoRA run saves) rather than a whole model."""
+    return (folder / ADAPTER_CONFIG).is_file()
+
+
+def point_at_base(folder: Path, base: str | None) -> str:
+    """Make the adapter in `folder` name its base model as this host finds it (`base`, e.g. a
+    `pkg://` location resolved here: the training host's path means nothing elsewhere), so that
+    peft's AutoPeftModel loaders find it. `base` None: the one it names. Returns the base."""
+    path = folder / ADAPTER_CONFIG
+    settings = json.loads(path.read_text(encoding="utf-8"))
+    location = base or str(settings.get("base_model_name_or_path"))
+    settings["base_model_name_or_path"] = location
+    path.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return location
+
+
+def merge_adapter(folder: Path, base: str, task: str, out: Path) -> None:
+    """A plain model in `out` (save_pretrained, with the tokenizer): the adapter in `folder`
+    merged into the weights of `base`, with the head it trained. ModelError when the base
+    cannot be loaded here."""
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(folder)  # the base's config with the task's head
+        model = auto_model_class(task).from_pretrained(base, config=config)
+        merged = PeftModel.from_pretrained(model, folder).merge_and_unload()
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(
+            f"cannot merge the adapter into its base model {base!r}: {reason[:300]}; is the "
+            "base model there on this host?"
+        ) from e
+    merged.save_pretrained(out)
+    if (folder / "tokenizer_config.json").is_file():
+        AutoTokenizer.from_pretrained(folder).save_pretrained(out)

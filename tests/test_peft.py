@@ -4,15 +4,27 @@ the batch finder's key, and the checks a config gets before the first trial."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
+import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from optuna.trial import TrialState
 
 from hpo.config.loader import parse_config
 from hpo.errors import ConfigError
-from tests.conftest import MINILM_TOKENIZER, TINY_BERT, tiny_config
+from tests.conftest import (
+    MINILM_TOKENIZER,
+    TINY_BERT,
+    start_hpo,
+    tiny_config,
+    wait_until_training,
+    write_config,
+)
 from trainer.batch_finder import BatchFinder, batch_key
 from trainer.checkpoint import CheckpointStore
 from trainer.config import DataConfig, ModelConfig, PeftSettings, TrainingConfig, TrainJob
@@ -270,3 +282,123 @@ def test_a_config_without_peft_fine_tunes_every_weight(
     del raw["model"]["config"]
     peft = parse_config(raw, Path(".")).model.peft
     assert peft == PeftSettings(r=16, alpha=32.0)
+
+
+# -- through hpo run -------------------------------------------------------------------------------
+
+
+def lora_config(
+    folder: Path, train: Path, evaluation: Path, **sections: dict[str, Any]
+) -> dict[str, Any]:
+    raw = tiny_config(train, evaluation, **sections)
+    raw["model"] = {"name_or_path": str(folder), "tokenizer": MINILM_TOKENIZER,
+                    "peft": {"r": 8, "alpha": 16}}  # fmt: skip
+    return raw
+
+
+@pytest.mark.parametrize(
+    ("peft", "message"),
+    [({"r": -1}, "model.peft.r: got -1; must be an integer in [1, 4096]"),
+     ({"target_modules": ["query", "qkv"]}, "'qkv' names no layer of the model (bert)")],
+)  # fmt: skip
+def test_bad_lora_input_through_hpo_run_exits_2_and_writes_nothing(
+    tmp_path: Path,
+    tiny_pretrained: Path,
+    easy_data: tuple[Path, Path],
+    hpo_main: Callable[[list[str]], int],
+    capsys: pytest.CaptureFixture[str],
+    peft: dict[str, Any],
+    message: str,
+) -> None:
+    raw = lora_config(tiny_pretrained, *easy_data)
+    raw["model"]["peft"].update(peft)
+    config = write_config(tmp_path / "bad.yaml", raw)
+    database = tmp_path / "must-not-exist.db"
+    capsys.readouterr()
+    code = hpo_main(["run", "--study", "s", "--config", str(config),
+                     "--storage", f"sqlite:///{database}"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not database.exists()
+
+
+def test_a_lora_study_resumes_from_the_store_and_downloads_an_adapter_or_a_merged_model(
+    tmp_path: Path,
+    tiny_pretrained: Path,
+    easy_data: tuple[Path, Path],
+    hpo_main: Callable[[list[str]], int],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through `hpo run`: a LoRA trial stopped by SIGTERM after its first evaluation resumes, in
+    the next worker, from the adapter state in the artifact store (its own folder gone, as on
+    another host); `hpo best --download` gives an adapter that peft loads on the base model,
+    and `--merge` a plain model that gives the same predictions."""
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    store = tmp_path / "store"
+    store.mkdir()
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    raw = lora_config(
+        tiny_pretrained, *easy_data,
+        study={"n_trials": 2, "artifact_store": f"file://{store}",
+               "checkpoint_dir": str(tmp_path / "host-a")},
+        # 64 steps, an evaluation every 16: the SIGTERM after the first one lands in training
+        training={"learning_rate": 2e-2},
+    )  # fmt: skip
+    raw["search_space"]["learning_rate"] = {"type": "categorical", "choices": [2e-2]}
+    config = write_config(tmp_path / "lora.yaml", raw)
+    args = ("run", "--study", "lora", "--config", str(config), "--storage", url)
+
+    first = start_hpo(*args, cwd=tmp_path, own_group=True)
+    study = wait_until_training(url, "lora", [first], evaluations=1)
+    first.send_signal(signal.SIGTERM)
+    _, stderr = first.communicate(timeout=60)
+    assert first.returncode == 0, stderr[-3000:]
+    shutil.rmtree(tmp_path / "host-a")  # the next worker runs on another host
+    monkeypatch.chdir(tmp_path)
+    assert hpo_main(list(args)) == 0
+
+    trials = {t.number: t for t in study.get_trials()}
+    assert {n: t.state for n, t in trials.items()} == {
+        0: TrialState.FAIL, 1: TrialState.COMPLETE, 2: TrialState.COMPLETE
+    }  # fmt: skip
+    retry = next(t for t in trials.values() if t.system_attrs.get("failed_trial") == 0)
+    assert retry.user_attrs["resumed_from"].startswith("file://")
+    assert retry.user_attrs["resumed_at_step"] >= 16
+    assert sorted(retry.intermediate_values) == [1, 2, 3, 4]  # the curve continues
+    assert all(t.value is not None and t.value > 0.6 for t in (trials[1], retry))  # chance: 0.5
+    for trial in (trials[1], retry):
+        trainable, total = trial.user_attrs["trainable_params"], trial.user_attrs["total_params"]
+        assert 0 < trainable < total / 100, (trainable, total)
+    # What went to the store is the adapter: no file holds the 2M frozen weights.
+    stored = [p for p in store.rglob("*") if p.is_file()]
+    assert stored and max(p.stat().st_size for p in stored) < 1_000_000
+
+    capsys.readouterr()
+    assert hpo_main(["best", "--study", "lora", "--storage", url]) == 0
+    assert "a LoRA adapter" in capsys.readouterr().out
+    assert hpo_main(["best", "--study", "lora", "--storage", url, "--download", "adapter"]) == 0
+    said = capsys.readouterr().out
+    assert "PeftModel.from_pretrained" in said and str(tiny_pretrained) in said, said
+    adapter = tmp_path / "adapter"
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == (
+        str(tiny_pretrained)
+    )
+    base = AutoModelForSequenceClassification.from_pretrained(
+        tiny_pretrained, config=AutoConfig.from_pretrained(adapter)
+    )
+    loaded = PeftModel.from_pretrained(base, adapter).eval()
+    args_merge = ["best", "--study", "lora", "--storage", url, "--download", "merged", "--merge"]
+    assert hpo_main(args_merge) == 0
+    merged = AutoModelForSequenceClassification.from_pretrained(tmp_path / "merged").eval()
+    assert not (tmp_path / "merged" / "adapter_config.json").exists()
+    assert merged.config.id2label == {0: "neg", 1: "pos"}
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "merged")
+    encoded = tokenizer(["the meal was superb", "our room felt awful"], return_tensors="pt",
+                        padding=True)  # fmt: skip
+    with torch.no_grad():
+        want, got = loaded(**encoded).logits, merged(**encoded).logits
+    torch.testing.assert_close(want, got, rtol=1e-4, atol=1e-5)
+    assert got.argmax(-1).tolist() == [1, 0]  # pos, neg

@@ -143,7 +143,7 @@ def load_trained_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -
         return
     from peft import set_peft_model_state_dict
 
-    result = set_peft_model_state_dict(model, state)
+    result: Any = set_peft_model_state_dict(model, state)
     missing = [k for k in result.missing_keys if "lora_" in k or "modules_to_save" in k]
     if missing or result.unexpected_keys:
         raise RuntimeError(f"adapter state does not fit the model: missing {missing[:3]}, "
@@ -165,7 +165,8 @@ def save_head_config(model: torch.nn.Module, folder: str) -> None:
     """Beside a saved adapter, the base model's config with the task's head (its labels), so
     that the base loads with the head the adapter's copy replaces."""
     if is_adapted(model):
-        getattr(model, "_orig_mod", model).get_base_model().config.save_pretrained(folder)
+        adapted: Any = getattr(model, "_orig_mod", model)
+        adapted.get_base_model().config.save_pretrained(folder)
 
 
 # -- a saved adapter on another host -----------------------------------------------------------

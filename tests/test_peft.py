@@ -402,3 +402,36 @@ def test_a_lora_study_resumes_from_the_store_and_downloads_an_adapter_or_a_merge
         want, got = loaded(**encoded).logits, merged(**encoded).logits
     torch.testing.assert_close(want, got, rtol=1e-4, atol=1e-5)
     assert got.argmax(-1).tolist() == [1, 0]  # pos, neg
+
+
+def test_the_report_and_hpo_best_say_how_an_adapter_loads() -> None:
+    from hpo.reports.text import best_text
+    from hpo.study.join import ADAPTER_ATTR, TASK_ATTR, model_loader
+
+    plain = {TASK_ATTR: "token_classification"}
+    assert model_loader(plain) == "AutoModelForTokenClassification.from_pretrained"
+    adapter = {**plain, ADAPTER_ATTR: {"method": "lora", "base_model": "pkg://m/model"}}
+    assert model_loader(adapter) == (
+        "a LoRA adapter on pkg://m/model: PeftModel.from_pretrained(AutoModelForTokenClassification"
+        ".from_pretrained(BASE, config=AutoConfig.from_pretrained(DIR)), DIR)"
+    )
+    best = {"number": 3, "study": "s", "value": 0.9, "params": {}, "adapter": adapter[ADAPTER_ATTR],
+            "user_attrs": {"best_model_uri": "file:///store/s/trial-3/best-model"}}  # fmt: skip
+    assert "a LoRA adapter (hpo best --download DIR fetches it, loadable with peft; --merge" in (
+        best_text(best)
+    )
+
+
+def test_the_retrain_card_of_a_lora_study_names_the_adapter_and_its_base(
+    easy_data: tuple[Path, Path], tiny_pretrained: Path
+) -> None:
+    from hpo.study.retrain import _card_loader
+
+    raw = tiny_config(*easy_data, model={"name_or_path": str(tiny_pretrained), "peft": {"r": 4}})
+    del raw["model"]["config"]
+    config = parse_config(raw, Path("."))
+    assert _card_loader(config).startswith(f"a LoRA adapter on {tiny_pretrained}: PeftModel")
+    config.model.peft = None
+    assert (
+        _card_loader(config) == "AutoModelForSequenceClassification.from_pretrained(<this folder>)"
+    )

@@ -252,7 +252,7 @@ def test_the_batch_finder_keys_and_probes_the_adapted_model(
     [({"r": 0}, "model.peft.r: got 0; must be an integer in [1, 4096]"),
      ({"alpha": 0}, "model.peft.alpha: got 0.0; must be > 0"),
      ({"dropout": 1.0}, "model.peft.dropout: got 1.0; must be in [0, 1)"),
-     ({"method": "ia3"}, "model.peft.method: got 'ia3'; must be one of lora"),
+     ({"method": "ia3"}, "model.peft.method: got 'ia3'; must be one of lora, none"),
      ({"target_modules": []}, "model.peft.target_modules: got []; must be auto or a list"),
      ({"dropuot": 0.1}, "model.peft.dropuot: unknown key (did you mean 'dropout'?)")],
 )  # fmt: skip
@@ -435,3 +435,30 @@ def test_the_retrain_card_of_a_lora_study_names_the_adapter_and_its_base(
     assert (
         _card_loader(config) == "AutoModelForSequenceClassification.from_pretrained(<this folder>)"
     )
+
+
+def test_method_none_fine_tunes_every_weight_so_a_search_can_turn_lora_off(
+    prepared: tuple[TrainJob, PreparedData],
+) -> None:
+    job, data = prepared
+    off = dataclasses.replace(job.model, peft=PeftSettings(method="none", r=4))
+    assert off.adapter is None and job.model.adapter is not None
+    model = build_model(off, data.label_names, seed=0)
+    assert not is_adapted(model) and all(p.requires_grad for p in model.parameters())
+    assert "peft" not in batch_key(dataclasses.replace(job, model=off), torch.device("cpu"), "fp32")
+    inline = ModelConfig(config=dict(TINY_BERT), tokenizer=MINILM_TOKENIZER, peft=off.peft)
+    assert inline.problems() == []  # LoRA off: a model built from config is fine
+
+
+def test_merge_of_a_model_trained_fully_is_one_line(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from hpo.commands.monitor import _finish_adapter
+    from hpo.errors import HPOError
+
+    study = SimpleNamespace(user_attrs={})
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "config.json").write_text("{}")
+    assert _finish_adapter(study, tmp_path / "plain", None, tmp_path / "out") == ""
+    with pytest.raises(HPOError, match="^--merge: the best trial fine-tuned every weight"):
+        _finish_adapter(study, tmp_path / "plain", tmp_path / "merged", tmp_path / "out")

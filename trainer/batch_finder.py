@@ -119,8 +119,8 @@ def batch_key(job: TrainJob, device: torch.device, precision: str) -> dict[str, 
         "torch": torch.__version__,
         "search": [cfg.batch_search_start, cfg.batch_search_max, cfg.batch_safety_margin],
     }
-    if job.model.peft is not None:  # frozen weights need no gradients or AdamW state
-        key["peft"] = asdict(job.model.peft)
+    if job.model.adapter is not None:  # frozen weights need no gradients or AdamW state
+        key["peft"] = asdict(job.model.adapter)
     share = memory_share()
     if share < 1:  # a worker sharing its GPU (keys of a whole GPU stay as they were)
         key["memory_share"] = share

@@ -106,7 +106,11 @@ class PeftSettings:
     """Parameter-efficient fine-tuning: the model's weights stay frozen and a small adapter (with
     the task's head, where it has one) trains instead. `model.peft` absent: full fine-tuning."""
 
-    method: Literal["lora"] = _doc("The adapter: lora (low-rank updates of chosen layers).", "lora")
+    method: Literal["lora", "none"] = _doc(
+        "lora: low-rank updates of chosen layers; none: full fine-tuning (the value a search "
+        "space samples to turn LoRA off).",
+        "lora",
+    )
     r: int = _doc("LoRA's rank: the inner size of each low-rank update (searchable).", 8)
     alpha: float = _doc(
         "LoRA's scale numerator: an update is multiplied by alpha / r (searchable).", 16.0
@@ -156,6 +160,11 @@ class ModelConfig:
         "Train an adapter instead of every weight (LoRA); null or absent: full fine-tuning."
     )
 
+    @property
+    def adapter(self) -> PeftSettings | None:
+        """The LoRA settings in force; None for full fine-tuning (no model.peft, or method none)."""
+        return self.peft if self.peft is not None and self.peft.method != "none" else None
+
     def problems(self) -> list[tuple[str, Any, str]]:
         found: list[tuple[str, Any, str]] = []
         if (self.name_or_path is None) == (self.config is None):
@@ -179,9 +188,9 @@ class ModelConfig:
                     "must be sdpa, eager or flash_attention_2",
                 )
             )
-        if self.peft is not None and self.config is not None:
+        if self.adapter is not None and self.config is not None:
             # The adapter would be saved without the random weights it adapts: nobody could load it.
-            found.append(("peft", self.peft.method, "needs a pretrained model: save the model "
+            found.append(("peft", self.adapter.method, "needs a pretrained model: save the model "
                           "built from model.config (save_pretrained) and give its folder as "
                           "model.name_or_path"))  # fmt: skip
         return found

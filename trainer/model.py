@@ -77,7 +77,7 @@ def check_model_config(
         folder = Path(resolve_location(_pretrained_location(config)))
         if folder.is_dir():  # a hub name: transformers downloads and checks its files
             check_weights(folder, _pretrained_location(config))
-    if config.config is not None or config.peft is not None:
+    if config.config is not None or config.adapter is not None:
         try:
             with torch.device("meta"):
                 model = auto_model_class(task).from_config(
@@ -87,11 +87,11 @@ def check_model_config(
             if config.config is None:
                 raise ModelError(_load_failure("model", _pretrained_location(config), e)) from e
             raise ModelError(_inline_failure(config.config, e)) from e
-        if config.peft is not None:  # the layers it names must be there
+        if config.adapter is not None:  # the layers it names must be there
             from trainer.peft_adapters import check_targets, peft_task_type
 
             peft_task_type(task)
-            check_targets(config.peft, model)
+            check_targets(config.adapter, model)
     positions = _absolute_positions(model_config)
     if max_length is not None and positions is not None and max_length > positions:
         where = "model.config.max_position_embeddings" if config.config is not None else "model"
@@ -167,10 +167,10 @@ def build_model(
         raise ModelError(_load_failure("model", _pretrained_location(config), e)) from e
     if config.gradient_checkpointing:
         _enable_checkpointing(model)
-    if config.peft is not None:
+    if config.adapter is not None:
         from trainer.peft_adapters import wrap_model
 
-        model = wrap_model(model, config.peft, task)
+        model = wrap_model(model, config.adapter, task)
     return model
 
 

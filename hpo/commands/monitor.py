@@ -200,10 +200,6 @@ def _download_best(study: Any, best: list[dict], args: argparse.Namespace) -> in
     from hpo.trial.folders import study_folder_name
     from storage.artifacts import ArtifactStoreError
 
-    adapter = study.user_attrs.get(ADAPTER_ATTR)
-    if args.merge and not isinstance(adapter, dict):
-        raise HPOError(f"--merge: study {study.study_name!r} fine-tuned every weight (no "
-                       "model.peft), so its model is plain already; leave --merge out")  # fmt: skip
     store = _study_artifact_store(study, args)
     if store is None:
         raise HPOError(f"study {study.study_name!r} has no artifact store; its best model is on "
@@ -258,6 +254,9 @@ def _finish_adapter(study: Any, folder: Path, merged: Path | None, out: Path) ->
     from trainer.peft_adapters import is_adapter_folder, merge_adapter, point_at_base
 
     if not is_adapter_folder(folder):
+        if merged is not None:
+            raise HPOError("--merge: the best trial fine-tuned every weight (no LoRA adapter), "
+                           "so its model is plain already; leave --merge out")  # fmt: skip
         return ""
     adapter = study.user_attrs.get(ADAPTER_ATTR)
     recorded = adapter.get("base_model") if isinstance(adapter, dict) else None

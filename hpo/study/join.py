@@ -61,7 +61,7 @@ def loader_text(task: str, base_model: str | None, folder: str = "DIR") -> str:
 
 def adapter_record(config: Config) -> dict[str, Any] | None:
     """What a study records of its adapter (ADAPTER_ATTR); None for full fine-tuning."""
-    peft = config.model.peft
+    peft = config.model.adapter
     if peft is None:
         return None
     return {"method": peft.method, "base_model": config.model.name_or_path}
@@ -161,7 +161,7 @@ def _check_study_settings(storage: StudyStorage, study_id: int, name: str, confi
     attrs = storage.get_study_user_attrs(study_id)
     if "search_space" not in attrs:
         storage.set_study_user_attr(study_id, TASK_ATTR, config.task)
-        if config.model.peft is not None:
+        if config.model.adapter is not None:
             storage.set_study_user_attr(study_id, ADAPTER_ATTR, adapter_record(config))
         storage.set_study_user_attr(study_id, "metric", config.study.metric)
         storage.set_study_user_attr(study_id, "search_space", space)

@@ -416,7 +416,7 @@ def model_card(
     database, its URL with the password masked)."""
     return {
         "model": _card_loader(config),
-        "adapter": dataclasses.asdict(config.model.peft) if config.model.peft else None,
+        "adapter": dataclasses.asdict(config.model.adapter) if config.model.adapter else None,
         "task": config.task,
         "study": plan.source,
         "storage": storage,
@@ -458,7 +458,7 @@ def model_card(
 
 def _card_loader(config: Config) -> str:
     """How the final model loads: a plain model, or a LoRA adapter on its base model."""
-    if config.model.peft is None:
+    if config.model.adapter is None:
         return f"{TASKS[config.task].auto_model}.from_pretrained(<this folder>)"
     return loader_text(config.task, config.model.name_or_path, "<this folder>")
 

@@ -5,6 +5,7 @@ the adapter's weights read and put back for checkpoints, and the checks a config
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -113,9 +114,8 @@ def linear_layer_names(model: torch.nn.Module) -> list[str]:
 
 def is_adapted(model: torch.nn.Module) -> bool:
     """Whether `model` is a peft model (an adapter on a frozen base)."""
-    from peft import PeftModel
-
-    return isinstance(getattr(model, "_orig_mod", model), PeftModel)
+    peft = sys.modules.get("peft")  # not imported: no peft model, and a full run never pays it
+    return peft is not None and isinstance(getattr(model, "_orig_mod", model), peft.PeftModel)
 
 
 def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:

@@ -240,6 +240,8 @@ def test_the_batch_finder_keys_and_probes_the_adapted_model(
     assert lora_key["peft"]["r"] == 4 and "peft" not in full_key
     wider = dataclasses.replace(job.model, peft=PeftSettings(r=16))
     assert batch_key(dataclasses.replace(job, model=wider), cpu, "fp32") != lora_key
+    rescaled = dataclasses.replace(job.model, peft=PeftSettings(r=4, alpha=64, dropout=0.2))
+    assert batch_key(dataclasses.replace(job, model=rescaled), cpu, "fp32") == lora_key
     finder = BatchFinder(job, data.label_names, cpu)
     assert is_adapted(finder.base_model)
 

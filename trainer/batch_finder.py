@@ -122,6 +122,12 @@ def batch_key(job: TrainJob, device: torch.device, precision: str) -> dict[str, 
     if job.model.dropout is not None:
         # A dropout of 0 stores no masks; any other stores the same ones, whatever its value.
         key["dropout_masks"] = job.model.dropout > 0
+    adapter = job.model.adapter
+    if adapter is not None:  # frozen weights need no gradients or AdamW state
+        # What shapes the adapter's memory; alpha (a scale) and the dropout rate do not, and a
+        # search over them must not search the batch again at every trial.
+        key["peft"] = {"method": adapter.method, "r": adapter.r, "dropout": adapter.dropout > 0,
+                       "target_modules": adapter.target_modules}  # fmt: skip
     share = memory_share()
     if share < 1:  # a worker sharing its GPU (keys of a whole GPU stay as they were)
         key["memory_share"] = share

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from trainer.files import BEST_MODEL_DIR, STATE_FILE
+from trainer.peft_adapters import save_head_config
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +228,7 @@ def _atomic_save_pretrained(
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(tmp, state_dict=state_dict)  # type: ignore[operator]
+        save_head_config(model, str(tmp))
         tmp.rename(directory / version)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

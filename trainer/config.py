@@ -102,6 +102,47 @@ class DataConfig:
         return []
 
 
+# LoRA's rank: past this an adapter is as large as the layers it adapts (BERT-large: 1024).
+MAX_LORA_RANK = 4096
+
+
+@dataclass
+class PeftSettings:
+    """Parameter-efficient fine-tuning: the model's weights stay frozen and a small adapter (with
+    the task's head, where it has one) trains instead. `model.peft` absent: full fine-tuning."""
+
+    method: Literal["lora", "none"] = _doc(
+        "lora: low-rank updates of chosen layers; none: full fine-tuning (the value a search "
+        "space samples to turn LoRA off).",
+        "lora",
+    )
+    r: int = _doc("LoRA's rank: the inner size of each low-rank update (searchable).", 8)
+    alpha: float = _doc(
+        "LoRA's scale numerator: an update is multiplied by alpha / r (searchable).", 16.0
+    )
+    dropout: float = _doc("Dropout on the adapter's input, in [0, 1) (searchable).", 0.05)
+    target_modules: list[str] | Literal["auto"] = _doc(
+        "Names of the layers that get an adapter (a name matches a module whose dotted name ends "
+        "with it); auto: the attention projections peft knows for the model's family.",
+        "auto",
+    )
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        found: list[tuple[str, Any, str]] = []
+        if not 1 <= self.r <= MAX_LORA_RANK:
+            found.append(("r", self.r, f"must be an integer in [1, {MAX_LORA_RANK}]"))
+        if self.alpha <= 0:
+            found.append(("alpha", self.alpha, "must be > 0"))
+        if not 0 <= self.dropout < 1:
+            found.append(("dropout", self.dropout, "must be in [0, 1)"))
+        if isinstance(self.target_modules, list) and (
+            not self.target_modules or not all(name.strip() for name in self.target_modules)
+        ):
+            rule = "must be auto or a list of layer names, e.g. [query, value]"
+            found.append(("target_modules", self.target_modules, rule))
+        return found
+
+
 @dataclass
 class ModelConfig:
     """Which model to fine-tune: a pretrained one by path or name, or one built from a config."""
@@ -127,6 +168,14 @@ class ModelConfig:
         "dynamic, lengths padded to a few widths; trials record compile_graphs and compile_s.",
         False,
     )
+    peft: PeftSettings | None = _doc(
+        "Train an adapter instead of every weight (LoRA); null or absent: full fine-tuning."
+    )
+
+    @property
+    def adapter(self) -> PeftSettings | None:
+        """The LoRA settings in force; None for full fine-tuning (no model.peft, or method none)."""
+        return self.peft if self.peft is not None and self.peft.method != "none" else None
 
     def problems(self) -> list[tuple[str, Any, str]]:
         found: list[tuple[str, Any, str]] = []
@@ -153,6 +202,11 @@ class ModelConfig:
                     "must be sdpa, eager or flash_attention_2",
                 )
             )
+        if self.adapter is not None and self.config is not None:
+            # The adapter would be saved without the random weights it adapts: nobody could load it.
+            found.append(("peft", self.adapter.method, "needs a pretrained model: save the model "
+                          "built from model.config (save_pretrained) and give its folder as "
+                          "model.name_or_path"))  # fmt: skip
         return found
 
 

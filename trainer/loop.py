@@ -40,6 +40,7 @@ from trainer.memory import (
 )
 from trainer.metrics import is_better
 from trainer.model import build_model
+from trainer.peft_adapters import best_weights, parameter_counts
 from trainer.progress import Progress
 from trainer.result import TrainResult
 from trainer.resume import (
@@ -139,6 +140,7 @@ class Trainer:
         )  # fmt: skip
         self.model.to(self.device)  # a pretrained model loads on the CPU
         self.task.prepare_model(self.model, self.data.train)
+        self.trainable_params, self.total_params = parameter_counts(self.model)
         self.forward_model: torch.nn.Module = self.model
         if self.job.model.compile:
             self.forward_model = compile_model(self.model)
@@ -406,9 +408,7 @@ class Trainer:
         self._decide_after(run, evaluation, on_evaluation)
         if checkpoints is not None:
             if run.best is evaluation:  # kept in host memory until a checkpoint or the end
-                self.unsaved_best = {
-                    k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()
-                }
+                self.unsaved_best = best_weights(self.model)
             going_on = run.status == "completed" and run.step < self.total_steps
             if going_on and checkpoints.state_due():
                 self._checkpoint(run, checkpoints)
@@ -460,6 +460,8 @@ class Trainer:
             optimizer=self.optimizer_name,
             metric=self.metric,
             oom_recoveries=self.oom_recoveries,
+            trainable_params=self.trainable_params,
+            total_params=self.total_params,
             compiled=compile_stats() - self.compiled_before if self.job.model.compile else None,
         )
 

@@ -69,21 +69,29 @@ def check_model_config(
     """Fail fast, before any trial: the model's config must load (or build) cleanly, and hold
     `max_length` (data.max_length) positions. An inline config is also built into a model on
     the meta device (no memory, no weights), which catches settings that only clash at build
-    time (a hidden size that the heads do not divide, a negative size); a local model folder's
-    weights must be there and whole."""
+    time (a hidden size that the heads do not divide, a negative size); so is a model that gets
+    a LoRA adapter, whose target layers must be there. A local model folder's weights must be
+    there and whole."""
     model_config = _model_config(config, num_labels=2)
     if config.config is None:
         folder = Path(resolve_location(_pretrained_location(config)))
         if folder.is_dir():  # a hub name: transformers downloads and checks its files
             check_weights(folder, _pretrained_location(config))
-    if config.config is not None:
+    if config.config is not None or config.adapter is not None:
         try:
             with torch.device("meta"):
-                auto_model_class(task).from_config(
+                model = auto_model_class(task).from_config(
                     model_config, attn_implementation=config.attn_implementation
                 )
         except (ValueError, TypeError, ImportError, RuntimeError) as e:
+            if config.config is None:
+                raise ModelError(_load_failure("model", _pretrained_location(config), e)) from e
             raise ModelError(_inline_failure(config.config, e)) from e
+        if config.adapter is not None:  # the layers it names must be there
+            from trainer.peft_adapters import check_targets, peft_task_type
+
+            peft_task_type(task)
+            check_targets(config.adapter, model)
     positions = _absolute_positions(model_config)
     if max_length is not None and positions is not None and max_length > positions:
         where = "model.config.max_position_embeddings" if config.config is not None else "model"
@@ -164,6 +172,10 @@ def build_model(
         raise ModelError(_load_failure("model", _pretrained_location(config), e)) from e
     if gradient_checkpointing or (gradient_checkpointing is None and config.gradient_checkpointing):
         _enable_checkpointing(model)
+    if config.adapter is not None:
+        from trainer.peft_adapters import wrap_model
+
+        model = wrap_model(model, config.adapter, task)
     return model
 
 

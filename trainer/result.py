@@ -39,6 +39,8 @@ class TrainResult:
     first_step_at: float | None = None  # wall clock (time.time()) after the first step
     fit_started_at: float | None = None  # wall clock once model, optimizer and loaders are built
     compiled: CompileStats | None = None  # what this run compiled, with model.compile
+    trainable_params: int = 0  # what the optimizer updates: a LoRA run's adapter and head
+    total_params: int = 0
 
     @property
     def curve(self) -> list[float]:

@@ -1,5 +1,6 @@
-"""What a checkpoint of a training run holds, and how a run is put back from one: weights,
-optimizer, scheduler, batch sizes, progress and RNG states, as tensors and plain values only.
+"""What a checkpoint of a training run holds, and how a run is put back from one: weights (a
+LoRA run's adapter and head only), optimizer, scheduler, batch sizes, progress and RNG states, as
+tensors and plain values only.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from trainer.checkpoint import job_fingerprint, rng_state, set_rng_state
 from trainer.config import TrainJob
 from trainer.evaluation import Evaluation
+from trainer.peft_adapters import load_trained_state, trained_state
 from trainer.progress import Progress
 
 # Settings that change how a run is computed, not what it computes: a checkpoint stays valid.
@@ -82,7 +84,7 @@ def training_state(
     """The whole state of a run, `train_s` seconds of training in."""
     return {
         "fingerprint": fingerprint,
-        "model": parts.model.state_dict(),
+        "model": trained_state(parts.model),  # the frozen base is rebuilt, never saved
         "optimizer": parts.optimizer.state_dict(),
         "scheduler": parts.scheduler.state_dict(),
         "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
@@ -95,7 +97,7 @@ def training_state(
 def restore_training(state: dict[str, Any], parts: TrainingParts, progress: Progress) -> BatchSizes:
     """Load a saved state into the run's objects and progress; the RNGs last, so that nothing
     here draws from them after they are set."""
-    parts.model.load_state_dict(state["model"])
+    load_trained_state(parts.model, state["model"])
     parts.optimizer.load_state_dict(state["optimizer"])
     parts.scheduler.load_state_dict(state["scheduler"])
     if parts.scaler is not None and state["scaler"] is not None:

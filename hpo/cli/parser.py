@@ -278,6 +278,11 @@ def _add_monitoring_commands(commands: argparse._SubParsersAction) -> None:
         help="fetch the best model from the artifact store into DIR (new or empty), every file "
         "checked against its sha256",
     )  # fmt: skip
+    best.add_argument(
+        "--merge", action="store_true",
+        help="with --download, of a LoRA study: merge the adapter into its base model and write "
+        "a plain model (default: the adapter, which peft loads on the base model)",
+    )  # fmt: skip
     dashboard.add_argument(
         "--host", type=_host, default="127.0.0.1", help="bind address (default: localhost)"
     )

@@ -33,6 +33,7 @@ from hpo.reports.text import (
     strict_json,
     studies_table,
 )
+from hpo.study.join import ADAPTER_ATTR, loader_text, study_task
 
 
 def _serve(app: Callable, host: str, port: int, banner: str) -> None:
@@ -139,6 +140,8 @@ def _look_at(study: Any, storage: Any, args: argparse.Namespace) -> int:
         retrained = retrain.recorded_outcome(study.user_attrs)
         if args.download is not None:
             return _download_best(study, best, args)
+        if args.merge:
+            raise HPOError("--merge goes with --download DIR: it writes the merged model there")
         if args.json:  # several objectives: the Pareto front, a list
             shown: Any = best if len(study.directions) > 1 else best[0]
             if retrained is not None:
@@ -213,29 +216,56 @@ def _download_best(study: Any, best: list[dict], args: argparse.Namespace) -> in
         raise HPOError(f"--download {out}: exists and is not an empty folder; name a new one")
     folder = f"trial-{int(best[0]['user_attrs'].get('first_attempt', best[0]['number']))}"
     aside = out.parent / f".{out.name}.{os.getpid()}.download"
+    merged = aside.with_suffix(".merged")
     number = best[0]["number"]
+    note = ""
     try:
         manifest = store.fetch(study_folder_name(study.study_name), folder, "best-model", aside)
         if manifest is not None:
+            note = _finish_adapter(study, aside, merged if args.merge else None, out)
             if out.is_dir():
                 out.rmdir()
-            aside.rename(out)
+            (merged if args.merge else aside).rename(out)
     except ArtifactStoreError as e:
         raise HPOError(f"best model of trial #{number} not downloaded: {e}") from e
     except OSError as e:
         # The folder cannot be written, or its name was taken meanwhile: the message names the
         # folder asked for, and the partial download beside it is removed.
-        shutil.rmtree(aside, ignore_errors=True)
         raise HPOError(f"--download {out}: cannot write there ({e.strerror or e})") from e
+    finally:
+        for partial in (aside, merged):  # what was not renamed into `out`
+            shutil.rmtree(partial, ignore_errors=True)
     if manifest is None:
         error = best[0]["user_attrs"].get("checkpoint_error")
         why = f" ({error})" if error else ""
         raise HPOError(f"trial #{number} has no best model in {store.url}{why}")
     emit(
         f"hpo: best model of trial #{number} ({manifest.size / 1e6:.1f} MB, sha256 checked) "
-        f"in {out}"
+        f"in {out}{note}"
     )
     return 0
+
+
+def _finish_adapter(study: Any, folder: Path, merged: Path | None, out: Path) -> str:
+    """A downloaded LoRA adapter made loadable here: it names its base model as this host finds
+    it; with `merged`, merged into that base as a plain model there. Returns what to say of
+    `out`, where it goes ("" for a plain model)."""
+    from trainer.model import resolve_location
+    from trainer.peft_adapters import is_adapter_folder, merge_adapter, point_at_base
+
+    if not is_adapter_folder(folder):
+        if merged is not None:
+            raise HPOError("--merge: the best trial fine-tuned every weight (no LoRA adapter), "
+                           "so its model is plain already; leave --merge out")  # fmt: skip
+        return ""
+    adapter = study.user_attrs.get(ADAPTER_ATTR)
+    recorded = adapter.get("base_model") if isinstance(adapter, dict) else None
+    base = point_at_base(folder, resolve_location(recorded) if recorded else None)
+    task = study_task(study.user_attrs)
+    if merged is None:
+        return f"; {loader_text(task, base, str(out))}"
+    merge_adapter(folder, base, task, merged)
+    return f"; the LoRA adapter merged into {base}: {loader_text(task, None)}"
 
 
 def _watch(study: Any, storage: Any, as_json: bool, interval: float) -> int:

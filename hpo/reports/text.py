@@ -122,7 +122,10 @@ def best_text(best: dict) -> str:
     model = best["user_attrs"].get("best_model")
     uri = best["user_attrs"].get("best_model_uri")
     missing = best.get("model_missing")
-    if uri:
+    if uri and best.get("adapter"):
+        text += (f"\nmodel: {uri}, a LoRA adapter (hpo best --download DIR fetches it, loadable "
+                 "with peft; --merge makes it a plain model)")  # fmt: skip
+    elif uri:
         text += f"\nmodel: {uri} (hpo best --download DIR fetches it)"
     elif model and not missing:
         loader = best.get("model_loader", "AutoModelForSequenceClassification.from_pretrained")

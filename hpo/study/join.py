@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 WORKERS_ATTR = "hpo:workers_joined"
 QUEUED_BY_ATTR = "queued_by"  # study.enqueue or hpo enqueue, on a queued trial
 TASK_ATTR = "task"  # what the study's models learn (trainer.tasks), set by its first worker
+# A LoRA study's adapter ({"method", "base_model"}: model.peft.method, model.name_or_path as the
+# config wrote it), set by its first worker: its models are adapters that load on that base.
+ADAPTER_ATTR = "adapter"
 
 
 def study_task(user_attrs: dict[str, Any]) -> str:
@@ -39,8 +42,29 @@ def study_task(user_attrs: dict[str, Any]) -> str:
 
 
 def model_loader(user_attrs: dict[str, Any]) -> str:
-    """How a study's saved model loads: `AutoModelFor<its head>.from_pretrained`."""
-    return f"{TASKS[study_task(user_attrs)].auto_model}.from_pretrained"
+    """How a study's saved model loads: `AutoModelFor<its head>.from_pretrained`, or for a LoRA
+    study, peft's loader on the base model."""
+    adapter = user_attrs.get(ADAPTER_ATTR)
+    base = adapter.get("base_model") if isinstance(adapter, dict) else None
+    return loader_text(study_task(user_attrs), base)
+
+
+def loader_text(task: str, base_model: str | None, folder: str = "DIR") -> str:
+    """The call that loads a saved model of `task` from `folder`; with `base_model`, a LoRA
+    adapter that peft loads on that base (its config.json holds the head's labels)."""
+    auto_model = TASKS[task].auto_model
+    if base_model is None:
+        return f"{auto_model}.from_pretrained"
+    base = f"{auto_model}.from_pretrained(BASE, config=AutoConfig.from_pretrained({folder}))"
+    return f"a LoRA adapter on {base_model}: PeftModel.from_pretrained({base}, {folder})"
+
+
+def adapter_record(config: Config) -> dict[str, Any] | None:
+    """What a study records of its adapter (ADAPTER_ATTR); None for full fine-tuning."""
+    peft = config.model.adapter
+    if peft is None:
+        return None
+    return {"method": peft.method, "base_model": config.model.name_or_path}
 
 
 def open_study(storage: StudyStorage, name: str, config: Config) -> optuna.Study:
@@ -147,6 +171,8 @@ def _check_study_settings(storage: StudyStorage, study_id: int, name: str, confi
     attrs = storage.get_study_user_attrs(study_id)
     if "search_space" not in attrs:
         storage.set_study_user_attr(study_id, TASK_ATTR, config.task)
+        if config.model.adapter is not None:
+            storage.set_study_user_attr(study_id, ADAPTER_ATTR, adapter_record(config))
         storage.set_study_user_attr(study_id, "metric", config.study.metric)
         storage.set_study_user_attr(study_id, "search_space", space)
         storage.set_study_user_attr(study_id, "sampler", config.study.sampler.type)

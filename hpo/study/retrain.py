@@ -35,6 +35,7 @@ from optuna.trial import FrozenTrial, TrialState
 from hpo import __version__
 from hpo.config.schema import Config, ParamSpec, PrunerConfig, SamplerConfig, space_record
 from hpo.errors import HPOError
+from hpo.study.join import loader_text
 from hpo.trial.folders import study_folder_name
 from storage.engine import StudyStorage
 from trainer.tasks import TASKS
@@ -414,7 +415,8 @@ def model_card(
     """Everything needed to trust and reproduce the final model (`storage`: the study's
     database, its URL with the password masked)."""
     return {
-        "model": f"{TASKS[config.task].auto_model}.from_pretrained(<this folder>)",
+        "model": _card_loader(config),
+        "adapter": dataclasses.asdict(config.model.adapter) if config.model.adapter else None,
         "task": config.task,
         "study": plan.source,
         "storage": storage,
@@ -454,6 +456,13 @@ def model_card(
     }
 
 
+def _card_loader(config: Config) -> str:
+    """How the final model loads: a plain model, or a LoRA adapter on its base model."""
+    if config.model.adapter is None:
+        return f"{TASKS[config.task].auto_model}.from_pretrained(<this folder>)"
+    return loader_text(config.task, config.model.name_or_path, "<this folder>")
+
+
 def data_files(config: Config) -> list[dict[str, Any]]:
     from trainer.data import content_hash
 
@@ -469,11 +478,13 @@ def data_files(config: Config) -> list[dict[str, Any]]:
 
 
 def versions() -> dict[str, str]:
+    import peft
     import torch
     import transformers
 
     return {"hpo": __version__, "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "optuna": optuna.__version__}  # fmt: skip
+            "transformers": transformers.__version__, "peft": peft.__version__,
+            "optuna": optuna.__version__}  # fmt: skip
 
 
 def card_markdown(card: dict[str, Any]) -> str:

@@ -382,6 +382,8 @@ def record_result(trial: TrialLike, result: TrainResult) -> None:
         "eval_s": round(result.eval_s, 3),
         "curve": [round(v, 6) for v in result.curve],
         "oom_recoveries": result.oom_recoveries,
+        "trainable_params": result.trainable_params,  # a LoRA run's adapter and head
+        "total_params": result.total_params,
     }
     if result.batch_search is not None:
         attrs["batch_search"] = search_summary(result.batch_search)

@@ -1,0 +1,466 @@
+"""LoRA through peft: the adapter each task gets, what trains, what a checkpoint holds, resuming,
+the batch finder's key, and the checks a config gets before the first trial."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from optuna.trial import TrialState
+
+from hpo.config.loader import parse_config
+from hpo.errors import ConfigError
+from tests.conftest import (
+    MINILM_TOKENIZER,
+    TINY_BERT,
+    start_hpo,
+    tiny_config,
+    wait_until_training,
+    write_config,
+)
+from trainer.batch_finder import BatchFinder, batch_key
+from trainer.checkpoint import CheckpointStore
+from trainer.config import DataConfig, ModelConfig, PeftSettings, TrainingConfig, TrainJob
+from trainer.data import PreparedData
+from trainer.errors import ModelError
+from trainer.loop import Trainer
+from trainer.model import build_model, check_model_config, load_tokenizer
+from trainer.peft_adapters import (
+    auto_target_modules,
+    check_targets,
+    is_adapted,
+    parameter_counts,
+    peft_task_type,
+    wrap_model,
+)
+from trainer.step import make_optimizer
+from trainer.tasks import TASKS, auto_model_class, prepare_data
+
+TINY_GPT2 = {"model_type": "gpt2", "vocab_size": 128, "n_embd": 32, "n_layer": 1, "n_head": 2,
+             "n_positions": 64}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny BERT saved as a pretrained model folder: LoRA adapts saved weights."""
+    from transformers import AutoConfig, AutoModel
+
+    folder = tmp_path_factory.mktemp("tiny-bert")
+    settings = dict(TINY_BERT)
+    config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    torch.manual_seed(0)
+    AutoModel.from_config(config).save_pretrained(folder)
+    return folder
+
+
+def lora_job(folder: Path, train: Path, evaluation: Path, **peft: Any) -> TrainJob:
+    training = TrainingConfig(physical_batch_size=4, effective_batch_size=8, learning_rate=3e-3,
+                              epochs=2, evals_per_epoch=2, device="cpu")  # fmt: skip
+    return TrainJob(
+        data=DataConfig(train_file=str(train), eval_file=str(evaluation), max_length=32),
+        model=ModelConfig(
+            name_or_path=str(folder), tokenizer=MINILM_TOKENIZER, peft=PeftSettings(**peft)
+        ),  # fmt: skip
+        training=training,
+    )
+
+
+@pytest.fixture
+def prepared(tiny_pretrained: Path, easy_data: tuple[Path, Path]) -> tuple[TrainJob, PreparedData]:
+    job = lora_job(tiny_pretrained, *easy_data, r=4)
+    return job, prepare_data(job.data, load_tokenizer(job.model))
+
+
+def _model_for(task: str, settings: dict[str, Any]) -> Any:
+    from transformers import AutoConfig
+
+    settings = dict(settings)
+    config = AutoConfig.for_model(settings.pop("model_type"), num_labels=3, **settings)
+    return auto_model_class(task).from_config(config)
+
+
+# -- the adapter each task and family gets ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("task", "task_type", "head"),
+    [("sequence_classification", "SEQ_CLS", "classifier"),
+     ("multi_label_classification", "SEQ_CLS", "classifier"),
+     ("regression", "SEQ_CLS", "classifier"),
+     ("token_classification", "TOKEN_CLS", "classifier"),
+     ("causal_lm", "CAUSAL_LM", None)],
+)  # fmt: skip
+def test_every_task_trains_the_adapter_and_its_head_and_nothing_else(
+    task: str, task_type: str, head: str | None
+) -> None:
+    assert set(TASKS) >= {task} and peft_task_type(task) == task_type
+    base = _model_for(task, TINY_GPT2 if task == "causal_lm" else TINY_BERT)
+    model = wrap_model(base, PeftSettings(r=4), task)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any("lora_A" in n for n in trainable) and any("lora_B" in n for n in trainable)
+    heads = [n for n in trainable if "lora_" not in n]
+    if head is None:  # a language model's head is its (tied, frozen) embeddings
+        assert heads == []
+    else:  # the new head trains fully, as peft's modules_to_save copy
+        assert heads and all(f"{head}.modules_to_save.default." in n for n in heads), heads
+    # The optimizer sees exactly the trainable tensors.
+    optimizer, _ = make_optimizer(model, TrainingConfig())
+    in_optimizer = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
+    trainable_count, total = parameter_counts(model)
+    assert in_optimizer == trainable_count < total / 10
+
+
+def test_auto_targets_the_attention_projections_peft_knows_per_family() -> None:
+    assert auto_target_modules("bert") == ["query", "value"]
+    assert auto_target_modules("gpt2") == ["c_attn"]
+    with pytest.raises(ModelError, match="set model.peft.target_modules") as caught:
+        auto_target_modules("distilbert")
+    assert "'distilbert'" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_target_modules_are_checked_against_the_models_layers() -> None:
+    model = _model_for("sequence_classification", TINY_BERT)
+    check_targets(PeftSettings(target_modules=["query", "key", "attention.output.dense"]), model)
+    with pytest.raises(ModelError) as caught:
+        check_targets(PeftSettings(target_modules=["query", "q_proj"]), model)
+    message = str(caught.value)
+    assert "'q_proj' names no layer of the model (bert)" in message and "'query'" not in message
+    assert "its linear layers: classifier, dense, key, query, value" in message
+
+
+def test_auto_on_a_family_peft_does_not_know_names_its_layers() -> None:
+    from transformers import DistilBertConfig
+
+    config = DistilBertConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, hidden_dim=64)
+    model = auto_model_class("sequence_classification").from_config(config)
+    with pytest.raises(ModelError, match=r"its linear layers: .*q_lin.*v_lin"):
+        check_targets(PeftSettings(), model)
+
+
+def test_check_model_config_refuses_unknown_targets_before_any_trial(tiny_pretrained: Path) -> None:
+    good = ModelConfig(name_or_path=str(tiny_pretrained), peft=PeftSettings())
+    check_model_config(good, 32)
+    bad = dataclasses.replace(good, peft=PeftSettings(target_modules=["qkv"]))
+    with pytest.raises(ModelError, match="'qkv' names no layer"):
+        check_model_config(bad, 32)
+
+
+def test_gradient_checkpointing_still_reaches_the_adapter(tiny_pretrained: Path) -> None:
+    config = ModelConfig(name_or_path=str(tiny_pretrained), gradient_checkpointing=True,
+                         peft=PeftSettings(r=4))  # fmt: skip
+    model = build_model(config, ["a", "b"], seed=0).train()
+    ids = torch.randint(0, 100, (2, 8))
+    model(input_ids=ids, labels=torch.tensor([0, 1])).loss.backward()
+    # lora_B starts at zero (so lora_A's first gradient is zero too): B's shows the path.
+    grads = {n: p.grad for n, p in model.named_parameters() if "lora_B" in n}
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads.values())
+
+
+# -- training, checkpoints and resuming ------------------------------------------------------------
+
+
+def _trained(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+
+def test_a_lora_checkpoint_holds_the_adapter_and_resumes_to_the_same_weights(
+    prepared: tuple[TrainJob, PreparedData], tmp_path: Path
+) -> None:
+    reference = Trainer(*prepared)
+    expected = reference.fit()
+    assert is_adapted(reference.model)
+    assert 0 < expected.trainable_params < expected.total_params / 10
+    steps: list[int] = []
+    stopper = Trainer(*prepared)
+    store = CheckpointStore(tmp_path / "t")
+    stopped = stopper.fit(
+        checkpoints=store,
+        should_stop=lambda: len(steps) >= 1,
+        on_evaluation=lambda e: steps.append(e.optimizer_step) or None,
+    )
+    assert stopped.status == "interrupted"
+    # The state holds the adapter, the head and their AdamW moments: not the 2M frozen weights.
+    full_model_bytes = 4 * expected.total_params
+    assert store.state_path.stat().st_size < full_model_bytes / 10
+    best = sorted(p.name for p in store.best_model_path.iterdir())
+    assert best == ["README.md", "adapter_config.json", "adapter_model.safetensors",
+                    "config.json"], best  # fmt: skip
+    assert (store.best_model_path / "adapter_model.safetensors").stat().st_size < (
+        full_model_bytes / 10
+    )
+
+    resumed = Trainer(*prepared)  # a fresh base model, as on another host
+    result = resumed.fit(checkpoints=CheckpointStore(tmp_path / "t", resume=True))
+    assert result.resumed_at_step == stopped.optimizer_steps and result.status == "completed"
+    want, got = _trained(reference), _trained(resumed)
+    assert want.keys() == got.keys()
+    assert [k for k in want if not torch.equal(want[k], got[k])] == []
+    assert result.curve == expected.curve
+
+
+def test_the_saved_adapter_loads_through_peft_and_merges_to_a_plain_model(
+    prepared: tuple[TrainJob, PreparedData], tiny_pretrained: Path, tmp_path: Path
+) -> None:
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    trainer = Trainer(*prepared)
+    store = CheckpointStore(tmp_path / "t")
+    trainer.fit(checkpoints=store)
+    folder = store.best_model_path
+    base = AutoModelForSequenceClassification.from_pretrained(
+        tiny_pretrained, config=AutoConfig.from_pretrained(folder)
+    )
+    loaded = PeftModel.from_pretrained(base, folder).eval()
+    ids = torch.tensor([[101, 2204, 102]])
+    with torch.no_grad():
+        adapted = loaded(input_ids=ids).logits
+        merged = loaded.merge_and_unload()(input_ids=ids).logits
+    assert loaded.config.id2label == {0: "neg", 1: "pos"}
+    torch.testing.assert_close(adapted, merged, rtol=1e-4, atol=1e-5)
+
+
+# -- the batch finder ------------------------------------------------------------------------------
+
+
+def test_the_batch_finder_keys_and_probes_the_adapted_model(
+    prepared: tuple[TrainJob, PreparedData], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job, data = prepared
+    full = dataclasses.replace(job, model=dataclasses.replace(job.model, peft=None))
+    cpu = torch.device("cpu")
+    lora_key, full_key = batch_key(job, cpu, "fp32"), batch_key(full, cpu, "fp32")
+    assert lora_key["peft"]["r"] == 4 and "peft" not in full_key
+    wider = dataclasses.replace(job.model, peft=PeftSettings(r=16))
+    assert batch_key(dataclasses.replace(job, model=wider), cpu, "fp32") != lora_key
+    rescaled = dataclasses.replace(job.model, peft=PeftSettings(r=4, alpha=64, dropout=0.2))
+    assert batch_key(dataclasses.replace(job, model=rescaled), cpu, "fp32") == lora_key
+    finder = BatchFinder(job, data.label_names, cpu)
+    assert is_adapted(finder.base_model)
+
+
+# -- the config ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("peft", "message"),
+    [({"r": 0}, "model.peft.r: got 0; must be an integer in [1, 4096]"),
+     ({"alpha": 0}, "model.peft.alpha: got 0.0; must be > 0"),
+     ({"dropout": 1.0}, "model.peft.dropout: got 1.0; must be in [0, 1)"),
+     ({"method": "ia3"}, "model.peft.method: got 'ia3'; must be one of lora, none"),
+     ({"target_modules": []}, "model.peft.target_modules: got []; must be auto or a list"),
+     ({"dropuot": 0.1}, "model.peft.dropuot: unknown key (did you mean 'dropout'?)")],
+)  # fmt: skip
+def test_bad_peft_settings_are_one_line_each(
+    easy_data: tuple[Path, Path], tiny_pretrained: Path, peft: dict[str, Any], message: str
+) -> None:
+    raw = tiny_config(*easy_data, model={"name_or_path": str(tiny_pretrained), "peft": peft})
+    del raw["model"]["config"]
+    with pytest.raises(ConfigError) as caught:
+        parse_config(raw, Path("."))
+    assert [p for p in caught.value.problems if message in p], caught.value.problems
+
+
+def test_lora_on_a_model_built_from_config_is_refused(easy_data: tuple[Path, Path]) -> None:
+    raw = tiny_config(*easy_data, model={"peft": {"r": 8}})
+    with pytest.raises(ConfigError, match="model.peft: got 'lora'; needs a pretrained model"):
+        parse_config(raw, Path("."))
+
+
+def test_a_config_without_peft_fine_tunes_every_weight(
+    easy_data: tuple[Path, Path], tiny_pretrained: Path
+) -> None:
+    config = parse_config(tiny_config(*easy_data), Path("."))
+    assert config.model.peft is None
+    lora = {"name_or_path": str(tiny_pretrained), "peft": {"r": 16, "alpha": 32}}
+    raw = tiny_config(*easy_data, model=lora)
+    del raw["model"]["config"]
+    peft = parse_config(raw, Path(".")).model.peft
+    assert peft == PeftSettings(r=16, alpha=32.0)
+
+
+# -- through hpo run -------------------------------------------------------------------------------
+
+
+def lora_config(
+    folder: Path, train: Path, evaluation: Path, **sections: dict[str, Any]
+) -> dict[str, Any]:
+    raw = tiny_config(train, evaluation, **sections)
+    raw["model"] = {"name_or_path": str(folder), "tokenizer": MINILM_TOKENIZER,
+                    "peft": {"r": 8, "alpha": 16}}  # fmt: skip
+    return raw
+
+
+@pytest.mark.parametrize(
+    ("peft", "message"),
+    [({"r": -1}, "model.peft.r: got -1; must be an integer in [1, 4096]"),
+     ({"target_modules": ["query", "qkv"]}, "'qkv' names no layer of the model (bert)")],
+)  # fmt: skip
+def test_bad_lora_input_through_hpo_run_exits_2_and_writes_nothing(
+    tmp_path: Path,
+    tiny_pretrained: Path,
+    easy_data: tuple[Path, Path],
+    hpo_main: Callable[[list[str]], int],
+    capsys: pytest.CaptureFixture[str],
+    peft: dict[str, Any],
+    message: str,
+) -> None:
+    raw = lora_config(tiny_pretrained, *easy_data)
+    raw["model"]["peft"].update(peft)
+    config = write_config(tmp_path / "bad.yaml", raw)
+    database = tmp_path / "must-not-exist.db"
+    capsys.readouterr()
+    code = hpo_main(["run", "--study", "s", "--config", str(config),
+                     "--storage", f"sqlite:///{database}"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not database.exists()
+
+
+def test_a_lora_study_resumes_from_the_store_and_downloads_an_adapter_or_a_merged_model(
+    tmp_path: Path,
+    tiny_pretrained: Path,
+    easy_data: tuple[Path, Path],
+    hpo_main: Callable[[list[str]], int],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through `hpo run`: a LoRA trial stopped by SIGTERM after its first evaluation resumes, in
+    the next worker, from the adapter state in the artifact store (its own folder gone, as on
+    another host); `hpo best --download` gives an adapter that peft loads on the base model,
+    and `--merge` a plain model that gives the same predictions."""
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    store = tmp_path / "store"
+    store.mkdir()
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    raw = lora_config(
+        tiny_pretrained, *easy_data,
+        study={"n_trials": 2, "artifact_store": f"file://{store}",
+               "checkpoint_dir": str(tmp_path / "host-a")},
+        # 64 steps, an evaluation every 16: the SIGTERM after the first one lands in training
+        training={"learning_rate": 2e-2},
+    )  # fmt: skip
+    raw["search_space"]["learning_rate"] = {"type": "categorical", "choices": [2e-2]}
+    config = write_config(tmp_path / "lora.yaml", raw)
+    args = ("run", "--study", "lora", "--config", str(config), "--storage", url)
+
+    first = start_hpo(*args, cwd=tmp_path, own_group=True)
+    study = wait_until_training(url, "lora", [first], evaluations=1)
+    first.send_signal(signal.SIGTERM)
+    _, stderr = first.communicate(timeout=60)
+    assert first.returncode == 0, stderr[-3000:]
+    shutil.rmtree(tmp_path / "host-a")  # the next worker runs on another host
+    monkeypatch.chdir(tmp_path)
+    assert hpo_main(list(args)) == 0
+
+    trials = {t.number: t for t in study.get_trials()}
+    assert {n: t.state for n, t in trials.items()} == {
+        0: TrialState.FAIL, 1: TrialState.COMPLETE, 2: TrialState.COMPLETE
+    }  # fmt: skip
+    retry = next(t for t in trials.values() if t.system_attrs.get("failed_trial") == 0)
+    assert retry.user_attrs["resumed_from"].startswith("file://")
+    assert retry.user_attrs["resumed_at_step"] >= 16
+    assert sorted(retry.intermediate_values) == [1, 2, 3, 4]  # the curve continues
+    assert all(t.value is not None and t.value > 0.6 for t in (trials[1], retry))  # chance: 0.5
+    for trial in (trials[1], retry):
+        trainable, total = trial.user_attrs["trainable_params"], trial.user_attrs["total_params"]
+        assert 0 < trainable < total / 100, (trainable, total)
+    # What went to the store is the adapter: no file holds the 2M frozen weights.
+    stored = [p for p in store.rglob("*") if p.is_file()]
+    assert stored and max(p.stat().st_size for p in stored) < 1_000_000
+
+    capsys.readouterr()
+    assert hpo_main(["best", "--study", "lora", "--storage", url]) == 0
+    assert "a LoRA adapter" in capsys.readouterr().out
+    assert hpo_main(["best", "--study", "lora", "--storage", url, "--download", "adapter"]) == 0
+    said = capsys.readouterr().out
+    assert "PeftModel.from_pretrained" in said and str(tiny_pretrained) in said, said
+    adapter = tmp_path / "adapter"
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == (
+        str(tiny_pretrained)
+    )
+    base = AutoModelForSequenceClassification.from_pretrained(
+        tiny_pretrained, config=AutoConfig.from_pretrained(adapter)
+    )
+    loaded = PeftModel.from_pretrained(base, adapter).eval()
+    args_merge = ["best", "--study", "lora", "--storage", url, "--download", "merged", "--merge"]
+    assert hpo_main(args_merge) == 0
+    merged = AutoModelForSequenceClassification.from_pretrained(tmp_path / "merged").eval()
+    assert not (tmp_path / "merged" / "adapter_config.json").exists()
+    assert merged.config.id2label == {0: "neg", 1: "pos"}
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "merged")
+    encoded = tokenizer(["the meal was superb", "our room felt awful"], return_tensors="pt",
+                        padding=True)  # fmt: skip
+    with torch.no_grad():
+        want, got = loaded(**encoded).logits, merged(**encoded).logits
+    torch.testing.assert_close(want, got, rtol=1e-4, atol=1e-5)
+    assert got.argmax(-1).tolist() == [1, 0]  # pos, neg
+
+
+def test_the_report_and_hpo_best_say_how_an_adapter_loads() -> None:
+    from hpo.reports.text import best_text
+    from hpo.study.join import ADAPTER_ATTR, TASK_ATTR, model_loader
+
+    plain = {TASK_ATTR: "token_classification"}
+    assert model_loader(plain) == "AutoModelForTokenClassification.from_pretrained"
+    adapter = {**plain, ADAPTER_ATTR: {"method": "lora", "base_model": "pkg://m/model"}}
+    assert model_loader(adapter) == (
+        "a LoRA adapter on pkg://m/model: PeftModel.from_pretrained(AutoModelForTokenClassification"
+        ".from_pretrained(BASE, config=AutoConfig.from_pretrained(DIR)), DIR)"
+    )
+    best = {"number": 3, "study": "s", "value": 0.9, "params": {}, "adapter": adapter[ADAPTER_ATTR],
+            "user_attrs": {"best_model_uri": "file:///store/s/trial-3/best-model"}}  # fmt: skip
+    assert "a LoRA adapter (hpo best --download DIR fetches it, loadable with peft; --merge" in (
+        best_text(best)
+    )
+
+
+def test_the_retrain_card_of_a_lora_study_names_the_adapter_and_its_base(
+    easy_data: tuple[Path, Path], tiny_pretrained: Path
+) -> None:
+    from hpo.study.retrain import _card_loader
+
+    raw = tiny_config(*easy_data, model={"name_or_path": str(tiny_pretrained), "peft": {"r": 4}})
+    del raw["model"]["config"]
+    config = parse_config(raw, Path("."))
+    assert _card_loader(config).startswith(f"a LoRA adapter on {tiny_pretrained}: PeftModel")
+    config.model.peft = None
+    assert (
+        _card_loader(config) == "AutoModelForSequenceClassification.from_pretrained(<this folder>)"
+    )
+
+
+def test_method_none_fine_tunes_every_weight_so_a_search_can_turn_lora_off(
+    prepared: tuple[TrainJob, PreparedData],
+) -> None:
+    job, data = prepared
+    off = dataclasses.replace(job.model, peft=PeftSettings(method="none", r=4))
+    assert off.adapter is None and job.model.adapter is not None
+    model = build_model(off, data.label_names, seed=0)
+    assert not is_adapted(model) and all(p.requires_grad for p in model.parameters())
+    assert "peft" not in batch_key(dataclasses.replace(job, model=off), torch.device("cpu"), "fp32")
+    inline = ModelConfig(config=dict(TINY_BERT), tokenizer=MINILM_TOKENIZER, peft=off.peft)
+    assert inline.problems() == []  # LoRA off: a model built from config is fine
+
+
+def test_merge_of_a_model_trained_fully_is_one_line(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from hpo.commands.monitor import _finish_adapter
+    from hpo.errors import HPOError
+
+    study = SimpleNamespace(user_attrs={})
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "config.json").write_text("{}")
+    assert _finish_adapter(study, tmp_path / "plain", None, tmp_path / "out") == ""
+    with pytest.raises(HPOError, match="^--merge: the best trial fine-tuned every weight"):
+        _finish_adapter(study, tmp_path / "plain", tmp_path / "merged", tmp_path / "out")

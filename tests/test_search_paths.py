@@ -15,6 +15,7 @@ from typing import Any
 import optuna
 import pytest
 import torch
+import yaml
 
 from hpo.config import search_paths
 from hpo.config.loader import check_params, parse_config
@@ -381,3 +382,31 @@ def test_a_study_chooses_between_two_models_with_a_parameter_of_one_of_them(
         (record,) = db.execute("select value_json from study_user_attributes "
                                "where key = 'search_space'").fetchone()  # fmt: skip
     assert json.loads(record)["model.dropout"]["when"] == {"model.name_or_path": ["./tiny-bert"]}
+
+
+def test_lora_settings_are_searched_by_their_paths_and_only_with_lora_on() -> None:
+    raw = yaml.safe_load((REPO / "configs" / "lora-minilm.yaml").read_text())
+    raw["search_space"]["model.peft.method"] = {"type": "categorical", "choices": ["lora", "none"]}
+    for name in ("model.peft.r", "model.peft.alpha", "model.peft.dropout"):
+        raw["search_space"][name]["when"] = {"model.peft.method": "lora"}
+    config = parse_config(raw, base_dir=REPO / "configs")
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    seen = set()
+    for _ in range(12):
+        trial = study.ask()
+        params = sample(trial, config.search_space)
+        study.tell(trial, 0.0)
+        adapter = job_for_trial(config, params).model.adapter
+        seen.add(params["model.peft.method"])
+        if params["model.peft.method"] == "none":
+            assert adapter is None and "model.peft.r" not in params
+        else:
+            assert adapter is not None and adapter.r == params["model.peft.r"]
+            assert adapter.alpha == params["model.peft.alpha"]
+    assert seen == {"lora", "none"}
+    raw["search_space"]["model.peft.r"] = {"type": "int", "low": 0, "high": 4}
+    with pytest.raises(ConfigError, match=r"model.peft.r: value 0.0 must be an integer in \[1"):
+        parse_config(raw, base_dir=REPO / "configs")
+    raw["search_space"]["model.peft.rr"] = raw["search_space"].pop("model.peft.r")
+    with pytest.raises(ConfigError, match=r"unknown parameter \(did you mean 'model.peft.r'\?\)"):
+        parse_config(raw, base_dir=REPO / "configs")

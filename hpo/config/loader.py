@@ -305,8 +305,7 @@ def _check_search_space(config: Config, problems: list[str]) -> None:
 
 def _field_hint(name: str) -> Any:
     """The type annotation of the field a parameter sets."""
-    section, field = search_paths.field_of(name)
-    return typing.get_type_hints(search_paths.SECTIONS[section])[field]
+    return search_paths.field_hint(name)
 
 
 def _setting_problems(config: Config, name: str, value: Any) -> list[str]:
@@ -319,8 +318,8 @@ def _setting_problems(config: Config, name: str, value: Any) -> list[str]:
                     "to the config file"]  # fmt: skip
     if not isinstance(value, (str, int, float, bool, type(None))):
         return ["is not a single value (Optuna's choices are numbers, text, true/false, null)"]
-    changed = dataclasses.replace(getattr(config, section), **{field: value})
-    return [rule for key, _, rule in changed.problems() if key == field]
+    changed = search_paths.with_value(getattr(config, section), section, field, value)
+    return search_paths.field_problems(changed, section, field)
 
 
 def _search_conflicts(config: Config) -> list[str]:

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import typing
 from typing import Any
 
-from trainer.config import DataConfig, ModelConfig, TrainingConfig
+from trainer.config import DataConfig, ModelConfig, PeftSettings, TrainingConfig
 
 # The config sections a trial's parameters change, by the name a dotted path begins with.
 SECTIONS: dict[str, Any] = {"model": ModelConfig, "data": DataConfig, "training": TrainingConfig}
+# Sections within a section, whose fields are searched by their whole path (model.peft.r).
+SUBSECTIONS: dict[str, Any] = {"model.peft": PeftSettings}
 
 # Every searchable field: each changes what a trial learns (or how fast, for a throughput
 # objective), and hpo prepares what it needs per trial. Adding one is declaring it here (and
@@ -35,6 +38,12 @@ SEARCHABLE = (
     "model.dropout",
     # Truncation trades context for speed: each length has its token cache entry and batch key.
     "data.max_length",
+    # LoRA on or off (none: full fine-tuning), and its settings (the batch key holds r and
+    # whether there is dropout: what changes the adapter's memory).
+    "model.peft.method",
+    "model.peft.r",
+    "model.peft.alpha",
+    "model.peft.dropout",
 )
 # Older names, the same parameter as the path they lead to.
 ALIASES = {"model.gradient_checkpointing": "training.gradient_checkpointing"}
@@ -78,6 +87,10 @@ NOT_SEARCHABLE = {
         _HARDWARE,
     ),  # fmt: skip
     "model.config": "an inline model config; search model.name_or_path over saved models",
+    "model.peft": "a section: search its fields, model.peft.method (lora or none), "
+    "model.peft.r, model.peft.alpha, model.peft.dropout",
+    "model.peft.target_modules": "a list of layer names tied to the model's family: the same "
+    "for every trial",
     "model.tokenizer": "a file path; each model.name_or_path choice loads its own tokenizer",
     **dict.fromkeys(("data.train_file", "data.eval_file", "data.cache_dir"), _FILE),
     **dict.fromkeys(
@@ -107,6 +120,32 @@ def param_name(path: str) -> str:
     path = ALIASES.get(path, path)
     section, _, field = path.partition(".")
     return field if section == "training" else path
+
+
+def field_hint(name: str) -> Any:
+    """The type annotation of the field a parameter sets (model.peft.r: PeftSettings' r)."""
+    section, field = field_of(name)
+    sub, dot, leaf = field.partition(".")
+    if dot:
+        return typing.get_type_hints(SUBSECTIONS[f"{section}.{sub}"])[leaf]
+    return typing.get_type_hints(SECTIONS[section])[field]
+
+
+def with_value(settings: Any, section: str, field: str, value: Any) -> Any:
+    """`settings` (a section) with `field` set to `value`; a field of a sub-section
+    (peft.r) is set on it, built from its defaults where the config has none."""
+    sub, dot, leaf = field.partition(".")
+    if not dot:
+        return dataclasses.replace(settings, **{field: value})
+    inner = getattr(settings, sub) or SUBSECTIONS[f"{section}.{sub}"]()
+    return dataclasses.replace(settings, **{sub: dataclasses.replace(inner, **{leaf: value})})
+
+
+def field_problems(settings: Any, section: str, field: str) -> list[str]:
+    """What the rules of the field's own section (or sub-section) say of its value."""
+    sub, dot, leaf = field.partition(".")
+    owner, key = (getattr(settings, sub), leaf) if dot else (settings, field)
+    return [rule for name, _, rule in owner.problems() if name == key]
 
 
 def field_of(name: str) -> tuple[str, str]:

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import optuna
@@ -48,9 +47,8 @@ def job_for_trial(config: Config, params: dict[str, Any]) -> TrainJob:
     if isinstance(model_changes.get("name_or_path"), str):
         model_changes["name_or_path"] = model_location(model_changes["name_or_path"],
                                                        config.base_dir)  # fmt: skip
-    return TrainJob(
-        dataclasses.replace(config.data, **changes["data"]),
-        dataclasses.replace(config.model, **model_changes),
-        dataclasses.replace(config.training, **changes["training"]),
-        config.task,
-    )
+    sections = {name: getattr(config, name) for name in search_paths.SECTIONS}
+    for section, fields in changes.items():
+        for field, value in fields.items():
+            sections[section] = search_paths.with_value(sections[section], section, field, value)
+    return TrainJob(sections["data"], sections["model"], sections["training"], config.task)

@@ -108,7 +108,7 @@ def _sigterm_after_the_first_evaluation(url: str, study_name: str) -> Iterator[N
 
     def watch() -> None:
         study = None
-        while not done.wait(0.1):
+        while not done.wait(0.2):
             try:  # loaded once: a load per poll took seconds under CI load
                 study = study or optuna.load_study(study_name=study_name, storage=url)
             except (KeyError, sqlalchemy.exc.SQLAlchemyError):

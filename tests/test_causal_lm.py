@@ -378,7 +378,6 @@ def test_a_causal_lm_study_prunes_resumes_and_downloads_a_generating_model(
         tmp_path, hpo_main, capsys, "causal_lm", data, "eval_loss",
         model={"config": dict(TINY_LLAMA)},
         data={"prompt_column": "prompt", "completion_column": "completion"},
-        training={"physical_batch_size": 8},
     )  # fmt: skip
     assert run.resumed.value is not None  # it learnt: past the untrained model by 0.5 nats
     assert run.resumed.value < run.pruned.intermediate_values[1] - 0.5

@@ -294,9 +294,13 @@ def postgres_url() -> Iterator[str]:
 def hpo_main() -> Iterator[Callable[[list[str]], int]]:
     """hpo's `main()` in this process, for a fast test of a command. The log handler it installs
     writes to this test's captured stderr: it goes with the test, or a later test's log line
-    would meet a closed stream ("--- Logging error ---" in that test's output)."""
+    would meet a closed stream ("--- Logging error ---" in that test's output). So do the
+    SIGINT and SIGTERM handlers it installs: left, a later Ctrl-C would only be noted."""
+    import signal
+
     from hpo.cli.app import main
 
+    signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     # --debug sets torch's logger to INFO: left so, torch's own handler logged its cache
@@ -310,3 +314,5 @@ def hpo_main() -> Iterator[Callable[[list[str]], int]]:
     root.setLevel(level)
     for name, library_level in libraries.items():
         logging.getLogger(name).setLevel(library_level)
+    for number, handler in signals.items():
+        signal.signal(number, handler)

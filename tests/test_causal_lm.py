@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -362,67 +363,28 @@ def test_the_shipped_config_trains_a_causal_llama_on_the_instruction_set() -> No
 
 
 def test_a_causal_lm_study_prunes_resumes_and_downloads_a_generating_model(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, hpo_main: Callable[[list[str]], int], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Through `hpo run`: trial 0 completes; trial 1 (a learning rate that learns nothing) is
-    pruned at its first evaluation; trial 2 loses its trial process after its first evaluation
-    and its retry resumes from the checkpoint; `hpo best --download` gives a folder that
-    AutoModelForCausalLM loads and that generates until [SEP]."""
-    import optuna
-    from optuna.trial import TrialState
+    """Through `hpo run`: a trial stopped by SIGTERM and resumed from its checkpoint, one
+    pruned; `hpo best --download` gives a folder that AutoModelForCausalLM loads and that
+    generates until [SEP]."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hpo.cli import main
-    from tests.conftest import start_hpo, tiny_config, write_config
+    from tests.task_study import run_task_study
 
-    train = write_csv(tmp_path / "train.csv", instruct_rows(64, seed=11))
-    evaluation = write_csv(tmp_path / "eval.csv", instruct_rows(16, seed=12))
-    url = f"sqlite:///{tmp_path / 'clm.db'}"
-    raw = tiny_config(
-        train,
-        evaluation,
-        study={"metric": "eval_loss", "n_trials": 3, "checkpoint_interval": 0,
-               # Pruned: worse than trial 0 at the same evaluation by more than 0.5 nats.
-               "pruner": {"type": "median", "n_startup_trials": 1, "n_warmup_steps": 0,
-                          "margin": 0.5},
-               "artifact_store": f"file://{tmp_path / 'store'}",
-               "enqueue": [{"learning_rate": 5e-3, "epochs": 2},
-                           {"learning_rate": 1e-6, "epochs": 2},
-                           {"learning_rate": 5e-3, "epochs": 3}]},
-        search_space={"effective_batch_size": {"type": "categorical", "choices": [8]},
-                      "learning_rate": {"type": "float", "low": 1e-6, "high": 1e-2, "log": True},
-                      "epochs": {"type": "categorical", "choices": [2, 3]}},
+    data = (write_csv(tmp_path / "train.csv", instruct_rows(192, seed=11)),
+            write_csv(tmp_path / "eval.csv", instruct_rows(16, seed=12)))  # fmt: skip
+    run = run_task_study(
+        tmp_path, hpo_main, capsys, "causal_lm", data, "eval_loss",
         model={"config": dict(TINY_LLAMA)},
         data={"prompt_column": "prompt", "completion_column": "completion"},
-        training={"physical_batch_size": 8, "evals_per_epoch": 2},
     )  # fmt: skip
-    raw["task"] = "causal_lm"
-    config = write_config(tmp_path / "clm.yaml", raw)
-    worker = start_hpo("run", "--study", "clm", "--config", str(config), "--storage", url,
-                       cwd=tmp_path)  # fmt: skip
-    try:
-        _kill_trial_process_after_its_first_evaluation(worker, url, "clm", number=2)
-        _, stderr = worker.communicate(timeout=300)
-    finally:
-        worker.kill()
-    assert worker.returncode == 0, stderr[-3000:]
-    assert "Traceback" not in stderr, stderr[-3000:]
-    study = optuna.load_study(study_name="clm", storage=url)
-    done, pruned, killed, retry = study.get_trials()
-    assert done.state == TrialState.COMPLETE and set(done.intermediate_values) == {1, 2, 3, 4}
-    assert pruned.state == TrialState.PRUNED and len(pruned.intermediate_values) == 1
-    assert killed.state == TrialState.FAIL
-    assert retry.system_attrs.get("failed_trial") == 2 and retry.state == TrialState.COMPLETE
-    assert retry.user_attrs["resumed_at_step"] > 0
-    assert sorted(retry.intermediate_values) == list(range(1, 7))  # the curve continues
-    assert study.best_value < done.intermediate_values[1]  # it learnt
+    assert run.resumed.value is not None  # it learnt: past the untrained model by 0.5 nats
+    assert run.resumed.value < run.pruned.intermediate_values[1] - 0.5
 
-    capsys.readouterr()
-    folder = tmp_path / "best"
-    assert main(["best", "--study", "clm", "--storage", url, "--download", str(folder)]) == 0
-    assert "sha256 checked" in capsys.readouterr().out
-    model = AutoModelForCausalLM.from_pretrained(folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert "sha256 checked" in run.downloaded
+    model = AutoModelForCausalLM.from_pretrained(run.model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(run.model_dir)
     assert (model.config.bos_token_id, model.config.eos_token_id) == (CLS, SEP)
     # [CLS] prompt [SEP], as in training; a Llama takes no token_type_ids, and the tokenizer
     # saved with it gives none.
@@ -430,40 +392,3 @@ def test_a_causal_lm_study_prunes_resumes_and_downloads_a_generating_model(
     assert "token_type_ids" not in prompt
     generated = model.generate(**prompt, max_new_tokens=8, do_sample=False)
     assert generated.shape[1] > prompt["input_ids"].shape[1]
-
-
-def _kill_trial_process_after_its_first_evaluation(
-    worker: Any, url: str, study_name: str, number: int
-) -> None:
-    """SIGKILL the worker's fork server (and with it the trial process) once trial `number`
-    has reported an evaluation: the trial fails and the worker retries it from its checkpoint."""
-    import os
-    import signal
-    import time
-
-    import optuna
-    import sqlalchemy.exc
-
-    deadline = time.monotonic() + 240
-    study = None
-    while time.monotonic() < deadline:
-        if worker.poll() is not None:
-            raise AssertionError(f"hpo ended early: {worker.communicate()[1][-3000:]}")
-        try:
-            study = study or optuna.load_study(study_name=study_name, storage=url)
-            trials = study.get_trials(deepcopy=False)
-        except (KeyError, sqlalchemy.exc.SQLAlchemyError):
-            trials = []  # no study (or tables) yet
-        if len(trials) > number and trials[number].intermediate_values:
-            os.kill(_fork_server(worker.pid), signal.SIGKILL)
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"trial {number} never reported an evaluation")
-
-
-def _fork_server(worker_pid: int) -> int:
-    for task in Path(f"/proc/{worker_pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            if b"forkserver" in Path(f"/proc/{child}/cmdline").read_bytes():
-                return int(child)
-    raise AssertionError("no fork server among the worker's children")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.conftest import MINILM_TOKENIZER, TINY_BERT, tiny_config, write_config, write_csv
-from tests.task_study import HOPELESS_LR, JUDGED_FROM, run_task_study
+from tests.task_study import run_task_study
 from trainer.config import DataConfig, ModelConfig, TrainingConfig
 from trainer.data import PreparedData, TokenizedSplit, collate
 from trainer.errors import DataError
@@ -285,30 +285,26 @@ def test_an_empty_csv_cell_through_the_cli_is_one_line_and_writes_nothing(
 
 
 def test_a_multi_label_study_end_to_end(
-    tmp_path: Path, hpo_main: Callable[[list[str]], int]
+    tmp_path: Path, hpo_main: Callable[[list[str]], int], capsys: pytest.CaptureFixture[str]
 ) -> None:
     from transformers import AutoModelForSequenceClassification
 
     folder = tmp_path / "data"
     folder.mkdir()
     data = (write_jsonl(folder / "train.jsonl", topic_rows(256, 1)),
-            write_jsonl(folder / "eval.jsonl", topic_rows(64, 2)))  # fmt: skip
+            write_jsonl(folder / "eval.jsonl", topic_rows(32, 2)))  # fmt: skip
     # eval_loss: early F1 is 0 for any learning rate (the fresh head predicts no label), the
     # loss of a learning model falls from the first steps.
-    run = run_task_study(tmp_path, hpo_main, TASK, data, "eval_loss", label_column="topics")
+    run = run_task_study(tmp_path, hpo_main, capsys, TASK, data, "eval_loss",
+                         data={"label_column": "topics"})  # fmt: skip
 
-    assert run.resumed.system_attrs["failed_trial"] == 0
-    assert run.resumed.user_attrs["resumed_at_step"] > 0  # from the SIGTERM's checkpoint
-    assert sorted(run.resumed.intermediate_values) == list(range(1, 13))  # the curve goes on
-    assert run.study.best_trial.number == 1 and run.study.direction.name == "MINIMIZE"
-    truth = np.array([[t in row["topics"] for t in CUES] for row in topic_rows(64, 2)])
+    assert run.study.direction.name == "MINIMIZE"
+    truth = np.array([[t in row["topics"] for t in CUES] for row in topic_rows(32, 2)])
     chance = make_task(TASK, DataConfig(), TrainingConfig()).chance_levels(
-        TokenizedSplit(np.zeros(64, np.int32), np.arange(65), None, truth.astype(np.float32)),
+        TokenizedSplit(np.zeros(32, np.int32), np.arange(33), None, truth.astype(np.float32)),
         list(CUES),
     )
     assert run.resumed.value is not None and run.resumed.value < 0.9 * chance["eval_loss"]
-    assert run.pruned.params["learning_rate"] == HOPELESS_LR
-    assert sorted(run.pruned.intermediate_values) == list(range(1, JUDGED_FROM + 1))
 
     model = AutoModelForSequenceClassification.from_pretrained(run.model_dir)
     assert model.config.problem_type == "multi_label_classification"

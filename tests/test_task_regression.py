@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import MINILM_TOKENIZER, TINY_BERT, read_csv, write_config, write_csv
-from tests.task_study import HOPELESS_LR, JUDGED_FROM, run_task_study
+from tests.task_study import run_task_study
 from trainer.config import DataConfig, ModelConfig, TrainingConfig
 from trainer.data import PreparedData, TokenizedSplit, collate
 from trainer.errors import DataError
@@ -217,25 +217,21 @@ def test_bad_targets_through_the_cli_are_one_line_and_write_nothing(
 
 
 def test_a_regression_study_end_to_end(
-    tmp_path: Path, hpo_main: Callable[[list[str]], int]
+    tmp_path: Path, hpo_main: Callable[[list[str]], int], capsys: pytest.CaptureFixture[str]
 ) -> None:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     folder = tmp_path / "data"
     folder.mkdir()
     data = (write_csv(folder / "train.csv", scored_rows(256, 1)),
-            write_csv(folder / "eval.csv", scored_rows(64, 2)))  # fmt: skip
-    run = run_task_study(tmp_path, hpo_main, TASK, data, "rmse", label_column="score")
+            write_csv(folder / "eval.csv", scored_rows(32, 2)))  # fmt: skip
+    run = run_task_study(tmp_path, hpo_main, capsys, TASK, data, "rmse",
+                         data={"label_column": "score"})  # fmt: skip
 
-    assert run.resumed.system_attrs["failed_trial"] == 0
-    assert run.resumed.user_attrs["resumed_at_step"] > 0  # from the SIGTERM's checkpoint
-    assert sorted(run.resumed.intermediate_values) == list(range(1, 13))  # the curve goes on
-    assert run.study.best_trial.number == 1 and run.study.direction.name == "MINIMIZE"
+    assert run.study.direction.name == "MINIMIZE"
     scores = np.array([float(row["score"]) for row in read_csv(data[1])])
     mean_rmse = float(np.sqrt(np.mean((scores - scores.mean()) ** 2)))  # the chance level
     assert run.resumed.value is not None and run.resumed.value < 0.6 * mean_rmse
-    assert run.pruned.params["learning_rate"] == HOPELESS_LR
-    assert sorted(run.pruned.intermediate_values) == list(range(1, JUDGED_FROM + 1))
 
     model = AutoModelForSequenceClassification.from_pretrained(run.model_dir)
     assert model.config.problem_type == "regression" and model.config.num_labels == 1

@@ -7,26 +7,17 @@ from __future__ import annotations
 import copy
 import json
 import random
-import signal
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import optuna
 import pytest
 import torch
-from optuna.trial import TrialState
 
-from tests.conftest import (
-    MINILM_TOKENIZER,
-    TINY_BERT,
-    start_hpo,
-    tiny_config,
-    wait_until_training,
-    write_config,
-)
+from tests.conftest import MINILM_TOKENIZER, TINY_BERT, tiny_config, write_config
+from tests.task_study import run_task_study
 from trainer.config import DataConfig, ModelConfig, TrainingConfig
 from trainer.data import collate
 from trainer.errors import DataError
@@ -36,6 +27,7 @@ from trainer.tasks import make_task, prepare_data
 from trainer.tasks.base import IGNORE, Task
 
 TASK = "token_classification"
+NER_COLUMNS = {"text_column": "tokens", "label_column": "tags"}
 PEOPLE = ["Maria", "Kenji", "Olga", "Pedro", "Aisha", "Lars"]
 SURNAMES = ["Okafor", "Tanaka", "Nilsson", "Haddad"]
 PLACES = ["Lagos", "Oslo", "Lima", "Buenos Aires", "Cape Town", "Hanoi"]
@@ -390,7 +382,7 @@ def ner_config(train: Path, evaluation: Path, **sections: dict[str, Any]) -> dic
     raw = tiny_config(train, evaluation, **sections)
     raw["task"] = TASK
     raw["study"]["metric"] = "f1"
-    raw["data"].update({"text_column": "tokens", "label_column": "tags"})
+    raw["data"].update(NER_COLUMNS)
     return raw
 
 
@@ -399,61 +391,25 @@ def test_a_ner_study_prunes_resumes_and_downloads_a_token_classifier(
     ner_files: tuple[Path, Path],
     hpo_main: Callable[[list[str]], int],
     capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Through `hpo run`: a study of three trials, one stopped by SIGTERM and resumed from its
-    checkpoint by the next worker, one pruned; `hpo best --download` gives a folder that loads
-    as a token classifier with the tags as its labels."""
+    """Through `hpo run`: a trial stopped by SIGTERM and resumed from its checkpoint, one
+    pruned; `hpo best --download` gives a folder that loads as a token classifier with the tags
+    as its labels, and tags a new sentence."""
     from transformers import AutoModelForTokenClassification, AutoTokenizer
 
-    (tmp_path / "store").mkdir()
-    url = f"sqlite:///{tmp_path / 'study.db'}"
-    raw = ner_config(
-        *ner_files,
-        study={"n_trials": 3, "artifact_store": f"file://{tmp_path / 'store'}",
-               "pruner": {"type": "median", "n_startup_trials": 1, "n_warmup_steps": 0}},
-        search_space={"effective_batch_size": {"type": "categorical", "choices": [8]},
-                      "learning_rate": {"type": "float", "low": 1e-6, "high": 1e-2, "log": True}},
-        # 72 steps, an evaluation every 6: the SIGTERM after the first one lands in training
-        training={"epochs": 6, "evals_per_epoch": 2},
-    )  # fmt: skip
-    config = write_config(tmp_path / "ner.yaml", raw)
-    queued = optuna.create_study(storage=url, study_name="ner", direction="maximize")
-    for learning_rate in (5e-3, 5e-3, 1e-6):  # two that learn, then one that cannot
-        queued.enqueue_trial({"effective_batch_size": 8, "learning_rate": learning_rate})
-    args = ("run", "--study", "ner", "--config", str(config), "--storage", url)
+    run = run_task_study(tmp_path, hpo_main, capsys, TASK, ner_files, "f1", data=NER_COLUMNS,
+                         training={"epochs": 6, "evals_per_epoch": 1})  # fmt: skip
 
-    first = start_hpo(*args, cwd=tmp_path, own_group=True)
-    study = wait_until_training(url, "ner", [first], evaluations=1)
-    first.send_signal(signal.SIGTERM)
-    _, stderr = first.communicate(timeout=60)
-    assert first.returncode == 0, stderr[-3000:]
-    # The next worker and `hpo best` run hpo's main in this process: a subprocess spent
-    # seconds importing torch before it did anything.
-    monkeypatch.chdir(tmp_path)
-    capsys.readouterr()
-    assert hpo_main(list(args)) == 0
-    finished = capsys.readouterr()
+    assert run.resumed.value is not None and run.resumed.value > 0.5  # chance: 0
+    assert "best trial #1" in run.finished and "f1=" in run.finished, run.finished
 
-    trials = {t.number: t for t in study.get_trials()}
-    states = {n: t.state for n, t in trials.items()}
-    assert states == {0: TrialState.FAIL, 1: TrialState.COMPLETE, 2: TrialState.PRUNED,
-                      3: TrialState.COMPLETE}, states  # fmt: skip
-    retry = trials[3]
-    assert retry.system_attrs["failed_trial"] == 0 and retry.user_attrs["resumed_at_step"] >= 6
-    assert sorted(retry.intermediate_values) == list(range(1, 13))  # the curve continues
-    assert trials[2].user_attrs["prune_reason"].startswith("pruner: f1=")
-    assert all(t.value is not None and t.value > 0.5 for t in (trials[1], retry))  # chance: 0
-    assert "best trial #" in finished.out and "f1=" in finished.out, finished
-
-    assert hpo_main(["best", "--study", "ner", "--storage", url, "--download", "model"]) == 0
-    model = AutoModelForTokenClassification.from_pretrained(tmp_path / "model").eval()
+    model = AutoModelForTokenClassification.from_pretrained(run.model_dir).eval()
     assert list(model.config.id2label.values()) == [
         "B-LOC", "B-ORG", "B-PER", "I-LOC", "I-ORG", "I-PER", "O"
     ]  # fmt: skip
     # It tags: each word's first sub-token, read back through the model's own tokenizer.
     words = ["Kenji", "Tanaka", "flew", "to", "Cape", "Town", "today", "."]
-    encoded = AutoTokenizer.from_pretrained(tmp_path / "model")(
+    encoded = AutoTokenizer.from_pretrained(run.model_dir)(
         words, is_split_into_words=True, return_tensors="pt"
     )
     with torch.no_grad():

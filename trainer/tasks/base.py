@@ -182,25 +182,31 @@ def check_target_present(values: list[Any], source: str, column: str) -> None:
             )
 
 
-def token_cross_entropy_sum(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    class_weights: torch.Tensor | None,
-    label_smoothing: float,
-) -> torch.Tensor:
-    """Cross-entropy summed over every token whose label is not IGNORE."""
-    return torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(),
-        labels.reshape(-1),
-        weight=class_weights,
-        ignore_index=IGNORE,
-        label_smoothing=label_smoothing,
-        reduction="sum",
-    )
+class TokenTask(Task):
+    """A task with a target per token (tags, next tokens): the loss is cross-entropy summed
+    over every token whose label is not IGNORE, and its units are those counted tokens."""
 
+    def loss_sum(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        class_weights: torch.Tensor | None = None,
+        label_smoothing: float = 0.0,
+    ) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(),
+            labels.reshape(-1),
+            weight=class_weights,
+            ignore_index=IGNORE,
+            label_smoothing=label_smoothing,
+            reduction="sum",
+        )
 
-def counted_tokens(labels: torch.Tensor) -> torch.Tensor:
-    return (labels != IGNORE).sum()
+    def units(self, labels: torch.Tensor) -> torch.Tensor:
+        return (labels != IGNORE).sum()  # on the device: counting costs no host sync
+
+    def worst_case_labels(self, size: int, length: int, num_labels: int) -> torch.Tensor:
+        return torch.zeros((size, length), dtype=torch.long)  # every token counted
 
 
 def set_output_bias(model: torch.nn.Module, bias: np.ndarray) -> None:

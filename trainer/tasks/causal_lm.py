@@ -26,7 +26,7 @@ import torch
 
 from trainer.data import TokenizedSplit, flat_split, text_column
 from trainer.errors import DataError
-from trainer.tasks.base import IGNORE, Task, counted_tokens, token_cross_entropy_sum
+from trainer.tasks.base import IGNORE, TokenTask
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def sequence_and_targets(
     return ids, [*targets, IGNORE]
 
 
-class CausalLM(Task):
+class CausalLM(TokenTask):
     name = "causal_lm"
     model_follows_tokenizer = True
 
@@ -229,18 +229,6 @@ class CausalLM(Task):
         return {"bos_token_id": tokens.start, "eos_token_id": tokens.end,
                 "pad_token_id": tokens.pad}  # fmt: skip
 
-    def loss_sum(
-        self,
-        logits: torch.Tensor,
-        labels: torch.Tensor,
-        class_weights: torch.Tensor | None = None,
-        label_smoothing: float = 0.0,
-    ) -> torch.Tensor:
-        return token_cross_entropy_sum(logits, labels, None, label_smoothing)
-
-    def units(self, labels: torch.Tensor) -> torch.Tensor:
-        return counted_tokens(labels)
-
     def eval_outputs(self, logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         return {}  # the loss is all the metrics need: no [batch, width, vocab] logits kept
 
@@ -263,9 +251,6 @@ class CausalLM(Task):
         shares = counts / len(counted)
         entropy = float(-np.sum(shares * np.log(shares)))
         return {"eval_loss": entropy, "perplexity": perplexity(entropy)}
-
-    def worst_case_labels(self, size: int, length: int, num_labels: int) -> torch.Tensor:
-        return torch.zeros((size, length), dtype=torch.long)  # every position counted
 
 
 def perplexity(mean_loss: float) -> float:

@@ -17,12 +17,12 @@ import torch
 
 from trainer.data import TokenizedSplit, flat_split
 from trainer.errors import DataError
-from trainer.tasks.base import IGNORE, Task, counted_tokens, token_cross_entropy_sum
+from trainer.tasks.base import IGNORE, TokenTask
 
 OUTSIDE = "O"  # the tag of a word in no entity
 
 
-class TokenClassification(Task):
+class TokenClassification(TokenTask):
     name = "token_classification"
 
     # -- data ----------------------------------------------------------------------------------
@@ -87,20 +87,6 @@ class TokenClassification(Task):
                     )
         return words, tags
 
-    # -- loss ----------------------------------------------------------------------------------
-
-    def loss_sum(
-        self,
-        logits: torch.Tensor,
-        labels: torch.Tensor,
-        class_weights: torch.Tensor | None = None,
-        label_smoothing: float = 0.0,
-    ) -> torch.Tensor:
-        return token_cross_entropy_sum(logits, labels, class_weights, label_smoothing)
-
-    def units(self, labels: torch.Tensor) -> torch.Tensor:
-        return counted_tokens(labels)
-
     # -- evaluation ----------------------------------------------------------------------------
 
     def eval_outputs(self, logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -137,9 +123,6 @@ class TokenClassification(Task):
         return {**tag_metrics(truth, constant, label_names), "eval_loss": entropy}
 
     # -- the batch finder ----------------------------------------------------------------------
-
-    def worst_case_labels(self, size: int, length: int, num_labels: int) -> torch.Tensor:
-        return torch.zeros((size, length), dtype=torch.long)  # every token counted
 
 
 def tag_metrics(

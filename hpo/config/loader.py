@@ -165,9 +165,9 @@ def _check_searched_for_task(config: Config, problems: list[str]) -> None:
     info = TASKS.get(config.task)
     if info is None:
         return
-    applies = {"label_smoothing": info.label_smoothing, "class_weights": info.class_weights}
+    unused = {search_paths.param_name(path) for path in info.unused_settings()}
     for name in config.search_space:
-        if not applies.get(name.removeprefix("training."), True):
+        if search_paths.resolve(name)[0] in unused:
             problems.append(f"search_space.{name}: means nothing for the task {config.task}; "
                             "leave it out")  # fmt: skip
 

@@ -538,13 +538,9 @@ class Config:
                          f"metrics: {', '.join(info.metrics)}")]  # fmt: skip
         found: list[tuple[str, Any, str]] = []
         unused = f"means nothing for the task {self.task}; leave it out"
-        if self.training.class_weights is not None and not info.class_weights:
-            found.append(("training.class_weights", self.training.class_weights, unused))
-        if self.training.label_smoothing and not info.label_smoothing:
-            found.append(("training.label_smoothing", self.training.label_smoothing, unused))
-        if self.data.text_pair_column is not None and not info.text_pairs:
-            found.append(("data.text_pair_column", self.data.text_pair_column, unused))
-        for key in ("prompt_column", "completion_column"):
-            if getattr(self.data, key) is not None and not info.prompts:
-                found.append((f"data.{key}", getattr(self.data, key), unused))
+        for path in info.unused_settings():
+            section, _, key = path.partition(".")
+            value = getattr(getattr(self, section), key)
+            if value is not None and value != 0:  # set: not absent, not a zero smoothing
+                found.append((path, value, unused))
         return found

@@ -39,6 +39,18 @@ class TaskInfo:
     text_pairs: bool = True  # data.text_pair_column
     prompts: bool = False  # data.prompt_column and data.completion_column
 
+    def unused_settings(self) -> list[str]:
+        """The settings (dotted paths) that mean nothing for this task: refused when set, and
+        when searched."""
+        unused = {
+            "training.class_weights": not self.class_weights,
+            "training.label_smoothing": not self.label_smoothing,
+            "data.text_pair_column": not self.text_pairs,
+            "data.prompt_column": not self.prompts,
+            "data.completion_column": not self.prompts,
+        }
+        return [path for path, is_unused in unused.items() if is_unused]
+
 
 TASKS: dict[str, TaskInfo] = {
     info.name: info

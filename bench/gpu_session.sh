@@ -7,6 +7,7 @@
 # bench/gpu_prepare.sh fills .gpu/ here; carry it to the GPU host.
 # Results go to $OUT (default ./gpu-out). STEPS picks steps (default: all of them):
 #   finder study inline throughput cudnn compiled checkpoints overhead workers workersbert mfu profile
+#   anatomy (bench/step_anatomy.py: the bare step's variants) ours512 (our loop alone, profiled)
 # One device call runs at most 10 minutes: pick steps that fit (bench/README.md has the times).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,10 +23,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, optuna; print('torch', torch.__version__, \
 'transformers', transformers.__version__, 'optuna', optuna.__version__)"
 
-STEPS=${STEPS:-finder study inline throughput cudnn compiled checkpoints overhead workers workersbert mfu profile}
+STEPS=${STEPS:-finder study inline throughput cudnn compiled checkpoints overhead workers workersbert mfu profile anatomy ours512}
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log
   local name=$1 limit=$2; shift 2
-  case " $STEPS status best " in *" $name "*) ;; *) return 0 ;; esac
+  case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
   echo "== $name"
   local started=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
@@ -40,14 +41,15 @@ cfg=bench/configs/bert-base-nli.yaml
 db="sqlite:///$OUT/gpu-study.db"
 TAIL=12 step study "${STUDY_S:-110}" python3 -m hpo run --study gpu --config "$cfg" \
   --storage "$db" --gpus auto --debug
-grep -E "trainer.loop DEBUG\] step|evaluation|handed back|Trial .* (finished|failed|pruned)" \
+[ -f "$OUT/study.log" ] && grep -E "trainer.loop DEBUG\] step|evaluation|handed back|Trial .* (finished|failed|pruned)" \
   "$OUT/study.log" | cut -c1-160 | tail -n 40
+[[ " $STEPS " == *" study "* ]] && STEPS="$STEPS status"
 TAIL=40 step status 30 python3 -m hpo status --study gpu --storage "$db"
 # The same trials in the worker process (trial_isolation: none), to see what isolation costs.
 sed 's/^study:$/study:\n  trial_isolation: none/' "$cfg" > bench/configs/.inline.yaml
 TAIL=12 step inline "${INLINE_S:-80}" python3 -m hpo run --study inline \
   --config bench/configs/.inline.yaml --storage "sqlite:///$OUT/inline.db" --n-trials 2 --debug
-grep -E "trainer.loop DEBUG\] step|evaluation|Trial .* (finished|failed|pruned)" \
+[ -f "$OUT/inline.log" ] && grep -E "trainer.loop DEBUG\] step|evaluation|Trial .* (finished|failed|pruned)" \
   "$OUT/inline.log" | cut -c1-160 | tail -n 30
 # Throughput against transformers' Trainer at the two batch settings of bench/README.md's table,
 # eager (throughput), with cudnn.benchmark off (cudnn), and both engines compiled (compiled).
@@ -103,7 +105,13 @@ step workersbert "${WORKERS_S:-560}" python3 bench/workers_per_gpu.py \
 # joined past 512 tokens, so every example fills max_length), at max_length 128 and 512.
 # Step profile: where the time of our eager loop goes at 512 tokens (2026-11-25: MFU 9%, compiled),
 # and the same at a batch of 64, to tell a small batch from a slow loop.
-if [[ " $STEPS " == *" mfu "* || " $STEPS " == *" profile "* ]]; then
+# Step anatomy: the bare BERT-base step at 512 tokens, batch 16, variant by variant (eager and
+# compiled, mask or none, bf16 weights, no clip, batch 64), the first and the compiled one
+# profiled; step ours512: our loop alone on the same shapes, eager, under the profiler.
+TAIL=200 step anatomy "${ANATOMY_S:-330}" python3 bench/step_anatomy.py --length 512 --batch 16 \
+  --only "${ANATOMY_ONLY:-1,2,3,4,6,5,7,8}" --profile "${ANATOMY_PROFILE:-1,6}"
+long_steps=" mfu profile ours512 steady trainer512 loader "
+if [[ -n "$(for s in $STEPS; do [[ $long_steps == *" $s "* ]] && echo y; done)" ]]; then
   [[ " $STEPS " == *" mfu "* ]] && STEPS="$STEPS mfu128 mfu512"
   mkdir -p "$OUT/long"
   python3 - "$OUT/long/train.csv" <<'PY'
@@ -126,6 +134,37 @@ PY
       --config "bench/configs/.long$length.yaml" --device cuda --compile --steps 30 --repeats 2 \
       --effective-batch-size "$batch" --physical-batch-size "$batch"
   done
+  TAIL=60 step ours512 "${OURS_S:-150}" python3 bench/trainer_throughput.py \
+    --config bench/configs/.long512.yaml --device cuda --engines ours --steps 30 \
+    --effective-batch-size 16 --physical-batch-size 16 --profile
+  # Step steady: our loop alone at 512 tokens, long enough that the first step (cuDNN and
+  # cuBLAS autotuning, optimizer state) weighs little: eager and compiled at batch 16, compiled
+  # at batch 64 with the batch dimension dynamic (as hpo compiles) and static.
+  long() { python3 bench/trainer_throughput.py --config bench/configs/.long512.yaml --device cuda "$@"; }
+  TAIL=0 step steady "${STEADY_S:-300}" bash -c "$(declare -f long);
+    long --engines ours --steps 150 --effective-batch-size 16 --physical-batch-size 16 &&
+    long --engines ours --compile --steps 150 --effective-batch-size 16 --physical-batch-size 16 &&
+    long --engines ours --compile --steps 60 --effective-batch-size 64 --physical-batch-size 64 &&
+    long --engines ours --compile --static-batch --steps 60 --effective-batch-size 64 \
+      --physical-batch-size 64"
+  [ -f "$OUT/steady.log" ] && grep -E "^(# ours|MFU|batch:)" "$OUT/steady.log"
+  # Step trainer512: ours against transformers' Trainer, both compiled, compiling outside the
+  # clocks (one untimed round of each first), 512 tokens, batch 16.
+  TAIL=14 step trainer512 "${TRAINER512_S:-170}" bash -c "$(declare -f long);
+    long --compile --steps 40 --effective-batch-size 16 --physical-batch-size 16"
+  # Step loader: the eager loop with no DataLoader workers (the main process collates) against
+  # the default, at batch 16 and 64, then compiled at batch 128: whether host threads slow the
+  # launches of an eager step.
+  sed 's/^training:$/training:\n  num_workers: 0/' bench/configs/.long512.yaml > bench/configs/.long512w0.yaml
+  TAIL=0 step loader "${LOADER_S:-170}" bash -c "$(declare -f long);
+    long --engines ours --steps 150 --effective-batch-size 16 --physical-batch-size 16;
+    long --config bench/configs/.long512w0.yaml --engines ours --steps 150 \
+      --effective-batch-size 16 --physical-batch-size 16;
+    long --engines ours --steps 60 --effective-batch-size 64 --physical-batch-size 64;
+    long --config bench/configs/.long512w0.yaml --engines ours --steps 60 \
+      --effective-batch-size 64 --physical-batch-size 64;
+    long --engines ours --compile --steps 40 --effective-batch-size 128 --physical-batch-size 128"
+  [ -f "$OUT/loader.log" ] && grep -E "^(# ours|MFU|batch:)" "$OUT/loader.log"
   step profile "${PROFILE_S:-300}" bash -c "
     python3 bench/trainer_throughput.py --config bench/configs/.long512.yaml --device cuda \
       --steps 30 --effective-batch-size 16 --physical-batch-size 16 --profile &&

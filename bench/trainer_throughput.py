@@ -210,6 +210,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "every shape once and shares it between the engines, else 0)",
     )  # fmt: skip
     parser.add_argument(
+        "--static-batch", action="store_true",
+        help="with --compile: leave our batch dimension static (trainer.compiled marks it "
+        "dynamic), to measure what dynamic shapes cost",
+    )  # fmt: skip
+    parser.add_argument(
+        "--engines", choices=["both", "ours", "theirs"], default="both",
+        help="run one engine alone (a profile of ours, say); the ratio needs both",
+    )  # fmt: skip
+    parser.add_argument(
         "--profile", action="store_true",
         help="after the timed runs, one more of ours under torch.profiler: the busiest kernels "
         "and how much of the clock the device computed (where low MFU goes)",
@@ -236,9 +245,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def bench_training(
-    config: Config, data: PreparedData, args: argparse.Namespace, device: torch.device
-) -> TrainingConfig:
+def bench_training(config: Config, data: PreparedData, args: argparse.Namespace) -> TrainingConfig:
     """The config's training settings with the benchmark's batch, steps and learning rate."""
     steps_per_epoch = math.ceil(len(data.train) / args.effective_batch_size)
     return dataclasses.replace(
@@ -253,22 +260,22 @@ def bench_training(
         evals_per_epoch=1,
         early_stopping_patience=None,
         device=args.device,
-        num_workers=_num_workers(config.training, device),
+        # The same DataLoader workers for both: the config's, else trainer.loaders' own rule.
+        num_workers=num_workers_for(config.training.num_workers),
     )
-
-
-def _num_workers(training: TrainingConfig, device: torch.device) -> int:
-    """The same DataLoader workers for both: the config's, else trainer.loaders' own rule."""
-    return num_workers_for(training.num_workers, device)
 
 
 def make_setup(args: argparse.Namespace) -> Setup:
     config = load_config(args.config)
     config.model.compile = config.model.compile or args.compile
+    if args.static_batch:
+        import trainer.compiled
+
+        trainer.compiled._batch_dimension_dynamic = lambda *_: None
     device = dev.resolve_device(args.device)
     tokenizer = load_tokenizer(config.model)
     data = prepare_data(config.data, tokenizer, config.task, config.training)
-    training = bench_training(config, data, args, device)
+    training = bench_training(config, data, args)
     precision = dev.resolve_precision(training.precision, device)
     # Set once for the process, so both engines run with the same TF32 and cuDNN settings.
     dev.configure_backends(device, training.tf32)
@@ -323,6 +330,8 @@ def mfu_line(setup: Setup, args: argparse.Namespace, runs: dict[str, list[Run]])
     per_token = flops_per_token(model, float(lengths.mean()))
     shares = []
     for engine, engine_runs in runs.items():
+        if not engine_runs:
+            continue
         rate = median_run(engine_runs).tokens_per_s
         shares.append(f"{engine} {100 * rate * per_token / (peak * 1e12):.1f}%")
     return f"MFU (real tokens, peak {peak:g} TFLOPS): " + ", ".join(shares)
@@ -514,7 +523,8 @@ def describe_model(setup: Setup, parameters: int) -> str:
 def report(
     setup: Setup, args: argparse.Namespace, runs: dict[str, list[Run]], parameters: int, load: float
 ) -> None:
-    cfg, ours, theirs = setup.training, runs["ours"], runs["theirs"]
+    cfg = setup.training
+    ran = [engine_runs for engine_runs in runs.values() if engine_runs]
     accum = grad_accum_steps_for(cfg.effective_batch_size, fixed_physical(cfg))
     print(f"config: {args.config}")
     print(f"model: {describe_model(setup, parameters)}")
@@ -527,28 +537,30 @@ def report(
         f"micro-batches, dynamic padding, lr {cfg.learning_rate:g}, "
         f"{'fused' if setup.fused_adamw else 'foreach'} AdamW, "
         f"{cfg.num_workers} loader workers, cudnn.benchmark {args.cudnn_benchmark}, "
-        f"{len(ours)} repeat(s) after {args.warmup_rounds} untimed round(s), medians"
+        f"{len(ran[0])} repeat(s) after {args.warmup_rounds} untimed round(s), medians"
     )
     print(LEGEND)
     print()
     header = f"{'engine':<13}{'steps':>6}{'samples':>9}{'samples/s':>11}{'tokens/s':>11}"
     print(header + f"{'padding %':>11}{'wall s':>9}")
-    for engine_runs in (ours, theirs):
+    for engine_runs in ran:
         run = median_run(engine_runs)
         print(
             f"{run.engine:<13}{run.optimizer_steps:>6}{run.samples:>9}{run.samples_per_s:>11.1f}"
             f"{run.tokens_per_s:>11.0f}{run.padding_pct:>11.1f}{run.train_s:>9.2f}"
         )
-    if len(ours) > 1:
-        for engine_runs in (ours, theirs):
+    if len(ran[0]) > 1:
+        for engine_runs in ran:
             rates = ", ".join(f"{r.samples_per_s:.1f}" for r in engine_runs)
             print(f"  {engine_runs[0].engine} samples/s per repeat: {rates}")
-    ours_rate = statistics.median(r.samples_per_s for r in ours)
-    ratio = ours_rate / statistics.median(r.samples_per_s for r in theirs)
     print()
-    print(f"ratio ours/theirs (samples/s): {ratio:.2f}")
     if setup.device.type == "cuda":
         print(mfu_line(setup, args, runs))
+    if len(ran) < 2:
+        return
+    ours_rate = statistics.median(r.samples_per_s for r in runs["ours"])
+    ratio = ours_rate / statistics.median(r.samples_per_s for r in runs["theirs"])
+    print(f"ratio ours/theirs (samples/s): {ratio:.2f}")
     print(f"verdict: {verdict(ratio)}")
     cores = os.cpu_count() or 1
     if setup.device.type == "cpu" and load > cores:
@@ -616,16 +628,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     examples = TokenizedExamples(setup.data.train, setup.config.task)
     parameters = warm_up(setup)
+    engines = ("ours", "theirs") if args.engines == "both" else (args.engines,)
     load = busy_cpus()
     for _ in range(args.warmup_rounds):
         # Compiled code is cached per process and shared by both engines (same model class,
         # same padded shapes): whoever ran first would pay every compilation in its clock.
-        for engine in ("ours", "theirs"):
+        for engine in engines:
             run_engine(setup, examples, engine, "untimed")
     runs: dict[str, list[Run]] = {"ours": [], "theirs": []}
     for repeat in range(args.repeats):
         # Alternate who goes first, so drift in machine speed hits both engines alike.
-        order = ("ours", "theirs") if repeat % 2 == 0 else ("theirs", "ours")
+        order = engines if repeat % 2 == 0 else engines[::-1]
         for engine in order:
             runs[engine].append(run_engine(setup, examples, engine, f"repeat {repeat + 1}"))
     report(setup, args, runs, parameters, max(load, busy_cpus()))

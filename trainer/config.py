@@ -263,7 +263,9 @@ class TrainingConfig:
     )
     tf32: bool = _doc("Allow TF32 matmuls and convolutions on CUDA.", True)
     device: str = _doc("auto, cpu, cuda or cuda:N.", "auto")
-    num_workers: int | None = _doc("DataLoader worker processes; null chooses automatically.")
+    num_workers: int | None = _doc(
+        "DataLoader worker processes; null: none (the trainer pads its own batches)."
+    )
     seed: int = _doc("Seed for weights init, shuffling and dropout (the same for every trial).", 42)
 
     def problems(self) -> list[tuple[str, Any, str]]:

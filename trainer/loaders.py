@@ -4,7 +4,6 @@ evaluations, started by fork and deaf to the stop signals the training process h
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 from collections.abc import Iterable, Iterator
@@ -39,14 +38,15 @@ def leave_stop_signals_to_the_trainer(worker_id: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def num_workers_for(configured: int | None, device: torch.device) -> int:
-    """The configured worker count, or a choice: none on the CPU, a few per GPU on CUDA."""
+def num_workers_for(configured: int | None) -> int:
+    """The configured worker count, or none: the training process pads its own batches."""
     if configured is not None:
         return configured
-    # Padding pre-tokenized ids is cheap; on the CPU extra processes only steal compute.
-    if device.type != "cuda":
-        return 0
-    return max(1, min(4, (os.cpu_count() or 2) // max(1, torch.cuda.device_count()) - 1))
+    # Padding pre-tokenized ids is a gather and a copy (well under a millisecond a batch). On the
+    # CPU extra processes only steal compute; on a GPU they slow an eager step's kernel launches
+    # (H200, BERT-base at 512 tokens: 401 samples/s with 4 workers, 494 with none at batch 16,
+    # 850 and 865 at batch 64; bench/README.md "Where the H200's time goes").
+    return 0
 
 
 def padding_for(device: torch.device, compiled: bool, max_length: int) -> Padding:

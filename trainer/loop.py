@@ -114,7 +114,7 @@ class Trainer:
         self.loaders = LoaderSettings(
             data.pad_token_id,
             self.padding,
-            num_workers_for(self.cfg.num_workers, self.device),
+            num_workers_for(self.cfg.num_workers),
             self.pin,
             self.cfg.seed,
         )

@@ -1,0 +1,186 @@
+"""Where a training step's time goes on a GPU, without hpo's loop: BERT-base (built from
+bench/configs/bert-base-nli.yaml's model config) at one length and batch, the bare step
+(forward, loss, backward, clip, fused AdamW), one variant at a time, each timed with the device
+synchronised, as ms per step and model FLOPs utilisation counting every token (all are real).
+
+    python3 bench/step_anatomy.py --length 512 --batch 16 --profile   # on a GPU (issue 30)
+
+Variants: eager or compiled (static shapes, or the batch dimension dynamic as hpo compiles);
+the attention mask given (all ones, as a padded batch gives it) or left out (SDPA may then use
+its flash kernel); fp32 weights under bf16 autocast (hpo's precision) or bf16 weights; the
+gradient clip on or off. The gap between the best variant and hpo's own loop
+(trainer_throughput.py --engines ours) is the loop's cost; the gap between the best variant and
+the device's peak is the kernels'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "bench")]
+
+from trainer_throughput import PEAK_TFLOPS  # noqa: E402
+
+
+def model_config(path: Path) -> transformers.PretrainedConfig:
+    settings = dict(yaml.safe_load(path.read_text())["model"]["config"])
+    kind = settings.pop("model_type")
+    return transformers.AutoConfig.for_model(kind, num_labels=3, **settings)
+
+
+def flops_per_step(model: torch.nn.Module, batch: int, length: int) -> float:
+    """6 per non-embedding parameter and token, plus attention's 12 x layers x hidden x length."""
+    dense = sum(p.numel() for n, p in model.named_parameters() if "embeddings" not in n)
+    cfg: Any = getattr(model, "config")  # noqa: B009
+    per_token = 6.0 * dense + 12.0 * cfg.num_hidden_layers * cfg.hidden_size * length
+    return per_token * batch * length
+
+
+class Variant:
+    def __init__(self, name: str, *, compiled: str = "", mask: bool = True, bf16: bool = False,
+                 clip: bool = True, batch: int | None = None) -> None:  # fmt: skip
+        self.name, self.compiled, self.mask, self.bf16, self.clip = name, compiled, mask, bf16, clip
+        self.batch = batch
+
+
+VARIANTS = [
+    Variant("eager, mask, fp32 weights + autocast (hpo eager)"),
+    Variant("eager, no mask", mask=False),
+    Variant("eager, no clip", clip=False),
+    Variant("eager, bf16 weights", bf16=True),
+    Variant("compiled dynamic batch, mask (hpo compiled)", compiled="dynamic"),
+    Variant("compiled static, mask", compiled="static"),
+    Variant("compiled static, no mask", compiled="static", mask=False),
+    Variant("compiled static, mask, batch x4", compiled="static", batch=4),
+]
+
+
+def make_step(
+    variant: Variant, cfg: transformers.PretrainedConfig, batch: int, length: int,
+    device: torch.device,
+) -> tuple[Callable[[], torch.Tensor], torch.nn.Module]:  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForSequenceClassification.from_config(
+        cfg, attn_implementation="sdpa"
+    ).to(device)
+    if variant.bf16:
+        model = model.to(torch.bfloat16)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    forward: torch.nn.Module = model
+    if variant.compiled:
+        # hpo compiles with dynamic=None and marks the batch dimension (trainer.compiled)
+        dynamic = None if variant.compiled == "dynamic" else False
+        forward = torch.compile(model, dynamic=dynamic)  # type: ignore[assignment]
+    ids = torch.randint(1000, int(cfg.vocab_size or 30522), (batch, length), device=device)
+    mask = torch.ones_like(ids) if variant.mask else None
+    labels = torch.randint(0, cfg.num_labels or 3, (batch,), device=device)
+    if variant.compiled == "dynamic":
+        torch._dynamo.maybe_mark_dynamic(ids, 0)  # as trainer.compiled does
+        if mask is not None:
+            torch._dynamo.maybe_mark_dynamic(mask, 0)
+
+    def step() -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not variant.bf16):
+            logits = forward(input_ids=ids, attention_mask=mask).logits
+        loss = torch.nn.functional.cross_entropy(logits.float(), labels)
+        loss.backward()
+        if variant.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step, model
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_steps(step: Callable[[], torch.Tensor], steps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        step()
+    sync()
+    started = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    return (time.perf_counter() - started) / steps
+
+
+def profile(step: Callable[[], torch.Tensor], steps: int, rows: int) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    sync()
+    started = time.perf_counter()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        sync()
+    wall = time.perf_counter() - started
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / 1e6
+    print(events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70))
+    print(f"device busy {busy:.3f} s of {wall:.3f} s ({100 * busy / wall:.0f}%)", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(REPO / "bench/configs/bert-base-nli.yaml"))
+    parser.add_argument("--length", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--only", default="", help="variant numbers (from 1), run in this order")
+    parser.add_argument("--profile", default="", help="variant numbers to profile, e.g. 1,6")
+    parser.add_argument("--rows", type=int, default=18)
+    parser.add_argument("--device", default="cuda", help="cpu only to try the script itself")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: step_anatomy.py measures a GPU; none is visible", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), 989.0)
+    cfg = model_config(Path(args.config))
+    cfg.max_position_embeddings = max(cfg.max_position_embeddings, args.length)
+    chosen = [int(n) for n in args.only.split(",") if n] or list(range(1, len(VARIANTS) + 1))
+    profiled = {int(n) for n in args.profile.split(",") if n}
+    print(f"{name}, torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"length {args.length}, batch {args.batch}, peak {peak:g} TFLOPS")  # fmt: skip
+    print("| # | variant | batch | ms/step | TFLOPS | MFU |\n|---:|---|---:|---:|---:|---:|")
+    for number in chosen:  # in the order given: the most telling first, when time is short
+        variant = VARIANTS[number - 1]
+        batch = args.batch * (variant.batch or 1)
+        started = time.perf_counter()
+        step, model = make_step(variant, cfg, batch, args.length, device)
+        seconds = time_steps(step, args.steps, args.warmup)
+        tflops = flops_per_step(model, batch, args.length) / seconds / 1e12
+        print(f"| {number} | {variant.name} | {batch} | {1000 * seconds:.1f} | {tflops:.0f} "
+              f"| {100 * tflops / peak:.1f}% |  (wall {time.perf_counter() - started:.0f} s)",
+              flush=True)  # fmt: skip
+        if number in profiled:
+            profile(step, 5, args.rows)
+        del step, model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

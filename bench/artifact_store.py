@@ -85,7 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.hidden_size is not None and config.model.config:
         config.model.config["hidden_size"] = args.hidden_size
         config.model.config["intermediate_size"] = 4 * args.hidden_size
-    data = prepare_data(config.data, load_tokenizer(config.model), config.task, config.training)
+    data = prepare_data(
+        config.data, load_tokenizer(config.model, config.task), config.task, config.training
+    )
     job = config.job()
     runs: list[Run] = []
     transfers: list[str] = []

@@ -103,7 +103,7 @@ def _init(task: str) -> None:
         config.training.physical_batch_size = 32
     _STATE["config"] = config
     _STATE["data"] = prepare_data(
-        config.data, load_tokenizer(config.model), config.task, config.training
+        config.data, load_tokenizer(config.model, config.task), config.task, config.training
     )
 
 

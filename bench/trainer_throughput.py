@@ -273,7 +273,7 @@ def make_setup(args: argparse.Namespace) -> Setup:
 
         trainer.compiled._batch_dimension_dynamic = lambda *_: None
     device = dev.resolve_device(args.device)
-    tokenizer = load_tokenizer(config.model)
+    tokenizer = load_tokenizer(config.model, config.task)
     data = prepare_data(config.data, tokenizer, config.task, config.training)
     training = bench_training(config, data, args)
     precision = dev.resolve_precision(training.precision, device)

@@ -37,7 +37,9 @@ def phases(config_path: str) -> dict[str, float]:
         torch.zeros(1, device=device)
     mark("cuda context")
     config = load_config(config_path)
-    data = prepare_data(config.data, load_tokenizer(config.model), config.task, config.training)
+    data = prepare_data(
+        config.data, load_tokenizer(config.model, config.task), config.task, config.training
+    )
     mark("data (cached tokens)")
     training = dataclasses.replace(
         config.training, physical_batch_size=64, effective_batch_size=64, device=device.type

@@ -119,6 +119,47 @@ def test_each_words_first_sub_token_carries_its_tag_and_cut_words_count_for_noth
     assert shown == ["-", "B-PER", "I-PER", "-", "O", "B-LOC", "-"]
 
 
+def byte_level_bpe_tokenizer(folder: Path) -> Path:
+    """A RoBERTa-style byte-level BPE tokenizer trained here on a few sentences (no hub)."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import RobertaTokenizerFast
+
+    texts = [" ".join(row["tokens"]) for row in ner_rows(64, 3)]
+    bpe = ByteLevelBPETokenizer()
+    specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    bpe.train_from_iterator(texts, vocab_size=400, min_frequency=1, special_tokens=specials)
+    RobertaTokenizerFast(
+        tokenizer_object=bpe._tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        unk_token="<unk>", mask_token="<mask>",
+    ).save_pretrained(folder)  # fmt: skip
+    return folder
+
+
+def test_a_byte_level_bpe_tokenizer_reads_each_word_as_in_running_text(tmp_path: Path) -> None:
+    """RoBERTa's and GPT-2's tokenizers mark a word's leading space ("Ġlives"); words given one
+    by one get none unless the tokenizer adds it (add_prefix_space), and the model would see
+    tokens it never saw in text. Loaded for token classification, it adds it; for other tasks
+    the tokenizer is left as it is."""
+    folder = byte_level_bpe_tokenizer(tmp_path / "bpe")
+    model = ModelConfig(config={"model_type": "roberta"}, tokenizer=str(folder))
+    as_is = load_tokenizer(model, "sequence_classification")
+    assert as_is.add_prefix_space is False
+    words_tokenizer = load_tokenizer(model, TASK)
+    assert words_tokenizer.add_prefix_space is True
+    row = {"tokens": ["Angela", "Merkel", "visited", "Berlin", "today"],
+           "tags": ["B-PER", "I-PER", "O", "B-LOC", "O"]}  # fmt: skip
+    files = write_jsonl(tmp_path / "t.jsonl", [row]), write_jsonl(tmp_path / "e.jsonl", [row])
+    data = prepare_data(data_config(*files), words_tokenizer, TASK)
+    tokens = words_tokenizer.convert_ids_to_tokens(data.train.ids.tolist())
+    labels = data.train.token_labels
+    labelled = [t for t, label in zip(tokens, labels, strict=True) if label != IGNORE]
+    assert len(labelled) == 5  # one tag per word, on its first sub-token
+    # Each word starts with the space mark, as the same words inside a sentence do.
+    assert all(token.startswith("Ġ") for token in labelled), tokens
+    in_text = words_tokenizer(" ".join(row["tokens"]))["input_ids"]
+    assert data.train.ids.tolist() == in_text  # the same ids as the sentence read as text
+
+
 def test_a_csv_holds_words_and_tags_separated_by_spaces(
     tmp_path: Path, ner_files: tuple[Path, Path], tokenizer: Any
 ) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from trainer.config import ModelConfig
 from trainer.errors import ModelError
-from trainer.tasks import DEFAULT_TASK, auto_model_class, task_class
+from trainer.tasks import DEFAULT_TASK, TASKS, auto_model_class, task_class
 
 if TYPE_CHECKING:
     from trainer.data import PreparedData
@@ -50,17 +50,24 @@ def resolve_location(location: str) -> str:
     return str(folder)
 
 
-def load_tokenizer(config: ModelConfig) -> Any:
+def load_tokenizer(config: ModelConfig, task: str = DEFAULT_TASK) -> Any:
     location = config.tokenizer or config.name_or_path
     if location is None:
         raise ModelError("model.tokenizer is required when the model is built from config")
     from transformers import AutoTokenizer
 
     path = resolve_location(location)
+    options = _hub_options(path, "tokenizer")
     try:
-        return AutoTokenizer.from_pretrained(path, **_hub_options(path, "tokenizer"))
+        tokenizer = AutoTokenizer.from_pretrained(path, **options)
+        if TASKS[task].words and getattr(tokenizer, "add_prefix_space", None) is False:
+            # A byte-level BPE tokenizer (RoBERTa, GPT-2) given words would read each as if it
+            # began the text, with no space before it ("lives" is not "Ġlives"): not the tokens
+            # the model was trained on, and silently worse. With the prefix space, as in text.
+            tokenizer = AutoTokenizer.from_pretrained(path, add_prefix_space=True, **options)
     except (OSError, ValueError) as e:
         raise ModelError(_load_failure("tokenizer", location, e)) from e
+    return tokenizer
 
 
 def check_model_config(

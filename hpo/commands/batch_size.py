@@ -30,7 +30,9 @@ def batch_size_command(args: argparse.Namespace) -> int:
     source = "--device" if args.device is not None else "training.device"
     device = dev.resolve_device(config.training.device, source)
     check_model_config(config.model, config.data.max_length, config.task)
-    data = prepare_data(config.data, load_tokenizer(config.model), config.task, config.training)
+    data = prepare_data(
+        config.data, load_tokenizer(config.model, config.task), config.task, config.training
+    )
     job = config.job()
     search = find_physical_batch_size(job, data.label_names, device)
     key = batch_key(job, device, dev.resolve_precision(config.training.precision, device))

@@ -181,7 +181,7 @@ def _prepare_every_model(config: Config) -> tuple[Any, dict[str, Any]]:
             model_config = check_model_config(job.model, job.data.max_length, job.task)
             key = data_key(job)
             if key not in prepared:
-                tokenizer = load_tokenizer(job.model)
+                tokenizer = load_tokenizer(job.model, job.task)
                 prepared[key] = prepare_data(job.data, tokenizer, job.task, job.training)
             check_data_fits_model(job.model, model_config, prepared[key])
         except TrainerError as e:
@@ -191,7 +191,7 @@ def _prepare_every_model(config: Config) -> tuple[Any, dict[str, Any]]:
             raise HPOError(f"{e} (with the search's {choice})") from e
     data = prepared.pop(data_key(config.job()), None)
     if data is None:  # the config's own data settings are not among the choices' (max_length)
-        data = prepare_data(config.data, load_tokenizer(config.model), config.task,
+        data = prepare_data(config.data, load_tokenizer(config.model, config.task), config.task,
                             config.training)  # fmt: skip
     return data, prepared
 

@@ -62,7 +62,7 @@ def data_for(task: TrialTask, job: TrainJob) -> PreparedData:
         from trainer.model import load_tokenizer
         from trainer.tasks import prepare_data
 
-        task.prepared[key] = prepare_data(job.data, load_tokenizer(job.model), job.task,
+        task.prepared[key] = prepare_data(job.data, load_tokenizer(job.model, job.task), job.task,
                                           job.training)  # fmt: skip
     return task.prepared[key]
 

@@ -238,7 +238,7 @@ def _record_checkpoints(
         trial.set_user_attr("resumed_at_step", result.resumed_at_step)
     has_model = store.best_model_path.is_dir()
     job = job_for_trial(task.config, task.params)  # the trial's model choice
-    tokenizer = task_class(job.task).tokenizer_to_save(load_tokenizer(job.model))
+    tokenizer = task_class(job.task).tokenizer_to_save(load_tokenizer(job.model, job.task))
     if has_model and store.save_tokenizer(tokenizer):
         trial.set_user_attr("best_model", str(store.best_model_path))
     if uploader is not None and not _completes(result):

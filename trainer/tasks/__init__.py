@@ -38,6 +38,9 @@ class TaskInfo:
     label_smoothing: bool = True  # training.label_smoothing (cross-entropy losses)
     text_pairs: bool = True  # data.text_pair_column
     prompts: bool = False  # data.prompt_column and data.completion_column
+    # Whether rows arrive as words (is_split_into_words): a byte-level BPE tokenizer (RoBERTa,
+    # GPT-2) must then put the space before each word that running text has there.
+    words: bool = False
 
     def unused_settings(self) -> list[str]:
         """The settings (dotted paths) that mean nothing for this task: refused when set, and
@@ -115,6 +118,7 @@ TASKS: dict[str, TaskInfo] = {
             "AutoModelForTokenClassification",
             "a tag per word (named entities in BIO tags)",
             text_pairs=False,
+            words=True,
         ),
         TaskInfo(
             "causal_lm",

@@ -232,6 +232,102 @@ def test_the_loss_is_the_models_own_shifted_causal_lm_loss(tmp_path: Path) -> No
     assert int(task.units(batch["labels"])) == int((batch["labels"] != IGNORE).sum())
 
 
+# One tiny model per family whose output layer may run on the counted positions alone.
+SMALL = {"vocab_size": 120, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "intermediate_size": 64, "max_position_embeddings": 64}  # fmt: skip
+FAMILIES = {
+    "gpt2": {"vocab_size": 120, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,
+             "bos_token_id": 1, "eos_token_id": 2},
+    "gpt_neox": SMALL,
+    "llama": SMALL,
+    "mistral": {**SMALL, "num_key_value_heads": 2},
+    "qwen2": {**SMALL, "num_key_value_heads": 4},
+    "qwen3": {**SMALL, "num_key_value_heads": 4, "head_dim": 8},
+    "phi3": {**SMALL, "pad_token_id": 0},
+    "opt": {"vocab_size": 120, "hidden_size": 32, "num_hidden_layers": 2, "ffn_dim": 64,
+            "num_attention_heads": 4, "word_embed_proj_dim": 32, "max_position_embeddings": 64},
+}  # fmt: skip
+
+
+def family_model(family: str, settings: dict[str, Any]) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(family, **settings)
+    config.hidden_dropout = config.attention_dropout = 0.0
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+
+
+def prompt_batch(rows: int = 4, width: int = 12) -> dict[str, torch.Tensor]:
+    """Rows of different lengths, each counting only its last few (completion) targets."""
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 120, (rows, width), generator=generator)
+    mask = torch.ones_like(ids)
+    labels = torch.full_like(ids, IGNORE)
+    for row in range(rows):
+        length = width - row  # padded on the right
+        mask[row, length:] = 0
+        labels[row, length - 4 : length - 1] = ids[row, length - 3 : length]
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_output_layer_on_counted_positions_alone_gives_the_full_loss_and_gradients(
+    family: str,
+) -> None:
+    """For every family in PLAIN_HEADS, the loss and every gradient through the counted-only
+    output layer equal those through the full logits: an upgrade of transformers that puts
+    anything between a family's body and its output layer fails here."""
+    from trainer.tasks.causal_lm import PLAIN_HEADS, body_and_head
+
+    assert set(FAMILIES) == PLAIN_HEADS
+    model = family_model(family, FAMILIES[family])
+    assert body_and_head(model) is not None
+    task = make_task("causal_lm", DataConfig(), TrainingConfig())
+    batch = prompt_batch()
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+    results = []
+    for logits_of in (task.logits, super(type(task), task).logits):  # counted-only, then full
+        model.zero_grad()
+        logits, labels = logits_of(model, inputs, batch["labels"])
+        loss = task.loss_sum(logits, labels) / task.units(batch["labels"])
+        loss.backward()
+        results.append((logits.shape, loss, [p.grad.clone() for p in model.parameters()]))
+    (counted_shape, counted_loss, counted_grads), (full_shape, full_loss, full_grads) = results
+    assert counted_shape[0] == int((batch["labels"] != IGNORE).sum()) < full_shape[:2].numel()
+    torch.testing.assert_close(counted_loss, full_loss, rtol=1e-5, atol=1e-6)
+    for a, b in zip(counted_grads, full_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_lora_model_and_other_families_take_the_path_that_is_right_for_them() -> None:
+    """LoRA's base model keeps the counted-only output layer (its adapters are inside the base
+    model's layers); a family with something between body and output layer (Gemma 2's soft
+    cap) and a compiled model run whole."""
+    from peft import LoraConfig, get_peft_model
+
+    from trainer.tasks.causal_lm import body_and_head
+
+    task = make_task("causal_lm", DataConfig(), TrainingConfig())
+    batch = prompt_batch()
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+    lora = get_peft_model(family_model("llama", SMALL), LoraConfig(r=4, target_modules=["q_proj"]))
+    assert body_and_head(lora) is not None
+    with torch.no_grad():
+        for module in lora.modules():  # LoRA's B starts at zero: make the adapter count
+            if hasattr(module, "lora_B"):
+                module.lora_B["default"].weight.normal_()
+        logits, labels = task.logits(lora, inputs, batch["labels"])
+        full = lora(**inputs).logits
+    kept = batch["labels"] != IGNORE
+    torch.testing.assert_close(logits, full[kept], rtol=1e-5, atol=1e-5)
+    gemma2 = family_model("gemma2", {**SMALL, "head_dim": 8, "final_logit_softcapping": 5.0})
+    assert body_and_head(gemma2) is None
+    assert body_and_head(torch.compile(family_model("llama", SMALL))) is None
+    logits, labels = task.logits(gemma2, inputs, batch["labels"])
+    assert logits.shape[:2] == batch["input_ids"].shape and labels is batch["labels"]
+
+
 def test_label_smoothing_is_token_cross_entropy_with_smoothing(tmp_path: Path) -> None:
     data = prepared_for(tmp_path, instruct_rows(4, seed=5))
     task = make_task("causal_lm", DataConfig(), TrainingConfig())

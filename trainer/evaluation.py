@@ -72,7 +72,7 @@ def evaluate_batches(
             inputs = to_device(batch, device, non_blocking)
             target = inputs.pop("labels")
             with dev.autocast(device, precision):
-                logits = model(**inputs).logits
+                logits, target = task.logits(model, inputs, target)
             loss_sum += task.loss_sum(logits, target)
             units = units + task.units(target)
             for name, value in task.eval_outputs(logits, target).items():

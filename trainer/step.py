@@ -101,7 +101,7 @@ def accumulate_gradients(
         labels = batch["labels"]
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         with autocast():
-            logits = model(**inputs).logits
+            logits, labels = task.logits(model, inputs, labels)
         loss = task.loss_sum(logits, labels, class_weights, cfg.label_smoothing) / units
         (scaler.scale(loss) if scaler is not None else loss).backward()
         total += loss.detach()

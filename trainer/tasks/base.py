@@ -103,6 +103,13 @@ class Task(ABC):
 
     # -- loss ----------------------------------------------------------------------------------
 
+    def logits(
+        self, model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's logits for a batch and the labels they answer: every position's here; a
+        task may compute only those its loss counts (and then returns those labels alone)."""
+        return model(**inputs).logits, labels
+
     @abstractmethod
     def loss_sum(
         self,

@@ -12,6 +12,10 @@ How a row becomes one sequence, for any tokenizer (the names are the tokenizer's
 token; `separator` its sep token (BERT WordPiece has one: [SEP]; GPT-2 and Llama have none).
 For the MiniLM (BERT) tokenizer that is `[CLS] prompt [SEP] completion [SEP]`: exactly what
 `tokenizer(prompt)` gives, so a downloaded model continues `tokenizer(prompt)` and stops at [SEP].
+
+The output layer (hidden size x vocabulary) is most of a small model's step, and with a prompt
+most positions count for nothing: for the model families in `PLAIN_HEADS` the loss runs the
+output layer on the counted positions alone (`CausalLM.logits`).
 """
 
 from __future__ import annotations
@@ -109,9 +113,47 @@ def sequence_and_targets(
     return ids, [*targets, IGNORE]
 
 
+# Families whose logits are their output layer applied to their body's last hidden state, with
+# nothing between (no scaling, no soft-capping): for these the output layer may run on the
+# counted positions alone. tests/test_causal_lm.py checks each against the full forward, so an
+# upgrade of transformers that changes one fails there.
+PLAIN_HEADS = frozenset({"gpt2", "gpt_neox", "llama", "mistral", "qwen2", "qwen3", "phi3", "opt"})
+
+
+def body_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """The model's body (returning the last hidden state) and its output layer, where its family
+    is in PLAIN_HEADS; None for any other model (a compiled one included: it runs whole)."""
+    from transformers import PreTrainedModel
+
+    inner: Any = model
+    if hasattr(inner, "peft_config") and hasattr(inner, "get_base_model"):
+        inner = inner.get_base_model()  # LoRA's layers live inside the base model's own modules
+    if not isinstance(inner, PreTrainedModel) or inner.config.model_type not in PLAIN_HEADS:
+        return None
+    body, head = inner.base_model, inner.get_output_embeddings()
+    if body is inner or not isinstance(head, torch.nn.Module):
+        return None
+    return body, head
+
+
 class CausalLM(TokenTask):
     name = "causal_lm"
     model_follows_tokenizer = True
+
+    def logits(
+        self, model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output layer on the counted positions alone, where the family allows it: the
+        same loss as the full logits, without the [batch, width, vocabulary] product of the
+        positions that count for nothing (a prompt's, the padding). Finding the positions is
+        one host sync on a GPU, taken before the forward is queued."""
+        parts = body_and_head(model)
+        if parts is None:
+            return super().logits(model, inputs, labels)
+        body, head = parts
+        counted = (labels != IGNORE).nonzero(as_tuple=True)
+        hidden = body(**inputs).last_hidden_state
+        return head(hidden[counted]), labels[counted]
 
     @property
     def prompted(self) -> bool:

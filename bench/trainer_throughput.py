@@ -42,6 +42,7 @@ from trainer.loop import Trainer
 from trainer.model import build_model, load_tokenizer
 from trainer.step import grad_accum_steps_for, make_optimizer
 from trainer.tasks import TASKS, make_task, prepare_data
+from trainer.tasks.causal_lm import body_and_head
 
 REPO = Path(__file__).resolve().parents[1]
 # The shipped config of each task, what --task measures.
@@ -372,7 +373,10 @@ def run_ours(setup: Setup) -> Run:
             f"collator to {setup.pad_multiple}; both should use trainer.loaders.padding_for"
         )
     counter = BatchCounter()
-    handle = counter.attach(trainer.model)
+    # A causal LM's loss may run its body alone (the output layer on counted positions only):
+    # count what the body is given then.
+    parts = body_and_head(trainer.model) if setup.config.task == "causal_lm" else None
+    handle = counter.attach(parts[0] if parts is not None else trainer.model)
     result = trainer.fit()  # train_s stops before each evaluation and restarts after it
     handle.remove()
     if result.status != "completed" or result.optimizer_steps != setup.steps:

@@ -208,6 +208,26 @@ def start_hpo(
     )
 
 
+def study_exists(url: str, study_name: str) -> bool:
+    """Whether the database at `url` holds the study, read with plain SQL: nothing is created."""
+    import sqlalchemy
+
+    if url.startswith("sqlite:///") and not Path(url[len("sqlite:///") :]).exists():
+        return False  # connecting would create the file
+    engine = sqlalchemy.create_engine(url)
+    try:
+        with engine.connect() as connection:
+            found = connection.execute(
+                sqlalchemy.text("select 1 from studies where study_name = :name"),
+                {"name": study_name},
+            ).first()
+        return found is not None
+    except sqlalchemy.exc.SQLAlchemyError:
+        return False  # no tables yet, or they are being created this very moment
+    finally:
+        engine.dispose()
+
+
 def wait_until_training(
     url: str,
     study_name: str,
@@ -227,11 +247,14 @@ def wait_until_training(
         for process in processes:
             if process.poll() is not None:
                 raise AssertionError(f"hpo ended early: {process.communicate()[1][-3000:]}")
-        if study is None:  # loaded once: a load per poll took seconds under CI load
+        # Loaded once (a load per poll took seconds under CI load), and only once the worker
+        # has made the study: Optuna's storage creates missing tables, and doing so beside the
+        # worker's own creation broke the worker (alembic_version UNIQUE).
+        if study is None and study_exists(url, study_name):
             try:
                 study = optuna.load_study(study_name=study_name, storage=url)
             except (KeyError, sqlalchemy.exc.SQLAlchemyError):
-                pass  # no study yet, or the worker is creating the tables this very moment
+                pass
         if study is not None:
             running = study.get_trials(states=(TrialState.RUNNING,))
             ready = [

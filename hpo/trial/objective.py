@@ -66,7 +66,11 @@ class Objective:
         # Whether this worker runs hpo's own training rather than a target of its own (a test's,
         # a benchmark's): only such trials share the host's cores when they run on the CPU.
         self.trains = target is None
-        if target is None:
+        if target is None and config.training.entrypoint is not None:
+            from hpo.trial.entrypoint import train_with_entrypoint  # the user's own function
+
+            target = train_with_entrypoint
+        elif target is None:
             # torch and transformers, imported only by a worker that trains (a light worker
             # with a target of its own, bench/many_workers.py, imports neither).
             from hpo.trial.training import train_trial

@@ -1,0 +1,173 @@
+"""The user's own training function (training.entrypoint): the config rules, the context, the
+example MLP run through `hpo run`, and each way user code can fail."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+import yaml
+
+from hpo.config.loader import parse_config
+from hpo.errors import ConfigError
+from tests.conftest import REPO, run_hpo
+
+EXAMPLE = REPO / "examples" / "mlp" / "config.yaml"
+
+
+def entrypoint_config(**study: Any) -> dict[str, Any]:
+    return {
+        "training": {"entrypoint": "train_fn:train", "device": "cpu"},
+        "study": {"metric": "val_loss", "direction": "minimize", "n_trials": 2, **study},
+        "search_space": {"lr": {"type": "float", "low": 1e-4, "high": 1e-1, "log": True}},
+    }
+
+
+def problems_of(raw: dict[str, Any], tmp_path: Path) -> str:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(raw, base_dir=tmp_path)
+    return str(caught.value)
+
+
+def test_entrypoint_config_needs_no_model_data_or_task(tmp_path: Path) -> None:
+    config = parse_config(entrypoint_config(), base_dir=tmp_path)
+    assert config.training.entrypoint == "train_fn:train"
+    assert list(config.search_space) == ["lr"]  # hpo's default space is not added
+    assert config.study.objectives == ["val_loss"]
+    assert config.study.resolved_directions == ["minimize"]
+
+
+def test_entrypoint_config_problems_name_what_to_fix(tmp_path: Path) -> None:
+    raw = entrypoint_config()
+    raw["model"] = {"name_or_path": "bert-base-uncased"}
+    assert "model: means nothing with training.entrypoint" in problems_of(raw, tmp_path)
+    raw = entrypoint_config()
+    del raw["study"]["direction"]
+    assert "study.direction: got null; with training.entrypoint give minimize or maximize" in (
+        problems_of(raw, tmp_path)
+    )
+    raw = entrypoint_config()
+    raw["training"]["entrypoint"] = "train_fn.train"
+    assert "training.entrypoint: got 'train_fn.train'; must be `package.module:function`" in (
+        problems_of(raw, tmp_path)
+    )
+    raw = entrypoint_config()
+    raw["search_space"]["effective_batch_size"] = {"type": "categorical", "choices": [32, 0]}
+    assert "search_space.effective_batch_size: value 0 must be a positive integer" in (
+        problems_of(raw, tmp_path)
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "spec", "said"),
+    [
+        (
+            "",
+            "nosuchmodule:train",
+            "module nosuchmodule does not import (ModuleNotFoundError: "
+            "No module named 'nosuchmodule')",
+        ),
+        (
+            "import nosuchdependency\n",
+            "user_fn:train",
+            "module user_fn does not import "
+            "(ModuleNotFoundError: No module named 'nosuchdependency')",
+        ),
+        (
+            "raise SystemExit(3)\n",
+            "user_fn:train",
+            "module user_fn does not import (SystemExit: 3)",
+        ),
+        ("def other(ctx): pass\n", "user_fn:train", "has no train"),
+        ("train = 3\n", "user_fn:train", "train is not callable (it is int); name a function"),
+    ],
+)
+def test_entrypoint_that_cannot_be_called_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, spec: str, said: str
+) -> None:
+    from hpo.trial.entrypoint import load_entrypoint
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # load_entrypoint adds the folder
+    monkeypatch.delitem(sys.modules, "user_fn", raising=False)
+
+    folder = tmp_path / spec.replace(":", "_")
+    folder.mkdir()
+    (folder / "user_fn.py").write_text(source)
+    with pytest.raises(ConfigError) as caught:
+        load_entrypoint(spec, str(folder))
+    message = str(caught.value)
+    assert said in message and message.count("\n") == 0
+    assert message.startswith(f"config: training.entrypoint: {spec}: ")
+
+
+def test_report_and_return_values_are_checked() -> None:
+    from hpo.trial.context import ReportError, checked_metrics
+    from hpo.trial.entrypoint import TrainingFunctionError, _values
+
+    with pytest.raises(ReportError, match=r"no 'val_loss' among the metrics given \(loss, acc\)"):
+        checked_metrics({"loss": 1.0, "acc": 0.5}, "val_loss", "ctx.report")
+    with pytest.raises(ReportError, match="metric 'acc' is str 'high'; expected a number"):
+        checked_metrics({"val_loss": 1.0, "acc": "high"}, "val_loss", "ctx.report")
+
+    class Context:
+        last_metrics: dict[str, float] | None = None
+
+    context: Any = Context()
+    with pytest.raises(TrainingFunctionError, match="m:f returned list; expected a dict of"):
+        _values([0.1], context, ["val_loss"], "m:f")
+    with pytest.raises(TrainingFunctionError, match="returned None and never called ctx.report"):
+        _values(None, context, ["val_loss"], "m:f")
+    assert _values(0.25, context, ["val_loss"], "m:f") == [0.25]
+    context.last_metrics = {"val_loss": 0.5, "accuracy": 0.9}
+    assert _values(None, context, ["val_loss", "accuracy"], "m:f") == [0.5, 0.9]
+
+
+def test_cli_refuses_a_missing_function_before_any_trial(tmp_path: Path) -> None:
+    (tmp_path / "train_fn.py").write_text("def trian(ctx):\n    return 0.0\n")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(entrypoint_config()))
+    done = run_hpo("run", "--config", "config.yaml", "--study", "s", "--storage",
+                   "sqlite:///s.db", cwd=tmp_path, timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .endswith(
+            "training.entrypoint: train_fn:train: module train_fn ("
+            + str(tmp_path / "train_fn.py")
+            + ") has no train"
+        )
+    )
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "s.db").exists() or not optuna.get_all_study_summaries(
+        "sqlite:///" + str(tmp_path / "s.db")
+    )
+
+
+@pytest.mark.slow
+def test_example_mlp_is_tuned_by_hpo_run(tmp_path: Path) -> None:
+    """The plain-PyTorch example, end to end: trials complete, the enqueued too-small learning
+    rate is pruned, and the study's best is the best completed trial."""
+    url = f"sqlite:///{tmp_path / 'mlp.db'}"
+    done = run_hpo("run", "--config", str(EXAMPLE), "--study", "mlp", "--storage", url,
+                   "--n-trials", "4", cwd=tmp_path, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    study = optuna.load_study(study_name="mlp", storage=url)
+    states = [t.state for t in study.trials]
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(complete) >= 2, states
+    pruned = study.trials[2]  # the enqueued learning rate of 1e-5
+    assert pruned.state == optuna.trial.TrialState.PRUNED, states
+    assert pruned.user_attrs["prune_reason"].startswith("pruner: val_loss=")
+    assert study.best_value == min(t.value for t in complete)
+    best = study.best_trial.user_attrs
+    assert best["entrypoint"] == "train_mlp:train"
+    assert best["metrics"]["accuracy"] > 0.9  # the spirals are learnt
+    assert (
+        best["physical_batch_size"] * best["grad_accum_steps"]
+        >= study.best_params["effective_batch_size"]
+    )
+    assert f"best trial #{study.best_trial.number}: val_loss=" in done.stdout
+    assert "no saved model" not in done.stdout

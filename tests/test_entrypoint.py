@@ -171,3 +171,66 @@ def test_example_mlp_is_tuned_by_hpo_run(tmp_path: Path) -> None:
     )
     assert f"best trial #{study.best_trial.number}: val_loss=" in done.stdout
     assert "no saved model" not in done.stdout
+
+
+FAILING_FUNCTION = """
+import time
+
+
+def helper_that_breaks(value):
+    raise RuntimeError(f"user code broke at {value}")
+
+
+def train(ctx):
+    mode = ctx.params["mode"]
+    if mode == "raise":
+        helper_that_breaks(42)
+    if mode == "hang":
+        while True:  # ignores ctx.should_stop: the trial timeout must end it
+            time.sleep(0.1)
+    if mode == "wrong":
+        return [0.5]
+    if mode == "missing":
+        ctx.report({"loss": 0.5}, step=0)
+    ctx.report({"val_loss": 0.5}, step=0)
+    return None
+"""
+
+
+@pytest.mark.slow
+def test_user_code_failures_end_their_trial_and_the_worker_goes_on(tmp_path: Path) -> None:
+    """One worker, one trial each: a function that raises (FAIL, the user's traceback kept in
+    the trial and the log), hangs (ended by study.trial_timeout), returns a list or reports
+    without study.metric (FAIL, named); the last trial completes."""
+    (tmp_path / "train_fn.py").write_text(FAILING_FUNCTION)
+    modes = ["ok", "raise", "hang", "wrong", "missing"]
+    raw = entrypoint_config(
+        n_trials=len(modes), trial_timeout=3, stop_timeout=2, enqueue=[{"mode": m} for m in modes]
+    )
+    raw["search_space"] = {"mode": {"type": "categorical", "choices": modes}}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    done = run_hpo("run", "--config", "config.yaml", "--study", "s", "--storage", url,
+                   cwd=tmp_path, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    trials = {t.params["mode"]: t for t in optuna.load_study(study_name="s", storage=url).trials}
+    state = optuna.trial.TrialState
+    raised = trials["raise"]
+    assert raised.state == state.FAIL
+    assert "RuntimeError: user code broke at 42" in raised.user_attrs["fail_reason"]
+    user_traceback = raised.user_attrs["traceback"]
+    assert 'train_fn.py", line 6, in helper_that_breaks' in user_traceback
+    assert user_traceback.splitlines()[1].strip().startswith('File "' + str(tmp_path))
+    assert 'train_fn.py", line 6, in helper_that_breaks' in done.stderr  # the worker's log
+    assert trials["hang"].state == state.PRUNED
+    assert trials["hang"].user_attrs["prune_reason"].startswith("timeout: ")
+    wrong = trials["wrong"].user_attrs["fail_reason"]
+    assert trials["wrong"].state == state.FAIL
+    assert "train_fn:train returned list; expected a dict of metrics with 'val_loss'" in wrong
+    assert "traceback" not in trials["wrong"].user_attrs  # hpo's frames: nothing of the user's
+    assert trials["missing"].state == state.FAIL
+    assert (
+        "ctx.report: no 'val_loss' among the metrics given (loss)"
+        in (trials["missing"].user_attrs["fail_reason"])
+    )
+    assert trials["ok"].state == state.COMPLETE and trials["ok"].value == 0.5

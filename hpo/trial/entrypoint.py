@@ -95,7 +95,11 @@ def train_with_entrypoint(trial: TrialLike, task: TrialTask) -> TrialValue:
     except optuna.TrialPruned:
         give_up_uploads(uploader, task)
         raise
-    except (TrainingFunctionError, ReportError) as e:
+    except TrainingFunctionError as e:  # what it returned: hpo's frames, no user traceback
+        give_up_uploads(uploader, task)
+        trial.set_user_attr("fail_reason", str(e))
+        raise
+    except ReportError as e:
         give_up_uploads(uploader, task)
         _record_failure(trial, spec, e, started)
         raise

@@ -3,7 +3,9 @@ example MLP run through `hpo run`, and each way user code can fail."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -234,3 +236,71 @@ def test_user_code_failures_end_their_trial_and_the_worker_goes_on(tmp_path: Pat
         in (trials["missing"].user_attrs["fail_reason"])
     )
     assert trials["ok"].state == state.COMPLETE and trials["ok"].value == 0.5
+
+
+RESUMABLE_FUNCTION = """
+import time
+
+import torch
+
+EPOCHS = 40
+
+
+def train(ctx):
+    state = ctx.restore()
+    first = 0 if state is None else int(state["epoch"])
+    if state is not None:
+        assert torch.equal(state["weights"], torch.full((3,), float(first - 1)))
+    for epoch in range(first, EPOCHS):
+        time.sleep(0.1)
+        ctx.report({"val_loss": 1.0 / (epoch + 1)}, step=epoch)
+        if ctx.should_stop:
+            ctx.save({"epoch": epoch + 1, "weights": torch.full((3,), float(epoch))})
+            return None
+    return {"val_loss": 1.0 / EPOCHS, "first_epoch": first}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("other_host", [False, True])
+def test_stopped_trial_resumes_from_what_the_function_saved(
+    tmp_path: Path, other_host: bool
+) -> None:
+    """SIGTERM to the worker: the function sees ctx.should_stop, saves and returns; the trial
+    is queued again, and the next worker's attempt starts from ctx.restore(). `other_host`:
+    the local checkpoints are gone (another host), the artifact store has the state."""
+    import shutil
+    import signal
+
+    from tests.conftest import start_hpo
+
+    (tmp_path / "train_fn.py").write_text(RESUMABLE_FUNCTION)
+    store = {"artifact_store": (tmp_path / "store").as_uri()} if other_host else {}
+    raw = entrypoint_config(n_trials=1, pruner={"type": "none"}, **store)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    args = ("run", "--config", "config.yaml", "--study", "s", "--storage", url)
+    worker = start_hpo(*args, cwd=tmp_path)
+    reported = 0
+    deadline = time.monotonic() + 120
+    while reported < 3 and time.monotonic() < deadline and worker.poll() is None:
+        time.sleep(0.3)
+        with contextlib.suppress(KeyError):  # the study is not created yet
+            trials = optuna.load_study(study_name="s", storage=url).trials
+            reported = len(trials[0].intermediate_values) if trials else 0
+    assert reported >= 3, worker.communicate()[1][-3000:]
+    worker.send_signal(signal.SIGTERM)
+    _, stderr = worker.communicate(timeout=60)
+    stopped = optuna.load_study(study_name="s", storage=url).trials[0]
+    saved_at = max(stopped.intermediate_values) + 1
+    assert stopped.state != optuna.trial.TrialState.COMPLETE, stderr[-3000:]
+    if other_host:
+        shutil.rmtree(tmp_path / "hpo-checkpoints")
+    done = run_hpo(*args, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    study = optuna.load_study(study_name="s", storage=url)
+    (resumed,) = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert resumed.user_attrs["metrics"]["first_epoch"] == saved_at
+    assert min(resumed.intermediate_values) == saved_at  # no epoch trained twice
+    if other_host:
+        assert resumed.user_attrs["resumed_from"].startswith("file://")

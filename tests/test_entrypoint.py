@@ -304,3 +304,70 @@ def test_stopped_trial_resumes_from_what_the_function_saved(
     assert min(resumed.intermediate_values) == saved_at  # no epoch trained twice
     if other_host:
         assert resumed.user_attrs["resumed_from"].startswith("file://")
+
+
+class RecordingTrial:
+    """A trial that keeps what training code tells it."""
+
+    number = 0
+
+    def __init__(self) -> None:
+        self.attrs: dict[str, Any] = {}
+        self.reports: list[tuple[float, int]] = []
+
+    def set_user_attr(self, key: str, value: Any) -> None:
+        self.attrs[key] = value
+
+    def report(self, value: float, step: int) -> None:
+        self.reports.append((value, step))
+
+    def should_prune(self) -> bool:
+        return False
+
+
+def context_for(trial: RecordingTrial, effective_batch_size: int, **training: Any) -> Any:
+    import torch
+
+    from hpo.trial.context import TrainingContext
+    from trainer.config import TrainingConfig
+
+    return TrainingContext(
+        params={}, device=torch.device("cpu"), effective_batch_size=effective_batch_size,
+        trial_number=0, metric="val_loss", _trial=trial, _training=TrainingConfig(**training),
+        _should_stop=lambda: False,
+    )  # fmt: skip
+
+
+def test_find_batch_size_probes_the_users_step_and_splits_the_effective_batch() -> None:
+    """Fake OOMs past 40 examples: the finder grows, bisects to 40, keeps the 0.9 margin (36),
+    and the effective batch of 256 becomes 8 passes of 36; what is not an OOM propagates."""
+    import torch
+
+    tried: list[int] = []
+
+    def step(size: int) -> None:
+        tried.append(size)
+        if size > 40:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    trial = RecordingTrial()
+    ctx = context_for(trial, 256)
+    assert ctx.physical_batch_size == 256 and ctx.grad_accum_steps == 1  # no search: whole
+    assert ctx.find_batch_size(step) == 36
+    assert (ctx.physical_batch_size, ctx.grad_accum_steps) == (36, 8)
+    assert tried[:6] == [8, 16, 32, 64, 48, 40] and max(tried) == 64
+    assert trial.attrs["grad_accum_steps"] == 8
+    assert context_for(RecordingTrial(), 16).find_batch_size(step) == 14  # at most the effective
+    assert context_for(RecordingTrial(), 64, physical_batch_size=16).physical_batch_size == 16
+
+    def broken(size: int) -> None:
+        raise ValueError("shapes do not match")
+
+    with pytest.raises(ValueError, match="shapes do not match"):
+        context_for(RecordingTrial(), 64).find_batch_size(broken)
+
+    def never_fits(size: int) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    with pytest.raises(optuna.TrialPruned, match="not even a batch of 1 fits"):
+        context_for(RecordingTrial(), 64).find_batch_size(never_fits)

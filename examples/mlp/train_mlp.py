@@ -9,6 +9,7 @@ Everything hpo-specific is the context `ctx`: the sampled parameters, the batch 
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -45,6 +46,8 @@ def train(ctx: TrainingContext) -> dict[str, float]:
     x_val, y_val = spirals(VAL_POINTS, seed=2)
     model = mlp(int(params["hidden_size"]), int(params.get("layers", 2))).to(ctx.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=float(params["learning_rate"]))
+    if ctx.device.type == "cuda":  # the largest pass that fits; nothing runs out on the CPU
+        ctx.find_batch_size(lambda size: probe_step(model, x_train, y_train, size, ctx.device))
     first_epoch = 0
     state = ctx.restore()  # a retry of a stopped trial: go on where it saved
     if state is not None:
@@ -71,6 +74,17 @@ def train(ctx: TrainingContext) -> dict[str, float]:
                       "optimizer": optimizer.state_dict()})  # fmt: skip
             return metrics
     return metrics
+
+
+def probe_step(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, size: int, device: torch.device
+) -> None:
+    """One full step at `size` examples on a copy (the run's own model and optimizer stay
+    untouched): forward, backward and the optimizer's first step, which allocates its state."""
+    probe = copy.deepcopy(model)
+    index = torch.arange(size) % len(x)
+    F.cross_entropy(probe(x[index].to(device)), y[index].to(device)).backward()
+    torch.optim.AdamW(probe.parameters()).step()
 
 
 @torch.inference_mode()

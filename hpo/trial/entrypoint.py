@@ -113,7 +113,7 @@ def train_with_entrypoint(trial: TrialLike, task: TrialTask) -> TrialValue:
         uploader.discard("state")  # the trial is over: the state already stored will do
         done = uploader.close(timeout_s=last_upload_wait_s(task))
         record_uploads(trial, store, uploader, done)  # type: ignore[arg-type]
-    if store is not None:
+    if store is not None and (store.seconds or store.errors):  # it called ctx.save
         record_checkpoint_cost(trial, store)
     return values[0] if len(values) == 1 else values
 
@@ -150,8 +150,6 @@ def _context(
         _fingerprint=job_fingerprint({"entrypoint": spec_of(config), "params": task.params}),
         _prunes=len(config.study.objectives) == 1,
     )
-    trial.set_user_attr("physical_batch_size", context.physical_batch_size)
-    trial.set_user_attr("grad_accum_steps", context.grad_accum_steps)
     return context
 
 

@@ -57,8 +57,7 @@ def train(ctx: TrainingContext) -> dict[str, float]:
     metrics: dict[str, float] = {}
     for epoch in range(first_epoch, EPOCHS):
         order = torch.randperm(TRAIN_POINTS, generator=torch.Generator().manual_seed(epoch))
-        for step_start in range(0, TRAIN_POINTS, ctx.effective_batch_size):
-            step = order[step_start : step_start + ctx.effective_batch_size]
+        for step in order.split(ctx.effective_batch_size):
             optimizer.zero_grad(set_to_none=True)
             # ctx.grad_accum_steps passes of ctx.physical_batch_size examples make one step;
             # each pass's summed loss over the whole step's size gives the exact mean gradient.

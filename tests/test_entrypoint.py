@@ -173,6 +173,16 @@ def test_example_mlp_is_tuned_by_hpo_run(tmp_path: Path) -> None:
     )
     assert f"best trial #{study.best_trial.number}: val_loss=" in done.stdout
     assert "no saved model" not in done.stdout
+    # hpo retrain calls the same function with new seeds (ctx.params["seed"]).
+    retrain = ("retrain", "--config", str(EXAMPLE), "--study", "mlp", "--storage", url)
+    again = run_hpo(*retrain, "--top", "1", "--seeds", "2", "--out", "final", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "final model: none saved by hpo (training.entrypoint" in again.stdout
+    (retrain_name,) = [s for s in optuna.get_all_study_names(url) if s.startswith("mlp [retrain")]
+    runs = optuna.load_study(study_name=retrain_name, storage=url).trials
+    assert sorted(t.params["seed"] for t in runs) == [43, 44]
+    assert all(t.params["learning_rate"] == study.best_params["learning_rate"] for t in runs)
+    assert len({t.value for t in runs}) == 2  # the seed reached the function
 
 
 FAILING_FUNCTION = """

@@ -381,3 +381,26 @@ def test_find_batch_size_probes_the_users_step_and_splits_the_effective_batch() 
 
     with pytest.raises(optuna.TrialPruned, match="not even a batch of 1 fits"):
         context_for(RecordingTrial(), 64).find_batch_size(never_fits)
+
+
+def test_report_prunes_when_the_pruner_says_so_and_only_with_one_objective() -> None:
+    class PruningTrial(RecordingTrial):
+        def should_prune(self) -> bool:
+            return len(self.reports) >= 2
+
+    trial = PruningTrial()
+    ctx = context_for(trial, 32)
+    ctx.report({"val_loss": 0.9, "accuracy": 0.5}, step=0)
+    with pytest.raises(optuna.TrialPruned, match="pruner: val_loss=0.8000 at step 1"):
+        ctx.report({"val_loss": 0.8}, step=1)
+    assert trial.reports == [(0.9, 0), (0.8, 1)]
+    assert trial.attrs["prune_reason"] == "pruner: val_loss=0.8000 at step 1"
+    with pytest.raises(ValueError, match="step must be an integer >= 0, got 1.5"):
+        ctx.report({"val_loss": 0.8}, step=1.5)
+
+    several = PruningTrial()
+    ctx = context_for(several, 32)
+    ctx._prunes = False  # a study of several objectives: Optuna takes no intermediate values
+    for step in range(3):
+        ctx.report({"val_loss": 0.5, "accuracy": 0.9}, step=step)
+    assert several.reports == [] and ctx.last_metrics == {"val_loss": 0.5, "accuracy": 0.9}

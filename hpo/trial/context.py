@@ -116,11 +116,15 @@ class TrainingContext:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ReportError(f"ctx.report: step must be an integer >= 0, got {step!r}")
         value = self.last_metrics[self.metric]
-        self._trial.report(value, step)
         send = getattr(self._trial, "send_progress", None)
         if send is not None:
             send({"step": step, "metric": (self.metric, value)})
-        if self._prunes and self._trial.should_prune():
+        if not self._prunes:  # several objectives: Optuna takes no intermediate values
+            log.info("trial %d step %d: %s", self.trial_number, step,
+                     ", ".join(f"{k}={v:.4g}" for k, v in self.last_metrics.items()))  # fmt: skip
+            return
+        self._trial.report(value, step)
+        if self._trial.should_prune():
             reason = f"pruner: {self.metric}={value:.4f} at step {step}"
             self._trial.set_user_attr("prune_reason", reason)
             raise optuna.TrialPruned(reason)

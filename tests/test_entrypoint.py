@@ -202,6 +202,8 @@ def train(ctx):
             time.sleep(0.1)
     if mode == "wrong":
         return [0.5]
+    if mode == "exit":
+        raise SystemExit(3)
     if mode == "missing":
         ctx.report({"loss": 0.5}, step=0)
     ctx.report({"val_loss": 0.5}, step=0)
@@ -215,7 +217,7 @@ def test_user_code_failures_end_their_trial_and_the_worker_goes_on(tmp_path: Pat
     the trial and the log), hangs (ended by study.trial_timeout), returns a list or reports
     without study.metric (FAIL, named); the last trial completes."""
     (tmp_path / "train_fn.py").write_text(FAILING_FUNCTION)
-    modes = ["ok", "raise", "hang", "wrong", "missing"]
+    modes = ["ok", "raise", "hang", "wrong", "missing", "exit"]
     raw = entrypoint_config(
         n_trials=len(modes), trial_timeout=3, stop_timeout=2, enqueue=[{"mode": m} for m in modes]
     )
@@ -246,6 +248,8 @@ def test_user_code_failures_end_their_trial_and_the_worker_goes_on(tmp_path: Pat
         in (trials["missing"].user_attrs["fail_reason"])
     )
     assert trials["ok"].state == state.COMPLETE and trials["ok"].value == 0.5
+    assert trials["exit"].state == state.FAIL  # sys.exit() ends the trial, not the worker
+    assert "train_fn:train raised SystemExit: 3" in trials["exit"].user_attrs["fail_reason"]
 
 
 RESUMABLE_FUNCTION = """
@@ -404,3 +408,31 @@ def test_report_prunes_when_the_pruner_says_so_and_only_with_one_objective() -> 
     for step in range(3):
         ctx.report({"val_loss": 0.5, "accuracy": 0.9}, step=step)
     assert several.reports == [] and ctx.last_metrics == {"val_loss": 0.5, "accuracy": 0.9}
+
+
+def test_save_refuses_what_a_resume_could_not_read(tmp_path: Path) -> None:
+    """A state that torch.load(weights_only=True) would refuse on resume is refused when it is
+    saved, naming the key; a plain one comes back from restore() in the retry."""
+    import numpy as np
+    import torch
+
+    from trainer.checkpoint import CheckpointStore
+
+    ctx = context_for(RecordingTrial(), 32)
+    ctx._store, ctx._fingerprint = CheckpointStore(tmp_path / "trial"), "f"
+    with pytest.raises(TypeError, match=r"state\['rng'\] is numpy.ndarray, which a resume"):
+        ctx.save({"epoch": 1, "rng": np.zeros(3)})
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    state = {"epoch": 2, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    assert ctx.save(state)
+    retry = context_for(RecordingTrial(), 32)
+    retry._store, retry._fingerprint = CheckpointStore(tmp_path / "trial", resume=True), "f"
+    restored = retry.restore()
+    assert restored is not None and restored["epoch"] == 2
+    assert torch.equal(restored["model"]["weight"], model.weight)
+    other = context_for(RecordingTrial(), 32)  # another configuration's retry
+    other._store, other._fingerprint = CheckpointStore(tmp_path / "trial", resume=True), "g"
+    assert other.restore() is None

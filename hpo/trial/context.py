@@ -136,6 +136,10 @@ class TrainingContext:
         on; trial attribute checkpoint_error says why)."""
         if self._store is None:
             return False
+        unreadable = _not_plain(state, "state")
+        if unreadable:  # it would be written, then refused on resume: say so now
+            raise TypeError(f"ctx.save: {unreadable}; save tensors (torch.from_numpy for "
+                            "arrays), numbers, strings, lists and dicts of them")  # fmt: skip
         return self._store.save_state({_FINGERPRINT: self._fingerprint, _USER_STATE: state})
 
     def restore(self) -> dict[str, Any] | None:
@@ -148,6 +152,35 @@ class TrainingContext:
             return None
         state: dict[str, Any] = saved[_USER_STATE]
         return state
+
+
+_PLAIN = (torch.Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.device,
+          torch.Size)  # fmt: skip
+
+
+def _not_plain(value: Any, where: str, depth: int = 0) -> str:
+    """What in `value` a checkpoint read with torch.load(weights_only=True) would refuse, by
+    its path in the state (state['rng']); empty when all of it can be read back."""
+    if depth > 50:
+        return f"{where} is nested more than 50 levels deep"
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, (str, int)):
+                return f"{where} has the key {key!r} ({type(key).__name__}); keys are str or int"
+            found = _not_plain(item, f"{where}[{key!r}]", depth + 1)
+            if found:
+                return found
+        return ""
+    if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+        for index, item in enumerate(value):
+            found = _not_plain(item, f"{where}[{index}]", depth + 1)
+            if found:
+                return found
+        return ""
+    if isinstance(value, _PLAIN):
+        return ""
+    kind = type(value)
+    return f"{where} is {kind.__module__}.{kind.__qualname__}, which a resume could not read"
 
 
 def checked_metrics(metrics: Any, metric: str, where: str) -> dict[str, float]:

@@ -103,7 +103,7 @@ def train_with_entrypoint(trial: TrialLike, task: TrialTask) -> TrialValue:
         give_up_uploads(uploader, task)
         _record_failure(trial, spec, e, started)
         raise
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # sys.exit() in user code ends its trial, not the process
         give_up_uploads(uploader, task)
         error = TrainingFunctionError(f"{spec} raised {type(e).__name__}: {e}"[:1000])
         _record_failure(trial, spec, e, started)

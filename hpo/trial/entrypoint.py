@@ -103,11 +103,12 @@ def train_with_entrypoint(trial: TrialLike, task: TrialTask) -> TrialValue:
         give_up_uploads(uploader, task)
         _record_failure(trial, spec, e, started)
         raise
-    except (Exception, SystemExit) as e:  # sys.exit() in user code ends its trial, not the process
+    except (Exception, SystemExit) as e:
         give_up_uploads(uploader, task)
-        error = TrainingFunctionError(f"{spec} raised {type(e).__name__}: {e}"[:1000])
         _record_failure(trial, spec, e, started)
-        raise error from e
+        if isinstance(e, SystemExit):  # sys.exit() in user code ends its trial, not the process
+            raise TrainingFunctionError(f"{spec} raised SystemExit: {e}") from e
+        raise  # as it is: `hpo status` counts failures by the user's own error
     _record_end(trial, context, started)
     if uploader is not None:
         uploader.discard("state")  # the trial is over: the state already stored will do

@@ -444,3 +444,25 @@ def test_save_refuses_what_a_resume_could_not_read(tmp_path: Path) -> None:
     other = context_for(RecordingTrial(), 32)  # another configuration's retry
     other._store, other._fingerprint = CheckpointStore(tmp_path / "trial", resume=True), "g"
     assert other.restore() is None
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "examples").glob("*/config.yaml")), ids=str)
+def test_every_example_config_loads_and_its_function_imports(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import jsonschema
+
+    from hpo.config.json_schema import config_schema
+    from hpo.config.loader import load_config
+    from hpo.trial.entrypoint import load_entrypoint
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    config = load_config(path)
+    assert config.training.entrypoint is not None
+    assert callable(load_entrypoint(config.training.entrypoint, config.base_dir))
+    raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    jsonschema.validate(raw, config_schema(), cls=jsonschema.Draft7Validator)
+    # Without the entrypoint, hpo's own metrics and settings apply: the schema says so.
+    del raw["training"]["entrypoint"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(raw, config_schema(), cls=jsonschema.Draft7Validator)

@@ -35,7 +35,10 @@ def test_the_schema_is_a_valid_draft7_schema() -> None:
     jsonschema.Draft7Validator.check_schema(config_schema())
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+SHIPPED = sorted((REPO / "configs").glob("*.yaml")) + sorted((REPO / "examples").glob("*/*.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_every_shipped_config_follows_the_schema(path: Path) -> None:
     raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     jsonschema.validate(raw, config_schema(), cls=jsonschema.Draft7Validator)

@@ -26,6 +26,7 @@ from trainer.memory import (
     claim_memory_share,
     is_oom,
     memory_share,
+    none_on_oom,
     release_memory,
     simulated_budget,
 )
@@ -320,3 +321,26 @@ def _cached_or_searched(
         search = find_physical_batch_size(job, label_names, device)
         size = cache.record(key, search.chosen, search.as_dict())
         return PhysicalBatch(size, "search", key, search)
+
+
+def search_step(
+    step: Callable[[int], Any], device: torch.device, start: int, upper_bound: int, margin: float
+) -> BatchSearch:
+    """The largest batch at which `step(size)` (one training step of someone else's code: a
+    forward, backward and optimizer step at that batch size) runs without an OOM, times
+    `margin`. Any error but an OOM propagates; memory is freed after each failed probe."""
+    started = time.perf_counter()
+    search = BatchSearch(limit=0, chosen=0, margin=margin, max_length=0)
+
+    def fits(size: int) -> bool:
+        probe_started = time.perf_counter()
+        ok = none_on_oom(lambda: step(size) or True) is not None
+        if not ok:  # outside the except block: the error no longer holds the step's tensors
+            release_memory(device)
+        search.probes.append(Probe(size, ok, None, time.perf_counter() - probe_started))
+        return ok
+
+    search.limit = search_largest(fits, start, upper_bound)
+    search.chosen = max(1, math.floor(search.limit * margin)) if search.limit else 0
+    search.seconds = time.perf_counter() - started
+    return search

@@ -6,9 +6,12 @@ these classes.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+# `package.module:name`: dotted Python identifiers, a colon, one identifier.
+ENTRYPOINT = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 LRSchedule = Literal["linear", "cosine", "constant_with_warmup", "inverse_sqrt"]
 
@@ -267,9 +270,19 @@ class TrainingConfig:
         "DataLoader worker processes; null: none (the trainer pads its own batches)."
     )
     seed: int = _doc("Seed for weights init, shuffling and dropout (the same for every trial).", 42)
+    entrypoint: str | None = _doc(
+        "Your own training function, `package.module:name`, called in each trial with a "
+        "context (hpo.trial.context.TrainingContext) instead of hpo's trainer; the module is "
+        "imported with the config file's folder first on the path. The config then needs no "
+        "model:, data: or task:, study.metric names a metric your function reports, and "
+        "study.direction is required. null: hpo's own trainer."
+    )
 
     def problems(self) -> list[tuple[str, Any, str]]:
         found: list[tuple[str, Any, str]] = []
+        if self.entrypoint is not None and not ENTRYPOINT.fullmatch(self.entrypoint):
+            rule = "must be `package.module:function`, e.g. train_mlp:train"
+            found.append(("entrypoint", self.entrypoint, rule))
         positive = ("effective_batch_size", "epochs", "evals_per_epoch", "log_every_steps")
         for key in (*positive, "batch_search_start", "batch_search_max"):
             if getattr(self, key) < 1:

@@ -21,6 +21,11 @@ def batch_size_command(args: argparse.Namespace) -> int:
     from trainer.tasks import prepare_data
 
     config = load_config(args.config)
+    if config.training.entrypoint is not None:
+        rule = ("trains a model hpo does not know, so hpo batch-size cannot probe it; call "
+                "ctx.find_batch_size(step) in your function")  # fmt: skip
+        raise ConfigError([f"training.entrypoint: {config.training.entrypoint} {rule}"],
+                          config.source)  # fmt: skip
     if args.device is not None:
         config.training.device = args.device
         rules = [rule for key, _, rule in config.training.problems() if key == "device"]

@@ -200,6 +200,10 @@ def _download_best(study: Any, best: list[dict], args: argparse.Namespace) -> in
     from hpo.trial.folders import study_folder_name
     from storage.artifacts import ArtifactStoreError
 
+    entrypoint = best[0]["user_attrs"].get("entrypoint") if best else None
+    if entrypoint:
+        raise HPOError(f"trial #{best[0]['number']} ran your training function ({entrypoint}), "
+                       "which keeps its own model: hpo has none to download")  # fmt: skip
     store = _study_artifact_store(study, args)
     if store is None:
         raise HPOError(f"study {study.study_name!r} has no artifact store; its best model is on "

@@ -109,6 +109,10 @@ def retrain_command(args: argparse.Namespace) -> int:
     metric = config.study.primary_metric
     card = retrain.model_card(plan, found, winner, chosen, config, metric, full_data_trial,
                               storage_url.masked)  # fmt: skip
+    if config.training.entrypoint is not None:
+        # A training function keeps its own model: the runs' values over seeds are the outcome.
+        print(retrain.summary(card, None))
+        return 0
     with winner_model(model_study, model_trial, config, out) as model_dir:
         retrain.save_final_model(model_dir, out, card)
     source.set_user_attr(retrain.OUTCOME_ATTR, retrain.outcome(card, out))

@@ -151,6 +151,12 @@ def check_inputs(
     set_optuna_verbosity(logging.getLogger().level)
     # The device first: `cuda` on a host without CUDA is reported before the data is prepared.
     resolve_device(config.training.device)
+    if config.training.entrypoint is not None:  # the user's function reads its own data
+        from hpo.trial.entrypoint import load_entrypoint
+
+        load_entrypoint(config.training.entrypoint, config.base_dir)  # one line if it cannot
+        # --workers-per-gpu auto measures hpo's own model: one worker per GPU for a function
+        return config, storage_url, gpus, None, per_gpu if isinstance(per_gpu, int) else 1, {}
     data, prepared = _prepare_every_model(config)
     named = f", labels {data.label_names}" if data.label_names else ""
     log.info("data: %d training and %d evaluation examples%s", len(data.train), len(data.eval),

@@ -24,7 +24,8 @@ NOT_KEYS = frozenset({"source", "base_dir"})
 def config_schema() -> dict[str, Any]:
     """The JSON Schema (draft-07) of a study config file."""
     schema = _object_schema(Config)
-    schema["properties"]["search_space"] = _search_space_schema()
+    schema["properties"]["search_space"] = {"description": _search_space_schema()["description"]}
+    schema.update(_entrypoint_or_not(schema))
     return {
         "$schema": SCHEMA_DIALECT,
         "$id": SCHEMA_ID,
@@ -36,6 +37,40 @@ def config_schema() -> dict[str, Any]:
 
 def schema_text() -> str:
     return json.dumps(config_schema(), indent=2, sort_keys=False) + "\n"
+
+
+def _entrypoint_or_not(schema: dict[str, Any]) -> dict[str, Any]:
+    """A config with training.entrypoint names the user's own metric and parameters; any
+    other, hpo's metrics and searchable settings (draft-07 if/then/else)."""
+    study = schema["properties"]["study"]["properties"]
+    hpo_metric = study["metric"]
+    study["metric"] = {"description": hpo_metric.get("description", "")}
+    user_metric = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
+    user_space = {
+        "type": "object",
+        "description": "Your training function's parameters (ctx.params), by name.",
+        "additionalProperties": {"$ref": "#/definitions/param"},
+    }
+    entrypoint_set = {
+        "required": ["training"],
+        "properties": {"training": {"required": ["entrypoint"],
+                                    "properties": {"entrypoint": {"type": "string"}}}},
+    }  # fmt: skip
+    return {
+        "if": entrypoint_set,
+        "then": {
+            "properties": {
+                "study": {"properties": {"metric": user_metric}},
+                "search_space": user_space,
+            }
+        },  # fmt: skip
+        "else": {
+            "properties": {
+                "study": {"properties": {"metric": hpo_metric}},
+                "search_space": _search_space_schema(),
+            }
+        },  # fmt: skip
+    }
 
 
 def _search_space_schema() -> dict[str, Any]:

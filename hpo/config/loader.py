@@ -128,6 +128,8 @@ def parse_config(raw: Any, base_dir: Path, source: str = "config") -> Config:
             source,
         )
     raw = dict(raw)
+    if _entrypoint_of(raw) is not None:
+        return _parse_entrypoint_config(raw, base_dir, source)
     _default_metric_of_task(raw)
     space_raw = raw.pop("search_space", None)
     _default_model_of_search(raw, space_raw)
@@ -157,6 +159,122 @@ def parse_config(raw: Any, base_dir: Path, source: str = "config") -> Config:
     if problems:
         raise ConfigError(problems, source)
     return config
+
+
+def _entrypoint_of(raw: dict[Any, Any]) -> Any:
+    training = raw.get("training")
+    return training.get("entrypoint") if isinstance(training, dict) else None
+
+
+# What a config with training.entrypoint leaves out: the user's function builds its own model
+# and reads its own data, so hpo's settings for them would silently mean nothing.
+_NOT_WITH_ENTRYPOINT = ("model", "data", "task")
+
+
+def _parse_entrypoint_config(raw: dict[Any, Any], base_dir: Path, source: str) -> Config:
+    """A config whose trials call the user's training function: no model, data or task; the
+    search space names the function's own parameters (effective_batch_size keeps its meaning:
+    ctx.physical_batch_size and ctx.grad_accum_steps split it); study.metric is a metric the
+    function reports, so its direction must be given."""
+    problems: list[str] = []
+    for key in _NOT_WITH_ENTRYPOINT:
+        if raw.pop(key, None) is not None:
+            problems.append(f"{key}: means nothing with training.entrypoint (your function "
+                            "builds its own model, reads its own data); leave it out")  # fmt: skip
+    study = raw.get("study")
+    objectives: Any = None
+    direction: Any = None
+    if isinstance(study, dict):
+        study = dict(study)
+        objectives, direction = study.pop("metric", None), study.pop("direction", None)
+        raw["study"] = study
+    space_raw = raw.pop("search_space", None)
+    config = _build(Config, raw, "", problems, skip={"source", "base_dir", *_NOT_WITH_ENTRYPOINT})
+    config.source, config.base_dir = source, str(base_dir)
+    config.search_space = _build_user_space(space_raw, problems)
+    _set_user_objectives(config, objectives, direction, problems)
+    if not problems:
+        _check_user_space(config, problems)
+    if not problems:
+        for index, params in enumerate(config.study.enqueue):
+            where = f"study.enqueue[{index}]"
+            config.study.enqueue[index] = check_params(config.search_space, params, where, problems)
+    _resolve_paths(config, base_dir, problems)
+    if problems:
+        raise ConfigError(problems, source)
+    return config
+
+
+def _build_user_space(raw: Any, problems: list[str]) -> dict[str, ParamSpec]:
+    """The training function's parameters, by the names it reads from ctx.params."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        problems.append(f"search_space: got {_described(raw)}; must be a mapping of parameter "
+                        "name to spec")  # fmt: skip
+        return {}
+    space: dict[str, ParamSpec] = {}
+    for name, spec in raw.items():
+        key = f"search_space.{_key(name)}"
+        if not isinstance(name, str) or not name.isidentifier():
+            problems.append(f"{key}: a parameter's name must be a Python identifier, e.g. "
+                            "hidden_size (your function reads ctx.params[name])")  # fmt: skip
+        elif not isinstance(spec, dict):
+            problems.append(f"{key}: got {_described(spec)}; give its spec, e.g. "
+                            "{type: float, low: 1.0e-5, high: 1.0e-3}")  # fmt: skip
+        else:
+            space[name] = _build(ParamSpec, spec, key + ".", problems)
+    return space
+
+
+def _check_user_space(config: Config, problems: list[str]) -> None:
+    """effective_batch_size is split by hpo into physical batches: whole numbers >= 1; `when`
+    is for hpo's own settings (the function samples no conditions of its own yet)."""
+    for name, spec in config.search_space.items():
+        if spec.when is not None:
+            rule = "not supported with training.entrypoint; leave it out (your function may "
+            problems.append(f"search_space.{name}.when: {rule}ignore what does not apply)")
+    batch = config.search_space.get("effective_batch_size")
+    if batch is None:
+        return
+    for value in batch.values_for_bounds():
+        ok, converted, _ = _convert(value, int, "", [])
+        if not ok or converted < 1:
+            problems.append(f"search_space.effective_batch_size: value {_show(value)} must be a "
+                            "positive integer")  # fmt: skip
+            return
+    if batch.type == "float":
+        problems.append("search_space.effective_batch_size: got type float; use int or categorical")
+    elif batch.type == "categorical":
+        batch.choices = [int(v) for v in batch.choices or []]
+
+
+def _set_user_objectives(config: Config, metric: Any, direction: Any, problems: list[str]) -> None:
+    """study.metric: the name (or names) of what the function reports; study.direction: one
+    each, required (hpo cannot know whether the user's metric is better high or low)."""
+    names = [metric] if isinstance(metric, str) else metric
+    if (
+        not isinstance(names, list)
+        or not names
+        or not all(isinstance(n, str) and n.strip() for n in names)
+    ):
+        problems.append(f"study.metric: got {_show(metric)}; with training.entrypoint, name the "
+                        "metric your function reports (ctx.report), e.g. val_loss")  # fmt: skip
+        return
+    if len(set(names)) < len(names):
+        problems.append(f"study.metric: got {_show(names)}; lists a metric twice")
+        return
+    given = [direction] if isinstance(direction, str) else direction
+    if (
+        not isinstance(given, list)
+        or len(given) != len(names)
+        or not all(d in ("minimize", "maximize") for d in given)
+    ):
+        problems.append(f"study.direction: got {_show(direction)}; with training.entrypoint give "
+                        f"minimize or maximize for each metric ({', '.join(names)})")  # fmt: skip
+        return
+    config.study.metric = typing.cast(Any, metric)
+    config.study.direction = typing.cast(Any, direction)
 
 
 def _check_searched_for_task(config: Config, problems: list[str]) -> None:
@@ -304,8 +422,12 @@ def _check_search_space(config: Config, problems: list[str]) -> None:
 
 
 def _field_hint(name: str) -> Any:
-    """The type annotation of the field a parameter sets."""
-    return search_paths.field_hint(name)
+    """The type annotation of the field a parameter sets; Any for a parameter of the user's
+    own training function (training.entrypoint), which hpo does not type."""
+    try:
+        return search_paths.field_hint(name)
+    except KeyError:
+        return Any
 
 
 def _setting_problems(config: Config, name: str, value: Any) -> list[str]:

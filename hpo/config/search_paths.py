@@ -59,6 +59,7 @@ _FILE = "a file path: the same for every trial"
 NOT_SEARCHABLE = {
     "training.seed": "the seed is luck, not a setting: a search over it finds a lucky seed; "
     "`hpo retrain` measures the spread over seeds",
+    "training.entrypoint": "the training function: the same for every trial",
     "training.threshold": "applies to predictions only: every value trains the same model",
     **dict.fromkeys(
         (

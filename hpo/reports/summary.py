@@ -51,9 +51,9 @@ def _best_lines(best: FrozenTrial, objectives: list[str]) -> list[str]:
         lines.append(f"  {key}: {value:.3g}" if isinstance(value, float) else f"  {key}: {value}")
     attrs = best.user_attrs
     if "physical_batch_size" in attrs:
-        lines.append(
-            f"  physical batch {attrs['physical_batch_size']} x {attrs.get('grad_accum_steps')} "
-            f"accumulation steps, {attrs.get('samples_per_s', 0):.1f} samples/s "
-            f"on {attrs.get('device_name', '?')}"
-        )
+        line = (f"  physical batch {attrs['physical_batch_size']} x "
+                f"{attrs.get('grad_accum_steps')} accumulation steps")  # fmt: skip
+        if "samples_per_s" in attrs:  # measured by hpo's trainer, not by a training function
+            line += f", {attrs['samples_per_s']:.1f} samples/s on {attrs.get('device_name', '?')}"
+        lines.append(line)
     return lines

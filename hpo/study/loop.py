@@ -63,7 +63,7 @@ def run_trials(
         checkpoints = checkpoint_root(objective.task.config, study.study_name)
         if study_config.artifact_store is not None:
             artifacts = ArtifactStore(study_config.artifact_store)
-    if objective.trains and len(study.directions) > 1:
+    if objective.trains and objective.task.data is not None and len(study.directions) > 1:
         _record_chance_level(study, objective)
     in_worker = study_config.trial_isolation == "none"
     # A worker training on the CPU registers among the host's CPU workers, so that their trials

@@ -563,8 +563,9 @@ def recorded_outcome(attrs: dict[str, Any]) -> dict[str, Any] | None:
     return found
 
 
-def summary(card: dict[str, Any], out: Path) -> str:
-    """The retrain's result for the terminal: every configuration, the winner, the model."""
+def summary(card: dict[str, Any], out: Path | None) -> str:
+    """The retrain's result for the terminal: every configuration, the winner, the model
+    (`out`; None: a training function's retrain, which keeps its own model)."""
     metric = card["metric"]
     lines = [f"retrain of study {card['study']!r} ({card['retrain_study']!r}), {metric}:"]
     for r in card["configurations"]:
@@ -580,7 +581,11 @@ def summary(card: dict[str, Any], out: Path) -> str:
     lines.append(f"winner: {params}")
     if card["saved_run"]["full_data"]:
         lines.append(f"the final model: {card['full_data_note']}")
-    lines.append(f"final model: {out} (with README.md, its model card)")
+    if out is None:
+        lines.append("final model: none saved by hpo (training.entrypoint: your function keeps "
+                     "its own model; retrain the winner's parameters with it)")  # fmt: skip
+    else:
+        lines.append(f"final model: {out} (with README.md, its model card)")
     return "\n".join(lines)
 
 

@@ -118,8 +118,8 @@ def missing_model(number: int, attrs: Mapping[str, Any]) -> str | None:
     """Why trial `number`'s best model (from its user attributes `attrs`) cannot be had, in a
     sentence; None when it can (in its folder on this host, or in the artifact store), or when
     the trial never had checkpoints (study.checkpoints off, or a plain Optuna study)."""
-    if attrs.get("best_model_uri"):
-        return None
+    if attrs.get("best_model_uri") or attrs.get("entrypoint"):
+        return None  # a training function (training.entrypoint) keeps its own model
     model, error = attrs.get("best_model"), attrs.get("checkpoint_error")
     if isinstance(model, str) and model:
         if Path(model).is_dir():

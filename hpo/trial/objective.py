@@ -25,7 +25,7 @@ from hpo.trial.folders import (
     prepare_trial_folder,
     study_folder_name,
 )
-from hpo.trial.process import TrialLimits, TrialProcess
+from hpo.trial.process import ENTRYPOINT_PRELOAD, TrialLimits, TrialProcess
 from hpo.trial.protocol import TrialTarget, TrialValue
 from hpo.trial.search_space import sample
 from hpo.trial.task import TrialTask, batch_cache_for, remember_worker_cache
@@ -66,7 +66,11 @@ class Objective:
         # Whether this worker runs hpo's own training rather than a target of its own (a test's,
         # a benchmark's): only such trials share the host's cores when they run on the CPU.
         self.trains = target is None
-        if target is None:
+        if target is None and config.training.entrypoint is not None:
+            from hpo.trial.entrypoint import train_with_entrypoint  # the user's own function
+
+            target = train_with_entrypoint
+        elif target is None:
             # torch and transformers, imported only by a worker that trains (a light worker
             # with a target of its own, bench/many_workers.py, imports neither).
             from hpo.trial.training import train_trial
@@ -78,9 +82,9 @@ class Objective:
         self.trial_number: int | None = None
         cache = batch_cache or batch_cache_for(storage_url, config.study.database_patience)
         remember_worker_cache(storage_url, cache)  # for trials in the worker (isolation none)
-        self.trial_process = TrialProcess(
-            self.target, self.task, stop, _limits(config.study), BatchCacheRequests(cache)
-        )
+        preload = ENTRYPOINT_PRELOAD if config.training.entrypoint is not None else None
+        self.trial_process = TrialProcess(self.target, self.task, stop, _limits(config.study),
+                                          BatchCacheRequests(cache), preload)  # fmt: skip
 
     def __call__(
         self, trial: optuna.Trial, taken_over: threading.Event | None = None

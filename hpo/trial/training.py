@@ -50,7 +50,7 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
     objectives = task.config.study.objectives
     metric = task.config.study.primary_metric
     job = job_for_trial(task.config, task.params)
-    _take_cpu_share(trial, task, job)
+    take_cpu_share(trial, task, job.training.device)
     cache = batch_cache(trial, task)
     store, uploader = None, None
     if task.checkpoint_dir is not None:
@@ -58,7 +58,7 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
         remake = trial_folder_maker(task.study_name) if task.study_name else None
         store = CheckpointStore(task.checkpoint_dir, resume=task.resume, interval_s=interval,
                                 make_directory=remake)  # fmt: skip
-        uploader = _start_uploader(trial, task, store)
+        uploader = start_uploader(trial, task, store)
     try:
         prepared = data_for(task, job)
         key = _resolve_physical_batch(trial, job, cache, prepared)
@@ -67,27 +67,27 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
         reporter = (
             pruning_reporter(trial, metric) if len(objectives) == 1 else _log_evaluation(trial)
         )
-        clock = _TrainingClock(task.config.study.trial_timeout)
+        clock = TrainingClock(task.config.study.trial_timeout)
         data = with_eval_in_training(prepared) if task.full_data else prepared
         result = train(job, data, reporter, metric, store, should_stop=clock.should_stop,
                        on_progress=_progress_sender(trial))  # fmt: skip
     except OutOfMemoryAtBatchOne as e:
-        _give_up_uploads(uploader, task)
+        give_up_uploads(uploader, task)
         replace_after_this_trial("out of memory at batch 1")
         reason = f"oom: {e}"
         trial.set_user_attr("prune_reason", reason)
         trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
         raise optuna.TrialPruned(reason) from e
     except Exception as e:
-        _give_up_uploads(uploader, task)
+        give_up_uploads(uploader, task)
         trial.set_user_attr("fail_reason", f"{type(e).__name__}: {e}"[:1000])
         trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
         raise
     if result.status == "interrupted":  # stopped, or past its timeout: its time counts too
         trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
         if store is not None:  # it checkpointed on the way out: upload it, say what that cost
-            _hand_over(trial, task, store, uploader)
-        _raise_stopped(clock)
+            hand_over(trial, task, store, uploader)
+        raise_stopped(clock)
     record_result(trial, result)
     if result.first_step_at is not None and task.asked_at is not None:
         # Trial created to its first optimizer step: process start, data, model, batch size.
@@ -102,11 +102,11 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
     return _value(trial, result, objectives)
 
 
-def _take_cpu_share(trial: TrialLike, task: TrialTask, job: TrainJob) -> None:
+def take_cpu_share(trial: TrialLike, task: TrialTask, device: str) -> None:
     """On the CPU: the trial's share of the host's cores, taken anew at each trial (a worker
     that started or ended since changes it; see hpo.trial.cpu_share), and the threads it trains with
     recorded beside its samples_per_s."""
-    if dev.resolve_device(job.training.device).type != "cpu":
+    if dev.resolve_device(device).type != "cpu":
         return
     share = cpu_share.trial_share(task.cpu_worker) if task.cpu_worker is not None else None
     if share is not None:
@@ -115,7 +115,7 @@ def _take_cpu_share(trial: TrialLike, task: TrialTask, job: TrainJob) -> None:
     trial.set_user_attr("cpu_threads", dev.cpu_threads())
 
 
-def _start_uploader(
+def start_uploader(
     trial: TrialLike, task: TrialTask, store: CheckpointStore
 ) -> BackgroundUploader | None:
     """With an artifact store: a retry gets the stored state first, unless its folder holds
@@ -136,32 +136,32 @@ def _start_uploader(
     return uploader
 
 
-def _give_up_uploads(uploader: BackgroundUploader | None, task: TrialTask) -> None:
+def give_up_uploads(uploader: BackgroundUploader | None, task: TrialTask) -> None:
     """A trial that fails or is pruned is not retried: its state is not needed elsewhere; an
     upload already in flight is let finish (the worker's cleanup then removes it whole)."""
     if uploader is not None:
-        uploader.abandon(wait_s=_last_upload_wait_s(task))
+        uploader.abandon(wait_s=last_upload_wait_s(task))
 
 
-def _last_upload_wait_s(task: TrialTask) -> float:
+def last_upload_wait_s(task: TrialTask) -> float:
     """How long a trial that ends early waits for an upload: within half of study.stop_timeout
     (after it the worker kills the process), and no longer than the store's patience."""
     study = task.config.study
     return min(study.artifact_patience, study.stop_timeout / 2)
 
 
-def _hand_over(
+def hand_over(
     trial: TrialLike, task: TrialTask, store: CheckpointStore, uploader: BackgroundUploader | None
 ) -> None:
     """A stopped trial's last checkpoint goes to the store before the process ends (within
     half of study.stop_timeout: after it the worker kills the process), for the retry."""
     if uploader is not None:
-        done = uploader.close(timeout_s=_last_upload_wait_s(task))
-        _record_uploads(trial, store, uploader, done)
-    _record_checkpoint_cost(trial, store)
+        done = uploader.close(timeout_s=last_upload_wait_s(task))
+        record_uploads(trial, store, uploader, done)
+    record_checkpoint_cost(trial, store)
 
 
-def _record_uploads(
+def record_uploads(
     trial: TrialLike, store: CheckpointStore, uploader: BackgroundUploader, done: bool
 ) -> None:
     """Seconds the uploads took, and failures: the reason (checkpoint_error) when something
@@ -189,7 +189,7 @@ def _startup_parts(
     }
 
 
-class _TrainingClock:
+class TrainingClock:
     """study.trial_timeout counts training only, as its help says: from the loop's first stop
     check (training starts), not the trial process's start, the model or the batch search."""
 
@@ -210,7 +210,7 @@ class _TrainingClock:
         return self.trial_timeout is not None and self.elapsed_s() > self.trial_timeout
 
 
-def _raise_stopped(clock: _TrainingClock) -> NoReturn:
+def raise_stopped(clock: TrainingClock) -> NoReturn:
     """The run checkpointed and stopped: past its timeout it is pruned, with that reason;
     otherwise its worker is stopping, and the retry resumes from the checkpoint."""
     if clock.timed_out() and not stop_requested():
@@ -242,8 +242,8 @@ def _record_checkpoints(
     if has_model and store.save_tokenizer(tokenizer):
         trial.set_user_attr("best_model", str(store.best_model_path))
     if uploader is not None and not _completes(result):
-        _give_up_uploads(uploader, task)  # pruned: its model is never the best
-        _record_uploads(trial, store, uploader, done=True)
+        give_up_uploads(uploader, task)  # pruned: its model is never the best
+        record_uploads(trial, store, uploader, done=True)
     elif uploader is not None:
         if has_model:
             uploader.submit("best-model", store.best_model_path)  # now with its tokenizer
@@ -252,8 +252,8 @@ def _record_checkpoints(
             target = uploader.target
             uri = uploader.store.uri(target.study, target.folder, "best-model")
             trial.set_user_attr("best_model_uri", uri)
-        _record_uploads(trial, store, uploader, done)
-    _record_checkpoint_cost(trial, store)
+        record_uploads(trial, store, uploader, done)
+    record_checkpoint_cost(trial, store)
 
 
 def _completes(result: TrainResult) -> bool:
@@ -262,7 +262,7 @@ def _completes(result: TrainResult) -> bool:
     return result.status not in ("stopped", "diverged") and result.best is not None
 
 
-def _record_checkpoint_cost(trial: TrialLike, store: CheckpointStore) -> None:
+def record_checkpoint_cost(trial: TrialLike, store: CheckpointStore) -> None:
     if store.errors:
         trial.set_user_attr("checkpoint_error", store.errors[-1][:500])
     trial.set_user_attr("checkpoint_s", round(store.seconds, 3))

@@ -1,0 +1,216 @@
+"""What a user's own training function (`training.entrypoint`) receives in each trial: the sampled
+parameters, the device and batch split, and the calls that report, stop, save and resume.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import optuna
+import torch
+
+from hpo.trial.protocol import TrialLike
+from trainer.batch_finder import BatchSearch, search_step
+from trainer.checkpoint import CheckpointStore
+from trainer.config import TrainingConfig
+from trainer.loop import grad_accum_steps_for
+
+log = logging.getLogger(__name__)
+
+# Keys hpo adds around the user's state in a checkpoint, so that a resumed trial gets back
+# exactly what it saved, and never another configuration's state.
+_FINGERPRINT, _USER_STATE = "fingerprint", "user_state"
+
+
+class ReportError(ValueError):
+    """ctx.report was called with metrics that cannot be the trial's value."""
+
+
+@dataclass
+class TrainingContext:
+    """Everything hpo gives a training function in one trial.
+
+    Example::
+
+        def train(ctx: TrainingContext) -> dict[str, float]:
+            state = ctx.restore() or {"epoch": 0}
+            for epoch in range(state["epoch"], 10):
+                ...  # ctx.physical_batch_size examples per pass, ctx.grad_accum_steps per step
+                ctx.report({"val_loss": loss}, step=epoch)  # may raise optuna.TrialPruned
+                if ctx.should_stop:  # SIGTERM or the trial timeout: save and return
+                    ctx.save({"epoch": epoch + 1, "model": model.state_dict()})
+                    return None
+            return {"val_loss": loss}
+    """
+
+    params: dict[str, Any]
+    """The trial's sampled parameters, by their search-space names."""
+    device: torch.device
+    """Where to train: training.device resolved (auto: cuda when there is one)."""
+    effective_batch_size: int
+    """Examples per optimizer step: the sampled effective_batch_size, else training's."""
+    trial_number: int
+    """The Optuna trial's number, as in the log and `hpo status`."""
+    metric: str
+    """study.metric's first name: ctx.report must include it."""
+    _trial: TrialLike
+    _training: TrainingConfig
+    _should_stop: Callable[[], bool]
+    _store: CheckpointStore | None = None
+    _fingerprint: str = ""
+    _prunes: bool = True  # Optuna prunes single-objective studies only
+    _physical: int | None = None
+    last_metrics: dict[str, float] | None = None
+    """The metrics of the latest ctx.report (the trial's value if the function returns None)."""
+    batch_search: BatchSearch | None = field(default=None, repr=False)
+
+    @property
+    def physical_batch_size(self) -> int:
+        """Examples per forward/backward pass: training.physical_batch_size when it is a number,
+        what ctx.find_batch_size found, else the whole effective batch; never more than it."""
+        configured = self._training.physical_batch_size
+        size = self._physical or (configured if isinstance(configured, int) else None)
+        return min(size or self.effective_batch_size, self.effective_batch_size)
+
+    @property
+    def grad_accum_steps(self) -> int:
+        """Passes per optimizer step: ceil(effective / physical). The last pass of a step may be
+        smaller; divide each pass's summed loss by the effective batch for exact gradients."""
+        return grad_accum_steps_for(self.effective_batch_size, self.physical_batch_size)
+
+    @property
+    def should_stop(self) -> bool:
+        """True once the worker asked this trial to stop (SIGTERM, Ctrl-C) or its training time
+        passed study.trial_timeout: ctx.save your state and return."""
+        return self._should_stop()
+
+    def find_batch_size(self, step: Callable[[int], Any]) -> int:
+        """Probe `step(batch_size)` (one full training step at that size: forward, backward,
+        optimizer step) with hpo's batch finder: the largest size without an out-of-memory
+        error, times training.batch_safety_margin, becomes ctx.physical_batch_size. Only an
+        OOM counts as "does not fit"; any other error propagates. Raises optuna.TrialPruned
+        when not even one example fits."""
+        training = self._training
+        upper = min(training.batch_search_max, self.effective_batch_size)
+        start = min(training.batch_search_start, upper)
+        search = search_step(step, self.device, start, upper, training.batch_safety_margin)
+        self.batch_search = search
+        if search.chosen == 0:
+            reason = "oom: not even a batch of 1 fits in memory (ctx.find_batch_size)"
+            self._trial.set_user_attr("prune_reason", reason)
+            raise optuna.TrialPruned(reason)
+        self._physical = search.chosen
+        self._trial.set_user_attr("physical_batch_size", self.physical_batch_size)
+        self._trial.set_user_attr("grad_accum_steps", self.grad_accum_steps)
+        self._trial.set_user_attr("batch_search", [[p.size, p.fits] for p in search.probes])
+        return self.physical_batch_size
+
+    def report(self, metrics: dict[str, float], step: int) -> None:
+        """Report an evaluation: the study.metric value goes to the study (the pruner compares
+        trials at the same `step`). Raises optuna.TrialPruned when the pruner stops this trial:
+        let it propagate."""
+        self.last_metrics = checked_metrics(metrics, self.metric, "ctx.report")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ReportError(f"ctx.report: step must be an integer >= 0, got {step!r}")
+        value = self.last_metrics[self.metric]
+        send = getattr(self._trial, "send_progress", None)
+        if send is not None:
+            send({"step": step, "metric": (self.metric, value)})
+        if not self._prunes:  # several objectives: Optuna takes no intermediate values
+            log.info("trial %d step %d: %s", self.trial_number, step,
+                     ", ".join(f"{k}={v:.4g}" for k, v in self.last_metrics.items()))  # fmt: skip
+            return
+        self._trial.report(value, step)
+        if self._trial.should_prune():
+            reason = f"pruner: {self.metric}={value:.4f} at step {step}"
+            self._trial.set_user_attr("prune_reason", reason)
+            raise optuna.TrialPruned(reason)
+
+    def save(self, state: dict[str, Any]) -> bool:
+        """Checkpoint `state` (tensors, state_dicts, numbers, strings, lists and dicts of them)
+        where a retry of this trial finds it, on this host and (with study.artifact_store) any
+        other. False when the study keeps no checkpoints or the write failed (the trial goes
+        on; trial attribute checkpoint_error says why)."""
+        if self._store is None:
+            return False
+        unreadable = _not_plain(state, "state")
+        if unreadable:  # it would be written, then refused on resume: say so now
+            raise TypeError(f"ctx.save: {unreadable}; save tensors (torch.from_numpy for "
+                            "arrays), numbers, strings, lists and dicts of them")  # fmt: skip
+        return self._store.save_state({_FINGERPRINT: self._fingerprint, _USER_STATE: state})
+
+    def restore(self) -> dict[str, Any] | None:
+        """The state the last ctx.save of this trial wrote, when the trial is a retry (its
+        worker was stopped or died); None on a first attempt."""
+        if self._store is None:
+            return None
+        saved = self._store.load_state(self._fingerprint)
+        if saved is None:
+            return None
+        state: dict[str, Any] = saved[_USER_STATE]
+        return state
+
+
+_PLAIN = (torch.Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.device,
+          torch.Size)  # fmt: skip
+
+
+def _not_plain(value: Any, where: str, depth: int = 0) -> str:
+    """What in `value` a checkpoint read with torch.load(weights_only=True) would refuse, by
+    its path in the state (state['rng']); empty when all of it can be read back."""
+    if depth > 50:
+        return f"{where} is nested more than 50 levels deep"
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, (str, int)):
+                return f"{where} has the key {key!r} ({type(key).__name__}); keys are str or int"
+            found = _not_plain(item, f"{where}[{key!r}]", depth + 1)
+            if found:
+                return found
+        return ""
+    if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+        for index, item in enumerate(value):
+            found = _not_plain(item, f"{where}[{index}]", depth + 1)
+            if found:
+                return found
+        return ""
+    if isinstance(value, _PLAIN):
+        return ""
+    kind = type(value)
+    return f"{where} is {kind.__module__}.{kind.__qualname__}, which a resume could not read"
+
+
+def checked_metrics(metrics: Any, metric: str, where: str) -> dict[str, float]:
+    """`metrics` as names to finite-or-not floats; raises ReportError naming what was given
+    when it is no dict of numbers or lacks study.metric."""
+    if not isinstance(metrics, dict):
+        raise ReportError(f"{where}: expected a dict of metric names to numbers (with "
+                          f"{metric!r}), got {type(metrics).__name__}")  # fmt: skip
+    if metric not in metrics:
+        given = ", ".join(map(str, metrics)) or "none"
+        raise ReportError(f"{where}: no {metric!r} among the metrics given ({given}); "
+                          f"study.metric names {metric!r}")  # fmt: skip
+    checked: dict[str, float] = {}
+    for name, value in metrics.items():
+        number = _number(value)
+        if number is None:
+            raise ReportError(f"{where}: metric {name!r} is {type(value).__name__} {value!r}; "
+                              "expected a number")  # fmt: skip
+        checked[str(name)] = number
+    return checked
+
+
+def _number(value: Any) -> float | None:
+    """A float of a Python number or a one-element tensor; None for anything else."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.item())
+    if isinstance(value, (int, float)):
+        return float(value)
+    if hasattr(value, "dtype") and getattr(value, "size", None) == 1:  # a numpy scalar
+        return float(value)
+    return None

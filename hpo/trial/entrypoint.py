@@ -1,0 +1,205 @@
+"""A user's own training function (`training.entrypoint: package.module:name`): imported and checked
+before any trial, then called in each trial with a TrainingContext, and how it ended turned into
+Optuna's terms (complete, pruned, stopped to resume, failed with the user's traceback kept).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import optuna
+
+from hpo.errors import ConfigError
+from hpo.trial.context import ReportError, TrainingContext, checked_metrics
+from hpo.trial.folders import trial_folder_maker
+from hpo.trial.protocol import TrialLike, TrialValue
+from hpo.trial.task import TrialTask
+from hpo.trial.training import (
+    TrainingClock,
+    give_up_uploads,
+    hand_over,
+    last_upload_wait_s,
+    raise_stopped,
+    record_checkpoint_cost,
+    record_uploads,
+    start_uploader,
+    take_cpu_share,
+)
+from trainer import device as dev
+from trainer.checkpoint import CheckpointStore, job_fingerprint
+
+log = logging.getLogger(__name__)
+
+TrainingFunction = Callable[[TrainingContext], Any]
+MAX_TRACEBACK_CHARS = 20_000  # the user attribute keeps the end, where the error is
+
+
+class TrainingFunctionError(Exception):
+    """The user's training function raised, or returned what cannot be the trial's value."""
+
+
+def load_entrypoint(spec: str, base_dir: str) -> TrainingFunction:
+    """The function `spec` names (`package.module:name`), imported with the config's folder
+    first on sys.path. Raises ConfigError, one line: the module, the name and the error's last
+    line, when the module does not import, lacks the name, or the name is not callable."""
+    module_name, _, name = spec.partition(":")
+    if base_dir and base_dir not in sys.path:
+        sys.path.insert(0, base_dir)
+    try:
+        module = importlib.import_module(module_name)
+    except (Exception, SystemExit) as e:  # the user's module may raise anything as it imports
+        last = traceback.format_exception_only(type(e), e)[-1].strip()
+        raise ConfigError([f"training.entrypoint: {spec}: module {module_name} does not import "
+                           f"({last})"]) from e  # fmt: skip
+    function = getattr(module, name, None)
+    if function is None:
+        raise ConfigError([f"training.entrypoint: {spec}: module {module_name} "
+                           f"({getattr(module, '__file__', '?')}) has no {name}"])  # fmt: skip
+    if not callable(function):
+        raise ConfigError([f"training.entrypoint: {spec}: {name} is not callable (it is "
+                           f"{type(function).__name__}); name a function"])  # fmt: skip
+    return function
+
+
+def train_with_entrypoint(trial: TrialLike, task: TrialTask) -> TrialValue:
+    """The trial's target when the config names a training function: call it with a context,
+    then return its metrics' values (one per objective)."""
+    started = time.perf_counter()
+    config = task.config
+    spec = config.training.entrypoint or ""
+    function = load_entrypoint(spec, config.base_dir)
+    trial.set_user_attr("entrypoint", spec)
+    take_cpu_share(trial, task, config.training.device)
+    clock = TrainingClock(config.study.trial_timeout)
+    store, uploader = _checkpoints(trial, task)
+    context = _context(trial, task, store, clock)
+    send = getattr(trial, "send_progress", None)
+    if send is not None:
+        send({})  # the worker's clock for study.trial_timeout starts too
+    try:
+        if clock.should_stop():  # asked to stop before the function began: nothing to save
+            raise_stopped(clock)
+        returned = function(context)
+        if clock.should_stop():  # it returned because it was asked to stop: a retry resumes
+            trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
+            if store is not None:
+                hand_over(trial, task, store, uploader)
+            raise_stopped(clock)
+        values = _values(returned, context, config.study.objectives, spec)
+    except optuna.TrialPruned:
+        give_up_uploads(uploader, task)
+        raise
+    except TrainingFunctionError as e:  # what it returned: hpo's frames, no user traceback
+        give_up_uploads(uploader, task)
+        trial.set_user_attr("fail_reason", str(e))
+        raise
+    except ReportError as e:
+        give_up_uploads(uploader, task)
+        _record_failure(trial, spec, e, started)
+        raise
+    except (Exception, SystemExit) as e:
+        give_up_uploads(uploader, task)
+        _record_failure(trial, spec, e, started)
+        if isinstance(e, SystemExit):  # sys.exit() in user code ends its trial, not the process
+            raise TrainingFunctionError(f"{spec} raised SystemExit: {e}") from e
+        raise  # as it is: `hpo status` counts failures by the user's own error
+    _record_end(trial, context, started)
+    if uploader is not None:
+        uploader.discard("state")  # the trial is over: the state already stored will do
+        done = uploader.close(timeout_s=last_upload_wait_s(task))
+        record_uploads(trial, store, uploader, done)  # type: ignore[arg-type]
+    if store is not None and (store.seconds or store.errors):  # it called ctx.save
+        record_checkpoint_cost(trial, store)
+    return values[0] if len(values) == 1 else values
+
+
+def _checkpoints(trial: TrialLike, task: TrialTask) -> tuple[CheckpointStore | None, Any]:
+    """The trial's checkpoint folder (and the artifact store's uploader), for ctx.save and
+    ctx.restore; none when the study keeps no checkpoints."""
+    if task.checkpoint_dir is None:
+        return None, None
+    remake = trial_folder_maker(task.study_name) if task.study_name else None
+    store = CheckpointStore(task.checkpoint_dir, resume=task.resume, make_directory=remake)
+    return store, start_uploader(trial, task, store)
+
+
+def spec_of(config: Any) -> str:
+    return str(config.training.entrypoint)
+
+
+def _context(
+    trial: TrialLike, task: TrialTask, store: CheckpointStore | None, clock: TrainingClock
+) -> TrainingContext:
+    config = task.config
+    effective = task.params.get("effective_batch_size", config.training.effective_batch_size)
+    context = TrainingContext(
+        params=dict(task.params),
+        device=dev.resolve_device(config.training.device),
+        effective_batch_size=int(effective),
+        trial_number=trial.number,
+        metric=config.study.primary_metric,
+        _trial=trial,
+        _training=config.training,
+        _should_stop=clock.should_stop,
+        _store=store,
+        _fingerprint=job_fingerprint({"entrypoint": spec_of(config), "params": task.params}),
+        _prunes=len(config.study.objectives) == 1,
+    )
+    return context
+
+
+def _values(
+    returned: Any, context: TrainingContext, objectives: list[str], spec: str
+) -> list[float]:
+    """The trial's value of each objective: from the metrics the function returned, or (it
+    returned None) from its last ctx.report."""
+    metric = objectives[0]
+    if returned is None:
+        if context.last_metrics is None:
+            example = f"{{{metric!r}: value}}"
+            raise TrainingFunctionError(f"{spec} returned None and never called ctx.report: "
+                                        f"return the metrics, e.g. {example}")  # fmt: skip
+        metrics = context.last_metrics
+    elif isinstance(returned, (int, float)) and not isinstance(returned, bool):
+        if len(objectives) > 1:
+            raise TrainingFunctionError(f"{spec} returned a number; with several objectives "
+                                        f"return a dict with {', '.join(objectives)}")  # fmt: skip
+        metrics = {metric: float(returned)}
+    elif isinstance(returned, dict):
+        metrics = checked_metrics(returned, metric, f"the dict {spec} returned")
+    else:
+        raise TrainingFunctionError(
+            f"{spec} returned {type(returned).__name__}; expected a dict of metrics with "
+            f"{metric!r}, a number, or None (the last ctx.report counts)"
+        )
+    missing = [name for name in objectives if name not in metrics]
+    if missing:
+        raise TrainingFunctionError(f"{spec}: no {', '.join(missing)} among the final metrics "
+                                    f"({', '.join(metrics)}); study.metric names them")  # fmt: skip
+    context.last_metrics = metrics
+    return [metrics[name] for name in objectives]
+
+
+def _record_failure(trial: TrialLike, spec: str, error: BaseException, started: float) -> None:
+    """The user's traceback, from their function down, kept with the trial (user attribute
+    `traceback`) and in the worker's log: never lost."""
+    tb = error.__traceback__
+    user_frames = tb.tb_next if tb is not None and tb.tb_next is not None else tb
+    text = "".join(traceback.format_exception(type(error), error, user_frames))
+    trial.set_user_attr("traceback", text[-MAX_TRACEBACK_CHARS:])
+    trial.set_user_attr("fail_reason", f"{spec}: {type(error).__name__}: {error}"[:1000])
+    trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
+    log.error("trial %d: the training function %s failed:\n%s", trial.number, spec, text.rstrip())
+
+
+def _record_end(trial: TrialLike, context: TrainingContext, started: float) -> None:
+    trial.set_user_attr("metrics", context.last_metrics)
+    trial.set_user_attr("physical_batch_size", context.physical_batch_size)
+    trial.set_user_attr("grad_accum_steps", context.grad_accum_steps)
+    trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))

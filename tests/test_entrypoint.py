@@ -1,0 +1,483 @@
+"""The user's own training function (training.entrypoint): the config rules, the context, the
+example MLP run through `hpo run`, and each way user code can fail."""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+import yaml
+
+from hpo.config.loader import parse_config
+from hpo.errors import ConfigError
+from tests.conftest import REPO, run_hpo
+
+EXAMPLE = REPO / "examples" / "mlp" / "config.yaml"
+
+
+def entrypoint_config(**study: Any) -> dict[str, Any]:
+    return {
+        "training": {"entrypoint": "train_fn:train", "device": "cpu"},
+        "study": {"metric": "val_loss", "direction": "minimize", "n_trials": 2, **study},
+        "search_space": {"lr": {"type": "float", "low": 1e-4, "high": 1e-1, "log": True}},
+    }
+
+
+def problems_of(raw: dict[str, Any], tmp_path: Path) -> str:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(raw, base_dir=tmp_path)
+    return str(caught.value)
+
+
+def test_entrypoint_config_needs_no_model_data_or_task(tmp_path: Path) -> None:
+    config = parse_config(entrypoint_config(), base_dir=tmp_path)
+    assert config.training.entrypoint == "train_fn:train"
+    assert list(config.search_space) == ["lr"]  # hpo's default space is not added
+    assert config.study.objectives == ["val_loss"]
+    assert config.study.resolved_directions == ["minimize"]
+
+
+def test_entrypoint_config_problems_name_what_to_fix(tmp_path: Path) -> None:
+    raw = entrypoint_config()
+    raw["model"] = {"name_or_path": "bert-base-uncased"}
+    assert "model: means nothing with training.entrypoint" in problems_of(raw, tmp_path)
+    raw = entrypoint_config()
+    del raw["study"]["direction"]
+    assert "study.direction: got null; with training.entrypoint give minimize or maximize" in (
+        problems_of(raw, tmp_path)
+    )
+    raw = entrypoint_config()
+    raw["training"]["entrypoint"] = "train_fn.train"
+    assert "training.entrypoint: got 'train_fn.train'; must be `package.module:function`" in (
+        problems_of(raw, tmp_path)
+    )
+    raw = entrypoint_config()
+    raw["search_space"]["effective_batch_size"] = {"type": "categorical", "choices": [32, 0]}
+    assert "search_space.effective_batch_size: value 0 must be a positive integer" in (
+        problems_of(raw, tmp_path)
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "spec", "said"),
+    [
+        (
+            "",
+            "nosuchmodule:train",
+            "module nosuchmodule does not import (ModuleNotFoundError: "
+            "No module named 'nosuchmodule')",
+        ),
+        (
+            "import nosuchdependency\n",
+            "user_fn:train",
+            "module user_fn does not import "
+            "(ModuleNotFoundError: No module named 'nosuchdependency')",
+        ),
+        (
+            "raise SystemExit(3)\n",
+            "user_fn:train",
+            "module user_fn does not import (SystemExit: 3)",
+        ),
+        ("def other(ctx): pass\n", "user_fn:train", "has no train"),
+        ("train = 3\n", "user_fn:train", "train is not callable (it is int); name a function"),
+    ],
+)
+def test_entrypoint_that_cannot_be_called_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, spec: str, said: str
+) -> None:
+    from hpo.trial.entrypoint import load_entrypoint
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # load_entrypoint adds the folder
+    monkeypatch.delitem(sys.modules, "user_fn", raising=False)
+
+    folder = tmp_path / spec.replace(":", "_")
+    folder.mkdir()
+    (folder / "user_fn.py").write_text(source)
+    with pytest.raises(ConfigError) as caught:
+        load_entrypoint(spec, str(folder))
+    message = str(caught.value)
+    assert said in message and message.count("\n") == 0
+    assert message.startswith(f"config: training.entrypoint: {spec}: ")
+
+
+def test_report_and_return_values_are_checked() -> None:
+    from hpo.trial.context import ReportError, checked_metrics
+    from hpo.trial.entrypoint import TrainingFunctionError, _values
+
+    with pytest.raises(ReportError, match=r"no 'val_loss' among the metrics given \(loss, acc\)"):
+        checked_metrics({"loss": 1.0, "acc": 0.5}, "val_loss", "ctx.report")
+    with pytest.raises(ReportError, match="metric 'acc' is str 'high'; expected a number"):
+        checked_metrics({"val_loss": 1.0, "acc": "high"}, "val_loss", "ctx.report")
+
+    class Context:
+        last_metrics: dict[str, float] | None = None
+
+    context: Any = Context()
+    with pytest.raises(TrainingFunctionError, match="m:f returned list; expected a dict of"):
+        _values([0.1], context, ["val_loss"], "m:f")
+    with pytest.raises(TrainingFunctionError, match="returned None and never called ctx.report"):
+        _values(None, context, ["val_loss"], "m:f")
+    assert _values(0.25, context, ["val_loss"], "m:f") == [0.25]
+    context.last_metrics = {"val_loss": 0.5, "accuracy": 0.9}
+    assert _values(None, context, ["val_loss", "accuracy"], "m:f") == [0.5, 0.9]
+
+
+def test_cli_refuses_a_missing_function_before_any_trial(tmp_path: Path) -> None:
+    (tmp_path / "train_fn.py").write_text("def trian(ctx):\n    return 0.0\n")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(entrypoint_config()))
+    done = run_hpo("run", "--config", "config.yaml", "--study", "s", "--storage",
+                   "sqlite:///s.db", cwd=tmp_path, timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .endswith(
+            "training.entrypoint: train_fn:train: module train_fn ("
+            + str(tmp_path / "train_fn.py")
+            + ") has no train"
+        )
+    )
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "s.db").exists() or not optuna.get_all_study_summaries(
+        "sqlite:///" + str(tmp_path / "s.db")
+    )
+
+
+@pytest.mark.slow
+def test_example_mlp_is_tuned_by_hpo_run(tmp_path: Path) -> None:
+    """The plain-PyTorch example, end to end: trials complete, the enqueued too-small learning
+    rate is pruned, and the study's best is the best completed trial."""
+    url = f"sqlite:///{tmp_path / 'mlp.db'}"
+    done = run_hpo("run", "--config", str(EXAMPLE), "--study", "mlp", "--storage", url,
+                   "--n-trials", "4", cwd=tmp_path, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    study = optuna.load_study(study_name="mlp", storage=url)
+    states = [t.state for t in study.trials]
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(complete) >= 2, states
+    pruned = study.trials[2]  # the enqueued learning rate of 1e-5
+    assert pruned.state == optuna.trial.TrialState.PRUNED, states
+    assert pruned.user_attrs["prune_reason"].startswith("pruner: val_loss=")
+    assert study.best_value == min(t.value for t in complete)
+    best = study.best_trial.user_attrs
+    assert best["entrypoint"] == "train_mlp:train"
+    assert best["metrics"]["accuracy"] > 0.9  # the spirals are learnt
+    assert (
+        best["physical_batch_size"] * best["grad_accum_steps"]
+        >= study.best_params["effective_batch_size"]
+    )
+    assert f"best trial #{study.best_trial.number}: val_loss=" in done.stdout
+    assert "no saved model" not in done.stdout
+    fetch = run_hpo("best", "--study", "mlp", "--storage", url, "--download", "m", cwd=tmp_path)
+    assert fetch.returncode == 2
+    assert "ran your training function (train_mlp:train), which keeps its own model" in (
+        fetch.stderr
+    )
+    # hpo retrain calls the same function with new seeds (ctx.params["seed"]).
+    retrain = ("retrain", "--config", str(EXAMPLE), "--study", "mlp", "--storage", url)
+    again = run_hpo(*retrain, "--top", "1", "--seeds", "2", "--out", "final", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "final model: none saved by hpo (training.entrypoint" in again.stdout
+    (retrain_name,) = [s for s in optuna.get_all_study_names(url) if s.startswith("mlp [retrain")]
+    runs = optuna.load_study(study_name=retrain_name, storage=url).trials
+    assert sorted(t.params["seed"] for t in runs) == [43, 44]
+    assert all(t.params["learning_rate"] == study.best_params["learning_rate"] for t in runs)
+    assert len({t.value for t in runs}) == 2  # the seed reached the function
+
+
+FAILING_FUNCTION = """
+import time
+
+
+def helper_that_breaks(value):
+    raise RuntimeError(f"user code broke at {value}")
+
+
+def train(ctx):
+    mode = ctx.params["mode"]
+    if mode == "raise":
+        helper_that_breaks(42)
+    if mode == "hang":
+        while True:  # ignores ctx.should_stop: the trial timeout must end it
+            time.sleep(0.1)
+    if mode == "wrong":
+        return [0.5]
+    if mode == "exit":
+        raise SystemExit(3)
+    if mode == "missing":
+        ctx.report({"loss": 0.5}, step=0)
+    ctx.report({"val_loss": 0.5}, step=0)
+    return None
+"""
+
+
+@pytest.mark.slow
+def test_user_code_failures_end_their_trial_and_the_worker_goes_on(tmp_path: Path) -> None:
+    """One worker, one trial each: a function that raises (FAIL, the user's traceback kept in
+    the trial and the log), hangs (ended by study.trial_timeout), returns a list or reports
+    without study.metric (FAIL, named); the last trial completes."""
+    (tmp_path / "train_fn.py").write_text(FAILING_FUNCTION)
+    modes = ["ok", "raise", "hang", "wrong", "missing", "exit"]
+    raw = entrypoint_config(
+        n_trials=len(modes), trial_timeout=3, stop_timeout=2, enqueue=[{"mode": m} for m in modes]
+    )
+    raw["search_space"] = {"mode": {"type": "categorical", "choices": modes}}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    done = run_hpo("run", "--config", "config.yaml", "--study", "s", "--storage", url,
+                   cwd=tmp_path, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    trials = {t.params["mode"]: t for t in optuna.load_study(study_name="s", storage=url).trials}
+    state = optuna.trial.TrialState
+    raised = trials["raise"]
+    assert raised.state == state.FAIL
+    assert "RuntimeError: user code broke at 42" in raised.user_attrs["fail_reason"]
+    user_traceback = raised.user_attrs["traceback"]
+    assert 'train_fn.py", line 6, in helper_that_breaks' in user_traceback
+    assert user_traceback.splitlines()[1].strip().startswith('File "' + str(tmp_path))
+    assert 'train_fn.py", line 6, in helper_that_breaks' in done.stderr  # the worker's log
+    assert trials["hang"].state == state.PRUNED
+    assert trials["hang"].user_attrs["prune_reason"].startswith("timeout: ")
+    wrong = trials["wrong"].user_attrs["fail_reason"]
+    assert trials["wrong"].state == state.FAIL
+    assert "train_fn:train returned list; expected a dict of metrics with 'val_loss'" in wrong
+    assert "traceback" not in trials["wrong"].user_attrs  # hpo's frames: nothing of the user's
+    assert trials["missing"].state == state.FAIL
+    assert (
+        "ctx.report: no 'val_loss' among the metrics given (loss)"
+        in (trials["missing"].user_attrs["fail_reason"])
+    )
+    assert trials["ok"].state == state.COMPLETE and trials["ok"].value == 0.5
+    assert trials["exit"].state == state.FAIL  # sys.exit() ends the trial, not the worker
+    assert "train_fn:train raised SystemExit: 3" in trials["exit"].user_attrs["fail_reason"]
+
+
+RESUMABLE_FUNCTION = """
+import time
+
+import torch
+
+EPOCHS = 40
+
+
+def train(ctx):
+    state = ctx.restore()
+    first = 0 if state is None else int(state["epoch"])
+    if state is not None:
+        assert torch.equal(state["weights"], torch.full((3,), float(first - 1)))
+    for epoch in range(first, EPOCHS):
+        time.sleep(0.1)
+        ctx.report({"val_loss": 1.0 / (epoch + 1)}, step=epoch)
+        if ctx.should_stop:
+            ctx.save({"epoch": epoch + 1, "weights": torch.full((3,), float(epoch))})
+            return None
+    return {"val_loss": 1.0 / EPOCHS, "first_epoch": first}
+"""
+
+
+def study_made(db: Path, name: str) -> bool:
+    """Whether the SQLite file holds the study, read only: nothing is created."""
+    if not db.exists():
+        return False
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as connection:
+            query = "select 1 from studies where study_name = ?"
+            return connection.execute(query, (name,)).fetchone() is not None
+    except sqlite3.Error:
+        return False  # no tables yet, or being created this very moment
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("other_host", [False, True])
+def test_stopped_trial_resumes_from_what_the_function_saved(
+    tmp_path: Path, other_host: bool
+) -> None:
+    """SIGTERM to the worker: the function sees ctx.should_stop, saves and returns; the trial
+    is queued again, and the next worker's attempt starts from ctx.restore(). `other_host`:
+    the local checkpoints are gone (another host), the artifact store has the state."""
+    import shutil
+    import signal
+
+    from tests.conftest import start_hpo
+
+    (tmp_path / "train_fn.py").write_text(RESUMABLE_FUNCTION)
+    store = {"artifact_store": (tmp_path / "store").as_uri()} if other_host else {}
+    raw = entrypoint_config(n_trials=1, pruner={"type": "none"}, **store)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    args = ("run", "--config", "config.yaml", "--study", "s", "--storage", url)
+    worker = start_hpo(*args, cwd=tmp_path)
+    reported = 0
+    deadline = time.monotonic() + 120
+    while reported < 3 and time.monotonic() < deadline and worker.poll() is None:
+        time.sleep(0.3)
+        # Optuna's storage would create the tables beside the worker's own creation: only once
+        # the worker made the study is it loaded.
+        if study_made(tmp_path / "s.db", "s"):
+            trials = optuna.load_study(study_name="s", storage=url).trials
+            reported = len(trials[0].intermediate_values) if trials else 0
+    assert reported >= 3, worker.communicate()[1][-3000:]
+    worker.send_signal(signal.SIGTERM)
+    _, stderr = worker.communicate(timeout=60)
+    stopped = optuna.load_study(study_name="s", storage=url).trials[0]
+    saved_at = max(stopped.intermediate_values) + 1
+    assert stopped.state != optuna.trial.TrialState.COMPLETE, stderr[-3000:]
+    if other_host:
+        shutil.rmtree(tmp_path / "hpo-checkpoints")
+    done = run_hpo(*args, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    study = optuna.load_study(study_name="s", storage=url)
+    (resumed,) = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    # The report of the epoch it stopped after may not reach the study (the worker stops
+    # relaying once it asked the trial to stop): it saved after the last recorded epoch or one.
+    first = resumed.user_attrs["metrics"]["first_epoch"]
+    assert first in (saved_at, saved_at + 1)
+    assert min(resumed.intermediate_values) == first  # no epoch trained twice
+    if other_host:
+        assert resumed.user_attrs["resumed_from"].startswith("file://")
+
+
+class RecordingTrial:
+    """A trial that keeps what training code tells it."""
+
+    number = 0
+
+    def __init__(self) -> None:
+        self.attrs: dict[str, Any] = {}
+        self.reports: list[tuple[float, int]] = []
+
+    def set_user_attr(self, key: str, value: Any) -> None:
+        self.attrs[key] = value
+
+    def report(self, value: float, step: int) -> None:
+        self.reports.append((value, step))
+
+    def should_prune(self) -> bool:
+        return False
+
+
+def context_for(trial: RecordingTrial, effective_batch_size: int, **training: Any) -> Any:
+    import torch
+
+    from hpo.trial.context import TrainingContext
+    from trainer.config import TrainingConfig
+
+    return TrainingContext(
+        params={}, device=torch.device("cpu"), effective_batch_size=effective_batch_size,
+        trial_number=0, metric="val_loss", _trial=trial, _training=TrainingConfig(**training),
+        _should_stop=lambda: False,
+    )  # fmt: skip
+
+
+def test_find_batch_size_probes_the_users_step_and_splits_the_effective_batch() -> None:
+    """Fake OOMs past 40 examples: the finder grows, bisects to 40, keeps the 0.9 margin (36),
+    and the effective batch of 256 becomes 8 passes of 36; what is not an OOM propagates."""
+    import torch
+
+    tried: list[int] = []
+
+    def step(size: int) -> None:
+        tried.append(size)
+        if size > 40:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    trial = RecordingTrial()
+    ctx = context_for(trial, 256)
+    assert ctx.physical_batch_size == 256 and ctx.grad_accum_steps == 1  # no search: whole
+    assert ctx.find_batch_size(step) == 36
+    assert (ctx.physical_batch_size, ctx.grad_accum_steps) == (36, 8)
+    assert tried[:6] == [8, 16, 32, 64, 48, 40] and max(tried) == 64
+    assert trial.attrs["grad_accum_steps"] == 8
+    assert context_for(RecordingTrial(), 16).find_batch_size(step) == 14  # at most the effective
+    assert context_for(RecordingTrial(), 64, physical_batch_size=16).physical_batch_size == 16
+
+    def broken(size: int) -> None:
+        raise ValueError("shapes do not match")
+
+    with pytest.raises(ValueError, match="shapes do not match"):
+        context_for(RecordingTrial(), 64).find_batch_size(broken)
+
+    def never_fits(size: int) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    with pytest.raises(optuna.TrialPruned, match="not even a batch of 1 fits"):
+        context_for(RecordingTrial(), 64).find_batch_size(never_fits)
+
+
+def test_report_prunes_when_the_pruner_says_so_and_only_with_one_objective() -> None:
+    class PruningTrial(RecordingTrial):
+        def should_prune(self) -> bool:
+            return len(self.reports) >= 2
+
+    trial = PruningTrial()
+    ctx = context_for(trial, 32)
+    ctx.report({"val_loss": 0.9, "accuracy": 0.5}, step=0)
+    with pytest.raises(optuna.TrialPruned, match="pruner: val_loss=0.8000 at step 1"):
+        ctx.report({"val_loss": 0.8}, step=1)
+    assert trial.reports == [(0.9, 0), (0.8, 1)]
+    assert trial.attrs["prune_reason"] == "pruner: val_loss=0.8000 at step 1"
+    with pytest.raises(ValueError, match="step must be an integer >= 0, got 1.5"):
+        ctx.report({"val_loss": 0.8}, step=1.5)
+
+    several = PruningTrial()
+    ctx = context_for(several, 32)
+    ctx._prunes = False  # a study of several objectives: Optuna takes no intermediate values
+    for step in range(3):
+        ctx.report({"val_loss": 0.5, "accuracy": 0.9}, step=step)
+    assert several.reports == [] and ctx.last_metrics == {"val_loss": 0.5, "accuracy": 0.9}
+
+
+def test_save_refuses_what_a_resume_could_not_read(tmp_path: Path) -> None:
+    """A state that torch.load(weights_only=True) would refuse on resume is refused when it is
+    saved, naming the key; a plain one comes back from restore() in the retry."""
+    import numpy as np
+    import torch
+
+    from trainer.checkpoint import CheckpointStore
+
+    ctx = context_for(RecordingTrial(), 32)
+    ctx._store, ctx._fingerprint = CheckpointStore(tmp_path / "trial"), "f"
+    with pytest.raises(TypeError, match=r"state\['rng'\] is numpy.ndarray, which a resume"):
+        ctx.save({"epoch": 1, "rng": np.zeros(3)})
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    state = {"epoch": 2, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    assert ctx.save(state)
+    retry = context_for(RecordingTrial(), 32)
+    retry._store, retry._fingerprint = CheckpointStore(tmp_path / "trial", resume=True), "f"
+    restored = retry.restore()
+    assert restored is not None and restored["epoch"] == 2
+    assert torch.equal(restored["model"]["weight"], model.weight)
+    other = context_for(RecordingTrial(), 32)  # another configuration's retry
+    other._store, other._fingerprint = CheckpointStore(tmp_path / "trial", resume=True), "g"
+    assert other.restore() is None
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "examples").glob("*/config.yaml")), ids=str)
+def test_every_example_config_loads_and_its_function_imports(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import jsonschema
+
+    from hpo.config.json_schema import config_schema
+    from hpo.config.loader import load_config
+    from hpo.trial.entrypoint import load_entrypoint
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    config = load_config(path)
+    assert config.training.entrypoint is not None
+    assert callable(load_entrypoint(config.training.entrypoint, config.base_dir))
+    raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    jsonschema.validate(raw, config_schema(), cls=jsonschema.Draft7Validator)
+    # Without the entrypoint, hpo's own metrics and settings apply: the schema says so.
+    del raw["training"]["entrypoint"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(raw, config_schema(), cls=jsonschema.Draft7Validator)

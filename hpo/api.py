@@ -122,12 +122,14 @@ def run(
     Raises hpo.ConfigError for a bad config or argument, another hpo.HPOError (or
     hpo.TrainerError, hpo.StorageError) for anything else the user can fix."""
     from hpo.commands.run import check_study_name, run_arguments, run_study
+    from hpo.logs import quiet_library_output
 
     started = time.monotonic()  # the timeout counts from here, data preparation included
     _check_overrides(n_trials, timeout, trial_timeout, study)
     check_study_name(study)
     # Before CUDA initialises: fewer fragmentation OOMs as batch shapes change between steps.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    quiet_library_output()
     args = run_arguments(study, config, storage=storage, n_trials=n_trials, timeout=timeout,
                          trial_timeout=trial_timeout, device=device,
                          artifact_store=artifact_store, started=started)  # fmt: skip

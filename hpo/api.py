@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -125,6 +126,7 @@ def run(
     from hpo.logs import quiet_library_output
 
     started = time.monotonic()  # the timeout counts from here, data preparation included
+    _check_not_in_a_trial_process()
     _check_overrides(n_trials, timeout, trial_timeout, study)
     check_study_name(study)
     # Before CUDA initialises: fewer fragmentation OOMs as batch shapes change between steps.
@@ -301,6 +303,17 @@ def _check_overrides(
             problems.append(f"{name}: got {seconds!r}; must be a finite number > 0 seconds")
     if problems:
         raise ConfigError(problems, "hpo.run")
+
+
+def _check_not_in_a_trial_process() -> None:
+    """A trial process imports the caller's script as multiprocessing does (as `__mp_main__`):
+    a run() at its top level would start again there, in every trial."""
+    main = sys.modules.get("__main__")
+    if getattr(main, "__name__", "__main__") == "__mp_main__":
+        script = getattr(main, "__file__", "your script")
+        raise HPOError(f"hpo.run() ran again in a trial process that imported {script}: put "
+                       "the call under `if __name__ == \"__main__\":`, as multiprocessing "
+                       "requires of a script that starts processes")  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -117,7 +117,11 @@ def test_a_bad_config_is_the_cli_s_config_error_and_writes_nothing(
     with pytest.raises(hpo.ConfigError) as from_dict:
         hpo.run(raw, study="s")
     assert from_dict.value.problems == from_file.value.problems
-    assert "did you mean" in str(from_dict.value) or "learning_rate" in str(from_dict.value)
+    assert "unknown key (did you mean 'learning_rate'?)" in str(from_dict.value)
+    raw["data"]["eval_file"] = "eval.csv"  # a dict's relative paths: from the working folder
+    with pytest.raises(hpo.ConfigError, match=f"looked for {tmp_path / 'eval.csv'}.*relative to "
+                       "the working folder"):  # fmt: skip
+        hpo.run(raw, study="s")
     assert not (tmp_path / "hpo.db").exists()
 
 
@@ -183,3 +187,19 @@ def test_a_study_s_trials_states_and_best_read_as_plain_values(tmp_path: Path) -
             two.best()
         front = two.pareto_front()
         assert front and all(set(t.metrics) == {"objective_0", "objective_1"} for t in front)
+
+
+def test_a_run_at_the_top_of_a_script_is_refused_in_the_trial_process_that_imports_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """multiprocessing imports the caller's script in each trial process as `__mp_main__`: an
+    unguarded hpo.run() there is one line that says how to guard it, and starts nothing."""
+    import types
+
+    script = types.ModuleType("__mp_main__")
+    script.__file__ = str(tmp_path / "tune.py")
+    monkeypatch.setitem(sys.modules, "__main__", script)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(hpo.HPOError, match=r"imported .*tune.py: put the call under `if __name"):
+        hpo.run({}, study="s")
+    assert not (tmp_path / "hpo.db").exists()

@@ -226,7 +226,7 @@ def config_from(source: str | Path | Mapping[str, Any]) -> Config:
     if not isinstance(source, Mapping):
         raise ConfigError([f"the config must be a file path or a mapping of sections, got "
                            f"{type(source).__name__}"])  # fmt: skip
-    return parse_config(_as_yaml_values(source), base_dir=Path.cwd())
+    return parse_config(_as_yaml_values(source), Path.cwd(), paths_from="the working folder")
 
 
 def _as_yaml_values(value: Any) -> Any:

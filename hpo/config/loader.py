@@ -116,8 +116,11 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def parse_config(raw: Any, base_dir: Path, source: str = "config") -> Config:
-    """Build a Config from parsed YAML; raises ConfigError listing every problem."""
+def parse_config(
+    raw: Any, base_dir: Path, source: str = "config", paths_from: str = "the config file"
+) -> Config:
+    """Build a Config from parsed YAML; raises ConfigError listing every problem. Relative
+    paths are taken from `base_dir`, which `paths_from` names in a message."""
     problems: list[str] = []
     if not isinstance(raw, dict):
         raise ConfigError(
@@ -153,7 +156,7 @@ def parse_config(raw: Any, base_dir: Path, source: str = "config") -> Config:
             config.study.enqueue[index] = check_params(
                 config.search_space, params, where, problems, complete=grid
             )
-    _resolve_paths(config, base_dir, problems)
+    _resolve_paths(config, base_dir, problems, paths_from)
     if problems:
         raise ConfigError(problems, source)
     return config
@@ -523,7 +526,7 @@ def _set_choices(spec: ParamSpec, name: str, choices: list[Any], problems: list[
     spec.choices = choices
 
 
-def _resolve_paths(config: Config, base_dir: Path, problems: list[str]) -> None:
+def _resolve_paths(config: Config, base_dir: Path, problems: list[str], paths_from: str) -> None:
     data = config.data
     for key in ("train_file", "eval_file"):
         if not getattr(data, key):
@@ -532,7 +535,7 @@ def _resolve_paths(config: Config, base_dir: Path, problems: list[str]) -> None:
         if not _exists(resolved):
             problems.append(
                 f"data.{key}: {_show(getattr(data, key))} not found (looked for "
-                f"{_clip(str(resolved), 200)}); paths are relative to the config file"
+                f"{_clip(str(resolved), 200)}); paths are relative to {paths_from}"
             )
         setattr(data, key, str(resolved))
     if config.study.checkpoint_dir is not None:
@@ -547,7 +550,7 @@ def _resolve_paths(config: Config, base_dir: Path, problems: list[str]) -> None:
             if not _exists(resolved):
                 problems.append(
                     f"model.{key}: {_show(value)} not found (looked for "
-                    f"{_clip(str(resolved), 200)}); paths are relative to the config file"
+                    f"{_clip(str(resolved), 200)}); paths are relative to {paths_from}"
                 )
             setattr(model, key, str(resolved))
 

@@ -127,7 +127,8 @@ def run(
 
     started = time.monotonic()  # the timeout counts from here, data preparation included
     _check_not_in_a_trial_process()
-    _check_overrides(n_trials, timeout, trial_timeout, study)
+    _check_overrides(n_trials, timeout, trial_timeout, study, storage=storage, device=device,
+                     artifact_store=artifact_store)  # fmt: skip
     check_study_name(study)
     # Before CUDA initialises: fewer fragmentation OOMs as batch shapes change between steps.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -137,12 +138,19 @@ def run(
                          artifact_store=artifact_store, started=started)  # fmt: skip
     with _signals_restored():
         outcome = run_study(args, say=log.info)
+    try:
+        return _result(study, outcome)
+    finally:
+        _dispose(outcome.storage)  # a long-lived caller (a notebook) keeps no connection
+
+
+def _result(name: str, outcome: Any) -> RunResult:
     if outcome.study is None:
-        return RunResult(study, 0, None, (), {}, outcome.stopped_by)
+        return RunResult(name, 0, None, (), {}, outcome.stopped_by)
     front = [_trial(summary, outcome.study.metric_names) for summary in _best(outcome.study)]
     several = len(outcome.study.directions) > 1
     return RunResult(
-        study=study,
+        study=name,
         trials_run=outcome.trials_run or 0,
         best=front[0] if front and not several else None,
         pareto_front=tuple(front) if several else (),
@@ -289,12 +297,15 @@ class Study:
 
 
 def _check_overrides(
-    n_trials: object, timeout: object, trial_timeout: object, study: object
+    n_trials: object, timeout: object, trial_timeout: object, study: object, **texts: object
 ) -> None:
     """run()'s own arguments, every problem at once, named as the arguments are."""
     problems = []
     if not isinstance(study, str):
         problems.append(f"study: got {study!r}; give the study's name as text")
+    for name, text in texts.items():
+        if text is not None and not isinstance(text, str):
+            problems.append(f"{name}: got {text!r}; give it as text (a string) or leave it out")
     if n_trials is not None and (type(n_trials) is not int or n_trials < 1):
         problems.append(f"n_trials: got {n_trials!r}; must be a positive integer")
     for name, seconds in (("timeout", timeout), ("trial_timeout", trial_timeout)):

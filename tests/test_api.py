@@ -132,6 +132,7 @@ def test_a_bad_config_is_the_cli_s_config_error_and_writes_nothing(
         ({}, {"n_trials": 0}, "n_trials: got 0; must be a positive integer"),
         ({}, {"n_trials": "3"}, "n_trials: got '3'; must be a positive integer"),
         ({}, {"timeout": float("inf")}, "timeout: got inf; must be a finite number > 0 seconds"),
+        ({}, {"storage": 5}, "storage: got 5; give it as text (a string) or leave it out"),
     ],
 )
 def test_bad_arguments_are_config_errors_named_as_the_arguments(

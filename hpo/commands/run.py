@@ -42,11 +42,12 @@ def configure_logging(debug: bool, quiet: bool) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class RunOutcome:
-    """How a worker's run ended: its study (None when stopped before it was opened), the
-    trials this worker finished (None: its worker processes ran them), the signal that stopped
-    it and the exit code the CLI gives."""
+    """How a worker's run ended: its study (None when stopped before it was opened) and
+    storage, the trials this worker finished (None: its worker processes ran them), the signal
+    that stopped it and the exit code the CLI gives."""
 
     study: Any
+    storage: Any
     config: Config | None
     trials_run: int | None
     stopped_by: str | None
@@ -103,7 +104,7 @@ def run_study(args: argparse.Namespace, say: Callable[[str], None] = _to_stderr)
     # loop says "stopping the running trial" once it starts one (hpo.study.loop).
     stop.interrupt_at_once = False
     if inputs is None or stop.requested:
-        return RunOutcome(None, None, 0, stop.signal_name, stop.exit_code)
+        return RunOutcome(None, None, None, 0, stop.signal_name, stop.exit_code)
     config, storage_url = inputs[0], inputs[1]
     from hpo.study.join import open_study
     from storage import open_storage
@@ -112,7 +113,7 @@ def run_study(args: argparse.Namespace, say: Callable[[str], None] = _to_stderr)
     on_demand = config.study.database_connections == "on_demand"
     storage = open_storage(storage_url, config.study.database_patience, on_demand=on_demand)
     if stop.requested:  # a signal came while the database opened: no study is created
-        return RunOutcome(None, config, 0, stop.signal_name, stop.exit_code)
+        return RunOutcome(None, storage, config, 0, stop.signal_name, stop.exit_code)
     study = open_study(storage, args.study, config)
     if config.study.artifact_store is not None:
         from storage.artifacts import ArtifactStore
@@ -122,7 +123,7 @@ def run_study(args: argparse.Namespace, say: Callable[[str], None] = _to_stderr)
         study.set_user_attr(ARTIFACT_STORE_ATTR, config.study.artifact_store)
         say(f"hpo: checkpoints and best models go to {config.study.artifact_store}")
     code, finished = work_and_count(study, storage, inputs, stop, args)
-    return RunOutcome(study, config, finished, stop.signal_name, code)
+    return RunOutcome(study, storage, config, finished, stop.signal_name, code)
 
 
 def stopped_before_first_trial(stop: StopRequest) -> int:

@@ -204,3 +204,18 @@ def test_a_run_at_the_top_of_a_script_is_refused_in_the_trial_process_that_impor
     with pytest.raises(hpo.HPOError, match=r"imported .*tune.py: put the call under `if __name"):
         hpo.run({}, study="s")
     assert not (tmp_path / "hpo.db").exists()
+
+
+def test_a_storage_url_s_password_is_in_no_error_of_run(
+    tmp_path: Path, easy_data: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    url = "postgresql+psycopg2://me:hunter2@127.0.0.1:1/none"
+    with pytest.raises(hpo.StorageError) as refused:
+        hpo.run(tiny_config(*easy_data), study="s", storage=url)
+    assert "hunter2" not in str(refused.value) and "me:***@127.0.0.1:1/none" in str(refused.value)
+    raw = tiny_config(*easy_data, study={"storage": [url]})  # shown back in the message
+    with pytest.raises(hpo.ConfigError) as bad:
+        hpo.run(raw, study="s")
+    assert "hunter2" not in str(bad.value) and "study.storage" in str(bad.value)
+    assert "me:***@127.0.0.1:1/none" in str(bad.value)

@@ -8,8 +8,8 @@ the errors load on first use of their names.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: `hpo` starts fast
 __version__ = "0.1.0"
 
 # Each public name and the module that defines it, imported when the name is first used.
@@ -45,6 +45,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr__ below
+    from typing import Any
+
     from hpo.api import RunResult, Study, Trial, open_study, run
     from hpo.errors import (
         ConfigError,

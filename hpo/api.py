@@ -317,11 +317,15 @@ def _check_overrides(
 
 
 def _check_not_in_a_trial_process() -> None:
-    """A trial process imports the caller's script as multiprocessing does (as `__mp_main__`):
-    a run() at its top level would start again there, in every trial."""
+    """A trial process (and multiprocessing's fork server) runs the caller's script as
+    multiprocessing does, as module `__mp_main__`: a run() at its top level would start a
+    worker again there. While that import runs, a module of that name is not the process's
+    `__main__` (elsewhere multiprocessing makes `__mp_main__` an alias of `__main__`, one named
+    `__main__` that a notebook's kernel may have replaced since)."""
     main = sys.modules.get("__main__")
-    if getattr(main, "__name__", "__main__") == "__mp_main__":
-        script = getattr(main, "__file__", "your script")
+    importing = sys.modules.get("__mp_main__", main)
+    if importing is not main and getattr(importing, "__name__", None) == "__mp_main__":
+        script = getattr(importing, "__file__", None) or "your script"
         raise HPOError(f"hpo.run() ran again in a trial process that imported {script}: put "
                        "the call under `if __name__ == \"__main__\":`, as multiprocessing "
                        "requires of a script that starts processes")  # fmt: skip

@@ -199,9 +199,14 @@ def test_a_run_at_the_top_of_a_script_is_refused_in_the_trial_process_that_impor
 
     script = types.ModuleType("__mp_main__")
     script.__file__ = str(tmp_path / "tune.py")
-    monkeypatch.setitem(sys.modules, "__main__", script)
+    monkeypatch.setitem(sys.modules, "__mp_main__", script)  # as runpy.run_path sets it
     monkeypatch.chdir(tmp_path)
     with pytest.raises(hpo.HPOError, match=r"imported .*tune.py: put the call under `if __name"):
+        hpo.run({}, study="s")
+    # A stale alias (a notebook's kernel replaced __main__ after multiprocessing loaded) is not
+    # a trial process: the run goes on to check its config.
+    monkeypatch.setitem(sys.modules, "__mp_main__", types.ModuleType("__main__"))
+    with pytest.raises(hpo.ConfigError):
         hpo.run({}, study="s")
     assert not (tmp_path / "hpo.db").exists()
 

@@ -87,7 +87,8 @@ class RunResult:
 
     study: str
     trials_run: int
-    """Trials this worker finished (other workers on the same study ran the rest)."""
+    """Trials this worker finished (other workers on the same study ran the rest; a trial
+    stopped by a signal and handed back is not counted)."""
     best: Trial | None
     """The study's best trial (one objective); None before one completes."""
     pareto_front: tuple[Trial, ...]

@@ -224,3 +224,37 @@ def test_a_storage_url_s_password_is_in_no_error_of_run(
         hpo.run(raw, study="s")
     assert "hunter2" not in str(bad.value) and "study.storage" in str(bad.value)
     assert "me:***@127.0.0.1:1/none" in str(bad.value)
+
+
+def test_a_sigterm_stops_the_running_trial_and_run_returns_saying_so(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    """A scheduler's SIGTERM to a script in hpo.run: the trial is handed back (queued again for
+    the next worker), and run() returns with `stopped_by` for the script to go on."""
+    from tests.conftest import wait_until_training
+
+    script = tmp_path / "tune.py"
+    script.write_text(
+        "import json, sys\nimport hpo\n\n"
+        "if __name__ == '__main__':\n"
+        "    result = hpo.run(sys.argv[1], study='stop', storage=sys.argv[2])\n"
+        "    print(json.dumps([result.stopped_by, result.trials_run, result.trials]))\n",
+        encoding="utf-8",
+    )
+    endless = tiny_config(*easy_data, study={"pruner": {"type": "none"}, "stop_timeout": 5},
+                          training={"epochs": 1000})  # fmt: skip
+    config = write_config(tmp_path / "endless.yaml", endless)
+    url = f"sqlite:///{tmp_path / 'stop.db'}"
+    command = [sys.executable, str(script), str(config), url]
+    worker = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        wait_until_training(url, "stop", [worker])
+        worker.send_signal(signal.SIGTERM)
+        out, err = worker.communicate(timeout=90)
+    finally:
+        worker.kill()
+    assert worker.returncode == 0, err[-3000:]
+    # No trial finished here: the interrupted one is recorded and queued again.
+    assert json.loads(out.splitlines()[-1]) == ["SIGTERM", 0, {"fail": 1, "waiting": 1}]
+    assert "Traceback" not in err, err[-3000:]

@@ -130,7 +130,7 @@ def run(
     _check_not_in_a_trial_process()
     _check_overrides(n_trials, timeout, trial_timeout, study, storage=storage, device=device,
                      artifact_store=artifact_store)  # fmt: skip
-    check_study_name(study)
+    check_study_name(study, "study")
     # Before CUDA initialises: fewer fragmentation OOMs as batch shapes change between steps.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     quiet_library_output()

@@ -145,6 +145,19 @@ def test_bad_arguments_are_config_errors_named_as_the_arguments(
     assert not (tmp_path / "hpo.db").exists()
 
 
+def test_a_bad_study_name_or_device_is_named_as_run_s_argument(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    demo = REPO / "configs" / "demo.yaml"
+    with pytest.raises(hpo.HPOError, match='^study: the study name is empty; .* study="demo"$'):
+        hpo.run(demo, study=" ")
+    with pytest.raises(hpo.ConfigError) as error:
+        hpo.run(demo, study="s", device="tpu")
+    assert str(error.value) == "hpo.run: device: got 'tpu'; must be auto, cpu, cuda or cuda:N"
+    assert not (tmp_path / "hpo.db").exists()
+
+
 def test_open_study_on_a_missing_study_or_database_is_one_clear_error(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'hpo.db'}"
     optuna.create_study(study_name="other", storage=url)

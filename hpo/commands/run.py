@@ -73,9 +73,9 @@ def run_arguments(
     """The arguments `hpo run` parses, for a run started from Python (hpo.run): one worker, in
     this process, with no progress line; `options` are the flags' values (storage, n_trials,
     timeout, trial_timeout, device, artifact_store) and `started`, time.monotonic() at the
-    start."""
+    start. Its messages name the options as hpo.run's arguments (n_trials, not --n-trials)."""
     args = argparse.Namespace(
-        command="run", study=study, config=config, storage=None, n_trials=None, timeout=None,
+        command="hpo.run", study=study, config=config, storage=None, n_trials=None, timeout=None,
         trial_timeout=None, device=None, gpus=None, workers_per_gpu=None, artifact_store=None,
         debug=False, quiet=True, argv=[], started=time.monotonic(),
     )  # fmt: skip
@@ -180,7 +180,7 @@ def check_inputs(
     from storage.artifacts import resolve_artifact_url
     from storage.url import resolve_storage_url
 
-    check_study_name(args.study)
+    check_study_name(args.study, option(args, "study"))
     config_path = args.config if args.config is not None else DEMO_CONFIG
     if args.config is None and not DEMO_CONFIG.is_file():
         raise HPOError("no --config given and the demo config is not installed; pass --config FILE")
@@ -361,19 +361,26 @@ def _worker_gpus(config: Config, spec: str | None) -> list[str]:
     return gpus
 
 
-def check_study_name(name: str) -> None:
+def option(args: argparse.Namespace, name: str) -> str:
+    """How the user wrote option `name` (n_trials): `--n-trials` on the command line,
+    `n_trials` to hpo.run."""
+    return name if getattr(args, "command", None) == "hpo.run" else f"--{name.replace('_', '-')}"
+
+
+def check_study_name(name: str, flag: str = "--study") -> None:
     """Any name the database can hold is a valid study name (quotes, slashes, unicode: on disk
     it becomes a slug and a hash, see hpo.trial.folders); these it cannot, or nobody means."""
     if not name.strip():
-        raise HPOError("--study: the study name is empty; give a name, e.g. --study demo")
+        example = f"{flag} demo" if flag.startswith("--") else f'{flag}="demo"'
+        raise HPOError(f"{flag}: the study name is empty; give a name, e.g. {example}")
     if len(name) > MAX_STUDY_NAME_CHARS:
         raise HPOError(
-            f"--study: the study name has {len(name)} characters; Optuna's database holds at "
+            f"{flag}: the study name has {len(name)} characters; Optuna's database holds at "
             f"most {MAX_STUDY_NAME_CHARS}: use a shorter name"
         )
     if any(ord(c) < 32 for c in name):
         raise HPOError(
-            "--study: the study name contains a control character (NUL, newline, tab...); "
+            f"{flag}: the study name contains a control character (NUL, newline, tab...); "
             "use printable characters"
         )
 
@@ -382,16 +389,19 @@ def _apply_overrides(config: Config, args: argparse.Namespace) -> None:
     problems = []
     if args.n_trials is not None:
         if args.n_trials < 1:
-            problems.append(f"--n-trials: got {args.n_trials}; must be a positive integer")
+            flag = option(args, "n_trials")
+            problems.append(f"{flag}: got {args.n_trials}; must be a positive integer")
         config.study.n_trials = args.n_trials
     if args.timeout is not None:
         if not 0 < args.timeout < math.inf:
-            problems.append(f"--timeout: got {args.timeout}; must be a finite number > 0 seconds")
+            flag = option(args, "timeout")
+            problems.append(f"{flag}: got {args.timeout}; must be a finite number > 0 seconds")
         config.study.timeout = args.timeout
     if args.trial_timeout is not None:
         if not 0 < args.trial_timeout < math.inf:
             problems.append(
-                f"--trial-timeout: got {args.trial_timeout}; must be a finite number > 0 seconds"
+                f"{option(args, 'trial_timeout')}: got {args.trial_timeout}; must be a finite "
+                "number > 0 seconds"
             )
         config.study.trial_timeout = args.trial_timeout
     for flag, value in (("--gpus", args.gpus), ("--workers-per-gpu", args.workers_per_gpu)):
@@ -401,10 +411,10 @@ def _apply_overrides(config: Config, args: argparse.Namespace) -> None:
         config.training.device = args.device
         for key, value, rule in config.training.problems():
             if key == "device":
-                problems.append(f"--device: got {value!r}; {rule}")
+                problems.append(f"{option(args, 'device')}: got {value!r}; {rule}")
     if problems:
-        raise ConfigError(problems, "command line")
+        raise ConfigError(problems, "hpo.run" if args.command == "hpo.run" else "command line")
     if args.device is not None and args.device.startswith("cuda"):
         from trainer.device import resolve_device
 
-        resolve_device(args.device, "--device")  # named as typed, not as training.device
+        resolve_device(args.device, option(args, "device"))  # as typed, not training.device

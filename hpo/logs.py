@@ -27,6 +27,16 @@ class MaskingFormatter(logging.Formatter):
         return mask_text(super().format(record))
 
 
+def quiet_library_output() -> None:
+    """What the libraries print that a worker's user does not want (unless they chose
+    otherwise in the environment); before the libraries load."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # "Some weights were newly initialized" is expected for every fine-tuning run, and a
+    # progress bar at every checkpoint ("Writing model shards") is noise in a worker's log.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
 def setup_logging(level: int) -> None:
     """Logging for hpo; the libraries are quietened without importing them (a config error
     is reported before torch, transformers or Optuna load)."""
@@ -50,11 +60,7 @@ def setup_logging(level: int) -> None:
         logging.getLogger(library).setLevel(
             logging.INFO if level <= logging.DEBUG else max(level, logging.WARNING)
         )
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # "Some weights were newly initialized" is expected for every fine-tuning run, and a
-    # progress bar at every checkpoint ("Writing model shards") is noise in a worker's log.
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    quiet_library_output()
     # Heartbeats are marked experimental in Optuna; hpo relies on them on purpose.
     warnings.filterwarnings("ignore", message=r".*is experimental \(supported from")
     warnings.filterwarnings("ignore", message=r"Argument ``\w+`` is an experimental feature")

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from types import FrameType
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,8 @@ class StopRequest:
             self.signal_name = signal_name
 
     def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # hpo.run in a thread of the caller's: signals reach the main thread only
         signal.signal(signal.SIGINT, self._handle)
         signal.signal(signal.SIGTERM, self._handle)
 

@@ -22,6 +22,7 @@ from hpo.stopping import Interrupted
 
 if TYPE_CHECKING:
     from storage.artifacts import ArtifactStore
+    from storage.url import StorageURL
 from hpo.commands.run import (
     ARTIFACT_STORE_ATTR,
 )
@@ -34,6 +35,8 @@ from hpo.reports.text import (
     studies_table,
 )
 from hpo.study.join import ADAPTER_ATTR, loader_text, study_task
+
+EMPTY_STUDY_NAME = "--study: the study name is empty; `hpo studies` lists the names"
 
 
 def _serve(app: Callable, host: str, port: int, banner: str) -> None:
@@ -87,21 +90,13 @@ def _serve(app: Callable, host: str, port: int, banner: str) -> None:
 
 
 def monitor_command(args: argparse.Namespace) -> int:
-    import optuna
-
     from hpo.reports import status as report
-    from storage import open_storage, resolve_storage_url
 
     set_optuna_verbosity(logging.getLogger().level)
-
-    storage_url = resolve_storage_url(args.storage, None)
-    # No check_study_name: a study that plain Optuna made may have any name `hpo studies` lists
-    # (a tab, 600 characters, spaces only), and looking at it creates nothing.
     if getattr(args, "study", None) == "":
-        raise HPOError("--study: the study name is empty; `hpo studies` lists the names")
-    # Monitoring never creates a database, a table or a lock file (a typo in --storage, a
-    # read-only folder); the dashboard may write notes, but only into an existing study database.
-    storage = open_storage(storage_url, read_only=args.command != "dashboard", must_exist=True)
+        raise HPOError(EMPTY_STUDY_NAME)
+    # The dashboard may write notes, but only into an existing study database.
+    storage, storage_url = open_storage_to_read(args.storage, args.command != "dashboard")
     if args.command == "dashboard":
         address = f"[{args.host}]" if ":" in args.host else args.host  # IPv6 in a URL
         banner = f"hpo: dashboard for {storage_url.describe()} on http://{address}:{args.port}/"
@@ -113,17 +108,55 @@ def monitor_command(args: argparse.Namespace) -> int:
         rows = report.studies(storage)
         emit(strict_json(rows, indent=2) if args.json else studies_table(rows))
         return 0
-    try:
-        study = optuna.load_study(study_name=args.study, storage=storage)
-    except KeyError as e:
-        raise HPOError(f"no study {args.study!r} in {storage_url.masked}; see `hpo studies`") from e
+    study = load_existing_study(storage, args.study, storage_url.masked)
     try:
         return _look_at(study, storage, args)
     except KeyError as e:
-        if "Record does not exist" not in str(e):  # Optuna's word for a row that has gone
-            raise
-        raise HPOError(f"study {args.study!r} is no longer in {storage_url.masked}: deleted "
-                       "while hpo read it; see `hpo studies`") from e  # fmt: skip
+        raise study_gone(e, args.study, storage_url.masked) from e
+
+
+def open_storage_to_read(given: str | None, read_only: bool = True) -> tuple[Any, StorageURL]:
+    """The study database at `given` (else $HPO_STORAGE, else ./hpo.db), which must exist:
+    looking never creates a database (a typo in the URL), nor with `read_only` a table or a
+    lock file (a read-only folder)."""
+    from storage import open_storage, resolve_storage_url
+
+    storage_url = resolve_storage_url(given, None)
+    return open_storage(storage_url, read_only=read_only, must_exist=True), storage_url
+
+
+def load_existing_study(storage: Any, name: str, masked_url: str) -> Any:
+    """The study named `name`; one line when there is none. No check_study_name: a study that
+    plain Optuna made may have any name `hpo studies` lists (a tab, 600 characters, spaces
+    only), and looking at it creates nothing."""
+    import optuna
+
+    if name == "":
+        raise HPOError(EMPTY_STUDY_NAME)
+    try:
+        return optuna.load_study(study_name=name, storage=storage)
+    except KeyError as e:
+        raise HPOError(f"no study {name!r} in {masked_url}; see `hpo studies`") from e
+
+
+def study_gone(error: KeyError, name: str, masked_url: str) -> HPOError:
+    """The error to raise for `error`, a KeyError while reading study `name`: Optuna's word
+    for a row that has gone is one line; any other KeyError is raised as it is."""
+    if "Record does not exist" not in str(error):
+        raise error
+    return HPOError(f"study {name!r} is no longer in {masked_url}: deleted while hpo read it; "
+                    "see `hpo studies`")  # fmt: skip
+
+
+def best_of(study: Any, storage: Any) -> list[dict[str, Any]]:
+    """The best trial (the Pareto front's, with several objectives); one line when no trial has
+    completed."""
+    from hpo.reports import status as report
+
+    best = report.best_trials(study, storage=storage)
+    if not best:
+        raise HPOError(f"study {study.study_name!r} has no completed trial yet")
+    return best
 
 
 def _look_at(study: Any, storage: Any, args: argparse.Namespace) -> int:
@@ -132,14 +165,21 @@ def _look_at(study: Any, storage: Any, args: argparse.Namespace) -> int:
     from hpo.study import retrain
 
     if args.command == "report":
-        return _write_report(study, storage, args.format, args.out)
+        from hpo.reports import document as study_report
+
+        if args.out is None and args.format == "md":
+            emit(study_report.markdown(study, storage), end="")
+            return 0
+        out = write_report(study, storage, args.format, args.out)
+        emit(f"hpo: report of study {study.study_name!r} written to {out}")
+        return 0
     if args.command == "best":
-        best = report.best_trials(study, storage=storage)
-        if not best:
-            raise HPOError(f"study {args.study!r} has no completed trial yet")
+        best = best_of(study, storage)
         retrained = retrain.recorded_outcome(study.user_attrs)
         if args.download is not None:
-            return _download_best(study, best, args)
+            where = study_artifact_store(study, args.artifact_store)
+            emit(download_best(study, best, where, args.download, args.merge)[1])
+            return 0
         if args.merge:
             raise HPOError("--merge goes with --download DIR: it writes the merged model there")
         if args.json:  # several objectives: the Pareto front, a list
@@ -165,13 +205,13 @@ def _look_at(study: Any, storage: Any, args: argparse.Namespace) -> int:
     return 0
 
 
-def _study_artifact_store(study: Any, args: argparse.Namespace) -> ArtifactStore | None:
-    """The study's artifact store (--artifact-store, $HPO_ARTIFACT_STORE, its workers'
-    record), or None."""
+def study_artifact_store(study: Any, given: str | None) -> ArtifactStore | None:
+    """The study's artifact store (`given`: --artifact-store, else $HPO_ARTIFACT_STORE, else
+    its workers' record), or None."""
     from storage.artifacts import ArtifactStore, resolve_artifact_url
 
     recorded = study.user_attrs.get(ARTIFACT_STORE_ATTR)
-    url = resolve_artifact_url(args.artifact_store, None, recorded)
+    url = resolve_artifact_url(given, None, recorded)
     return None if url is None else ArtifactStore(url.url)
 
 
@@ -182,7 +222,7 @@ def artifact_summary(study: Any, args: argparse.Namespace) -> dict[str, Any] | N
     from storage.artifacts import ArtifactStoreError
 
     try:
-        store = _study_artifact_store(study, args)
+        store = study_artifact_store(study, args.artifact_store)
         if store is None:
             return None
         slug = study_folder_name(study.study_name)
@@ -194,9 +234,12 @@ def artifact_summary(study: Any, args: argparse.Namespace) -> dict[str, Any] | N
         return {"url": study.user_attrs.get(ARTIFACT_STORE_ATTR), "error": str(e)}
 
 
-def _download_best(study: Any, best: list[dict], args: argparse.Namespace) -> int:
-    """`hpo best --download DIR`: the best trial's model from the store into DIR (written
-    beside it, then renamed: never half a model), each file checked against its sha256."""
+def download_best(
+    study: Any, best: list[dict], store: ArtifactStore | None, download: str, merge: bool
+) -> tuple[Path, str]:
+    """`hpo best --download DIR`: the best trial's model from the store into `download` (written
+    beside it, then renamed: never half a model), each file checked against its sha256; with
+    `merge`, a LoRA adapter merged into its base model. Returns the folder and what to say."""
     from hpo.trial.folders import study_folder_name
     from storage.artifacts import ArtifactStoreError
 
@@ -204,13 +247,12 @@ def _download_best(study: Any, best: list[dict], args: argparse.Namespace) -> in
     if entrypoint:
         raise HPOError(f"trial #{best[0]['number']} ran your training function ({entrypoint}), "
                        "which keeps its own model: hpo has none to download")  # fmt: skip
-    store = _study_artifact_store(study, args)
     if store is None:
         raise HPOError(f"study {study.study_name!r} has no artifact store; its best model is on "
                        "the host that trained it (hpo best names the folder)")  # fmt: skip
-    out = Path(args.download)
-    if not args.download.strip() or out.resolve() == Path.cwd() or out.name in ("", ".", ".."):
-        raise HPOError(f"--download {args.download!r}: name a new (or empty) folder for the "
+    out = Path(download)
+    if not download.strip() or out.resolve() == Path.cwd() or out.name in ("", ".", ".."):
+        raise HPOError(f"--download {download!r}: name a new (or empty) folder for the "
                        "model, e.g. --download ./best-model")  # fmt: skip
     if out.is_symlink():  # a link to an empty folder: that folder; a link to nothing: refused
         if not out.is_dir():
@@ -226,10 +268,10 @@ def _download_best(study: Any, best: list[dict], args: argparse.Namespace) -> in
     try:
         manifest = store.fetch(study_folder_name(study.study_name), folder, "best-model", aside)
         if manifest is not None:
-            note = _finish_adapter(study, aside, merged if args.merge else None, out)
+            note = _finish_adapter(study, aside, merged if merge else None, out)
             if out.is_dir():
                 out.rmdir()
-            (merged if args.merge else aside).rename(out)
+            (merged if merge else aside).rename(out)
     except ArtifactStoreError as e:
         raise HPOError(f"best model of trial #{number} not downloaded: {e}") from e
     except OSError as e:
@@ -243,11 +285,9 @@ def _download_best(study: Any, best: list[dict], args: argparse.Namespace) -> in
         error = best[0]["user_attrs"].get("checkpoint_error")
         why = f" ({error})" if error else ""
         raise HPOError(f"trial #{number} has no best model in {store.url}{why}")
-    emit(
-        f"hpo: best model of trial #{number} ({manifest.size / 1e6:.1f} MB, sha256 checked) "
-        f"in {out}{note}"
-    )
-    return 0
+    size_mb = manifest.size / 1e6
+    said = f"hpo: best model of trial #{number} ({size_mb:.1f} MB, sha256 checked) in {out}"
+    return out, f"{said}{note}"
 
 
 def _finish_adapter(study: Any, folder: Path, merged: Path | None, out: Path) -> str:
@@ -330,16 +370,13 @@ def report_path(given: str | None, study_name: str, form: str) -> Path:
     return out
 
 
-def _write_report(study: Any, storage: Any, form: str, given: str | None) -> int:
-    """The report to `given` (written aside, then renamed: never half a file), or Markdown to
-    standard output."""
+def write_report(study: Any, storage: Any, form: str, given: str | None) -> Path:
+    """The report (`form`: html or md) to `given` (see report_path), written aside, then
+    renamed: never half a file. Returns the file written."""
     import tempfile
 
     from hpo.reports import document as study_report
 
-    if given is None and form == "md":
-        emit(study_report.markdown(study, storage), end="")
-        return 0
     out = report_path(given, study.study_name, form)
     if out.exists() and not out.is_file():  # a device, a pipe: never replaced by a file
         raise HPOError(f"--out {out}: not a regular file; name a file to write")
@@ -359,5 +396,4 @@ def _write_report(study: Any, storage: Any, form: str, given: str | None) -> int
     except OSError as e:
         Path(aside).unlink(missing_ok=True)
         raise HPOError(f"--out {out}: cannot write it ({e.strerror or e})") from e
-    emit(f"hpo: report of study {study.study_name!r} written to {out}")
-    return 0
+    return out

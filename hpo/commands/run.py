@@ -11,12 +11,13 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpo import live
-from hpo.config.loader import DEMO_CONFIG, load_config
+from hpo.config.loader import DEMO_CONFIG, load_config, parse_config
 from hpo.config.schema import Config
 from hpo.errors import ConfigError, HPOError
 from hpo.logs import set_optuna_verbosity, setup_logging
@@ -39,7 +40,59 @@ def configure_logging(debug: bool, quiet: bool) -> None:
     setup_logging(logging.DEBUG if debug else logging.WARNING if quiet else logging.INFO)
 
 
+@dataclasses.dataclass(frozen=True)
+class RunOutcome:
+    """How a worker's run ended: its study (None when stopped before it was opened) and
+    storage, the trials this worker finished (None: its worker processes ran them), the signal
+    that stopped it and the exit code the CLI gives."""
+
+    study: Any
+    storage: Any
+    config: Config | None
+    trials_run: int | None
+    stopped_by: str | None
+    exit_code: int
+
+
 def run_command(args: argparse.Namespace) -> int:
+    outcome = run_study(args)
+    if outcome.study is not None and outcome.config is not None:
+        from hpo.reports.summary import summary_lines
+
+        print("\n".join(summary_lines(outcome.study, outcome.config.study.objectives)))
+    if outcome.study is None:
+        print(f"hpo: stopped by {outcome.stopped_by} before the first trial", file=sys.stderr)
+    elif outcome.stopped_by is not None:
+        print(f"hpo: stopped by {outcome.stopped_by}", file=sys.stderr)
+    return outcome.exit_code
+
+
+def run_arguments(
+    study: str, config: str | os.PathLike[str] | Mapping[str, Any], **options: Any
+) -> argparse.Namespace:
+    """The arguments `hpo run` parses, for a run started from Python (hpo.run): one worker, in
+    this process, with no progress line; `options` are the flags' values (storage, n_trials,
+    timeout, trial_timeout, device, artifact_store) and `started`, time.monotonic() at the
+    start. Its messages name the options as hpo.run's arguments (n_trials, not --n-trials)."""
+    args = argparse.Namespace(
+        command="hpo.run", study=study, config=config, storage=None, n_trials=None, timeout=None,
+        trial_timeout=None, device=None, gpus=None, workers_per_gpu=None, artifact_store=None,
+        debug=False, quiet=True, argv=[], started=time.monotonic(),
+    )  # fmt: skip
+    for name, value in options.items():
+        if not hasattr(args, name):
+            raise TypeError(f"run_arguments: no option {name!r}")
+        setattr(args, name, value)
+    return args
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def run_study(args: argparse.Namespace, say: Callable[[str], None] = _to_stderr) -> RunOutcome:
+    """`hpo run` and hpo.run: check every input, create or join the study, run the worker's
+    trials. `say` gets the lines a user reads as the run starts (the CLI prints them)."""
     # From the start: a SIGTERM or Ctrl-C while torch loads and the data is prepared stops
     # the worker at once, before anything is written: no traceback, no signal's exit code.
     stop = StopRequest(interrupt_at_once=True, doing=StopRequest.BEFORE_FIRST_TRIAL)
@@ -51,17 +104,16 @@ def run_command(args: argparse.Namespace) -> int:
     # loop says "stopping the running trial" once it starts one (hpo.study.loop).
     stop.interrupt_at_once = False
     if inputs is None or stop.requested:
-        return stopped_before_first_trial(stop)
+        return RunOutcome(None, None, None, 0, stop.signal_name, stop.exit_code)
     config, storage_url = inputs[0], inputs[1]
-    from hpo.reports.summary import summary_lines
     from hpo.study.join import open_study
     from storage import open_storage
 
-    print(f"hpo: study {args.study!r} in {storage_url.describe()}", file=sys.stderr)
+    say(f"hpo: study {args.study!r} in {storage_url.describe()}")
     on_demand = config.study.database_connections == "on_demand"
     storage = open_storage(storage_url, config.study.database_patience, on_demand=on_demand)
     if stop.requested:  # a signal came while the database opened: no study is created
-        return stopped_before_first_trial(stop)
+        return RunOutcome(None, storage, config, 0, stop.signal_name, stop.exit_code)
     study = open_study(storage, args.study, config)
     if config.study.artifact_store is not None:
         from storage.artifacts import ArtifactStore
@@ -69,13 +121,9 @@ def run_command(args: argparse.Namespace) -> int:
         ArtifactStore(config.study.artifact_store).create()  # a file store's folder, if missing
         # For `hpo best` and `hpo status`, which have no config.
         study.set_user_attr(ARTIFACT_STORE_ATTR, config.study.artifact_store)
-        print(f"hpo: checkpoints and best models go to {config.study.artifact_store}",
-              file=sys.stderr)  # fmt: skip
-    code = work_on_study(study, storage, inputs, stop, args)
-    print("\n".join(summary_lines(study, config.study.objectives)))
-    if stop.signal_name is not None:
-        print(f"hpo: stopped by {stop.signal_name}", file=sys.stderr)
-    return code
+        say(f"hpo: checkpoints and best models go to {config.study.artifact_store}")
+    code, finished = work_and_count(study, storage, inputs, stop, args)
+    return RunOutcome(study, storage, config, finished, stop.signal_name, code)
 
 
 def stopped_before_first_trial(stop: StopRequest) -> int:
@@ -88,6 +136,14 @@ def work_on_study(
 ) -> int:
     """Run the study's trials (`queued_only`: its queued ones): in this process, or in one
     worker process per GPU (each runs the same command with `worker_args` added)."""
+    return work_and_count(study, storage, inputs, stop, args, queued_only)[0]
+
+
+def work_and_count(
+    study: Any, storage: Any, inputs: tuple, stop: StopRequest, args: Any, queued_only: bool = False
+) -> tuple[int, int | None]:
+    """work_on_study's exit code, and the trials this worker finished (None: its worker
+    processes ran them)."""
     from hpo.commands.launcher import run_workers
     from hpo.study.loop import run_trials
     from hpo.trial.objective import Objective
@@ -97,18 +153,18 @@ def work_on_study(
     if len(gpus) * per_gpu > 1:
         worker_args = ["--as-worker"] if args.command == "retrain" else []
         storage.engine.dispose()  # its workers connect; this process holds none meanwhile
-        return run_workers(gpus, [*args.argv, *worker_args], per_gpu, stop)
+        return run_workers(gpus, [*args.argv, *worker_args], per_gpu, stop), None
     stop.interrupt_at_once = config.study.trial_isolation == "none"
     if not args.quiet:
         live.start()  # a progress line below the log, on a terminal only
     cache = BatchSizeCache(storage.engine)  # the worker's pool: no connection of its own
     objective = Objective(config, data, storage_url, stop, batch_cache=cache, prepared=prepared)
     try:
-        run_trials(study, storage, objective, stop, queued_only, started=args.started)
+        finished = run_trials(study, storage, objective, stop, queued_only, started=args.started)
     finally:
         live.stop()
         stop.interrupt_at_once = False
-    return stop.exit_code if stop.requested else 0
+    return (stop.exit_code if stop.requested else 0), finished
 
 
 def check_inputs(
@@ -124,11 +180,11 @@ def check_inputs(
     from storage.artifacts import resolve_artifact_url
     from storage.url import resolve_storage_url
 
-    check_study_name(args.study)
-    config_path = args.config or DEMO_CONFIG
+    check_study_name(args.study, option(args, "study"))
+    config_path = args.config if args.config is not None else DEMO_CONFIG
     if args.config is None and not DEMO_CONFIG.is_file():
         raise HPOError("no --config given and the demo config is not installed; pass --config FILE")
-    config = load_config(config_path)
+    config = config_from(config_path)
     _apply_overrides(config, args)
     storage_url = resolve_storage_url(args.storage, config.study.storage)
     artifacts = resolve_artifact_url(getattr(args, "artifact_store", None),
@@ -167,6 +223,29 @@ def check_inputs(
     if per_gpu == "auto":
         per_gpu = _auto_workers_per_gpu(config, config_path, gpus)
     return config, storage_url, gpus, data, per_gpu or 1, prepared
+
+
+def config_from(source: str | Path | Mapping[str, Any]) -> Config:
+    """The config of a file, or of a mapping as `yaml.safe_load` gives it (hpo.run's dict):
+    checked by the same rules, its relative paths taken from the working folder."""
+    if isinstance(source, (str, os.PathLike)):
+        return load_config(source)
+    if not isinstance(source, Mapping):
+        raise ConfigError([f"the config must be a file path or a mapping of sections, got "
+                           f"{type(source).__name__}"])  # fmt: skip
+    return parse_config(_as_yaml_values(source), Path.cwd(), paths_from="the working folder")
+
+
+def _as_yaml_values(value: Any) -> Any:
+    """`value` as YAML would hand it over: a path as its text, a tuple as a list; a copy, so
+    that nothing of the caller's is changed."""
+    if isinstance(value, Mapping):
+        return {key: _as_yaml_values(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_as_yaml_values(item) for item in value]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return value
 
 
 def _prepare_every_model(config: Config) -> tuple[Any, dict[str, Any]]:
@@ -288,19 +367,26 @@ def _worker_gpus(config: Config, spec: str | None) -> list[str]:
     return gpus
 
 
-def check_study_name(name: str) -> None:
+def option(args: argparse.Namespace, name: str) -> str:
+    """How the user wrote option `name` (n_trials): `--n-trials` on the command line,
+    `n_trials` to hpo.run."""
+    return name if getattr(args, "command", None) == "hpo.run" else f"--{name.replace('_', '-')}"
+
+
+def check_study_name(name: str, flag: str = "--study") -> None:
     """Any name the database can hold is a valid study name (quotes, slashes, unicode: on disk
     it becomes a slug and a hash, see hpo.trial.folders); these it cannot, or nobody means."""
     if not name.strip():
-        raise HPOError("--study: the study name is empty; give a name, e.g. --study demo")
+        example = f"{flag} demo" if flag.startswith("--") else f'{flag}="demo"'
+        raise HPOError(f"{flag}: the study name is empty; give a name, e.g. {example}")
     if len(name) > MAX_STUDY_NAME_CHARS:
         raise HPOError(
-            f"--study: the study name has {len(name)} characters; Optuna's database holds at "
+            f"{flag}: the study name has {len(name)} characters; Optuna's database holds at "
             f"most {MAX_STUDY_NAME_CHARS}: use a shorter name"
         )
     if any(ord(c) < 32 for c in name):
         raise HPOError(
-            "--study: the study name contains a control character (NUL, newline, tab...); "
+            f"{flag}: the study name contains a control character (NUL, newline, tab...); "
             "use printable characters"
         )
 
@@ -309,16 +395,19 @@ def _apply_overrides(config: Config, args: argparse.Namespace) -> None:
     problems = []
     if args.n_trials is not None:
         if args.n_trials < 1:
-            problems.append(f"--n-trials: got {args.n_trials}; must be a positive integer")
+            flag = option(args, "n_trials")
+            problems.append(f"{flag}: got {args.n_trials}; must be a positive integer")
         config.study.n_trials = args.n_trials
     if args.timeout is not None:
         if not 0 < args.timeout < math.inf:
-            problems.append(f"--timeout: got {args.timeout}; must be a finite number > 0 seconds")
+            flag = option(args, "timeout")
+            problems.append(f"{flag}: got {args.timeout}; must be a finite number > 0 seconds")
         config.study.timeout = args.timeout
     if args.trial_timeout is not None:
         if not 0 < args.trial_timeout < math.inf:
             problems.append(
-                f"--trial-timeout: got {args.trial_timeout}; must be a finite number > 0 seconds"
+                f"{option(args, 'trial_timeout')}: got {args.trial_timeout}; must be a finite "
+                "number > 0 seconds"
             )
         config.study.trial_timeout = args.trial_timeout
     for flag, value in (("--gpus", args.gpus), ("--workers-per-gpu", args.workers_per_gpu)):
@@ -328,10 +417,10 @@ def _apply_overrides(config: Config, args: argparse.Namespace) -> None:
         config.training.device = args.device
         for key, value, rule in config.training.problems():
             if key == "device":
-                problems.append(f"--device: got {value!r}; {rule}")
+                problems.append(f"{option(args, 'device')}: got {value!r}; {rule}")
     if problems:
-        raise ConfigError(problems, "command line")
+        raise ConfigError(problems, "hpo.run" if args.command == "hpo.run" else "command line")
     if args.device is not None and args.device.startswith("cuda"):
         from trainer.device import resolve_device
 
-        resolve_device(args.device, "--device")  # named as typed, not as training.device
+        resolve_device(args.device, option(args, "device"))  # as typed, not training.device

@@ -116,8 +116,11 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def parse_config(raw: Any, base_dir: Path, source: str = "config") -> Config:
-    """Build a Config from parsed YAML; raises ConfigError listing every problem."""
+def parse_config(
+    raw: Any, base_dir: Path, source: str = "config", paths_from: str = "the config file"
+) -> Config:
+    """Build a Config from parsed YAML; raises ConfigError listing every problem. Relative
+    paths are taken from `base_dir`, which `paths_from` names in a message."""
     problems: list[str] = []
     if not isinstance(raw, dict):
         raise ConfigError(
@@ -129,7 +132,7 @@ def parse_config(raw: Any, base_dir: Path, source: str = "config") -> Config:
         )
     raw = dict(raw)
     if _entrypoint_of(raw) is not None:
-        return _parse_entrypoint_config(raw, base_dir, source)
+        return _parse_entrypoint_config(raw, base_dir, source, paths_from)
     _default_metric_of_task(raw)
     space_raw = raw.pop("search_space", None)
     _default_model_of_search(raw, space_raw)
@@ -155,7 +158,7 @@ def parse_config(raw: Any, base_dir: Path, source: str = "config") -> Config:
             config.study.enqueue[index] = check_params(
                 config.search_space, params, where, problems, complete=grid
             )
-    _resolve_paths(config, base_dir, problems)
+    _resolve_paths(config, base_dir, problems, paths_from)
     if problems:
         raise ConfigError(problems, source)
     return config
@@ -171,7 +174,9 @@ def _entrypoint_of(raw: dict[Any, Any]) -> Any:
 _NOT_WITH_ENTRYPOINT = ("model", "data", "task")
 
 
-def _parse_entrypoint_config(raw: dict[Any, Any], base_dir: Path, source: str) -> Config:
+def _parse_entrypoint_config(
+    raw: dict[Any, Any], base_dir: Path, source: str, paths_from: str
+) -> Config:
     """A config whose trials call the user's training function: no model, data or task; the
     search space names the function's own parameters (effective_batch_size keeps its meaning:
     ctx.physical_batch_size and ctx.grad_accum_steps split it); study.metric is a metric the
@@ -199,7 +204,7 @@ def _parse_entrypoint_config(raw: dict[Any, Any], base_dir: Path, source: str) -
         for index, params in enumerate(config.study.enqueue):
             where = f"study.enqueue[{index}]"
             config.study.enqueue[index] = check_params(config.search_space, params, where, problems)
-    _resolve_paths(config, base_dir, problems)
+    _resolve_paths(config, base_dir, problems, paths_from)
     if problems:
         raise ConfigError(problems, source)
     return config
@@ -645,7 +650,7 @@ def _set_choices(spec: ParamSpec, name: str, choices: list[Any], problems: list[
     spec.choices = choices
 
 
-def _resolve_paths(config: Config, base_dir: Path, problems: list[str]) -> None:
+def _resolve_paths(config: Config, base_dir: Path, problems: list[str], paths_from: str) -> None:
     data = config.data
     for key in ("train_file", "eval_file"):
         if not getattr(data, key):
@@ -654,7 +659,7 @@ def _resolve_paths(config: Config, base_dir: Path, problems: list[str]) -> None:
         if not _exists(resolved):
             problems.append(
                 f"data.{key}: {_show(getattr(data, key))} not found (looked for "
-                f"{_clip(str(resolved), 200)}); paths are relative to the config file"
+                f"{_clip(str(resolved), 200)}); paths are relative to {paths_from}"
             )
         setattr(data, key, str(resolved))
     if config.study.checkpoint_dir is not None:
@@ -669,7 +674,7 @@ def _resolve_paths(config: Config, base_dir: Path, problems: list[str]) -> None:
             if not _exists(resolved):
                 problems.append(
                     f"model.{key}: {_show(value)} not found (looked for "
-                    f"{_clip(str(resolved), 200)}); paths are relative to the config file"
+                    f"{_clip(str(resolved), 200)}); paths are relative to {paths_from}"
                 )
             setattr(model, key, str(resolved))
 

@@ -1,0 +1,415 @@
+"""hpo's Python API: `run()` starts a worker on a study, `open_study()` reads one. A thin, typed
+front over the workflows the CLI runs (hpo.commands), so both check, fail and write alike.
+
+    import hpo
+
+    result = hpo.run("configs/demo.yaml", study="demo", n_trials=4)
+    study = hpo.open_study("demo")
+    print(study.best().metrics, study.best().params)
+    study.download("best-model")  # with an artifact store: the model, sha256 checked
+
+Every error is one of hpo's (hpo.HPOError, hpo.ConfigError, hpo.DataError, ...) with the line
+`hpo` prints; a password in a storage URL is never in it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hpo.errors import ConfigError, HPOError
+
+log = logging.getLogger("hpo")
+
+ConfigSource = str | os.PathLike[str] | Mapping[str, Any]
+STATES = ("running", "waiting", "complete", "pruned", "fail")  # Optuna's, as hpo status says
+
+
+@dataclasses.dataclass(frozen=True)
+class Trial:
+    """One trial of a study, as it was when read."""
+
+    number: int
+    """The trial's number in its study, from 0 (the dashboard's and `hpo status`' #N)."""
+    state: str
+    """running, waiting (queued), complete, pruned or fail."""
+    values: tuple[float, ...] | None
+    """The objectives' values of a complete trial, in the study's order; None otherwise."""
+    metrics: dict[str, float]
+    """The same values by objective name (study.metric, study.objectives): {"accuracy": 0.9}."""
+    params: dict[str, Any]
+    """The sampled parameters, by search-space name (learning_rate, effective_batch_size...)."""
+    user_attrs: dict[str, Any]
+    """What hpo recorded of the trial: physical_batch_size, grad_accum_steps, samples_per_s,
+    peak_mem_bytes, best_model, prune_reason, fail_reason, wall_s..."""
+
+    @property
+    def value(self) -> float | None:
+        """The value of a study with one objective; None for several or an unfinished trial."""
+        return self.values[0] if self.values is not None and len(self.values) == 1 else None
+
+    @property
+    def physical_batch_size(self) -> int | None:
+        """The micro-batch the batch finder chose (the sampled effective batch is this times
+        grad_accum_steps)."""
+        return _int_or_none(self.user_attrs.get("physical_batch_size"))
+
+    @property
+    def grad_accum_steps(self) -> int | None:
+        return _int_or_none(self.user_attrs.get("grad_accum_steps"))
+
+    @property
+    def model(self) -> str | None:
+        """Where the trial's best model is: its artifact-store URI, else its local folder."""
+        found = self.user_attrs.get("best_model_uri") or self.user_attrs.get("best_model")
+        return found if isinstance(found, str) else None
+
+    @property
+    def reason(self) -> str | None:
+        """Why a pruned or failed trial ended (oom, timeout, the error's line...)."""
+        found = self.user_attrs.get("prune_reason") or self.user_attrs.get("fail_reason")
+        return found if isinstance(found, str) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    """What `run()` did: the trials this worker ran and the study's best when it ended."""
+
+    study: str
+    trials_run: int
+    """Trials this worker finished (other workers on the same study ran the rest; a trial
+    stopped by a signal and handed back is not counted)."""
+    best: Trial | None
+    """The study's best trial (one objective); None before one completes."""
+    pareto_front: tuple[Trial, ...]
+    """With several objectives, the trials of the study's Pareto front; empty otherwise."""
+    trials: dict[str, int]
+    """The study's trials by state, e.g. {"complete": 3, "pruned": 1}."""
+    stopped_by: str | None
+    """SIGINT or SIGTERM when a signal stopped the worker (its running trial handed back for
+    another worker or a later run); None when it ran to its budget or timeout."""
+
+
+def run(
+    config: ConfigSource,
+    *,
+    study: str,
+    storage: str | None = None,
+    n_trials: int | None = None,
+    timeout: float | None = None,
+    trial_timeout: float | None = None,
+    device: str | None = None,
+    artifact_store: str | None = None,
+) -> RunResult:
+    """Run a worker on `study`, as `hpo run` does, in this process: create or join the study,
+    then run trials until the study holds `n_trials` (counted across every worker) or
+    `timeout` seconds pass. Every input is checked before anything is written.
+
+    `config`: a YAML file's path, or a dict of the same sections (checked by the same rules;
+    its relative paths are taken from the working folder). `storage`: a database URL (default:
+    $HPO_STORAGE, then the config's study.storage, then ./hpo.db). `n_trials`, `timeout`,
+    `trial_timeout`, `device` and `artifact_store` override the config as the CLI's flags do.
+    A SIGINT or SIGTERM (in the main thread) stops the running trial cleanly and returns.
+
+    Raises hpo.ConfigError for a bad config or argument, another hpo.HPOError (or
+    hpo.TrainerError, hpo.StorageError) for anything else the user can fix."""
+    from hpo.commands.run import check_study_name, run_arguments, run_study
+    from hpo.logs import quiet_library_output
+
+    started = time.monotonic()  # the timeout counts from here, data preparation included
+    _check_not_in_a_trial_process()
+    _check_overrides(n_trials, timeout, trial_timeout, study, storage=storage, device=device,
+                     artifact_store=artifact_store)  # fmt: skip
+    check_study_name(study, "study")
+    # Before CUDA initialises: fewer fragmentation OOMs as batch shapes change between steps.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    quiet_library_output()
+    args = run_arguments(study, config, storage=storage, n_trials=n_trials, timeout=timeout,
+                         trial_timeout=trial_timeout, device=device,
+                         artifact_store=artifact_store, started=started)  # fmt: skip
+    with _signals_restored():
+        outcome = run_study(args, say=log.info)
+    try:
+        return _result(study, outcome)
+    finally:
+        _dispose(outcome.storage)  # a long-lived caller (a notebook) keeps no connection
+
+
+def _result(name: str, outcome: Any) -> RunResult:
+    if outcome.study is None:
+        return RunResult(name, 0, None, (), {}, outcome.stopped_by)
+    front = [_trial(summary, outcome.study.metric_names) for summary in _best(outcome.study)]
+    several = len(outcome.study.directions) > 1
+    return RunResult(
+        study=name,
+        trials_run=outcome.trials_run or 0,
+        best=front[0] if front and not several else None,
+        pareto_front=tuple(front) if several else (),
+        trials=_counts(outcome.study),
+        stopped_by=outcome.stopped_by,
+    )
+
+
+def open_study(name: str, storage: str | None = None) -> Study:
+    """The study `name` in `storage` (default: $HPO_STORAGE, then ./hpo.db), to read: nothing is
+    created or written, not even a database file for a mistyped URL. Raises hpo.HPOError when
+    there is no such study, hpo.StorageError when the database cannot be reached."""
+    from hpo.commands.monitor import load_existing_study, open_storage_to_read
+
+    if not isinstance(name, str):
+        raise ConfigError([f"name: got {name!r}; give the study's name as text"], "open_study")
+    opened, storage_url = open_storage_to_read(storage)
+    try:
+        study = load_existing_study(opened, name, storage_url.masked)
+    except BaseException:
+        _dispose(opened)
+        raise
+    return Study(study, opened, storage_url.masked)
+
+
+class Study:
+    """A study read from its database: its trials, best trial, best model and report. Each call
+    reads the study as it is now (workers may be adding trials). Use as a context manager, or
+    call close(), to release its database connections."""
+
+    def __init__(self, study: Any, storage: Any, masked_url: str) -> None:
+        self._study, self._storage, self._url = study, storage, masked_url
+
+    @property
+    def name(self) -> str:
+        return str(self._study.study_name)
+
+    @property
+    def storage(self) -> str:
+        """The database URL, its password masked."""
+        return self._url
+
+    @property
+    def directions(self) -> tuple[str, ...]:
+        """minimize or maximize, per objective."""
+        return tuple(d.name.lower() for d in self._study.directions)
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        return tuple(_metric_names(self._study.metric_names, len(self._study.directions)))
+
+    def trials(self, states: Sequence[str] | None = None) -> list[Trial]:
+        """Every trial by number, or those in `states` (running, waiting, complete, pruned,
+        fail)."""
+        wanted = _states(states)
+        with self._reading():
+            found = self._study.get_trials(deepcopy=False)
+        names = self._study.metric_names
+        return [_frozen(t, names) for t in found if wanted is None or t.state in wanted]
+
+    def best(self) -> Trial:
+        """The best trial, as `hpo best` names it; raises hpo.HPOError before one completes, or
+        for a study of several objectives (see pareto_front())."""
+        if len(self._study.directions) > 1:
+            raise HPOError(f"study {self.name!r} has {len(self._study.directions)} objectives, so "
+                           "no single best trial; use pareto_front()")  # fmt: skip
+        return self.pareto_front()[0]
+
+    def pareto_front(self) -> list[Trial]:
+        """The trials no other complete trial beats on every objective (one objective: the best
+        trial alone); raises hpo.HPOError before one completes."""
+        from hpo.commands.monitor import best_of
+
+        with self._reading():
+            found = best_of(self._study, self._storage)
+        return [_trial(summary, self._study.metric_names) for summary in found]
+
+    def status(self) -> dict[str, Any]:
+        """What `hpo status --json` prints: trials by state, running trials and their workers,
+        the best, device-hours, trials/hour, failures and prunes by reason, the budget."""
+        from hpo.reports import status as report
+
+        with self._reading():
+            return report.status(self._study, storage=self._storage)
+
+    def download(
+        self, folder: str | os.PathLike[str], *, merge: bool = False,
+        artifact_store: str | None = None,
+    ) -> Path:  # fmt: skip
+        """The best trial's model from the study's artifact store into `folder` (new or empty),
+        as `hpo best --download`: every file checked against its sha256, never half a model.
+        `merge`: a LoRA study's adapter merged into its base model, written as a plain model.
+        `artifact_store`: where the store is reached from here (default: $HPO_ARTIFACT_STORE,
+        then the one the study's workers recorded). Returns the folder."""
+        from hpo.commands.monitor import download_best, study_artifact_store
+
+        with self._reading():
+            best = self._best_summaries()
+            store = study_artifact_store(self._study, artifact_store)
+            out, said = download_best(self._study, best, store, os.fspath(folder), merge)
+        log.info("%s", said)
+        return out
+
+    def report(self, path: str | os.PathLike[str], *, format: str | None = None) -> Path:
+        """The study's report, as `hpo report` writes it, to `path` (a file, or an existing
+        folder for the default name): one HTML page that opens offline, or Markdown (`format`
+        "md", or a path ending in .md). Returns the file written."""
+        from hpo.commands.monitor import write_report
+
+        given = os.fspath(path)
+        form = format or ("md" if given.lower().endswith(".md") else "html")
+        if form not in ("html", "md"):
+            raise ConfigError([f"format: got {format!r}; give 'html' or 'md'"], "report")
+        with self._reading():
+            return write_report(self._study, self._storage, form, given)
+
+    def close(self) -> None:
+        """Release the study's database connections; the object reads nothing more after."""
+        _dispose(self._storage)
+
+    def __enter__(self) -> Study:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"hpo.Study({self.name!r}, storage={self._url!r})"
+
+    def _best_summaries(self) -> list[dict[str, Any]]:
+        from hpo.commands.monitor import best_of
+
+        return best_of(self._study, self._storage)
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """A study deleted while it is read is one hpo.HPOError, as in the CLI."""
+        from hpo.commands.monitor import study_gone
+
+        try:
+            yield
+        except KeyError as e:
+            raise study_gone(e, self.name, self._url) from e
+
+
+def _check_overrides(
+    n_trials: object, timeout: object, trial_timeout: object, study: object, **texts: object
+) -> None:
+    """run()'s own arguments, every problem at once, named as the arguments are."""
+    problems = []
+    if not isinstance(study, str):
+        problems.append(f"study: got {study!r}; give the study's name as text")
+    for name, text in texts.items():
+        if text is not None and not isinstance(text, str):
+            problems.append(f"{name}: got {text!r}; give it as text (a string) or leave it out")
+    if n_trials is not None and (type(n_trials) is not int or n_trials < 1):
+        problems.append(f"n_trials: got {n_trials!r}; must be a positive integer")
+    for name, seconds in (("timeout", timeout), ("trial_timeout", trial_timeout)):
+        number = isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
+        if seconds is not None and not (number and 0 < seconds < math.inf):  # type: ignore[operator]
+            problems.append(f"{name}: got {seconds!r}; must be a finite number > 0 seconds")
+    if problems:
+        raise ConfigError(problems, "hpo.run")
+
+
+def _check_not_in_a_trial_process() -> None:
+    """A trial process (and multiprocessing's fork server) runs the caller's script as
+    multiprocessing does, as module `__mp_main__`: a run() at its top level would start a
+    worker again there. While that import runs, a module of that name is not the process's
+    `__main__` (elsewhere multiprocessing makes `__mp_main__` an alias of `__main__`, one named
+    `__main__` that a notebook's kernel may have replaced since)."""
+    main = sys.modules.get("__main__")
+    importing = sys.modules.get("__mp_main__", main)
+    if importing is not main and getattr(importing, "__name__", None) == "__mp_main__":
+        script = getattr(importing, "__file__", None) or "your script"
+        raise HPOError(f"hpo.run() ran again in a trial process that imported {script}: put "
+                       "the call under `if __name__ == \"__main__\":`, as multiprocessing "
+                       "requires of a script that starts processes")  # fmt: skip
+
+
+@contextlib.contextmanager
+def _signals_restored() -> Iterator[None]:
+    """The caller's SIGINT and SIGTERM handlers back once the run ends (the worker installs its
+    own to stop a trial cleanly)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+
+
+def _best(study: Any) -> list[dict[str, Any]]:
+    from hpo.reports import status as report
+
+    return report.best_trials(study)
+
+
+def _counts(study: Any) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for trial in study.get_trials(deepcopy=False):
+        state = trial.state.name.lower()
+        counts[state] = counts.get(state, 0) + 1
+    return counts
+
+
+def _states(states: Sequence[str] | None) -> set[Any] | None:
+    from optuna.trial import TrialState
+
+    if states is None:
+        return None
+    if isinstance(states, str):
+        states = [states]
+    unknown = [s for s in states if not isinstance(s, str) or s.lower() not in STATES]
+    if unknown:
+        raise ConfigError([f"states: got {unknown[0]!r}; give any of {', '.join(STATES)}"],
+                          "trials")  # fmt: skip
+    return {TrialState[s.upper()] for s in states}
+
+
+def _metric_names(names: list[str] | None, count: int) -> list[str]:
+    if names and len(names) == count:
+        return list(names)
+    return ["value"] if count == 1 else [f"objective_{i}" for i in range(count)]
+
+
+def _frozen(trial: Any, names: list[str] | None) -> Trial:
+    """A Trial of Optuna's FrozenTrial."""
+    values = tuple(trial.values) if trial.values is not None else None
+    return _make(trial.number, trial.state.name.lower(), values, trial.params, trial.user_attrs,
+                 names)  # fmt: skip
+
+
+def _trial(summary: dict[str, Any], names: list[str] | None) -> Trial:
+    """A Trial of a best-trial summary (hpo.reports.status.best_trials): a complete trial."""
+    values = summary.get("values") or [summary["value"]]
+    return _make(summary["number"], "complete", tuple(values), summary["params"],
+                 summary["user_attrs"], names)  # fmt: skip
+
+
+def _make(
+    number: int, state: str, values: tuple[float, ...] | None, params: dict[str, Any],
+    user_attrs: dict[str, Any], names: list[str] | None,
+) -> Trial:  # fmt: skip
+    metrics: dict[str, float] = {}
+    if values is not None:
+        metrics = dict(zip(_metric_names(names, len(values)), values, strict=True))
+    return Trial(number, state, values, metrics, dict(params), dict(user_attrs))
+
+
+def _int_or_none(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _dispose(storage: Any) -> None:
+    engine = getattr(storage, "engine", None)
+    if engine is not None:
+        engine.dispose()

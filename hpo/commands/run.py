@@ -259,11 +259,23 @@ def _prepare_every_model(config: Config) -> tuple[Any, dict[str, Any]]:
     from trainer.model import check_data_fits_model, check_model_config, load_tokenizer
     from trainer.tasks import prepare_data
 
+    if config.study.trial_isolation == "process":
+        # In the fork server, which imports transformers' model code for the trial processes
+        # anyway: the worker itself then never does (seconds of CPU at every start).
+        from hpo.trial.process import call_in_fork_server
+
+        def check(job: Any) -> Any:
+            return call_in_fork_server(check_model_config, job.model, job.data.max_length, job.task)
+    else:
+
+        def check(job: Any) -> Any:
+            return check_model_config(job.model, job.data.max_length, job.task)
+
     prepared: dict[str, Any] = {}
     for params in model_choices(config):
         job = job_for_trial(config, params)
         try:
-            model_config = check_model_config(job.model, job.data.max_length, job.task)
+            model_config = check(job)
             key = data_key(job)
             if key not in prepared:
                 tokenizer = load_tokenizer(job.model, job.task)

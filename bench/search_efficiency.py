@@ -74,6 +74,11 @@ STRATEGIES: dict[str, dict[str, Any]] = {
         "pruner": {"type": "median", "n_startup_trials": 3, "n_warmup_steps": 1},
     },
     "hpo default": {},  # TPE (multivariate) + successive halving (ASHA) since this benchmark
+    # With conditions (`when`) hpo turns TPE's group on; this is the default without it:
+    # multivariate TPE then samples a conditional parameter (LoRA's rank) on its own.
+    "hpo default, TPE not grouped": {
+        "sampler": {"type": "tpe", "multivariate": True, "group": False}
+    },
     "TPE multivariate, grouped + Hyperband": {
         "sampler": {"type": "tpe", "multivariate": True, "group": True},
         "pruner": {"type": "hyperband"},

@@ -15,7 +15,7 @@ to reach the target (min and max over seeds that reach it), how many seeds reach
 `--budget` x n_trials trials, the best value at a third of random search's compute, and the best
 after n_trials trials.
 
-Run: .venv/bin/python bench/search_efficiency.py [--task nli-scratch] [--seeds 20]
+Run: .venv/bin/python bench/search_efficiency.py [--task nli-scratch|demo|lora] [--seeds 20]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,7 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 from search_grid import TASKS, data_path  # noqa: E402
 
 from hpo.config.loader import parse_config  # noqa: E402
-from hpo.config.schema import Config, ParamSpec  # noqa: E402
+from hpo.config.schema import Config, ParamSpec, has_conditions  # noqa: E402
 from hpo.study.join import enqueue  # noqa: E402
 from hpo.study.sampling import build_pruner, build_sampler  # noqa: E402
 from hpo.trial.search_space import sample  # noqa: E402
@@ -74,6 +74,11 @@ STRATEGIES: dict[str, dict[str, Any]] = {
         "pruner": {"type": "median", "n_startup_trials": 3, "n_warmup_steps": 1},
     },
     "hpo default": {},  # TPE (multivariate) + successive halving (ASHA) since this benchmark
+    # With conditions (`when`) hpo turns TPE's group on; this is the default without it:
+    # multivariate TPE then samples a conditional parameter (LoRA's rank) on its own.
+    "hpo default, TPE not grouped": {
+        "sampler": {"type": "tpe", "multivariate": True, "group": False}
+    },
     "TPE multivariate, grouped + Hyperband": {
         "sampler": {"type": "tpe", "multivariate": True, "group": True},
         "pruner": {"type": "hyperband"},
@@ -156,29 +161,46 @@ class Run:
 
 
 class Table:
-    """The task's stored runs, looked up by the nearest grid point."""
+    """The task's stored runs, looked up by the nearest grid point. A parameter whose `when`
+    does not hold is absent from a run's point, as from a trial's parameters."""
 
     def __init__(self, runs: list[Run], space: dict[str, ParamSpec]) -> None:
         self.space = space
-        self.axes: dict[str, list[Any]] = {
-            name: sorted({run.params[name] for run in runs}) for name in space
-        }
-        self.runs: dict[tuple[Any, ...], list[Run]] = defaultdict(list)
+        self.runs: dict[tuple[tuple[str, Any], ...], list[Run]] = defaultdict(list)
         for run in runs:
             self.runs[self._key(run.params)].append(run)
+        # Per branch (which parameters a point has, and its categorical values): the values of
+        # each number there, to snap to.
+        self.axes: dict[tuple[Any, ...], dict[str, set[Any]]] = {}
+        for key in self.runs:
+            point = dict(key)
+            axes = self.axes.setdefault(self._branch(point), {})
+            for name, value in point.items():
+                axes.setdefault(name, set()).add(value)
 
-    def _key(self, params: dict[str, Any]) -> tuple[Any, ...]:
-        return tuple(params[name] for name in self.space)
+    def _key(self, params: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+        return tuple((name, params[name]) for name in self.space if name in params)
+
+    def _branch(self, params: dict[str, Any]) -> tuple[Any, ...]:
+        return tuple(
+            (name, params[name] if self.space[name].type == "categorical" else None)
+            for name in self.space
+            if name in params
+        )
 
     def nearest(self, params: dict[str, Any]) -> list[Run]:
+        """The runs of the grid point with the trial's parameters (no more: a trial without
+        a rank meets the points without one), its categorical values, and each number's
+        nearest value among those points (in log space for log parameters)."""
+        axes = self.axes.get(self._branch(params), {})
         point = {}
-        for name, spec in self.space.items():
-            axis, value = self.axes[name], params[name]
-            if spec.type == "categorical":
+        for name in (n for n in self.space if n in params):
+            spec, value = self.space[name], params[name]
+            if spec.type == "categorical" or name not in axes:
                 point[name] = value
                 continue
             scale = math.log if spec.log else float
-            point[name] = min(axis, key=lambda a: abs(scale(a) - scale(value)))  # noqa: B023
+            point[name] = min(axes[name], key=lambda a: abs(scale(a) - scale(value)))  # noqa: B023
         runs = self.runs.get(self._key(point))
         if not runs:
             raise SystemExit(f"the grid has no run at {point}; finish bench/search_grid.py")
@@ -242,6 +264,8 @@ class Search:
     seconds: list[float]
     best: list[float]  # best value so far, after each trial
     pruned: int
+    # The grid point each trial was snapped to (not kept for real studies).
+    points: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
 def replay(task: str, strategy: str, seed: int, n_trials: int) -> Search:
@@ -260,9 +284,11 @@ def replay(task: str, strategy: str, seed: int, n_trials: int) -> Search:
     pick = random.Random(seed)
     spent = {"samples": 0.0, "seconds": 0.0}  # by the running trial, up to its last evaluation
     samples, seconds, best, pruned = [0.0], [0.0], [-math.inf], 0
+    points: list[dict[str, Any]] = []
 
     def objective(trial: optuna.Trial) -> float:
         run = pick.choice(table.nearest(sample(trial, config.search_space)))
+        points.append(run.params)
         report = pruning_reporter(trial, metric)
         for e in run.evaluations:
             spent.update(samples=e["samples"], seconds=e["seconds"])
@@ -284,7 +310,7 @@ def replay(task: str, strategy: str, seed: int, n_trials: int) -> Search:
         samples.append(samples[-1] + spent["samples"])
         seconds.append(seconds[-1] + spent["seconds"])
     samples, seconds, best = samples[1:], seconds[1:], best[1:]
-    return Search(strategy, seed, samples, seconds, best, pruned)
+    return Search(strategy, seed, samples, seconds, best, pruned, points)
 
 
 def _replay(job: tuple[str, str, int, int]) -> Search:
@@ -294,7 +320,8 @@ def _replay(job: tuple[str, str, int, int]) -> Search:
 def real_search(task: str, strategy: str, seed: int, n_trials: int, folder: Path) -> Search:
     """The strategy as users run it: `hpo run` on the task's config, real training."""
     source = Path(TASKS[task]["config"])
-    _, raw, _ = load_task(task)
+    task_config, raw, _ = load_task(task)
+    task_batch = task_config.training.effective_batch_size  # where the space does not search it
     raw = strategy_raw(raw, strategy, seed)
     raw["study"]["n_trials"] = n_trials
     data = raw["data"]
@@ -320,7 +347,8 @@ def real_search(task: str, strategy: str, seed: int, n_trials: int, folder: Path
     for trial in sorted(trials, key=lambda t: t.number):
         attrs = trial.user_attrs
         steps = attrs.get("optimizer_steps", 0)
-        used = steps * trial.params["effective_batch_size"]
+        batch = trial.params.get("effective_batch_size", task_batch)
+        used = steps * batch
         samples.append((samples[-1] if samples else 0.0) + used)
         spent = attrs.get("train_s", 0.0) + attrs.get("eval_s", 0.0)
         seconds.append((seconds[-1] if seconds else 0.0) + spent)
@@ -404,6 +432,55 @@ def rarity(task: str) -> str:
             f"runs; median run {statistics.median(values):.4f}")  # fmt: skip
 
 
+def branches(task: str) -> str:
+    """For a space with conditions: the best run with each value of a parameter that a `when`
+    names (LoRA on or off), and where it is."""
+    config, _, table = load_task(task)
+    metric = config.study.primary_metric
+    parts = []
+    for name in condition_names(config.search_space):
+        for value in config.search_space[name].choices or []:
+            runs = [run for key, point_runs in table.runs.items() if (name, value) in key
+                    for run in point_runs]  # fmt: skip
+            top = max(runs, key=lambda run: best_of(run, metric))
+            where = ", ".join(f"{k} {v}" for k, v in top.params.items() if k != name)
+            parts.append(f"{name} {value}: {best_of(top, metric):.4f} ({where})")
+    return "best run with " + "; ".join(parts)
+
+
+def condition_names(space: dict[str, ParamSpec]) -> list[str]:
+    """The parameters some `when` names, in the space's order."""
+    named = {name for spec in space.values() for name in spec.when or {}}
+    return [name for name in space if name in named]
+
+
+def condition_use(task: str, searches: list[Search]) -> list[str]:
+    """For a space with conditions: per strategy, how often its trials took each value of a
+    parameter that a `when` names, and each value of a conditional parameter among the trials
+    where it applied (every trial of every search)."""
+    config, _, _ = load_task(task)
+    space = config.search_space
+    columns = [*condition_names(space), *(name for name, spec in space.items() if spec.when)]
+    if not columns:
+        return []
+    lines = [
+        "| strategy | " + " | ".join(f"{name}: share of trials" for name in columns) + " |",
+        "|---" * (len(columns) + 1) + "|",
+    ]
+    by_strategy: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for search in searches:
+        by_strategy[search.strategy].extend(search.points)
+    for strategy, points in by_strategy.items():
+        cells = []
+        for name in columns:
+            counts = Counter(point[name] for point in points if name in point)
+            total = sum(counts.values())
+            cells.append(", ".join(f"{value}: {count / total:.0%}"
+                                   for value, count in sorted(counts.items())))  # fmt: skip
+        lines.append(f"| {strategy} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--task", choices=sorted(TASKS), action="append")
@@ -425,7 +502,7 @@ def main() -> None:
     for required in ("random, no pruning", "TPE + median (Trainer.hyperparameter_search)"):
         if required not in strategies:
             strategies.insert(0, required)
-    for task in args.task or ["nli-scratch", "demo"]:
+    for task in args.task or ["nli-scratch", "demo", "lora"]:
         config, _, _ = load_task(task)
         n_trials = config.study.n_trials or 20
         total = math.ceil(args.budget * n_trials)
@@ -434,7 +511,10 @@ def main() -> None:
         with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
             searches = pool.map(_replay, jobs, chunksize=1)
         print(rarity(task))
+        if has_conditions(config.search_space):
+            print(branches(task))
         print("\n".join(report(task, searches, n_trials, args.unit)))
+        print("\n".join(condition_use(task, searches)))
         print(
             f"({len(jobs)} searches of {total} trials in {time.perf_counter() - started:.0f} s)\n"
         )

@@ -7,7 +7,7 @@ evaluation, the optimizer step, samples trained, seconds since the run started (
 evaluation, and the model's build) and the metrics. Runs already in
 the file are skipped: an interrupted grid goes on where it stopped.
 
-Run: .venv/bin/python bench/search_grid.py --task nli-scratch [--jobs 2]
+Run: .venv/bin/python bench/search_grid.py --task nli-scratch|demo|lora [--jobs 2]
 """
 
 from __future__ import annotations
@@ -50,6 +50,25 @@ TASKS: dict[str, dict[str, Any]] = {
         },
         "seeds": [1, 2],
     },
+    # A conditional parameter: full fine-tuning points have no rank (model.peft.r applies only
+    # when model.peft.method is lora), so the grid is the union of one grid per method.
+    "lora": {
+        "config": REPO / "bench/configs/search-lora.yaml",
+        "grid": [
+            {
+                "model.peft.method": ["none"],
+                "learning_rate": [3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2],
+                "effective_batch_size": [32],
+            },
+            {
+                "model.peft.method": ["lora"],
+                "model.peft.r": [4, 16],
+                "learning_rate": [3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2],
+                "effective_batch_size": [32],
+            },
+        ],
+        "seeds": [1, 2],
+    },
 }
 
 
@@ -57,15 +76,26 @@ def data_path(task: str) -> Path:
     return REPO / "bench" / "data" / f"search-{task}.jsonl"
 
 
+def grid_points(task: str) -> list[dict[str, Any]]:
+    """Every point of the task's grid. A grid is one product of values per parameter, or a list
+    of products (a space with conditions: each product holds only the parameters that apply)."""
+    grid = TASKS[task]["grid"]
+    points = []
+    for product in grid if isinstance(grid, list) else [grid]:
+        names = list(product)
+        for values in itertools.product(*(product[n] for n in names)):
+            points.append(dict(zip(names, values, strict=True)))
+    return points
+
+
 def grid_runs(task: str) -> list[dict[str, Any]]:
     """Every (point, seed) of the task's grid, in a fixed shuffled order: a grid stopped
     part way is a uniform sample of it."""
-    grid: dict[str, list[Any]] = TASKS[task]["grid"]
-    names = list(grid)
-    runs = []
-    for values in itertools.product(*(grid[n] for n in names)):
-        for seed in TASKS[task]["seeds"]:
-            runs.append({"params": dict(zip(names, values, strict=True)), "seed": seed})
+    runs = [
+        {"params": params, "seed": seed}
+        for params in grid_points(task)
+        for seed in TASKS[task]["seeds"]
+    ]
     random.Random(0).shuffle(runs)
     return runs
 

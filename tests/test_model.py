@@ -165,3 +165,18 @@ def test_a_model_with_fewer_positions_than_max_length_is_refused_before_any_tria
                "position_biased_input": False, "relative_attention": True}  # fmt: skip
     relative = ModelConfig(config=deberta, tokenizer="x", attn_implementation="eager")
     check_model_config(relative, max_length=1024)  # relative positions: no such limit
+
+
+def test_a_checkpoint_fine_tuned_for_another_number_of_labels_gets_a_fresh_head() -> None:
+    """data/models/tiny-bert was saved with a 2-label head; a 3-label task loads its body and
+    starts its own head (transformers refused with a raw error before)."""
+    from safetensors.torch import load_file
+
+    folder = Path(__file__).parents[1] / "data" / "models" / "tiny-bert"
+    saved = load_file(folder / "model.safetensors")
+    model = build_model(ModelConfig(name_or_path=str(folder)), ["a", "b", "c"], seed=0)
+    assert model.classifier.weight.shape[0] == 3
+    body = model.state_dict()
+    for name, tensor in saved.items():
+        if not name.startswith("classifier"):
+            assert torch.equal(body[name], tensor), name

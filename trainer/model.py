@@ -172,6 +172,9 @@ def build_model(
                 config=model_config,
                 **_hub_options(path, "model"),
                 attn_implementation=config.attn_implementation,
+                # A checkpoint fine-tuned for another number of labels: its head cannot hold
+                # this task's, which starts afresh (the body's weights load as they are).
+                ignore_mismatched_sizes=True,
             )
     except (OSError, ValueError, ImportError) as e:
         if config.config is not None:

@@ -464,3 +464,51 @@ def test_merge_of_a_model_trained_fully_is_one_line(tmp_path: Path) -> None:
     assert _finish_adapter(study, tmp_path / "plain", None, tmp_path / "out") == ""
     with pytest.raises(HPOError, match="^--merge: the best trial fine-tuned every weight"):
         _finish_adapter(study, tmp_path / "plain", tmp_path / "merged", tmp_path / "out")
+
+
+def test_hpo_retrain_of_a_lora_study_saves_an_adapter_that_peft_loads(
+    tmp_path: Path,
+    tiny_pretrained: Path,
+    easy_data: tuple[Path, Path],
+    hpo_main: Callable[[list[str]], int],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`hpo retrain` of a LoRA study trains the winner's adapter again with new seeds and
+    saves the best run as an adapter folder: peft loads it on the base model its card names,
+    and it predicts as the trained model did (its head included)."""
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from hpo.study.retrain import CARD_JSON
+
+    monkeypatch.chdir(tmp_path)
+    raw = lora_config(tiny_pretrained, *easy_data, study={"n_trials": 1},
+                      training={"epochs": 1, "evals_per_epoch": 1})  # fmt: skip
+    config = write_config(tmp_path / "lora.yaml", raw)
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    assert hpo_main(["run", "--study", "lora", "--config", str(config), "--storage", url]) == 0
+    retrain = ["retrain", "--study", "lora", "--config", str(config), "--storage", url,
+               "--top", "1", "--seeds", "2", "--out", "final"]  # fmt: skip
+    assert hpo_main(retrain) == 0
+    out = capsys.readouterr().out
+    assert "final model: final" in out, out
+    final = tmp_path / "final"
+    assert (final / "adapter_config.json").exists() and not (final / "model.safetensors").exists()
+    card = json.loads((final / CARD_JSON).read_text(encoding="utf-8"))
+    assert card["adapter"]["method"] == "lora" and card["adapter"]["r"] == 8
+    assert "PeftModel.from_pretrained" in (final / "README.md").read_text(encoding="utf-8")
+    ids = torch.tensor([[101, 2204, 102], [101, 2919, 102]])
+    logits = []
+    for seed in (0, 1):  # the base model's new head starts differently each time...
+        torch.manual_seed(seed)
+        base = AutoModelForSequenceClassification.from_pretrained(
+            tiny_pretrained, config=AutoConfig.from_pretrained(final)
+        )
+        loaded = PeftModel.from_pretrained(base, final).eval()
+        with torch.no_grad():
+            logits.append(loaded(input_ids=ids).logits)
+    assert loaded.config.id2label == {0: "neg", 1: "pos"}
+    # ...and the adapter folder replaces it with the trained one, with the trained LoRA layers.
+    torch.testing.assert_close(logits[0], logits[1])
+    assert any("lora_" in name for name, _ in loaded.named_parameters())

@@ -512,3 +512,38 @@ def test_hpo_retrain_of_a_lora_study_saves_an_adapter_that_peft_loads(
     # ...and the adapter folder replaces it with the trained one, with the trained LoRA layers.
     torch.testing.assert_close(logits[0], logits[1])
     assert any("lora_" in name for name, _ in loaded.named_parameters())
+
+
+def test_a_compiled_lora_model_trains_the_adapter_as_the_eager_one_does(
+    prepared: tuple[TrainJob, PreparedData], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """model.compile with LoRA: the compiled graph trains the adapter (and the head) and
+    nothing else, to the same weights as eager training (aot_eager on the CPU: the same
+    kernels)."""
+    from trainer import compiled
+
+    monkeypatch.setenv(compiled.BACKEND_ENV, "aot_eager")
+    torch.compiler.reset()
+    job, data = prepared
+    # No dropout anywhere: compiled code draws its random numbers in another order.
+    assert job.model.peft is not None
+    peft = dataclasses.replace(job.model.peft, dropout=0.0)
+    model = dataclasses.replace(job.model, dropout=0.0, peft=peft)
+    training = dataclasses.replace(job.training, max_steps=4)
+    job = dataclasses.replace(job, model=model, training=training)
+    weights = []
+    for compile_it in (False, True):
+        run = dataclasses.replace(job, model=dataclasses.replace(job.model, compile=compile_it))
+        trainer = Trainer(run, data)
+        before = compiled.compile_stats()
+        result = trainer.fit()
+        assert result.status == "completed" and result.optimizer_steps == 4
+        assert ((compiled.compile_stats() - before).graphs > 0) == compile_it
+        weights.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+    eager, graph = weights
+    assert eager.keys() == graph.keys()
+    for name in eager:
+        torch.testing.assert_close(graph[name], eager[name], rtol=1e-4, atol=1e-5)
+    trained = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n or "classifier" in n for n in trained)
+    torch.compiler.reset()

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import optuna
 import pytest
 import torch
 from optuna.trial import TrialState
@@ -417,6 +418,12 @@ def test_the_report_and_hpo_best_say_how_an_adapter_loads() -> None:
         "a LoRA adapter on pkg://m/model: PeftModel.from_pretrained(AutoModelForTokenClassification"
         ".from_pretrained(BASE, config=AutoConfig.from_pretrained(DIR)), DIR)"
     )
+    # Each trial's own record wins: a search that turns LoRA on and off has both kinds.
+    full_trial = {ADAPTER_ATTR: None}
+    assert model_loader(adapter, full_trial) == "AutoModelForTokenClassification.from_pretrained"
+    lora_trial = {ADAPTER_ATTR: adapter[ADAPTER_ATTR]}
+    assert model_loader(plain, lora_trial) == model_loader(adapter)
+    assert model_loader(adapter, {}) == model_loader(adapter)  # trials recorded before
     best = {"number": 3, "study": "s", "value": 0.9, "params": {}, "adapter": adapter[ADAPTER_ATTR],
             "user_attrs": {"best_model_uri": "file:///store/s/trial-3/best-model"}}  # fmt: skip
     assert "a LoRA adapter (hpo best --download DIR fetches it, loadable with peft; --merge" in (
@@ -461,9 +468,9 @@ def test_merge_of_a_model_trained_fully_is_one_line(tmp_path: Path) -> None:
     study = SimpleNamespace(user_attrs={})
     (tmp_path / "plain").mkdir()
     (tmp_path / "plain" / "config.json").write_text("{}")
-    assert _finish_adapter(study, tmp_path / "plain", None, tmp_path / "out") == ""
+    assert _finish_adapter(study, None, tmp_path / "plain", None, tmp_path / "out") == ""
     with pytest.raises(HPOError, match="^--merge: the best trial fine-tuned every weight"):
-        _finish_adapter(study, tmp_path / "plain", tmp_path / "merged", tmp_path / "out")
+        _finish_adapter(study, None, tmp_path / "plain", tmp_path / "merged", tmp_path / "out")
 
 
 def test_hpo_retrain_of_a_lora_study_saves_an_adapter_that_peft_loads(
@@ -488,6 +495,8 @@ def test_hpo_retrain_of_a_lora_study_saves_an_adapter_that_peft_loads(
     config = write_config(tmp_path / "lora.yaml", raw)
     url = f"sqlite:///{tmp_path / 'study.db'}"
     assert hpo_main(["run", "--study", "lora", "--config", str(config), "--storage", url]) == 0
+    (searched,) = optuna.load_study(study_name="lora", storage=url).trials
+    assert searched.user_attrs["adapter"] == {"method": "lora", "base_model": str(tiny_pretrained)}
     retrain = ["retrain", "--study", "lora", "--config", str(config), "--storage", url,
                "--top", "1", "--seeds", "2", "--out", "final"]  # fmt: skip
     assert hpo_main(retrain) == 0

@@ -180,6 +180,14 @@ class ModelConfig:
         """The LoRA settings in force; None for full fine-tuning (no model.peft, or method none)."""
         return self.peft if self.peft is not None and self.peft.method != "none" else None
 
+    def adapter_record(self) -> dict[str, Any] | None:
+        """What a study and each trial record of the adapter trained (method, base model);
+        None for full fine-tuning."""
+        adapter = self.adapter
+        if adapter is None:
+            return None
+        return {"method": adapter.method, "base_model": self.name_or_path}
+
     def problems(self) -> list[tuple[str, Any, str]]:
         found: list[tuple[str, Any, str]] = []
         if (self.name_or_path is None) == (self.config is None):

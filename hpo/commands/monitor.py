@@ -34,7 +34,7 @@ from hpo.reports.text import (
     strict_json,
     studies_table,
 )
-from hpo.study.join import ADAPTER_ATTR, loader_text, study_task
+from hpo.study.join import loader_text, study_task, trial_adapter
 
 EMPTY_STUDY_NAME = "--study: the study name is empty; `hpo studies` lists the names"
 
@@ -268,7 +268,8 @@ def download_best(
     try:
         manifest = store.fetch(study_folder_name(study.study_name), folder, "best-model", aside)
         if manifest is not None:
-            note = _finish_adapter(study, aside, merged if merge else None, out)
+            adapter = trial_adapter(study.user_attrs, best[0]["user_attrs"])
+            note = _finish_adapter(study, adapter, aside, merged if merge else None, out)
             if out.is_dir():
                 out.rmdir()
             (merged if merge else aside).rename(out)
@@ -290,7 +291,9 @@ def download_best(
     return out, f"{said}{note}"
 
 
-def _finish_adapter(study: Any, folder: Path, merged: Path | None, out: Path) -> str:
+def _finish_adapter(
+    study: Any, adapter: dict | None, folder: Path, merged: Path | None, out: Path
+) -> str:
     """A downloaded LoRA adapter made loadable here: it names its base model as this host finds
     it; with `merged`, merged into that base as a plain model there. Returns what to say of
     `out`, where it goes ("" for a plain model)."""
@@ -302,8 +305,7 @@ def _finish_adapter(study: Any, folder: Path, merged: Path | None, out: Path) ->
             raise HPOError("--merge: the best trial fine-tuned every weight (no LoRA adapter), "
                            "so its model is plain already; leave --merge out")  # fmt: skip
         return ""
-    adapter = study.user_attrs.get(ADAPTER_ATTR)
-    recorded = adapter.get("base_model") if isinstance(adapter, dict) else None
+    recorded = adapter.get("base_model") if adapter is not None else None
     base = point_at_base(folder, resolve_location(recorded) if recorded else None)
     task = study_task(study.user_attrs)
     if merged is None:

@@ -260,7 +260,7 @@ def _best_block(study: optuna.Study, status: dict[str, Any], fence: str) -> list
     lines = [f"trial #{best[0]['number']}: {text}"]
     model = best[0]["user_attrs"].get("best_model")
     if model:
-        lines.append(f"model: {model} ({model_loader(study.user_attrs)})")
+        lines.append(f"model: {model} ({model_loader(study.user_attrs, best[0]['user_attrs'])})")
     lines += [
         "",
         "To train this configuration again, add it to your config and run one trial:",

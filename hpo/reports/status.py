@@ -20,7 +20,7 @@ import optuna
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
-from hpo.study.join import ADAPTER_ATTR, model_loader
+from hpo.study.join import model_loader, trial_adapter
 from hpo.study.trials import RETRY_ATTR, counted_trials
 from hpo.trial import folders as checkpoints
 from hpo.trial.front import rule_for
@@ -129,8 +129,8 @@ def _trial_summary(study: optuna.Study, trial: FrozenTrial) -> dict[str, Any]:
         summary["values"] = trial.values
     missing = checkpoints.missing_model(trial.number, trial.user_attrs)
     return {**summary, "params": trial.params, "user_attrs": trial.user_attrs,
-            "model_loader": model_loader(study.user_attrs),
-            "adapter": study.user_attrs.get(ADAPTER_ATTR),
+            "model_loader": model_loader(study.user_attrs, trial.user_attrs),
+            "adapter": trial_adapter(study.user_attrs, trial.user_attrs),
             "model_missing": missing}  # fmt: skip
 
 

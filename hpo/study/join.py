@@ -19,6 +19,7 @@ from hpo.config.schema import (
 from hpo.errors import ConfigError
 from hpo.study.sampling import build_pruner, build_sampler, experimental_features, tpe_group
 from hpo.trial.front import TOLERANCE_ATTR
+from hpo.trial.protocol import ADAPTER_ATTR
 from storage.engine import StudyStorage
 from storage.tables import check_version
 from trainer.tasks import DEFAULT_TASK, TASKS
@@ -30,9 +31,6 @@ log = logging.getLogger(__name__)
 WORKERS_ATTR = "hpo:workers_joined"
 QUEUED_BY_ATTR = "queued_by"  # study.enqueue or hpo enqueue, on a queued trial
 TASK_ATTR = "task"  # what the study's models learn (trainer.tasks), set by its first worker
-# A LoRA study's adapter ({"method", "base_model"}: model.peft.method, model.name_or_path as the
-# config wrote it), set by its first worker: its models are adapters that load on that base.
-ADAPTER_ATTR = "adapter"
 
 
 def study_task(user_attrs: dict[str, Any]) -> str:
@@ -41,12 +39,20 @@ def study_task(user_attrs: dict[str, Any]) -> str:
     return task if isinstance(task, str) and task in TASKS else DEFAULT_TASK
 
 
-def model_loader(user_attrs: dict[str, Any]) -> str:
-    """How a study's saved model loads: `AutoModelFor<its head>.from_pretrained`, or for a LoRA
-    study, peft's loader on the base model."""
-    adapter = user_attrs.get(ADAPTER_ATTR)
-    base = adapter.get("base_model") if isinstance(adapter, dict) else None
-    return loader_text(study_task(user_attrs), base)
+def model_loader(user_attrs: dict[str, Any], trial_attrs: dict[str, Any] | None = None) -> str:
+    """How a trial's saved model loads: `AutoModelFor<its head>.from_pretrained`, or for a LoRA
+    adapter, peft's loader on the base model."""
+    adapter = trial_adapter(user_attrs, trial_attrs or {})
+    return loader_text(study_task(user_attrs), adapter["base_model"] if adapter else None)
+
+
+def trial_adapter(study_attrs: dict[str, Any], trial_attrs: dict[str, Any]) -> dict | None:
+    """The adapter a trial trained (its own record, ADAPTER_ATTR: a search may turn LoRA on and
+    off), else the study's (trials of hpo before that record); None for full fine-tuning."""
+    adapter = (
+        trial_attrs[ADAPTER_ATTR] if ADAPTER_ATTR in trial_attrs else study_attrs.get(ADAPTER_ATTR)
+    )
+    return adapter if isinstance(adapter, dict) else None
 
 
 def loader_text(task: str, base_model: str | None, folder: str = "DIR") -> str:
@@ -61,10 +67,7 @@ def loader_text(task: str, base_model: str | None, folder: str = "DIR") -> str:
 
 def adapter_record(config: Config) -> dict[str, Any] | None:
     """What a study records of its adapter (ADAPTER_ATTR); None for full fine-tuning."""
-    peft = config.model.adapter
-    if peft is None:
-        return None
-    return {"method": peft.method, "base_model": config.model.name_or_path}
+    return config.model.adapter_record()
 
 
 def open_study(storage: StudyStorage, name: str, config: Config) -> optuna.Study:

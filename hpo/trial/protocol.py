@@ -10,6 +10,10 @@ import signal
 from collections.abc import Callable
 from typing import Any, Protocol
 
+# A trial's (and, for trials of hpo before 0.1's per-trial record, a study's) record of the
+# LoRA adapter it trained: {method, base_model}, or None for full fine-tuning.
+ADAPTER_ATTR = "adapter"
+
 # How often a trial process looks at its worker: gone (it stops), or stopped by SIGSTOP (it
 # pauses too, so that it writes no checkpoint into a folder that a retry may take over).
 WORKER_WATCH_S = 0.5

@@ -18,7 +18,7 @@ from hpo.stopping import Interrupted, TrialTimedOut
 from hpo.trial import cpu_share
 from hpo.trial.child import replace_after_this_trial, stop_reason, stop_requested
 from hpo.trial.folders import trial_folder_maker
-from hpo.trial.protocol import TrialLike, TrialValue
+from hpo.trial.protocol import ADAPTER_ATTR, TrialLike, TrialValue
 from hpo.trial.search_space import job_for_trial
 from hpo.trial.task import TrialTask, batch_cache, data_for
 from hpo.trial.uploads import BackgroundUploader, fetch_resume_state
@@ -89,6 +89,8 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
             hand_over(trial, task, store, uploader)
         raise_stopped(clock)
     record_result(trial, result)
+    # Each trial says whether it trained an adapter: a search may turn LoRA on and off.
+    trial.set_user_attr(ADAPTER_ATTR, job.model.adapter_record())
     if result.first_step_at is not None and task.asked_at is not None:
         # Trial created to its first optimizer step: process start, data, model, batch size.
         trial.set_user_attr("startup_s", round(result.first_step_at - task.asked_at, 3))

@@ -28,6 +28,7 @@ from hpo.config.schema import (
 )
 from hpo.errors import ConfigError
 from storage.url import sqlite_file_relative_to
+from trainer.config import ENTRYPOINT
 from trainer.tasks import DEFAULT_TASK, TASKS
 
 # The demo config, where hpo runs from its repository (an editable install); a wheel has none.
@@ -140,7 +141,11 @@ def parse_config(
     # must get its did-you-mean.
     config = _build(Config, raw, "", problems, skip={"source", "base_dir"})
     config.source, config.base_dir = source, str(base_dir)
-    config.search_space = _build_search_space(space_raw, problems)
+    if isinstance(space_raw, str):
+        config.search_space = {}
+        _set_space_function(config, space_raw, problems)
+    else:
+        config.search_space = _build_search_space(space_raw, problems)
     if not 0 <= config.training.seed < 2**64:  # what numpy and torch.manual_seed both take
         problems.append(f"training.seed: got {_show(config.training.seed)}; must be in [0, 2**64)")
     if config.model.config is not None:
@@ -151,7 +156,9 @@ def parse_config(
         _check_searched_for_task(config, problems)
     if not problems and config.study.sampler.type == "grid":
         _check_grid(config, problems)
-    if not problems:
+    if not problems and config.search_space_function is not None:
+        _check_function_enqueue(config, problems)
+    elif not problems:
         grid = config.study.sampler.type == "grid"
         for index, params in enumerate(config.study.enqueue):
             where = f"study.enqueue[{index}]"
@@ -196,11 +203,17 @@ def _parse_entrypoint_config(
     space_raw = raw.pop("search_space", None)
     config = _build(Config, raw, "", problems, skip={"source", "base_dir", *_NOT_WITH_ENTRYPOINT})
     config.source, config.base_dir = source, str(base_dir)
-    config.search_space = _build_user_space(space_raw, problems)
+    if isinstance(space_raw, str):
+        config.search_space = {}
+        _set_space_function(config, space_raw, problems)
+    else:
+        config.search_space = _build_user_space(space_raw, problems)
     _set_user_objectives(config, objectives, direction, problems)
     if not problems:
         _check_user_space(config, problems)
-    if not problems:
+    if not problems and config.search_space_function is not None:
+        _check_function_enqueue(config, problems)
+    elif not problems:
         for index, params in enumerate(config.study.enqueue):
             where = f"study.enqueue[{index}]"
             config.study.enqueue[index] = check_params(config.search_space, params, where, problems)
@@ -208,6 +221,92 @@ def _parse_entrypoint_config(
     if problems:
         raise ConfigError(problems, source)
     return config
+
+
+def _set_space_function(config: Config, spec: str, problems: list[str]) -> None:
+    """`search_space: package.module:name`: the user's define-by-run function samples each
+    trial's parameters (imported and checked before any trial, by hpo run)."""
+    if not ENTRYPOINT.fullmatch(spec):
+        problems.append(f"search_space: got {_show(spec)}; must be a mapping of parameter name to "
+                        "spec, or your function as `package.module:name`, e.g. "
+                        "my_space:space")  # fmt: skip
+        return
+    config.search_space_function = spec
+    if config.study.sampler.type == "grid":
+        problems.append(f"study.sampler.type: grid needs a search space mapping (the grid "
+                        f"of {spec} is not known before it runs); use tpe or random")  # fmt: skip
+
+
+def _check_function_enqueue(config: Config, problems: list[str]) -> None:
+    for index, params in enumerate(config.study.enqueue):
+        config.study.enqueue[index] = check_function_params(params, f"study.enqueue[{index}]",
+                                                            problems)  # fmt: skip
+
+
+def check_function_params(
+    params: dict[Any, Any], where: str, problems: list[str]
+) -> dict[str, Any]:
+    """A configuration to try with a define-by-run search space: it names the Optuna parameters
+    the function suggests (Optuna gives a suggest_* call of that name the enqueued value). hpo
+    cannot know them before the function runs, so only their form is checked here; what the
+    function returns is checked in the trial like any other."""
+    if not params:
+        problems.append(f"{where}: names no parameter; give the names your function suggests "
+                        "(trial.suggest_float(name, ...))")  # fmt: skip
+    for key, value in params.items():
+        if not isinstance(key, str):
+            problems.append(f"{where}: key {_show(key)} is not text; quote it")
+        elif not isinstance(value, (str, int, float, bool, type(None))):
+            problems.append(f"{where}.{key}: got {_show(value)}; must be a single value (a "
+                            "number, text, true/false, null)")  # fmt: skip
+    return dict(params)
+
+
+def function_params(config: Config, params: Any, spec: str) -> dict[str, Any]:
+    """What a define-by-run search space returned for a trial, as the parameters hpo trains
+    with: each name one a YAML search space may name (resolved to its study name; a training
+    function's own parameter needs only be an identifier), each value converted to the
+    setting's type and valid for it. Raises ValueError with every problem found."""
+    if not isinstance(params, dict):
+        raise ValueError(f"{spec} returned {_described(params)}; expected a dict of parameter "
+                         "name to value, e.g. {'learning_rate': 3e-5}")  # fmt: skip
+    problems: list[str] = []
+    checked: dict[str, Any] = {}
+    user_function = config.training.entrypoint is not None
+    for key, value in params.items():
+        where = f"{spec} returned {_key(key)}"
+        if user_function:
+            name = key if isinstance(key, str) and key.isidentifier() else None
+            why = "a parameter's name must be a Python identifier (ctx.params[name])"
+        else:
+            name, why = search_paths.resolve(key)
+        if name is None:
+            problems.append(f"{where}: {why}")
+            continue
+        if name in checked:
+            problems.append(f"{where}: the same parameter as another key; give it once")
+            continue
+        ok, setting, rule = _convert(value, _field_hint(name), "", [])
+        if not ok:
+            problems.append(f"{where}: got {_show(value)}; must be {rule}")
+            continue
+        broken = [] if user_function else _setting_problems(config, name, setting)
+        if broken:
+            problems.append(f"{where}: value {_show(value)} {broken[0]}")
+            continue
+        checked[name] = setting
+    if not user_function and not problems:
+        unused = {search_paths.param_name(p) for p in _unused_settings(config.task)}
+        problems.extend(f"{spec} returned {n}: means nothing for the task {config.task}"
+                        for n in checked if n in unused)  # fmt: skip
+    if problems:
+        raise ValueError("; ".join(problems))
+    return checked
+
+
+def _unused_settings(task: str) -> list[str]:
+    info = TASKS.get(task)
+    return list(info.unused_settings()) if info is not None else []
 
 
 def _build_user_space(raw: Any, problems: list[str]) -> dict[str, ParamSpec]:

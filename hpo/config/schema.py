@@ -521,6 +521,9 @@ class Config:
     )
     source: str = "config"
     base_dir: str = ""  # the config file's folder: model choices are relative to it
+    # `search_space: package.module:name`: the user's define-by-run function, which samples each
+    # trial's parameters itself (search_space is then empty)
+    search_space_function: str | None = None
 
     def job(self, training: TrainingConfig | None = None) -> TrainJob:
         """The trainer's input: this config's data, model and task, with `training` (a trial's

@@ -1,0 +1,240 @@
+"""Plug-ins named in the config by import path: `search_space: package.module:name`, a
+define-by-run function that samples each trial's parameters. The config rules, the check of what
+it returns, each way it can fail, and runs through `hpo run`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+import yaml
+
+from hpo.config.loader import function_params, parse_config
+from hpo.errors import ConfigError
+from tests.conftest import easy_rows, run_hpo, tiny_config, write_config, write_csv
+
+
+def space_config(tmp_path: Path, **study: Any) -> dict[str, Any]:
+    """A config for hpo's own trainer whose search space is a function."""
+    train = write_csv(tmp_path / "train.csv", easy_rows(32, 1))
+    evaluation = write_csv(tmp_path / "eval.csv", easy_rows(16, 2))
+    raw = tiny_config(train, evaluation, study=study)
+    raw["search_space"] = "space_fn:space"
+    return raw
+
+
+def problems_of(raw: dict[str, Any], tmp_path: Path) -> str:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(raw, base_dir=tmp_path)
+    return str(caught.value)
+
+
+def test_a_function_search_space_replaces_the_mapping(tmp_path: Path) -> None:
+    config = parse_config(space_config(tmp_path), base_dir=tmp_path)
+    assert config.search_space_function == "space_fn:space"
+    assert config.search_space == {}  # hpo's default space is not added: the function says all
+    raw = space_config(tmp_path, enqueue=[{"lr": 0.01, "layers": 2}])
+    assert parse_config(raw, base_dir=tmp_path).study.enqueue == [{"lr": 0.01, "layers": 2}]
+
+
+def test_function_search_space_config_problems(tmp_path: Path) -> None:
+    raw = space_config(tmp_path)
+    raw["search_space"] = "space_fn.space"
+    assert "search_space: got 'space_fn.space'; must be a mapping of parameter name to spec, or " \
+        "your function as `package.module:name`" in problems_of(raw, tmp_path)  # fmt: skip
+    raw = space_config(tmp_path, sampler={"type": "grid"})
+    assert "study.sampler.type: grid needs a search space mapping" in problems_of(raw, tmp_path)
+    raw = space_config(tmp_path, enqueue=[{"lr": [1, 2]}])
+    assert "study.enqueue[0].lr: got [1, 2]; must be a single value" in problems_of(raw, tmp_path)
+    raw = space_config(tmp_path, enqueue=[{}])
+    assert "study.enqueue[0]: names no parameter" in problems_of(raw, tmp_path)
+
+
+def test_what_the_function_returns_is_checked_like_a_yaml_space(tmp_path: Path) -> None:
+    config = parse_config(space_config(tmp_path), base_dir=tmp_path)
+    returned = {"learning_rate": 1e-3, "training.epochs": 2.0, "model.dropout": 0.1,
+                "data.max_length": 16}  # fmt: skip
+    got = function_params(config, returned, "m:f")
+    # short and dotted names, as a YAML space takes them; whole floats become whole numbers
+    assert got == {"learning_rate": 1e-3, "epochs": 2, "model.dropout": 0.1,
+                   "data.max_length": 16}  # fmt: skip
+    assert isinstance(got["epochs"], int)
+    with pytest.raises(ValueError, match=r"m:f returned learning_rat: unknown parameter \(did you "
+                       r"mean 'learning_rate'\?\)"):  # fmt: skip
+        function_params(config, {"learning_rat": 1e-3}, "m:f")
+    with pytest.raises(ValueError, match="m:f returned epochs: got 'many'; must be an integer"):
+        function_params(config, {"epochs": "many"}, "m:f")
+    with pytest.raises(ValueError, match="m:f returned learning_rate: value -1"):
+        function_params(config, {"learning_rate": -1.0}, "m:f")
+    with pytest.raises(ValueError, match=r"m:f returned a list \[1\]; expected a dict"):
+        function_params(config, [1], "m:f")
+    with pytest.raises(ValueError, match="m:f returned lr: unknown parameter.*; m:f returned "
+                       "epochs: got 'x'"):  # fmt: skip
+        function_params(config, {"lr": 1.0, "epochs": "x"}, "m:f")  # every problem at once
+
+
+def test_a_training_function_takes_any_identifier(tmp_path: Path) -> None:
+    raw = {
+        "training": {"entrypoint": "train_fn:train", "device": "cpu"},
+        "study": {"metric": "val_loss", "direction": "minimize"},
+        "search_space": "space_fn:space",
+    }
+    config = parse_config(raw, base_dir=tmp_path)
+    assert function_params(config, {"hidden": 64, "lr": 0.1}, "m:f") == {"hidden": 64, "lr": 0.1}
+    with pytest.raises(ValueError, match="m:f returned not a name: a parameter's name must"):
+        function_params(config, {"not a name": 1}, "m:f")
+
+
+SPACE = """\
+def space(trial):
+    mode = trial.suggest_categorical("mode", ["ok", "raise", "wrong", "unknown", "exit"])
+    if mode == "raise":
+        helper_that_breaks(7)
+    if mode == "wrong":
+        return [mode]
+    if mode == "unknown":
+        return {"mode": mode, "learning_rat": 0.1}
+    if mode == "exit":
+        raise SystemExit(4)
+    layers = trial.suggest_int("layers", 1, 3)  # a loop over layers, as Optuna writes it
+    return {"mode": mode, "widths": [trial.suggest_int(f"w{i}", 4, 8) for i in range(layers)]}
+
+
+def helper_that_breaks(n):
+    raise RuntimeError(f"space broke at {n}")
+"""
+
+
+def sampled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, raw: dict[str, Any], mode: str) -> Any:
+    """A worker's Sampler on one trial of an in-memory study, `mode` enqueued."""
+    from hpo.trial.search_space import Sampler
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "space_fn", raising=False)
+    (tmp_path / "space_fn.py").write_text(SPACE)
+    sampler = Sampler(parse_config(raw, base_dir=tmp_path))
+    study = optuna.create_study()
+    study.enqueue_trial({"mode": mode, "layers": 2})
+    trial = study.ask()
+    try:
+        return sampler(trial)
+    finally:
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        sampled.attrs = trial.user_attrs  # type: ignore[attr-defined]
+
+
+def test_sampler_calls_the_function_and_names_each_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hpo.trial.search_space import SearchSpaceError
+
+    raw = {
+        "training": {"entrypoint": "train_fn:train", "device": "cpu"},
+        "study": {"metric": "val_loss", "direction": "minimize"},
+        "search_space": "space_fn:space",
+    }
+    params = sampled(tmp_path, monkeypatch, raw, "ok")
+    assert params["mode"] == "ok" and len(params["widths"]) == 2  # the enqueued layers: 2
+    assert sampled.attrs["params"] == params  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="space broke at 7"):
+        sampled(tmp_path, monkeypatch, raw, "raise")
+    kept = sampled.attrs["traceback"]  # type: ignore[attr-defined]
+    assert 'space_fn.py", line 16, in helper_that_breaks' in kept
+    assert kept.splitlines()[1].strip().startswith('File "' + str(tmp_path))  # the user's frames
+    assert "space_fn:space: RuntimeError: space broke at 7" in sampled.attrs["fail_reason"]  # type: ignore[attr-defined]
+    with pytest.raises(SearchSpaceError, match=r"space_fn:space returned a list"):
+        sampled(tmp_path, monkeypatch, raw, "wrong")
+    with pytest.raises(SearchSpaceError, match="space_fn:space raised SystemExit: 4"):
+        sampled(tmp_path, monkeypatch, raw, "exit")
+    own = space_config(tmp_path)
+    with pytest.raises(SearchSpaceError, match="returned learning_rat: unknown parameter .did you"):
+        sampled(tmp_path, monkeypatch, own, "unknown")
+    assert "learning_rate" in sampled.attrs["fail_reason"]  # type: ignore[attr-defined]
+
+
+def test_cli_refuses_a_missing_space_function_before_any_trial(tmp_path: Path) -> None:
+    (tmp_path / "space_fn.py").write_text("def spaec(trial):\n    return {}\n")
+    raw = {
+        "training": {"entrypoint": "train_fn:train", "device": "cpu"},
+        "study": {"metric": "val_loss", "direction": "minimize", "n_trials": 1},
+        "search_space": "space_fn:space",
+    }
+    (tmp_path / "train_fn.py").write_text("def train(ctx):\n    return 0.0\n")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
+    done = run_hpo("run", "--config", "config.yaml", "--study", "s", "--storage",
+                   "sqlite:///s.db", cwd=tmp_path, timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    where = tmp_path / "space_fn.py"
+    assert last.endswith(f"search_space: space_fn:space: module space_fn ({where}) has no space")
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "s.db").exists() or not optuna.get_all_study_summaries(
+        "sqlite:///" + str(tmp_path / "s.db")
+    )
+
+
+TRAIN = """\
+def train(ctx):
+    return float(sum(ctx.params["widths"]))
+"""
+
+
+@pytest.mark.slow
+def test_space_failures_end_their_trial_and_the_worker_goes_on(tmp_path: Path) -> None:
+    """One worker, a trial per way: the function raises (FAIL, the user's traceback kept),
+    returns a list, exits (FAIL, named); the enqueued `ok` trial trains with what it returned."""
+    (tmp_path / "space_fn.py").write_text(SPACE)
+    (tmp_path / "train_fn.py").write_text(TRAIN)
+    modes = ["raise", "wrong", "exit", "ok"]
+    raw = {
+        "training": {"entrypoint": "train_fn:train", "device": "cpu"},
+        "study": {"metric": "width", "direction": "minimize", "n_trials": len(modes),
+                  "enqueue": [{"mode": m, "layers": 2, "w0": 4, "w1": 5} for m in modes]},
+        "search_space": "space_fn:space",
+    }  # fmt: skip
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    done = run_hpo("run", "--config", "config.yaml", "--study", "s", "--storage", url,
+                   cwd=tmp_path, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    trials = {t.params["mode"]: t for t in optuna.load_study(study_name="s", storage=url).trials}
+    state = optuna.trial.TrialState
+    assert trials["raise"].state == state.FAIL
+    assert 'space_fn.py", line 16, in helper_that_breaks' in trials["raise"].user_attrs["traceback"]
+    assert 'space_fn.py", line 16, in helper_that_breaks' in done.stderr  # the worker's log
+    assert trials["wrong"].state == state.FAIL
+    assert "space_fn:space returned a list" in trials["wrong"].user_attrs["fail_reason"]
+    assert trials["exit"].state == state.FAIL
+    assert trials["ok"].state == state.COMPLETE and trials["ok"].value == 9.0  # widths 4 + 5
+    assert trials["ok"].user_attrs["params"] == {"mode": "ok", "widths": [4, 5]}
+
+
+@pytest.mark.slow
+def test_hpo_trains_with_what_the_function_returns(tmp_path: Path) -> None:
+    """hpo's own trainer, one trial of one epoch: the function's short names are the settings
+    the trial trains with, exactly as if sampled from YAML."""
+    train = write_csv(tmp_path / "train.csv", easy_rows(32, 1))
+    evaluation = write_csv(tmp_path / "eval.csv", easy_rows(16, 2))
+    (tmp_path / "space_fn.py").write_text(
+        "def space(trial):\n"
+        "    lr = trial.suggest_float('lr', 1e-3, 5e-3, log=True)\n"
+        "    return {'learning_rate': lr, 'effective_batch_size': 8, 'training.epochs': 1}\n"
+    )
+    raw = tiny_config(train, evaluation, study={"n_trials": 1},
+                      training={"evals_per_epoch": 1})  # fmt: skip
+    raw["search_space"] = "space_fn:space"
+    write_config(tmp_path / "config.yaml", raw)
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    done = run_hpo("run", "--config", "config.yaml", "--study", "s", "--storage", url,
+                   cwd=tmp_path, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (trial,) = optuna.load_study(study_name="s", storage=url).trials
+    assert trial.state == optuna.trial.TrialState.COMPLETE
+    assert set(trial.params) == {"lr"}  # Optuna keeps the function's own names
+    trained = trial.user_attrs["params"]
+    assert trained == {"learning_rate": trial.params["lr"], "effective_batch_size": 8,
+                       "epochs": 1}  # fmt: skip
+    assert trial.user_attrs["search_space"] == "space_fn:space"

@@ -238,3 +238,153 @@ def test_hpo_trains_with_what_the_function_returns(tmp_path: Path) -> None:
     assert trained == {"learning_rate": trial.params["lr"], "effective_batch_size": 8,
                        "epochs": 1}  # fmt: skip
     assert trial.user_attrs["search_space"] == "space_fn:space"
+
+
+# -- metrics: package.module:name ------------------------------------------------------------
+
+
+def metrics_config(tmp_path: Path, **study: Any) -> dict[str, Any]:
+    raw = space_config(tmp_path, **study)
+    raw["search_space"] = {"learning_rate": {"type": "float", "low": 1e-3, "high": 5e-3}}
+    raw["metrics"] = "my_metrics:f2"
+    return raw
+
+
+def test_study_metric_may_name_the_functions_metrics(tmp_path: Path) -> None:
+    raw = metrics_config(tmp_path, metric="f2", direction="maximize")
+    config = parse_config(raw, base_dir=tmp_path)
+    assert config.metrics == "my_metrics:f2"
+    assert config.study.objectives == ["f2"] and config.study.resolved_directions == ["maximize"]
+    raw = metrics_config(tmp_path, metric=["f2", "accuracy"], direction=["maximize", "maximize"])
+    assert parse_config(raw, base_dir=tmp_path).study.objectives == ["f2", "accuracy"]
+    assert parse_config(metrics_config(tmp_path), base_dir=tmp_path).study.metric == "accuracy"
+
+
+def test_metrics_function_config_problems(tmp_path: Path) -> None:
+    raw = metrics_config(tmp_path, metric="f2")
+    assert "study.direction: got null; f2 is not hpo's: give minimize or maximize for each " \
+        "metric (f2)" in problems_of(raw, tmp_path)  # fmt: skip
+    raw = metrics_config(tmp_path, metric=["f2", "accuracy"], direction=["maximize", "minimize"])
+    assert "study.direction: metric accuracy must be maximized" in problems_of(raw, tmp_path)
+    raw = metrics_config(tmp_path)
+    raw["metrics"] = "my_metrics.f2"
+    assert "metrics: got 'my_metrics.f2'; must be your function as `package.module:name`" in (
+        problems_of(raw, tmp_path)
+    )
+    raw = metrics_config(tmp_path)
+    raw["task"] = "token_classification"
+    raw["study"]["metric"] = "f1"
+    assert "metrics: the task token_classification has a target per token" in (
+        problems_of(raw, tmp_path)
+    )
+    raw = metrics_config(tmp_path)  # the study may not name a metric without the function
+    del raw["metrics"]
+    raw["study"].update(metric="f2", direction="maximize")
+    assert "study.metric" in problems_of(raw, tmp_path)
+    raw = {
+        "training": {"entrypoint": "train_fn:train"},
+        "study": {"metric": "val_loss", "direction": "minimize"},
+        "metrics": "my_metrics:f2",
+    }
+    assert "metrics: means nothing with training.entrypoint" in problems_of(raw, tmp_path)
+
+
+def test_what_the_metrics_function_returns_is_checked() -> None:
+    import numpy as np
+
+    from trainer.user_metrics import MetricsFunctionError, UserMetrics
+
+    def f2(logits: Any, labels: Any) -> Any:
+        return {"f2": np.float32(0.5), "hits": int((logits.argmax(1) == labels).sum())}
+
+    user = UserMetrics(f2, "m:f2")
+    logits, labels = np.array([[0.1, 0.9], [0.8, 0.2]], np.float32), np.array([1, 1])
+    got = user(logits, labels, {"accuracy": 0.5})
+    assert got == {"f2": 0.5, "hits": 1.0} and all(type(v) is float for v in got.values())
+    for returned, said in [
+        ([0.5], "m:f returned list; expected a dict of metric name to number"),
+        ({"f2": "high"}, "m:f returned 'f2': str 'high'; expected a number"),
+        ({"f2": True}, "m:f returned 'f2': bool True; expected a number"),
+        ({"f2": np.ones(3)}, "m:f returned 'f2': ndarray"),
+        ({1: 0.5}, "m:f returned the key 1; a metric's name is text"),
+        ({"accuracy": 0.5}, "m:f returned 'accuracy', a metric the task has already (accuracy)"),
+    ]:
+        with pytest.raises(
+            MetricsFunctionError, match=said.replace("(", r"\(").replace(")", r"\)")
+        ):
+            UserMetrics(lambda _x, _y, r=returned: r, "m:f")(logits, labels, {"accuracy": 0.5})
+
+    def broken(logits: Any, labels: Any) -> Any:
+        raise ZeroDivisionError("no positives")
+
+    with pytest.raises(
+        MetricsFunctionError, match="m:b raised ZeroDivisionError: no positives"
+    ) as e:
+        UserMetrics(broken, "m:b")(logits, labels, {})
+    assert isinstance(e.value.__cause__, ZeroDivisionError)  # the user's traceback goes with it
+
+
+def test_cli_refuses_a_metrics_module_that_does_not_import(tmp_path: Path) -> None:
+    (tmp_path / "my_metrics.py").write_text("import sklearn_that_is_not_there\n")
+    write_config(tmp_path / "config.yaml", metrics_config(tmp_path, metric="f2",
+                                                          direction="maximize"))  # fmt: skip
+    done = run_hpo("run", "--config", "config.yaml", "--study", "s", "--storage",
+                   "sqlite:///s.db", cwd=tmp_path, timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .endswith(
+            "metrics: my_metrics:f2: module my_metrics does not import (ModuleNotFoundError: No "
+            "module named 'sklearn_that_is_not_there')"
+        )
+    )
+    assert "Traceback" not in done.stderr
+
+
+METRICS = """\
+from pathlib import Path
+
+import numpy as np
+
+
+def f2(logits, labels):
+    marker = Path("first_call_done")
+    if not marker.exists():  # the first trial's first evaluation: user code that breaks
+        marker.write_text("")
+        return helper_that_breaks()
+    predicted = logits.argmax(axis=1)
+    hits = float(((predicted == 1) & (labels == 1)).sum())
+    precision = hits / max(1, (predicted == 1).sum())
+    recall = hits / max(1, (labels == 1).sum())
+    f2 = 5 * precision * recall / max(1e-9, 4 * precision + recall)
+    return {"f2": f2, "rows": len(labels), "width": logits.shape[1]}
+
+
+def helper_that_breaks():
+    raise ZeroDivisionError("no positives")
+"""
+
+
+@pytest.mark.slow
+def test_metrics_function_values_are_the_study_metric(tmp_path: Path) -> None:
+    """hpo's trainer, two trials of one epoch: the first's metrics function raises (FAIL, the
+    user's traceback kept, the worker goes on); the second is scored by the function's f2, with
+    the logits and labels of every evaluation example."""
+    (tmp_path / "my_metrics.py").write_text(METRICS)
+    raw = metrics_config(tmp_path, metric="f2", direction="maximize", n_trials=2)
+    raw["training"].update(epochs=1, evals_per_epoch=1)
+    write_config(tmp_path / "config.yaml", raw)
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    done = run_hpo("run", "--config", "config.yaml", "--study", "s", "--storage", url,
+                   cwd=tmp_path, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second = optuna.load_study(study_name="s", storage=url).trials
+    assert first.state == optuna.trial.TrialState.FAIL
+    assert "my_metrics:f2 raised ZeroDivisionError: no positives" in first.user_attrs["fail_reason"]
+    assert 'my_metrics.py", line 20, in helper_that_breaks' in first.user_attrs["traceback"]
+    assert second.state == optuna.trial.TrialState.COMPLETE
+    metrics = second.user_attrs["best_evaluation"]["metrics"]
+    assert metrics["rows"] == 16 and metrics["width"] == 2  # every eval row, a logit per class
+    assert second.value == metrics["f2"] and 0 <= second.value <= 1
+    assert "accuracy" in metrics  # the task's own metrics stay

@@ -29,7 +29,8 @@ from hpo.config.schema import (
 from hpo.errors import ConfigError
 from storage.url import sqlite_file_relative_to
 from trainer.config import ENTRYPOINT
-from trainer.tasks import DEFAULT_TASK, TASKS
+from trainer.tasks import DEFAULT_TASK, METRIC_DIRECTIONS, TASKS
+from trainer.user_metrics import EXAMPLE_TASKS
 
 # The demo config, where hpo runs from its repository (an editable install); a wheel has none.
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
@@ -135,6 +136,7 @@ def parse_config(
     if _entrypoint_of(raw) is not None:
         return _parse_entrypoint_config(raw, base_dir, source, paths_from)
     _default_metric_of_task(raw)
+    user_objectives = _pop_user_objectives(raw)
     space_raw = raw.pop("search_space", None)
     _default_model_of_search(raw, space_raw)
     # search_space is built on its own below, but is a known key all the same: `search_spaces:`
@@ -150,6 +152,8 @@ def parse_config(
         problems.append(f"training.seed: got {_show(config.training.seed)}; must be in [0, 2**64)")
     if config.model.config is not None:
         problems.extend(_inline_model_problems(config.model.config))
+    if config.metrics is not None:
+        _check_metrics_function(config, user_objectives, problems)
     if not problems:  # needs well-typed sections; its findings would be noise otherwise
         _check_search_space(config, problems)
     if not problems:
@@ -178,7 +182,7 @@ def _entrypoint_of(raw: dict[Any, Any]) -> Any:
 
 # What a config with training.entrypoint leaves out: the user's function builds its own model
 # and reads its own data, so hpo's settings for them would silently mean nothing.
-_NOT_WITH_ENTRYPOINT = ("model", "data", "task")
+_NOT_WITH_ENTRYPOINT = ("model", "data", "task", "metrics")
 
 
 def _parse_entrypoint_config(
@@ -221,6 +225,68 @@ def _parse_entrypoint_config(
     if problems:
         raise ConfigError(problems, source)
     return config
+
+
+def _pop_user_objectives(raw: dict[Any, Any]) -> tuple[Any, Any] | None:
+    """With `metrics: package.module:name`, study.metric may name the function's own metrics,
+    which the study section's rules do not know: such a metric and its direction are taken out
+    here (the task's default metric stands in) and checked by _check_metrics_function."""
+    study, task = raw.get("study"), raw.get("task", DEFAULT_TASK)
+    if not isinstance(raw.get("metrics"), str) or not isinstance(study, dict):
+        return None
+    metric = study.get("metric")
+    names = [metric] if isinstance(metric, str) else metric
+    if not isinstance(names, list) or all(n in METRIC_DIRECTIONS for n in names):
+        return None  # hpo's own metrics: the study section's rules apply
+    study = dict(study)
+    given = study.pop("metric"), study.pop("direction", None)
+    if task in TASKS:
+        study["metric"] = TASKS[task].default_metric
+    raw["study"] = study
+    return given
+
+
+def _check_metrics_function(
+    config: Config, objectives: tuple[Any, Any] | None, problems: list[str]
+) -> None:
+    """`metrics:` names a function by import path, for a task with a target per example; a
+    study.metric hpo does not know is one of its names, so study.direction must say which way
+    each metric improves (an hpo metric's direction, if given, must be its own)."""
+    spec = config.metrics
+    if not isinstance(spec, str) or not ENTRYPOINT.fullmatch(spec):
+        problems.append(f"metrics: got {_show(spec)}; must be your function as "
+                        "`package.module:name`, e.g. my_metrics:f2")  # fmt: skip
+    if config.task not in EXAMPLE_TASKS:
+        problems.append(f"metrics: the task {config.task} has a target per token; a metrics "
+                        f"function works with {', '.join(EXAMPLE_TASKS)}")  # fmt: skip
+    if objectives is None:
+        return
+    metric, direction = objectives
+    names = [metric] if isinstance(metric, str) else metric
+    if not all(isinstance(n, str) and n.strip() for n in names) or len(set(names)) < len(names):
+        problems.append(f"study.metric: got {_show(metric)}; name each metric once")
+        return
+    given = [direction] if isinstance(direction, str) else direction
+    if (
+        not isinstance(given, list)
+        or len(given) != len(names)
+        or not all(d in ("minimize", "maximize") for d in given)
+    ):
+        unknown = [n for n in names if n not in METRIC_DIRECTIONS]
+        problems.append(f"study.direction: got {_show(direction)}; {', '.join(unknown)} "
+                        f"{'is' if len(unknown) == 1 else 'are'} not hpo's: give minimize or "
+                        f"maximize for each metric ({', '.join(names)})")  # fmt: skip
+        return
+    for name, way in zip(names, given, strict=True):
+        if name in METRIC_DIRECTIONS and way != METRIC_DIRECTIONS[name]:
+            problems.append(f"study.direction: metric {name} must be {METRIC_DIRECTIONS[name]}d")
+            return
+    if names[0] == "samples_per_s":
+        problems.append("study.metric: must begin with an evaluation metric: it picks the best "
+                        "evaluation")  # fmt: skip
+        return
+    config.study.metric = typing.cast(Any, metric)
+    config.study.direction = typing.cast(Any, direction)
 
 
 def _set_space_function(config: Config, spec: str, problems: list[str]) -> None:

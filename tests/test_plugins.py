@@ -4,6 +4,7 @@ it returns, each way it can fail, and runs through `hpo run`."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import yaml
 
 from hpo.config.loader import function_params, parse_config
 from hpo.errors import ConfigError
-from tests.conftest import easy_rows, run_hpo, tiny_config, write_config, write_csv
+from tests.conftest import REPO, easy_rows, run_hpo, tiny_config, write_config, write_csv
 
 
 def space_config(tmp_path: Path, **study: Any) -> dict[str, Any]:
@@ -212,32 +213,34 @@ def test_space_failures_end_their_trial_and_the_worker_goes_on(tmp_path: Path) -
     assert trials["ok"].user_attrs["params"] == {"mode": "ok", "widths": [4, 5]}
 
 
+EXAMPLE = REPO / "examples" / "plugins"
+
+
 @pytest.mark.slow
-def test_hpo_trains_with_what_the_function_returns(tmp_path: Path) -> None:
-    """hpo's own trainer, one trial of one epoch: the function's short names are the settings
-    the trial trains with, exactly as if sampled from YAML."""
+def test_plugins_example_trains_with_what_its_space_returns(tmp_path: Path) -> None:
+    """examples/plugins, cut to one trial of one epoch on the tests' tiny data: hpo's trainer
+    trains with what space.py returns, exactly as if sampled from YAML (the enqueued warm start
+    fixes the names it suggests), and f_beta.py's f2 is the trial's value."""
+    for name in ("config.yaml", "space.py", "f_beta.py"):
+        shutil.copy(EXAMPLE / name, tmp_path / name)
+    raw = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    raw["study"].update(n_trials=1, storage=f"sqlite:///{tmp_path / 's.db'}")
     train = write_csv(tmp_path / "train.csv", easy_rows(32, 1))
     evaluation = write_csv(tmp_path / "eval.csv", easy_rows(16, 2))
-    (tmp_path / "space_fn.py").write_text(
-        "def space(trial):\n"
-        "    lr = trial.suggest_float('lr', 1e-3, 5e-3, log=True)\n"
-        "    return {'learning_rate': lr, 'effective_batch_size': 8, 'training.epochs': 1}\n"
-    )
-    raw = tiny_config(train, evaluation, study={"n_trials": 1},
-                      training={"evals_per_epoch": 1})  # fmt: skip
-    raw["search_space"] = "space_fn:space"
+    raw["data"].update(train_file=str(train), eval_file=str(evaluation))
+    raw["training"].update(epochs=1, evals_per_epoch=1, physical_batch_size=4, device="cpu")
     write_config(tmp_path / "config.yaml", raw)
-    url = f"sqlite:///{tmp_path / 's.db'}"
-    done = run_hpo("run", "--config", "config.yaml", "--study", "s", "--storage", url,
-                   cwd=tmp_path, timeout=300)  # fmt: skip
+    done = run_hpo("run", "--config", "config.yaml", "--study", "s", cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    (trial,) = optuna.load_study(study_name="s", storage=url).trials
+    (trial,) = optuna.load_study(study_name="s", storage=raw["study"]["storage"]).trials
     assert trial.state == optuna.trial.TrialState.COMPLETE
-    assert set(trial.params) == {"lr"}  # Optuna keeps the function's own names
+    assert trial.params == raw["study"]["enqueue"][0]  # Optuna's own record: the names suggested
     trained = trial.user_attrs["params"]
-    assert trained == {"learning_rate": trial.params["lr"], "effective_batch_size": 8,
-                       "epochs": 1}  # fmt: skip
-    assert trial.user_attrs["search_space"] == "space_fn:space"
+    assert trained == {"learning_rate": 0.002, "effective_batch_size": 32,
+                       "lr_schedule": "linear", "warmup_ratio": 0.1}  # fmt: skip
+    assert trial.user_attrs["search_space"] == "space:space"
+    metrics = trial.user_attrs["best_evaluation"]["metrics"]
+    assert trial.value == metrics["f2"] and {"recall", "accuracy"} <= set(metrics)
 
 
 # -- metrics: package.module:name ------------------------------------------------------------
@@ -388,3 +391,21 @@ def test_metrics_function_values_are_the_study_metric(tmp_path: Path) -> None:
     assert metrics["rows"] == 16 and metrics["width"] == 2  # every eval row, a logit per class
     assert second.value == metrics["f2"] and 0 <= second.value <= 1
     assert "accuracy" in metrics  # the task's own metrics stay
+
+
+def test_the_json_schema_takes_plugins_and_still_refuses_unknown_metrics(tmp_path: Path) -> None:
+    import jsonschema
+
+    from hpo.config.json_schema import config_schema
+
+    def valid(raw: dict[str, Any]) -> bool:
+        return jsonschema.Draft7Validator(config_schema()).is_valid(raw)
+
+    raw = metrics_config(tmp_path, metric="f2", direction="maximize")
+    raw["search_space"] = "space_fn:space"
+    assert valid(raw)
+    raw["search_space"] = "space_fn.space"  # not an import path
+    assert not valid(raw)
+    raw = metrics_config(tmp_path, metric="f2", direction="maximize")
+    del raw["metrics"]  # without the function, f2 is no metric of hpo's
+    assert not valid(raw)

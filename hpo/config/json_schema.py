@@ -75,10 +75,11 @@ def _entrypoint_or_not(schema: dict[str, Any]) -> dict[str, Any]:
             }
         },  # fmt: skip
         "else": {
-            "properties": {
-                "study": {"properties": {"metric": hpo_metric}},
-                "search_space": {"anyOf": [_search_space_schema(), SPACE_FUNCTION]},
-            }
+            "properties": {"search_space": {"anyOf": [_search_space_schema(), SPACE_FUNCTION]}},
+            # `metrics: package.module:name`: study.metric may name the function's metrics
+            "if": {"required": ["metrics"], "properties": {"metrics": {"type": "string"}}},
+            "then": {"properties": {"study": {"properties": {"metric": user_metric}}}},
+            "else": {"properties": {"study": {"properties": {"metric": hpo_metric}}}},
         },  # fmt: skip
     }
 

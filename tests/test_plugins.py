@@ -409,3 +409,56 @@ def test_the_json_schema_takes_plugins_and_still_refuses_unknown_metrics(tmp_pat
     raw = metrics_config(tmp_path, metric="f2", direction="maximize")
     del raw["metrics"]  # without the function, f2 is no metric of hpo's
     assert not valid(raw)
+
+
+def test_a_study_keeps_its_search_space_function(tmp_path: Path) -> None:
+    """The first worker records the function; one whose config names another, or a mapping,
+    is refused (both would record an empty search space)."""
+    from hpo.study.join import open_study
+    from storage import open_storage, resolve_storage_url
+
+    storage = open_storage(resolve_storage_url(f"sqlite:///{tmp_path / 's.db'}", None))
+    config = parse_config(space_config(tmp_path), base_dir=tmp_path)
+    open_study(storage, "s", config)
+    open_study(storage, "s", config)  # the same function: joins
+    other = parse_config(space_config(tmp_path), base_dir=tmp_path)
+    other.search_space_function = "other_fn:space"
+    with pytest.raises(ConfigError, match="study 's' samples with space_fn:space, but this "
+                       "config with other_fn:space"):  # fmt: skip
+        open_study(storage, "s", other)
+    mapping = parse_config(metrics_config(tmp_path), base_dir=tmp_path)
+    mapping.search_space = {}
+    with pytest.raises(ConfigError, match="but this config with a search space mapping"):
+        open_study(storage, "s", mapping)
+
+
+def test_retrain_refuses_a_function_search_space(tmp_path: Path) -> None:
+    from hpo.errors import HPOError
+    from hpo.study import retrain
+
+    config = parse_config(space_config(tmp_path), base_dir=tmp_path)
+    study = optuna.create_study(direction="maximize")
+    with pytest.raises(HPOError, match="search_space: space_fn:space samples in Python; retrain "
+                       "needs the search space as a mapping"):  # fmt: skip
+        retrain.make_plan(study, config, top=1, seeds=2)
+
+
+def test_hpo_enqueue_takes_the_functions_own_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], hpo_main: Any
+) -> None:
+    from hpo.study.join import open_study
+    from storage import open_storage, resolve_storage_url
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    open_study(open_storage(resolve_storage_url(url, None)), "s",
+               parse_config(space_config(tmp_path), base_dir=tmp_path))  # fmt: skip
+    args = ["enqueue", "--study", "s", "--storage", url, "--params"]
+    assert hpo_main([*args, '{"lr": 0.01, "layers": 2}']) == 0  # no search space to check them
+    [waiting] = optuna.load_study(study_name="s", storage=url).get_trials()
+    assert waiting.params == {} and waiting.system_attrs["fixed_params"] == {
+        "lr": 0.01,
+        "layers": 2,
+    }
+    capsys.readouterr()
+    assert hpo_main([*args, '{"lr": [0.01]}']) == 2
+    assert "--params.lr: got [0.01]; must be a single value" in capsys.readouterr().err

@@ -376,6 +376,11 @@ def _value(trial: TrialLike, result: TrainResult, objectives: list[str]) -> Tria
         trial.set_user_attr("prune_reason", reason)
         raise optuna.TrialPruned(reason)
     metrics = {**result.best.metrics, "samples_per_s": result.samples_per_s}
+    missing = [name for name in objectives if name not in metrics]
+    if missing:  # a metric the user's metrics function did not return
+        raise MetricsFunctionError(f"no {', '.join(missing)} among the metrics of the best "
+                                   f"evaluation ({', '.join(metrics)}); study.metric names "
+                                   "them")  # fmt: skip
     values = [float(metrics[name]) for name in objectives]
     return values[0] if len(values) == 1 else values
 

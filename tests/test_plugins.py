@@ -449,3 +449,18 @@ def test_hpo_enqueue_takes_the_functions_own_names(
     capsys.readouterr()
     assert hpo_main([*args, '{"lr": [0.01]}']) == 2
     assert "--params.lr: got [0.01]; must be a single value" in capsys.readouterr().err
+
+
+def test_a_space_function_may_prune_its_trial(tmp_path: Path) -> None:
+    from hpo.trial.search_space import sample_function
+
+    def space(trial: optuna.Trial) -> dict[str, Any]:
+        if trial.suggest_int("layers", 1, 3) > 0:
+            raise optuna.TrialPruned("nothing to try here")
+        return {}
+
+    config = parse_config(space_config(tmp_path), base_dir=tmp_path)
+    trial = optuna.create_study().ask()
+    with pytest.raises(optuna.TrialPruned, match="nothing to try here"):
+        sample_function(trial, config, space)
+    assert "traceback" not in trial.user_attrs and "fail_reason" not in trial.user_attrs

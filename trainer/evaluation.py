@@ -8,6 +8,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from trainer import device as dev
@@ -15,6 +16,7 @@ from trainer.data import TokenizedSplit, eval_batches
 from trainer.loaders import LoaderSettings, to_device
 from trainer.memory import OutOfMemoryAtBatchOne, none_on_oom, release_memory
 from trainer.tasks.base import Task
+from trainer.user_metrics import UserMetrics
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +61,11 @@ def evaluate_batches(
     task: Task,
     label_names: list[str],
     non_blocking: bool = False,
+    user_metrics: UserMetrics | None = None,
 ) -> dict[str, float]:
     """The task's metrics and mean loss of `model` over `batches`, in whatever order they come:
     each batch carries its own labels. What the metrics need stays on the device until the
-    end: one host sync per evaluation."""
+    end: one host sync per evaluation. `user_metrics` adds the user's (the logits kept too)."""
     kept: dict[str, list[torch.Tensor]] = {"labels": []}
     loss_sum = torch.zeros((), device=device)
     units: torch.Tensor | int = 0
@@ -77,11 +80,23 @@ def evaluate_batches(
             units = units + task.units(target)
             for name, value in task.eval_outputs(logits, target).items():
                 kept.setdefault(name, []).append(value)
+            if user_metrics is not None:
+                kept.setdefault(USER_LOGITS, []).append(logits.float().reshape(len(target), -1))
             kept["labels"].append(host_labels)
     outputs = {name: [t.cpu().numpy() for t in values] for name, values in kept.items()}
     count = int(units.item()) if isinstance(units, torch.Tensor) else units
     eval_loss = float(loss_sum.item()) / count if count else float("nan")
-    return task.metrics(outputs, eval_loss, label_names)
+    metrics = task.metrics(outputs, eval_loss, label_names)
+    if user_metrics is not None:
+        logits_seen = outputs.get(USER_LOGITS, [])
+        labels = np.concatenate(outputs["labels"]) if outputs["labels"] else np.zeros(0)
+        width = logits_seen[0].shape[1] if logits_seen else 0
+        all_logits = np.concatenate(logits_seen) if logits_seen else np.zeros((0, width))
+        metrics.update(user_metrics(all_logits, labels, metrics))
+    return metrics
+
+
+USER_LOGITS = "user_metrics_logits"  # kept for the user's metrics function only
 
 
 class Evaluator:
@@ -96,8 +111,10 @@ class Evaluator:
         loaders: LoaderSettings,
         device: torch.device,
         precision: str,
+        user_metrics: UserMetrics | None = None,
     ) -> None:
         self.split, self.task, self.label_names = split, task, label_names
+        self.user_metrics = user_metrics
         self.loaders, self.device, self.precision = loaders, device, precision
         self.oom_recoveries = 0
         self.use_batch_size(batch_size)
@@ -130,6 +147,7 @@ class Evaluator:
                 self.task,
                 self.label_names,
                 non_blocking=self.loaders.pin_memory,
+                user_metrics=self.user_metrics,
             )
         finally:
             model.train()

@@ -58,6 +58,7 @@ from trainer.step import (
     optimizer_step,
 )
 from trainer.tasks import make_task
+from trainer.user_metrics import MetricsFunctionError, UserMetrics
 
 __all__ = [
     "Evaluation",
@@ -84,16 +85,26 @@ ShouldStop = Callable[[], bool]
 class Trainer:
     """One training run of one hyperparameter setting."""
 
-    def __init__(self, job: TrainJob, data: PreparedData, metric: str | None = None) -> None:
+    def __init__(
+        self,
+        job: TrainJob,
+        data: PreparedData,
+        metric: str | None = None,
+        user_metrics: UserMetrics | None = None,
+    ) -> None:
+        """`user_metrics`: the user's metrics function, whose names (with their directions) the
+        study may optimise besides the task's."""
         self.job, self.cfg, self.data = job, job.training, data
         if data.task != job.task:
             raise ValueError(f"data prepared for the task {data.task}, the job is {job.task}")
         self.task = make_task(job.task, job.data, job.training)
+        self.user_metrics = user_metrics
         self.metric = metric or self.task.info.default_metric
-        if self.metric not in self.task.info.metrics:
+        directions = {**self.task.info.metrics, **(user_metrics.directions if user_metrics else {})}
+        if self.metric not in directions:
             raise ValueError(f"the task {job.task} has no metric {self.metric}; its metrics: "
                              f"{', '.join(self.task.info.metrics)}")  # fmt: skip
-        self.direction = self.task.info.metrics[self.metric]
+        self.direction = directions[self.metric]
         self.device = dev.resolve_device(self.cfg.device)
         claim_memory_share(self.device)
         self.compiled_before = compile_stats()
@@ -130,6 +141,7 @@ class Trainer:
             self.loaders,
             self.device,
             self.precision,
+            user_metrics,
         )
 
     def _build_model_and_optimizer(self) -> None:
@@ -420,7 +432,12 @@ class Trainer:
         if not math.isfinite(evaluation.metrics["eval_loss"]):
             run.stop("diverged", f"non-finite evaluation loss at step {run.step}")
             return
-        value = evaluation.metrics[self.metric]
+        value = evaluation.metrics.get(self.metric)
+        if value is None:  # the user's metrics function did not return the study's metric
+            spec = self.user_metrics.spec if self.user_metrics else "the task"
+            raise MetricsFunctionError(f"{spec}: no {self.metric!r} among the metrics "
+                                       f"({', '.join(evaluation.metrics)}); study.metric names "
+                                       "it")  # fmt: skip
         if is_better(value, run.best.metrics[self.metric] if run.best else None, self.direction):
             run.best, run.since_best = evaluation, 0
         else:
@@ -474,6 +491,7 @@ def train(
     checkpoints: CheckpointStore | None = None,
     should_stop: ShouldStop | None = None,
     on_progress: OnProgress | None = None,
+    user_metrics: UserMetrics | None = None,
 ) -> TrainResult:
     """Fine-tune one model with `job`'s settings on prepared data; see TrainResult and
     Trainer.fit. Raises OutOfMemoryAtBatchOne when even one example does not fit."""
@@ -482,7 +500,7 @@ def train(
     training = dataclasses.replace(job.training, physical_batch_size=batch.size)
     job = dataclasses.replace(job, training=training)
     with simulated_budget(device):
-        trainer = Trainer(job, data, metric)
+        trainer = Trainer(job, data, metric, user_metrics)
         trainer.on_progress = on_progress
         log.info(
             "training on %s, %s, %s; effective batch %d = %d x %d micro-batches",

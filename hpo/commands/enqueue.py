@@ -27,9 +27,9 @@ PARAMS_EXAMPLE = '{"learning_rate": 3e-5, "effective_batch_size": 32}'
 def enqueue_command(args: argparse.Namespace) -> int:
     import optuna
 
-    from hpo.config.loader import check_params
+    from hpo.config.loader import check_function_params, check_params
     from hpo.config.schema import ParamSpec, space_record
-    from hpo.study.join import enqueue
+    from hpo.study.join import SPACE_FUNCTION_ATTR, enqueue
     from storage import open_storage, resolve_storage_url
 
     check_study_name(args.study)
@@ -59,7 +59,10 @@ def enqueue_command(args: argparse.Namespace) -> int:
         space = {name: ParamSpec(**spec) for name, spec in recorded.items()}
     problems: list[str] = []
     grid = (config.study.sampler.type if config else attrs.get("sampler")) == "grid"
-    params = check_params(space, raw, "--params", problems, complete=grid)
+    if attrs.get(SPACE_FUNCTION_ATTR) or (config and config.search_space_function):
+        params = check_function_params(raw, "--params", problems)  # the function's own names
+    else:
+        params = check_params(space, raw, "--params", problems, complete=grid)
     if problems:
         raise ConfigError(problems, "--params")
     study = optuna.load_study(study_name=args.study, storage=storage)

@@ -14,11 +14,18 @@ from typing import Any, Literal
 
 from hpo.config.schema import Config, ParamSpec
 from hpo.config.search_paths import accepted_names
+from trainer.config import ENTRYPOINT
 
 SCHEMA_DIALECT = "http://json-schema.org/draft-07/schema#"
 SCHEMA_ID = "https://hpo.invalid/config.schema.json"  # a name for editors; nothing is served
 # Fields of the dataclasses that are hpo's own bookkeeping, not keys of the file.
-NOT_KEYS = frozenset({"source", "base_dir"})
+NOT_KEYS = frozenset({"source", "base_dir", "search_space_function"})
+SPACE_FUNCTION = {
+    "type": "string",
+    "pattern": "^" + ENTRYPOINT.pattern + "$",
+    "description": "Your define-by-run function, `package.module:name`: it receives the Optuna "
+    "trial and returns the parameters.",
+}
 
 
 def config_schema() -> dict[str, Any]:
@@ -47,9 +54,12 @@ def _entrypoint_or_not(schema: dict[str, Any]) -> dict[str, Any]:
     study["metric"] = {"description": hpo_metric.get("description", "")}
     user_metric = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
     user_space = {
-        "type": "object",
-        "description": "Your training function's parameters (ctx.params), by name.",
-        "additionalProperties": {"$ref": "#/definitions/param"},
+        "description": "Your training function's parameters (ctx.params), by name; or "
+        "`package.module:name`, your define-by-run function that samples them.",
+        "anyOf": [
+            {"type": "object", "additionalProperties": {"$ref": "#/definitions/param"}},
+            SPACE_FUNCTION,
+        ],
     }
     entrypoint_set = {
         "required": ["training"],
@@ -65,10 +75,11 @@ def _entrypoint_or_not(schema: dict[str, Any]) -> dict[str, Any]:
             }
         },  # fmt: skip
         "else": {
-            "properties": {
-                "study": {"properties": {"metric": hpo_metric}},
-                "search_space": _search_space_schema(),
-            }
+            "properties": {"search_space": {"anyOf": [_search_space_schema(), SPACE_FUNCTION]}},
+            # `metrics: package.module:name`: study.metric may name the function's metrics
+            "if": {"required": ["metrics"], "properties": {"metrics": {"type": "string"}}},
+            "then": {"properties": {"study": {"properties": {"metric": user_metric}}}},
+            "else": {"properties": {"study": {"properties": {"metric": hpo_metric}}}},
         },  # fmt: skip
     }
 

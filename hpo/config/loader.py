@@ -28,7 +28,9 @@ from hpo.config.schema import (
 )
 from hpo.errors import ConfigError
 from storage.url import sqlite_file_relative_to
-from trainer.tasks import DEFAULT_TASK, TASKS
+from trainer.config import ENTRYPOINT
+from trainer.tasks import DEFAULT_TASK, METRIC_DIRECTIONS, TASKS
+from trainer.user_metrics import EXAMPLE_TASKS
 
 # The demo config, where hpo runs from its repository (an editable install); a wheel has none.
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
@@ -134,24 +136,33 @@ def parse_config(
     if _entrypoint_of(raw) is not None:
         return _parse_entrypoint_config(raw, base_dir, source, paths_from)
     _default_metric_of_task(raw)
+    user_objectives = _pop_user_objectives(raw)
     space_raw = raw.pop("search_space", None)
     _default_model_of_search(raw, space_raw)
     # search_space is built on its own below, but is a known key all the same: `search_spaces:`
     # must get its did-you-mean.
     config = _build(Config, raw, "", problems, skip={"source", "base_dir"})
     config.source, config.base_dir = source, str(base_dir)
-    config.search_space = _build_search_space(space_raw, problems)
+    if isinstance(space_raw, str):
+        config.search_space = {}
+        _set_space_function(config, space_raw, problems)
+    else:
+        config.search_space = _build_search_space(space_raw, problems)
     if not 0 <= config.training.seed < 2**64:  # what numpy and torch.manual_seed both take
         problems.append(f"training.seed: got {_show(config.training.seed)}; must be in [0, 2**64)")
     if config.model.config is not None:
         problems.extend(_inline_model_problems(config.model.config))
+    if config.metrics is not None:
+        _check_metrics_function(config, user_objectives, problems)
     if not problems:  # needs well-typed sections; its findings would be noise otherwise
         _check_search_space(config, problems)
     if not problems:
         _check_searched_for_task(config, problems)
     if not problems and config.study.sampler.type == "grid":
         _check_grid(config, problems)
-    if not problems:
+    if not problems and config.search_space_function is not None:
+        _check_function_enqueue(config, problems)
+    elif not problems:
         grid = config.study.sampler.type == "grid"
         for index, params in enumerate(config.study.enqueue):
             where = f"study.enqueue[{index}]"
@@ -171,7 +182,7 @@ def _entrypoint_of(raw: dict[Any, Any]) -> Any:
 
 # What a config with training.entrypoint leaves out: the user's function builds its own model
 # and reads its own data, so hpo's settings for them would silently mean nothing.
-_NOT_WITH_ENTRYPOINT = ("model", "data", "task")
+_NOT_WITH_ENTRYPOINT = ("model", "data", "task", "metrics")
 
 
 def _parse_entrypoint_config(
@@ -196,11 +207,17 @@ def _parse_entrypoint_config(
     space_raw = raw.pop("search_space", None)
     config = _build(Config, raw, "", problems, skip={"source", "base_dir", *_NOT_WITH_ENTRYPOINT})
     config.source, config.base_dir = source, str(base_dir)
-    config.search_space = _build_user_space(space_raw, problems)
+    if isinstance(space_raw, str):
+        config.search_space = {}
+        _set_space_function(config, space_raw, problems)
+    else:
+        config.search_space = _build_user_space(space_raw, problems)
     _set_user_objectives(config, objectives, direction, problems)
     if not problems:
         _check_user_space(config, problems)
-    if not problems:
+    if not problems and config.search_space_function is not None:
+        _check_function_enqueue(config, problems)
+    elif not problems:
         for index, params in enumerate(config.study.enqueue):
             where = f"study.enqueue[{index}]"
             config.study.enqueue[index] = check_params(config.search_space, params, where, problems)
@@ -208,6 +225,154 @@ def _parse_entrypoint_config(
     if problems:
         raise ConfigError(problems, source)
     return config
+
+
+def _pop_user_objectives(raw: dict[Any, Any]) -> tuple[Any, Any] | None:
+    """With `metrics: package.module:name`, study.metric may name the function's own metrics,
+    which the study section's rules do not know: such a metric and its direction are taken out
+    here (the task's default metric stands in) and checked by _check_metrics_function."""
+    study, task = raw.get("study"), raw.get("task", DEFAULT_TASK)
+    if not isinstance(raw.get("metrics"), str) or not isinstance(study, dict):
+        return None
+    metric = study.get("metric")
+    names = [metric] if isinstance(metric, str) else metric
+    if not isinstance(names, list) or all(n in METRIC_DIRECTIONS for n in names):
+        return None  # hpo's own metrics: the study section's rules apply
+    study = dict(study)
+    given = study.pop("metric"), study.pop("direction", None)
+    if task in TASKS:
+        study["metric"] = TASKS[task].default_metric
+    raw["study"] = study
+    return given
+
+
+def _check_metrics_function(
+    config: Config, objectives: tuple[Any, Any] | None, problems: list[str]
+) -> None:
+    """`metrics:` names a function by import path, for a task with a target per example; a
+    study.metric hpo does not know is one of its names, so study.direction must say which way
+    each metric improves (an hpo metric's direction, if given, must be its own)."""
+    spec = config.metrics
+    if not isinstance(spec, str) or not ENTRYPOINT.fullmatch(spec):
+        problems.append(f"metrics: got {_show(spec)}; must be your function as "
+                        "`package.module:name`, e.g. my_metrics:f2")  # fmt: skip
+    if config.task not in EXAMPLE_TASKS:
+        problems.append(f"metrics: the task {config.task} has a target per token; a metrics "
+                        f"function works with {', '.join(EXAMPLE_TASKS)}")  # fmt: skip
+    if objectives is None:
+        return
+    metric, direction = objectives
+    names = [metric] if isinstance(metric, str) else metric
+    if not all(isinstance(n, str) and n.strip() for n in names) or len(set(names)) < len(names):
+        problems.append(f"study.metric: got {_show(metric)}; name each metric once")
+        return
+    given = [direction] if isinstance(direction, str) else direction
+    if (
+        not isinstance(given, list)
+        or len(given) != len(names)
+        or not all(d in ("minimize", "maximize") for d in given)
+    ):
+        unknown = [n for n in names if n not in METRIC_DIRECTIONS]
+        problems.append(f"study.direction: got {_show(direction)}; {', '.join(unknown)} "
+                        f"{'is' if len(unknown) == 1 else 'are'} not hpo's: give minimize or "
+                        f"maximize for each metric ({', '.join(names)})")  # fmt: skip
+        return
+    for name, way in zip(names, given, strict=True):
+        if name in METRIC_DIRECTIONS and way != METRIC_DIRECTIONS[name]:
+            problems.append(f"study.direction: metric {name} must be {METRIC_DIRECTIONS[name]}d")
+            return
+    if names[0] == "samples_per_s":
+        problems.append("study.metric: must begin with an evaluation metric: it picks the best "
+                        "evaluation")  # fmt: skip
+        return
+    config.study.metric = typing.cast(Any, metric)
+    config.study.direction = typing.cast(Any, direction)
+
+
+def _set_space_function(config: Config, spec: str, problems: list[str]) -> None:
+    """`search_space: package.module:name`: the user's define-by-run function samples each
+    trial's parameters (imported and checked before any trial, by hpo run)."""
+    if not ENTRYPOINT.fullmatch(spec):
+        problems.append(f"search_space: got {_show(spec)}; must be a mapping of parameter name to "
+                        "spec, or your function as `package.module:name`, e.g. "
+                        "my_space:space")  # fmt: skip
+        return
+    config.search_space_function = spec
+    if config.study.sampler.type == "grid":
+        problems.append(f"study.sampler.type: grid needs a search space mapping (the grid "
+                        f"of {spec} is not known before it runs); use tpe or random")  # fmt: skip
+
+
+def _check_function_enqueue(config: Config, problems: list[str]) -> None:
+    for index, params in enumerate(config.study.enqueue):
+        config.study.enqueue[index] = check_function_params(params, f"study.enqueue[{index}]",
+                                                            problems)  # fmt: skip
+
+
+def check_function_params(
+    params: dict[Any, Any], where: str, problems: list[str]
+) -> dict[str, Any]:
+    """A configuration to try with a define-by-run search space: it names the Optuna parameters
+    the function suggests (Optuna gives a suggest_* call of that name the enqueued value). hpo
+    cannot know them before the function runs, so only their form is checked here; what the
+    function returns is checked in the trial like any other."""
+    if not params:
+        problems.append(f"{where}: names no parameter; give the names your function suggests "
+                        "(trial.suggest_float(name, ...))")  # fmt: skip
+    for key, value in params.items():
+        if not isinstance(key, str):
+            problems.append(f"{where}: key {_show(key)} is not text; quote it")
+        elif not isinstance(value, (str, int, float, bool, type(None))):
+            problems.append(f"{where}.{key}: got {_show(value)}; must be a single value (a "
+                            "number, text, true/false, null)")  # fmt: skip
+    return dict(params)
+
+
+def function_params(config: Config, params: Any, spec: str) -> dict[str, Any]:
+    """What a define-by-run search space returned for a trial, as the parameters hpo trains
+    with: each name one a YAML search space may name (resolved to its study name; a training
+    function's own parameter needs only be an identifier), each value converted to the
+    setting's type and valid for it. Raises ValueError with every problem found."""
+    if not isinstance(params, dict):
+        raise ValueError(f"{spec} returned {_described(params)}; expected a dict of parameter "
+                         "name to value, e.g. {'learning_rate': 3e-5}")  # fmt: skip
+    problems: list[str] = []
+    checked: dict[str, Any] = {}
+    user_function = config.training.entrypoint is not None
+    for key, value in params.items():
+        where = f"{spec} returned {_key(key)}"
+        if user_function:
+            name = key if isinstance(key, str) and key.isidentifier() else None
+            why = "a parameter's name must be a Python identifier (ctx.params[name])"
+        else:
+            name, why = search_paths.resolve(key)
+        if name is None:
+            problems.append(f"{where}: {why}")
+            continue
+        if name in checked:
+            problems.append(f"{where}: the same parameter as another key; give it once")
+            continue
+        ok, setting, rule = _convert(value, _field_hint(name), "", [])
+        if not ok:
+            problems.append(f"{where}: got {_show(value)}; must be {rule}")
+            continue
+        broken = [] if user_function else _setting_problems(config, name, setting)
+        if broken:
+            problems.append(f"{where}: value {_show(value)} {broken[0]}")
+            continue
+        checked[name] = setting
+    if not user_function and not problems:
+        unused = {search_paths.param_name(p) for p in _unused_settings(config.task)}
+        problems.extend(f"{spec} returned {n}: means nothing for the task {config.task}"
+                        for n in checked if n in unused)  # fmt: skip
+    if problems:
+        raise ValueError("; ".join(problems))
+    return checked
+
+
+def _unused_settings(task: str) -> list[str]:
+    info = TASKS.get(task)
+    return list(info.unused_settings()) if info is not None else []
 
 
 def _build_user_space(raw: Any, problems: list[str]) -> dict[str, ParamSpec]:

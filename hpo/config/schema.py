@@ -519,8 +519,17 @@ class Config:
         "causal_lm.",
         DEFAULT_TASK,
     )
+    metrics: str | None = _doc(
+        "Your metrics function, `package.module:name`: called at every evaluation with the "
+        "logits and the labels (numpy arrays, a row per example), it returns a dict of named "
+        "numbers added to the task's metrics; study.metric may name them (study.direction is "
+        "then required). Tasks with a target per example only. null: the task's metrics alone."
+    )
     source: str = "config"
     base_dir: str = ""  # the config file's folder: model choices are relative to it
+    # `search_space: package.module:name`: the user's define-by-run function, which samples each
+    # trial's parameters itself (search_space is then empty)
+    search_space_function: str | None = None
 
     def job(self, training: TrainingConfig | None = None) -> TrainJob:
         """The trainer's input: this config's data, model and task, with `training` (a trial's

@@ -178,6 +178,8 @@ def _check_study_settings(storage: StudyStorage, study_id: int, name: str, confi
             storage.set_study_user_attr(study_id, ADAPTER_ATTR, adapter_record(config))
         storage.set_study_user_attr(study_id, "metric", config.study.metric)
         storage.set_study_user_attr(study_id, "search_space", space)
+        if config.search_space_function is not None:
+            storage.set_study_user_attr(study_id, SPACE_FUNCTION_ATTR, config.search_space_function)
         storage.set_study_user_attr(study_id, "sampler", config.study.sampler.type)
         return
     stored_task = study_task(attrs)
@@ -198,6 +200,17 @@ def _check_study_settings(storage: StudyStorage, study_id: int, name: str, confi
             ],
             config.source,
         )
+    stored_function = attrs.get(SPACE_FUNCTION_ATTR)
+    if stored_function != config.search_space_function:
+        raise ConfigError(
+            [
+                f"search_space: study {name!r} samples with "
+                f"{stored_function or 'a search space mapping'}, but this config with "
+                f"{config.search_space_function or 'a search space mapping'}; use the study's "
+                "config or another --study name"
+            ],
+            config.source,
+        )
     stored = attrs["search_space"]
     differ = sorted(k for k in stored.keys() | space.keys() if stored.get(k) != space.get(k))
     if differ:
@@ -209,6 +222,10 @@ def _check_study_settings(storage: StudyStorage, study_id: int, name: str, confi
             ],
             config.source,
         )
+
+
+# The study's define-by-run search space (`search_space: package.module:name`), if it has one.
+SPACE_FUNCTION_ATTR = "search_space_function"
 
 
 def liveness(study_config: StudyConfig) -> tuple[float, float, int]:

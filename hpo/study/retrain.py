@@ -125,6 +125,10 @@ def make_plan(
         which = "its search space" if config_given else "no --config given, and the demo's"
         raise HPOError(f"--config: {which} is not the one study {source.study_name!r} was "
                        "created with; pass the config the study ran with")  # fmt: skip
+    if config.search_space_function is not None:
+        raise HPOError(f"search_space: {config.search_space_function} samples in Python; retrain "
+                       "needs the search space as a mapping: give the winner's parameters to a "
+                       "config of their own, or tune with a mapping")  # fmt: skip
     if "seed" in config.search_space:
         raise HPOError("search_space tunes training.seed, but retrain varies the seed to measure "
                        "its effect: remove seed from the search space")  # fmt: skip

@@ -5,19 +5,16 @@ Optuna's terms (complete, pruned, stopped to resume, failed with the user's trac
 
 from __future__ import annotations
 
-import importlib
 import logging
-import sys
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import optuna
 
-from hpo.errors import ConfigError
 from hpo.trial.context import ReportError, TrainingContext, checked_metrics
 from hpo.trial.folders import trial_folder_maker
+from hpo.trial.plugins import load_plugin, record_failure
 from hpo.trial.protocol import TrialLike, TrialValue
 from hpo.trial.task import TrialTask
 from hpo.trial.training import (
@@ -37,7 +34,6 @@ from trainer.checkpoint import CheckpointStore, job_fingerprint
 log = logging.getLogger(__name__)
 
 TrainingFunction = Callable[[TrainingContext], Any]
-MAX_TRACEBACK_CHARS = 20_000  # the user attribute keeps the end, where the error is
 
 
 class TrainingFunctionError(Exception):
@@ -45,26 +41,9 @@ class TrainingFunctionError(Exception):
 
 
 def load_entrypoint(spec: str, base_dir: str) -> TrainingFunction:
-    """The function `spec` names (`package.module:name`), imported with the config's folder
-    first on sys.path. Raises ConfigError, one line: the module, the name and the error's last
-    line, when the module does not import, lacks the name, or the name is not callable."""
-    module_name, _, name = spec.partition(":")
-    if base_dir and base_dir not in sys.path:
-        sys.path.insert(0, base_dir)
-    try:
-        module = importlib.import_module(module_name)
-    except (Exception, SystemExit) as e:  # the user's module may raise anything as it imports
-        last = traceback.format_exception_only(type(e), e)[-1].strip()
-        raise ConfigError([f"training.entrypoint: {spec}: module {module_name} does not import "
-                           f"({last})"]) from e  # fmt: skip
-    function = getattr(module, name, None)
-    if function is None:
-        raise ConfigError([f"training.entrypoint: {spec}: module {module_name} "
-                           f"({getattr(module, '__file__', '?')}) has no {name}"])  # fmt: skip
-    if not callable(function):
-        raise ConfigError([f"training.entrypoint: {spec}: {name} is not callable (it is "
-                           f"{type(function).__name__}); name a function"])  # fmt: skip
-    return function
+    """The function `spec` names (`package.module:name`); one line (ConfigError) when the
+    module does not import, lacks the name, or the name is not callable."""
+    return load_plugin(spec, base_dir, "training.entrypoint")
 
 
 def train_with_entrypoint(trial: TrialLike, task: TrialTask) -> TrialValue:
@@ -187,15 +166,7 @@ def _values(
 
 
 def _record_failure(trial: TrialLike, spec: str, error: BaseException, started: float) -> None:
-    """The user's traceback, from their function down, kept with the trial (user attribute
-    `traceback`) and in the worker's log: never lost."""
-    tb = error.__traceback__
-    user_frames = tb.tb_next if tb is not None and tb.tb_next is not None else tb
-    text = "".join(traceback.format_exception(type(error), error, user_frames))
-    trial.set_user_attr("traceback", text[-MAX_TRACEBACK_CHARS:])
-    trial.set_user_attr("fail_reason", f"{spec}: {type(error).__name__}: {error}"[:1000])
-    trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
-    log.error("trial %d: the training function %s failed:\n%s", trial.number, spec, text.rstrip())
+    record_failure(trial, spec, error, started, "the training function")
 
 
 def _record_end(trial: TrialLike, context: TrainingContext, started: float) -> None:

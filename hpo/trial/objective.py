@@ -27,7 +27,7 @@ from hpo.trial.folders import (
 )
 from hpo.trial.process import ENTRYPOINT_PRELOAD, TrialLimits, TrialProcess
 from hpo.trial.protocol import TrialTarget, TrialValue
-from hpo.trial.search_space import sample
+from hpo.trial.search_space import Sampler
 from hpo.trial.task import TrialTask, batch_cache_for, remember_worker_cache
 from storage.artifacts import ArtifactTarget
 from storage.batch_cache import BatchCacheRequests, BatchSizeCache
@@ -62,6 +62,7 @@ class Objective:
         worker holds no more connections than its pool; else one on an engine of its own.
         `prepared`: the data of the search's other model choices (hpo.trial.task.data_for)."""
         self.task = TrialTask(config, data, storage_url, prepared=dict(prepared or {}))
+        self.sample = Sampler(config)  # `search_space: package.module:name` is imported here
         self.stop = stop
         # Whether this worker runs hpo's own training rather than a target of its own (a test's,
         # a benchmark's): only such trials share the host's cores when they run on the CPU.
@@ -99,7 +100,7 @@ class Objective:
         if memory_share() < 1:  # one of several workers on its GPU
             trial.set_user_attr("memory_share", memory_share())
         changes: dict[str, Any] = {
-            "params": sample(trial, self.task.config.search_space),
+            "params": self.sample(trial),
             "asked_at": _created_at(trial),
             "full_data": bool(trial.user_attrs.get("full_data")),
             "cpu_worker": self.cpu_worker,

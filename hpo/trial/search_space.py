@@ -4,14 +4,63 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import optuna
 
 from hpo.config import search_paths
-from hpo.config.loader import model_location
+from hpo.config.loader import function_params, model_location
 from hpo.config.schema import Config, ParamSpec, applies, sampling_order
+from hpo.trial.plugins import load_plugin, record_failure
 from trainer.config import TrainJob
+
+SpaceFunction = Callable[[optuna.Trial], Any]
+
+
+class SearchSpaceError(Exception):
+    """The define-by-run search space returned what hpo cannot train with (or exited)."""
+
+
+class Sampler:
+    """A trial's parameters: from the config's search space, or from the user's define-by-run
+    function (`search_space: package.module:name`), imported once per worker."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        spec = config.search_space_function
+        self.function = None if spec is None else load_plugin(spec, config.base_dir, "search_space")
+
+    def __call__(self, trial: optuna.Trial) -> dict[str, Any]:
+        if self.function is None:
+            return sample(trial, self.config.search_space)
+        return sample_function(trial, self.config, self.function)
+
+
+def sample_function(trial: optuna.Trial, config: Config, function: SpaceFunction) -> dict[str, Any]:
+    """The parameters the user's function returns for `trial`, checked as a YAML search space's
+    would be. A function that raises fails the trial with its traceback kept (user attribute
+    `traceback`, the worker's log); a wrong return is named in `fail_reason`."""
+    spec = str(config.search_space_function)
+    started = time.perf_counter()
+    try:
+        returned = function(trial)
+    except optuna.TrialPruned:
+        raise
+    except (Exception, SystemExit) as e:
+        record_failure(trial, spec, e, started, "the search space")
+        if isinstance(e, SystemExit):  # sys.exit() in user code ends its trial, not the worker
+            raise SearchSpaceError(f"{spec} raised SystemExit: {e}") from e
+        raise
+    try:
+        params = function_params(config, returned, spec)
+    except ValueError as e:
+        trial.set_user_attr("fail_reason", str(e)[:1000])
+        raise SearchSpaceError(str(e)) from None
+    trial.set_user_attr("search_space", spec)
+    trial.set_user_attr("params", params)  # what it trains with (the names Optuna keeps may differ)
+    return params
 
 
 def sample(trial: optuna.Trial, space: dict[str, ParamSpec]) -> dict[str, Any]:

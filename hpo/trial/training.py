@@ -14,10 +14,12 @@ from typing import Any, NoReturn
 import optuna
 
 from hpo import live
+from hpo.config.schema import Config
 from hpo.stopping import Interrupted, TrialTimedOut
 from hpo.trial import cpu_share
 from hpo.trial.child import replace_after_this_trial, stop_reason, stop_requested
 from hpo.trial.folders import trial_folder_maker
+from hpo.trial.plugins import load_plugin, record_failure
 from hpo.trial.protocol import ADAPTER_ATTR, TrialLike, TrialValue
 from hpo.trial.search_space import job_for_trial
 from hpo.trial.task import TrialTask, batch_cache, data_for
@@ -37,7 +39,8 @@ from trainer.data import PreparedData, with_eval_in_training
 from trainer.loop import Evaluation, TrainResult, grad_accum_steps_for, train
 from trainer.memory import OutOfMemoryAtBatchOne
 from trainer.model import load_tokenizer
-from trainer.tasks import task_class
+from trainer.tasks import METRIC_DIRECTIONS, task_class
+from trainer.user_metrics import MetricsFunctionError, UserMetrics
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,7 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
     objectives = task.config.study.objectives
     metric = task.config.study.primary_metric
     job = job_for_trial(task.config, task.params)
+    user_metrics = user_metrics_of(task.config)
     take_cpu_share(trial, task, job.training.device)
     cache = batch_cache(trial, task)
     store, uploader = None, None
@@ -70,7 +74,16 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
         clock = TrainingClock(task.config.study.trial_timeout)
         data = with_eval_in_training(prepared) if task.full_data else prepared
         result = train(job, data, reporter, metric, store, should_stop=clock.should_stop,
-                       on_progress=_progress_sender(trial))  # fmt: skip
+                       on_progress=_progress_sender(trial), user_metrics=user_metrics)  # fmt: skip
+    except MetricsFunctionError as e:
+        give_up_uploads(uploader, task)
+        spec = str(task.config.metrics)
+        if e.__cause__ is not None:  # the user's function raised: its traceback is kept
+            record_failure(trial, spec, e.__cause__, started, "the metrics function")
+        else:  # what it returned: hpo's frames, no user traceback
+            trial.set_user_attr("fail_reason", str(e)[:1000])
+            trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
+        raise
     except OutOfMemoryAtBatchOne as e:
         give_up_uploads(uploader, task)
         replace_after_this_trial("out of memory at batch 1")
@@ -102,6 +115,18 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
     if result.oom_recoveries and key is not None:
         cache.lower(key, result.physical_batch_size)
     return _value(trial, result, objectives)
+
+
+def user_metrics_of(config: Config) -> UserMetrics | None:
+    """The user's metrics function (`metrics: package.module:name`), imported in the trial
+    process, with the directions of the study's metrics that are its own."""
+    if config.metrics is None:
+        return None
+    function = load_plugin(config.metrics, config.base_dir, "metrics")
+    study = config.study
+    own = {name: way for name, way in zip(study.objectives, study.resolved_directions, strict=True)
+           if name not in METRIC_DIRECTIONS}  # fmt: skip
+    return UserMetrics(function, config.metrics, own)
 
 
 def take_cpu_share(trial: TrialLike, task: TrialTask, device: str) -> None:
@@ -353,6 +378,11 @@ def _value(trial: TrialLike, result: TrainResult, objectives: list[str]) -> Tria
         trial.set_user_attr("prune_reason", reason)
         raise optuna.TrialPruned(reason)
     metrics = {**result.best.metrics, "samples_per_s": result.samples_per_s}
+    missing = [name for name in objectives if name not in metrics]
+    if missing:  # a metric the user's metrics function did not return
+        raise MetricsFunctionError(f"no {', '.join(missing)} among the metrics of the best "
+                                   f"evaluation ({', '.join(metrics)}); study.metric names "
+                                   "them")  # fmt: skip
     values = [float(metrics[name]) for name in objectives]
     return values[0] if len(values) == 1 else values
 

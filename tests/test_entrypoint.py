@@ -470,13 +470,20 @@ def test_every_example_config_loads_and_its_function_imports(
     from hpo.config.json_schema import config_schema
     from hpo.config.loader import load_config
     from hpo.trial.entrypoint import load_entrypoint
+    from hpo.trial.plugins import load_plugin
 
     monkeypatch.setattr(sys, "path", list(sys.path))
     config = load_config(path)
-    assert config.training.entrypoint is not None
-    assert callable(load_entrypoint(config.training.entrypoint, config.base_dir))
     raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     jsonschema.validate(raw, config_schema(), cls=jsonschema.Draft7Validator)
+    plugins = {"search_space": config.search_space_function, "metrics": config.metrics}
+    for key, spec in plugins.items():  # a plug-in example's functions import too
+        if spec is not None:
+            assert callable(load_plugin(spec, config.base_dir, key))
+    if config.training.entrypoint is None:
+        assert any(plugins.values()), f"{path}: an example of your own code names none"
+        return
+    assert callable(load_entrypoint(config.training.entrypoint, config.base_dir))
     # Without the entrypoint, hpo's own metrics and settings apply: the schema says so.
     del raw["training"]["entrypoint"]
     with pytest.raises(jsonschema.ValidationError):

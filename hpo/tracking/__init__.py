@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 MISSING_ATTR = "tracking_missing:"  # study user attr per trial: `tracking_missing:<number>`
 # How long a worker that ends waits for its last calls to reach the trackers.
 CLOSE_WAIT_S = 30.0
+# What a trial records about itself (hpo.trial.training), logged at its end: parameters
+# derived from the sampled ones, and metrics of the whole run.
+DERIVED = ("physical_batch_size", "grad_accum_steps", "device_name", "precision")
+FINAL = ("samples_per_s", "tokens_per_s", "peak_mem_bytes", "wall_s", "train_s")
 EXTRAS = {"mlflow": ("mlflow", "hpo[mlflow]"), "tensorboard": ("tensorboard", "hpo[tensorboard]")}
 
 
@@ -143,10 +147,8 @@ def trial_ended(trial: optuna.Trial, state: str, reason: str | None = None) -> N
     if _active is None:
         return
     attrs = trial.user_attrs
-    derived: dict[str, Any] = {key: attrs[key] for key in ("physical_batch_size", "grad_accum_steps",
-                                           "device_name", "precision") if key in attrs}  # fmt: skip
-    final = {key: float(attrs[key]) for key in ("samples_per_s", "tokens_per_s", "peak_mem_bytes",
-             "wall_s", "train_s") if isinstance(attrs.get(key), int | float)}  # fmt: skip
+    derived: dict[str, Any] = {key: attrs[key] for key in DERIVED if key in attrs}
+    final = {key: float(attrs[key]) for key in FINAL if isinstance(attrs.get(key), int | float)}
     best = attrs.get("best_model_uri") or (attrs.get("best_model") if state == "complete" else None)
     samples = _active.samples.pop(trial.number, 0)
     end = TrialEnd(trial.number, state, mask_text(reason) if reason else None, samples, final,

@@ -206,3 +206,39 @@ def test_a_full_queue_gives_calls_up_without_blocking() -> None:
     assert time.monotonic() - slow_started < 0.2  # never waits for the tracker
     calls.close(5)
     assert len(calls.missing) >= 3
+
+
+@pytest.mark.parametrize("tracker", ["mlflow", "tensorboard"])
+def test_a_tracker_not_installed_is_one_line_naming_its_extra(
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    hpo_main: Callable[[list[str]], int],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tracker: str,
+) -> None:
+    import hpo.tracking
+
+    monkeypatch.setattr(hpo.tracking, "installed", lambda module: module != tracker)
+    wanted = {"mlflow": {"uri": "http://127.0.0.1:1"}, "tensorboard": {"dir": "tb"}}[tracker]
+    args = _study_args(tmp_path, easy_data, {tracker: wanted}, "no_extra")
+    assert hpo_main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"hpo: error: tracking.{tracker}: {tracker} is not installed; "
+                   f"pip install 'hpo[{tracker}]'"], err  # fmt: skip
+    assert not (tmp_path / "studies.db").exists()  # before anything is written
+
+
+def test_mlflow_without_a_uri_anywhere_is_one_line(
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    hpo_main: Callable[[list[str]], int],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    args = _study_args(tmp_path, easy_data, {"mlflow": {"experiment": "x"}}, "no_uri")
+    assert hpo_main(args) == 2
+    err = capsys.readouterr().err
+    assert "tracking.mlflow.uri: no URI; give one, pass --tracking URI or set " in err, err
+    assert "Traceback" not in err

@@ -53,9 +53,13 @@ def resolve(config: Config, uri: str | None, flag: str = "--tracking") -> None:
         tracking.mlflow.uri = env
     for name in asked(config):
         module, extra = EXTRAS[name]
-        if importlib.util.find_spec(module) is None:
+        if not installed(module):
             raise HPOError(f"tracking.{name}: {module} is not installed; "
                            f"pip install '{extra}'")  # fmt: skip
+
+
+def installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
 
 
 def asked(config: Config) -> list[str]:

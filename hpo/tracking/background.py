@@ -41,6 +41,7 @@ class BackgroundCalls:
     def submit(self, trial: int, what: str, call: Callable[[], None]) -> None:
         """Never blocks: a full queue gives the call up."""
         if self._lost(trial):
+            self._skip(trial, what)
             return
         try:
             self.calls.put_nowait((trial, what, call))
@@ -88,8 +89,7 @@ class BackgroundCalls:
                 return
             trial, what, call = item
             if self._lost(trial):
-                if STUDY in self.missing and trial != STUDY:
-                    self._give_up(trial, f"{what}: {self.missing[STUDY]}")
+                self._skip(trial, what)
                 continue
             error = self._call(call)
             if error is not None:
@@ -111,6 +111,14 @@ class BackgroundCalls:
                 return error
             time.sleep(pause)
             pause = min(pause * 2, 8.0)
+
+    def _skip(self, trial: int, what: str) -> None:
+        """A call of a trial whose logging failed already, or of any trial once the study's
+        own run is missing: given up (said once for the trial)."""
+        with self.lock:
+            study_gone = self.missing.get(STUDY) if trial != STUDY else None
+        if study_gone is not None:
+            self._give_up(trial, f"{what}: {study_gone}")
 
     def _give_up(self, trial: int, reason: str) -> None:
         reason = mask_text(" ".join(reason.split()))[:300]

@@ -242,3 +242,41 @@ def test_mlflow_without_a_uri_anywhere_is_one_line(
     err = capsys.readouterr().err
     assert "tracking.mlflow.uri: no URI; give one, pass --tracking URI or set " in err, err
     assert "Traceback" not in err
+
+
+def test_a_study_in_tensorboard_event_files_read_back_with_its_own_reader(
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    hpo_main: Callable[[list[str]], int],
+) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
+
+    tracking = {"tensorboard": {"dir": str(tmp_path / "tb")}}
+    args = _study_args(tmp_path, easy_data, tracking, "tb study")
+    assert hpo_main(args) == 0
+    study = optuna.load_study(study_name="tb study", storage=args[-1])
+    folder = tmp_path / "tb" / "tb_study"
+    assert sorted(p.name for p in folder.iterdir()) == ["study.json", "trial-0", "trial-1"]
+    for trial in study.trials:
+        events = EventAccumulator(str(folder / f"trial-{trial.number}"))
+        events.Reload()
+        accuracy = events.Scalars("accuracy")
+        assert [e.step for e in accuracy] == [128, 256]
+        assert [round(e.value, 5) for e in accuracy] == [
+            round(v, 5) for v in trial.intermediate_values.values()]  # fmt: skip
+        assert len(events.Scalars("eval_loss")) == 2
+        assert "final/samples_per_s" in events.Tags()["scalars"]
+        records = {
+            tag: plugin_data_pb2.HParamsPluginData.FromString(content)
+            for tag, content in events.PluginTagToContent("hparams").items()
+        }
+        experiment = records["_hparams_/experiment"].experiment
+        assert {h.name for h in experiment.hparam_infos} == set(trial.params)
+        assert {m.name.tag for m in experiment.metric_infos} == {"accuracy", "eval_loss"}
+        start = records["_hparams_/session_start_info"].session_start_info
+        assert start.hparams["learning_rate"].number_value == pytest.approx(
+            trial.params["learning_rate"])  # fmt: skip
+        end = records["_hparams_/session_end_info"].session_end_info
+        assert end.status == api_pb2.Status.Value("STATUS_SUCCESS")

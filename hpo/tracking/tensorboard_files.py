@@ -39,7 +39,7 @@ class TensorboardFiles:
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
 
-        writer = SummaryWriter(log_dir=str(self.folder / f"trial-{start.first_attempt}"))
+        writer: Any = SummaryWriter(log_dir=str(self.folder / f"trial-{start.first_attempt}"))
         self.writers[start.number] = writer
         values = {k: _hparam(v) for k, v in start.params.items() if v is not None}
         experiment, session_start, _ = hparams(values, {m: 0.0 for m in self.metrics})

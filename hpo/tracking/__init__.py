@@ -120,7 +120,7 @@ def stop(study: optuna.Study | None) -> None:
     tracking, _active = _active, None
     for calls, tracker in tracking.trackers:
         calls.submit(STUDY, "closing", tracker.close)
-        calls.close(CLOSE_WAIT_S)
+        calls.close(min(CLOSE_WAIT_S, calls.patience_s))
     if study is not None:
         tracking.record_missing(study)
 

@@ -60,7 +60,7 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     yield uri
     os.killpg(server.pid, signal.SIGTERM)  # the server and its uvicorn workers
     try:
-        server.wait(10)
+        server.wait(3)
     except subprocess.TimeoutExpired:
         os.killpg(server.pid, signal.SIGKILL)
         server.wait(10)

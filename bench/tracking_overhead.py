@@ -6,7 +6,7 @@ start-to-start gap between trials (the worker's part too), medians over the roun
 first (the first pays the fork server and imports).
 
 Needs the full `mlflow` package (the dev extra) for the server.
-Run: .venv/bin/python bench/tracking_overhead.py [--rounds 3] [--trials 4]
+Run: .venv/bin/python bench/tracking_overhead.py [--rounds 3] [--trials 4] [--nice 19]
 """
 
 from __future__ import annotations
@@ -37,14 +37,14 @@ easy_rows, tiny_config = fixtures.easy_rows, fixtures.tiny_config
 write_config, write_csv = fixtures.write_config, fixtures.write_csv
 
 
-def start_server(folder: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(folder: Path, nice: int) -> tuple[subprocess.Popen[bytes], str]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = int(probe.getsockname()[1])
-    command = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
-               f"sqlite:///{folder / 'mlflow.db'}", "--default-artifact-root",
-               str(folder / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-               "--workers", "1"]  # fmt: skip
+    command = ["nice", "-n", str(nice), sys.executable, "-m", "mlflow", "server",
+               "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
+               "--default-artifact-root", str(folder / "artifacts"),
+               "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]  # fmt: skip
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)  # fmt: skip
     uri = f"http://127.0.0.1:{port}"
@@ -78,11 +78,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--trials", type=int, default=4)
+    parser.add_argument(
+        "--nice", type=int, default=0,
+        help="the server's niceness: 19 keeps its CPU off the trials' cores on a small host "
+        "(a real server runs elsewhere); 0 measures it competing with them",
+    )  # fmt: skip
     options = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="hpo-tracking-bench-"))
     data = (write_csv(folder / "train.csv", easy_rows(256, 1)),
             write_csv(folder / "eval.csv", easy_rows(64, 2)))  # fmt: skip
-    server, uri = start_server(folder)
+    server, uri = start_server(folder, options.nice)
     storage = f"sqlite:///{folder / 'studies.db'}"
     results: dict[str, dict[str, list[float]]] = {}
     try:

@@ -13,6 +13,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
@@ -20,7 +21,10 @@ import pytest
 from hpo.tracking.background import BackgroundCalls, GiveUp
 from tests.conftest import tiny_config, write_config
 
-mlflow = pytest.importorskip("mlflow")  # the dev extra installs it
+
+def _mlflow() -> Any:
+    """MLflow (the dev extra installs it); the tests that need it are skipped without it."""
+    return pytest.importorskip("mlflow")
 
 
 def _free_port() -> int:
@@ -31,6 +35,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    _mlflow()
     folder = tmp_path_factory.mktemp("mlflow")
     port = _free_port()
     command = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
@@ -81,6 +86,7 @@ def test_a_study_in_mlflow_parent_and_nested_runs_with_every_evaluation(
     mlflow_server: str,
     hpo_main: Callable[[list[str]], int],
 ) -> None:
+    mlflow = _mlflow()
     args = _study_args(tmp_path, easy_data, {"mlflow": {"experiment": "tiny"}}, "tracked")
     assert hpo_main([*args, "--tracking", mlflow_server]) == 0
     client = mlflow.MlflowClient(mlflow_server)
@@ -117,6 +123,7 @@ def test_a_study_in_mlflow_parent_and_nested_runs_with_every_evaluation(
 def test_a_retry_continues_its_run_and_the_ends_are_tags(mlflow_server: str) -> None:
     """The tracker's own calls against the server: a pruned first attempt and its retry (a
     later trial number, the same first attempt) share one run; a failure says why."""
+    mlflow = _mlflow()
     from hpo.tracking.events import StudyStart, TrialEnd, TrialStart
     from hpo.tracking.mlflow_runs import MlflowRuns
 
@@ -156,6 +163,7 @@ def test_a_tracker_that_refuses_costs_no_trial_and_status_counts_it(
     hpo_main: Callable[[list[str]], int],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
+    _mlflow()  # hpo[mlflow]: the client that finds nothing listening
     uri = f"http://hpo:s3cret-token@127.0.0.1:{_free_port()}"  # nothing listens there
     tracking = {"mlflow": {"uri": uri}, "patience": 1}
     args = _study_args(tmp_path, easy_data, tracking, "untracked")

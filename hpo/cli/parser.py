@@ -106,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="where every host finds checkpoints and best models: file:///shared/path or "
         "s3://bucket/prefix (overrides $HPO_ARTIFACT_STORE and study.artifact_store)",
     )
+    run.add_argument(
+        "--tracking", default=None, metavar="URI",
+        help="log the trials to this MLflow tracking server (overrides tracking.mlflow.uri and "
+        "$MLFLOW_TRACKING_URI; needs pip install 'hpo[mlflow]')",
+    )  # fmt: skip
     run.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
     run.add_argument("--quiet", action="store_true", help="only warnings and the final summary")
     _add_monitoring_commands(commands)

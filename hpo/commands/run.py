@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpo import live
+from hpo import live, tracking
 from hpo.config.loader import DEMO_CONFIG, load_config, parse_config
 from hpo.config.schema import Config
 from hpo.errors import ConfigError, HPOError
@@ -77,7 +77,7 @@ def run_arguments(
     args = argparse.Namespace(
         command="hpo.run", study=study, config=config, storage=None, n_trials=None, timeout=None,
         trial_timeout=None, device=None, gpus=None, workers_per_gpu=None, artifact_store=None,
-        debug=False, quiet=True, argv=[], started=time.monotonic(),
+        tracking=None, debug=False, quiet=True, argv=[], started=time.monotonic(),
     )  # fmt: skip
     for name, value in options.items():
         if not hasattr(args, name):
@@ -159,10 +159,12 @@ def work_and_count(
         live.start()  # a progress line below the log, on a terminal only
     cache = BatchSizeCache(storage.engine)  # the worker's pool: no connection of its own
     objective = Objective(config, data, storage_url, stop, batch_cache=cache, prepared=prepared)
+    tracking.start(config, study)  # its calls run in the background, never in the trials' way
     try:
         finished = run_trials(study, storage, objective, stop, queued_only, started=args.started)
     finally:
         live.stop()
+        tracking.stop(study)
         stop.interrupt_at_once = False
     return (stop.exit_code if stop.requested else 0), finished
 
@@ -186,6 +188,7 @@ def check_inputs(
         raise HPOError("no --config given and the demo config is not installed; pass --config FILE")
     config = config_from(config_path)
     _apply_overrides(config, args)
+    tracking.resolve(config, getattr(args, "tracking", None), option(args, "tracking"))
     storage_url = resolve_storage_url(args.storage, config.study.storage)
     artifacts = resolve_artifact_url(getattr(args, "artifact_store", None),
                                      config.study.artifact_store)  # fmt: skip

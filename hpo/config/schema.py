@@ -505,6 +505,44 @@ def default_search_space() -> dict[str, ParamSpec]:
 
 
 @dataclass
+class MlflowTrackingConfig:
+    """tracking.mlflow: a parent run per study, a nested run per trial."""
+
+    uri: str | None = _doc(
+        "The MLflow tracking URI (http://host:5000, a folder, sqlite:///file.db); left out: "
+        "MLFLOW_TRACKING_URI; `hpo run --tracking URI` overrides both."
+    )
+    experiment: str | None = _doc("The MLflow experiment; left out: hpo-<study name>.")
+
+
+@dataclass
+class TensorboardTrackingConfig:
+    """tracking.tensorboard: event files per trial under one folder per study."""
+
+    dir: str = _doc("The folder of the event files (a folder per study below it).", "tensorboard")
+
+
+@dataclass
+class TrackingConfig:
+    """Where trials are logged besides the study's database (never in the trials' way)."""
+
+    mlflow: MlflowTrackingConfig | None = _doc("Log to MLflow (needs `pip install hpo[mlflow]`).")
+    tensorboard: TensorboardTrackingConfig | None = _doc(
+        "Write TensorBoard event files (needs `pip install hpo[tensorboard]`)."
+    )
+    patience: float = _doc(
+        "Seconds one tracker call may take, its retries included, before what it logs is "
+        "given up (the trial is never kept waiting for it).",
+        30.0,
+    )
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        if self.patience <= 0:
+            return [("patience", self.patience, "must be more than 0")]
+        return []
+
+
+@dataclass
 class Config:
     """A whole study config file."""
 
@@ -513,6 +551,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     task: str = _doc(
         "What the model learns: sequence_classification (the default: a class per text or "
         "text pair), multi_label_classification, regression, token_classification or "

@@ -20,6 +20,7 @@ import optuna
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
+from hpo import tracking
 from hpo.study.join import model_loader, trial_adapter
 from hpo.study.trials import RETRY_ATTR, counted_trials
 from hpo.trial import folders as checkpoints
@@ -169,6 +170,7 @@ def status(
         "budget": _budget(study.user_attrs.get("n_trials")),
         "counted": counted_trials(trials),
         "lost_checkpoints": lost_checkpoints(trials),
+        "tracking_missing": tracking_missing(study),
     }
 
 
@@ -210,6 +212,7 @@ def _status_from_database(study: optuna.Study, db: Database, now: dt.datetime) -
         "counted": sum(n for state, n in counts.items() if state != TrialState.WAITING)
         - study_queries.system_attr_count(engine, study_id, RETRY_ATTR),
         "lost_checkpoints": _lost(lost, latest, reason),
+        "tracking_missing": tracking_missing(study),
     }
 
 
@@ -290,7 +293,26 @@ def status_lines(report: dict[str, Any]) -> list[str]:
         for reason, count in report[title].items():
             lines.append(f"  {title[:-1]}: {count} x {reason}")
     best = [report["best"]] if report["best"] is not None else report["pareto_front"] or []
-    return lines + checkpoint_warnings(best, report.get("lost_checkpoints"))
+    lines += checkpoint_warnings(best, report.get("lost_checkpoints"))
+    return lines + tracking_warnings(report.get("tracking_missing"))
+
+
+def tracking_missing(study: optuna.Study) -> dict[str, Any] | None:
+    """The trials an experiment tracker (MLflow, TensorBoard) is missing, all or in part: how
+    many, and the latest one's reason."""
+    missing = tracking.missing_trials(study.user_attrs)
+    if not missing:
+        return None
+    latest = max(missing)
+    return {"trials": len(missing), "latest": latest, "reason": missing[latest]}
+
+
+def tracking_warnings(missing: dict[str, Any] | None) -> list[str]:
+    if not missing:
+        return []
+    trials = "1 trial" if missing["trials"] == 1 else f"{missing['trials']} trials"
+    return [f"WARNING: the tracker is missing {trials} (all or in part); the latest, trial "
+            f"#{missing['latest']}: {missing['reason']}"]  # fmt: skip
 
 
 def figures_line(report: dict[str, Any]) -> str:

@@ -16,7 +16,7 @@ import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import TrialState
 
-from hpo import live
+from hpo import live, tracking
 from hpo.stopping import HandBack, Interrupted, StopRequest, TakenOver
 from hpo.study.join import QUEUED_BY_ATTR, liveness
 from hpo.study.trials import StudyTrials, counted_trials, unsure_trials
@@ -254,6 +254,7 @@ def run_trial(
             value = objective(trial, beat.lost)
         except optuna.TrialPruned as e:
             log.info("trial %d pruned: %s", trial.number, e)
+            tracking.trial_ended(trial, "pruned", str(e))
             if trials.tell(trial, TrialState.PRUNED):
                 _drop_state(checkpoints, trial)
             return
@@ -276,8 +277,10 @@ def run_trial(
             # is not the trial's failure: nothing is recorded, and tell() logs one line.
             if not (beat.lost.is_set() or isinstance(e, UpdateFinishedTrialError)):
                 _record_failure(trial, e)
+                tracking.trial_ended(trial, "failed", trial.user_attrs.get("fail_reason"))
             trials.fail(trial, _error_text(e))
             return
+    tracking.trial_ended(trial, "complete")
     if trials.tell(trial, TrialState.COMPLETE, value):
         _drop_state(checkpoints, trial)
         shown = values_text(objective.task.config.study.objectives, value)

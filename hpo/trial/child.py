@@ -108,6 +108,9 @@ class ChildTrial:
     def send_progress(self, progress: dict[str, Any]) -> None:
         self._send(("progress", progress))
 
+    def send_evaluation(self, report: dict[str, Any]) -> None:
+        self._send(("evaluation", report))
+
     def ask(self, request: tuple[Any, ...]) -> Any:
         """The worker's answer to `request` (see WorkerRequests); waits for it. Raises
         WorkerStoppedListening once the worker no longer answers (it is stopping this trial)."""

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 
+from hpo import tracking
 from hpo.config.schema import Config, StudyConfig
 from hpo.logs import worker_label
 from hpo.stopping import Interrupted, StopRequest, TrialTimedOut
@@ -105,6 +106,7 @@ class Objective:
             "full_data": bool(trial.user_attrs.get("full_data")),
             "cpu_worker": self.cpu_worker,
         }
+        tracking.trial_started(trial, changes["params"])
         if study_config.checkpoints:
             changes["checkpoint_dir"] = _trial_folder(self.task.config, trial)
             changes["study_name"] = trial.study.study_name

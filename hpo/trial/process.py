@@ -24,7 +24,7 @@ from typing import Any
 
 import optuna
 
-from hpo import live
+from hpo import live, tracking
 from hpo.stopping import HandBack, Interrupted, StopRequest, TakenOver, TrialTimedOut
 from hpo.trial.child import child_main
 from hpo.trial.protocol import (
@@ -400,6 +400,8 @@ def _pass_on(
         trial.report(message[1], message[2])
     elif kind == "progress":
         live.trial_progress(trial.number, message[1])
+    elif kind == "evaluation":
+        tracking.evaluation(trial.number, message[1])
     elif kind == "should_prune":
         with contextlib.suppress(OSError):  # it died asking: the next read says so
             conn.send(trial.should_prune())

@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 import optuna
 
-from hpo import live
+from hpo import live, tracking
 from hpo.config.schema import Config
 from hpo.stopping import Interrupted, TrialTimedOut
 from hpo.trial import cpu_share
@@ -67,14 +67,18 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
         prepared = data_for(task, job)
         key = _resolve_physical_batch(trial, job, cache, prepared)
         batch_at = time.time()
+        sender = EvaluationSender(trial, job.training.effective_batch_size, job.training.device)
         # Optuna's pruning (report, should_prune) serves a single objective only.
         reporter = (
-            pruning_reporter(trial, metric) if len(objectives) == 1 else _log_evaluation(trial)
+            pruning_reporter(trial, metric, sender)
+            if len(objectives) == 1
+            else _log_evaluation(trial, sender)
         )
         clock = TrainingClock(task.config.study.trial_timeout)
         data = with_eval_in_training(prepared) if task.full_data else prepared
         result = train(job, data, reporter, metric, store, should_stop=clock.should_stop,
-                       on_progress=_progress_sender(trial), user_metrics=user_metrics)  # fmt: skip
+                       on_progress=_progress_sender(trial, sender),
+                       user_metrics=user_metrics)  # fmt: skip
     except MetricsFunctionError as e:
         give_up_uploads(uploader, task)
         spec = str(task.config.metrics)
@@ -324,12 +328,16 @@ def _record_batch_source(trial: TrialLike, batch: PhysicalBatch) -> None:
         trial.set_user_attr("batch_search", search_summary(batch.search))
 
 
-def _progress_sender(trial: TrialLike) -> Callable[[dict[str, Any]], None]:
+def _progress_sender(
+    trial: TrialLike, evaluations: EvaluationSender | None = None
+) -> Callable[[dict[str, Any]], None]:
     """Where the loop's progress goes: over the pipe to the worker's live line from a trial
     process, or straight to it when the trial runs in the worker."""
     send = getattr(trial, "send_progress", None)
 
     def on_progress(progress: dict[str, Any]) -> None:
+        if evaluations is not None:
+            evaluations.samples_per_s = progress.get("samples_per_s")
         if send is not None:
             send(progress)
         else:
@@ -338,10 +346,37 @@ def _progress_sender(trial: TrialLike) -> Callable[[dict[str, Any]], None]:
     return on_progress
 
 
-def pruning_reporter(trial: TrialLike, metric: str) -> Any:
+class EvaluationSender:
+    """Each evaluation to the worker's trackers (hpo.tracking): the samples trained so far (the
+    step a tracker plots it at), its metrics, the throughput of the last progress and the
+    device's peak memory. Over the pipe from a trial process; straight there in the worker."""
+
+    def __init__(self, trial: TrialLike, effective_batch_size: int, device: str) -> None:
+        self.send = getattr(trial, "send_evaluation", None)
+        self.number = trial.number
+        self.effective_batch_size = effective_batch_size
+        self.device = dev.resolve_device(device)
+        self.samples_per_s: float | None = None  # set by the progress sender
+
+    def __call__(self, evaluation: Evaluation) -> None:
+        metrics: dict[str, float | None] = {**evaluation.metrics, "epoch": evaluation.epoch,
+                                            "train_loss": evaluation.train_loss,
+                                            "samples_per_s": self.samples_per_s}  # fmt: skip
+        metrics["peak_mem_bytes"] = dev.peak_memory_bytes(self.device)  # the CPU: peak RSS
+        report = {"index": evaluation.index, "metrics": metrics,
+                  "samples": evaluation.optimizer_step * self.effective_batch_size}  # fmt: skip
+        if self.send is not None:
+            self.send(report)
+        else:
+            tracking.evaluation(self.number, report)
+
+
+def pruning_reporter(
+    trial: TrialLike, metric: str, sender: Callable[[Evaluation], None] | None = None
+) -> Any:
     """Called with each evaluation: reports the metric to the study and says why the trial is
     pruned, or None. The search-efficiency benchmark replays stored curves through it."""
-    log_evaluation = _log_evaluation(trial)
+    log_evaluation = _log_evaluation(trial, sender)
 
     def on_evaluation(evaluation: Evaluation) -> str | None:
         value = evaluation.metrics[metric]
@@ -354,8 +389,12 @@ def pruning_reporter(trial: TrialLike, metric: str) -> Any:
     return on_evaluation
 
 
-def _log_evaluation(trial: TrialLike) -> Callable[[Evaluation], None]:
+def _log_evaluation(
+    trial: TrialLike, sender: Callable[[Evaluation], None] | None = None
+) -> Callable[[Evaluation], None]:
     def on_evaluation(evaluation: Evaluation) -> None:
+        if sender is not None:
+            sender(evaluation)
         log.info(
             "trial %d evaluation %d (epoch %.2f): %s",
             trial.number,

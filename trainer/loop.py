@@ -38,7 +38,7 @@ from trainer.memory import (
     release_memory,
     simulated_budget,
 )
-from trainer.metrics import is_better
+from trainer.metrics import Direction, is_better
 from trainer.model import build_model
 from trainer.peft_adapters import best_weights, parameter_counts
 from trainer.progress import Progress
@@ -99,12 +99,7 @@ class Trainer:
             raise ValueError(f"data prepared for the task {data.task}, the job is {job.task}")
         self.task = make_task(job.task, job.data, job.training)
         self.user_metrics = user_metrics
-        self.metric = metric or self.task.info.default_metric
-        directions = {**self.task.info.metrics, **(user_metrics.directions if user_metrics else {})}
-        if self.metric not in directions:
-            raise ValueError(f"the task {job.task} has no metric {self.metric}; its metrics: "
-                             f"{', '.join(self.task.info.metrics)}")  # fmt: skip
-        self.direction = directions[self.metric]
+        self.metric, self.direction = self._metric_and_direction(metric)
         self.device = dev.resolve_device(self.cfg.device)
         claim_memory_share(self.device)
         self.compiled_before = compile_stats()
@@ -132,17 +127,24 @@ class Trainer:
         # Built once so that worker processes persist across epochs and evaluations.
         self.train_sampler = PlanSampler()
         self.train_loader = self.loaders.build(data.train, self.train_sampler)
+        self.evaluator = self._evaluator()
+
+    def _evaluator(self) -> Evaluator:
         eval_batch_size = self.cfg.eval_batch_size or 2 * self.physical_batch_size
-        self.evaluator = Evaluator(
-            data.eval,
-            self.task,
-            data.label_names,
-            eval_batch_size,
-            self.loaders,
-            self.device,
-            self.precision,
-            user_metrics,
-        )
+        data = self.data
+        return Evaluator(data.eval, self.task, data.label_names, eval_batch_size, self.loaders,
+                         self.device, self.precision, self.user_metrics)  # fmt: skip
+
+    def _metric_and_direction(self, metric: str | None) -> tuple[str, Direction]:
+        """The metric that picks the best evaluation (the task's default, else the study's),
+        among the task's and the user's metrics, with its direction."""
+        chosen = metric or self.task.info.default_metric
+        user = self.user_metrics.directions if self.user_metrics else {}
+        directions = {**self.task.info.metrics, **user}
+        if chosen not in directions:
+            raise ValueError(f"the task {self.job.task} has no metric {chosen}; its metrics: "
+                             f"{', '.join(self.task.info.metrics)}")  # fmt: skip
+        return chosen, directions[chosen]
 
     def _build_model_and_optimizer(self) -> None:
         torch.manual_seed(self.cfg.seed)

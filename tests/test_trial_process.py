@@ -353,19 +353,3 @@ def test_the_trial_timeout_counts_training_yet_bounds_a_stuck_startup() -> None:
         late.check()
     # No trial timeout: no limit at all.
     _Watchers(None, None, created=now - 10**6).check()
-
-
-def test_a_check_run_in_the_fork_server_returns_its_value_or_raises_its_error() -> None:
-    """A check run in a process of the fork server (transformers' model code loaded there for
-    the trial processes) gives the same answer and the same one-line error."""
-    from hpo.trial.process import call_in_fork_server
-    from tests.conftest import MINILM_TOKENIZER, TINY_BERT
-    from trainer.config import ModelConfig
-    from trainer.errors import ModelError
-    from trainer.model import check_model_config
-
-    model = ModelConfig(config=dict(TINY_BERT), tokenizer=MINILM_TOKENIZER)
-    found = call_in_fork_server(check_model_config, model, 32, "sequence_classification")
-    assert found.hidden_size == TINY_BERT["hidden_size"]
-    with pytest.raises(ModelError, match="data.max_length is 100000"):
-        call_in_fork_server(check_model_config, model, 100_000, "sequence_classification")

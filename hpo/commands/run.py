@@ -268,17 +268,11 @@ def _prepare_every_model(config: Config) -> tuple[Any, dict[str, Any]]:
     from trainer.model import check_data_fits_model, check_model_config, load_tokenizer
     from trainer.tasks import prepare_data
 
-    # Not in the fork server (hpo.trial.process.call_in_fork_server, which would spare the worker
-    # transformers' model code): started here, before the live line's stderr pipe, its trial
-    # processes would write past that pipe to the terminal.
-    def check(job: Any) -> Any:
-        return check_model_config(job.model, job.data.max_length, job.task)
-
     prepared: dict[str, Any] = {}
     for params in model_choices(config):
         job = job_for_trial(config, params)
         try:
-            model_config = check(job)
+            model_config = check_model_config(job.model, job.data.max_length, job.task)
             key = data_key(job)
             if key not in prepared:
                 tokenizer = load_tokenizer(job.model, job.task)

@@ -14,7 +14,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
@@ -541,40 +541,3 @@ def _mp_context(preload: list[str]) -> ForkServerContext:
         context.set_forkserver_preload(preload)
         _context = context
     return _context
-
-
-def call_in_fork_server(function: Callable[..., Any], *args: Any) -> Any:
-    """`function(*args)` in a process forked from the fork server, which has already imported
-    what trial processes need (transformers' model code, seconds of CPU): a check that builds a
-    model (on the meta device, say) costs the worker none of those imports. Returns what the
-    function returned, or raises what it raised; the fork server, started here if it was not
-    yet, then serves the trial processes."""
-    context = _mp_context(PRELOAD)
-    receive, send = context.Pipe(duplex=False)
-    with _sigint_blocked():
-        process = context.Process(target=_call_and_send, args=(send, function, args), daemon=True)
-        process.start()
-    send.close()
-    try:
-        succeeded, value = receive.recv()
-    except EOFError:
-        process.join()
-        raise RuntimeError(
-            f"{getattr(function, '__name__', function)} ended with exit code {process.exitcode} "
-            "in a process of the fork server"
-        ) from None
-    finally:
-        receive.close()
-    process.join()
-    if succeeded:
-        return value
-    raise value
-
-
-def _call_and_send(send: Connection, function: Callable[..., Any], args: tuple[Any, ...]) -> None:
-    try:
-        outcome = (True, function(*args))
-    except Exception as e:  # handed to the caller, who raises it
-        outcome = (False, e)
-    send.send(outcome)
-    send.close()

@@ -266,12 +266,8 @@ def _check_metrics_function(
     if not all(isinstance(n, str) and n.strip() for n in names) or len(set(names)) < len(names):
         problems.append(f"study.metric: got {_show(metric)}; name each metric once")
         return
-    given = [direction] if isinstance(direction, str) else direction
-    if (
-        not isinstance(given, list)
-        or len(given) != len(names)
-        or not all(d in ("minimize", "maximize") for d in given)
-    ):
+    given = _directions(direction, len(names))
+    if given is None:
         unknown = [n for n in names if n not in METRIC_DIRECTIONS]
         problems.append(f"study.direction: got {_show(direction)}; {', '.join(unknown)} "
                         f"{'is' if len(unknown) == 1 else 'are'} not hpo's: give minimize or "
@@ -434,17 +430,25 @@ def _set_user_objectives(config: Config, metric: Any, direction: Any, problems: 
     if len(set(names)) < len(names):
         problems.append(f"study.metric: got {_show(names)}; lists a metric twice")
         return
-    given = [direction] if isinstance(direction, str) else direction
-    if (
-        not isinstance(given, list)
-        or len(given) != len(names)
-        or not all(d in ("minimize", "maximize") for d in given)
-    ):
+    if _directions(direction, len(names)) is None:
         problems.append(f"study.direction: got {_show(direction)}; with training.entrypoint give "
                         f"minimize or maximize for each metric ({', '.join(names)})")  # fmt: skip
         return
     config.study.metric = typing.cast(Any, metric)
     config.study.direction = typing.cast(Any, direction)
+
+
+def _directions(direction: Any, count: int) -> list[str] | None:
+    """study.direction as a list of `count` directions (one name stands for a list of one), or
+    None when it is not minimize or maximize for each metric."""
+    given = [direction] if isinstance(direction, str) else direction
+    if (
+        not isinstance(given, list)
+        or len(given) != count
+        or not all(d in ("minimize", "maximize") for d in given)
+    ):
+        return None
+    return given
 
 
 def _check_searched_for_task(config: Config, problems: list[str]) -> None:

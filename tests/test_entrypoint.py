@@ -3,8 +3,6 @@ example MLP run through `hpo run`, and each way user code can fail."""
 
 from __future__ import annotations
 
-import contextlib
-import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -16,7 +14,7 @@ import yaml
 
 from hpo.config.loader import parse_config
 from hpo.errors import ConfigError
-from tests.conftest import REPO, run_hpo
+from tests.conftest import REPO, run_hpo, study_exists
 
 EXAMPLE = REPO / "examples" / "mlp" / "config.yaml"
 
@@ -281,18 +279,6 @@ def train(ctx):
 """
 
 
-def study_made(db: Path, name: str) -> bool:
-    """Whether the SQLite file holds the study, read only: nothing is created."""
-    if not db.exists():
-        return False
-    try:
-        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as connection:
-            query = "select 1 from studies where study_name = ?"
-            return connection.execute(query, (name,)).fetchone() is not None
-    except sqlite3.Error:
-        return False  # no tables yet, or being created this very moment
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("other_host", [False, True])
 def test_stopped_trial_resumes_from_what_the_function_saved(
@@ -319,7 +305,7 @@ def test_stopped_trial_resumes_from_what_the_function_saved(
         time.sleep(0.3)
         # Optuna's storage would create the tables beside the worker's own creation: only once
         # the worker made the study is it loaded.
-        if study_made(tmp_path / "s.db", "s"):
+        if study_exists(f"sqlite:///{tmp_path / 's.db'}", "s"):
             trials = optuna.load_study(study_name="s", storage=url).trials
             reported = len(trials[0].intermediate_values) if trials else 0
     assert reported >= 3, worker.communicate()[1][-3000:]

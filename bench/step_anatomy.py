@@ -20,7 +20,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 import transformers
@@ -29,21 +28,13 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-from trainer_throughput import PEAK_TFLOPS  # noqa: E402
+from trainer_throughput import PEAK_TFLOPS, flops_per_token  # noqa: E402
 
 
 def model_config(path: Path) -> transformers.PretrainedConfig:
     settings = dict(yaml.safe_load(path.read_text())["model"]["config"])
     kind = settings.pop("model_type")
     return transformers.AutoConfig.for_model(kind, num_labels=3, **settings)
-
-
-def flops_per_step(model: torch.nn.Module, batch: int, length: int) -> float:
-    """6 per non-embedding parameter and token, plus attention's 12 x layers x hidden x length."""
-    dense = sum(p.numel() for n, p in model.named_parameters() if "embeddings" not in n)
-    cfg: Any = getattr(model, "config")  # noqa: B009
-    per_token = 6.0 * dense + 12.0 * cfg.num_hidden_layers * cfg.hidden_size * length
-    return per_token * batch * length
 
 
 class Variant:
@@ -170,7 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         started = time.perf_counter()
         step, model = make_step(variant, cfg, batch, args.length, device)
         seconds = time_steps(step, args.steps, args.warmup)
-        tflops = flops_per_step(model, batch, args.length) / seconds / 1e12
+        flops = flops_per_token(model, args.length) * batch * args.length  # the MFU of bench/README
+        tflops = flops / seconds / 1e12
         print(f"| {number} | {variant.name} | {batch} | {1000 * seconds:.1f} | {tflops:.0f} "
               f"| {100 * tflops / peak:.1f}% |  (wall {time.perf_counter() - started:.0f} s)",
               flush=True)  # fmt: skip

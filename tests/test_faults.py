@@ -68,11 +68,6 @@ def test_workers_ride_out_a_database_outage(
 
 
 @pytest.mark.postgres
-@pytest.mark.xfail(
-    strict=False,
-    reason="regression of 2026-11-26 under investigation (issue 24's note): a trial stopped "
-    "during an evaluation no longer records checkpoint_s since the day's merges",
-)
 def test_sigterm_during_evaluation_checkpoints_and_the_retry_resumes(
     tmp_path: Path, easy_data: tuple[Path, Path], postgres_url: str
 ) -> None:

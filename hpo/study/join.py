@@ -22,7 +22,7 @@ from hpo.trial.front import TOLERANCE_ATTR
 from hpo.trial.protocol import ADAPTER_ATTR
 from storage.engine import StudyStorage
 from storage.tables import check_version
-from trainer.tasks import DEFAULT_TASK, TASKS
+from trainer.tasks import DEFAULT_TASK, TASKS, is_task_path
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,9 @@ TASK_ATTR = "task"  # what the study's models learn (trainer.tasks), set by its 
 def study_task(user_attrs: dict[str, Any]) -> str:
     """The task of a study from its user attributes; studies from before tasks classified."""
     task = user_attrs.get(TASK_ATTR)
-    return task if isinstance(task, str) and task in TASKS else DEFAULT_TASK
+    if isinstance(task, str) and (task in TASKS or is_task_path(task)):
+        return task
+    return DEFAULT_TASK
 
 
 def model_loader(user_attrs: dict[str, Any], trial_attrs: dict[str, Any] | None = None) -> str:
@@ -58,7 +60,8 @@ def trial_adapter(study_attrs: dict[str, Any], trial_attrs: dict[str, Any]) -> d
 def loader_text(task: str, base_model: str | None, folder: str = "DIR") -> str:
     """The call that loads a saved model of `task` from `folder`; with `base_model`, a LoRA
     adapter that peft loads on that base (its config.json holds the head's labels)."""
-    auto_model = TASKS[task].auto_model
+    # A task class of the user's: its model class is what its describe() says (not imported here).
+    auto_model = TASKS[task].auto_model if task in TASKS else f"<{task}'s model class>"
     if base_model is None:
         return f"{auto_model}.from_pretrained"
     base = f"{auto_model}.from_pretrained(BASE, config=AutoConfig.from_pretrained({folder}))"

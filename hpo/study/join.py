@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 WORKERS_ATTR = "hpo:workers_joined"
 QUEUED_BY_ATTR = "queued_by"  # study.enqueue or hpo enqueue, on a queued trial
 TASK_ATTR = "task"  # what the study's models learn (trainer.tasks), set by its first worker
+FACTORY_ATTR = "model_factory"  # model.factory, where the user's function builds the models
 
 
 def study_task(user_attrs: dict[str, Any]) -> str:
@@ -44,8 +45,19 @@ def study_task(user_attrs: dict[str, Any]) -> str:
 def model_loader(user_attrs: dict[str, Any], trial_attrs: dict[str, Any] | None = None) -> str:
     """How a trial's saved model loads: `AutoModelFor<its head>.from_pretrained`, or for a LoRA
     adapter, peft's loader on the base model."""
+    factory = user_attrs.get(FACTORY_ATTR)
+    if isinstance(factory, str):
+        return factory_loader_text(factory)
     adapter = trial_adapter(user_attrs, trial_attrs or {})
     return loader_text(study_task(user_attrs), adapter["base_model"] if adapter else None)
+
+
+def factory_loader_text(factory: str, folder: str = "DIR") -> str:
+    """How a model of the user's factory loads: its state_dict into the module the factory
+    builds (a transformers model it returned: from_pretrained, as usual)."""
+    return (f"{factory}(request), then model.load_state_dict(torch.load('{folder}/"
+            "model_state_dict.pt')): see HPO_MODEL.md there; a transformers model it returned: "
+            f"from_pretrained({folder})")  # fmt: skip
 
 
 def trial_adapter(study_attrs: dict[str, Any], trial_attrs: dict[str, Any]) -> dict | None:
@@ -177,6 +189,8 @@ def _check_study_settings(storage: StudyStorage, study_id: int, name: str, confi
     attrs = storage.get_study_user_attrs(study_id)
     if "search_space" not in attrs:
         storage.set_study_user_attr(study_id, TASK_ATTR, config.task)
+        if config.model.factory is not None:
+            storage.set_study_user_attr(study_id, FACTORY_ATTR, config.model.factory)
         if config.model.adapter is not None:
             storage.set_study_user_attr(study_id, ADAPTER_ATTR, adapter_record(config))
         storage.set_study_user_attr(study_id, "metric", config.study.metric)

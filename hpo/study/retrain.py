@@ -35,7 +35,7 @@ from optuna.trial import FrozenTrial, TrialState
 from hpo import __version__
 from hpo.config.schema import Config, ParamSpec, PrunerConfig, SamplerConfig, space_record
 from hpo.errors import HPOError
-from hpo.study.join import loader_text
+from hpo.study.join import factory_loader_text, loader_text
 from hpo.trial.folders import study_folder_name
 from storage.engine import StudyStorage
 
@@ -465,9 +465,7 @@ def _card_loader(config: Config) -> str:
     """How the final model loads: a plain model, a LoRA adapter on its base model, or a
     module of the user's factory (its state_dict: HPO_MODEL.md in the folder says how)."""
     if config.model.factory is not None:
-        return (f"{config.model.factory}(request), then load_state_dict(torch.load("
-                "'<this folder>/model_state_dict.pt')); see HPO_MODEL.md (a transformers model "
-                "it returns: from_pretrained(<this folder>))")  # fmt: skip
+        return factory_loader_text(config.model.factory, "<this folder>")
     if config.model.adapter is None:
         return loader_text(config.task, None) + "(<this folder>)"
     return loader_text(config.task, config.model.name_or_path, "<this folder>")

@@ -122,11 +122,13 @@ def first_user_frame(
     the plug-in's import path and the traceback from its first frame; None when it passed
     through no module of theirs."""
     specs = [spec for spec in (user_task(config), config.model.factory) if spec is not None]
-    modules = {spec.partition(":")[0]: spec for spec in specs}
     tb = error.__traceback__
     while tb is not None:
-        name = tb.tb_frame.f_globals.get("__name__", "")
-        if name in modules:
-            return modules[name], tb
+        module = tb.tb_frame.f_globals.get("__name__", "")
+        mine = [spec for spec in specs if spec.partition(":")[0] == module]
+        if mine:  # one module may hold both: the frame's class or function says which
+            owner = tb.tb_frame.f_code.co_qualname.split(".")[0]
+            named = [spec for spec in mine if spec.partition(":")[2] == owner]
+            return (named or mine)[0], tb
         tb = tb.tb_next
     return None

@@ -107,6 +107,10 @@ class Unfinished(Task):
     name = "sequence_classification"
 
 
+class Silent(SequenceClassification):
+    name = "not_a_built_in_task"
+
+
 class NotATask:
     pass
 
@@ -136,6 +140,8 @@ def test_a_task_class_is_checked_before_any_trial(user_modules: Path) -> None:
         ("tasks_mod:Unfinished", {}, "task: tasks_mod:Unfinished leaves abstract methods of Task "
          "unwritten: chance_levels, encode, eval_outputs, label_names, loss_sum, metrics, "
          "worst_case_labels"),
+        ("tasks_mod:Silent", {}, "task: tasks_mod:Silent says nothing of its metrics: subclass "
+         "a built-in task, or set catalog = TaskInfo(...)"),
         ("tasks_mod:Missing", {}, "task: tasks_mod:Missing: module tasks_mod ("),
         ("tasks_mod:Kappa", {"metric": "accuracy"}, "study.metric: the task tasks_mod:Kappa has "
          "no metric accuracy; its metrics: kappa, eval_loss"),

@@ -156,7 +156,8 @@ def build_model(
     kind of device). A model built from a config is initialised on `device` directly: on a
     GPU that takes a fraction of a second where BERT-base's random init on the CPU takes over
     one (the trial's startup, issue 11). `gradient_checkpointing`: the job's
-    (TrainJob.gradient_checkpointing); default model.gradient_checkpointing."""
+    (TrainJob.gradient_checkpointing); default model.gradient_checkpointing. With
+    model.factory, the user's function builds it, handed `job`'s settings (the trial's)."""
     task_cls = task_class(task)
     head = task_cls.head_options(label_names)
     if config.factory is not None:

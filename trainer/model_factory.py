@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,7 +38,6 @@ class ModelRequest:
     task: str  # the config's task: a built-in's name, or a task class by import path
     model: ModelConfig  # the trial's model settings (model.dropout sampled, name_or_path, config)
     training: TrainingConfig  # the trial's training settings (learning_rate sampled, seed)
-    extra: dict[str, Any] = field(default_factory=dict)  # reserved for later settings
 
 
 def load_factory(spec: str) -> Callable[[ModelRequest], Any]:

@@ -191,7 +191,11 @@ def _user_task_class(spec: str) -> type[Task]:
     if getattr(found, "__abstractmethods__", None):
         missing = ", ".join(sorted(found.__abstractmethods__))
         raise TaskClassError(f"{spec} leaves abstract methods of Task unwritten: {missing}")
-    info = found.describe()
+    try:
+        info = found.describe()
+    except (ValueError, AttributeError) as e:  # no catalog, and no built-in task's name
+        raise TaskClassError(f"{spec} says nothing of its metrics: subclass a built-in task, or "
+                             "set catalog = TaskInfo(...) on the class") from e  # fmt: skip
     if not isinstance(info, TaskInfo) or info.default_metric not in info.metrics:
         raise TaskClassError(f"{spec}: describe() returned {info!r}; expected a "
                              "trainer.tasks.TaskInfo with its metrics and a default_metric among "

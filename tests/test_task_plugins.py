@@ -87,6 +87,22 @@ def test_task_and_factory_config_problems(tmp_path: Path) -> None:
     assert "model.peft: got 'lora'; not with a factory" in problems_of(raw, tmp_path)
 
 
+def test_the_json_schema_takes_a_task_class_and_a_factory(tmp_path: Path) -> None:
+    import jsonschema
+
+    from hpo.config.json_schema import config_schema
+
+    def valid(raw: dict[str, Any]) -> bool:
+        return jsonschema.Draft7Validator(config_schema()).is_valid(raw)
+
+    study = {"metric": "kappa", "direction": "maximize"}
+    raw = plugin_config(tmp_path, task="my_task:Kappa", study=study)
+    raw["model"] = {"factory": "my_model:build", "tokenizer": "tok"}
+    assert valid(raw)
+    raw["task"] = "sequence_classification"  # kappa is no metric of hpo's own tasks
+    assert not valid(raw)
+
+
 TASKS = """\
 import torch
 from trainer.tasks import TaskInfo

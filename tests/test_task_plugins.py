@@ -308,6 +308,37 @@ def test_a_module_that_is_no_transformers_model_is_saved_as_its_state_dict(
     assert torch.equal(fresh.head.weight, model.head.weight)
 
 
+def test_a_factory_model_stopped_mid_run_resumes_to_the_same_weights(user_modules: Path) -> None:
+    from trainer.checkpoint import CheckpointStore
+    from trainer.config import DataConfig, TrainingConfig
+    from trainer.loop import Trainer
+    from trainer.model import load_tokenizer
+    from trainer.tasks import prepare_data
+
+    job = factory_job(user_modules, "factory_mod:build")
+    train = write_csv(user_modules / "train.csv", easy_rows(32, 1))
+    evaluation = write_csv(user_modules / "eval.csv", easy_rows(16, 2))
+    job.data = DataConfig(train_file=str(train), eval_file=str(evaluation), max_length=16)
+    # 32 examples / 8 = 4 steps, evaluations at steps 2 and 4; stopped after the first
+    job.training = TrainingConfig(physical_batch_size=4, effective_batch_size=8, epochs=1,
+                                  evals_per_epoch=2, device="cpu")  # fmt: skip
+    data = prepare_data(job.data, load_tokenizer(job.model), job.task, job.training)
+    reference = Trainer(job, data)
+    reference.fit()
+    steps: list[int] = []
+    stopped = Trainer(job, data).fit(
+        checkpoints=CheckpointStore(user_modules / "t"),
+        should_stop=lambda: len(steps) >= 1,
+        on_evaluation=lambda e: steps.append(e.optimizer_step) or None,
+    )
+    assert stopped.status == "interrupted" and stopped.optimizer_steps == 3  # it checkpoints
+    resumed = Trainer(job, data)
+    result = resumed.fit(checkpoints=CheckpointStore(user_modules / "t", resume=True))
+    assert result.resumed_at_step == 3 and result.status == "completed"
+    for name, tensor in reference.model.state_dict().items():
+        assert torch.equal(tensor, resumed.model.state_dict()[name]), name
+
+
 # -- user code that fails inside a trial -----------------------------------------------------
 
 FRAGILE = """\

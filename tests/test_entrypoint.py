@@ -456,16 +456,20 @@ def test_every_example_config_loads_and_its_function_imports(
     from hpo.config.json_schema import config_schema
     from hpo.config.loader import load_config
     from hpo.trial.entrypoint import load_entrypoint
-    from hpo.trial.plugins import load_plugin
+    from hpo.trial.plugins import load_plugin, load_user_code
+    from trainer.tasks import is_task_path
 
     monkeypatch.setattr(sys, "path", list(sys.path))
     config = load_config(path)
     raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     jsonschema.validate(raw, config_schema(), cls=jsonschema.Draft7Validator)
-    plugins = {"search_space": config.search_space_function, "metrics": config.metrics}
+    plugins = {"search_space": config.search_space_function, "metrics": config.metrics,
+               "task": config.task if is_task_path(config.task) else None,
+               "model.factory": config.model.factory}  # fmt: skip
     for key, spec in plugins.items():  # a plug-in example's functions import too
         if spec is not None:
             assert callable(load_plugin(spec, config.base_dir, key))
+    load_user_code(config)  # a task class is a Task, with the study's metric
     if config.training.entrypoint is None:
         assert any(plugins.values()), f"{path}: an example of your own code names none"
         return

@@ -81,7 +81,8 @@ def test_an_unknown_task_is_one_line_naming_the_tasks(easy_data: tuple[Path, Pat
     problems = _problems(_raw(easy_data, task="ner"))
     assert problems == [
         "task: got 'ner'; must be one of sequence_classification, multi_label_classification, "
-        "regression, token_classification, causal_lm"
+        "regression, token_classification, causal_lm, or your task class as "
+        "`package.module:ClassName`"
     ]
     assert _problems(_raw(easy_data, task=["regression"]))[0].startswith("task: got [")
 

@@ -30,7 +30,8 @@ from trainer.memory import (
     release_memory,
     simulated_budget,
 )
-from trainer.model import build_model, model_fingerprint
+from trainer.model import build_model, model_fingerprint, vocab_size_of
+from trainer.model_factory import logits_of
 from trainer.step import make_optimizer, optimizer_step
 from trainer.tasks import make_task
 
@@ -148,9 +149,9 @@ class BatchFinder:
         self.num_labels = len(label_names)
         self.base_model = build_model(
             job.model, label_names, self.cfg.seed, task=job.task,
-            gradient_checkpointing=job.gradient_checkpointing,
+            gradient_checkpointing=job.gradient_checkpointing, job=job,
         )  # fmt: skip
-        self.vocab_size = int(getattr(self.base_model, "config").vocab_size)  # noqa: B009
+        self.vocab_size = vocab_size_of(self.base_model, job.model)
         self.probes: list[Probe] = []
 
     def run(self) -> BatchSearch:
@@ -201,7 +202,7 @@ class BatchFinder:
         for micro_batches in (1, 2):
             for _ in range(micro_batches):
                 with dev.autocast(self.device, self.precision):
-                    logits = forward(**self._inputs(size)).logits
+                    logits = logits_of(forward(**self._inputs(size)))
                 loss = self.task.loss_sum(logits, labels) / self.task.units(labels)
                 loss.backward()
                 del logits
@@ -211,7 +212,7 @@ class BatchFinder:
         model.eval()
         with torch.inference_mode():
             with dev.autocast(self.device, self.precision):
-                logits = forward(**self._inputs(eval_size)).logits
+                logits = logits_of(forward(**self._inputs(eval_size)))
             # The evaluation's loss as well: for a causal LM, the float32 log-softmax of
             # [batch, max_length, vocabulary] logits needs as much memory again as the logits.
             self.task.loss_sum(logits, eval_labels.to(self.device))

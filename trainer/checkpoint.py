@@ -227,13 +227,37 @@ def _atomic_save_pretrained(
     tmp = directory / f".{BEST_MODEL_DIR}.{os.getpid()}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save_pretrained(tmp, state_dict=state_dict)  # type: ignore[operator]
-        save_head_config(model, str(tmp))
+        if hasattr(model, "save_pretrained"):
+            model.save_pretrained(tmp, state_dict=state_dict)  # type: ignore[operator]
+            save_head_config(model, str(tmp))
+        else:  # a module of the user's factory (model.factory): its weights, and how to load them
+            save_state_dict(model, tmp, state_dict)
         tmp.rename(directory / version)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     previous = _point_best_model_at(directory, version)
     _remove_versions(directory, keep=(version, previous))
+
+
+STATE_DICT_FILE = "model_state_dict.pt"
+STATE_DICT_NOTE = "HPO_MODEL.md"
+
+
+def save_state_dict(
+    model: torch.nn.Module, folder: Path, state_dict: dict[str, torch.Tensor] | None
+) -> None:
+    """A torch.nn.Module that is no transformers model: its state_dict (torch.save), with a
+    note on how it loads, since no `from_pretrained` can rebuild it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    weights = state_dict if state_dict is not None else model.state_dict()
+    torch.save({k: v.detach().cpu() for k, v in weights.items()}, folder / STATE_DICT_FILE)
+    (folder / STATE_DICT_NOTE).write_text(
+        f"# A model of {type(model).__module__}.{type(model).__qualname__}\n\n"
+        f"`{STATE_DICT_FILE}` holds its state_dict (it is no transformers model, so it has no "
+        "`from_pretrained`). Build the module with your model.factory, then:\n\n"
+        f"    model.load_state_dict(torch.load('{STATE_DICT_FILE}', weights_only=True))\n",
+        encoding="utf-8",
+    )
 
 
 def _remove_versions(directory: Path, keep: tuple[str | None, ...]) -> None:

@@ -174,6 +174,14 @@ class ModelConfig:
     peft: PeftSettings | None = _doc(
         "Train an adapter instead of every weight (LoRA); null or absent: full fine-tuning."
     )
+    factory: str | None = _doc(
+        "Your function that builds the model, `package.module:name`, called as "
+        "factory(request) with a trainer.model_factory.ModelRequest (labels, vocab_size, the "
+        "trial's model and training settings); it returns a transformers model or any "
+        "torch.nn.Module whose forward(input_ids, attention_mask, ...) returns logits (an "
+        "object or dict with `logits`, or a tuple (loss, logits)). name_or_path and config are "
+        "then optional, handed to it; tokenizer (or name_or_path) says how text becomes ids."
+    )
 
     @property
     def adapter(self) -> PeftSettings | None:
@@ -190,7 +198,9 @@ class ModelConfig:
 
     def problems(self) -> list[tuple[str, Any, str]]:
         found: list[tuple[str, Any, str]] = []
-        if (self.name_or_path is None) == (self.config is None):
+        if self.factory is not None:
+            found.extend(self._factory_problems())
+        elif (self.name_or_path is None) == (self.config is None):
             found.append(
                 ("name_or_path", self.name_or_path, "give exactly one of name_or_path or config")
             )
@@ -198,7 +208,7 @@ class ModelConfig:
             found.append(
                 ("name_or_path", self.name_or_path, "is empty; give the model's folder or name")
             )
-        if self.config is not None:
+        if self.config is not None and self.factory is None:
             if "model_type" not in self.config:
                 found.append(("config", self.config, "needs a `model_type` key, e.g. bert"))
             if self.tokenizer is None:
@@ -213,11 +223,27 @@ class ModelConfig:
                     "must be sdpa, eager or flash_attention_2",
                 )
             )
-        if self.adapter is not None and self.config is not None:
+        if self.adapter is not None and self.config is not None and self.factory is None:
             # The adapter would be saved without the random weights it adapts: nobody could load it.
             found.append(("peft", self.adapter.method, "needs a pretrained model: save the model "
                           "built from model.config (save_pretrained) and give its folder as "
                           "model.name_or_path"))  # fmt: skip
+        return found
+
+    def _factory_problems(self) -> list[tuple[str, Any, str]]:
+        found: list[tuple[str, Any, str]] = []
+        if not ENTRYPOINT.fullmatch(str(self.factory)):
+            found.append(("factory", self.factory, "must be your function as "
+                          "`package.module:name`, e.g. my_model:build"))  # fmt: skip
+        if self.name_or_path is not None and self.config is not None:
+            found.append(("name_or_path", self.name_or_path, "give at most one of name_or_path "
+                          "or config with a factory"))  # fmt: skip
+        if self.name_or_path is None and self.tokenizer is None:
+            found.append(("tokenizer", None, "is required with a factory (the data's tokens); "
+                          "or give name_or_path"))  # fmt: skip
+        if self.peft is not None and self.peft.method != "none":
+            found.append(("peft", self.peft.method, "not with a factory: your function builds "
+                          "the whole model (wrap it in an adapter there)"))  # fmt: skip
         return found
 
 

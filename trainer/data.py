@@ -382,6 +382,8 @@ class RowEncoder(Protocol):
     @property
     def name(self) -> str: ...
 
+    def config_name(self) -> str: ...
+
     def required_columns(self) -> list[str]: ...
 
     def label_names(self, table: dict[str, list[Any]], source: str) -> list[str]: ...
@@ -421,7 +423,7 @@ def prepare_splits(config: DataConfig, tokenizer: Any, task: RowEncoder) -> Prep
     pad_id = tokenizer.pad_token_id
     if pad_id is None:  # GPT-2-like tokenizers have none: pads are masked out, any id does
         pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    return PreparedData(splits[0], splits[1], label_names, int(pad_id), task.name)
+    return PreparedData(splits[0], splits[1], label_names, int(pad_id), task.config_name())
 
 
 def _column_setting(config: DataConfig, column: str) -> str:

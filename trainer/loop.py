@@ -150,7 +150,7 @@ class Trainer:
         torch.manual_seed(self.cfg.seed)
         self.model = build_model(
             self.job.model, self.data.label_names, self.cfg.seed, self.device, self.job.task,
-            gradient_checkpointing=self.job.gradient_checkpointing,
+            gradient_checkpointing=self.job.gradient_checkpointing, job=self.job,
         )  # fmt: skip
         self.model.to(self.device)  # a pretrained model loads on the CPU
         self.task.prepare_model(self.model, self.data.train)

@@ -1,5 +1,6 @@
 """Tokenizer and model, with the head of the run's task: from a local folder, a folder a Python
-package ships (`pkg://package/folder`), a hub name, or an inline config with random weights.
+package ships (`pkg://package/folder`), a hub name, an inline config with random weights, or the
+user's factory (`model.factory`, trainer.model_factory).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import torch
 
 from trainer.config import ModelConfig
 from trainer.errors import ModelError
-from trainer.tasks import DEFAULT_TASK, TASKS, auto_model_class, task_class
+from trainer.tasks import DEFAULT_TASK, auto_model_class, task_class, task_info
 
 if TYPE_CHECKING:
+    from trainer.config import TrainJob
     from trainer.data import PreparedData
 
 log = logging.getLogger(__name__)
@@ -60,7 +62,7 @@ def load_tokenizer(config: ModelConfig, task: str = DEFAULT_TASK) -> Any:
     options = _hub_options(path, "tokenizer")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **options)
-        if TASKS[task].words and getattr(tokenizer, "add_prefix_space", None) is False:
+        if task_info(task).words and getattr(tokenizer, "add_prefix_space", None) is False:
             # A byte-level BPE tokenizer (RoBERTa, GPT-2) given words would read each as if it
             # began the text, with no space before it ("lives" is not "Ġlives"): not the tokens
             # the model was trained on, and silently worse. With the prefix space, as in text.
@@ -78,7 +80,9 @@ def check_model_config(
     the meta device (no memory, no weights), which catches settings that only clash at build
     time (a hidden size that the heads do not divide, a negative size); so is a model that gets
     a LoRA adapter, whose target layers must be there. A local model folder's weights must be
-    there and whole."""
+    there and whole. A model of the user's factory is checked where it is built (None here)."""
+    if config.factory is not None:
+        return None
     model_config = _model_config(config, num_labels=2)
     if config.config is None:
         folder = Path(resolve_location(_pretrained_location(config)))
@@ -113,7 +117,9 @@ def check_data_fits_model(config: ModelConfig, model_config: Any, data: Prepared
     """Fail fast, before any trial: every token id of the tokenized data must have a row in the
     model's embeddings (and every segment id one in its segment embeddings). A tokenizer that
     does not match the model otherwise fails each trial with an IndexError (on a GPU, a device
-    assert). `model_config` is what check_model_config returned."""
+    assert). `model_config` is what check_model_config returned (None: a factory's model)."""
+    if model_config is None:
+        return
     inline = config.config is not None
     for name, attr, largest in (
         ("token id", "vocab_size", _largest(data, "ids")),
@@ -144,14 +150,18 @@ def build_model(
     device: torch.device | None = None,
     task: str = DEFAULT_TASK,
     gradient_checkpointing: bool | None = None,
+    job: TrainJob | None = None,
 ) -> torch.nn.Module:
     """A fresh model with `task`'s head for `label_names`, deterministic for `seed` (on one
     kind of device). A model built from a config is initialised on `device` directly: on a
     GPU that takes a fraction of a second where BERT-base's random init on the CPU takes over
     one (the trial's startup, issue 11). `gradient_checkpointing`: the job's
-    (TrainJob.gradient_checkpointing); default model.gradient_checkpointing."""
+    (TrainJob.gradient_checkpointing); default model.gradient_checkpointing. With
+    model.factory, the user's function builds it, handed `job`'s settings (the trial's)."""
     task_cls = task_class(task)
     head = task_cls.head_options(label_names)
+    if config.factory is not None:
+        return _factory_model(config, label_names, head, seed, task, gradient_checkpointing, job)
     if task_cls.model_follows_tokenizer:
         head.update(task_cls.tokenizer_options(_tokenizer_of(config)))
     model_config = _model_config(config, head.pop("num_labels", 2))
@@ -189,6 +199,46 @@ def build_model(
     return model
 
 
+def _factory_model(
+    config: ModelConfig,
+    label_names: list[str],
+    head: dict[str, Any],
+    seed: int,
+    task: str,
+    gradient_checkpointing: bool | None,
+    job: TrainJob | None,
+) -> torch.nn.Module:
+    """The model the user's factory builds (trainer.model_factory): on the CPU, torch seeded,
+    so that every trial's starts the same; the trainer moves it to the device."""
+    from trainer.config import DataConfig, TrainingConfig
+    from trainer.model_factory import ModelRequest, call_factory
+
+    data = job.data if job is not None else DataConfig()
+    request = ModelRequest(
+        label_names=list(label_names), num_labels=int(head.get("num_labels", len(label_names))),
+        head=head, vocab_size=len(_tokenizer_of(config)), max_length=data.max_length, task=task,
+        model=config, training=job.training if job is not None else TrainingConfig(),
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = call_factory(str(config.factory), request)
+    if gradient_checkpointing or (gradient_checkpointing is None and config.gradient_checkpointing):
+        if not hasattr(model, "gradient_checkpointing_enable") and not hasattr(
+            model, "activation_checkpointing_enable"
+        ):
+            raise ModelError(f"training.gradient_checkpointing: the model {config.factory} builds "
+                             f"({type(model).__name__}) cannot recompute activations (it is no "
+                             "transformers model); leave gradient_checkpointing off")  # fmt: skip
+        _enable_checkpointing(model)
+    return model
+
+
+def vocab_size_of(model: torch.nn.Module, config: ModelConfig) -> int:
+    """Token ids the model's embeddings hold: its transformers config's, else the tokenizer's
+    (a factory's module of the user's)."""
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return int(size) if isinstance(size, int) else len(_tokenizer_of(config))
+
+
 def _tokenizer_of(config: ModelConfig) -> Any:
     """The run's tokenizer, loaded once per process (every trial's model asks for it)."""
     return _cached_tokenizer(config.tokenizer, config.name_or_path)
@@ -210,7 +260,13 @@ def _enable_checkpointing(model: Any) -> None:
 
 def model_fingerprint(config: ModelConfig) -> str:
     """Identity of the architecture (its config), for caches keyed by model. Without
-    model.dropout: each value of a searched dropout would otherwise search its batch anew."""
+    model.dropout: each value of a searched dropout would otherwise search its batch anew. A
+    factory's model: the factory and what it is handed of the model settings."""
+    if config.factory is not None:
+        parts = {"factory": config.factory, "name_or_path": config.name_or_path,
+                 "config": config.config, "tokenizer": config.tokenizer}  # fmt: skip
+        text = json.dumps(parts, sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
     model_config = _loaded_model_config(config, num_labels=2)
     text = json.dumps(model_config.to_diff_dict(), sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

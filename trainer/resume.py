@@ -35,7 +35,7 @@ RESUMABLE_ACROSS = frozenset(
 # the fingerprint at that value, so a retry after an upgrade still resumes its checkpoint.
 _ADDED_LATER: dict[str, dict[str, Any]] = {
     "training": {"lr_schedule": "linear"},
-    "model": {"dropout": None},
+    "model": {"dropout": None, "factory": None},
 }
 
 

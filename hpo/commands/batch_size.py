@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 
 def batch_size_command(args: argparse.Namespace) -> int:
+    from hpo.trial.plugins import load_user_code
     from trainer import device as dev
     from trainer.batch_finder import batch_key, find_physical_batch_size
     from trainer.model import check_model_config, load_tokenizer
@@ -34,6 +35,7 @@ def batch_size_command(args: argparse.Namespace) -> int:
     # The device first: `cuda` on a host without CUDA is reported before minutes of data prep.
     source = "--device" if args.device is not None else "training.device"
     device = dev.resolve_device(config.training.device, source)
+    load_user_code(config)  # a task class, a model factory: one line if they cannot be used
     check_model_config(config.model, config.data.max_length, config.task)
     data = prepare_data(
         config.data, load_tokenizer(config.model, config.task), config.task, config.training

@@ -76,8 +76,14 @@ def _entrypoint_or_not(schema: dict[str, Any]) -> dict[str, Any]:
         },  # fmt: skip
         "else": {
             "properties": {"search_space": {"anyOf": [_search_space_schema(), SPACE_FUNCTION]}},
-            # `metrics: package.module:name`: study.metric may name the function's metrics
-            "if": {"required": ["metrics"], "properties": {"metrics": {"type": "string"}}},
+            # `metrics: package.module:name` or `task: package.module:ClassName`: study.metric
+            # may name the function's or the task class's metrics
+            "if": {
+                "anyOf": [
+                    {"required": ["metrics"], "properties": {"metrics": {"type": "string"}}},
+                    {"required": ["task"], "properties": {"task": SPACE_FUNCTION}},
+                ]
+            },
             "then": {"properties": {"study": {"properties": {"metric": user_metric}}}},
             "else": {"properties": {"study": {"properties": {"metric": hpo_metric}}}},
         },  # fmt: skip

@@ -29,7 +29,7 @@ from hpo.config.schema import (
 from hpo.errors import ConfigError
 from storage.url import sqlite_file_relative_to
 from trainer.config import ENTRYPOINT
-from trainer.tasks import DEFAULT_TASK, METRIC_DIRECTIONS, TASKS
+from trainer.tasks import DEFAULT_TASK, METRIC_DIRECTIONS, TASKS, is_task_path
 from trainer.user_metrics import EXAMPLE_TASKS
 
 # The demo config, where hpo runs from its repository (an editable install); a wheel has none.
@@ -150,10 +150,12 @@ def parse_config(
         config.search_space = _build_search_space(space_raw, problems)
     if not 0 <= config.training.seed < 2**64:  # what numpy and torch.manual_seed both take
         problems.append(f"training.seed: got {_show(config.training.seed)}; must be in [0, 2**64)")
-    if config.model.config is not None:
+    if config.model.config is not None and config.model.factory is None:
         problems.extend(_inline_model_problems(config.model.config))
     if config.metrics is not None:
         _check_metrics_function(config, user_objectives, problems)
+    elif user_objectives is not None:  # a task class of the user's names its own metrics
+        _check_user_objectives(config, user_objectives, problems)
     if not problems:  # needs well-typed sections; its findings would be noise otherwise
         _check_search_space(config, problems)
     if not problems:
@@ -228,11 +230,13 @@ def _parse_entrypoint_config(
 
 
 def _pop_user_objectives(raw: dict[Any, Any]) -> tuple[Any, Any] | None:
-    """With `metrics: package.module:name`, study.metric may name the function's own metrics,
-    which the study section's rules do not know: such a metric and its direction are taken out
-    here (the task's default metric stands in) and checked by _check_metrics_function."""
+    """With `metrics: package.module:name` or a task class of the user's, study.metric may name
+    their own metrics, which the study section's rules do not know: such a metric and its
+    direction are taken out here (the task's default metric stands in) and checked by
+    _check_user_objectives (a task class's, again when hpo run imports it)."""
     study, task = raw.get("study"), raw.get("task", DEFAULT_TASK)
-    if not isinstance(raw.get("metrics"), str) or not isinstance(study, dict):
+    user_task = isinstance(task, str) and is_task_path(task)
+    if not (isinstance(raw.get("metrics"), str) or user_task) or not isinstance(study, dict):
         return None
     metric = study.get("metric")
     names = [metric] if isinstance(metric, str) else metric
@@ -240,8 +244,7 @@ def _pop_user_objectives(raw: dict[Any, Any]) -> tuple[Any, Any] | None:
         return None  # hpo's own metrics: the study section's rules apply
     study = dict(study)
     given = study.pop("metric"), study.pop("direction", None)
-    if task in TASKS:
-        study["metric"] = TASKS[task].default_metric
+    study["metric"] = TASKS[task if task in TASKS else DEFAULT_TASK].default_metric
     raw["study"] = study
     return given
 
@@ -256,11 +259,18 @@ def _check_metrics_function(
     if not isinstance(spec, str) or not ENTRYPOINT.fullmatch(spec):
         problems.append(f"metrics: got {_show(spec)}; must be your function as "
                         "`package.module:name`, e.g. my_metrics:f2")  # fmt: skip
-    if config.task not in EXAMPLE_TASKS:
+    if config.task not in EXAMPLE_TASKS and not is_task_path(config.task):
         problems.append(f"metrics: the task {config.task} has a target per token; a metrics "
                         f"function works with {', '.join(EXAMPLE_TASKS)}")  # fmt: skip
-    if objectives is None:
-        return
+    if objectives is not None:
+        _check_user_objectives(config, objectives, problems)
+
+
+def _check_user_objectives(
+    config: Config, objectives: tuple[Any, Any], problems: list[str]
+) -> None:
+    """study.metric naming metrics hpo does not know (a metrics function's, a task class's):
+    study.direction must say which way each improves; hpo's own keep their direction."""
     metric, direction = objectives
     names = [metric] if isinstance(metric, str) else metric
     if not all(isinstance(n, str) and n.strip() for n in names) or len(set(names)) < len(names):

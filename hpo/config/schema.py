@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from trainer.config import DataConfig, ModelConfig, TrainingConfig, TrainJob
 from trainer.metrics import Direction
-from trainer.tasks import DEFAULT_TASK, METRIC_DIRECTIONS, TASKS
+from trainer.tasks import DEFAULT_TASK, METRIC_DIRECTIONS, TASKS, is_task_path
 
 DEFAULT_BATCH_CHOICES = [32, 64, 128, 256, 512]
 # Every task's metrics (trainer.tasks.TASKS); the config's task decides which it may name.
@@ -555,7 +555,9 @@ class Config:
     task: str = _doc(
         "What the model learns: sequence_classification (the default: a class per text or "
         "text pair), multi_label_classification, regression, token_classification or "
-        "causal_lm.",
+        "causal_lm; or your task class, `package.module:ClassName` (a subclass of "
+        "trainer.tasks.base.Task: how rows become tensors, the loss, the metrics), imported "
+        "by hpo run before any trial.",
         DEFAULT_TASK,
     )
     metrics: str | None = _doc(
@@ -576,9 +578,13 @@ class Config:
         return TrainJob(self.data, self.model, training or self.training, self.task)
 
     def problems(self) -> list[tuple[str, Any, str]]:
-        """Rules between sections: the metric must be one the task has."""
+        """Rules between sections: the metric must be one the task has (a task class of the
+        user's: checked when hpo run imports it)."""
+        if is_task_path(self.task):
+            return []
         if self.task not in TASKS:
-            return [("task", self.task, f"must be one of {', '.join(TASKS)}")]
+            return [("task", self.task, f"must be one of {', '.join(TASKS)}, or your task class "
+                     "as `package.module:ClassName`")]  # fmt: skip
         info = TASKS[self.task]
         for name in self.study.objectives:
             if name != "samples_per_s" and name in METRIC_DIRECTIONS and name not in info.metrics:

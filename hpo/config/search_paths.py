@@ -88,6 +88,8 @@ NOT_SEARCHABLE = {
         _HARDWARE,
     ),  # fmt: skip
     "model.config": "an inline model config; search model.name_or_path over saved models",
+    "model.factory": "your function that builds the model, the same for every trial: it reads "
+    "each trial's searched settings from its request (request.model.dropout, ...)",
     "model.peft": "a section: search its fields, model.peft.method (lora or none), "
     "model.peft.r, model.peft.alpha, model.peft.dropout",
     "model.peft.target_modules": "a list of layer names tied to the model's family: the same "

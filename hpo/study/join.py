@@ -22,7 +22,7 @@ from hpo.trial.front import TOLERANCE_ATTR
 from hpo.trial.protocol import ADAPTER_ATTR
 from storage.engine import StudyStorage
 from storage.tables import check_version
-from trainer.tasks import DEFAULT_TASK, TASKS
+from trainer.tasks import DEFAULT_TASK, TASKS, is_task_path
 
 log = logging.getLogger(__name__)
 
@@ -31,19 +31,33 @@ log = logging.getLogger(__name__)
 WORKERS_ATTR = "hpo:workers_joined"
 QUEUED_BY_ATTR = "queued_by"  # study.enqueue or hpo enqueue, on a queued trial
 TASK_ATTR = "task"  # what the study's models learn (trainer.tasks), set by its first worker
+FACTORY_ATTR = "model_factory"  # model.factory, where the user's function builds the models
 
 
 def study_task(user_attrs: dict[str, Any]) -> str:
     """The task of a study from its user attributes; studies from before tasks classified."""
     task = user_attrs.get(TASK_ATTR)
-    return task if isinstance(task, str) and task in TASKS else DEFAULT_TASK
+    if isinstance(task, str) and (task in TASKS or is_task_path(task)):
+        return task
+    return DEFAULT_TASK
 
 
 def model_loader(user_attrs: dict[str, Any], trial_attrs: dict[str, Any] | None = None) -> str:
     """How a trial's saved model loads: `AutoModelFor<its head>.from_pretrained`, or for a LoRA
     adapter, peft's loader on the base model."""
+    factory = user_attrs.get(FACTORY_ATTR)
+    if isinstance(factory, str):
+        return factory_loader_text(factory)
     adapter = trial_adapter(user_attrs, trial_attrs or {})
     return loader_text(study_task(user_attrs), adapter["base_model"] if adapter else None)
+
+
+def factory_loader_text(factory: str, folder: str = "DIR") -> str:
+    """How a model of the user's factory loads: its state_dict into the module the factory
+    builds (a transformers model it returned: from_pretrained, as usual)."""
+    return (f"{factory}(request), then model.load_state_dict(torch.load('{folder}/"
+            "model_state_dict.pt')): see HPO_MODEL.md there; a transformers model it returned: "
+            f"from_pretrained({folder})")  # fmt: skip
 
 
 def trial_adapter(study_attrs: dict[str, Any], trial_attrs: dict[str, Any]) -> dict | None:
@@ -58,7 +72,8 @@ def trial_adapter(study_attrs: dict[str, Any], trial_attrs: dict[str, Any]) -> d
 def loader_text(task: str, base_model: str | None, folder: str = "DIR") -> str:
     """The call that loads a saved model of `task` from `folder`; with `base_model`, a LoRA
     adapter that peft loads on that base (its config.json holds the head's labels)."""
-    auto_model = TASKS[task].auto_model
+    # A task class of the user's: its model class is what its describe() says (not imported here).
+    auto_model = TASKS[task].auto_model if task in TASKS else f"<{task}'s model class>"
     if base_model is None:
         return f"{auto_model}.from_pretrained"
     base = f"{auto_model}.from_pretrained(BASE, config=AutoConfig.from_pretrained({folder}))"
@@ -174,6 +189,8 @@ def _check_study_settings(storage: StudyStorage, study_id: int, name: str, confi
     attrs = storage.get_study_user_attrs(study_id)
     if "search_space" not in attrs:
         storage.set_study_user_attr(study_id, TASK_ATTR, config.task)
+        if config.model.factory is not None:
+            storage.set_study_user_attr(study_id, FACTORY_ATTR, config.model.factory)
         if config.model.adapter is not None:
             storage.set_study_user_attr(study_id, ADAPTER_ATTR, adapter_record(config))
         storage.set_study_user_attr(study_id, "metric", config.study.metric)

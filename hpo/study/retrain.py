@@ -35,10 +35,9 @@ from optuna.trial import FrozenTrial, TrialState
 from hpo import __version__
 from hpo.config.schema import Config, ParamSpec, PrunerConfig, SamplerConfig, space_record
 from hpo.errors import HPOError
-from hpo.study.join import loader_text
+from hpo.study.join import factory_loader_text, loader_text
 from hpo.trial.folders import study_folder_name
 from storage.engine import StudyStorage
-from trainer.tasks import TASKS
 
 log = logging.getLogger(__name__)
 
@@ -370,7 +369,9 @@ def _alive(pid: int) -> bool:
 def save_final_model(model_dir: Path, out: Path, card: dict[str, Any]) -> None:
     """Copy the model and tokenizer to `out` with its card: written aside, then renamed in, so
     `out` is never half a model; a final model hpo wrote there before is replaced."""
-    if not (model_dir / "config.json").is_file():
+    from trainer.checkpoint import STATE_DICT_FILE  # a factory's module of the user's
+
+    if not any((model_dir / name).is_file() for name in ("config.json", STATE_DICT_FILE)):
         raise HPOError(f"the winning run's model {model_dir} is missing (removed, or on another "
                        "host's disk); run hpo retrain on the host that trained it")  # fmt: skip
     check_out(out, str(card.get("study")), str(card.get("storage")))
@@ -461,9 +462,12 @@ def model_card(
 
 
 def _card_loader(config: Config) -> str:
-    """How the final model loads: a plain model, or a LoRA adapter on its base model."""
+    """How the final model loads: a plain model, a LoRA adapter on its base model, or a
+    module of the user's factory (its state_dict: HPO_MODEL.md in the folder says how)."""
+    if config.model.factory is not None:
+        return factory_loader_text(config.model.factory, "<this folder>")
     if config.model.adapter is None:
-        return f"{TASKS[config.task].auto_model}.from_pretrained(<this folder>)"
+        return loader_text(config.task, None) + "(<this folder>)"
     return loader_text(config.task, config.model.name_or_path, "<this folder>")
 
 

@@ -1,5 +1,6 @@
 """The user's code named in the config by import path (`package.module:name`): the training
-function (`training.entrypoint`) and the plug-ins (`search_space:` a define-by-run function).
+function (`training.entrypoint`) and the plug-ins (`search_space:` a define-by-run function,
+`metrics:`, `task:` a task class, `model.factory:`).
 Each is imported and checked before any trial (one line when it cannot be), and a failure inside
 a trial keeps the user's traceback with the trial.
 """
@@ -11,11 +12,15 @@ import logging
 import sys
 import time
 import traceback
+import types
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpo.errors import ConfigError
 from hpo.trial.protocol import TrialLike
+
+if TYPE_CHECKING:
+    from hpo.config.schema import Config
 
 log = logging.getLogger(__name__)
 
@@ -47,15 +52,83 @@ def load_plugin(spec: str, base_dir: str, key: str) -> Callable[..., Any]:
 
 
 def record_failure(
-    trial: TrialLike, spec: str, error: BaseException, started: float, what: str
+    trial: TrialLike,
+    spec: str,
+    error: BaseException,
+    started: float,
+    what: str,
+    user_frames: types.TracebackType | None = None,
 ) -> None:
-    """The user's traceback, from their function down, kept with the trial (user attribute
-    `traceback`) and in the worker's log: never lost. `what` names the code in the log line
-    (the training function, the search space)."""
+    """The user's traceback, from their function down (or from `user_frames`), kept with the
+    trial (user attribute `traceback`) and in the worker's log: never lost. `what` names the
+    code in the log line (the training function, the search space)."""
     tb = error.__traceback__
-    user_frames = tb.tb_next if tb is not None and tb.tb_next is not None else tb
+    if user_frames is None:
+        user_frames = tb.tb_next if tb is not None and tb.tb_next is not None else tb
     text = "".join(traceback.format_exception(type(error), error, user_frames))
     trial.set_user_attr("traceback", text[-MAX_TRACEBACK_CHARS:])
     trial.set_user_attr("fail_reason", f"{spec}: {type(error).__name__}: {error}"[:1000])
     trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
     log.error("trial %d: %s %s failed:\n%s", trial.number, what, spec, text.rstrip())
+
+
+def load_user_code(config: Config) -> None:
+    """Every plug-in of hpo's trainer the config names, imported and checked: before any trial
+    (hpo run) and again in each trial process. ConfigError, one line, for the first that
+    cannot be used."""
+    if config.metrics is not None:
+        load_plugin(config.metrics, config.base_dir, "metrics")
+    if config.model.factory is not None:
+        load_plugin(config.model.factory, config.base_dir, "model.factory")
+    if user_task(config) is not None:
+        check_task_class(config)
+
+
+def user_task(config: Config) -> str | None:
+    """The task class the config names by import path; None for a built-in task."""
+    from trainer.tasks import is_task_path
+
+    return config.task if is_task_path(config.task) else None
+
+
+def check_task_class(config: Config) -> None:
+    """`task: package.module:ClassName`: it imports, it is a task class (a subclass of
+    trainer.tasks.base.Task with a catalog entry), and it has the study's metrics, each improving
+    the way study.direction says. ConfigError, one line, otherwise."""
+    from trainer.tasks import TaskClassError, task_class
+
+    spec = config.task
+    load_plugin(spec, config.base_dir, "task")
+    try:
+        info = task_class(spec).describe()
+    except TaskClassError as e:
+        raise ConfigError([f"task: {e}"]) from e
+    study = config.study
+    for name, way in zip(study.objectives, study.resolved_directions, strict=True):
+        if name == "samples_per_s" or (name not in info.metrics and config.metrics is not None):
+            continue  # the throughput, or a metric of the user's metrics function
+        if name not in info.metrics:
+            raise ConfigError([f"study.metric: the task {spec} has no metric {name}; its metrics: "
+                               f"{', '.join(info.metrics)}"])  # fmt: skip
+        if way != info.metrics[name]:
+            raise ConfigError([f"study.direction: metric {name} of the task {spec} must be "
+                               f"{info.metrics[name]}d"])  # fmt: skip
+
+
+def first_user_frame(
+    error: BaseException, config: Config
+) -> tuple[str, types.TracebackType] | None:
+    """Where an error raised in hpo's trainer entered the user's task class or model factory:
+    the plug-in's import path and the traceback from its first frame; None when it passed
+    through no module of theirs."""
+    specs = [spec for spec in (user_task(config), config.model.factory) if spec is not None]
+    tb = error.__traceback__
+    while tb is not None:
+        module = tb.tb_frame.f_globals.get("__name__", "")
+        mine = [spec for spec in specs if spec.partition(":")[0] == module]
+        if mine:  # one module may hold both: the frame's class or function says which
+            owner = tb.tb_frame.f_code.co_qualname.split(".")[0]
+            named = [spec for spec in mine if spec.partition(":")[2] == owner]
+            return (named or mine)[0], tb
+        tb = tb.tb_next
+    return None

@@ -19,7 +19,7 @@ from hpo.stopping import Interrupted, TrialTimedOut
 from hpo.trial import cpu_share
 from hpo.trial.child import replace_after_this_trial, stop_reason, stop_requested
 from hpo.trial.folders import trial_folder_maker
-from hpo.trial.plugins import load_plugin, record_failure
+from hpo.trial.plugins import first_user_frame, load_plugin, load_user_code, record_failure
 from hpo.trial.protocol import ADAPTER_ATTR, TrialLike, TrialValue
 from hpo.trial.search_space import job_for_trial
 from hpo.trial.task import TrialTask, batch_cache, data_for
@@ -39,6 +39,7 @@ from trainer.data import PreparedData, with_eval_in_training
 from trainer.loop import Evaluation, TrainResult, grad_accum_steps_for, train
 from trainer.memory import OutOfMemoryAtBatchOne
 from trainer.model import load_tokenizer
+from trainer.model_factory import ModelFactoryError
 from trainer.tasks import METRIC_DIRECTIONS, task_class
 from trainer.user_metrics import MetricsFunctionError, UserMetrics
 
@@ -53,6 +54,7 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
     objectives = task.config.study.objectives
     metric = task.config.study.primary_metric
     job = job_for_trial(task.config, task.params)
+    load_user_code(task.config)  # the task class and model factory, for the trainer to find
     user_metrics = user_metrics_of(task.config)
     take_cpu_share(trial, task, job.training.device)
     cache = batch_cache(trial, task)
@@ -81,12 +83,7 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
                        user_metrics=user_metrics)  # fmt: skip
     except MetricsFunctionError as e:
         give_up_uploads(uploader, task)
-        spec = str(task.config.metrics)
-        if e.__cause__ is not None:  # the user's function raised: its traceback is kept
-            record_failure(trial, spec, e.__cause__, started, "the metrics function")
-        else:  # what it returned: hpo's frames, no user traceback
-            trial.set_user_attr("fail_reason", str(e)[:1000])
-            trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
+        _record_user_failure(trial, str(task.config.metrics), e, started, "the metrics function")
         raise
     except OutOfMemoryAtBatchOne as e:
         give_up_uploads(uploader, task)
@@ -95,10 +92,18 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
         trial.set_user_attr("prune_reason", reason)
         trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
         raise optuna.TrialPruned(reason) from e
+    except ModelFactoryError as e:
+        give_up_uploads(uploader, task)
+        _record_user_failure(trial, str(task.config.model.factory), e, started, "the model factory")
+        raise
     except Exception as e:
         give_up_uploads(uploader, task)
-        trial.set_user_attr("fail_reason", f"{type(e).__name__}: {e}"[:1000])
-        trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
+        user = first_user_frame(e, task.config)
+        if user is not None:  # raised in the user's task class or model: their traceback kept
+            record_failure(trial, user[0], e, started, "your code", user_frames=user[1])
+        else:
+            trial.set_user_attr("fail_reason", f"{type(e).__name__}: {e}"[:1000])
+            trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
         raise
     if result.status == "interrupted":  # stopped, or past its timeout: its time counts too
         trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
@@ -119,6 +124,18 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
     if result.oom_recoveries and key is not None:
         cache.lower(key, result.physical_batch_size)
     return _value(trial, result, objectives)
+
+
+def _record_user_failure(
+    trial: TrialLike, spec: str, error: Exception, started: float, what: str
+) -> None:
+    """A plug-in's error wrapped by the trainer: the user's function raised (its traceback is
+    kept), or returned what hpo cannot use (hpo's frames: the reason alone)."""
+    if error.__cause__ is not None:
+        record_failure(trial, spec, error.__cause__, started, what)
+    else:
+        trial.set_user_attr("fail_reason", str(error)[:1000])
+        trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
 
 
 def user_metrics_of(config: Config) -> UserMetrics | None:

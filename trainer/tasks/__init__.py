@@ -5,11 +5,15 @@ Light on purpose (no torch, no transformers): the config loader checks `task:` a
 `study.metric` against it in well under a second. The task classes themselves, the code that
 turns rows into tensors and logits into a loss and metrics, live one module per task beside it
 (`trainer.tasks.base` says what a task is) and are imported only when a run needs one.
+
+A task of the user's is named by import path (`task: package.module:ClassName`): a subclass of
+`trainer.tasks.base.Task`, imported where a run needs it, its catalog entry its `describe()`.
 """
 
 from __future__ import annotations
 
 import importlib
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +25,18 @@ if TYPE_CHECKING:
     from trainer.tasks.base import Task
 
 DEFAULT_TASK = "sequence_classification"
+# A task of the user's: `package.module:ClassName` (trainer.config.ENTRYPOINT's form).
+TASK_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+
+
+class TaskClassError(TypeError):
+    """`task: package.module:ClassName` names what is not a task class (the message says what
+    it is and what was expected)."""
+
+
+def is_task_path(name: str) -> bool:
+    """Whether `task` names a class of the user's by import path rather than a built-in task."""
+    return TASK_PATH.fullmatch(name) is not None
 
 
 @dataclass(frozen=True)
@@ -140,18 +156,51 @@ METRIC_DIRECTIONS: dict[str, Direction] = {
 
 
 def task_info(name: str) -> TaskInfo:
-    """The catalog entry of task `name`; ValueError naming the tasks there are."""
-    try:
+    """The catalog entry of task `name` (a user's task class: what its `describe()` says);
+    ValueError naming the tasks there are."""
+    if name in TASKS:
         return TASKS[name]
-    except KeyError:
-        raise ValueError(f"unknown task {name!r}; tasks: {', '.join(TASKS)}") from None
+    if is_task_path(name):
+        return task_class(name).describe()
+    raise ValueError(f"unknown task {name!r}; tasks: {', '.join(TASKS)}, or your task class as "
+                     "`package.module:ClassName`")  # fmt: skip
 
 
 def task_class(name: str) -> type[Task]:
-    """The class that implements task `name` (its module imported now)."""
+    """The class that implements task `name` (its module imported now). A user's class by
+    import path: its module must be importable (hpo puts the config's folder on sys.path);
+    TaskClassError when the name is not a subclass of trainer.tasks.base.Task."""
+    if is_task_path(name):
+        return _user_task_class(name)
     module = importlib.import_module(f"trainer.tasks.{task_info(name).module}")
     cls: type[Task] = module.TASK
     return cls
+
+
+def _user_task_class(spec: str) -> type[Task]:
+    from trainer.tasks.base import Task
+
+    module_name, _, class_name = spec.partition(":")
+    found = getattr(importlib.import_module(module_name), class_name, None)
+    if not (isinstance(found, type) and issubclass(found, Task)):
+        what = f"the class {found.__name__}" if isinstance(found, type) else type(found).__name__
+        raise TaskClassError(
+            f"{spec} is {what}; expected a subclass of trainer.tasks.base.Task (e.g. of "
+            "trainer.tasks.sequence_classification.SequenceClassification)"
+        )
+    if getattr(found, "__abstractmethods__", None):
+        missing = ", ".join(sorted(found.__abstractmethods__))
+        raise TaskClassError(f"{spec} leaves abstract methods of Task unwritten: {missing}")
+    try:
+        info = found.describe()
+    except (ValueError, AttributeError) as e:  # no catalog, and no built-in task's name
+        raise TaskClassError(f"{spec} says nothing of its metrics: subclass a built-in task, or "
+                             "set catalog = TaskInfo(...) on the class") from e  # fmt: skip
+    if not isinstance(info, TaskInfo) or info.default_metric not in info.metrics:
+        raise TaskClassError(f"{spec}: describe() returned {info!r}; expected a "
+                             "trainer.tasks.TaskInfo with its metrics and a default_metric among "
+                             "them")  # fmt: skip
+    return found
 
 
 def make_task(name: str, data: DataConfig, training: TrainingConfig) -> Task:

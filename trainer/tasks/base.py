@@ -13,6 +13,11 @@ The contract with the training loop:
   and `metrics` turns them, brought to the host once per evaluation, into named values;
 - `prepare_model` may fit a fresh model's head to the training targets before the first step
   (regression: the output's bias at the mean target).
+
+A task of the user's (`task: package.module:ClassName` in hpo's config) is a subclass of one of
+these: of a built-in task to change a part (its loss, say), its catalog entry (metrics, their
+directions, the model class) then inherited; of `Task` for a new kind of problem, with
+`catalog` its own TaskInfo.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 from trainer.config import DataConfig, TrainingConfig
 from trainer.data import TokenizedSplit, text_column, tokenize_texts
 from trainer.errors import DataError
+from trainer.model_factory import logits_of
 from trainer.tasks import TaskInfo, task_info
 
 IGNORE = -100  # a token label that counts for nothing (transformers' convention too)
@@ -35,13 +41,28 @@ class Task(ABC):
     """One kind of problem; an instance holds the settings it reads (data and training)."""
 
     name: ClassVar[str]
+    # What is known of the task: its metrics and their directions, its default metric, the
+    # transformers Auto class of its model. None: the built-in task `name`'s catalog entry.
+    catalog: ClassVar[TaskInfo | None] = None
 
     def __init__(self, data: DataConfig, training: TrainingConfig) -> None:
         self.data, self.training = data, training
 
+    @classmethod
+    def describe(cls) -> TaskInfo:
+        """The task's catalog entry: `catalog`, or the built-in task's it inherits."""
+        return cls.catalog if cls.catalog is not None else task_info(cls.name)
+
     @property
     def info(self) -> TaskInfo:
-        return task_info(self.name)
+        return self.describe()
+
+    @classmethod
+    def config_name(cls) -> str:
+        """How hpo's config names the task: a built-in's name, a user's class by import path."""
+        if cls.__module__.startswith("trainer.tasks."):
+            return cls.name
+        return f"{cls.__module__}:{cls.__qualname__}"
 
     # -- data ----------------------------------------------------------------------------------
 
@@ -64,7 +85,7 @@ class Task(ABC):
     def cache_parts(self) -> dict[str, Any]:
         """The settings besides the data, tokenizer and label names that decide what `encode`
         returns: part of the token cache's key."""
-        return {"task": self.name}
+        return {"task": self.config_name()}
 
     def check_split(self, split: TokenizedSplit, source: str) -> None:  # noqa: B027
         """A split that encodes but cannot train or score (no counted token, say): DataError.
@@ -108,7 +129,7 @@ class Task(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's logits for a batch and the labels they answer: every position's here; a
         task may compute only those its loss counts (and then returns those labels alone)."""
-        return model(**inputs).logits, labels
+        return logits_of(model(**inputs)), labels
 
     @abstractmethod
     def loss_sum(

@@ -168,6 +168,11 @@ def test_callback_stops_with_a_checkpoint_that_the_retry_resumes_from(tmp_path: 
     (written / "model.safetensors").write_bytes(b"\x00weights")
     (written / "sub" / "trainer_state.json").write_text('{"global_step": 12}')
     callback.on_save(args, state, control)
+    # The stopped Trainer still ends its epoch, where eval_strategy and save_strategy "epoch"
+    # would evaluate a partial epoch and save the same step again.
+    control.should_evaluate = control.should_save = True
+    callback.on_epoch_end(args, state, control)
+    assert not (control.should_evaluate or control.should_save)
 
     retry = context(RecordingTrial())
     retry._store, retry._fingerprint = CheckpointStore(tmp_path / "trial", resume=True), "f"
@@ -217,7 +222,7 @@ def test_trainer_script_is_tuned_pruned_and_resumed_after_sigterm(
     """examples/trainer_script through `hpo run`, in this process: SIGTERM once the first trial
     has evaluated; the Trainer checkpoint it saves goes through hpo's store, and the next run's
     retry resumes from it (its evaluations go on counting, none twice); the enqueued tiny
-    learning rate is pruned at its first evaluation."""
+    learning rate is pruned at its second evaluation."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))
     url = f"sqlite:///{tmp_path / 's.db'}"
@@ -227,9 +232,9 @@ def test_trainer_script_is_tuned_pruned_and_resumed_after_sigterm(
     killer.start()
     hpo_main(args)
     killer.join(timeout=5)
-    study = optuna.load_study(study_name="s", storage=url)
-    (stopped,) = study.trials
+    stopped = optuna.load_study(study_name="s", storage=url).trials[0]
     assert stopped.state != optuna.trial.TrialState.COMPLETE
+    assert max(stopped.intermediate_values) == 1  # no evaluation of the partial epoch
     assert hpo_main(args) == 0
     trials = optuna.load_study(study_name="s", storage=url).trials
     complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
@@ -242,9 +247,9 @@ def test_trainer_script_is_tuned_pruned_and_resumed_after_sigterm(
     assert resumed.user_attrs["grad_accum_steps"] * resumed.user_attrs[
         "physical_batch_size"] == resumed.params["effective_batch_size"]  # fmt: skip
     (pruned,) = [t for t in trials if t.state == optuna.trial.TrialState.PRUNED]
-    assert pruned.params["learning_rate"] == 0.0001 and list(pruned.intermediate_values) == [1]
+    assert pruned.params["learning_rate"] == 0.0001 and sorted(pruned.intermediate_values) == [1, 2]
     assert pruned.user_attrs["prune_reason"].startswith("pruner: objective=")
-    assert len(complete) == 2 and all(t.value < 0.69 for t in complete), [
+    assert len(complete) == 2 and all(t.value < 0.68 for t in complete), [
         (t.params, t.value) for t in complete]  # fmt: skip
     assert (tmp_path / "trainer-runs").is_dir()  # the Trainer's own output, where it ran
 

@@ -179,6 +179,8 @@ class HpoCallback(TrainerCallback):  # type: ignore[misc]
         self.checkpoint_root = checkpoint_root
         self.reports = 0
         """Evaluations reported in this attempt of the trial."""
+        self.saved_step: int | None = None
+        """The optimizer step of the last checkpoint kept in hpo's store."""
 
     def on_evaluate(
         self,
@@ -200,6 +202,16 @@ class HpoCallback(TrainerCallback):  # type: ignore[misc]
     ) -> None:
         self._stop_if_asked(control)
 
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        # A stopped Trainer still ends its epoch, and eval_strategy="epoch" would evaluate
+        # there: a partial epoch's evaluation, compared by the pruner with other trials' full
+        # ones. The checkpoint is written once.
+        if self.ctx.should_stop:
+            control.should_evaluate = False
+            control.should_save = self.saved_step != state.global_step
+
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
@@ -207,6 +219,7 @@ class HpoCallback(TrainerCallback):  # type: ignore[misc]
         folder = root / f"checkpoint-{state.global_step}"
         if folder.is_dir():
             self.ctx.save(pack_checkpoint(folder))
+            self.saved_step = state.global_step
 
     def _stop_if_asked(self, control: TrainerControl) -> None:
         if self.ctx.should_stop:  # save now (on_save keeps it in hpo's store), then stop

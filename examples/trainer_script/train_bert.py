@@ -52,8 +52,9 @@ def reviews(tokenizer: PreTrainedTokenizerBase, split: str, rows: int) -> list[d
 
 def model_init(trial: optuna.Trial | None = None) -> PreTrainedModel:
     config = BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2,
-                        num_attention_heads=2, intermediate_size=128, max_position_embeddings=64,
-                        num_labels=len(LABELS))  # fmt: skip
+                        num_attention_heads=2, intermediate_size=128,
+                        max_position_embeddings=64)  # fmt: skip
+    config.num_labels = len(LABELS)
     return BertForSequenceClassification(config)
 
 

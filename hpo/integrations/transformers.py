@@ -157,7 +157,7 @@ def probe_step(model: torch.nn.Module, batch: Mapping[str, Any]) -> Callable[[in
     return step
 
 
-class HpoCallback(TrainerCallback):  # type: ignore[misc]
+class HpoCallback(TrainerCallback):
     """Add it to your Trainer: each evaluation goes to hpo (ctx.report: the pruner may end the
     trial there, raising optuna.TrialPruned out of trainer.train()), a stop that hpo asks for
     (SIGTERM, the trial timeout) saves a checkpoint and ends training cleanly, and every
@@ -215,7 +215,7 @@ class HpoCallback(TrainerCallback):  # type: ignore[misc]
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        root = Path(self.checkpoint_root or args.output_dir)
+        root = Path(self.checkpoint_root or str(args.output_dir))
         folder = root / f"checkpoint-{state.global_step}"
         if folder.is_dir():
             self.ctx.save(pack_checkpoint(folder))
@@ -301,15 +301,16 @@ class TrainerEntrypoint:
             raise TypeError(f"{_name(self.make_trainer)} must return a transformers Trainer "
                             "built with model_init=, as for hyperparameter_search; got "
                             f"{type(trainer).__name__}")  # fmt: skip
-        trial = optuna.trial.FixedTrial(dict(ctx.params), number=ctx.trial_number)
+        # model_init(trial) may read the parameters, or suggest them: a FixedTrial answers
+        trial: Any = optuna.trial.FixedTrial(dict(ctx.params), number=ctx.trial_number)
         probe = _trainer_probe(trainer, trial) if ctx.device.type == "cuda" else None
         settings = trial_settings(trainer.args, ctx, probe)
         # What Trainer.hyperparameter_search sets: train() then applies hp_space's values to
         # the arguments (and remakes its accelerator), and writes checkpoints to run-<number>.
-        trainer.hp_search_backend = HPSearchBackend.OPTUNA
+        trainer.hp_search_backend = HPSearchBackend.OPTUNA  # type: ignore[assignment]
         trainer.hp_space = lambda _trial: settings
         trainer.compute_objective = self.compute_objective
-        run_dir = os.path.join(trainer.args.output_dir, f"run-{ctx.trial_number}")
+        run_dir = os.path.join(str(trainer.args.output_dir), f"run-{ctx.trial_number}")
         callback = HpoCallback(ctx, self.compute_objective, checkpoint_root=run_dir)
         trainer.add_callback(callback)
         trainer.train(resume_from_checkpoint=resume_checkpoint(ctx, run_dir), trial=trial)
@@ -415,7 +416,7 @@ def _name(value: object) -> str:
     return str(getattr(value, "__qualname__", None) or type(value).__name__)
 
 
-def _trainer_probe(trainer: Trainer, trial: optuna.trial.FixedTrial) -> Callable[[int], None]:
+def _trainer_probe(trainer: Trainer, trial: Any) -> Callable[[int], None]:
     """hpo's batch finder's step for this Trainer: its model_init's model on a batch of its
     training data, as its collator pads it."""
     model = trainer.call_model_init(trial).to(trainer.args.device)

@@ -112,6 +112,31 @@ def test_trial_arguments_set_sampled_fields_and_hpos_batch_split(tmp_path: Path)
         trial_arguments(args, context(RecordingTrial(), {"num_train_epochs": "many"}))
 
 
+def test_probe_step_trains_a_copy_on_a_batch_of_the_size_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The batch finder's step for a Trainer: the collator's batch, its rows repeated to the
+    size probed, through forward, backward and an optimizer step of a copy of the model."""
+    from hpo.integrations.transformers import probe_step
+
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    import train_bert
+
+    batch = next(iter(train_bert.make_trainer().get_train_dataloader()))
+    model = train_bert.model_init()
+    sizes: list[int] = []
+
+    def record(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        sizes.append(len(kwargs["input_ids"]))  # the hook goes with the copy
+
+    model.register_forward_pre_hook(record, with_kwargs=True)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    probe_step(model, batch)(40)  # the batch has 16 rows
+    assert sizes == [40]
+    after = model.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)  # a copy trained
+
+
 def _oom(raise_it: bool) -> None:
     if raise_it:
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")

@@ -305,6 +305,7 @@ class TrainerEntrypoint:
         trial: Any = optuna.trial.FixedTrial(dict(ctx.params), number=ctx.trial_number)
         probe = _trainer_probe(trainer, trial) if ctx.device.type == "cuda" else None
         settings = trial_settings(trainer.args, ctx, probe)
+        del probe  # its model and batch: the GPU memory goes back before training
         # What Trainer.hyperparameter_search sets: train() then applies hp_space's values to
         # the arguments (and remakes its accelerator), and writes checkpoints to run-<number>.
         trainer.hp_search_backend = HPSearchBackend.OPTUNA  # type: ignore[assignment]

@@ -290,3 +290,14 @@ def _sigterm_after_an_evaluation(url: str) -> None:
         if trials and trials[0].intermediate_values:
             os.kill(os.getpid(), signal.SIGTERM)
             return
+
+
+def test_an_entrypoint_that_uses_the_trainer_has_it_preloaded() -> None:
+    """The fork server of a worker whose training function imported transformers' Trainer
+    loads it once (not again in each trial process); a plain PyTorch function's does not."""
+    from hpo.trial.process import ENTRYPOINT_PRELOAD, TRAINER_PRELOAD, entrypoint_preload
+
+    assert entrypoint_preload({"torch", "optuna"}) == ENTRYPOINT_PRELOAD
+    preload = entrypoint_preload({"torch", *TRAINER_PRELOAD})
+    assert preload[:-1] == [*ENTRYPOINT_PRELOAD[:-1], *TRAINER_PRELOAD]
+    assert preload[-1] == "hpo.trial.fork_server"  # the fork server's exit hook comes last

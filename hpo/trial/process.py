@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
@@ -537,9 +537,10 @@ def _sigint_blocked() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
-def entrypoint_preload() -> list[str]:
-    """What the fork server of a worker running a user's training function preloads."""
-    loaded = [name for name in TRAINER_PRELOAD if name in sys.modules]
+def entrypoint_preload(modules: Container[str] = sys.modules) -> list[str]:
+    """What the fork server of a worker running a user's training function preloads
+    (`modules`: those loaded in the worker)."""
+    loaded = [name for name in TRAINER_PRELOAD if name in modules]
     return [*ENTRYPOINT_PRELOAD[:-1], *loaded, ENTRYPOINT_PRELOAD[-1]]
 
 

@@ -59,6 +59,11 @@ BREAKS = {
         "from hpo.api import Study",
         "hpo's rooms, each importing only those below it",
     ),
+    "the Python API importing an integration": (
+        "hpo/api.py",
+        "from hpo.integrations import transformers",
+        "hpo's rooms, each importing only those below it",
+    ),
     "the command line importing the Python API": (
         "hpo/cli/app.py",
         "from hpo.api import run",

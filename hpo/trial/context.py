@@ -108,6 +108,20 @@ class TrainingContext:
         self._trial.set_user_attr("batch_search", [[p.size, p.fits] for p in search.probes])
         return self.physical_batch_size
 
+    def use_physical_batch_size(self, size: int) -> None:
+        """Train with `size` examples per pass (1 <= size <= the effective batch), e.g. a divisor
+        of the effective batch for a loop whose passes must all be the same size (transformers'
+        Trainer); ctx.grad_accum_steps follows, and both are recorded with the trial."""
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise TypeError(f"use_physical_batch_size: size must be an integer, got {size!r}")
+        if not 1 <= size <= self.effective_batch_size:
+            most = self.effective_batch_size
+            raise ValueError(f"use_physical_batch_size: size must be in [1, {most}] (the "
+                             f"effective batch), got {size}")  # fmt: skip
+        self._physical = size
+        self._trial.set_user_attr("physical_batch_size", self.physical_batch_size)
+        self._trial.set_user_attr("grad_accum_steps", self.grad_accum_steps)
+
     def report(self, metrics: dict[str, float], step: int) -> None:
         """Report an evaluation: the study.metric value goes to the study (the pruner compares
         trials at the same `step`). Raises optuna.TrialPruned when the pruner stops this trial:

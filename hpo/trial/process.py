@@ -12,9 +12,10 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
@@ -72,6 +73,9 @@ PRELOAD = [
 # A user's training function (training.entrypoint) needs no transformers: its trial process
 # starts seconds sooner without them (its own imports happen in its first trial).
 ENTRYPOINT_PRELOAD = ["torch", "optuna", "hpo.trial.entrypoint", "hpo.trial.fork_server"]
+# ...unless the user's module uses transformers' Trainer (the worker imported the module to
+# check it): then loaded once here, not again in each trial (seconds of CPU each).
+TRAINER_PRELOAD = ["transformers", "transformers.trainer", "hpo.integrations.transformers"]
 _context: ForkServerContext | None = None
 
 
@@ -531,6 +535,13 @@ def _sigint_blocked() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def entrypoint_preload(modules: Container[str] = sys.modules) -> list[str]:
+    """What the fork server of a worker running a user's training function preloads
+    (`modules`: those loaded in the worker)."""
+    loaded = [name for name in TRAINER_PRELOAD if name in modules]
+    return [*ENTRYPOINT_PRELOAD[:-1], *loaded, ENTRYPOINT_PRELOAD[-1]]
 
 
 def _mp_context(preload: list[str]) -> ForkServerContext:

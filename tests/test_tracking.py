@@ -334,6 +334,48 @@ def test_once_the_study_run_is_missing_each_trial_is_said_missing_once(
     assert len(said) == 3 and sum("trial 0 " in line for line in said) == 1, said
 
 
+@pytest.mark.parametrize("told", [True, False], ids=["recorded", "taken over meanwhile"])
+@pytest.mark.parametrize("outcome", ["complete", "pruned", "failed"])
+def test_the_tracker_hears_a_trials_end_only_once_the_study_recorded_it(
+    monkeypatch: pytest.MonkeyPatch, told: bool, outcome: str
+) -> None:
+    """A worker whose trial another worker took over meanwhile (its tell refused) sends no end:
+    MLflow keeps the other worker's."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from hpo.study import loop
+
+    ended: list[str] = []
+    monkeypatch.setattr(loop.tracking, "trial_ended", lambda trial, state, *a: ended.append(state))
+    monkeypatch.setattr(loop, "_record_failure", lambda trial, e: None)
+
+    class Trials:
+        def heartbeat(self, trial: Any) -> Any:
+            return contextlib.nullcontext(SimpleNamespace(lost=threading.Event()))
+
+        def tell(self, trial: Any, state: Any, value: Any = None) -> bool:
+            return told
+
+        def fail(self, trial: Any, reason: str) -> bool:
+            return told
+
+    class Objective:
+        stop = SimpleNamespace(signal_name=None)
+        task = SimpleNamespace(config=SimpleNamespace(study=SimpleNamespace(objectives=["a"])))
+
+        def __call__(self, trial: Any, lost: Any) -> float:
+            if outcome == "pruned":
+                raise optuna.TrialPruned("pruner: a=0.1 at evaluation 1")
+            if outcome == "failed":
+                raise RuntimeError("boom")
+            return 0.5
+
+    trial = SimpleNamespace(number=0, user_attrs={})
+    loop.run_trial(Trials(), trial, Objective())  # type: ignore[arg-type]
+    assert ended == ([outcome] if told else [])
+
+
 def test_a_full_queue_gives_calls_up_without_blocking() -> None:
     calls = BackgroundCalls("MLflow", patience_s=5, max_waiting=1)
     slow_started = time.monotonic()

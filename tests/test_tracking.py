@@ -4,6 +4,7 @@ tracker that refuses costs no trial and is counted by `hpo status`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,6 +20,8 @@ import pytest
 
 from hpo.tracking.background import STUDY, BackgroundCalls, GiveUp
 from tests.conftest import start_hpo, tiny_config, write_config
+
+HTTP_SETTINGS = ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")
 
 
 def _mlflow() -> Any:
@@ -72,6 +75,19 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                 os.environ[key] = value
 
 
+@pytest.fixture(autouse=True)
+def _mlflow_http_settings() -> Iterator[None]:
+    """hpo puts its MLflow client's HTTP settings (timeout, no retries) in the environment of the
+    process it runs in, where MLflow reads them: each test starts without them, and leaves none
+    behind for the next one (whose patience may differ)."""
+    saved = {key: os.environ.pop(key, None) for key in HTTP_SETTINGS}
+    yield
+    for key, value in saved.items():
+        os.environ.pop(key, None)
+        if value is not None:
+            os.environ[key] = value
+
+
 def _study_args(
     tmp_path: Path, data: tuple[Path, Path], tracking: dict, name: str, **sections: dict
 ) -> list[str]:
@@ -84,12 +100,16 @@ def _study_args(
 
 def _wait_for_runs(client: Any, experiment: str, filter_string: str, what: str,
                    alive: Callable[[], bool] = lambda: True) -> None:  # fmt: skip
-    """Until a run of `experiment` matches `filter_string` (the server read directly)."""
+    """Until a run of `experiment` matches `filter_string` (the server read directly; a slow
+    answer is asked again: hpo's own calls set the process' MLflow timeout to its patience)."""
+    from mlflow.exceptions import MlflowException
+
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and alive():
-        found = client.get_experiment_by_name(experiment)
-        if found is not None and client.search_runs([found.experiment_id], filter_string):
-            return
+        with contextlib.suppress(MlflowException):
+            found = client.get_experiment_by_name(experiment)
+            if found is not None and client.search_runs([found.experiment_id], filter_string):
+                return
         time.sleep(0.2)
     pytest.fail(f"no {what} in MLflow")
 
@@ -261,7 +281,7 @@ def test_the_server_stopped_mid_study_costs_no_trial_and_each_gap_is_said_once(
 
     proxy = CuttableProxy("127.0.0.1", int(mlflow_server.rsplit(":", 1)[1]))
     uri = f"http://hpo:s3cret-token@127.0.0.1:{proxy.port}"
-    tracking = {"mlflow": {"uri": uri, "experiment": "cut"}, "patience": 1}
+    tracking = {"mlflow": {"uri": uri, "experiment": "cut"}, "patience": 3}
     args = _study_args(tmp_path, easy_data, tracking, "cut", study={"n_trials": 3})
     client = mlflow.MlflowClient(mlflow_server)  # straight to the server, not through the proxy
 
@@ -341,7 +361,6 @@ def test_the_tracker_hears_a_trials_end_only_once_the_study_recorded_it(
 ) -> None:
     """A worker whose trial another worker took over meanwhile (its tell refused) sends no end:
     MLflow keeps the other worker's."""
-    import contextlib
     from types import SimpleNamespace
 
     from hpo.study import loop

@@ -206,6 +206,61 @@ def test_two_workers_log_one_study_a_lost_trial_goes_on_in_its_run_and_retrain_r
     assert {"config.json", "hpo_model_card.json", "README.md"} <= uploaded, uploaded
 
 
+def _card() -> dict[str, Any]:
+    winner = {"mean": 0.9, "std": 0.01, "seeds": 2, "params": {"learning_rate": 0.01}}
+    saved = {"trial": 1, "full_data": False}
+    return {"study": "s", "retrain_study": "s [retrain top 1 x 2 seeds, abc123]",
+            "metric": "accuracy", "winner": winner, "saved_run": saved}  # fmt: skip
+
+
+def test_a_winner_the_tracker_missed_gets_a_run_and_a_remote_store_copy_is_the_source(
+    tmp_path: Path, mlflow_server: str
+) -> None:
+    """No second copy of a model the artifact store holds remotely; a run made for it when the
+    tracker never logged the winning trial."""
+    from types import SimpleNamespace
+
+    from hpo.config.schema import Config, MlflowTrackingConfig
+    from hpo.tracking import registry
+
+    mlflow = _mlflow()
+    config = Config()
+    config.tracking.mlflow = MlflowTrackingConfig(uri=mlflow_server)
+    stored = "s3://models/hpo/s/trial-1/best-model"
+    trial = SimpleNamespace(number=1, user_attrs={"best_model_uri": stored})
+    said = registry.register_winner(config, "stored", "s [retrain]", trial, tmp_path, _card(),
+                                    "# the card")  # fmt: skip
+    assert said == "stored version 1"
+    client = mlflow.MlflowClient(mlflow_server)
+    version = client.get_model_version("stored", "1")
+    assert version.source == stored and version.description == "# the card"
+    run = client.get_run(version.run_id)
+    assert run.data.tags["hpo.kind"] == "final_model" and run.info.status == "FINISHED"
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["hpo_model_card.json"]
+
+
+def test_a_registry_out_of_reach_is_one_line_that_keeps_the_model(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from hpo.config.schema import Config, MlflowTrackingConfig
+    from hpo.errors import HPOError
+    from hpo.tracking import registry
+
+    _mlflow()
+    config = Config()
+    uri = f"http://hpo:s3cret-token@127.0.0.1:{_free_port()}"  # nothing listens there
+    config.tracking.mlflow = MlflowTrackingConfig(uri=uri)
+    config.tracking.patience = 1
+    trial = SimpleNamespace(number=0, user_attrs={})
+    with pytest.raises(HPOError) as raised:
+        registry.register_winner(config, "m", "s", trial, tmp_path, _card(), "# card")
+    said = str(raised.value)
+    assert said.startswith("--register m: MLflow at http://hpo:***@127.0.0.1:"), said
+    assert said.endswith(f"the final model is saved in {tmp_path}: run the same hpo retrain "
+                         "again to register it")  # fmt: skip
+    assert "s3cret-token" not in said and "\n" not in said
+
+
 def test_register_without_mlflow_tracking_is_one_line_before_any_training(
     tmp_path: Path,
     easy_data: tuple[Path, Path],

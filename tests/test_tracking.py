@@ -533,3 +533,30 @@ def test_a_study_in_tensorboard_event_files_read_back_with_its_own_reader(
             trial.params["learning_rate"])  # fmt: skip
         end = records["_hparams_/session_end_info"].session_end_info
         assert end.status == api_pb2.Status.Value("STATUS_SUCCESS")
+
+
+def test_a_handed_back_trials_event_file_says_so_and_its_retry_writes_on_beside_it(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hpo.tracking.events import StudyStart, TrialInterrupted, TrialStart
+    from hpo.tracking.tensorboard_files import TensorboardFiles
+
+    files = TensorboardFiles(str(tmp_path), "s", ["accuracy"])
+    files.start_study(StudyStart("s", {}, {}, {}))
+    files.start_trial(TrialStart(0, 0, {"learning_rate": 0.01}, "a:1", "a"))
+    files.evaluation(0, 64, {"accuracy": 0.5})
+    files.interrupt_trial(TrialInterrupted(0, 0, "interrupted: the worker got SIGTERM"))
+    files.interrupt_trial(TrialInterrupted(1, 1, "lost its worker"))  # another worker's: nothing
+    assert files.writers == {}
+    files.start_trial(TrialStart(2, 0, {"learning_rate": 0.01}, "a:1", "a"))  # the retry
+    files.evaluation(2, 128, {"accuracy": 0.75})
+    files.close()
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["study.json", "trial-0"]
+    events = EventAccumulator(str(tmp_path / "s" / "trial-0"), size_guidance={"tensors": 0})
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("accuracy")] == [(64, 0.5), (128, 0.75)]
+    said = [t.tensor_proto.string_val[0].decode() for t in events.Tensors("hpo/state/text_summary")]
+    assert said == ["interrupted: the worker got SIGTERM"]

@@ -78,7 +78,8 @@ class TensorboardFiles:
         folder). Another worker's trial needs nothing here."""
         writer = self.writers.pop(end.number, None)
         if writer is not None:
-            writer.add_text("hpo/state", f"interrupted: {end.reason}")
+            reason = end.reason.removeprefix("interrupted: ")
+            writer.add_text("hpo/state", f"interrupted: {reason}")
             writer.close()
 
     def _writer(self, number: int) -> Any:

@@ -5,8 +5,11 @@ both alike. Per trial: its recorded wall_s (start to end of its training process
 start-to-start gap between trials (the worker's part too), medians over the rounds after the
 first (the first pays the fork server and imports).
 
-Needs the full `mlflow` package (the dev extra) for the server.
+Needs the full `mlflow` package (the dev extra) for the server; with --remote-uri (a server
+already running on another host, the way MLflow is deployed) only the client, and no server
+is started here.
 Run: .venv/bin/python bench/tracking_overhead.py [--rounds 3] [--trials 4] [--nice 19]
+     [--remote-uri http://tracking-host:5000] [--epochs 2]
 """
 
 from __future__ import annotations
@@ -45,8 +48,11 @@ def start_server(folder: Path, nice: int) -> tuple[subprocess.Popen[bytes], str]
                "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
                "--default-artifact-root", str(folder / "artifacts"),
                "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]  # fmt: skip
+    # MLflow 3's server also starts a job runner and seven huey consumers (its GenAI jobs) by
+    # default: processes that would take this host's cores from the trials, logging none.
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)  # fmt: skip
+                              env=env, start_new_session=True)  # fmt: skip
     uri = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -79,6 +85,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--trials", type=int, default=4)
     parser.add_argument(
+        "--remote-uri", default=None, metavar="URI",
+        help="log to this MLflow tracking server (on another host) instead of one started here; "
+        "each run logs under a new experiment, hpo-bench-<time>",
+    )  # fmt: skip
+    parser.add_argument(
+        "--epochs", type=int, default=2,
+        help="epochs per trial (4 evaluations each): longer trials, as a real study's are",
+    )  # fmt: skip
+    parser.add_argument(
         "--nice", type=int, default=0,
         help="the server's niceness: 19 keeps its CPU off the trials' cores on a small host "
         "(a real server runs elsewhere); 0 measures it competing with them",
@@ -87,23 +102,26 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="hpo-tracking-bench-"))
     data = (write_csv(folder / "train.csv", easy_rows(256, 1)),
             write_csv(folder / "eval.csv", easy_rows(64, 2)))  # fmt: skip
-    server, uri = start_server(folder, options.nice)
+    server, uri = (None, options.remote_uri) if options.remote_uri else start_server(
+        folder, options.nice)  # fmt: skip
+    experiment = f"hpo-bench-{int(time.time())}"
     storage = f"sqlite:///{folder / 'studies.db'}"
     results: dict[str, dict[str, list[float]]] = {}
     try:
         for index in range(options.rounds):
             for name in ("none", "mlflow"):
-                raw = tiny_config(*data, study={"n_trials": options.trials},
-                                  training={"epochs": 2, "evals_per_epoch": 4})  # fmt: skip
+                training = {"epochs": options.epochs, "evals_per_epoch": 4}
+                raw = tiny_config(*data, study={"n_trials": options.trials}, training=training)
                 if name == "mlflow":
-                    raw["tracking"] = {"mlflow": {"uri": uri}}
+                    raw["tracking"] = {"mlflow": {"uri": uri, "experiment": experiment}}
                 walls, gaps = run_study(folder, f"{name}-{index}", raw, storage)
                 if index > 0:
                     found = results.setdefault(name, {"wall_s": [], "gap_s": []})
                     found["wall_s"] += walls
                     found["gap_s"] += gaps
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
+        if server is not None:
+            os.killpg(server.pid, signal.SIGTERM)
     print("| tracking | trials | wall_s per trial (median) | start to start (median) |")
     print("|----------|-------:|--------------------------:|------------------------:|")
     for name, found in results.items():

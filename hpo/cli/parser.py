@@ -176,6 +176,17 @@ def _add_retrain_command(commands: argparse._SubParsersAction) -> None:
         "--gpus", default=None,
         help="one worker per GPU of this host, as for hpo run: auto, none or ids like 0,1,3",
     )  # fmt: skip
+    retrain.add_argument(
+        "--register", default=None, metavar="NAME",
+        help="register the final model in MLflow's model registry as a new version of NAME, "
+        "its model card as the version's description (needs MLflow tracking: tracking.mlflow "
+        "in the config or --tracking)",
+    )  # fmt: skip
+    retrain.add_argument(
+        "--tracking", default=None, metavar="URI",
+        help="log the runs to this MLflow tracking server (overrides tracking.mlflow.uri and "
+        "$MLFLOW_TRACKING_URI; needs pip install 'hpo[mlflow]')",
+    )  # fmt: skip
     retrain.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
     retrain.add_argument("--quiet", action="store_true", help="only warnings and the summary")
     # A worker of `--gpus` runs trials only; its launcher waits, picks and saves.

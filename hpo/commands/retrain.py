@@ -33,6 +33,7 @@ def retrain_command(args: argparse.Namespace) -> int:
 
     from hpo.study import retrain
     from hpo.study.join import open_study
+    from hpo.tracking import registry
     from storage import open_storage
 
     stop = StopRequest(interrupt_at_once=True, doing=StopRequest.BEFORE_FIRST_TRIAL)
@@ -45,6 +46,8 @@ def retrain_command(args: argparse.Namespace) -> int:
         """The study to retrain, found before the data is prepared; --out checked first."""
         if not args.as_worker:  # before any training: a bad --out is found in seconds
             retrain.check_out(out, args.study, storage_url.masked)
+            if args.register is not None:
+                registry.check_register(config, args.register)
         on_demand = config.study.database_connections == "on_demand"
         storage = open_storage(
             storage_url, config.study.database_patience, must_exist=True, on_demand=on_demand
@@ -117,6 +120,17 @@ def retrain_command(args: argparse.Namespace) -> int:
         retrain.save_final_model(model_dir, out, card)
     source.set_user_attr(retrain.OUTCOME_ATTR, retrain.outcome(card, out))
     print(retrain.summary(card, out))
+    if args.register is not None:
+        trial = next(t for t in model_study.get_trials(deepcopy=False) if t.number == model_trial)
+        try:
+            registered = registry.register_winner(
+                config, args.register, model_study.study_name, trial, out, card,
+                retrain.card_markdown(card),
+            )  # fmt: skip
+        except HPOError as e:  # the model is saved: a rerun registers it, training nothing
+            print(f"hpo: {e}", file=sys.stderr)
+            return 1
+        print(f"registered in MLflow's model registry: {registered}")
     if stop.requested:  # exit 0 all the same: nothing is left to do, a rerun would redo nothing
         print(f"hpo: {stop.signal_name} came during the final save, which was finished first",
               file=sys.stderr)  # fmt: skip

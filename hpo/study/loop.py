@@ -254,8 +254,10 @@ def run_trial(
             value = objective(trial, beat.lost)
         except optuna.TrialPruned as e:
             log.info("trial %d pruned: %s", trial.number, e)
-            tracking.trial_ended(trial, "pruned", str(e))
+            # The tracker hears each end once it stands: a trial another worker took over
+            # meanwhile keeps that worker's record.
             if trials.tell(trial, TrialState.PRUNED):
+                tracking.trial_ended(trial, "pruned", str(e))
                 _drop_state(checkpoints, trial)
             return
         except TakenOver:
@@ -277,11 +279,11 @@ def run_trial(
             # is not the trial's failure: nothing is recorded, and tell() logs one line.
             if not (beat.lost.is_set() or isinstance(e, UpdateFinishedTrialError)):
                 _record_failure(trial, e)
+            if trials.fail(trial, _error_text(e)):
                 tracking.trial_ended(trial, "failed", trial.user_attrs.get("fail_reason"))
-            trials.fail(trial, _error_text(e))
             return
-    tracking.trial_ended(trial, "complete")
     if trials.tell(trial, TrialState.COMPLETE, value):
+        tracking.trial_ended(trial, "complete")
         _drop_state(checkpoints, trial)
         shown = values_text(objective.task.config.study.objectives, value)
         log.info("trial %d finished: %s", trial.number, shown)

@@ -20,6 +20,7 @@ import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import FrozenTrial, TrialState
 
+from hpo import tracking
 from hpo.study.retry import retry_trial
 from hpo.trial.folders import (
     remove_stale_checkpoints,
@@ -243,7 +244,9 @@ class StudyTrials:
         return True
 
     def _queue_again(self, number: int, what: str) -> None:
-        retry = retry_trial(self.study, self._frozen(number), self.max_retries)
+        frozen = self._frozen(number)
+        tracking.trial_interrupted(frozen, str(frozen.user_attrs.get("fail_reason", what)))
+        retry = retry_trial(self.study, frozen, self.max_retries)
         if retry is not None:
             log.warning("trial %d %s; queued again as trial %d", number, what, retry)
 

@@ -18,11 +18,12 @@ import socket
 from typing import Any
 
 import optuna
+from optuna.trial import FrozenTrial
 
 from hpo.config.schema import Config, MlflowTrackingConfig
 from hpo.errors import ConfigError, HPOError
 from hpo.tracking.background import STUDY, BackgroundCalls
-from hpo.tracking.events import StudyStart, TrialEnd, TrialStart
+from hpo.tracking.events import StudyStart, TrialEnd, TrialInterrupted, TrialStart
 from storage.url import mask_text
 
 log = logging.getLogger(__name__)
@@ -159,6 +160,16 @@ def trial_ended(trial: optuna.Trial, state: str, reason: str | None = None) -> N
                    derived, best)  # fmt: skip
     _active.submit(trial.number, "its end", "end_trial", end)
     _active.record_missing(trial.study)
+
+
+def trial_interrupted(trial: FrozenTrial, reason: str) -> None:
+    """A trial failed for a reason not its own and handed back (this worker was stopped, or
+    another worker died with it): its run ends KILLED until a retry goes on with it."""
+    if _active is None:
+        return
+    first = int(trial.user_attrs.get("first_attempt", trial.number))
+    interrupted = TrialInterrupted(trial.number, first, mask_text(reason))
+    _active.submit(trial.number, "its interruption", "interrupt_trial", interrupted)
 
 
 def missing_trials(study_attrs: dict[str, Any]) -> dict[int, str]:

@@ -33,3 +33,13 @@ class TrialEnd:
     metrics: dict[str, float] = field(default_factory=dict)
     derived: dict[str, Any] = field(default_factory=dict)  # physical batch, device...
     best_model: str | None = None
+
+
+@dataclass
+class TrialInterrupted:
+    """A trial failed for a reason not its own (its worker died or was stopped) and handed
+    back: its run waits for the retry, if one comes."""
+
+    number: int
+    first_attempt: int
+    reason: str

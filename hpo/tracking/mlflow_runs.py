@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from hpo.tracking.background import GiveUp
-from hpo.tracking.events import StudyStart, TrialEnd, TrialStart
+from hpo.tracking.events import StudyStart, TrialEnd, TrialInterrupted, TrialStart
 
 STUDY_TAG = "hpo.study"
 KIND_TAG = "hpo.kind"
@@ -96,7 +96,7 @@ class MlflowRuns:
     def _study_runs(self) -> list[str]:
         runs = self.client.search_runs(
             [self.experiment_id],
-            filter_string=f"tags.`{STUDY_TAG}` = '{_quoted(self.study)}' "
+            filter_string=f"tags.`{STUDY_TAG}` = '{quoted(self.study)}' "
             f"and tags.`{KIND_TAG}` = 'study'",
             order_by=["attributes.start_time ASC"],
             max_results=10,
@@ -124,7 +124,7 @@ class MlflowRuns:
     def _trial_run(self, first_attempt: int) -> str | None:
         runs = self.client.search_runs(
             [self.experiment_id],
-            filter_string=f"tags.`{STUDY_TAG}` = '{_quoted(self.study)}' "
+            filter_string=f"tags.`{STUDY_TAG}` = '{quoted(self.study)}' "
             f"and tags.`{ATTEMPT_TAG}` = '{first_attempt}'",
             max_results=1,
         )
@@ -149,6 +149,16 @@ class MlflowRuns:
         if end.metrics:
             self.evaluation(end.number, end.samples, end.metrics)
         self.client.set_terminated(run_id, status=END_STATUS[end.state])
+
+    def interrupt_trial(self, end: TrialInterrupted) -> None:
+        """KILLED with why, rather than RUNNING until a retry that may never come; the run of a
+        dead worker's trial is found by its first attempt."""
+        run_id = self.runs.pop(end.number, None) or self._trial_run(end.first_attempt)
+        if run_id is None:  # never logged: nothing to end
+            return
+        self._set_tags(run_id, {"hpo.state": "interrupted",
+                                "hpo.interrupted_reason": end.reason[:5000]})  # fmt: skip
+        self.client.set_terminated(run_id, status="KILLED")
 
     def close(self) -> None:
         pass
@@ -189,7 +199,7 @@ class MlflowRuns:
                               synchronous=True)  # fmt: skip
 
 
-def _quoted(text: str) -> str:
+def quoted(text: str) -> str:
     return text.replace("\\", "\\\\").replace("'", "\\'")
 
 

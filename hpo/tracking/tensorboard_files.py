@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hpo.tracking.background import GiveUp
-from hpo.tracking.events import StudyStart, TrialEnd, TrialStart
+from hpo.tracking.events import StudyStart, TrialEnd, TrialInterrupted, TrialStart
 
 # The HParams plugin's session status per end (its api.proto Status).
 END_STATUS = {"complete": "STATUS_SUCCESS", "pruned": "STATUS_SUCCESS", "failed": "STATUS_FAILURE"}
@@ -72,6 +72,15 @@ class TensorboardFiles:
         writer.file_writer.add_summary(session_end)
         writer.close()
         del self.writers[end.number]
+
+    def interrupt_trial(self, end: TrialInterrupted) -> None:
+        """This worker's trial handed back: its file closed (a retry writes on in the same
+        folder). Another worker's trial needs nothing here."""
+        writer = self.writers.pop(end.number, None)
+        if writer is not None:
+            reason = end.reason.removeprefix("interrupted: ")
+            writer.add_text("hpo/state", f"interrupted: {reason}")
+            writer.close()
 
     def _writer(self, number: int) -> Any:
         if number not in self.writers:

@@ -148,6 +148,37 @@ def test_a_bad_inline_config_value_is_a_model_error_naming_the_inline_config(
     assert "model hub" not in str(caught.value)
 
 
+def test_a_model_that_built_once_on_this_host_is_not_built_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The meta-device build costs each worker the model code's imports: a marker in hpo's
+    cache of the host spares the next worker on the same model, and only that model."""
+    import trainer.model as model_module
+
+    built: list[str] = []
+    real = model_module.auto_model_class
+
+    def counting(task: str) -> object:
+        built.append(task)
+        return real(task)
+
+    monkeypatch.setattr(model_module, "auto_model_class", counting)
+    monkeypatch.setenv("HPO_CACHE_DIR", str(tmp_path / "cache"))
+    config = ModelConfig(config=dict(TINY_BERT), tokenizer="x")
+    check_model_config(config)
+    check_model_config(config)
+    assert built == ["sequence_classification"]
+    check_model_config(config, task="regression")  # another head: built
+    check_model_config(ModelConfig(config={**TINY_BERT, "num_hidden_layers": 2}, tokenizer="x"))
+    assert len(built) == 3
+    bad = ModelConfig(config={**TINY_BERT, "num_attention_heads": 3}, tokenizer="x")
+    for _ in range(2):  # a build that failed is never remembered
+        with pytest.raises(ModelError, match="inline model.config"):
+            check_model_config(bad)
+    assert len(built) == 5
+    assert len(list((tmp_path / "cache" / "model-checks").iterdir())) == 3
+
+
 def test_a_model_with_fewer_positions_than_max_length_is_refused_before_any_trial() -> None:
     """Every trial of it failed on a tensor size mismatch, and the run exited 0."""
     config = ModelConfig(config={**TINY_BERT, "max_position_embeddings": 16}, tokenizer="x")

@@ -89,20 +89,7 @@ def check_model_config(
         if folder.is_dir():  # a hub name: transformers downloads and checks its files
             check_weights(folder, _pretrained_location(config))
     if config.config is not None or config.adapter is not None:
-        try:
-            with torch.device("meta"):
-                model = auto_model_class(task).from_config(
-                    model_config, attn_implementation=config.attn_implementation
-                )
-        except (ValueError, TypeError, ImportError, RuntimeError) as e:
-            if config.config is None:
-                raise ModelError(_load_failure("model", _pretrained_location(config), e)) from e
-            raise ModelError(_inline_failure(config.config, e)) from e
-        if config.adapter is not None:  # the layers it names must be there
-            from trainer.peft_adapters import check_targets, peft_task_type
-
-            peft_task_type(task)
-            check_targets(config.adapter, model)
+        _check_builds(config, model_config, task)
     positions = _absolute_positions(model_config)
     if max_length is not None and positions is not None and max_length > positions:
         where = "model.config.max_position_embeddings" if config.config is not None else "model"
@@ -111,6 +98,54 @@ def check_model_config(
             f"({where}); set data.max_length to at most {positions}"
         )
     return model_config
+
+
+def _check_builds(config: ModelConfig, model_config: Any, task: str) -> None:
+    """Build the model on the meta device (and check a LoRA adapter's target layers on it), once
+    per host for the same model: the model code's imports cost a worker about 2 s of CPU, paid
+    again by every worker that starts on the same config (`--gpus` starts one per GPU). A build
+    that passed leaves a marker in hpo's cache of this host, keyed by everything it depends on."""
+    # A task class of the user's may change its model class under the same name: never kept.
+    marker = _build_marker(config, model_config, task) if ":" not in task else None
+    if marker is not None and marker.is_file():
+        return
+    try:
+        with torch.device("meta"):
+            model = auto_model_class(task).from_config(
+                model_config, attn_implementation=config.attn_implementation
+            )
+    except (ValueError, TypeError, ImportError, RuntimeError) as e:
+        if config.config is None:
+            raise ModelError(_load_failure("model", _pretrained_location(config), e)) from e
+        raise ModelError(_inline_failure(config.config, e)) from e
+    if config.adapter is not None:  # the layers it names must be there
+        from trainer.peft_adapters import check_targets, peft_task_type
+
+        peft_task_type(task)
+        check_targets(config.adapter, model)
+    if marker is None:
+        return
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    except OSError as e:  # a read-only cache only costs the next worker the same build
+        log.debug("model check not remembered in %s: %s", marker.parent, e)
+
+
+def _build_marker(config: ModelConfig, model_config: Any, task: str) -> Path:
+    import transformers
+
+    from trainer.data import hpo_cache_root
+
+    checked = {
+        "config": model_config.to_dict(),
+        "task": task,
+        "attn_implementation": config.attn_implementation,
+        "adapter": repr(config.adapter),
+        "versions": [transformers.__version__, torch.__version__],
+    }
+    text = json.dumps(checked, sort_keys=True, default=str)
+    return hpo_cache_root() / "model-checks" / hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def check_data_fits_model(config: ModelConfig, model_config: Any, data: PreparedData) -> None:

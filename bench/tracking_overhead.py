@@ -112,9 +112,24 @@ def server_cpu(server: subprocess.Popen[bytes] | None) -> float:
     return total
 
 
-def children_cpu() -> float:
+def trials_cpu(server: subprocess.Popen[bytes] | None) -> float:
+    """CPU seconds of this process' descendants so far but the server's: the fork server and
+    the trial processes it starts (each counted while it lives, then in its parent's children
+    times once reaped), and whatever this process reaped itself."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+    total = usage.ru_utime + usage.ru_stime
+    skip = set()
+    if server is not None:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            root = psutil.Process(server.pid)
+            skip = {server.pid, *(child.pid for child in root.children(recursive=True))}
+    for process in psutil.Process().children(recursive=True):
+        if process.pid in skip:
+            continue
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = process.cpu_times()
+            total += times.user + times.system + times.children_user + times.children_system
+    return total
 
 
 def self_cpu() -> float:
@@ -178,11 +193,17 @@ def main() -> None:
                 raw = tiny_config(*data, study={"n_trials": options.trials}, training=training)
                 if name == "mlflow":
                     raw["tracking"] = {"mlflow": {"uri": uri, "experiment": experiment}}
-                before = (children_cpu(), self_cpu(), server_cpu(server))
+                before = (trials_cpu(server), self_cpu(), server_cpu(server))
                 tracker.take()
                 round_walls, round_gaps = run_study(folder, f"{name}-{index}", raw, storage)
-                after = (children_cpu(), self_cpu(), server_cpu(server))
+                after = (trials_cpu(server), self_cpu(), server_cpu(server))
+                tracker_s = tracker.take()
                 medians[name] = statistics.median(round_walls)
+                print(f"round {index} {name}: wall_s {medians[name]:.3f} (median), CPU s: "
+                      f"trials {after[0] - before[0]:.2f}, worker {after[1] - before[1]:.2f}, "
+                      f"server {after[2] - before[2]:.2f}, tracker thread {tracker_s:.3f}, "
+                      f"load {os.getloadavg()[0]:.1f}",
+                      file=sys.stderr, flush=True)  # fmt: skip
                 if index == 0:
                     continue
                 walls[name] += round_walls
@@ -190,7 +211,7 @@ def main() -> None:
                 spent = cpu[name]
                 spent["trials"] += after[0] - before[0]
                 spent["worker"] += after[1] - before[1]
-                spent["tracker"] += tracker.take()
+                spent["tracker"] += tracker_s
                 spent["server"] += after[2] - before[2]
             if index > 0:
                 ratios.append(medians["mlflow"] / medians["none"])
@@ -217,6 +238,8 @@ def main() -> None:
         print(f"| {name} | {per['trials']:.3f} | {per['worker']:.3f} | {per['tracker']:.4f} "
               f"| {per['server']:.4f} |")  # fmt: skip
     trial_cpu = cpu["none"]["trials"] / counted["none"]
+    if trial_cpu <= 0:
+        raise SystemExit("the trials' CPU time was not measured")
     mlflow = {key: value / counted["mlflow"] for key, value in cpu["mlflow"].items()}
     print(f"tracking's CPU per trial: tracker thread {mlflow['tracker']:.4f} s "
           f"({100 * mlflow['tracker'] / trial_cpu:.2f}% of a trial's {trial_cpu:.2f} CPU s), "

@@ -17,7 +17,8 @@ Needs the full `mlflow` package (the dev extra) for the server; with --remote-ur
 already running on another host, the way MLflow is deployed) only the client, and no server
 is started here (its CPU is then not counted).
 Run: .venv/bin/python bench/tracking_overhead.py [--rounds 5] [--trials 4] [--nice 0]
-     [--remote-uri http://tracking-host:5000] [--epochs 2]
+     [--remote-uri http://tracking-host:5000] [--epochs 2] [--evals-per-epoch 4]
+     [--train-rows 256]
 """
 
 from __future__ import annotations
@@ -163,7 +164,16 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--epochs", type=int, default=2,
-        help="epochs per trial (4 evaluations each): longer trials, as a real study's are",
+        help="epochs per trial: longer trials, as a real study's are",
+    )  # fmt: skip
+    parser.add_argument(
+        "--evals-per-epoch", type=int, default=4,
+        help="evaluations per epoch: what tracking logs scales with them, not with training",
+    )  # fmt: skip
+    parser.add_argument(
+        "--train-rows", type=int, default=256,
+        help="training examples (the eval set has a quarter as many): more training per "
+        "evaluation, as a real study has",
     )  # fmt: skip
     parser.add_argument(
         "--nice", type=int, default=0,
@@ -172,8 +182,8 @@ def main() -> None:
     )  # fmt: skip
     options = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="hpo-tracking-bench-"))
-    data = (write_csv(folder / "train.csv", easy_rows(256, 1)),
-            write_csv(folder / "eval.csv", easy_rows(64, 2)))  # fmt: skip
+    data = (write_csv(folder / "train.csv", easy_rows(options.train_rows, 1)),
+            write_csv(folder / "eval.csv", easy_rows(options.train_rows // 4, 2)))  # fmt: skip
     server, uri = (None, options.remote_uri) if options.remote_uri else start_server(
         folder, options.nice)  # fmt: skip
     experiment = f"hpo-bench-{int(time.time())}"
@@ -189,7 +199,7 @@ def main() -> None:
         for index in range(options.rounds):
             medians = {}
             for name in columns if index % 2 == 0 else columns[::-1]:
-                training = {"epochs": options.epochs, "evals_per_epoch": 4}
+                training = {"epochs": options.epochs, "evals_per_epoch": options.evals_per_epoch}
                 raw = tiny_config(*data, study={"n_trials": options.trials}, training=training)
                 if name == "mlflow":
                     raw["tracking"] = {"mlflow": {"uri": uri, "experiment": experiment}}

@@ -1,22 +1,33 @@
 """What MLflow tracking costs a trial (issue 28): the CPU demo's tiny study run by `hpo run` in
 this process with no tracker and with an MLflow tracking server on this machine (started here:
-127.0.0.1, SQLite backend), interleaved over several rounds so that the host's load falls on
-both alike. Per trial: its recorded wall_s (start to end of its training process' work) and the
-start-to-start gap between trials (the worker's part too), medians over the rounds after the
-first (the first pays the fork server and imports).
+127.0.0.1, SQLite backend), in pairs: each round runs both, in alternating order, so that the
+host's load falls on both alike.
+
+Two accounts, per trial:
+- wall time: its recorded wall_s (start to end of its training process' work) and the
+  start-to-start gap between trials (the worker's part too); per round the ratio of the medians
+  (tracking / none), then the median of those pair ratios over the rounds after the first (the
+  first pays the fork server and imports). On a shared host this is as noisy as its load.
+- CPU time, which is what tracking takes from training on a CPU host and is not moved by the
+  other processes' load: the CPU seconds of hpo's tracker thread (time.thread_time in it), of
+  the MLflow server's processes (psutil) while the study ran, and of the trials' processes
+  (getrusage of this process' children, all reaped when `hpo run` returns).
 
 Needs the full `mlflow` package (the dev extra) for the server; with --remote-uri (a server
 already running on another host, the way MLflow is deployed) only the client, and no server
-is started here.
-Run: .venv/bin/python bench/tracking_overhead.py [--rounds 3] [--trials 4] [--nice 19]
-     [--remote-uri http://tracking-host:5000] [--epochs 2]
+is started here (its CPU is then not counted).
+Run: .venv/bin/python bench/tracking_overhead.py [--rounds 5] [--trials 4] [--nice 0]
+     [--remote-uri http://tracking-host:5000] [--epochs 2] [--evals-per-epoch 4]
+     [--train-rows 256]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
+import resource
 import signal
 import socket
 import statistics
@@ -29,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -65,6 +77,67 @@ def start_server(folder: Path, nice: int) -> tuple[subprocess.Popen[bytes], str]
     raise SystemExit("the mlflow server did not start within 120 s")
 
 
+class TrackerCpu:
+    """The CPU seconds of hpo's tracker threads (hpo.tracking.background), each measured in the
+    thread itself as it ends."""
+
+    def __init__(self) -> None:
+        from hpo.tracking.background import BackgroundCalls
+
+        self.seconds: list[float] = []
+        run = BackgroundCalls._run
+
+        def measured(calls: BackgroundCalls) -> None:
+            try:
+                run(calls)
+            finally:
+                self.seconds.append(time.thread_time())
+
+        BackgroundCalls._run = measured  # type: ignore[method-assign,assignment]
+
+    def take(self) -> float:
+        taken, self.seconds = sum(self.seconds), []
+        return taken
+
+
+def server_cpu(server: subprocess.Popen[bytes] | None) -> float:
+    """CPU seconds of the MLflow server's processes so far (its workers' included)."""
+    if server is None:
+        return 0.0
+    root = psutil.Process(server.pid)
+    total = 0.0
+    for process in (root, *root.children(recursive=True)):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = process.cpu_times()
+            total += times.user + times.system + times.children_user + times.children_system
+    return total
+
+
+def trials_cpu(server: subprocess.Popen[bytes] | None) -> float:
+    """CPU seconds of this process' descendants so far but the server's: the fork server and
+    the trial processes it starts (each counted while it lives, then in its parent's children
+    times once reaped), and whatever this process reaped itself."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = usage.ru_utime + usage.ru_stime
+    skip = set()
+    if server is not None:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            root = psutil.Process(server.pid)
+            skip = {server.pid, *(child.pid for child in root.children(recursive=True))}
+    for process in psutil.Process().children(recursive=True):
+        if process.pid in skip:
+            continue
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = process.cpu_times()
+            total += times.user + times.system + times.children_user + times.children_system
+    return total
+
+
+def self_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_study(folder: Path, name: str, raw: dict, storage: str) -> tuple[list[float], list[float]]:
     from hpo.cli.app import main
 
@@ -82,7 +155,7 @@ def run_study(folder: Path, name: str, raw: dict, storage: str) -> tuple[list[fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5, help="pairs, the first one a warm-up")
     parser.add_argument("--trials", type=int, default=4)
     parser.add_argument(
         "--remote-uri", default=None, metavar="URI",
@@ -91,7 +164,16 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--epochs", type=int, default=2,
-        help="epochs per trial (4 evaluations each): longer trials, as a real study's are",
+        help="epochs per trial: longer trials, as a real study's are",
+    )  # fmt: skip
+    parser.add_argument(
+        "--evals-per-epoch", type=int, default=4,
+        help="evaluations per epoch: what tracking logs scales with them, not with training",
+    )  # fmt: skip
+    parser.add_argument(
+        "--train-rows", type=int, default=256,
+        help="training examples (the eval set has a quarter as many): more training per "
+        "evaluation, as a real study has",
     )  # fmt: skip
     parser.add_argument(
         "--nice", type=int, default=0,
@@ -100,36 +182,82 @@ def main() -> None:
     )  # fmt: skip
     options = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="hpo-tracking-bench-"))
-    data = (write_csv(folder / "train.csv", easy_rows(256, 1)),
-            write_csv(folder / "eval.csv", easy_rows(64, 2)))  # fmt: skip
+    data = (write_csv(folder / "train.csv", easy_rows(options.train_rows, 1)),
+            write_csv(folder / "eval.csv", easy_rows(options.train_rows // 4, 2)))  # fmt: skip
     server, uri = (None, options.remote_uri) if options.remote_uri else start_server(
         folder, options.nice)  # fmt: skip
     experiment = f"hpo-bench-{int(time.time())}"
     storage = f"sqlite:///{folder / 'studies.db'}"
-    results: dict[str, dict[str, list[float]]] = {}
+    tracker = TrackerCpu()
+    columns = ("none", "mlflow")
+    walls: dict[str, list[float]] = {name: [] for name in columns}
+    gaps: dict[str, list[float]] = {name: [] for name in columns}
+    cpu: dict[str, dict[str, float]] = {name: dict.fromkeys(CPU, 0.0) for name in columns}
+    ratios: list[float] = []
+    loads: list[float] = []
     try:
         for index in range(options.rounds):
-            for name in ("none", "mlflow"):
-                training = {"epochs": options.epochs, "evals_per_epoch": 4}
+            medians = {}
+            for name in columns if index % 2 == 0 else columns[::-1]:
+                training = {"epochs": options.epochs, "evals_per_epoch": options.evals_per_epoch}
                 raw = tiny_config(*data, study={"n_trials": options.trials}, training=training)
                 if name == "mlflow":
                     raw["tracking"] = {"mlflow": {"uri": uri, "experiment": experiment}}
-                walls, gaps = run_study(folder, f"{name}-{index}", raw, storage)
-                if index > 0:
-                    found = results.setdefault(name, {"wall_s": [], "gap_s": []})
-                    found["wall_s"] += walls
-                    found["gap_s"] += gaps
+                before = (trials_cpu(server), self_cpu(), server_cpu(server))
+                tracker.take()
+                round_walls, round_gaps = run_study(folder, f"{name}-{index}", raw, storage)
+                after = (trials_cpu(server), self_cpu(), server_cpu(server))
+                tracker_s = tracker.take()
+                medians[name] = statistics.median(round_walls)
+                print(f"round {index} {name}: wall_s {medians[name]:.3f} (median), CPU s: "
+                      f"trials {after[0] - before[0]:.2f}, worker {after[1] - before[1]:.2f}, "
+                      f"server {after[2] - before[2]:.2f}, tracker thread {tracker_s:.3f}, "
+                      f"load {os.getloadavg()[0]:.1f}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                if index == 0:
+                    continue
+                walls[name] += round_walls
+                gaps[name] += round_gaps
+                spent = cpu[name]
+                spent["trials"] += after[0] - before[0]
+                spent["worker"] += after[1] - before[1]
+                spent["tracker"] += tracker_s
+                spent["server"] += after[2] - before[2]
+            if index > 0:
+                ratios.append(medians["mlflow"] / medians["none"])
+            loads.append(os.getloadavg()[0])
     finally:
         if server is not None:
             os.killpg(server.pid, signal.SIGTERM)
+    counted = {name: len(walls[name]) for name in columns}
+    print(f"load average (1 min) after each round: {', '.join(f'{x:.1f}' for x in loads)}")
     print("| tracking | trials | wall_s per trial (median) | start to start (median) |")
     print("|----------|-------:|--------------------------:|------------------------:|")
-    for name, found in results.items():
-        print(f"| {name} | {len(found['wall_s'])} | {statistics.median(found['wall_s']):.3f} s "
-              f"| {statistics.median(found['gap_s']):.3f} s |")  # fmt: skip
-    none, mlflow = results["none"], results["mlflow"]
-    ratio = statistics.median(mlflow["wall_s"]) / statistics.median(none["wall_s"])
-    print(f"mlflow / none, wall_s per trial: {ratio:.3f}")
+    for name in columns:
+        print(f"| {name} | {counted[name]} | {statistics.median(walls[name]):.3f} s "
+              f"| {statistics.median(gaps[name]):.3f} s |")  # fmt: skip
+    listed = ", ".join(f"{r:.3f}" for r in ratios)
+    print(f"pair ratios mlflow / none (median wall_s per trial, per round): {listed}; "
+          f"median {statistics.median(ratios):.3f}")  # fmt: skip
+    print()
+    print("| tracking | CPU s per trial: trial process | worker process | of which tracker thread "
+          "| MLflow server |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|")
+    for name in columns:
+        per = {key: value / counted[name] for key, value in cpu[name].items()}
+        print(f"| {name} | {per['trials']:.3f} | {per['worker']:.3f} | {per['tracker']:.4f} "
+              f"| {per['server']:.4f} |")  # fmt: skip
+    trial_cpu = cpu["none"]["trials"] / counted["none"]
+    if trial_cpu <= 0:
+        raise SystemExit("the trials' CPU time was not measured")
+    mlflow = {key: value / counted["mlflow"] for key, value in cpu["mlflow"].items()}
+    print(f"tracking's CPU per trial: tracker thread {mlflow['tracker']:.4f} s "
+          f"({100 * mlflow['tracker'] / trial_cpu:.2f}% of a trial's {trial_cpu:.2f} CPU s), "
+          f"server {mlflow['server']:.4f} s ({100 * mlflow['server'] / trial_cpu:.2f}%), "
+          f"together {100 * (mlflow['tracker'] + mlflow['server']) / trial_cpu:.2f}%")  # fmt: skip
+
+
+CPU = ("trials", "worker", "tracker", "server")
 
 
 if __name__ == "__main__":

@@ -77,9 +77,8 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.fixture(autouse=True)
 def _mlflow_http_settings() -> Iterator[None]:
-    """hpo puts its MLflow client's HTTP settings (timeout, no retries) in the environment of the
-    process it runs in, where MLflow reads them: each test starts without them, and leaves none
-    behind for the next one (whose patience may differ)."""
+    """Set in the environment, MLflow's HTTP settings would win over hpo's own (timeout, no
+    retries): each test runs without them, and leaves the environment as it found it."""
     saved = {key: os.environ.pop(key, None) for key in HTTP_SETTINGS}
     yield
     for key, value in saved.items():
@@ -100,8 +99,8 @@ def _study_args(
 
 def _wait_for_runs(client: Any, experiment: str, filter_string: str, what: str,
                    alive: Callable[[], bool] = lambda: True) -> None:  # fmt: skip
-    """Until a run of `experiment` matches `filter_string` (the server read directly; a slow
-    answer is asked again: hpo's own calls set the process' MLflow timeout to its patience)."""
+    """Until a run of `experiment` matches `filter_string` (the server read directly; a failed
+    answer is asked again)."""
     from mlflow.exceptions import MlflowException
 
     deadline = time.monotonic() + 180
@@ -365,6 +364,52 @@ def test_the_server_stopped_mid_study_costs_no_trial_and_each_gap_is_said_once(
     assert hpo_main(["status", "--study", "cut", "--storage", args[-1]]) == 0
     status = capsys.readouterr().out
     assert "the tracker is missing 2 trials" in status, status
+
+
+def test_hpos_http_settings_hold_in_its_own_calls_only_and_the_environment_is_untouched(
+) -> None:  # fmt: skip
+    """No retries and a short timeout in hpo's client's calls (a refused server fails at once,
+    not after MLflow's 7 retries with backoff); a call in another thread at the same time, and
+    any call after, reads MLflow's defaults; nothing is written to os.environ."""
+    _mlflow()
+    from mlflow.environment_variables import (
+        MLFLOW_HTTP_REQUEST_MAX_RETRIES,
+        MLFLOW_HTTP_REQUEST_TIMEOUT,
+    )
+    from mlflow.exceptions import MlflowException
+
+    from hpo.tracking.mlflow_runs import ScopedClient, client_for
+
+    client = client_for(f"http://127.0.0.1:{_free_port()}", patience_s=3)
+    started = time.monotonic()
+    with pytest.raises(MlflowException, match="Connection refused|Max retries"):
+        client.search_experiments()
+    assert time.monotonic() - started < 5  # MLflow's own retries would take a minute or more
+    assert not set(HTTP_SETTINGS) & set(os.environ)
+
+    inside, outside = threading.Event(), threading.Event()
+    seen: dict[str, Any] = {}
+
+    class Probe:
+        def read(self) -> None:
+            seen["hpo"] = (MLFLOW_HTTP_REQUEST_MAX_RETRIES.get(), MLFLOW_HTTP_REQUEST_TIMEOUT.get())
+            inside.set()
+            outside.wait(10)
+
+    scoped = ScopedClient(Probe(), client.settings)
+    thread = threading.Thread(target=scoped.read)
+    thread.start()
+    assert inside.wait(10)
+    seen["other thread meanwhile"] = (MLFLOW_HTTP_REQUEST_MAX_RETRIES.get(),
+                                      MLFLOW_HTTP_REQUEST_TIMEOUT.get())  # fmt: skip
+    outside.set()
+    thread.join()
+    seen["after"] = (MLFLOW_HTTP_REQUEST_MAX_RETRIES.get(), MLFLOW_HTTP_REQUEST_TIMEOUT.get())
+    assert seen == {"hpo": (0, 3), "other thread meanwhile": (7, 120), "after": (7, 120)}
+
+    os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = "60"  # the user's own setting wins
+    scoped.read()
+    assert seen["hpo"] == (0, 60)
 
 
 def test_background_calls_retry_then_give_up_once_per_trial(

@@ -5,8 +5,9 @@ the background thread of hpo.tracking.background."""
 
 from __future__ import annotations
 
+import functools
 import json
-import os
+import threading
 import time
 from typing import Any
 
@@ -22,18 +23,73 @@ RUN_NAME_TAG = "mlflow.runName"
 # answer by default: hpo retries itself, within tracking.patience.
 HTTP_TIMEOUT_S = 10
 END_STATUS = {"complete": "FINISHED", "pruned": "KILLED", "failed": "FAILED"}
+# MLflow reads these from os.environ on every request and has no per-client setting. hpo's
+# client answers them itself, in the thread of its own call only: the process' environment is
+# left alone, so a notebook's or a trainer's own MLflow calls keep theirs. Set in the
+# environment, they win for hpo's calls too.
+RETRIES, TIMEOUT, QUIET = (
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT",
+    # Its "View run ... at" lines would go into hpo's standard output (the summary, --json).
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT",
+)
+_scoped = threading.local()  # .settings: {name: value} while one of hpo's calls runs
+_scoping = threading.Lock()
 
 
 def client_for(uri: str, patience_s: float) -> Any:
     """An MlflowClient on `uri` whose calls give up quickly (hpo retries them)."""
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    timeout_s = max(1, int(min(HTTP_TIMEOUT_S, patience_s)))
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(timeout_s))
-    # Its "View run ... at" lines would go into hpo's standard output (the summary, --json).
-    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     from mlflow import MlflowClient
 
-    return MlflowClient(tracking_uri=uri)
+    _answer_in_scope()
+    timeout_s = max(1, int(min(HTTP_TIMEOUT_S, patience_s)))
+    return ScopedClient(MlflowClient(tracking_uri=uri), {RETRIES: 0, TIMEOUT: timeout_s,
+                                                         QUIET: True})  # fmt: skip
+
+
+class ScopedClient:
+    """An MlflowClient whose calls run with `settings` in place of MLflow's environment
+    variables, in the calling thread only and only for the call."""
+
+    def __init__(self, client: Any, settings: dict[str, Any]) -> None:
+        self.client = client
+        self.settings = settings
+
+    def __getattr__(self, name: str) -> Any:
+        found = getattr(self.client, name)
+        if not callable(found):
+            return found
+
+        def scoped(*args: Any, **kwargs: Any) -> Any:
+            outer = getattr(_scoped, "settings", None)
+            _scoped.settings = self.settings
+            try:
+                return found(*args, **kwargs)
+            finally:
+                _scoped.settings = outer
+
+        return scoped
+
+
+def _answer_in_scope() -> None:
+    """Once per process: MLflow's variables answer hpo's setting inside a scoped call (unless
+    the environment sets them), and as before everywhere else."""
+    from mlflow import environment_variables
+
+    with _scoping:
+        for name in (RETRIES, TIMEOUT, QUIET):
+            variable = getattr(environment_variables, name)
+            if getattr(variable, "hpo_scoped", False):
+                continue
+            variable.get = functools.partial(_scoped_get, variable, variable.get)
+            variable.hpo_scoped = True
+
+
+def _scoped_get(variable: Any, unscoped: Any) -> Any:
+    settings = getattr(_scoped, "settings", None)
+    if settings is None or variable.name not in settings or variable.is_set():
+        return unscoped()
+    return settings[variable.name]
 
 
 class MlflowRuns:

@@ -109,10 +109,12 @@ def test_the_worker_keeps_its_gpu_reservation() -> None:
 
 
 def write_config(path: Path, n_trials: int) -> None:
-    """The demo config, with the test's budget and a short heartbeat; its data paths still
-    resolve (it is mounted next to configs/demo.yaml in the image)."""
+    """The demo config, with the test's budget, a short heartbeat and one epoch (a trial takes
+    about a minute on two busy cores); its data paths still resolve (it is mounted next to
+    configs/demo.yaml in the image)."""
     config = yaml.safe_load((REPO / "configs/demo.yaml").read_text())
     config["study"].update(n_trials=n_trials, heartbeat_interval=HEARTBEAT_S)
+    config["training"]["epochs"] = 1
     path.write_text(yaml.safe_dump(config))
 
 
@@ -178,7 +180,10 @@ def kill_a_worker_mid_trial(url: str) -> str:
                 return by_host.get(str(trial.user_attrs.get("worker", "")).split(":")[0])
         return None
 
-    name: str = wait_for(training, "a worker in the middle of a trial", timeout=600)
+    try:
+        name: str = wait_for(training, "a worker in the middle of a trial", timeout=300)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n" + "\n".join(map(logs, worker_names(2)))) from None
     assert podman("kill", name).returncode == 0
     return name
 

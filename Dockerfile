@@ -14,12 +14,13 @@ RUN apt-get update && apt-get install -y --no-install-recommends tini \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
 # The dependencies first, from pyproject.toml alone: a layer that a change of hpo's code keeps.
-COPY pyproject.toml README.md ./
+COPY pyproject.toml ./
 RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))\
 ['project']['dependencies']))" > /tmp/requirements.txt \
     && pip install --no-cache-dir "torch>=2.4,<3" \
     && pip install --no-cache-dir -r /tmp/requirements.txt "setuptools>=68" \
     && rm /tmp/requirements.txt
+COPY README.md ./
 COPY hpo ./hpo
 COPY trainer ./trainer
 COPY storage ./storage

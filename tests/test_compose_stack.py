@@ -67,6 +67,7 @@ def stack(images: dict[str, str], tmp_path: Path) -> Iterator[dict[str, str]]:
         compose(env, "down", "-v")
 
 
+@pytest.mark.slow
 def test_the_stack_runs_the_demo_survives_a_killed_worker_and_keeps_its_study(
     stack: dict[str, str],
     browser: Any,  # noqa: F811 (the fixture of tests/test_browser.py, imported above)

@@ -63,7 +63,7 @@ class Objective:
         worker holds no more connections than its pool; else one on an engine of its own.
         `prepared`: the data of the search's other model choices (hpo.trial.task.data_for)."""
         self.task = TrialTask(config, data, storage_url, prepared=dict(prepared or {}))
-        self.sample = Sampler(config)  # `search_space: package.module:name` is imported here
+        self.sample = Sampler(config, stop)  # `search_space: package.module:name` imported here
         self.stop = stop
         # Whether this worker runs hpo's own training rather than a target of its own (a test's,
         # a benchmark's): only such trials share the host's cores when they run on the CPU.

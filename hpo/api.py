@@ -168,9 +168,10 @@ def open_study(name: str, storage: str | None = None) -> Study:
 
     if not isinstance(name, str):
         raise ConfigError([f"name: got {name!r}; give the study's name as text"], "open_study")
-    opened, storage_url = open_storage_to_read(storage)
+    opened, storage_url = open_storage_to_read(storage, flag="storage")
     try:
-        study = load_existing_study(opened, name, storage_url.masked)
+        empty = "name: the study name is empty; `hpo studies` lists the names"
+        study = load_existing_study(opened, name, storage_url.masked, empty)
     except BaseException:
         _dispose(opened)
         raise
@@ -246,12 +247,13 @@ class Study:
         `merge`: a LoRA study's adapter merged into its base model, written as a plain model.
         `artifact_store`: where the store is reached from here (default: $HPO_ARTIFACT_STORE,
         then the one the study's workers recorded). Returns the folder."""
-        from hpo.commands.monitor import download_best, study_artifact_store
+        from hpo.commands.monitor import API_DOWNLOAD, download_best, study_artifact_store
 
         with self._reading():
             best = self._best_summaries()
             store = study_artifact_store(self._study, artifact_store)
-            out, said = download_best(self._study, best, store, os.fspath(folder), merge)
+            out, said = download_best(self._study, best, store, os.fspath(folder), merge,
+                                      API_DOWNLOAD)  # fmt: skip
         log.info("%s", said)
         return out
 
@@ -266,7 +268,7 @@ class Study:
         if form not in ("html", "md"):
             raise ConfigError([f"format: got {format!r}; give 'html' or 'md'"], "report")
         with self._reading():
-            return write_report(self._study, self._storage, form, given)
+            return write_report(self._study, self._storage, form, given, "report path")
 
     def close(self) -> None:
         """Release the study's database connections; the object reads nothing more after."""

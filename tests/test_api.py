@@ -271,3 +271,46 @@ def test_a_sigterm_stops_the_running_trial_and_run_returns_saying_so(
     # No trial finished here: the interrupted one is recorded and queued again.
     assert json.loads(out.splitlines()[-1]) == ["SIGTERM", 0, {"fail": 1, "waiting": 1}]
     assert "Traceback" not in err, err[-3000:]
+
+
+def test_api_messages_name_its_arguments_not_the_cli_s_flags(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An API user never typed --storage, --download, --merge or --out: each message names the
+    argument of the call they made."""
+    from types import SimpleNamespace
+
+    from hpo.commands.monitor import API_DOWNLOAD, download_best
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HPO_STORAGE", raising=False)
+    url = f"sqlite:///{tmp_path / 'hpo.db'}"
+    optuna.create_study(study_name="known", storage=url).optimize(lambda t: 1.0, n_trials=1)
+    errors = []
+    for call in (
+        lambda: hpo.open_study("", url),
+        lambda: hpo.open_study("known", f"sqlite:///{tmp_path / 'typo.db'}"),
+        lambda: hpo.run(REPO / "configs" / "demo.yaml", study="s", storage=" "),
+        lambda: hpo.open_study("known", url).report(tmp_path / "no" / "r.html"),
+    ):
+        with pytest.raises((hpo.HPOError, hpo.StorageError)) as refused:
+            call()
+        errors.append(str(refused.value))
+    assert errors[0].startswith("name: the study name is empty")
+    assert "check storage or $HPO_STORAGE" in errors[1]
+    assert errors[2].startswith("storage is empty; give a database URL")
+    assert errors[3].startswith(f"report path {tmp_path / 'no' / 'r.html'}: no such folder")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    study = SimpleNamespace(study_name="known", user_attrs={})
+    best = [{"number": 0, "user_attrs": {}}]
+    with pytest.raises(hpo.HPOError) as refused:
+        download_best(study, best, object(), str(tmp_path / "full"), False, API_DOWNLOAD)  # type: ignore[arg-type]
+    errors.append(str(refused.value))
+    with pytest.raises(hpo.HPOError) as refused:
+        download_best(study, best, object(), " ", False, API_DOWNLOAD)  # type: ignore[arg-type]
+    errors.append(str(refused.value))
+    assert errors[4].startswith(f"download folder {tmp_path / 'full'}: exists and is not")
+    assert errors[5].endswith('e.g. download("best-model")')
+    assert not any("--" in error for error in errors), errors
+    assert not (tmp_path / "typo.db").exists() and not (tmp_path / "hpo.db.lock").exists()

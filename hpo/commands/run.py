@@ -189,7 +189,7 @@ def check_inputs(
     config = config_from(config_path)
     _apply_overrides(config, args)
     tracking.resolve(config, getattr(args, "tracking", None), option(args, "tracking"))
-    storage_url = resolve_storage_url(args.storage, config.study.storage)
+    storage_url = resolve_storage_url(args.storage, config.study.storage, option(args, "storage"))
     artifacts = resolve_artifact_url(getattr(args, "artifact_store", None),
                                      config.study.artifact_store)  # fmt: skip
     config.study.artifact_store = artifacts.url if artifacts is not None else None

@@ -62,6 +62,35 @@ def test_entrypoint_config_problems_name_what_to_fix(tmp_path: Path) -> None:
     )
 
 
+def test_a_training_function_s_space_may_have_conditions(tmp_path: Path) -> None:
+    """`when` with training.entrypoint: the user's own names and values; a parameter whose
+    condition does not hold is never sampled, so it is not in ctx.params."""
+    from hpo.trial.search_space import sample
+
+    raw = entrypoint_config()
+    raw["search_space"] = {
+        "optimizer": {"type": "categorical", "choices": ["SGD", "Adam"]},
+        "momentum": {"type": "float", "low": 0.0, "high": 0.99, "when": {"optimizer": "SGD"}},
+        "lr": {"type": "float", "low": 1e-4, "high": 1e-1, "log": True},
+    }
+    config = parse_config(raw, base_dir=tmp_path)
+    assert config.search_space["momentum"].when == {"optimizer": ["SGD"]}
+    study = optuna.create_study()
+    study.enqueue_trial({"optimizer": "Adam"})
+    study.enqueue_trial({"optimizer": "SGD"})
+    adam, sgd = sample(study.ask(), config.search_space), sample(study.ask(), config.search_space)
+    assert set(adam) == {"optimizer", "lr"} and set(sgd) == {"optimizer", "momentum", "lr"}
+    raw["search_space"]["momentum"]["when"] = {"optimizer": "Nadam"}
+    assert "search_space.momentum.when.optimizer: got 'Nadam'; optimizer never takes it" in (
+        problems_of(raw, tmp_path)
+    )
+    raw["search_space"]["momentum"]["when"] = {"optimiser": "SGD"}
+    assert "optimiser is not searched" in problems_of(raw, tmp_path)
+    raw["search_space"]["momentum"]["when"] = {"optimizer": "SGD"}
+    raw["study"]["sampler"] = {"type": "grid"}
+    assert "the grid sampler tries every combination" in problems_of(raw, tmp_path)
+
+
 @pytest.mark.parametrize(
     ("source", "spec", "said"),
     [

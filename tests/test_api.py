@@ -314,3 +314,57 @@ def test_api_messages_name_its_arguments_not_the_cli_s_flags(
     assert errors[5].endswith('e.g. download("best-model")')
     assert not any("--" in error for error in errors), errors
     assert not (tmp_path / "typo.db").exists() and not (tmp_path / "hpo.db.lock").exists()
+
+
+def test_run_s_gpu_arguments_are_checked_and_keep_the_storage_off_the_command_line(
+    tmp_path: Path,
+) -> None:
+    from hpo.api import _gpu_options, _worker_command
+    from hpo.commands.run import run_arguments
+
+    path = tmp_path / "c.yaml"
+    assert _gpu_options([0, 1], None, path) == ("0,1", None)
+    assert _gpu_options("auto", "AUTO", str(path)) == ("auto", "auto")
+    with pytest.raises(hpo.ConfigError) as refused:
+        _gpu_options(1.5, 0, {"training": {}})
+    assert str(refused.value).splitlines() == [
+        "hpo.run: 3 problems; fix them and run again:",
+        "  - gpus: got 1.5; give 'auto', 'none', or GPU ids like [0, 1] or '0,1'",
+        "  - workers_per_gpu: got 0; give 1 to 16 workers per GPU, or 'auto'",
+        "  - config: with gpus or workers_per_gpu, give the config as a file path: each worker "
+        "is a process of its own that reads it",
+    ]
+    secret = "postgresql+psycopg2://me:hunter2@db/hpo"
+    args = run_arguments("s", path, storage=secret, n_trials=4, trial_timeout=30.0,
+                         artifact_store="file:///shared", gpus="0,1")  # fmt: skip
+    argv, env = _worker_command(args)
+    assert argv == ["run", "--config", str(path), "--study", "s", "--n-trials", "4",
+                    "--trial-timeout", "30.0"]  # fmt: skip
+    assert env == {"HPO_STORAGE": secret, "HPO_ARTIFACT_STORE": "file:///shared"}
+
+
+@pytest.mark.slow
+def test_run_starts_a_worker_per_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """hpo.run(gpus=...) as `hpo run --gpus`: one worker process per (simulated) GPU, sharing
+    the study's budget; the storage reaches them through their environment."""
+    monkeypatch.setenv("HPO_TEST_FAKE_GPUS", "2")
+    monkeypatch.delenv("HPO_STORAGE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train_fn.py").write_text("def train(ctx):\n    return ctx.params['x'] ** 2\n")
+    raw = {
+        "training": {"entrypoint": "train_fn:train", "device": "cpu"},
+        "study": {"metric": "loss", "direction": "minimize", "trial_isolation": "none"},
+        "search_space": {"x": {"type": "float", "low": -1.0, "high": 1.0}},
+    }
+    config = write_config(tmp_path / "c.yaml", raw)
+    url = f"sqlite:///{tmp_path / 'g.db'}"
+    with pytest.raises(hpo.ConfigError, match="device: cannot be combined with gpus, which"):
+        hpo.run(config, study="g", storage=url, gpus="auto", device="cpu")
+    with pytest.raises(hpo.ConfigError, match=r"gpus: GPU 3 is not visible on this host \("):
+        hpo.run(config, study="g", storage=url, gpus=[3])
+    result = hpo.run(config, study="g", storage=url, n_trials=4, gpus="auto")
+    assert result.trials == {"complete": 4} and result.trials_run is None
+    assert result.best is not None and result.best.value is not None
+    trials = optuna.load_study(study_name="g", storage=url).get_trials()
+    assert {t.user_attrs["gpu"] for t in trials} <= {"gpu0", "gpu1"}
+    assert len({t.user_attrs["worker"] for t in trials}) >= 1

@@ -687,9 +687,10 @@ def _conditions(
 ) -> dict[str, list[Any]]:  # fmt: skip
     conditions: dict[str, list[Any]] = {}
     for key, value in when.items():
-        if user_function:
-            param, why = (key, "") if isinstance(key, str) and key.isidentifier() else (
-                None, "a parameter's name must be a Python identifier (ctx.params[name])")
+        if user_function and isinstance(key, str) and key.isidentifier():
+            param, why = key, ""
+        elif user_function:
+            param, why = None, "a parameter's name must be a Python identifier (ctx.params[name])"
         else:
             param, why = search_paths.resolve(key)
         if param is None:

@@ -65,8 +65,10 @@ def sample_function(
         raise
     except _StillRunning as late:
         limit = config.study.trial_timeout
-        reason = (f"timeout: the search space {spec} did not return within {limit:g} s "
-                  "(study.trial_timeout); it is left running in a thread of the worker")  # fmt: skip
+        reason = (
+            f"timeout: the search space {spec} did not return within {limit:g} s "
+            "(study.trial_timeout); it is left running in a thread of the worker"
+        )
         trial.set_user_attr("fail_reason", reason)
         trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
         raise SearchSpaceTimedOut(reason) from late

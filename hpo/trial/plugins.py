@@ -8,12 +8,14 @@ a trial keeps the user's traceback with the trial.
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import sys
 import time
 import traceback
 import types
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpo.errors import ConfigError
@@ -39,16 +41,47 @@ def load_plugin(spec: str, base_dir: str, key: str) -> Callable[..., Any]:
         module = importlib.import_module(module_name)
     except (Exception, SystemExit) as e:  # the user's module may raise anything as it imports
         last = traceback.format_exception_only(type(e), e)[-1].strip()
+        fix = ""
+        if module_name.endswith(".py") and isinstance(e, ImportError):
+            fix = f"; name the module without its .py: {module_name[:-3]}:{name}"
         raise ConfigError([f"{key}: {spec}: module {module_name} does not import "
-                           f"({last})"]) from e  # fmt: skip
+                           f"({last}){fix}"]) from e  # fmt: skip
     function = getattr(module, name, None)
     if function is None:
-        raise ConfigError([f"{key}: {spec}: module {module_name} "
-                           f"({getattr(module, '__file__', '?')}) has no {name}"])  # fmt: skip
+        where = getattr(module, "__file__", None) or "built in"
+        raise ConfigError([f"{key}: {spec}: module {module_name} ({where}) has no "
+                           f"{name}{_shadowed(module_name, where, base_dir)}"])  # fmt: skip
     if not callable(function):
         raise ConfigError([f"{key}: {spec}: {name} is not callable (it is "
                            f"{type(function).__name__}); name a function"])  # fmt: skip
+    kind = _not_plain_function(function)
+    if kind and key != "task":
+        raise ConfigError([f"{key}: {spec}: {name} is {kind}, so calling it runs none of its "
+                           "body; hpo calls it and uses what it returns: make it a plain "
+                           "`def` that returns its result"])  # fmt: skip
     return function
+
+
+def _shadowed(module_name: str, where: str, base_dir: str) -> str:
+    """A hint when the config's folder has a file of the module's name that is not the module
+    imported (one of the standard library's, or one imported earlier, took the name)."""
+    mine = Path(base_dir, *module_name.split(".")).with_suffix(".py")
+    if not base_dir or not mine.is_file() or Path(where).resolve() == mine.resolve():
+        return ""
+    return (f"; your {mine} is not the module imported under that name (Python's own or "
+            "another one loaded first): rename your file")  # fmt: skip
+
+
+def _not_plain_function(function: Any) -> str:
+    """What kind of function `function` is when calling it only creates an object (a
+    generator, a coroutine) rather than running it; empty for any other callable."""
+    if inspect.isasyncgenfunction(function):
+        return "an async generator function"
+    if inspect.iscoroutinefunction(function):
+        return "an async function (`async def`; await it in a plain def with asyncio.run)"
+    if inspect.isgeneratorfunction(function):
+        return "a generator function (it yields)"
+    return ""
 
 
 def record_failure(

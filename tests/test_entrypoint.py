@@ -113,13 +113,22 @@ def test_a_training_function_s_space_may_have_conditions(tmp_path: Path) -> None
         ),
         ("def other(ctx): pass\n", "user_fn:train", "has no train"),
         ("train = 3\n", "user_fn:train", "train is not callable (it is int); name a function"),
-        ("def train(ctx):\n    yield 1\n", "user_fn:train",
-         "train is a generator function (it yields), so calling it runs none of its body"),
-        ("async def train(ctx):\n    return 1\n", "user_fn:train",
-         "train is an async function (`async def`; await it in a plain def with asyncio.run)"),
-        ("def train(ctx): pass\n", "user_fn.py:train",
-         "does not import (ModuleNotFoundError: No module named 'user_fn.py'; 'user_fn' is not a "
-         "package); name the module without its .py: user_fn:train"),
+        (
+            "def train(ctx):\n    yield 1\n",
+            "user_fn:train",
+            "train is a generator function (it yields), so calling it runs none of its body",
+        ),
+        (
+            "async def train(ctx):\n    return 1\n",
+            "user_fn:train",
+            "train is an async function (`async def`; await it in a plain def with asyncio.run)",
+        ),
+        (
+            "def train(ctx): pass\n",
+            "user_fn.py:train",
+            "No module named 'user_fn.py'; 'user_fn' is not a package); name the module "
+            "without its .py: user_fn:train",
+        ),
     ],
 )
 def test_entrypoint_that_cannot_be_called_is_one_line(
@@ -302,8 +311,10 @@ def test_user_code_failures_end_their_trial_and_the_worker_goes_on(tmp_path: Pat
              "unsettle", "settled"]  # fmt: skip
     enqueue = [{"mode": m, "folder": str(tmp_path)} for m in modes]
     raw = entrypoint_config(n_trials=len(modes), trial_timeout=3, stop_timeout=2, enqueue=enqueue)
-    raw["search_space"] = {"mode": {"type": "categorical", "choices": modes},
-                           "folder": {"type": "categorical", "choices": [str(tmp_path)]}}  # fmt: skip
+    raw["search_space"] = {
+        "mode": {"type": "categorical", "choices": modes},
+        "folder": {"type": "categorical", "choices": [str(tmp_path)]},
+    }
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
     url = f"sqlite:///{tmp_path / 's.db'}"
     done = run_hpo("run", "--config", "config.yaml", "--study", "s", "--storage", url,

@@ -523,3 +523,53 @@ def test_a_space_function_cannot_take_the_workers_signals(tmp_path: Path) -> Non
         sample_function(trial, config, space)
     assert signal.getsignal(signal.SIGTERM) is before
     assert "in space\n    signal.signal" in trial.user_attrs["traceback"]
+
+
+UNSETTLING_SPACE = """\
+import os
+
+
+def space(trial):
+    os.chdir("/")  # the worker's working folder, changed by a plug-in
+    return {"mode": trial.suggest_categorical("mode", ["unsettle", "settled"])}
+"""
+
+UNSETTLING_TRAIN = """\
+import os
+import signal
+
+
+def train(ctx):
+    settled = os.getcwd() != "/" and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
+    if ctx.params["mode"] == "unsettle":
+        os.chdir("/")
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return {"m": 0.0 if settled else 1.0}
+"""
+
+
+def test_user_code_in_the_worker_leaves_its_folder_and_signals_as_they_were(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hpo_main: Any
+) -> None:
+    """A search-space function (always in the worker) and a training function trained in the
+    worker (study.trial_isolation: none) that change the working folder or SIGTERM's handler:
+    both are put back before the next step of the worker (its relative paths, its clean stop)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in ("space_fn", "train_fn"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    (tmp_path / "space_fn.py").write_text(UNSETTLING_SPACE)
+    (tmp_path / "train_fn.py").write_text(UNSETTLING_TRAIN)
+    raw = {
+        "training": {"entrypoint": "train_fn:train", "device": "cpu"},
+        "study": {"metric": "m", "direction": "minimize", "n_trials": 2,
+                  "trial_isolation": "none", "checkpoints": False,
+                  "enqueue": [{"mode": "unsettle"}, {"mode": "settled"}]},
+        "search_space": "space_fn:space",
+    }  # fmt: skip
+    write_config(tmp_path / "c.yaml", raw)
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    assert hpo_main(["run", "--config", "c.yaml", "--study", "s", "--storage", url]) == 0
+    trials = optuna.load_study(study_name="s", storage=url).trials
+    assert [(t.params["mode"], t.value) for t in trials] == [("unsettle", 0.0), ("settled", 0.0)]
+    assert Path.cwd() == tmp_path

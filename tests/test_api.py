@@ -368,3 +368,38 @@ def test_run_starts_a_worker_per_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyP
     trials = optuna.load_study(study_name="g", storage=url).get_trials()
     assert {t.user_attrs["gpu"] for t in trials} <= {"gpu0", "gpu1"}
     assert len({t.user_attrs["worker"] for t in trials}) >= 1
+
+
+def test_run_from_stdin_or_an_interactive_session_says_what_a_trial_process_cannot_import(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A script read from stdin: every trial process failed to start (multiprocessing runs the
+    main script again, and `<stdin>` is no file); a notebook's own function named
+    `__main__:train`: every trial failed with "has no train". Now one line before any trial."""
+    import types
+
+    from hpo.config.loader import parse_config
+    from hpo.trial.plugins import check_trial_processes_import
+
+    raw = {
+        "training": {"entrypoint": "__main__:train", "device": "cpu"},
+        "study": {"metric": "m", "direction": "minimize"},
+        "search_space": {"x": {"type": "float", "low": -1.0, "high": 1.0}},
+    }
+    config = parse_config(raw, base_dir=tmp_path)
+    stdin = types.ModuleType("__main__")
+    stdin.__file__ = "<stdin>"
+    monkeypatch.setitem(sys.modules, "__main__", stdin)
+    with pytest.raises(hpo.ConfigError, match="and <stdin> is no file .a script read from stdin"):
+        check_trial_processes_import(config)
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))  # a notebook's
+    with pytest.raises(hpo.ConfigError, match="__main__:train: a trial process cannot import a "):
+        check_trial_processes_import(config)
+    config.study.trial_isolation = "none"  # trained in the worker, which has the function
+    check_trial_processes_import(config)
+    script = types.ModuleType("__main__")
+    script.__file__ = str(tmp_path / "tune.py")
+    (tmp_path / "tune.py").write_text("")
+    monkeypatch.setitem(sys.modules, "__main__", script)
+    config.study.trial_isolation = "process"
+    check_trial_processes_import(config)  # a script's file: imported again there

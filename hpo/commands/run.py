@@ -212,11 +212,12 @@ def check_inputs(
     set_optuna_verbosity(logging.getLogger().level)
     # The device first: `cuda` on a host without CUDA is reported before the data is prepared.
     resolve_device(config.training.device)
-    from hpo.trial.plugins import load_plugin, load_user_code
+    from hpo.trial.plugins import check_trial_processes_import, load_plugin, load_user_code
 
     if config.search_space_function is not None:  # the user's define-by-run search space
         load_plugin(config.search_space_function, config.base_dir, "search_space")  # one line
     load_user_code(config)  # metrics, task, model.factory: imported again in each trial process
+    check_trial_processes_import(config)
     if config.training.entrypoint is not None:  # the user's function reads its own data
         from hpo.trial.entrypoint import load_entrypoint
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import os
 import sys
 import time
 import traceback
@@ -115,6 +116,39 @@ def load_user_code(config: Config) -> None:
         load_plugin(config.model.factory, config.base_dir, "model.factory")
     if user_task(config) is not None:
         check_task_class(config)
+
+
+def check_trial_processes_import(config: Config) -> None:
+    """Each trial process imports the script that started its worker (hpo.run in a script), as
+    multiprocessing does, and there the user's code it runs: one line, before any trial, when it
+    could not, rather than every trial failing as its process starts."""
+    if config.study.trial_isolation != "process":
+        return  # the user's code runs in the worker, where it was imported already
+    main = sys.modules.get("__main__")
+    if getattr(getattr(main, "__spec__", None), "name", None):
+        return  # `python -m package`: imported again by its name
+    path = getattr(main, "__file__", None)
+    if path is not None and not os.path.isfile(path):
+        raise ConfigError([f"study.trial_isolation: process: each trial process imports the "
+                           f"script that started its worker, and {path} is no file (a script "
+                           "read from stdin?): run it from a file, or set "
+                           "study.trial_isolation: none"])  # fmt: skip
+    if path is not None:
+        return
+    for key, spec in _specs_in_trial_processes(config):
+        if spec.partition(":")[0] == "__main__":
+            raise ConfigError([f"{key}: {spec}: a trial process cannot import a function of "
+                               "this interactive session (a notebook, python -c): move it into "
+                               "a module file and name that module, or set "
+                               "study.trial_isolation: none"])  # fmt: skip
+
+
+def _specs_in_trial_processes(config: Config) -> list[tuple[str, str]]:
+    """The config's plug-ins that a trial process imports, by their keys."""
+    named = [("training.entrypoint", config.training.entrypoint), ("metrics", config.metrics),
+             ("model.factory", getattr(config.model, "factory", None)),
+             ("task", user_task(config))]  # fmt: skip
+    return [(key, spec) for key, spec in named if spec is not None]
 
 
 def user_task(config: Config) -> str | None:

@@ -189,6 +189,15 @@ def test_report_and_return_values_are_checked() -> None:
     with pytest.raises(TrainingFunctionError, match="returned None and never called ctx.report"):
         _values(None, context, ["val_loss"], "m:f")
     assert _values(0.25, context, ["val_loss"], "m:f") == [0.25]
+    import numpy as np
+    import torch
+
+    for number in (np.float32(0.5), np.array(0.5), torch.tensor([0.5]), np.int64(0)):
+        assert _values(number, context, ["val_loss"], "m:f") == [float(number)]  # hostile F: np
+    with pytest.raises(TrainingFunctionError, match="m:f returned str_; expected a dict"):
+        _values(np.str_("0.5"), context, ["val_loss"], "m:f")
+    with pytest.raises(ReportError, match="metric 'val_loss' is bool np.True_; expected a number"):
+        checked_metrics({"val_loss": np.bool_(True)}, "val_loss", "ctx.report")
     context.last_metrics = {"val_loss": 0.5, "accuracy": 0.9}
     assert _values(None, context, ["val_loss", "accuracy"], "m:f") == [0.5, 0.9]
 

@@ -13,7 +13,7 @@ from typing import Any
 import optuna
 
 from hpo.stopping import Interrupted, TrialTimedOut
-from hpo.trial.context import ReportError, TrainingContext, checked_metrics
+from hpo.trial.context import ReportError, TrainingContext, checked_metrics, number_of
 from hpo.trial.folders import trial_folder_maker
 from hpo.trial.plugins import load_plugin, record_failure
 from hpo.trial.protocol import TrialLike, TrialValue
@@ -156,11 +156,11 @@ def _values(
             raise TrainingFunctionError(f"{spec} returned None and never called ctx.report: "
                                         f"return the metrics, e.g. {example}")  # fmt: skip
         metrics = context.last_metrics
-    elif isinstance(returned, (int, float)) and not isinstance(returned, bool):
+    elif (number := number_of(returned)) is not None:  # a numpy scalar, a 1-element tensor...
         if len(objectives) > 1:
             raise TrainingFunctionError(f"{spec} returned a number; with several objectives "
                                         f"return a dict with {', '.join(objectives)}")  # fmt: skip
-        metrics = {metric: float(returned)}
+        metrics = {metric: number}
     elif isinstance(returned, dict):
         metrics = checked_metrics(returned, metric, f"the dict {spec} returned")
     else:

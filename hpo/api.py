@@ -86,9 +86,10 @@ class RunResult:
     """What `run()` did: the trials this worker ran and the study's best when it ended."""
 
     study: str
-    trials_run: int
+    trials_run: int | None
     """Trials this worker finished (other workers on the same study ran the rest; a trial
-    stopped by a signal and handed back is not counted)."""
+    stopped by a signal and handed back is not counted); None when worker processes ran them
+    (`gpus`, `workers_per_gpu`): see `trials` for the study's count."""
     best: Trial | None
     """The study's best trial (one objective); None before one completes."""
     pareto_front: tuple[Trial, ...]
@@ -110,6 +111,8 @@ def run(
     trial_timeout: float | None = None,
     device: str | None = None,
     artifact_store: str | None = None,
+    gpus: str | Sequence[int | str] | None = None,
+    workers_per_gpu: int | str | None = None,
 ) -> RunResult:
     """Run a worker on `study`, as `hpo run` does, in this process: create or join the study,
     then run trials until the study holds `n_trials` (counted across every worker) or
@@ -121,6 +124,12 @@ def run(
     `trial_timeout`, `device` and `artifact_store` override the config as the CLI's flags do.
     A SIGINT or SIGTERM (in the main thread) stops the running trial cleanly and returns.
 
+    `gpus` ("auto", "none", "0,1" or [0, 1]) and `workers_per_gpu` (a number, or "auto"), as
+    `hpo run --gpus` / `--workers-per-gpu`: one worker process per GPU of this host (or N
+    sharing each), all started from here and waited for; they read the config from its file,
+    so give a path. `storage` and `artifact_store` reach them through their environment,
+    never their command line (a password would show in `ps`).
+
     Raises hpo.ConfigError for a bad config or argument, another hpo.HPOError (or
     hpo.TrainerError, hpo.StorageError) for anything else the user can fix."""
     from hpo.commands.run import check_study_name, run_arguments, run_study
@@ -130,13 +139,17 @@ def run(
     _check_not_in_a_trial_process()
     _check_overrides(n_trials, timeout, trial_timeout, study, storage=storage, device=device,
                      artifact_store=artifact_store)  # fmt: skip
+    gpu_list, per_gpu = _gpu_options(gpus, workers_per_gpu, config)
     check_study_name(study, "study")
     # Before CUDA initialises: fewer fragmentation OOMs as batch shapes change between steps.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     quiet_library_output()
     args = run_arguments(study, config, storage=storage, n_trials=n_trials, timeout=timeout,
                          trial_timeout=trial_timeout, device=device,
-                         artifact_store=artifact_store, started=started)  # fmt: skip
+                         artifact_store=artifact_store, started=started, gpus=gpu_list,
+                         workers_per_gpu=per_gpu)  # fmt: skip
+    if gpu_list is not None or per_gpu is not None:
+        args.argv, args.worker_env = _worker_command(args)
     with _signals_restored():
         outcome = run_study(args, say=log.info)
     try:
@@ -152,7 +165,7 @@ def _result(name: str, outcome: Any) -> RunResult:
     several = len(outcome.study.directions) > 1
     return RunResult(
         study=name,
-        trials_run=outcome.trials_run or 0,
+        trials_run=outcome.trials_run,
         best=front[0] if front and not several else None,
         pareto_front=tuple(front) if several else (),
         trials=_counts(outcome.study),
@@ -168,9 +181,10 @@ def open_study(name: str, storage: str | None = None) -> Study:
 
     if not isinstance(name, str):
         raise ConfigError([f"name: got {name!r}; give the study's name as text"], "open_study")
-    opened, storage_url = open_storage_to_read(storage)
+    opened, storage_url = open_storage_to_read(storage, flag="storage")
     try:
-        study = load_existing_study(opened, name, storage_url.masked)
+        empty = "name: the study name is empty; `hpo studies` lists the names"
+        study = load_existing_study(opened, name, storage_url.masked, empty)
     except BaseException:
         _dispose(opened)
         raise
@@ -246,12 +260,13 @@ class Study:
         `merge`: a LoRA study's adapter merged into its base model, written as a plain model.
         `artifact_store`: where the store is reached from here (default: $HPO_ARTIFACT_STORE,
         then the one the study's workers recorded). Returns the folder."""
-        from hpo.commands.monitor import download_best, study_artifact_store
+        from hpo.commands.monitor import API_DOWNLOAD, download_best, study_artifact_store
 
         with self._reading():
             best = self._best_summaries()
             store = study_artifact_store(self._study, artifact_store)
-            out, said = download_best(self._study, best, store, os.fspath(folder), merge)
+            out, said = download_best(self._study, best, store, os.fspath(folder), merge,
+                                      API_DOWNLOAD)  # fmt: skip
         log.info("%s", said)
         return out
 
@@ -266,7 +281,7 @@ class Study:
         if form not in ("html", "md"):
             raise ConfigError([f"format: got {format!r}; give 'html' or 'md'"], "report")
         with self._reading():
-            return write_report(self._study, self._storage, form, given)
+            return write_report(self._study, self._storage, form, given, "report path")
 
     def close(self) -> None:
         """Release the study's database connections; the object reads nothing more after."""
@@ -315,6 +330,56 @@ def _check_overrides(
             problems.append(f"{name}: got {seconds!r}; must be a finite number > 0 seconds")
     if problems:
         raise ConfigError(problems, "hpo.run")
+
+
+def _gpu_options(
+    gpus: object, workers_per_gpu: object, config: object
+) -> tuple[str | None, int | str | None]:
+    """run()'s `gpus` as `--gpus` takes it ("0,1"), and `workers_per_gpu` checked as
+    `--workers-per-gpu` is; the config must be a file for the worker processes to read."""
+    from hpo.commands.launcher import MAX_WORKERS_PER_GPU
+
+    problems = []
+    spec: str | None = None
+    if isinstance(gpus, str):
+        spec = gpus
+    elif isinstance(gpus, Sequence) and all(
+        isinstance(g, (int, str)) and not isinstance(g, bool) for g in gpus
+    ):
+        spec = ",".join(str(g) for g in gpus) or " "
+    elif gpus is not None:
+        problems.append(f"gpus: got {gpus!r}; give 'auto', 'none', or GPU ids like [0, 1] or "
+                        "'0,1'")  # fmt: skip
+    per_gpu = workers_per_gpu
+    if isinstance(per_gpu, str) and per_gpu.strip().lower() == "auto":
+        per_gpu = "auto"
+    elif per_gpu is not None and (type(per_gpu) is not int
+                                  or not 1 <= per_gpu <= MAX_WORKERS_PER_GPU):  # fmt: skip
+        problems.append(f"workers_per_gpu: got {per_gpu!r}; give 1 to {MAX_WORKERS_PER_GPU} "
+                        "workers per GPU, or 'auto'")  # fmt: skip
+    if (spec is not None or per_gpu is not None) and not isinstance(config, (str, os.PathLike)):
+        problems.append("config: with gpus or workers_per_gpu, give the config as a file path: "
+                        "each worker is a process of its own that reads it")  # fmt: skip
+    if problems:
+        raise ConfigError(problems, "hpo.run")
+    return spec, per_gpu  # type: ignore[return-value]
+
+
+def _worker_command(args: Any) -> tuple[list[str], dict[str, str]]:
+    """The `hpo` arguments and environment of each worker process that run(gpus=...) starts:
+    the same run, with the storage and artifact store in the environment, where no other user
+    of the host can read them (a command line shows in `ps`)."""
+    argv = ["run", "--config", os.fspath(args.config), "--study", args.study]
+    for name in ("n_trials", "timeout", "trial_timeout"):
+        value = getattr(args, name)
+        if value is not None:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    env = {}
+    if args.storage is not None:
+        env["HPO_STORAGE"] = args.storage
+    if args.artifact_store is not None:
+        env["HPO_ARTIFACT_STORE"] = args.artifact_store
+    return argv, env
 
 
 def _check_not_in_a_trial_process() -> None:

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from types import FrameType
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class StopRequest:
 
     def __init__(self, interrupt_at_once: bool = False, doing: str = RUNNING) -> None:
         self.signal_name: str | None = None
+        self.installed = False  # whether install() set the process's handlers
         self.interrupt_at_once = interrupt_at_once
         self.doing = doing  # what the signal stops, for the log line
 
@@ -78,6 +80,12 @@ class StopRequest:
             return  # hpo.run in a thread of the caller's: signals reach the main thread only
         signal.signal(signal.SIGINT, self._handle)
         signal.signal(signal.SIGTERM, self._handle)
+        self.installed = True
+
+    @property
+    def handler(self) -> Callable[[int, FrameType | None], None]:
+        """The handler install() sets (a bound method: compare it with ==, not `is`)."""
+        return self._handle
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name

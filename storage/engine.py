@@ -159,7 +159,7 @@ def _check_sqlite_file(storage_url: StorageURL) -> None:
     database = Path(make_url(storage_url.url).database or "")
     if not database.is_file():
         raise StorageError(
-            f"no study database at {database.resolve()}: no such file; check --storage or "
+            f"no study database at {database.resolve()}: no such file; check {storage_url.flag} or "
             "$HPO_STORAGE (hpo run creates it)"
         )
 
@@ -178,7 +178,8 @@ def _open_read_only(storage_url: StorageURL) -> optuna.storages.RDBStorage:
     if not tables:  # Optuna's own open would say "no such table: version_info"
         raise StorageError(
             f"{storage_url.masked} holds no Optuna tables: no study was ever created in it (or "
-            "it is another program's database); check --storage, or start a study with hpo run"
+            f"it is another program's database); check {storage_url.flag}, or start a study with "
+            "hpo run"
         )
     rdb = optuna.storages.RDBStorage(
         url,

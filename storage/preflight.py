@@ -35,13 +35,13 @@ def _check_sqlite(storage_url: StorageURL) -> None:
     if path.exists() and not os.access(path, os.R_OK | os.W_OK):
         raise StorageError(
             f"the study database {path} cannot be written by this user (read-only file or "
-            "mount); make it writable (chmod u+rw) or name another file with --storage"
+            f"mount); make it writable (chmod u+rw) or name another file with {storage_url.flag}"
         )
     if not os.access(path.parent, os.W_OK | os.X_OK):
         raise StorageError(
             f"the folder {path.parent} of the study database cannot be written by this user "
             "(SQLite writes its journal beside the file); make it writable or name a file in "
-            "another folder with --storage"
+            f"another folder with {storage_url.flag}"
         )
 
 

@@ -30,6 +30,8 @@ class StorageURL:
 
     url: str
     origin: str  # "--storage", "$HPO_STORAGE", "config", "default"
+    flag: str = "--storage"
+    """How the user gives a URL, for messages: the CLI's --storage, or hpo.run's `storage`."""
 
     def __repr__(self) -> str:
         # Never the password, even in a traceback or a debug log.
@@ -51,23 +53,26 @@ class StorageURL:
         return f"{self.masked} (from {self.origin})"
 
 
-def resolve_storage_url(cli_value: str | None, config_value: str | None) -> StorageURL:
-    """Pick the storage URL by precedence and validate it; raises StorageError on a bad one."""
+def resolve_storage_url(
+    cli_value: str | None, config_value: str | None, flag: str = "--storage"
+) -> StorageURL:
+    """Pick the storage URL by precedence and validate it; raises StorageError on a bad one.
+    `flag`: how the user gives `cli_value` (--storage, or the API's `storage`), for messages."""
     if cli_value is not None and not cli_value.strip():
         raise StorageError(
-            "--storage is empty; give a database URL such as sqlite:///hpo.db, or leave "
-            f"--storage out for ${ENV_VAR}, the config's study.storage or ./{DEFAULT_SQLITE_FILE}"
+            f"{flag} is empty; give a database URL such as sqlite:///hpo.db, or leave "
+            f"{flag} out for ${ENV_VAR}, the config's study.storage or ./{DEFAULT_SQLITE_FILE}"
         )
     env_value = os.environ.get(ENV_VAR) or None
     for value, origin in (
-        (cli_value, "--storage"),
+        (cli_value, flag),
         (env_value, f"${ENV_VAR}"),
         (config_value, "config"),
     ):
         if value:
-            return StorageURL(_validated(value, origin), origin)
+            return StorageURL(_validated(value, origin), origin, flag)
     default = f"sqlite:///{Path(DEFAULT_SQLITE_FILE).resolve()}"
-    return StorageURL(default, "default")
+    return StorageURL(default, "default", flag)
 
 
 def sqlite_file_relative_to(url: str, folder: Path) -> str:
@@ -308,7 +313,7 @@ def open_fix(storage_url: StorageURL, reason: str) -> str:
         if any(words in reason for words in _SQLITE_NOT_A_DATABASE):
             return (
                 "the file is damaged, or is not an SQLite database: restore it from a backup, "
-                "or point --storage at a new file name for a new study"
+                f"or point {storage_url.flag} at a new file name for a new study"
             )
         return "check that its folder exists and can be written"
     # hpo creates its tables, never the database or the user (the compose file makes both).

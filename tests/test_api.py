@@ -271,3 +271,135 @@ def test_a_sigterm_stops_the_running_trial_and_run_returns_saying_so(
     # No trial finished here: the interrupted one is recorded and queued again.
     assert json.loads(out.splitlines()[-1]) == ["SIGTERM", 0, {"fail": 1, "waiting": 1}]
     assert "Traceback" not in err, err[-3000:]
+
+
+def test_api_messages_name_its_arguments_not_the_cli_s_flags(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An API user never typed --storage, --download, --merge or --out: each message names the
+    argument of the call they made."""
+    from types import SimpleNamespace
+
+    from hpo.commands.monitor import API_DOWNLOAD, download_best
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HPO_STORAGE", raising=False)
+    url = f"sqlite:///{tmp_path / 'hpo.db'}"
+    optuna.create_study(study_name="known", storage=url).optimize(lambda t: 1.0, n_trials=1)
+    errors = []
+    for call in (
+        lambda: hpo.open_study("", url),
+        lambda: hpo.open_study("known", f"sqlite:///{tmp_path / 'typo.db'}"),
+        lambda: hpo.run(REPO / "configs" / "demo.yaml", study="s", storage=" "),
+        lambda: hpo.open_study("known", url).report(tmp_path / "no" / "r.html"),
+    ):
+        with pytest.raises((hpo.HPOError, hpo.StorageError)) as refused:
+            call()
+        errors.append(str(refused.value))
+    assert errors[0].startswith("name: the study name is empty")
+    assert "check storage or $HPO_STORAGE" in errors[1]
+    assert errors[2].startswith("storage is empty; give a database URL")
+    assert errors[3].startswith(f"report path {tmp_path / 'no' / 'r.html'}: no such folder")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    study = SimpleNamespace(study_name="known", user_attrs={})
+    best = [{"number": 0, "user_attrs": {}}]
+    with pytest.raises(hpo.HPOError) as refused:
+        download_best(study, best, object(), str(tmp_path / "full"), False, API_DOWNLOAD)  # type: ignore[arg-type]
+    errors.append(str(refused.value))
+    with pytest.raises(hpo.HPOError) as refused:
+        download_best(study, best, object(), " ", False, API_DOWNLOAD)  # type: ignore[arg-type]
+    errors.append(str(refused.value))
+    assert errors[4].startswith(f"download folder {tmp_path / 'full'}: exists and is not")
+    assert errors[5].endswith('e.g. download("best-model")')
+    assert not any("--" in error for error in errors), errors
+    assert not (tmp_path / "typo.db").exists() and not (tmp_path / "hpo.db.lock").exists()
+
+
+def test_run_s_gpu_arguments_are_checked_and_keep_the_storage_off_the_command_line(
+    tmp_path: Path,
+) -> None:
+    from hpo.api import _gpu_options, _worker_command
+    from hpo.commands.run import run_arguments
+
+    path = tmp_path / "c.yaml"
+    assert _gpu_options([0, 1], None, path) == ("0,1", None)
+    assert _gpu_options("auto", "AUTO", str(path)) == ("auto", "auto")
+    with pytest.raises(hpo.ConfigError) as refused:
+        _gpu_options(1.5, 0, {"training": {}})
+    assert str(refused.value).splitlines() == [
+        "hpo.run: 3 problems; fix them and run again:",
+        "  - gpus: got 1.5; give 'auto', 'none', or GPU ids like [0, 1] or '0,1'",
+        "  - workers_per_gpu: got 0; give 1 to 16 workers per GPU, or 'auto'",
+        "  - config: with gpus or workers_per_gpu, give the config as a file path: each worker "
+        "is a process of its own that reads it",
+    ]
+    secret = "postgresql+psycopg2://me:hunter2@db/hpo"
+    args = run_arguments("s", path, storage=secret, n_trials=4, trial_timeout=30.0,
+                         artifact_store="file:///shared", gpus="0,1")  # fmt: skip
+    argv, env = _worker_command(args)
+    assert argv == ["run", "--config", str(path), "--study", "s", "--n-trials", "4",
+                    "--trial-timeout", "30.0"]  # fmt: skip
+    assert env == {"HPO_STORAGE": secret, "HPO_ARTIFACT_STORE": "file:///shared"}
+
+
+@pytest.mark.slow
+def test_run_starts_a_worker_per_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """hpo.run(gpus=...) as `hpo run --gpus`: one worker process per (simulated) GPU, sharing
+    the study's budget; the storage reaches them through their environment."""
+    monkeypatch.setenv("HPO_TEST_FAKE_GPUS", "2")
+    monkeypatch.delenv("HPO_STORAGE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train_fn.py").write_text("def train(ctx):\n    return ctx.params['x'] ** 2\n")
+    raw = {
+        "training": {"entrypoint": "train_fn:train", "device": "cpu"},
+        "study": {"metric": "loss", "direction": "minimize", "trial_isolation": "none"},
+        "search_space": {"x": {"type": "float", "low": -1.0, "high": 1.0}},
+    }
+    config = write_config(tmp_path / "c.yaml", raw)
+    url = f"sqlite:///{tmp_path / 'g.db'}"
+    with pytest.raises(hpo.ConfigError, match="device: cannot be combined with gpus, which"):
+        hpo.run(config, study="g", storage=url, gpus="auto", device="cpu")
+    with pytest.raises(hpo.ConfigError, match=r"gpus: GPU 3 is not visible on this host \("):
+        hpo.run(config, study="g", storage=url, gpus=[3])
+    result = hpo.run(config, study="g", storage=url, n_trials=4, gpus="auto")
+    assert result.trials == {"complete": 4} and result.trials_run is None
+    assert result.best is not None and result.best.value is not None
+    trials = optuna.load_study(study_name="g", storage=url).get_trials()
+    assert {t.user_attrs["gpu"] for t in trials} <= {"gpu0", "gpu1"}
+    assert len({t.user_attrs["worker"] for t in trials}) >= 1
+
+
+def test_run_from_stdin_or_an_interactive_session_says_what_a_trial_process_cannot_import(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A script read from stdin: every trial process failed to start (multiprocessing runs the
+    main script again, and `<stdin>` is no file); a notebook's own function named
+    `__main__:train`: every trial failed with "has no train". Now one line before any trial."""
+    import types
+
+    from hpo.config.loader import parse_config
+    from hpo.trial.plugins import check_trial_processes_import
+
+    raw = {
+        "training": {"entrypoint": "__main__:train", "device": "cpu"},
+        "study": {"metric": "m", "direction": "minimize"},
+        "search_space": {"x": {"type": "float", "low": -1.0, "high": 1.0}},
+    }
+    config = parse_config(raw, base_dir=tmp_path)
+    stdin = types.ModuleType("__main__")
+    stdin.__file__ = "<stdin>"
+    monkeypatch.setitem(sys.modules, "__main__", stdin)
+    with pytest.raises(hpo.ConfigError, match="and <stdin> is no file .a script read from stdin"):
+        check_trial_processes_import(config)
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))  # a notebook's
+    with pytest.raises(hpo.ConfigError, match="__main__:train: a trial process cannot import a "):
+        check_trial_processes_import(config)
+    config.study.trial_isolation = "none"  # trained in the worker, which has the function
+    check_trial_processes_import(config)
+    script = types.ModuleType("__main__")
+    script.__file__ = str(tmp_path / "tune.py")
+    (tmp_path / "tune.py").write_text("")
+    monkeypatch.setitem(sys.modules, "__main__", script)
+    config.study.trial_isolation = "process"
+    check_trial_processes_import(config)  # a script's file: imported again there

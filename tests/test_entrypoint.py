@@ -62,6 +62,35 @@ def test_entrypoint_config_problems_name_what_to_fix(tmp_path: Path) -> None:
     )
 
 
+def test_a_training_function_s_space_may_have_conditions(tmp_path: Path) -> None:
+    """`when` with training.entrypoint: the user's own names and values; a parameter whose
+    condition does not hold is never sampled, so it is not in ctx.params."""
+    from hpo.trial.search_space import sample
+
+    raw = entrypoint_config()
+    raw["search_space"] = {
+        "optimizer": {"type": "categorical", "choices": ["SGD", "Adam"]},
+        "momentum": {"type": "float", "low": 0.0, "high": 0.99, "when": {"optimizer": "SGD"}},
+        "lr": {"type": "float", "low": 1e-4, "high": 1e-1, "log": True},
+    }
+    config = parse_config(raw, base_dir=tmp_path)
+    assert config.search_space["momentum"].when == {"optimizer": ["SGD"]}
+    study = optuna.create_study()
+    study.enqueue_trial({"optimizer": "Adam"})
+    study.enqueue_trial({"optimizer": "SGD"})
+    adam, sgd = sample(study.ask(), config.search_space), sample(study.ask(), config.search_space)
+    assert set(adam) == {"optimizer", "lr"} and set(sgd) == {"optimizer", "momentum", "lr"}
+    raw["search_space"]["momentum"]["when"] = {"optimizer": "Nadam"}
+    assert "search_space.momentum.when.optimizer: got 'Nadam'; optimizer never takes it" in (
+        problems_of(raw, tmp_path)
+    )
+    raw["search_space"]["momentum"]["when"] = {"optimiser": "SGD"}
+    assert "optimiser is not searched" in problems_of(raw, tmp_path)
+    raw["search_space"]["momentum"]["when"] = {"optimizer": "SGD"}
+    raw["study"]["sampler"] = {"type": "grid"}
+    assert "the grid sampler tries every combination" in problems_of(raw, tmp_path)
+
+
 @pytest.mark.parametrize(
     ("source", "spec", "said"),
     [
@@ -84,6 +113,22 @@ def test_entrypoint_config_problems_name_what_to_fix(tmp_path: Path) -> None:
         ),
         ("def other(ctx): pass\n", "user_fn:train", "has no train"),
         ("train = 3\n", "user_fn:train", "train is not callable (it is int); name a function"),
+        (
+            "def train(ctx):\n    yield 1\n",
+            "user_fn:train",
+            "train is a generator function (it yields), so calling it runs none of its body",
+        ),
+        (
+            "async def train(ctx):\n    return 1\n",
+            "user_fn:train",
+            "train is an async function (`async def`; await it in a plain def with asyncio.run)",
+        ),
+        (
+            "def train(ctx): pass\n",
+            "user_fn.py:train",
+            "No module named 'user_fn.py'; 'user_fn' is not a package); name the module "
+            "without its .py: user_fn:train",
+        ),
     ],
 )
 def test_entrypoint_that_cannot_be_called_is_one_line(
@@ -104,6 +149,28 @@ def test_entrypoint_that_cannot_be_called_is_one_line(
     assert message.startswith(f"config: training.entrypoint: {spec}: ")
 
 
+def test_a_module_named_like_python_s_own_is_named_as_the_cause(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hpo.trial.entrypoint import load_entrypoint
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "os.py").write_text("def train(ctx):\n    return 1.0\n")
+    with pytest.raises(ConfigError) as caught:
+        load_entrypoint("os:train", str(tmp_path))
+    assert str(caught.value).endswith(f"has no train; your {tmp_path / 'os.py'} is not the module "
+                                      "imported under that name (Python's own or another one "
+                                      "loaded first): rename your file")  # fmt: skip
+
+
+def test_a_nan_value_is_named_and_others_are_not() -> None:
+    from hpo.study.loop import nan_objectives
+
+    assert nan_objectives(["loss", "acc"], [float("nan"), 0.5]) == "loss=nan"
+    assert nan_objectives(["loss"], float("nan")) == "loss=nan"
+    assert nan_objectives(["loss"], float("inf")) == "" and nan_objectives(["loss"], 0.1) == ""
+
+
 def test_report_and_return_values_are_checked() -> None:
     from hpo.trial.context import ReportError, checked_metrics
     from hpo.trial.entrypoint import TrainingFunctionError, _values
@@ -122,6 +189,15 @@ def test_report_and_return_values_are_checked() -> None:
     with pytest.raises(TrainingFunctionError, match="returned None and never called ctx.report"):
         _values(None, context, ["val_loss"], "m:f")
     assert _values(0.25, context, ["val_loss"], "m:f") == [0.25]
+    import numpy as np
+    import torch
+
+    for number in (np.float32(0.5), np.array(0.5), torch.tensor([0.5]), np.int64(0)):
+        assert _values(number, context, ["val_loss"], "m:f") == [float(number)]  # hostile F: np
+    with pytest.raises(TrainingFunctionError, match="m:f returned str_; expected a dict"):
+        _values(np.str_("0.5"), context, ["val_loss"], "m:f")
+    with pytest.raises(ReportError, match="metric 'val_loss' is bool np.True_; expected a number"):
+        checked_metrics({"val_loss": np.bool_(True)}, "val_loss", "ctx.report")
     context.last_metrics = {"val_loss": 0.5, "accuracy": 0.9}
     assert _values(None, context, ["val_loss", "accuracy"], "m:f") == [0.5, 0.9]
 
@@ -210,6 +286,23 @@ def train(ctx):
         raise SystemExit(3)
     if mode == "missing":
         ctx.report({"loss": 0.5}, step=0)
+    if mode == "stops":  # heeds ctx.should_stop at the trial timeout: pruned, not failed
+        while not ctx.should_stop:
+            time.sleep(0.05)
+    if mode == "interrupt":
+        raise KeyboardInterrupt
+    if mode == "nan":
+        return {"val_loss": float("nan")}
+    if mode == "unsettle":  # what a kept trial process must not carry to its next trial
+        import os, signal
+
+        os.chdir("/")
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if mode == "settled":
+        import os, signal
+
+        assert os.getcwd() == ctx.params["folder"] and signal.getsignal(signal.SIGTERM) not in (
+            signal.SIG_IGN, signal.SIG_DFL)
     ctx.report({"val_loss": 0.5}, step=0)
     return None
 """
@@ -219,13 +312,18 @@ def train(ctx):
 def test_user_code_failures_end_their_trial_and_the_worker_goes_on(tmp_path: Path) -> None:
     """One worker, one trial each: a function that raises (FAIL, the user's traceback kept in
     the trial and the log), hangs (ended by study.trial_timeout), returns a list or reports
-    without study.metric (FAIL, named); the last trial completes."""
+    without study.metric (FAIL, named), raises KeyboardInterrupt (FAIL, its traceback kept),
+    returns NaN (FAIL, the worker goes on), stops at the timeout (PRUNED, no traceback), changes
+    the working folder and SIGTERM's handler (undone before the kept process's next trial)."""
     (tmp_path / "train_fn.py").write_text(FAILING_FUNCTION)
-    modes = ["ok", "raise", "hang", "wrong", "missing", "exit"]
-    raw = entrypoint_config(
-        n_trials=len(modes), trial_timeout=3, stop_timeout=2, enqueue=[{"mode": m} for m in modes]
-    )
-    raw["search_space"] = {"mode": {"type": "categorical", "choices": modes}}
+    modes = ["ok", "raise", "hang", "wrong", "missing", "exit", "stops", "interrupt", "nan",
+             "unsettle", "settled"]  # fmt: skip
+    enqueue = [{"mode": m, "folder": str(tmp_path)} for m in modes]
+    raw = entrypoint_config(n_trials=len(modes), trial_timeout=3, stop_timeout=2, enqueue=enqueue)
+    raw["search_space"] = {
+        "mode": {"type": "categorical", "choices": modes},
+        "folder": {"type": "categorical", "choices": [str(tmp_path)]},
+    }
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
     url = f"sqlite:///{tmp_path / 's.db'}"
     done = run_hpo("run", "--config", "config.yaml", "--study", "s", "--storage", url,
@@ -254,6 +352,17 @@ def test_user_code_failures_end_their_trial_and_the_worker_goes_on(tmp_path: Pat
     assert trials["ok"].state == state.COMPLETE and trials["ok"].value == 0.5
     assert trials["exit"].state == state.FAIL  # sys.exit() ends the trial, not the worker
     assert "train_fn:train raised SystemExit: 3" in trials["exit"].user_attrs["fail_reason"]
+    stops = trials["stops"]
+    assert stops.state == state.PRUNED and stops.user_attrs["prune_reason"].startswith("timeout")
+    assert "traceback" not in stops.user_attrs and "fail_reason" not in stops.user_attrs
+    interrupt = trials["interrupt"]
+    assert interrupt.state == state.FAIL and "in train\n    raise KeyboardInterrupt" in (
+        interrupt.user_attrs["traceback"])  # fmt: skip
+    assert "train_fn:train raised KeyboardInterrupt" in interrupt.user_attrs["fail_reason"]
+    assert trials["nan"].state == state.FAIL
+    assert trials["nan"].user_attrs["fail_reason"].startswith("the trial's value is NaN (val_loss")
+    assert trials["unsettle"].state == trials["settled"].state == state.COMPLETE
+    assert trials["settled"].user_attrs["process_trials"] > 1  # the same, kept process
 
 
 RESUMABLE_FUNCTION = """

@@ -91,7 +91,7 @@ def test_a_training_function_takes_any_identifier(tmp_path: Path) -> None:
 
 SPACE = """\
 def space(trial):
-    mode = trial.suggest_categorical("mode", ["ok", "raise", "wrong", "unknown", "exit"])
+    mode = trial.suggest_categorical("mode", ["ok", "raise", "wrong", "unknown", "exit", "hang"])
     if mode == "raise":
         helper_that_breaks(7)
     if mode == "wrong":
@@ -100,6 +100,8 @@ def space(trial):
         return {"mode": mode, "learning_rat": 0.1}
     if mode == "exit":
         raise SystemExit(4)
+    if mode == "hang":  # ended by study.trial_timeout
+        __import__("time").sleep(600)
     layers = trial.suggest_int("layers", 1, 3)  # a loop over layers, as Optuna writes it
     return {"mode": mode, "widths": [trial.suggest_int(f"w{i}", 4, 8) for i in range(layers)]}
 
@@ -143,7 +145,7 @@ def test_sampler_calls_the_function_and_names_each_failure(
     with pytest.raises(RuntimeError, match="space broke at 7"):
         sampled(tmp_path, monkeypatch, raw, "raise")
     kept = sampled.attrs["traceback"]  # type: ignore[attr-defined]
-    assert 'space_fn.py", line 16, in helper_that_breaks' in kept
+    assert 'space_fn.py", line 18, in helper_that_breaks' in kept
     assert kept.splitlines()[1].strip().startswith('File "' + str(tmp_path))  # the user's frames
     assert "space_fn:space: RuntimeError: space broke at 7" in sampled.attrs["fail_reason"]  # type: ignore[attr-defined]
     with pytest.raises(SearchSpaceError, match=r"space_fn:space returned a list"):
@@ -186,13 +188,15 @@ def train(ctx):
 @pytest.mark.slow
 def test_space_failures_end_their_trial_and_the_worker_goes_on(tmp_path: Path) -> None:
     """One worker, a trial per way: the function raises (FAIL, the user's traceback kept),
-    returns a list, exits (FAIL, named); the enqueued `ok` trial trains with what it returned."""
+    returns a list, exits (FAIL, named), hangs (FAIL at the trial timeout); the enqueued `ok`
+    trial trains with what it returned."""
     (tmp_path / "space_fn.py").write_text(SPACE)
     (tmp_path / "train_fn.py").write_text(TRAIN)
-    modes = ["raise", "wrong", "exit", "ok"]
+    modes = ["raise", "wrong", "exit", "hang", "ok"]
     raw = {
         "training": {"entrypoint": "train_fn:train", "device": "cpu"},
         "study": {"metric": "width", "direction": "minimize", "n_trials": len(modes),
+                  "trial_timeout": 2,
                   "enqueue": [{"mode": m, "layers": 2, "w0": 4, "w1": 5} for m in modes]},
         "search_space": "space_fn:space",
     }  # fmt: skip
@@ -204,11 +208,13 @@ def test_space_failures_end_their_trial_and_the_worker_goes_on(tmp_path: Path) -
     trials = {t.params["mode"]: t for t in optuna.load_study(study_name="s", storage=url).trials}
     state = optuna.trial.TrialState
     assert trials["raise"].state == state.FAIL
-    assert 'space_fn.py", line 16, in helper_that_breaks' in trials["raise"].user_attrs["traceback"]
-    assert 'space_fn.py", line 16, in helper_that_breaks' in done.stderr  # the worker's log
+    assert 'space_fn.py", line 18, in helper_that_breaks' in trials["raise"].user_attrs["traceback"]
+    assert 'space_fn.py", line 18, in helper_that_breaks' in done.stderr  # the worker's log
     assert trials["wrong"].state == state.FAIL
     assert "space_fn:space returned a list" in trials["wrong"].user_attrs["fail_reason"]
     assert trials["exit"].state == state.FAIL
+    assert trials["hang"].state == state.FAIL
+    assert trials["hang"].user_attrs["fail_reason"].startswith("timeout: the search space")
     assert trials["ok"].state == state.COMPLETE and trials["ok"].value == 9.0  # widths 4 + 5
     assert trials["ok"].user_attrs["params"] == {"mode": "ok", "widths": [4, 5]}
 
@@ -464,3 +470,106 @@ def test_a_space_function_may_prune_its_trial(tmp_path: Path) -> None:
     with pytest.raises(optuna.TrialPruned, match="nothing to try here"):
         sample_function(trial, config, space)
     assert "traceback" not in trial.user_attrs and "fail_reason" not in trial.user_attrs
+
+
+def test_a_space_function_that_hangs_fails_its_trial_at_the_trial_timeout(tmp_path: Path) -> None:
+    """Known gap of issue 27: the function runs in the worker, before any trial process, so
+    the trial timeout did not reach it. Now it is waited for study.trial_timeout, then its
+    trial fails with reason "timeout" naming it, and the worker goes on (the call is left in a
+    daemon thread); a stop request is heard while it runs."""
+    import threading
+
+    from hpo.stopping import Interrupted, StopRequest
+    from hpo.trial.search_space import SearchSpaceTimedOut, sample_function
+
+    release = threading.Event()
+
+    def space(trial: optuna.Trial) -> dict[str, Any]:
+        trial.suggest_int("layers", 1, 3)
+        release.wait()
+        return {}
+
+    config = parse_config(space_config(tmp_path, trial_timeout=0.3), base_dir=tmp_path)
+    trial = optuna.create_study().ask()
+    with pytest.raises(SearchSpaceTimedOut):
+        sample_function(trial, config, space)
+    assert trial.user_attrs["fail_reason"].startswith(
+        "timeout: the search space space_fn:space did not return within 0.3 s (study.trial_timeout)"
+    )
+    stop = StopRequest()
+    stop.note("SIGTERM")
+    config.study.trial_timeout = None  # no limit: only the stop ends the wait
+    with pytest.raises(Interrupted):
+        sample_function(optuna.create_study().ask(), config, space, stop)
+    release.set()
+
+
+def test_a_space_function_cannot_take_the_workers_signals(tmp_path: Path) -> None:
+    """A plug-in that sets a signal handler would replace the worker's (Ctrl-C would no longer
+    hand the trial back): it runs outside the main thread, so signal.signal refuses and the
+    trial fails with the user's traceback."""
+    import signal
+
+    def space(trial: optuna.Trial) -> dict[str, Any]:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return {}
+
+    from hpo.trial.search_space import sample_function
+
+    before = signal.getsignal(signal.SIGTERM)
+    config = parse_config(space_config(tmp_path), base_dir=tmp_path)
+    trial = optuna.create_study().ask()
+    with pytest.raises(ValueError, match="signal only works in main thread"):
+        sample_function(trial, config, space)
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert "in space\n    signal.signal" in trial.user_attrs["traceback"]
+
+
+UNSETTLING_SPACE = """\
+import os
+
+
+def space(trial):
+    os.chdir("/")  # the worker's working folder, changed by a plug-in
+    return {"mode": trial.suggest_categorical("mode", ["unsettle", "settled"])}
+"""
+
+UNSETTLING_TRAIN = """\
+import os
+import signal
+
+
+def train(ctx):
+    settled = os.getcwd() != "/" and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
+    if ctx.params["mode"] == "unsettle":
+        os.chdir("/")
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return {"m": 0.0 if settled else 1.0}
+"""
+
+
+def test_user_code_in_the_worker_leaves_its_folder_and_signals_as_they_were(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hpo_main: Any
+) -> None:
+    """A search-space function (always in the worker) and a training function trained in the
+    worker (study.trial_isolation: none) that change the working folder or SIGTERM's handler:
+    both are put back before the next step of the worker (its relative paths, its clean stop)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in ("space_fn", "train_fn"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    (tmp_path / "space_fn.py").write_text(UNSETTLING_SPACE)
+    (tmp_path / "train_fn.py").write_text(UNSETTLING_TRAIN)
+    raw = {
+        "training": {"entrypoint": "train_fn:train", "device": "cpu"},
+        "study": {"metric": "m", "direction": "minimize", "n_trials": 2,
+                  "trial_isolation": "none", "checkpoints": False,
+                  "enqueue": [{"mode": "unsettle"}, {"mode": "settled"}]},
+        "search_space": "space_fn:space",
+    }  # fmt: skip
+    write_config(tmp_path / "c.yaml", raw)
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    assert hpo_main(["run", "--config", "c.yaml", "--study", "s", "--storage", url]) == 0
+    trials = optuna.load_study(study_name="s", storage=url).trials
+    assert [(t.params["mode"], t.value) for t in trials] == [("unsettle", 0.0), ("settled", 0.0)]
+    assert Path.cwd() == tmp_path

@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import IO, TextIO
 
@@ -46,40 +46,40 @@ def visible_gpus() -> list[str]:
     return [str(i) for i in range(count)]
 
 
-def select_gpus(spec: str, visible: Sequence[str]) -> list[str]:
+def select_gpus(spec: str, visible: Sequence[str], flag: str = "--gpus") -> list[str]:
     """The GPUs named by --gpus: `auto` (every visible one), `none`, or a list like `0,1,3`.
-    An empty list means one CPU worker."""
+    An empty list means one CPU worker. `flag`: how messages name the option."""
     spec = spec.strip()
     if spec.lower() == "none":
         return []
     if spec.lower() == "auto":
         return list(visible)
     wanted = [gpu.strip() for gpu in spec.split(",") if gpu.strip()]
-    problems = [] if wanted else [f"--gpus: got {spec!r}; {GPUS_RULE}"]
+    problems = [] if wanted else [f"{flag}: got {spec!r}; {GPUS_RULE}"]
     if len(set(wanted)) != len(wanted):
-        problems.append(f"--gpus: got {spec!r}; a GPU is listed twice")
+        problems.append(f"{flag}: got {spec!r}; a GPU is listed twice")
     words = [gpu for gpu in wanted if gpu.lower() in ("auto", "none")]
     if words:
         problems.append(
-            f"--gpus: got {spec!r}; {words[0].lower()} stands alone and cannot be combined with "
-            f"GPU ids: give --gpus {words[0].lower()} or a list of ids like 0,1,3"
+            f"{flag}: got {spec!r}; {words[0].lower()} stands alone and cannot be combined with "
+            f"GPU ids: give {flag} {words[0].lower()} or a list of ids like 0,1,3"
         )
     ids = [gpu for gpu in wanted if gpu not in words]
     not_ids = [gpu for gpu in ids if gpu not in visible and not _looks_like_gpu_id(gpu)]
     if not_ids:
         problems.append(
-            f"--gpus: got {spec!r}; {', '.join(map(repr, not_ids))} is not a GPU id: GPU ids "
-            "are the whole numbers nvidia-smi lists (0, 1, ...), e.g. --gpus 0,1,3"
+            f"{flag}: got {spec!r}; {', '.join(map(repr, not_ids))} is not a GPU id: GPU ids "
+            f"are the whole numbers nvidia-smi lists (0, 1, ...), e.g. {flag} 0,1,3"
         )
     missing = list(dict.fromkeys(gpu for gpu in ids if gpu not in visible and gpu not in not_ids))
     if missing:
         seen = ", ".join(visible) if visible else "none"
         problems.append(
-            f"--gpus: GPU {', '.join(missing)} is not visible on this host (visible: {seen}); "
-            "use --gpus auto, or --gpus none to run on the CPU"
+            f"{flag}: GPU {', '.join(missing)} is not visible on this host (visible: {seen}); "
+            f"use {flag} auto, or {flag} none to run on the CPU"
         )
     if problems:
-        raise ConfigError(problems, "command line")
+        raise ConfigError(problems, "command line" if flag.startswith("--") else "hpo.run")
     return wanted
 
 
@@ -134,12 +134,14 @@ def _largest_batch_within(config: str, gpu: str, share: float) -> int:
 
 
 def run_workers(
-    gpus: Sequence[str], argv: Sequence[str], per_gpu: int = 1, stop: StopRequest | None = None
-) -> int:
+    gpus: Sequence[str], argv: Sequence[str], per_gpu: int = 1, stop: StopRequest | None = None,
+    extra_env: Mapping[str, str] | None = None,
+) -> int:  # fmt: skip
     """Start `per_gpu` workers (`hpo run`) on each GPU, each capped at 1/per_gpu of its memory,
     and wait for all of them. Ctrl-C or SIGTERM is passed to every worker once; each hands its
     running trial back and exits. The caller's `stop` learns of the signal, and its handlers
-    are back in place on return."""
+    are back in place on return (called outside the main thread, where no handler can be
+    set, the workers are waited for without). `extra_env`: added to each worker's."""
 
     device = "cpu" if os.environ.get(FAKE_GPUS_ENV) else "cuda"
     threads = max(1, (os.cpu_count() or 1) // (len(gpus) * per_gpu))
@@ -152,7 +154,8 @@ def run_workers(
     for gpu in gpus:
         for k in range(per_gpu):
             label = f"gpu{gpu}" if per_gpu == 1 else f"gpu{gpu}.{k}"
-            env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu, WORKER_LABEL_ENV: label}
+            env = {**os.environ, **(extra_env or {}), "CUDA_VISIBLE_DEVICES": gpu,
+                   WORKER_LABEL_ENV: label}  # fmt: skip
             env[live.RELAY_ENV if block else live.OFF_ENV] = "1"
             if per_gpu > 1:
                 env[SHARE_ENV] = repr(1 / per_gpu)
@@ -192,12 +195,15 @@ def run_workers(
             if worker.poll() is None:
                 worker.send_signal(signum)
 
-    handlers = signal.signal(signal.SIGINT, forward), signal.signal(signal.SIGTERM, forward)
+    handlers = None
+    if threading.current_thread() is threading.main_thread():
+        handlers = signal.signal(signal.SIGINT, forward), signal.signal(signal.SIGTERM, forward)
     try:
         codes = [worker.wait() for worker in workers]
     finally:
-        signal.signal(signal.SIGINT, handlers[0])
-        signal.signal(signal.SIGTERM, handlers[1])
+        if handlers is not None:
+            signal.signal(signal.SIGINT, handlers[0])
+            signal.signal(signal.SIGTERM, handlers[1])
     if received and stop is not None:
         stop.note(received[0])
     for reader in readers:

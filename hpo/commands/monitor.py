@@ -12,6 +12,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -115,24 +116,28 @@ def monitor_command(args: argparse.Namespace) -> int:
         raise study_gone(e, args.study, storage_url.masked) from e
 
 
-def open_storage_to_read(given: str | None, read_only: bool = True) -> tuple[Any, StorageURL]:
+def open_storage_to_read(
+    given: str | None, read_only: bool = True, flag: str = "--storage"
+) -> tuple[Any, StorageURL]:
     """The study database at `given` (else $HPO_STORAGE, else ./hpo.db), which must exist:
     looking never creates a database (a typo in the URL), nor with `read_only` a table or a
-    lock file (a read-only folder)."""
+    lock file (a read-only folder). `flag`: how messages name `given`."""
     from storage import open_storage, resolve_storage_url
 
-    storage_url = resolve_storage_url(given, None)
+    storage_url = resolve_storage_url(given, None, flag)
     return open_storage(storage_url, read_only=read_only, must_exist=True), storage_url
 
 
-def load_existing_study(storage: Any, name: str, masked_url: str) -> Any:
+def load_existing_study(
+    storage: Any, name: str, masked_url: str, empty: str = EMPTY_STUDY_NAME
+) -> Any:
     """The study named `name`; one line when there is none. No check_study_name: a study that
     plain Optuna made may have any name `hpo studies` lists (a tab, 600 characters, spaces
     only), and looking at it creates nothing."""
     import optuna
 
     if name == "":
-        raise HPOError(EMPTY_STUDY_NAME)
+        raise HPOError(empty)
     try:
         return optuna.load_study(study_name=name, storage=storage)
     except KeyError as e:
@@ -234,12 +239,27 @@ def artifact_summary(study: Any, args: argparse.Namespace) -> dict[str, Any] | N
         return {"url": study.user_attrs.get(ARTIFACT_STORE_ATTR), "error": str(e)}
 
 
+@dataclass(frozen=True)
+class DownloadNames:
+    """How the user wrote the download's options, for its messages: the CLI's flags, or the
+    arguments of hpo.Study.download."""
+
+    folder: str = "--download"
+    merge: str = "--merge"
+    example: str = "--download ./best-model"
+
+
+API_DOWNLOAD = DownloadNames("download folder", "merge=True", 'download("best-model")')
+
+
 def download_best(
-    study: Any, best: list[dict], store: ArtifactStore | None, download: str, merge: bool
-) -> tuple[Path, str]:
+    study: Any, best: list[dict], store: ArtifactStore | None, download: str, merge: bool,
+    names: DownloadNames = DownloadNames(),
+) -> tuple[Path, str]:  # fmt: skip
     """`hpo best --download DIR`: the best trial's model from the store into `download` (written
     beside it, then renamed: never half a model), each file checked against its sha256; with
-    `merge`, a LoRA adapter merged into its base model. Returns the folder and what to say."""
+    `merge`, a LoRA adapter merged into its base model. Returns the folder and what to say.
+    `names`: how the messages name the options."""
     from hpo.trial.folders import study_folder_name
     from storage.artifacts import ArtifactStoreError
 
@@ -252,14 +272,14 @@ def download_best(
                        "the host that trained it (hpo best names the folder)")  # fmt: skip
     out = Path(download)
     if not download.strip() or out.resolve() == Path.cwd() or out.name in ("", ".", ".."):
-        raise HPOError(f"--download {download!r}: name a new (or empty) folder for the "
-                       "model, e.g. --download ./best-model")  # fmt: skip
+        raise HPOError(f"{names.folder} {download!r}: name a new (or empty) folder for the "
+                       f"model, e.g. {names.example}")  # fmt: skip
     if out.is_symlink():  # a link to an empty folder: that folder; a link to nothing: refused
         if not out.is_dir():
-            raise HPOError(f"--download {out}: a link to nothing; name a new folder")
+            raise HPOError(f"{names.folder} {out}: a link to nothing; name a new folder")
         out = out.resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise HPOError(f"--download {out}: exists and is not an empty folder; name a new one")
+        raise HPOError(f"{names.folder} {out}: exists and is not an empty folder; name a new one")
     folder = f"trial-{int(best[0]['user_attrs'].get('first_attempt', best[0]['number']))}"
     aside = out.parent / f".{out.name}.{os.getpid()}.download"
     merged = aside.with_suffix(".merged")
@@ -269,7 +289,7 @@ def download_best(
         manifest = store.fetch(study_folder_name(study.study_name), folder, "best-model", aside)
         if manifest is not None:
             adapter = trial_adapter(study.user_attrs, best[0]["user_attrs"])
-            note = _finish_adapter(study, adapter, aside, merged if merge else None, out)
+            note = _finish_adapter(study, adapter, aside, merged if merge else None, out, names)
             if out.is_dir():
                 out.rmdir()
             (merged if merge else aside).rename(out)
@@ -278,7 +298,7 @@ def download_best(
     except OSError as e:
         # The folder cannot be written, or its name was taken meanwhile: the message names the
         # folder asked for, and the partial download beside it is removed.
-        raise HPOError(f"--download {out}: cannot write there ({e.strerror or e})") from e
+        raise HPOError(f"{names.folder} {out}: cannot write there ({e.strerror or e})") from e
     finally:
         for partial in (aside, merged):  # what was not renamed into `out`
             shutil.rmtree(partial, ignore_errors=True)
@@ -292,8 +312,9 @@ def download_best(
 
 
 def _finish_adapter(
-    study: Any, adapter: dict | None, folder: Path, merged: Path | None, out: Path
-) -> str:
+    study: Any, adapter: dict | None, folder: Path, merged: Path | None, out: Path,
+    names: DownloadNames,
+) -> str:  # fmt: skip
     """A downloaded LoRA adapter made loadable here: it names its base model as this host finds
     it; with `merged`, merged into that base as a plain model there. Returns what to say of
     `out`, where it goes ("" for a plain model)."""
@@ -302,8 +323,9 @@ def _finish_adapter(
 
     if not is_adapter_folder(folder):
         if merged is not None:
-            raise HPOError("--merge: the best trial fine-tuned every weight (no LoRA adapter), "
-                           "so its model is plain already; leave --merge out")  # fmt: skip
+            raise HPOError(f"{names.merge}: the best trial fine-tuned every weight (no LoRA "
+                           f"adapter), so its model is plain already; leave {names.merge} "
+                           "out")  # fmt: skip
         return ""
     recorded = adapter.get("base_model") if adapter is not None else None
     base = point_at_base(folder, resolve_location(recorded) if recorded else None)
@@ -352,7 +374,7 @@ def _watch(study: Any, storage: Any, as_json: bool, interval: float) -> int:
     return 0
 
 
-def report_path(given: str | None, study_name: str, form: str) -> Path:
+def report_path(given: str | None, study_name: str, form: str, flag: str = "--out") -> Path:
     """Where `hpo report --out` writes: the file named, or the default name in the folder
     named (an existing folder, or any name ending in a slash, which must be one)."""
     from hpo.trial.folders import study_folder_name
@@ -361,33 +383,35 @@ def report_path(given: str | None, study_name: str, form: str) -> Path:
     if given is None:
         return default
     if not given.strip():
-        raise HPOError("--out is empty; name a file, or a folder to write it in")
+        raise HPOError(f"{flag} is empty; name a file, or a folder to write it in")
     out = Path(given)
     if out.is_dir():
         return out / default
     if given.endswith(("/", os.sep)):
-        raise HPOError(f"--out {given}: no such folder; create it first, or name a file")
+        raise HPOError(f"{flag} {given}: no such folder; create it first, or name a file")
     if not out.parent.is_dir():
-        raise HPOError(f"--out {given}: no such folder {str(out.parent)!r}; create it first")
+        raise HPOError(f"{flag} {given}: no such folder {str(out.parent)!r}; create it first")
     return out
 
 
-def write_report(study: Any, storage: Any, form: str, given: str | None) -> Path:
+def write_report(
+    study: Any, storage: Any, form: str, given: str | None, flag: str = "--out"
+) -> Path:
     """The report (`form`: html or md) to `given` (see report_path), written aside, then
-    renamed: never half a file. Returns the file written."""
+    renamed: never half a file. Returns the file written. `flag`: how messages name `given`."""
     import tempfile
 
     from hpo.reports import document as study_report
 
-    out = report_path(given, study.study_name, form)
+    out = report_path(given, study.study_name, form, flag)
     if out.exists() and not out.is_file():  # a device, a pipe: never replaced by a file
-        raise HPOError(f"--out {out}: not a regular file; name a file to write")
+        raise HPOError(f"{flag} {out}: not a regular file; name a file to write")
     text = (study_report.markdown(study, storage) if form == "md"
             else study_report.html_page(study, storage))  # fmt: skip
     try:
         handle, aside = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
     except OSError as e:
-        raise HPOError(f"--out {out}: cannot write there ({e.strerror or e})") from e
+        raise HPOError(f"{flag} {out}: cannot write there ({e.strerror or e})") from e
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as file:
             file.write(text)
@@ -397,5 +421,5 @@ def write_report(study: Any, storage: Any, form: str, given: str | None) -> Path
         os.replace(aside, out)
     except OSError as e:
         Path(aside).unlink(missing_ok=True)
-        raise HPOError(f"--out {out}: cannot write it ({e.strerror or e})") from e
+        raise HPOError(f"{flag} {out}: cannot write it ({e.strerror or e})") from e
     return out

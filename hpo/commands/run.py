@@ -153,7 +153,8 @@ def work_and_count(
     if len(gpus) * per_gpu > 1:
         worker_args = ["--as-worker"] if args.command == "retrain" else []
         storage.engine.dispose()  # its workers connect; this process holds none meanwhile
-        return run_workers(gpus, [*args.argv, *worker_args], per_gpu, stop), None
+        env = getattr(args, "worker_env", None)
+        return run_workers(gpus, [*args.argv, *worker_args], per_gpu, stop, env), None
     stop.interrupt_at_once = config.study.trial_isolation == "none"
     if not args.quiet:
         live.start()  # a progress line below the log, on a terminal only
@@ -189,17 +190,18 @@ def check_inputs(
     config = config_from(config_path)
     _apply_overrides(config, args)
     tracking.resolve(config, getattr(args, "tracking", None), option(args, "tracking"))
-    storage_url = resolve_storage_url(args.storage, config.study.storage)
+    storage_url = resolve_storage_url(args.storage, config.study.storage, option(args, "storage"))
     artifacts = resolve_artifact_url(getattr(args, "artifact_store", None),
                                      config.study.artifact_store)  # fmt: skip
     config.study.artifact_store = artifacts.url if artifacts is not None else None
     _check_memory_share()
     per_gpu = args.workers_per_gpu
-    gpus = _worker_gpus(config, "auto" if args.gpus is None and per_gpu is not None else args.gpus)
+    spec = "auto" if args.gpus is None and per_gpu is not None else args.gpus
+    gpus = _worker_gpus(config, spec, option(args, "gpus"))
     if not gpus and isinstance(per_gpu, int) and per_gpu > 1:
         raise HPOError(
-            f"--workers-per-gpu {per_gpu}: no GPU to share on this host; leave it out to run "
-            "one worker on the CPU"
+            f"{option(args, 'workers_per_gpu')} {per_gpu}: no GPU to share on this host; leave "
+            "it out to run one worker on the CPU"
         )
     _check_stores(storage_url, artifacts)
     if before_data is not None:
@@ -210,11 +212,12 @@ def check_inputs(
     set_optuna_verbosity(logging.getLogger().level)
     # The device first: `cuda` on a host without CUDA is reported before the data is prepared.
     resolve_device(config.training.device)
-    from hpo.trial.plugins import load_plugin, load_user_code
+    from hpo.trial.plugins import check_trial_processes_import, load_plugin, load_user_code
 
     if config.search_space_function is not None:  # the user's define-by-run search space
         load_plugin(config.search_space_function, config.base_dir, "search_space")  # one line
     load_user_code(config)  # metrics, task, model.factory: imported again in each trial process
+    check_trial_processes_import(config)
     if config.training.entrypoint is not None:  # the user's function reads its own data
         from hpo.trial.entrypoint import load_entrypoint
 
@@ -354,7 +357,7 @@ def _auto_workers_per_gpu(config: Config, config_path: Path, gpus: list[str]) ->
     return workers
 
 
-def _worker_gpus(config: Config, spec: str | None) -> list[str]:
+def _worker_gpus(config: Config, spec: str | None, flag: str = "--gpus") -> list[str]:
     """With --gpus, the GPUs to start workers on; one of them (or the CPU) is set up to run in
     this very process."""
     from hpo.commands.launcher import FAKE_GPUS_ENV, select_gpus, visible_gpus
@@ -362,7 +365,7 @@ def _worker_gpus(config: Config, spec: str | None) -> list[str]:
 
     if spec is None:
         return []
-    gpus = select_gpus(spec, visible_gpus())
+    gpus = select_gpus(spec, visible_gpus(), flag)
     if not gpus:
         if spec.strip().lower() == "auto":
             log.info("no GPU visible on this host: one worker on the CPU")
@@ -418,9 +421,10 @@ def _apply_overrides(config: Config, args: argparse.Namespace) -> None:
                 "number > 0 seconds"
             )
         config.study.trial_timeout = args.trial_timeout
-    for flag, value in (("--gpus", args.gpus), ("--workers-per-gpu", args.workers_per_gpu)):
-        if value is not None and args.device is not None:
-            problems.append(f"--device: cannot be combined with {flag}, which sets the GPU")
+    for name in ("gpus", "workers_per_gpu"):
+        if getattr(args, name) is not None and args.device is not None:
+            problems.append(f"{option(args, 'device')}: cannot be combined with "
+                            f"{option(args, name)}, which sets the GPU")  # fmt: skip
     if args.device is not None:
         config.training.device = args.device
         for key, value, rule in config.training.problems():

@@ -220,9 +220,11 @@ def _parse_entrypoint_config(
     if not problems and config.search_space_function is not None:
         _check_function_enqueue(config, problems)
     elif not problems:
+        grid = config.study.sampler.type == "grid"
         for index, params in enumerate(config.study.enqueue):
             where = f"study.enqueue[{index}]"
-            config.study.enqueue[index] = check_params(config.search_space, params, where, problems)
+            config.study.enqueue[index] = check_params(config.search_space, params, where,
+                                                       problems, complete=grid)  # fmt: skip
     _resolve_paths(config, base_dir, problems, paths_from)
     if problems:
         raise ConfigError(problems, source)
@@ -404,12 +406,12 @@ def _build_user_space(raw: Any, problems: list[str]) -> dict[str, ParamSpec]:
 
 
 def _check_user_space(config: Config, problems: list[str]) -> None:
-    """effective_batch_size is split by hpo into physical batches: whole numbers >= 1; `when`
-    is for hpo's own settings (the function samples no conditions of its own yet)."""
-    for name, spec in config.search_space.items():
-        if spec.when is not None:
-            rule = "not supported with training.entrypoint; leave it out (your function may "
-            problems.append(f"search_space.{name}.when: {rule}ignore what does not apply)")
+    """effective_batch_size is split by hpo into physical batches: whole numbers >= 1; each
+    `when` names parameters of the space (a parameter whose condition does not hold is not in
+    ctx.params); the grid sampler gets a finite space."""
+    _check_conditions(config.search_space, problems, user_function=True)
+    if not problems and config.study.sampler.type == "grid":
+        _check_grid(config, problems)
     batch = config.search_space.get("effective_batch_size")
     if batch is None:
         return
@@ -650,9 +652,13 @@ def _search_conflicts(config: Config) -> list[str]:
     return found
 
 
-def _check_conditions(space: dict[str, ParamSpec], problems: list[str]) -> None:
+def _check_conditions(
+    space: dict[str, ParamSpec], problems: list[str], user_function: bool = False
+) -> None:
     """Each `when` names other searched parameters and values they can take (made lists, in
-    the parameter's type); no cycle. The space is then reordered so conditions come first."""
+    the parameter's type); no cycle. The space is then reordered so conditions come first.
+    `user_function`: the space of a training function's own parameters (training.entrypoint),
+    named and typed as the user chose, not as hpo's settings."""
     for name, spec in space.items():
         if spec.when is None:
             continue
@@ -661,7 +667,7 @@ def _check_conditions(space: dict[str, ParamSpec], problems: list[str]) -> None:
             problems.append(f"{where}: names no condition; leave `when` out, or name a "
                             "searched parameter and its value")  # fmt: skip
             continue
-        spec.when = _conditions(name, spec.when, space, where, problems)
+        spec.when = _conditions(name, spec.when, space, where, problems, user_function)
     if problems:
         return
     try:
@@ -676,11 +682,17 @@ def _check_conditions(space: dict[str, ParamSpec], problems: list[str]) -> None:
 
 
 def _conditions(
-    name: str, when: dict[Any, Any], space: dict[str, ParamSpec], where: str, problems: list[str]
-) -> dict[str, list[Any]]:
+    name: str, when: dict[Any, Any], space: dict[str, ParamSpec], where: str, problems: list[str],
+    user_function: bool = False,
+) -> dict[str, list[Any]]:  # fmt: skip
     conditions: dict[str, list[Any]] = {}
     for key, value in when.items():
-        param, why = search_paths.resolve(key)
+        if user_function and isinstance(key, str) and key.isidentifier():
+            param, why = key, ""
+        elif user_function:
+            param, why = None, "a parameter's name must be a Python identifier (ctx.params[name])"
+        else:
+            param, why = search_paths.resolve(key)
         if param is None:
             problems.append(f"{where}.{_key(key)}: {why}")
             continue
@@ -693,7 +705,8 @@ def _conditions(
             continue
         allowed = []
         for item in value if isinstance(value, list) else [value]:
-            ok, setting, _ = _convert(item, _field_hint(param), f"{where}.", [])
+            hint = Any if user_function else _field_hint(param)
+            ok, setting, _ = _convert(item, hint, f"{where}.", [])
             outside = _outside(space[param], setting if ok else item)
             if outside:
                 problems.append(f"{where}.{_key(key)}: got {_show(item)}; {param} never takes "

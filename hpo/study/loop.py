@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -282,6 +283,13 @@ def run_trial(
             if trials.fail(trial, _error_text(e)):
                 tracking.trial_ended(trial, "failed", trial.user_attrs.get("fail_reason"))
             return
+    not_a_value = nan_objectives(objective.task.config.study.objectives, value)
+    if not_a_value:  # Optuna refuses NaN: the trial fails, saying which, and the worker goes on
+        reason = f"the trial's value is NaN ({not_a_value}): nothing to compare it by"
+        log.warning("trial %d failed: %s", trial.number, reason)
+        if trials.fail(trial, reason):
+            tracking.trial_ended(trial, "failed", reason)
+        return
     if trials.tell(trial, TrialState.COMPLETE, value):
         tracking.trial_ended(trial, "complete")
         _drop_state(checkpoints, trial)
@@ -294,6 +302,16 @@ def _drop_state(checkpoints: Path | None, trial: optuna.Trial) -> None:
     cleanup of the artifact store)."""
     if checkpoints is not None:
         drop_resume_state(checkpoints / folder_name(trial))
+
+
+def nan_objectives(objectives: list[str], value: float | list[float] | None) -> str:
+    """The objectives whose value is NaN, as `name=nan`; empty when there is none."""
+    values = value if isinstance(value, list) else [value]
+    return ", ".join(
+        f"{name}=nan"
+        for name, v in zip(objectives, values, strict=False)
+        if isinstance(v, float) and math.isnan(v)
+    )
 
 
 def values_text(objectives: list[str], value: float | list[float] | None) -> str:

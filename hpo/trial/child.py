@@ -4,6 +4,7 @@ SIGTERM or when its worker is gone, and asks to be replaced when its memory grew
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import gc
@@ -165,6 +166,7 @@ def child_main(
     gc.freeze()
     memory = _MemoryWatch()
     runs = 0
+    folder = os.getcwd()
     while True:
         try:
             _, number, changes = conn.recv()
@@ -180,6 +182,7 @@ def child_main(
         trial = ChildTrial(conn, number)
         trial.set_user_attr("process_trials", runs)  # 1: a new process; more: a kept one
         outcome = _run_target(target, trial, payload)
+        _undo_process_changes(folder)
         staying = outcome[0] in ("complete", "pruned") and not _stop_reason
         staying = staying and not _replace_after_trial
         try:
@@ -194,6 +197,21 @@ def child_main(
             conn.close()
             return
         _stop_reason.clear()
+
+
+def _undo_process_changes(folder: str) -> None:
+    """What a user's code changed of this kept process and hpo relies on in its next trial:
+    the working folder (relative paths) and the stop signals' handlers (a SIGTERM must
+    checkpoint and stop the trial, a Ctrl-C must not reach it)."""
+    with contextlib.suppress(OSError):  # the folder is gone: the next trial says so
+        if os.getcwd() != folder:
+            log.info("the trial changed the working folder; back to %s", folder)
+            os.chdir(folder)
+    if signal.getsignal(signal.SIGTERM) is not _on_sigterm:
+        log.info("the trial replaced the SIGTERM handler; hpo's is back")
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _run_target(target: TrialTarget, trial: ChildTrial, payload: Any) -> tuple[Any, ...]:

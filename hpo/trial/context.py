@@ -209,7 +209,7 @@ def checked_metrics(metrics: Any, metric: str, where: str) -> dict[str, float]:
                           f"study.metric names {metric!r}")  # fmt: skip
     checked: dict[str, float] = {}
     for name, value in metrics.items():
-        number = _number(value)
+        number = number_of(value)
         if number is None:
             raise ReportError(f"{where}: metric {name!r} is {type(value).__name__} {value!r}; "
                               "expected a number")  # fmt: skip
@@ -217,14 +217,16 @@ def checked_metrics(metrics: Any, metric: str, where: str) -> dict[str, float]:
     return checked
 
 
-def _number(value: Any) -> float | None:
-    """A float of a Python number or a one-element tensor; None for anything else."""
+def number_of(value: Any) -> float | None:
+    """A float of a Python number, a numpy scalar or a one-element tensor or array; None
+    for anything else (a bool, text, a numpy string)."""
     if isinstance(value, bool):
         return None
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return float(value.item())
     if isinstance(value, (int, float)):
         return float(value)
-    if hasattr(value, "dtype") and getattr(value, "size", None) == 1:  # a numpy scalar
+    numeric = getattr(getattr(value, "dtype", None), "kind", "") in ("i", "u", "f")
+    if numeric and getattr(value, "size", None) == 1:  # a numpy scalar or one-element array
         return float(value)
     return None

@@ -12,7 +12,8 @@ from typing import Any
 
 import optuna
 
-from hpo.trial.context import ReportError, TrainingContext, checked_metrics
+from hpo.stopping import Interrupted, TrialTimedOut
+from hpo.trial.context import ReportError, TrainingContext, checked_metrics, number_of
 from hpo.trial.folders import trial_folder_maker
 from hpo.trial.plugins import load_plugin, record_failure
 from hpo.trial.protocol import TrialLike, TrialValue
@@ -74,6 +75,8 @@ def train_with_entrypoint(trial: TrialLike, task: TrialTask) -> TrialValue:
     except optuna.TrialPruned:
         give_up_uploads(uploader, task)
         raise
+    except TrialTimedOut:  # it returned at ctx.should_stop past the timeout: pruned, not failed
+        raise
     except TrainingFunctionError as e:  # what it returned: hpo's frames, no user traceback
         give_up_uploads(uploader, task)
         trial.set_user_attr("fail_reason", str(e))
@@ -88,6 +91,14 @@ def train_with_entrypoint(trial: TrialLike, task: TrialTask) -> TrialValue:
         if isinstance(e, SystemExit):  # sys.exit() in user code ends its trial, not the process
             raise TrainingFunctionError(f"{spec} raised SystemExit: {e}") from e
         raise  # as it is: `hpo status` counts failures by the user's own error
+    except KeyboardInterrupt as e:
+        if isinstance(e, Interrupted):  # hpo's own: the worker was asked to stop
+            raise
+        # The user's own raise: a real Ctrl-C never reaches the function (the trial process
+        # ignores SIGINT; a worker that trains itself raises Interrupted).
+        give_up_uploads(uploader, task)
+        _record_failure(trial, spec, e, started)
+        raise TrainingFunctionError(f"{spec} raised KeyboardInterrupt") from e
     _record_end(trial, context, started)
     if uploader is not None:
         uploader.discard("state")  # the trial is over: the state already stored will do
@@ -145,11 +156,11 @@ def _values(
             raise TrainingFunctionError(f"{spec} returned None and never called ctx.report: "
                                         f"return the metrics, e.g. {example}")  # fmt: skip
         metrics = context.last_metrics
-    elif isinstance(returned, (int, float)) and not isinstance(returned, bool):
+    elif (number := number_of(returned)) is not None:  # a numpy scalar, a 1-element tensor...
         if len(objectives) > 1:
             raise TrainingFunctionError(f"{spec} returned a number; with several objectives "
                                         f"return a dict with {', '.join(objectives)}")  # fmt: skip
-        metrics = {metric: float(returned)}
+        metrics = {metric: number}
     elif isinstance(returned, dict):
         metrics = checked_metrics(returned, metric, f"the dict {spec} returned")
     else:

@@ -5,9 +5,11 @@ terms. Imports no torch: the training itself is hpo.trial.training.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -63,8 +65,9 @@ class Objective:
         worker holds no more connections than its pool; else one on an engine of its own.
         `prepared`: the data of the search's other model choices (hpo.trial.task.data_for)."""
         self.task = TrialTask(config, data, storage_url, prepared=dict(prepared or {}))
-        self.sample = Sampler(config)  # `search_space: package.module:name` is imported here
+        self.sample = Sampler(config, stop)  # `search_space: package.module:name` imported here
         self.stop = stop
+        self.folder = os.getcwd()  # the worker's, put back if the user's code changes it
         # Whether this worker runs hpo's own training rather than a target of its own (a test's,
         # a benchmark's): only such trials share the host's cores when they run on the CPU.
         self.trains = target is None
@@ -100,8 +103,10 @@ class Objective:
             trial.set_user_attr("gpu", worker_label())
         if memory_share() < 1:  # one of several workers on its GPU
             trial.set_user_attr("memory_share", memory_share())
+        params = self.sample(trial)
+        self.undo_process_changes()  # the search-space function ran in this process
         changes: dict[str, Any] = {
-            "params": self.sample(trial),
+            "params": params,
             "asked_at": _created_at(trial),
             "full_data": bool(trial.user_attrs.get("full_data")),
             "cpu_worker": self.cpu_worker,
@@ -115,7 +120,10 @@ class Objective:
         try:
             if study_config.trial_isolation == "process":
                 return self.trial_process.run(trial, changes, taken_over)
-            return self.target(trial, dataclasses.replace(self.task, **changes))
+            try:
+                return self.target(trial, dataclasses.replace(self.task, **changes))
+            finally:
+                self.undo_process_changes()  # the user's code trained in this process
         except TrialTimedOut as e:
             reason = f"timeout: {e}"
             trial.set_user_attr("prune_reason", reason)
@@ -123,6 +131,23 @@ class Objective:
         except Interrupted as e:
             self.mark_interrupted(trial, e.signal_name)
             raise
+
+    def undo_process_changes(self) -> None:
+        """What the user's code (a search-space function, a trial trained in the worker)
+        changed of the worker and the worker relies on: its working folder (relative paths:
+        the checkpoint folder, a file store) and its stop signals' handlers."""
+        with contextlib.suppress(OSError):  # the folder is gone: nothing to go back to
+            if os.getcwd() != self.folder:
+                log.warning("the user's code changed the working folder; back to %s",
+                            self.folder)  # fmt: skip
+                os.chdir(self.folder)
+        if threading.current_thread() is threading.main_thread() and self.stop.installed and (
+            signal.getsignal(signal.SIGTERM) != self.stop.handler
+            or signal.getsignal(signal.SIGINT) != self.stop.handler
+        ):  # fmt: skip
+            log.warning("the user's code replaced the worker's SIGINT or SIGTERM handler; "
+                        "hpo's are back")  # fmt: skip
+            self.stop.install()
 
     def trains_on_cpu(self) -> bool:
         """Whether this worker's trials train on the CPU: they then share the host's cores."""

@@ -8,12 +8,15 @@ a trial keeps the user's traceback with the trial.
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
+import os
 import sys
 import time
 import traceback
 import types
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpo.errors import ConfigError
@@ -39,16 +42,47 @@ def load_plugin(spec: str, base_dir: str, key: str) -> Callable[..., Any]:
         module = importlib.import_module(module_name)
     except (Exception, SystemExit) as e:  # the user's module may raise anything as it imports
         last = traceback.format_exception_only(type(e), e)[-1].strip()
+        fix = ""
+        if module_name.endswith(".py") and isinstance(e, ImportError):
+            fix = f"; name the module without its .py: {module_name[:-3]}:{name}"
         raise ConfigError([f"{key}: {spec}: module {module_name} does not import "
-                           f"({last})"]) from e  # fmt: skip
+                           f"({last}){fix}"]) from e  # fmt: skip
     function = getattr(module, name, None)
     if function is None:
-        raise ConfigError([f"{key}: {spec}: module {module_name} "
-                           f"({getattr(module, '__file__', '?')}) has no {name}"])  # fmt: skip
+        where = getattr(module, "__file__", None) or "built in"
+        raise ConfigError([f"{key}: {spec}: module {module_name} ({where}) has no "
+                           f"{name}{_shadowed(module_name, where, base_dir)}"])  # fmt: skip
     if not callable(function):
         raise ConfigError([f"{key}: {spec}: {name} is not callable (it is "
                            f"{type(function).__name__}); name a function"])  # fmt: skip
+    kind = _not_plain_function(function)
+    if kind and key != "task":
+        raise ConfigError([f"{key}: {spec}: {name} is {kind}, so calling it runs none of its "
+                           "body; hpo calls it and uses what it returns: make it a plain "
+                           "`def` that returns its result"])  # fmt: skip
     return function
+
+
+def _shadowed(module_name: str, where: str, base_dir: str) -> str:
+    """A hint when the config's folder has a file of the module's name that is not the module
+    imported (one of the standard library's, or one imported earlier, took the name)."""
+    mine = Path(base_dir, *module_name.split(".")).with_suffix(".py")
+    if not base_dir or not mine.is_file() or Path(where).resolve() == mine.resolve():
+        return ""
+    return (f"; your {mine} is not the module imported under that name (Python's own or "
+            "another one loaded first): rename your file")  # fmt: skip
+
+
+def _not_plain_function(function: Any) -> str:
+    """What kind of function `function` is when calling it only creates an object (a
+    generator, a coroutine) rather than running it; empty for any other callable."""
+    if inspect.isasyncgenfunction(function):
+        return "an async generator function"
+    if inspect.iscoroutinefunction(function):
+        return "an async function (`async def`; await it in a plain def with asyncio.run)"
+    if inspect.isgeneratorfunction(function):
+        return "a generator function (it yields)"
+    return ""
 
 
 def record_failure(
@@ -82,6 +116,39 @@ def load_user_code(config: Config) -> None:
         load_plugin(config.model.factory, config.base_dir, "model.factory")
     if user_task(config) is not None:
         check_task_class(config)
+
+
+def check_trial_processes_import(config: Config) -> None:
+    """Each trial process imports the script that started its worker (hpo.run in a script), as
+    multiprocessing does, and there the user's code it runs: one line, before any trial, when it
+    could not, rather than every trial failing as its process starts."""
+    if config.study.trial_isolation != "process":
+        return  # the user's code runs in the worker, where it was imported already
+    main = sys.modules.get("__main__")
+    if getattr(getattr(main, "__spec__", None), "name", None):
+        return  # `python -m package`: imported again by its name
+    path = getattr(main, "__file__", None)
+    if path is not None and not os.path.isfile(path):
+        raise ConfigError([f"study.trial_isolation: process: each trial process imports the "
+                           f"script that started its worker, and {path} is no file (a script "
+                           "read from stdin?): run it from a file, or set "
+                           "study.trial_isolation: none"])  # fmt: skip
+    if path is not None:
+        return
+    for key, spec in _specs_in_trial_processes(config):
+        if spec.partition(":")[0] == "__main__":
+            raise ConfigError([f"{key}: {spec}: a trial process cannot import a function of "
+                               "this interactive session (a notebook, python -c): move it into "
+                               "a module file and name that module, or set "
+                               "study.trial_isolation: none"])  # fmt: skip
+
+
+def _specs_in_trial_processes(config: Config) -> list[tuple[str, str]]:
+    """The config's plug-ins that a trial process imports, by their keys."""
+    named = [("training.entrypoint", config.training.entrypoint), ("metrics", config.metrics),
+             ("model.factory", getattr(config.model, "factory", None)),
+             ("task", user_task(config))]  # fmt: skip
+    return [(key, spec) for key, spec in named if spec is not None]
 
 
 def user_task(config: Config) -> str | None:

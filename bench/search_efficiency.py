@@ -492,22 +492,23 @@ def verdicts(searches: list[Search], n_trials: int, unit: str) -> dict[str, Verd
     by_strategy = _by_strategy(searches)
     randoms = {s.seed: s for s in by_strategy[RANDOM]}
     target = statistics.median(s.best[n_trials - 1] for s in randoms.values())
-    medians = {}
+    medians: dict[str, float] = {}
+    reaching: dict[str, int] = {}
     for strategy, runs in by_strategy.items():
         reached = [c for s in runs if (c := compute_to_reach(s, target, unit)) is not None]
         # A seed that never reaches the target counts as infinite compute in the median.
-        medians[strategy] = (statistics.median(reached + [math.inf] * (len(runs) - len(reached))),
-                             len(reached))  # fmt: skip
+        missed = [math.inf] * (len(runs) - len(reached))
+        medians[strategy] = statistics.median(reached + missed)
+        reaching[strategy] = len(reached)
     found = {}
     for strategy, runs in by_strategy.items():
         paired = [(s.best[n_trials - 1], randoms[s.seed].best[n_trials - 1]) for s in runs
                   if s.seed in randoms]  # fmt: skip
         worse = sum(ours < theirs - TOLERANCE for ours, theirs in paired)
-        median, reached = medians[strategy]
-        random_median = medians[RANDOM][0]
-        ratio = median / random_median if math.isfinite(median) else math.inf
+        median = medians[strategy]
+        ratio = median / medians[RANDOM] if math.isfinite(median) else math.inf
         found[strategy] = Verdict(
-            strategy, ratio, reached, len(runs),
+            strategy, ratio, reaching[strategy], len(runs),
             statistics.median(s.best[n_trials - 1] for s in runs),
             target, worse / len(paired) if paired else math.nan,
         )  # fmt: skip
@@ -699,6 +700,12 @@ def main() -> None:
     parser.add_argument("--strategy", action="append", choices=sorted(STRATEGIES))
     parser.add_argument("--jobs", type=int, default=multiprocessing.cpu_count())
     parser.add_argument(
+        "--cache",
+        type=Path,
+        help="JSON Lines of replayed searches: those in it (same task, strategy, seed and "
+        "trials) are read, not replayed again; new ones are added (a replay is deterministic)",
+    )
+    parser.add_argument(
         "--real",
         action="store_true",
         help="run real studies with `hpo run` instead of replaying the grid (slow: use few "
@@ -718,8 +725,15 @@ def main() -> None:
         total = math.ceil(args.budget * n_trials)
         jobs = [(task, s, seed, total) for s in strategies for seed in range(args.seeds)]
         started = time.perf_counter()
+        cached = read_cache(args.cache, task, total)
+        todo = [job for job in jobs if job[1:3] not in cached]
         with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
-            searches = pool.map(_replay, jobs, chunksize=1)
+            for search in pool.imap_unordered(_replay, todo, chunksize=1):
+                cached[search.strategy, search.seed] = search
+                if args.cache is not None:
+                    with args.cache.open("a", encoding="utf-8") as out:
+                        out.write(json.dumps({"task": task, **dataclasses.asdict(search)}) + "\n")
+        searches = [cached[job[1:3]] for job in jobs]
         print(rarity(task))
         if has_conditions(config.search_space):
             print(branches(task))
@@ -730,6 +744,19 @@ def main() -> None:
         )
         by_task[task] = verdicts(searches, n_trials, args.unit)
     print("\n".join(choose(by_task)))
+
+
+def read_cache(path: Path | None, task: str, total: int) -> dict[tuple[str, int], Search]:
+    """The searches of `task` with `total` trials that the cache holds, by strategy and seed."""
+    if path is None or not path.is_file():
+        return {}
+    found = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        record = json.loads(line) if line.strip() else {}
+        if record.pop("task", None) == task and len(record["best"]) == total:
+            search = Search(**record)
+            found[search.strategy, search.seed] = search
+    return found
 
 
 def real_path(task: str) -> Path:

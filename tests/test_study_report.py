@@ -274,7 +274,7 @@ def test_markdown_shows_html_and_backticks_from_the_study_as_text(tmp_path: Path
 def _curves_study(curves: list[list[float]]) -> optuna.Study:
     """One trial per curve, reported from evaluation 1: a curve of one value is a trial the
     study pruned there, the others complete with their best value."""
-    study = optuna.create_study(direction="maximize")
+    study = optuna.create_study(study_name="curves", direction="maximize")
     for curve in curves:
         trial = study.ask()
         for step, value in enumerate(curve, 1):
@@ -298,11 +298,19 @@ def test_the_report_replays_the_studys_curves_under_other_pruners() -> None:
     assert said[0] == ("pruning: 1 of 5 trials pruned; the study ran 13 evaluations, 87% of the "
                        "15 the same trials would run unpruned")  # fmt: skip
     lines = {line.split(" would have")[0]: line for line in said[1:]}
-    assert lines["median"] == ("median would have used 85% of this study's evaluations: a "
-                               "different best: trial #2, 0.9000; 2 trials pruned")  # fmt: skip
+    median = "the median rule without a margin"
+    assert lines[median] == (f"{median} would have used 85% of this study's evaluations: a "
+                             "different best: trial #2, 0.9000; 2 trials pruned")  # fmt: skip
     assert lines["no pruning"].startswith(
         "no pruning would have used 115% of this study's evaluations: the same best (trial #4, "
         "0.9500); 1 trial this study pruned would have gone on"
+    )
+    # hpo's default judges from evaluation 2 on: the late starter is at 0.2 there, 0.4 below
+    # the median (0.6), and is stopped too; the trial the study stopped at evaluation 1 is not.
+    default = "hpo's default (the median rule, margin 0.02, from evaluation 2)"
+    assert lines[default].startswith(
+        f"{default} would have used 92% of this study's evaluations: a different best: trial "
+        "#2, 0.9000; 1 trial pruned; 1 trial this study pruned would have gone on"
     )
     assert set(lines) >= {"successive halving", "hyperband"}
     text = study_report.markdown(study)

@@ -15,8 +15,9 @@ from hpo.study.sampling import build_pruner
 
 # The pruners a study's curves are replayed under, with hpo's settings of each.
 ALTERNATIVES: list[tuple[str, PrunerConfig]] = [
+    ("hpo's default (the median rule, margin 0.02, from evaluation 2)", PrunerConfig()),
     ("successive halving", PrunerConfig(type="successive_halving")),
-    ("median", PrunerConfig(type="median")),
+    ("the median rule without a margin", PrunerConfig(type="median", n_warmup_steps=1, margin=0)),
     ("hyperband", PrunerConfig(type="hyperband")),
     ("no pruning", PrunerConfig(type="none")),
 ]
@@ -34,12 +35,18 @@ class Outcome:
     unknown: int
 
 
-def replay(trials: list[FrozenTrial], direction: StudyDirection, pruner: PrunerConfig) -> Outcome:
+def replay(
+    trials: list[FrozenTrial], direction: StudyDirection, pruner: PrunerConfig, name: str
+) -> Outcome:
     """The trials' recorded evaluations, one trial after another in the study's order, each
-    evaluation shown to `pruner` as a real trial reports it."""
+    evaluation shown to `pruner` as a real trial reports it. `name`: the study's, which
+    Hyperband draws each trial's bracket from (the same brackets as the study's own)."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(
-        direction=direction, pruner=build_pruner(pruner), sampler=optuna.samplers.RandomSampler(0)
+        study_name=name,
+        direction=direction,
+        pruner=build_pruner(pruner),
+        sampler=optuna.samplers.RandomSampler(0),
     )
     evaluations = pruned = unknown = 0
     best: FrozenTrial | None = None
@@ -94,7 +101,7 @@ def lines(study: optuna.Study, trials: list[FrozenTrial]) -> list[str]:
              f"evaluations{_share(used, whole)}"]  # fmt: skip
     own = _best(finished, direction)
     for name, config in ALTERNATIVES:
-        outcome = replay(finished, direction, config)
+        outcome = replay(finished, direction, config, study.study_name)
         if name == "no pruning":
             outcome.evaluations = whole  # the pruned trials' full length, not where they stopped
         found.append(f"{name} would have used {_share(outcome.evaluations, used, 'this')}: "

@@ -15,7 +15,16 @@ to reach the target (min and max over seeds that reach it), how many seeds reach
 `--budget` x n_trials trials, the best value at a third of random search's compute, and the best
 after n_trials trials.
 
-Run: .venv/bin/python bench/search_efficiency.py [--task nli-scratch|demo|lora] [--seeds 20]
+Issue 29's rule, per task: at equal trials (n_trials) a strategy ends no worse than random
+search: its median best at least random search's, and in at most 10% of seeds worse by more than
+0.005, its seeds set against random search's rank by rank (its k-th worst against random
+search's k-th worst: a comparison of the two spreads; seed i against seed i compares two
+independent draws, shown too). The default is chosen by its worst task: of
+the strategies that keep the rule on every task, the least compute to the target on the task
+where it needs the most (against random search's); the last table says which.
+
+Run: .venv/bin/python bench/search_efficiency.py [--task nli-scratch|demo|lora|ner|regression]
+     [--seeds 20] [--cache replays.jsonl]
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from typing import Any
 
 import optuna
 import yaml
+from optuna.study import StudyDirection
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
@@ -73,7 +83,12 @@ STRATEGIES: dict[str, dict[str, Any]] = {
         "sampler": {"type": "tpe", "multivariate": False},
         "pruner": {"type": "median", "n_startup_trials": 3, "n_warmup_steps": 1},
     },
-    "hpo default": {},  # TPE (multivariate) + successive halving (ASHA) since this benchmark
+    # Since issue 29: TPE (multivariate) + the median rule, margin 0.02, from evaluation 2.
+    "hpo default": {},
+    "TPE multivariate + ASHA (hpo's default before issue 29)": {
+        "sampler": {"type": "tpe", "multivariate": True},
+        "pruner": {"type": "successive_halving"},
+    },
     # With conditions (`when`) hpo turns TPE's group on; this is the default without it:
     # multivariate TPE then samples a conditional parameter (LoRA's rank) on its own.
     "hpo default, TPE not grouped": {
@@ -147,7 +162,79 @@ STRATEGIES: dict[str, dict[str, Any]] = {
         "sampler": {"type": "tpe", "multivariate": True},
         "pruner": {"type": "median", "patience": 1, "min_delta": 0.01},
     },
+    # Issue 29's candidates: pruning that waits for the curves of a task to leave chance.
+    # "epoch": the task's evaluations per epoch (training.evals_per_epoch), so the first rung is
+    # at the end of the first epoch, not at its first evaluation.
+    "TPE multivariate + ASHA, first rung at one epoch": {
+        "sampler": {"type": "tpe", "multivariate": True},
+        "pruner": {"type": "successive_halving", "min_resource": "epoch"},
+    },
+    "TPE multivariate + ASHA, after 5 complete trials": {
+        "sampler": {"type": "tpe", "multivariate": True},
+        "after_complete": 5,
+    },
+    "TPE multivariate + ASHA, decision held over two evaluations": {
+        "sampler": {"type": "tpe", "multivariate": True},
+        "held": 0.01,
+    },
+    "TPE multivariate + ASHA, first rung at one epoch, after 5 complete trials": {
+        "sampler": {"type": "tpe", "multivariate": True},
+        "pruner": {"type": "successive_halving", "min_resource": "epoch"},
+        "after_complete": 5,
+    },
+    "TPE multivariate + ASHA, first rung at one epoch, held over two evaluations": {
+        "sampler": {"type": "tpe", "multivariate": True},
+        "pruner": {"type": "successive_halving", "min_resource": "epoch"},
+        "held": 0.01,
+    },
+    "TPE multivariate + median, margin 0.02, first at one epoch": {
+        "sampler": {"type": "tpe", "multivariate": True},
+        "pruner": {"type": "median", "margin": 0.02, "n_warmup_steps": "epoch"},
+    },
 }
+
+
+class AfterComplete(optuna.pruners.BasePruner):
+    """Prunes nothing until the study holds `trials` complete trials, then asks `inner`: the
+    first trials' curves show what the task's curves look like before any is judged."""
+
+    def __init__(self, inner: optuna.pruners.BasePruner, trials: int) -> None:
+        self.inner = inner
+        self.trials = trials
+
+    def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
+        states = (optuna.trial.TrialState.COMPLETE,)
+        if len(study.get_trials(deepcopy=False, states=states)) < self.trials:
+            return False
+        return self.inner.prune(study, trial)
+
+
+class Held(optuna.pruners.BasePruner):
+    """`inner`'s decision to prune must hold at the next evaluation: a trial it would prune
+    goes on one more evaluation and is pruned then unless its value moved past its value at
+    the decision by more than `min_delta` (its metric jumped: a late starter). A decision on
+    one noisy evaluation, or on a plateau just before the jump, is not final.
+
+    The state is the pruner's own (one trial runs in one process, as in the replay)."""
+
+    def __init__(self, inner: optuna.pruners.BasePruner, min_delta: float) -> None:
+        self.inner = inner
+        self.min_delta = min_delta
+        self.pending: dict[int, float] = {}  # trial number: its value when inner said prune
+
+    def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
+        step = trial.last_step
+        if step is None:
+            return False
+        value = trial.intermediate_values[step]
+        if trial.number in self.pending:
+            before = self.pending.pop(trial.number)
+            maximize = study.direction == StudyDirection.MAXIMIZE
+            if not (value - before if maximize else before - value) > self.min_delta:  # NaN too
+                return True
+        if self.inner.prune(study, trial):
+            self.pending[trial.number] = value
+        return False
 
 
 @dataclass
@@ -242,7 +329,9 @@ def strategy_raw(raw: dict[str, Any], strategy: str, seed: int) -> dict[str, Any
     settings = STRATEGIES[strategy]
     study["sampler"] = {**settings.get("sampler", {}), "seed": seed}
     if "pruner" in settings:
-        study["pruner"] = settings["pruner"]
+        per_epoch = raw.get("training", {}).get("evals_per_epoch", 1)
+        study["pruner"] = {k: per_epoch if v == "epoch" else v
+                           for k, v in settings["pruner"].items()}  # fmt: skip
     if "enqueue" in settings:  # the recipe's values of the task's parameters
         recipe = {k: v for k, v in settings["enqueue"].items() if k in raw["search_space"]}
         study["enqueue"] = [recipe]
@@ -274,10 +363,13 @@ def replay(task: str, strategy: str, seed: int, n_trials: int) -> Search:
     _, raw, table = load_task(task)
     config = strategy_config(raw, source, strategy, seed)
     metric = config.study.primary_metric
+    if config.study.resolved_direction != "maximize":
+        raise SystemExit(f"{task}: the replay takes the best value as the largest; give the "
+                         "task a metric to maximize")  # fmt: skip
     study = optuna.create_study(
         direction="maximize",
         sampler=build_sampler(config.study.sampler, 0, config.search_space),
-        pruner=build_pruner(config.study.pruner),
+        pruner=strategy_pruner(config, strategy),
     )
     for params in config.study.enqueue:
         enqueue(study, params)
@@ -311,6 +403,17 @@ def replay(task: str, strategy: str, seed: int, n_trials: int) -> Search:
         seconds.append(seconds[-1] + spent["seconds"])
     samples, seconds, best = samples[1:], seconds[1:], best[1:]
     return Search(strategy, seed, samples, seconds, best, pruned, points)
+
+
+def strategy_pruner(config: Config, strategy: str) -> optuna.pruners.BasePruner:
+    """hpo's pruner for the config, inside the strategy's wrappers (the bench's own)."""
+    settings = STRATEGIES[strategy]
+    pruner = build_pruner(config.study.pruner)
+    if "held" in settings:
+        pruner = Held(pruner, settings["held"])
+    if "after_complete" in settings:
+        pruner = AfterComplete(pruner, settings["after_complete"])
+    return pruner
 
 
 def _replay(job: tuple[str, str, int, int]) -> Search:
@@ -372,11 +475,77 @@ def best_at(search: Search, compute: float, unit: str) -> float:
     return search.best[i - 1] if i else math.nan
 
 
-def report(task: str, searches: list[Search], n_trials: int, unit: str) -> list[str]:
+# Issue 29's rule, per task: at equal trials a strategy never ends worse than random search:
+# its median best after n_trials is at least random search's, and in at most this share of seeds
+# is it worse than random search by more than TOLERANCE, the seeds of each sorted and set against
+# each other rank by rank. Seed i against random search's seed i would compare independent
+# draws: random search against a copy of itself with other seeds would fail the rule.
+TOLERANCE = 0.005
+WORSE_SHARE = 0.10
+RANDOM = "random, no pruning"
+
+
+@dataclass
+class Verdict:
+    """One strategy on one task, against random search."""
+
+    strategy: str
+    ratio: float  # median compute to the target / random search's (inf: not reached)
+    reached: int  # seeds that reach the target
+    seeds: int
+    final: float  # median best after n_trials
+    random_final: float
+    worse: float  # share of ranks worse than random search's same rank by > TOLERANCE
+    worse_by_seed: float  # share of seeds worse than random search's same seed by > TOLERANCE
+
+    @property
+    def meets_rule(self) -> bool:
+        return self.final >= self.random_final and self.worse <= WORSE_SHARE
+
+
+def verdicts(searches: list[Search], n_trials: int, unit: str) -> dict[str, Verdict]:
+    """Per strategy: compute to the target against random search's, and the rule at equal
+    trials. The target is random search's median best after n_trials."""
+    by_strategy = _by_strategy(searches)
+    randoms = {s.seed: s for s in by_strategy[RANDOM]}
+    target = statistics.median(s.best[n_trials - 1] for s in randoms.values())
+    medians: dict[str, float] = {}
+    reaching: dict[str, int] = {}
+    for strategy, runs in by_strategy.items():
+        reached = [c for s in runs if (c := compute_to_reach(s, target, unit)) is not None]
+        # A seed that never reaches the target counts as infinite compute in the median.
+        missed = [math.inf] * (len(runs) - len(reached))
+        medians[strategy] = statistics.median(reached + missed)
+        reaching[strategy] = len(reached)
+    found = {}
+    for strategy, runs in by_strategy.items():
+        paired = [(s.best[n_trials - 1], randoms[s.seed].best[n_trials - 1]) for s in runs
+                  if s.seed in randoms]  # fmt: skip
+        ranked = zip(sorted(a for a, _ in paired), sorted(b for _, b in paired), strict=True)
+        worse = sum(ours < theirs - TOLERANCE for ours, theirs in ranked)
+        by_seed = sum(ours < theirs - TOLERANCE for ours, theirs in paired)
+        median = medians[strategy]
+        ratio = median / medians[RANDOM] if math.isfinite(median) else math.inf
+        found[strategy] = Verdict(
+            strategy, ratio, reaching[strategy], len(runs),
+            statistics.median(s.best[n_trials - 1] for s in runs),
+            target, worse / len(paired) if paired else math.nan,
+            by_seed / len(paired) if paired else math.nan,
+        )  # fmt: skip
+    return found
+
+
+def _by_strategy(searches: list[Search]) -> dict[str, list[Search]]:
     by_strategy: dict[str, list[Search]] = defaultdict(list)
     for search in searches:
         by_strategy[search.strategy].append(search)
-    random_runs = by_strategy["random, no pruning"]
+    return by_strategy
+
+
+def report(task: str, searches: list[Search], n_trials: int, unit: str) -> list[str]:
+    by_strategy = _by_strategy(searches)
+    random_runs = by_strategy[RANDOM]
+    judged = verdicts(searches, n_trials, unit)
     target = statistics.median(s.best[n_trials - 1] for s in random_runs)
     random_compute = statistics.median(
         (s.samples if unit == "samples" else s.seconds)[n_trials - 1] for s in random_runs
@@ -385,13 +554,11 @@ def report(task: str, searches: list[Search], n_trials: int, unit: str) -> list[
     rows = []
     for strategy, runs in by_strategy.items():
         reached = [c for s in runs if (c := compute_to_reach(s, target, unit)) is not None]
-        # A seed that never reaches the target counts as infinite compute in the median.
         median = statistics.median(sorted(reached) + [math.inf] * (len(runs) - len(reached)))
         baseline[strategy] = median
         at_third = statistics.median(best_at(s, random_compute / 3, unit) for s in runs)
-        final = statistics.median(s.best[n_trials - 1] for s in runs)
         pruned = statistics.mean(s.pruned / len(s.best) for s in runs)
-        rows.append((strategy, median, reached, len(runs), at_third, final, pruned))
+        rows.append((strategy, median, reached, len(runs), at_third, pruned))
     scale = 1e6 if unit == "samples" else 3600.0
     label = "M samples" if unit == "samples" else "device-hours"
     lines = [
@@ -400,21 +567,85 @@ def report(task: str, searches: list[Search], n_trials: int, unit: str) -> list[
         "",
         f"| strategy | compute to target ({label}), median [min, max] | vs random | vs TPE+median "
         f"| seeds reaching | best at 1/3 random's compute | best after {n_trials} trials "
+        f"| seeds worse than random by > {TOLERANCE}: rank by rank (seed by seed) | rule "
         "| trials pruned |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     tpe_median = baseline.get("TPE + median (Trainer.hyperparameter_search)", math.inf)
-    for strategy, median, reached, count, at_third, final, pruned in rows:
+    for strategy, median, reached, count, at_third, pruned in rows:
         spread = f"[{min(reached) / scale:.3f}, {max(reached) / scale:.3f}]" if reached else ""
         shown = (
             f"{median / scale:.3f} {spread}" if math.isfinite(median) else f"not reached {spread}"
         )
+        verdict = judged[strategy]
         lines.append(
-            f"| {strategy} | {shown} | {_ratio(median, baseline['random, no pruning'])} "
+            f"| {strategy} | {shown} | {_ratio(median, baseline[RANDOM])} "
             f"| {_ratio(median, tpe_median)} | {len(reached)}/{count} | {at_third:.4f} "
-            f"| {final:.4f} | {pruned:.0%} |"
+            f"| {verdict.final:.4f} | {verdict.worse:.0%} ({verdict.worse_by_seed:.0%}) "
+            f"| {'yes' if verdict.meets_rule else 'no'} | {pruned:.0%} |"
         )
     return lines
+
+
+def choose(by_task: dict[str, dict[str, Verdict]]) -> list[str]:
+    """Every strategy on every task, and the default by its worst task: among the strategies
+    that keep the rule on every task, the least worst-task compute ratio against random
+    search; if none keeps it, the one that misses it on fewest tasks, and by how much."""
+    tasks = list(by_task)
+    strategies = [s for s in next(iter(by_task.values())) if s != RANDOM
+                  and all(s in by_task[t] for t in tasks)]  # fmt: skip
+
+    def cell(verdict: Verdict) -> str:
+        ratio = f"{verdict.ratio:.2f}x" if math.isfinite(verdict.ratio) else "not reached"
+        return ratio + ("" if verdict.meets_rule else " (rule: no)")
+
+    def worst(strategy: str) -> float:
+        return max(by_task[t][strategy].ratio for t in tasks)
+
+    def median_task(strategy: str) -> float:
+        return statistics.median(by_task[t][strategy].ratio for t in tasks)
+
+    def misses(strategy: str) -> int:
+        return sum(not by_task[t][strategy].meets_rule for t in tasks)
+
+    ranked = sorted(strategies, key=lambda s: (misses(s), worst(s), median_task(s)))
+    lines = [
+        "compute to the target against random search's, per task (median over seeds); "
+        "(rule: no): the strategy ends worse than random search at equal trials on that task",
+        "",
+        f"| strategy | {' | '.join(tasks)} | worst task | median task | tasks where the rule "
+        "fails |",
+        "|---" * (len(tasks) + 4) + "|",
+    ]
+    for strategy in ranked:
+        cells = " | ".join(cell(by_task[t][strategy]) for t in tasks)
+        failing = [t for t in tasks if not by_task[t][strategy].meets_rule]
+        summary = f"{_times(worst(strategy))} | {_times(median_task(strategy))}"
+        lines.append(f"| {strategy} | {cells} | {summary} | {', '.join(failing) or '-'} |")
+    if not ranked:
+        return lines
+    best = ranked[0]
+    lines.append("")
+    if misses(best) == 0:
+        lines.append(
+            f"chosen by the worst-task rule: {best} (worst task {_times(worst(best))}, "
+            f"median task {_times(median_task(best))} of random search's compute)"
+        )
+    else:
+        shortfalls = []
+        for t in tasks:
+            v = by_task[t][best]
+            if not v.meets_rule:
+                shortfalls.append(f"{t}: median best {v.final:.4f} against random's "
+                                  f"{v.random_final:.4f}, {v.worse:.0%} of seeds worse by > "
+                                  f"{TOLERANCE}")  # fmt: skip
+        lines.append(f"no strategy keeps the rule on every task; the nearest, {best}, misses it "
+                     f"on {misses(best)} ({'; '.join(shortfalls)})")  # fmt: skip
+    return lines
+
+
+def _times(ratio: float) -> str:
+    return f"{ratio:.2f}x" if math.isfinite(ratio) else "not reached"
 
 
 def _ratio(a: float, b: float) -> str:
@@ -490,6 +721,12 @@ def main() -> None:
     parser.add_argument("--strategy", action="append", choices=sorted(STRATEGIES))
     parser.add_argument("--jobs", type=int, default=multiprocessing.cpu_count())
     parser.add_argument(
+        "--cache",
+        type=Path,
+        help="JSON Lines of replayed searches: those in it (same task, strategy, seed and "
+        "trials) are read, not replayed again; new ones are added (a replay is deterministic)",
+    )
+    parser.add_argument(
         "--real",
         action="store_true",
         help="run real studies with `hpo run` instead of replaying the grid (slow: use few "
@@ -499,17 +736,25 @@ def main() -> None:
     if args.real:
         return real_runs(args)
     strategies = args.strategy or list(STRATEGIES)
-    for required in ("random, no pruning", "TPE + median (Trainer.hyperparameter_search)"):
+    for required in (RANDOM, "TPE + median (Trainer.hyperparameter_search)"):
         if required not in strategies:
             strategies.insert(0, required)
-    for task in args.task or ["nli-scratch", "demo", "lora"]:
+    by_task = {}
+    for task in args.task or [t for t in TASKS if data_path(t).is_file()]:
         config, _, _ = load_task(task)
         n_trials = config.study.n_trials or 20
         total = math.ceil(args.budget * n_trials)
         jobs = [(task, s, seed, total) for s in strategies for seed in range(args.seeds)]
         started = time.perf_counter()
+        cached = read_cache(args.cache, task, total)
+        todo = [job for job in jobs if job[1:3] not in cached]
         with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
-            searches = pool.map(_replay, jobs, chunksize=1)
+            for search in pool.imap_unordered(_replay, todo, chunksize=1):
+                cached[search.strategy, search.seed] = search
+                if args.cache is not None:
+                    with args.cache.open("a", encoding="utf-8") as out:
+                        out.write(json.dumps({"task": task, **dataclasses.asdict(search)}) + "\n")
+        searches = [cached[job[1:3]] for job in jobs]
         print(rarity(task))
         if has_conditions(config.search_space):
             print(branches(task))
@@ -518,6 +763,21 @@ def main() -> None:
         print(
             f"({len(jobs)} searches of {total} trials in {time.perf_counter() - started:.0f} s)\n"
         )
+        by_task[task] = verdicts(searches, n_trials, args.unit)
+    print("\n".join(choose(by_task)))
+
+
+def read_cache(path: Path | None, task: str, total: int) -> dict[tuple[str, int], Search]:
+    """The searches of `task` with `total` trials that the cache holds, by strategy and seed."""
+    if path is None or not path.is_file():
+        return {}
+    found = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        record = json.loads(line) if line.strip() else {}
+        if record.pop("task", None) == task and len(record["best"]) == total:
+            search = Search(**record)
+            found[search.strategy, search.seed] = search
+    return found
 
 
 def real_path(task: str) -> Path:

@@ -149,13 +149,14 @@ def easy_data(tmp_path: Path) -> tuple[Path, Path]:
 def tiny_config(train: Path, evaluation: Path, **sections: dict[str, Any]) -> dict[str, Any]:
     """A complete config dict for a tiny, fast study; `sections` update each section."""
     config: dict[str, Any] = {
-        # The median pruner (it waits for 3 complete trials): tests that are not about pruning
-        # see every trial of a short study complete.
+        # Optuna's median rule (it waits for 3 complete trials; no margin, judged from the first
+        # evaluation, not hpo's default): tests that are not about pruning see every trial of a
+        # short study complete.
         "study": {
             "metric": "accuracy",
             "n_trials": 2,
             "sampler": {"type": "tpe", "seed": 0},
-            "pruner": {"type": "median"},
+            "pruner": {"type": "median", "n_warmup_steps": 1, "margin": 0.0},
         },
         "search_space": {
             "effective_batch_size": {"type": "categorical", "choices": [8]},

@@ -36,7 +36,7 @@ def run_small_study(
         *data,
         study={
             "n_trials": 5,
-            "pruner": {"type": "median", "n_startup_trials": 2, "n_warmup_steps": 0},
+            "pruner": {"type": "median", "n_startup_trials": 2, "n_warmup_steps": 0, "margin": 0.0},
         },
     )
     config = write_config(tmp_path / "study.yaml", raw)

@@ -62,7 +62,8 @@ def run_task_study(
         "n_trials": 1,
         "enqueue": [{"learning_rate": GOOD_LR}],
         # Prunes a trial worse than the complete one was at the same evaluation.
-        "pruner": {"type": "median", "n_startup_trials": 1, "n_warmup_steps": JUDGED_AT},
+        "pruner": {"type": "median", "n_startup_trials": 1, "n_warmup_steps": JUDGED_AT,
+                   "margin": 0.0},  # fmt: skip
         "checkpoint_dir": str(tmp_path / "checkpoints"),  # not the tests' working folder
         "artifact_store": f"file://{tmp_path / 'store'}",
     })  # fmt: skip

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import optuna
 import pytest
 
 from tests.conftest import REPO, tiny_config, write_config
@@ -158,3 +159,149 @@ def test_every_strategy_replays_the_conditional_task(lora_task: str) -> None:
         "effective_batch_size 32); model.peft.method lora: 0.9100 (model.peft.r 16, "
         "learning_rate 0.003, effective_batch_size 32)"
     )
+
+
+# Issue 29: the rule at equal trials per task, the default chosen by its worst task, and the
+# candidate pruners.
+
+
+def _search(strategy: str, seed: int, best: float, compute: float) -> Any:
+    """A search of 4 trials whose best after 2 trials is `best`, reached at `compute`; 0.95 at
+    its third trial."""
+    return bench.Search(strategy, seed, [compute / 2, compute, 2 * compute, 3 * compute],
+                        [0.0] * 4, [0.5, best, 0.95, 0.95], 0)  # fmt: skip
+
+
+def test_the_rule_sets_seeds_rank_by_rank_and_allows_few_worse_than_random() -> None:
+    seeds = range(20)
+
+    def spread(s: int) -> float:  # random search's best after 2 trials, by seed
+        return 0.88 + 0.002 * s
+
+    randoms = [_search(bench.RANDOM, s, spread(s), 100.0) for s in seeds]
+    # Random search's spread with other seeds: worse seed by seed in 45%, rank by rank never.
+    other = [_search("other seeds", s, spread(19 - s), 100.0) for s in seeds]
+    # Better by 0.01 in 18 seeds, worse by 0.01 in 2 (10%): keeps the rule; 3 (15%) break it.
+    good = [_search("good", s, spread(s) + (-0.01 if s < 2 else 0.01), 40.0) for s in seeds]
+    bad = [_search("bad", s, spread(s) + (-0.01 if s < 3 else 0.01), 40.0) for s in seeds]
+    # Worse by 0.004 in every seed: within the tolerance each time, but its median is worse.
+    close = [_search("close", s, spread(s) - 0.004, 40.0) for s in seeds]
+    found = bench.verdicts([*randoms, *other, *good, *bad, *close], n_trials=2, unit="samples")
+    assert found[bench.RANDOM].meets_rule and found[bench.RANDOM].ratio == 1.0
+    assert found["other seeds"].worse == 0.0 and found["other seeds"].worse_by_seed == 0.45
+    assert found["other seeds"].meets_rule
+    assert found["good"].worse == 0.10 and found["good"].meets_rule
+    # Random search reaches its median best (0.899) at 100 in 10 seeds, at 200 in the others;
+    # "good" at 40 in 15 seeds.
+    assert found["good"].ratio == pytest.approx(40 / 150)
+    assert found["bad"].worse == 0.15 and not found["bad"].meets_rule
+    assert found["close"].worse == 0.0 and not found["close"].meets_rule
+    lines = bench.report("toy", [*randoms, *good, *bad], 2, "samples")
+    rows = {line.split(" | ")[0].strip("| "): line for line in lines if line.startswith("| ")}
+    assert rows["good"].endswith("| 0.9090 | 10% (10%) | yes | 0% |")
+    assert "| 15% (15%) | no |" in rows["bad"]
+
+
+def _verdict(strategy: str, ratio: float, meets: bool = True) -> Any:
+    return bench.Verdict(strategy, ratio, 20, 20, 0.9 if meets else 0.8, 0.9, 0.0, 0.0)
+
+
+def test_the_default_is_chosen_by_its_worst_task_not_its_mean() -> None:
+    by_task = {
+        task: {
+            bench.RANDOM: _verdict(bench.RANDOM, 1.0),
+            **{
+                s: _verdict(s, r[i], m)
+                for s, r, m in (
+                    ("mean winner", (0.2, 0.8), True),
+                    ("even", (0.5, 0.6), True),
+                    ("cheap but worse", (0.1, 0.1), i == 0),
+                )
+            },
+        }  # fmt: skip
+        for i, task in enumerate(("a", "b"))
+    }
+    lines = bench.choose(by_task)
+    assert lines[-1] == ("chosen by the worst-task rule: even (worst task 0.60x, median task "
+                         "0.55x of random search's compute)")  # fmt: skip
+    rows = [line for line in lines if line.startswith("| ") and "---" not in line][1:]
+    assert [row.split(" | ")[0] for row in rows] == ["| even", "| mean winner",
+                                                     "| cheap but worse"]  # fmt: skip
+    assert rows[2] == "| cheap but worse | 0.10x | 0.10x (rule: no) | 0.10x | 0.10x | b |"
+    # No strategy keeps the rule everywhere: the nearest, and by how much it misses.
+    for task in by_task.values():
+        for strategy in ("mean winner", "even"):
+            task[strategy] = _verdict(strategy, 0.5, meets=False)
+    assert bench.choose(by_task)[-1] == (
+        "no strategy keeps the rule on every task; the nearest, cheap but worse, misses it on 1 "
+        "(b: median best 0.8000 against random's 0.9000, 0% of seeds worse by > 0.005)"
+    )
+
+
+class _Always(optuna.pruners.BasePruner):
+    def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
+        return True
+
+
+def _asked(pruner: optuna.pruners.BasePruner, curves: list[list[float]]) -> list[list[bool]]:
+    """Each curve reported as one trial (completed unless pruned): the pruner's answers."""
+    study = optuna.create_study(direction="maximize", pruner=pruner)
+    answers = []
+    for curve in curves:
+        trial = study.ask()
+        said = []
+        for step, value in enumerate(curve, 1):
+            trial.report(value, step)
+            said.append(trial.should_prune())
+            if said[-1]:
+                break
+        study.tell(trial, None if said[-1] else curve[-1],
+                   optuna.trial.TrialState.PRUNED if said[-1] else None)  # fmt: skip
+        answers.append(said)
+    return answers
+
+
+def test_a_decision_to_prune_must_hold_at_the_next_evaluation() -> None:
+    held = bench.Held(_Always(), min_delta=0.01)
+    # A plateau is pruned one evaluation late; a jump of more than min_delta goes on (and is
+    # judged again); so does NaN not.
+    answers = _asked(held, [[0.3, 0.305, 0.9], [0.3, 0.5, 0.505], [0.3, math.nan]])
+    assert answers == [[False, True], [False, False, True], [False, True]]
+
+
+def test_pruning_waits_for_complete_trials() -> None:
+    after = bench.AfterComplete(_Always(), trials=2)
+    answers = _asked(after, [[0.1, 0.2]] * 3)
+    assert answers == [[False, False], [False, False], [True]]
+
+
+def test_a_first_rung_at_one_epoch_is_the_tasks_evaluations_per_epoch(task: str) -> None:
+    _, raw, _ = bench.load_task(task)
+    strategy = "TPE multivariate + ASHA, first rung at one epoch"
+    assert bench.strategy_raw(raw, strategy, 0)["study"]["pruner"] == {
+        "type": "successive_halving", "min_resource": raw["training"]["evals_per_epoch"]
+    }  # fmt: skip
+    search = bench.replay(task, strategy, seed=0, n_trials=12)
+    steps = {b - a for a, b in zip([0.0, *search.samples], search.samples, strict=False)}
+    assert search.pruned > 0 and 80.0 not in steps  # none stopped before the first epoch's end
+
+
+def test_the_new_grids_write_their_data_and_cover_their_spaces(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import search_data
+
+    monkeypatch.setattr(search_data, "FOLDER", tmp_path)
+    for name in ("ner", "regression"):
+        train, evaluation = search_data.write(name)
+        rows = [json.loads(line) for line in evaluation.read_text().splitlines()]
+        assert len(rows) == search_data.SETS[name][1]
+        assert train.read_text() == search_data.write(name)[0].read_text()  # the same rows
+        config, _, _ = bench.load_task(name)
+        for spec_name, values in search_grid.TASKS[name]["grid"].items():
+            spec = config.search_space[spec_name]
+            assert spec.choices == values if spec.type == "categorical" else (
+                spec.low <= min(values) and max(values) <= spec.high)  # fmt: skip
+    train_names = {w for r in search_data.ner_rows(320, 1) for w in r["tokens"]}
+    held_out = {w for r in search_data.ner_rows(96, 2, held_out=True) for w in r["tokens"]}
+    assert "Perth" in held_out - train_names  # names never seen in training

@@ -83,8 +83,8 @@ def test_every_sampler_proposes_configurations_of_the_search_space(
             "margin: got 0.01; only for median or percentile, not hyperband",
         ),
         (
-            {"pruner": {"n_warmup_steps": 2}},  # the default pruner is successive halving
-            "n_warmup_steps: got 2; only for median or percentile, not successive_halving",
+            {"pruner": {"type": "successive_halving", "n_warmup_steps": 3}},
+            "n_warmup_steps: got 3; only for median or percentile, not successive_halving",
         ),
         (
             {"space": {"epochs": {"type": "int", "low": 1, "high": 10, "step": 4}}},
@@ -128,7 +128,9 @@ def test_a_margin_keeps_runs_at_chance_level_and_prunes_clearly_weaker_ones(
     """The plateau before a jump: runs at chance level differ by evaluation noise alone."""
     pruners = {
         margin: build_pruner(
-            _config(easy_data, {"pruner": {"type": "median", "margin": margin}}).study.pruner
+            _config(
+                easy_data, {"pruner": {"type": "median", "margin": margin, "n_warmup_steps": 1}}
+            ).study.pruner
         )
         for margin in (0.0, 0.01)
     }
@@ -209,3 +211,19 @@ def test_a_study_runs_with_another_sampler_through_the_cli(
     trials = optuna.load_study(study_name="menu", storage=url).get_trials()
     assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.COMPLETE]
     assert trials[0].params != trials[1].params
+
+
+def test_the_default_pruner_is_the_benchmarks_choice(easy_data: tuple[Path, Path]) -> None:
+    """Issue 29: with no pruner section, the median rule with margin 0.02 from evaluation 2
+    (bench/README.md: it kept the rule at equal trials on all five tasks); successive halving
+    keeps the default margin and warmup without complaint (it uses neither)."""
+    raw = tiny_config(*easy_data)
+    del raw["study"]["pruner"]
+    pruner = parse_config(raw, Path.cwd()).study.pruner
+    assert (pruner.type, pruner.margin, pruner.n_warmup_steps) == ("median", 0.02, 2)
+    built = build_pruner(pruner)
+    from hpo.study.pruners import MarginPruner
+
+    assert isinstance(built, MarginPruner) and (built.margin, built.n_warmup_steps) == (0.02, 2)
+    raw["study"]["pruner"] = {"type": "successive_halving"}
+    assert parse_config(raw, Path.cwd()).study.pruner.type == "successive_halving"

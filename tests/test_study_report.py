@@ -269,3 +269,54 @@ def test_markdown_shows_html_and_backticks_from_the_study_as_text(tmp_path: Path
     assert fences and all(len(f) >= 4 for f in fences)  # longer than the value's ```
     outside = re.sub(r"^(`{4,})$.*?^\1$", "", text, flags=re.M | re.S)  # code shows no HTML
     assert "<img" not in outside and "&lt;img src=x onerror=alert(1)&gt;" in outside
+
+
+def _curves_study(curves: list[list[float]]) -> optuna.Study:
+    """One trial per curve, reported from evaluation 1: a curve of one value is a trial the
+    study pruned there, the others complete with their best value."""
+    study = optuna.create_study(study_name="curves", direction="maximize")
+    for curve in curves:
+        trial = study.ask()
+        for step, value in enumerate(curve, 1):
+            trial.report(value, step)
+        if len(curve) == 1:
+            study.tell(trial, state=TrialState.PRUNED)
+        else:
+            study.tell(trial, max(curve))
+    return study
+
+
+def test_the_report_replays_the_studys_curves_under_other_pruners() -> None:
+    """Three trials, one the study pruned, then a late starter that ends best: the median rule
+    would have stopped it (a different best, less compute); without pruning, the pruned trial
+    would have gone on, its later curve unknown."""
+    from hpo.reports import pruning
+
+    study = _curves_study([[0.3, 0.5, 0.7], [0.3, 0.6, 0.8], [0.31, 0.6, 0.9], [0.1],
+                           [0.1, 0.2, 0.95]])  # fmt: skip
+    said = pruning.lines(study, study.get_trials())
+    assert said[0] == ("pruning: 1 of 5 trials pruned; the study ran 13 evaluations, 87% of the "
+                       "15 the same trials would run unpruned")  # fmt: skip
+    lines = {line.split(" would have")[0]: line for line in said[1:]}
+    median = "the median rule without a margin"
+    assert lines[median] == (f"{median} would have used 85% of this study's evaluations: a "
+                             "different best: trial #2, 0.9000; 2 trials pruned")  # fmt: skip
+    assert lines["no pruning"].startswith(
+        "no pruning would have used 115% of this study's evaluations: the same best (trial #4, "
+        "0.9500); 1 trial this study pruned would have gone on"
+    )
+    # hpo's default judges from evaluation 2 on: the late starter is at 0.2 there, 0.4 below
+    # the median (0.6), and is stopped too; the trial the study stopped at evaluation 1 is not.
+    default = "hpo's default (the median rule, margin 0.02, from evaluation 2)"
+    assert lines[default].startswith(
+        f"{default} would have used 92% of this study's evaluations: a different best: trial "
+        "#2, 0.9000; 1 trial pruned; 1 trial this study pruned would have gone on"
+    )
+    assert set(lines) >= {"successive halving", "hyperband"}
+    text = study_report.markdown(study)
+    assert "## Pruning\n\n- pruning: 1 of 5 trials pruned" in text
+    assert "<h2>Pruning</h2><ul><li>pruning: 1 of 5" in study_report.html_page(study)
+    two = optuna.create_study(directions=["maximize"] * 2)  # hpo prunes no multi-objective study
+    assert pruning.lines(two, two.get_trials()) == [] and "## Pruning" not in study_report.markdown(
+        two
+    )

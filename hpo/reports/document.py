@@ -19,6 +19,7 @@ import optuna
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
+from hpo.reports import pruning
 from hpo.reports import status as report
 from hpo.study.join import model_loader
 from hpo.study.retrain import mean_std_text, recorded_outcome, seeds_text
@@ -114,6 +115,8 @@ def markdown(study: optuna.Study, storage: object = None) -> str:
     lines = [f"# Study {_md(repr(study.study_name))}", ""]
     lines += [f"- {_md(line)}" for line in _summary(study, status, drawn)]
     lines += ["", "## Best configuration", "", *_md_block(_best_block, study, status), ""]
+    if said := _pruning(study, drawn):
+        lines += ["## Pruning", "", *(f"- {_md(line)}" for line in said), ""]
     for title, rows, empty in _reason_tables(status):
         lines += [f"## {title}", ""]
         if rows:
@@ -200,6 +203,9 @@ def _html_page(study: optuna.Study, storage: object) -> str:
         + (_html_table(["reason", "trials"], rows) if rows else f"<p class=note>{empty}</p>")
         for title, rows, empty in _reason_tables(status)
     )
+    said = _pruning(study, drawn)
+    pruned = "".join(f"<li>{html.escape(line)}</li>" for line in said)
+    pruned = f"<h2>Pruning</h2><ul>{pruned}</ul>" if said else ""
     header, rows = _trial_table(study, drawn.trials())
     name = html.escape(study.study_name)
     return f"""<!DOCTYPE html>
@@ -216,6 +222,7 @@ pre {{ background: #f4f4f4; padding: 0.8em; overflow-x: auto; }}
 <h2>Best configuration</h2>
 <pre>{best}</pre>
 {"".join(sections)}
+{pruned}
 {reasons}
 <h2>Trials</h2>
 {_html_table(header, rows)}
@@ -246,6 +253,14 @@ def _summary(study: optuna.Study, status: dict[str, Any], drawn: Drawn) -> list[
                      "the counts above are of every trial")  # fmt: skip
     best = [status["best"]] if status["best"] is not None else status["pareto_front"] or []
     return lines + report.checkpoint_warnings(best, status.get("lost_checkpoints"))
+
+
+def _pruning(study: optuna.Study, drawn: Drawn) -> list[str]:
+    """How many trials were pruned and what other pruners would have done with the curves;
+    of a study too large to read whole, nothing (a sample's curves would mislead)."""
+    if drawn.sample_ids is not None:
+        return [f"pruning: not replayed for a study of more than {DRAW_LIMIT} trials"]
+    return pruning.lines(study, study.get_trials(deepcopy=False))
 
 
 def _best_block(study: optuna.Study, status: dict[str, Any], fence: str) -> list[str]:

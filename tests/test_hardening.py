@@ -26,8 +26,6 @@ from hpo.trial.protocol import process_stopped
 from tests.conftest import (
     exit_code,
     read_csv,
-    run_hpo,
-    run_study,
     start_hpo,
     tiny_config,
     wait_until_training,
@@ -207,7 +205,7 @@ def test_a_killed_fork_server_fails_its_trial_with_that_reason_and_the_worker_go
     url = f"sqlite:///{tmp_path / 'fs.db'}"
     raw = tiny_config(
         *easy_data,
-        study={"n_trials": 3, "pruner": {"type": "none"}, "checkpoint_interval": 0},
+        study={"n_trials": 2, "pruner": {"type": "none"}, "checkpoint_interval": 0},
         # The fork server is killed after the first of 4 evaluations (a checkpoint each).
         training={"epochs": 2, "evals_per_epoch": 2},
     )
@@ -226,13 +224,17 @@ def test_a_killed_fork_server_fails_its_trial_with_that_reason_and_the_worker_go
     assert "the worker got SIGTERM" not in killed.user_attrs["fail_reason"]
     retry = next(t for t in trials if t.system_attrs.get("failed_trial") == 0)
     assert retry.state == TrialState.COMPLETE and retry.user_attrs["resumed_at_step"] > 0
-    # The budget of 3 holds: the failed trial's retry takes its place, and a new fork server
+    # The budget of 2 holds: the failed trial's retry takes its place, and a new fork server
     # ran the rest.
-    assert sum(t.state == TrialState.COMPLETE for t in trials) == 3
+    assert sum(t.state == TrialState.COMPLETE for t in trials) == 2
 
 
 def test_a_worker_that_wakes_after_its_trial_was_taken_over_drops_it_and_goes_on(
-    tmp_path: Path, easy_data: tuple[Path, Path]
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
 ) -> None:
     url = f"sqlite:///{tmp_path / 'wake.db'}"
     raw = tiny_config(
@@ -250,8 +252,11 @@ def test_a_worker_that_wakes_after_its_trial_was_taken_over_drops_it_and_goes_on
         wait_until_training(url, "wake", [sleeper], evaluations=1)
         sleeper.send_signal(signal.SIGSTOP)
         time.sleep(5)  # past the grace period
-        taker = run_hpo(*args, "--n-trials", "1", cwd=tmp_path)  # the retry, and no more
-        assert taker.returncode == 0, taker.stderr[-3000:]
+        # The other worker is hpo's main in this process (the sleeper is the one under test).
+        monkeypatch.chdir(tmp_path)
+        assert hpo_main([*args, "--n-trials", "1"]) == 0  # the retry, and no more
+        taken = capsys.readouterr().err
+        assert "Traceback" not in taken, taken[-3000:]
     finally:
         sleeper.send_signal(signal.SIGCONT)
     _, stderr = sleeper.communicate(timeout=120)
@@ -313,20 +318,27 @@ def _checkpoint_files(root: Path) -> dict[str, float]:
 
 
 def test_a_trial_past_its_timeout_is_pruned_with_that_reason_and_the_worker_goes_on(
-    tmp_path: Path, easy_data: tuple[Path, Path]
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
 ) -> None:
     url = f"sqlite:///{tmp_path / 't.db'}"
     raw = tiny_config(
         *easy_data,
         # Long enough that a trial reaches its first evaluation (8 steps, under a second here)
         # on a loaded CI machine; the timeout counts training only, not the trial's startup.
-        study={"n_trials": 2, "pruner": {"type": "none"}, "trial_timeout": 8},
+        study={"n_trials": 2, "pruner": {"type": "none"}, "trial_timeout": 5},
         training={"epochs": 500, "evals_per_epoch": 4},
     )
     config = write_config(tmp_path / "c.yaml", raw)
     started = time.monotonic()
-    result = run_study(config, url, tmp_path, study="t")
-    assert result.returncode == 0, result.stderr[-3000:]
+    # hpo's main in this process; its trials in trial processes, which the timeout stops.
+    monkeypatch.chdir(tmp_path)
+    assert hpo_main(["run", "--study", "t", "--config", str(config), "--storage", url]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err[-3000:]
     assert time.monotonic() - started < 150
     trials = optuna.load_study(study_name="t", storage=url).get_trials()
     assert [t.state for t in trials] == [TrialState.PRUNED, TrialState.PRUNED]

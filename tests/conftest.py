@@ -340,3 +340,12 @@ def hpo_main() -> Iterator[Callable[[list[str]], int]]:
         logging.getLogger(name).setLevel(library_level)
     for number, handler in signals.items():
         signal.signal(number, handler)
+
+
+def exit_code(main: Callable[[list[str]], int], args: list[str]) -> int:
+    """The exit code of `hpo ARGS` run by hpo's main in this process (`hpo_main`): what main
+    returns, or the code argparse exits with on a command line it refuses."""
+    try:
+        return main(args)
+    except SystemExit as exited:
+        return exited.code if isinstance(exited.code, int) else 1

@@ -370,7 +370,13 @@ def _store_url(kind: str, tmp_path: Path) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["file", "s3"])
 def test_a_trial_stopped_on_one_host_resumes_on_another_from_the_store(
-    tmp_path: Path, easy_data: tuple[Path, Path], kind: str, request: pytest.FixtureRequest
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    kind: str,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
 ) -> None:
     if kind == "s3":
         request.getfixturevalue("s3")
@@ -392,8 +398,14 @@ def test_a_trial_stopped_on_one_host_resumes_on_another_from_the_store(
     _, stderr = worker.communicate(timeout=60)
     assert worker.returncode == 0, stderr[-3000:]
 
-    finished = run_hpo(*args, cwd=host_b)  # another host: its local folder is empty
-    assert finished.returncode == 0, finished.stderr[-3000:]
+    # Another host, its local folder empty: hpo's main in this process, the trial in itself
+    # (the resume from the store is the subject here, not the trial process).
+    raw["study"]["trial_isolation"] = "none"
+    other = write_config(tmp_path / "host-b.yaml", raw)
+    monkeypatch.chdir(host_b)
+    assert hpo_main(["run", "--study", "nli/1", "--config", str(other), "--storage", url]) == 0
+    finished = capsys.readouterr().err
+    assert "Traceback" not in finished, finished[-3000:]
     interrupted, retry = study.get_trials()
     assert interrupted.state == TrialState.FAIL and retry.state == TrialState.COMPLETE
     uri = f"{store_url}/{study_folder_name('nli/1')}/trial-0"
@@ -410,22 +422,28 @@ def test_a_trial_stopped_on_one_host_resumes_on_another_from_the_store(
     # Anywhere else: `hpo best` names the model in the store and fetches it, checked.
     elsewhere = tmp_path / "laptop"
     elsewhere.mkdir()
-    best = run_hpo("best", "--study", "nli/1", "--storage", url, cwd=elsewhere)
-    assert f"model: {uri}/best-model" in best.stdout, best.stderr[-2000:]
-    got = run_hpo("best", "--study", "nli/1", "--storage", url, "--download", "model",
-                  cwd=elsewhere)  # fmt: skip
-    assert got.returncode == 0 and "sha256 checked" in got.stdout, got.stderr[-2000:]
-    empty = run_hpo("best", "--study", "nli/1", "--storage", url, "--download", "",
-                    cwd=elsewhere / "model")  # fmt: skip
-    assert empty.returncode == 2 and "name a new (or empty) folder" in empty.stderr, empty.stderr
+    monkeypatch.chdir(elsewhere)  # hpo's main in this process, as the CLI calls it
+    best = ["best", "--study", "nli/1", "--storage", url]
+    assert hpo_main(best) == 0
+    said = capsys.readouterr()
+    assert f"model: {uri}/best-model" in said.out, said.err[-2000:]
+    code = hpo_main([*best, "--download", "model"])
+    said = capsys.readouterr()
+    assert code == 0 and "sha256 checked" in said.out, said.err[-2000:]
+    monkeypatch.chdir(elsewhere / "model")
+    assert hpo_main([*best, "--download", ""]) == 2
+    empty = capsys.readouterr().err
+    assert "name a new (or empty) folder" in empty, empty
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     model = AutoModelForSequenceClassification.from_pretrained(elsewhere / "model")
     assert model.config.num_labels == 2
     AutoTokenizer.from_pretrained(elsewhere / "model")
-    status = run_hpo("status", "--study", "nli/1", "--storage", url, cwd=elsewhere)
-    assert f"artifact store {store_url}: " in status.stdout, status.stderr[-2000:]
-    assert "MB in 1 trial folders" in status.stdout
+    monkeypatch.chdir(elsewhere)
+    assert hpo_main(["status", "--study", "nli/1", "--storage", url]) == 0
+    status = capsys.readouterr()
+    assert f"artifact store {store_url}: " in status.out, status.err[-2000:]
+    assert "MB in 1 trial folders" in status.out
 
 
 @pytest.mark.slow

@@ -5,7 +5,9 @@ from __future__ import annotations
 import multiprocessing
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
@@ -16,8 +18,6 @@ from storage.batch_cache import BatchCacheRequests, BatchSizeCache, RelayedBatch
 from storage.errors import StorageError
 from tests.conftest import (
     long_rows,
-    run_hpo,
-    run_study,
     start_hpo,
     tiny_config,
     write_config,
@@ -112,11 +112,11 @@ def test_one_worker_searches_while_the_others_wait(postgres_url: str) -> None:
     assert len(searches) == 1 and results == {"a": 64, "b": 64, "c": 64}
 
 
-def long_text_config(tmp_path: Path, n_trials: int) -> Path:
+def long_text_config(tmp_path: Path, n_trials: int, **study: Any) -> Path:
     """A tiny study on long sequences, so activations decide what fits a memory budget."""
     rows = long_rows(32)
     data = write_csv(tmp_path / "long.csv", rows)
-    raw = tiny_config(data, data, study={"n_trials": n_trials})
+    raw = tiny_config(data, data, study={"n_trials": n_trials, **study})
     raw["model"]["attn_implementation"] = "eager"
     raw["model"]["config"]["max_position_embeddings"] = 256
     raw["data"]["max_length"] = 256
@@ -132,12 +132,27 @@ def long_text_config(tmp_path: Path, n_trials: int) -> Path:
     return write_config(tmp_path / "long.yaml", raw)
 
 
-def test_found_once_then_reused_by_every_trial(tmp_path: Path) -> None:
-    config = long_text_config(tmp_path, n_trials=3)
+def run_in_worker(
+    main: Callable[[list[str]], int], config: Path, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`hpo run` of study "s" by hpo's main in this process: with the config's trial_isolation
+    none, its trials train here too, under this process's simulated memory budget."""
+    assert main(["run", "--study", "s", "--config", str(config), "--storage", url]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err[-3000:]
+
+
+def test_found_once_then_reused_by_every_trial(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
+) -> None:
+    config = long_text_config(tmp_path, n_trials=3, trial_isolation="none")
     url = f"sqlite:///{tmp_path / 'study.db'}"
-    budget = {BUDGET_ENV: str(60_000_000)}
-    result = run_study(config, url, tmp_path, env=budget)
-    assert result.returncode == 0, result.stderr[-3000:]
+    monkeypatch.setenv(BUDGET_ENV, str(60_000_000))
+    monkeypatch.chdir(tmp_path)
+    run_in_worker(hpo_main, config, url, capsys)
     trials = optuna.load_study(study_name="s", storage=url).get_trials()
     sources = [t.user_attrs["batch_size_source"] for t in trials]
     assert sources == ["search", "cache", "cache"]
@@ -145,23 +160,32 @@ def test_found_once_then_reused_by_every_trial(tmp_path: Path) -> None:
     assert 1 <= search["chosen"] < 16 and any(not fits for _, fits in search["probes"])
     assert {t.user_attrs["physical_batch_size"] for t in trials} == {min(search["chosen"], 8)}
     assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
-    finder = run_hpo("batch-size", "--config", str(config), cwd=tmp_path, env=budget)
-    assert finder.returncode == 0, finder.stderr[-2000:]
-    assert f"chosen {search['chosen']}" in finder.stdout and "OOM" in finder.stdout
+    assert hpo_main(["batch-size", "--config", str(config)]) == 0
+    finder = capsys.readouterr().out
+    assert f"chosen {search['chosen']}" in finder and "OOM" in finder
 
 
-def test_out_of_memory_at_batch_one_prunes_and_the_worker_goes_on(tmp_path: Path) -> None:
-    config = long_text_config(tmp_path, n_trials=2)
+def test_out_of_memory_at_batch_one_prunes_and_the_worker_goes_on(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
+) -> None:
+    config = long_text_config(tmp_path, n_trials=2, trial_isolation="none")
     url = f"sqlite:///{tmp_path / 'study.db'}"
-    result = run_study(config, url, tmp_path, env={BUDGET_ENV: "100000"})
-    assert result.returncode == 0, result.stderr[-3000:]
+    monkeypatch.setenv(BUDGET_ENV, "100000")
+    monkeypatch.chdir(tmp_path)
+    run_in_worker(hpo_main, config, url, capsys)
     trials = optuna.load_study(study_name="s", storage=url).get_trials()
     assert [t.state for t in trials] == [optuna.trial.TrialState.PRUNED] * 2
     assert all(t.user_attrs["prune_reason"].startswith("oom:") for t in trials)
 
 
 def test_an_oom_in_a_trial_lowers_the_cached_size(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
 ) -> None:
     from hpo.config.loader import load_config
     from tests.test_batch_finder import training_peak
@@ -170,7 +194,7 @@ def test_an_oom_in_a_trial_lowers_the_cached_size(
     from trainer.model import load_tokenizer
     from trainer.tasks import prepare_data
 
-    config_path = long_text_config(tmp_path, n_trials=1)
+    config_path = long_text_config(tmp_path, n_trials=1, trial_isolation="none")
     config = load_config(config_path)
     job = TrainJob(config.data, config.model, config.training)
     data = prepare_data(job.data, load_tokenizer(job.model))
@@ -183,8 +207,8 @@ def test_an_oom_in_a_trial_lowers_the_cached_size(
     engine = sa.create_engine(url)
     cache = BatchSizeCache(engine)
     cache.record(key, 16, {"note": "stale: more than fits"})
-    result = run_study(config_path, url, tmp_path, env={BUDGET_ENV: budget})
-    assert result.returncode == 0, result.stderr[-3000:]
+    monkeypatch.chdir(tmp_path)
+    run_in_worker(hpo_main, config_path, url, capsys)
     (trial,) = optuna.load_study(study_name="s", storage=url).get_trials()
     assert trial.state == optuna.trial.TrialState.COMPLETE
     assert trial.user_attrs["batch_size_source"] == "cache"

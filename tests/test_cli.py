@@ -7,14 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_hpo, run_study, tiny_config, write_config
+from tests.conftest import exit_code, run_hpo, run_study, tiny_config, write_config
 from tests.study_checks import check_small_study, run_small_study
 
 
-def test_help_explains_every_option(tmp_path: Path) -> None:
-    top = run_hpo("--help", cwd=tmp_path)
-    assert top.returncode == 0 and "run" in top.stdout
-    run = run_hpo("run", "--help", cwd=tmp_path)
+def test_help_explains_every_option(
+    capsys: pytest.CaptureFixture[str], hpo_main: Callable[[list[str]], int]
+) -> None:
+    assert exit_code(hpo_main, ["--help"]) == 0
+    assert "run" in capsys.readouterr().out
+    assert exit_code(hpo_main, ["run", "--help"]) == 0
+    help_text = capsys.readouterr().out
     for option in (
         "--study",
         "--config",
@@ -26,10 +29,10 @@ def test_help_explains_every_option(tmp_path: Path) -> None:
         "--gpus",
         "--debug",
     ):
-        assert option in run.stdout
-    assert "HPO_STORAGE" in run.stdout and "hpo.db" in run.stdout
+        assert option in help_text
+    assert "HPO_STORAGE" in help_text and "hpo.db" in help_text
     # What each timeout does: one ends the worker's run between trials, one stops a trial.
-    text = " ".join(run.stdout.split())
+    text = " ".join(help_text.split())
     assert "this worker starts no new trial; the running trial finishes" in text
     assert "past it the trial checkpoints, stops and is pruned" in text
 
@@ -45,13 +48,20 @@ def test_study_on_sqlite(
 
 
 def test_default_storage_is_hpo_db_in_the_working_directory(
-    tmp_path: Path, easy_data: tuple[Path, Path]
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
 ) -> None:
-    raw = tiny_config(*easy_data, study={"n_trials": 1}, training={"max_steps": 2})
+    # hpo's main in this process, run from that folder; the trial trains in the worker.
+    raw = tiny_config(*easy_data, study={"n_trials": 1, "trial_isolation": "none"},
+                      training={"max_steps": 2})  # fmt: skip
     config = write_config(tmp_path / "c.yaml", raw)
-    result = run_hpo("run", "--study", "s", "--config", str(config), cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert f"SQLite file {tmp_path / 'hpo.db'} (from default)" in result.stderr
+    monkeypatch.chdir(tmp_path)
+    assert hpo_main(["run", "--study", "s", "--config", str(config)]) == 0
+    err = capsys.readouterr().err
+    assert f"SQLite file {tmp_path / 'hpo.db'} (from default)" in err, err[-2000:]
     assert (tmp_path / "hpo.db").is_file()
 
 
@@ -61,11 +71,14 @@ def test_a_worker_with_another_search_space_is_refused(
     hpo_main: Callable[[list[str]], int],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    raw = tiny_config(*easy_data, study={"n_trials": 1}, training={"max_steps": 1})
+    # Both workers run hpo's main in this process (the first trains in itself): a subprocess
+    # took seconds to start.
+    raw = tiny_config(*easy_data, study={"n_trials": 1, "trial_isolation": "none"},
+                      training={"max_steps": 1})  # fmt: skip
     url = f"sqlite:///{tmp_path / 's.db'}"
-    assert run_study(write_config(tmp_path / "a.yaml", raw), url, tmp_path).returncode == 0
+    a = write_config(tmp_path / "a.yaml", raw)
+    assert hpo_main(["run", "--study", "s", "--config", str(a), "--storage", url]) == 0
     raw["search_space"]["learning_rate"]["high"] = 0.1
-    # The refused worker runs hpo's main in this process: a subprocess took seconds to start.
     b = write_config(tmp_path / "b.yaml", raw)
     assert hpo_main(["run", "--study", "s", "--config", str(b), "--storage", url]) == 2
     refused = capsys.readouterr().err
@@ -85,32 +98,54 @@ def test_a_worker_with_another_search_space_is_refused(
     ],
 )
 def test_bad_input_exits_2_and_writes_nothing(
-    tmp_path: Path, easy_data: tuple[Path, Path], change: dict, message: str
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    change: dict,
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
 ) -> None:
     raw = tiny_config(*easy_data)
     for section, values in change.items():
         raw[section].update(values)
     config = write_config(tmp_path / "bad.yaml", raw)
     database = tmp_path / "must-not-exist.db"
-    result = run_study(config, f"sqlite:///{database}", tmp_path)
-    assert result.returncode == 2
-    assert message in result.stderr
-    assert "Traceback" not in result.stderr
+    monkeypatch.chdir(tmp_path)  # hpo's main in this process, as the CLI calls it
+    storage = f"sqlite:///{database}"
+    assert hpo_main(["run", "--study", "s", "--config", str(config), "--storage", storage]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
     assert not database.exists()
 
 
-def test_bad_storage_url_is_one_masked_line(tmp_path: Path, easy_data: tuple[Path, Path]) -> None:
+def test_bad_storage_url_is_one_masked_line(
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
+) -> None:
     config = write_config(tmp_path / "c.yaml", tiny_config(*easy_data))
-    result = run_study(config, "postgresql+psycopg2://me:hunter2@127.0.0.1:1/none", tmp_path)
-    assert result.returncode == 2
-    assert "hunter2" not in result.stderr + result.stdout
-    errors = [line for line in result.stderr.splitlines() if line.startswith("hpo: error")]
+    monkeypatch.chdir(tmp_path)  # hpo's main in this process, as the CLI calls it
+    storage = "postgresql+psycopg2://me:hunter2@127.0.0.1:1/none"
+    assert hpo_main(["run", "--study", "s", "--config", str(config), "--storage", storage]) == 2
+    result = capsys.readouterr()
+    assert "hunter2" not in result.err + result.out
+    errors = [line for line in result.err.splitlines() if line.startswith("hpo: error")]
     assert len(errors) == 1 and "me:***@127.0.0.1:1/none" in errors[0]
 
 
-def test_missing_config_file(tmp_path: Path) -> None:
-    result = run_hpo("run", "--study", "s", "--config", "absent.yaml", cwd=tmp_path)
-    assert result.returncode == 2 and "absent.yaml: no such file" in result.stderr
+def test_missing_config_file(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
+) -> None:
+    monkeypatch.chdir(tmp_path)  # hpo's main in this process, as the CLI calls it
+    assert hpo_main(["run", "--study", "s", "--config", "absent.yaml"]) == 2
+    assert "absent.yaml: no such file" in capsys.readouterr().err
 
 
 def test_a_failing_trial_never_stops_the_worker(

@@ -13,7 +13,7 @@ from optuna.trial import TrialState
 
 from hpo.config.loader import load_config
 from hpo.errors import ConfigError
-from tests.conftest import run_study, tiny_config, write_config
+from tests.conftest import tiny_config, write_config
 
 SPACE = {
     "effective_batch_size": {"type": "categorical", "choices": [8, 16]},
@@ -22,10 +22,12 @@ SPACE = {
 }
 
 
-def _config(tmp_path: Path, easy_data: tuple[Path, Path], enqueue: Any, n_trials: int = 3) -> Path:
+def _config(
+    tmp_path: Path, easy_data: tuple[Path, Path], enqueue: Any, n_trials: int = 3, **study: Any
+) -> Path:
     # One epoch: these tests check what is tried, not what it learns.
     raw = tiny_config(*easy_data, study={"n_trials": n_trials, "enqueue": enqueue,
-                                         "pruner": {"type": "none"}},
+                                         "pruner": {"type": "none"}, **study},
                       training={"epochs": 1})  # fmt: skip
     raw["search_space"] = SPACE
     return write_config(tmp_path / "c.yaml", raw)
@@ -96,16 +98,18 @@ def test_warm_start_from_the_config_and_the_command_line(
 ) -> None:
     url = f"sqlite:///{tmp_path / 'warm.db'}"
     recipe = {"effective_batch_size": 16, "learning_rate": 0.002, "warmup_ratio": 0.05}
-    config = _config(tmp_path, easy_data, [recipe], n_trials=1)
-    first = run_study(config, url, tmp_path, study="warm")
-    assert first.returncode == 0, first.stderr[-3000:]
+    # Every command runs hpo's main in this process, and trials train in the worker: what is
+    # queued and tried is decided the same way, without seconds of imports per subprocess.
+    config = _config(tmp_path, easy_data, [recipe], n_trials=1, trial_isolation="none")
+    run = ["run", "--study", "warm", "--config", str(config), "--storage", url]
+    assert hpo_main(run) == 0
+    first = capsys.readouterr()
+    assert "Traceback" not in first.err, first.err[-3000:]
     study = optuna.load_study(study_name="warm", storage=url)
     assert _params(study) == [recipe]  # tried first
-    assert "trial 0 (queued by study.enqueue) starts" in first.stderr  # said, not only done
+    assert "trial 0 (queued by study.enqueue) starts" in first.err  # said, not only done
     assert study.get_trials()[0].user_attrs["queued_by"] == "study.enqueue"
 
-    # The enqueue commands run in this process (hpo's main, as the CLI calls it): seconds less
-    # each than a subprocess that imports hpo, the same code deciding.
     mine = {"effective_batch_size": 8, "learning_rate": 0.004}
     args = ["enqueue", "--study", "warm", "--storage", url, "--params"]
     capsys.readouterr()
@@ -138,9 +142,10 @@ def test_warm_start_from_the_config_and_the_command_line(
     assert hpo_main(["run", "--study", "warm", "--config", str(other), "--storage", url]) == 2
     assert "study 'warm' optimises accuracy" in capsys.readouterr().err
     # A second worker with the same config queues its recipe no second time.
-    more = _config(tmp_path, easy_data, [recipe], n_trials=2)
-    second = run_study(more, url, tmp_path, study="warm")
-    assert second.returncode == 0, second.stderr[-3000:]
+    more = _config(tmp_path, easy_data, [recipe], n_trials=2, trial_isolation="none")
+    assert hpo_main(["run", "--study", "warm", "--config", str(more), "--storage", url]) == 0
+    second = capsys.readouterr()
+    assert "Traceback" not in second.err, second.err[-3000:]
     trials = study.get_trials()
     assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.COMPLETE]
     assert trials[1].params["learning_rate"] == 0.004

@@ -24,9 +24,8 @@ from hpo.trial.folders import (
 )
 from hpo.trial.protocol import process_stopped
 from tests.conftest import (
+    exit_code,
     read_csv,
-    run_hpo,
-    run_study,
     start_hpo,
     tiny_config,
     wait_until_training,
@@ -70,20 +69,29 @@ def test_cleanup_removes_only_folders_hpo_made_for_this_study(tmp_path: Path) ->
 
 
 def test_a_study_named_dot_dot_writes_inside_the_checkpoint_root_and_removes_nothing_else(
-    tmp_path: Path, easy_data: tuple[Path, Path]
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
 ) -> None:
     user_folder = tmp_path / "trial-results"
     user_folder.mkdir()
     (user_folder / "keep.txt").write_text("mine")
     decoy = tmp_path / "hpo-checkpoints" / "trial-7"  # hpo's old naming, not hpo's folder
     decoy.mkdir(parents=True)
-    # Four steps a trial: where a study's files go does not depend on how long it trains.
-    raw = tiny_config(*easy_data, study={"n_trials": 2, "pruner": {"type": "none"}},
+    # Four steps a trial: where a study's files go does not depend on how long it trains, nor
+    # on which process trains it (hpo's main in this process, trials in the worker).
+    raw = tiny_config(*easy_data, study={"n_trials": 2, "pruner": {"type": "none"},
+                                         "trial_isolation": "none"},
                       training={"max_steps": 4, "evals_per_epoch": 1})  # fmt: skip
     config = write_config(tmp_path / "c.yaml", raw)
+    monkeypatch.chdir(tmp_path)
     for name in ("..", "x/../b"):
-        result = run_study(config, f"sqlite:///{tmp_path / 's.db'}", tmp_path, study=name)
-        assert result.returncode == 0, result.stderr[-3000:]
+        run = ["run", "--study", name, "--config", str(config)]
+        assert hpo_main([*run, "--storage", f"sqlite:///{tmp_path / 's.db'}"]) == 0
+        err = capsys.readouterr().err
+        assert "Traceback" not in err, err[-3000:]
     assert (user_folder / "keep.txt").read_text() == "mine" and decoy.is_dir()
     assert not (tmp_path / "trial-0").exists() and not (tmp_path.parent / "trial-0").exists()
     for name in ("..", "x/../b"):
@@ -94,7 +102,11 @@ def test_a_study_named_dot_dot_writes_inside_the_checkpoint_root_and_removes_not
 
 
 def test_a_name_of_512_characters_with_quotes_and_slashes_trains_on_integer_labels(
-    tmp_path: Path, easy_data: tuple[Path, Path]
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
 ) -> None:
     # The longest name the database holds (it once trained a trial, then failed on "File name
     # too long"), and labels that are numbers far apart (they once became 200M classes).
@@ -111,8 +123,11 @@ def test_a_name_of_512_characters_with_quotes_and_slashes_trains_on_integer_labe
     )
     raw = tiny_config(train, evaluation, study={"n_trials": 1}, training={"max_steps": 4})
     url = f"sqlite:///{tmp_path / 's.db'}"
-    result = run_study(write_config(tmp_path / "c.yaml", raw), url, tmp_path, study=name)
-    assert result.returncode == 0, result.stderr[-3000:]
+    config = write_config(tmp_path / "c.yaml", raw)
+    monkeypatch.chdir(tmp_path)  # hpo's main in this process; the trial in a trial process
+    assert hpo_main(["run", "--study", name, "--config", str(config), "--storage", url]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err[-3000:]
     (trial,) = optuna.load_study(study_name=name, storage=url).get_trials()
     assert trial.state == TrialState.COMPLETE
     best_model = Path(trial.user_attrs["best_model"])
@@ -132,16 +147,22 @@ def test_a_name_of_512_characters_with_quotes_and_slashes_trains_on_integer_labe
     ids=["empty", "blank", "513 characters", "newline"],
 )
 def test_an_unusable_study_name_is_refused_before_anything_is_written(
-    tmp_path: Path, name: str, expected: str
+    tmp_path: Path,
+    name: str,
+    expected: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
 ) -> None:
+    monkeypatch.chdir(tmp_path)  # hpo's main in this process, as the CLI calls it
     for command in (["run", "--config", "nope.yaml"], ["status"], ["best"]):
         database = tmp_path / "s.db"
-        result = run_hpo(*command, "--study", name, "--storage", f"sqlite:///{database}",
-                         cwd=tmp_path)  # fmt: skip
-        assert result.returncode == 2, result.stderr[-2000:]
+        storage = ["--storage", f"sqlite:///{database}"]
+        assert exit_code(hpo_main, [*command, "--study", name, *storage]) == 2
+        err = capsys.readouterr().err
         # Looking needs no rule but a name: a plain Optuna study may have any (see below).
         looks = command[0] != "run" and name != ""
-        assert (expected in result.stderr) != looks and "Traceback" not in result.stderr
+        assert (expected in err) != looks and "Traceback" not in err, err[-2000:]
         assert not database.exists() and not (tmp_path / "hpo-checkpoints").exists()
 
 
@@ -184,7 +205,7 @@ def test_a_killed_fork_server_fails_its_trial_with_that_reason_and_the_worker_go
     url = f"sqlite:///{tmp_path / 'fs.db'}"
     raw = tiny_config(
         *easy_data,
-        study={"n_trials": 3, "pruner": {"type": "none"}, "checkpoint_interval": 0},
+        study={"n_trials": 2, "pruner": {"type": "none"}, "checkpoint_interval": 0},
         # The fork server is killed after the first of 4 evaluations (a checkpoint each).
         training={"epochs": 2, "evals_per_epoch": 2},
     )
@@ -203,13 +224,17 @@ def test_a_killed_fork_server_fails_its_trial_with_that_reason_and_the_worker_go
     assert "the worker got SIGTERM" not in killed.user_attrs["fail_reason"]
     retry = next(t for t in trials if t.system_attrs.get("failed_trial") == 0)
     assert retry.state == TrialState.COMPLETE and retry.user_attrs["resumed_at_step"] > 0
-    # The budget of 3 holds: the failed trial's retry takes its place, and a new fork server
+    # The budget of 2 holds: the failed trial's retry takes its place, and a new fork server
     # ran the rest.
-    assert sum(t.state == TrialState.COMPLETE for t in trials) == 3
+    assert sum(t.state == TrialState.COMPLETE for t in trials) == 2
 
 
 def test_a_worker_that_wakes_after_its_trial_was_taken_over_drops_it_and_goes_on(
-    tmp_path: Path, easy_data: tuple[Path, Path]
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
 ) -> None:
     url = f"sqlite:///{tmp_path / 'wake.db'}"
     raw = tiny_config(
@@ -227,8 +252,11 @@ def test_a_worker_that_wakes_after_its_trial_was_taken_over_drops_it_and_goes_on
         wait_until_training(url, "wake", [sleeper], evaluations=1)
         sleeper.send_signal(signal.SIGSTOP)
         time.sleep(5)  # past the grace period
-        taker = run_hpo(*args, "--n-trials", "1", cwd=tmp_path)  # the retry, and no more
-        assert taker.returncode == 0, taker.stderr[-3000:]
+        # The other worker is hpo's main in this process (the sleeper is the one under test).
+        monkeypatch.chdir(tmp_path)
+        assert hpo_main([*args, "--n-trials", "1"]) == 0  # the retry, and no more
+        taken = capsys.readouterr().err
+        assert "Traceback" not in taken, taken[-3000:]
     finally:
         sleeper.send_signal(signal.SIGCONT)
     _, stderr = sleeper.communicate(timeout=120)
@@ -290,20 +318,27 @@ def _checkpoint_files(root: Path) -> dict[str, float]:
 
 
 def test_a_trial_past_its_timeout_is_pruned_with_that_reason_and_the_worker_goes_on(
-    tmp_path: Path, easy_data: tuple[Path, Path]
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
 ) -> None:
     url = f"sqlite:///{tmp_path / 't.db'}"
     raw = tiny_config(
         *easy_data,
         # Long enough that a trial reaches its first evaluation (8 steps, under a second here)
         # on a loaded CI machine; the timeout counts training only, not the trial's startup.
-        study={"n_trials": 2, "pruner": {"type": "none"}, "trial_timeout": 8},
+        study={"n_trials": 2, "pruner": {"type": "none"}, "trial_timeout": 5},
         training={"epochs": 500, "evals_per_epoch": 4},
     )
     config = write_config(tmp_path / "c.yaml", raw)
     started = time.monotonic()
-    result = run_study(config, url, tmp_path, study="t")
-    assert result.returncode == 0, result.stderr[-3000:]
+    # hpo's main in this process; its trials in trial processes, which the timeout stops.
+    monkeypatch.chdir(tmp_path)
+    assert hpo_main(["run", "--study", "t", "--config", str(config), "--storage", url]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err[-3000:]
     assert time.monotonic() - started < 150
     trials = optuna.load_study(study_name="t", storage=url).get_trials()
     assert [t.state for t in trials] == [TrialState.PRUNED, TrialState.PRUNED]
@@ -356,20 +391,31 @@ def test_a_study_name_that_begins_with_a_dash_gets_the_spelling_that_works(
     assert build_parser().parse_args(["status", "--study=-x"]).study == "-x"
 
 
-def test_abbreviated_options_are_refused_not_guessed(tmp_path: Path) -> None:
-    result = run_hpo("run", "--study", "s", "--gpu", "0,1", cwd=tmp_path)
-    assert result.returncode == 2 and "unrecognized arguments: --gpu" in result.stderr
+def test_abbreviated_options_are_refused_not_guessed(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert exit_code(hpo_main, ["run", "--study", "s", "--gpu", "0,1"]) == 2
+    assert "unrecognized arguments: --gpu" in capsys.readouterr().err
     assert not (tmp_path / "hpo.db").exists()
 
 
 def test_monitoring_commands_create_no_database_and_write_nothing(
-    tmp_path: Path, easy_data: tuple[Path, Path]
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
 ) -> None:
+    monkeypatch.chdir(tmp_path)  # hpo's main in this process, as the CLI calls it
     typo = tmp_path / "typo.db"
     for command in (["studies"], ["status", "--study", "s"], ["best", "--study", "s"]):
-        result = run_hpo(*command, "--storage", f"sqlite:///{typo}", cwd=tmp_path)
-        assert result.returncode == 2, result.stderr
-        assert "no such file" in result.stderr and "Traceback" not in result.stderr
+        assert hpo_main([*command, "--storage", f"sqlite:///{typo}"]) == 2
+        err = capsys.readouterr().err
+        assert "no such file" in err and "Traceback" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # no database, no lock file
     folder = tmp_path / "studies"
     folder.mkdir()
@@ -378,8 +424,7 @@ def test_monitoring_commands_create_no_database_and_write_nothing(
     study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
     before = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
     for command in (["studies"], ["status", "--study", "s"], ["best", "--study", "s"]):
-        result = run_hpo(*command, "--storage", f"sqlite:///{database}", cwd=tmp_path)
-        assert result.returncode == 0, result.stderr
+        assert hpo_main([*command, "--storage", f"sqlite:///{database}"]) == 0, capsys.readouterr()
     assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == before
 
 
@@ -428,17 +473,28 @@ def test_a_reader_that_stops_reading_is_no_traceback(tmp_path: Path) -> None:
     ids=["timeout inf", "trial-timeout nan", "empty storage", "config not a file"],
 )
 def test_odd_command_line_values_are_one_line(
-    tmp_path: Path, easy_data: tuple[Path, Path], args: list[str], expected: str
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    args: list[str],
+    expected: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
 ) -> None:
     config = write_config(tmp_path / "c.yaml", tiny_config(*easy_data))
-    full = ["run", "--study", "s", "--config", str(config), *args]
-    result = run_hpo(*full, cwd=tmp_path)
-    assert result.returncode == 2 and expected in result.stderr, result.stderr[-2000:]
-    assert "Traceback" not in result.stderr and not (tmp_path / "hpo.db").exists()
+    monkeypatch.chdir(tmp_path)  # hpo's main in this process, as the CLI calls it
+    assert exit_code(hpo_main, ["run", "--study", "s", "--config", str(config), *args]) == 2
+    err = capsys.readouterr().err
+    assert expected in err, err[-2000:]
+    assert "Traceback" not in err and not (tmp_path / "hpo.db").exists()
 
 
 def test_a_trial_in_a_kept_trial_process_trains_exactly_as_in_a_new_one(
-    tmp_path: Path, easy_data: tuple[Path, Path]
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
 ) -> None:
     # Nothing of one trial leaks into the next one in the same trial process: RNG states, the
     # model, the optimizer. The same configuration twice gives the same curve.
@@ -448,8 +504,13 @@ def test_a_trial_in_a_kept_trial_process_trains_exactly_as_in_a_new_one(
     study = optuna.create_study(study_name="same", storage=url, direction="maximize")
     for learning_rate in (2e-3, 4e-3, 2e-3):
         study.enqueue_trial({"effective_batch_size": 8, "learning_rate": learning_rate})
-    result = run_study(write_config(tmp_path / "c.yaml", raw), url, tmp_path, study="same")
-    assert result.returncode == 0, result.stderr[-3000:]
+    config = write_config(tmp_path / "c.yaml", raw)
+    # hpo's main in this process: its trials run in trial processes forked from this process's
+    # fork server, kept from one trial to the next as a worker's are.
+    monkeypatch.chdir(tmp_path)
+    assert hpo_main(["run", "--study", "same", "--config", str(config), "--storage", url]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err[-3000:]
     first, other, again = study.get_trials()
     assert all(t.state == TrialState.COMPLETE for t in (first, other, again))
     assert again.params == first.params and again.user_attrs["curve"] == first.user_attrs["curve"]
@@ -466,7 +527,12 @@ def test_a_trial_in_a_kept_trial_process_trains_exactly_as_in_a_new_one(
         assert sum(parts.values()) == pytest.approx(attrs["startup_s"], abs=0.01)
 
 
-def test_monitoring_commands_read_a_database_in_a_read_only_folder(tmp_path: Path) -> None:
+def test_monitoring_commands_read_a_database_in_a_read_only_folder(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
+) -> None:
     import subprocess
 
     folder = tmp_path / "read-only"
@@ -484,10 +550,11 @@ def test_monitoring_commands_read_a_database_in_a_read_only_folder(tmp_path: Pat
         database.chmod(0o444)
         folder.chmod(0o555)
     try:
+        monkeypatch.chdir(folder)  # hpo's main in this process, run from that folder
         for command in (["studies"], ["status", "--study", "s"], ["best", "--study", "s"]):
-            result = run_hpo(*command, "--storage", f"sqlite:///{database}", cwd=folder)
-            assert result.returncode == 0, result.stderr[-3000:]
-            assert "Traceback" not in result.stderr
+            code = hpo_main([*command, "--storage", f"sqlite:///{database}"])
+            err = capsys.readouterr().err
+            assert code == 0 and "Traceback" not in err, err[-3000:]
         assert sorted(p.name for p in folder.iterdir()) == ["s.db"]
     finally:
         if as_root:

@@ -15,7 +15,7 @@ import optuna
 import pytest
 import torch
 
-from tests.conftest import REPO, run_hpo, tiny_config, write_config
+from tests.conftest import REPO, exit_code, run_hpo, tiny_config, write_config
 
 # A password with unescaped `@` and `/`: SQLAlchemy would read `Zq9` as the password and
 # `Xk7/w@127.0.0.1` as the host, so a message naming the host printed the password's tail.
@@ -152,38 +152,54 @@ def float_choices_config(tmp_path: Path, easy_data: tuple[Path, Path]) -> Path:
 
 @pytest.mark.parametrize("device", ["gpu", "cuda:x", "CPU"])
 def test_batch_size_with_a_bad_device_name_is_one_line(
-    tmp_path: Path, float_choices_config: Path, device: str
+    tmp_path: Path,
+    float_choices_config: Path,
+    device: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
 ) -> None:
-    result = run_hpo("batch-size", "--config", str(float_choices_config), "--device", device,
-                     cwd=tmp_path, timeout=120)  # fmt: skip
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert f"--device: got {device!r}; must be auto, cpu, cuda or cuda:N" in result.stderr
-    assert "Traceback" not in result.stderr
+    monkeypatch.chdir(tmp_path)  # hpo's main in this process, as the CLI calls it
+    batch_size = ["batch-size", "--config", str(float_choices_config), "--device", device]
+    assert exit_code(hpo_main, batch_size) == 2
+    err = capsys.readouterr().err
+    assert f"--device: got {device!r}; must be auto, cpu, cuda or cuda:N" in err, err[-3000:]
+    assert "Traceback" not in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
 def test_batch_size_on_cuda_without_cuda_is_one_line(
-    tmp_path: Path, float_choices_config: Path
+    tmp_path: Path,
+    float_choices_config: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
 ) -> None:
+    monkeypatch.chdir(tmp_path)  # hpo's main in this process, as the CLI calls it
     started = time.monotonic()
-    result = run_hpo("batch-size", "--config", str(float_choices_config), "--device", "cuda",
-                     cwd=tmp_path, timeout=120)  # fmt: skip
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert "--device is 'cuda' but CUDA is not available; use auto or cpu" in result.stderr
-    assert "Traceback" not in result.stderr
+    batch_size = ["batch-size", "--config", str(float_choices_config), "--device", "cuda"]
+    assert exit_code(hpo_main, batch_size) == 2
+    err = capsys.readouterr().err
+    assert "--device is 'cuda' but CUDA is not available; use auto or cpu" in err, err[-3000:]
+    assert "Traceback" not in err
     assert time.monotonic() - started < 60  # before the data is tokenized
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
 def test_run_on_cuda_without_cuda_is_one_line_and_writes_nothing(
-    tmp_path: Path, float_choices_config: Path
+    tmp_path: Path,
+    float_choices_config: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
 ) -> None:
+    monkeypatch.chdir(tmp_path)  # hpo's main in this process, as the CLI calls it
     database = tmp_path / "s.db"
-    result = run_hpo("run", "--study", "s", "--config", str(float_choices_config), "--device",
-                     "cuda", "--storage", f"sqlite:///{database}", cwd=tmp_path)  # fmt: skip
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert "--device is 'cuda' but CUDA is not available; use auto or cpu" in result.stderr
-    assert "Traceback" not in result.stderr and not database.exists()
+    run = ["run", "--study", "s", "--config", str(float_choices_config), "--device", "cuda"]
+    assert exit_code(hpo_main, [*run, "--storage", f"sqlite:///{database}"]) == 2
+    err = capsys.readouterr().err
+    assert "--device is 'cuda' but CUDA is not available; use auto or cpu" in err, err[-3000:]
+    assert "Traceback" not in err and not database.exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
@@ -209,18 +225,24 @@ def test_cuda_without_cuda_names_where_the_user_asked_for_it(
     assert not (tmp_path / "s.db").exists()
 
 
-def test_a_database_without_optunas_tables_is_one_line_for_monitoring(tmp_path: Path) -> None:
+def test_a_database_without_optunas_tables_is_one_line_for_monitoring(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
+) -> None:
     import sqlite3
 
     database = tmp_path / "other.db"
     with sqlite3.connect(database) as conn:
         conn.execute("CREATE TABLE unrelated (x INTEGER)")
     before = database.read_bytes()
-    result = run_hpo("studies", "--storage", f"sqlite:///{database}", cwd=tmp_path)
-    assert result.returncode == 2, result.stderr[-3000:]
+    monkeypatch.chdir(tmp_path)  # hpo's main in this process, as the CLI calls it
+    assert hpo_main(["studies", "--storage", f"sqlite:///{database}"]) == 2
+    err = capsys.readouterr().err
     # Not "check the host, port and credentials": the connection worked.
-    assert "holds no Optuna tables: no study was ever created in it" in result.stderr
-    assert "Traceback" not in result.stderr and database.read_bytes() == before
+    assert "holds no Optuna tables: no study was ever created in it" in err, err[-3000:]
+    assert "Traceback" not in err and database.read_bytes() == before
 
 
 def test_output_that_cannot_be_written_is_one_line(tmp_path: Path, study_db: str) -> None:

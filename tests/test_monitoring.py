@@ -16,7 +16,7 @@ import optuna
 import pytest
 
 from hpo.reports import status as report
-from tests.conftest import run_hpo
+from tests.conftest import exit_code
 
 
 def known_study(url: str) -> None:
@@ -37,32 +37,36 @@ def known_study(url: str) -> None:
     optuna.create_study(study_name="other", storage=url)
 
 
-def test_studies_best_and_status(tmp_path: Path) -> None:
+def test_studies_best_and_status(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], hpo_main: Callable[[list[str]], int]
+) -> None:
+    # hpo's main in this process, as the CLI calls it: a subprocess each took seconds to start.
     url = f"sqlite:///{tmp_path / 'watch.db'}"
     known_study(url)
-    listed = run_hpo("studies", "--storage", url, "--json", cwd=tmp_path)
-    assert listed.returncode == 0, listed.stderr
-    rows = {row["name"]: row for row in json.loads(listed.stdout)}
+
+    def out(*args: str) -> str:
+        code = hpo_main([*args, "--storage", url])
+        said = capsys.readouterr()
+        assert code == 0, said.err
+        return said.out
+
+    rows = {row["name"]: row for row in json.loads(out("studies", "--json"))}
     assert rows["watched"]["n_trials"] == 5 and rows["watched"]["best_value"] == 0.91
     assert rows["other"]["n_trials"] == 0
-    assert "watched" in run_hpo("studies", "--storage", url, cwd=tmp_path).stdout
+    assert "watched" in out("studies")
 
-    best = run_hpo("best", "--study", "watched", "--storage", url, "--json", cwd=tmp_path)
-    assert best.returncode == 0, best.stderr
-    best_trial = json.loads(best.stdout)
+    best_trial = json.loads(out("best", "--study", "watched", "--json"))
     assert (best_trial["number"], best_trial["value"]) == (0, 0.91)
     assert best_trial["user_attrs"]["samples_per_s"] == 123.0
 
-    status = run_hpo("status", "--study", "watched", "--storage", url, "--json", cwd=tmp_path)
-    assert status.returncode == 0, status.stderr
-    report = json.loads(status.stdout)
+    report = json.loads(out("status", "--study", "watched", "--json"))
     assert report["trials"] == {"complete": 2, "pruned": 1, "fail": 1, "running": 1}
     assert (
         report["running"][0]["worker"] == "gpu-host-3:4242" and report["running"][0]["age_s"] >= 0
     )
     assert 1.0 <= report["device_hours"] < 1.01  # and the running trial's seconds so far
     assert report["prunes"] == {"oom": 1} and report["failures"] == {"RuntimeError": 1}
-    text = run_hpo("status", "--study", "watched", "--storage", url, cwd=tmp_path).stdout
+    text = out("status", "--study", "watched")
     assert "running #4 on gpu-host-3:4242" in text and "prune: 1 x oom" in text
 
 
@@ -81,13 +85,15 @@ def test_the_studies_table_keeps_its_columns_with_long_and_odd_names() -> None:
     assert columns == {lines[0].index("direction")}
 
 
-def test_unknown_study_and_no_best(tmp_path: Path) -> None:
+def test_unknown_study_and_no_best(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], hpo_main: Callable[[list[str]], int]
+) -> None:
     url = f"sqlite:///{tmp_path / 'watch.db'}"
     known_study(url)
-    missing = run_hpo("best", "--study", "nope", "--storage", url, cwd=tmp_path)
-    assert missing.returncode == 2 and "no study 'nope'" in missing.stderr
-    empty = run_hpo("best", "--study", "other", "--storage", url, cwd=tmp_path)
-    assert empty.returncode == 2 and "no completed trial yet" in empty.stderr
+    assert hpo_main(["best", "--study", "nope", "--storage", url]) == 2
+    assert "no study 'nope'" in capsys.readouterr().err
+    assert hpo_main(["best", "--study", "other", "--storage", url]) == 2
+    assert "no completed trial yet" in capsys.readouterr().err
 
 
 def free_port() -> int:
@@ -181,7 +187,9 @@ def test_ended_needs_nothing_running_or_queued_and_the_budget_spent() -> None:
     assert report.ended(summary(4, complete=3, fail=1))
 
 
-def test_status_watch_refreshes_until_the_running_trial_ends(tmp_path: Path) -> None:
+def test_status_watch_refreshes_until_the_running_trial_ends(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], hpo_main: Callable[[list[str]], int]
+) -> None:
     url = f"sqlite:///{tmp_path / 'watch.db'}"
     study = optuna.create_study(study_name="w", storage=url, direction="maximize")
     study.set_user_attr("n_trials", 2)
@@ -206,12 +214,14 @@ def test_status_watch_refreshes_until_the_running_trial_ends(tmp_path: Path) -> 
     assert watcher.returncode == 0, err
     assert "2 complete" in out and "best #1: 0.7000" in out and "budget 2 trials" in out
     assert "study 'w' has ended" in err and "Traceback" not in err
-    bad = run_hpo("status", "--study", "w", "--storage", url, "--watch", "--interval", "0",
-                  cwd=tmp_path)  # fmt: skip
-    assert bad.returncode == 2 and "give seconds from 0.1 to 3600" in bad.stderr
+    bad = ["status", "--study", "w", "--storage", url, "--watch", "--interval", "0"]
+    assert exit_code(hpo_main, bad) == 2  # refused by hpo's main in this process
+    assert "give seconds from 0.1 to 3600" in capsys.readouterr().err
 
 
-def test_status_watch_ends_when_only_a_dead_workers_trial_is_left(tmp_path: Path) -> None:
+def test_status_watch_ends_when_only_a_dead_workers_trial_is_left(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], hpo_main: Callable[[list[str]], int]
+) -> None:
     import sqlalchemy as sa
 
     from storage.heartbeats import Heartbeats
@@ -225,11 +235,12 @@ def test_status_watch_ends_when_only_a_dead_workers_trial_is_left(tmp_path: Path
     with engine.begin() as conn:
         conn.execute(sa.text("UPDATE hpo_heartbeats SET beat_at = '2000-01-01'"))
     engine.dispose()
-    done = run_hpo("status", "--study", "w", "--storage", url, "--watch", "--interval", "0.2",
-                   cwd=tmp_path, timeout=60)  # fmt: skip
-    assert done.returncode == 1, done.stderr
-    assert "silent for" in done.stdout and "its worker is gone or hangs" in done.stdout
-    assert "has stopped moving: no trial runs with a live worker" in done.stderr
+    # hpo's main in this process, as the CLI calls it.
+    code = hpo_main(["status", "--study", "w", "--storage", url, "--watch", "--interval", "0.2"])
+    done = capsys.readouterr()
+    assert code == 1, done.err
+    assert "silent for" in done.out and "its worker is gone or hangs" in done.out
+    assert "has stopped moving: no trial runs with a live worker" in done.err
 
 
 def test_hpo_best_says_why_the_model_is_not_in_the_store() -> None:

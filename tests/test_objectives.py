@@ -4,6 +4,7 @@ the study, its checkpoints and `hpo best`, and pruning off with a note."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from hpo.config.loader import parse_config
 from hpo.errors import ConfigError
 from hpo.trial.folders import best_trials
 from hpo.trial.front import rule_for
-from tests.conftest import run_hpo, run_study, tiny_config, write_config
+from tests.conftest import tiny_config, write_config
 
 
 def test_a_metric_list_makes_objectives_with_their_natural_directions(
@@ -68,17 +69,24 @@ def test_the_pareto_front_is_every_complete_trial_no_other_beats_everywhere() ->
 
 
 def test_a_study_with_two_objectives_through_the_cli(
-    tmp_path: Path, easy_data: tuple[Path, Path]
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
 ) -> None:
     url = f"sqlite:///{tmp_path / 'two.db'}"
     # One epoch a trial: a curve of its 2 evaluations, the best of them the trial's value.
+    # Every command runs hpo's main in this process, and trials train in the worker: the same
+    # code decides, without seconds of imports per subprocess.
     raw = tiny_config(*easy_data, study={"n_trials": 3, "metric": ["accuracy", "samples_per_s"],
-                                         "checkpoint_interval": 0},
+                                         "checkpoint_interval": 0, "trial_isolation": "none"},
                       training={"epochs": 1})  # fmt: skip
-    result = run_study(write_config(tmp_path / "c.yaml", raw), url, tmp_path, study="two")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "2 objectives: pruning is off" in result.stderr
-    assert "Pareto front:" in result.stdout
+    config = write_config(tmp_path / "c.yaml", raw)
+    assert hpo_main(["run", "--study", "two", "--config", str(config), "--storage", url]) == 0
+    result = capsys.readouterr()
+    assert "Traceback" not in result.err, result.err[-3000:]
+    assert "2 objectives: pruning is off" in result.err
+    assert "Pareto front:" in result.out
     study = optuna.load_study(study_name="two", storage=url)
     trials = study.get_trials()
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
@@ -87,9 +95,8 @@ def test_a_study_with_two_objectives_through_the_cli(
         assert trial.values[1] == pytest.approx(trial.user_attrs["samples_per_s"], rel=0.01)
         assert trial.intermediate_values == {} and len(trial.user_attrs["curve"]) == 2
 
-    best = run_hpo("best", "--study", "two", "--storage", url, "--json", cwd=tmp_path)
-    assert best.returncode == 0, best.stderr[-3000:]
-    front = json.loads(best.stdout)
+    assert hpo_main(["best", "--study", "two", "--storage", url, "--json"]) == 0
+    front = json.loads(capsys.readouterr().out)
     # hpo's front (hpo.trial.front), not Optuna's: throughput within the tolerance is noise.
     assert {t["number"] for t in front} == {t.number for t in best_trials(trials, rule_for(study))}
     assert all(len(t["values"]) == 2 for t in front)
@@ -97,7 +104,8 @@ def test_a_study_with_two_objectives_through_the_cli(
     for trial in trials:
         on_front = trial.number in {t["number"] for t in front}
         assert Path(trial.user_attrs["best_model"]).is_dir() == on_front
-    status = run_hpo("status", "--study", "two", "--storage", url, cwd=tmp_path)
-    assert status.returncode == 0 and "Pareto front #" in status.stdout, status.stderr[-3000:]
-    studies = run_hpo("studies", "--storage", url, cwd=tmp_path)
-    assert "maximize and maximize" in studies.stdout
+    assert hpo_main(["status", "--study", "two", "--storage", url]) == 0
+    status = capsys.readouterr()
+    assert "Pareto front #" in status.out, status.err[-3000:]
+    assert hpo_main(["studies", "--storage", url]) == 0
+    assert "maximize and maximize" in capsys.readouterr().out

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,6 @@ from optuna.trial import TrialState
 from hpo.trial.folders import study_folder_name
 from tests.conftest import (
     record_faults,
-    run_hpo,
-    run_study,
     start_hpo,
     tiny_config,
     wait_until_training,
@@ -47,6 +46,9 @@ def test_a_stopped_worker_hands_its_trial_back_and_the_next_worker_runs_it(
     whole_group: bool,
     exit_code: int,
     loader_workers: int,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
 ) -> None:
     url = f"sqlite:///{tmp_path / 'stop.db'}"
     study_settings = {"n_trials": 2, "pruner": {"type": "none"}, "stop_timeout": STOP_TIMEOUT_S}
@@ -73,9 +75,12 @@ def test_a_stopped_worker_hands_its_trial_back_and_the_next_worker_runs_it(
 
     if whole_group:
         return  # the next worker's part is the same whoever got the signal
-    short = tiny_config(*easy_data, study=study_settings, training={"max_steps": 2})
-    finished = run_study(write_config(tmp_path / "short.yaml", short), url, tmp_path, study="stop")
-    assert finished.returncode == 0, finished.stderr[-3000:]
+    # The next worker is hpo's main in this process, its trials in itself: it is not the one
+    # stopped, and a subprocess took seconds to start.
+    short = tiny_config(*easy_data, study={**study_settings, "trial_isolation": "none"},
+                        training={"max_steps": 2})  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    _run_in_process(hpo_main, write_config(tmp_path / "short.yaml", short), url, capsys)
     states = [(t.number, t.state) for t in study.get_trials()]
     assert states == [(0, TrialState.FAIL), (1, TrialState.COMPLETE), (2, TrialState.COMPLETE)]
     assert study.get_trials()[1].user_attrs["retry_of"] == 0
@@ -120,6 +125,15 @@ def _first_trial_asked(url: str) -> bool:
         return False  # no study (or no tables) yet
 
 
+def _run_in_process(
+    main: Callable[[list[str]], int], config: Path, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`hpo run` of study "stop" by hpo's main in this process."""
+    assert main(["run", "--study", "stop", "--config", str(config), "--storage", url]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err[-3000:]
+
+
 def _start_worker(config: Path, url: str, cwd: Path) -> subprocess.Popen[str]:
     args = ("run", "--study", "stop", "--config", str(config), "--storage", url)
     return start_hpo(*args, cwd=cwd, own_group=True)
@@ -127,7 +141,12 @@ def _start_worker(config: Path, url: str, cwd: Path) -> subprocess.Popen[str]:
 
 @pytest.mark.postgres
 def test_a_preempted_trial_resumes_from_its_checkpoint_on_the_next_worker(
-    tmp_path: Path, easy_data: tuple[Path, Path], postgres_url: str
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    postgres_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
 ) -> None:
     url = postgres_url
     raw = tiny_config(
@@ -145,8 +164,11 @@ def test_a_preempted_trial_resumes_from_its_checkpoint_on_the_next_worker(
     folder = tmp_path / "hpo-checkpoints" / study_folder_name("stop") / "trial-0"
     assert (folder / "checkpoint.pt").is_file(), stderr[-3000:]
 
-    finished = run_study(config, url, tmp_path, study="stop")
-    assert finished.returncode == 0, finished.stderr[-3000:]
+    # The next worker is hpo's main in this process, its trial in itself: the resume is the
+    # subject, not the trial process.
+    raw["study"]["trial_isolation"] = "none"
+    monkeypatch.chdir(tmp_path)
+    _run_in_process(hpo_main, write_config(tmp_path / "next.yaml", raw), url, capsys)
     record_faults(study, faults=1, budget=1)
     interrupted, retry = study.get_trials()
     assert interrupted.state == TrialState.FAIL and retry.state == TrialState.COMPLETE
@@ -156,23 +178,28 @@ def test_a_preempted_trial_resumes_from_its_checkpoint_on_the_next_worker(
     assert retry.user_attrs["best_model"] == str(folder / "best-model")
     assert (folder / "best-model" / "tokenizer_config.json").is_file()  # self-contained
     assert retry.user_attrs["checkpoint_s"] > 0  # what its checkpoints cost it
-    best = run_hpo("best", "--study", "stop", "--storage", url, cwd=tmp_path)
-    assert f"model: {folder / 'best-model'}" in best.stdout
+    assert hpo_main(["best", "--study", "stop", "--storage", url]) == 0
+    assert f"model: {folder / 'best-model'}" in capsys.readouterr().out
 
 
 def test_an_unwritable_checkpoint_folder_is_recorded_and_the_trial_completes(
-    tmp_path: Path, easy_data: tuple[Path, Path]
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
 ) -> None:
     (tmp_path / "a-file").write_text("not a folder")
     raw = tiny_config(
         *easy_data,
-        study={"n_trials": 1, "checkpoint_dir": str(tmp_path / "a-file" / "ckpt")},
+        study={"n_trials": 1, "checkpoint_dir": str(tmp_path / "a-file" / "ckpt"),
+               "trial_isolation": "none"},
         training={"max_steps": 4, "evals_per_epoch": 4},
-    )
-    url = f"sqlite:///{tmp_path / 'c.db'}"
-    result = run_study(write_config(tmp_path / "c.yaml", raw), url, tmp_path, study="c")
-    assert result.returncode == 0, result.stderr[-3000:]
-    trial = optuna.load_study(study_name="c", storage=url).get_trials()[0]
+    )  # fmt: skip
+    url = f"sqlite:///{tmp_path / 'stop.db'}"
+    monkeypatch.chdir(tmp_path)  # hpo's main in this process, the trial in itself
+    _run_in_process(hpo_main, write_config(tmp_path / "c.yaml", raw), url, capsys)
+    trial = optuna.load_study(study_name="stop", storage=url).get_trials()[0]
     assert trial.state == TrialState.COMPLETE
     assert trial.user_attrs["checkpoint_error"].startswith("no checkpoints for this trial")
     assert "Not a directory" in trial.user_attrs["checkpoint_error"]

@@ -8,6 +8,8 @@ import os
 import random
 import re
 import stat
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import optuna
@@ -16,7 +18,6 @@ import sqlalchemy as sa
 from optuna.trial import TrialState
 
 from hpo.reports import document as study_report
-from tests.conftest import run_hpo
 
 
 def finished_study(url: str, name: str = "watched") -> optuna.Study:
@@ -151,32 +152,45 @@ def test_report_out_names_a_file_or_a_folder(
     assert not (tmp_path / "new").exists()
 
 
-def test_hpo_report_through_the_cli(tmp_path: Path) -> None:
+def test_hpo_report_through_the_cli(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
+) -> None:
+    # hpo's main in this process, as the CLI calls it, in the folder a user runs it from.
+    monkeypatch.chdir(tmp_path)
     url = f"sqlite:///{tmp_path / 'r.db'}"
     finished_study(url, name="it's/../odd")
-    done = run_hpo("report", "--study", "it's/../odd", "--storage", url, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "WARNING" not in done.stderr and "Warning" not in done.stderr  # plotting notes
+    report = ["report", "--study", "it's/../odd", "--storage", url]
+    with warnings.catch_warnings(record=True) as caught:
+        # What a user's Python shows (its default filters, every time): no plotting notes.
+        warnings.resetwarnings()
+        warnings.simplefilter("always")
+        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning,
+                         ResourceWarning):  # fmt: skip
+            warnings.simplefilter("ignore", category)
+        assert hpo_main(report) == 0
+    done = capsys.readouterr()
+    assert not caught, [str(w.message) for w in caught]
+    assert "WARNING" not in done.err and "Warning" not in done.err, done.err[-2000:]
     [page] = tmp_path.glob("hpo-report-*.html")  # a safe file name, in this folder
     assert page.stat().st_mode & 0o044 == 0o044  # readable like any file, not mkstemp's 0600
     assert "--study 'it'\"'\"'s/../odd-again'" in html.unescape(page.read_text(encoding="utf-8"))
-    md = run_hpo("report", "--study", "it's/../odd", "--storage", url, "--format", "md",
-                 cwd=tmp_path)  # fmt: skip
-    assert md.returncode == 0 and md.stdout.startswith('# Study "it\'s/../odd"')
-    assert "| 9 | complete |" in md.stdout
+    assert hpo_main([*report, "--format", "md"]) == 0
+    md = capsys.readouterr().out
+    assert md.startswith('# Study "it\'s/../odd"') and "| 9 | complete |" in md
     missing = tmp_path / "no" / "such" / "r.html"
-    bad = run_hpo("report", "--study", "it's/../odd", "--storage", url, "--out", str(missing),
-                  cwd=tmp_path)  # fmt: skip
-    assert bad.returncode == 2 and "no such folder" in bad.stderr
-    assert "Traceback" not in bad.stderr and not (tmp_path / "no").exists()
+    assert hpo_main([*report, "--out", str(missing)]) == 2
+    bad = capsys.readouterr().err
+    assert "no such folder" in bad and "Traceback" not in bad and not (tmp_path / "no").exists()
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
-    special = run_hpo("report", "--study", "it's/../odd", "--storage", url, "--out", str(fifo),
-                      cwd=tmp_path)  # fmt: skip
-    assert special.returncode == 2 and "not a regular file" in special.stderr
+    assert hpo_main([*report, "--out", str(fifo)]) == 2
+    assert "not a regular file" in capsys.readouterr().err
     assert stat.S_ISFIFO(fifo.stat().st_mode)  # left as it was (a device such as /dev/full too)
-    unknown = run_hpo("report", "--study", "nope", "--storage", url, cwd=tmp_path)
-    assert unknown.returncode == 2 and "no study 'nope'" in unknown.stderr
+    assert hpo_main(["report", "--study", "nope", "--storage", url]) == 2
+    assert "no study 'nope'" in capsys.readouterr().err
     assert len(list(tmp_path.glob("hpo-report-*"))) == 1 and not list(tmp_path.glob(".hpo-*"))
 
 

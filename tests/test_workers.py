@@ -39,7 +39,9 @@ def test_workers_share_the_budget_exactly_on_sqlite(
 def run_workers(tmp_path: Path, easy_data: tuple[Path, Path], url: str, workers: int) -> None:
     raw = tiny_config(
         *easy_data,
-        study={"n_trials": BUDGET, "pruner": {"type": "none"}},
+        # The trials train in their workers (trial_isolation: none): the race is the workers',
+        # and each worker's fork server would cost seconds of imports.
+        study={"n_trials": BUDGET, "pruner": {"type": "none"}, "trial_isolation": "none"},
         training={"max_steps": 1, "evals_per_epoch": 1},
     )
     config = write_config(tmp_path / "c.yaml", raw)

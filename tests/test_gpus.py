@@ -85,7 +85,9 @@ def test_auto_without_a_gpu_runs_one_cpu_worker(
     tmp_path: Path, easy_data: tuple[Path, Path]
 ) -> None:
     training = {"max_steps": 2, "device": "cuda"}
-    raw = tiny_config(*easy_data, study={"n_trials": 1}, training=training)
+    # The trial trains in the worker (trial_isolation: none): no fork server's imports.
+    raw = tiny_config(*easy_data, study={"n_trials": 1, "trial_isolation": "none"},
+                      training=training)  # fmt: skip
     config = write_config(tmp_path / "c.yaml", raw)
     url = f"sqlite:///{tmp_path / 'g.db'}"
     result = run_hpo("run", "--study", "g", "--config", str(config), "--storage", url,

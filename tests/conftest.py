@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -349,3 +351,44 @@ def exit_code(main: Callable[[list[str]], int], args: list[str]) -> int:
         return main(args)
     except SystemExit as exited:
         return exited.code if isinstance(exited.code, int) else 1
+
+
+@contextlib.contextmanager
+def sigterm_once_training(database: Path, study_name: str) -> Iterator[threading.Event]:
+    """SIGTERM to this process (an in-process worker, `hpo_main`) once a RUNNING trial of
+    `study_name` trains (its trial reported the physical batch); the event says it was sent. From
+    a thread: Python runs the worker's handler in the main thread. Read with sqlite3, not Optuna,
+    which would create the tables beside the worker's own creation of them."""
+    import signal
+    import sqlite3
+
+    query = (
+        "select count(*) from trials t join studies s on t.study_id = s.study_id"
+        " join trial_user_attributes a on a.trial_id = t.trial_id"
+        " where s.study_name = ? and t.state = 'RUNNING' and a.key = 'physical_batch_size'"
+    )
+    done, sent = threading.Event(), threading.Event()
+
+    def training() -> bool:
+        if not database.exists():
+            return False
+        try:
+            with contextlib.closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True)) as db:
+                return bool(db.execute(query, (study_name,)).fetchone()[0])
+        except sqlite3.OperationalError:
+            return False  # no tables yet, or the worker holds the database this very moment
+
+    def watch() -> None:
+        while not done.wait(0.1):
+            if training():
+                sent.set()
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    watcher = threading.Thread(target=watch, name="sigterm-once-training", daemon=True)
+    watcher.start()
+    try:
+        yield sent
+    finally:
+        done.set()
+        watcher.join()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,6 @@ from sqlalchemy.engine import make_url
 from tests.conftest import (
     easy_rows,
     record_faults,
-    run_hpo,
     start_hpo,
     tiny_config,
     wait_until_training,
@@ -69,7 +69,12 @@ def test_workers_ride_out_a_database_outage(
 
 @pytest.mark.postgres
 def test_sigterm_during_evaluation_checkpoints_and_the_retry_resumes(
-    tmp_path: Path, easy_data: tuple[Path, Path], postgres_url: str
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    postgres_url: str,
+    hpo_main: Callable[[list[str]], int],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     big_eval = write_csv(tmp_path / "big-eval.csv", easy_rows(3000, 7))
     raw = tiny_config(
@@ -90,8 +95,10 @@ def test_sigterm_during_evaluation_checkpoints_and_the_retry_resumes(
     assert worker.returncode == 0, stderr[-3000:]
     took = time.monotonic() - sent
     assert took < 20 + 10, f"stopped after {took:.1f} s:\n{stderr[-3000:]}"  # stop_timeout + DB
-    resumed = run_hpo(*args, cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # The retry: hpo's main in this process, in the folder of the stopped worker's checkpoints
+    # (a second worker process would spend seconds importing torch, its fork server as many).
+    monkeypatch.chdir(tmp_path)
+    assert hpo_main(list(args)) == 0, capsys.readouterr().err[-3000:]
     record_faults(study, faults=1, budget=1)
     stopped, retry = study.get_trials()
     assert stopped.state == TrialState.FAIL and stopped.user_attrs["interrupted"] == "SIGTERM"

@@ -85,7 +85,9 @@ def test_auto_without_a_gpu_runs_one_cpu_worker(
     tmp_path: Path, easy_data: tuple[Path, Path]
 ) -> None:
     training = {"max_steps": 2, "device": "cuda"}
-    raw = tiny_config(*easy_data, study={"n_trials": 1}, training=training)
+    # The trial trains in the worker (trial_isolation: none): no fork server's imports.
+    raw = tiny_config(*easy_data, study={"n_trials": 1, "trial_isolation": "none"},
+                      training=training)  # fmt: skip
     config = write_config(tmp_path / "c.yaml", raw)
     url = f"sqlite:///{tmp_path / 'g.db'}"
     result = run_hpo("run", "--study", "g", "--config", str(config), "--storage", url,
@@ -97,7 +99,9 @@ def test_auto_without_a_gpu_runs_one_cpu_worker(
 
 
 def test_one_worker_per_gpu_shares_the_study(tmp_path: Path, easy_data: tuple[Path, Path]) -> None:
-    raw = tiny_config(*easy_data, study={"n_trials": 6}, training={"max_steps": 2})
+    # The trials train in their workers (trial_isolation: none): no fork server per worker.
+    raw = tiny_config(*easy_data, study={"n_trials": 6, "trial_isolation": "none"},
+                      training={"max_steps": 2})  # fmt: skip
     config = write_config(tmp_path / "c.yaml", raw)
     url = f"sqlite:///{tmp_path / 'g.db'}"
     result = run_hpo("run", "--study", "g", "--config", str(config), "--storage", url,
@@ -114,7 +118,9 @@ def test_one_worker_per_gpu_shares_the_study(tmp_path: Path, easy_data: tuple[Pa
 def test_one_ctrl_c_stops_every_worker_and_hands_their_trials_back(
     tmp_path: Path, easy_data: tuple[Path, Path]
 ) -> None:
-    raw = tiny_config(*easy_data, study={"n_trials": 4, "stop_timeout": 5},
+    # The trials train in their workers (trial_isolation: none): the stop is the workers'.
+    raw = tiny_config(*easy_data, study={"n_trials": 4, "stop_timeout": 5,
+                                         "trial_isolation": "none"},
                       training={"epochs": 1000})  # fmt: skip
     config = write_config(tmp_path / "c.yaml", raw)
     url = f"sqlite:///{tmp_path / 'g.db'}"
@@ -194,7 +200,7 @@ def test_workers_per_gpu_auto_shares_one_gpu_and_keeps_the_budget_exact(
 ) -> None:
     # The physical batch is searched, within a simulated GPU whose quarter holds the largest
     # effective batch of the space (8): auto starts 4 workers, each capped at a quarter.
-    raw = tiny_config(*easy_data, study={"n_trials": 4},
+    raw = tiny_config(*easy_data, study={"n_trials": 4, "trial_isolation": "none"},
                       training={"max_steps": 2, "physical_batch_size": "auto",
                                 "batch_search_max": 16})  # fmt: skip
     config = write_config(tmp_path / "c.yaml", raw)

@@ -8,7 +8,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from tests.conftest import run_study, tiny_config, write_config
+from tests.conftest import tiny_config, write_config
 from tests.study_checks import check_small_study, run_small_study
 
 pytestmark = pytest.mark.postgres
@@ -26,10 +26,15 @@ def test_study_on_postgres(
 
 
 def test_bad_config_writes_no_study(
-    tmp_path: Path, easy_data: tuple[Path, Path], postgres_url: str
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    postgres_url: str,
+    hpo_main: Callable[[list[str]], int],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     raw = tiny_config(*easy_data, training={"epochs": 0})
     config = write_config(tmp_path / "bad.yaml", raw)
-    result = run_study(config, postgres_url, tmp_path)
-    assert result.returncode == 2 and "training.epochs: got 0" in result.stderr
+    args = ["run", "--study", "s", "--config", str(config), "--storage", postgres_url]
+    assert hpo_main(args) == 2
+    assert "training.epochs: got 0" in capsys.readouterr().err
     assert optuna.study.get_all_study_names(storage=postgres_url) == []

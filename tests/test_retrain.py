@@ -9,6 +9,7 @@ import shutil
 import signal
 import socket
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,14 @@ from hpo.config.schema import Config, ParamSpec, space_record
 from hpo.errors import HPOError
 from hpo.study import retrain
 from hpo.trial.folders import prepare_trial_folder, remove_unneeded_folders, study_folder_name
-from tests.conftest import run_hpo, start_hpo, tiny_config, wait_until_training, write_config
+from tests.conftest import (
+    run_hpo,
+    sigterm_once_training,
+    start_hpo,
+    tiny_config,
+    wait_until_training,
+    write_config,
+)
 from trainer.data import PreparedData, TokenizedSplit, with_eval_in_training
 
 SPACE = {"learning_rate": ParamSpec(type="float", low=1e-4, high=1e-1, log=True)}
@@ -260,19 +268,25 @@ def _refused(*args: Any, **kwargs: Any) -> str:
 # -- through the CLI ------------------------------------------------------------------------
 
 
-def _search(tmp_path: Path, easy_data: tuple[Path, Path]) -> tuple[Path, str]:
+def _search(
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    hpo_main: Callable[[list[str]], int],
+    **study: Any,
+) -> tuple[Path, str]:
+    """The searched study 's', by hpo's main in this process (a subprocess would spend seconds
+    importing torch, and its fork server as many again); `study` updates the config's section."""
     raw = tiny_config(
         *easy_data,
-        study={"n_trials": 2, "pruner": {"type": "none"}},
+        study={"n_trials": 2, "pruner": {"type": "none"}, **study},
         # Two epochs (each run of the search and of retrain): long enough to be stopped while it
         # trains; the tests check which runs ran and what was saved, not what they learned.
         training={"epochs": 2, "evals_per_epoch": 1},
     )
     config = write_config(tmp_path / "c.yaml", raw)
     url = f"sqlite:///{tmp_path / 'hpo.db'}"
-    done = run_hpo("run", "--study", "s", "--config", str(config), "--storage", url, "--quiet",
-                   cwd=tmp_path)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    run = ["run", "--study", "s", "--config", str(config), "--storage", url, "--quiet"]
+    assert hpo_main(run) == 0
     return config, url
 
 
@@ -281,38 +295,53 @@ def _plan(url: str, config: Path, top: int, seeds: int) -> retrain.RetrainPlan:
     return retrain.make_plan(searched, retrain_config_of(config), top, seeds)
 
 
-def _stop_once_training(args: tuple[str, ...], url: str, study: str, cwd: Path) -> None:
-    """Start `hpo retrain`, SIGTERM it once a run of `study` trains: handed back, told how to
-    resume."""
-    process = start_hpo(*args, cwd=cwd, own_group=True)
-    wait_until_training(url, study, [process])
-    process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=60)
-    assert process.returncode == 0 and "run the same hpo retrain again" in stderr, stderr[-3000:]
+def _stop_once_training(
+    args: list[str],
+    database: Path,
+    study: str,
+    hpo_main: Callable[[list[str]], int],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`hpo retrain` in this process, SIGTERMed once a run of `study` trains: handed back, told
+    how to resume."""
+    capsys.readouterr()
+    with sigterm_once_training(database, study) as sent:
+        assert hpo_main(args) == 0
+    stderr = capsys.readouterr().err
+    assert sent.is_set(), stderr[-3000:]
+    assert "run the same hpo retrain again" in stderr, stderr[-3000:]
     assert "Traceback" not in stderr
 
 
 def test_retrain_through_the_cli_stopped_resumed_then_best_names_the_winner(
-    tmp_path: Path, easy_data: tuple[Path, Path]
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    hpo_main: Callable[[list[str]], int],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Every command runs hpo's main in this process, in the test's folder, as a user's shell
+    would run them one after another."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    config, url = _search(tmp_path, easy_data)
-    args = ("retrain", "--study", "s", "--config", str(config), "--storage", url, "--top", "2",
-            "--seeds", "2", "--full-data", "--out", "final")  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    config, url = _search(tmp_path, easy_data, hpo_main)
+    args = ["retrain", "--study", "s", "--config", str(config), "--storage", url, "--top", "2",
+            "--seeds", "2", "--full-data", "--out", "final"]  # fmt: skip
     plan = _plan(url, config, 2, 2)
     name, full_name = plan.study_name, plan.full_data_study_name
 
     # Stopped while its first run trains, then while the full-data run trains: each handed
     # back and resumed by the next call.
-    _stop_once_training(args, url, name, tmp_path)
-    _stop_once_training(args, url, full_name, tmp_path)
+    _stop_once_training(args, tmp_path / "hpo.db", name, hpo_main, capsys)
+    _stop_once_training(args, tmp_path / "hpo.db", full_name, hpo_main, capsys)
     assert not (tmp_path / "final").exists()
 
-    done = run_hpo(*args, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "<- winner" in done.stdout and "final model: final" in done.stdout
-    assert "the final model: trained on the training and evaluation splits" in done.stdout
+    assert hpo_main(args) == 0
+    done = capsys.readouterr()
+    assert "Traceback" not in done.err, done.err[-3000:]
+    assert "<- winner" in done.out and "final model: final" in done.out
+    assert "the final model: trained on the training and evaluation splits" in done.out
     study = optuna.load_study(study_name=name, storage=url)
     trials = study.get_trials()
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
@@ -338,17 +367,19 @@ def test_retrain_through_the_cli_stopped_resumed_then_best_names_the_winner(
     AutoTokenizer.from_pretrained(tmp_path / "final")
     assert model.config.num_labels == 2
 
-    best = run_hpo("best", "--study", "s", "--storage", url, cwd=tmp_path)
-    assert "retrain winner (mean over 2 seeds" in best.stdout, best.stdout
-    assert f"final model: {tmp_path / 'final'}" in best.stdout
-    shown = json.loads(run_hpo("best", "--study", "s", "--storage", url, "--json",
-                               cwd=tmp_path).stdout)  # fmt: skip
+    assert hpo_main(["best", "--study", "s", "--storage", url]) == 0
+    best = capsys.readouterr().out
+    assert "retrain winner (mean over 2 seeds" in best, best
+    assert f"final model: {tmp_path / 'final'}" in best
+    assert hpo_main(["best", "--study", "s", "--storage", url, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
     assert shown["retrain"]["params"] == card["winner"]["params"]
-    status = run_hpo("status", "--study", name, "--storage", url, cwd=tmp_path)
-    assert status.returncode == 0 and "4 complete" in status.stdout, status.stdout
+    assert hpo_main(["status", "--study", name, "--storage", url]) == 0
+    status = capsys.readouterr().out
+    assert "4 complete" in status, status
 
-    again = run_hpo(*args, cwd=tmp_path)  # everything ran: nothing trains again
-    assert again.returncode == 0, again.stderr[-3000:]
+    assert hpo_main(args) == 0  # everything ran: nothing trains again
+    assert "Traceback" not in capsys.readouterr().err
     assert len(optuna.load_study(study_name=name, storage=url).get_trials()) == len(trials)
     assert len(optuna.load_study(study_name=full_name, storage=url).get_trials()) == 2
 
@@ -370,27 +401,45 @@ def retrain_config_of(path: Path) -> Config:
     ids=["top 0", "seeds not a number", "out a user's file", "unknown study"],
 )
 def test_bad_retrain_input_is_one_line_and_trains_nothing(
-    tmp_path: Path, easy_data: tuple[Path, Path], extra: tuple[str, ...], message: str
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    extra: tuple[str, ...],
+    message: str,
+    hpo_main: Callable[[list[str]], int],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.chdir(tmp_path)  # --out c.yaml: the user's file in the working folder
     config = write_config(tmp_path / "c.yaml", tiny_config(*easy_data))
     url = f"sqlite:///{tmp_path / 'hpo.db'}"
     if "--study" in extra:
-        run_hpo("run", "--study", "s", "--config", str(config), "--storage", url, "--n-trials",
-                "1", "--quiet", cwd=tmp_path)  # fmt: skip
+        assert hpo_main(["run", "--study", "s", "--config", str(config), "--storage", url,
+                         "--n-trials", "1", "--quiet"]) == 0  # fmt: skip
+        capsys.readouterr()
     args = ["retrain", "--study", "s", "--config", str(config), "--storage", url]
     args += [*extra] if "--study" not in extra else ["--study", "nope"]
-    done = run_hpo(*args, cwd=tmp_path)
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert message in done.stderr and "Traceback" not in done.stderr
+    try:
+        code = hpo_main(args)
+    except SystemExit as e:  # refused by the parser, as `python -m hpo` exits
+        code = e.code
+    stderr = capsys.readouterr().err
+    assert code == 2, stderr[-3000:]
+    assert message in stderr and "Traceback" not in stderr
     if "--study" not in extra:
         assert not (tmp_path / "hpo.db").exists()  # nothing written
-    assert "data: " not in done.stderr  # refused before the data is prepared (seconds)
+    assert "data: " not in stderr  # refused before the data is prepared (seconds)
 
 
 def test_retrain_runs_on_the_workers_of_several_gpus(
-    tmp_path: Path, easy_data: tuple[Path, Path]
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    hpo_main: Callable[[list[str]], int],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    config, url = _search(tmp_path, easy_data)
+    monkeypatch.chdir(tmp_path)  # the search's checkpoints, where the retrain's go
+    # The runs train in their workers (trial_isolation: none): this is about the launcher and
+    # its workers, and each worker's fork server would cost seconds of imports.
+    config, url = _search(tmp_path, easy_data, hpo_main, trial_isolation="none")
     args = ("retrain", "--study", "s", "--config", str(config), "--storage", url, "--top", "1",
             "--seeds", "2", "--gpus", "0,1", "--full-data")  # fmt: skip
     env = {"HPO_TEST_FAKE_GPUS": "2"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import optuna
@@ -11,7 +12,6 @@ import pytest
 
 from tests.conftest import (
     record_faults,
-    run_hpo,
     start_hpo,
     tiny_config,
     wait_until_training,
@@ -39,7 +39,9 @@ def test_workers_share_the_budget_exactly_on_sqlite(
 def run_workers(tmp_path: Path, easy_data: tuple[Path, Path], url: str, workers: int) -> None:
     raw = tiny_config(
         *easy_data,
-        study={"n_trials": BUDGET, "pruner": {"type": "none"}},
+        # The trials train in their workers (trial_isolation: none): the race is the workers',
+        # and each worker's fork server would cost seconds of imports.
+        study={"n_trials": BUDGET, "pruner": {"type": "none"}, "trial_isolation": "none"},
         training={"max_steps": 1, "evals_per_epoch": 1},
     )
     config = write_config(tmp_path / "c.yaml", raw)
@@ -61,7 +63,12 @@ def run_workers(tmp_path: Path, easy_data: tuple[Path, Path], url: str, workers:
 
 @pytest.mark.postgres
 def test_a_killed_workers_trial_is_failed_and_retried_elsewhere(
-    tmp_path: Path, easy_data: tuple[Path, Path], postgres_url: str
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    postgres_url: str,
+    hpo_main: Callable[[list[str]], int],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     raw = tiny_config(
         *easy_data,
@@ -86,8 +93,10 @@ def test_a_killed_workers_trial_is_failed_and_retried_elsewhere(
         doomed.send_signal(signal.SIGKILL)
         doomed.wait(timeout=30)
     time.sleep(4)  # past the grace period: the trial's heartbeat has stopped
-    survivor = run_hpo(*args, cwd=tmp_path)
-    assert survivor.returncode == 0, survivor.stderr[-3000:]
+    # The survivor: hpo's main in this process (another worker, on this host), in the folder of
+    # the dead worker's checkpoints; a worker process would spend seconds importing torch.
+    monkeypatch.chdir(tmp_path)
+    assert hpo_main(list(args)) == 0, capsys.readouterr().err[-3000:]
     study = optuna.load_study(study_name="kill", storage=postgres_url)
     record_faults(study, faults=1, budget=1)
     trials = study.get_trials()

@@ -462,15 +462,18 @@ def test_method_none_fine_tunes_every_weight_so_a_search_can_turn_lora_off(
 def test_merge_of_a_model_trained_fully_is_one_line(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from hpo.commands.monitor import _finish_adapter
+    from hpo.commands.monitor import API_DOWNLOAD, DownloadNames, _finish_adapter
     from hpo.errors import HPOError
 
     study = SimpleNamespace(user_attrs={})
-    (tmp_path / "plain").mkdir()
-    (tmp_path / "plain" / "config.json").write_text("{}")
-    assert _finish_adapter(study, None, tmp_path / "plain", None, tmp_path / "out") == ""
+    plain, merged, out = tmp_path / "plain", tmp_path / "merged", tmp_path / "out"
+    plain.mkdir()
+    (plain / "config.json").write_text("{}")
+    assert _finish_adapter(study, None, plain, None, out, DownloadNames()) == ""
     with pytest.raises(HPOError, match="^--merge: the best trial fine-tuned every weight"):
-        _finish_adapter(study, None, tmp_path / "plain", tmp_path / "merged", tmp_path / "out")
+        _finish_adapter(study, None, plain, merged, out, DownloadNames())
+    with pytest.raises(HPOError, match="^merge=True: the best trial fine-tuned every weight"):
+        _finish_adapter(study, None, plain, merged, out, API_DOWNLOAD)
 
 
 def test_hpo_retrain_of_a_lora_study_saves_an_adapter_that_peft_loads(

@@ -202,29 +202,8 @@ def build_model(
     model_config = _model_config(config, head.pop("num_labels", 2))
     for key, value in head.items():
         setattr(model_config, key, value)
-    auto_model = auto_model_class(task)
     torch.manual_seed(seed)  # the new head (or the whole model) initialises the same every trial
-    try:
-        if config.config is not None:
-            with torch.device(device or "cpu"):
-                model = auto_model.from_config(
-                    model_config, attn_implementation=config.attn_implementation
-                )
-        else:
-            path = resolve_location(_pretrained_location(config))
-            model = auto_model.from_pretrained(
-                path,
-                config=model_config,
-                **_hub_options(path, "model"),
-                attn_implementation=config.attn_implementation,
-                # A checkpoint fine-tuned for another number of labels: its head cannot hold
-                # this task's, which starts afresh (the body's weights load as they are).
-                ignore_mismatched_sizes=True,
-            )
-    except (OSError, ValueError, ImportError) as e:
-        if config.config is not None:
-            raise ModelError(_inline_failure(config.config, e)) from e
-        raise ModelError(_load_failure("model", _pretrained_location(config), e)) from e
+    model = _transformers_model(config, model_config, task, device)
     if gradient_checkpointing or (gradient_checkpointing is None and config.gradient_checkpointing):
         _enable_checkpointing(model)
     if config.adapter is not None:
@@ -232,6 +211,34 @@ def build_model(
 
         model = wrap_model(model, config.adapter, task)
     return model
+
+
+def _transformers_model(
+    config: ModelConfig, model_config: Any, task: str, device: torch.device | None
+) -> torch.nn.Module:
+    """transformers' model of `task` for `model_config`: built on `device` from an inline
+    config, else loaded from its folder or the hub."""
+    auto_model = auto_model_class(task)
+    try:
+        if config.config is not None:
+            with torch.device(device or "cpu"):
+                return auto_model.from_config(
+                    model_config, attn_implementation=config.attn_implementation
+                )
+        path = resolve_location(_pretrained_location(config))
+        return auto_model.from_pretrained(
+            path,
+            config=model_config,
+            **_hub_options(path, "model"),
+            attn_implementation=config.attn_implementation,
+            # A checkpoint fine-tuned for another number of labels: its head cannot hold this
+            # task's, which starts afresh (the body's weights load as they are).
+            ignore_mismatched_sizes=True,
+        )
+    except (OSError, ValueError, ImportError) as e:
+        if config.config is not None:
+            raise ModelError(_inline_failure(config.config, e)) from e
+        raise ModelError(_load_failure("model", _pretrained_location(config), e)) from e
 
 
 def _factory_model(

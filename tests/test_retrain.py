@@ -458,7 +458,11 @@ def test_retrain_runs_on_the_workers_of_several_gpus(
     study = optuna.load_study(study_name=plan.study_name, storage=url)
     complete = study.get_trials(states=(TrialState.COMPLETE,))
     assert sorted(t.user_attrs["seed"] for t in complete) == [43, 44]  # each once
-    assert len(study.get_trials()) == 2 + 2  # and the two handed-back attempts
+    # And the handed-back attempts, nothing else: one per worker whose run the SIGTERM met
+    # (a run training in its worker may end in the moment before the signal lands).
+    handed_back = [t for t in study.get_trials() if t.state != TrialState.COMPLETE]
+    assert 1 <= len(handed_back) <= 2, [(t.number, t.state.name) for t in handed_back]
+    assert {t.user_attrs.get("interrupted") for t in handed_back} == {"SIGTERM"}
     full = optuna.load_study(study_name=plan.full_data_study_name, storage=url)
     assert [t.state for t in full.get_trials()] == [TrialState.COMPLETE]  # the workers ran it
     assert (tmp_path / f"hpo-final-{study_folder_name('s')}" / retrain.CARD_JSON).is_file()

@@ -9,7 +9,7 @@ import functools
 import json
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hpo.tracking.background import GiveUp
@@ -145,7 +145,7 @@ class MlflowRuns:
         if chosen != created:
             self.client.delete_run(created)
             return chosen
-        self._log_params(created, start.params)
+        self._log_batch(created, start.params)
         self.client.log_dict(created, start.config, "config.json")
         self.client.log_dict(created, start.search_space, "search_space.json")
         return created
@@ -177,9 +177,12 @@ class MlflowRuns:
             run_id = self.client.create_run(self.experiment_id, tags=tags).info.run_id
         else:  # a retry: the same run goes on
             self.client.update_run(run_id, status="RUNNING")
-            self._set_tags(run_id, {**tags, "hpo.retried_as": str(start.number)})
+            retried = {**tags, "hpo.retried_as": str(start.number)}
+            self.runs[start.number] = run_id
+            self._log_batch(run_id, start.params, tags=retried)  # one request for both
+            return
         self.runs[start.number] = run_id
-        self._log_params(run_id, start.params)
+        self._log_batch(run_id, start.params)
 
     def _trial_run(self, first_attempt: int) -> str | None:
         runs = self.client.search_runs(
@@ -195,8 +198,6 @@ class MlflowRuns:
                               synchronous=True)  # fmt: skip
 
     def end_trial(self, end: TrialEnd) -> None:
-        from mlflow.entities import RunTag
-
         run_id = self._run(end.number)
         tags = {"hpo.state": end.state}
         if end.reason:
@@ -204,8 +205,8 @@ class MlflowRuns:
         if end.best_model is not None:
             tags["hpo.best_model"] = end.best_model
         # The end in one request, and the status in a second: not one per kind of record.
-        self._log_params(run_id, end.derived, tags=[RunTag(k, v) for k, v in tags.items()],
-                         metrics=_metrics(end.samples, end.metrics))  # fmt: skip
+        self._log_batch(run_id, end.derived, tags=tags,
+                        metrics=_metrics(end.samples, end.metrics))  # fmt: skip
         self.client.set_terminated(run_id, status=END_STATUS[end.state])
 
     def interrupt_trial(self, end: TrialInterrupted) -> None:
@@ -214,8 +215,8 @@ class MlflowRuns:
         run_id = self.runs.pop(end.number, None) or self._trial_run(end.first_attempt)
         if run_id is None:  # never logged: nothing to end
             return
-        self._set_tags(run_id, {"hpo.state": "interrupted",
-                                "hpo.interrupted_reason": end.reason[:5000]})  # fmt: skip
+        why = {"hpo.state": "interrupted", "hpo.interrupted_reason": end.reason[:5000]}
+        self._log_batch(run_id, {}, tags=why)
         self.client.set_terminated(run_id, status="KILLED")
 
     def close(self) -> None:
@@ -233,11 +234,11 @@ class MlflowRuns:
             raise GiveUp("the trial's run could not be created")
         return self.runs[number]
 
-    def _log_params(
+    def _log_batch(
         self,
         run_id: str,
         params: dict[str, Any],
-        tags: Sequence[Any] = (),
+        tags: Mapping[str, str] | None = None,
         metrics: Sequence[Any] = (),
     ) -> None:
         """Params as MLflow keeps them (strings), in one request with `tags` and `metrics`; a
@@ -247,23 +248,18 @@ class MlflowRuns:
         from mlflow.exceptions import MlflowException
 
         logged = [Param(key, _text(value)[:6000]) for key, value in params.items()]
-        if not (logged or tags or metrics):
+        run_tags = [RunTag(key, value) for key, value in (tags or {}).items()]
+        if not (logged or run_tags or metrics):
             return
         try:
-            self.client.log_batch(run_id, params=logged, tags=list(tags), metrics=list(metrics),
+            self.client.log_batch(run_id, params=logged, tags=run_tags, metrics=list(metrics),
                                   synchronous=True)  # fmt: skip
         except MlflowException as e:
             if not logged or "INVALID_PARAMETER_VALUE" not in str(e.error_code):
                 raise
             as_tags = [RunTag(f"hpo.param.{p.key}", p.value) for p in logged]
-            self.client.log_batch(run_id, tags=[*tags, *as_tags], metrics=list(metrics),
+            self.client.log_batch(run_id, tags=[*run_tags, *as_tags], metrics=list(metrics),
                                   synchronous=True)  # fmt: skip
-
-    def _set_tags(self, run_id: str, tags: dict[str, str]) -> None:
-        from mlflow.entities import RunTag
-
-        self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()],
-                              synchronous=True)  # fmt: skip
 
 
 def _metrics(step: int, metrics: dict[str, float]) -> list[Any]:

@@ -132,22 +132,8 @@ def local_time_zone(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str],
     time.tzset()
 
 
-@pytest.fixture(scope="session")
-def _model_checks(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One folder of model-check markers for the whole run, shared by the pytest-xdist workers."""
-    shared = tmp_path_factory.getbasetemp().parent / "model-checks"
-    shared.mkdir(exist_ok=True)
-    return shared
-
-
 @pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, _model_checks: Path) -> None:
-    """A cache of hpo's own for each test, but for the markers of models that built on the meta
-    device (trainer/model.py): as on a user's host, they outlive a study, and a worker that finds
-    one spares the model code's imports (about 4 s of CPU each time a test starts `hpo run`).
-    tests/test_model.py tests the markers in a cache of its own."""
-    (tmp_path / "cache").mkdir()
-    (tmp_path / "cache" / "model-checks").symlink_to(_model_checks, target_is_directory=True)
+def _isolated_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HPO_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("HPO_STORAGE", raising=False)
     monkeypatch.delenv("HPO_ARTIFACT_STORE", raising=False)  # no test writes to a user's store

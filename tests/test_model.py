@@ -163,7 +163,7 @@ def test_a_model_that_built_once_on_this_host_is_not_built_again(
         return real(task)
 
     monkeypatch.setattr(model_module, "auto_model_class", counting)
-    monkeypatch.setenv("HPO_CACHE_DIR", str(tmp_path / "own-cache"))
+    monkeypatch.setenv("HPO_CACHE_DIR", str(tmp_path / "cache"))
     config = ModelConfig(config=dict(TINY_BERT), tokenizer="x")
     check_model_config(config)
     check_model_config(config)
@@ -176,7 +176,7 @@ def test_a_model_that_built_once_on_this_host_is_not_built_again(
         with pytest.raises(ModelError, match="inline model.config"):
             check_model_config(bad)
     assert len(built) == 5
-    assert len(list((tmp_path / "own-cache" / "model-checks").iterdir())) == 3
+    assert len(list((tmp_path / "cache" / "model-checks").iterdir())) == 3
 
 
 def test_a_model_with_fewer_positions_than_max_length_is_refused_before_any_trial() -> None:

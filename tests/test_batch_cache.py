@@ -16,6 +16,7 @@ import torch
 
 from storage.batch_cache import BatchCacheRequests, BatchSizeCache, RelayedBatchCache
 from storage.errors import StorageError
+from tests.batch_cache_race import KEY, open_cache
 from tests.conftest import (
     long_rows,
     start_hpo,
@@ -24,8 +25,6 @@ from tests.conftest import (
     write_csv,
 )
 from trainer.memory import BUDGET_ENV
-
-KEY = {"model": "abc", "max_length": 128, "device": "NVIDIA H100 80GB HBM3"}
 
 
 def check_cache(url: str) -> None:
@@ -54,17 +53,6 @@ def test_cache_on_postgres(postgres_url: str) -> None:
     check_cache(postgres_url)
 
 
-def _open_cache(url: str, start: float, size: int) -> int:
-    """Open the cache at `start` (every process creates the table at once), record `size`
-    and return what the cache then holds."""
-    time.sleep(max(0.0, start - time.time()))
-    engine = sa.create_engine(url)
-    try:
-        return BatchSizeCache(engine).record(KEY, size, {"by": size})
-    finally:
-        engine.dispose()
-
-
 def test_workers_starting_together_on_a_new_sqlite_file_all_open_the_cache(
     tmp_path: Path,
 ) -> None:
@@ -75,7 +63,7 @@ def test_workers_starting_together_on_a_new_sqlite_file_all_open_the_cache(
         (tmp_path / "race.db").unlink(missing_ok=True)
         start = time.time() + 2.0
         with context.Pool(6) as pool:  # raises what any process raised
-            stored = pool.starmap(_open_cache, [(url, start, size) for size in range(10, 16)])
+            stored = pool.starmap(open_cache, [(url, start, size) for size in range(10, 16)])
         # Every process opened the one table and agrees on the one size recorded first.
         assert len(set(stored)) == 1 and stored[0] in range(10, 16), stored
         engine = sa.create_engine(url)

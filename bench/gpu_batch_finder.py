@@ -1,10 +1,11 @@
 """The batch finder against a real GPU's limit (CUDA only).
 
-For BERT-base (random init) at each max length: search the physical batch, then train for a few
-steps on data where every example is max_length tokens long (the worst case the probe assumes):
-at the chosen size, at the limit itself, 2% above the limit and at twice the limit. The last two
-must run out of memory and recover; the first two must not. Checkpoint writes are timed at the
-chosen size. Run: python bench/gpu_batch_finder.py [--lengths 128,512] [--out FOLDER]
+For BERT-base (random init), or the model, task and adapter of a config (`--config`, a causal LM
+say), at each max length: search the physical batch, then train for a few steps on data where
+every example is max_length tokens long (the worst case the probe assumes): at the chosen size, at
+the limit itself, 2% above the limit and at twice the limit. The last two must run out of memory
+and recover; the first two must not. Checkpoint writes are timed at the chosen size.
+Run: python bench/gpu_batch_finder.py [--lengths 128,512] [--config FILE] [--out FOLDER]
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
+from hpo.config.loader import load_config  # noqa: E402
 from trainer.batch_finder import BatchFinder  # noqa: E402
 from trainer.checkpoint import CheckpointStore  # noqa: E402
 from trainer.config import DataConfig, ModelConfig, TrainingConfig, TrainJob  # noqa: E402
@@ -54,20 +56,24 @@ def write_rows(path: Path, rows: int, words: int, seed: int) -> None:
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
-def make_job(folder: Path, max_length: int, rows: int, eval_rows: int) -> TrainJob:
+def make_job(
+    folder: Path, max_length: int, rows: int, eval_rows: int, base: TrainJob | None
+) -> TrainJob:
+    """A job on `rows` examples of max_length tokens: BERT-base, or `base`'s model and task."""
     train_file, eval_file = folder / f"train-{rows}.csv", folder / f"eval-{eval_rows}.csv"
     write_rows(train_file, rows, max_length + 16, seed=1)
     write_rows(eval_file, eval_rows, max_length + 16, seed=2)
-    return TrainJob(
-        data=DataConfig(
-            train_file=str(train_file),
-            eval_file=str(eval_file),
-            max_length=max_length,
-            cache_dir=str(folder / "cache"),
-        ),
-        model=ModelConfig(config=dict(BERT_BASE), tokenizer=TOKENIZER),
-        training=TrainingConfig(device="cuda", batch_search_start=8, batch_search_max=16384),
+    data = DataConfig(
+        train_file=str(train_file),
+        eval_file=str(eval_file),
+        max_length=max_length,
+        cache_dir=str(folder / "cache"),
     )
+    training = TrainingConfig(device="cuda", batch_search_start=8, batch_search_max=16384)
+    if base is None:
+        model = ModelConfig(config=dict(BERT_BASE), tokenizer=TOKENIZER)
+        return TrainJob(data=data, model=model, training=training)
+    return TrainJob(data=data, model=base.model, training=training, task=base.task)
 
 
 def run_at(
@@ -82,7 +88,7 @@ def run_at(
         log_every_steps=1,
     )
     job = dataclasses.replace(job, training=training)
-    data = prepare_data(job.data, load_tokenizer(job.model))
+    data = prepare_data(job.data, load_tokenizer(job.model, job.task), job.task)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
@@ -103,16 +109,20 @@ def run_at(
     }
 
 
-def bench_length(folder: Path, max_length: int, steps: int) -> dict[str, Any]:
-    probe_job = make_job(folder, max_length, rows=64, eval_rows=64)
-    labels = ["0", "1"]
+def bench_length(
+    folder: Path, max_length: int, steps: int, base: TrainJob | None
+) -> dict[str, Any]:
+    probe_job = make_job(folder, max_length, rows=64, eval_rows=64, base=base)
+    labels = prepare_data(
+        probe_job.data, load_tokenizer(probe_job.model, probe_job.task), probe_job.task
+    ).label_names
     finder = BatchFinder(probe_job, labels, torch.device("cuda"))
     search = finder.run()
     limit, chosen = search.limit, search.chosen
     print(f"max_length {max_length}: limit {limit}, chosen {chosen}, "
           f"{len(search.probes)} probes in {search.seconds:.1f} s", flush=True)  # fmt: skip
     above = limit + max(1, math.ceil(0.02 * limit))
-    job = make_job(folder, max_length, rows=4 * limit * steps, eval_rows=4 * limit)
+    job = make_job(folder, max_length, rows=4 * limit * steps, eval_rows=4 * limit, base=base)
     runs = []
     # Two micro-batches of exactly the size asked, as in any accumulated step; the last run
     # asks for one micro-batch of twice the limit.
@@ -136,16 +146,22 @@ def main() -> None:
     parser.add_argument("--lengths", default="128,512")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per training run")
     parser.add_argument("--out", default=None, help="folder for results.json")
+    parser.add_argument(
+        "--config", default=None,
+        help="the model, task and adapter of this config (its data and search are not used)",
+    )  # fmt: skip
     args = parser.parse_args()
+    base = load_config(args.config).job() if args.config else None
     if not torch.cuda.is_available():
         raise SystemExit("gpu_batch_finder: needs a CUDA GPU")
     print(torch.cuda.get_device_name(0), torch.__version__, flush=True)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for length in (int(x) for x in args.lengths.split(",")):
-            results.append(bench_length(Path(tmp), length, args.steps))
+            results.append(bench_length(Path(tmp), length, args.steps, base))
     if args.out:
-        Path(args.out, "gpu_batch_finder.json").write_text(json.dumps(results, indent=1))
+        name = f"gpu_batch_finder-{Path(args.config).stem}" if args.config else "gpu_batch_finder"
+        Path(args.out, f"{name}.json").write_text(json.dumps(results, indent=1))
     print("\n| max_length | limit | chosen | probes | search s | probe peak GiB at limit "
           "| run at | effective | OOM recoveries | final physical | peak GiB | samples/s "
           "| checkpoint s |")  # fmt: skip

@@ -8,6 +8,7 @@
 # Results go to $OUT (default ./gpu-out). STEPS picks steps (default: all of them):
 #   finder study inline throughput cudnn compiled checkpoints overhead workers workersbert mfu profile
 #   anatomy (bench/step_anatomy.py: the bare step's variants) ours512 (our loop alone, profiled)
+#   causal causalfinder (issue 30 step 5: a 1B causal LM with and without LoRA; the finder on it)
 # One device call runs at most 10 minutes: pick steps that fit (bench/README.md has the times).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +24,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, optuna; print('torch', torch.__version__, \
 'transformers', transformers.__version__, 'optuna', optuna.__version__)"
 
-STEPS=${STEPS:-finder study inline throughput cudnn compiled checkpoints overhead workers workersbert mfu profile anatomy ours512}
+STEPS=${STEPS:-finder study inline throughput cudnn compiled checkpoints overhead workers workersbert mfu profile anatomy ours512 causal causalfinder}
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log
   local name=$1 limit=$2; shift 2
   case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
@@ -100,6 +101,40 @@ step workers "${WORKERS_S:-560}" python3 bench/workers_per_gpu.py \
   --config bench/configs/minilm-nli.yaml --seconds "${WINDOW_S:-120}"
 step workersbert "${WORKERS_S:-560}" python3 bench/workers_per_gpu.py \
   --config "$cfg" --seconds "${WINDOW_S:-120}"
+# Step causal (issue 30, step 5): a causal LM of TinyLlama-1.1B's shape (bench/configs/llama-1b.yaml,
+# random init) on text that fills 512 tokens: ours against transformers' Trainer, full fine-tuning,
+# then with LoRA r 16 (llama-1b-lora.yaml: the same model saved first, peft on both sides), eager,
+# batch 16, tokens/s and MFU. Step causalfinder: the batch finder on that model at 512 tokens
+# against the real limit (full fine-tuning: the states of 1.1B parameters plus activations).
+if [[ " $STEPS " == *" causal"* ]]; then
+  mkdir -p "$OUT/long"
+  python3 - "$OUT/long/text.csv" <<'PY'
+import csv, random, sys
+rows = list(csv.DictReader(open("data/nli/train.csv", encoding="utf-8")))
+random.seed(0)
+with open(sys.argv[1], "w", newline="", encoding="utf-8") as out:
+    writer = csv.DictWriter(out, ["text"])
+    writer.writeheader()
+    for _ in range(2000):
+        writer.writerow({"text": " ".join(random.choice(rows)["premise"] for _ in range(40))})
+PY
+  for name in llama-1b llama-1b-lora; do
+    sed -e "s#train_file: .*#train_file: $OUT/long/text.csv#" \
+        -e "s#eval_file: .*#eval_file: $OUT/long/text.csv#" \
+        -e "s#max_length: .*#max_length: ${CAUSAL_LENGTH:-512}#" \
+        "bench/configs/$name.yaml" > "bench/configs/.$name.yaml"
+  done
+fi
+causal() {  # causal CONFIG: both engines, eager, batch 16 (CAUSAL_BATCH)
+  python3 bench/trainer_throughput.py --config "$1" --device cuda --steps "${CAUSAL_STEPS:-20}" \
+    --repeats 2 --effective-batch-size "${CAUSAL_BATCH:-16}" --physical-batch-size "${CAUSAL_BATCH:-16}"
+}
+TAIL=40 step causal "${CAUSAL_S:-300}" bash -c "$(declare -f causal);
+  causal bench/configs/.llama-1b.yaml;
+  python3 bench/save_base_model.py bench/configs/llama-1b.yaml /tmp/hpo-llama-1b &&
+  causal bench/configs/.llama-1b-lora.yaml"
+TAIL=30 step causalfinder "${CAUSALFINDER_S:-240}" python3 bench/gpu_batch_finder.py \
+  --config bench/configs/llama-1b.yaml --lengths "${CAUSAL_LENGTH:-512}" --out "$OUT"
 # Compiled throughput and model FLOPs utilisation (issue 11): BERT-base, ours with model.compile
 # against transformers' Trainer with torch_compile=True, on full-length sequences (NLI premises
 # joined past 512 tokens, so every example fills max_length), at max_length 128 and 512.

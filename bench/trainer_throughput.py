@@ -313,11 +313,20 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10"
 
 
 def flops_per_token(model: torch.nn.Module, mean_length: float) -> float:
-    """Training FLOPs per real token: 6 per non-embedding parameter (forward and backward), plus
-    attention's scores and weighted sum, 12 x layers x hidden x sequence length."""
-    dense = sum(p.numel() for n, p in model.named_parameters() if "embeddings" not in n)
+    """Training FLOPs per real token: 6 per trained non-embedding parameter (forward, and backward
+    for the inputs and the weight), 4 per frozen one (an adapter's base: no weight gradient), plus
+    attention's scores and weighted sum, 12 x layers x hidden x sequence length. An output layer
+    tied to the input embedding (a causal LM's) is a matrix product per token: it counts."""
+    embedding: Any = getattr(model, "get_input_embeddings", lambda: None)()
+    output: Any = getattr(model, "get_output_embeddings", lambda: None)()
+    tied = embedding is not None and output is not None and output.weight is embedding.weight
+    total = 0.0
+    for name, p in model.named_parameters():
+        if "embed" in name and not (tied and p is embedding.weight):
+            continue
+        total += (6.0 if p.requires_grad else 4.0) * p.numel()
     cfg = getattr(model, "config")  # noqa: B009
-    return 6.0 * dense + 12.0 * cfg.num_hidden_layers * cfg.hidden_size * mean_length
+    return total + 12.0 * cfg.num_hidden_layers * cfg.hidden_size * mean_length
 
 
 def mfu_line(setup: Setup, args: argparse.Namespace, runs: dict[str, list[Run]]) -> str:
@@ -326,7 +335,9 @@ def mfu_line(setup: Setup, args: argparse.Namespace, runs: dict[str, list[Run]])
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     if peak is None:
         return f"MFU: no known peak for {name}; pass --peak-tflops"
-    model = _build(setup)
+    # Only its shape counts: built on the meta device where it is built from a config
+    # (from_pretrained refuses the meta device).
+    model = _build(setup, torch.device("meta") if setup.config.model.config else None)
     lengths = setup.data.train.lengths
     per_token = flops_per_token(model, float(lengths.mean()))
     shares = []
@@ -354,10 +365,14 @@ def warm_up(setup: Setup) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _build(setup: Setup) -> torch.nn.Module:
-    """The task's model, as both engines train it."""
+def _build(setup: Setup, device: torch.device | None = None) -> torch.nn.Module:
+    """The task's model, as both engines train it; one built from a config is initialised on
+    `device` (default the benchmark's: a 1B model's random init on the CPU takes a while)."""
     config = setup.config
-    return build_model(config.model, setup.data.label_names, setup.training.seed, task=config.task)
+    return build_model(
+        config.model, setup.data.label_names, setup.training.seed, device or setup.device,
+        task=config.task,
+    )  # fmt: skip
 
 
 # -- the two engines -----------------------------------------------------------------------------
@@ -521,7 +536,13 @@ def describe_model(setup: Setup, parameters: int) -> str:
     model = setup.config.model
     origin = model.name_or_path or f"inline {(model.config or {}).get('model_type')} config"
     weights = "pretrained" if model.name_or_path else "random init"
-    return f"{origin} ({weights}, {parameters / 1e6:.1f}M parameters)"
+    adapter = model.adapter
+    trained = (
+        f", LoRA r={adapter.r} alpha={adapter.alpha:g} on {adapter.target_modules}: the base frozen"
+        if adapter is not None
+        else ""
+    )
+    return f"{origin} ({weights}, {parameters / 1e6:.1f}M parameters{trained})"
 
 
 def report(

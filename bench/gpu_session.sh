@@ -125,9 +125,10 @@ PY
         "bench/configs/$name.yaml" > "bench/configs/.$name.yaml"
   done
 fi
-causal() {  # causal CONFIG: both engines, eager, batch 16 (CAUSAL_BATCH)
+causal() {  # causal CONFIG: both engines, batch 16 (CAUSAL_BATCH), eager (CAUSAL_COMPILE=1: compiled)
   python3 bench/trainer_throughput.py --config "$1" --device cuda --steps "${CAUSAL_STEPS:-20}" \
-    --repeats 2 --effective-batch-size "${CAUSAL_BATCH:-16}" --physical-batch-size "${CAUSAL_BATCH:-16}"
+    --repeats 2 --effective-batch-size "${CAUSAL_BATCH:-16}" --physical-batch-size "${CAUSAL_BATCH:-16}" \
+    ${CAUSAL_COMPILE:+--compile} ${CAUSAL_PROFILE:+--profile}
 }
 TAIL=40 step causal "${CAUSAL_S:-300}" bash -c "$(declare -f causal);
   causal bench/configs/.llama-1b.yaml;

@@ -5,7 +5,8 @@ Each N runs the same config as a study of its own for a fixed wall-clock window 
 passed to `hpo run --timeout`), pruning off, so every trial trains its full length. Per N: total
 samples trained per second of the window (every trial's optimizer steps x effective batch,
 finished trials only), trials finished per hour, the median peak memory of a trial, how many
-trials hit an OOM (recoveries or an OOM prune: must be none), and the ratio of samples/s to N = 1.
+trials hit an OOM (recoveries or an OOM prune: must be none), how many failed (must be none; the
+first failure's reason is printed), and the ratio of samples/s to N = 1.
 A trial still running when the window closes is handed back and not counted, alike for every N.
 
 GPU: .venv/bin/python bench/workers_per_gpu.py --config bench/configs/bert-base-nli.yaml
@@ -54,6 +55,16 @@ def run(config: Path, workers: int, seconds: float, folder: Path, cpu: bool) -> 
         for t in trials
     )
     peaks = [t.user_attrs["peak_mem_bytes"] for t in finished if "peak_mem_bytes" in t.user_attrs]
+    # Failed trials other than those a closing window handed back: a broken setup (2026-11-26:
+    # every trial at N = 2 failed) must show here, not as a silent zero.
+    failed = [
+        t for t in trials
+        if t.state == optuna.trial.TrialState.FAIL
+        and not str(t.user_attrs.get("fail_reason", "")).startswith("interrupted")
+    ]  # fmt: skip
+    if failed:
+        reason = str(failed[0].user_attrs.get("fail_reason", "no reason recorded"))
+        print(f"N={workers}: {len(failed)} trials failed; the first: {reason[:300]}", flush=True)
     # Steady state: from the first trial's start to the last finished trial's end, which leaves
     # out the workers' start (imports, data, the batch search at each share) and their stop.
     ends = [t.datetime_complete for t in finished if t.datetime_complete is not None]
@@ -66,6 +77,7 @@ def run(config: Path, workers: int, seconds: float, folder: Path, cpu: bool) -> 
         "peak_gib": statistics.median(peaks) / 2**30 if peaks else float("nan"),
         "finished": len(finished),
         "ooms": ooms,
+        "failed": len(failed),
         "wall_s": wall,
     }
 
@@ -97,13 +109,13 @@ def main() -> None:
     steady = results[args.workers[0]]["steady_samples_per_s"] or float("nan")
     print("| workers per GPU | samples/s (all workers) | vs N=1 | samples/s from the first trial "
           "| vs N=1 | trials/hour | finished | peak memory per trial (GiB) "
-          "| trials with an OOM |")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| trials with an OOM | failed |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for workers, r in results.items():
         print(f"| {workers} | {r['samples_per_s']:.0f} | {r['samples_per_s'] / base:.2f} "
               f"| {r['steady_samples_per_s']:.0f} | {r['steady_samples_per_s'] / steady:.2f} "
               f"| {r['trials_per_hour']:.0f} | {r['finished']:.0f} | {r['peak_gib']:.2f} "
-              f"| {r['ooms']:.0f} |")  # fmt: skip
+              f"| {r['ooms']:.0f} | {r['failed']:.0f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -28,7 +28,13 @@ from trainer.batch_finder import (
 )
 from trainer.config import TrainJob
 from trainer.data import PreparedData
-from trainer.memory import BUDGET_ENV, MemoryBudget, OutOfMemoryAtBatchOne, is_oom
+from trainer.memory import (
+    BUDGET_ENV,
+    MemoryBudget,
+    OutOfMemoryAtBatchOne,
+    claim_memory_share,
+    is_oom,
+)
 from trainer.memory_share import SHARE_ENV, memory_share
 from trainer.model import load_tokenizer
 from trainer.progress import Progress
@@ -132,6 +138,29 @@ def test_a_memory_share_outside_0_to_1_is_refused(
     monkeypatch.setenv(SHARE_ENV, value)
     with pytest.raises(ValueError, match=r"must be a number in \(0, 1\]"):
         memory_share()
+
+
+@pytest.mark.parametrize(("device", "index"), [("cuda", 3), ("cuda:1", 1)])
+def test_a_worker_sharing_a_gpu_caps_its_memory_on_its_device_by_index(
+    device: str, index: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch.cuda.set_per_process_memory_fraction refuses torch.device("cuda") (no index) with a
+    ValueError; the H100 showed it (2026-11-26): every trial of `--workers-per-gpu 2` failed."""
+    capped: list[tuple[float, Any]] = []
+
+    def set_fraction(fraction: float, target: Any) -> None:
+        if isinstance(target, torch.device) and target.index is None:
+            raise ValueError(f"Expected a torch.device with a specified index, got:{target}")
+        capped.append((fraction, target))
+
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setenv(SHARE_ENV, "0.5")
+    claim_memory_share(torch.device(device))
+    assert capped == [(0.5, index)]
+    monkeypatch.setenv(SHARE_ENV, "1")  # alone on its GPU: no cap
+    claim_memory_share(torch.device(device))
+    assert len(capped) == 1
 
 
 def test_probes_leave_no_memory_behind(

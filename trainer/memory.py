@@ -121,7 +121,9 @@ def claim_memory_share(device: torch.device) -> None:
     Call it in the process that trains, before it allocates: it initialises CUDA."""
     share = memory_share()
     if device.type == "cuda" and share < 1:
-        torch.cuda.set_per_process_memory_fraction(share, device)
+        # torch wants an index: "cuda" alone (the current device) is refused with a ValueError.
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.set_per_process_memory_fraction(share, index)
 
 
 def budget_from_env() -> int | None:

@@ -194,6 +194,43 @@ def test_hpo_report_through_the_cli(
     assert len(list(tmp_path.glob("hpo-report-*"))) == 1 and not list(tmp_path.glob(".hpo-*"))
 
 
+def test_a_report_replaces_only_a_report_of_its_own(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
+) -> None:
+    """`hpo report --out study.db` wrote the page over the study's own database (hostile try,
+    2026-11-26): a file that is not a report hpo wrote is refused, untouched; its own report
+    (HTML or Markdown, an HTML page of an earlier version too) is replaced."""
+    monkeypatch.chdir(tmp_path)
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    finished_study(url, name="s")
+    report = ["report", "--study", "s", "--storage", url]
+    data = tmp_path / "train.csv"
+    data.write_text("text,label\nfine,1\n", encoding="utf-8")
+    database = (tmp_path / "r.db").read_bytes()
+    for victim in ("r.db", "train.csv"):
+        for form in ("html", "md"):
+            assert hpo_main([*report, "--format", form, "--out", victim]) == 2
+            err = capsys.readouterr().err
+            assert f"--out {victim}: exists and is not a report hpo wrote" in err, err
+    assert (
+        tmp_path / "r.db"
+    ).read_bytes() == database and data.read_text() == "text,label\nfine,1\n"
+    assert optuna.load_study(study_name="s", storage=url).trials  # the study is still there
+    assert not list(tmp_path.glob(".r.db.*")) and not list(tmp_path.glob(".train.csv.*"))
+    for form in ("html", "md"):  # written, then written again over itself
+        out = f"mine.{form}"
+        assert hpo_main([*report, "--format", form, "--out", out]) == 0
+        assert hpo_main([*report, "--format", form, "--out", out]) == 0
+        assert study_report.is_report(tmp_path / out)
+    older = tmp_path / "older.html"  # an HTML report written before the mark existed
+    older.write_text("<!DOCTYPE html>\n<html><head><title>hpo report: s</title>", "utf-8")
+    assert hpo_main([*report, "--out", str(older)]) == 0
+    assert study_report.HTML_MARK in older.read_text(encoding="utf-8")
+
+
 def test_the_report_names_the_retrain_winner_and_a_retrain_study_points_back(
     tmp_path: Path,
 ) -> None:

@@ -406,6 +406,9 @@ def write_report(
     out = report_path(given, study.study_name, form, flag)
     if out.exists() and not out.is_file():  # a device, a pipe: never replaced by a file
         raise HPOError(f"{flag} {out}: not a regular file; name a file to write")
+    if out.is_file() and not study_report.is_report(out):  # a study's database, the data
+        raise HPOError(f"{flag} {out}: exists and is not a report hpo wrote; name a new file, "
+                       "or move that one away first")  # fmt: skip
     text = (study_report.markdown(study, storage) if form == "md"
             else study_report.html_page(study, storage))  # fmt: skip
     try:

@@ -13,6 +13,7 @@ import shlex
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -107,6 +108,29 @@ def _shown(trial: FrozenTrial) -> int:
     return number if isinstance(number, int) else trial.number
 
 
+# How hpo knows a file as a report of its own, which `hpo report --out` may replace (any other
+# file it refuses: a study's database given as --out was once overwritten).
+HTML_MARK = '<meta name="generator" content="hpo report">'
+MARKDOWN_MARK = "<!-- written by hpo report -->"
+
+
+def is_report(path: Path) -> bool:
+    """Whether the file at `path` is a report hpo wrote (its mark near its start or its end;
+    an HTML report of an earlier version by its title)."""
+    try:
+        with path.open("rb") as file:
+            head = file.read(2048)
+            file.seek(max(0, path.stat().st_size - 256))
+            tail = file.read()
+    except OSError:
+        return False
+    return (
+        HTML_MARK.encode() in head
+        or b"<title>hpo report: " in head
+        or MARKDOWN_MARK.encode() in tail
+    )
+
+
 def markdown(study: optuna.Study, storage: object = None) -> str:
     """Summary, best configuration, reasons and every trial (of a large study: a sample), as
     Markdown. `storage`: hpo's, to ask the database (see hpo.reports.status)."""
@@ -129,7 +153,7 @@ def markdown(study: optuna.Study, storage: object = None) -> str:
     lines += ["## Trials", "", _md_row(header)]
     lines.append("|" + "---|" * len(header))
     lines += [_md_row(row) for row in table]
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, MARKDOWN_MARK]) + "\n"
 
 
 def _md_row(cells: list[str]) -> str:
@@ -209,7 +233,7 @@ def _html_page(study: optuna.Study, storage: object) -> str:
     header, rows = _trial_table(study, drawn.trials())
     name = html.escape(study.study_name)
     return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>hpo report: {name}</title>
+<html lang="en"><head><meta charset="utf-8">{HTML_MARK}<title>hpo report: {name}</title>
 <style>
 body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }}
 table {{ border-collapse: collapse; font-size: 0.9em; }}

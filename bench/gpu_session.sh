@@ -42,7 +42,7 @@ cfg=bench/configs/bert-base-nli.yaml
 db="sqlite:///$OUT/gpu-study.db"
 TAIL=12 step study "${STUDY_S:-110}" python3 -m hpo run --study gpu --config "$cfg" \
   --storage "$db" --gpus auto --debug
-[ -f "$OUT/study.log" ] && grep -E "trainer.loop DEBUG\] step|evaluation|handed back|Trial .* (finished|failed|pruned)" \
+[ -f "$OUT/study.log" ] && grep -E "trainer.loop DEBUG\] step|evaluation|handed back|fork server|Trial .* (finished|failed|pruned)" \
   "$OUT/study.log" | cut -c1-160 | tail -n 40
 [[ " $STEPS " == *" study "* ]] && STEPS="$STEPS status"
 TAIL=40 step status 30 python3 -m hpo status --study gpu --storage "$db"

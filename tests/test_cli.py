@@ -175,6 +175,8 @@ def test_a_failing_trial_never_stops_the_worker(
     debug = run_hpo("run", "--study", "d", "--config", str(config), "--storage", url, "--debug",
                     "--n-trials", "1", cwd=tmp_path, env=broken)  # fmt: skip
     assert debug.returncode == 0 and "Traceback" in debug.stderr
+    # Its trial processes came from a copy of the worker: no second load of torch (5-6 s).
+    assert "their fork server is a copy of this worker" in debug.stderr, debug.stderr[-3000:]
 
 
 def test_debug_shows_hpo_s_debug_lines_but_not_the_libraries_own() -> None:

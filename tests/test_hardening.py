@@ -22,7 +22,7 @@ from hpo.trial.folders import (
     remove_stale_checkpoints,
     study_folder_name,
 )
-from hpo.trial.protocol import process_stopped
+from hpo.trial.protocol import FORK_SERVER_NAME, process_stopped
 from tests.conftest import (
     exit_code,
     read_csv,
@@ -194,7 +194,10 @@ def _children(pid: int) -> list[int]:
 
 def _fork_server(worker_pid: int) -> int:
     for child in _children(worker_pid):
+        # Started afresh by multiprocessing, or a copy of the worker (hpo/trial/worker_copy.py)
         if b"forkserver" in Path(f"/proc/{child}/cmdline").read_bytes():
+            return child
+        if Path(f"/proc/{child}/comm").read_text().strip() == FORK_SERVER_NAME:
             return child
     raise AssertionError("no fork server among the worker's children")
 

@@ -207,7 +207,10 @@ def check_inputs(
     if before_data is not None:
         before_data(config, storage_url)
     # Only now the heavy imports: a config or URL error is reported in well under a second.
+    from hpo.trial.worker_copy import use_nvml_for_cuda_checks
     from trainer.device import resolve_device
+
+    use_nvml_for_cuda_checks()  # this worker may become its trial processes' fork server
 
     set_optuna_verbosity(logging.getLogger().level)
     # The device first: `cuda` on a host without CUDA is reported before the data is prepared.
@@ -222,6 +225,12 @@ def check_inputs(
         from hpo.trial.entrypoint import load_entrypoint
 
         load_entrypoint(config.training.entrypoint, config.base_dir)  # one line if it cannot
+    if runs_trial_processes(config, gpus, per_gpu):
+        from hpo.trial.process import start_fork_server
+
+        # Before the data (and the tokenizer's threads), the study and this worker's threads.
+        start_fork_server(config.training.entrypoint is not None)
+    if config.training.entrypoint is not None:
         # --workers-per-gpu auto measures hpo's own model: one worker per GPU for a function
         return config, storage_url, gpus, None, per_gpu if isinstance(per_gpu, int) else 1, {}
     data, prepared = _prepare_every_model(config)
@@ -234,6 +243,13 @@ def check_inputs(
     if per_gpu == "auto":
         per_gpu = _auto_workers_per_gpu(config, config_path, gpus)
     return config, storage_url, gpus, data, per_gpu or 1, prepared
+
+
+def runs_trial_processes(config: Config, gpus: list[str], per_gpu: int | str | None) -> bool:
+    """Whether this process runs trial processes itself (not one worker process per GPU)."""
+    if config.study.trial_isolation != "process" or not isinstance(per_gpu, int | None):
+        return False
+    return len(gpus) * (per_gpu or 1) <= 1
 
 
 def config_from(source: str | Path | Mapping[str, Any]) -> Config:

@@ -28,10 +28,12 @@ from hpo.trial.protocol import (
     ORPHANED,
     PAUSED,
     TAKEN,
+    TRIAL_PROCESS_NAME,
     WORKER_WATCH_S,
     TrialTarget,
     WorkerStoppedListening,
     exited,
+    name_this_process,
     process_stopped,
 )
 
@@ -155,6 +157,7 @@ def child_main(
     # the worker's SIGTERM means "checkpoint and stop".
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by its fork server
+    name_this_process(TRIAL_PROCESS_NAME)
     _parent_pid.append(os.getppid())
     signal.signal(signal.SIGTERM, _on_sigterm)
     _stop_when_orphaned()

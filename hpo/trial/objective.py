@@ -28,7 +28,7 @@ from hpo.trial.folders import (
     prepare_trial_folder,
     study_folder_name,
 )
-from hpo.trial.process import TrialLimits, TrialProcess, entrypoint_preload
+from hpo.trial.process import TrialLimits, TrialProcess, fork_server_preload
 from hpo.trial.protocol import TrialTarget, TrialValue
 from hpo.trial.search_space import Sampler
 from hpo.trial.task import TrialTask, batch_cache_for, remember_worker_cache
@@ -87,7 +87,7 @@ class Objective:
         self.trial_number: int | None = None
         cache = batch_cache or batch_cache_for(storage_url, config.study.database_patience)
         remember_worker_cache(storage_url, cache)  # for trials in the worker (isolation none)
-        preload = entrypoint_preload() if config.training.entrypoint is not None else None
+        preload = fork_server_preload(config.training.entrypoint is not None)
         self.trial_process = TrialProcess(self.target, self.task, stop, _limits(config.study),
                                           BatchCacheRequests(cache), preload)  # fmt: skip
 

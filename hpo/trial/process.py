@@ -27,6 +27,7 @@ import optuna
 
 from hpo import live, tracking
 from hpo.stopping import HandBack, Interrupted, StopRequest, TakenOver, TrialTimedOut
+from hpo.trial import worker_copy
 from hpo.trial.child import child_main
 from hpo.trial.protocol import (
     ASK,
@@ -542,6 +543,20 @@ def entrypoint_preload(modules: Container[str] = sys.modules) -> list[str]:
     (`modules`: those loaded in the worker)."""
     loaded = [name for name in TRAINER_PRELOAD if name in modules]
     return [*ENTRYPOINT_PRELOAD[:-1], *loaded, ENTRYPOINT_PRELOAD[-1]]
+
+
+def fork_server_preload(user_function: bool) -> list[str]:
+    """What the fork server preloads for hpo's own training, or a user's function."""
+    return entrypoint_preload() if user_function else PRELOAD
+
+
+def start_fork_server(user_function: bool) -> bool:
+    """For a worker that runs its trials in trial processes, once its inputs are checked and
+    before it opens the study or starts a thread: the fork server as a copy of the worker
+    (worker_copy.py; True), else started afresh with the first trial process (False)."""
+    preload = fork_server_preload(user_function)
+    _mp_context(preload)
+    return worker_copy.start_as_copy(preload)
 
 
 def _mp_context(preload: list[str]) -> ForkServerContext:

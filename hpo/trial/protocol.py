@@ -5,8 +5,11 @@ side raises then.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import select
 import signal
+import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -85,6 +88,20 @@ def describe_exit(exitcode: int | None) -> str:
     if name == "SIGKILL":
         return "was killed (SIGKILL); the host may have run out of memory (see dmesg)"
     return f"was killed by {name}"
+
+
+# Names `ps -e`, `top` and `pgrep` show (a process made by fork keeps its parent's command
+# line: the fork server made from a worker, and its trial processes, would read as workers).
+FORK_SERVER_NAME = "hpo-forkserver"
+TRIAL_PROCESS_NAME = "hpo-trial"
+
+
+def name_this_process(name: str) -> None:
+    """Linux's name of this process (at most 15 bytes), what `ps -e` and `top` show."""
+    if sys.platform.startswith("linux"):
+        pr_set_name = 15
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_name, name.encode()[:15])
 
 
 def process_stopped(pid: int) -> bool:

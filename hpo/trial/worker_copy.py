@@ -1,0 +1,198 @@
+"""The trial processes' fork server made by forking the worker itself, where that is safe: it
+then shares what the worker loaded (torch, transformers, hpo) instead of loading it again.
+
+A fork server that multiprocessing starts is a new interpreter that imports torch and
+transformers once more: 5-6 s of CPU and a few hundred MB per worker, before its first trial.
+The worker has loaded all of that by the time it has checked its inputs. A copy of it made
+then, before it opens the study or starts a thread, is the same server at no cost. A copy is
+made only while this process has not loaded the CUDA driver (a child of a process that did
+cannot use CUDA; torch.cuda.is_available() is answered by NVML here, which does not load it)
+and runs no Python thread but this one (a copy holds only the forking thread: a lock another
+thread held stays locked in it). Otherwise, and wherever a check below fails, the first trial
+process starts the server as multiprocessing does.
+
+multiprocessing has no public way to take a server it did not start: its ForkServer's three
+private fields are set here and nowhere else, and only where they and forkserver.main are as
+written for (Python 3.10 to 3.13). tests/test_worker_copy.py fails on a Python where they
+are not, so that an upgrade is noticed rather than silently slower.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import inspect
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import warnings
+from collections.abc import Iterable, Iterator
+from multiprocessing import connection, forkserver, resource_tracker
+from typing import Any, cast
+
+from hpo.trial.protocol import FORK_SERVER_NAME, name_this_process
+
+log = logging.getLogger(__name__)
+
+# HPO_FORK_SERVER=fresh: always the server multiprocessing starts (to compare, or to rule the
+# copy out while looking into a problem).
+FORK_SERVER_ENV = "HPO_FORK_SERVER"
+# What NVML-based availability checks need (torch reads it at each call): set before torch is
+# asked, torch.cuda.is_available() does not load the CUDA driver in the worker.
+NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
+# The private state of multiprocessing's ForkServer this module writes, and forkserver.main's
+# parameters, as Python 3.10 to 3.13 have them (3.14 adds an authentication key).
+SERVER_FIELDS = {"_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid"}
+MAIN_PARAMETERS = ["listener_fd", "alive_r", "preload", "main_path", "sys_path"]
+# Preloaded by a server started afresh, never imported by the worker: it makes its importer's
+# exit skip every atexit hook (a copy of the worker ends in os._exit without it).
+SERVER_ONLY_MODULES = {"hpo.trial.fork_server"}
+
+
+def use_nvml_for_cuda_checks() -> None:
+    """Before the worker asks torch whether CUDA is there (a user's own setting is kept)."""
+    os.environ.setdefault(NVML_CHECK_ENV, "1")
+
+
+def why_not_copy() -> str | None:
+    """Why this process may not be copied into a fork server now (None: it may)."""
+    if os.environ.get(FORK_SERVER_ENV, "").strip().lower() == "fresh":
+        return f"{FORK_SERVER_ENV}=fresh"
+    if not sys.platform.startswith("linux"):
+        return "not on Linux"
+    if threading.active_count() > 1:
+        names = ", ".join(t.name for t in threading.enumerate() if t is not threading.main_thread())
+        return f"threads run here ({names})"
+    if cuda_driver_loaded():
+        return "the CUDA driver is loaded here"
+    return internals_problem()
+
+
+def cuda_driver_loaded(maps: str = "/proc/self/maps") -> bool:
+    try:
+        with open(maps) as f:
+            return any("libcuda.so" in line for line in f)
+    except OSError:
+        return True  # cannot tell: assume so (a fork server started afresh is always safe)
+
+
+def internals_problem() -> str | None:
+    """What of multiprocessing's forkserver is not as this module expects (None: all is)."""
+    server = getattr(forkserver, "_forkserver", None)
+    if server is None or not SERVER_FIELDS <= set(vars(server)):
+        return "multiprocessing's ForkServer has other fields on this Python"
+    if hasattr(server, "_forkserver_authkey"):
+        return "multiprocessing's fork server takes an authentication key on this Python"
+    if list(inspect.signature(forkserver.main).parameters) != MAIN_PARAMETERS:
+        return "multiprocessing's forkserver.main takes other parameters on this Python"
+    return None
+
+
+def start_as_copy(preload: Iterable[str]) -> bool:
+    """Make the fork server a copy of this process, with `preload` imported here first (what a
+    server started afresh would import). False, and a debug line saying why, where it is not
+    safe or already running: then the first trial process starts one as multiprocessing does."""
+    reason = why_not_copy()
+    server = cast(Any, forkserver)._forkserver  # private: typeshed leaves it out
+    if reason is None and server._forkserver_pid is not None:
+        reason = "a fork server already runs"
+    if reason is None:
+        for name in preload:
+            if name not in SERVER_ONLY_MODULES:
+                importlib.import_module(name)
+        reason = why_not_copy()  # a module imported just now may have started a thread
+    if reason is not None:
+        log.debug("trial processes: their fork server will start afresh: %s", reason)
+        return False
+    resource_tracker.ensure_running()  # shared by the worker, the server and trial processes
+    address, alive_w, pid = _fork_server()  # not under the lock: the copy would hold it for ever
+    with server._lock:
+        server._forkserver_address = address
+        server._forkserver_alive_fd = alive_w
+        server._forkserver_pid = pid
+    log.debug("trial processes: their fork server is a copy of this worker (pid %d)", pid)
+    return True
+
+
+def _fork_server() -> tuple[str, int, int]:
+    """The copy's listening address, the pipe end whose closing ends it, and its pid."""
+    with socket.socket(socket.AF_UNIX) as listener:
+        # In multiprocessing's temp folder, removed when the worker exits.
+        address = cast(Any, connection).arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()  # the worker's end closes when it exits: the copy ends too
+        try:
+            with _stop_signals_blocked(), warnings.catch_warnings():
+                # Python 3.12 and later warn of the native threads numpy's and scipy's OpenBLAS
+                # keep idle (they stop themselves for a fork; torch has run nothing yet).
+                warnings.filterwarnings("ignore", "This process .* is multi-threaded")
+                pid = os.fork()
+                if pid == 0:
+                    _serve(listener.fileno(), alive_r, alive_w)  # never returns
+        except BaseException:
+            os.close(alive_w)
+            raise
+        finally:
+            os.close(alive_r)
+    return address, alive_w, pid
+
+
+def _serve(listener_fd: int, alive_r: int, alive_w: int) -> None:
+    """In the copy: multiprocessing's fork server loop, with the signal handling of one started
+    afresh (the worker's handlers would run here on a signal to the process group)."""
+    try:
+        os.close(alive_w)
+        name_this_process(FORK_SERVER_NAME)
+        _default_signal_handlers()
+        # SIGINT stays blocked, as in a server started afresh (see process._sigint_blocked).
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        # The worker's objects are never collected here (a finalizer of one might act for it).
+        gc.freeze()
+        forkserver.main(listener_fd, alive_r, [])
+    except BaseException:  # it ends with SystemExit once the worker has gone
+        pass
+    finally:
+        # As fork_server.py does for a server started afresh: no teardown of torch and the
+        # worker's objects, nothing of the worker's to flush or close (its atexit hooks).
+        os._exit(0)
+
+
+def _default_signal_handlers() -> None:
+    """Every signal handled as in a new interpreter: the worker's Python handlers (stop
+    requests, pauses) belong to the worker."""
+    with contextlib.suppress(ValueError, OSError):
+        signal.set_wakeup_fd(-1)
+    for signum in signal.valid_signals():
+        if signum in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        fresh = _fresh_handler(signum)
+        with contextlib.suppress(OSError, ValueError, RuntimeError):
+            if signal.getsignal(signum) is not fresh:
+                signal.signal(signum, fresh)
+
+
+def _fresh_handler(signum: int) -> Any:
+    """What a new interpreter does with `signum` (Python ignores SIGPIPE and SIGXFSZ)."""
+    if signum == signal.SIGINT:
+        return signal.default_int_handler
+    if signum in (signal.SIGPIPE, getattr(signal, "SIGXFSZ", None)):
+        return signal.SIG_IGN
+    return signal.SIG_DFL
+
+
+@contextlib.contextmanager
+def _stop_signals_blocked() -> Iterator[None]:
+    """A Ctrl-C or SIGTERM arriving during the fork waits until the copy has the handlers of a
+    new interpreter (the worker's own would otherwise run in it); the worker gets it after."""
+    stops = {signal.SIGINT, signal.SIGTERM}
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)

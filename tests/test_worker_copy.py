@@ -28,19 +28,22 @@ def report(conn):
     conn.send((VALUE, os.getppid(), signal.getsignal(signal.SIGTERM) == signal.SIG_DFL))
 """
 WORKER = """
-import multiprocessing, os, signal, sys, threading, time
+import _thread, multiprocessing, os, signal, sys, threading, time
 import copymark
 from hpo.trial import worker_copy
 
 mode, note = sys.argv[1], sys.argv[2]
+before = worker_copy.native_threads()  # what runs after hpo's imports
 copymark.VALUE = "set in the worker"
 if mode == "thread":
     threading.Thread(target=threading.Event().wait, daemon=True, name="busy").start()
+if mode == "native":  # a thread Python's threading module does not know (an OpenMP pool's)
+    _thread.start_new_thread(time.sleep, (60,))
 if mode == "handler":
     signal.signal(signal.SIGTERM, lambda *_: open(note, "w").write("the worker's handler ran"))
 context = multiprocessing.get_context("forkserver")
-print("why not:", worker_copy.why_not_copy(), flush=True)
-print("copied:", worker_copy.start_as_copy(["copymark"]), flush=True)
+print("why not:", worker_copy.why_not_copy(before), flush=True)
+print("copied:", worker_copy.start_as_copy(["copymark"], before), flush=True)
 server = multiprocessing.forkserver._forkserver._forkserver_pid
 print("server:", server, flush=True)
 if server is not None:
@@ -110,6 +113,16 @@ def test_no_copy_of_a_worker_running_threads(tmp_path: Path) -> None:
     assert lines["why not"] == "threads run here (busy)" and lines["copied"] == "False"
     value, _, _ = eval(lines["trial"])
     assert value == "as imported" and lines["exit"] == "0"  # multiprocessing's own server
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork and /proc: Linux")
+def test_no_copy_once_the_user_s_code_started_a_native_thread(tmp_path: Path) -> None:
+    """torch's OpenMP pool, made by its first parallel op, hangs a forked child that uses it."""
+    lines = _run_worker(tmp_path, "native")
+    assert (
+        lines["why not"] == "1 native thread(s) started since hpo's imports (by the user's modules)"
+    )
+    assert lines["copied"] == "False" and eval(lines["trial"])[0] == "as imported"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork and /proc: Linux")

@@ -210,13 +210,20 @@ def check_inputs(
     from hpo.trial.worker_copy import use_nvml_for_cuda_checks
     from trainer.device import resolve_device
 
-    use_nvml_for_cuda_checks()  # this worker may become its trial processes' fork server
-
+    # A worker of `hpo run` becomes its trial processes' fork server by a copy of itself (see
+    # hpo.trial.worker_copy); hpo.run's process is the user's own (a notebook, a script that
+    # ran torch already): its server starts afresh.
+    copy_worker = args.command != "hpo.run" and runs_trial_processes(config, gpus, per_gpu)
+    if copy_worker:
+        use_nvml_for_cuda_checks()  # torch's CUDA check then leaves the driver unloaded
     set_optuna_verbosity(logging.getLogger().level)
     # The device first: `cuda` on a host without CUDA is reported before the data is prepared.
     resolve_device(config.training.device)
     from hpo.trial.plugins import check_trial_processes_import, load_plugin, load_user_code
+    from hpo.trial.process import prepare_fork_server, start_fork_server
 
+    user_function = config.training.entrypoint is not None
+    threads = prepare_fork_server(user_function) if copy_worker else None
     if config.search_space_function is not None:  # the user's define-by-run search space
         load_plugin(config.search_space_function, config.base_dir, "search_space")  # one line
     load_user_code(config)  # metrics, task, model.factory: imported again in each trial process
@@ -225,12 +232,9 @@ def check_inputs(
         from hpo.trial.entrypoint import load_entrypoint
 
         load_entrypoint(config.training.entrypoint, config.base_dir)  # one line if it cannot
-    if runs_trial_processes(config, gpus, per_gpu):
-        from hpo.trial.process import start_fork_server
-
-        # Before the data (and the tokenizer's threads), the study and this worker's threads.
-        start_fork_server(config.training.entrypoint is not None)
-    if config.training.entrypoint is not None:
+    if copy_worker:  # before the data (and the tokenizer's threads), the study, any thread
+        start_fork_server(user_function, threads)
+    if user_function:
         # --workers-per-gpu auto measures hpo's own model: one worker per GPU for a function
         return config, storage_url, gpus, None, per_gpu if isinstance(per_gpu, int) else 1, {}
     data, prepared = _prepare_every_model(config)

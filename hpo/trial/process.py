@@ -550,13 +550,21 @@ def fork_server_preload(user_function: bool) -> list[str]:
     return entrypoint_preload() if user_function else PRELOAD
 
 
-def start_fork_server(user_function: bool) -> bool:
-    """For a worker that runs its trials in trial processes, once its inputs are checked and
-    before it opens the study or starts a thread: the fork server as a copy of the worker
-    (worker_copy.py; True), else started afresh with the first trial process (False)."""
+def prepare_fork_server(user_function: bool) -> int:
+    """For a worker that runs its trial processes, before it loads the user's modules: what the
+    fork server preloads imported here; returns the native threads running then (see
+    start_fork_server)."""
+    return worker_copy.import_preload(fork_server_preload(user_function))
+
+
+def start_fork_server(user_function: bool, native_threads_before: int | None = None) -> bool:
+    """For a worker that runs its trial processes, once its inputs are checked and before it
+    prepares the data, opens the study or starts a thread: the fork server as a copy of the
+    worker (worker_copy.py; True), else started afresh with the first trial process (False).
+    `native_threads_before`: prepare_fork_server's count, before the user's modules ran."""
     preload = fork_server_preload(user_function)
     _mp_context(preload)
-    return worker_copy.start_as_copy(preload)
+    return worker_copy.start_as_copy(preload, native_threads_before)
 
 
 def _mp_context(preload: list[str]) -> ForkServerContext:

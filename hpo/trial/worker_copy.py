@@ -58,8 +58,12 @@ def use_nvml_for_cuda_checks() -> None:
     os.environ.setdefault(NVML_CHECK_ENV, "1")
 
 
-def why_not_copy() -> str | None:
-    """Why this process may not be copied into a fork server now (None: it may)."""
+def why_not_copy(native_threads_before: int | None = None) -> str | None:
+    """Why this process may not be copied into a fork server now (None: it may).
+    `native_threads_before`: the threads the process ran before code hpo does not know ran
+    (a user's modules): one started since (an OpenMP pool that torch's first parallel op
+    made, a client library's) rules a copy out. Those that run from hpo's own imports on are
+    numpy's and scipy's idle OpenBLAS pools, which stop themselves for a fork."""
     if os.environ.get(FORK_SERVER_ENV, "").strip().lower() == "fresh":
         return f"{FORK_SERVER_ENV}=fresh"
     if not sys.platform.startswith("linux"):
@@ -67,9 +71,29 @@ def why_not_copy() -> str | None:
     if threading.active_count() > 1:
         names = ", ".join(t.name for t in threading.enumerate() if t is not threading.main_thread())
         return f"threads run here ({names})"
+    if native_threads_before is not None and native_threads() > native_threads_before:
+        started = native_threads() - native_threads_before
+        return f"{started} native thread(s) started since hpo's imports (by the user's modules)"
     if cuda_driver_loaded():
         return "the CUDA driver is loaded here"
     return internals_problem()
+
+
+def native_threads() -> int:
+    """The threads of this process, Python's and native ones (Linux; 0 elsewhere)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
+
+
+def import_preload(preload: Iterable[str]) -> int:
+    """Import here what a fork server started afresh would preload (a copy has it then);
+    returns native_threads() after."""
+    for name in preload:
+        if name not in SERVER_ONLY_MODULES:
+            importlib.import_module(name)
+    return native_threads()
 
 
 def cuda_driver_loaded(maps: str = "/proc/self/maps") -> bool:
@@ -92,19 +116,18 @@ def internals_problem() -> str | None:
     return None
 
 
-def start_as_copy(preload: Iterable[str]) -> bool:
+def start_as_copy(preload: Iterable[str], native_threads_before: int | None = None) -> bool:
     """Make the fork server a copy of this process, with `preload` imported here first (what a
-    server started afresh would import). False, and a debug line saying why, where it is not
-    safe or already running: then the first trial process starts one as multiprocessing does."""
-    reason = why_not_copy()
+    server started afresh would import; see why_not_copy for `native_threads_before`). False,
+    and a debug line saying why, where it is not safe or a server already runs: then the first
+    trial process starts one as multiprocessing does."""
     server = cast(Any, forkserver)._forkserver  # private: typeshed leaves it out
+    reason = why_not_copy(native_threads_before)
     if reason is None and server._forkserver_pid is not None:
         reason = "a fork server already runs"
     if reason is None:
-        for name in preload:
-            if name not in SERVER_ONLY_MODULES:
-                importlib.import_module(name)
-        reason = why_not_copy()  # a module imported just now may have started a thread
+        import_preload(preload)  # normally imported already: see process.prepare_fork_server
+        reason = why_not_copy(native_threads_before)  # a module imported just now may run one
     if reason is not None:
         log.debug("trial processes: their fork server will start afresh: %s", reason)
         return False

@@ -31,7 +31,7 @@ def entry() -> int:
         name = getattr(e, "signal_name", "SIGINT")
         print(f"hpo: stopped by {name} while starting", file=sys.stderr)
         return stopped_exit_code(name)
-    code = main()
+    code = main(own_process=True)
     _exit_code.append(code)
     return code
 

@@ -25,7 +25,8 @@ VALUE = "as imported"
 
 
 def report(conn):
-    conn.send((VALUE, os.getppid(), signal.getsignal(signal.SIGTERM) == signal.SIG_DFL))
+    nvml = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+    conn.send((VALUE, os.getppid(), signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, nvml))
 """
 WORKER = """
 import _thread, multiprocessing, os, signal, sys, threading, time
@@ -42,13 +43,20 @@ if mode == "native":  # a thread Python's threading module does not know (an Ope
 if mode == "handler":
     signal.signal(signal.SIGTERM, lambda *_: open(note, "w").write("the worker's handler ran"))
 context = multiprocessing.get_context("forkserver")
+worker_copy.use_nvml_for_cuda_checks()
 print("why not:", worker_copy.why_not_copy(before), flush=True)
 print("copied:", worker_copy.start_as_copy(["copymark"], before), flush=True)
+print("nvml here:", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"), flush=True)
 server = multiprocessing.forkserver._forkserver._forkserver_pid
 print("server:", server, flush=True)
+deadline = time.monotonic() + 30
+while server is not None and time.monotonic() < deadline:  # the copy names itself as it starts
+    name = open(f"/proc/{server}/comm").read().strip()
+    if name == "hpo-forkserver":
+        break
+    time.sleep(0.05)
 if server is not None:
-    time.sleep(0.2)  # the copy names itself as it starts
-    print("server name:", open(f"/proc/{server}/comm").read().strip(), flush=True)
+    print("server name:", name, flush=True)
 if mode == "handler":  # a SIGTERM to the process group reaches the server too
     os.kill(server, signal.SIGTERM)
     while open(f"/proc/{server}/stat").read().split()[2] != "Z":
@@ -70,8 +78,7 @@ def _run_worker(tmp_path: Path, mode: str) -> dict[str, str]:
         capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    lines = dict(line.split(": ", 1) for line in result.stdout.splitlines() if ": " in line)
-    return lines
+    return dict(line.split(": ", 1) for line in result.stdout.splitlines() if ": " in line)
 
 
 def _gone(pid: int, within_s: float = 10) -> bool:
@@ -97,10 +104,13 @@ def test_multiprocessing_is_as_the_copy_expects() -> None:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork and /proc: Linux")
 def test_the_server_is_a_copy_of_the_worker_and_ends_with_it(tmp_path: Path) -> None:
     lines = _run_worker(tmp_path, "plain")
-    assert lines["why not"] == "None" and lines["copied"] == "True"
-    value, parent, default_sigterm = eval(lines["trial"])
+    assert lines["why not"] == "None"
+    assert lines["copied"] == "True"
+    value, parent, default_sigterm, nvml = eval(lines["trial"])
     # The trial process came from the copy: what the worker set is there, nothing was reloaded.
     assert value == "set in the worker" and parent == int(lines["server"]) and default_sigterm
+    # NVML answers the worker's CUDA check only until the copy: trial processes ask torch's own.
+    assert nvml is None and lines["nvml here"] == "None"
     assert lines["server name"] == "hpo-forkserver"  # in `ps -e` and `top`, not a second worker
     assert lines["exit"] == "0"
     assert _gone(int(lines["server"])), "the copy outlived its worker"
@@ -111,8 +121,9 @@ def test_no_copy_of_a_worker_running_threads(tmp_path: Path) -> None:
     """A copy holds only the forking thread: a lock another thread held stays locked in it."""
     lines = _run_worker(tmp_path, "thread")
     assert lines["why not"] == "threads run here (busy)" and lines["copied"] == "False"
-    value, _, _ = eval(lines["trial"])
+    value, _, _, nvml = eval(lines["trial"])
     assert value == "as imported" and lines["exit"] == "0"  # multiprocessing's own server
+    assert nvml is None and lines["nvml here"] == "None"  # set only until the copy, made or not
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork and /proc: Linux")
@@ -132,7 +143,7 @@ def test_the_worker_s_signal_handlers_do_not_run_in_the_copy(tmp_path: Path) -> 
     lines = _run_worker(tmp_path, "handler")
     assert lines["copied"] == "True"
     assert not (tmp_path / "note").exists(), (tmp_path / "note").read_text()
-    value, parent, _ = eval(lines["trial"])
+    value, parent, _, _ = eval(lines["trial"])
     assert value == "as imported" and parent != int(lines["server"]) and lines["exit"] == "0"
 
 
@@ -143,3 +154,25 @@ def test_a_loaded_cuda_driver_rules_the_copy_out(tmp_path: Path) -> None:
     maps.write_text(maps.read_text() + "7f1 r-xp 00000000 08:01 2 /usr/lib/libcuda.so.550.54\n")
     assert worker_copy.cuda_driver_loaded(str(maps))
     assert worker_copy.cuda_driver_loaded(str(tmp_path / "missing"))  # cannot tell: no copy
+
+
+def test_only_a_worker_that_is_the_hpo_command_alone_copies_itself() -> None:
+    """hpo.run's process, or a test calling main() in its own, may have run torch's OpenMP pool
+    or a thread of its own: their trial processes' fork server starts afresh."""
+    from types import SimpleNamespace
+    from typing import Any
+
+    from hpo.commands.run import copies_itself
+
+    def config(isolation: str) -> Any:
+        return SimpleNamespace(study=SimpleNamespace(trial_isolation=isolation))
+
+    command, in_a_user_process = SimpleNamespace(own_process=True), SimpleNamespace()
+    assert copies_itself(command, config("process"), [], None)
+    assert copies_itself(command, config("process"), ["0"], 1)
+    assert not copies_itself(in_a_user_process, config("process"), [], None)
+    assert not copies_itself(SimpleNamespace(own_process=False), config("process"), [], None)
+    assert not copies_itself(command, config("none"), [], None)  # no trial processes
+    assert not copies_itself(command, config("process"), ["0", "1"], None)  # a launcher
+    assert not copies_itself(command, config("process"), ["0"], 2)
+    assert not copies_itself(command, config("process"), ["0"], "auto")  # decided by the data

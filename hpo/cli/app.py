@@ -36,7 +36,10 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, own_process: bool = False) -> int:
+    """`own_process`: this process is the `hpo` command and nothing else ran in it (entry()):
+    a worker may then copy itself into its trial processes' fork server (hpo.trial.worker_copy).
+    Called in a process of the user's (a test, a script), it starts that server afresh."""
     # Before CUDA initialises: fewer fragmentation OOMs as batch shapes change between steps.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     started = time.monotonic()  # --timeout counts from here
@@ -48,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except KeyboardInterrupt as e:
         return _stopped(e)
-    args.argv, args.started = argv, started
+    args.argv, args.started, args.own_process = argv, started, own_process
     configure_logging(args.debug, args.quiet)
     try:
         if args.command == "run":

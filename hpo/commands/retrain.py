@@ -58,6 +58,9 @@ def retrain_command(args: argparse.Namespace) -> int:
             raise HPOError(
                 f"no study {args.study!r} in {storage_url.masked}; see `hpo studies`"
             ) from e
+        # Its pool closed again: the worker may copy itself next (hpo.trial.worker_copy), and
+        # the copy and its trial processes would hold a connection of the worker's open.
+        storage.engine.dispose()
         opened.append(storage)
 
     with contextlib.suppress(Interrupted):

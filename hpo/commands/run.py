@@ -210,12 +210,9 @@ def check_inputs(
     from hpo.trial.worker_copy import use_nvml_for_cuda_checks
     from trainer.device import resolve_device
 
-    # A worker of `hpo run` becomes its trial processes' fork server by a copy of itself (see
-    # hpo.trial.worker_copy); hpo.run's process is the user's own (a notebook, a script that
-    # ran torch already): its server starts afresh.
-    copy_worker = args.command != "hpo.run" and runs_trial_processes(config, gpus, per_gpu)
+    copy_worker = copies_itself(args, config, gpus, per_gpu)
     if copy_worker:
-        use_nvml_for_cuda_checks()  # torch's CUDA check then leaves the driver unloaded
+        use_nvml_for_cuda_checks()  # torch's CUDA check leaves the driver unloaded until the copy
     set_optuna_verbosity(logging.getLogger().level)
     # The device first: `cuda` on a host without CUDA is reported before the data is prepared.
     resolve_device(config.training.device)
@@ -234,6 +231,9 @@ def check_inputs(
         load_entrypoint(config.training.entrypoint, config.base_dir)  # one line if it cannot
     if copy_worker:  # before the data (and the tokenizer's threads), the study, any thread
         start_fork_server(user_function, threads)
+        # torch's own check now: a driver that NVML sees and CUDA cannot use (older than
+        # torch's CUDA) is reported here, not by every trial.
+        resolve_device(config.training.device)
     if user_function:
         # --workers-per-gpu auto measures hpo's own model: one worker per GPU for a function
         return config, storage_url, gpus, None, per_gpu if isinstance(per_gpu, int) else 1, {}
@@ -249,11 +249,16 @@ def check_inputs(
     return config, storage_url, gpus, data, per_gpu or 1, prepared
 
 
-def runs_trial_processes(config: Config, gpus: list[str], per_gpu: int | str | None) -> bool:
-    """Whether this process runs trial processes itself (not one worker process per GPU)."""
-    if config.study.trial_isolation != "process" or not isinstance(per_gpu, int | None):
+def copies_itself(
+    args: argparse.Namespace, config: Config, gpus: list[str], per_gpu: int | str | None
+) -> bool:
+    """Whether this worker's trial processes come from a copy of it (hpo.trial.worker_copy):
+    only in a process that is the `hpo` command alone (a user's process, hpo.run's or a test's,
+    may have run torch's OpenMP pool or started threads of its own) and runs its trial
+    processes itself (not one worker process per GPU)."""
+    if not getattr(args, "own_process", False) or config.study.trial_isolation != "process":
         return False
-    return len(gpus) * (per_gpu or 1) <= 1
+    return isinstance(per_gpu, int | None) and len(gpus) * (per_gpu or 1) <= 1
 
 
 def config_from(source: str | Path | Mapping[str, Any]) -> Config:

@@ -15,6 +15,7 @@ import sys
 import threading
 import traceback
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle
 from types import FrameType
 from typing import Any
 
@@ -152,12 +153,15 @@ def child_main(
     base: Any,
     log_level: int,
     worker_pid: int,
+    worker_stderr: bool = False,
 ) -> None:
     # The worker decides how its trial stops: Ctrl-C in a terminal reaches the whole group, and
     # the worker's SIGTERM means "checkpoint and stop".
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by its fork server
     name_this_process(TRIAL_PROCESS_NAME)
+    if worker_stderr:
+        _write_where_the_worker_writes(conn)
     _parent_pid.append(os.getppid())
     signal.signal(signal.SIGTERM, _on_sigterm)
     _stop_when_orphaned()
@@ -200,6 +204,17 @@ def child_main(
             conn.close()
             return
         _stop_reason.clear()
+
+
+def _write_where_the_worker_writes(conn: Connection) -> None:
+    """Stderr becomes the worker's as it is now, which the worker sends first: its fork server
+    got the worker's as it was then, and a live line on a terminal has since put a pipe in
+    its place (hpo.live), which shows this process's lines above the line. A worker gone
+    before it sent it: the first job never comes either, and this process ends."""
+    with contextlib.suppress(OSError, EOFError, RuntimeError):
+        fd = recv_handle(conn)
+        os.dup2(fd, 2)
+        os.close(fd)
 
 
 def _undo_process_changes(folder: str) -> None:

@@ -21,6 +21,7 @@ from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
+from multiprocessing.reduction import send_handle
 from typing import Any
 
 import optuna
@@ -48,6 +49,7 @@ from hpo.trial.protocol import (
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2
+STDERR_FD = 2
 # A trial process sends PAUSED just before it stops itself (SIGSTOP) because its worker was
 # stopped. One still running this long after the message was continued (SIGCONT) by someone
 # else, and the worker watches it as a running process again.
@@ -232,14 +234,19 @@ class TrialProcess:
     def _start(self) -> tuple[Connection, _ProcessWatch]:
         context = _mp_context(self.preload)
         parent_conn, child_conn = context.Pipe()
+        stderr = _stderr_open()
         process = context.Process(
             target=child_main,
-            args=(child_conn, self.target, self.base, logging.getLogger().level, os.getpid()),
+            args=(child_conn, self.target, self.base, logging.getLogger().level, os.getpid(),
+                  stderr),
             name="hpo-trial-process",
-        )
+        )  # fmt: skip
         try:
             with _sigint_blocked():
                 process.start()
+            if stderr:  # where the process writes: this worker's stderr now (child.py)
+                with contextlib.suppress(OSError):  # died at once: _relay finds the pipe closed
+                    send_handle(parent_conn, STDERR_FD, process.pid)
         except OSError as e:  # the fork server died with a stop signal to the process group
             parent_conn.close()
             if self.stop.signal_name is not None:
@@ -522,6 +529,14 @@ class _ProcessWatch:
             signal.pidfd_send_signal(self.pidfd, signum)
         except ProcessLookupError:
             pass  # exited in the meantime
+
+
+def _stderr_open() -> bool:
+    try:
+        os.fstat(STDERR_FD)
+    except OSError:
+        return False  # started with it closed (`2>&-`): the process keeps its fork server's
+    return True
 
 
 @contextlib.contextmanager

@@ -29,6 +29,7 @@ import signal
 import socket
 import sys
 import threading
+import traceback
 import warnings
 from collections.abc import Iterable, Iterator
 from multiprocessing import connection, forkserver, resource_tracker
@@ -48,14 +49,26 @@ NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
 # parameters, as Python 3.10 to 3.13 have them (3.14 adds an authentication key).
 SERVER_FIELDS = {"_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid"}
 MAIN_PARAMETERS = ["listener_fd", "alive_r", "preload", "main_path", "sys_path"]
+# Whether use_nvml_for_cuda_checks set the variable (it then removes it after the copy).
+_nvml_set_here: list[bool] = []
 # Preloaded by a server started afresh, never imported by the worker: it makes its importer's
 # exit skip every atexit hook (a copy of the worker ends in os._exit without it).
 SERVER_ONLY_MODULES = {"hpo.trial.fork_server"}
 
 
 def use_nvml_for_cuda_checks() -> None:
-    """Before the worker asks torch whether CUDA is there (a user's own setting is kept)."""
-    os.environ.setdefault(NVML_CHECK_ENV, "1")
+    """Before the worker asks torch whether CUDA is there, until the copy is made (a user's
+    own setting is kept). Not for longer: NVML sees a GPU that CUDA may not be able to use (a
+    driver older than torch's CUDA), and only torch's own check says so."""
+    if NVML_CHECK_ENV not in os.environ:
+        os.environ[NVML_CHECK_ENV] = "1"
+        _nvml_set_here.append(True)
+
+
+def _forget_nvml_for_cuda_checks() -> None:
+    if _nvml_set_here:
+        os.environ.pop(NVML_CHECK_ENV, None)
+        _nvml_set_here.clear()
 
 
 def why_not_copy(native_threads_before: int | None = None) -> str | None:
@@ -119,8 +132,19 @@ def internals_problem() -> str | None:
 def start_as_copy(preload: Iterable[str], native_threads_before: int | None = None) -> bool:
     """Make the fork server a copy of this process, with `preload` imported here first (what a
     server started afresh would import; see why_not_copy for `native_threads_before`). False,
-    and a debug line saying why, where it is not safe or a server already runs: then the first
-    trial process starts one as multiprocessing does."""
+    and a debug line saying why, where it is not safe, a server already runs or the copy
+    could not be made: then the first trial process starts one as multiprocessing does."""
+    try:
+        pid = _copy(preload, native_threads_before)
+    finally:
+        _forget_nvml_for_cuda_checks()
+    if pid is None:
+        return False
+    log.debug("trial processes: their fork server is a copy of this worker (pid %d)", pid)
+    return True
+
+
+def _copy(preload: Iterable[str], native_threads_before: int | None) -> int | None:
     server = cast(Any, forkserver)._forkserver  # private: typeshed leaves it out
     reason = why_not_copy(native_threads_before)
     if reason is None and server._forkserver_pid is not None:
@@ -128,17 +152,20 @@ def start_as_copy(preload: Iterable[str], native_threads_before: int | None = No
     if reason is None:
         import_preload(preload)  # normally imported already: see process.prepare_fork_server
         reason = why_not_copy(native_threads_before)  # a module imported just now may run one
+    if reason is None:
+        resource_tracker.ensure_running()  # shared by the worker, the copy, trial processes
+        try:
+            address, alive_w, pid = _fork_server()  # not under the lock: the copy would hold it
+        except OSError as e:  # no process or socket to be had (a pids limit, a long TMPDIR)
+            reason = f"the copy could not be made: {e}"
     if reason is not None:
         log.debug("trial processes: their fork server will start afresh: %s", reason)
-        return False
-    resource_tracker.ensure_running()  # shared by the worker, the server and trial processes
-    address, alive_w, pid = _fork_server()  # not under the lock: the copy would hold it for ever
+        return None
     with server._lock:
         server._forkserver_address = address
         server._forkserver_alive_fd = alive_w
         server._forkserver_pid = pid
-    log.debug("trial processes: their fork server is a copy of this worker (pid %d)", pid)
-    return True
+    return pid
 
 
 def _fork_server() -> tuple[str, int, int]:
@@ -171,6 +198,7 @@ def _serve(listener_fd: int, alive_r: int, alive_w: int) -> None:
     afresh (the worker's handlers would run here on a signal to the process group)."""
     try:
         os.close(alive_w)
+        _forget_nvml_for_cuda_checks()  # trial processes ask torch's own check
         name_this_process(FORK_SERVER_NAME)
         _default_signal_handlers()
         # SIGINT stays blocked, as in a server started afresh (see process._sigint_blocked).
@@ -178,8 +206,10 @@ def _serve(listener_fd: int, alive_r: int, alive_w: int) -> None:
         # The worker's objects are never collected here (a finalizer of one might act for it).
         gc.freeze()
         forkserver.main(listener_fd, alive_r, [])
-    except BaseException:  # it ends with SystemExit once the worker has gone
+    except SystemExit:  # how it ends once the worker has gone
         pass
+    except BaseException:  # said, as a server started afresh would; the worker starts one
+        traceback.print_exc()
     finally:
         # As fork_server.py does for a server started afresh: no teardown of torch and the
         # worker's objects, nothing of the worker's to flush or close (its atexit hooks).

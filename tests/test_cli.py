@@ -154,7 +154,8 @@ def test_a_failing_trial_never_stops_the_worker(
     # A compiler backend that does not exist: every trial raises at its first training step
     # (a setting the data refutes, such as class weights for the wrong number of labels, is
     # refused before the first trial instead).
-    broken = {"HPO_TEST_COMPILE_BACKEND": "no_such_backend"}
+    # HPO_FORK_SERVER: the default fork server, whatever the developer's environment says.
+    broken = {"HPO_TEST_COMPILE_BACKEND": "no_such_backend", "HPO_FORK_SERVER": ""}
     raw = tiny_config(*easy_data, study={"n_trials": 2}, model={"compile": True})
     config = write_config(tmp_path / "c.yaml", raw)
     url = f"sqlite:///{tmp_path / 'study.db'}"

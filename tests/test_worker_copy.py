@@ -73,6 +73,7 @@ print("exit:", process.exitcode, flush=True)
 def _run_worker(tmp_path: Path, mode: str) -> dict[str, str]:
     (tmp_path / "copymark.py").write_text(MARK_MODULE)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.getcwd()])}
+    env.pop(worker_copy.FORK_SERVER_ENV, None)  # a developer's HPO_FORK_SERVER=fresh
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(WORKER), mode, str(tmp_path / "note")],
         capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,

@@ -6,15 +6,16 @@ transformers once more: 5-6 s of CPU and a few hundred MB per worker, before its
 The worker has loaded all of that by the time it has checked its inputs. A copy of it made
 then, before it opens the study or starts a thread, is the same server at no cost. A copy is
 made only while this process has not loaded the CUDA driver (a child of a process that did
-cannot use CUDA; torch.cuda.is_available() is answered by NVML here, which does not load it)
-and runs no Python thread but this one (a copy holds only the forking thread: a lock another
-thread held stays locked in it). Otherwise, and wherever a check below fails, the first trial
-process starts the server as multiprocessing does.
+cannot use CUDA; torch.cuda.is_available() is answered by NVML here, which does not load it),
+runs no Python thread but this one (a copy holds only the forking thread: a lock another
+thread held stays locked in it), and no native thread the user's modules started (torch's
+OpenMP pool hangs a forked child that uses it). Otherwise, and wherever a check below fails,
+the first trial process starts the server as multiprocessing does.
 
 multiprocessing has no public way to take a server it did not start: its ForkServer's three
 private fields are set here and nowhere else, and only where they and forkserver.main are as
-written for (Python 3.10 to 3.13). tests/test_worker_copy.py fails on a Python where they
-are not, so that an upgrade is noticed rather than silently slower.
+written for (Python 3.10 to 3.13, each checked). tests/test_worker_copy.py fails on a Python
+where they are not, so that an upgrade is noticed rather than silently slower.
 """
 
 from __future__ import annotations

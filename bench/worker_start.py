@@ -54,7 +54,8 @@ def main() -> None:
                           training={"epochs": 1, "device": args.device})  # fmt: skip
         config = folder / "c.yaml"
         config.write_text(yaml.safe_dump(raw, sort_keys=False))
-        copy, fresh = [], []
+        copy: list[float] = []
+        fresh: list[float] = []
         for pair in range(args.pairs + 1):
             for is_fresh in (False, True) if pair % 2 else (True, False):
                 wall_s = one_run(folder, config, f"{'fresh' if is_fresh else 'copy'}{pair}",

@@ -340,8 +340,8 @@ def hpo_main() -> Iterator[Callable[[list[str]], int]]:
     root.setLevel(level)
     for name, library_level in libraries.items():
         logging.getLogger(name).setLevel(library_level)
-    for number, handler in signals.items():
-        signal.signal(number, handler)
+    for number, signal_handler in signals.items():
+        signal.signal(number, signal_handler)
 
 
 def exit_code(main: Callable[[list[str]], int], args: list[str]) -> int:

@@ -45,7 +45,7 @@ if mode == "handler":
 context = multiprocessing.get_context("forkserver")
 worker_copy.use_nvml_for_cuda_checks()
 print("why not:", worker_copy.why_not_copy(before), flush=True)
-print("copied:", worker_copy.start_as_copy(["copymark"], before), flush=True)
+print("copied:", worker_copy.start_as_copy(before), flush=True)
 print("nvml here:", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"), flush=True)
 server = multiprocessing.forkserver._forkserver._forkserver_pid
 print("server:", server, flush=True)

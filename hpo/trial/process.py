@@ -577,9 +577,8 @@ def start_fork_server(user_function: bool, native_threads_before: int | None = N
     prepares the data, opens the study or starts a thread: the fork server as a copy of the
     worker (worker_copy.py; True), else started afresh with the first trial process (False).
     `native_threads_before`: prepare_fork_server's count, before the user's modules ran."""
-    preload = fork_server_preload(user_function)
-    _mp_context(preload)
-    return worker_copy.start_as_copy(preload, native_threads_before)
+    _mp_context(fork_server_preload(user_function))  # what a server started afresh preloads
+    return worker_copy.start_as_copy(native_threads_before)
 
 
 def _mp_context(preload: list[str]) -> ForkServerContext:

@@ -85,8 +85,8 @@ def why_not_copy(native_threads_before: int | None = None) -> str | None:
     if threading.active_count() > 1:
         names = ", ".join(t.name for t in threading.enumerate() if t is not threading.main_thread())
         return f"threads run here ({names})"
-    if native_threads_before is not None and native_threads() > native_threads_before:
-        started = native_threads() - native_threads_before
+    started = native_threads() - native_threads_before if native_threads_before is not None else 0
+    if started > 0:
         return f"{started} native thread(s) started since hpo's imports (by the user's modules)"
     if cuda_driver_loaded():
         return "the CUDA driver is loaded here"
@@ -130,13 +130,13 @@ def internals_problem() -> str | None:
     return None
 
 
-def start_as_copy(preload: Iterable[str], native_threads_before: int | None = None) -> bool:
-    """Make the fork server a copy of this process, with `preload` imported here first (what a
-    server started afresh would import; see why_not_copy for `native_threads_before`). False,
+def start_as_copy(native_threads_before: int | None = None) -> bool:
+    """Make the fork server a copy of this process, which has imported what a server started
+    afresh would preload (import_preload; see why_not_copy for `native_threads_before`). False,
     and a debug line saying why, where it is not safe, a server already runs or the copy
     could not be made: then the first trial process starts one as multiprocessing does."""
     try:
-        pid = _copy(preload, native_threads_before)
+        pid = _copy(native_threads_before)
     finally:
         _forget_nvml_for_cuda_checks()
     if pid is None:
@@ -145,14 +145,11 @@ def start_as_copy(preload: Iterable[str], native_threads_before: int | None = No
     return True
 
 
-def _copy(preload: Iterable[str], native_threads_before: int | None) -> int | None:
+def _copy(native_threads_before: int | None) -> int | None:
     server = cast(Any, forkserver)._forkserver  # private: typeshed leaves it out
     reason = why_not_copy(native_threads_before)
     if reason is None and server._forkserver_pid is not None:
         reason = "a fork server already runs"
-    if reason is None:
-        import_preload(preload)  # normally imported already: see process.prepare_fork_server
-        reason = why_not_copy(native_threads_before)  # a module imported just now may run one
     if reason is None:
         resource_tracker.ensure_running()  # shared by the worker, the copy, trial processes
         try:

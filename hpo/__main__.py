@@ -10,14 +10,21 @@ import signal
 import sys
 from types import FrameType
 
-from hpo.stopping import Interrupted, stopped_exit_code  # light: the standard library only
+# light: the standard library only
+from hpo.stopping import Interrupted, inside_import, stopped_exit_code
 
 # The exit code main() returned; None until it returns (an uncaught error exits as usual).
 _exit_code: list[int] = []
+# A stop signal that came while the CLI's modules loaded (never raised there: inside_import).
+_stopped_while_loading: list[str] = []
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise Interrupted(signal.Signals(signum).name)
+    name = signal.Signals(signum).name
+    if inside_import(frame):
+        _stopped_while_loading.append(name)
+        return
+    raise Interrupted(name)
 
 
 def entry() -> int:
@@ -28,7 +35,9 @@ def entry() -> int:
     try:
         from hpo.cli.app import main
     except KeyboardInterrupt as e:
-        name = getattr(e, "signal_name", "SIGINT")
+        _stopped_while_loading.append(getattr(e, "signal_name", "SIGINT"))
+    if _stopped_while_loading:
+        name = _stopped_while_loading[0]
         print(f"hpo: stopped by {name} while starting", file=sys.stderr)
         return stopped_exit_code(name)
     code = main(own_process=True)

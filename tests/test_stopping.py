@@ -3,12 +3,15 @@ as interrupted, hands it back to the study and exits; the next worker runs it ag
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import optuna
@@ -330,6 +333,91 @@ def test_a_second_ctrl_c_exits_at_once_and_raises_nowhere(monkeypatch: pytest.Mo
     with pytest.raises(Interrupted):
         training_here._handle(signal.SIGINT, None)
     assert exits == []
+
+
+@pytest.fixture
+def signal_handlers() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGALRM as they were, and no timer left, after a test that installs
+    a worker's handlers in this process."""
+    numbers = (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)
+    saved = {number: signal.getsignal(number) for number in numbers}
+    yield
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    for number, handler in saved.items():
+        signal.signal(number, handler)
+
+
+def _import_signalled(folder: Path, name: str, signum: int) -> ModuleType:
+    """Import a module of `folder` that sends this process `signum` while it loads, then loads
+    on for 0.3 s (AFTER_IMPORT_CHECK_S looks in six times meanwhile)."""
+    (folder / f"{name}.py").write_text(
+        f"import os, time\nos.kill(os.getpid(), {int(signum)})\ntime.sleep(0.3)\nLOADED = True\n",
+        encoding="utf-8",
+    )
+    sys.path.insert(0, str(folder))
+    try:
+        return importlib.import_module(name)
+    except KeyboardInterrupt as e:  # left to pytest, it would end the whole run
+        pytest.fail(f"the stop was raised inside the import: {e!r}")
+    finally:
+        sys.path.remove(str(folder))
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.usefixtures("signal_handlers")
+def test_a_stop_while_a_module_loads_is_raised_once_it_has_loaded(tmp_path: Path) -> None:
+    """Raised inside an import, a stop landed where torch's C++ called back into Python as it
+    loaded: the worker aborted (pybind11's error_already_set, exit -6; a CI run of
+    test_a_stop_as_a_worker_starts_ends_it_quietly), or in numpy's lazy attributes
+    (RecursionError). The worker checking its inputs now stops just after the import."""
+    from hpo.stopping import Interrupted, StopRequest
+
+    stop = StopRequest(interrupt_at_once=True, doing=StopRequest.BEFORE_FIRST_TRIAL)
+    stop.install()
+    module = _import_signalled(tmp_path, "loads_slowly", signal.SIGTERM)
+    assert module.LOADED and stop.signal_name == "SIGTERM"
+    with pytest.raises(Interrupted) as raised:
+        time.sleep(5)  # woken by the raise 0 to 50 ms after the import
+    assert raised.value.signal_name == "SIGTERM"
+    assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL  # hpo's look-again handler gone
+    # Past the inputs a worker only notes a signal: one held back by an import is not raised.
+    noted = StopRequest(interrupt_at_once=True)
+    noted.install()
+    _import_signalled(tmp_path, "loads_slowly_too", signal.SIGINT)
+    noted.interrupt_at_once = False
+    time.sleep(0.2)
+    assert noted.signal_name == "SIGINT"
+    assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL
+
+
+@pytest.mark.usefixtures("signal_handlers")
+def test_a_stop_while_the_cli_loads_is_said_once_it_has_loaded(tmp_path: Path) -> None:
+    """`hpo`'s own handler, before the CLI has loaded, never raises inside an import either."""
+    import hpo.__main__ as entry
+
+    signal.signal(signal.SIGTERM, entry._interrupt)
+    _import_signalled(tmp_path, "cli_loads", signal.SIGTERM)
+    assert entry._stopped_while_loading == ["SIGTERM"]
+    entry._stopped_while_loading.clear()
+
+
+def test_inside_import_tells_a_module_loading_from_code_running(tmp_path: Path) -> None:
+    from hpo.stopping import inside_import
+
+    (tmp_path / "where.py").write_text(
+        "import sys\nfrom hpo.stopping import inside_import\n"
+        "AT_IMPORT = inside_import(sys._getframe())\n"
+        "def later():\n    return inside_import(sys._getframe())\n",
+        encoding="utf-8",
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        where = importlib.import_module("where")
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("where", None)
+    assert where.AT_IMPORT is True and where.later() is False
+    assert inside_import(sys._getframe()) is False and inside_import(None) is False
 
 
 def test_a_second_ctrl_c_soon_after_the_first_ends_the_worker_quietly(

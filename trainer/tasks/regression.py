@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from trainer.data import TokenizedSplit
 from trainer.errors import DataError
+from trainer.metrics import mean_ranks
 from trainer.tasks.base import Task, encode_texts, missing_target, set_output_bias
 
 
@@ -144,8 +145,6 @@ def _as_number(value: Any) -> float | None:
 def regression_metrics(predicted: np.ndarray, truth: np.ndarray) -> dict[str, float]:
     """mse, rmse, mae, pearson, spearman and r2 of `predicted` against `truth` (float64). A
     correlation or R² that a constant makes undefined (no variance) is NaN."""
-    from scipy.stats import rankdata
-
     if len(truth) == 0:
         return dict.fromkeys(("mse", "rmse", "mae", "pearson", "spearman", "r2"), math.nan)
     errors = predicted - truth
@@ -156,7 +155,7 @@ def regression_metrics(predicted: np.ndarray, truth: np.ndarray) -> dict[str, fl
         "rmse": math.sqrt(mse),
         "mae": float(np.mean(np.abs(errors))),
         "pearson": correlation(predicted, truth),
-        "spearman": correlation(rankdata(predicted), rankdata(truth)),  # ties: mean ranks
+        "spearman": correlation(mean_ranks(predicted), mean_ranks(truth)),
         "r2": 1.0 - mse / variance if variance > 0 else math.nan,
     }
 

@@ -421,3 +421,89 @@ def test_a_tab_separated_file_named_csv_is_called_tab_separated(tmp_path: Path) 
         caught.value
     )
     assert "'text\\tlabel'" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ("\ufefftext,label\nhi,1\n", {"text": ["hi"], "label": ["1"]}),  # Excel's BOM
+        ("text,label\r\nhi,1\r\nyo,0\r\n", {"text": ["hi", "yo"], "label": ["1", "0"]}),
+        ("text,label\rhi,1\ryo,0\r", {"text": ["hi", "yo"], "label": ["1", "0"]}),  # old Mac
+        ("text,label\nhi,1", {"text": ["hi"], "label": ["1"]}),  # no final newline
+        ("text,label\n", {"text": [], "label": []}),
+        ("\n\ntext,label\n\nhi,1\n   \n\nyo,0\n\n", {"text": ["hi", "yo"], "label": ["1", "0"]}),
+        ("text,label\nhi,1\n,\n", {"text": ["hi", ""], "label": ["1", ""]}),  # a row, empty
+        (
+            'text,label\n"a, b",1\n"say ""hi""",0\n',
+            {"text": ["a, b", 'say "hi"'], "label": ["1", "0"]},
+        ),
+        ('text,label\n"two\nlines",1', {"text": ["two\nlines"], "label": ["1"]}),
+        ('text,label\nhe"llo,1\n"he"llo,0\n', {"text": ['he"llo', "hello"], "label": ["1", "0"]}),
+        (
+            "text,label,extra\nhi,1\nyo,0,x\n",
+            {"text": ["hi", "yo"], "label": ["1", "0"], "extra": ["", "x"]},
+        ),
+        ("text,,label\nhi,x,1\n", {"text": ["hi"], "Unnamed: 1": ["x"], "label": ["1"]}),
+        (" text ,label\n 1.50 ,NA\n", {" text ": [" 1.50 "], "label": ["NA"]}),  # text as it is
+        ("text,label\n" + "x" * 200_000 + ",1\n", {"text": ["x" * 200_000], "label": ["1"]}),
+    ],
+    ids=[
+        "bom",
+        "crlf",
+        "cr",
+        "no final newline",
+        "header only",
+        "blank lines",
+        "empty fields",
+        "quotes",
+        "quoted newline",
+        "stray quotes",
+        "short row",
+        "unnamed columns",
+        "verbatim",
+        "200k-character field",
+    ],  # fmt: skip
+)
+def test_a_csv_reads_as_pandas_read_it_every_field_as_text(
+    tmp_path: Path, body: str, expected: dict[str, list[str]]
+) -> None:
+    """What pandas.read_csv(dtype=object, keep_default_na=False) gave, before the csv module
+    replaced it (pandas cost each worker seconds of CPU to import)."""
+    path = tmp_path / "table.csv"
+    path.write_bytes(body.encode("utf-8"))
+    assert data_module.read_table(str(path), "train") == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("", r"table.csv is empty: a CSV file starts with a header row that names its columns"),
+        ("\n \n", r"table.csv is empty"),
+        (
+            'text,label\nhi,1\n"open,0\nyo,1\n',
+            r"table.csv: the quoted field that starts on line 3 "
+            r"is never closed; close its quote, and write a quote inside a quoted text as two",
+        ),
+        ("text,label\nhi,1\n\nyo,1,2\n", r"table.csv: row 2 has 3 fields, the header 2"),
+        ("text,label\ncaf\xe9,1\n", r"line 2 is not valid UTF-8 \(byte 0xe9 at column 4\)"),
+    ],
+    ids=["empty", "blank", "quote never closed", "long row after a blank line", "latin-1"],
+)
+def test_a_broken_csv_is_one_line_naming_where(tmp_path: Path, body: str, message: str) -> None:
+    path = tmp_path / "table.csv"
+    path.write_bytes(body.encode("latin-1") if "\xe9" in body else body.encode("utf-8"))
+    with pytest.raises(DataError, match=message):
+        data_module.read_table(str(path), "train")
+
+
+def test_reading_a_csv_imports_no_pandas(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    path = write_csv(tmp_path / "t.csv", easy_rows(4, 0))
+    code = (
+        "import sys; from trainer.data import read_table;"
+        f"assert read_table({str(path)!r}, 'train')['label'];"
+        "sys.exit('pandas' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import MINILM_TOKENIZER, TINY_BERT, tiny_config, write_config
+from tests.conftest import MINILM_TOKENIZER, TINY_BERT, tiny_config, write_config, write_csv
 from tests.task_study import run_task_study
 from trainer.config import DataConfig, ModelConfig, TrainingConfig
 from trainer.data import collate
@@ -163,18 +163,16 @@ def test_a_byte_level_bpe_tokenizer_reads_each_word_as_in_running_text(tmp_path:
 def test_a_csv_holds_words_and_tags_separated_by_spaces(
     tmp_path: Path, ner_files: tuple[Path, Path], tokenizer: Any
 ) -> None:
-    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
     rows = ner_rows(96, 1)
-    csv_file = tmp_path / "train.csv"
-    pd.DataFrame(
-        {
-            "tokens": [" ".join(r["tokens"]) for r in rows],
-            "tags": [" ".join(r["tags"]) for r in rows],
-        }
-    ).to_csv(csv_file, index=False)
+    csv_file = write_csv(
+        tmp_path / "train.csv",
+        [{"tokens": " ".join(r["tokens"]), "tags": " ".join(r["tags"])} for r in rows],
+    )
     parquet = tmp_path / "train.parquet"
-    pd.DataFrame(rows).to_parquet(parquet)
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
     from_jsonl = prepare_data(data_config(*ner_files), tokenizer, TASK)
     for train in (csv_file, parquet):
         other = prepare_data(data_config(train, ner_files[1]), tokenizer, TASK)

@@ -16,8 +16,8 @@ import os
 import re
 import shutil
 import tempfile
-import warnings
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -137,12 +137,49 @@ def _read_location(location: Path, split: str) -> dict[str, list[Any]]:
     )
 
 
-def _read_csv(path: Path) -> dict[str, list[Any]]:
-    import pandas as pd
+# A CSV field may be a whole document: csv's own limit (128 KiB) would refuse it.
+_CSV_FIELD_LIMIT = 2**31 - 1
 
-    # pandas renames a repeated column (text, text.1) and reads on: check the header itself.
+
+def _read_csv(path: Path) -> dict[str, list[Any]]:
+    """Every field as the text it is (a CSV holds only text; whole_number_labels reads numbers
+    later). Blank lines are skipped, a short row's missing fields are empty, a column with no
+    name is called "Unnamed: N" (as pandas names it). Read with the csv module: importing
+    pandas cost every worker one to three seconds of CPU."""
+    csv.field_size_limit(_CSV_FIELD_LIMIT)
     with path.open(newline="", encoding="utf-8-sig") as handle:
-        header = next(csv.reader(handle), [])
+        lines = _WatchedLines(handle)
+        reader = csv.reader(lines)
+        rows = lines.rows(reader)
+        try:
+            header = next(rows, None)
+            if header is None:
+                raise DataError(f"{path} is empty: a CSV file starts with a header row that "
+                                "names its columns (text,label, say)")  # fmt: skip
+            _check_csv_header(header, path)
+            table = list(rows)
+        except csv.Error as e:
+            raise DataError(f"cannot read {path}: {e} (line {reader.line_num})") from e
+    if lines.ended_inside_a_row:
+        raise DataError(
+            f"{path}: the quoted field that starts on line {lines.row_start} is never closed; "
+            'close its quote, and write a quote inside a quoted text as two ("")'
+        )
+    width = len(header)
+    for row, values in enumerate(table, start=1):
+        if len(values) != width:
+            if len(values) > width:
+                raise DataError(f"{path}: row {row} has {len(values)} fields, the header "
+                                f"{width}; quote a text that holds a comma")  # fmt: skip
+            values.extend([""] * (width - len(values)))
+    # Every row is as wide as the header now: its columns are the table turned on its side.
+    columns = [list(column) for column in zip(*table, strict=True)] if table else []
+    columns = columns or [[] for _ in header]
+    names = [name if name else f"Unnamed: {index}" for index, name in enumerate(header)]
+    return dict(zip(names, columns, strict=True))
+
+
+def _check_csv_header(header: list[str], path: Path) -> None:
     if len(header) == 1 and "\t" in header[0]:  # one column can hold no text and label anyway
         raise DataError(
             f"{path}: the header is one column, {header[0][:80]!r}, with tabs in it: the file is "
@@ -150,24 +187,40 @@ def _read_csv(path: Path) -> dict[str, list[Any]]:
             "or to .jsonl"
         )
     _check_unique_columns(header, path)
-    # index_col=False: a first row with more fields than the header would otherwise turn the
-    # first columns into an index and shift every row (a wrong row then blamed for it).
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", pd.errors.ParserWarning)
-        try:
-            frame = pd.read_csv(path, dtype=object, keep_default_na=False, index_col=False)
-        except pd.errors.ParserWarning as e:
-            raise DataError(_longer_row(path, len(header))) from e
-    return _frame_columns(frame)
 
 
-def _longer_row(path: Path, fields: int) -> str:
-    with path.open(newline="", encoding="utf-8-sig") as handle:
-        for row, values in enumerate(csv.reader(handle)):
-            if row and len(values) > fields:
-                return (f"{path}: row {row} has {len(values)} fields, the header {fields}; quote "
-                        "a text that holds a comma")  # fmt: skip
-    return f"{path}: a row has more fields than the header ({fields}); quote texts with commas"
+class _WatchedLines:
+    """A CSV file's lines as csv.reader takes them, noting whether the file ended inside a row
+    (a quoted field left open): csv.reader would return the rest of the file as that field."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+        self._line = 0
+        self._taken = 0  # lines the reader took since it returned its last row
+        self.row_start = 1  # the line where the row being read began
+        self.ended_inside_a_row = False
+
+    def __iter__(self) -> _WatchedLines:
+        return self
+
+    def __next__(self) -> str:
+        line: str = self._handle.readline()
+        if not line:
+            if self._taken > 0:  # asked for more lines to end a row: no more came
+                self.ended_inside_a_row = True
+            raise StopIteration
+        self._line += 1
+        if self._taken == 0:
+            self.row_start = self._line
+        self._taken += 1
+        return line
+
+    def rows(self, reader: Any) -> Iterator[list[str]]:
+        """The reader's rows, blank lines left out (a line of spaces too, as pandas did)."""
+        for values in reader:
+            self._taken = 0
+            if values and not (len(values) == 1 and not values[0].strip()):
+                yield values
 
 
 def _read_parquet(path: Path) -> dict[str, list[Any]]:
@@ -243,10 +296,6 @@ def _undecodable_line(path: Path) -> str:
                     f"{e.start + 1}); save the file as UTF-8"
                 )
     return "it is not valid UTF-8; save the file as UTF-8"
-
-
-def _frame_columns(frame: Any) -> dict[str, list[Any]]:
-    return {str(name): frame[name].tolist() for name in frame.columns}
 
 
 def _read_saved_dataset(folder: Path, split: str) -> dict[str, list[Any]]:

@@ -433,6 +433,7 @@ def test_a_tab_separated_file_named_csv_is_called_tab_separated(tmp_path: Path) 
         ("text,label\n", {"text": [], "label": []}),
         ("\n\ntext,label\n\nhi,1\n   \n\nyo,0\n\n", {"text": ["hi", "yo"], "label": ["1", "0"]}),
         ("text,label\nhi,1\n,\n", {"text": ["hi", ""], "label": ["1", ""]}),  # a row, empty
+        ('text\na\n""\n', {"text": ["a", ""]}),  # csv's one-column empty row, kept
         (
             'text,label\n"a, b",1\n"say ""hi""",0\n',
             {"text": ["a, b", 'say "hi"'], "label": ["1", "0"]},
@@ -455,6 +456,7 @@ def test_a_tab_separated_file_named_csv_is_called_tab_separated(tmp_path: Path) 
         "header only",
         "blank lines",
         "empty fields",
+        "quoted empty field",
         "quotes",
         "quoted newline",
         "stray quotes",

@@ -26,7 +26,9 @@ VALUE = "as imported"
 
 def report(conn):
     nvml = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
-    conn.send((VALUE, os.getppid(), signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, nvml))
+    alarm_blocked = signal.SIGALRM in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    conn.send((VALUE, os.getppid(), signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, nvml,
+               alarm_blocked))
 """
 WORKER = """
 import _thread, multiprocessing, os, signal, sys, threading, time
@@ -107,9 +109,10 @@ def test_the_server_is_a_copy_of_the_worker_and_ends_with_it(tmp_path: Path) -> 
     lines = _run_worker(tmp_path, "plain")
     assert lines["why not"] == "None"
     assert lines["copied"] == "True"
-    value, parent, default_sigterm, nvml = eval(lines["trial"])
+    value, parent, default_sigterm, nvml, alarm_blocked = eval(lines["trial"])
     # The trial process came from the copy: what the worker set is there, nothing was reloaded.
     assert value == "set in the worker" and parent == int(lines["server"]) and default_sigterm
+    assert not alarm_blocked  # blocked only for the fork: the user's signal.alarm works
     # NVML answers the worker's CUDA check only until the copy: trial processes ask torch's own.
     assert nvml is None and lines["nvml here"] == "None"
     assert lines["server name"] == "hpo-forkserver"  # in `ps -e` and `top`, not a second worker
@@ -122,7 +125,7 @@ def test_no_copy_of_a_worker_running_threads(tmp_path: Path) -> None:
     """A copy holds only the forking thread: a lock another thread held stays locked in it."""
     lines = _run_worker(tmp_path, "thread")
     assert lines["why not"] == "threads run here (busy)" and lines["copied"] == "False"
-    value, _, _, nvml = eval(lines["trial"])
+    value, _, _, nvml, _ = eval(lines["trial"])
     assert value == "as imported" and lines["exit"] == "0"  # multiprocessing's own server
     assert nvml is None and lines["nvml here"] == "None"  # set only until the copy, made or not
 
@@ -144,7 +147,7 @@ def test_the_worker_s_signal_handlers_do_not_run_in_the_copy(tmp_path: Path) -> 
     lines = _run_worker(tmp_path, "handler")
     assert lines["copied"] == "True"
     assert not (tmp_path / "note").exists(), (tmp_path / "note").read_text()
-    value, parent, _, _ = eval(lines["trial"])
+    value, parent, *_ = eval(lines["trial"])
     assert value == "as imported" and parent != int(lines["server"]) and lines["exit"] == "0"
 
 

@@ -216,10 +216,11 @@ class _WatchedLines:
         return line
 
     def rows(self, reader: Any) -> Iterator[list[str]]:
-        """The reader's rows, blank lines left out (a line of spaces too, as pandas did)."""
+        """The reader's rows, blank lines left out (a line of spaces too, as pandas did). A
+        quoted empty field ("") is a row: the empty text of a one-column file, as csv writes it."""
         for values in reader:
             self._taken = 0
-            if values and not (len(values) == 1 and not values[0].strip()):
+            if values and not (len(values) == 1 and values[0].isspace()):
                 yield values
 
 

@@ -199,8 +199,9 @@ def _serve(listener_fd: int, alive_r: int, alive_w: int) -> None:
         _forget_nvml_for_cuda_checks()  # trial processes ask torch's own check
         name_this_process(FORK_SERVER_NAME)
         _default_signal_handlers()
-        # SIGINT stays blocked, as in a server started afresh (see process._sigint_blocked).
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        # SIGINT stays blocked, as in a server started afresh (see process._sigint_blocked);
+        # SIGALRM, blocked for the fork, is the user's again in trial processes.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGALRM})
         # The worker's objects are never collected here (a finalizer of one might act for it).
         gc.freeze()
         forkserver.main(listener_fd, alive_r, [])
@@ -240,8 +241,10 @@ def _fresh_handler(signum: int) -> Any:
 @contextlib.contextmanager
 def _stop_signals_blocked() -> Iterator[None]:
     """A Ctrl-C or SIGTERM arriving during the fork waits until the copy has the handlers of a
-    new interpreter (the worker's own would otherwise run in it); the worker gets it after."""
-    stops = {signal.SIGINT, signal.SIGTERM}
+    new interpreter (the worker's own would otherwise run in it); the worker gets it after. So
+    does SIGALRM, which raises a stop that an import held back (hpo.stopping): raised in the
+    fork's own hooks (logging's lock release), it was printed as ignored, with a traceback."""
+    stops = {signal.SIGINT, signal.SIGTERM, signal.SIGALRM}
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
     try:
         yield

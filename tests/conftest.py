@@ -112,6 +112,14 @@ def write_csv(path: Path, rows: list[dict[str, str]]) -> Path:
     return path
 
 
+def loaded_by(code: str, modules: tuple[str, ...]) -> list[str]:
+    """Which of `modules` a fresh interpreter has imported after running `code`."""
+    check = f"{code}\nimport sys\nprint([m for m in {modules!r} if m in sys.modules])"
+    ran = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=False)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    return list(eval(ran.stdout.strip().splitlines()[-1]))
+
+
 def read_csv(path: Path) -> list[dict[str, str]]:
     import csv
 

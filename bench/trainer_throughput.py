@@ -100,6 +100,7 @@ class Setup:
     precision: str
     fused_adamw: bool
     pad_multiple: int
+    theirs_compiled: bool
 
 
 class BatchCounter:
@@ -202,6 +203,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="both engines compiled: our model.compile, transformers' torch_compile=True",
     )  # fmt: skip
     parser.add_argument(
+        "--trainer-eager", action="store_true",
+        help="with --compile: transformers' Trainer stays eager, its best with dynamic padding "
+        "(its torch_compile=True recompiles for new lengths: 2026-11-26, an H100, 6-7x slower)",
+    )  # fmt: skip
+    parser.add_argument(
         "--cudnn-benchmark", choices=["on", "off"], default="on",
         help="torch.backends.cudnn.benchmark for both engines (hpo's loop sets it on)",
     )  # fmt: skip
@@ -293,6 +299,7 @@ def make_setup(args: argparse.Namespace) -> Setup:
         precision=precision,
         fused_adamw=optimizer_name == "adamw_fused",
         pad_multiple=padding_for(device, config.model.compile, config.data.max_length).multiple,
+        theirs_compiled=config.model.compile and not args.trainer_eager,
     )
 
 
@@ -453,7 +460,7 @@ def hf_arguments(setup: Setup, output_dir: str) -> TrainingArguments:
         fp16=setup.precision == "fp16",
         tf32=cfg.tf32 if _has_tf32(setup.device) else None,  # it refuses True without Ampere
         use_cpu=not on_cuda,
-        torch_compile=setup.config.model.compile,
+        torch_compile=setup.theirs_compiled,
         dataloader_pin_memory=on_cuda,
         dataloader_num_workers=workers,
         dataloader_prefetch_factor=4 if workers else None,
@@ -564,6 +571,9 @@ def report(
         f"{cfg.num_workers} loader workers, cudnn.benchmark {args.cudnn_benchmark}, "
         f"{len(ran[0])} repeat(s) after {args.warmup_rounds} untimed round(s), medians"
     )
+    compiled = {True: "compiled", False: "eager"}
+    print(f"engines: ours {compiled[setup.config.model.compile]}, "
+          f"transformers {compiled[setup.theirs_compiled]}")  # fmt: skip
     print(LEGEND)
     print()
     header = f"{'engine':<13}{'steps':>6}{'samples':>9}{'samples/s':>11}{'tokens/s':>11}"

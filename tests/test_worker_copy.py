@@ -5,6 +5,7 @@ multiprocessing it relies on checked on the Python that runs the tests."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -151,13 +152,79 @@ def test_the_worker_s_signal_handlers_do_not_run_in_the_copy(tmp_path: Path) -> 
     assert value == "as imported" and parent != int(lines["server"]) and lines["exit"] == "0"
 
 
-def test_a_loaded_cuda_driver_rules_the_copy_out(tmp_path: Path) -> None:
+class _Driver:
+    """A CUDA driver as ctypes opens it: cuCtxGetCurrent answers `answer`."""
+
+    def __init__(self, answer: int) -> None:
+        self.answer = answer
+
+    def cuCtxGetCurrent(self, context: object) -> int:  # noqa: N802 (the driver's name)
+        return self.answer
+
+
+def test_only_an_initialised_cuda_driver_rules_the_copy_out(tmp_path: Path) -> None:
+    """The driver's library mapped is not CUDA initialised (a GPU host maps it on imports):
+    the driver is asked; any answer but 'not initialised', or none, rules the copy out."""
     maps = tmp_path / "maps"
     maps.write_text("7f0 r-xp 00000000 08:01 1 /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1\n")
-    assert not worker_copy.cuda_driver_loaded(str(maps))  # NVML's library is not the driver
+    opened: list[str] = []
+
+    def driver(answer: int):  # type: ignore[no-untyped-def]
+        return lambda path: opened.append(path) or _Driver(answer)
+
+    assert worker_copy.cuda_initialised(str(maps), driver(0)) is None  # NVML is not the driver
+    assert opened == []
     maps.write_text(maps.read_text() + "7f1 r-xp 00000000 08:01 2 /usr/lib/libcuda.so.550.54\n")
-    assert worker_copy.cuda_driver_loaded(str(maps))
-    assert worker_copy.cuda_driver_loaded(str(tmp_path / "missing"))  # cannot tell: no copy
+    assert worker_copy.cuda_initialised(str(maps), driver(3)) is None
+    assert opened == ["/usr/lib/libcuda.so.550.54"]
+    assert "initialised here (cuCtxGetCurrent gave 0)" in str(
+        worker_copy.cuda_initialised(str(maps), driver(0))
+    )
+    assert "gave 100" in str(worker_copy.cuda_initialised(str(maps), driver(100)))
+
+    def not_loaded(path: str) -> None:
+        raise OSError(f"{path}: cannot open shared object file")
+
+    assert "could not say" in str(worker_copy.cuda_initialised(str(maps), not_loaded))
+    assert "unreadable" in str(worker_copy.cuda_initialised(str(tmp_path / "missing")))
+
+
+# A driver in miniature, built as a shared library named as the real one: not initialised
+# until cuInit, as cuda.h documents every call.
+FAKE_DRIVER = """
+static int initialised = 0;
+int cuInit(unsigned int flags) { initialised = 1; return 0; }
+int cuCtxGetCurrent(void **context) { if (!initialised) return 3; *context = 0; return 0; }
+"""
+ASK_DRIVER = """
+import ctypes, sys
+from hpo.trial import worker_copy
+print(worker_copy.cuda_initialised())
+driver = ctypes.CDLL(sys.argv[1])
+print(worker_copy.cuda_initialised())
+driver.cuInit(0)
+print(worker_copy.cuda_initialised())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps: Linux")
+def test_a_loaded_driver_is_asked_through_the_library_already_loaded(tmp_path: Path) -> None:
+    """In a process of its own (a driver loaded stays loaded): no driver, then one loaded and
+    not initialised, may be copied; once cuInit ran, not."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build a driver in miniature")
+    (tmp_path / "driver.c").write_text(FAKE_DRIVER)
+    library = tmp_path / "libcuda.so.1"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(library), str(tmp_path / "driver.c")],
+                   check=True)  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", ASK_DRIVER, str(library)], capture_output=True,
+                          text=True, check=True)  # fmt: skip
+    assert done.stdout.splitlines() == [
+        "None",
+        "None",
+        "the CUDA driver is initialised here (cuCtxGetCurrent gave 0)",
+    ]
 
 
 def test_only_a_worker_that_is_the_hpo_command_alone_copies_itself() -> None:

@@ -5,8 +5,8 @@ A fork server that multiprocessing starts is a new interpreter that imports torc
 transformers once more: 5-6 s of CPU and a few hundred MB per worker, before its first trial.
 The worker has loaded all of that by the time it has checked its inputs. A copy of it made
 then, before it opens the study or starts a thread, is the same server at no cost. A copy is
-made only while this process has not loaded the CUDA driver (a child of a process that did
-cannot use CUDA; torch.cuda.is_available() is answered by NVML here, which does not load it),
+made only while CUDA is not initialised in this process (a child of a process that initialised
+it cannot use CUDA; torch.cuda.is_available() is answered by NVML here, which does not),
 runs no Python thread but this one (a copy holds only the forking thread: a lock another
 thread held stays locked in it), and no native thread the user's modules started (torch's
 OpenMP pool hangs a forked child that uses it). Otherwise, and wherever a check below fails,
@@ -21,6 +21,7 @@ where they are not, so that an upgrade is noticed rather than silently slower.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import importlib
 import inspect
@@ -32,7 +33,7 @@ import sys
 import threading
 import traceback
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from multiprocessing import connection, forkserver, resource_tracker
 from typing import Any, cast
 
@@ -55,6 +56,8 @@ _nvml_set_here: list[bool] = []
 # Preloaded by a server started afresh, never imported by the worker: it makes its importer's
 # exit skip every atexit hook (a copy of the worker ends in os._exit without it).
 SERVER_ONLY_MODULES = {"hpo.trial.fork_server"}
+# What every CUDA driver call answers before cuInit (cuda.h's CUresult).
+CUDA_ERROR_NOT_INITIALIZED = 3
 
 
 def use_nvml_for_cuda_checks() -> None:
@@ -88,8 +91,9 @@ def why_not_copy(native_threads_before: int | None = None) -> str | None:
     started = native_threads() - native_threads_before if native_threads_before is not None else 0
     if started > 0:
         return f"{started} native thread(s) started since hpo's imports (by the user's modules)"
-    if cuda_driver_loaded():
-        return "the CUDA driver is loaded here"
+    initialised = cuda_initialised()
+    if initialised is not None:
+        return initialised
     return internals_problem()
 
 
@@ -110,12 +114,38 @@ def import_preload(preload: Iterable[str]) -> int:
     return native_threads()
 
 
-def cuda_driver_loaded(maps: str = "/proc/self/maps") -> bool:
+def cuda_initialised(
+    maps: str = "/proc/self/maps", open_driver: Callable[[str], Any] | None = None
+) -> str | None:
+    """Why CUDA may be initialised in this process (None: it is not, a copy can use it).
+    The driver's library being mapped is not enough: on a GPU host something imports it long
+    before anything initialises it (2026-11-26, an H100: every worker's copy was refused on
+    that ground). The driver itself says, from the first call: CUDA_ERROR_NOT_INITIALIZED
+    until cuInit, by whichever library (torch, triton, a user's) it came. `open_driver` opens
+    the loaded library of a path (tests give their own)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "torch has initialised CUDA here"
     try:
         with open(maps) as f:
-            return any("libcuda.so" in line for line in f)
-    except OSError:
-        return True  # cannot tell: assume so (a fork server started afresh is always safe)
+            paths = [line.split(None, 5)[-1].strip() for line in f if "libcuda.so" in line]
+    except OSError:  # cannot tell: assume so (a fork server started afresh is always safe)
+        return f"cannot tell whether CUDA is initialised here ({maps} unreadable)"
+    if not paths:
+        return None
+    try:
+        driver = (open_driver or _loaded_library)(paths[0])
+        answer = driver.cuCtxGetCurrent(ctypes.byref(ctypes.c_void_p()))
+    except (OSError, AttributeError) as e:
+        return f"the CUDA driver is loaded here and could not say whether it is initialised ({e})"
+    if answer == CUDA_ERROR_NOT_INITIALIZED:
+        return None
+    return f"the CUDA driver is initialised here (cuCtxGetCurrent gave {answer})"
+
+
+def _loaded_library(path: str) -> Any:
+    """The library at `path` as already loaded (RTLD_NOLOAD: never loads it; OSError if not)."""
+    return ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
 
 
 def internals_problem() -> str | None:

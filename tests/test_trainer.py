@@ -237,3 +237,44 @@ def test_optional_modes_train(
 def test_trainer_does_not_import_optuna() -> None:
     code = "import trainer.loop, trainer.data, trainer.model, trainer.metrics"
     assert loaded_by(code, ("optuna",)) == []
+
+
+# A DataLoader worker handing a batch's tensor over as a file descriptor (resource_sharer's
+# serving thread), and a training process that leaves mid-handshake (a reset).
+HANDED_OVER = """
+import os, socket, struct, sys, time
+from multiprocessing import resource_sharer
+from trainer import loaders
+
+if sys.argv[1] == "worker":
+    loaders.leave_stop_signals_to_the_trainer(0)
+read, _ = os.pipe()
+resource_sharer.DupFd(read)
+client = socket.socket(socket.AF_UNIX)
+client.connect(resource_sharer._resource_sharer._address)
+time.sleep(0.3)  # the challenge sent, unread
+client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+client.close()
+time.sleep(0.5)
+try:
+    1 / 0
+except ZeroDivisionError:
+    sys.excepthook(*sys.exc_info())  # any other error is still told
+"""
+
+
+def test_a_loader_worker_is_quiet_when_the_training_process_leaves_mid_handover() -> None:
+    """Seen in CI at a SIGTERM to the whole group: a traceback from a DataLoader worker's
+    resource_sharer thread (ConnectionResetError). Without the hook the same script prints it."""
+    import subprocess
+    import sys
+
+    def stderr(mode: str) -> str:
+        done = subprocess.run([sys.executable, "-c", HANDED_OVER, mode], capture_output=True,
+                              text=True, timeout=60)  # fmt: skip
+        return done.stderr
+
+    plain, worker = stderr("plain"), stderr("worker")
+    assert "resource_sharer.py" in plain and "ConnectionResetError" in plain, plain
+    assert "resource_sharer.py" not in worker and "ConnectionResetError" not in worker, worker
+    assert "ZeroDivisionError" in worker and "ZeroDivisionError" in plain

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import signal
 import sys
-from collections.abc import Iterable, Iterator
+import traceback
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from multiprocessing import resource_sharer
+from types import TracebackType
+from typing import Any
 
 import numpy as np
 import torch
@@ -15,6 +19,7 @@ import torch
 from trainer.data import BatchCollator, Padding, TokenizedSplit
 
 LOADER_START_METHOD = "fork" if sys.platform == "linux" else None
+ExceptHook = Callable[[type[BaseException], BaseException, TracebackType | None], Any]
 
 
 class PlanSampler:
@@ -33,9 +38,29 @@ class PlanSampler:
 
 def leave_stop_signals_to_the_trainer(worker_id: int) -> None:
     """DataLoader workers ignore a Ctrl-C or SIGTERM sent to the whole process group (a
-    terminal, Slurm, systemd): the training process checkpoints first and then ends them."""
+    terminal, Slurm, systemd): the training process checkpoints first and then ends them.
+    Nor do they print a traceback when it has ended while they were handing it a batch."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.excepthook = _quiet_when_the_trainer_left(sys.excepthook)
+
+
+def _quiet_when_the_trainer_left(previous: ExceptHook) -> ExceptHook:
+    """A worker hands each batch's tensors over as file descriptors, from a thread of
+    multiprocessing's resource_sharer that the training process connects to; the thread
+    reports what goes wrong through sys.excepthook and serves on. A training process that
+    stops (a stop signal, a trial handed back) may leave mid-handshake: the ConnectionError or
+    EOFError is then no error of anyone's (a CI run printed it as a traceback). Everything
+    else goes to `previous`."""
+
+    def hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> Any:
+        left = isinstance(error, (ConnectionError, EOFError))
+        if left and any(frame.f_code.co_filename == resource_sharer.__file__
+                        for frame, _ in traceback.walk_tb(tb)):  # fmt: skip
+            return None
+        return previous(kind, error, tb)
+
+    return hook
 
 
 def num_workers_for(configured: int | None) -> int:

@@ -57,8 +57,13 @@ def _built_by_scripts_test(
     if not names:
         return None
     rc = Path(f"{names}.rc")
+    pid = int(os.environ.get("HPO_STACK_IMAGES_PID", "0"))
     deadline = time.monotonic() + timeout_s
     while not rc.exists() or not rc.read_text().strip():
+        gone = pid > 0 and not _running(pid)
+        if gone and not rc.exists():  # killed before it could say how it ended
+            pytest.fail(f"scripts/test's build of the stack's images ended with no result "
+                        f"({names}.err)")  # fmt: skip
         if time.monotonic() > deadline:
             pytest.fail(f"scripts/test's build of the stack's images gave no result in "
                         f"{timeout_s:.0f} s ({names}.err)")  # fmt: skip
@@ -70,6 +75,15 @@ def _built_by_scripts_test(
         Path(names).read_text(),
         err.read_text() if err.exists() else "",
     )
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, ended and not yet reaped by scripts/test, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -278,3 +279,30 @@ def test_a_loader_worker_is_quiet_when_the_training_process_leaves_mid_handover(
     assert "resource_sharer.py" in plain and "ConnectionResetError" in plain, plain
     assert "resource_sharer.py" not in worker and "ConnectionResetError" not in worker, worker
     assert "ZeroDivisionError" in worker and "ZeroDivisionError" in plain
+
+
+def _report_signals(conn: Any) -> None:
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    before = signal.SIGTERM in blocked and signal.SIGINT in blocked
+    loaders.leave_stop_signals_to_the_trainer(0)
+    after = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    conn.send((before, signal.SIGTERM in after or signal.SIGINT in after,
+               signal.getsignal(signal.SIGTERM) == signal.SIG_IGN))  # fmt: skip
+
+
+@pytest.mark.skipif(loaders.LOADER_CONTEXT is None, reason="fork: Linux")
+def test_a_loader_worker_is_forked_deaf_to_stop_signals_until_it_ignores_them() -> None:
+    """Between its fork and worker_init_fn a loader worker would run the training process's
+    own SIGTERM handler (hpo's trial process: exit at once): both stop signals are blocked
+    for the fork, in the worker until they are ignored, in this process not a moment longer."""
+    import multiprocessing
+
+    assert loaders.LOADER_CONTEXT is not None
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    parent, child = multiprocessing.Pipe()
+    process = loaders.LOADER_CONTEXT.Process(target=_report_signals, args=(child,))
+    process.start()
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
+    assert parent.poll(30) and parent.recv() == (True, False, True)
+    process.join(30)
+    assert process.exitcode == 0

@@ -4,6 +4,7 @@ evaluations, started by fork and deaf to the stop signals the training process h
 
 from __future__ import annotations
 
+import multiprocessing.context
 import signal
 import sys
 import traceback
@@ -18,7 +19,7 @@ import torch
 
 from trainer.data import BatchCollator, Padding, TokenizedSplit
 
-LOADER_START_METHOD = "fork" if sys.platform == "linux" else None
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 ExceptHook = Callable[[type[BaseException], BaseException, TracebackType | None], Any]
 
 
@@ -36,12 +37,39 @@ class PlanSampler:
         return len(self.micro_batches)
 
 
+class _ForkedDeaf(multiprocessing.context.ForkProcess):
+    """A loader worker forked with the stop signals blocked: until leave_stop_signals_to_the_
+    trainer ignores them, a Ctrl-C or SIGTERM to the whole group would run the training
+    process's own handler in the worker (hpo's trial process: exit at once), and the worker's
+    death would raise torch's "DataLoader worker exited unexpectedly" from a SIGCHLD handler
+    wherever the training process was (most likely what a CI run printed: a thread's KeyError
+    in Thread.start, the SIGCHLD handler's exception having landed there)."""
+
+    def start(self) -> None:
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            super().start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+class _DeafForkContext(multiprocessing.context.ForkContext):
+    Process = _ForkedDeaf
+
+
+# Forked from this process, whatever start method the caller's multiprocessing uses: nothing to
+# pickle, and no dependence on a fork server that a signal to the whole group may have stopped.
+LOADER_CONTEXT = _DeafForkContext() if sys.platform == "linux" else None
+
+
 def leave_stop_signals_to_the_trainer(worker_id: int) -> None:
     """DataLoader workers ignore a Ctrl-C or SIGTERM sent to the whole process group (a
     terminal, Slurm, systemd): the training process checkpoints first and then ends them.
-    Nor do they print a traceback when it has ended while they were handing it a batch."""
+    Forked with both blocked (_ForkedDeaf), they take them again once ignored. Nor do they print
+    a traceback when the training process has ended while they were handing it a batch."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     sys.excepthook = _quiet_when_the_trainer_left(sys.excepthook)
 
 
@@ -103,10 +131,7 @@ class LoaderSettings:
             pin_memory=self.pin_memory,
             persistent_workers=workers > 0,
             prefetch_factor=4 if workers else None,
-            # Forked from this process, whatever start method the caller's multiprocessing
-            # uses: nothing to pickle, and no dependence on a fork server that a signal to the
-            # whole process group may have stopped.
-            multiprocessing_context=LOADER_START_METHOD if workers else None,
+            multiprocessing_context=LOADER_CONTEXT if workers else None,
             worker_init_fn=leave_stop_signals_to_the_trainer if workers else None,
             # Its own generator: starting an epoch must not draw from the global RNG that
             # dropout uses, or a resumed run would see other dropout masks than the original.

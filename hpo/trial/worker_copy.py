@@ -114,8 +114,13 @@ def import_preload(preload: Iterable[str]) -> int:
     return native_threads()
 
 
+def _loaded_library(path: str) -> Any:
+    """The library at `path` as already loaded (RTLD_NOLOAD: never loads it; OSError if not)."""
+    return ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+
+
 def cuda_initialised(
-    maps: str = "/proc/self/maps", open_driver: Callable[[str], Any] | None = None
+    maps: str = "/proc/self/maps", open_driver: Callable[[str], Any] = _loaded_library
 ) -> str | None:
     """Why CUDA may be initialised in this process (None: it is not, a copy can use it).
     The driver's library being mapped is not enough: on a GPU host something imports it long
@@ -134,18 +139,13 @@ def cuda_initialised(
     if not paths:
         return None
     try:
-        driver = (open_driver or _loaded_library)(paths[0])
+        driver = open_driver(paths[0])
         answer = driver.cuCtxGetCurrent(ctypes.byref(ctypes.c_void_p()))
     except (OSError, AttributeError) as e:
         return f"the CUDA driver is loaded here and could not say whether it is initialised ({e})"
     if answer == CUDA_ERROR_NOT_INITIALIZED:
         return None
     return f"the CUDA driver is initialised here (cuCtxGetCurrent gave {answer})"
-
-
-def _loaded_library(path: str) -> Any:
-    """The library at `path` as already loaded (RTLD_NOLOAD: never loads it; OSError if not)."""
-    return ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
 
 
 def internals_problem() -> str | None:

@@ -9,6 +9,8 @@
 #   finder study inline throughput cudnn compiled compiledeager checkpoints overhead workers workersbert mfu profile
 #   anatomy (bench/step_anatomy.py: the bare step's variants) ours512 (our loop alone, profiled)
 #   causal causalfinder (issue 30 step 5: a 1B causal LM with and without LoRA; the finder on it)
+#   causalcompile short scopes (issue 48 steps 1-2: the 1B compile by blocks; CUDA graphs on a
+#   short step; ours compiled by blocks and whole against the eager Trainer at 26 tokens)
 # One device call runs at most 10 minutes: pick steps that fit (bench/README.md has the times).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +26,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, optuna; print('torch', torch.__version__, \
 'transformers', transformers.__version__, 'optuna', optuna.__version__)"
 
-STEPS=${STEPS:-finder study inline throughput cudnn compiled compiledeager checkpoints overhead workers workersbert mfu profile anatomy ours512 causal causalfinder}
+STEPS=${STEPS:-finder study inline throughput cudnn compiled compiledeager checkpoints overhead workers workersbert mfu profile anatomy ours512 causal causalfinder causalcompile short scopes}
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log
   local name=$1 limit=$2; shift 2
   case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
@@ -150,6 +152,23 @@ TAIL=40 step causal "${CAUSAL_S:-300}" bash -c "$(declare -f causal);
   causal bench/configs/.llama-1b-lora.yaml"
 TAIL=30 step causalfinder "${CAUSALFINDER_S:-240}" python3 bench/gpu_batch_finder.py \
   --config bench/configs/llama-1b.yaml --lengths "${CAUSAL_LENGTH:-512}" --out "$OUT"
+# Issue 48, step 1 (causalcompile): the 1B model compiled by blocks (hpo's default), ours alone,
+# full fine-tuning at 512 tokens, batch 16; the untimed round's wall is what compiling cost.
+# CAUSAL_SCOPE=model compiles it whole (2026-11-28: nothing within 400 s on an H200).
+TAIL=30 step causalcompile "${CAUSALCOMPILE_S:-170}" python3 bench/trainer_throughput.py \
+  --config bench/configs/.llama-1b.yaml --device cuda --engines ours --compile \
+  --compile-scope "${CAUSAL_SCOPE:-blocks}" --steps "${CAUSAL_STEPS:-10}" --repeats 1 \
+  --effective-batch-size "${CAUSAL_BATCH:-16}" --physical-batch-size "${CAUSAL_BATCH:-16}"
+# Step 2 (short): the bare BERT-base step at 32 tokens, batch 64, where launches set the pace:
+# eager, compiled static, the whole step as one CUDA graph (eager and compiled), torch.compile's
+# CUDA graphs, compiled by blocks, compiled batch-dynamic; the compiled static step profiled.
+TAIL=40 step short "${SHORT_S:-200}" python3 bench/step_anatomy.py --length 32 --batch 64 \
+  --only "${SHORT_ONLY:-1,6,10,11,9,12,5}" --profile "${SHORT_PROFILE:-6}" --rows 12
+# Step 2 (scopes): hpo's loop at 26 tokens (dynamic padding), effective 64 = 64 x 1, compiled
+# by blocks against the eager Trainer (the same call), then compiled whole, ours alone.
+step scopes "${SCOPES_S:-200}" bash -c "$(declare -f throughput); cfg=$cfg; REPEATS=2;
+  throughput 64 64 --compile --trainer-eager --compile-scope blocks &&
+  throughput 64 64 --compile --engines ours --compile-scope model"
 # Compiled throughput and model FLOPs utilisation (issue 11): BERT-base, ours with model.compile
 # against transformers' Trainer with torch_compile=True, on full-length sequences (NLI premises
 # joined past 512 tokens, so every example fills max_length), at max_length 128 and 512.

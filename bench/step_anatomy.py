@@ -5,7 +5,8 @@ synchronised, as ms per step and model FLOPs utilisation counting every token (a
 
     python3 bench/step_anatomy.py --length 512 --batch 16 --profile   # on a GPU (issue 30)
 
-Variants: eager or compiled (static shapes, or the batch dimension dynamic as hpo compiles);
+Variants: eager or compiled (static shapes, the batch dimension dynamic, or by blocks as hpo
+compiles); CUDA graphs (torch.compile's reduce-overhead, or the whole step captured as one graph);
 the attention mask given (all ones, as a padded batch gives it) or left out (SDPA may then use
 its flash kernel); fp32 weights under bf16 autocast (hpo's precision) or bf16 weights; the
 gradient clip on or off. The gap between the best variant and hpo's own loop
@@ -39,9 +40,12 @@ def model_config(path: Path) -> transformers.PretrainedConfig:
 
 class Variant:
     def __init__(self, name: str, *, compiled: str = "", mask: bool = True, bf16: bool = False,
-                 clip: bool = True, batch: int | None = None) -> None:  # fmt: skip
+                 clip: bool = True, batch: int | None = None, graph: str = "") -> None:  # fmt: skip
         self.name, self.compiled, self.mask, self.bf16, self.clip = name, compiled, mask, bf16, clip
         self.batch = batch
+        # "": none; "reduce-overhead": torch.compile's CUDA graphs (forward and backward);
+        # "step": the whole step (forward, backward, clip, AdamW) captured as one CUDA graph
+        self.graph = graph
 
 
 VARIANTS = [
@@ -53,6 +57,13 @@ VARIANTS = [
     Variant("compiled static, mask", compiled="static"),
     Variant("compiled static, no mask", compiled="static", mask=False),
     Variant("compiled static, mask, batch x4", compiled="static", batch=4),
+    # Issue 48: short sequences, where launching kernels, not computing them, sets the pace
+    Variant(
+        "compiled static, CUDA graphs (reduce-overhead)", compiled="static", graph="reduce-overhead"
+    ),
+    Variant("eager, whole step one CUDA graph", graph="step"),
+    Variant("compiled static, whole step one CUDA graph", compiled="static", graph="step"),
+    Variant("compiled by blocks (hpo's default), dynamic", compiled="blocks"),
 ]
 
 
@@ -67,12 +78,21 @@ def make_step(
     if variant.bf16:
         model = model.to(torch.bfloat16)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    # A captured step keeps its learning rate and step count on the device (capturable)
+    capturable = variant.graph == "step"
+    lr = torch.tensor(1e-5, device=device) if capturable else 1e-5
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True, capturable=capturable)
     forward: torch.nn.Module = model
-    if variant.compiled:
+    if variant.compiled == "blocks":
+        from trainer.compiled import repeated_blocks
+
+        for block in repeated_blocks(model):
+            block.compile(dynamic=True)
+    elif variant.compiled:
         # hpo compiles with dynamic=None and marks the batch dimension (trainer.compiled)
         dynamic = None if variant.compiled == "dynamic" else False
-        forward = torch.compile(model, dynamic=dynamic)  # type: ignore[assignment]
+        mode = "reduce-overhead" if variant.graph == "reduce-overhead" else None
+        forward = torch.compile(model, dynamic=dynamic, mode=mode)  # type: ignore[assignment]
     ids = torch.randint(1000, int(cfg.vocab_size or 30522), (batch, length), device=device)
     mask = torch.ones_like(ids) if variant.mask else None
     labels = torch.randint(0, cfg.num_labels or 3, (batch,), device=device)
@@ -82,17 +102,44 @@ def make_step(
             torch._dynamo.maybe_mark_dynamic(mask, 0)
 
     def step() -> torch.Tensor:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not variant.bf16):
+        if variant.graph == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        # a captured step must not reuse autocast's casts cached outside the capture
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not variant.bf16,
+                            cache_enabled=not capturable):  # fmt: skip
             logits = forward(input_ids=ids, attention_mask=mask).logits
         loss = torch.nn.functional.cross_entropy(logits.float(), labels)
         loss.backward()
         if variant.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if variant.graph != "step":  # a captured step keeps its gradients' memory
+            optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
+    if variant.graph == "step":
+        return captured(step), model
     return step, model
+
+
+def captured(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """`step` recorded once as a CUDA graph (after warm-up steps on a side stream, as torch's
+    whole-network capture does), each call one replay: no kernel launched from Python."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = step()
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return loss
+
+    return replay
 
 
 def sync() -> None:
@@ -159,8 +206,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         variant = VARIANTS[number - 1]
         batch = args.batch * (variant.batch or 1)
         started = time.perf_counter()
-        step, model = make_step(variant, cfg, batch, args.length, device)
-        seconds = time_steps(step, args.steps, args.warmup)
+        try:
+            step, model = make_step(variant, cfg, batch, args.length, device)
+            seconds = time_steps(step, args.steps, args.warmup)
+        except Exception as e:  # one variant failing (a capture refused) leaves the others
+            print(f"| {number} | {variant.name} | {batch} | failed: {type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:200]} |", flush=True)  # fmt: skip
+            torch.compiler.reset()
+            continue
         flops = flops_per_token(model, args.length) * batch * args.length  # the MFU of bench/README
         tflops = flops / seconds / 1e12
         print(f"| {number} | {variant.name} | {batch} | {1000 * seconds:.1f} | {tflops:.0f} "

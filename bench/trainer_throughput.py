@@ -217,6 +217,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "every shape once and shares it between the engines, else 0)",
     )  # fmt: skip
     parser.add_argument(
+        "--compile-scope", choices=["blocks", "model"], default=None,
+        help="with --compile: our model.compile_scope (default: the config's, else blocks)",
+    )  # fmt: skip
+    parser.add_argument(
         "--static-batch", action="store_true",
         help="with --compile: leave our batch dimension static (trainer.compiled marks it "
         "dynamic), to measure what dynamic shapes cost",
@@ -275,6 +279,8 @@ def bench_training(config: Config, data: PreparedData, args: argparse.Namespace)
 def make_setup(args: argparse.Namespace) -> Setup:
     config = load_config(args.config)
     config.model.compile = config.model.compile or args.compile
+    if args.compile_scope is not None:
+        config.model.compile_scope = args.compile_scope
     if args.static_batch:
         import trainer.compiled
 
@@ -572,7 +578,8 @@ def report(
         f"{len(ran[0])} repeat(s) after {args.warmup_rounds} untimed round(s), medians"
     )
     compiled = {True: "compiled", False: "eager"}
-    print(f"engines: ours {compiled[setup.config.model.compile]}, "
+    scope = f" ({setup.config.model.compile_scope})" if setup.config.model.compile else ""
+    print(f"engines: ours {compiled[setup.config.model.compile]}{scope}, "
           f"transformers {compiled[setup.theirs_compiled]}")  # fmt: skip
     print(LEGEND)
     print()

@@ -37,7 +37,7 @@ def test_a_fresh_model_reuses_the_graphs_of_the_last_and_batch_sizes_share_one(
     config = ModelConfig(config=dict(TINY_BERT), tokenizer=MINILM_TOKENIZER)
     shapes = [(4, 32), (5, 32), (3, 32), (8, 32), (4, 48), (7, 48)]
     before = compiled.compile_stats()
-    first = compiled.compile_model(build_model(config, ["a", "b"], seed=0))
+    first = compiled.compile_model(build_model(config, ["a", "b"], seed=0), "model")
     with torch.no_grad():
         for batch, width in shapes:
             _forward(first, batch, width)
@@ -45,7 +45,7 @@ def test_a_fresh_model_reuses_the_graphs_of_the_last_and_batch_sizes_share_one(
     # One graph per width: the batch sizes (3 to 8) do not each compile a graph of their own.
     assert 1 <= used.graphs <= 2 and used.seconds > 0
     before = compiled.compile_stats()
-    second = compiled.compile_model(build_model(config, ["a", "b"], seed=1))  # the next trial
+    second = compiled.compile_model(build_model(config, ["a", "b"], seed=1), "model")  # next trial
     with torch.no_grad():
         for batch, width in shapes:
             _forward(second, batch, width)
@@ -66,3 +66,62 @@ def test_a_worker_compiles_for_its_first_trial_only(
     graphs = [t.user_attrs["compile_graphs"] for t in sorted(trials, key=lambda t: t.number)]
     assert graphs[0] > 0 and graphs[1] == 0, graphs
     assert trials[0].user_attrs["compile_s"] > 0
+
+
+def _train_step(model: torch.nn.Module, batch: int, width: int) -> None:
+    ids = torch.randint(0, 1000, (batch, width))
+    model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.sum().backward()
+
+
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+              "vocab_size": 1000}  # fmt: skip
+
+
+@pytest.mark.parametrize(("family", "task"), [(TINY_BERT, "sequence_classification"),
+                                              (TINY_LLAMA, "causal_lm")])  # fmt: skip
+def test_compiling_the_blocks_costs_one_layer_whatever_the_depth(
+    monkeypatch: pytest.MonkeyPatch, family: dict, task: str
+) -> None:
+    # Issue 48: the whole 1B model compiled for over 400 s on an H200. Compiled by blocks, a
+    # model of 4 layers compiles the graphs of a model of 2, and every batch and width share them.
+    monkeypatch.setenv(compiled.BACKEND_ENV, "aot_eager")
+    shapes = [(4, 32), (5, 32), (3, 32), (8, 48), (7, 48)]
+    graphs = {}
+    for layers in (2, 4):
+        torch.compiler.reset()
+        config = ModelConfig(config={**family, "num_hidden_layers": layers},
+                             tokenizer=MINILM_TOKENIZER, compile_scope="blocks")  # fmt: skip
+        model = build_model(config, ["a", "b"], seed=0, task=task)
+        assert len(compiled.repeated_blocks(model)) == layers
+        before = compiled.compile_stats()
+        assert compiled.compile_model(model, "blocks") is model  # compiled in place
+        for batch, width in shapes:
+            _train_step(model, batch, width)
+        graphs[layers] = (compiled.compile_stats() - before).graphs
+        before = compiled.compile_stats()
+        fresh = compiled.compile_model(build_model(config, ["a", "b"], seed=1, task=task))
+        for batch, width in shapes:
+            _train_step(fresh, batch, width)
+        assert (compiled.compile_stats() - before).graphs == 0  # the next trial's model
+    assert 1 <= graphs[4] == graphs[2] <= 3, graphs
+    torch.compiler.reset()
+
+
+def test_a_model_without_repeated_blocks_is_compiled_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(compiled.BACKEND_ENV, "aot_eager")
+    torch.compiler.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    assert compiled.repeated_blocks(model) == []
+    before = compiled.compile_stats()
+    whole = compiled.compile_model(model, "blocks")
+    assert whole is not model
+    whole(torch.randn(3, 4)).sum().backward()
+    assert (compiled.compile_stats() - before).graphs >= 1
+    torch.compiler.reset()
+
+
+def test_a_causal_model_trains_without_a_key_value_cache() -> None:
+    config = ModelConfig(config={**TINY_LLAMA, "num_hidden_layers": 2}, tokenizer=MINILM_TOKENIZER)
+    model = build_model(config, [], seed=0, task="causal_lm")
+    assert model.config.use_cache is False

@@ -112,7 +112,7 @@ def batch_key(job: TrainJob, device: torch.device, precision: str) -> dict[str, 
         "max_length": job.data.max_length,
         "precision": precision,
         "gradient_checkpointing": job.gradient_checkpointing,
-        "compile": job.model.compile,
+        "compile": job.model.compile_scope if job.model.compile else False,
         "attn_implementation": job.model.attn_implementation,
         "eval_batch_size": cfg.eval_batch_size or "2x",
         "device": dev.device_name(device) if device.type == "cuda" else "cpu",
@@ -191,7 +191,9 @@ class BatchFinder:
 
     def _worst_case_step(self, size: int) -> None:
         model = self._fresh_model()
-        forward = compile_model(model) if self.job.model.compile else model
+        forward = model
+        if self.job.model.compile:
+            forward = compile_model(model, self.job.model.compile_scope)
         optimizer, _ = make_optimizer(model, self.cfg)
         length = self.job.data.max_length
         labels = self.task.worst_case_labels(size, length, self.num_labels).to(self.device)

@@ -4,10 +4,12 @@ The worker keeps its trial process from one trial to the next, and torch.compile
 module's parameters as graph inputs, so a fresh model of the same architecture runs the graphs
 compiled for an earlier trial, provided that every trial compiles through the same backend
 object: `BACKEND`, one per process. What a trial compiles is counted (`compile_stats`): graphs
-and seconds spent in the compiler. Shapes are kept few: the batch dimension is marked dynamic
-(micro-batches of an accumulated step differ by one, evaluation batches are twice as large), and
-sequence lengths are padded to a handful of widths (`trainer.data.Padding`). Inductor keeps
-its caches in one folder per host (`inductor_cache_dir`), which every worker of the host shares.
+and seconds spent in the compiler. By default only the model's repeated blocks are compiled
+(`compile_model`), one graph for every layer. Shapes are kept few: the batch dimension becomes
+dynamic (micro-batches of an accumulated step differ by one, evaluation batches are twice as
+large), and sequence lengths are padded to a handful of widths (`trainer.data.Padding`).
+Inductor keeps its caches in one folder per host (`inductor_cache_dir`), which every worker of
+the host shares.
 
 The only private torch names hpo uses for compilation are here, with a test that breaks when
 an upgrade moves them (tests/test_compiled.py).
@@ -25,6 +27,7 @@ from typing import Any
 
 import torch
 
+from trainer.config import CompileScope
 from trainer.data import hpo_cache_root
 
 # Tests only: compile with this backend (aot_eager compiles in seconds on a CPU, inductor takes
@@ -77,12 +80,42 @@ def _batch_dimension_dynamic(module: torch.nn.Module, args: Any, kwargs: dict[st
             maybe_mark_dynamic(value, 0)
 
 
-def compile_model(model: torch.nn.Module) -> torch.nn.Module:
-    """`model` compiled through this process's one backend, its batch dimension dynamic."""
+def compile_model(model: torch.nn.Module, scope: CompileScope = "blocks") -> torch.nn.Module:
+    """`model` compiled through this process's one backend (model.compile_scope).
+
+    `blocks`: each layer of the model's repeated blocks is compiled in place, and since they
+    share one forward, one graph serves them all: compiling costs one layer, not the model's
+    depth (a 1B causal LM compiled whole did not finish in 400 s on an H200, 2026-11-28). Its
+    sizes are dynamic from the start (its inputs are made inside the model, where no hook can
+    mark them): one graph for every batch and width.
+    A model without repeated blocks (a user's small network) is compiled whole.
+    `model`: the whole forward as one graph, its batch dimension dynamic from the start."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
+    blocks = repeated_blocks(model) if scope == "blocks" else []
+    if blocks:
+        for block in blocks:
+            block.compile(backend=BACKEND, dynamic=True)
+        return model
     compiled: torch.nn.Module = torch.compile(model, backend=BACKEND)  # type: ignore[assignment]
     compiled.register_forward_pre_hook(_batch_dimension_dynamic, with_kwargs=True)
     return compiled
+
+
+def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers of the model's largest list of same-class modules (a transformer's blocks:
+    BERT's encoder.layer, Llama's model.layers, also inside a peft wrapper); none if it has no
+    such list."""
+    best: list[torch.nn.Module] = []
+    best_size = 0
+    for module in model.modules():
+        if not isinstance(module, torch.nn.ModuleList) or len(module) < 2:
+            continue
+        if len({type(layer) for layer in module}) != 1:
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if size > best_size:
+            best, best_size = list(module), size
+    return best
 
 
 def inductor_cache_dir() -> Path:

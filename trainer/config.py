@@ -13,6 +13,7 @@ from typing import Any, Literal
 # `package.module:name`: dotted Python identifiers, a colon, one identifier.
 ENTRYPOINT = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
+CompileScope = Literal["blocks", "model"]
 LRSchedule = Literal["linear", "cosine", "constant_with_warmup", "inverse_sqrt"]
 
 # Upper bounds far above any real run, against typos and runaway values (epochs: 10**9): they
@@ -171,6 +172,13 @@ class ModelConfig:
         "dynamic, lengths padded to a few widths; trials record compile_graphs and compile_s.",
         False,
     )
+    compile_scope: CompileScope = _doc(
+        "With compile: `blocks` compiles the model's repeated layer (a transformer block) once "
+        "and runs it for every layer, so compiling takes the time of one layer whatever the "
+        "depth; `model` compiles the whole forward as one graph (more fusion, minutes for a "
+        "deep model).",
+        "blocks",
+    )
     peft: PeftSettings | None = _doc(
         "Train an adapter instead of every weight (LoRA); null or absent: full fine-tuning."
     )
@@ -215,6 +223,8 @@ class ModelConfig:
                 found.append(("tokenizer", None, "is required when the model is built from config"))
         if self.dropout is not None and not 0 <= self.dropout < 1:
             found.append(("dropout", self.dropout, "must be in [0, 1)"))
+        if self.compile_scope not in ("blocks", "model"):
+            found.append(("compile_scope", self.compile_scope, "must be blocks or model"))
         if self.attn_implementation not in ("sdpa", "eager", "flash_attention_2"):
             found.append(
                 (

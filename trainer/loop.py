@@ -157,7 +157,7 @@ class Trainer:
         self.trainable_params, self.total_params = parameter_counts(self.model)
         self.forward_model: torch.nn.Module = self.model
         if self.job.model.compile:
-            self.forward_model = compile_model(self.model)
+            self.forward_model = compile_model(self.model, self.job.model.compile_scope)
         self.optimizer, self.optimizer_name = make_optimizer(self.model, self.cfg)
         warmup = round(self.cfg.warmup_ratio * self.total_steps)
         self.scheduler = lr_schedule(self.optimizer, self.cfg.lr_schedule, warmup, self.total_steps)

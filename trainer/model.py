@@ -202,6 +202,10 @@ def build_model(
     model_config = _model_config(config, head.pop("num_labels", 2))
     for key, value in head.items():
         setattr(model_config, key, value)
+    if getattr(model_config, "use_cache", False):
+        # A training forward keeps no key/value cache: it costs memory for nothing, and each
+        # layer's cache check made a compiled block compile again for every layer.
+        model_config.use_cache = False
     torch.manual_seed(seed)  # the new head (or the whole model) initialises the same every trial
     model = _transformers_model(config, model_config, task, device)
     if gradient_checkpointing or (gradient_checkpointing is None and config.gradient_checkpointing):

@@ -155,7 +155,8 @@ TAIL=30 step causalfinder "${CAUSALFINDER_S:-240}" python3 bench/gpu_batch_finde
 # Issue 48, step 1 (causalcompile): the 1B model compiled by blocks (hpo's default), ours alone,
 # full fine-tuning at 512 tokens, batch 16; the untimed round's wall is what compiling cost.
 # CAUSAL_SCOPE=model compiles it whole (2026-11-28: nothing within 400 s on an H200).
-TAIL=30 step causalcompile "${CAUSALCOMPILE_S:-170}" python3 bench/trainer_throughput.py \
+TAIL=30 step causalcompile "${CAUSALCOMPILE_S:-170}" env TORCH_LOGS=recompiles,graph_breaks \
+  python3 bench/trainer_throughput.py \
   --config bench/configs/.llama-1b.yaml --device cuda --engines ours --compile \
   --compile-scope "${CAUSAL_SCOPE:-blocks}" --steps "${CAUSAL_STEPS:-10}" --repeats 1 \
   --effective-batch-size "${CAUSAL_BATCH:-16}" --physical-batch-size "${CAUSAL_BATCH:-16}"

@@ -11,6 +11,8 @@
 #   causal causalfinder (issue 30 step 5: a 1B causal LM with and without LoRA; the finder on it)
 #   causalcompile short scopes (issue 48 steps 1-2: the 1B compile by blocks; CUDA graphs on a
 #   short step; ours compiled by blocks and whole against the eager Trainer at 26 tokens)
+#   graphs graphsbig causalvs (issue 48: ours with CUDA graphs at 26 tokens, the 1B against the
+#   Trainer, each against the eager Trainer in the same call)
 # One device call runs at most 10 minutes: pick steps that fit (bench/README.md has the times).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +28,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, optuna; print('torch', torch.__version__, \
 'transformers', transformers.__version__, 'optuna', optuna.__version__)"
 
-STEPS=${STEPS:-finder study inline throughput cudnn compiled compiledeager checkpoints overhead workers workersbert mfu profile anatomy ours512 causal causalfinder causalcompile short scopes}
+STEPS=${STEPS:-finder study inline throughput cudnn compiled compiledeager checkpoints overhead workers workersbert mfu profile anatomy ours512 causal causalfinder causalcompile short scopes graphs graphsbig causalvs}
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log
   local name=$1 limit=$2; shift 2
   case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
@@ -170,6 +172,17 @@ TAIL=40 step short "${SHORT_S:-200}" python3 bench/step_anatomy.py --length 32 -
 step scopes "${SCOPES_S:-200}" bash -c "$(declare -f throughput); cfg=$cfg; REPEATS=2;
   throughput 64 64 --compile --trainer-eager --compile-scope blocks &&
   throughput 64 64 --compile --engines ours --compile-scope model"
+# Step 2 (graphs): ours compiled whole with CUDA graphs (model.cuda_graphs) against the eager
+# Trainer in the same call at 26 tokens, effective 64 = 64 x 1, then 256 = 128 x 2 (GRAPHS_BIG=1).
+step graphs "${GRAPHS_S:-150}" bash -c "$(declare -f throughput); cfg=$cfg; REPEATS=2;
+  throughput 64 64 --compile --trainer-eager --compile-scope model --cuda-graphs"
+step graphsbig "${GRAPHS_S:-150}" bash -c "$(declare -f throughput); cfg=$cfg; REPEATS=2;
+  throughput 256 128 --compile --trainer-eager --compile-scope model --cuda-graphs"
+# Step 3 (causalvs): the 1B model, ours compiled by blocks against the eager Trainer, same call.
+TAIL=30 step causalvs "${CAUSALVS_S:-100}" python3 bench/trainer_throughput.py \
+  --config bench/configs/.llama-1b.yaml --device cuda --compile --trainer-eager \
+  --steps "${CAUSAL_STEPS:-10}" --repeats 2 \
+  --effective-batch-size "${CAUSAL_BATCH:-16}" --physical-batch-size "${CAUSAL_BATCH:-16}"
 # Compiled throughput and model FLOPs utilisation (issue 11): BERT-base, ours with model.compile
 # against transformers' Trainer with torch_compile=True, on full-length sequences (NLI premises
 # joined past 512 tokens, so every example fills max_length), at max_length 128 and 512.

@@ -221,6 +221,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="with --compile: our model.compile_scope (default: the config's, else blocks)",
     )  # fmt: skip
     parser.add_argument(
+        "--cuda-graphs", action="store_true",
+        help="with --compile: our model.cuda_graphs (the compiled step replayed as CUDA graphs)",
+    )  # fmt: skip
+    parser.add_argument(
         "--static-batch", action="store_true",
         help="with --compile: leave our batch dimension static (trainer.compiled marks it "
         "dynamic), to measure what dynamic shapes cost",
@@ -281,6 +285,7 @@ def make_setup(args: argparse.Namespace) -> Setup:
     config.model.compile = config.model.compile or args.compile
     if args.compile_scope is not None:
         config.model.compile_scope = args.compile_scope
+    config.model.cuda_graphs = config.model.cuda_graphs or args.cuda_graphs
     if args.static_batch:
         import trainer.compiled
 
@@ -578,7 +583,8 @@ def report(
         f"{len(ran[0])} repeat(s) after {args.warmup_rounds} untimed round(s), medians"
     )
     compiled = {True: "compiled", False: "eager"}
-    scope = f" ({setup.config.model.compile_scope})" if setup.config.model.compile else ""
+    graphs = ", CUDA graphs" if setup.config.model.cuda_graphs else ""
+    scope = f" ({setup.config.model.compile_scope}{graphs})" if setup.config.model.compile else ""
     print(f"engines: ours {compiled[setup.config.model.compile]}{scope}, "
           f"transformers {compiled[setup.theirs_compiled]}")  # fmt: skip
     print(LEGEND)

@@ -125,3 +125,33 @@ def test_a_causal_model_trains_without_a_key_value_cache() -> None:
     config = ModelConfig(config={**TINY_LLAMA, "num_hidden_layers": 2}, tokenizer=MINILM_TOKENIZER)
     model = build_model(config, [], seed=0, task="causal_lm")
     assert model.config.use_cache is False
+
+
+def test_cuda_graphs_ask_inductor_for_them_for_the_forward_and_the_backward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Inductor's compile_fx applies config_patches to the backward graph it compiles later too.
+    asked: list[dict] = []
+
+    def inductor(graph: torch.fx.GraphModule, inputs: list, **options: dict) -> object:
+        asked.append(options)
+        return graph.forward
+
+    monkeypatch.delenv(compiled.BACKEND_ENV, raising=False)
+    monkeypatch.setattr(compiled, "_compiler", lambda name: inductor)
+    torch.compiler.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    compiled.compile_model(model, "model", cuda_graphs=True)(torch.randn(3, 4))
+    graphed = asked[-1]
+    torch.compiler.reset()
+    compiled.compile_model(model, "model")(torch.randn(3, 4))
+    assert graphed == {"config_patches": {"triton.cudagraphs": True}} and asked[-1] == {}
+    torch.compiler.reset()
+
+
+def test_cuda_graphs_without_compile_are_refused() -> None:
+    config = ModelConfig(config=dict(TINY_BERT), tokenizer=MINILM_TOKENIZER, cuda_graphs=True)
+    assert [key for key, _, _ in config.problems()] == ["cuda_graphs"]
+    config = ModelConfig(config=dict(TINY_BERT), tokenizer=MINILM_TOKENIZER, cuda_graphs=True,
+                         compile=True)  # fmt: skip
+    assert config.problems() == []

@@ -59,17 +59,35 @@ def _compiler(name: str) -> Callable[..., Any]:
     return lookup_backend(name)
 
 
-def _counting_backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+def _count(compile_graph: Callable[[], Any]) -> Any:
     global _stats
     started = time.perf_counter()
     try:
-        return _compiler(os.environ.get(BACKEND_ENV) or "inductor")(graph, example_inputs)
+        return compile_graph()
     finally:
         with _lock:
             _stats = CompileStats(_stats.graphs + 1, _stats.seconds + time.perf_counter() - started)
 
 
+def _counting_backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    name = os.environ.get(BACKEND_ENV) or "inductor"
+    return _count(lambda: _compiler(name)(graph, example_inputs))
+
+
+# What torch.compile's mode "reduce-overhead" sets: inductor's output replays as CUDA graphs.
+# Inductor applies the patch to the backward graph too, compiled later (config_patches).
+CUDA_GRAPHS = {"triton.cudagraphs": True}
+
+
+def _graphed_backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    name = os.environ.get(BACKEND_ENV) or "inductor"
+    if name != "inductor":  # the tests' aot_eager has no CUDA graphs to make
+        return _count(lambda: _compiler(name)(graph, example_inputs))
+    return _count(lambda: _compiler(name)(graph, example_inputs, config_patches=CUDA_GRAPHS))
+
+
 BACKEND = _counting_backend
+GRAPHED_BACKEND = _graphed_backend
 
 
 def _batch_dimension_dynamic(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
@@ -80,8 +98,11 @@ def _batch_dimension_dynamic(module: torch.nn.Module, args: Any, kwargs: dict[st
             maybe_mark_dynamic(value, 0)
 
 
-def compile_model(model: torch.nn.Module, scope: CompileScope = "blocks") -> torch.nn.Module:
-    """`model` compiled through this process's one backend (model.compile_scope).
+def compile_model(
+    model: torch.nn.Module, scope: CompileScope = "blocks", cuda_graphs: bool = False
+) -> torch.nn.Module:
+    """`model` compiled through this process's one backend (model.compile_scope), its
+    graphs replayed as CUDA graphs with `cuda_graphs` (model.cuda_graphs).
 
     `blocks`: each layer of the model's repeated blocks is compiled in place, and since they
     share one forward, one graph serves them all: compiling costs one layer, not the model's
@@ -91,12 +112,13 @@ def compile_model(model: torch.nn.Module, scope: CompileScope = "blocks") -> tor
     A model without repeated blocks (a user's small network) is compiled whole.
     `model`: the whole forward as one graph, its batch dimension dynamic from the start."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
+    backend = GRAPHED_BACKEND if cuda_graphs else BACKEND
     blocks = repeated_blocks(model) if scope == "blocks" else []
     if blocks:
         for block in blocks:
-            block.compile(backend=BACKEND, dynamic=True)
+            block.compile(backend=backend, dynamic=True)
         return model
-    compiled: torch.nn.Module = torch.compile(model, backend=BACKEND)  # type: ignore[assignment]
+    compiled: torch.nn.Module = torch.compile(model, backend=backend)  # type: ignore[assignment]
     compiled.register_forward_pre_hook(_batch_dimension_dynamic, with_kwargs=True)
     return compiled
 

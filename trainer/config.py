@@ -179,6 +179,14 @@ class ModelConfig:
         "deep model).",
         "blocks",
     )
+    cuda_graphs: bool = _doc(
+        "With compile on a GPU: the compiled forward and backward replay as CUDA graphs "
+        "(torch.compile's reduce-overhead), one graph per batch shape: a step of short "
+        "sequences, where launching kernels takes longer than running them, runs several "
+        "times faster. Evaluation runs uncompiled (compile_scope: model) or by blocks; the "
+        "graphs' memory is not in the batch search's probe, which its margin covers.",
+        False,
+    )
     peft: PeftSettings | None = _doc(
         "Train an adapter instead of every weight (LoRA); null or absent: full fine-tuning."
     )
@@ -223,6 +231,9 @@ class ModelConfig:
                 found.append(("tokenizer", None, "is required when the model is built from config"))
         if self.dropout is not None and not 0 <= self.dropout < 1:
             found.append(("dropout", self.dropout, "must be in [0, 1)"))
+        if self.cuda_graphs and not self.compile:
+            found.append(("cuda_graphs", True, "needs model.compile: true (the graphs are "
+                          "torch.compile's)"))  # fmt: skip
         if self.compile_scope not in ("blocks", "model"):
             found.append(("compile_scope", self.compile_scope, "must be blocks or model"))
         if self.attn_implementation not in ("sdpa", "eager", "flash_attention_2"):

@@ -157,7 +157,12 @@ class Trainer:
         self.trainable_params, self.total_params = parameter_counts(self.model)
         self.forward_model: torch.nn.Module = self.model
         if self.job.model.compile:
-            self.forward_model = compile_model(self.model, self.job.model.compile_scope)
+            model_cfg = self.job.model
+            self.forward_model = compile_model(
+                self.model,
+                model_cfg.compile_scope,
+                model_cfg.cuda_graphs and self.device.type == "cuda",
+            )
         self.optimizer, self.optimizer_name = make_optimizer(self.model, self.cfg)
         warmup = round(self.cfg.warmup_ratio * self.total_steps)
         self.scheduler = lr_schedule(self.optimizer, self.cfg.lr_schedule, warmup, self.total_steps)
@@ -207,8 +212,11 @@ class Trainer:
             yield np.concatenate(step), [self._to_device(next(micro_batches)) for _ in step]
 
     def evaluate(self) -> dict[str, float]:
-        """Metrics on the evaluation split; an OOM halves the evaluation batch and starts over."""
-        return self.evaluator(self.forward_model)
+        """Metrics on the evaluation split; an OOM halves the evaluation batch and starts over.
+        A model compiled whole into CUDA graphs evaluates uncompiled: a graph's outputs are
+        overwritten by its next replay, and evaluation keeps every batch's outputs."""
+        graphed_whole = self.job.model.cuda_graphs and self.forward_model is not self.model
+        return self.evaluator(self.model if graphed_whole else self.forward_model)
 
     def is_evaluation_step(self, step: int) -> bool:
         return is_evaluation_step(

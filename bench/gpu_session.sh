@@ -154,7 +154,7 @@ TAIL=40 step causal "${CAUSAL_S:-300}" bash -c "$(declare -f causal);
   causal bench/configs/.llama-1b-lora.yaml"
 TAIL=30 step causalfinder "${CAUSALFINDER_S:-240}" python3 bench/gpu_batch_finder.py \
   --config bench/configs/llama-1b.yaml --lengths "${CAUSAL_LENGTH:-512}" --out "$OUT"
-# Issue 48, step 1 (causalcompile): the 1B model compiled by blocks (hpo's default), ours alone,
+# Issue 48, step 1 (causalcompile): the 1B model compiled by blocks (auto for 22 blocks), ours alone,
 # full fine-tuning at 512 tokens, batch 16; the untimed round's wall is what compiling cost.
 # CAUSAL_SCOPE=model compiles it whole (2026-11-28: nothing within 400 s on an H200).
 TAIL=30 step causalcompile "${CAUSALCOMPILE_S:-170}" env TORCH_LOGS=recompiles,graph_breaks \

@@ -63,7 +63,7 @@ VARIANTS = [
     ),
     Variant("eager, whole step one CUDA graph", graph="step"),
     Variant("compiled static, whole step one CUDA graph", compiled="static", graph="step"),
-    Variant("compiled by blocks (hpo's default), dynamic", compiled="blocks"),
+    Variant("compiled by blocks (hpo's auto above 12), dynamic", compiled="blocks"),
 ]
 
 

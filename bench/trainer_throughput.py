@@ -114,6 +114,9 @@ class BatchCounter:
     def attach(self, model: torch.nn.Module) -> RemovableHandle:
         return model.register_forward_pre_hook(self._count, with_kwargs=True)
 
+    # Never traced: inside a compiled model (compiled whole, the hook is part of its forward)
+    # the running sum became a graph output, which a CUDA graph's next replay overwrote.
+    @torch.compiler.disable
     def _count(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if not module.training:
             return  # our loop's evaluations run in eval mode
@@ -217,8 +220,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "every shape once and shares it between the engines, else 0)",
     )  # fmt: skip
     parser.add_argument(
-        "--compile-scope", choices=["blocks", "model"], default=None,
-        help="with --compile: our model.compile_scope (default: the config's, else blocks)",
+        "--compile-scope", choices=["auto", "blocks", "model"], default=None,
+        help="with --compile: our model.compile_scope (default: the config's, else auto)",
     )  # fmt: skip
     parser.add_argument(
         "--cuda-graphs", action="store_true",

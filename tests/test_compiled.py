@@ -100,7 +100,7 @@ def test_compiling_the_blocks_costs_one_layer_whatever_the_depth(
             _train_step(model, batch, width)
         graphs[layers] = (compiled.compile_stats() - before).graphs
         before = compiled.compile_stats()
-        fresh = compiled.compile_model(build_model(config, ["a", "b"], seed=1, task=task))
+        fresh = compiled.compile_model(build_model(config, ["a", "b"], seed=1, task=task), "blocks")
         for batch, width in shapes:
             _train_step(fresh, batch, width)
         assert (compiled.compile_stats() - before).graphs == 0  # the next trial's model
@@ -155,3 +155,16 @@ def test_cuda_graphs_without_compile_are_refused() -> None:
     config = ModelConfig(config=dict(TINY_BERT), tokenizer=MINILM_TOKENIZER, cuda_graphs=True,
                          compile=True)  # fmt: skip
     assert config.problems() == []
+
+
+def test_auto_compiles_a_shallow_model_whole_and_a_deep_one_by_blocks() -> None:
+    def model(layers: int) -> torch.nn.Module:
+        config = ModelConfig(config={**TINY_BERT, "num_hidden_layers": layers},
+                             tokenizer=MINILM_TOKENIZER)  # fmt: skip
+        return build_model(config, ["a", "b"], seed=0)
+
+    shallow, deep = model(compiled.WHOLE_UP_TO_BLOCKS), model(compiled.WHOLE_UP_TO_BLOCKS + 1)
+    assert compiled.compile_model(shallow, "auto") is not shallow  # one graph, the whole forward
+    assert compiled.compile_model(deep, "auto") is deep  # its blocks compiled in place
+    assert ModelConfig().compile_scope == "auto"
+    torch.compiler.reset()

@@ -13,7 +13,7 @@ from typing import Any, Literal
 # `package.module:name`: dotted Python identifiers, a colon, one identifier.
 ENTRYPOINT = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
-CompileScope = Literal["blocks", "model"]
+CompileScope = Literal["auto", "blocks", "model"]
 LRSchedule = Literal["linear", "cosine", "constant_with_warmup", "inverse_sqrt"]
 
 # Upper bounds far above any real run, against typos and runaway values (epochs: 10**9): they
@@ -175,9 +175,10 @@ class ModelConfig:
     compile_scope: CompileScope = _doc(
         "With compile: `blocks` compiles the model's repeated layer (a transformer block) once "
         "and runs it for every layer, so compiling takes the time of one layer whatever the "
-        "depth; `model` compiles the whole forward as one graph (more fusion, minutes for a "
-        "deep model).",
-        "blocks",
+        "depth; `model` compiles the whole forward as one graph (faster steps on short "
+        "sequences, minutes to compile a deep model); `auto`: the whole model up to 12 "
+        "blocks (BERT-base and smaller), by blocks above.",
+        "auto",
     )
     cuda_graphs: bool = _doc(
         "With compile on a GPU: the compiled forward and backward replay as CUDA graphs "
@@ -234,8 +235,8 @@ class ModelConfig:
         if self.cuda_graphs and not self.compile:
             found.append(("cuda_graphs", True, "needs model.compile: true (the graphs are "
                           "torch.compile's)"))  # fmt: skip
-        if self.compile_scope not in ("blocks", "model"):
-            found.append(("compile_scope", self.compile_scope, "must be blocks or model"))
+        if self.compile_scope not in ("auto", "blocks", "model"):
+            found.append(("compile_scope", self.compile_scope, "must be auto, blocks or model"))
         if self.attn_implementation not in ("sdpa", "eager", "flash_attention_2"):
             found.append(
                 (

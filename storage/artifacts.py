@@ -10,16 +10,19 @@ own manifests list.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import errno
 import hashlib
 import json
 import logging
 import os
+import posixpath
 import re
 import shutil
+import stat
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
@@ -34,6 +37,9 @@ KINDS = ("state", "best-model")
 MANIFEST_SUFFIX = ".manifest.json"
 FORMAT = 1
 _SAFE_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# One segment of a key hpo makes: a slug, trial-N, a kind, a version, a file's name, a probe.
+_KEY_PART = re.compile(r"\.?[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 # S3's bucket rules (lowercase, digits, dots and hyphens, 3 to 63 characters).
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _CHUNK = 1 << 20
@@ -231,7 +237,11 @@ class Backend(Protocol):
 
 
 class FileBackend:
-    """A folder on a mount every host shares; each write goes aside, then is renamed."""
+    """A folder on a mount every host shares; each write goes aside, then is renamed.
+
+    Below the root, every folder is opened one step at a time without following a symbolic
+    link (hpo makes none there): a link placed in the store, or swapped in meanwhile, never
+    leads a read, a write or a delete out of it; it is refused (UntrustedArtifact)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -256,61 +266,174 @@ class FileBackend:
             raise store_error(f"cannot create {self.root}: {e.strerror or e}", e) from e
 
     def put(self, key: str, source: BinaryIO) -> None:
-        with _AtomicFile(self.root / key) as target:
+        with self._writing(key) as target:
             shutil.copyfileobj(source, target, _CHUNK)
 
     def write(self, key: str, data: bytes) -> None:
-        with _AtomicFile(self.root / key) as target:
+        with self._writing(key) as target:
             target.write(data)
 
     def get(self, key: str, target: BinaryIO) -> None:
         try:
-            with (self.root / key).open("rb") as source:
+            with self._reading(key) as source:
                 shutil.copyfileobj(source, target, _CHUNK)
         except OSError as e:
-            raise store_error(f"cannot read {key}: {e.strerror or e}", e) from e
+            raise self._error(f"cannot read {key}", e) from e
 
     def read(self, key: str) -> bytes | None:
         try:
-            return (self.root / key).read_bytes()
+            with self._reading(key) as source:
+                return source.read()
         except FileNotFoundError:
             return None
         except OSError as e:
-            raise store_error(f"cannot read {key}: {e.strerror or e}", e) from e
+            raise self._error(f"cannot read {key}", e) from e
 
     def delete(self, keys: list[str]) -> None:
+        for key in keys:  # every key checked before any is deleted
+            _checked_key(key)
+        for key in keys:
+            try:
+                self._unlink(key)
+            except OSError as e:
+                raise self._error(f"cannot remove {key} from {self.root}", e) from e
         try:
-            for key in keys:
-                (self.root / key).unlink(missing_ok=True)
             for key in keys:  # the version folders hpo made, once empty
-                for parent in (self.root / key).parents:
-                    if parent == self.root or not _remove_empty(parent):
-                        break
+                self._remove_empty_folders(key.split("/")[:-1])
         except OSError as e:
-            raise store_error(f"cannot remove from {self.root}: {e.strerror or e}", e) from e
+            raise self._error(f"cannot remove from {self.root}", e) from e
 
     def list(self, prefix: str) -> Iterator[tuple[str, int]]:
+        """The regular files in the folder `prefix` and below; links and dot files skipped."""
         if not self.root.is_dir():  # e.g. the shared mount is not mounted on this host
             raise ArtifactStoreError(f"{self.root} is not a folder")
-        base = self.root / prefix
-        if not base.is_dir():
+        base = prefix.strip("/")
+        try:
+            top = self._folder(_checked_key(base).split("/") if base else [])
+        except FileNotFoundError:
             return
-        for path in base.rglob("*"):
-            if path.is_file() and not path.name.startswith("."):
-                yield path.relative_to(self.root).as_posix(), path.stat().st_size
+        except OSError as e:
+            raise self._error(f"cannot list {prefix}", e) from e
+        try:
+            for folder, _, names, folder_fd in os.fwalk(dir_fd=top):  # never follows a link
+                for name in names:
+                    info = os.stat(name, dir_fd=folder_fd, follow_symlinks=False)
+                    if stat.S_ISREG(info.st_mode) and not name.startswith("."):
+                        yield posixpath.normpath(posixpath.join(base, folder, name)), info.st_size
+        except OSError as e:
+            raise self._error(f"cannot list {prefix}", e) from e
+        finally:
+            os.close(top)
+
+    def _folder(self, parts: Sequence[str], create: bool = False) -> int:
+        """An open descriptor of the folder root/parts (made, with `create`), each step opened
+        without following a link; the caller closes it. A link is OSError ELOOP."""
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for part in parts:
+                if create:
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(part, dir_fd=fd)
+                inner = _open_folder(part, fd)
+                os.close(fd)
+                fd = inner
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _parent(self, key: str, create: bool = False) -> tuple[int, str]:
+        """The key's folder, open (see _folder), and the file's name in it."""
+        *folders, name = _checked_key(key).split("/")
+        return self._folder(folders, create), name
+
+    @contextlib.contextmanager
+    def _reading(self, key: str) -> Iterator[BinaryIO]:
+        folder, name = self._parent(key)
+        try:
+            # O_NONBLOCK: a pipe put in the store fails the check below instead of blocking.
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)
+        finally:
+            os.close(folder)
+        with os.fdopen(fd, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise UntrustedArtifact(f"{key} in {self.root} is not a regular file: refused")
+            yield handle
+
+    @contextlib.contextmanager
+    def _writing(self, key: str) -> Iterator[BinaryIO]:
+        try:
+            folder, name = self._parent(key, create=True)
+        except OSError as e:
+            raise self._error(f"cannot write {self.root / key}", e) from e
+        try:
+            with _AtomicFile(folder, name, self.root / key) as target:
+                yield target
+        finally:
+            os.close(folder)
+
+    def _unlink(self, key: str) -> None:
+        try:
+            folder, name = self._parent(key)
+        except FileNotFoundError:
+            return  # its folder is gone: so is the file
+        try:
+            info = os.stat(name, dir_fd=folder, follow_symlinks=False)
+            if stat.S_ISLNK(info.st_mode):  # not hpo's: left where it is
+                raise OSError(errno.ELOOP, "a symbolic link", key)
+            os.unlink(name, dir_fd=folder)
+        except FileNotFoundError:
+            return
+        finally:
+            os.close(folder)
+
+    def _remove_empty_folders(self, folders: Sequence[str]) -> None:
+        """The key's folders, innermost first, each while it is empty; never the root."""
+        for depth in range(len(folders), 0, -1):
+            try:
+                parent = self._folder(folders[: depth - 1])
+            except FileNotFoundError:
+                return
+            try:
+                os.rmdir(folders[depth - 1], dir_fd=parent)
+            except OSError:  # not empty (another version, a manifest), gone, or a link: stays
+                return
+            finally:
+                os.close(parent)
+
+    def _error(self, doing: str, error: OSError) -> ArtifactStoreError:
+        if error.errno == errno.ELOOP:
+            return UntrustedArtifact(
+                f"{doing}: it leads through a symbolic link in {self.root}, which hpo never "
+                "makes nor follows (a link could lead out of the store): refused"
+            )
+        return store_error(f"{doing}: {error.strerror or error}", error)
+
+
+def _open_folder(name: str, parent: int) -> int:
+    """The folder `name` in `parent`, opened without following a link (OSError ELOOP)."""
+    try:
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+    except NotADirectoryError:  # what Linux says of a link with O_DIRECTORY and O_NOFOLLOW
+        if stat.S_ISLNK(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode):
+            raise OSError(errno.ELOOP, "a symbolic link", name) from None
+        raise
 
 
 class _AtomicFile:
-    """A file written aside (`.NAME.UUID.part`) and renamed into place on success only."""
+    """A file written aside (`.NAME.UUID.part`) in the open folder `folder` and renamed into
+    place on success only; `path` names it in messages."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.aside = path.with_name(f".{path.name}.{uuid.uuid4().hex}.part")
+    def __init__(self, folder: int, name: str, path: Path) -> None:
+        self.folder, self.name, self.path = folder, name, path
+        self.aside = f".{name}.{uuid.uuid4().hex}.part"
 
     def __enter__(self) -> BinaryIO:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.handle = self.aside.open("wb")
+            self.handle = os.fdopen(os.open(self.aside, flags, 0o666, dir_fd=self.folder), "wb")
         except OSError as e:
             raise store_error(f"cannot write {self.path}: {e.strerror or e}", e) from e
         return self.handle
@@ -321,12 +444,13 @@ class _AtomicFile:
                 self.handle.flush()
                 os.fsync(self.handle.fileno())
             self.handle.close()
-            if error is None:
-                os.replace(self.aside, self.path)
+            if error is None:  # a link at `name` is replaced, never followed
+                os.replace(self.aside, self.name, src_dir_fd=self.folder, dst_dir_fd=self.folder)
         except OSError as e:
             raise store_error(f"cannot write {self.path}: {e.strerror or e}", e) from e
         finally:
-            self.aside.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.aside, dir_fd=self.folder)
         if isinstance(error, OSError):  # e.g. the disk full mid-copy
             raise store_error(f"cannot write {self.path}: {error.strerror or error}",
                               error) from error  # fmt: skip
@@ -404,14 +528,20 @@ class S3Backend:
                     raise _refused_deletion(refused, len(answer["Errors"]), self.bucket)
 
     def list(self, prefix: str) -> Iterator[tuple[str, int]]:
-        strip = len(self._key(""))
+        if prefix.rstrip("/"):
+            _checked_key(prefix.rstrip("/"))
+        strip = len(self._under_prefix(""))
         with self._errors(f"cannot list {prefix}"):
             pages = self.client.get_paginator("list_objects_v2")
-            for page in pages.paginate(Bucket=self.bucket, Prefix=self._key(prefix)):
+            for page in pages.paginate(Bucket=self.bucket, Prefix=self._under_prefix(prefix)):
                 for item in page.get("Contents", []):
                     yield item["Key"][strip:], int(item["Size"])
 
     def _key(self, key: str) -> str:
+        """The object's key in the bucket: `key`, checked, under the store's prefix."""
+        return self._under_prefix(_checked_key(key))
+
+    def _under_prefix(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _errors(self, doing: str) -> Any:
@@ -569,8 +699,11 @@ class ArtifactStore:
     def manifest(self, study: str, folder: str, kind: str) -> Manifest | None:
         """The trial's manifest of `kind`, or None. One that does not parse, or names keys
         outside its own version, is refused (ArtifactStoreError)."""
-        raw = self.backend.read(_manifest_key(study, folder, kind))
-        return None if raw is None else _parsed_manifest(raw, study, folder, kind)
+        key = _manifest_key(study, folder, kind)
+        raw = self.backend.read(key)
+        if raw is None:
+            return None
+        return _parsed_manifest(raw, f"{self.url}/{key}", study, folder, kind)
 
     def fetch(self, study: str, folder: str, kind: str, into: Path) -> Manifest | None:
         """Download the artifact into the new folder `into`, every file checked against the
@@ -597,11 +730,13 @@ class ArtifactStore:
                 self.backend.delete([f.key for f in manifest.files])
 
     def folders(self, study: str) -> dict[str, list[str]]:
-        """The trial folders of `study` with artifacts: folder -> kinds."""
+        """The trial folders of `study` with artifacts: folder -> kinds. A name hpo does not
+        make (listed from a store anyone may write to) is left out."""
         found: dict[str, list[str]] = {}
-        for key, _ in self.backend.list(f"{study}/"):
+        for key, _ in self.backend.list(f"{_folder_name(study)}/"):
             parts = key.split("/")
-            if len(parts) == 3 and parts[2].endswith(MANIFEST_SUFFIX):
+            if (len(parts) == 3 and parts[0] == study and _SAFE_PART.fullmatch(parts[1])
+                    and parts[2].endswith(MANIFEST_SUFFIX)):  # fmt: skip
                 kind = parts[2][: -len(MANIFEST_SUFFIX)]
                 if kind in KINDS:
                     found.setdefault(parts[1], []).append(kind)
@@ -609,7 +744,7 @@ class ArtifactStore:
 
     def size(self, study: str) -> int:
         """Bytes the study's artifacts take in the store (every object under its folder)."""
-        return sum(size for _, size in self.backend.list(f"{study}/"))
+        return sum(size for _, size in self.backend.list(f"{_folder_name(study)}/"))
 
     def _put(self, key: str, name: str, path: Path) -> FileEntry:
         """Hash and upload one open file: a checkpoint replaced meanwhile (by a rename) is
@@ -658,10 +793,14 @@ def _backend_for(url: str) -> Backend:
 
 
 def _prefix(study: str, folder: str) -> str:
-    for part in (study, folder):
-        if not _SAFE_PART.fullmatch(part):
-            raise ArtifactStoreError(f"{part[:80]!r} is not a folder name hpo makes")
-    return f"{study}/{folder}"
+    return f"{_folder_name(study)}/{_folder_name(folder)}"
+
+
+def _folder_name(name: str) -> str:
+    """`name` (a study's or trial's folder) if it is one path segment hpo makes."""
+    if not _SAFE_PART.fullmatch(name):
+        raise ArtifactStoreError(f"{name[:80]!r} is not a folder name hpo makes")
+    return name
 
 
 def _manifest_key(study: str, folder: str, kind: str) -> str:
@@ -690,8 +829,39 @@ def _files_of(source: Path) -> list[tuple[str, Path]]:
     return files
 
 
-def _parsed_manifest(raw: bytes, study: str, folder: str, kind: str) -> Manifest:
-    where = f"{_manifest_key(study, folder, kind)}"
+def _checked_key(key: str) -> str:
+    """`key`, if it is one hpo makes; UntrustedArtifact otherwise. Every backend call takes its
+    key through here, so no name read from the store (a manifest, a listing) reaches past it."""
+    problem = _key_problem(key)
+    if problem is not None:
+        raise UntrustedArtifact(f"key {_quoted(key)} {problem}: refused")
+    return key
+
+
+def _key_problem(key: str) -> str | None:
+    """What could make `key` name something outside the store once a file system or an
+    S3-compatible server normalises it; None for a key of plain segments."""
+    if not isinstance(key, str) or not key:
+        return "is empty or not text"
+    if key.startswith("/"):
+        return "is an absolute path"
+    if "\\" in key:
+        return "holds a backslash"
+    if any(ord(c) < 32 or ord(c) == 127 for c in key):
+        return "holds NUL or another control character"
+    segments = key.split("/")
+    if "" in segments:
+        return "has an empty segment ('//', or a '/' at its end)"
+    if "." in segments or ".." in segments:
+        return "has a '.' or '..' segment"
+    if not all(_KEY_PART.fullmatch(segment) for segment in segments):
+        return "has a segment hpo never makes (only letters, digits, '.', '_' and '-')"
+    return None
+
+
+def _parsed_manifest(raw: bytes, where: str, study: str, folder: str, kind: str) -> Manifest:
+    """The manifest at `where` (named in messages), or UntrustedArtifact saying what is wrong
+    with it: nothing it names is then read or deleted."""
     try:
         data = json.loads(raw)
         data.pop("size", None)
@@ -700,14 +870,50 @@ def _parsed_manifest(raw: bytes, study: str, folder: str, kind: str) -> Manifest
         manifest.published_at()  # a time that does not parse is not hpo's
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise UntrustedArtifact(f"{where} is not a manifest hpo wrote: refused") from e
-    expected = f"{_prefix(study, folder)}/{kind}/{manifest.version}/"
-    for entry in manifest.files:
-        names = entry.path.split("/")
-        if entry.key != expected + entry.path or not all(_SAFE_PART.fullmatch(n) for n in names):
-            raise UntrustedArtifact(f"{where} names {entry.key[:120]!r}, outside its version")
-    if (manifest.study, manifest.folder, manifest.kind) != (study, folder, kind):
-        raise UntrustedArtifact(f"{where} belongs to another trial: refused")
+    problem = _manifest_problem(manifest, study, folder, kind)
+    if problem is not None:
+        raise UntrustedArtifact(f"{where} {problem}: refused, nothing read or removed")
     return manifest
+
+
+def _manifest_problem(manifest: Manifest, study: str, folder: str, kind: str) -> str | None:
+    """Why hpo will not act on the manifest: a name in it (its trial, its version, a file's
+    key or path) that is not one hpo writes, or a file without a size and hash; None if none."""
+    if (manifest.study, manifest.folder, manifest.kind) != (study, folder, kind):
+        return "belongs to another trial"
+    if not isinstance(manifest.version, str) or not _SAFE_PART.fullmatch(manifest.version):
+        return f"names the version {_quoted(manifest.version)}, not a folder name hpo makes"
+    expected = f"{_prefix(study, folder)}/{kind}/{manifest.version}/"
+    paths: set[str] = set()
+    for entry in manifest.files:
+        problem = _entry_problem(entry, expected)
+        if problem is not None:
+            return problem
+        paths.add(entry.path)
+    folders: set[str] = set()
+    for parts in (path.split("/") for path in paths):
+        folders.update("/".join(parts[:depth]) for depth in range(1, len(parts)))
+    if len(paths) < len(manifest.files) or paths & folders:
+        return "names one file twice, or a file as a folder of another"
+    return None
+
+
+def _entry_problem(entry: FileEntry, expected_prefix: str) -> str | None:
+    if not all(isinstance(text, str) for text in (entry.path, entry.key, entry.sha256)):
+        return "has a file whose path, key or sha256 is not text"
+    if entry.key != expected_prefix + entry.path or _key_problem(entry.key) is not None:
+        return f"names {_quoted(entry.key)}, outside its version"
+    if not all(_SAFE_PART.fullmatch(part) for part in entry.path.split("/")):
+        return f"names the file {_quoted(entry.path)}, not a path hpo uploads"
+    if type(entry.size) is not int or entry.size < 0 or not _SHA256.fullmatch(entry.sha256):
+        return f"gives {_quoted(entry.path)} no size in bytes or no sha256"
+    return None
+
+
+def _quoted(value: object) -> str:
+    """A value read from the store, for a one-line message: quoted and cut short."""
+    shown = repr(value)
+    return shown if len(shown) <= 120 else shown[:117] + "..."
 
 
 def _sha256(handle: BinaryIO) -> tuple[str, int]:

@@ -263,8 +263,26 @@ _BETWEEN_WORDS = re.compile(r"([\s\"'<>`]+)")
 # A scheme before the user name, however it is typed: `scheme://`, `scheme:/`, `scheme:///`,
 # `scheme:` or `scheme//`.
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*(?::/*|/+)")
-# `password=`, also as libpq spells it inside a `dsn=` parameter (`password%3D`, `sslpassword=`).
-_PASSWORD_PARAMETER = re.compile(r"(?i)((?:password|passwd|pwd)\s*(?:=|%3D))[^&\s\"']*")
+# A parameter whose name holds one of these, in any case, carries a secret: `access_token`,
+# `api_key`, `X-Amz-Signature`, `X-Amz-Credential`, `client_secret`, `sslpassword`, `pwd`,
+# `auth`. `sig` (Azure's signature) counts as a whole part of the name only: `signal=` does not.
+_SECRET_NAME = re.compile(
+    r"token|key|secret|passw|pwd|auth|signature|credential|(?:^|[^a-z0-9])sig(?:$|[^a-z0-9])",
+    re.IGNORECASE,
+)
+# `=`, also percent-encoded inside another parameter (libpq's `dsn=host%3Dh%20password%3D...`).
+_EQUALS = re.compile(r"=|%3D", re.IGNORECASE)
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.~-%")
+_LONGEST_NAME = 200
+# A value ends where the next parameter, the fragment, a word or a quoted string ends.
+_VALUE_END = re.compile(r"[&;#\s\"'<>`]")
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether a query parameter called `name` holds a secret, whose value hpo never prints or
+    stores. The one place that decides, for every URL hpo shows: the study database's, the
+    tracking server's, the artifact store's, and any a library's message quotes."""
+    return _SECRET_NAME.search(name) is not None
 
 
 def mask_url(url: str) -> str:
@@ -273,8 +291,37 @@ def mask_url(url: str) -> str:
     Anything shaped like `user:password@host` is masked, with or without a scheme and with any
     number of slashes after it (a mistyped URL is where a password is most often shown).
     Everything between `user:` and the last `@` is hidden: a password with an unescaped `@`
-    is hidden whole, not cut at its first `@`; so is a `password=` query parameter."""
-    return _PASSWORD_PARAMETER.sub(r"\1***", _mask_userinfo(url))
+    is hidden whole, not cut at its first `@`; so is the value of every parameter whose name
+    says it is a secret (`?access_token=***`, `password=***`: see is_secret_name)."""
+    return _mask_secret_parameters(_mask_userinfo(url))
+
+
+def _mask_secret_parameters(text: str) -> str:
+    """`name=value` with `value` replaced by *** wherever is_secret_name(name). Found from each
+    `=` (the name read backwards from it): linear in the text's length, however long a word."""
+    kept: list[str] = []
+    done = 0  # text[:done] is in `kept`
+    for equals in _EQUALS.finditer(text):
+        if equals.start() < done or not is_secret_name(_name_before(text, equals.start())):
+            continue  # inside a value masked already, or not a secret's name
+        start = equals.end()
+        quote = text[start : start + 1]
+        if quote in ("'", '"'):  # libpq's `password='two words'`: up to the closing quote
+            start += 1
+            end = text.find(quote, start)
+        else:
+            found = _VALUE_END.search(text, start)
+            end = found.start() if found else -1
+        kept += [text[done:start], "***"]
+        done = end if end >= 0 else len(text)
+    return "".join(kept) + text[done:]
+
+
+def _name_before(text: str, end: int) -> str:
+    start = end
+    while start > max(0, end - _LONGEST_NAME) and text[start - 1] in _NAME_CHARS:
+        start -= 1
+    return text[start:end]
 
 
 def _mask_userinfo(url: str) -> str:
@@ -296,12 +343,13 @@ def _mask_userinfo(url: str) -> str:
 
 def mask_text(text: str) -> str:
     """Mask every `user:password@` in free text, such as a driver's error message that echoes
-    a database name (`database "user:pw@host/db" does not exist`), and every `password=`."""
+    a database name (`database "user:pw@host/db" does not exist`), and every secret parameter
+    (`password=`, `access_token=`, `X-Amz-Signature=`: see is_secret_name)."""
     # Split, not searched with a pattern: linear in the text's length (a pattern that looks
     # for an `@` inside a word took seconds on one long word).
     words = _BETWEEN_WORDS.split(text)
     masked = "".join(_mask_userinfo(word) if "@" in word else word for word in words)
-    return _PASSWORD_PARAMETER.sub(r"\1***", masked)
+    return _mask_secret_parameters(masked)
 
 
 _SQLITE_NOT_A_DATABASE = ("file is not a database", "database disk image is malformed")

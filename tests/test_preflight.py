@@ -26,10 +26,8 @@ from storage.artifacts import (
     is_refusal,
     validated_artifact_url,
 )
-from tests import test_artifacts
 from tests.conftest import TINY_BERT, run_hpo, tiny_config, write_config
 
-s3 = test_artifacts.s3  # an S3 API served by moto on 127.0.0.1, with a bucket `hpo`
 Main = Callable[[list[str]], int]
 
 

@@ -151,3 +151,87 @@ def test_a_log_line_and_its_traceback_are_masked(
     logged = capsys.readouterr().err
     assert "Traceback" in logged and "user:***@127.0.0.1/db" in logged
     assert SECRET not in logged, logged
+
+
+# -- secrets in a URL's query string (issue 42): tracking URIs, presigned URLs, DSNs ------------
+
+SECRET_QUERIES = [
+    f"http://host:5077/mlflow?access_token={SECRET}",
+    f"http://host:5077/mlflow?experiment=7&ACCESS_TOKEN={SECRET}&x=1",
+    f"https://b.s3.amazonaws.com/k?X-Amz-Credential={SECRET}%2F2024&X-Amz-Signature={SECRET}",
+    f"https://acct.blob.core.windows.net/c/b?sv=2022-11-02&sig={SECRET}%2B%3D&se=2030",
+    f"https://api.example.com/v1?api_key={SECRET}",
+    f"https://api.example.com/v1?apiKey={SECRET}",
+    f"https://login.example.com/cb?code=1&client_secret={SECRET}",
+    f"https://login.example.com/cb#id=1&refresh_token={SECRET}",
+    f"http://h/?Authorization=Bearer%20{SECRET}",
+    f"http://h/?credentials={SECRET}",
+    f"postgresql+psycopg2://u@h/db?sslpassword={SECRET}",
+    f"postgresql+psycopg2://u@h/db?dsn=host%3Dh%20password%3D{SECRET}",
+    f"http://h/?token={SECRET}={SECRET}",
+]
+
+
+@pytest.mark.parametrize("url", SECRET_QUERIES)
+def test_a_secret_query_value_is_masked_wherever_a_url_is_shown(url: str) -> None:
+    from storage.artifacts import masked_artifact_url
+
+    for shown in (mask_url(url), mask_text(f"got {url!r} here"), mask_text(f"MLflow at {url}: 403"),
+                  masked_artifact_url(url)):  # fmt: skip
+        assert SECRET not in shown and "***" in shown, shown
+
+
+@pytest.mark.parametrize(
+    ("url", "masked"),
+    [
+        (
+            f"http://host:5077/mlflow?access_token={SECRET}&experiment=7",
+            "http://host:5077/mlflow?access_token=***&experiment=7",
+        ),
+        (
+            f"https://b/k?X-Amz-Expires=60&X-Amz-Signature={SECRET}#top",
+            "https://b/k?X-Amz-Expires=60&X-Amz-Signature=***#top",
+        ),
+        # What names no secret is left alone: `signal` and `design` are not a `sig`.
+        (
+            "http://h/x?experiment=7&signal=15&design=a&q=a=b",
+            "http://h/x?experiment=7&signal=15&design=a&q=a=b",
+        ),
+        ("sqlite:////data/hpo.db", "sqlite:////data/hpo.db"),
+    ],
+)
+def test_only_the_secret_values_are_masked(url: str, masked: str) -> None:
+    assert mask_url(url) == masked
+
+
+def test_a_quoted_secret_in_a_connection_string_is_masked_whole() -> None:
+    text = f"could not connect: host=h password='{SECRET} two' user=u"
+    assert mask_text(text) == "could not connect: host=h password='***' user=u"
+
+
+def test_masking_a_long_text_with_many_equals_signs_takes_no_time() -> None:
+    import time
+
+    started = time.monotonic()
+    masked = mask_text("x" * 1_000_000 + "=" * 100_000 + f" a=1&token={SECRET}")
+    assert time.monotonic() - started < 1.0
+    assert masked.endswith(" a=1&token=***")
+
+
+def test_a_user_error_the_cli_prints_never_shows_a_token(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
+) -> None:
+    """Whatever message a command raises, the one line `hpo: error: ...` is masked."""
+    from hpo.cli import app
+    from hpo.errors import HPOError
+
+    def refuses(args: object) -> int:
+        raise HPOError(f"MLflow at http://h:5077/mlflow?access_token={SECRET} refused")
+
+    monkeypatch.setattr(app, "monitor_command", refuses)
+    assert hpo_main(["studies"]) == 2
+    err = capsys.readouterr().err
+    assert "hpo: error: MLflow at http://h:5077/mlflow?access_token=*** refused" in err, err
+    assert SECRET not in err

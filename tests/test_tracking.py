@@ -394,6 +394,31 @@ def test_the_server_stopped_mid_study_costs_no_trial_and_each_gap_is_said_once(
     assert "the tracker is missing 2 trials" in status, status
 
 
+@pytest.mark.slow
+def test_a_token_in_the_tracking_uris_query_is_never_printed_or_stored(
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    hpo_main: Callable[[list[str]], int],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 42: `--tracking 'http://host/mlflow?access_token=...'` with the server out of
+    reach: the run log, `hpo status`'s WARNING line and the study database show the URI with
+    its token masked."""
+    _mlflow()
+    token = "tok-Sekr1t-42"
+    uri = f"http://127.0.0.1:{_free_port()}/mlflow?access_token={token}"  # nothing listens
+    args = _study_args(tmp_path, easy_data, {"patience": 1}, "t", study={"n_trials": 1})
+    assert hpo_main([*args, "--tracking", uri]) == 0
+    assert hpo_main(["status", "--study", "t", "--storage", args[-1]]) == 0
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "is missing from MLflow" in text and "WARNING: the tracker is missing" in text, text
+    assert "access_token=***" in text and token not in text
+    study = optuna.load_study(study_name="t", storage=args[-1])
+    assert any("access_token=***" in str(v) for v in study.user_attrs.values()), study.user_attrs
+    assert token.encode() not in (tmp_path / "studies.db").read_bytes()
+
+
 def test_hpos_http_settings_hold_in_its_own_calls_only_and_the_environment_is_untouched(
 ) -> None:  # fmt: skip
     """No retries and a short timeout in hpo's client's calls (a refused server fails at once,

@@ -23,6 +23,7 @@ from hpo.commands.run import (
 from hpo.errors import USER_ERRORS
 from hpo.reports.text import CLOSED_STDOUT, emit, stdout_is_closed
 from hpo.stopping import stopped_exit_code
+from storage.url import mask_text
 
 EXIT_BAD_INPUT = 2
 
@@ -68,7 +69,8 @@ def main(argv: Sequence[str] | None = None, own_process: bool = False) -> int:
     except USER_ERRORS as e:
         if args.debug:
             log.exception("hpo failed")
-        print(f"hpo: error: {e}", file=sys.stderr)
+        # Any URL the message quotes (a tracking URI, a storage URL) is shown masked.
+        print(f"hpo: error: {mask_text(str(e))}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt as e:
         return _stopped(e)

@@ -27,7 +27,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpo.config.schema import Config
 from hpo.trial.front import FrontRule, as_rule, best_of, rule_for
-from storage.artifacts import ArtifactStore
+from storage.artifacts import ArtifactStore, UntrustedArtifact
 
 # Which trials' models are best: hpo's rule (hpo.trial.front), or the study's directions alone.
 Rule = FrontRule | Sequence[StudyDirection]
@@ -161,7 +161,8 @@ def remove_unneeded_artifacts(
 ) -> list[str]:
     """The artifact store's counterpart of remove_unneeded_folders: a resume state stays while
     its trial runs or is queued, a best model also while its trial is the best; the rest goes,
-    only what hpo's manifests list. Returns the artifacts removed ("trial-3/state"). Raises
+    only what hpo's manifests list. Returns the artifacts removed ("trial-3/state"). One whose
+    manifest hpo will not trust (UntrustedArtifact) is left as it is, with a warning. Raises
     ArtifactStoreError when the store fails."""
     study = study_folder_name(study_name)
     active = _active_folders(trials)
@@ -173,10 +174,15 @@ def remove_unneeded_artifacts(
     for folder, kinds in sorted(store.folders(study).items()):
         if folder not in known:
             continue
-        unneeded = tuple(k for k in kinds if folder not in (active if k == "state" else models))
-        if unneeded:
-            store.remove(study, folder, unneeded)
-            removed += [f"{folder}/{kind}" for kind in unneeded]
+        for kind in kinds:
+            if folder in (active if kind == "state" else models):
+                continue
+            try:
+                store.remove(study, folder, (kind,))
+            except UntrustedArtifact as e:  # one forged manifest holds up no other artifact
+                log.warning("%s/%s stays in the artifact store: %s", folder, kind, e)
+                continue
+            removed.append(f"{folder}/{kind}")
     return removed
 
 

@@ -45,6 +45,14 @@ def _config_change(tmp_path: Path, data: tuple[Path, Path], kind: str) -> dict[s
         repeated = tmp_path / "repeated.csv"
         repeated.write_text("text,label,text\ngood,pos,x\nbad,neg,y\n")
         raw["data"]["train_file"] = str(repeated)
+    elif kind == "row over max_row_mib":
+        huge = tmp_path / "huge.csv"
+        huge.write_text("text,label\ngood,pos\n" + "x" * 2**20 + ",neg\n")
+        raw["data"].update(train_file=str(huge), max_row_mib=1)
+    elif kind == "header too wide":
+        wide = tmp_path / "wide.csv"
+        wide.write_text(",".join(f"c{i}" for i in range(20_000)) + ",text,label\n")
+        raw["data"]["train_file"] = str(wide)
     elif kind == "empty file":
         empty = tmp_path / "empty.csv"
         empty.write_text("text,label\n")
@@ -70,6 +78,9 @@ CASES = [
     ("label only in evaluation", ["labels ['neutral'] never appear in the training data"]),
     ("one class", ["has the label 'pos'; a classifier needs at least two classes"]),
     ("repeated columns", ["column names ['text'] appear more than once; give each column"]),
+    ("row over max_row_mib", ["huge.csv: row 2 (from line 3) is longer than 1 MiB "
+                              "(data.max_row_mib), so it is not read"]),
+    ("header too wide", ["wide.csv: the header has 20,002 columns, more than hpo reads"]),
     ("empty file", ["no rows; the file is empty"]),
     ("missing model folder", ["model.name_or_path", "not found"]),
     ("unknown architecture", ["cannot load model config"]),

@@ -100,10 +100,11 @@ def test_a_csv_cell_that_is_no_finite_number_is_refused_by_row(
     [
         (True, "row 2 of column 'score' is True, not a number"),
         (None, "row 2 of column 'score' has no target"),
+        (float("nan"), "row 2 of column 'score' is nan, not a finite number"),  # JSON's NaN
         ([4], "row 2 of column 'score' is [4], not a number"),
         ("n/a", "row 2 of column 'score' is 'n/a', not a number"),
     ],
-    ids=["boolean", "null", "list", "text"],
+    ids=["boolean", "null", "NaN", "list", "text"],
 )
 def test_a_json_value_that_is_no_number_is_refused_by_row(
     tmp_path: Path, tokenizer: Any, value: Any, expected: str

@@ -24,6 +24,8 @@ MAX_BATCH_SIZE = 1_048_576  # examples in an optimizer step, micro-batch or eval
 MAX_STEPS = 10**9
 MAX_NUM_WORKERS = 256
 MAX_LENGTH = 1_048_576  # tokens per example
+# A CSV row or JSONL line, in MiB: csv's field limit (2**31 - 1 bytes) is the ceiling.
+MAX_ROW_MIB = 2047
 _TRAINING_BOUNDS = {
     "epochs": MAX_EPOCHS,
     "evals_per_epoch": MAX_EVALS_PER_EPOCH,
@@ -68,6 +70,11 @@ class DataConfig:
     cache_dir: str | None = _doc(
         "Tokenized-data cache; default $HPO_CACHE_DIR or ~/.cache/hpo/tokenized."
     )
+    max_row_mib: int = _doc(
+        "Longest CSV row or JSONL line read, in MiB; a file with a longer one is refused, naming "
+        "it (a text is cut to what max_length can use anyway).",
+        16,
+    )
 
     def problems(self) -> list[tuple[str, Any, str]]:
         found: list[tuple[str, Any, str]] = []
@@ -76,7 +83,9 @@ class DataConfig:
                 found.append((key, getattr(self, key), "is required: a path to the data"))
         if self.max_length < 2:
             found.append(("max_length", self.max_length, "must be at least 2"))
-        found.extend(_above_bounds(self, {"max_length": MAX_LENGTH}))
+        found.extend(_above_bounds(self, {"max_length": MAX_LENGTH, "max_row_mib": MAX_ROW_MIB}))
+        if self.max_row_mib < 1:
+            found.append(("max_row_mib", self.max_row_mib, "must be at least 1"))
         if self.text_pair_column == self.text_column:
             found.append(
                 ("text_pair_column", self.text_pair_column, "must differ from text_column")

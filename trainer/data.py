@@ -17,7 +17,7 @@ import re
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,6 +27,7 @@ import torch
 
 from trainer.config import DataConfig
 from trainer.errors import DataError
+from trainer.text_window import heads, window_chars
 
 CACHE_FORMAT_VERSION = 3  # 3: targets of any task; 2: a folder of .npy files; 1: one .npz
 # Steps per shuffled pool that is sorted by length before it is cut into steps.
@@ -103,13 +104,26 @@ def with_eval_in_training(data: PreparedData) -> PreparedData:
 # -- reading tables ------------------------------------------------------------------------------
 
 
-def read_table(path: str, split: str) -> dict[str, list[Any]]:
-    """Columns of a CSV, JSONL, Parquet file or `save_to_disk` folder, as lists."""
+MIB = 2**20
+# A CSV wider than Excel's widest sheet (16,384 columns) is no table of texts: refused before a
+# row is read, since every row is parsed into as many fields as the header has.
+MAX_CSV_COLUMNS = 16_384
+
+
+def read_table(
+    path: str,
+    split: str,
+    keep: Collection[str] | None = None,
+    max_row_bytes: int = 16 * MIB,
+) -> dict[str, list[Any]]:
+    """Columns of a CSV, JSONL, Parquet file or `save_to_disk` folder, as lists: those named in
+    `keep` (the others are never stored), or all. A CSV row or JSONL line longer than
+    `max_row_bytes` is refused before it is read whole."""
     location = Path(path)
     if not location.exists():
         raise DataError(f"data file {path} not found; check data.train_file / data.eval_file")
     try:
-        return _read_location(location, split)
+        return _read_location(location, split, keep, max_row_bytes)
     except DataError:
         raise
     except UnicodeDecodeError as e:
@@ -121,43 +135,60 @@ def read_table(path: str, split: str) -> dict[str, list[Any]]:
         ) from e
 
 
-def _read_location(location: Path, split: str) -> dict[str, list[Any]]:
+def _read_location(
+    location: Path, split: str, keep: Collection[str] | None, max_row_bytes: int
+) -> dict[str, list[Any]]:
     if location.is_dir():
-        return _read_saved_dataset(location, split)
-    suffix = location.suffix.lower()
-    if suffix == ".csv":
-        return _read_csv(location)
-    if suffix in (".jsonl", ".json"):
-        return _read_jsonl(location)
-    if suffix == ".parquet":
-        return _read_parquet(location)
-    raise DataError(
-        f"data file {location} has an unsupported format; use .csv, .jsonl, .parquet "
-        "or a folder written by datasets' save_to_disk"
-    )
+        table = _read_saved_dataset(location, split)
+    elif location.suffix.lower() == ".csv":
+        return _read_csv(location, keep, max_row_bytes)
+    elif location.suffix.lower() in (".jsonl", ".json"):
+        table = _read_jsonl(location, max_row_bytes)
+    elif location.suffix.lower() == ".parquet":
+        table = _read_parquet(location)
+    else:
+        raise DataError(
+            f"data file {location} has an unsupported format; use .csv, .jsonl, .parquet "
+            "or a folder written by datasets' save_to_disk"
+        )
+    return table if keep is None else {k: v for k, v in table.items() if k in keep}
+
+
+def table_columns(path: str, split: str) -> list[str]:
+    """Every column of a data file, for a message that lists them (of a CSV, its header)."""
+    location = Path(path)
+    if location.suffix.lower() == ".csv" and location.is_file():
+        with location.open(newline="", encoding="utf-8-sig") as handle:
+            lines = _WatchedLines(handle, location, _CSV_FIELD_LIMIT)
+            return _csv_names(next(lines.rows(csv.reader(lines)), None), location)
+    return list(read_table(path, split))
 
 
 # A CSV field may be a whole document: csv's own limit (128 KiB) would refuse it.
 _CSV_FIELD_LIMIT = 2**31 - 1
 
 
-def _read_csv(path: Path) -> dict[str, list[Any]]:
+def _read_csv(path: Path, keep: Collection[str] | None, max_row_bytes: int) -> dict[str, list[Any]]:
     """Every field as the text it is (a CSV holds only text; whole_number_labels reads numbers
     later). Blank lines are skipped, a short row's missing fields are empty, a column with no
     name is called "Unnamed: N" (as pandas names it). Read with the csv module: importing
-    pandas cost every worker one to three seconds of CPU."""
+    pandas cost every worker one to three seconds of CPU. With `keep`, only those columns are
+    stored: a header of thousands of columns costs no more than the row that holds it."""
     csv.field_size_limit(_CSV_FIELD_LIMIT)
     with path.open(newline="", encoding="utf-8-sig") as handle:
-        lines = _WatchedLines(handle)
+        lines = _WatchedLines(handle, path, max_row_bytes)
         reader = csv.reader(lines)
         rows = lines.rows(reader)
         try:
-            header = next(rows, None)
-            if header is None:
-                raise DataError(f"{path} is empty: a CSV file starts with a header row that "
-                                "names its columns (text,label, say)")  # fmt: skip
-            _check_csv_header(header, path)
-            table = list(rows)
+            names = _csv_names(next(rows, None), path)
+            kept = [(i, name) for i, name in enumerate(names) if keep is None or name in keep]
+            columns: dict[str, list[Any]] = {name: [] for _, name in kept}
+            too_wide: tuple[int, int] | None = None  # the first row with more fields than names
+            for row, values in enumerate(rows, start=1):
+                if len(values) > len(names) and too_wide is None:
+                    too_wide = (row, len(values))
+                for index, name in kept:  # a short row's missing fields are empty
+                    columns[name].append(values[index] if index < len(values) else "")
         except csv.Error as e:
             raise DataError(f"cannot read {path}: {e} (line {reader.line_num})") from e
     if lines.ended_inside_a_row:
@@ -165,17 +196,19 @@ def _read_csv(path: Path) -> dict[str, list[Any]]:
             f"{path}: the quoted field that starts on line {lines.row_start} is never closed; "
             'close its quote, and write a quote inside a quoted text as two ("")'
         )
-    width = len(header)
-    for row, values in enumerate(table, start=1):
-        if len(values) != width:
-            if len(values) > width:
-                raise DataError(f"{path}: row {row} has {len(values)} fields, the header "
-                                f"{width}; quote a text that holds a comma")  # fmt: skip
-            values.extend([""] * (width - len(values)))
-    # Every row is as wide as the header now: its columns are the table turned on its side.
-    columns = [list(c) for c in zip(*table, strict=True)] if table else [[] for _ in header]
-    names = [name if name else f"Unnamed: {index}" for index, name in enumerate(header)]
-    return dict(zip(names, columns, strict=True))
+    if too_wide is not None:
+        raise DataError(f"{path}: row {too_wide[0]} has {too_wide[1]} fields, the header "
+                        f"{len(names)}; quote a text that holds a comma")  # fmt: skip
+    return columns
+
+
+def _csv_names(header: list[str] | None, path: Path) -> list[str]:
+    """A CSV's column names from its header row, checked."""
+    if header is None:
+        raise DataError(f"{path} is empty: a CSV file starts with a header row that "
+                        "names its columns (text,label, say)")  # fmt: skip
+    _check_csv_header(header, path)
+    return [name if name else f"Unnamed: {index}" for index, name in enumerate(header)]
 
 
 def _check_csv_header(header: list[str], path: Path) -> None:
@@ -185,17 +218,27 @@ def _check_csv_header(header: list[str], path: Path) -> None:
             "tab-separated (TSV); hpo reads .csv files separated by commas: convert it to CSV "
             "or to .jsonl"
         )
+    if len(header) > MAX_CSV_COLUMNS:
+        raise DataError(
+            f"{path}: the header has {len(header):,} columns, more than hpo reads "
+            f"({MAX_CSV_COLUMNS:,}); keep the text and label columns (and what the task reads)"
+        )
     _check_unique_columns(header, path)
 
 
 class _WatchedLines:
     """A CSV file's lines as csv.reader takes them, noting whether the file ended inside a row
-    (a quoted field left open): csv.reader would return the rest of the file as that field."""
+    (a quoted field left open: csv.reader would return the rest of the file as that field),
+    and refusing a row longer than `max_row_bytes` before more of it is read."""
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: Any, path: Path, max_row_bytes: int) -> None:
         self._handle = handle
+        self._path = path
+        self._max_row_bytes = max_row_bytes
         self._line = 0
         self._taken = 0  # lines the reader took since it returned its last row
+        self._row_bytes = 0  # their length
+        self._rows = 0  # rows returned, the header included
         self.row_start = 1  # the line where the row being read began
         self.ended_inside_a_row = False
 
@@ -203,7 +246,8 @@ class _WatchedLines:
         return self
 
     def __next__(self) -> str:
-        line: str = self._handle.readline()
+        # At most one character past the limit: a character is at least a byte.
+        line: str = self._handle.readline(self._max_row_bytes + 1)
         if not line:
             if self._taken > 0:  # asked for more lines to end a row: no more came
                 self.ended_inside_a_row = True
@@ -211,8 +255,16 @@ class _WatchedLines:
         self._line += 1
         if self._taken == 0:
             self.row_start = self._line
+            self._row_bytes = 0
         self._taken += 1
+        self._row_bytes += utf8_length(line)
+        if self._row_bytes > self._max_row_bytes:
+            raise row_too_long(self._path, self._where(), self._max_row_bytes)
         return line
+
+    def _where(self) -> str:
+        row = f"row {self._rows}" if self._rows else "the header"
+        return f"{row} (from line {self.row_start})"
 
     def rows(self, reader: Any) -> Iterator[list[str]]:
         """The reader's rows, blank lines left out (a line of spaces too, as pandas did). A
@@ -220,7 +272,21 @@ class _WatchedLines:
         for values in reader:
             self._taken = 0
             if values and not (len(values) == 1 and values[0].isspace()):
+                self._rows += 1
                 yield values
+
+
+def utf8_length(text: str) -> int:
+    """Bytes of `text` in UTF-8 (an ASCII text's length is its size: no copy to count it)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def row_too_long(path: Path, where: str, max_row_bytes: int) -> DataError:
+    return DataError(
+        f"{path}: {where} is longer than {max_row_bytes / MIB:g} MiB (data.max_row_mib), so it "
+        "is not read: no max_length uses a text that long; shorten or drop it, or raise "
+        "data.max_row_mib"
+    )
 
 
 def _read_parquet(path: Path) -> dict[str, list[Any]]:
@@ -246,11 +312,15 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return row
 
 
-def _read_jsonl(path: Path) -> dict[str, list[Any]]:
+def _read_jsonl(path: Path, max_row_bytes: int) -> dict[str, list[Any]]:
     """One JSON object per line; a key missing from a row reads as None."""
     rows: list[dict[str, Any]] = []
     with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+        # At most one character past the limit: a character is at least a byte.
+        lines = iter(lambda: handle.readline(max_row_bytes + 1), "")
+        for number, line in enumerate(lines, start=1):
+            if utf8_length(line) > max_row_bytes:
+                raise row_too_long(path, f"line {number}", max_row_bytes)
             if line.strip():
                 rows.append(_json_row(line, number, path))
     names = dict.fromkeys(key for row in rows for key in row)
@@ -405,9 +475,14 @@ def encode_labels(raw_labels: list[Any], label_names: list[str], source: str) ->
 
 
 def _check_no_missing(values: list[Any], source: str) -> None:
-    for row, value in enumerate(values):
-        if value is None or value == "" or (isinstance(value, float) and np.isnan(value)):
-            raise DataError(f"{source}: row {row + 1} has no label; fill it in or drop the row")
+    for row, value in enumerate(values, start=1):
+        if value is None or value == "":
+            raise DataError(f"{source}: row {row} has no label; fill it in or drop the row")
+        if isinstance(value, float) and np.isnan(value):  # JSON's NaN, a float column's
+            raise DataError(
+                f"{source}: row {row} has the label NaN, which names no class; give its class "
+                "or drop the row"
+            )
 
 
 def text_column(table: dict[str, list[Any]], column: str, source: str, key: str) -> list[str]:
@@ -449,14 +524,19 @@ class RowEncoder(Protocol):
 def prepare_splits(config: DataConfig, tokenizer: Any, task: RowEncoder) -> PreparedData:
     """Load and encode both splits for `task`, reusing the on-disk cache when nothing changed.
     trainer.tasks.prepare_data is the usual way in (a task by name)."""
-    train_table = read_table(config.train_file, config.train_split)
-    eval_table = read_table(config.eval_file, config.eval_split)
-    for table, source in ((train_table, config.train_file), (eval_table, config.eval_file)):
+    keep = _named_columns(config, task)
+    limit = config.max_row_mib * MIB
+    train_table = read_table(config.train_file, config.train_split, keep, limit)
+    eval_table = read_table(config.eval_file, config.eval_split, keep, limit)
+    for table, (source, part) in (
+        (train_table, (config.train_file, config.train_split)),
+        (eval_table, (config.eval_file, config.eval_split)),
+    ):
         for column in task.required_columns():
             if column not in table:
                 raise DataError(
-                    f"{source}: no column {column!r} (columns: {sorted(table)}); "
-                    f"{_column_setting(config, column)}"
+                    f"{source}: no column {column!r} (columns: "
+                    f"{sorted(table_columns(source, part))}); {_column_setting(config, column)}"
                 )
         if not any(len(values) for values in table.values()):
             raise DataError(f"{source}: no rows; the file is empty")
@@ -473,6 +553,14 @@ def prepare_splits(config: DataConfig, tokenizer: Any, task: RowEncoder) -> Prep
     if pad_id is None:  # GPT-2-like tokenizers have none: pads are masked out, any id does
         pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     return PreparedData(splits[0], splits[1], label_names, int(pad_id), task.config_name())
+
+
+def _named_columns(config: DataConfig, task: RowEncoder) -> set[str]:
+    """The columns a run reads: those the data settings name and those the task requires."""
+    named = {
+        getattr(config, f.name) for f in dataclasses.fields(config) if f.name.endswith("_column")
+    }
+    return {name for name in named if name is not None} | set(task.required_columns())
 
 
 def _column_setting(config: DataConfig, column: str) -> str:
@@ -507,10 +595,12 @@ def _tokenize_cached(
 def tokenize_texts(
     tokenizer: Any, texts: list[str], pairs: list[str] | None, max_length: int
 ) -> TokenizedSplit:
-    """Texts (or text pairs) tokenized and truncated to `max_length`, stored flat, no targets."""
+    """Texts (or text pairs) tokenized and truncated to `max_length`, stored flat, no targets.
+    Each text is cut first to what `max_length` tokens can reach (`trainer.text_window`)."""
+    chars = window_chars(tokenizer, max_length)
     encoded = tokenizer(
-        texts,
-        pairs,
+        heads(texts, chars),
+        None if pairs is None else heads(pairs, chars),
         truncation=True,
         max_length=max_length,
         padding=False,

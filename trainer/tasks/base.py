@@ -67,7 +67,8 @@ class Task(ABC):
     # -- data ----------------------------------------------------------------------------------
 
     def required_columns(self) -> list[str]:
-        """Columns every split must have."""
+        """Columns every split must have. With the columns the data settings name, they are
+        all a table holds: a task that reads another column lists it here."""
         return [self.data.text_column, self.data.label_column]
 
     @abstractmethod
@@ -198,8 +199,9 @@ def encode_texts(
 
 
 def missing_target(value: Any) -> bool:
-    """A cell that holds no target: None, an empty string, a float NaN."""
-    return value is None or value == "" or (isinstance(value, float) and np.isnan(value))
+    """A cell that holds no target: None or an empty string. A NaN is a value (JSON's NaN, a
+    float column's): it is refused as what it is, a number that is not finite."""
+    return value is None or (isinstance(value, str) and value == "")
 
 
 def check_target_present(values: list[Any], source: str, column: str) -> None:

@@ -31,6 +31,7 @@ import torch
 from trainer.data import TokenizedSplit, flat_split, text_column
 from trainer.errors import DataError
 from trainer.tasks.base import IGNORE, TokenTask
+from trainer.text_window import heads, tails, window_chars
 
 log = logging.getLogger(__name__)
 
@@ -194,18 +195,21 @@ class CausalLM(TokenTask):
         self, table: dict[str, list[Any]], source: str, tokenizer: Any, tokens: SpecialTokens
     ) -> list[tuple[list[int], list[int]]]:
         texts = text_column(table, self.data.text_column, source, "text_column")
-        bodies = _token_ids(tokenizer, texts)
         rows, max_length, cut = [], self.data.max_length, 0
-        for row, body in enumerate(bodies, start=1):
+        chars = window_chars(tokenizer, max_length)
+        bodies = _token_ids(tokenizer, heads(texts, chars))
+        for row, (text, body) in enumerate(zip(texts, bodies, strict=True), start=1):
             if not body:
                 raise DataError(
                     f"{source}: row {row} has no text in column {self.data.text_column!r} (it is "
                     "empty or blank); write the text or drop the row"
                 )
-            ids, targets = sequence_and_targets(None, body, tokens, ends=True)
-            if len(ids) > max_length:  # the text goes on past the cut: no end token to learn
-                cut += 1
+            whole = len(text) <= chars  # else it goes on past its window: no end to learn
+            ids, targets = sequence_and_targets(None, body, tokens, ends=whole)
+            longer = len(ids) > max_length
+            if longer:  # the text goes on past the cut: no end token to learn
                 ids, targets = ids[:max_length], [*targets[: max_length - 1], IGNORE]
+            cut += longer or not whole
             rows.append((ids, targets))
         if cut:
             log.info("%s: %d of %d texts cut to data.max_length %d (their end is not learnt)",
@@ -216,10 +220,12 @@ class CausalLM(TokenTask):
         self, table: dict[str, list[Any]], source: str, tokenizer: Any, tokens: SpecialTokens
     ) -> list[tuple[list[int], list[int]]]:
         prompt_key, completion_key = str(self.data.prompt_column), str(self.data.completion_column)
-        prompts = _token_ids(tokenizer, text_column(table, prompt_key, source, "prompt_column"))
-        answers = text_column(table, completion_key, source, "completion_column")
-        completions = _token_ids(tokenizer, answers)
         rows, max_length, cut = [], self.data.max_length, 0
+        chars = window_chars(tokenizer, max_length)
+        questions = text_column(table, prompt_key, source, "prompt_column")
+        prompts = _token_ids(tokenizer, tails(questions, chars))  # a prompt loses its start
+        answers = text_column(table, completion_key, source, "completion_column")
+        completions = _token_ids(tokenizer, heads(answers, chars))
         for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True), 1):
             if not completion:
                 raise DataError(
@@ -234,8 +240,11 @@ class CausalLM(TokenTask):
                     f"is {len(prompt)} tokens); raise data.max_length to at least "
                     f"{len(fitted.prompt) + len(completion) + tokens.framing} or shorten the prompt"
                 )
-            cut += fitted.prompt != prompt or fitted.completion != completion
-            rows.append(sequence_and_targets(fitted.prompt, fitted.completion, tokens, fitted.ends))
+            # A completion cut before tokenizing goes on past its window: no end to learn.
+            whole = len(questions[row - 1]) <= chars and len(answers[row - 1]) <= chars
+            ends = fitted.ends and len(answers[row - 1]) <= chars
+            cut += fitted.prompt != prompt or fitted.completion != completion or not whole
+            rows.append(sequence_and_targets(fitted.prompt, fitted.completion, tokens, ends))
         if cut:
             log.info("%s: %d of %d rows cut to data.max_length %d (prompts from the left, then "
                      "completions from the right)", source, cut, len(rows), max_length)  # fmt: skip
@@ -304,7 +313,8 @@ def perplexity(mean_loss: float) -> float:
 
 def _token_ids(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     """Each text's token ids without the tokenizer's own special tokens (this task frames them),
-    untruncated (this task decides what a long row loses)."""
+    untruncated (this task decides what a long row loses; its callers cut each text to the
+    characters max_length can reach first)."""
     if not texts:
         return []
     encoded = tokenizer(

@@ -18,6 +18,7 @@ import torch
 from trainer.data import TokenizedSplit, flat_split
 from trainer.errors import DataError
 from trainer.tasks.base import IGNORE, TokenTask
+from trainer.text_window import cut_words, window_chars
 
 OUTSIDE = "O"  # the tag of a word in no entity
 
@@ -42,6 +43,9 @@ class TokenClassification(TokenTask):
     ) -> TokenizedSplit:
         words, tags = self._rows(table, source)
         tag_ids = _tag_ids(tags, label_names, source, self.data.label_column)
+        # The words max_length can reach, before tokenizing: one huge row costs a full one.
+        chars = window_chars(tokenizer, self.data.max_length)
+        words = [cut_words(row_words, chars) for row_words in words]
         encoded = _tokenize_words(tokenizer, words, self.data.max_length, source)
         token_labels = [
             _first_sub_token_labels(encoded.word_ids(i), row_tags)

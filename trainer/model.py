@@ -122,7 +122,7 @@ def _check_builds(config: ModelConfig, model_config: Any, task: str) -> None:
         from trainer.peft_adapters import check_targets, peft_task_type
 
         peft_task_type(task)
-        check_targets(config.adapter, model)
+        check_targets(config.adapter, model, task)
     if marker is None:
         return
     try:

@@ -132,7 +132,7 @@ def run(
 
     Raises hpo.ConfigError for a bad config or argument, another hpo.HPOError (or
     hpo.TrainerError, hpo.StorageError) for anything else the user can fix."""
-    from hpo.commands.run import check_study_name, run_arguments, run_study
+    from hpo.commands.run import run_arguments, run_study
     from hpo.logs import quiet_library_output
 
     started = time.monotonic()  # the timeout counts from here, data preparation included
@@ -140,7 +140,9 @@ def run(
     _check_overrides(n_trials, timeout, trial_timeout, study, storage=storage, device=device,
                      artifact_store=artifact_store)  # fmt: skip
     gpu_list, per_gpu = _gpu_options(gpus, workers_per_gpu, config)
-    check_study_name(study, "study")
+    from hpo.study.names import checked_study_name
+
+    study = checked_study_name(study, "study")  # NFC: the name the study is stored under
     # Before CUDA initialises: fewer fragmentation OOMs as batch shapes change between steps.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     quiet_library_output()

@@ -5,7 +5,9 @@ table, no study), and loads no Optuna: a wrong password is said in a second, not
 
 from __future__ import annotations
 
+import errno
 import os
+import uuid
 from pathlib import Path
 
 import sqlalchemy
@@ -18,6 +20,7 @@ from storage.url import StorageURL, mask_text, open_fix
 CONNECT_TIMEOUT_S = 10
 # A table of Optuna's every hpo worker writes to.
 TRIALS_TABLE = "trials"
+PROBE_PREFIX = ".hpo-probe-"  # a file made and removed at once, to try a folder's rights
 
 
 def check_database(storage_url: StorageURL) -> None:
@@ -37,12 +40,37 @@ def _check_sqlite(storage_url: StorageURL) -> None:
             f"the study database {path} cannot be written by this user (read-only file or "
             f"mount); make it writable (chmod u+rw) or name another file with {storage_url.flag}"
         )
-    if not os.access(path.parent, os.W_OK | os.X_OK):
+    why = _folder_refusal(path.parent)
+    if why is not None:
         raise StorageError(
             f"the folder {path.parent} of the study database cannot be written by this user "
-            "(SQLite writes its journal beside the file); make it writable or name a file in "
-            f"another folder with {storage_url.flag}"
+            f"({why}; SQLite writes its journal beside the file); make it writable or name a "
+            f"file in another folder with {storage_url.flag}"
         )
+
+
+def _folder_refusal(folder: Path) -> str | None:
+    """Why a file cannot be created in `folder`; None if it can. The permission bits are not
+    enough: root passes them everywhere, yet cannot create a file in /proc or /sys. So a file
+    is created and removed at once: unnamed where the filesystem allows it (O_TMPFILE), else
+    under a name of its own that no one else uses."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return "no write permission"
+    try:
+        os.close(os.open(folder, os.O_TMPFILE | os.O_WRONLY, 0o600))
+        return None
+    except AttributeError:  # no O_TMPFILE outside Linux
+        pass
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            return f"creating a file there fails: {e.strerror or e}"
+    probe = folder / f"{PROBE_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except OSError as e:
+        return f"creating a file there fails: {e.strerror or e}"
+    probe.unlink()
+    return None
 
 
 def _check_server(storage_url: StorageURL) -> None:

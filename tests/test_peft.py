@@ -128,12 +128,50 @@ def test_auto_targets_the_attention_projections_peft_knows_per_family() -> None:
 
 def test_target_modules_are_checked_against_the_models_layers() -> None:
     model = _model_for("sequence_classification", TINY_BERT)
-    check_targets(PeftSettings(target_modules=["query", "key", "attention.output.dense"]), model)
+    good = PeftSettings(target_modules=["query", "key", "attention.output.dense"])
+    check_targets(good, model, "sequence_classification")
+    model = _model_for("sequence_classification", TINY_BERT)  # the check put an adapter on it
     with pytest.raises(ModelError) as caught:
-        check_targets(PeftSettings(target_modules=["query", "q_proj"]), model)
+        check_targets(
+            PeftSettings(target_modules=["query", "q_proj"]), model, "sequence_classification"
+        )
     message = str(caught.value)
     assert "'q_proj' names no layer of the model (bert)" in message and "'query'" not in message
     assert "its linear layers: classifier, dense, key, query, value" in message
+
+
+def _meta_model(task: str, settings: dict[str, Any]) -> Any:
+    with torch.device("meta"):  # as hpo checks a config: no weights
+        return _model_for(task, settings)
+
+
+@pytest.mark.parametrize(
+    ("family", "targets", "expected"),
+    [(TINY_BERT, ["query", "LayerNorm"], "'LayerNorm' names LayerNorm layers, which LoRA cannot "
+      "adapt (only linear, embedding and convolution layers); name layers LoRA adapts; in this "
+      "model (bert): dense, key, position_embeddings, query, token_type_embeddings, value, "
+      "word_embeddings"),
+     (TINY_BERT, ["attention"], "'attention' names BertAttention layers, which LoRA cannot"),
+     (TINY_GPT2, ["ln_1"], "'ln_1' names LayerNorm layers, which LoRA cannot adapt"),
+     (TINY_BERT, ["classifier"], "got ['classifier']; peft refuses the adapter (No modules were "
+      "targeted for adaptation); name layers LoRA adapts; in this model (bert): dense, key,")],
+    ids=["LayerNorm", "a whole block", "gpt2", "the head"],
+)  # fmt: skip
+def test_a_target_lora_cannot_adapt_is_refused_naming_the_layers_it_can(
+    family: dict[str, Any], targets: list[str], expected: str
+) -> None:
+    model = _meta_model("sequence_classification", family)
+    with pytest.raises(ModelError) as caught:
+        check_targets(PeftSettings(target_modules=targets), model, "sequence_classification")
+    message = str(caught.value)
+    assert message.startswith("model.peft.target_modules: ") and "\n" not in message
+    assert expected in message, message
+
+
+def test_targets_peft_accepts_pass_the_check_on_the_meta_device() -> None:
+    for family, targets in ((TINY_BERT, ["query", "word_embeddings"]), (TINY_GPT2, ["c_attn"])):
+        model = _meta_model("sequence_classification", family)
+        check_targets(PeftSettings(target_modules=targets), model, "sequence_classification")
 
 
 def test_auto_on_a_family_peft_does_not_know_names_its_layers() -> None:
@@ -142,7 +180,7 @@ def test_auto_on_a_family_peft_does_not_know_names_its_layers() -> None:
     config = DistilBertConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, hidden_dim=64)
     model = auto_model_class("sequence_classification").from_config(config)
     with pytest.raises(ModelError, match=r"its linear layers: .*q_lin.*v_lin"):
-        check_targets(PeftSettings(), model)
+        check_targets(PeftSettings(), model, "sequence_classification")
 
 
 def test_check_model_config_refuses_unknown_targets_before_any_trial(tiny_pretrained: Path) -> None:
@@ -302,7 +340,9 @@ def lora_config(
 @pytest.mark.parametrize(
     ("peft", "message"),
     [({"r": -1}, "model.peft.r: got -1; must be an integer in [1, 4096]"),
-     ({"target_modules": ["query", "qkv"]}, "'qkv' names no layer of the model (bert)")],
+     ({"target_modules": ["query", "qkv"]}, "'qkv' names no layer of the model (bert)"),
+     ({"target_modules": ["LayerNorm"]}, "model.peft.target_modules: 'LayerNorm' names LayerNorm "
+      "layers, which LoRA cannot adapt")],
 )  # fmt: skip
 def test_bad_lora_input_through_hpo_run_exits_2_and_writes_nothing(
     tmp_path: Path,

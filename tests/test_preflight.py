@@ -311,6 +311,32 @@ def test_a_user_who_may_not_create_the_tables_is_told_before_the_data(
         engine.dispose()
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_sqlite_file_where_no_file_can_be_made_is_refused_before_the_data(
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    no_data: None,
+    hpo_main: Main,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """/proc passes the permission bits for root, yet takes no new file: tried, not assumed."""
+    config = write_config(tmp_path / "c.yaml", tiny_config(*easy_data))
+    assert run(hpo_main, config, "sqlite:////proc/hpo.db") == 2
+    line = one_line_error(capsys)
+    assert "the folder /proc of the study database cannot be written" in line, line
+    assert "creating a file there fails" in line and "name a file in another folder" in line
+
+
+def test_the_sqlite_folder_check_leaves_nothing_in_a_writable_folder(tmp_path: Path) -> None:
+    from storage.preflight import check_database
+    from storage.url import StorageURL
+
+    folder = tmp_path / "db"
+    folder.mkdir()
+    check_database(StorageURL(f"sqlite:///{folder / 'hpo.db'}", "--storage"))
+    assert list(folder.iterdir()) == []
+
+
 @pytest.mark.parametrize("kind", ["device", "fifo"])
 def test_a_device_or_a_pipe_as_the_sqlite_file_is_refused_and_nothing_is_left(
     tmp_path: Path, kind: str, hpo_main: Main, capsys: pytest.CaptureFixture[str]

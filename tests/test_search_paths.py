@@ -126,13 +126,31 @@ def test_a_path_that_cannot_be_searched_is_one_line_naming_the_nearest_real_one(
         ({"warmup_ratio": {**WARMUP, "when": {"model.dropuot": 0.1}}},
          "search_space.warmup_ratio.when.model.dropuot: unknown parameter (did you mean"),
         ({"warmup_ratio": {**WARMUP, "when": {}}}, "names no condition"),
+        ({"learning_rate": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True},
+          "warmup_ratio": {**WARMUP, "when": {"learning_rate": 0.001}}},
+         "search_space.warmup_ratio.when.learning_rate: got 0.001; learning_rate is a float "
+         "parameter, and a condition on its value never holds; name a categorical or int "
+         "parameter, or make learning_rate categorical"),
+        ({"warmup_ratio": {**WARMUP, "step": 0.1},
+          "weight_decay": {**WARMUP, "when": {"warmup_ratio": [0.1, 0.2]}}},
+         "warmup_ratio is a float parameter, and a condition on its value never holds"),
     ],
-    ids=["not searched", "value never taken", "itself", "cycle", "typo", "empty"],
+    ids=["not searched", "value never taken", "itself", "cycle", "typo", "empty", "float",
+         "float with a step"],
 )  # fmt: skip
 def test_a_bad_condition_is_one_line(
     tmp_path: Path, easy_data: tuple[Path, Path], space: dict[str, Any], expected: str
 ) -> None:
     assert expected in _problem(tmp_path, easy_data, space)
+
+
+def test_a_condition_on_an_int_parameter_holds_for_its_values(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    space = {"training.epochs": {"type": "int", "low": 1, "high": 3},
+             "warmup_ratio": {**WARMUP, "when": {"training.epochs": [2, 3]}}}  # fmt: skip
+    config = _config(tmp_path, easy_data, space)
+    assert config.search_space["warmup_ratio"].when == {"epochs": [2, 3]}
 
 
 def test_the_grid_sampler_refuses_conditions(tmp_path: Path, easy_data: tuple[Path, Path]) -> None:

@@ -122,7 +122,7 @@ def _check_builds(config: ModelConfig, model_config: Any, task: str) -> None:
         from trainer.peft_adapters import check_targets, peft_task_type
 
         peft_task_type(task)
-        check_targets(config.adapter, model)
+        check_targets(config.adapter, model, task)
     if marker is None:
         return
     try:
@@ -143,6 +143,9 @@ def _build_marker(config: ModelConfig, model_config: Any, task: str) -> Path:
         "attn_implementation": config.attn_implementation,
         "adapter": repr(config.adapter),
         "versions": [transformers.__version__, torch.__version__],
+        # Raised when the checks change: a build that passed older ones (a LoRA target that
+        # is a LayerNorm, before the layer types were checked) is checked again.
+        "checks": 2,
     }
     text = json.dumps(checked, sort_keys=True, default=str)
     return hpo_cache_root() / "model-checks" / hashlib.sha256(text.encode()).hexdigest()[:32]

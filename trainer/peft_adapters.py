@@ -26,6 +26,8 @@ PEFT_TASK_TYPES = {
     "AutoModelForTokenClassification": "TOKEN_CLS",
     "AutoModelForCausalLM": "CAUSAL_LM",
 }
+# The head peft trains whole for a classification type (modules_to_save), never a LoRA target.
+HEAD_NAMES = ("classifier", "score")
 # The loader class peft offers for each type: it builds the base model and loads the adapter.
 PEFT_AUTO_CLASSES = {
     "SEQ_CLS": "AutoPeftModelForSequenceClassification",
@@ -86,9 +88,11 @@ def wrap_model(model: Any, settings: PeftSettings, task: str) -> torch.nn.Module
     return get_peft_model(model, config)
 
 
-def check_targets(settings: PeftSettings, model: torch.nn.Module) -> None:
-    """Every name in `settings.target_modules` (or auto's) names a layer of `model`: checked on
-    a model built on the meta device, before any trial. ModelError listing the linear layers."""
+def check_targets(settings: PeftSettings, model: torch.nn.Module, task: str) -> None:
+    """Every name in `settings.target_modules` (or auto's) names a layer of `model` that LoRA can
+    adapt, and peft itself accepts the adapter: checked on a model built on the meta device,
+    before any trial, which peft's injection changes (build one for the check alone).
+    ModelError naming the target and the layers that would be accepted."""
     model_type = getattr(getattr(model, "config", None), "model_type", "?")
     linear = linear_layer_names(model)
     if settings.target_modules == "auto":
@@ -96,12 +100,79 @@ def check_targets(settings: PeftSettings, model: torch.nn.Module) -> None:
     else:
         targets = settings.target_modules
     names = [name for name, _ in model.named_modules()]
-    unknown = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
+    unknown = [t for t in targets if not any(_matches(n, t) for n in names)]
     if unknown:
         raise ModelError(
             f"model.peft.target_modules: {', '.join(map(repr, unknown))} names no layer of the "
             f"model ({model_type}); its linear layers: {', '.join(linear)}"
         )
+    head = HEAD_NAMES if peft_task_type(task) in ("SEQ_CLS", "TOKEN_CLS") else ()
+    adaptable = [name for name in adaptable_layer_names(model) if name not in head]
+    accepted = f"name layers LoRA adapts; in this model ({model_type}): {', '.join(adaptable)}"
+    refused = _unadaptable(model, targets)
+    if refused:
+        raise ModelError(
+            f"model.peft.target_modules: {refused}, which LoRA cannot adapt (only linear, "
+            f"embedding and convolution layers); {accepted}"
+        )
+    _check_peft_accepts(settings, task, model, accepted)
+
+
+def _matches(module_name: str, target: str) -> bool:
+    """peft's rule for a name in target_modules: the module's whole name, or its last parts."""
+    return module_name == target or module_name.endswith(f".{target}")
+
+
+def lora_layer_types() -> tuple[type, ...]:
+    """The layer types peft's LoRA adapts (the list its refusal of any other type gives)."""
+    from transformers.pytorch_utils import Conv1D
+
+    nn = torch.nn
+    return (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, Conv1D, nn.MultiheadAttention)
+
+
+def adaptable_layer_names(model: torch.nn.Module) -> list[str]:
+    """The distinct last names of the model's layers LoRA can adapt (query, value, dense...)."""
+    types = lora_layer_types()
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, types)})
+
+
+def _unadaptable(model: torch.nn.Module, targets: list[str]) -> str:
+    """The targets that name a layer LoRA cannot adapt (a LayerNorm, a whole block), each with
+    the types it names, e.g. `'LayerNorm' names LayerNorm layers`; empty if none does."""
+    types = lora_layer_types()
+    found = []
+    for target in targets:
+        kinds = sorted({type(m).__name__ for n, m in model.named_modules()
+                        if _matches(n, target) and not isinstance(m, types)})  # fmt: skip
+        if kinds:
+            found.append(f"{target!r} names {', '.join(kinds)} layers")
+    return "; ".join(found)
+
+
+def _check_peft_accepts(
+    settings: PeftSettings, task: str, model: torch.nn.Module, accepted: str
+) -> None:
+    """peft's own injection of the adapter into `model` (on the meta device: no weights, in
+    milliseconds), so that whatever else peft refuses is said now, not by every trial."""
+    import warnings
+
+    from peft import get_peft_model
+
+    config = lora_config(settings, task, getattr(model.config, "model_type", "?"))
+    try:
+        with warnings.catch_warnings():
+            # A trial's own injection gives peft's warnings (fan_in_fan_out set for GPT-2's
+            # Conv1D...) where they belong: a dry run says them only once too often.
+            warnings.simplefilter("ignore")
+            get_peft_model(model, config)
+    except ValueError as e:
+        text = str(e).strip()
+        reason = text.splitlines()[0].split(". ")[0].rstrip(".") if text else type(e).__name__
+        raise ModelError(
+            f"model.peft.target_modules: got {settings.target_modules!r}; peft refuses the "
+            f"adapter ({reason[:300]}); {accepted}"
+        ) from e
 
 
 def linear_layer_names(model: torch.nn.Module) -> list[str]:

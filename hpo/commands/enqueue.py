@@ -8,18 +8,13 @@ import argparse
 import json
 import logging
 import shlex
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hpo.config.loader import load_config
 from hpo.errors import ConfigError, HPOError
 from hpo.logs import set_optuna_verbosity
 from hpo.reports.text import emit
-
-if TYPE_CHECKING:
-    pass
-from hpo.commands.run import (
-    check_study_name,
-)
+from hpo.study.names import checked_study_name
 
 PARAMS_EXAMPLE = '{"learning_rate": 3e-5, "effective_batch_size": 32}'
 
@@ -32,7 +27,7 @@ def enqueue_command(args: argparse.Namespace) -> int:
     from hpo.study.join import SPACE_FUNCTION_ATTR, enqueue
     from storage import open_storage, resolve_storage_url
 
-    check_study_name(args.study)
+    args.study = checked_study_name(args.study)
     raw = _json_params(args.params)
     config = load_config(args.config) if args.config is not None else None
     storage_url = resolve_storage_url(args.storage, config.study.storage if config else None)

@@ -5,12 +5,14 @@ from any host that reaches its database.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import logging
 import os
 import shutil
 import sys
 import time
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +38,7 @@ from hpo.reports.text import (
     studies_table,
 )
 from hpo.study.join import loader_text, study_task, trial_adapter
+from hpo.study.names import quoted_study_name
 
 EMPTY_STUDY_NAME = "--study: the study name is empty; `hpo studies` lists the names"
 
@@ -131,17 +134,19 @@ def open_storage_to_read(
 def load_existing_study(
     storage: Any, name: str, masked_url: str, empty: str = EMPTY_STUDY_NAME
 ) -> Any:
-    """The study named `name`; one line when there is none. No check_study_name: a study that
+    """The study named `name`; one line when there is none. No checked_study_name: a study that
     plain Optuna made may have any name `hpo studies` lists (a tab, 600 characters, spaces
     only), and looking at it creates nothing."""
     import optuna
 
     if name == "":
         raise HPOError(empty)
-    try:
-        return optuna.load_study(study_name=name, storage=storage)
-    except KeyError as e:
-        raise HPOError(f"no study {name!r} in {masked_url}; see `hpo studies`") from e
+    # As typed first (a study plain Optuna named in another Unicode form), then in NFC, the
+    # form hpo names its studies in: `café` typed either way finds the study hpo created.
+    for spelling in dict.fromkeys([name, unicodedata.normalize("NFC", name)]):
+        with contextlib.suppress(KeyError):
+            return optuna.load_study(study_name=spelling, storage=storage)
+    raise HPOError(f"no study {quoted_study_name(name)} in {masked_url}; see `hpo studies`")
 
 
 def study_gone(error: KeyError, name: str, masked_url: str) -> HPOError:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from hpo.config.schema import Config
 from hpo.errors import HPOError
 from hpo.stopping import Interrupted, StopRequest
+from hpo.study.names import checked_study_name
 from storage.url import StorageURL
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ def retrain_command(args: argparse.Namespace) -> int:
     from hpo.tracking import registry
     from storage import open_storage
 
+    args.study = checked_study_name(args.study)  # NFC before --out's default is named for it
     stop = StopRequest(interrupt_at_once=True, doing=StopRequest.BEFORE_FIRST_TRIAL)
     stop.install()
     out = args.out if args.out is not None else retrain.default_out(args.study)

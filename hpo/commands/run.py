@@ -22,6 +22,7 @@ from hpo.config.schema import Config
 from hpo.errors import ConfigError, HPOError
 from hpo.logs import set_optuna_verbosity, setup_logging
 from hpo.stopping import Interrupted, StopRequest
+from hpo.study.names import checked_study_name, quoted_study_name
 from storage.url import StorageURL
 
 if TYPE_CHECKING:
@@ -30,7 +31,6 @@ log = logging.getLogger("hpo")
 
 
 ARTIFACT_STORE_ATTR = "artifact_store"  # the study's store, as its workers resolved it
-MAX_STUDY_NAME_CHARS = 512  # Optuna's studies.study_name column
 
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -109,7 +109,7 @@ def run_study(args: argparse.Namespace, say: Callable[[str], None] = _to_stderr)
     from hpo.study.join import open_study
     from storage import open_storage
 
-    say(f"hpo: study {args.study!r} in {storage_url.describe()}")
+    say(f"hpo: study {quoted_study_name(args.study)} in {storage_url.describe()}")
     on_demand = config.study.database_connections == "on_demand"
     storage = open_storage(storage_url, config.study.database_patience, on_demand=on_demand)
     if stop.requested:  # a signal came while the database opened: no study is created
@@ -183,7 +183,7 @@ def check_inputs(
     from storage.artifacts import resolve_artifact_url
     from storage.url import resolve_storage_url
 
-    check_study_name(args.study, option(args, "study"))
+    args.study = checked_study_name(args.study, option(args, "study"))
     config_path = args.config if args.config is not None else DEMO_CONFIG
     if args.config is None and not DEMO_CONFIG.is_file():
         raise HPOError("no --config given and the demo config is not installed; pass --config FILE")
@@ -407,24 +407,6 @@ def option(args: argparse.Namespace, name: str) -> str:
     """How the user wrote option `name` (n_trials): `--n-trials` on the command line,
     `n_trials` to hpo.run."""
     return name if getattr(args, "command", None) == "hpo.run" else f"--{name.replace('_', '-')}"
-
-
-def check_study_name(name: str, flag: str = "--study") -> None:
-    """Any name the database can hold is a valid study name (quotes, slashes, unicode: on disk
-    it becomes a slug and a hash, see hpo.trial.folders); these it cannot, or nobody means."""
-    if not name.strip():
-        example = f"{flag} demo" if flag.startswith("--") else f'{flag}="demo"'
-        raise HPOError(f"{flag}: the study name is empty; give a name, e.g. {example}")
-    if len(name) > MAX_STUDY_NAME_CHARS:
-        raise HPOError(
-            f"{flag}: the study name has {len(name)} characters; Optuna's database holds at "
-            f"most {MAX_STUDY_NAME_CHARS}: use a shorter name"
-        )
-    if any(ord(c) < 32 for c in name):
-        raise HPOError(
-            f"{flag}: the study name contains a control character (NUL, newline, tab...); "
-            "use printable characters"
-        )
 
 
 def _apply_overrides(config: Config, args: argparse.Namespace) -> None:

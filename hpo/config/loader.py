@@ -703,6 +703,14 @@ def _conditions(
             problems.append(f"{where}.{_key(key)}: {param} is not searched; a condition names "
                             f"a parameter of the search space ({', '.join(space)})")  # fmt: skip
             continue
+        if space[param].type == "float":
+            # Sampled from a continuum: one value of it (learning_rate: 0.001) is never drawn,
+            # so the parameter would never be searched.
+            problems.append(f"{where}.{_key(key)}: got {_show(value)}; {param} is a float "
+                            "parameter, and a condition on its value never holds; name a "
+                            f"categorical or int parameter, or make {param} categorical "
+                            "(type: categorical, choices: [...])")  # fmt: skip
+            continue
         allowed = []
         for item in value if isinstance(value, list) else [value]:
             hint = Any if user_function else _field_hint(param)

@@ -394,9 +394,9 @@ class ParamSpec:
     log: bool = _doc("float/int: sample uniformly in log space.", False)
     step: float | None = _doc("float/int: discretisation step.")
     when: dict[str, Any] | None = _doc(
-        "When the parameter applies: searched parameters and the value (or list of values) "
-        "each must have, e.g. {model.name_or_path: ./bert-small}; a trial where one does not "
-        "hold neither samples nor shows it. null: always."
+        "When the parameter applies: searched categorical or int parameters and the value (or "
+        "list of values) each must have, e.g. {model.name_or_path: ./bert-small}; a trial where "
+        "one does not hold neither samples nor shows it. null: always."
     )
 
     def problems(self) -> list[tuple[str, Any, str]]:

@@ -22,6 +22,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpo import tracking
 from hpo.study.join import model_loader, trial_adapter
+from hpo.study.names import quoted_study_name
 from hpo.study.trials import RETRY_ATTR, counted_trials
 from hpo.trial import folders as checkpoints
 from hpo.trial.front import rule_for
@@ -272,7 +273,7 @@ def budget_advice(report: dict[str, Any]) -> str:
 
 def status_lines(report: dict[str, Any]) -> list[str]:
     states = ", ".join(f"{n} {s}" for s, n in sorted(report["trials"].items())) or "no trials"
-    lines = [f"study {report['study']!r}: {states}"]
+    lines = [f"study {quoted_study_name(report['study'])}: {states}"]
     stale_trials = stale(report)
     for run in report["running"]:
         line = f"  running #{run['number']} on {run['worker']} for {run['age_s']:.0f} s"

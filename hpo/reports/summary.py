@@ -10,6 +10,7 @@ from optuna.trial import FrozenTrial
 
 from hpo.reports import status as report
 from hpo.study.loop import values_text
+from hpo.study.names import quoted_study_name
 from hpo.trial.folders import best_trials
 from hpo.trial.front import rule_for
 
@@ -23,7 +24,7 @@ def summary_lines(study: optuna.Study, objectives: list[str]) -> list[str]:
     for trial in trials:
         counts[trial.state.name] = counts.get(trial.state.name, 0) + 1
     state_text = ", ".join(f"{n} {s.lower()}" for s, n in sorted(counts.items())) or "no trials"
-    lines = [f"study {study.study_name!r}: {len(trials)} trials ({state_text})"]
+    lines = [f"study {quoted_study_name(study.study_name)}: {len(trials)} trials ({state_text})"]
     complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
     if not complete:
         lines.append("no completed trial yet, so no best trial")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpo.errors import HPOError
+from hpo.study.names import shown_study_name
 
 if TYPE_CHECKING:
     pass
@@ -55,7 +56,7 @@ def artifact_line(store: dict[str, Any]) -> str:
 def studies_table(rows: list[dict]) -> str:
     if not rows:
         return "no studies"
-    names = [_one_line(row["name"]) for row in rows]
+    names = [shown_study_name(row["name"]) for row in rows]
     name_width = max(4, *(len(name) for name in names))
     width = max(9, *(len(row["direction"]) for row in rows))
     lines = [f"{'name':<{name_width}}  {'direction':<{width}} {'trials':>6}  best"]
@@ -67,12 +68,6 @@ def studies_table(rows: list[dict]) -> str:
             f"{name:<{name_width}}  {row['direction']:<{width}} {row['n_trials']:>6}  {best}"
         )
     return "\n".join(lines)
-
-
-def _one_line(text: str) -> str:
-    """`text` with its control characters (a line break in a study name made with Optuna
-    itself) shown escaped, so a table row stays one line."""
-    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 def retrain_text(retrained: dict) -> str:

@@ -17,6 +17,7 @@ from hpo.config.schema import (
     space_record,
 )
 from hpo.errors import ConfigError
+from hpo.study.names import check_no_lookalike
 from hpo.study.sampling import build_pruner, build_sampler, experimental_features, tpe_group
 from hpo.trial.front import TOLERANCE_ATTR
 from hpo.trial.protocol import ADAPTER_ATTR
@@ -90,6 +91,7 @@ def open_study(storage: StudyStorage, name: str, config: Config) -> optuna.Study
     The check and the first worker's record of the search space happen under the study's lock:
     two workers creating one study with different spaces cannot both succeed."""
     check_version(storage.engine)  # a database of another hpo's layout: refused, nothing written
+    _check_new_name(storage, name)
     directions = config.study.resolved_directions
     optuna.create_study(
         storage=storage, study_name=name, directions=directions, load_if_exists=True,
@@ -144,6 +146,14 @@ def open_study(storage: StudyStorage, name: str, config: Config) -> optuna.Study
             for params in config.study.enqueue:
                 enqueue(study, params, "study.enqueue")
     return study
+
+
+def _check_new_name(storage: StudyStorage, name: str) -> None:
+    """A study that does not exist yet must not look like one that does (hpo.study.names)."""
+    try:
+        storage.get_study_id_from_name(name)
+    except KeyError:
+        check_no_lookalike(name, (study.study_name for study in storage.get_all_studies()))
 
 
 def enqueue(study: optuna.Study, params: dict[str, Any], by: str = "hpo enqueue") -> bool:

@@ -84,6 +84,8 @@ NOT_SEARCHABLE = {
             "training.num_workers",
             "model.attn_implementation",
             "model.compile",
+            "model.compile_scope",
+            "model.cuda_graphs",
         ),
         _HARDWARE,
     ),  # fmt: skip
@@ -106,6 +108,7 @@ NOT_SEARCHABLE = {
             "data.label_separator",
             "data.prompt_column",
             "data.completion_column",
+            "data.max_row_mib",
         ),
         _DATA,
     ),  # fmt: skip

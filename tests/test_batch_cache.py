@@ -13,11 +13,13 @@ import optuna
 import pytest
 import sqlalchemy as sa
 import torch
+import yaml
 
 from storage.batch_cache import BatchCacheRequests, BatchSizeCache, RelayedBatchCache
 from storage.errors import StorageError
 from tests.batch_cache_race import KEY, open_cache
 from tests.conftest import (
+    REPO,
     long_rows,
     start_hpo,
     tiny_config,
@@ -176,15 +178,15 @@ def test_an_oom_in_a_trial_lowers_the_cached_size(
     hpo_main: Callable[[list[str]], int],
 ) -> None:
     from hpo.config.loader import load_config
+    from hpo.trial.search_space import job_for_trial
     from tests.test_batch_finder import training_peak
     from trainer.batch_finder import batch_key
-    from trainer.config import TrainJob
     from trainer.model import load_tokenizer
     from trainer.tasks import prepare_data
 
     config_path = long_text_config(tmp_path, n_trials=1, trial_isolation="none")
     config = load_config(config_path)
-    job = TrainJob(config.data, config.model, config.training)
+    job = job_for_trial(config, {})  # the trial's job: its search bounded by the study's batch
     data = prepare_data(job.data, load_tokenizer(job.model))
     # The study's effective batch is 8: one micro-batch of 8 does not fit, two of 4 do.
     peaks = [training_peak(job, data, physical, effective=8) for physical in (4, 8)]
@@ -282,3 +284,46 @@ def test_a_worker_and_its_trial_process_hold_at_most_two_connections(
     assert max(seen.values()) <= 2, seen
     trials = optuna.load_study(study_name="s", storage=postgres_url).get_trials()
     assert [t.user_attrs["batch_size_source"] for t in trials] == ["search", "cache", "cache"]
+
+
+def test_the_search_stops_at_the_largest_batch_the_study_can_use(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
+) -> None:
+    # Issue 42: on an H200 the first trial probed up to 2,836 for a space whose largest batch
+    # was 256. A study of effective batches up to 2 probes no further than ceil(2 / 0.9) = 3;
+    # a later study of larger batches on the same database searches again, further.
+    config = long_text_config(tmp_path, n_trials=1, trial_isolation="none")
+    raw = yaml.safe_load(config.read_text())
+    raw["search_space"]["effective_batch_size"]["choices"] = [1, 2]
+    small = write_config(tmp_path / "small.yaml", raw)
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    monkeypatch.setenv(BUDGET_ENV, str(60_000_000))
+    monkeypatch.chdir(tmp_path)
+    assert hpo_main(["run", "--study", "small", "--config", str(small), "--storage", url]) == 0
+    (trial,) = optuna.load_study(study_name="small", storage=url).get_trials()
+    probes = trial.user_attrs["batch_search"]["probes"]
+    assert max(size for size, _ in probes) == 3 and all(fits for _, fits in probes), probes
+    assert trial.user_attrs["batch_search"]["chosen"] == 2
+    run_in_worker(hpo_main, config, url, capsys)  # study "s": effective batch 8
+    (trial,) = optuna.load_study(study_name="s", storage=url).get_trials()
+    assert trial.user_attrs["batch_size_source"] == "search"
+    assert max(size for size, _ in trial.user_attrs["batch_search"]["probes"]) > 3
+
+
+def test_the_bound_holds_the_largest_batch_after_the_margin() -> None:
+    from hpo.config.loader import load_config
+    from hpo.trial.search_space import batch_search_bound, job_for_trial
+
+    config = load_config(REPO / "bench/configs/bert-base-nli.yaml")
+    assert batch_search_bound(config) == 285  # choices up to 256, margin 0.9: floor(285 * 0.9)
+    assert job_for_trial(config, {"effective_batch_size": 32}).training.batch_search_max == 285
+    config.training.batch_search_max = 100  # the config's own limit is lower: it stands
+    assert batch_search_bound(config) == 100
+    config.search_space.pop("effective_batch_size")
+    config.training.batch_search_max, config.training.effective_batch_size = 4096, 50
+    assert batch_search_bound(config) == 56
+    config.training.physical_batch_size = 16  # no search: nothing to bound
+    assert job_for_trial(config, {}).training.batch_search_max == 4096

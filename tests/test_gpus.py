@@ -156,13 +156,16 @@ def test_auto_picks_the_most_workers_whose_share_holds_the_largest_batch(
 ) -> None:
     fits = {0.25: 6, 0.5: 13}  # physical batch within a quarter and a half of the GPU
     asked: list[float] = []
+    bounds: list[int | None] = []
 
-    def within(config: str, gpu: str, share: float) -> int:
+    def within(config: str, gpu: str, share: float, bound: int | None) -> int:
         asked.append(share)
+        bounds.append(bound)
         return fits[share]
 
     monkeypatch.setattr(launcher, "_largest_batch_within", within)
-    assert choose_workers_per_gpu("c.yaml", "0", 6)[0] == 4 and asked == [0.25]
+    assert choose_workers_per_gpu("c.yaml", "0", 6, 7)[0] == 4 and asked == [0.25]
+    assert bounds == [7]  # searched no further than the decision needs
     assert choose_workers_per_gpu("c.yaml", "0", 8)[0] == 2
     workers, why = choose_workers_per_gpu("c.yaml", "0", 64)
     assert workers == 1 and "does not fit the largest effective batch (64)" in why

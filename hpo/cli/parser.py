@@ -127,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     finder.add_argument("--config", type=Path, required=True, help="YAML config of the study")
     finder.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N")
+    finder.add_argument(
+        "--max", type=functools.partial(_count, "--max", 1_048_576), default=None, metavar="N",
+        help="search no further than N (default: training.batch_search_max); hpo run searches "
+        "up to what its search space's largest effective batch needs",
+    )  # fmt: skip
     finder.add_argument("--json", action="store_true", help="print the search as JSON")
     finder.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
     finder.add_argument("--quiet", action="store_true", help="only warnings and the report")

@@ -40,6 +40,8 @@ def batch_size_command(args: argparse.Namespace) -> int:
     data = prepare_data(
         config.data, load_tokenizer(config.model, config.task), config.task, config.training
     )
+    if args.max is not None:
+        config.training.batch_search_max = min(args.max, config.training.batch_search_max)
     job = config.job()
     search = find_physical_batch_size(job, data.label_names, device)
     key = batch_key(job, device, dev.resolve_precision(config.training.precision, device))

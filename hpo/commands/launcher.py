@@ -102,14 +102,17 @@ def worker_argv(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def choose_workers_per_gpu(config: str, gpu: str, largest_batch: int) -> tuple[int, str]:
+def choose_workers_per_gpu(
+    config: str, gpu: str, largest_batch: int, search_bound: int | None = None
+) -> tuple[int, str]:
     """`--workers-per-gpu auto`: the most workers (4, then 2) whose share of the GPU still holds
     the search space's largest effective batch in one micro-batch, so that sharing never makes
     a trial accumulate more steps than it would alone; else 1. Each share is measured by the
     batch finder (`hpo batch-size`) in a process of its own on `gpu`, so this one holds no CUDA
-    context. Returns the number and why."""
+    context, searching no further than `search_bound` (what the decision needs). Returns the
+    number and why."""
     for workers in AUTO_WORKERS_PER_GPU:
-        chosen = _largest_batch_within(config, gpu, 1 / workers)
+        chosen = _largest_batch_within(config, gpu, 1 / workers, search_bound)
         if chosen >= largest_batch:
             return workers, (
                 f"a 1/{workers} share of GPU {gpu} fits a physical batch of {chosen}, the largest "
@@ -118,11 +121,13 @@ def choose_workers_per_gpu(config: str, gpu: str, largest_batch: int) -> tuple[i
     return 1, f"a 1/2 share of GPU {gpu} does not fit the largest effective batch ({largest_batch})"
 
 
-def _largest_batch_within(config: str, gpu: str, share: float) -> int:
+def _largest_batch_within(config: str, gpu: str, share: float, bound: int | None) -> int:
     device = "cpu" if os.environ.get(FAKE_GPUS_ENV) else "cuda"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu, SHARE_ENV: repr(share)}
     command = [sys.executable, "-m", "hpo", "batch-size", "--config", config, "--device", device,
                "--json", "--quiet"]  # fmt: skip
+    if bound is not None:
+        command += ["--max", str(bound)]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode not in (0, 1):  # 1: not even one example fits in the share
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]

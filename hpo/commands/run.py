@@ -370,14 +370,11 @@ def _auto_workers_per_gpu(config: Config, config_path: Path, gpus: list[str]) ->
     if not gpus:  # said, since --workers-per-gpu 2 is refused here
         log.info("--workers-per-gpu auto: 1 worker, on the CPU (no GPU on this host to share)")
         return 1
-    space = config.search_space.get("effective_batch_size")
-    if space is None:
-        largest = config.training.effective_batch_size
-    elif space.choices is not None:
-        largest = max(int(choice) for choice in space.choices)
-    else:
-        largest = int(space.high or 1)
-    workers, why = choose_workers_per_gpu(str(config_path), gpus[0], largest)
+    from hpo.trial.search_space import batch_search_bound, largest_effective_batch
+
+    largest = largest_effective_batch(config)
+    bound = batch_search_bound(config)
+    workers, why = choose_workers_per_gpu(str(config_path), gpus[0], largest, bound)
     log.info("--workers-per-gpu auto: %d workers per GPU (%s)", workers, why)
     return workers
 

@@ -353,3 +353,33 @@ def test_the_trial_timeout_counts_training_yet_bounds_a_stuck_startup() -> None:
         late.check()
     # No trial timeout: no limit at all.
     _Watchers(None, None, created=now - 10**6).check()
+
+
+def test_what_a_stopping_trial_sent_before_it_exited_is_recorded() -> None:
+    # Issue 42: the worker saw the trial process's exit before reading its last message, and
+    # the stopped trial lost checkpoint_s (test_faults, one run in four).
+    from multiprocessing import Pipe
+
+    from hpo.trial.process import read_last_words
+
+    class Exited:
+        def wait(self, timeout_s: float) -> bool:
+            return True
+
+    class Trial:
+        attrs: dict = {}
+
+        def set_user_attr(self, key: str, value: object) -> None:
+            self.attrs[key] = value
+
+    worker_end, child_end = Pipe()
+    child_end.send(("attr", "checkpoint_s", 0.25))
+    child_end.send(("attr", "checkpoint_error", None))
+    child_end.send(("outcome", ("interrupted", "SIGTERM"), False))
+    child_end.send(("attr", "after_outcome", 1))
+    child_end.close()  # the process is gone
+    trial = Trial()
+    started = time.monotonic()
+    read_last_words(worker_end, Exited(), trial, limit_s=30)  # type: ignore[arg-type]
+    assert trial.attrs == {"checkpoint_s": 0.25, "checkpoint_error": None}
+    assert time.monotonic() - started < 5  # an exited process is not waited for

@@ -22,7 +22,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import send_handle
-from typing import Any
+from typing import Any, Protocol
 
 import optuna
 
@@ -185,23 +185,7 @@ class TrialProcess:
         if conn is None or watch is None:
             return
         watch.ask_to_stop()
-        deadline = time.monotonic() + self.limits.stop_timeout_s
-        while time.monotonic() < deadline and not watch.wait(0):
-            try:
-                if not conn.poll(POLL_S):
-                    continue
-                message = conn.recv()
-            except (EOFError, OSError):
-                return
-            if message[0] == "outcome":
-                return
-            if message[0] == "attr":
-                with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
-                    trial.set_user_attr(message[1], message[2])
-            elif message[0] in ("should_prune", ASK):  # asked before it heard of the stop
-                reply = False if message[0] == "should_prune" else ("error", "stopping")
-                with contextlib.suppress(OSError):
-                    conn.send(reply)
+        read_last_words(conn, watch, trial, self.limits.stop_timeout_s)
         if not watch.wait(0):  # still running past the stop timeout: killed, as close() would
             log.warning("trial process %s did not stop within %.0f s; killing it",
                         watch.process.pid, self.limits.stop_timeout_s)  # fmt: skip
@@ -459,6 +443,38 @@ def _result(
     error = TrialFailed(outcome[1])
     error.add_note(f"in the trial process:\n{outcome[2]}")
     raise error
+
+
+class _Exits(Protocol):
+    """What read_last_words needs of a process watch: whether the process has exited."""
+
+    def wait(self, timeout_s: float) -> bool: ...
+
+
+def read_last_words(conn: Connection, watch: _Exits, trial: optuna.Trial, limit_s: float) -> None:
+    """Record the attributes a stopping trial process sends until its outcome, its exit or
+    `limit_s`. What it sent just before exiting is still in the pipe when the exit is seen:
+    that is read too (a CI run lost the stopped trial's checkpoint_s so, one run in four)."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        exited = watch.wait(0)
+        try:
+            if not conn.poll(0 if exited else POLL_S):
+                if exited or time.monotonic() >= deadline:
+                    return
+                continue
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message[0] == "outcome":
+            return
+        if message[0] == "attr":
+            with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
+                trial.set_user_attr(message[1], message[2])
+        elif message[0] in ("should_prune", ASK) and not exited:  # asked before the stop
+            reply = False if message[0] == "should_prune" else ("error", "stopping")
+            with contextlib.suppress(OSError):
+                conn.send(reply)
 
 
 class _ProcessWatch:

@@ -8,8 +8,10 @@ import multiprocessing
 import os
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -143,6 +145,30 @@ def _light_worker(
     run_trials(study, storage, objective, stop)
 
 
+def _light_worker_telling(failure: Path, *args: Any) -> None:
+    """_light_worker, writing its traceback to `failure` if it fails: a CI run saw one exit 1
+    and nothing said why."""
+    try:
+        _light_worker(*args)
+    except BaseException:
+        failure.write_text(traceback.format_exc())
+        raise
+
+
+def _wait_for_reports_of_running_trials(url: str, study_name: str, trials: int) -> None:
+    """Until `trials` trials run and have reported, so an outage falls inside them (a fixed
+    sleep was a guess: a slow machine could still be starting its workers)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with contextlib.suppress(KeyError):
+            found = optuna.load_study(study_name=study_name, storage=url).trials
+            running = [t for t in found if t.state == TrialState.RUNNING and t.intermediate_values]
+            if len(running) >= trials:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"{trials} trials of {study_name} did not start reporting within 60 s")
+
+
 BOUNCED_BUDGET = 12
 
 
@@ -179,7 +205,9 @@ def test_on_demand_workers_behind_pgbouncer_share_two_server_connections(
     assert 1 <= seen.total <= 2
 
 
-def test_on_demand_workers_behind_pgbouncer_ride_out_a_server_outage(postgres_url: str) -> None:
+def test_on_demand_workers_behind_pgbouncer_ride_out_a_server_outage(
+    postgres_url: str, tmp_path: Path
+) -> None:
     """The server goes away under PgBouncer (every server connection dropped, new ones refused,
     for 4 s) while two workers report: their calls are retried until it is back, and the study
     ends exact, every trial complete with every report."""
@@ -189,16 +217,18 @@ def test_on_demand_workers_behind_pgbouncer_ride_out_a_server_outage(postgres_ur
     proxy = CuttableProxy(url.host or "127.0.0.1", url.port or 5432)
     proxied = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
     context = multiprocessing.get_context("fork")
+    failures = [tmp_path / f"worker-{i}.txt" for i in range(2)]
     try:
         with pgbouncer(proxied, pool_size=4) as bounced:
             workers = [
-                context.Process(target=_light_worker, args=(bounced, 6, 0.4)) for _ in range(2)
+                context.Process(target=_light_worker_telling, args=(failure, bounced, 6, 0.4))
+                for failure in failures
             ]
             for worker in workers:
                 worker.start()
-            time.sleep(2.5)  # the workers are into their trials
+            _wait_for_reports_of_running_trials(postgres_url, "bounced", trials=2)
             proxy.cut()
-            time.sleep(4)
+            time.sleep(4)  # the outage's length, not a wait for something to happen
             proxy.restore()
             for worker in workers:
                 worker.join(timeout=120)
@@ -206,7 +236,8 @@ def test_on_demand_workers_behind_pgbouncer_ride_out_a_server_outage(postgres_ur
                 worker.kill()
     finally:
         proxy.close()
-    assert [w.exitcode for w in workers] == [0, 0]
+    told = [f.read_text()[-3000:] for f in failures if f.exists()]
+    assert [w.exitcode for w in workers] == [0, 0], told
     trials = optuna.load_study(study_name="bounced", storage=postgres_url).trials
     assert sorted(t.number for t in trials) == list(range(6))
     assert all(t.state == TrialState.COMPLETE for t in trials), [t.state for t in trials]

@@ -14,6 +14,7 @@ Every error is one of hpo's (hpo.HPOError, hpo.ConfigError, hpo.DataError, ...) 
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import logging
@@ -23,6 +24,7 @@ import signal
 import sys
 import threading
 import time
+import types
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -137,6 +139,7 @@ def run(
 
     started = time.monotonic()  # the timeout counts from here, data preparation included
     _check_not_in_a_trial_process()
+    _check_main_guard(sys._getframe(1))
     _check_overrides(n_trials, timeout, trial_timeout, study, storage=storage, device=device,
                      artifact_store=artifact_store)  # fmt: skip
     gpu_list, per_gpu = _gpu_options(gpus, workers_per_gpu, config)
@@ -397,6 +400,50 @@ def _check_not_in_a_trial_process() -> None:
         raise HPOError(f"hpo.run() ran again in a trial process that imported {script}: put "
                        "the call under `if __name__ == \"__main__\":`, as multiprocessing "
                        "requires of a script that starts processes")  # fmt: skip
+
+
+def _check_main_guard(caller: types.FrameType | None) -> None:
+    """Refuse, before the first trial, a run() at the top level of a script outside
+    `if __name__ == "__main__":`. Trial processes import the script (as multiprocessing does),
+    which would start the run again in each: every trial failed with a multiprocessing
+    traceback and the budget burned (issue 42). Checked in the script's source; a call from
+    a function, a notebook or an interactive session is left alone."""
+    if caller is None or caller.f_code.co_name != "<module>":
+        return
+    if caller.f_globals.get("__name__") != "__main__":
+        return
+    script = caller.f_globals.get("__file__")
+    try:
+        tree = ast.parse(Path(script).read_text(encoding="utf-8")) if script else None
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return
+    if tree is None or _under_main_guard(tree, caller.f_lineno):
+        return
+    raise HPOError(f"hpo.run() is called at the top level of {script} (line "
+                   f"{caller.f_lineno}) outside `if __name__ == \"__main__\":`; each trial "
+                   "process imports the script and would run it again: put the call under "
+                   "that guard")  # fmt: skip
+
+
+def _under_main_guard(tree: ast.Module, line: int) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _is_main_test(node.test):
+            last = node.body[-1].end_lineno or node.body[-1].lineno
+            if node.body[0].lineno <= line <= last:
+                return True
+    return False
+
+
+def _is_main_test(test: ast.expr) -> bool:
+    """`__name__ == "__main__"`, either way round."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
+        return False
+    if not isinstance(test.ops[0], ast.Eq):
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = [s for s in sides if isinstance(s, ast.Name) and s.id == "__name__"]
+    mains = [s for s in sides if isinstance(s, ast.Constant) and s.value == "__main__"]
+    return len(names) == 1 and len(mains) == 1
 
 
 @contextlib.contextmanager

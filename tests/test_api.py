@@ -403,3 +403,28 @@ def test_run_from_stdin_or_an_interactive_session_says_what_a_trial_process_cann
     monkeypatch.setitem(sys.modules, "__main__", script)
     config.study.trial_isolation = "process"
     check_trial_processes_import(config)  # a script's file: imported again there
+
+
+@pytest.mark.parametrize(
+    ("body", "refused"),
+    [
+        ("hpo.run('missing.yaml', study='s')\n", True),
+        ("if __name__ == '__main__':\n    hpo.run('missing.yaml', study='s')\n", False),
+        ("if '__main__' == __name__:\n    x = 1\n    hpo.run('missing.yaml', study='s')\n", False),
+        ("def main():\n    hpo.run('missing.yaml', study='s')\n\nmain()\n", False),
+    ],
+)
+def test_a_run_at_a_scripts_top_level_without_the_main_guard_is_refused_first(
+    tmp_path: Path, body: str, refused: bool
+) -> None:
+    # Issue 42: every trial process imported the script and ran it again, each trial failing
+    # with a multiprocessing traceback while the budget burned. Refused before anything else;
+    # a guarded call (or one in a function) goes on to the next check, the missing config.
+    script = tmp_path / "tune.py"
+    script.write_text("import hpo\n\n" + body, encoding="utf-8")
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode != 0
+    guard = 'outside `if __name__ == "__main__":`'
+    assert (guard in done.stderr) is refused, done.stderr[-2000:]
+    assert ("missing.yaml" in done.stderr) is not refused or "line 3" in done.stderr

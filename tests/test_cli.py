@@ -199,3 +199,11 @@ def test_debug_shows_hpo_s_debug_lines_but_not_the_libraries_own() -> None:
         root.handlers, root.level = saved[0], saved[1]
         for library in ("torch", "botocore", "boto3", "s3transfer"):
             logging.getLogger(library).setLevel(logging.NOTSET)
+
+
+def test_run_without_config_says_it_uses_the_demo(tmp_path: Path) -> None:
+    # Issue 42: from a user's own folder, `hpo run --study x` trained the demo's data silently.
+    result = run_hpo("run", "--study", "x", "--storage", "sqlite:////proc/hpo.db", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "no --config given: using the demo config" in result.stderr
+    assert "pass --config FILE" in result.stderr

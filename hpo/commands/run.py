@@ -187,6 +187,11 @@ def check_inputs(
     config_path = args.config if args.config is not None else DEMO_CONFIG
     if args.config is None and not DEMO_CONFIG.is_file():
         raise HPOError("no --config given and the demo config is not installed; pass --config FILE")
+    if args.config is None:
+        # A user in their own folder who forgot --config would otherwise train the demo's data
+        # into their ./hpo.db without a word.
+        log.warning("no --config given: using the demo config %s (synthetic review sentiment); "
+                    "pass --config FILE to train on your own data", DEMO_CONFIG)  # fmt: skip
     config = config_from(config_path)
     _apply_overrides(config, args)
     tracking.resolve(config, getattr(args, "tracking", None), option(args, "tracking"))

@@ -115,6 +115,7 @@ def run(
     artifact_store: str | None = None,
     gpus: str | Sequence[int | str] | None = None,
     workers_per_gpu: int | str | None = None,
+    allow_changed_setup: bool = False,
 ) -> RunResult:
     """Run a worker on `study`, as `hpo run` does, in this process: create or join the study,
     then run trials until the study holds `n_trials` (counted across every worker) or
@@ -131,6 +132,10 @@ def run(
     sharing each), all started from here and waited for; they read the config from its file,
     so give a path. `storage` and `artifact_store` reach them through their environment,
     never their command line (a password would show in `ps`).
+
+    `allow_changed_setup`, as `hpo run --allow-changed-setup`: join a study whose data, model,
+    evaluation schedule or pruner differ from this config's (recorded in the study); without
+    it such a join is refused with a ConfigError that names each difference.
 
     Raises hpo.ConfigError for a bad config or argument, another hpo.HPOError (or
     hpo.TrainerError, hpo.StorageError) for anything else the user can fix."""
@@ -152,7 +157,8 @@ def run(
     args = run_arguments(study, config, storage=storage, n_trials=n_trials, timeout=timeout,
                          trial_timeout=trial_timeout, device=device,
                          artifact_store=artifact_store, started=started, gpus=gpu_list,
-                         workers_per_gpu=per_gpu)  # fmt: skip
+                         workers_per_gpu=per_gpu,
+                         allow_changed_setup=allow_changed_setup)  # fmt: skip
     if gpu_list is not None or per_gpu is not None:
         args.argv, args.worker_env = _worker_command(args)
     with _signals_restored():
@@ -379,6 +385,8 @@ def _worker_command(args: Any) -> tuple[list[str], dict[str, str]]:
         value = getattr(args, name)
         if value is not None:
             argv += [f"--{name.replace('_', '-')}", str(value)]
+    if args.allow_changed_setup:
+        argv.append("--allow-changed-setup")
     env = {}
     if args.storage is not None:
         env["HPO_STORAGE"] = args.storage

@@ -27,6 +27,7 @@ def test_help_explains_every_option(
         "--trial-timeout",
         "--device",
         "--gpus",
+        "--allow-changed-setup",
         "--debug",
     ):
         assert option in help_text
@@ -35,6 +36,7 @@ def test_help_explains_every_option(
     text = " ".join(help_text.split())
     assert "this worker starts no new trial; the running trial finishes" in text
     assert "past it the trial checkpoints, stops and is pruned" in text
+    assert "The change is recorded in the study and `hpo status` says the study mixes" in text
 
 
 def test_study_on_sqlite(

@@ -83,7 +83,9 @@ def test_a_stopped_worker_hands_its_trial_back_and_the_next_worker_runs_it(
     short = tiny_config(*easy_data, study={**study_settings, "trial_isolation": "none"},
                         training={"max_steps": 2})  # fmt: skip
     monkeypatch.chdir(tmp_path)
-    _run_in_process(hpo_main, write_config(tmp_path / "short.yaml", short), url, capsys)
+    # Its config ends trials after 2 steps: another evaluation schedule, allowed deliberately.
+    _run_in_process(hpo_main, write_config(tmp_path / "short.yaml", short), url, capsys,
+                    "--allow-changed-setup")  # fmt: skip
     states = [(t.number, t.state) for t in study.get_trials()]
     assert states == [(0, TrialState.FAIL), (1, TrialState.COMPLETE), (2, TrialState.COMPLETE)]
     assert study.get_trials()[1].user_attrs["retry_of"] == 0
@@ -129,10 +131,15 @@ def _first_trial_asked(url: str) -> bool:
 
 
 def _run_in_process(
-    main: Callable[[list[str]], int], config: Path, url: str, capsys: pytest.CaptureFixture[str]
+    main: Callable[[list[str]], int],
+    config: Path,
+    url: str,
+    capsys: pytest.CaptureFixture[str],
+    *flags: str,
 ) -> None:
-    """`hpo run` of study "stop" by hpo's main in this process."""
-    assert main(["run", "--study", "stop", "--config", str(config), "--storage", url]) == 0
+    """`hpo run` of study "stop" by hpo's main in this process, with `flags` added."""
+    args = ["run", "--study", "stop", "--config", str(config), "--storage", url, *flags]
+    assert main(args) == 0
     err = capsys.readouterr().err
     assert "Traceback" not in err, err[-3000:]
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from trainer.config import CompileScope
-from trainer.data import hpo_cache_root
+from trainer.digests import hpo_cache_root
 
 # Tests only: compile with this backend (aot_eager compiles in seconds on a CPU, inductor takes
 # minutes there); users get torch's default, inductor.

@@ -12,7 +12,6 @@ import dataclasses
 import decimal
 import hashlib
 import json
-import os
 import re
 import shutil
 import tempfile
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 
 from trainer.config import DataConfig
+from trainer.digests import content_sha256, hpo_cache_root
 from trainer.errors import DataError
 from trainer.text_window import heads, window_chars
 
@@ -629,12 +629,6 @@ def cache_dir(config: DataConfig) -> Path:
     return hpo_cache_root() / "tokenized"
 
 
-def hpo_cache_root() -> Path:
-    """$HPO_CACHE_DIR, or ~/.cache/hpo: hpo's caches on this host (tokens, compiled kernels)."""
-    env = os.environ.get("HPO_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "hpo"
-
-
 def _cache_key(
     config: DataConfig,
     tokenizer: Any,
@@ -645,7 +639,8 @@ def _cache_key(
     digest = hashlib.sha256()
     parts = {
         "version": CACHE_FORMAT_VERSION,
-        "data": content_hash(Path(source[0])),
+        # Hashed once per version of the file (trainer.digests); the study's record reuses it.
+        "data": content_sha256(Path(source[0])),
         "split": source[1],
         "columns": [config.text_column, config.text_pair_column, config.label_column],
         "max_length": config.max_length,
@@ -669,17 +664,6 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
         definition = tokenizer.get_vocab()
     text = f"{type(tokenizer).__name__}\n{json.dumps(definition, sort_keys=True)}"
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def content_hash(path: Path) -> str:
-    digest = hashlib.sha256()
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    for file in files:
-        digest.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())
-        with file.open("rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
 
 
 # Each array of a split, with the types it may have (the first for ids, offsets and type ids).

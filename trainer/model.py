@@ -135,7 +135,7 @@ def _check_builds(config: ModelConfig, model_config: Any, task: str) -> None:
 def _build_marker(config: ModelConfig, model_config: Any, task: str) -> Path:
     import transformers
 
-    from trainer.data import hpo_cache_root
+    from trainer.digests import hpo_cache_root
 
     checked = {
         "config": model_config.to_dict(),

@@ -111,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="log the trials to this MLflow tracking server (overrides tracking.mlflow.uri and "
         "$MLFLOW_TRACKING_URI; needs pip install 'hpo[mlflow]')",
     )  # fmt: skip
+    run.add_argument(
+        "--allow-changed-setup", action="store_true",
+        help="join the study although its data (sha256 of the train and eval files), model, "
+        "task, data.max_length, evaluation schedule (training.evals_per_epoch, epochs, "
+        "max_steps) or pruner differ from this config's; without it such a worker is refused "
+        "(exit 2), as its trials would not compare with the study's. The change is recorded "
+        "in the study and `hpo status` says the study mixes setups",
+    )  # fmt: skip
     run.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
     run.add_argument("--quiet", action="store_true", help="only warnings and the final summary")
     _add_monitoring_commands(commands)

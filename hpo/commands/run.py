@@ -72,12 +72,14 @@ def run_arguments(
 ) -> argparse.Namespace:
     """The arguments `hpo run` parses, for a run started from Python (hpo.run): one worker, in
     this process, with no progress line; `options` are the flags' values (storage, n_trials,
-    timeout, trial_timeout, device, artifact_store) and `started`, time.monotonic() at the
-    start. Its messages name the options as hpo.run's arguments (n_trials, not --n-trials)."""
+    timeout, trial_timeout, device, artifact_store, allow_changed_setup) and `started`,
+    time.monotonic() at the start. Its messages name the options as hpo.run's arguments
+    (n_trials, not --n-trials)."""
     args = argparse.Namespace(
         command="hpo.run", study=study, config=config, storage=None, n_trials=None, timeout=None,
         trial_timeout=None, device=None, gpus=None, workers_per_gpu=None, artifact_store=None,
-        tracking=None, debug=False, quiet=True, argv=[], started=time.monotonic(),
+        tracking=None, allow_changed_setup=False, debug=False, quiet=True, argv=[],
+        started=time.monotonic(),
     )  # fmt: skip
     for name, value in options.items():
         if not hasattr(args, name):
@@ -114,7 +116,9 @@ def run_study(args: argparse.Namespace, say: Callable[[str], None] = _to_stderr)
     storage = open_storage(storage_url, config.study.database_patience, on_demand=on_demand)
     if stop.requested:  # a signal came while the database opened: no study is created
         return RunOutcome(None, storage, config, 0, stop.signal_name, stop.exit_code)
-    study = open_study(storage, args.study, config)
+    in_python = args.command == "hpo.run"
+    allow_changed = getattr(args, "allow_changed_setup", False)
+    study = open_study(storage, args.study, config, allow_changed, in_python)
     if config.study.artifact_store is not None:
         from storage.artifacts import ArtifactStore
 

@@ -23,6 +23,7 @@ from optuna.trial import FrozenTrial, TrialState
 from hpo import tracking
 from hpo.study.join import model_loader, trial_adapter
 from hpo.study.names import quoted_study_name
+from hpo.study.setup_record import setup_changes
 from hpo.study.trials import RETRY_ATTR, counted_trials
 from hpo.trial import folders as checkpoints
 from hpo.trial.front import rule_for
@@ -172,6 +173,7 @@ def status(
         "counted": counted_trials(trials),
         "lost_checkpoints": lost_checkpoints(trials),
         "tracking_missing": tracking_missing(study),
+        "setup_changes": setup_changes(study.user_attrs),
     }
 
 
@@ -214,6 +216,7 @@ def _status_from_database(study: optuna.Study, db: Database, now: dt.datetime) -
         - study_queries.system_attr_count(engine, study_id, RETRY_ATTR),
         "lost_checkpoints": _lost(lost, latest, reason),
         "tracking_missing": tracking_missing(study),
+        "setup_changes": setup_changes(study.user_attrs),
     }
 
 
@@ -295,7 +298,21 @@ def status_lines(report: dict[str, Any]) -> list[str]:
             lines.append(f"  {title[:-1]}: {count} x {reason}")
     best = [report["best"]] if report["best"] is not None else report["pareto_front"] or []
     lines += checkpoint_warnings(best, report.get("lost_checkpoints"))
+    lines += setup_warnings(report.get("setup_changes") or [])
     return lines + tracking_warnings(report.get("tracking_missing"))
+
+
+def setup_warnings(changes: list[dict[str, Any]]) -> list[str]:
+    """A study whose workers were allowed another data set, model, evaluation schedule or
+    pruner (`hpo run --allow-changed-setup`) mixes trials that do not compare: said."""
+    if not changes:
+        return []
+    latest = changes[-1]
+    fields = ", ".join(latest.get("fields") or {}) or "its setup"
+    times = "once" if len(changes) == 1 else f"{len(changes)} times"
+    return [f"WARNING: the study mixes setups: changed {times} with --allow-changed-setup "
+            f"(latest at {latest.get('at', 'an unknown time')}: {fields}); its trials before "
+            "and after a change do not compare"]  # fmt: skip
 
 
 def tracking_missing(study: optuna.Study) -> dict[str, Any] | None:

@@ -19,6 +19,7 @@ from hpo.config.schema import (
 from hpo.errors import ConfigError
 from hpo.study.names import check_no_lookalike
 from hpo.study.sampling import build_pruner, build_sampler, experimental_features, tpe_group
+from hpo.study.setup_record import check_setup, setup_record
 from hpo.trial.front import TOLERANCE_ATTR
 from hpo.trial.protocol import ADAPTER_ATTR
 from storage.engine import StudyStorage
@@ -86,12 +87,22 @@ def adapter_record(config: Config) -> dict[str, Any] | None:
     return config.model.adapter_record()
 
 
-def open_study(storage: StudyStorage, name: str, config: Config) -> optuna.Study:
-    """Create the study, or join it if it exists with the same direction and search space.
-    The check and the first worker's record of the search space happen under the study's lock:
-    two workers creating one study with different spaces cannot both succeed."""
+def open_study(
+    storage: StudyStorage,
+    name: str,
+    config: Config,
+    allow_changed_setup: bool = False,
+    in_python: bool = False,
+) -> optuna.Study:
+    """Create the study, or join it if it exists with the same direction, search space and
+    setup (data, model, evaluation schedule, pruner: hpo.study.setup_record; another one only
+    with `allow_changed_setup`, recorded). The checks and the first worker's record happen
+    under the study's lock: two workers creating one study with different spaces cannot both
+    succeed. `in_python`: a refusal names hpo.run's arguments, not hpo run's flags."""
     check_version(storage.engine)  # a database of another hpo's layout: refused, nothing written
     _check_new_name(storage, name)
+    # Before the lock: a file's first hash (the token cache has usually read it) holds no one up.
+    setup = setup_record(config)
     directions = config.study.resolved_directions
     optuna.create_study(
         storage=storage, study_name=name, directions=directions, load_if_exists=True,
@@ -110,6 +121,7 @@ def open_study(storage: StudyStorage, name: str, config: Config) -> optuna.Study
         )
     with storage.lock(study_id):
         _check_study_settings(storage, study_id, name, config)
+        check_setup(storage, study_id, name, config, setup, allow_changed_setup, in_python)
         _say_budget_change(storage, study_id, name, config.study.n_trials)
         # The budget of the latest worker to join, for `hpo status --watch` to know the end.
         storage.set_study_user_attr(study_id, "n_trials", config.study.n_trials)

@@ -472,7 +472,7 @@ def _card_loader(config: Config) -> str:
 
 
 def data_files(config: Config) -> list[dict[str, Any]]:
-    from trainer.data import content_hash
+    from trainer.digests import content_sha256
 
     files = []
     for role, location, split in (
@@ -481,7 +481,7 @@ def data_files(config: Config) -> list[dict[str, Any]]:
     ):
         path = Path(location).resolve()
         files.append({"role": role, "path": str(path), "split": split,
-                      "sha256": content_hash(path) if path.exists() else None})  # fmt: skip
+                      "sha256": content_sha256(path) if path.exists() else None})  # fmt: skip
     return files
 
 

@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import optuna
 
@@ -91,6 +92,26 @@ def experimental_features() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         yield
+
+
+# The settings each pruner type reads (_base_pruner); patience and min_delta wrap any of them.
+_PRUNER_FIELDS = {
+    "median": ("n_startup_trials", "n_warmup_steps", "margin"),
+    "percentile": ("percentile", "n_startup_trials", "n_warmup_steps", "margin"),
+    "successive_halving": ("min_resource", "reduction_factor"),
+    "hyperband": ("min_resource", "reduction_factor"),
+    "none": (),
+}
+
+
+def pruner_settings(cfg: PrunerConfig) -> dict[str, Any]:
+    """What decides which trials the pruner stops: its type and the settings that type reads
+    (a median pruner's reduction_factor is no setting of it)."""
+    settings: dict[str, Any] = {"type": cfg.type}
+    settings.update((name, getattr(cfg, name)) for name in _PRUNER_FIELDS[cfg.type])
+    if cfg.patience is not None:
+        settings.update(patience=cfg.patience, min_delta=cfg.min_delta)
+    return settings
 
 
 def _base_pruner(cfg: PrunerConfig) -> optuna.pruners.BasePruner:

@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hpo.trial.leftovers import ProcessInfo, descendants, kept_helper, read_processes
+from hpo.trial.leftovers import (
+    ProcessInfo,
+    _has_children,
+    descendants,
+    kept_helper,
+    read_processes,
+)
 from tests.conftest import REPO, run_hpo
 from tests.test_entrypoint import entrypoint_config
 
@@ -53,6 +59,14 @@ def test_read_processes_parses_names_with_spaces_and_parentheses(tmp_path: Path)
     }
     assert read_processes(str(tmp_path / "nothing")) == {}  # no /proc: nothing found
     assert kept_helper(8, str(tmp_path)) and not kept_helper(7, str(tmp_path))
+    # Whether a process has children: its threads' lists, else the whole table read.
+    assert _has_children(3, str(tmp_path)) and not _has_children(8, str(tmp_path))
+    for thread, children in (("7", ""), ("71", "8 ")):
+        (tmp_path / "7" / "task" / thread).mkdir(parents=True)
+        (tmp_path / "7" / "task" / thread / "children").write_text(children)
+    assert _has_children(7, str(tmp_path))
+    (tmp_path / "7" / "task" / "71" / "children").write_text("")
+    assert not _has_children(7, str(tmp_path))
 
 
 # A trial process in miniature: it becomes a subreaper, then its "trial" leaves a child that

@@ -155,6 +155,22 @@ def _gone(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
+def test_what_a_killed_trial_process_started_is_ended_by_its_worker(
+    tmp_path: Path, stub_config: Config, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The trial process ignores the stop and is killed after study.stop_timeout, so it cannot
+    end the child its trial forked: the worker does (hpo/trial/leftovers.py)."""
+    target = trial_targets.fork_then_ignore_sigterm
+    _, _, seconds = _stop_once_started(tmp_path, stub_config, target)
+    assert seconds < 20
+    forked = int((tmp_path / "forked.pid").read_text())
+    deadline = time.monotonic() + 10
+    while not _gone(forked) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(forked)
+    assert "left 1 process running; ended it" in caplog.text
+
+
 @pytest.mark.parametrize("target", [trial_targets.sleep_forever, trial_targets.train_until_stopped])
 def test_a_stop_ends_a_trial_process_at_once_before_training_and_after_a_checkpoint_once_training(
     tmp_path: Path, easy_data: tuple[Path, Path], target: TrialTarget

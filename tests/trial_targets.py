@@ -58,6 +58,19 @@ def ignore_sigterm(trial: TrialLike, payload: Any) -> float:
     return sleep_forever(trial, payload)
 
 
+def fork_then_ignore_sigterm(trial: TrialLike, payload: Any) -> float:
+    """Leaves a sleeping child (its pid in forked.pid), then ignores the worker's SIGTERM: the
+    worker has to kill this process, which can then end nothing itself."""
+    forked = Path(payload.config.source).with_name("forked.pid")
+    if os.fork() == 0:
+        forked.write_text(str(os.getpid()))
+        time.sleep(120)
+        os._exit(0)
+    while not forked.exists():
+        time.sleep(0.01)
+    return ignore_sigterm(trial, payload)
+
+
 def train_until_stopped(trial: TrialLike, payload: Any) -> float:
     """Trains (asks whether to stop, as the training loop does) until asked to stop, then
     checkpoints, as the training loop does."""

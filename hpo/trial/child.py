@@ -23,6 +23,7 @@ import optuna
 
 from hpo.logs import set_optuna_verbosity, setup_logging
 from hpo.stopping import Interrupted, TrialTimedOut
+from hpo.trial import leftovers
 from hpo.trial.protocol import (
     ASK,
     EXIT_STOPPED_BEFORE_TRAINING,
@@ -165,6 +166,9 @@ def child_main(
     _parent_pid.append(os.getppid())
     signal.signal(signal.SIGTERM, _on_sigterm)
     _stop_when_orphaned()
+    # What a trial starts stays below this process, to be ended with the trial (leftovers.py).
+    leftovers.become_subreaper()
+    os.register_at_fork(after_in_child=_leave_stop_signals_to_the_fork)
     setup_logging(log_level)
     set_optuna_verbosity(log_level)
     _watch_worker(worker_pid, conn)
@@ -190,6 +194,7 @@ def child_main(
         trial.set_user_attr("process_trials", runs)  # 1: a new process; more: a kept one
         outcome = _run_target(target, trial, payload)
         _undo_process_changes(folder)
+        leftovers.end_what_the_trial_left(number)
         staying = outcome[0] in ("complete", "pruned") and not _stop_reason
         staying = staying and not _replace_after_trial
         try:
@@ -215,6 +220,15 @@ def _write_where_the_worker_writes(conn: Connection) -> None:
         fd = recv_handle(conn)
         os.dup2(fd, 2)
         os.close(fd)
+
+
+def _leave_stop_signals_to_the_fork() -> None:
+    """In a process the trial forked (a user's child, a DataLoader worker): a SIGTERM is its
+    own again, as in any Python process. hpo's handler, inherited, would only note a stop for
+    a training loop the fork does not run, so the fork would outlive the SIGTERM that ends
+    what its trial left."""
+    with contextlib.suppress(ValueError, OSError):  # forked from a thread other than the main
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _undo_process_changes(folder: str) -> None:

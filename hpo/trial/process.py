@@ -28,7 +28,7 @@ import optuna
 
 from hpo import live, tracking
 from hpo.stopping import HandBack, Interrupted, StopRequest, TakenOver, TrialTimedOut
-from hpo.trial import worker_copy
+from hpo.trial import leftovers, worker_copy
 from hpo.trial.child import child_main
 from hpo.trial.protocol import (
     ASK,
@@ -517,8 +517,7 @@ class _ProcessWatch:
                 if not self.wait(stop_timeout_s):
                     log.warning("trial process %s ignored SIGTERM for %.0f s; killing it",
                                 self.process.pid, stop_timeout_s)  # fmt: skip
-                    self._signal(signal.SIGKILL)
-                    self.wait(stop_timeout_s)
+                    self._kill_with_what_it_started(stop_timeout_s)
             self.process.join(timeout=1)  # multiprocessing's own record of the exit
         finally:
             if self.pidfd is not None:
@@ -535,7 +534,19 @@ class _ProcessWatch:
     def kill(self) -> None:
         """At once, with no chance to checkpoint."""
         if not self.wait(0):
-            self._signal(signal.SIGKILL)
+            self._kill_with_what_it_started(POLL_S * 10)
+
+    def _kill_with_what_it_started(self, wait_s: float) -> None:
+        """SIGKILL, then what the process had started (its trial's children, which it can no
+        longer end itself: leftovers.py) is ended too."""
+        left = leftovers.Snapshot.below(self.process.pid) if self.process.pid else None
+        self._signal(signal.SIGKILL)
+        self.wait(wait_s)
+        ended = left.end() if left is not None else 0
+        if ended:
+            log.warning("the killed trial process %s left %d process%s running; ended %s",
+                        self.process.pid, ended, "" if ended == 1 else "es",
+                        "it" if ended == 1 else "them")  # fmt: skip
 
     def _signal(self, signum: int) -> None:
         if self.pidfd is None:

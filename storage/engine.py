@@ -141,7 +141,7 @@ def open_storage(
         _check_sqlite_file(storage_url)
     try:
         if read_only:
-            return StudyStorage(_open_read_only(storage_url, patience_s), storage_url, None)
+            return _open_read_only(storage_url, patience_s)
         rdb = _create_tables_retrying(storage_url, patience_s or 0.0, on_demand)
         if patience_s is not None:
             wait_for_connections(rdb.engine, patience_s)
@@ -173,9 +173,7 @@ def _check_sqlite_file(storage_url: StorageURL) -> None:
         )
 
 
-def _open_read_only(
-    storage_url: StorageURL, patience_s: float | None
-) -> optuna.storages.RDBStorage:
+def _open_read_only(storage_url: StorageURL, patience_s: float | None) -> StudyStorage:
     url = storage_url.url
     if storage_url.backend == "sqlite":
         database = Path(make_url(url).database or "").resolve()
@@ -202,7 +200,8 @@ def _open_read_only(
             f"it is another program's database); check {storage_url.flag}, or start a study with "
             "hpo run"
         )
-    return riding_out(lambda: _rdb_read_only(url, storage_url))
+    # No retries of Optuna's calls (patience None): the reads are retried whole (read()).
+    return riding_out(lambda: StudyStorage(_rdb_read_only(url, storage_url), storage_url, None))
 
 
 def _reach(engine: sqlalchemy.engine.Engine, connect_args: dict[str, Any]) -> None:

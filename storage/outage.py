@@ -61,7 +61,8 @@ def is_transient(error: BaseException) -> bool:
 def _sql_refused(error: BaseException) -> bool:
     """SQLite's driver says "OperationalError" for a missing table as for a locked file; its
     error code tells them apart. (PostgreSQL's driver raises ProgrammingError for those.)"""
-    return "sqlite" in type(error).__module__ and getattr(error, "sqlite_errorcode", None) == (
+    driver = getattr(error, "orig", None) or error  # SQLAlchemy's error holds the driver's
+    return "sqlite" in type(driver).__module__ and getattr(driver, "sqlite_errorcode", None) == (
         SQLITE_ERROR
     )
 

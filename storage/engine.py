@@ -12,10 +12,10 @@ import os
 import random
 import time
 import urllib.parse
-from collections.abc import Container
+from collections.abc import Callable, Container
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import optuna
 import sqlalchemy
@@ -26,7 +26,7 @@ from sqlalchemy.engine import make_url
 from storage import study_queries
 from storage.errors import StorageError
 from storage.locks import sqlite_lock, study_lock
-from storage.outage import wait_for_connections
+from storage.outage import dbapi_connect, retrying, wait_for_connections
 from storage.resilient import ResilientStorage
 from storage.trial_cache import TrialCache
 from storage.url import StorageURL, mask_text, open_fix
@@ -34,6 +34,7 @@ from storage.url import StorageURL, mask_text, open_fix
 CONNECT_TIMEOUT_S = 10
 TABLE_CREATION_ATTEMPTS = 5
 SQLITE_BUSY_TIMEOUT_S = 60
+T = TypeVar("T")
 
 
 def engine_kwargs(backend: str, on_demand: bool = False) -> dict[str, Any]:
@@ -84,10 +85,18 @@ class StudyStorage(ResilientStorage):
     On a schema the study queries do not know, trials are read through Optuna, uncached."""
 
     def __init__(self, rdb: optuna.storages.RDBStorage, url: StorageURL, patience_s: float | None):
-        super().__init__(rdb, patience_s)
+        super().__init__(rdb, patience_s, database=f"the study database {url.masked}")
         self.rdb = rdb
         self.url = url
         self.cache = TrialCache(rdb) if study_queries.supported(rdb.engine) else None
+
+    def read(self, what: str, call: Callable[[], T], patience_s: float) -> T:
+        """`call()`, which only reads, run again from its start while the database is
+        unreachable (a dropped connection, a restart), for up to `patience_s`; then
+        DatabaseUnreachable naming the database. The pool checks each connection before
+        handing it out (pool_pre_ping), so a retry reads on a fresh one. A read repeats no
+        write, so the whole of it is retried: the study queries beside Optuna's calls too."""
+        return retrying(call, what, patience_s, database=self.database, then="run it again")
 
     def get_all_trials(
         self,
@@ -125,15 +134,15 @@ def open_storage(
     With `patience_s`, once connected, calls ride out a database outage of up to that many
     seconds, and a server that is full (all its connections taken) is waited for from the
     start. `read_only` (the monitoring commands) creates nothing: no database file, no tables,
-    no lock file; `must_exist` refuses to create an SQLite file. `on_demand`: see
-    engine_kwargs."""
+    no lock file; with `patience_s`, only the opening rides out an outage: the reads are
+    retried whole, by StudyStorage.read. `must_exist` refuses to create an SQLite file.
+    `on_demand`: see engine_kwargs."""
     if read_only or must_exist:
         _check_sqlite_file(storage_url)
     try:
         if read_only:
-            rdb = _open_read_only(storage_url)
-        else:
-            rdb = _create_tables_retrying(storage_url, patience_s or 0.0, on_demand)
+            return _open_read_only(storage_url, patience_s)
+        rdb = _create_tables_retrying(storage_url, patience_s or 0.0, on_demand)
         if patience_s is not None:
             wait_for_connections(rdb.engine, patience_s)
         return StudyStorage(rdb, storage_url, patience_s)
@@ -164,15 +173,25 @@ def _check_sqlite_file(storage_url: StorageURL) -> None:
         )
 
 
-def _open_read_only(storage_url: StorageURL) -> optuna.storages.RDBStorage:
+def _open_read_only(storage_url: StorageURL, patience_s: float | None) -> StudyStorage:
     url = storage_url.url
     if storage_url.backend == "sqlite":
         database = Path(make_url(url).database or "").resolve()
         # SQLite's read-only URI mode: not a byte written, not even a journal beside the file.
         url = f"sqlite:///file:{urllib.parse.quote(str(database))}?mode=ro&uri=true"
+
+    def riding_out(call: Callable[[], T]) -> T:
+        if patience_s is None:
+            return call()
+        database = f"the study database {storage_url.masked}"
+        return retrying(call, "the opening", patience_s, database=database, then="run it again")
+
     probe = sqlalchemy.create_engine(url, **engine_kwargs(storage_url.backend))
     try:
-        tables = sqlalchemy.inspect(probe).has_table("version_info")
+        # Unreachable from the start (a mistyped host, a server that is down): said at once.
+        # Reached once, a connection dropped from then on is an outage, ridden out.
+        _reach(probe, engine_kwargs(storage_url.backend)["connect_args"])
+        tables = riding_out(lambda: sqlalchemy.inspect(probe).has_table("version_info"))
     finally:
         probe.dispose()
     if not tables:  # Optuna's own open would say "no such table: version_info"
@@ -181,6 +200,17 @@ def _open_read_only(storage_url: StorageURL) -> optuna.storages.RDBStorage:
             f"it is another program's database); check {storage_url.flag}, or start a study with "
             "hpo run"
         )
+    # No retries of Optuna's calls (patience None): the reads are retried whole (read()).
+    return riding_out(lambda: StudyStorage(_rdb_read_only(url, storage_url), storage_url, None))
+
+
+def _reach(engine: sqlalchemy.engine.Engine, connect_args: dict[str, Any]) -> None:
+    """One connection of the driver's, made and closed: the URL is right and the server up."""
+    cargs, cparams = engine.dialect.create_connect_args(engine.url)
+    dbapi_connect(engine.dialect, cargs, {**cparams, **connect_args}).close()
+
+
+def _rdb_read_only(url: str, storage_url: StorageURL) -> optuna.storages.RDBStorage:
     rdb = optuna.storages.RDBStorage(
         url,
         engine_kwargs=engine_kwargs(storage_url.backend),

@@ -14,7 +14,7 @@ import sqlalchemy
 import sqlalchemy.exc
 from sqlalchemy.engine import Engine
 
-from storage.errors import StorageError
+from storage.errors import DatabaseUnreachable, StorageError
 from storage.url import mask_text
 
 log = logging.getLogger(__name__)
@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 FIRST_DELAY_S = 0.5
 MAX_DELAY_S = 5.0
+# SQLite's code for an error in the SQL itself ("no such table", a syntax error), which its
+# driver raises as an OperationalError like a locked or unreadable file: no wait changes it.
+SQLITE_ERROR = 1
 _CONNECTION_ERRORS = (
     sqlalchemy.exc.OperationalError,
     sqlalchemy.exc.InterfaceError,
@@ -40,11 +43,27 @@ def _chain(error: BaseException) -> Iterator[BaseException]:
 
 
 def is_transient(error: BaseException) -> bool:
-    """A lost or refused connection, possibly wrapped by Optuna in StorageInternalError."""
+    """A lost or refused connection, possibly wrapped by Optuna in StorageInternalError: the one
+    decision of what a retry may fix. Not hpo's own StorageError (a retry already gave up, or
+    the database is unusable), nor SQL the database refuses (a missing table, a bad query)."""
+    if isinstance(error, StorageError):
+        return False
+    chain = list(_chain(error))
+    if any(_sql_refused(e) for e in chain):
+        return False
     return any(
         isinstance(e, _CONNECTION_ERRORS)
         or (isinstance(e, sqlalchemy.exc.DBAPIError) and e.connection_invalidated)
-        for e in _chain(error)
+        for e in chain
+    )
+
+
+def _sql_refused(error: BaseException) -> bool:
+    """SQLite's driver says "OperationalError" for a missing table as for a locked file; its
+    error code tells them apart. (PostgreSQL's driver raises ProgrammingError for those.)"""
+    driver = getattr(error, "orig", None) or error  # SQLAlchemy's error holds the driver's
+    return "sqlite" in type(driver).__module__ and getattr(driver, "sqlite_errorcode", None) == (
+        SQLITE_ERROR
     )
 
 
@@ -56,10 +75,18 @@ def is_gone(error: BaseException) -> bool:
     )
 
 
-def retrying(call: Callable[[], T], what: str, patience_s: float, wrote_before: bool = True) -> T:
-    """`call()`, again and again while the database is unreachable, for up to `patience_s`.
-    `wrote_before`: whether this process has written to the database yet, which tells an
-    SQLite file made read-only under it from one that never took a write."""
+def retrying(
+    call: Callable[[], T],
+    what: str,
+    patience_s: float,
+    wrote_before: bool = True,
+    database: str = "the study database",
+    then: str = "start the worker again",
+) -> T:
+    """`call()`, again and again while the database is unreachable, for up to `patience_s`;
+    then DatabaseUnreachable. `wrote_before`: whether this process has written to the database
+    yet, which tells an SQLite file made read-only under it from one that never took a write.
+    `database` and `then` name the database (its URL masked) and what to do once it is up."""
     deadline = time.monotonic() + patience_s
     delay = FIRST_DELAY_S
     failures = 0
@@ -72,18 +99,18 @@ def retrying(call: Callable[[], T], what: str, patience_s: float, wrote_before: 
             if not is_transient(e):
                 raise
             if time.monotonic() + delay > deadline:
-                raise StorageError(
-                    f"the study database was unreachable for {patience_s:.0f} s ({_reason(e)}); "
-                    "check that it is up, then start the worker again"
+                raise DatabaseUnreachable(
+                    f"{database} was unreachable for {patience_s:g} s ({_reason(e)}); "
+                    f"check that it is up, then {then}"
                 ) from e
             failures += 1
             if failures == 1:
-                log.warning("study database unreachable (%s); retrying %s", _reason(e), what)
+                log.warning("%s unreachable (%s); retrying %s", database, _reason(e), what)
             time.sleep(delay)
             delay = min(2 * delay, MAX_DELAY_S)
             continue
         if failures:
-            log.warning("study database back after %d retries of %s", failures, what)
+            log.warning("%s back after %d retries of %s", database, failures, what)
         return result
 
 
@@ -106,10 +133,12 @@ def wait_for_connections(engine: Engine, patience_s: float) -> None:
 
     @sqlalchemy.event.listens_for(engine, "do_connect")
     def _connect(dialect: Any, record: Any, cargs: Any, cparams: Any) -> Any:
-        return retrying(lambda: _dbapi_connect(dialect, cargs, cparams), "connect", patience_s)
+        return retrying(lambda: dbapi_connect(dialect, cargs, cparams), "connect", patience_s)
 
 
-def _dbapi_connect(dialect: Any, cargs: Any, cparams: Any) -> Any:
+def dbapi_connect(dialect: Any, cargs: Any, cparams: Any) -> Any:
+    """The driver's own connection, outside SQLAlchemy's pool and the queries it runs on a
+    first connection; the driver's error is raised as SQLAlchemy's."""
     try:
         return dialect.loaded_dbapi.connect(*cargs, **cparams)
     except dialect.loaded_dbapi.OperationalError as e:

@@ -27,15 +27,23 @@ class ResilientStorage(BaseStorage):
     """Forwards to `backend`; with `patience_s`, a call that loses its connection is retried
     with backoff for up to that long before it raises StorageError."""
 
-    def __init__(self, backend: BaseStorage, patience_s: float | None = None) -> None:
+    def __init__(
+        self,
+        backend: BaseStorage,
+        patience_s: float | None = None,
+        database: str = "the study database",
+    ) -> None:
         self.backend = backend
         self.patience_s = patience_s
+        self.database = database  # how messages name it: its URL, password masked
         self.wrote = False  # a write went through: a refusal after it is news, not the start
 
     def _call(self, what: str, call: Callable[[], T]) -> T:
         if self.patience_s is None:
             return call()
-        result = retrying(call, what, self.patience_s, wrote_before=self.wrote)
+        result = retrying(
+            call, what, self.patience_s, wrote_before=self.wrote, database=self.database
+        )
         if what.startswith(("create_", "set_", "delete_")):
             self.wrote = True
         return result

@@ -23,6 +23,8 @@ from optuna.distributions import json_to_distribution
 from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.engine import Engine
 
+from storage.outage import is_transient
+
 # Optuna's schema versions these queries were checked against (`version_info.schema_version`).
 KNOWN_SCHEMA_VERSIONS = frozenset({12})
 
@@ -100,11 +102,14 @@ def _of_study(table: sa.Table) -> sa.Join:
 
 
 def supported(engine: Engine) -> bool:
-    """Whether this database has a schema these queries know."""
+    """Whether this database has a schema these queries know. A lost connection is raised, to
+    be retried: taken for an unknown schema, it would turn every later read to Optuna's."""
     try:
         with engine.connect() as conn:
             version = conn.execute(sa.select(_version_info.c.schema_version)).scalar()
-    except sa.exc.SQLAlchemyError:
+    except sa.exc.SQLAlchemyError as e:
+        if is_transient(e):
+            raise
         return False
     return version in KNOWN_SCHEMA_VERSIONS
 

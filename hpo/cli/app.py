@@ -1,5 +1,6 @@
 """`main()`: parse the arguments, run the command, and turn its end into an exit code: bad
-input is one clear line and exit code 2 (a traceback only with --debug), a signal its own code.
+input is one clear line and exit code 2 (a traceback only with --debug), a database outage past
+its window one line and exit code 1, a signal its own code.
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ from hpo.commands.run import (
 from hpo.errors import USER_ERRORS
 from hpo.reports.text import CLOSED_STDOUT, emit, stdout_is_closed
 from hpo.stopping import stopped_exit_code
+from storage.errors import DatabaseUnreachable
 from storage.url import mask_text
 
 EXIT_BAD_INPUT = 2
+# Nothing the user typed is wrong: the same command works once the database is back.
+EXIT_DATABASE_UNREACHABLE = 1
 
 log = logging.getLogger("hpo")
 
@@ -71,7 +75,7 @@ def main(argv: Sequence[str] | None = None, own_process: bool = False) -> int:
             log.exception("hpo failed")
         # Any URL the message quotes (a tracking URI, a storage URL) is shown masked.
         print(f"hpo: error: {mask_text(str(e))}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return EXIT_DATABASE_UNREACHABLE if isinstance(e, DatabaseUnreachable) else EXIT_BAD_INPUT
     except KeyboardInterrupt as e:
         return _stopped(e)
     except BrokenPipeError:

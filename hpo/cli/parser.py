@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, NoReturn
 from hpo import __version__
 from hpo.commands.launcher import MAX_WORKERS_PER_GPU
 from hpo.config.loader import DEMO_CONFIG
+from hpo.config.schema import DATABASE_PATIENCE_S
 
 if TYPE_CHECKING:
     pass
@@ -296,6 +297,12 @@ def _add_monitoring_commands(commands: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     for sub in (studies, best, status):
         sub.add_argument("--json", action="store_true", help="machine-readable output")
+    for sub in (studies, best, status, report):
+        sub.add_argument(
+            "--database-patience", type=_seconds, default=DATABASE_PATIENCE_S, metavar="SECONDS",
+            help="how long a read rides out a study database that drops out, as the workers do "
+            f"(default {DATABASE_PATIENCE_S:g}, as study.database_patience)",
+        )  # fmt: skip
     for sub in (best, status):
         sub.add_argument(
             "--artifact-store", default=None,

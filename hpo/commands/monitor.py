@@ -15,8 +15,9 @@ import time
 import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from hpo import live
 from hpo.errors import HPOError
@@ -41,6 +42,19 @@ from hpo.study.join import loader_text, study_task, trial_adapter
 from hpo.study.names import quoted_study_name
 
 EMPTY_STUDY_NAME = "--study: the study name is empty; `hpo studies` lists the names"
+T = TypeVar("T")
+
+
+class Reader(Protocol):
+    """Runs `call`, a read of the study database named `what` in messages: at once, or again
+    with fresh connections while the database drops out (StudyStorage.read)."""
+
+    def __call__(self, what: str, call: Callable[[], T]) -> T: ...
+
+
+def at_once(what: str, call: Callable[[], T]) -> T:
+    """A Reader that retries nothing: an error is the caller's (the Python API)."""
+    return call()
 
 
 def _serve(app: Callable, host: str, port: int, banner: str) -> None:
@@ -100,7 +114,10 @@ def monitor_command(args: argparse.Namespace) -> int:
     if getattr(args, "study", None) == "":
         raise HPOError(EMPTY_STUDY_NAME)
     # The dashboard may write notes, but only into an existing study database.
-    storage, storage_url = open_storage_to_read(args.storage, args.command != "dashboard")
+    patience_s = getattr(args, "database_patience", None)
+    storage, storage_url = open_storage_to_read(
+        args.storage, args.command != "dashboard", patience_s=patience_s
+    )
     if args.command == "dashboard":
         address = f"[{args.host}]" if ":" in args.host else args.host  # IPv6 in a URL
         banner = f"hpo: dashboard for {storage_url.describe()} on http://{address}:{args.port}/"
@@ -108,27 +125,35 @@ def monitor_command(args: argparse.Namespace) -> int:
 
         _serve(wsgi(storage), args.host, args.port, banner)
         return 0
+    # Each read is retried whole while the database drops out, for up to the outage window.
+    read: Reader = partial(storage.read, patience_s=patience_s)
     if args.command == "studies":
-        rows = report.studies(storage)
+        rows = read("the list of studies", lambda: report.studies(storage))
         emit(strict_json(rows, indent=2) if args.json else studies_table(rows))
         return 0
-    study = load_existing_study(storage, args.study, storage_url.masked)
+    masked = storage_url.masked
+    study = read("the study", lambda: load_existing_study(storage, args.study, masked))
     try:
-        return _look_at(study, storage, args)
+        return _look_at(study, storage, args, read)
     except KeyError as e:
         raise study_gone(e, args.study, storage_url.masked) from e
 
 
 def open_storage_to_read(
-    given: str | None, read_only: bool = True, flag: str = "--storage"
+    given: str | None,
+    read_only: bool = True,
+    flag: str = "--storage",
+    patience_s: float | None = None,
 ) -> tuple[Any, StorageURL]:
     """The study database at `given` (else $HPO_STORAGE, else ./hpo.db), which must exist:
     looking never creates a database (a typo in the URL), nor with `read_only` a table or a
-    lock file (a read-only folder). `flag`: how messages name `given`."""
+    lock file (a read-only folder). `flag`: how messages name `given`. `patience_s`: once
+    reached, how long the opening rides out a database that drops out."""
     from storage import open_storage, resolve_storage_url
 
     storage_url = resolve_storage_url(given, None, flag)
-    return open_storage(storage_url, read_only=read_only, must_exist=True), storage_url
+    opened = open_storage(storage_url, patience_s, read_only=read_only, must_exist=True)
+    return opened, storage_url
 
 
 def load_existing_study(
@@ -169,8 +194,9 @@ def best_of(study: Any, storage: Any) -> list[dict[str, Any]]:
     return best
 
 
-def _look_at(study: Any, storage: Any, args: argparse.Namespace) -> int:
-    """`hpo report`, `best` and `status` of a study that exists."""
+def _look_at(study: Any, storage: Any, args: argparse.Namespace, read: Reader) -> int:
+    """`hpo report`, `best` and `status` of a study that exists; what they print is read whole
+    (`read`) before a line of it is printed."""
     from hpo.reports import status as report
     from hpo.study import retrain
 
@@ -178,22 +204,28 @@ def _look_at(study: Any, storage: Any, args: argparse.Namespace) -> int:
         from hpo.reports import document as study_report
 
         if args.out is None and args.format == "md":
-            emit(study_report.markdown(study, storage), end="")
+            emit(read("the report", lambda: study_report.markdown(study, storage)), end="")
             return 0
-        out = write_report(study, storage, args.format, args.out)
+        out = write_report(study, storage, args.format, args.out, read=read)
         emit(f"hpo: report of study {study.study_name!r} written to {out}")
         return 0
     if args.command == "best":
-        best = best_of(study, storage)
-        retrained = retrain.recorded_outcome(study.user_attrs)
+        best, retrained, objectives = read("the best trial", lambda: (
+            best_of(study, storage), retrain.recorded_outcome(study.user_attrs),
+            len(study.directions),
+        ))  # fmt: skip
         if args.download is not None:
-            where = study_artifact_store(study, args.artifact_store)
-            emit(download_best(study, best, where, args.download, args.merge)[1])
+            # The download reads the study's attributes too; a retry fetches the model again
+            # (what a failed try fetched is removed: see download_best).
+            emit(read("the best model", lambda: download_best(
+                study, best, study_artifact_store(study, args.artifact_store), args.download,
+                args.merge,
+            ))[1])  # fmt: skip
             return 0
         if args.merge:
             raise HPOError("--merge goes with --download DIR: it writes the merged model there")
         if args.json:  # several objectives: the Pareto front, a list
-            shown: Any = best if len(study.directions) > 1 else best[0]
+            shown: Any = best if objectives > 1 else best[0]
             if retrained is not None:
                 several = isinstance(shown, list)
                 shown = {"pareto_front": shown} if several else shown
@@ -205,9 +237,10 @@ def _look_at(study: Any, storage: Any, args: argparse.Namespace) -> int:
                 emit(retrain_text(retrained))
         return 0
     if args.watch:
-        return _watch(study, storage, args.json, args.interval)
-    summary = report.status(study, storage=storage)
-    store = artifact_summary(study, args)
+        return _watch(study, storage, args.json, args.interval, read)
+    summary, store = read("the status", lambda: (
+        report.status(study, storage=storage), artifact_summary(study, args),
+    ))  # fmt: skip
     if store is not None:
         summary["artifact_store"] = store
     lines = report.status_lines(summary) + ([artifact_line(store)] if store else [])
@@ -341,10 +374,11 @@ def _finish_adapter(
     return f"; the LoRA adapter merged into {base}: {loader_text(task, None)}"
 
 
-def _watch(study: Any, storage: Any, as_json: bool, interval: float) -> int:
+def _watch(study: Any, storage: Any, as_json: bool, interval: float, read: Reader) -> int:
     """`hpo status --watch`: the status again every `interval` seconds (the screen redrawn on a
     terminal, one block per refresh otherwise) until the study has ended at two refreshes in a
-    row; Ctrl-C ends it at once."""
+    row; Ctrl-C ends it at once. A refresh rides out a database that drops out (`read`): the
+    outage is said once, and the watch goes on when the database is back."""
     import datetime as dt
 
     from hpo.reports import status as report
@@ -354,7 +388,7 @@ def _watch(study: Any, storage: Any, as_json: bool, interval: float) -> int:
     stalled_since = None
     first = True
     while ended_polls < 2:
-        summary = report.status(study, storage=storage)
+        summary = read("the status", lambda: report.status(study, storage=storage))
         text = strict_json(summary) if as_json else "\n".join(report.status_lines(summary))
         stamp = dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
         text = text if as_json else f"[{stamp}] {text}"
@@ -400,10 +434,12 @@ def report_path(given: str | None, study_name: str, form: str, flag: str = "--ou
 
 
 def write_report(
-    study: Any, storage: Any, form: str, given: str | None, flag: str = "--out"
-) -> Path:
+    study: Any, storage: Any, form: str, given: str | None, flag: str = "--out",
+    read: Reader = at_once,
+) -> Path:  # fmt: skip
     """The report (`form`: html or md) to `given` (see report_path), written aside, then
-    renamed: never half a file. Returns the file written. `flag`: how messages name `given`."""
+    renamed: never half a file. Returns the file written. `flag`: how messages name `given`;
+    `read`: how the study is read (see Reader)."""
     import tempfile
 
     from hpo.reports import document as study_report
@@ -414,8 +450,8 @@ def write_report(
     if out.is_file() and not study_report.is_report(out):  # a study's database, the data
         raise HPOError(f"{flag} {out}: exists and is not a report hpo wrote; name a new file, "
                        "or move that one away first")  # fmt: skip
-    text = (study_report.markdown(study, storage) if form == "md"
-            else study_report.html_page(study, storage))  # fmt: skip
+    text = read("the report", lambda: study_report.markdown(study, storage) if form == "md"
+                else study_report.html_page(study, storage))  # fmt: skip
     try:
         handle, aside = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
     except OSError as e:

@@ -54,6 +54,11 @@ def _artifact_store_problems(url: str) -> list[tuple[str, Any, str]]:
     return []
 
 
+# The outage window: how long a worker, and a read command (--database-patience), rides out
+# an unreachable study database before it gives up.
+DATABASE_PATIENCE_S = 600.0
+
+
 def _doc(text: str, default: Any = None) -> Any:
     return field(default=default, metadata={"help": text})
 
@@ -256,7 +261,7 @@ class StudyConfig:
     database_patience: float = _doc(
         "Seconds a worker rides out an unreachable study database (retrying with backoff) "
         "before it gives up.",
-        600.0,
+        DATABASE_PATIENCE_S,
     )
     database_connections: Literal["pooled", "on_demand"] = _doc(
         "PostgreSQL only. pooled: each worker keeps at most 2 connections open (fastest; up to "

@@ -205,7 +205,10 @@ def test_debug_shows_hpo_s_debug_lines_but_not_the_libraries_own() -> None:
 
 def test_run_without_config_says_it_uses_the_demo(tmp_path: Path) -> None:
     # Issue 42: from a user's own folder, `hpo run --study x` trained the demo's data silently.
-    result = run_hpo("run", "--study", "x", "--storage", "sqlite:////proc/hpo.db", cwd=tmp_path)
-    assert result.returncode == 2, result.stderr[-2000:]
+    # Said once the input is known good (bad input stays one line): a run out of time at once.
+    result = run_hpo("run", "--study", "x", "--timeout", "0.1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
     assert "no --config given: using the demo config" in result.stderr
     assert "pass --config FILE" in result.stderr
+    bad = run_hpo("run", "--study", "x", "--storage", "sqlite:////proc/hpo.db", cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr[-2000:]

@@ -88,10 +88,13 @@ def _mlflow_http_settings() -> Iterator[None]:
 
 
 def _study_args(
-    tmp_path: Path, data: tuple[Path, Path], tracking: dict, name: str, **sections: dict
-) -> list[str]:
+    tmp_path: Path, data: tuple[Path, Path], tracking: dict, name: str,
+    metrics: str | None = None, **sections: dict,
+) -> list[str]:  # fmt: skip
     raw = tiny_config(*data, **{"training": {"epochs": 1, "evals_per_epoch": 2}, **sections})
     raw["tracking"] = tracking
+    if metrics is not None:
+        raw["metrics"] = metrics
     config = write_config(tmp_path / "study.yaml", raw)
     storage = f"sqlite:///{tmp_path / 'studies.db'}"
     return ["run", "--study", name, "--config", str(config), "--storage", storage]
@@ -113,32 +116,40 @@ def _wait_for_runs(client: Any, experiment: str, filter_string: str, what: str,
     pytest.fail(f"no {what} in MLflow")
 
 
-def _kill_mid_trial(worker: Any, client: Any, experiment: str, storage: str) -> int:
-    """SIGKILL `worker` in the middle of a trial whose first evaluation is in MLflow; returns
-    the trial's number. Seen once in the middle, the worker is frozen (SIGSTOP) and looked at
-    again: on a slow machine it had finished that trial, and started the next, by the time the
-    MLflow search answered (2026-11-26), so the trial it lost was not the one the test meant."""
+# A metrics function that holds the worker in its trial 0's second evaluation (the first is
+# in MLflow by then): the test kills it there, where before it froze the worker at a guess and
+# looked, and a slow machine's worker could finish its trials first (a CI failure).
+HOLDING_METRICS = """
+import os, pathlib, time
+
+calls = 0
+
+
+def metrics(logits, labels):
+    global calls
+    calls += 1
+    held = os.environ.get("HPO_TEST_HELD_FILE")
+    if held and calls == 2:
+        pathlib.Path(held).write_text("held")
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:  # until the test kills this worker
+            time.sleep(0.05)
+    return {"evaluations_seen": float(calls)}
+"""
+
+
+def _kill_when_held(worker: Any, held: Path, client: Any, experiment: str) -> int:
+    """SIGKILL `worker` once it is held in trial 0's second evaluation and trial 0's first
+    evaluation is in MLflow; returns 0, the trial lost."""
     deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and worker.poll() is None:
-        _wait_for_runs(client, experiment, "metrics.accuracy >= 0", "first evaluation",
-                       alive=lambda: worker.poll() is None)  # fmt: skip
-        worker.send_signal(signal.SIGSTOP)
-        time.sleep(0.3)  # what it sent before it stopped reaches the server
-        with contextlib.suppress(Exception):  # its database or MLflow caught mid-write: again
-            study = optuna.load_study(study_name="shared", storage=storage)
-            running = [t.number for t in study.get_trials(states=[optuna.trial.TrialState.RUNNING])
-                       if t.intermediate_values]  # fmt: skip
-            found = client.get_experiment_by_name(experiment)
-            logged = running and client.search_runs(
-                [found.experiment_id],
-                f"tags.`hpo.first_attempt` = '{running[0]}' and metrics.accuracy >= 0",
-            )
-            if logged:
-                worker.send_signal(signal.SIGKILL)
-                return running[0]
-        worker.send_signal(signal.SIGCONT)
-        time.sleep(0.2)
-    pytest.fail("the first worker ended before a trial of it could be killed mid-way")
+    while not held.exists():
+        if worker.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"the first worker was never held in its trial: {worker.poll()}")
+        time.sleep(0.05)
+    _wait_for_runs(client, experiment, "tags.`hpo.first_attempt` = '0' and metrics.accuracy >= 0",
+                   "first evaluation of trial 0", alive=lambda: worker.poll() is None)  # fmt: skip
+    worker.send_signal(signal.SIGKILL)
+    return 0
 
 
 def test_two_workers_log_one_study_a_lost_trial_goes_on_in_its_run_and_retrain_registers(
@@ -157,12 +168,14 @@ def test_two_workers_log_one_study_a_lost_trial_goes_on_in_its_run_and_retrain_r
                      "checkpoint_interval": 0, "trial_isolation": "none"}  # fmt: skip
     training = {"epochs": 2, "evals_per_epoch": 2}
     tracking = {"mlflow": {"uri": mlflow_server}}
+    (tmp_path / "holding_metrics.py").write_text(HOLDING_METRICS, encoding="utf-8")
     args = _study_args(tmp_path, easy_data, tracking, "shared", study=study_section,
-                       training=training)  # fmt: skip
+                       training=training, metrics="holding_metrics:metrics")  # fmt: skip
     client = mlflow.MlflowClient(mlflow_server)
-    doomed = start_hpo(*args, "--quiet", cwd=tmp_path)
+    held = tmp_path / "held"
+    doomed = start_hpo(*args, "--quiet", cwd=tmp_path, env={"HPO_TEST_HELD_FILE": str(held)})
     try:
-        killed_in = _kill_mid_trial(doomed, client, "hpo-shared", args[-1])
+        killed_in = _kill_when_held(doomed, held, client, "hpo-shared")
     finally:
         doomed.send_signal(signal.SIGKILL)
         doomed.wait(30)

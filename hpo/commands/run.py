@@ -191,11 +191,6 @@ def check_inputs(
     config_path = args.config if args.config is not None else DEMO_CONFIG
     if args.config is None and not DEMO_CONFIG.is_file():
         raise HPOError("no --config given and the demo config is not installed; pass --config FILE")
-    if args.config is None:
-        # A user in their own folder who forgot --config would otherwise train the demo's data
-        # into their ./hpo.db without a word.
-        log.warning("no --config given: using the demo config %s (synthetic review sentiment); "
-                    "pass --config FILE to train on your own data", DEMO_CONFIG)  # fmt: skip
     config = config_from(config_path)
     _apply_overrides(config, args)
     tracking.resolve(config, getattr(args, "tracking", None), option(args, "tracking"))
@@ -215,6 +210,11 @@ def check_inputs(
     _check_stores(storage_url, artifacts)
     if before_data is not None:
         before_data(config, storage_url)
+    if args.config is None:  # said once the input is known good: bad input stays one line
+        # A user in their own folder who forgot --config would otherwise train the demo's data
+        # into their ./hpo.db without a word.
+        log.warning("no --config given: using the demo config %s (synthetic review sentiment); "
+                    "pass --config FILE to train on your own data", DEMO_CONFIG)  # fmt: skip
     # Only now the heavy imports: a config or URL error is reported in well under a second.
     from hpo.trial.worker_copy import use_nvml_for_cuda_checks
     from trainer.device import resolve_device

@@ -705,6 +705,20 @@ class ArtifactStore:
             return None
         return _parsed_manifest(raw, f"{self.url}/{key}", study, folder, kind)
 
+    def intact(self, study: str, folder: str, kind: str) -> bool:
+        """Whether the trial's `kind` is in the store whole, without downloading it: a manifest
+        hpo trusts, naming at least one file, and every object it names listed at its size.
+        Raises ArtifactStoreError when the store fails (not knowing is not "absent")."""
+        try:
+            manifest = self.manifest(study, folder, kind)
+        except UntrustedArtifact:
+            return False
+        if manifest is None or not manifest.files:
+            return False
+        version = f"{_prefix(study, folder)}/{kind}/{manifest.version}/"
+        listed = dict(self.backend.list(version))
+        return all(listed.get(entry.key) == entry.size for entry in manifest.files)
+
     def fetch(self, study: str, folder: str, kind: str, into: Path) -> Manifest | None:
         """Download the artifact into the new folder `into`, every file checked against the
         manifest's size and sha256; None (and no folder) when there is none."""

@@ -708,15 +708,16 @@ class ArtifactStore:
     def intact(self, study: str, folder: str, kind: str) -> bool:
         """Whether the trial's `kind` is in the store whole, without downloading it: a manifest
         hpo trusts, naming at least one file, and every object it names listed at its size.
-        Raises ArtifactStoreError when the store fails (not knowing is not "absent")."""
+        What hpo will not trust (a forged manifest, a link in a file store) is not whole. Raises
+        ArtifactStoreError when the store fails (not knowing is not "absent")."""
         try:
             manifest = self.manifest(study, folder, kind)
+            if manifest is None or not manifest.files:
+                return False
+            version = f"{_prefix(study, folder)}/{kind}/{manifest.version}/"
+            listed = dict(self.backend.list(version))
         except UntrustedArtifact:
             return False
-        if manifest is None or not manifest.files:
-            return False
-        version = f"{_prefix(study, folder)}/{kind}/{manifest.version}/"
-        listed = dict(self.backend.list(version))
         return all(listed.get(entry.key) == entry.size for entry in manifest.files)
 
     def fetch(self, study: str, folder: str, kind: str, into: Path) -> Manifest | None:

@@ -44,10 +44,10 @@ def _worker(storage: StudyStorage, name: str) -> StudyTrials:
 def _killed_an_hour_in(storage: StudyStorage, trial: optuna.Trial, ran_s: int) -> None:
     """As if the trial started an hour ago and its worker was killed `ran_s` seconds in: its
     last heartbeat then, and nothing since (the database's clock)."""
-    started = trial.datetime_start - dt.timedelta(hours=1)
     with storage.engine.begin() as conn:
-        conn.execute(sa.text("UPDATE trials SET datetime_start = :at WHERE number = :n"),
-                     {"at": started, "n": trial.number})  # fmt: skip
+        conn.execute(sa.text("UPDATE trials SET datetime_start = "
+                             "datetime(datetime_start, '-3600 seconds') WHERE number = :n"),
+                     {"n": trial.number})  # fmt: skip
         silent_s = int(HOUR_S) - ran_s
         conn.execute(heartbeats.update().values(
             beat_at=sa.text(f"datetime('now', '-{silent_s} seconds')")))  # fmt: skip

@@ -125,8 +125,9 @@ def test_a_worker_keeps_the_tied_model_through_its_own_cleanup(tmp_path: Path) -
     shutil.rmtree(root / "trial-0")
     trials = StudyTrials(study, storage, "w:1", budget=5, liveness=(1, 2, 2))
     assert trials.next_trial(root) is not None
-    assert trials.remove_stale_checkpoints(root) == [root / "trial-2"]
+    assert sorted(p.name for p in root.glob("trial-*")) == ["trial-1"]
     assert holds_model(root / "trial-1")
+    assert trials.remove_stale_checkpoints(root) == []  # and it stays
     storage.engine.dispose()
 
 
@@ -160,6 +161,10 @@ def test_a_model_in_the_store_is_whole_only_with_every_object_its_manifest_names
     assert not store.intact(study, "trial-1", "best-model")
     (tmp_path / "store" / study / "trial-2" / "best-model.manifest.json").write_text("{")
     assert not store.intact(study, "trial-2", "best-model")  # a manifest hpo will not trust
+    version = _objects(tmp_path, study, "trial-3")[0].parent
+    version.rename(tmp_path / "elsewhere")
+    version.symlink_to(tmp_path / "elsewhere")  # the same objects, through a link
+    assert not store.intact(study, "trial-3", "best-model")
 
 
 @pytest.mark.parametrize("how", ["manifest removed", "object removed"])

@@ -705,6 +705,21 @@ class ArtifactStore:
             return None
         return _parsed_manifest(raw, f"{self.url}/{key}", study, folder, kind)
 
+    def intact(self, study: str, folder: str, kind: str) -> bool:
+        """Whether the trial's `kind` is in the store whole, without downloading it: a manifest
+        hpo trusts, naming at least one file, and every object it names listed at its size.
+        What hpo will not trust (a forged manifest, a link in a file store) is not whole. Raises
+        ArtifactStoreError when the store fails (not knowing is not "absent")."""
+        try:
+            manifest = self.manifest(study, folder, kind)
+            if manifest is None or not manifest.files:
+                return False
+            version = f"{_prefix(study, folder)}/{kind}/{manifest.version}/"
+            listed = dict(self.backend.list(version))
+        except UntrustedArtifact:
+            return False
+        return all(listed.get(entry.key) == entry.size for entry in manifest.files)
+
     def fetch(self, study: str, folder: str, kind: str, into: Path) -> Manifest | None:
         """Download the artifact into the new folder `into`, every file checked against the
         manifest's size and sha256; None (and no folder) when there is none."""

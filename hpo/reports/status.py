@@ -145,8 +145,9 @@ def status(
     hpo's, to ask the database.
 
     Device-hours: every trial's time, however it ended (the time its worker recorded, else
-    from its start to its end) and running ones' so far. Trials/hour: trials that completed or
-    were pruned, from the first one's start to the last one's end; None before one has."""
+    from its start to its end) and running ones' up to their last heartbeat. Trials/hour:
+    trials that completed or were pruned, from the first one's start to the last one's end;
+    None before one has."""
     # Optuna stores naive UTC but hands trials' times back as naive local time: so is `now`.
     now = now or dt.datetime.now()
     db = database_of(study, storage)
@@ -189,7 +190,7 @@ def _status_from_database(study: optuna.Study, db: Database, now: dt.datetime) -
     device_s = (
         study_queries.user_attr_sum(engine, study_id, WALL_S, FINISHED)
         + sum(study_queries.spans_without(engine, study_id, WALL_S))
-        + sum(_device_s(t, now) for t in running)
+        + sum(_device_s(t, now, silent.get(t.number)) for t in running)
     )
     lost, latest, reason = study_queries.latest_user_attr(engine, study_id, CHECKPOINT_ERROR)
     return {
@@ -337,7 +338,7 @@ def figures_line(report: dict[str, Any]) -> str:
     """Device-hours, saying what they count, trials/hour once it means something, and the
     budget."""
     text = f"device-hours {report['device_hours']:.3f} (every trial, however it ended; running "
-    text += "ones so far)"
+    text += "ones up to their last heartbeat)"
     if report["trials_per_hour"] is not None:
         text += f", {report['trials_per_hour']:.1f} trials/hour (completed or pruned)"
     if report.get("budget"):
@@ -380,12 +381,19 @@ def _seconds(value: object) -> float:
     return float(value) if number else 0.0  # type: ignore[arg-type]
 
 
-def _device_s(trial: FrozenTrial, now: dt.datetime) -> float:
-    """A trial's time: a running one's so far; a finished one's as it recorded it (wall_s),
-    else from its start to its end (its worker was killed, or it stopped before training)."""
+def _device_s(trial: FrozenTrial, now: dt.datetime, silent_s: float | None = None) -> float:
+    """A trial's time: a running one's up to its last heartbeat (`silent_s` ago; without a
+    heartbeat row, up to now); a finished one's as it recorded it (wall_s), else from its
+    start to its end (its worker was killed, or it stopped before training).
+
+    A worker killed outright (a second Ctrl-C, kill -9) leaves its trial RUNNING until another
+    worker sweeps it: what it ran is what its heartbeats vouch for, not its age, which grows
+    for as long as no worker comes. The sweep records the same figure as the trial's wall_s."""
     start, end = trial.datetime_start, trial.datetime_complete
     if trial.state == TrialState.RUNNING:
-        return max(0.0, (now - start).total_seconds()) if start else 0.0
+        if start is None:
+            return 0.0
+        return max(0.0, (now - start).total_seconds() - (silent_s or 0.0))
     if not trial.state.is_finished():
         return 0.0
     if WALL_S in trial.user_attrs:

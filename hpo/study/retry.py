@@ -12,8 +12,10 @@ from optuna.trial import FrozenTrial, TrialState
 
 log = logging.getLogger(__name__)
 
-# Attributes that describe how one attempt ended; a retry starts without them.
-_ATTEMPT_ATTRS = ("fail_reason", "prune_reason", "interrupted", "worker", "gpu", "status")
+# Attributes that describe how one attempt ended; a retry starts without them. Its time
+# (wall_s) too: a retry stopped before recording its own would count its attempt's in
+# device-hours.
+_ATTEMPT_ATTRS = ("fail_reason", "prune_reason", "interrupted", "worker", "gpu", "status", "wall_s")
 
 
 def retry_trial(study: optuna.Study, trial: FrozenTrial, max_retries: int) -> int | None:

@@ -21,6 +21,7 @@ from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
 from hpo import tracking
+from hpo.reports.text import best_values_text
 from hpo.study.join import model_loader, trial_adapter
 from hpo.study.names import quoted_study_name
 from hpo.study.setup_record import setup_changes
@@ -126,15 +127,25 @@ def _best_from_database(study: optuna.Study, db: Database) -> list[FrozenTrial]:
 
 def _trial_summary(study: optuna.Study, trial: FrozenTrial) -> dict[str, Any]:
     summary: dict[str, Any] = {"study": study.study_name, "number": trial.number}
+    names = metric_names(study)
     if len(study.directions) == 1:
         summary["value"] = trial.value
+        summary["metric"] = names[0] if names else None
     else:
         summary["values"] = trial.values
+        summary["metrics"] = names
     missing = checkpoints.missing_model(trial.number, trial.user_attrs)
     return {**summary, "params": trial.params, "user_attrs": trial.user_attrs,
             "model_loader": model_loader(study.user_attrs, trial.user_attrs),
             "adapter": trial_adapter(study.user_attrs, trial.user_attrs),
             "model_missing": missing}  # fmt: skip
+
+
+def metric_names(study: optuna.Study) -> list[str] | None:
+    """The names of the study's metrics (hpo names them: `accuracy`), one per objective; None
+    for a study plain Optuna made without names."""
+    names = study.metric_names
+    return list(names) if names and len(names) == len(study.directions) else None
 
 
 def status(
@@ -286,10 +297,9 @@ def status_lines(report: dict[str, Any]) -> list[str]:
         lines.append(line)
     best = report["best"]
     if best is not None:
-        lines.append(f"best #{best['number']}: {best['value']:.4f} {best['params']}")
+        lines.append(f"best #{best['number']}: {best_values_text(best)}")
     for trial in report["pareto_front"] or []:
-        values = ", ".join(f"{v:.4f}" for v in trial["values"])
-        lines.append(f"Pareto front #{trial['number']}: {values} {trial['params']}")
+        lines.append(f"Pareto front #{trial['number']}: {best_values_text(trial)}")
     lines.append(figures_line(report))
     if waiting_for_budget(report):
         lines.append(f"  {budget_advice(report)}")

@@ -403,3 +403,34 @@ def test_a_pareto_front_trial_names_each_metric() -> None:
     })  # fmt: skip
     assert "Pareto front #2: accuracy 0.8734, samples_per_s 412.3 (learning_rate=0.0001)" in lines
 
+
+def test_ended_for_good_needs_the_budget_spent_by_counted_trials() -> None:
+    def summary(budget: int | None, counted: int, **states: int) -> dict:
+        return {"trials": states, "budget": budget, "counted": counted}
+
+    assert report.ended_for_good(summary(2, 2, complete=2))
+    assert report.ended_for_good(summary(2, 2, complete=1, pruned=1))
+    # No budget: nothing running may be a worker between two trials.
+    assert report.ended(summary(None, 2, complete=2))
+    assert not report.ended_for_good(summary(None, 2, complete=2))
+    # A failed trial that a retry replaced is not counted: a worker starts another.
+    assert not report.ended_for_good(summary(3, 2, complete=2, fail=1))
+    assert not report.ended_for_good(summary(2, 2, complete=1, running=1))
+
+
+def test_status_watch_on_a_finished_study_says_so_at_the_first_refresh(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], hpo_main: Callable[[list[str]], int]
+) -> None:
+    # Issue 42: it refreshed twice, `--interval` apart, before saying that the study had ended.
+    url = f"sqlite:///{tmp_path / 'done.db'}"
+    study = optuna.create_study(study_name="done", storage=url, direction="maximize")
+    study.set_user_attr("n_trials", 2)
+    for value in (0.5, 0.7):
+        study.tell(study.ask(), value)
+    started = time.monotonic()
+    code = hpo_main(["status", "--study", "done", "--storage", url, "--watch", "--interval", "30"])
+    said = capsys.readouterr()
+    assert code == 0, said.err
+    assert time.monotonic() - started < 20  # no second refresh, 30 s later
+    assert said.out.count("study 'done': 2 complete") == 1, said.out
+    assert "study 'done' has ended" in said.err

@@ -255,8 +255,8 @@ def stalled(report: dict[str, Any]) -> bool:
 
 def ended(report: dict[str, Any]) -> bool:
     """No trial runs, the budget (when the study records one) is spent, and no trial waits
-    but past it. Between two trials of a worker nothing runs for a moment: a watcher asks
-    twice, some time apart."""
+    but past it. Between two trials of a worker nothing runs for a moment: unless the study
+    has ended for good (ended_for_good), a watcher asks twice, some time apart."""
     states = report["trials"]
     if not states or states.get("running"):
         return False
@@ -264,6 +264,15 @@ def ended(report: dict[str, Any]) -> bool:
         return bool(waiting_for_budget(report))
     budget = report.get("budget")
     return budget is None or sum(states.values()) >= budget
+
+
+def ended_for_good(report: dict[str, Any]) -> bool:
+    """Ended, and no worker starts another trial: the budget the study records is spent by
+    the trials it counts (a failed trial that a retry replaces is not counted). Without a
+    budget (a study with only a timeout, or one plain Optuna made), nothing running may be a
+    worker between two trials."""
+    budget = report.get("budget")
+    return ended(report) and budget is not None and report.get("counted", 0) >= budget
 
 
 def waiting_for_budget(report: dict[str, Any]) -> int:

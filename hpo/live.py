@@ -350,6 +350,7 @@ class _TerminalPassage:
 _line: LiveLine | None = None
 _passage: _TerminalPassage | None = None
 _last_draw = 0.0
+_last_metric: Any = None  # the evaluation value the line shows
 
 
 def start(stream: TextIO | None = None) -> LiveLine | None:
@@ -387,13 +388,16 @@ def stop() -> None:
 
 def trial_progress(number: int, progress: dict[str, Any]) -> None:
     """A running trial's progress, from the worker's relay or from the trial itself in the
-    worker; drawn at most 4 times a second."""
-    global _last_draw
+    worker; drawn at most 4 times a second, except that a new evaluation's value is drawn at
+    once (the last evaluation of a trial is often within a quarter second of the loss before
+    it, and would leave the previous evaluation's value on the line)."""
+    global _last_draw, _last_metric
     if _line is None:
         return
     now = time.monotonic()
-    if now - _last_draw >= 0.25:
-        _last_draw = now
+    metric = (number, progress.get("metric"))
+    if now - _last_draw >= 0.25 or metric != _last_metric:
+        _last_draw, _last_metric = now, metric
         _line.update_trial(number, progress)
 
 

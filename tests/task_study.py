@@ -98,7 +98,9 @@ def run_task_study(
     assert study.best_trial.number == 1
     assert pruned.params["learning_rate"] == HOPELESS_LR
     assert sorted(pruned.intermediate_values) == list(range(1, JUDGED_AT + 1))
-    assert pruned.user_attrs["prune_reason"].startswith(f"pruner: {metric}=")
+    reason = pruned.user_attrs["prune_reason"]
+    assert reason.startswith("median pruner: ") and f"evaluation {JUDGED_AT}'s {metric} " in reason
+    assert "the median" in reason and "of 1 complete trial at that evaluation" in reason, reason
     return StudyRun(study, stopped, resumed, pruned, finishing.out, downloaded.out, model_dir)
 
 

@@ -212,7 +212,7 @@ def test_status_watch_refreshes_until_the_running_trial_ends(
     finally:
         watcher.kill()
     assert watcher.returncode == 0, err
-    assert "2 complete" in out and "best #1: 0.7000" in out and "budget 2 trials" in out
+    assert "2 complete" in out and "best #1: 0.7\n" in out and "budget 2 trials" in out
     assert "study 'w' has ended" in err and "Traceback" not in err
     bad = ["status", "--study", "w", "--storage", url, "--watch", "--interval", "0"]
     assert exit_code(hpo_main, bad) == 2  # refused by hpo's main in this process
@@ -331,3 +331,106 @@ def test_json_output_is_strict_json_with_infinite_values(
         assert "inf" in json.dumps(shown)
     assert main(["best", "--study", "inf", "--storage", url, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["value"] == "inf"  # float("inf") reads it back
+
+
+def test_numbers_are_shown_with_four_significant_digits() -> None:
+    from hpo.numbers import metric_text, number_text, params_text
+
+    assert number_text(0.873412345678901) == "0.8734"
+    assert number_text(3.2e-05) == "3.2e-05" and number_text(0.1) == "0.1"
+    assert number_text(32) == "32" and number_text("linear") == "linear"
+    assert metric_text("accuracy", 0.873412345678901) == "accuracy 0.8734"
+    assert metric_text(None, 0.5) == "0.5"  # a study plain Optuna made names no metric
+    params = {"learning_rate": 3.2041234567890125e-05, "effective_batch_size": 32,
+              "scheduler": "cosine"}  # fmt: skip
+    assert params_text(params) == (
+        "learning_rate=3.204e-05, effective_batch_size=32, scheduler=cosine"
+    )
+
+
+def _named_study(url: str) -> None:
+    """A study as hpo makes it: its metric named, a learning rate of 16 digits."""
+    study = optuna.create_study(study_name="named", storage=url, direction="maximize")
+    study.set_metric_names(["accuracy"])
+    space = {"learning_rate": optuna.distributions.FloatDistribution(1e-6, 1e-2, log=True),
+             "effective_batch_size": optuna.distributions.IntDistribution(8, 64)}  # fmt: skip
+    trial = study.ask(space)
+    study.tell(trial, 0.873412345678901)
+
+
+def test_best_and_status_name_the_metric_and_keep_full_digits_in_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], hpo_main: Callable[[list[str]], int]
+) -> None:
+    # Issue 42: `hpo best` printed `0.8734 ({'learning_rate': 3.2041234567890125e-05, ...})`.
+    url = f"sqlite:///{tmp_path / 'named.db'}"
+    _named_study(url)
+    study = optuna.load_study(study_name="named", storage=url)
+    rate = study.best_trial.params["learning_rate"]
+    batch = study.best_trial.params["effective_batch_size"]
+    params = f"(learning_rate={rate:.4g}, effective_batch_size={batch})"
+
+    def out(*args: str) -> str:
+        code = hpo_main([*args, "--storage", url])
+        said = capsys.readouterr()
+        assert code == 0, said.err
+        return said.out
+
+    best = out("best", "--study", "named")
+    assert best.startswith(f"best trial #0 of 'named': accuracy 0.8734 {params}"), best
+    status = out("status", "--study", "named")
+    assert f"best #0: accuracy 0.8734 {params}" in status, status
+    assert repr(rate) not in best + status  # no float's 16 digits
+    shown = json.loads(out("best", "--study", "named", "--json"))
+    assert shown["value"] == 0.873412345678901 and shown["metric"] == "accuracy"
+    assert shown["params"]["learning_rate"] == rate  # every digit for machines
+    shown = json.loads(out("status", "--study", "named", "--json"))
+    assert shown["best"]["value"] == 0.873412345678901 and shown["best"]["metric"] == "accuracy"
+
+
+def test_a_pareto_front_trial_names_each_metric() -> None:
+    from hpo.reports.text import best_text
+
+    front = {"study": "s", "number": 2, "values": [0.8734123, 412.345678],
+             "metrics": ["accuracy", "samples_per_s"], "params": {"learning_rate": 1e-4},
+             "user_attrs": {}}  # fmt: skip
+    assert best_text(front) == (
+        "Pareto-front trial #2 of 's': accuracy 0.8734, samples_per_s 412.3 (learning_rate=0.0001)"
+    )
+    lines = report.status_lines({
+        "study": "s", "trials": {"complete": 3}, "running": [], "best": None,
+        "pareto_front": [front], "device_hours": 0.1, "trials_per_hour": None,
+        "failures": {}, "prunes": {},
+    })  # fmt: skip
+    assert "Pareto front #2: accuracy 0.8734, samples_per_s 412.3 (learning_rate=0.0001)" in lines
+
+
+def test_ended_for_good_needs_the_budget_spent_by_counted_trials() -> None:
+    def summary(budget: int | None, counted: int, **states: int) -> dict:
+        return {"trials": states, "budget": budget, "counted": counted}
+
+    assert report.ended_for_good(summary(2, 2, complete=2))
+    assert report.ended_for_good(summary(2, 2, complete=1, pruned=1))
+    # No budget: nothing running may be a worker between two trials.
+    assert report.ended(summary(None, 2, complete=2))
+    assert not report.ended_for_good(summary(None, 2, complete=2))
+    # A failed trial that a retry replaced is not counted: a worker starts another.
+    assert not report.ended_for_good(summary(3, 2, complete=2, fail=1))
+    assert not report.ended_for_good(summary(2, 2, complete=1, running=1))
+
+
+def test_status_watch_on_a_finished_study_says_so_at_the_first_refresh(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], hpo_main: Callable[[list[str]], int]
+) -> None:
+    # Issue 42: it refreshed twice, `--interval` apart, before saying that the study had ended.
+    url = f"sqlite:///{tmp_path / 'done.db'}"
+    study = optuna.create_study(study_name="done", storage=url, direction="maximize")
+    study.set_user_attr("n_trials", 2)
+    for value in (0.5, 0.7):
+        study.tell(study.ask(), value)
+    started = time.monotonic()
+    code = hpo_main(["status", "--study", "done", "--storage", url, "--watch", "--interval", "30"])
+    said = capsys.readouterr()
+    assert code == 0, said.err
+    assert time.monotonic() - started < 20  # no second refresh, 30 s later
+    assert said.out.count("study 'done': 2 complete") == 1, said.out
+    assert "study 'done' has ended" in said.err

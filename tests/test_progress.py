@@ -335,3 +335,17 @@ def test_hpo_status_watch_on_a_terminal_of_80_columns(tmp_path: Path) -> None:
     assert all(len(row) < 80 for row in rows), "\n".join(rows)
     assert rows[-2:] == ["hpo: study 's' has ended", ""], "\n".join(rows)
     assert re.fullmatch(r"… \d more lines", rows[-3]), "\n".join(rows)  # the rest: no room
+
+
+def test_a_new_evaluation_value_is_drawn_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 42: a trial's last evaluation comes within a quarter second of the loss before
+    it, and the line kept the previous evaluation's value until the trial ended."""
+    line = progress.LiveLine(Terminal(), width=200)
+    monkeypatch.setattr(progress, "_line", line)
+    monkeypatch.setattr(progress, "_last_draw", 0.0)
+    monkeypatch.setattr(progress, "_last_metric", None)
+    progress.trial_progress(2, {"step": 9, "loss": 0.6, "metric": ("accuracy", 0.5)})
+    progress.trial_progress(2, {"step": 10, "loss": 0.5, "metric": ("accuracy", 0.5)})
+    assert "step 9 " in line.text()  # a loss alone: still at most 4 draws a second
+    progress.trial_progress(2, {"step": 10, "loss": 0.5, "metric": ("accuracy", 0.8123)})
+    assert line.text() == "trial #2 · step 10 · loss 0.500 · accuracy 0.8123"

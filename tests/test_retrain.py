@@ -466,3 +466,46 @@ def test_retrain_runs_on_the_workers_of_several_gpus(
     full = optuna.load_study(study_name=plan.full_data_study_name, storage=url)
     assert [t.state for t in full.get_trials()] == [TrialState.COMPLETE]  # the workers ran it
     assert (tmp_path / f"hpo-final-{study_folder_name('s')}" / retrain.CARD_JSON).is_file()
+
+
+def test_without_config_the_demo_config_is_checked_against_the_study() -> None:
+    from hpo.config.loader import DEMO_CONFIG, load_config
+    from hpo.study.setup_record import SETUP_ATTR, setup_record
+
+    demo = load_config(DEMO_CONFIG)
+    ran_with_demo = {
+        "search_space": space_record(demo.search_space),
+        SETUP_ATTR: setup_record(demo),
+    }
+    retrain.check_demo_config(ran_with_demo, demo, "demo")  # the demo's own study: no refusal
+    mine = {"sha256": "0" * 64, "path": "/data/mine.csv"}
+    other_data = {**ran_with_demo[SETUP_ATTR], "data.train_file": mine}
+    with pytest.raises(HPOError, match=r"^no --config given, and the demo config is not the one "
+                       r"study 'mine' ran with \(its data.train_file differs\); pass the study's "
+                       r"config: hpo retrain --study mine --config FILE$"):  # fmt: skip
+        retrain.check_demo_config({**ran_with_demo, SETUP_ATTR: other_data}, demo, "mine")
+    with pytest.raises(HPOError, match=r"\(its search_space differs\)"):
+        retrain.check_demo_config({"search_space": space_record(SPACE)}, demo, "mine")
+
+
+def test_retrain_without_config_of_another_study_is_refused_before_the_data(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
+) -> None:
+    # Issue 42: it prepared the demo's data, then refused; now one line at once.
+    monkeypatch.chdir(tmp_path)
+    url = f"sqlite:///{tmp_path / 'mine.db'}"
+    study = optuna.create_study(study_name="mine", storage=url, direction="maximize")
+    study.set_user_attr("search_space", space_record(SPACE))  # the user's own config's
+    out = str(tmp_path / "final")
+    code = hpo_main(["retrain", "--study", "mine", "--storage", url, "--out", out])
+    said = capsys.readouterr()
+    assert code == 2, said.err
+    assert said.err.splitlines() == [
+        "hpo: error: no --config given, and the demo config is not the one study 'mine' ran "
+        "with (its search_space differs); pass the study's config: hpo retrain --study mine "
+        "--config FILE"
+    ]
+    assert not (tmp_path / "final").exists()

@@ -236,3 +236,74 @@ def test_the_default_pruner_is_the_benchmarks_choice(easy_data: tuple[Path, Path
     assert isinstance(built, MarginPruner) and (built.margin, built.n_warmup_steps) == (0.02, 2)
     raw["study"]["pruner"] = {"type": "successive_halving"}
     assert parse_config(raw, Path.cwd()).study.pruner.type == "successive_halving"
+
+
+def _explained_study(cfg: dict[str, Any], direction: str = "maximize") -> optuna.Study:
+    """A study whose pruner says why, as a worker builds it, with five complete trials that
+    reported 0.7 to 0.9 at evaluation 2."""
+    from hpo.config.schema import PrunerConfig
+    from hpo.study.pruners import ExplainedPruner
+
+    pruner_cfg = PrunerConfig(**cfg)
+    pruner = ExplainedPruner(build_pruner(pruner_cfg), pruner_cfg, "accuracy", "evaluation")
+    study = optuna.create_study(direction=direction, pruner=pruner)
+    for value in (0.7, 0.75, 0.78, 0.85, 0.9):
+        trial = study.ask()
+        for step, reported in enumerate((value - 0.1, value), 1):
+            trial.report(reported, step)
+            trial.should_prune()  # successive halving records its rungs here
+        study.tell(trial, value)
+    return study
+
+
+@pytest.mark.parametrize("margin", [0.0, 0.02])
+def test_a_pruned_trial_says_which_pruner_and_what_it_was_compared_with(margin: float) -> None:
+    # Issue 42: the reason read just "pruner".
+    study = _explained_study({"type": "median", "n_warmup_steps": 2, "margin": margin})
+    pruner = study.pruner
+    weak = study.ask()
+    weak.report(0.45, 1)
+    weak.report(0.51, 2)
+    assert weak.should_prune()
+    reason = pruner.reason(weak.number)
+    by_margin = " by more than the margin 0.02" if margin else ""
+    assert reason == (
+        "median pruner: evaluation 2's accuracy 0.51 below the median 0.78 of 5 complete "
+        f"trials at that evaluation{by_margin}"
+    )
+    assert pruner.reason(weak.number) is None  # handed over once
+    strong = study.ask()
+    strong.report(0.8, 1)
+    strong.report(0.79, 2)
+    assert not strong.should_prune() and pruner.reason(strong.number) is None
+
+
+def test_a_prune_reason_names_the_best_so_far_the_percentile_and_patience() -> None:
+    study = _explained_study({"type": "percentile", "percentile": 25.0, "n_warmup_steps": 2,
+                              "margin": 0.0, "patience": 0})  # fmt: skip
+    weak = study.ask()
+    weak.report(0.55, 1)
+    weak.report(0.5, 2)
+    assert weak.should_prune()
+    assert study.pruner.reason(weak.number) == (
+        "percentile pruner: best so far 0.55 (evaluation 2's accuracy 0.5) below the top-25% "
+        "mark 0.85 of 5 complete trials at that evaluation; and its accuracy no better than "
+        "0.55, its best before it"
+    )
+    halving = _explained_study({"type": "successive_halving", "min_resource": 1})
+    weak = halving.ask()
+    weak.report(0.1, 1)
+    assert weak.should_prune()
+    assert halving.pruner.reason(weak.number) == (
+        "successive halving pruner: evaluation 1's accuracy 0.1 not in the best 1/3 of the "
+        "trials that reached evaluation 1"
+    )
+
+
+def test_a_minimised_metric_is_pruned_above_the_median() -> None:
+    study = _explained_study({"type": "median", "n_warmup_steps": 1, "margin": 0.0}, "minimize")
+    weak = study.ask()
+    weak.report(0.95, 1)
+    assert weak.should_prune()
+    reason = study.pruner.reason(weak.number)
+    assert reason is not None and "0.95 above the median 0.68 of 5 complete" in reason

@@ -306,3 +306,19 @@ def test_a_loader_worker_is_forked_deaf_to_stop_signals_until_it_ignores_them() 
     assert parent.poll(30) and parent.recv() == (True, False, True)
     process.join(30)
     assert process.exitcode == 0
+
+
+def test_the_progress_after_an_evaluation_carries_its_value(
+    prepared: tuple[TrainJob, PreparedData],
+) -> None:
+    """Issue 42: the progress at an evaluation step went out before the evaluation, so the
+    live line showed the previous evaluation's value at a trial's end."""
+    job, data = prepared
+    sent: list[dict[str, Any]] = []
+    result = train(job, data, on_progress=sent.append)
+    assert len(result.evaluations) == 4
+    for evaluation in result.evaluations:  # at its step, the progress shows its value
+        at_step = [p["metric"] for p in sent if p["step"] == evaluation.optimizer_step]
+        assert at_step == [("accuracy", evaluation.metrics["accuracy"])], at_step
+    assert sent[-1]["metric"] == ("accuracy", result.evaluations[-1].metrics["accuracy"])
+    assert all(p["samples_per_s"] is None or p["samples_per_s"] > 0 for p in sent)

@@ -244,7 +244,8 @@ class Trainer:
                 self._train_step(run, indices, micro_batches)
                 at_evaluation = self.is_evaluation_step(run.step)
                 if run.step % self.cfg.log_every_steps == 0 or at_evaluation:
-                    self._check_loss(run)
+                    # At an evaluation, the progress goes out after it, with its value.
+                    self._check_loss(run, send_progress=not at_evaluation)
                 if at_evaluation and run.status == "completed":
                     self._evaluate(run, on_evaluation, checkpoints)
                 elif should_stop is not None and should_stop() and run.step < self.total_steps:
@@ -381,7 +382,7 @@ class Trainer:
 
     # -- losses, evaluations and the result ----------------------------------------------------
 
-    def _check_loss(self, run: Progress) -> None:
+    def _check_loss(self, run: Progress, send_progress: bool = True) -> None:
         value = run.meter.read()  # the one host sync of a logging interval
         if value is None:
             return
@@ -389,12 +390,16 @@ class Trainer:
             run.stop("diverged", f"non-finite training loss ({value}) at step {run.step}")
             return
         log.debug("step %d/%d loss %.4f", run.step, self.total_steps, value)
-        if self.on_progress is not None:
+        if send_progress and self.on_progress is not None:
             self.on_progress(self._progress(run, value))
 
-    def _progress(self, run: Progress, loss: float) -> dict[str, Any]:
-        # No device sync: reading the loss just now did it.
-        trained_s = run.train_s + time.perf_counter() - run.segment_start
+    def _progress(
+        self, run: Progress, loss: float | None, trained_s: float | None = None
+    ) -> dict[str, Any]:
+        """`trained_s`: the seconds trained so far, when not the time since the current
+        stretch of training began (an evaluation has just counted them)."""
+        if trained_s is None:  # no device sync: reading the loss just now did it
+            trained_s = run.train_s + time.perf_counter() - run.segment_start
         rate = run.samples / trained_s if trained_s > 0 and run.samples else None
         left_samples = (self.total_steps - run.step) * self.cfg.effective_batch_size
         last = run.evaluations[-1].metrics.get(self.metric) if run.evaluations else None
@@ -427,6 +432,8 @@ class Trainer:
             train_loss=run.meter.history[-1] if run.meter.history else None,
         )
         run.evaluations.append(evaluation)
+        if self.on_progress is not None:  # the progress shows this evaluation's value at once
+            self.on_progress(self._progress(run, evaluation.train_loss, trained_s=run.train_s))
         self._decide_after(run, evaluation, on_evaluation)
         if checkpoints is not None:
             if run.best is evaluation:  # kept in host memory until a checkpoint or the end

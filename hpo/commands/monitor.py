@@ -376,9 +376,10 @@ def _finish_adapter(
 
 def _watch(study: Any, storage: Any, as_json: bool, interval: float, read: Reader) -> int:
     """`hpo status --watch`: the status again every `interval` seconds (the screen redrawn on a
-    terminal, one block per refresh otherwise) until the study has ended at two refreshes in a
-    row; Ctrl-C ends it at once. A refresh rides out a database that drops out (`read`): the
-    outage is said once, and the watch goes on when the database is back."""
+    terminal, one block per refresh otherwise) until the study has ended: at once when its
+    budget is spent, else (nothing runs, but a worker may be between two trials) at two
+    refreshes in a row; Ctrl-C ends it at once. A refresh rides out a database that drops out
+    (`read`): the outage is said once, and the watch goes on when the database is back."""
     import datetime as dt
 
     from hpo.reports import status as report
@@ -387,7 +388,7 @@ def _watch(study: Any, storage: Any, as_json: bool, interval: float, read: Reade
     ended_polls = 0
     stalled_since = None
     first = True
-    while ended_polls < 2:
+    while True:
         summary = read("the status", lambda: report.status(study, storage=storage))
         text = strict_json(summary) if as_json else "\n".join(report.status_lines(summary))
         stamp = dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
@@ -399,6 +400,8 @@ def _watch(study: Any, storage: Any, as_json: bool, interval: float, read: Reade
             emit(text)
         first = False
         ended_polls = ended_polls + 1 if report.ended(summary) else 0
+        if report.ended_for_good(summary) or ended_polls >= 2:
+            break
         stalled_since = (stalled_since or time.monotonic()) if report.stalled(summary) else None
         # No live worker for longer than a worker takes between two trials: nothing will move.
         patience = max(3 * interval, summary.get("grace_period_s") or 60)
@@ -406,8 +409,7 @@ def _watch(study: Any, storage: Any, as_json: bool, interval: float, read: Reade
             print(f"hpo: study {study.study_name!r} has stopped moving: no trial runs with a live "
                   "worker; start a worker (hpo run) to go on", file=sys.stderr)  # fmt: skip
             return 1
-        if ended_polls < 2:
-            time.sleep(interval)
+        time.sleep(interval)
     spent = f": {report.budget_advice(summary)}" if report.waiting_for_budget(summary) else ""
     print(f"hpo: study {study.study_name!r} has ended{spent}", file=sys.stderr)
     return 0

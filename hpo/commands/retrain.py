@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import shlex
 import shutil
 import sys
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpo.config.loader import DEMO_CONFIG
 from hpo.config.schema import Config
 from hpo.errors import HPOError
 from hpo.stopping import Interrupted, StopRequest
@@ -26,6 +28,8 @@ from hpo.commands.run import (
     stopped_before_first_trial,
     work_on_study,
 )
+
+log = logging.getLogger("hpo")
 
 
 def retrain_command(args: argparse.Namespace) -> int:
@@ -55,18 +59,22 @@ def retrain_command(args: argparse.Namespace) -> int:
             storage_url, config.study.database_patience, must_exist=True, on_demand=on_demand
         )
         try:
-            storage.get_study_id_from_name(args.study)
+            study_id = storage.get_study_id_from_name(args.study)
         except KeyError as e:
             raise HPOError(
                 f"no study {args.study!r} in {storage_url.masked}; see `hpo studies`"
             ) from e
+        if args.config is None:  # the demo's config: refused at once unless the study ran with it
+            retrain.check_demo_config(storage.get_study_user_attrs(study_id), config, args.study)
+            log.warning("no --config given: using the demo config %s, which study %r ran with",
+                        DEMO_CONFIG, args.study)  # fmt: skip
         # Its pool closed again: the worker may copy itself next (hpo.trial.worker_copy), and
         # the copy and its trial processes would hold a connection of the worker's open.
         storage.engine.dispose()
         opened.append(storage)
 
     with contextlib.suppress(Interrupted):
-        inputs = check_inputs(args, before_data=open_source)
+        inputs = check_inputs(args, before_data=open_source, say_demo=False)
     stop.interrupt_at_once = False  # a signal is only noted now; the loop stops the trial
     if inputs is None or stop.requested:
         return stopped_before_first_trial(stop)

@@ -175,7 +175,9 @@ def work_and_count(
 
 
 def check_inputs(
-    args: argparse.Namespace, before_data: Callable[[Config, StorageURL], None] | None = None
+    args: argparse.Namespace,
+    before_data: Callable[[Config, StorageURL], None] | None = None,
+    say_demo: bool = True,
 ) -> tuple[Config, StorageURL, list[str], Any, int, dict[str, Any]]:
     """Every input of `hpo run`, checked before anything is written: a bad one writes nothing.
     The cheap checks first, the data last (it takes seconds, minutes on a real set): the
@@ -183,7 +185,8 @@ def check_inputs(
     it is prepared. Returns the config, the storage URL, the worker's GPUs, the prepared data,
     the workers per GPU and the data of every other model the search may choose (by
     hpo.trial.task.data_key). `before_data` checks what it must (retrain: that the study exists)
-    before the data is prepared."""
+    before the data is prepared. `say_demo`: say here that the demo config is used when no
+    --config is given (retrain says it once it knows the study ran with it)."""
     from storage.artifacts import resolve_artifact_url
     from storage.url import resolve_storage_url
 
@@ -210,7 +213,7 @@ def check_inputs(
     _check_stores(storage_url, artifacts)
     if before_data is not None:
         before_data(config, storage_url)
-    if args.config is None:  # said once the input is known good: bad input stays one line
+    if args.config is None and say_demo:  # once the input is known good: bad input, one line
         # A user in their own folder who forgot --config would otherwise train the demo's data
         # into their ./hpo.db without a word.
         log.warning("no --config given: using the demo config %s (synthetic review sentiment); "

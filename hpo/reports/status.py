@@ -21,6 +21,7 @@ from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
 from hpo import tracking
+from hpo.reports.text import best_values_text
 from hpo.study.join import model_loader, trial_adapter
 from hpo.study.names import quoted_study_name
 from hpo.study.setup_record import setup_changes
@@ -126,15 +127,25 @@ def _best_from_database(study: optuna.Study, db: Database) -> list[FrozenTrial]:
 
 def _trial_summary(study: optuna.Study, trial: FrozenTrial) -> dict[str, Any]:
     summary: dict[str, Any] = {"study": study.study_name, "number": trial.number}
+    names = metric_names(study)
     if len(study.directions) == 1:
         summary["value"] = trial.value
+        summary["metric"] = names[0] if names else None
     else:
         summary["values"] = trial.values
+        summary["metrics"] = names
     missing = checkpoints.missing_model(trial.number, trial.user_attrs)
     return {**summary, "params": trial.params, "user_attrs": trial.user_attrs,
             "model_loader": model_loader(study.user_attrs, trial.user_attrs),
             "adapter": trial_adapter(study.user_attrs, trial.user_attrs),
             "model_missing": missing}  # fmt: skip
+
+
+def metric_names(study: optuna.Study) -> list[str] | None:
+    """The names of the study's metrics (hpo names them: `accuracy`), one per objective; None
+    for a study plain Optuna made without names."""
+    names = study.metric_names
+    return list(names) if names and len(names) == len(study.directions) else None
 
 
 def status(
@@ -245,8 +256,8 @@ def stalled(report: dict[str, Any]) -> bool:
 
 def ended(report: dict[str, Any]) -> bool:
     """No trial runs, the budget (when the study records one) is spent, and no trial waits
-    but past it. Between two trials of a worker nothing runs for a moment: a watcher asks
-    twice, some time apart."""
+    but past it. Between two trials of a worker nothing runs for a moment: unless the study
+    has ended for good (ended_for_good), a watcher asks twice, some time apart."""
     states = report["trials"]
     if not states or states.get("running"):
         return False
@@ -254,6 +265,15 @@ def ended(report: dict[str, Any]) -> bool:
         return bool(waiting_for_budget(report))
     budget = report.get("budget")
     return budget is None or sum(states.values()) >= budget
+
+
+def ended_for_good(report: dict[str, Any]) -> bool:
+    """Ended, and no worker starts another trial: the budget the study records is spent by
+    the trials it counts (a failed trial that a retry replaces is not counted). Without a
+    budget (a study with only a timeout, or one plain Optuna made), nothing running may be a
+    worker between two trials."""
+    budget = report.get("budget")
+    return ended(report) and budget is not None and report.get("counted", 0) >= budget
 
 
 def waiting_for_budget(report: dict[str, Any]) -> int:
@@ -287,10 +307,9 @@ def status_lines(report: dict[str, Any]) -> list[str]:
         lines.append(line)
     best = report["best"]
     if best is not None:
-        lines.append(f"best #{best['number']}: {best['value']:.4f} {best['params']}")
+        lines.append(f"best #{best['number']}: {best_values_text(best)}")
     for trial in report["pareto_front"] or []:
-        values = ", ".join(f"{v:.4f}" for v in trial["values"])
-        lines.append(f"Pareto front #{trial['number']}: {values} {trial['params']}")
+        lines.append(f"Pareto front #{trial['number']}: {best_values_text(trial)}")
     lines.append(figures_line(report))
     if waiting_for_budget(report):
         lines.append(f"  {budget_advice(report)}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import optuna
 from optuna.trial import FrozenTrial
 
+from hpo.numbers import number_text
 from hpo.reports import status as report
 from hpo.study.loop import values_text
 from hpo.study.names import quoted_study_name
@@ -49,7 +50,7 @@ def _front_lines(
 def _best_lines(best: FrozenTrial, objectives: list[str]) -> list[str]:
     lines = [f"best trial #{best.number}: {values_text(objectives, best.value)}"]
     for key, value in best.params.items():
-        lines.append(f"  {key}: {value:.3g}" if isinstance(value, float) else f"  {key}: {value}")
+        lines.append(f"  {key}: {number_text(value)}")
     attrs = best.user_attrs
     if "physical_batch_size" in attrs:
         line = (f"  physical batch {attrs['physical_batch_size']} x "

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpo.errors import HPOError
+from hpo.numbers import metric_text, params_text
 from hpo.study.names import shown_study_name
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ def retrain_text(retrained: dict) -> str:
     """`hpo best` after `hpo retrain`: the configuration that won on the mean over seeds."""
     from hpo.study.retrain import mean_std_text, seeds_text
 
-    params = ", ".join(f"{k}={_short(v)}" for k, v in retrained["params"].items())
+    params = params_text(retrained["params"])
     full = ", trained on both splits" if retrained.get("full_data") else ""
     if not Path(retrained["model"]).is_dir():
         full += " (not there any more: moved or removed; hpo retrain again writes it)"
@@ -103,17 +104,26 @@ def strict_json(value: Any, indent: int | None = None) -> str:
     return json.dumps(finite(value), indent=indent, default=str, allow_nan=False)
 
 
-def _short(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+def best_values_text(best: dict[str, Any]) -> str:
+    """A best trial's value with its metric's name and its parameters, `accuracy 0.8734
+    (learning_rate=3.2e-05)` (best_trials' entries); a Pareto-front trial's, one value per
+    objective: `accuracy 0.8734, samples_per_s 412.3 (...)`."""
+    if "values" not in best:
+        values = metric_text(best.get("metric"), best["value"])
+    else:
+        names = best.get("metrics") or [None] * len(best["values"])
+        values = ", ".join(metric_text(n, v) for n, v in zip(names, best["values"], strict=False))
+    return f"{values} ({params_text(best['params'])})" if best["params"] else values
 
 
 def best_text(best: dict) -> str:
-    params = ", ".join(f"{k}={v}" for k, v in best["params"].items())
+    """`best trial #3 of 'demo': accuracy 0.8734 (learning_rate=3.2e-05, ...)`: the value with
+    its metric's name, four significant digits (--json keeps every digit)."""
+    shown = best_values_text(best)
     if "values" in best:  # a trial of the Pareto front
-        values = ", ".join(f"{v:.4f}" for v in best["values"])
-        text = f"Pareto-front trial #{best['number']} of {best['study']!r}: {values} ({params})"
+        text = f"Pareto-front trial #{best['number']} of {best['study']!r}: {shown}"
     else:
-        text = f"best trial #{best['number']} of {best['study']!r}: {best['value']:.4f} ({params})"
+        text = f"best trial #{best['number']} of {best['study']!r}: {shown}"
     model = best["user_attrs"].get("best_model")
     uri = best["user_attrs"].get("best_model_uri")
     missing = best.get("model_missing")

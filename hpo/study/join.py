@@ -18,6 +18,7 @@ from hpo.config.schema import (
 )
 from hpo.errors import ConfigError
 from hpo.study.names import check_no_lookalike
+from hpo.study.pruners import ExplainedPruner
 from hpo.study.sampling import build_pruner, build_sampler, experimental_features, tpe_group
 from hpo.study.setup_record import check_setup, setup_record
 from hpo.trial.front import TOLERANCE_ATTR
@@ -138,6 +139,11 @@ def open_study(
         log.info("study %r has %d objectives: pruning is off (Optuna's pruners serve one "
                  "objective)", name, len(directions))  # fmt: skip
         pruner = optuna.pruners.NopPruner()
+    if not isinstance(pruner, optuna.pruners.NopPruner):  # a pruned trial's reason says why
+        step_word = "step" if config.training.entrypoint is not None else "evaluation"
+        pruner = ExplainedPruner(
+            pruner, config.study.pruner, config.study.primary_metric, step_word
+        )
     study = optuna.load_study(
         study_name=name,
         storage=storage,

@@ -20,6 +20,7 @@ from optuna.trial import TrialState
 from hpo import live, tracking
 from hpo.stopping import HandBack, Interrupted, StopRequest, TakenOver
 from hpo.study.join import QUEUED_BY_ATTR, liveness
+from hpo.study.pruners import ExplainedPruner
 from hpo.study.trials import StudyTrials, counted_trials, unsure_trials
 from hpo.trial import cpu_share
 from hpo.trial.folders import checkpoint_root, folder_name
@@ -254,11 +255,12 @@ def run_trial(
         try:
             value = objective(trial, beat.lost)
         except optuna.TrialPruned as e:
-            log.info("trial %d pruned: %s", trial.number, e)
+            reason = _prune_reason(trial, str(e))
+            log.info("trial %d pruned: %s", trial.number, reason)
             # The tracker hears each end once it stands: a trial another worker took over
             # meanwhile keeps that worker's record.
             if trials.tell(trial, TrialState.PRUNED):
-                tracking.trial_ended(trial, "pruned", str(e))
+                tracking.trial_ended(trial, "pruned", reason)
                 _drop_state(checkpoints, trial)
             return
         except TakenOver:
@@ -295,6 +297,19 @@ def run_trial(
         _drop_state(checkpoints, trial)
         shown = values_text(objective.task.config.study.objectives, value)
         log.info("trial %d finished: %s", trial.number, shown)
+
+
+def _prune_reason(trial: optuna.Trial, given: str) -> str:
+    """Why the trial was pruned: for the pruner's decision, the pruner's own account (which
+    rule, the trial's value, what it was compared with), in place of the bare "pruner: ..."
+    that the training code could say (it runs without the study); `given` otherwise."""
+    pruner = trial.study.pruner
+    explained = pruner.reason(trial.number) if isinstance(pruner, ExplainedPruner) else None
+    if explained is None or not given.startswith("pruner"):
+        return given
+    with contextlib.suppress(UpdateFinishedTrialError):  # taken over: tell() says so
+        trial.set_user_attr("prune_reason", explained)
+    return explained
 
 
 def _drop_state(checkpoints: Path | None, trial: optuna.Trial) -> None:

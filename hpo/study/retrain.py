@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import platform
+import shlex
 import shutil
 import socket
 import statistics
@@ -36,6 +37,7 @@ from hpo import __version__
 from hpo.config.schema import Config, ParamSpec, PrunerConfig, SamplerConfig, space_record
 from hpo.errors import HPOError
 from hpo.study.join import factory_loader_text, loader_text
+from hpo.study.setup_record import SETUP_ATTR, differences, setup_record
 from hpo.trial.folders import study_folder_name
 from storage.engine import StudyStorage
 
@@ -110,6 +112,22 @@ def retrain_study_name(source: str, top: int, seeds: int, tag: str) -> str:
     return source[: 512 - len(suffix)] + suffix
 
 
+def check_demo_config(study_attrs: dict[str, Any], config: Config, name: str) -> None:
+    """No --config given, so `config` is the demo's: refused, in one line, unless the study
+    ran with it (the same search space and setup: data, model, schedule). Cheap (the demo's
+    files are hashed, nothing prepared): called before the data is prepared."""
+    recorded = study_attrs.get("search_space")
+    differ = ["search_space"] if recorded not in (None, space_record(config.search_space)) else []
+    setup = study_attrs.get(SETUP_ATTR)
+    if isinstance(setup, dict):
+        differ += differences(setup, setup_record(config))
+    if differ:
+        verb = "differs" if len(differ) == 1 else "differ"
+        raise HPOError(f"no --config given, and the demo config is not the one study {name!r} "
+                       f"ran with (its {', '.join(differ)} {verb}); pass the study's config: "
+                       f"hpo retrain --study {shlex.quote(name)} --config FILE")  # fmt: skip
+
+
 def make_plan(
     source: optuna.Study, config: Config, top: int, seeds: int, config_given: bool = True
 ) -> RetrainPlan:
@@ -119,11 +137,12 @@ def make_plan(
     if searched is not None:
         raise HPOError(f"study {source.study_name!r} is the retrain of study {searched!r}: give "
                        "that one to --study")  # fmt: skip
+    if not config_given:
+        check_demo_config(source.user_attrs, config, source.study_name)
     recorded = source.user_attrs.get("search_space")
     if recorded is not None and recorded != space_record(config.search_space):
-        which = "its search space" if config_given else "no --config given, and the demo's"
-        raise HPOError(f"--config: {which} is not the one study {source.study_name!r} was "
-                       "created with; pass the config the study ran with")  # fmt: skip
+        raise HPOError(f"--config: its search space is not the one study {source.study_name!r} "
+                       "was created with; pass the config the study ran with")  # fmt: skip
     if config.search_space_function is not None:
         raise HPOError(f"search_space: {config.search_space_function} samples in Python; retrain "
                        "needs the search space as a mapping: give the winner's parameters to a "

@@ -4,6 +4,7 @@ WARNING for each way a trial would take too few steps, and the whole path throug
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,14 @@ from hpo.config.data_size import (
 )
 from hpo.config.loader import parse_config
 from hpo.config.schema import DEFAULT_BATCH_CHOICES, Config
-from tests.conftest import easy_rows, run_study, tiny_config, write_config, write_csv
+from tests.conftest import (
+    easy_rows,
+    run_hpo,
+    run_study,
+    tiny_config,
+    write_config,
+    write_csv,
+)
 
 
 def config_of(data: tuple[Path, Path], space: dict[str, Any] | None, **training: Any) -> Config:
@@ -64,7 +72,8 @@ def test_normal_data_and_the_users_own_space_are_left_as_they_are(
     grid = tiny_config(*easy_data, study={"sampler": {"type": "grid"}, "n_trials": 5})
     grid["search_space"] = {"learning_rate": {"type": "categorical", "choices": [1e-4]}}
     assert fit_default_space(parse_config(grid, base_dir=Path(".")), 160) is None
-    assert small_batch_choices(1, 5) == [1] and small_batch_choices(300, 5) == [16, 32, 64, 128, 256]
+    assert small_batch_choices(1, 5) == [1]
+    assert small_batch_choices(300, 5) == [16, 32, 64, 128, 256]
 
 
 def test_a_batch_larger_than_the_training_set_is_one_warning_naming_the_numbers(
@@ -84,12 +93,15 @@ def test_a_trial_of_few_steps_is_warned_of(easy_data: tuple[Path, Path]) -> None
                     epochs=2, evals_per_epoch=1)  # fmt: skip
     (line,) = step_warnings(few, 160)  # 64: 3 steps an epoch, 6 in all
     assert "effective batch of 64 on the 160 training examples takes only 6 optimizer steps" in line
-    assert "raise training.epochs" in line
+    assert "(3 an epoch x 2 epochs)" in line and "raise training.epochs" in line
+    few.search_space["epochs"] = dataclasses.replace(few.search_space["effective_batch_size"],
+                                                     type="int", low=1, high=5)  # fmt: skip
+    (line,) = step_warnings(few, 160)  # the fewest epochs searched
+    assert "takes only 3 optimizer steps (3 an epoch x 1 epochs)" in line
     capped = config_of(easy_data, {"effective_batch_size": {"type": "categorical",
                                                             "choices": [8]}},
                        epochs=5, max_steps=4, evals_per_epoch=1)  # fmt: skip
-    (line,) = step_warnings(capped, 160)
-    assert "only 4 optimizer steps" in line and "training.max_steps 4" in line
+    assert step_warnings(capped, 160) == []  # a short max_steps is meant (a smoke test)
     assert step_warnings(config_of(easy_data, None, epochs=1, evals_per_epoch=1), 100_000) == []
 
 
@@ -132,6 +144,10 @@ def test_a_study_on_160_rows_with_the_default_space_says_so_and_trains_steps(
         assert trial.user_attrs["optimizer_steps"] >= 10
         epochs = trial.user_attrs["evaluation_epochs"]
         assert len(epochs) == 2 and epochs[-1] == 1.0 and abs(epochs[0] - 0.5) <= 0.05
+    # The config (unfitted: it names no data size) still enqueues into its study.
+    queued = run_hpo("enqueue", "--study", "s", "--config", "c.yaml", "--storage", url,
+                     "--params", '{"effective_batch_size": 8}', cwd=tmp_path)  # fmt: skip
+    assert queued.returncode == 0, queued.stderr[-3000:]
 
 
 def test_the_warning_goes_to_the_log_at_the_workers_start(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 from hpo.config import search_paths
 from hpo.config.schema import DEFAULT_BATCH_CHOICES, Config
@@ -66,20 +67,32 @@ def small_batch_choices(largest: int, count: int) -> list[int]:
 def largest_batch(config: Config) -> int:
     """The largest effective batch a trial can train with: the search space's largest choice
     or high end, else training.effective_batch_size."""
+    return _searched_extreme(config, BATCH, max)
+
+
+def fewest_epochs(config: Config) -> int:
+    """The fewest epochs a trial can train for (training.epochs may be searched too)."""
+    return _searched_extreme(config, "epochs", min)
+
+
+def _searched_extreme(config: Config, field: str, pick: Callable[[list[int]], int]) -> int:
+    """The largest or smallest (`pick`) value the search space gives training.`field`, else the
+    config's own."""
     for name, spec in config.search_space.items():
-        if search_paths.field_of(name) != ("training", BATCH):
+        if search_paths.field_of(name) != ("training", field):
             continue
         if spec.choices is not None:
-            return max(int(choice) for choice in spec.choices)
-        if spec.high is not None:
-            return int(spec.high)
-    return config.training.effective_batch_size
+            return pick([int(choice) for choice in spec.choices])
+        if spec.low is not None and spec.high is not None:
+            return pick([int(spec.low), int(spec.high)])
+    return int(getattr(config.training, field))
 
 
 def step_warnings(config: Config, train_rows: int) -> list[str]:
     """One line per way the search space's largest effective batch leaves a trial too few
     optimizer steps on `train_rows` examples, naming the numbers and what to change: a batch
-    larger than the training set, fewer than FEW_STEPS steps a trial, or fewer steps an epoch
+    larger than the training set, fewer than FEW_STEPS steps over the trial's epochs, or fewer
+    steps an epoch
     than training.evals_per_epoch (its evaluations then fall on other fractions of an epoch
     than other trials', where the pruner compares them)."""
     if train_rows < 1:
@@ -87,9 +100,10 @@ def step_warnings(config: Config, train_rows: int) -> list[str]:
     training = config.training
     largest = largest_batch(config)
     steps_per_epoch = math.ceil(train_rows / largest)
-    steps = steps_per_epoch * training.epochs
-    if training.max_steps is not None:
-        steps = min(steps, training.max_steps)
+    # A short training.max_steps is taken as meant (a smoke test): only what the data and the
+    # batch leave is warned of.
+    epochs = fewest_epochs(config)
+    steps = steps_per_epoch * epochs
     most_fitting = max(1, train_rows // MIN_STEPS_PER_EPOCH)
     change = (
         f"keep search_space.{BATCH} at most {most_fitting} ({MIN_STEPS_PER_EPOCH} steps an epoch)"
@@ -104,10 +118,8 @@ def step_warnings(config: Config, train_rows: int) -> list[str]:
     elif steps < FEW_STEPS:
         lines.append(
             f"a trial with an effective batch of {largest} on the {train_rows} training examples "
-            f"takes only {steps} optimizer steps ({steps_per_epoch} an epoch x "
-            f"training.epochs {training.epochs}"
-            + (f", training.max_steps {training.max_steps}" if training.max_steps else "")
-            + f"), fewer than {FEW_STEPS}; {change}, or raise training.epochs"
+            f"takes only {steps} optimizer steps ({steps_per_epoch} an epoch x {epochs} "
+            f"epochs), fewer than {FEW_STEPS}; {change}, or raise training.epochs"
         )
     evals = training.evals_per_epoch
     if steps_per_epoch < evals:

@@ -156,7 +156,8 @@ def test_the_warning_goes_to_the_log_at_the_workers_start(
     from hpo.commands.run import _fit_to_data_size
 
     config = config_of(easy_data, {"effective_batch_size": {"type": "categorical",
-                                                            "choices": [512]}})  # fmt: skip
+                                                            "choices": [512]}},
+                       evals_per_epoch=1)  # fmt: skip
     with caplog.at_level(logging.WARNING, logger="hpo"):
         _fit_to_data_size(config, 160)
     assert [r.levelname for r in caplog.records] == ["WARNING"]

@@ -191,11 +191,11 @@ def _storable(value: Any, where: str, depth: int = 0) -> Any:
         items = [_storable(item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value)]
         same = all(new is old for new, old in zip(items, value, strict=True))
         return value if same else type(value)(items)
-    if isinstance(value, _PLAIN):
-        return value
-    if isinstance(value, (np.ndarray, np.generic)):
+    if isinstance(value, (np.ndarray, np.generic)):  # first: np.float64 is a float too
         key = _NUMPY_SCALAR if isinstance(value, np.generic) else _NUMPY_ARRAY
         return {key: _npy_bytes(np.asarray(value), where)}
+    if isinstance(value, _PLAIN):
+        return value
     kind = type(value)
     raise _refused(f"{where} is {kind.__module__}.{kind.__qualname__}, which a resume could "
                    "not read")  # fmt: skip

@@ -370,6 +370,7 @@ def test_user_code_failures_end_their_trial_and_the_worker_goes_on(tmp_path: Pat
 RESUMABLE_FUNCTION = """
 import time
 
+import numpy as np
 import torch
 
 EPOCHS = 40
@@ -378,13 +379,18 @@ EPOCHS = 40
 def train(ctx):
     state = ctx.restore()
     first = 0 if state is None else int(state["epoch"])
-    if state is not None:
+    if state is not None:  # what the stop saved, with its types (numpy's too: issue 42)
         assert torch.equal(state["weights"], torch.full((3,), float(first - 1)))
+        assert state["means"].dtype == np.float32
+        assert state["means"].tolist() == np.full((2, 2), first - 1, np.float32).tolist()
+        assert type(state["loss"]) is np.float64 and state["loss"] == 1.0 / first
     for epoch in range(first, EPOCHS):
         time.sleep(0.1)
         ctx.report({"val_loss": 1.0 / (epoch + 1)}, step=epoch)
         if ctx.should_stop:
-            ctx.save({"epoch": epoch + 1, "weights": torch.full((3,), float(epoch))})
+            ctx.save({"epoch": epoch + 1, "weights": torch.full((3,), float(epoch)),
+                      "means": np.full((2, 2), epoch, np.float32),
+                      "loss": np.float64(1.0 / (epoch + 1))})
             return None
     return {"val_loss": 1.0 / EPOCHS, "first_epoch": first}
 """
@@ -395,8 +401,9 @@ def train(ctx):
 def test_stopped_trial_resumes_from_what_the_function_saved(
     tmp_path: Path, other_host: bool
 ) -> None:
-    """SIGTERM to the worker: the function sees ctx.should_stop, saves and returns; the trial
-    is queued again, and the next worker's attempt starts from ctx.restore(). `other_host`:
+    """SIGTERM to the worker: the function sees ctx.should_stop, saves (tensors and numpy
+    arrays) and returns; the trial is queued again, and the next worker's attempt starts from
+    ctx.restore(), with the same arrays. `other_host`:
     the local checkpoints are gone (another host), the artifact store has the state."""
     import shutil
     import signal
@@ -531,17 +538,25 @@ def test_report_prunes_when_the_pruner_says_so_and_only_with_one_objective() -> 
 
 
 def test_save_refuses_what_a_resume_could_not_read(tmp_path: Path) -> None:
-    """A state that torch.load(weights_only=True) would refuse on resume is refused when it is
-    saved, naming the key; a plain one comes back from restore() in the retry."""
+    """A state that a resume could not read back is refused when it is saved, naming the key
+    and its type, even in a study that keeps no checkpoints; a plain one comes back from
+    restore() in the retry."""
     import numpy as np
     import torch
 
     from trainer.checkpoint import CheckpointStore
 
+    class Mine:
+        pass
+
+    no_checkpoints = context_for(RecordingTrial(), 32)
+    with pytest.raises(TypeError, match=r"state\['opt'\]\[1\] is tests\.test_entrypoint\..*Mine, "
+                       "which a resume could not read"):  # fmt: skip
+        no_checkpoints.save({"epoch": 1, "opt": [1, Mine()]})
     ctx = context_for(RecordingTrial(), 32)
     ctx._store, ctx._fingerprint = CheckpointStore(tmp_path / "trial"), "f"
-    with pytest.raises(TypeError, match=r"state\['rng'\] is numpy.ndarray, which a resume"):
-        ctx.save({"epoch": 1, "rng": np.zeros(3)})
+    with pytest.raises(TypeError, match=r"state\['rows'\] is a numpy array of dtype object"):
+        ctx.save({"epoch": 1, "rows": np.array([{"a": 1}], dtype=object)})
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.ones(1, 2)).sum().backward()
@@ -556,6 +571,49 @@ def test_save_refuses_what_a_resume_could_not_read(tmp_path: Path) -> None:
     other = context_for(RecordingTrial(), 32)  # another configuration's retry
     other._store, other._fingerprint = CheckpointStore(tmp_path / "trial", resume=True), "g"
     assert other.restore() is None
+
+
+def test_numpy_arrays_and_scalars_saved_come_back_with_their_types(tmp_path: Path) -> None:
+    """Numpy arrays (any numeric dtype and shape), numpy scalars, tensors and plain values,
+    nested in dicts, lists and tuples, are saved and restored as they were (issue 42: numpy
+    failed the trial, and only at the stop that saved it)."""
+    from collections import OrderedDict
+
+    import numpy as np
+    import torch
+
+    from trainer.checkpoint import CheckpointStore
+
+    state = {
+        "epoch": 3,
+        "weights": np.arange(12, dtype=np.float32).reshape(3, 4),
+        "rng": np.random.default_rng(0).bit_generator.state["state"]["state"],
+        "best": np.float64(0.25),
+        "steps": np.int64(7),
+        "tensor": torch.arange(4),
+        "nested": {"history": [np.array([1, 2], dtype=np.int16), (np.bool_(True), "x")]},
+        "ordered": OrderedDict(a=np.zeros(2), b=1.5),
+        "empty": np.zeros((0, 3), dtype=np.uint8),
+    }
+    ctx = context_for(RecordingTrial(), 32)
+    ctx._store, ctx._fingerprint = CheckpointStore(tmp_path / "trial"), "f"
+    assert ctx.save(state)
+    assert isinstance(state["weights"], np.ndarray)  # the caller's state is left as it was
+    retry = context_for(RecordingTrial(), 32)
+    retry._store, retry._fingerprint = CheckpointStore(tmp_path / "trial", resume=True), "f"
+    restored = retry.restore()
+    assert restored is not None and set(restored) == set(state)
+    assert restored["weights"].dtype == np.float32
+    np.testing.assert_array_equal(restored["weights"], state["weights"])
+    assert restored["rng"] == state["rng"]
+    assert type(restored["best"]) is np.float64 and restored["best"] == 0.25
+    assert type(restored["steps"]) is np.int64 and restored["steps"] == 7
+    assert torch.equal(restored["tensor"], state["tensor"])
+    history = restored["nested"]["history"]
+    assert history[0].dtype == np.int16 and history[0].tolist() == [1, 2]
+    assert type(history[1]) is tuple and type(history[1][0]) is np.bool_ and history[1][1] == "x"
+    assert type(restored["ordered"]) is OrderedDict and restored["ordered"]["b"] == 1.5
+    assert restored["empty"].shape == (0, 3) and restored["empty"].dtype == np.uint8
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "examples").glob("*/config.yaml")), ids=str)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import tracemalloc
+from fractions import Fraction
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,7 +18,11 @@ from tests.test_trainer import tiny_job
 from trainer import evaluation
 from trainer.config import DataConfig, TrainingConfig
 from trainer.data import Padding, TokenizedSplit
-from trainer.evaluation import Evaluator, is_evaluation_step
+from trainer.evaluation import (
+    Evaluator,
+    evaluations_per_epoch,
+    is_evaluation_step,
+)
 from trainer.loaders import LoaderSettings
 from trainer.loop import Trainer
 from trainer.model import load_tokenizer
@@ -29,16 +34,18 @@ CPU = torch.device("cpu")
 def listed_evaluation_steps(
     steps_per_epoch: int, evals_per_epoch: int, epochs: int, total_steps: int
 ) -> set[int]:
-    """The schedule spelled out as a set: evenly spaced points of every epoch, and the end."""
-    steps = {
-        epoch * steps_per_epoch + math.ceil(k * steps_per_epoch / evals_per_epoch)
-        for epoch in range(epochs)
-        for k in range(1, evals_per_epoch + 1)
-    }
-    return {s for s in steps if s <= total_steps} | {total_steps}
+    """The schedule spelled out as a set: in every epoch, evaluation k after the step nearest
+    k / evals_per_epoch of its steps (a half rounded up; step 0 is none), and the end."""
+    steps = set()
+    for epoch in range(epochs):
+        for k in range(1, evals_per_epoch + 1):
+            nearest = math.floor(Fraction(k * steps_per_epoch, evals_per_epoch) + Fraction(1, 2))
+            if nearest > 0:
+                steps.add(epoch * steps_per_epoch + nearest)
+    return {step for step in steps if step <= total_steps} | {total_steps}
 
 
-@pytest.mark.parametrize("steps_per_epoch", [1, 2, 3, 7, 10, 32])
+@pytest.mark.parametrize("steps_per_epoch", [1, 2, 3, 5, 7, 10, 19, 32])
 @pytest.mark.parametrize("evals_per_epoch", [1, 2, 3, 4, 9, 40])
 def test_evaluation_steps_follow_the_schedule(steps_per_epoch: int, evals_per_epoch: int) -> None:
     epochs = 3
@@ -51,6 +58,36 @@ def test_evaluation_steps_follow_the_schedule(steps_per_epoch: int, evals_per_ep
             if is_evaluation_step(step, steps_per_epoch, evals_per_epoch, total)
         }
         assert found == listed_evaluation_steps(steps_per_epoch, evals_per_epoch, epochs, total)
+        whole_epoch = {step for step in found if step <= steps_per_epoch}
+        if total >= 2 * steps_per_epoch:
+            assert len(whole_epoch) == evaluations_per_epoch(steps_per_epoch, evals_per_epoch)
+
+
+@pytest.mark.parametrize("evals_per_epoch", [2, 3, 4, 5])
+def test_evaluations_fall_at_the_same_fraction_of_an_epoch_for_every_batch(
+    evals_per_epoch: int,
+) -> None:
+    """Evaluation k follows the step nearest k / evals_per_epoch of the epoch for every batch
+    size, within half a step of it, and every epoch with enough steps has evals_per_epoch of
+    them. Issue 42: 150 examples, 4 evaluations an epoch: the first came at epoch 0.26 with
+    batch 8 and 0.40 with batch 32 (now 0.26 and 0.20, the nearest its 5 steps allow)."""
+    rows = 150
+    for batch in (1, 4, 8, 16, 32, 37, 50):
+        steps = math.ceil(rows / batch)
+        if steps < evals_per_epoch:
+            continue
+        found = [s for s in range(1, steps + 1)
+                 if is_evaluation_step(s, steps, evals_per_epoch, 3 * steps)]  # fmt: skip
+        assert len(found) == evals_per_epoch, batch
+        for k, step in enumerate(found, start=1):
+            assert abs(step / steps - k / evals_per_epoch) <= 1 / (2 * steps) + 1e-12, (batch, k)
+
+    def first_evaluation_epoch(batch: int) -> float:
+        steps = math.ceil(rows / batch)
+        first = next(s for s in range(1, steps + 1) if is_evaluation_step(s, steps, 4, 3 * steps))
+        return first / steps
+
+    assert round(first_evaluation_epoch(8), 2) == 0.26 and first_evaluation_epoch(32) == 0.2
 
 
 def test_a_billion_epochs_cost_no_memory(easy_data: tuple[Path, Path]) -> None:

@@ -321,7 +321,12 @@ class TrainingConfig:
     class_weights: list[float] | Literal["balanced"] | None = _doc(
         "Per-class loss weights in label order, or `balanced` (inverse class frequency)."
     )
-    evals_per_epoch: int = _doc("Evaluations per epoch, evenly spaced; the last ends the epoch.", 1)
+    evals_per_epoch: int = _doc(
+        "Evaluations per epoch, evenly spaced: each after the optimizer step nearest its "
+        "fraction of the epoch, the last at its end; an epoch with fewer steps evaluates after "
+        "every step.",
+        1,
+    )
     early_stopping_patience: int | None = _doc(
         "Stop after this many evaluations without improvement; null disables."
     )

@@ -36,8 +36,12 @@ def is_evaluation_step(
     step: int, steps_per_epoch: int, evals_per_epoch: int, total_steps: int
 ) -> bool:
     """Whether an evaluation follows optimizer step `step` (1-based): the last step of the run,
-    and the k-th of `evals_per_epoch` evenly spaced points of every epoch, which comes after
-    ceil(k * steps_per_epoch / evals_per_epoch) of the epoch's steps.
+    and evaluation k of `evals_per_epoch` in every epoch, which follows the step nearest
+    k / evals_per_epoch of the epoch's steps (a half rounded up). An epoch's steps are
+    shuffled, its one short step among them, so that fraction of its steps is the fraction of
+    its examples trained on, to within one batch: trials of every batch size evaluate at the
+    same fractions of an epoch, as closely as their steps allow (the pruner compares them at
+    the same evaluation number).
 
     Decided by arithmetic, never from a list of steps: 10**9 epochs must cost no memory."""
     if step == total_steps:
@@ -47,10 +51,18 @@ def is_evaluation_step(
     within = step % steps_per_epoch
     if within == 0:  # k = evals_per_epoch: the end of an epoch
         return True
-    # Some k has ceil(k * s / p) == within exactly when (within - 1) * p < k * s <= within * p;
-    # the largest k with k * s <= within * p is the only candidate.
-    k = within * evals_per_epoch // steps_per_epoch
-    return k * steps_per_epoch > (within - 1) * evals_per_epoch
+    # Evaluation k follows step round(k * s / p) = floor((2ks + p) / 2p), which is `within`
+    # exactly when (2 * within - 1) * p <= 2ks < (2 * within + 1) * p; the smallest k with
+    # the left side is the only candidate.
+    s, p = steps_per_epoch, evals_per_epoch
+    k = -(-(2 * within - 1) * p // (2 * s))  # ceil
+    return k <= p and 2 * k * s < (2 * within + 1) * p
+
+
+def evaluations_per_epoch(steps_per_epoch: int, evals_per_epoch: int) -> int:
+    """How many evaluations a whole epoch has: evals_per_epoch, or one per step when it has
+    fewer steps than that (several evenly spaced points fall on one step)."""
+    return min(steps_per_epoch, evals_per_epoch)
 
 
 def evaluate_batches(

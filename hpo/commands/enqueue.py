@@ -42,6 +42,12 @@ def enqueue_command(args: argparse.Namespace) -> int:
     recorded = attrs.get("search_space")
     if config is not None:
         space = config.search_space
+        if recorded is not None:
+            # hpo's default parameters as the study fitted them to its training set
+            # (hpo.config.data_size): the config alone cannot say.
+            fitted = {name: ParamSpec(**recorded[name]) for name in config.default_params
+                      if name in recorded and name in space}  # fmt: skip
+            space = {name: fitted.get(name, spec) for name, spec in space.items()}
         if recorded is not None and recorded != space_record(space):
             raise HPOError(
                 f"--config: its search space is not the one study {args.study!r} was created "

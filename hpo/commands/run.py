@@ -256,9 +256,23 @@ def check_inputs(
     problems = config.training.data_problems(data.label_names)
     if problems:
         raise ConfigError([f"training.{k}: got {value!r}; {rule}" for k, value, rule in problems])
+    _fit_to_data_size(config, len(data.train))
     if per_gpu == "auto":
         per_gpu = _auto_workers_per_gpu(config, config_path, gpus)
     return config, storage_url, gpus, data, per_gpu or 1, prepared
+
+
+def _fit_to_data_size(config: Config, train_rows: int) -> None:
+    """Before the study records its search space: the default space fitted to a small training
+    set, and a WARNING line for each way a trial would still take too few steps (issue 42: 160
+    examples, a batch of 512, one optimizer step per trial and not a word)."""
+    from hpo.config.data_size import fit_default_space, step_warnings
+
+    fitted = fit_default_space(config, train_rows)
+    if fitted is not None:
+        log.warning(fitted)
+    for line in step_warnings(config, train_rows):
+        log.warning(line)
 
 
 def copies_itself(

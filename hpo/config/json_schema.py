@@ -19,7 +19,7 @@ from trainer.config import ENTRYPOINT
 SCHEMA_DIALECT = "http://json-schema.org/draft-07/schema#"
 SCHEMA_ID = "https://hpo.invalid/config.schema.json"  # a name for editors; nothing is served
 # Fields of the dataclasses that are hpo's own bookkeeping, not keys of the file.
-NOT_KEYS = frozenset({"source", "base_dir", "search_space_function"})
+NOT_KEYS = frozenset({"source", "base_dir", "search_space_function", "default_params"})
 SPACE_FUNCTION = {
     "type": "string",
     "pattern": "^" + ENTRYPOINT.pattern + "$",

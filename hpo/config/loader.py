@@ -141,13 +141,14 @@ def parse_config(
     _default_model_of_search(raw, space_raw)
     # search_space is built on its own below, but is a known key all the same: `search_spaces:`
     # must get its did-you-mean.
-    config = _build(Config, raw, "", problems, skip={"source", "base_dir"})
+    config = _build(Config, raw, "", problems, skip={"source", "base_dir", "default_params"})
     config.source, config.base_dir = source, str(base_dir)
     if isinstance(space_raw, str):
-        config.search_space = {}
+        config.search_space, config.default_params = {}, []
         _set_space_function(config, space_raw, problems)
     else:
         config.search_space = _build_search_space(space_raw, problems)
+        config.default_params = _defaults_kept(space_raw)
     if not 0 <= config.training.seed < 2**64:  # what numpy and torch.manual_seed both take
         problems.append(f"training.seed: got {_show(config.training.seed)}; must be in [0, 2**64)")
     if config.model.config is not None and config.model.factory is None:
@@ -207,8 +208,10 @@ def _parse_entrypoint_config(
         objectives, direction = study.pop("metric", None), study.pop("direction", None)
         raw["study"] = study
     space_raw = raw.pop("search_space", None)
-    config = _build(Config, raw, "", problems, skip={"source", "base_dir", *_NOT_WITH_ENTRYPOINT})
+    skip = {"source", "base_dir", "default_params", *_NOT_WITH_ENTRYPOINT}
+    config = _build(Config, raw, "", problems, skip=skip)
     config.source, config.base_dir = source, str(base_dir)
+    config.default_params = []  # hpo adds no default space to a function's
     if isinstance(space_raw, str):
         config.search_space = {}
         _set_space_function(config, space_raw, problems)
@@ -537,6 +540,12 @@ def _build_search_space(raw: Any, problems: list[str]) -> dict[str, ParamSpec]:
             continue
         space[param] = _build(ParamSpec, spec, key + ".", problems)
     return space
+
+
+def _defaults_kept(raw: Any) -> list[str]:
+    """The default space's parameters that the config's search_space does not set."""
+    given = {search_paths.resolve(name)[0] for name in raw} if isinstance(raw, dict) else set()
+    return [name for name in default_search_space() if name not in given]
 
 
 MAX_INLINE_MODEL_VALUES = 10_000

@@ -586,6 +586,9 @@ class Config:
     # `search_space: package.module:name`: the user's define-by-run function, which samples each
     # trial's parameters itself (search_space is then empty)
     search_space_function: str | None = None
+    # The search space's parameters that come from hpo's default (the config does not set
+    # them): only these are fitted to a small training set (hpo.config.data_size).
+    default_params: list[str] = field(default_factory=lambda: list(default_search_space()))
 
     def job(self, training: TrainingConfig | None = None) -> TrainJob:
         """The trainer's input: this config's data, model and task, with `training` (a trial's

@@ -4,11 +4,14 @@ parameters, the device and batch split, and the calls that report, stop, save an
 
 from __future__ import annotations
 
+import io
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import optuna
 import torch
 
@@ -144,17 +147,16 @@ class TrainingContext:
             raise optuna.TrialPruned(reason)
 
     def save(self, state: dict[str, Any]) -> bool:
-        """Checkpoint `state` (tensors, state_dicts, numbers, strings, lists and dicts of them)
-        where a retry of this trial finds it, on this host and (with study.artifact_store) any
-        other. False when the study keeps no checkpoints or the write failed (the trial goes
-        on; trial attribute checkpoint_error says why)."""
+        """Checkpoint `state` (tensors, state_dicts, numpy arrays and scalars, numbers, strings,
+        lists, tuples and dicts of them) where a retry of this trial finds it, on this host and
+        (with study.artifact_store) any other; ctx.restore gives it back with the same types.
+        False when the study keeps no checkpoints or the write failed (the trial goes on; trial
+        attribute checkpoint_error says why). What a resume could not read back raises
+        TypeError naming its key, at every call: at the first, not only at a stop."""
+        storable = _storable(state, "state")
         if self._store is None:
             return False
-        unreadable = _not_plain(state, "state")
-        if unreadable:  # it would be written, then refused on resume: say so now
-            raise TypeError(f"ctx.save: {unreadable}; save tensors (torch.from_numpy for "
-                            "arrays), numbers, strings, lists and dicts of them")  # fmt: skip
-        return self._store.save_state({_FINGERPRINT: self._fingerprint, _USER_STATE: state})
+        return self._store.save_state({_FINGERPRINT: self._fingerprint, _USER_STATE: storable})
 
     def restore(self) -> dict[str, Any] | None:
         """The state the last ctx.save of this trial wrote, when the trial is a retry (its
@@ -164,37 +166,89 @@ class TrainingContext:
         saved = self._store.load_state(self._fingerprint)
         if saved is None:
             return None
-        state: dict[str, Any] = saved[_USER_STATE]
+        state: dict[str, Any] = _from_storable(saved[_USER_STATE])
         return state
 
 
 _PLAIN = (torch.Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.device,
           torch.Size)  # fmt: skip
+# A checkpoint is read with torch.load(weights_only=True), which refuses numpy's pickled
+# objects: a numpy array or scalar is saved as the bytes of its own .npy format instead, in a
+# dict under this key, and turned back into what was saved by ctx.restore.
+_NUMPY_ARRAY, _NUMPY_SCALAR = "__hpo_numpy_array__", "__hpo_numpy_scalar__"
+_MAX_DEPTH = 50
 
 
-def _not_plain(value: Any, where: str, depth: int = 0) -> str:
-    """What in `value` a checkpoint read with torch.load(weights_only=True) would refuse, by
-    its path in the state (state['rng']); empty when all of it can be read back."""
-    if depth > 50:
-        return f"{where} is nested more than 50 levels deep"
+def _storable(value: Any, where: str, depth: int = 0) -> Any:
+    """`value` with every numpy array and scalar in it replaced by its .npy bytes (containers
+    without one are returned as they are: a state_dict keeps its metadata); raises TypeError
+    naming the path in the state (state['rng']) of anything a resume could not read."""
+    if depth > _MAX_DEPTH:
+        raise _refused(f"{where} is nested more than {_MAX_DEPTH} levels deep")
     if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, (str, int)):
-                return f"{where} has the key {key!r} ({type(key).__name__}); keys are str or int"
-            found = _not_plain(item, f"{where}[{key!r}]", depth + 1)
-            if found:
-                return found
-        return ""
-    if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
-        for index, item in enumerate(value):
-            found = _not_plain(item, f"{where}[{index}]", depth + 1)
-            if found:
-                return found
-        return ""
+        return _storable_dict(value, where, depth)
+    if type(value) in (list, tuple):  # a namedtuple's class would be refused on resume
+        items = [_storable(item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value)]
+        same = all(new is old for new, old in zip(items, value, strict=True))
+        return value if same else type(value)(items)
+    if isinstance(value, (np.ndarray, np.generic)):  # first: np.float64 is a float too
+        key = _NUMPY_SCALAR if isinstance(value, np.generic) else _NUMPY_ARRAY
+        return {key: _npy_bytes(np.asarray(value), where)}
     if isinstance(value, _PLAIN):
-        return ""
+        return value
     kind = type(value)
-    return f"{where} is {kind.__module__}.{kind.__qualname__}, which a resume could not read"
+    raise _refused(f"{where} is {kind.__module__}.{kind.__qualname__}, which a resume could "
+                   "not read")  # fmt: skip
+
+
+def _storable_dict(value: dict[Any, Any], where: str, depth: int) -> dict[Any, Any]:
+    changed = {}
+    for key, item in value.items():
+        if not isinstance(key, (str, int)):
+            raise _refused(f"{where} has the key {key!r} ({type(key).__name__}); keys are str "
+                           "or int")  # fmt: skip
+        if key in (_NUMPY_ARRAY, _NUMPY_SCALAR):
+            raise _refused(f"{where} has the key {key!r}, which hpo keeps for numpy values")
+        stored = _storable(item, f"{where}[{key!r}]", depth + 1)
+        if stored is not item:
+            changed[key] = stored
+    if not changed:
+        return value
+    rebuilt = {key: changed.get(key, item) for key, item in value.items()}
+    return OrderedDict(rebuilt) if isinstance(value, OrderedDict) else rebuilt
+
+
+def _npy_bytes(array: np.ndarray, where: str) -> bytes:
+    buffer = io.BytesIO()
+    try:
+        np.save(buffer, array, allow_pickle=False)
+    except ValueError as e:  # an object array: Python objects, not numbers
+        raise _refused(f"{where} is a numpy array of dtype {array.dtype}, which a resume could "
+                       "not read") from e  # fmt: skip
+    return buffer.getvalue()
+
+
+def _refused(what: str) -> TypeError:
+    return TypeError(f"ctx.save: {what}; save tensors, numpy arrays of numbers, numbers, strings, "
+                     "and lists, tuples and dicts of them")  # fmt: skip
+
+
+def _from_storable(value: Any) -> Any:
+    """What _storable saved, with the numpy arrays and scalars back."""
+    if isinstance(value, dict):
+        if len(value) == 1 and _NUMPY_ARRAY in value:
+            return np.load(io.BytesIO(value[_NUMPY_ARRAY]), allow_pickle=False)
+        if len(value) == 1 and _NUMPY_SCALAR in value:
+            return np.load(io.BytesIO(value[_NUMPY_SCALAR]), allow_pickle=False)[()]
+        restored = {key: _from_storable(item) for key, item in value.items()}
+        if all(restored[key] is item for key, item in value.items()):
+            return value
+        return type(value)(restored) if type(value) in (dict, OrderedDict) else restored
+    if type(value) in (list, tuple):
+        items = [_from_storable(item) for item in value]
+        same = all(new is old for new, old in zip(items, value, strict=True))
+        return value if same else type(value)(items)
+    return value
 
 
 def checked_metrics(metrics: Any, metric: str, where: str) -> dict[str, float]:

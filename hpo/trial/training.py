@@ -469,6 +469,8 @@ def record_result(trial: TrialLike, result: TrainResult) -> None:
         "train_s": round(result.train_s, 3),
         "eval_s": round(result.eval_s, 3),
         "curve": [round(v, 6) for v in result.curve],
+        # Where in training each came (the pruner compares trials at the same evaluation).
+        "evaluation_epochs": [round(e.epoch, 4) for e in result.evaluations],
         "oom_recoveries": result.oom_recoveries,
         "trainable_params": result.trainable_params,  # a LoRA run's adapter and head
         "total_params": result.total_params,

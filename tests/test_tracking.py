@@ -556,7 +556,7 @@ def test_the_tracker_hears_a_trials_end_only_once_the_study_recorded_it(
                 raise RuntimeError("boom")
             return 0.5
 
-    trial = SimpleNamespace(number=0, user_attrs={})
+    trial = SimpleNamespace(number=0, user_attrs={}, study=SimpleNamespace(pruner=None))
     loop.run_trial(Trials(), trial, Objective())  # type: ignore[arg-type]
     assert ended == ([outcome] if told else [])
 

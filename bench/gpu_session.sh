@@ -11,7 +11,7 @@
 #   causal causalfinder (issue 30 step 5: a 1B causal LM with and without LoRA; the finder on it)
 #   causalcompile short scopes (issue 48 steps 1-2: the 1B compile by blocks; CUDA graphs on a
 #   short step; ours compiled by blocks and whole against the eager Trainer at 26 tokens)
-#   graphs graphsbig causalvs (issue 48: ours with CUDA graphs at 26 tokens, the 1B against the
+#   graphs graphsbig graphslong causalvs (issue 48: ours with CUDA graphs at 26 tokens, the 1B against the
 #   Trainer, each against the eager Trainer in the same call)
 # One device call runs at most 10 minutes: pick steps that fit (bench/README.md has the times).
 set -uo pipefail
@@ -28,7 +28,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, optuna; print('torch', torch.__version__, \
 'transformers', transformers.__version__, 'optuna', optuna.__version__)"
 
-STEPS=${STEPS:-finder study inline throughput cudnn compiled compiledeager checkpoints overhead workers workersbert mfu profile anatomy ours512 causal causalfinder causalcompile short scopes graphs graphsbig causalvs}
+STEPS=${STEPS:-finder study inline throughput cudnn compiled compiledeager checkpoints overhead workers workersbert mfu profile anatomy ours512 causal causalfinder causalcompile short scopes graphs graphsbig graphslong causalvs}
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log
   local name=$1 limit=$2; shift 2
   case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
@@ -178,6 +178,11 @@ step graphs "${GRAPHS_S:-150}" bash -c "$(declare -f throughput); cfg=$cfg; REPE
   throughput 64 64 --compile --trainer-eager --compile-scope model --cuda-graphs"
 step graphsbig "${GRAPHS_S:-150}" bash -c "$(declare -f throughput); cfg=$cfg; REPEATS=2;
   throughput 256 128 --compile --trainer-eager --compile-scope model --cuda-graphs"
+# Step 2 (graphslong): the same at 64 x 1 over 200 steps: each timed run builds a fresh model,
+# whose graphs are recorded again for every padded width (a warm-up and a capture each), which
+# 20 steps do not amortise and a trial's thousands of steps do.
+step graphslong "${GRAPHS_S:-150}" bash -c "$(declare -f throughput); cfg=$cfg; REPEATS=2;
+  throughput 64 64 --compile --trainer-eager --compile-scope model --cuda-graphs --steps 200"
 # Step 3 (causalvs): the 1B model, ours compiled by blocks against the eager Trainer, same call.
 TAIL=30 step causalvs "${CAUSALVS_S:-100}" python3 bench/trainer_throughput.py \
   --config bench/configs/.llama-1b.yaml --device cuda --compile --trainer-eager \

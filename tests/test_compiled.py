@@ -168,3 +168,82 @@ def test_auto_compiles_a_shallow_model_whole_and_a_deep_one_by_blocks() -> None:
     assert compiled.compile_model(deep, "auto") is deep  # its blocks compiled in place
     assert ModelConfig().compile_scope == "auto"
     torch.compiler.reset()
+
+
+class _Replayed(torch.autograd.Function):
+    """x @ w whose weight gradient comes out in one buffer reused by every backward, as a CUDA
+    graph's outputs do: a fresh tensor on the pool's storage, which autograd may keep as .grad."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        pool: torch.UntypedStorage,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.pool = pool  # type: ignore[attr-defined]
+        return x @ w
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, w = ctx.saved_tensors  # type: ignore[attr-defined]
+        out = torch.empty(0).set_(ctx.pool, 0, w.shape)  # type: ignore[attr-defined]
+        out.copy_(x.T @ grad)
+        return grad @ w.T, out, None
+
+
+class _ReplayedLinear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 1))
+        self.pool = torch.UntypedStorage(4 * 4)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return _Replayed.apply(input_ids, self.weight, self.pool)
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_accumulation_over_graph_replays_sums_every_micro_batch_when_grads_are_allocated(
+    graphed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The GPU failure of 2026-11-28 (128 x 2 with model.cuda_graphs): the first micro-batch's
+    # gradient was the graph's own buffer, overwritten by the second replay before autograd added
+    # to it. With a gradient of its own (allocate_grads, kept by keep_grads) both count.
+    from contextlib import nullcontext
+
+    from trainer.config import DataConfig, TrainingConfig
+    from trainer.step import accumulate_gradients, allocate_grads, make_optimizer, optimizer_step
+    from trainer.tasks import make_task
+
+    marks: list[int] = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    torch.manual_seed(0)
+    model = _ReplayedLinear()
+    cfg = TrainingConfig(max_grad_norm=None)
+    task = make_task("regression", DataConfig(), cfg)
+    batches = [{"input_ids": torch.randn(3, 4), "labels": torch.randn(3)} for _ in range(2)]
+    whole = torch.cat([b["input_ids"] for b in batches])
+    labels = torch.cat([b["labels"] for b in batches])
+    expected = torch.func.grad(lambda w: ((whole @ w).squeeze(-1) - labels).pow(2).mean())(
+        model.weight.detach()
+    )
+    if graphed:
+        allocate_grads(model)
+    optimizer, _ = make_optimizer(model, cfg)
+    for _ in range(2):  # the grads stay the parameter's own from step to step
+        own = model.weight.grad
+        accumulate_gradients(model, batches, cfg, nullcontext, task, cuda_graphs=graphed)
+        got = model.weight.grad.clone()
+        if graphed:
+            assert model.weight.grad is own
+            torch.testing.assert_close(got, expected)
+        else:  # the hazard itself: only the last micro-batch's gradient is left
+            assert not torch.allclose(got, expected)
+        optimizer_step(model, optimizer, cfg, keep_grads=graphed)
+        expected = torch.func.grad(lambda w: ((whole @ w).squeeze(-1) - labels).pow(2).mean())(
+            model.weight.detach()
+        )
+    assert len(marks) == (4 if graphed else 0)

@@ -52,6 +52,7 @@ from trainer.resume import (
 )
 from trainer.step import (
     accumulate_gradients,
+    allocate_grads,
     grad_accum_steps_for,
     lr_schedule,
     make_optimizer,
@@ -156,13 +157,12 @@ class Trainer:
         self.task.prepare_model(self.model, self.data.train)
         self.trainable_params, self.total_params = parameter_counts(self.model)
         self.forward_model: torch.nn.Module = self.model
-        if self.job.model.compile:
-            model_cfg = self.job.model
-            self.forward_model = compile_model(
-                self.model,
-                model_cfg.compile_scope,
-                model_cfg.cuda_graphs and self.device.type == "cuda",
-            )
+        model_cfg = self.job.model
+        self.graphed = model_cfg.compile and model_cfg.cuda_graphs and self.device.type == "cuda"
+        if model_cfg.compile:
+            self.forward_model = compile_model(self.model, model_cfg.compile_scope, self.graphed)
+        if self.graphed:
+            allocate_grads(self.model)
         self.optimizer, self.optimizer_name = make_optimizer(self.model, self.cfg)
         warmup = round(self.cfg.warmup_ratio * self.total_steps)
         self.scheduler = lr_schedule(self.optimizer, self.cfg.lr_schedule, warmup, self.total_steps)
@@ -215,7 +215,7 @@ class Trainer:
         """Metrics on the evaluation split; an OOM halves the evaluation batch and starts over.
         A model compiled whole into CUDA graphs evaluates uncompiled: a graph's outputs are
         overwritten by its next replay, and evaluation keeps every batch's outputs."""
-        graphed_whole = self.job.model.cuda_graphs and self.forward_model is not self.model
+        graphed_whole = self.graphed and self.forward_model is not self.model
         return self.evaluator(self.model if graphed_whole else self.forward_model)
 
     def is_evaluation_step(self, step: int) -> bool:
@@ -344,14 +344,15 @@ class Trainer:
             self.task,
             self.class_weights,
             self.scaler,
+            cuda_graphs=self.graphed,
         )
-        optimizer_step(self.model, self.optimizer, self.cfg, self.scaler)
+        optimizer_step(self.model, self.optimizer, self.cfg, self.scaler, keep_grads=self.graphed)
         return loss
 
     def _recover_from_oom(self) -> None:
         """Drop the partial accumulation and free memory; halve the micro-batch, so the same
         optimizer step is redone with twice the accumulation and the same effective batch."""
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.graphed)
         release_memory(self.device)
         if self.physical_batch_size == 1:
             raise OutOfMemoryAtBatchOne(

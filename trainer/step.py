@@ -87,8 +87,13 @@ def accumulate_gradients(
     task: Task,
     class_weights: torch.Tensor | None = None,
     scaler: torch.amp.GradScaler | None = None,
+    cuda_graphs: bool = False,
 ) -> torch.Tensor:
     """Forward and backward every micro-batch of one optimizer step; returns the step's loss.
+
+    With `cuda_graphs` (a model compiled with model.cuda_graphs) each micro-batch begins a new
+    graph step: the previous micro-batch's backward is done, so its graph outputs may be reused
+    (without this, accumulation read outputs that the next replay had overwritten).
 
     Each micro-batch's loss is its summed loss divided by the units (examples, or counted
     tokens) of the whole step, so the accumulated gradient is exactly that of the step's mean
@@ -100,6 +105,8 @@ def accumulate_gradients(
     for batch in micro_batches:
         labels = batch["labels"]
         inputs = {k: v for k, v in batch.items() if k != "labels"}
+        if cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         with autocast():
             logits, labels = task.logits(model, inputs, labels)
         loss = task.loss_sum(logits, labels, class_weights, cfg.label_smoothing) / units
@@ -113,8 +120,10 @@ def optimizer_step(
     optimizer: torch.optim.Optimizer,
     cfg: TrainingConfig,
     scaler: torch.amp.GradScaler | None = None,
+    keep_grads: bool = False,
 ) -> None:
-    """Unscale (fp16), clip, step and clear the gradients of one accumulated step."""
+    """Unscale (fp16), clip, step and clear the gradients of one accumulated step; zeroed in
+    place with `keep_grads` (see `allocate_grads`), else freed."""
     if scaler is not None:
         scaler.unscale_(optimizer)
     if cfg.max_grad_norm is not None:
@@ -124,4 +133,16 @@ def optimizer_step(
         scaler.update()
     else:
         optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=not keep_grads)
+
+
+def allocate_grads(model: torch.nn.Module) -> None:
+    """Give every trainable parameter a zero gradient of its own, kept from step to step.
+
+    For a model replayed as CUDA graphs: a backward's gradient is a graph output, and a
+    parameter without a gradient would take that buffer as its own, which the next micro-batch's
+    replay overwrites before the accumulation reads it. With a gradient of its own, autograd
+    adds into it in place."""
+    for param in model.parameters():
+        if param.requires_grad and param.grad is None:
+            param.grad = torch.zeros_like(param)

@@ -62,9 +62,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default=None, help="override training.device")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument(
-        "--hidden-size", type=int, default=None,
+        "--hidden-size",
+        type=int,
+        default=None,
         help="an inline model's hidden size (intermediate 4x): bigger checkpoints",
-    )  # fmt: skip
+    )
     return parser.parse_args(argv)
 
 
@@ -108,8 +110,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _train_once(job: TrainJob, data: PreparedData, mode: str, url: str, store_kind: str,
-                scratch: Path) -> Run:  # fmt: skip
+def _train_once(
+    job: TrainJob, data: PreparedData, mode: str, url: str, store_kind: str, scratch: Path
+) -> Run:
     folder = Path(tempfile.mkdtemp(dir=scratch)) / FOLDER
     checkpoints = None if mode == "none" else CheckpointStore(folder, interval_s=0.0)
     artifacts = ArtifactStore(url)
@@ -121,8 +124,9 @@ def _train_once(job: TrainJob, data: PreparedData, mode: str, url: str, store_ki
     if checkpoints is not None and mode == "blocking":
         checkpoints.on_saved = _blocking(artifacts, blocking_s)
     started = time.perf_counter()
-    result = train(replace(job, training=replace(job.training)), data, None, "accuracy",
-                   checkpoints)  # fmt: skip
+    result = train(
+        replace(job, training=replace(job.training)), data, None, "accuracy", checkpoints
+    )
     wall_s = time.perf_counter() - started
     tail_s, upload_s = 0.0, blocking_s[0]
     if uploader is not None:
@@ -130,9 +134,15 @@ def _train_once(job: TrainJob, data: PreparedData, mode: str, url: str, store_ki
         uploader.close(timeout_s=600)
         tail_s, upload_s = time.perf_counter() - waited, uploader.stats.upload_s
     # The last run's folder stays for the transfer timings.
-    return Run(mode, store_kind if mode not in ("none", "local") else "-", wall_s,
-               checkpoints.seconds if checkpoints else 0.0, upload_s, tail_s,
-               len(result.evaluations))  # fmt: skip
+    return Run(
+        mode,
+        store_kind if mode not in ("none", "local") else "-",
+        wall_s,
+        checkpoints.seconds if checkpoints else 0.0,
+        upload_s,
+        tail_s,
+        len(result.evaluations),
+    )
 
 
 def _blocking(artifacts: ArtifactStore, spent: list[float]) -> Callable[[str, Path], None]:
@@ -162,8 +172,10 @@ def _transfers(url: str, store_kind: str, scratch: Path) -> list[str]:
         started = time.perf_counter()
         artifacts.fetch(STUDY, "trial-9", kind, Path(tempfile.mkdtemp(dir=scratch)) / "x")
         down_s = time.perf_counter() - started
-        lines.append(f"{store_kind} {kind}: {manifest.size / 1e6:.1f} MB, upload {up_s:.3f} s, "
-                     f"download (sha256 checked) {down_s:.3f} s")  # fmt: skip
+        lines.append(
+            f"{store_kind} {kind}: {manifest.size / 1e6:.1f} MB, upload {up_s:.3f} s, "
+            f"download (sha256 checked) {down_s:.3f} s"
+        )
     return lines
 
 
@@ -176,11 +188,15 @@ def _table(runs: list[Run]) -> str:
     keys = list(dict.fromkeys((r.mode, r.store) for r in runs))
     for mode, store in keys:
         same = [r for r in runs if (r.mode, r.store) == (mode, store)]
-        med = {name: statistics.median(getattr(r, name) for r in same)
-               for name in ("wall_s", "checkpoint_s", "upload_s", "tail_s")}  # fmt: skip
-        lines.append(f"| {mode} | {store} | {med['wall_s']:.2f} | {med['checkpoint_s']:.2f} | "
-                     f"{med['upload_s']:.2f} | {med['tail_s']:.2f} | {same[0].evaluations} | "
-                     f"{len(same)} |")  # fmt: skip
+        med = {
+            name: statistics.median(getattr(r, name) for r in same)
+            for name in ("wall_s", "checkpoint_s", "upload_s", "tail_s")
+        }
+        lines.append(
+            f"| {mode} | {store} | {med['wall_s']:.2f} | {med['checkpoint_s']:.2f} | "
+            f"{med['upload_s']:.2f} | {med['tail_s']:.2f} | {same[0].evaluations} | "
+            f"{len(same)} |"
+        )
     return "\n".join(lines)
 
 
@@ -192,9 +208,13 @@ def _store(kind: str, scratch: Path) -> Iterator[str]:
         return
     with _moto_server() as endpoint:
         os.environ.update(
-            {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench",
-             "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
-        )  # fmt: skip
+            {
+                "AWS_ENDPOINT_URL": endpoint,
+                "AWS_ACCESS_KEY_ID": "bench",
+                "AWS_SECRET_ACCESS_KEY": "bench",
+                "AWS_DEFAULT_REGION": "us-east-1",
+            }
+        )
         import boto3
 
         boto3.client("s3").create_bucket(Bucket="bench")
@@ -208,8 +228,9 @@ def _moto_server() -> Iterator[str]:
         port = probe.getsockname()[1]
     server = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:

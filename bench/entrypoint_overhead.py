@@ -78,8 +78,19 @@ def run_hpo(url: str, trials: int, folder: Path) -> tuple[float, list[float]]:
     path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "bench"), str(REPO)])}
     started = time.perf_counter()
-    command = [sys.executable, "-m", "hpo", "run", "--config", str(path), "--study", "hpo",
-               "--storage", url, "--quiet"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "hpo",
+        "run",
+        "--config",
+        str(path),
+        "--study",
+        "hpo",
+        "--storage",
+        url,
+        "--quiet",
+    ]
     subprocess.run(command, cwd=folder, env=env, check=True, capture_output=True)
     wall_s = time.perf_counter() - started
     return wall_s, per_trial_s(optuna.load_study(study_name="hpo", storage=url))
@@ -99,10 +110,11 @@ def main() -> None:
     plain_s, hpo_s = statistics.median(plain[1:]), statistics.median(hpo[1:])
     print(f"{args.trials} trials of a {args.seconds:g} s function, one SQLite storage")
     print(f"{'':24} {'per trial (median)':>18} {'max':>8} {'first':>8} {'whole run':>10}")
-    for name, wall, gaps, median in (("optuna study.optimize", plain_wall, plain, plain_s),
-                                     ("hpo run (entrypoint)", hpo_wall, hpo, hpo_s)):  # fmt: skip
-        print(f"{name:24} {median:>17.3f}s {max(gaps[1:]):>7.3f}s {gaps[0]:>7.3f}s "
-              f"{wall:>9.2f}s")  # fmt: skip
+    for name, wall, gaps, median in (
+        ("optuna study.optimize", plain_wall, plain, plain_s),
+        ("hpo run (entrypoint)", hpo_wall, hpo, hpo_s),
+    ):
+        print(f"{name:24} {median:>17.3f}s {max(gaps[1:]):>7.3f}s {gaps[0]:>7.3f}s {wall:>9.2f}s")
     print(f"hpo / optuna per trial: {hpo_s / plain_s:.3f}x (goal: at most 1.2x)")
 
 

@@ -119,15 +119,22 @@ def bench_length(
     finder = BatchFinder(probe_job, labels, torch.device("cuda"))
     search = finder.run()
     limit, chosen = search.limit, search.chosen
-    print(f"max_length {max_length}: limit {limit}, chosen {chosen}, "
-          f"{len(search.probes)} probes in {search.seconds:.1f} s", flush=True)  # fmt: skip
+    print(
+        f"max_length {max_length}: limit {limit}, chosen {chosen}, "
+        f"{len(search.probes)} probes in {search.seconds:.1f} s",
+        flush=True,
+    )
     above = limit + max(1, math.ceil(0.02 * limit))
     job = make_job(folder, max_length, rows=4 * limit * steps, eval_rows=4 * limit, base=base)
     runs = []
     # Two micro-batches of exactly the size asked, as in any accumulated step; the last run
     # asks for one micro-batch of twice the limit.
-    for physical, effective in ((chosen, 2 * chosen), (limit, 2 * limit), (above, 2 * above),
-                                (2 * limit, 2 * limit)):  # fmt: skip
+    for physical, effective in (
+        (chosen, 2 * chosen),
+        (limit, 2 * limit),
+        (above, 2 * above),
+        (2 * limit, 2 * limit),
+    ):
         store = None
         if physical == chosen:
             store = CheckpointStore(folder / f"ckpt-{max_length}")
@@ -147,9 +154,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per training run")
     parser.add_argument("--out", default=None, help="folder for results.json")
     parser.add_argument(
-        "--config", default=None,
+        "--config",
+        default=None,
         help="the model, task and adapter of this config (its data and search are not used)",
-    )  # fmt: skip
+    )
     args = parser.parse_args()
     base = load_config(args.config).job() if args.config else None
     if not torch.cuda.is_available():
@@ -162,20 +170,24 @@ def main() -> None:
     if args.out:
         name = f"gpu_batch_finder-{Path(args.config).stem}" if args.config else "gpu_batch_finder"
         Path(args.out, f"{name}.json").write_text(json.dumps(results, indent=1))
-    print("\n| max_length | limit | chosen | probes | search s | probe peak GiB at limit "
-          "| run at | effective | OOM recoveries | final physical | peak GiB | samples/s "
-          "| checkpoint s |")  # fmt: skip
+    print(
+        "\n| max_length | limit | chosen | probes | search s | probe peak GiB at limit "
+        "| run at | effective | OOM recoveries | final physical | peak GiB | samples/s "
+        "| checkpoint s |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         s = r["search"]
         at_limit = [p["peak_mem_bytes"] for p in s["probes"] if p["size"] == s["limit"]]
         probe_peak = round(at_limit[-1] / 2**30, 2) if at_limit and at_limit[-1] else None
         for run in r["runs"]:
-            print(f"| {r['max_length']} | {s['limit']} | {s['chosen']} | {len(s['probes'])} "
-                  f"| {s['seconds']:.1f} | {probe_peak} | {run['physical_asked']} "
-                  f"| {run['effective']} | {run['oom_recoveries']} | {run['physical_final']} "
-                  f"| {run['peak_mem_gib']} | {run['samples_per_s']} "
-                  f"| {run['checkpoint_s']} |")  # fmt: skip
+            print(
+                f"| {r['max_length']} | {s['limit']} | {s['chosen']} | {len(s['probes'])} "
+                f"| {s['seconds']:.1f} | {probe_peak} | {run['physical_asked']} "
+                f"| {run['effective']} | {run['oom_recoveries']} | {run['physical_final']} "
+                f"| {run['peak_mem_gib']} | {run['samples_per_s']} "
+                f"| {run['checkpoint_s']} |"
+            )
 
 
 if __name__ == "__main__":

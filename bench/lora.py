@@ -93,8 +93,13 @@ def folder_bytes(path: Path) -> int:
 def measure(name: str, job: TrainJob, data: PreparedData, budget: int, scratch: Path) -> Outcome:
     labels = data.label_names
     peak = worst_case_peak(job, labels, job.training.physical_batch_size)  # type: ignore[arg-type]
-    found = batch_found(dataclasses.replace(job, training=dataclasses.replace(
-        job.training, physical_batch_size="auto")), labels, budget)  # fmt: skip
+    found = batch_found(
+        dataclasses.replace(
+            job, training=dataclasses.replace(job.training, physical_batch_size="auto")
+        ),
+        labels,
+        budget,
+    )
     # The evaluation halfway writes the resume state (what a retry downloads), and the best
     # model (what a trial uploads).
     store = CheckpointStore(scratch / name, interval_s=0.0)
@@ -121,23 +126,32 @@ def table(outcomes: list[Outcome], budget: int, batch: int, length: int) -> str:
         "|---|" + "---:|" * len(outcomes),
         "| learning rate | " + " | ".join(f"{o.learning_rate:g}" for o in outcomes) + " |",
         "| trainable parameters | "
-        + " | ".join(f"{o.trainable_params:,} of {o.total_params:,} "
-                     f"({100 * o.trainable_params / o.total_params:.2f}%)" for o in outcomes)
+        + " | ".join(
+            f"{o.trainable_params:,} of {o.total_params:,} "
+            f"({100 * o.trainable_params / o.total_params:.2f}%)"
+            for o in outcomes
+        )
         + " |",
         f"| peak memory, worst-case step at batch {batch} x {length} tokens | "
-        + " | ".join(f"{o.peak_mem_bytes / mib:,.0f} MiB" for o in outcomes) + " |",
+        + " | ".join(f"{o.peak_mem_bytes / mib:,.0f} MiB" for o in outcomes)
+        + " |",
         f"| physical batch found under {budget / mib:,.0f} MiB (simulated) | "
-        + " | ".join(str(o.batch_found) for o in outcomes) + " |",
+        + " | ".join(str(o.batch_found) for o in outcomes)
+        + " |",
         f"| training samples/s (batch {batch}, effective 32) | "
-        + " | ".join(f"{o.samples_per_s:,.1f}" for o in outcomes) + " |",
+        + " | ".join(f"{o.samples_per_s:,.1f}" for o in outcomes)
+        + " |",
         "| resume checkpoint | "
-        + " | ".join(f"{o.checkpoint_bytes / mib:,.2f} MiB" for o in outcomes) + " |",
+        + " | ".join(f"{o.checkpoint_bytes / mib:,.2f} MiB" for o in outcomes)
+        + " |",
         "| best model uploaded | "
-        + " | ".join(f"{o.best_model_bytes / mib:,.2f} MiB" for o in outcomes) + " |",
+        + " | ".join(f"{o.best_model_bytes / mib:,.2f} MiB" for o in outcomes)
+        + " |",
         "| accuracy after "
         + f"{outcomes[0].samples:,} samples | "
-        + " | ".join(f"{o.accuracy:.3f}" for o in outcomes) + " |",
-    ]  # fmt: skip
+        + " | ".join(f"{o.accuracy:.3f}" for o in outcomes)
+        + " |",
+    ]
     return "\n".join(rows)
 
 
@@ -164,8 +178,10 @@ def main() -> None:
             started = time.perf_counter()
             outcomes.append(measure(name, job, data, budget, Path(folder)))
             print(f"{name}: {time.perf_counter() - started:.0f} s", flush=True)
-    print(f"MiniLM-L6 on data/nli ({len(data.train)} train, {len(data.eval)} eval pairs), CPU, "
-          f"torch {torch.__version__} with {torch.get_num_threads()} threads")  # fmt: skip
+    print(
+        f"MiniLM-L6 on data/nli ({len(data.train)} train, {len(data.eval)} eval pairs), CPU, "
+        f"torch {torch.__version__} with {torch.get_num_threads()} threads"
+    )
     print(table(outcomes, budget, args.physical_batch, args.max_length))
 
 

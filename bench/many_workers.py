@@ -159,10 +159,20 @@ def _measure(workers: int, per_worker: int, on_demand: bool, url: str, worker_ur
         states[trial.state.name] += 1
     cycles = _cycles_ms(trials)
     return Result(
-        workers, budget, seconds, len(trials), dict(states),
-        _percentile(cycles, 50), _percentile(cycles, 99), watch.total, watch.per_process,
-        len(failed), error_lines, retries, first_error,
-    )  # fmt: skip
+        workers,
+        budget,
+        seconds,
+        len(trials),
+        dict(states),
+        _percentile(cycles, 50),
+        _percentile(cycles, 99),
+        watch.total,
+        watch.per_process,
+        len(failed),
+        error_lines,
+        retries,
+        first_error,
+    )
 
 
 def _cycles_ms(trials: list[optuna.trial.FrozenTrial]) -> list[float]:
@@ -194,33 +204,46 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[8, 32, 128, 256])
     parser.add_argument("--trials-per-worker", type=int, default=3)
     parser.add_argument(
-        "--connections", nargs="+", choices=["pooled", "on_demand"],
-        default=["pooled", "on_demand"], help="study.database_connections, each in turn",
-    )  # fmt: skip
+        "--connections",
+        nargs="+",
+        choices=["pooled", "on_demand"],
+        default=["pooled", "on_demand"],
+        help="study.database_connections, each in turn",
+    )
     parser.add_argument(
-        "--pgbouncer", type=int, nargs="+", default=[0], metavar="POOL",
+        "--pgbouncer",
+        type=int,
+        nargs="+",
+        default=[0],
+        metavar="POOL",
         help="through PgBouncer (deploy/pgbouncer/pgbouncer.ini, session mode) holding POOL "
         "server connections; 0: straight to the server (default)",
-    )  # fmt: skip
+    )
     args = parser.parse_args()
     with sa.create_engine(args.admin_url).connect() as conn:
         limit = conn.execute(sa.text("SHOW max_connections")).scalar()
     pool = engine_kwargs("postgresql")
-    print(f"PostgreSQL max_connections {limit}; a pooled worker's pool: {pool['pool_size']} + "
-          f"{pool['max_overflow']} overflow; {args.trials_per_worker} trials a worker")  # fmt: skip
-    print("| connections | PgBouncer pool | workers | trials/s | cycle p50 ms | cycle p99 ms "
-          "| server connections (most at once) | most per worker | errors | retries "
-          "| budget exact, none RUNNING | states |")  # fmt: skip
+    print(
+        f"PostgreSQL max_connections {limit}; a pooled worker's pool: {pool['pool_size']} + "
+        f"{pool['max_overflow']} overflow; {args.trials_per_worker} trials a worker"
+    )
+    print(
+        "| connections | PgBouncer pool | workers | trials/s | cycle p50 ms | cycle p99 ms "
+        "| server connections (most at once) | most per worker | errors | retries "
+        "| budget exact, none RUNNING | states |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
     runs = ((m, b, w) for m in args.connections for b in args.pgbouncer for w in args.workers)
     for mode, bouncer, workers in runs:
         r = measure(workers, args.trials_per_worker, mode == "on_demand", args.admin_url, bouncer)
         states = ", ".join(f"{k} {v}" for k, v in sorted(r.states.items()))
-        print(f"| {mode} | {bouncer or 'none'} | {r.workers} | {r.trials / r.seconds:.1f} "
-              f"| {r.cycle_p50_ms:.0f} | {r.cycle_p99_ms:.0f} | {r.connections} | {r.per_worker} "
-              f"| {r.errors} | {r.retries} "
-              f"| {'yes' if r.exact else f'NO: {r.trials} of {r.budget}'} | {states} |",
-              flush=True)  # fmt: skip
+        print(
+            f"| {mode} | {bouncer or 'none'} | {r.workers} | {r.trials / r.seconds:.1f} "
+            f"| {r.cycle_p50_ms:.0f} | {r.cycle_p99_ms:.0f} | {r.connections} | {r.per_worker} "
+            f"| {r.errors} | {r.retries} "
+            f"| {'yes' if r.exact else f'NO: {r.trials} of {r.budget}'} | {states} |",
+            flush=True,
+        )
         if r.first_error:
             print(f"  first failed worker's last line: {r.first_error}", flush=True)
 

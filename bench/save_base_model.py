@@ -34,8 +34,10 @@ def main() -> None:
     load_tokenizer(config.model, config.task).save_pretrained(args.folder)
     count = sum(p.numel() for p in model.parameters())
     kind = config.model.config.get("model_type")
-    print(f"saved {kind} ({count / 1e6:.0f}M parameters) to {args.folder} "
-          f"in {time.perf_counter() - started:.1f} s")  # fmt: skip
+    print(
+        f"saved {kind} ({count / 1e6:.0f}M parameters) to {args.folder} "
+        f"in {time.perf_counter() - started:.1f} s"
+    )
 
 
 if __name__ == "__main__":

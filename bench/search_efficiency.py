@@ -115,7 +115,7 @@ STRATEGIES: dict[str, dict[str, Any]] = {
             "effective_batch_size": 32,
             "warmup_ratio": 0.1,
             "weight_decay": 0.01,
-        },  # fmt: skip
+        },
     },
     "TPE + median, margin 0.01": {
         "sampler": {"type": "tpe", "multivariate": False},
@@ -330,8 +330,9 @@ def strategy_raw(raw: dict[str, Any], strategy: str, seed: int) -> dict[str, Any
     study["sampler"] = {**settings.get("sampler", {}), "seed": seed}
     if "pruner" in settings:
         per_epoch = raw.get("training", {}).get("evals_per_epoch", 1)
-        study["pruner"] = {k: per_epoch if v == "epoch" else v
-                           for k, v in settings["pruner"].items()}  # fmt: skip
+        study["pruner"] = {
+            k: per_epoch if v == "epoch" else v for k, v in settings["pruner"].items()
+        }
     if "enqueue" in settings:  # the recipe's values of the task's parameters
         recipe = {k: v for k, v in settings["enqueue"].items() if k in raw["search_space"]}
         study["enqueue"] = [recipe]
@@ -364,8 +365,10 @@ def replay(task: str, strategy: str, seed: int, n_trials: int) -> Search:
     config = strategy_config(raw, source, strategy, seed)
     metric = config.study.primary_metric
     if config.study.resolved_direction != "maximize":
-        raise SystemExit(f"{task}: the replay takes the best value as the largest; give the "
-                         "task a metric to maximize")  # fmt: skip
+        raise SystemExit(
+            f"{task}: the replay takes the best value as the largest; give the "
+            "task a metric to maximize"
+        )
     study = optuna.create_study(
         direction="maximize",
         sampler=build_sampler(config.study.sampler, 0, config.search_space),
@@ -436,10 +439,23 @@ def real_search(task: str, strategy: str, seed: int, n_trials: int, folder: Path
     config.write_text(yaml.safe_dump(raw), encoding="utf-8")
     url = f"sqlite:///{run / 'study.db'}"
     done = subprocess.run(
-        [sys.executable, "-m", "hpo", "run", "--study", "s", "--config", str(config),
-         "--storage", url, "--quiet"],
-        cwd=run, capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "hpo",
+            "run",
+            "--study",
+            "s",
+            "--config",
+            str(config),
+            "--storage",
+            url,
+            "--quiet",
+        ],
+        cwd=run,
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         raise SystemExit(f"{strategy}, seed {seed}: hpo run failed:\n{done.stderr[-3000:]}")
     trials = optuna.load_study(study_name="s", storage=url).get_trials()
@@ -519,19 +535,26 @@ def verdicts(searches: list[Search], n_trials: int, unit: str) -> dict[str, Verd
         reaching[strategy] = len(reached)
     found = {}
     for strategy, runs in by_strategy.items():
-        paired = [(s.best[n_trials - 1], randoms[s.seed].best[n_trials - 1]) for s in runs
-                  if s.seed in randoms]  # fmt: skip
+        paired = [
+            (s.best[n_trials - 1], randoms[s.seed].best[n_trials - 1])
+            for s in runs
+            if s.seed in randoms
+        ]
         ranked = zip(sorted(a for a, _ in paired), sorted(b for _, b in paired), strict=True)
         worse = sum(ours < theirs - TOLERANCE for ours, theirs in ranked)
         by_seed = sum(ours < theirs - TOLERANCE for ours, theirs in paired)
         median = medians[strategy]
         ratio = median / medians[RANDOM] if math.isfinite(median) else math.inf
         found[strategy] = Verdict(
-            strategy, ratio, reaching[strategy], len(runs),
+            strategy,
+            ratio,
+            reaching[strategy],
+            len(runs),
             statistics.median(s.best[n_trials - 1] for s in runs),
-            target, worse / len(paired) if paired else math.nan,
+            target,
+            worse / len(paired) if paired else math.nan,
             by_seed / len(paired) if paired else math.nan,
-        )  # fmt: skip
+        )
     return found
 
 
@@ -592,8 +615,11 @@ def choose(by_task: dict[str, dict[str, Verdict]]) -> list[str]:
     that keep the rule on every task, the least worst-task compute ratio against random
     search; if none keeps it, the one that misses it on fewest tasks, and by how much."""
     tasks = list(by_task)
-    strategies = [s for s in next(iter(by_task.values())) if s != RANDOM
-                  and all(s in by_task[t] for t in tasks)]  # fmt: skip
+    strategies = [
+        s
+        for s in next(iter(by_task.values()))
+        if s != RANDOM and all(s in by_task[t] for t in tasks)
+    ]
 
     def cell(verdict: Verdict) -> str:
         ratio = f"{verdict.ratio:.2f}x" if math.isfinite(verdict.ratio) else "not reached"
@@ -636,11 +662,15 @@ def choose(by_task: dict[str, dict[str, Verdict]]) -> list[str]:
         for t in tasks:
             v = by_task[t][best]
             if not v.meets_rule:
-                shortfalls.append(f"{t}: median best {v.final:.4f} against random's "
-                                  f"{v.random_final:.4f}, {v.worse:.0%} of seeds worse by > "
-                                  f"{TOLERANCE}")  # fmt: skip
-        lines.append(f"no strategy keeps the rule on every task; the nearest, {best}, misses it "
-                     f"on {misses(best)} ({'; '.join(shortfalls)})")  # fmt: skip
+                shortfalls.append(
+                    f"{t}: median best {v.final:.4f} against random's "
+                    f"{v.random_final:.4f}, {v.worse:.0%} of seeds worse by > "
+                    f"{TOLERANCE}"
+                )
+        lines.append(
+            f"no strategy keeps the rule on every task; the nearest, {best}, misses it "
+            f"on {misses(best)} ({'; '.join(shortfalls)})"
+        )
     return lines
 
 
@@ -659,8 +689,10 @@ def rarity(task: str) -> str:
     values = table.values(config.study.primary_metric)
     top = max(values)
     near = sum(v >= top - 0.01 for v in values) / len(values)
-    return (f"grid: {len(values)} runs; best {top:.4f}; within one point of it: {near:.0%} of "
-            f"runs; median run {statistics.median(values):.4f}")  # fmt: skip
+    return (
+        f"grid: {len(values)} runs; best {top:.4f}; within one point of it: {near:.0%} of "
+        f"runs; median run {statistics.median(values):.4f}"
+    )
 
 
 def branches(task: str) -> str:
@@ -671,8 +703,12 @@ def branches(task: str) -> str:
     parts = []
     for name in condition_names(config.search_space):
         for value in config.search_space[name].choices or []:
-            runs = [run for key, point_runs in table.runs.items() if (name, value) in key
-                    for run in point_runs]  # fmt: skip
+            runs = [
+                run
+                for key, point_runs in table.runs.items()
+                if (name, value) in key
+                for run in point_runs
+            ]
             top = max(runs, key=lambda run: best_of(run, metric))
             where = ", ".join(f"{k} {v}" for k, v in top.params.items() if k != name)
             parts.append(f"{name} {value}: {best_of(top, metric):.4f} ({where})")
@@ -706,8 +742,11 @@ def condition_use(task: str, searches: list[Search]) -> list[str]:
         for name in columns:
             counts = Counter(point[name] for point in points if name in point)
             total = sum(counts.values())
-            cells.append(", ".join(f"{value}: {count / total:.0%}"
-                                   for value, count in sorted(counts.items())))  # fmt: skip
+            cells.append(
+                ", ".join(
+                    f"{value}: {count / total:.0%}" for value, count in sorted(counts.items())
+                )
+            )
         lines.append(f"| {strategy} | " + " | ".join(cells) + " |")
     return lines
 
@@ -800,21 +839,29 @@ def real_runs(args: argparse.Namespace) -> None:
         have = {(s.strategy, s.seed) for s in done}
         started = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="hpo-search-") as folder:
-            jobs = [(task, s, seed, total, Path(folder)) for s in strategies
-                    for seed in range(args.seeds) if (s, seed) not in have]  # fmt: skip
+            jobs = [
+                (task, s, seed, total, Path(folder))
+                for s in strategies
+                for seed in range(args.seeds)
+                if (s, seed) not in have
+            ]
             with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
                 for search in pool.imap_unordered(_real_search, jobs):
                     with path.open("a", encoding="utf-8") as out:
                         out.write(json.dumps(dataclasses.asdict(search)) + "\n")
                     done.append(search)
-                    print(f"{search.strategy}, seed {search.seed}: best {search.best[-1]:.4f}, "
-                          f"{search.samples[-1] / 1e6:.3f} M samples, {search.pruned} pruned",
-                          flush=True)  # fmt: skip
+                    print(
+                        f"{search.strategy}, seed {search.seed}: best {search.best[-1]:.4f}, "
+                        f"{search.samples[-1] / 1e6:.3f} M samples, {search.pruned} pruned",
+                        flush=True,
+                    )
         searches = [s for s in done if s.strategy in strategies and s.seed < args.seeds]
         print("\n".join(report(task, searches, n_trials, args.unit)))
-        print(f"({len(jobs)} real studies of {total} trials run in "
-              f"{time.perf_counter() - started:.0f} s; {len(searches) - len(jobs)} read from "
-              f"{path.relative_to(REPO)})\n")  # fmt: skip
+        print(
+            f"({len(jobs)} real studies of {total} trials run in "
+            f"{time.perf_counter() - started:.0f} s; {len(searches) - len(jobs)} read from "
+            f"{path.relative_to(REPO)})\n"
+        )
         print("\n".join(agreement(task, searches, n_trials, args.unit)))
 
 
@@ -825,8 +872,11 @@ def _real_search(job: tuple[str, str, int, int, Path]) -> Search:
 def agreement(task: str, real: list[Search], n_trials: int, unit: str) -> list[str]:
     """Real studies against 100 replayed ones of the same strategies: where each real study's
     best value and compute fall in the replay's spread."""
-    replayed = [replay(task, s, seed, n_trials) for s in sorted({r.strategy for r in real})
-                for seed in range(100)]  # fmt: skip
+    replayed = [
+        replay(task, s, seed, n_trials)
+        for s in sorted({r.strategy for r in real})
+        for seed in range(100)
+    ]
     lines = [
         f"| strategy | real: best after {n_trials} trials, per seed | replay (100 seeds): "
         f"best, median [10th, 90th percentile] | real: compute ({unit}) | replay: compute, "

@@ -229,8 +229,11 @@ def main() -> None:
             out.flush()
             best = max((e["metrics"][metric] for e in record["evaluations"]), default=0.0)
             elapsed = time.perf_counter() - started
-            print(f"[{i}/{len(todo)} {elapsed:.0f}s] {record['params']} seed {record['seed']}: "
-                  f"{record['status']}, best {metric} {best:.3f}", flush=True)  # fmt: skip
+            print(
+                f"[{i}/{len(todo)} {elapsed:.0f}s] {record['params']} seed {record['seed']}: "
+                f"{record['status']}, best {metric} {best:.3f}",
+                flush=True,
+            )
 
 
 def _metric(task: str) -> str:

@@ -39,8 +39,17 @@ def model_config(path: Path) -> transformers.PretrainedConfig:
 
 
 class Variant:
-    def __init__(self, name: str, *, compiled: str = "", mask: bool = True, bf16: bool = False,
-                 clip: bool = True, batch: int | None = None, graph: str = "") -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        *,
+        compiled: str = "",
+        mask: bool = True,
+        bf16: bool = False,
+        clip: bool = True,
+        batch: int | None = None,
+        graph: str = "",
+    ) -> None:
         self.name, self.compiled, self.mask, self.bf16, self.clip = name, compiled, mask, bf16, clip
         self.batch = batch
         # "": none; "reduce-overhead": torch.compile's CUDA graphs (forward and backward);
@@ -68,9 +77,12 @@ VARIANTS = [
 
 
 def make_step(
-    variant: Variant, cfg: transformers.PretrainedConfig, batch: int, length: int,
+    variant: Variant,
+    cfg: transformers.PretrainedConfig,
+    batch: int,
+    length: int,
     device: torch.device,
-) -> tuple[Callable[[], torch.Tensor], torch.nn.Module]:  # fmt: skip
+) -> tuple[Callable[[], torch.Tensor], torch.nn.Module]:
     torch.manual_seed(0)
     model = transformers.AutoModelForSequenceClassification.from_config(
         cfg, attn_implementation="sdpa"
@@ -105,8 +117,12 @@ def make_step(
         if variant.graph == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()
         # a captured step must not reuse autocast's casts cached outside the capture
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not variant.bf16,
-                            cache_enabled=not capturable):  # fmt: skip
+        with torch.autocast(
+            device.type,
+            dtype=torch.bfloat16,
+            enabled=not variant.bf16,
+            cache_enabled=not capturable,
+        ):
             logits = forward(input_ids=ids, attention_mask=mask).logits
         loss = torch.nn.functional.cross_entropy(logits.float(), labels)
         loss.backward()
@@ -199,8 +215,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg.max_position_embeddings = max(cfg.max_position_embeddings, args.length)
     chosen = [int(n) for n in args.only.split(",") if n] or list(range(1, len(VARIANTS) + 1))
     profiled = {int(n) for n in args.profile.split(",") if n}
-    print(f"{name}, torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"length {args.length}, batch {args.batch}, peak {peak:g} TFLOPS")  # fmt: skip
+    print(
+        f"{name}, torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"length {args.length}, batch {args.batch}, peak {peak:g} TFLOPS"
+    )
     print("| # | variant | batch | ms/step | TFLOPS | MFU |\n|---:|---|---:|---:|---:|---:|")
     for number in chosen:  # in the order given: the most telling first, when time is short
         variant = VARIANTS[number - 1]
@@ -210,15 +228,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             step, model = make_step(variant, cfg, batch, args.length, device)
             seconds = time_steps(step, args.steps, args.warmup)
         except Exception as e:  # one variant failing (a capture refused) leaves the others
-            print(f"| {number} | {variant.name} | {batch} | failed: {type(e).__name__}: "
-                  f"{str(e).splitlines()[0][:200]} |", flush=True)  # fmt: skip
+            print(
+                f"| {number} | {variant.name} | {batch} | failed: {type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200]} |",
+                flush=True,
+            )
             torch.compiler.reset()
             continue
         flops = flops_per_token(model, args.length) * batch * args.length  # the MFU of bench/README
         tflops = flops / seconds / 1e12
-        print(f"| {number} | {variant.name} | {batch} | {1000 * seconds:.1f} | {tflops:.0f} "
-              f"| {100 * tflops / peak:.1f}% |  (wall {time.perf_counter() - started:.0f} s)",
-              flush=True)  # fmt: skip
+        print(
+            f"| {number} | {variant.name} | {batch} | {1000 * seconds:.1f} | {tflops:.0f} "
+            f"| {100 * tflops / peak:.1f}% |  (wall {time.perf_counter() - started:.0f} s)",
+            flush=True,
+        )
         if number in profiled:
             profile(step, 5, args.rows)
         del step, model

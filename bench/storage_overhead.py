@@ -84,8 +84,9 @@ def worker(variant: str, url: str, n_trials: int, barrier: Barrier) -> None:
     if variant == "optuna":
         _optuna_worker(url, n_trials, barrier)
     else:
-        _hpo_worker("none" if variant == "hpo, trial in worker" else "process", url, n_trials,
-                    barrier)  # fmt: skip
+        _hpo_worker(
+            "none" if variant == "hpo, trial in worker" else "process", url, n_trials, barrier
+        )
 
 
 def _optuna_worker(url: str, n_trials: int, barrier: Barrier) -> None:
@@ -168,10 +169,14 @@ def main() -> None:
         "--repeat", type=int, default=3, help="interleaved rounds; the median round counts"
     )
     args = parser.parse_args()
-    print(f"trivial trials ({EVALUATIONS} reports each), PostgreSQL, budget {args.trials}, "
-          f"median of {args.repeat} interleaved rounds")  # fmt: skip
-    print(f"{'workers':>7}  {'variant':<22} {'trials':>6} {'trials/s':>9} {'ms/trial':>9}  "
-          f"{'spread':>13}  ratio")  # fmt: skip
+    print(
+        f"trivial trials ({EVALUATIONS} reports each), PostgreSQL, budget {args.trials}, "
+        f"median of {args.repeat} interleaved rounds"
+    )
+    print(
+        f"{'workers':>7}  {'variant':<22} {'trials':>6} {'trials/s':>9} {'ms/trial':>9}  "
+        f"{'spread':>13}  ratio"
+    )
     for workers in (int(w) for w in args.workers.split(",")):
         rounds = [
             [measure(v, workers, args.trials, args.admin_url) for v in VARIANTS]
@@ -186,8 +191,10 @@ def main() -> None:
                 f"{r.worker_ms_per_trial:>9.1f}  {low:>5.1f}-{high:<6.1f}  "
                 f"{ratio:.2f}x optuna's cost per trial"
             )
-    print("ms/trial: worker-milliseconds per trial (workers x wall time / trials), the median "
-          "round; spread: the fastest and slowest round")  # fmt: skip
+    print(
+        "ms/trial: worker-milliseconds per trial (workers x wall time / trials), the median "
+        "round; spread: the fastest and slowest round"
+    )
 
 
 def _median_round(rounds: list[Measurement]) -> tuple[Measurement, float, float]:

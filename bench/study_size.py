@@ -75,8 +75,12 @@ _STUDY_ROWS = [
 def hpo(*args: str, cwd: Path, url: str) -> float:
     """Seconds one hpo command takes, as a user runs it."""
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "hpo", *args, "--storage", url], cwd=cwd,
-                          capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "hpo", *args, "--storage", url],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+    )
     took = time.perf_counter() - started
     if done.returncode != 0:
         raise SystemExit(f"hpo {' '.join(args)} failed:\n{done.stderr[-2000:]}")
@@ -87,12 +91,19 @@ def grow(url: str, name: str, size: int) -> None:
     """Study `name`: the base study's settings and `size` trials copied from its finished ones."""
     engine = sa.create_engine(url)
     with engine.begin() as conn:
-        base = conn.execute(sa.text("SELECT study_id FROM studies WHERE study_name = :b"),
-                            {"b": BASE}).scalar_one()  # fmt: skip
-        new = conn.execute(sa.text("INSERT INTO studies (study_name) VALUES (:n) RETURNING "
-                                   "study_id"), {"n": name}).scalar_one()  # fmt: skip
-        k = conn.execute(sa.text("SELECT count(*) FROM trials WHERE study_id = :b AND state IN "
-                                 "('COMPLETE', 'PRUNED')"), {"b": base}).scalar_one()  # fmt: skip
+        base = conn.execute(
+            sa.text("SELECT study_id FROM studies WHERE study_name = :b"), {"b": BASE}
+        ).scalar_one()
+        new = conn.execute(
+            sa.text("INSERT INTO studies (study_name) VALUES (:n) RETURNING study_id"), {"n": name}
+        ).scalar_one()
+        k = conn.execute(
+            sa.text(
+                "SELECT count(*) FROM trials WHERE study_id = :b AND state IN "
+                "('COMPLETE', 'PRUNED')"
+            ),
+            {"b": base},
+        ).scalar_one()
         params = {"base": base, "new": new, "n": size, "k": k}
         for statement in _STUDY_ROWS + _GROW:
             conn.execute(sa.text(statement), params)
@@ -130,21 +141,35 @@ def main() -> None:
     # A stop (timeout, Ctrl-C) still drops the scratch database: exit through its `finally`.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    with scratch_database(args.admin_url, "hpo_bench_size") as url, \
-            tempfile.TemporaryDirectory() as work:  # fmt: skip
+    with (
+        scratch_database(args.admin_url, "hpo_bench_size") as url,
+        tempfile.TemporaryDirectory() as work,
+    ):
         cwd = Path(work)
         env_cache = {"HPO_CACHE_DIR": str(cwd / "cache")}
         os.environ.update(env_cache)
         print("study of a handful: 4 real trials of the demo config ...", flush=True)
-        hpo("run", "--study", BASE, "--config", str(CONFIG), "--n-trials", "4", "--quiet",
-            cwd=cwd, url=url)  # fmt: skip
+        hpo(
+            "run",
+            "--study",
+            BASE,
+            "--config",
+            str(CONFIG),
+            "--n-trials",
+            "4",
+            "--quiet",
+            cwd=cwd,
+            url=url,
+        )
         names = {4: BASE}
         for size in sizes:
             started = time.perf_counter()
             grow(url, f"size-{size}", size)
             names[size] = f"size-{size}"
-            print(f"grew a study of {size} trials in {time.perf_counter() - started:.0f} s",
-                  flush=True)  # fmt: skip
+            print(
+                f"grew a study of {size} trials in {time.perf_counter() - started:.0f} s",
+                flush=True,
+            )
         rows = []
         for size, name in names.items():
             commands = {
@@ -152,18 +177,33 @@ def main() -> None:
                 "best --json": ("best", "--study", name, "--json"),
                 "report --format md": ("report", "--study", name, "--format", "md"),
             }
-            row = {label: statistics.median(hpo(*command, cwd=cwd, url=url)
-                                            for _ in range(args.repeat))
-                   for label, command in commands.items()}  # fmt: skip
+            row = {
+                label: statistics.median(
+                    hpo(*command, cwd=cwd, url=url) for _ in range(args.repeat)
+                )
+                for label, command in commands.items()
+            }
             done = optuna.load_study(study_name=name, storage=url).get_trials(deepcopy=False)
-            row["new trial"] = hpo("run", "--study", name, "--config", str(CONFIG), "--n-trials",
-                                   str(len(done) + 1), "--quiet", cwd=cwd, url=url)  # fmt: skip
-            row["TPE ask"] = sampler_seconds(url, name, optuna.samplers.TPESampler(
-                multivariate=True, constant_liar=True, seed=0))  # fmt: skip
+            row["new trial"] = hpo(
+                "run",
+                "--study",
+                name,
+                "--config",
+                str(CONFIG),
+                "--n-trials",
+                str(len(done) + 1),
+                "--quiet",
+                cwd=cwd,
+                url=url,
+            )
+            row["TPE ask"] = sampler_seconds(
+                url, name, optuna.samplers.TPESampler(multivariate=True, constant_liar=True, seed=0)
+            )
             row["random ask"] = sampler_seconds(url, name, optuna.samplers.RandomSampler(seed=0))
             rows.append((size, row))
-            print(f"{size} trials: " + ", ".join(f"{k} {v:.2f} s" for k, v in row.items()),
-                  flush=True)  # fmt: skip
+            print(
+                f"{size} trials: " + ", ".join(f"{k} {v:.2f} s" for k, v in row.items()), flush=True
+            )
         studies = statistics.median(hpo("studies", cwd=cwd, url=url) for _ in range(args.repeat))
         report(rows, studies, sum(names))
 
@@ -175,11 +215,15 @@ def report(rows: list[tuple[int, dict[str, float]]], studies_s: float, total: in
     print("|---:|" + "---:|" * len(labels))
     small = rows[0][1]
     for size, row in rows:
-        cells = [f"{row[k]:.2f}" + ("" if size == rows[0][0] else f" ({row[k] / small[k]:.2f}x)")
-                 for k in labels]  # fmt: skip
+        cells = [
+            f"{row[k]:.2f}" + ("" if size == rows[0][0] else f" ({row[k] / small[k]:.2f}x)")
+            for k in labels
+        ]
         print(f"| {size} | " + " | ".join(cells) + " |")
-    print(f"\n`hpo studies` over all of them ({total} trials in {len(rows)} studies): "
-          f"{studies_s:.2f} s")  # fmt: skip
+    print(
+        f"\n`hpo studies` over all of them ({total} trials in {len(rows)} studies): "
+        f"{studies_s:.2f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -56,15 +56,35 @@ def start_server(folder: Path, nice: int) -> tuple[subprocess.Popen[bytes], str]
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = int(probe.getsockname()[1])
-    command = ["nice", "-n", str(nice), sys.executable, "-m", "mlflow", "server",
-               "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
-               "--default-artifact-root", str(folder / "artifacts"),
-               "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]  # fmt: skip
+    command = [
+        "nice",
+        "-n",
+        str(nice),
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        f"sqlite:///{folder / 'mlflow.db'}",
+        "--default-artifact-root",
+        str(folder / "artifacts"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ]
     # MLflow 3's server also starts a job runner and seven huey consumers (its GenAI jobs) by
     # default: processes that would take this host's cores from the trials, logging none.
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              env=env, start_new_session=True)  # fmt: skip
+    server = subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
     uri = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -145,8 +165,9 @@ def run_study(folder: Path, name: str, raw: dict, storage: str) -> tuple[list[fl
     args = ["run", "--study", name, "--config", str(config), "--storage", storage, "--quiet"]
     if main(args) != 0:
         raise SystemExit(f"hpo run of {name} failed")
-    trials = sorted(optuna.load_study(study_name=name, storage=storage).trials,
-                    key=lambda t: t.number)  # fmt: skip
+    trials = sorted(
+        optuna.load_study(study_name=name, storage=storage).trials, key=lambda t: t.number
+    )
     walls = [float(t.user_attrs["wall_s"]) for t in trials]
     starts = [t.datetime_start for t in trials if t.datetime_start is not None]
     gaps = [(b - a).total_seconds() for a, b in zip(starts, starts[1:], strict=False)]
@@ -158,34 +179,47 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="pairs, the first one a warm-up")
     parser.add_argument("--trials", type=int, default=4)
     parser.add_argument(
-        "--remote-uri", default=None, metavar="URI",
+        "--remote-uri",
+        default=None,
+        metavar="URI",
         help="log to this MLflow tracking server (on another host) instead of one started here; "
         "each run logs under a new experiment, hpo-bench-<time>",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--epochs", type=int, default=2,
+        "--epochs",
+        type=int,
+        default=2,
         help="epochs per trial: longer trials, as a real study's are",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--evals-per-epoch", type=int, default=4,
+        "--evals-per-epoch",
+        type=int,
+        default=4,
         help="evaluations per epoch: what tracking logs scales with them, not with training",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--train-rows", type=int, default=256,
+        "--train-rows",
+        type=int,
+        default=256,
         help="training examples (the eval set has a quarter as many): more training per "
         "evaluation, as a real study has",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--nice", type=int, default=0,
+        "--nice",
+        type=int,
+        default=0,
         help="the server's niceness: 19 keeps its CPU off the trials' cores on a small host "
         "(a real server runs elsewhere); 0 measures it competing with them",
-    )  # fmt: skip
+    )
     options = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="hpo-tracking-bench-"))
-    data = (write_csv(folder / "train.csv", easy_rows(options.train_rows, 1)),
-            write_csv(folder / "eval.csv", easy_rows(options.train_rows // 4, 2)))  # fmt: skip
-    server, uri = (None, options.remote_uri) if options.remote_uri else start_server(
-        folder, options.nice)  # fmt: skip
+    data = (
+        write_csv(folder / "train.csv", easy_rows(options.train_rows, 1)),
+        write_csv(folder / "eval.csv", easy_rows(options.train_rows // 4, 2)),
+    )
+    server, uri = (
+        (None, options.remote_uri) if options.remote_uri else start_server(folder, options.nice)
+    )
     experiment = f"hpo-bench-{int(time.time())}"
     storage = f"sqlite:///{folder / 'studies.db'}"
     tracker = TrackerCpu()
@@ -209,11 +243,14 @@ def main() -> None:
                 after = (trials_cpu(server), self_cpu(), server_cpu(server))
                 tracker_s = tracker.take()
                 medians[name] = statistics.median(round_walls)
-                print(f"round {index} {name}: wall_s {medians[name]:.3f} (median), CPU s: "
-                      f"trials {after[0] - before[0]:.2f}, worker {after[1] - before[1]:.2f}, "
-                      f"server {after[2] - before[2]:.2f}, tracker thread {tracker_s:.3f}, "
-                      f"load {os.getloadavg()[0]:.1f}",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"round {index} {name}: wall_s {medians[name]:.3f} (median), CPU s: "
+                    f"trials {after[0] - before[0]:.2f}, worker {after[1] - before[1]:.2f}, "
+                    f"server {after[2] - before[2]:.2f}, tracker thread {tracker_s:.3f}, "
+                    f"load {os.getloadavg()[0]:.1f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 if index == 0:
                     continue
                 walls[name] += round_walls
@@ -234,27 +271,37 @@ def main() -> None:
     print("| tracking | trials | wall_s per trial (median) | start to start (median) |")
     print("|----------|-------:|--------------------------:|------------------------:|")
     for name in columns:
-        print(f"| {name} | {counted[name]} | {statistics.median(walls[name]):.3f} s "
-              f"| {statistics.median(gaps[name]):.3f} s |")  # fmt: skip
+        print(
+            f"| {name} | {counted[name]} | {statistics.median(walls[name]):.3f} s "
+            f"| {statistics.median(gaps[name]):.3f} s |"
+        )
     listed = ", ".join(f"{r:.3f}" for r in ratios)
-    print(f"pair ratios mlflow / none (median wall_s per trial, per round): {listed}; "
-          f"median {statistics.median(ratios):.3f}")  # fmt: skip
+    print(
+        f"pair ratios mlflow / none (median wall_s per trial, per round): {listed}; "
+        f"median {statistics.median(ratios):.3f}"
+    )
     print()
-    print("| tracking | CPU s per trial: trial process | worker process | of which tracker thread "
-          "| MLflow server |")  # fmt: skip
+    print(
+        "| tracking | CPU s per trial: trial process | worker process | of which tracker thread "
+        "| MLflow server |"
+    )
     print("|---|---:|---:|---:|---:|")
     for name in columns:
         per = {key: value / counted[name] for key, value in cpu[name].items()}
-        print(f"| {name} | {per['trials']:.3f} | {per['worker']:.3f} | {per['tracker']:.4f} "
-              f"| {per['server']:.4f} |")  # fmt: skip
+        print(
+            f"| {name} | {per['trials']:.3f} | {per['worker']:.3f} | {per['tracker']:.4f} "
+            f"| {per['server']:.4f} |"
+        )
     trial_cpu = cpu["none"]["trials"] / counted["none"]
     if trial_cpu <= 0:
         raise SystemExit("the trials' CPU time was not measured")
     mlflow = {key: value / counted["mlflow"] for key, value in cpu["mlflow"].items()}
-    print(f"tracking's CPU per trial: tracker thread {mlflow['tracker']:.4f} s "
-          f"({100 * mlflow['tracker'] / trial_cpu:.2f}% of a trial's {trial_cpu:.2f} CPU s), "
-          f"server {mlflow['server']:.4f} s ({100 * mlflow['server'] / trial_cpu:.2f}%), "
-          f"together {100 * (mlflow['tracker'] + mlflow['server']) / trial_cpu:.2f}%")  # fmt: skip
+    print(
+        f"tracking's CPU per trial: tracker thread {mlflow['tracker']:.4f} s "
+        f"({100 * mlflow['tracker'] / trial_cpu:.2f}% of a trial's {trial_cpu:.2f} CPU s), "
+        f"server {mlflow['server']:.4f} s ({100 * mlflow['server'] / trial_cpu:.2f}%), "
+        f"together {100 * (mlflow['tracker'] + mlflow['server']) / trial_cpu:.2f}%"
+    )
 
 
 CPU = ("trials", "worker", "tracker", "server")

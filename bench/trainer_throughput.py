@@ -202,49 +202,64 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--threads", type=int, default=None, help="CPU threads for torch (default: torch's own)"
     )
     parser.add_argument(
-        "--compile", action="store_true",
+        "--compile",
+        action="store_true",
         help="both engines compiled: our model.compile, transformers' torch_compile=True",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--trainer-eager", action="store_true",
+        "--trainer-eager",
+        action="store_true",
         help="with --compile: transformers' Trainer stays eager, its best with dynamic padding "
         "(its torch_compile=True recompiles for new lengths: 2026-11-26, an H100, 6-7x slower)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--cudnn-benchmark", choices=["on", "off"], default="on",
+        "--cudnn-benchmark",
+        choices=["on", "off"],
+        default="on",
         help="torch.backends.cudnn.benchmark for both engines (hpo's loop sets it on)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--warmup-rounds", type=int, default=None,
+        "--warmup-rounds",
+        type=int,
+        default=None,
         help="untimed runs of both engines first (default: 1 with --compile, which compiles "
         "every shape once and shares it between the engines, else 0)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--compile-scope", choices=["auto", "blocks", "model"], default=None,
+        "--compile-scope",
+        choices=["auto", "blocks", "model"],
+        default=None,
         help="with --compile: our model.compile_scope (default: the config's, else auto)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--cuda-graphs", action="store_true",
+        "--cuda-graphs",
+        action="store_true",
         help="with --compile: our model.cuda_graphs (the compiled step replayed as CUDA graphs)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--static-batch", action="store_true",
+        "--static-batch",
+        action="store_true",
         help="with --compile: leave our batch dimension static (trainer.compiled marks it "
         "dynamic), to measure what dynamic shapes cost",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--engines", choices=["both", "ours", "theirs"], default="both",
+        "--engines",
+        choices=["both", "ours", "theirs"],
+        default="both",
         help="run one engine alone (a profile of ours, say); the ratio needs both",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--profile", action="store_true",
+        "--profile",
+        action="store_true",
         help="after the timed runs, one more of ours under torch.profiler: the busiest kernels "
         "and how much of the clock the device computed (where low MFU goes)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--peak-tflops", type=float, default=None,
+        "--peak-tflops",
+        type=float,
+        default=None,
         help="the device's dense peak for model FLOPs utilisation (default: known GPUs, bf16)",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
     counts = (args.steps, args.effective_batch_size, args.physical_batch_size, args.repeats)
     if min(counts) < 1 or (args.threads is not None and args.threads < 1):
@@ -391,9 +406,12 @@ def _build(setup: Setup, device: torch.device | None = None) -> torch.nn.Module:
     `device` (default the benchmark's: a 1B model's random init on the CPU takes a while)."""
     config = setup.config
     return build_model(
-        config.model, setup.data.label_names, setup.training.seed, device or setup.device,
+        config.model,
+        setup.data.label_names,
+        setup.training.seed,
+        device or setup.device,
         task=config.task,
-    )  # fmt: skip
+    )
 
 
 # -- the two engines -----------------------------------------------------------------------------
@@ -588,8 +606,10 @@ def report(
     compiled = {True: "compiled", False: "eager"}
     graphs = ", CUDA graphs" if setup.config.model.cuda_graphs else ""
     scope = f" ({setup.config.model.compile_scope}{graphs})" if setup.config.model.compile else ""
-    print(f"engines: ours {compiled[setup.config.model.compile]}{scope}, "
-          f"transformers {compiled[setup.theirs_compiled]}")  # fmt: skip
+    print(
+        f"engines: ours {compiled[setup.config.model.compile]}{scope}, "
+        f"transformers {compiled[setup.theirs_compiled]}"
+    )
     print(LEGEND)
     print()
     header = f"{'engine':<13}{'steps':>6}{'samples':>9}{'samples/s':>11}{'tokens/s':>11}"

@@ -59,10 +59,23 @@ def measure(variant: str, source: Path, trials: int) -> Run:
         url = f"sqlite:///{Path(folder) / 'bench.db'}"
         started = time.perf_counter()
         done = subprocess.run(
-            [sys.executable, "-m", "hpo", "run", "--study", "bench", "--config", str(config),
-             "--storage", url, "--quiet"],
-            cwd=folder, capture_output=True, text=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "hpo",
+                "run",
+                "--study",
+                "bench",
+                "--config",
+                str(config),
+                "--storage",
+                url,
+                "--quiet",
+            ],
+            cwd=folder,
+            capture_output=True,
+            text=True,
+        )
         wall_s = time.perf_counter() - started
         if done.returncode != 0:
             raise SystemExit(f"{variant}: hpo run failed:\n{done.stderr[-3000:]}")
@@ -89,10 +102,11 @@ def main() -> None:
     args = parser.parse_args()
     runs = [measure(variant, args.config, args.trials) for variant in VARIANTS]
     base = runs[-1]
-    print(f"{args.config.name}, {args.trials} trials per variant, no pruning; medians of the "
-          f"{len(base.outside_s)} warm trials")  # fmt: skip
-    print(f"{'variant':<28} {'outside s':>9} {'startup s':>9} {'trial s':>8} {'study s':>8}  "
-          "ratio")  # fmt: skip
+    print(
+        f"{args.config.name}, {args.trials} trials per variant, no pruning; medians of the "
+        f"{len(base.outside_s)} warm trials"
+    )
+    print(f"{'variant':<28} {'outside s':>9} {'startup s':>9} {'trial s':>8} {'study s':>8}  ratio")
     for run in runs:
         outside = statistics.median(run.outside_s)
         ratio = outside / statistics.median(base.outside_s)
@@ -105,8 +119,10 @@ def main() -> None:
     for run in runs:
         parts = ", ".join(f"{name} {statistics.median(v):.2f}" for name, v in run.parts.items())
         kept = f"; {run.kept}/{len(run.outside_s)} warm trials in a kept process"
-        print(f"{run.variant}: startup = {parts or 'not recorded'}"
-              f"{kept if VARIANTS[run.variant] == 'process' else ''}")  # fmt: skip
+        print(
+            f"{run.variant}: startup = {parts or 'not recorded'}"
+            f"{kept if VARIANTS[run.variant] == 'process' else ''}"
+        )
 
 
 if __name__ == "__main__":

@@ -29,15 +29,31 @@ def one_run(folder: Path, config: Path, study: str, fresh: bool) -> float:
     env = {**os.environ, "HPO_FORK_SERVER": "fresh" if fresh else "copy"}
     started = time.perf_counter()
     result = subprocess.run(
-        [sys.executable, "-m", "hpo", "run", "--study", study, "--config", str(config),
-         "--storage", f"sqlite:///{folder / 'bench.db'}", "--debug"],
-        cwd=folder, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "hpo",
+            "run",
+            "--study",
+            study,
+            "--config",
+            str(config),
+            "--storage",
+            f"sqlite:///{folder / 'bench.db'}",
+            "--debug",
+        ],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     wall_s = time.perf_counter() - started
     expected = "will start afresh" if fresh else "is a copy of this worker"
     if result.returncode != 0 or expected not in result.stderr:
-        raise SystemExit(f"{study}: exit {result.returncode}, no {expected!r}:\n"
-                         f"{result.stderr[-3000:]}")  # fmt: skip
+        raise SystemExit(
+            f"{study}: exit {result.returncode}, no {expected!r}:\n{result.stderr[-3000:]}"
+        )
     return wall_s
 
 
@@ -50,18 +66,22 @@ def main() -> None:
         folder = Path(tmp)
         train = write_csv(folder / "train.csv", easy_rows(64, 1))
         evaluation = write_csv(folder / "eval.csv", easy_rows(16, 2))
-        raw = tiny_config(train, evaluation, study={"n_trials": 1},
-                          training={"epochs": 1, "device": args.device})  # fmt: skip
+        raw = tiny_config(
+            train, evaluation, study={"n_trials": 1}, training={"epochs": 1, "device": args.device}
+        )
         config = folder / "c.yaml"
         config.write_text(yaml.safe_dump(raw, sort_keys=False))
         copy: list[float] = []
         fresh: list[float] = []
         for pair in range(args.pairs + 1):
             for is_fresh in (False, True) if pair % 2 else (True, False):
-                wall_s = one_run(folder, config, f"{'fresh' if is_fresh else 'copy'}{pair}",
-                                 is_fresh)  # fmt: skip
-                print(f"pair {pair} {'fresh' if is_fresh else 'copy '}: {wall_s:6.2f} s"
-                      + ("  (warm-up)" if pair == 0 else ""))  # fmt: skip
+                wall_s = one_run(
+                    folder, config, f"{'fresh' if is_fresh else 'copy'}{pair}", is_fresh
+                )
+                print(
+                    f"pair {pair} {'fresh' if is_fresh else 'copy '}: {wall_s:6.2f} s"
+                    + ("  (warm-up)" if pair == 0 else "")
+                )
                 if pair:
                     (fresh if is_fresh else copy).append(wall_s)
     copy_s, fresh_s = statistics.median(copy), statistics.median(fresh)

@@ -36,11 +36,32 @@ def run(config: Path, workers: int, seconds: float, folder: Path, cpu: bool) -> 
     env = {**os.environ, **({"HPO_TEST_FAKE_GPUS": "1"} if cpu else {})}
     started = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-m", "hpo", "run", "--study", f"w{workers}", "--config", str(config),
-         "--storage", url, "--gpus", "0", "--workers-per-gpu", str(workers),
-         "--timeout", str(seconds), "--n-trials", "100000", "--quiet"],
-        cwd=folder, env=env, capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "hpo",
+            "run",
+            "--study",
+            f"w{workers}",
+            "--config",
+            str(config),
+            "--storage",
+            url,
+            "--gpus",
+            "0",
+            "--workers-per-gpu",
+            str(workers),
+            "--timeout",
+            str(seconds),
+            "--n-trials",
+            "100000",
+            "--quiet",
+        ],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     wall = time.perf_counter() - started
     if done.returncode != 0:
         raise SystemExit(f"N={workers}: hpo run failed:\n{done.stderr[-3000:]}")
@@ -58,10 +79,11 @@ def run(config: Path, workers: int, seconds: float, folder: Path, cpu: bool) -> 
     # Failed trials other than those a closing window handed back: a broken setup (2026-11-26:
     # every trial at N = 2 failed) must show here, not as a silent zero.
     failed = [
-        t for t in trials
+        t
+        for t in trials
         if t.state == optuna.trial.TrialState.FAIL
         and not str(t.user_attrs.get("fail_reason", "")).startswith("interrupted")
-    ]  # fmt: skip
+    ]
     if failed:
         reason = str(failed[0].user_attrs.get("fail_reason", "no reason recorded"))
         print(f"N={workers}: {len(failed)} trials failed; the first: {reason[:300]}", flush=True)
@@ -74,9 +96,10 @@ def run(config: Path, workers: int, seconds: float, folder: Path, cpu: bool) -> 
     # (2026-11-26, BERT-base at the whole H100: 25 s of a 60 s window): past the searches, the
     # span less the longest one (the workers search side by side, each its own share).
     searches = [
-        float(t.user_attrs["batch_search"].get("seconds", 0.0)) for t in trials
+        float(t.user_attrs["batch_search"].get("seconds", 0.0))
+        for t in trials
         if isinstance(t.user_attrs.get("batch_search"), dict)
-    ]  # fmt: skip
+    ]
     search_s = max(searches, default=0.0)
     return {
         "samples_per_s": samples / wall,
@@ -118,17 +141,21 @@ def main() -> None:
     print(f"\n{args.config.name}, {args.seconds:.0f} s per N\n")
     steady = results[args.workers[0]]["steady_samples_per_s"] or float("nan")
     past = results[args.workers[0]]["past_search_samples_per_s"] or float("nan")
-    print("| workers per GPU | samples/s (all workers) | vs N=1 | samples/s from the first trial "
-          "| vs N=1 | samples/s past the batch search | vs N=1 | longest search s | trials/hour "
-          "| finished | peak memory per trial (GiB) | trials with an OOM | failed |")  # fmt: skip
+    print(
+        "| workers per GPU | samples/s (all workers) | vs N=1 | samples/s from the first trial "
+        "| vs N=1 | samples/s past the batch search | vs N=1 | longest search s | trials/hour "
+        "| finished | peak memory per trial (GiB) | trials with an OOM | failed |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for workers, r in results.items():
-        print(f"| {workers} | {r['samples_per_s']:.0f} | {r['samples_per_s'] / base:.2f} "
-              f"| {r['steady_samples_per_s']:.0f} | {r['steady_samples_per_s'] / steady:.2f} "
-              f"| {r['past_search_samples_per_s']:.0f} "
-              f"| {r['past_search_samples_per_s'] / past:.2f} | {r['search_s']:.1f} "
-              f"| {r['trials_per_hour']:.0f} | {r['finished']:.0f} | {r['peak_gib']:.2f} "
-              f"| {r['ooms']:.0f} | {r['failed']:.0f} |")  # fmt: skip
+        print(
+            f"| {workers} | {r['samples_per_s']:.0f} | {r['samples_per_s'] / base:.2f} "
+            f"| {r['steady_samples_per_s']:.0f} | {r['steady_samples_per_s'] / steady:.2f} "
+            f"| {r['past_search_samples_per_s']:.0f} "
+            f"| {r['past_search_samples_per_s'] / past:.2f} | {r['search_s']:.1f} "
+            f"| {r['trials_per_hour']:.0f} | {r['finished']:.0f} | {r['peak_gib']:.2f} "
+            f"| {r['ooms']:.0f} | {r['failed']:.0f} |"
+        )
 
 
 if __name__ == "__main__":

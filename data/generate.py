@@ -756,19 +756,19 @@ FIRST_NAMES: tuple[str, ...] = (
     "Maria", "James", "Aisha", "Kenji", "Olga", "Pedro", "Fatima", "Liam", "Chen", "Amara",
     "Lars", "Priya", "Tom", "Nadia", "Omar", "Elena", "Ravi", "Sofia", "Hugo", "Ingrid",
     "Kwame", "Yuki", "Diego", "Leila", "Anna", "Felix", "Zara", "Mateo", "Ines", "Samuel",
-)  # fmt: skip
+)  # a table of names  # fmt: skip
 # First names that are also places (NER_PLACE_NAMES): only the context says which is meant.
 FIRST_NAMES_OF_PLACES: tuple[str, ...] = (
     "Jordan", "Florence", "Georgia", "Austin", "Victoria", "Sydney", "Charlotte", "Chelsea",
     "Paris", "Madison", "Adelaide", "Savannah",
-)  # fmt: skip
+)  # a table of names  # fmt: skip
 LAST_NAMES: tuple[str, ...] = (
     "Smith", "Garcia", "Okafor", "Tanaka", "Ivanova", "Silva", "Haddad", "Murphy", "Wang",
     "Mensah", "Nilsson", "Sharma", "Rossi", "Novak", "Kowalski", "Dubois", "Petrov", "Nguyen",
     "Hansen", "Moreau", "Costa", "Adeyemi", "Fischer", "Lopez", "Kim",
     # also places or companies
     "Washington", "Lincoln", "Houston", "London", "Berlin", "Jackson", "Florence",
-)  # fmt: skip
+)  # a table of names  # fmt: skip
 NER_PLACE_NAMES: tuple[str, ...] = (
     "Lagos", "Lima", "Tokyo", "Oslo", "Cairo", "Nairobi", "Madrid", "Toronto", "Mumbai",
     "Hanoi", "Berlin", "London", "Quito", "Dakar", "Vienna", "Seoul", "Lisbon", "Dublin",
@@ -777,7 +777,7 @@ NER_PLACE_NAMES: tuple[str, ...] = (
     # also first names, last names or part of a company's name
     "Jordan", "Florence", "Georgia", "Austin", "Victoria", "Sydney", "Charlotte", "Paris",
     "Washington", "Lincoln", "Houston", "Madison", "Adelaide", "Savannah", "Amazon",
-)  # fmt: skip
+)  # a table of names  # fmt: skip
 ORGANISATIONS: tuple[str, ...] = (
     "Northwind Traders", "Acme Corporation", "Blue River Bank", "Global Health Fund",
     "Orion Systems", "Redwood Analytics", "Summit Bank", "Greenleaf Foods", "Helix Pharma",
@@ -786,7 +786,7 @@ ORGANISATIONS: tuple[str, ...] = (
     "University of Lagos", "Bank of Jordan", "Lincoln Labs", "Houston Dynamics",
     "Victoria Textiles", "Sydney Harbour Trust", "Florence Capital", "Amazon",
     "Jackson and Okafor", "Smith Brothers", "Tokyo Electric", "Paris Opera",
-)  # fmt: skip
+)  # a table of names  # fmt: skip
 
 # Templates: {PER}, {LOC} and {ORG} are entities; the other words are tagged O.
 NER_TEMPLATES: tuple[str, ...] = (
@@ -899,13 +899,13 @@ INSTRUCT_WORDS: tuple[str, ...] = (
     "cat", "dog", "fish", "bird", "tree", "house", "car", "book", "lamp", "door", "river",
     "stone", "apple", "bread", "milk", "chair", "table", "clock", "shoe", "hat", "ship", "moon",
     "star", "rain",
-)  # fmt: skip
+)  # a table of names  # fmt: skip
 OPPOSITES: tuple[tuple[str, str], ...] = (
     ("hot", "cold"), ("big", "small"), ("fast", "slow"), ("up", "down"), ("left", "right"),
     ("open", "closed"), ("early", "late"), ("light", "dark"), ("happy", "sad"), ("old", "new"),
     ("full", "empty"), ("rich", "poor"), ("hard", "soft"), ("wet", "dry"), ("loud", "quiet"),
     ("high", "low"),
-)  # fmt: skip
+)  # a table of names  # fmt: skip
 
 
 def _word_list_instruction(rng: random.Random) -> tuple[str, str]:

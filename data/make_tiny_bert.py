@@ -35,7 +35,7 @@ def save_tiny_bert(folder: Path, texts: list[str], vocab_size: int = VOCAB_SIZE)
     tokenizer.save_pretrained(folder)
     config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2,
                         num_attention_heads=2, intermediate_size=64,
-                        max_position_embeddings=128)  # fmt: skip
+                        max_position_embeddings=128)  # the config as one table  # fmt: skip
     torch.manual_seed(SEED)
     BertForSequenceClassification(config).save_pretrained(folder)
     return folder

@@ -145,8 +145,15 @@ def run(
     started = time.monotonic()  # the timeout counts from here, data preparation included
     _check_not_in_a_trial_process()
     _check_main_guard(sys._getframe(1))
-    _check_overrides(n_trials, timeout, trial_timeout, study, storage=storage, device=device,
-                     artifact_store=artifact_store)  # fmt: skip
+    _check_overrides(
+        n_trials,
+        timeout,
+        trial_timeout,
+        study,
+        storage=storage,
+        device=device,
+        artifact_store=artifact_store,
+    )
     gpu_list, per_gpu = _gpu_options(gpus, workers_per_gpu, config)
     from hpo.study.names import checked_study_name
 
@@ -154,11 +161,20 @@ def run(
     # Before CUDA initialises: fewer fragmentation OOMs as batch shapes change between steps.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     quiet_library_output()
-    args = run_arguments(study, config, storage=storage, n_trials=n_trials, timeout=timeout,
-                         trial_timeout=trial_timeout, device=device,
-                         artifact_store=artifact_store, started=started, gpus=gpu_list,
-                         workers_per_gpu=per_gpu,
-                         allow_changed_setup=allow_changed_setup)  # fmt: skip
+    args = run_arguments(
+        study,
+        config,
+        storage=storage,
+        n_trials=n_trials,
+        timeout=timeout,
+        trial_timeout=trial_timeout,
+        device=device,
+        artifact_store=artifact_store,
+        started=started,
+        gpus=gpu_list,
+        workers_per_gpu=per_gpu,
+        allow_changed_setup=allow_changed_setup,
+    )
     if gpu_list is not None or per_gpu is not None:
         args.argv, args.worker_env = _worker_command(args)
     with _signals_restored():
@@ -241,8 +257,10 @@ class Study:
         """The best trial, as `hpo best` names it; raises hpo.HPOError before one completes, or
         for a study of several objectives (see pareto_front())."""
         if len(self._study.directions) > 1:
-            raise HPOError(f"study {self.name!r} has {len(self._study.directions)} objectives, so "
-                           "no single best trial; use pareto_front()")  # fmt: skip
+            raise HPOError(
+                f"study {self.name!r} has {len(self._study.directions)} objectives, so "
+                "no single best trial; use pareto_front()"
+            )
         return self.pareto_front()[0]
 
     def pareto_front(self) -> list[Trial]:
@@ -263,9 +281,12 @@ class Study:
             return report.status(self._study, storage=self._storage)
 
     def download(
-        self, folder: str | os.PathLike[str], *, merge: bool = False,
+        self,
+        folder: str | os.PathLike[str],
+        *,
+        merge: bool = False,
         artifact_store: str | None = None,
-    ) -> Path:  # fmt: skip
+    ) -> Path:
         """The best trial's model from the study's artifact store into `folder` (new or empty),
         as `hpo best --download`: every file checked against its sha256, never half a model.
         `merge`: a LoRA study's adapter merged into its base model, written as a plain model.
@@ -276,8 +297,9 @@ class Study:
         with self._reading():
             best = self._best_summaries()
             store = study_artifact_store(self._study, artifact_store)
-            out, said = download_best(self._study, best, store, os.fspath(folder), merge,
-                                      API_DOWNLOAD)  # fmt: skip
+            out, said = download_best(
+                self._study, best, store, os.fspath(folder), merge, API_DOWNLOAD
+            )
         log.info("%s", said)
         return out
 
@@ -359,18 +381,22 @@ def _gpu_options(
     ):
         spec = ",".join(str(g) for g in gpus) or " "
     elif gpus is not None:
-        problems.append(f"gpus: got {gpus!r}; give 'auto', 'none', or GPU ids like [0, 1] or "
-                        "'0,1'")  # fmt: skip
+        problems.append(f"gpus: got {gpus!r}; give 'auto', 'none', or GPU ids like [0, 1] or '0,1'")
     per_gpu = workers_per_gpu
     if isinstance(per_gpu, str) and per_gpu.strip().lower() == "auto":
         per_gpu = "auto"
-    elif per_gpu is not None and (type(per_gpu) is not int
-                                  or not 1 <= per_gpu <= MAX_WORKERS_PER_GPU):  # fmt: skip
-        problems.append(f"workers_per_gpu: got {per_gpu!r}; give 1 to {MAX_WORKERS_PER_GPU} "
-                        "workers per GPU, or 'auto'")  # fmt: skip
+    elif per_gpu is not None and (
+        type(per_gpu) is not int or not 1 <= per_gpu <= MAX_WORKERS_PER_GPU
+    ):
+        problems.append(
+            f"workers_per_gpu: got {per_gpu!r}; give 1 to {MAX_WORKERS_PER_GPU} "
+            "workers per GPU, or 'auto'"
+        )
     if (spec is not None or per_gpu is not None) and not isinstance(config, (str, os.PathLike)):
-        problems.append("config: with gpus or workers_per_gpu, give the config as a file path: "
-                        "each worker is a process of its own that reads it")  # fmt: skip
+        problems.append(
+            "config: with gpus or workers_per_gpu, give the config as a file path: "
+            "each worker is a process of its own that reads it"
+        )
     if problems:
         raise ConfigError(problems, "hpo.run")
     return spec, per_gpu  # type: ignore[return-value]
@@ -405,9 +431,11 @@ def _check_not_in_a_trial_process() -> None:
     importing = sys.modules.get("__mp_main__", main)
     if importing is not main and getattr(importing, "__name__", None) == "__mp_main__":
         script = getattr(importing, "__file__", None) or "your script"
-        raise HPOError(f"hpo.run() ran again in a trial process that imported {script}: put "
-                       "the call under `if __name__ == \"__main__\":`, as multiprocessing "
-                       "requires of a script that starts processes")  # fmt: skip
+        raise HPOError(
+            f"hpo.run() ran again in a trial process that imported {script}: put "
+            'the call under `if __name__ == "__main__":`, as multiprocessing '
+            "requires of a script that starts processes"
+        )
 
 
 def _check_main_guard(caller: types.FrameType | None) -> None:
@@ -427,10 +455,12 @@ def _check_main_guard(caller: types.FrameType | None) -> None:
         return
     if tree is None or _under_main_guard(tree, caller.f_lineno):
         return
-    raise HPOError(f"hpo.run() is called at the top level of {script} (line "
-                   f"{caller.f_lineno}) outside `if __name__ == \"__main__\":`; each trial "
-                   "process imports the script and would run it again: put the call under "
-                   "that guard")  # fmt: skip
+    raise HPOError(
+        f"hpo.run() is called at the top level of {script} (line "
+        f'{caller.f_lineno}) outside `if __name__ == "__main__":`; each trial '
+        "process imports the script and would run it again: put the call under "
+        "that guard"
+    )
 
 
 def _under_main_guard(tree: ast.Module, line: int) -> bool:
@@ -492,8 +522,9 @@ def _states(states: Sequence[str] | None) -> set[Any] | None:
         states = [states]
     unknown = [s for s in states if not isinstance(s, str) or s.lower() not in STATES]
     if unknown:
-        raise ConfigError([f"states: got {unknown[0]!r}; give any of {', '.join(STATES)}"],
-                          "trials")  # fmt: skip
+        raise ConfigError(
+            [f"states: got {unknown[0]!r}; give any of {', '.join(STATES)}"], "trials"
+        )
     return {TrialState[s.upper()] for s in states}
 
 
@@ -506,21 +537,32 @@ def _metric_names(names: list[str] | None, count: int) -> list[str]:
 def _frozen(trial: Any, names: list[str] | None) -> Trial:
     """A Trial of Optuna's FrozenTrial."""
     values = tuple(trial.values) if trial.values is not None else None
-    return _make(trial.number, trial.state.name.lower(), values, trial.params, trial.user_attrs,
-                 names)  # fmt: skip
+    return _make(
+        trial.number, trial.state.name.lower(), values, trial.params, trial.user_attrs, names
+    )
 
 
 def _trial(summary: dict[str, Any], names: list[str] | None) -> Trial:
     """A Trial of a best-trial summary (hpo.reports.status.best_trials): a complete trial."""
     values = summary.get("values") or [summary["value"]]
-    return _make(summary["number"], "complete", tuple(values), summary["params"],
-                 summary["user_attrs"], names)  # fmt: skip
+    return _make(
+        summary["number"],
+        "complete",
+        tuple(values),
+        summary["params"],
+        summary["user_attrs"],
+        names,
+    )
 
 
 def _make(
-    number: int, state: str, values: tuple[float, ...] | None, params: dict[str, Any],
-    user_attrs: dict[str, Any], names: list[str] | None,
-) -> Trial:  # fmt: skip
+    number: int,
+    state: str,
+    values: tuple[float, ...] | None,
+    params: dict[str, Any],
+    user_attrs: dict[str, Any],
+    names: list[str] | None,
+) -> Trial:
     metrics: dict[str, float] = {}
     if values is not None:
         metrics = dict(zip(_metric_names(names, len(values)), values, strict=True))

@@ -64,11 +64,22 @@ class StoreRefused(ArtifactStoreError):
 
 
 # S3's answers that a retry gets again: the credentials, the bucket or the rights are wrong.
-_REFUSED_CODES = frozenset({
-    "AccessDenied", "AllAccessDisabled", "AccountProblem", "InvalidAccessKeyId",
-    "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "AuthorizationHeaderMalformed",
-    "NoSuchBucket", "InvalidBucketName", "PermanentRedirect", "InvalidObjectState",
-})  # fmt: skip
+_REFUSED_CODES = frozenset(
+    {
+        "AccessDenied",
+        "AllAccessDisabled",
+        "AccountProblem",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "AuthorizationHeaderMalformed",
+        "NoSuchBucket",
+        "InvalidBucketName",
+        "PermanentRedirect",
+        "InvalidObjectState",
+    }
+)
 # The OS's: no right to write, a read-only mount, a file where a folder should be.
 _REFUSED_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR})
 PROBE_PREFIX = ".hpo-probe-"
@@ -112,8 +123,9 @@ class ArtifactURL:
         return f"{self.url} (from {self.origin})"
 
 
-def resolve_artifact_url(cli_value: str | None, config_value: str | None,
-                         study_value: str | None = None) -> ArtifactURL | None:  # fmt: skip
+def resolve_artifact_url(
+    cli_value: str | None, config_value: str | None, study_value: str | None = None
+) -> ArtifactURL | None:
     """The store by precedence (--artifact-store, $HPO_ARTIFACT_STORE, the config, the study's
     record), validated; None without one. Raises ArtifactStoreError naming what is wrong."""
     if cli_value is not None and not cli_value.strip():
@@ -147,7 +159,7 @@ def validated_artifact_url(url: str, origin: str = "config") -> str:
                 " (gs:// is not supported yet: mount the bucket and use file://)"
                 if parts.scheme == "gs"
                 else ""
-            )  # fmt: skip
+            )
         )
     if parts.query or parts.fragment:
         raise ArtifactStoreError(
@@ -452,8 +464,9 @@ class _AtomicFile:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.aside, dir_fd=self.folder)
         if isinstance(error, OSError):  # e.g. the disk full mid-copy
-            raise store_error(f"cannot write {self.path}: {error.strerror or error}",
-                              error) from error  # fmt: skip
+            raise store_error(
+                f"cannot write {self.path}: {error.strerror or error}", error
+            ) from error
 
 
 def _remove_empty(folder: Path) -> bool:
@@ -557,8 +570,9 @@ class _Wrapped:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 traceback: object) -> None:  # fmt: skip
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: object
+    ) -> None:
         if error is None or isinstance(error, ArtifactStoreError):
             return
         from botocore.exceptions import BotoCoreError, ClientError
@@ -662,9 +676,11 @@ class ArtifactStore:
 
     def _fix(self, refused: bool) -> str:
         if self.url.startswith("s3://") and refused:
-            return ("check the bucket's name and the AWS credentials ($AWS_ACCESS_KEY_ID and "
-                    "$AWS_SECRET_ACCESS_KEY, $AWS_PROFILE or an instance role): hpo writes, "
-                    "reads, lists and deletes under the prefix")  # fmt: skip
+            return (
+                "check the bucket's name and the AWS credentials ($AWS_ACCESS_KEY_ID and "
+                "$AWS_SECRET_ACCESS_KEY, $AWS_PROFILE or an instance role): hpo writes, "
+                "reads, lists and deletes under the prefix"
+            )
         if self.url.startswith("s3://"):
             return "check $AWS_ENDPOINT_URL and the network, then start again"
         if refused:
@@ -750,8 +766,12 @@ class ArtifactStore:
         found: dict[str, list[str]] = {}
         for key, _ in self.backend.list(f"{_folder_name(study)}/"):
             parts = key.split("/")
-            if (len(parts) == 3 and parts[0] == study and _SAFE_PART.fullmatch(parts[1])
-                    and parts[2].endswith(MANIFEST_SUFFIX)):  # fmt: skip
+            if (
+                len(parts) == 3
+                and parts[0] == study
+                and _SAFE_PART.fullmatch(parts[1])
+                and parts[2].endswith(MANIFEST_SUFFIX)
+            ):
                 kind = parts[2][: -len(MANIFEST_SUFFIX)]
                 if kind in KINDS:
                     found.setdefault(parts[1], []).append(kind)

@@ -111,9 +111,11 @@ class BatchCacheRequests:
             if operation == "lock":
                 return ("ok", True) if self._take(key) else None
             calls: dict[str, Callable[..., Any]] = {
-                "get": self.cache.get, "record": self.cache.record, "lower": self.cache.lower,
+                "get": self.cache.get,
+                "record": self.cache.record,
+                "lower": self.cache.lower,
                 "unlock": lambda key: self._release(key),
-            }  # fmt: skip
+            }
             return ("ok", calls[operation](key, *arguments))
         except (sa.exc.SQLAlchemyError, StorageError) as e:
             return ("error", f"the batch-size cache: {type(e).__name__}: {e}"[:500])

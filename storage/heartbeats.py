@@ -57,9 +57,14 @@ class Heartbeats:
     def start(self, number: int, worker: str) -> None:
         """The first beat of a trial this worker now runs."""
         with self.engine.begin() as conn:  # trial numbers are never reused: a plain insert
-            conn.execute(heartbeats.insert().values(
-                study_id=self.study_id, number=number, worker=worker,
-                beat_at=sa.func.current_timestamp()))  # fmt: skip
+            conn.execute(
+                heartbeats.insert().values(
+                    study_id=self.study_id,
+                    number=number,
+                    worker=worker,
+                    beat_at=sa.func.current_timestamp(),
+                )
+            )
 
     def beat(self, number: int, worker: str) -> bool:
         """False once the trial is no longer this worker's: another worker took it over."""
@@ -143,8 +148,9 @@ class HeartbeatThread:
         self.beats, self.number, self.worker, self.interval_s = beats, number, worker, interval_s
         self.lost = threading.Event()
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"hpo-heartbeat-{number}",
-                                        daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._run, name=f"hpo-heartbeat-{number}", daemon=True
+        )
 
     def __enter__(self) -> HeartbeatThread:
         self._thread.start()  # the first beat was recorded with the trial (Heartbeats.start)

@@ -143,8 +143,9 @@ def user_attr_sum(
     raw = _user_attrs.c.value_json
     number: sa.ColumnElement[float]
     if engine.dialect.name == "postgresql":  # a cast of text that is not a number would fail
-        number = sa.case((raw.regexp_match(r"^-?[0-9.]+([eE][-+]?[0-9]+)?$"),
-                          sa.cast(raw, sa.Float)), else_=0.0)  # fmt: skip
+        number = sa.case(
+            (raw.regexp_match(r"^-?[0-9.]+([eE][-+]?[0-9]+)?$"), sa.cast(raw, sa.Float)), else_=0.0
+        )
     else:  # SQLite casts text that is not a number to 0
         number = sa.cast(raw, sa.Float)
     query = (
@@ -200,9 +201,11 @@ def spans_without(engine: Engine, study_id: int, key: str) -> list[float]:
 def latest_user_attr(engine: Engine, study_id: int, key: str) -> tuple[int, int | None, Any]:
     """How many of the study's trials have the user attribute `key`, and the latest of them:
     its number and the attribute's value (None, None when none has it)."""
-    with_key = sa.select(sa.func.count(), sa.func.max(_trials.c.number)).select_from(
-        _of_study(_user_attrs)
-    ).where(_trials.c.study_id == study_id, _user_attrs.c.key == key)  # fmt: skip
+    with_key = (
+        sa.select(sa.func.count(), sa.func.max(_trials.c.number))
+        .select_from(_of_study(_user_attrs))
+        .where(_trials.c.study_id == study_id, _user_attrs.c.key == key)
+    )
     with engine.connect() as conn:
         count, number = conn.execute(with_key).one()
         if not count:
@@ -212,7 +215,7 @@ def latest_user_attr(engine: Engine, study_id: int, key: str) -> tuple[int, int 
             .select_from(_of_study(_user_attrs))
             .where(
                 _trials.c.study_id == study_id, _trials.c.number == number, _user_attrs.c.key == key
-            )  # fmt: skip
+            )
         ).scalar()
     return int(count), int(number), None if value is None else json.loads(value)
 
@@ -233,7 +236,7 @@ def reasons(
         .select_from(_of_study(_user_attrs))
         .where(
             _trials.c.study_id == study_id, _trials.c.state == state.name, _user_attrs.c.key == key
-        )  # fmt: skip
+        )
         .group_by(kind)
     )
     kinds: Counter[str] = Counter()
@@ -287,12 +290,12 @@ def best_trial_id(engine: Engine, study_id: int, maximize: bool) -> int | None:
             _trials.c.study_id == study_id,
             _trials.c.state == TrialState.COMPLETE.name,
             _values.c.objective == 0,
-        )  # fmt: skip
+        )
         .order_by(
             (sign * rank).desc(),
             (sign * sa.func.coalesce(_values.c.value, 0)).desc(),
             _trials.c.number,
-        )  # fmt: skip
+        )
         .limit(1)
     )
     with engine.connect() as conn:
@@ -322,7 +325,7 @@ def sample_ids(engine: Engine, study_id: int, maximize: bool, limit: int) -> lis
             _trials.c.state == TrialState.COMPLETE.name,
             _values.c.objective == 0,
             _values.c.value_type == "FINITE",
-        )  # fmt: skip
+        )
         .order_by((sign * _values.c.value).desc(), _trials.c.number)
         .limit(quarter)
     )
@@ -390,7 +393,7 @@ def _fill_parts(conn: sa.Connection, ids: sa.Select[Any], found: dict[int, dict[
             _params.c.param_name,
             _params.c.param_value,
             _params.c.distribution_json,
-        ).where(_params.c.trial_id.in_(ids))  # fmt: skip
+        ).where(_params.c.trial_id.in_(ids))
     ):
         if trial_id not in found:
             continue  # created while this read: the next read takes it whole
@@ -400,7 +403,7 @@ def _fill_parts(conn: sa.Connection, ids: sa.Select[Any], found: dict[int, dict[
     for trial_id, objective, value, kind in conn.execute(
         sa.select(
             _values.c.trial_id, _values.c.objective, _values.c.value, _values.c.value_type
-        ).where(_values.c.trial_id.in_(ids))  # fmt: skip
+        ).where(_values.c.trial_id.in_(ids))
     ):
         if trial_id in found:
             found[trial_id]["values"][objective] = _INFINITE.get(kind, value)
@@ -430,7 +433,7 @@ def _fill_steps(conn: sa.Connection, ids: sa.Select[Any], found: dict[int, dict[
             _steps.c.step,
             _steps.c.intermediate_value,
             _steps.c.intermediate_value_type,
-        ).where(_steps.c.trial_id.in_(ids))  # fmt: skip
+        ).where(_steps.c.trial_id.in_(ids))
     ):
         if trial_id in found:
             steps = found[trial_id]["steps"]
@@ -441,12 +444,19 @@ def _frozen(parts: dict[str, Any]) -> FrozenTrial:
     row = parts["row"]
     values = [parts["values"][k] for k in sorted(parts["values"])] or None
     return FrozenTrial(
-        number=row.number, state=TrialState[row.state], value=None, values=values,
+        number=row.number,
+        state=TrialState[row.state],
+        value=None,
+        values=values,
         datetime_start=_datetime(row.datetime_start),
-        datetime_complete=_datetime(row.datetime_complete), params=parts["params"],
-        distributions=parts["distributions"], user_attrs=parts["user"],
-        system_attrs=parts["system"], intermediate_values=parts["steps"], trial_id=row.trial_id,
-    )  # fmt: skip
+        datetime_complete=_datetime(row.datetime_complete),
+        params=parts["params"],
+        distributions=parts["distributions"],
+        user_attrs=parts["user"],
+        system_attrs=parts["system"],
+        intermediate_values=parts["steps"],
+        trial_id=row.trial_id,
+    )
 
 
 def _datetime(value: object) -> dt.datetime | None:

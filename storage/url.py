@@ -122,8 +122,9 @@ def _validated(url: str, origin: str) -> str:
         raise StorageError(
             f"{where} uses {backend[:40]!r}, which hpo does not support; use {EXAMPLE_URLS}"
         )
-    if backend == "sqlite" and (not parsed.database or parsed.database.startswith(":memory:")
-                                or "mode=memory" in url):  # fmt: skip
+    if backend == "sqlite" and (
+        not parsed.database or parsed.database.startswith(":memory:") or "mode=memory" in url
+    ):
         raise StorageError(
             f"{where} names no SQLite file ({_shown(url)}); in-memory databases cannot hold "
             "a study: use sqlite:///hpo.db"

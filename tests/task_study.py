@@ -57,16 +57,22 @@ def run_task_study(
     training = {**TRAINING, **sections.pop("training", {})}
     raw = tiny_config(*files, training=training, **sections)
     raw["task"] = task
-    raw["study"].update({
-        "metric": metric,
-        "n_trials": 1,
-        "enqueue": [{"learning_rate": GOOD_LR}],
-        # Prunes a trial worse than the complete one was at the same evaluation.
-        "pruner": {"type": "median", "n_startup_trials": 1, "n_warmup_steps": JUDGED_AT,
-                   "margin": 0.0},  # fmt: skip
-        "checkpoint_dir": str(tmp_path / "checkpoints"),  # not the tests' working folder
-        "artifact_store": f"file://{tmp_path / 'store'}",
-    })  # fmt: skip
+    raw["study"].update(
+        {
+            "metric": metric,
+            "n_trials": 1,
+            "enqueue": [{"learning_rate": GOOD_LR}],
+            # Prunes a trial worse than the complete one was at the same evaluation.
+            "pruner": {
+                "type": "median",
+                "n_startup_trials": 1,
+                "n_warmup_steps": JUDGED_AT,
+                "margin": 0.0,
+            },
+            "checkpoint_dir": str(tmp_path / "checkpoints"),  # not the tests' working folder
+            "artifact_store": f"file://{tmp_path / 'store'}",
+        }
+    )
     raw["search_space"]["learning_rate"].update({"low": HOPELESS_LR, "high": 1e-2})
     config = write_config(tmp_path / "c.yaml", raw)
     database = tmp_path / "hpo.db"
@@ -89,8 +95,10 @@ def run_task_study(
     evaluations = training["epochs"] * training["evals_per_epoch"]
     stopped, resumed, pruned = study.get_trials()
     assert (stopped.state, resumed.state, pruned.state) == (
-        TrialState.FAIL, TrialState.COMPLETE, TrialState.PRUNED,
-    )  # fmt: skip
+        TrialState.FAIL,
+        TrialState.COMPLETE,
+        TrialState.PRUNED,
+    )
     assert stopped.user_attrs["interrupted"] == "SIGTERM"
     assert resumed.system_attrs["failed_trial"] == 0
     assert resumed.user_attrs["resumed_at_step"] > 0  # from the SIGTERM's checkpoint

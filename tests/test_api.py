@@ -27,8 +27,9 @@ def test_import_hpo_loads_no_heavy_library_until_a_name_is_used() -> None:
         "print(sorted(m for m in heavy if m in sys.modules))\n"
         "print(hpo.run.__module__, 'run' in dir(hpo))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                            text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["[]", "[]", "hpo.api True"]
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
@@ -53,8 +54,9 @@ def test_run_from_a_dict_and_a_file_then_read_download_and_report(
     (./hpo.db); then the study read, its best model downloaded and its report written."""
     monkeypatch.chdir(tmp_path)
     store = f"file://{tmp_path / 'store'}"
-    raw = tiny_config(*easy_data, study={"n_trials": 1, "artifact_store": store},
-                      training={"epochs": 1})  # fmt: skip
+    raw = tiny_config(
+        *easy_data, study={"n_trials": 1, "artifact_store": store}, training={"epochs": 1}
+    )
     raw["data"]["train_file"] = easy_data[0]  # a Path, as Python code writes it
     handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
     first = hpo.run(raw, study="api")
@@ -68,8 +70,9 @@ def test_run_from_a_dict_and_a_file_then_read_download_and_report(
     assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers
 
     # A second worker, from a file, joins the study: the budget counts across both.
-    config = write_config(tmp_path / "c.yaml", {**raw, "data": {**raw["data"],
-                          "train_file": str(easy_data[0])}})  # fmt: skip
+    config = write_config(
+        tmp_path / "c.yaml", {**raw, "data": {**raw["data"], "train_file": str(easy_data[0])}}
+    )
     second = hpo.run(config, study="api", n_trials=2)
     assert second.trials_run == 1 and second.trials == {"complete": 2}
     assert (tmp_path / "hpo.db").is_file()
@@ -95,8 +98,11 @@ def test_run_from_a_dict_and_a_file_then_read_download_and_report(
     capsys.readouterr()
     assert hpo_main(["best", "--study", "api", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert (shown["number"], shown["value"], shown["params"]) == (best.number, best.value,
-                                                                  best.params)  # fmt: skip
+    assert (shown["number"], shown["value"], shown["params"]) == (
+        best.number,
+        best.value,
+        best.params,
+    )
 
 
 def test_a_bad_config_is_the_cli_s_config_error_and_writes_nothing(
@@ -119,8 +125,9 @@ def test_a_bad_config_is_the_cli_s_config_error_and_writes_nothing(
     assert from_dict.value.problems == from_file.value.problems
     assert "unknown key (did you mean 'learning_rate'?)" in str(from_dict.value)
     raw["data"]["eval_file"] = "eval.csv"  # a dict's relative paths: from the working folder
-    with pytest.raises(hpo.ConfigError, match=f"looked for {tmp_path / 'eval.csv'}.*relative to "
-                       "the working folder"):  # fmt: skip
+    with pytest.raises(
+        hpo.ConfigError, match=f"looked for {tmp_path / 'eval.csv'}.*relative to the working folder"
+    ):
         hpo.run(raw, study="s")
     assert not (tmp_path / "hpo.db").exists()
 
@@ -254,13 +261,15 @@ def test_a_sigterm_stops_the_running_trial_and_run_returns_saying_so(
         "    print(json.dumps([result.stopped_by, result.trials_run, result.trials]))\n",
         encoding="utf-8",
     )
-    endless = tiny_config(*easy_data, study={"pruner": {"type": "none"}, "stop_timeout": 5},
-                          training={"epochs": 1000})  # fmt: skip
+    endless = tiny_config(
+        *easy_data, study={"pruner": {"type": "none"}, "stop_timeout": 5}, training={"epochs": 1000}
+    )
     config = write_config(tmp_path / "endless.yaml", endless)
     url = f"sqlite:///{tmp_path / 'stop.db'}"
     command = [sys.executable, str(script), str(config), url]
-    worker = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    worker = subprocess.Popen(
+        command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         wait_until_training(url, "stop", [worker])
         worker.send_signal(signal.SIGTERM)
@@ -335,11 +344,27 @@ def test_run_s_gpu_arguments_are_checked_and_keep_the_storage_off_the_command_li
         "is a process of its own that reads it",
     ]
     secret = "postgresql+psycopg2://me:hunter2@db/hpo"
-    args = run_arguments("s", path, storage=secret, n_trials=4, trial_timeout=30.0,
-                         artifact_store="file:///shared", gpus="0,1")  # fmt: skip
+    args = run_arguments(
+        "s",
+        path,
+        storage=secret,
+        n_trials=4,
+        trial_timeout=30.0,
+        artifact_store="file:///shared",
+        gpus="0,1",
+    )
     argv, env = _worker_command(args)
-    assert argv == ["run", "--config", str(path), "--study", "s", "--n-trials", "4",
-                    "--trial-timeout", "30.0"]  # fmt: skip
+    assert argv == [
+        "run",
+        "--config",
+        str(path),
+        "--study",
+        "s",
+        "--n-trials",
+        "4",
+        "--trial-timeout",
+        "30.0",
+    ]
     assert env == {"HPO_STORAGE": secret, "HPO_ARTIFACT_STORE": "file:///shared"}
 
 
@@ -422,8 +447,9 @@ def test_a_run_at_a_scripts_top_level_without_the_main_guard_is_refused_first(
     # a guarded call (or one in a function) goes on to the next check, the missing config.
     script = tmp_path / "tune.py"
     script.write_text("import hpo\n\n" + body, encoding="utf-8")
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode != 0
     guard = 'outside `if __name__ == "__main__":`'
     assert (guard in done.stderr) is refused, done.stderr[-2000:]

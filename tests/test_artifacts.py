@@ -424,13 +424,19 @@ def test_a_store_lost_mid_upload_never_stops_the_trial_and_leaves_nothing_half_w
     # The tiny model is 8 MB, its state (with AdamW's moments) 24 MB: cut in the first state.
     link = CuttableLink(("127.0.0.1", int(endpoint[2])), cut_after_bytes=14_000_000)
     url = f"sqlite:///{tmp_path / 'study.db'}"
-    study_settings = {"n_trials": 1, "pruner": {"type": "none"}, "checkpoint_interval": 0,
-                      "artifact_store": "s3://hpo/studies", "artifact_patience": 3}  # fmt: skip
+    study_settings = {
+        "n_trials": 1,
+        "pruner": {"type": "none"},
+        "checkpoint_interval": 0,
+        "artifact_store": "s3://hpo/studies",
+        "artifact_patience": 3,
+    }
     raw = tiny_config(*easy_data, study=study_settings, training={"epochs": 2})
     config = write_config(tmp_path / "c.yaml", raw)
     env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{link.port}"}
-    done = run_hpo("run", "--study", "cut", "--config", str(config), "--storage", url,
-                   cwd=tmp_path, env=env)  # fmt: skip
+    done = run_hpo(
+        "run", "--study", "cut", "--config", str(config), "--storage", url, cwd=tmp_path, env=env
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert link.cut_done.is_set()
     trial = optuna.load_study(study_name="cut", storage=url).get_trials()[0]
@@ -544,8 +550,13 @@ def test_the_workers_remove_old_artifacts_under_the_rules_of_local_folders(tmp_p
     from hpo.trial.folders import remove_unneeded_artifacts
 
     def trial(number: int, state: TrialState, value: float | None = None, **attrs: int) -> object:
-        made = create_trial(state=state, value=value, params={"x": 0.5}, user_attrs=attrs,
-                            distributions={"x": FloatDistribution(0, 1)})  # fmt: skip
+        made = create_trial(
+            state=state,
+            value=value,
+            params={"x": 0.5},
+            user_attrs=attrs,
+            distributions={"x": FloatDistribution(0, 1)},
+        )
         made.number = number
         return made
 
@@ -596,8 +607,14 @@ def test_retrain_takes_a_winner_trained_on_another_host_from_the_store(
     config = load_config(write_config(tmp_path / "c.yaml", raw))
     study = optuna.create_study(study_name="s.retrain", direction="maximize")
     elsewhere = {"best_model": "/elsewhere/trial-0/best-model"}  # another host's disk
-    study.add_trial(create_trial(value=0.9, params={"x": 0.5}, user_attrs=elsewhere,
-                                 distributions={"x": FloatDistribution(0, 1)}))  # fmt: skip
+    study.add_trial(
+        create_trial(
+            value=0.9,
+            params={"x": 0.5},
+            user_attrs=elsewhere,
+            distributions={"x": FloatDistribution(0, 1)},
+        )
+    )
     store = ArtifactStore(store_url)
     model = _model_folder(tmp_path / "model")
     store.publish(study_folder_name("s.retrain"), "trial-0", "best-model", model)
@@ -639,8 +656,9 @@ def test_status_says_when_the_store_is_not_reachable_from_here(
     study.set_user_attr("artifact_store", "file:///mnt/not-mounted-here")
     summary = artifact_summary(study, argparse.Namespace(artifact_store=None))
     assert summary is not None
-    assert artifact_line(summary).startswith("artifact store file:///mnt/not-mounted-here: "
-                                              "unreachable (")  # fmt: skip
+    assert artifact_line(summary).startswith(
+        "artifact store file:///mnt/not-mounted-here: unreachable ("
+    )
     with pytest.raises(ArtifactStoreError, match="not a folder"):  # asked for: an error
         artifact_summary(study, argparse.Namespace(artifact_store="file:///mnt/not-mounted"))
 

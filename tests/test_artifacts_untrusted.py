@@ -67,13 +67,18 @@ def _escape_to_victim(raw: dict[str, Any]) -> None:
     raw["version"] = "../../../../victim"
     prefix = f"{raw['study']}/{raw['folder']}/best-model/../../../../victim/"
     digest = hashlib.sha256(SECRET).hexdigest()
-    raw["files"] = [{"path": "keep.txt", "key": prefix + "keep.txt", "size": len(SECRET),
-                     "sha256": digest}]  # fmt: skip
+    raw["files"] = [
+        {"path": "keep.txt", "key": prefix + "keep.txt", "size": len(SECRET), "sha256": digest}
+    ]
 
 
 def _trial(number: int, value: float) -> FrozenTrial:
-    made = create_trial(state=TrialState.COMPLETE, value=value, params={"x": 0.5},
-                        distributions={"x": FloatDistribution(0, 1)})  # fmt: skip
+    made = create_trial(
+        state=TrialState.COMPLETE,
+        value=value,
+        params={"x": 0.5},
+        distributions={"x": FloatDistribution(0, 1)},
+    )
     made.number = number
     return made
 
@@ -88,7 +93,8 @@ def test_a_version_that_leads_out_of_the_store_is_refused_and_nothing_outside_is
         store.fetch(STUDY, FOLDER, "best-model", tmp_path / "out")
     said = str(caught.value)
     assert f"{STUDY}/{FOLDER}/best-model.manifest.json names the version '../../../../victim'" in (
-        said)  # fmt: skip
+        said
+    )
     assert "\n" not in said and not (tmp_path / "out").exists()
 
     # A later trial beats trial 0: the workers' cleanup would remove trial 0's model.
@@ -235,8 +241,9 @@ def test_an_s3_manifest_whose_version_leads_out_is_refused(
 
     with pytest.raises(UntrustedArtifact, match="names the version '../../../../victim'"):
         store.fetch(STUDY, FOLDER, "best-model", tmp_path / "out")
-    removed = remove_unneeded_artifacts(store, "s", [_trial(0, 0.1), _trial(1, 0.9)],
-                                        [StudyDirection.MAXIMIZE])  # fmt: skip
+    removed = remove_unneeded_artifacts(
+        store, "s", [_trial(0, 0.1), _trial(1, 0.9)], [StudyDirection.MAXIMIZE]
+    )
     assert removed == [] and not (tmp_path / "out").exists()
     assert client.get_object(Bucket="hpo", Key="victim/keep.txt")["Body"].read() == SECRET
 
@@ -362,8 +369,9 @@ def test_best_download_refuses_a_manifest_leading_out_of_the_store(tmp_path: Pat
     (tmp_path / "victim" / "keep.txt").write_bytes(SECRET)
     _forge(root, _escape_to_victim)
 
-    done = run_hpo("best", "--study", "s", "--storage", url, "--download", "dl", cwd=tmp_path,
-                   timeout=120)  # fmt: skip
+    done = run_hpo(
+        "best", "--study", "s", "--storage", url, "--download", "dl", cwd=tmp_path, timeout=120
+    )
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr

@@ -67,25 +67,36 @@ def _config_change(tmp_path: Path, data: tuple[Path, Path], kind: str) -> dict[s
 
 
 CASES = [
-    ("config", ["study.n_trails: unknown key (did you mean 'n_trials'?)",
-                "training.physical_batch_size: got 0", "training.epochs: got 'two'",
-                "search_space.learning_rate.low: got 0.01; must be <= high",
-                "search_space.warmup_ratio.choices: got []",
-                "search_space.weight_decay.low: got 0.0; must be > 0 for a log-scale"]),
+    (
+        "config",
+        [
+            "study.n_trails: unknown key (did you mean 'n_trials'?)",
+            "training.physical_batch_size: got 0",
+            "training.epochs: got 'two'",
+            "search_space.learning_rate.low: got 0.01; must be <= high",
+            "search_space.warmup_ratio.choices: got []",
+            "search_space.weight_decay.low: got 0.0; must be > 0 for a log-scale",
+        ],
+    ),
     ("missing file", ["data.train_file", "not found", "paths are relative to the config file"]),
     ("not utf-8", ["line 3 is not valid UTF-8 (byte 0xe9 at column 4); save the file as UTF-8"]),
     ("missing label", ["row 2 has no label"]),
     ("label only in evaluation", ["labels ['neutral'] never appear in the training data"]),
     ("one class", ["has the label 'pos'; a classifier needs at least two classes"]),
     ("repeated columns", ["column names ['text'] appear more than once; give each column"]),
-    ("row over max_row_mib", ["huge.csv: row 2 (from line 3) is longer than 1 MiB "
-                              "(data.max_row_mib), so it is not read"]),
+    (
+        "row over max_row_mib",
+        [
+            "huge.csv: row 2 (from line 3) is longer than 1 MiB "
+            "(data.max_row_mib), so it is not read"
+        ],
+    ),
     ("header too wide", ["wide.csv: the header has 20,002 columns, more than hpo reads"]),
     ("empty file", ["no rows; the file is empty"]),
     ("missing model folder", ["model.name_or_path", "not found"]),
     ("unknown architecture", ["cannot load model config"]),
     ("hub name without network", ["cannot load model config 'some-org/some-model-that-is-not"]),
-]  # fmt: skip
+]
 
 
 # Through the real CLI in a process of its own, as a user runs it; the other cases call the
@@ -127,8 +138,17 @@ def test_bad_input_is_one_clear_message_and_nothing_is_written(
     assert "Traceback" not in result.stderr
     assert not database.exists()  # nothing written: the inputs are checked first
     if kind == "not utf-8":  # once: --debug adds the traceback
-        debug = run_hpo("run", "--study", "s", "--config", str(config), "--storage",
-                        f"sqlite:///{database}", "--debug", cwd=tmp_path)  # fmt: skip
+        debug = run_hpo(
+            "run",
+            "--study",
+            "s",
+            "--config",
+            str(config),
+            "--storage",
+            f"sqlite:///{database}",
+            "--debug",
+            cwd=tmp_path,
+        )
         assert debug.returncode == 2 and "Traceback" in debug.stderr
 
 
@@ -147,8 +167,7 @@ def test_an_unusable_database_is_one_masked_line_within_10_seconds(
 ) -> None:
     config = write_config(tmp_path / "c.yaml", tiny_config(*easy_data))
     started = time.monotonic()
-    result = run_hpo("run", "--study", "s", "--config", str(config), "--storage", url,
-                     cwd=tmp_path)  # fmt: skip
+    result = run_hpo("run", "--study", "s", "--config", str(config), "--storage", url, cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("hpo: error:")]
     assert len(errors) == 1 and expected in errors[0], result.stderr[-3000:]
@@ -167,33 +186,72 @@ def _bomb(key: str) -> str:
 
 _SPACE = "search_space:\n  effective_batch_size: {type: categorical, choices: [8]}\n"
 FILE_CASES = [
-    ("empty file", [], "", ["model.name_or_path: give exactly one of name_or_path or config",
-                            "data.train_file: is required", "data.eval_file: is required"]),
+    (
+        "empty file",
+        [],
+        "",
+        [
+            "model.name_or_path: give exactly one of name_or_path or config",
+            "data.train_file: is required",
+            "data.eval_file: is required",
+        ],
+    ),
     ("no model section", ["model"], "", ["model.name_or_path: give exactly one of"]),
-    ("no data section", ["data"], "", ["data.train_file: is required: a path to the data",
-                                       "data.eval_file: is required"]),
+    (
+        "no data section",
+        ["data"],
+        "",
+        ["data.train_file: is required: a path to the data", "data.eval_file: is required"],
+    ),
     ("alias bomb", ["study"], _bomb("study"), ["study: got a list [['lol', 'lol'"]),
-    ("int step 0", ["search_space"], _SPACE + "  epochs: {type: int, low: 1, high: 3, step: 0}\n",
-     ["search_space.epochs.step: got 0.0; must be a positive whole number"]),
-    ("negative float step", ["search_space"],
-     _SPACE + "  warmup_ratio: {type: float, low: 0, high: 0.2, step: -0.1}\n",
-     ["search_space.warmup_ratio.step: got -0.1; must be > 0"]),
-    ("duplicate key", ["study"], "study: {n_trials: 2}\nstudy: {n_trials: 3}\n",
-     ["key 'study' appears twice in one mapping; keep one (line "]),
-    ("a list", ["study", "search_space", "model", "data", "training"], "- study\n",
-     ["must hold a mapping of sections", "got a list ['study']"]),
-    ("huge epochs", ["training"], "training: {epochs: 1000000000}\n",
-     ["training.epochs: got 1000000000; must be"]),
-    ("fractional int step", ["search_space"],
-     _SPACE + "  epochs: {type: int, low: 1, high: 3, step: 1.5}\n",
-     ["search_space.epochs.step: got 1.5; must be a positive whole number"]),
-    ("huge seed", ["study"], "study: {n_trials: 2, sampler: {seed: 1" + "0" * 20 + "}}\n",
-     ["study.sampler.seed: got 100000000000000000000; must be in [0, 2**32) or null"]),
-]  # fmt: skip
+    (
+        "int step 0",
+        ["search_space"],
+        _SPACE + "  epochs: {type: int, low: 1, high: 3, step: 0}\n",
+        ["search_space.epochs.step: got 0.0; must be a positive whole number"],
+    ),
+    (
+        "negative float step",
+        ["search_space"],
+        _SPACE + "  warmup_ratio: {type: float, low: 0, high: 0.2, step: -0.1}\n",
+        ["search_space.warmup_ratio.step: got -0.1; must be > 0"],
+    ),
+    (
+        "duplicate key",
+        ["study"],
+        "study: {n_trials: 2}\nstudy: {n_trials: 3}\n",
+        ["key 'study' appears twice in one mapping; keep one (line "],
+    ),
+    (
+        "a list",
+        ["study", "search_space", "model", "data", "training"],
+        "- study\n",
+        ["must hold a mapping of sections", "got a list ['study']"],
+    ),
+    (
+        "huge epochs",
+        ["training"],
+        "training: {epochs: 1000000000}\n",
+        ["training.epochs: got 1000000000; must be"],
+    ),
+    (
+        "fractional int step",
+        ["search_space"],
+        _SPACE + "  epochs: {type: int, low: 1, high: 3, step: 1.5}\n",
+        ["search_space.epochs.step: got 1.5; must be a positive whole number"],
+    ),
+    (
+        "huge seed",
+        ["study"],
+        "study: {n_trials: 2, sampler: {seed: 1" + "0" * 20 + "}}\n",
+        ["study.sampler.seed: got 100000000000000000000; must be in [0, 2**32) or null"],
+    ),
+]
 
 
-@pytest.mark.parametrize(("kind", "drop", "text", "expected"), FILE_CASES,
-                         ids=[c[0] for c in FILE_CASES])  # fmt: skip
+@pytest.mark.parametrize(
+    ("kind", "drop", "text", "expected"), FILE_CASES, ids=[c[0] for c in FILE_CASES]
+)
 def test_a_bad_config_file_is_refused_before_anything_starts(
     tmp_path: Path,
     easy_data: tuple[Path, Path],
@@ -207,8 +265,17 @@ def test_a_bad_config_file_is_refused_before_anything_starts(
     config.write_text((yaml.safe_dump(kept) if kept and kind != "empty file" else "") + text)
     database = tmp_path / "study.db"
     started = time.monotonic()
-    result = run_hpo("run", "--study", "s", "--config", str(config), "--storage",
-                     f"sqlite:///{database}", cwd=tmp_path, timeout=60)  # fmt: skip
+    result = run_hpo(
+        "run",
+        "--study",
+        "s",
+        "--config",
+        str(config),
+        "--storage",
+        f"sqlite:///{database}",
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     for fragment in expected:
         assert fragment in result.stderr, result.stderr[-3000:]
@@ -223,8 +290,18 @@ def test_a_bad_device_is_refused_before_the_database(
 ) -> None:
     config = write_config(tmp_path / "c.yaml", tiny_config(*easy_data))
     database = tmp_path / "study.db"
-    result = run_hpo("run", "--study", "s", "--config", str(config), "--storage",
-                     f"sqlite:///{database}", "--device", "gpu", cwd=tmp_path)  # fmt: skip
+    result = run_hpo(
+        "run",
+        "--study",
+        "s",
+        "--config",
+        str(config),
+        "--storage",
+        f"sqlite:///{database}",
+        "--device",
+        "gpu",
+        cwd=tmp_path,
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     assert "--device: got 'gpu'; must be auto, cpu, cuda or cuda:N" in result.stderr
     assert "Traceback" not in result.stderr and not database.exists()

@@ -263,8 +263,17 @@ def test_a_worker_and_its_trial_process_hold_at_most_two_connections(
     # searches its batch size (a lock, a record) and later trials read the cache, all through
     # the worker; heartbeats, the study lock and Optuna share the worker's pool of 2.
     config = long_text_config(tmp_path, n_trials=3)
-    worker = start_hpo("run", "--study", "s", "--config", str(config), "--storage", postgres_url,
-                       cwd=tmp_path, env={BUDGET_ENV: str(60_000_000)})  # fmt: skip
+    worker = start_hpo(
+        "run",
+        "--study",
+        "s",
+        "--config",
+        str(config),
+        "--storage",
+        postgres_url,
+        cwd=tmp_path,
+        env={BUDGET_ENV: str(60_000_000)},
+    )
     database = sa.engine.make_url(postgres_url).database
     watcher = sa.create_engine(postgres_url, poolclass=sa.pool.NullPool)
     seen: dict[str, int] = {}

@@ -31,8 +31,12 @@ def browser() -> Iterator[Any]:
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
-                 "--window-size=1400,1000"):  # fmt: skip
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,1000",
+    ):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(options=options, service=Service(DRIVER))
@@ -76,8 +80,9 @@ def test_the_report_draws_every_plot_in_a_real_browser(tmp_path: Path, browser: 
     url = f"sqlite:///{tmp_path / 'r.db'}"
     finished_study(url)
     page = tmp_path / "report.html"
-    made = run_hpo("report", "--study", "watched", "--storage", url, "--out", str(page),
-                   cwd=tmp_path)  # fmt: skip
+    made = run_hpo(
+        "report", "--study", "watched", "--storage", url, "--out", str(page), cwd=tmp_path
+    )
     assert made.returncode == 0, made.stderr[-2000:]
     browser.get(page.as_uri())
     plots = wait_for(

@@ -233,20 +233,40 @@ def test_the_loss_is_the_models_own_shifted_causal_lm_loss(tmp_path: Path) -> No
 
 
 # One tiny model per family whose output layer may run on the counted positions alone.
-SMALL = {"vocab_size": 120, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "intermediate_size": 64, "max_position_embeddings": 64}  # fmt: skip
+SMALL = {
+    "vocab_size": 120,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 64,
+    "max_position_embeddings": 64,
+}
 FAMILIES = {
-    "gpt2": {"vocab_size": 120, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,
-             "bos_token_id": 1, "eos_token_id": 2},
+    "gpt2": {
+        "vocab_size": 120,
+        "n_embd": 32,
+        "n_layer": 2,
+        "n_head": 4,
+        "n_positions": 64,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
     "gpt_neox": SMALL,
     "llama": SMALL,
     "mistral": {**SMALL, "num_key_value_heads": 2},
     "qwen2": {**SMALL, "num_key_value_heads": 4},
     "qwen3": {**SMALL, "num_key_value_heads": 4, "head_dim": 8},
     "phi3": {**SMALL, "pad_token_id": 0},
-    "opt": {"vocab_size": 120, "hidden_size": 32, "num_hidden_layers": 2, "ffn_dim": 64,
-            "num_attention_heads": 4, "word_embed_proj_dim": 32, "max_position_embeddings": 64},
-}  # fmt: skip
+    "opt": {
+        "vocab_size": 120,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "ffn_dim": 64,
+        "num_attention_heads": 4,
+        "word_embed_proj_dim": 32,
+        "max_position_embeddings": 64,
+    },
+}
 
 
 def family_model(family: str, settings: dict[str, Any]) -> torch.nn.Module:
@@ -362,8 +382,10 @@ def test_accumulated_micro_batches_give_the_gradient_of_one_big_batch(tmp_path: 
     for a, b in zip(grads_a, grads_b, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
     # The mean of micro-batch means (transformers before 4.46) is measurably another loss.
-    means = [task.loss_sum(net_logits(model, b), b["labels"]) / n
-             for b, n in zip(micro, counted, strict=True)]  # fmt: skip
+    means = [
+        task.loss_sum(net_logits(model, b), b["labels"]) / n
+        for b, n in zip(micro, counted, strict=True)
+    ]
     assert abs(float(torch.stack(means).mean()) - float(loss_b)) > 1e-4
 
 
@@ -418,18 +440,33 @@ def test_the_batch_finders_worst_case_counts_every_token() -> None:
 @pytest.mark.parametrize(
     ("task", "data", "message"),
     [
-        ("causal_lm", {"prompt_column": "prompt"}, "data.completion_column: is "
-         "required with data.prompt_column: give both"),
-        ("causal_lm", {"completion_column": "answer"}, "data.prompt_column: is "
-         "required with data.completion_column"),
-        ("causal_lm", {"prompt_column": "q", "completion_column": "q"},
-         "data.completion_column: got 'q'; must differ from prompt_column"),
-        ("sequence_classification", {"prompt_column": "q", "completion_column": "a"},
-         "data.prompt_column: means nothing for the task sequence_classification"),
-        ("causal_lm", {"text_pair_column": "other"},
-         "data.text_pair_column: means nothing for the task causal_lm"),
+        (
+            "causal_lm",
+            {"prompt_column": "prompt"},
+            "data.completion_column: is required with data.prompt_column: give both",
+        ),
+        (
+            "causal_lm",
+            {"completion_column": "answer"},
+            "data.prompt_column: is required with data.completion_column",
+        ),
+        (
+            "causal_lm",
+            {"prompt_column": "q", "completion_column": "q"},
+            "data.completion_column: got 'q'; must differ from prompt_column",
+        ),
+        (
+            "sequence_classification",
+            {"prompt_column": "q", "completion_column": "a"},
+            "data.prompt_column: means nothing for the task sequence_classification",
+        ),
+        (
+            "causal_lm",
+            {"text_pair_column": "other"},
+            "data.text_pair_column: means nothing for the task causal_lm",
+        ),
     ],
-)  # fmt: skip
+)
 def test_prompt_settings_are_checked_up_front(
     tmp_path: Path, task: str, data: dict[str, Any], message: str
 ) -> None:
@@ -468,13 +505,20 @@ def test_a_causal_lm_study_prunes_resumes_and_downloads_a_generating_model(
 
     from tests.task_study import run_task_study
 
-    data = (write_csv(tmp_path / "train.csv", instruct_rows(192, seed=11)),
-            write_csv(tmp_path / "eval.csv", instruct_rows(16, seed=12)))  # fmt: skip
+    data = (
+        write_csv(tmp_path / "train.csv", instruct_rows(192, seed=11)),
+        write_csv(tmp_path / "eval.csv", instruct_rows(16, seed=12)),
+    )
     run = run_task_study(
-        tmp_path, hpo_main, capsys, "causal_lm", data, "eval_loss",
+        tmp_path,
+        hpo_main,
+        capsys,
+        "causal_lm",
+        data,
+        "eval_loss",
         model={"config": dict(TINY_LLAMA)},
         data={"prompt_column": "prompt", "completion_column": "completion"},
-    )  # fmt: skip
+    )
     assert run.resumed.value is not None  # it learnt: past the untrained model by 0.5 nats
     assert run.resumed.value < run.pruned.intermediate_values[1] - 0.5
 

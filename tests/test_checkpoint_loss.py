@@ -28,8 +28,13 @@ def test_a_checkpoint_folder_removed_during_a_trial_is_made_again_for_the_next_o
     hpo_main: Callable[[list[str]], int],
 ) -> None:
     root = tmp_path / "checkpoints"
-    study = {"n_trials": 3, "trial_isolation": "none", "checkpoint_dir": str(root),
-             "checkpoint_interval": 0, "pruner": {"type": "none"}}  # fmt: skip
+    study = {
+        "n_trials": 3,
+        "trial_isolation": "none",
+        "checkpoint_dir": str(root),
+        "checkpoint_interval": 0,
+        "pruner": {"type": "none"},
+    }
     config = write_config(
         tmp_path / "c.yaml",
         tiny_config(*easy_data, study=study, training={"epochs": 1, "evals_per_epoch": 3}),
@@ -161,8 +166,9 @@ def test_a_best_model_that_cannot_be_had_is_named_with_the_reason(tmp_path: Path
     assert missing_model(4, {"best_model": gone, "best_model_uri": "s3://b/p/m"}) is None
     assert "trial #4 is gone" in str(missing_model(4, {"best_model": gone}))
     refused = {"checkpoint_s": 0.0, "checkpoint_error": "no checkpoints for this trial: x"}
-    assert missing_model(5, refused) == "trial #5 has no saved model: no checkpoints for " \
-        "this trial: x"  # fmt: skip
+    assert (
+        missing_model(5, refused) == "trial #5 has no saved model: no checkpoints for this trial: x"
+    )
     assert "folder was lost" in str(missing_model(6, {"checkpoint_s": 0.2}))
     assert missing_model(7, {}) is None  # checkpoints off, or a plain Optuna study: nothing lost
 
@@ -173,7 +179,13 @@ def test_hpo_best_warns_instead_of_naming_a_model_that_is_not_there(tmp_path: Pa
     gone = str(tmp_path / "trial-3" / "best-model")
     attrs = {"best_model": gone, "checkpoint_s": 0.1}
     missing = f"the model of trial #3 is gone: {gone} is not on this host"
-    best = {"study": "s", "number": 3, "value": 0.9, "params": {}, "user_attrs": attrs,
-            "model_missing": missing}  # fmt: skip
+    best = {
+        "study": "s",
+        "number": 3,
+        "value": 0.9,
+        "params": {},
+        "user_attrs": attrs,
+        "model_missing": missing,
+    }
     text = best_text(best)
     assert "WARNING: the model of trial #3 is gone" in text and "\nmodel:" not in text

@@ -57,8 +57,9 @@ def test_default_storage_is_hpo_db_in_the_working_directory(
     hpo_main: Callable[[list[str]], int],
 ) -> None:
     # hpo's main in this process, run from that folder; the trial trains in the worker.
-    raw = tiny_config(*easy_data, study={"n_trials": 1, "trial_isolation": "none"},
-                      training={"max_steps": 2})  # fmt: skip
+    raw = tiny_config(
+        *easy_data, study={"n_trials": 1, "trial_isolation": "none"}, training={"max_steps": 2}
+    )
     config = write_config(tmp_path / "c.yaml", raw)
     monkeypatch.chdir(tmp_path)
     assert hpo_main(["run", "--study", "s", "--config", str(config)]) == 0
@@ -75,8 +76,9 @@ def test_a_worker_with_another_search_space_is_refused(
 ) -> None:
     # Both workers run hpo's main in this process (the first trains in itself): a subprocess
     # took seconds to start.
-    raw = tiny_config(*easy_data, study={"n_trials": 1, "trial_isolation": "none"},
-                      training={"max_steps": 1})  # fmt: skip
+    raw = tiny_config(
+        *easy_data, study={"n_trials": 1, "trial_isolation": "none"}, training={"max_steps": 1}
+    )
     url = f"sqlite:///{tmp_path / 's.db'}"
     a = write_config(tmp_path / "a.yaml", raw)
     assert hpo_main(["run", "--study", "s", "--config", str(a), "--storage", url]) == 0
@@ -175,8 +177,20 @@ def test_a_failing_trial_never_stops_the_worker(
     assert len(failed_lines) == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert "BackendCompilerFailed" in failed_lines[0]
     # One failing trial is enough to show its traceback.
-    debug = run_hpo("run", "--study", "d", "--config", str(config), "--storage", url, "--debug",
-                    "--n-trials", "1", cwd=tmp_path, env=broken)  # fmt: skip
+    debug = run_hpo(
+        "run",
+        "--study",
+        "d",
+        "--config",
+        str(config),
+        "--storage",
+        url,
+        "--debug",
+        "--n-trials",
+        "1",
+        cwd=tmp_path,
+        env=broken,
+    )
     assert debug.returncode == 0 and "Traceback" in debug.stderr
     # Its trial processes came from a copy of the worker: no second load of torch (5-6 s).
     assert "their fork server is a copy of this worker" in debug.stderr, debug.stderr[-3000:]

@@ -56,8 +56,12 @@ def test_a_fresh_model_reuses_the_graphs_of_the_last_and_batch_sizes_share_one(
 def test_a_worker_compiles_for_its_first_trial_only(
     tmp_path: Path, easy_data: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    raw = tiny_config(*easy_data, study={"n_trials": 2, "pruner": {"type": "none"}},
-                      model={"compile": True}, training={"max_steps": 3})  # fmt: skip
+    raw = tiny_config(
+        *easy_data,
+        study={"n_trials": 2, "pruner": {"type": "none"}},
+        model={"compile": True},
+        training={"max_steps": 3},
+    )
     config = write_config(tmp_path / "c.yaml", raw)
     url = f"sqlite:///{tmp_path / 'c.db'}"
     result = run_study(config, url, tmp_path, env={compiled.BACKEND_ENV: "aot_eager"})
@@ -73,13 +77,20 @@ def _train_step(model: torch.nn.Module, batch: int, width: int) -> None:
     model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.sum().backward()
 
 
-TINY_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-              "vocab_size": 1000}  # fmt: skip
+TINY_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "vocab_size": 1000,
+}
 
 
-@pytest.mark.parametrize(("family", "task"), [(TINY_BERT, "sequence_classification"),
-                                              (TINY_LLAMA, "causal_lm")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("family", "task"), [(TINY_BERT, "sequence_classification"), (TINY_LLAMA, "causal_lm")]
+)
 def test_compiling_the_blocks_costs_one_layer_whatever_the_depth(
     monkeypatch: pytest.MonkeyPatch, family: dict, task: str
 ) -> None:
@@ -90,8 +101,11 @@ def test_compiling_the_blocks_costs_one_layer_whatever_the_depth(
     graphs = {}
     for layers in (2, 4):
         torch.compiler.reset()
-        config = ModelConfig(config={**family, "num_hidden_layers": layers},
-                             tokenizer=MINILM_TOKENIZER, compile_scope="blocks")  # fmt: skip
+        config = ModelConfig(
+            config={**family, "num_hidden_layers": layers},
+            tokenizer=MINILM_TOKENIZER,
+            compile_scope="blocks",
+        )
         model = build_model(config, ["a", "b"], seed=0, task=task)
         assert len(compiled.repeated_blocks(model)) == layers
         before = compiled.compile_stats()
@@ -152,15 +166,17 @@ def test_cuda_graphs_ask_inductor_for_them_for_the_forward_and_the_backward(
 def test_cuda_graphs_without_compile_are_refused() -> None:
     config = ModelConfig(config=dict(TINY_BERT), tokenizer=MINILM_TOKENIZER, cuda_graphs=True)
     assert [key for key, _, _ in config.problems()] == ["cuda_graphs"]
-    config = ModelConfig(config=dict(TINY_BERT), tokenizer=MINILM_TOKENIZER, cuda_graphs=True,
-                         compile=True)  # fmt: skip
+    config = ModelConfig(
+        config=dict(TINY_BERT), tokenizer=MINILM_TOKENIZER, cuda_graphs=True, compile=True
+    )
     assert config.problems() == []
 
 
 def test_auto_compiles_a_shallow_model_whole_and_a_deep_one_by_blocks() -> None:
     def model(layers: int) -> torch.nn.Module:
-        config = ModelConfig(config={**TINY_BERT, "num_hidden_layers": layers},
-                             tokenizer=MINILM_TOKENIZER)  # fmt: skip
+        config = ModelConfig(
+            config={**TINY_BERT, "num_hidden_layers": layers}, tokenizer=MINILM_TOKENIZER
+        )
         return build_model(config, ["a", "b"], seed=0)
 
     shallow, deep = model(compiled.WHOLE_UP_TO_BLOCKS), model(compiled.WHOLE_UP_TO_BLOCKS + 1)

@@ -62,11 +62,14 @@ def _built_by_scripts_test(
     while not rc.exists() or not rc.read_text().strip():
         gone = pid > 0 and not _running(pid)
         if gone and not rc.exists():  # killed before it could say how it ended
-            pytest.fail(f"scripts/test's build of the stack's images ended with no result "
-                        f"({names}.err)")  # fmt: skip
+            pytest.fail(
+                f"scripts/test's build of the stack's images ended with no result ({names}.err)"
+            )
         if time.monotonic() > deadline:
-            pytest.fail(f"scripts/test's build of the stack's images gave no result in "
-                        f"{timeout_s:.0f} s ({names}.err)")  # fmt: skip
+            pytest.fail(
+                f"scripts/test's build of the stack's images gave no result in "
+                f"{timeout_s:.0f} s ({names}.err)"
+            )
         time.sleep(1)
     err = Path(f"{names}.err")
     return subprocess.CompletedProcess(
@@ -160,8 +163,14 @@ def write_config(path: Path, n_trials: int) -> None:
 
 
 def compose(env: dict[str, str], *args: str, timeout: float = 300) -> str:
-    done = subprocess.run(["podman-compose", "-p", PROJECT, *COMPOSE_FILES, *args], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    done = subprocess.run(
+        ["podman-compose", "-p", PROJECT, *COMPOSE_FILES, *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
 
@@ -174,8 +183,11 @@ def up(env: dict[str, str], workers: int) -> None:
     """The README's order: the database and the dashboard, then the workers once the database
     is healthy (podman-compose 1.0 does not wait for `condition: service_healthy` itself)."""
     compose(env, "up", "-d", "postgres", "dashboard")
-    wait_for(lambda: podman("healthcheck", "run", f"{PROJECT}_postgres_1").returncode == 0,
-             "PostgreSQL healthy by the compose file's own healthcheck", timeout=120)  # fmt: skip
+    wait_for(
+        lambda: podman("healthcheck", "run", f"{PROJECT}_postgres_1").returncode == 0,
+        "PostgreSQL healthy by the compose file's own healthcheck",
+        timeout=120,
+    )
     compose(dict(env, HPO_STACK_WORKERS=str(workers)), "up", "-d", "worker")
 
 
@@ -230,15 +242,21 @@ def kill_a_worker_mid_trial(url: str) -> str:
 
 
 def check_dashboard(driver: Any, trials: int) -> None:
-    wait_for(lambda: podman("healthcheck", "run", f"{PROJECT}_dashboard_1").returncode == 0,
-             "the dashboard healthy by the compose file's own healthcheck")  # fmt: skip
+    wait_for(
+        lambda: podman("healthcheck", "run", f"{PROJECT}_dashboard_1").returncode == 0,
+        "the dashboard healthy by the compose file's own healthcheck",
+    )
     with urllib.request.urlopen(f"{DASHBOARD}/api/studies", timeout=30) as answer:
         studies = json.load(answer)["study_summaries"]
     study = next(s for s in studies if s["study_name"] == STUDY)
     driver.get(f"{DASHBOARD}/dashboard/studies/{study['study_id']}/trials")
-    text = wait_for(lambda: f"{trials} Trials" in (t := _text(driver)) and t,
-                    "the dashboard's trial list in Chromium")  # fmt: skip
+    text = wait_for(
+        lambda: f"{trials} Trials" in (t := _text(driver)) and t,
+        "the dashboard's trial list in Chromium",
+    )
     driver.get(f"{DASHBOARD}/dashboard/studies/{study['study_id']}")
-    wait_for(lambda: "accuracy" in _text(driver) and _svgs(driver) >= 2,
-             "the study's history plotted, its metric named")  # fmt: skip
+    wait_for(
+        lambda: "accuracy" in _text(driver) and _svgs(driver) >= 2,
+        "the study's history plotted, its metric named",
+    )
     assert "Fail" in text and console_errors(driver) == []

@@ -431,12 +431,17 @@ def test_every_step_that_passes_can_be_sampled(
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("- a\n- b\n", "must hold a mapping of sections (study:, search_space:, model:, data:, "
-                       "training:), got a list ['a', 'b']"),
+        (
+            "- a\n- b\n",
+            "must hold a mapping of sections (study:, search_space:, model:, data:, "
+            "training:), got a list ['a', 'b']",
+        ),
         ("42\n", "got the number 42"),
         ("study: 5\n", "study: got the number 5; must be a mapping of keys"),
-        ("study: {n_trials: 1}\nstudy: {n_trials: 2}\n",
-         "key 'study' appears twice in one mapping; keep one (line 2, column 1)"),
+        (
+            "study: {n_trials: 1}\nstudy: {n_trials: 2}\n",
+            "key 'study' appears twice in one mapping; keep one (line 2, column 1)",
+        ),
         ("study: {n_trials: -3}\n", "study.n_trials: got -3; must be a positive integer or null"),
         ("study: {n_trials: 1e3}\n", None),  # YAML 1.1 reads 1e3 as a string: a whole number
         ("study: {timeout: 1.0e+300}\n", "study.timeout: got 1e+300; must be at most 1e+09"),
@@ -450,24 +455,35 @@ def test_every_step_that_passes_can_be_sampled(
         ("search_space: {learning_rate: null}\n", "search_space.learning_rate: is empty; give"),
         ("search_space: {null: {type: float}}\n", "search_space.null: unknown parameter"),
         ("search_space: [learning_rate]\n", "search_space: got a list ['learning_rate']; must"),
-        ("search_space:\n  weight_decay: {type: categorical, choices: [0.1, abc, [1]]}\n",
-         "search_space.weight_decay: value 'abc' must be a number"),
-        ("model: {config: {model_type: [bert], 1: x}, tokenizer: t}\n",
-         "model.config: key 1 is not text; quote it"),
-        ("model: {config: {model_type: [bert]}, tokenizer: t}\n",
-         "model.config.model_type: got ['bert']; must be a name, e.g. bert"),
-        ("model: {tokenizer: t, config: {model_type: bert, a: &a [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]"
-         + "".join(f", {k}: &{k} [{', '.join([f'*{p}'] * 10)}]" for p, k in ("ab", "bc", "cd"))
-         + "}}\n", "model.config: holds more than 10000 values (a YAML alias repeated?)"),
-        ("data: {train_file: \"a\\0b\", eval_file: ~nosuchuser/e.csv}\n",
-         "data.train_file: 'a\\x00b' not found"),
+        (
+            "search_space:\n  weight_decay: {type: categorical, choices: [0.1, abc, [1]]}\n",
+            "search_space.weight_decay: value 'abc' must be a number",
+        ),
+        (
+            "model: {config: {model_type: [bert], 1: x}, tokenizer: t}\n",
+            "model.config: key 1 is not text; quote it",
+        ),
+        (
+            "model: {config: {model_type: [bert]}, tokenizer: t}\n",
+            "model.config.model_type: got ['bert']; must be a name, e.g. bert",
+        ),
+        (
+            "model: {tokenizer: t, config: {model_type: bert, a: &a [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]"
+            + "".join(f", {k}: &{k} [{', '.join([f'*{p}'] * 10)}]" for p, k in ("ab", "bc", "cd"))
+            + "}}\n",
+            "model.config: holds more than 10000 values (a YAML alias repeated?)",
+        ),
+        (
+            'data: {train_file: "a\\0b", eval_file: ~nosuchuser/e.csv}\n',
+            "data.train_file: 'a\\x00b' not found",
+        ),
         ("study: {n_trials: 1" + "0" * 5000 + "}\n", "a value cannot be read (Exceeds the limit"),
         ("study: {when: 2024-13-45}\n", "a value cannot be read (month must be in 1..12)"),
         ("study: " + "[" * 3000 + "]" * 3000 + "\n", "lists or mappings nested hundreds deep"),
         ("study: !!python/object:os.system {}\n", "not valid YAML: could not determine a "),
         ("study: {n_trials: 1}\n\t\n", "not valid YAML: found character '\\t'"),
     ],
-)  # fmt: skip
+)
 def test_strange_yaml_is_a_config_error(
     tmp_path: Path, easy_data: tuple[Path, Path], text: str, expected: str | None
 ) -> None:

@@ -126,9 +126,13 @@ def _light_worker(
     heartbeats stop for `grace_period` is failed and retried: longer than any outage here,
     except where a killed worker's trial must be retried."""
     study_config = StudyConfig(
-        n_trials=budget, trial_isolation="none", database_connections="on_demand",
-        heartbeat_interval=1, grace_period=grace_period, pruner=PrunerConfig(type="none"),
-    )  # fmt: skip
+        n_trials=budget,
+        trial_isolation="none",
+        database_connections="on_demand",
+        heartbeat_interval=1,
+        grace_period=grace_period,
+        pruner=PrunerConfig(type="none"),
+    )
     config = Config(study=study_config, search_space={"x": ParamSpec(type="float", low=0, high=1)})
     storage_url = StorageURL(url, "test")
     storage = open_storage(storage_url, patience_s=60, on_demand=True)

@@ -80,8 +80,9 @@ def test_a_killed_workers_entry_is_ignored(tmp_path: Path) -> None:
         "    print('registered', flush=True); time.sleep(600)\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in cpu_share.THREAD_ENVS}
-    process = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,
-                               text=True, env=env)  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env
+    )
     try:
         assert process.stdout is not None and process.stdout.readline() == "registered\n"
         assert [count for _, count in cpu_share.live_workers(tmp_path)] == [None]
@@ -109,18 +110,43 @@ def test_two_workers_started_separately_each_use_half_the_cores(
     each trains with half the host's threads, and records it beside samples_per_s."""
     # The trials train in their workers (trial_isolation: none), which share the cores as trial
     # processes do (the share is taken per trial), without a fork server's seconds of imports.
-    raw = tiny_config(*easy_data, study={"pruner": {"type": "none"}, "trial_isolation": "none"},
-                      training={"max_steps": 2, "evals_per_epoch": 1})  # fmt: skip
+    raw = tiny_config(
+        *easy_data,
+        study={"pruner": {"type": "none"}, "trial_isolation": "none"},
+        training={"max_steps": 2, "evals_per_epoch": 1},
+    )
     config = write_config(tmp_path / "c.yaml", raw)
     url = f"sqlite:///{tmp_path / 'host.db'}"
     registry = cpu_share.workers_dir()  # the tests' own cache folder (conftest)
     # The first worker runs trials until stopped; the second runs two while the first runs.
-    first = start_hpo("run", "--study", "long", "--config", str(config), "--storage", url,
-                      "--n-trials", "1000", "--quiet", cwd=tmp_path)  # fmt: skip
+    first = start_hpo(
+        "run",
+        "--study",
+        "long",
+        "--config",
+        str(config),
+        "--storage",
+        url,
+        "--n-trials",
+        "1000",
+        "--quiet",
+        cwd=tmp_path,
+    )
     try:
         _wait_for(lambda: len(cpu_share.live_workers(registry)) == 1, first)
-        second = start_hpo("run", "--study", "short", "--config", str(config), "--storage", url,
-                           "--n-trials", "2", "--quiet", cwd=tmp_path)  # fmt: skip
+        second = start_hpo(
+            "run",
+            "--study",
+            "short",
+            "--config",
+            str(config),
+            "--storage",
+            url,
+            "--n-trials",
+            "2",
+            "--quiet",
+            cwd=tmp_path,
+        )
         _, stderr = second.communicate(timeout=600)
         assert second.returncode == 0, stderr[-3000:]
     finally:
@@ -142,8 +168,10 @@ def test_two_workers_started_separately_each_use_half_the_cores(
     for trial in long:  # alone or not, never more threads than its share of the cores
         if "cpu_workers" in trial.user_attrs:
             workers = trial.user_attrs["cpu_workers"]
-            shares = [cpu_share.share_for(i, [None] * workers, cpu_share.host_threads()).threads
-                      for i in range(workers)]  # fmt: skip
+            shares = [
+                cpu_share.share_for(i, [None] * workers, cpu_share.host_threads()).threads
+                for i in range(workers)
+            ]
             assert trial.user_attrs["cpu_threads"] in shares
     assert cpu_share.live_workers(registry) == []  # both gone, both entries with them
 

@@ -464,7 +464,7 @@ def test_a_tab_separated_file_named_csv_is_called_tab_separated(tmp_path: Path) 
         "unnamed columns",
         "verbatim",
         "200k-character field",
-    ],  # fmt: skip
+    ],
 )
 def test_a_csv_reads_as_pandas_read_it_every_field_as_text(
     tmp_path: Path, body: str, expected: dict[str, list[str]]

@@ -58,12 +58,18 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
     return path
 
 
-def prepared(tmp_path: Path, tokenizer: Any, rows: list[dict[str, Any]], task: str,
-             **data: Any) -> Any:  # fmt: skip
+def prepared(
+    tmp_path: Path, tokenizer: Any, rows: list[dict[str, Any]], task: str, **data: Any
+) -> Any:
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = write_jsonl(tmp_path / "rows.jsonl", rows)
-    config = DataConfig(train_file=str(path), eval_file=str(path), max_length=MAX_LENGTH,
-                        cache_dir=str(tmp_path / "cache"), **data)  # fmt: skip
+    config = DataConfig(
+        train_file=str(path),
+        eval_file=str(path),
+        max_length=MAX_LENGTH,
+        cache_dir=str(tmp_path / "cache"),
+        **data,
+    )
     return prepare_data(config, tokenizer, task)
 
 
@@ -73,21 +79,35 @@ def row_ids(split: Any, index: int) -> list[int]:
 
 WORDS = HUGE.split()
 CASES = {
-    "sequence_classification": ([{"text": HUGE, "label": "pos"}, {"text": "no", "label": "neg"}],
-                                {}),
-    "sequence_classification pairs": ([{"text": PAIR, "hypothesis": PAIR, "label": "pos"},
-                                       {"text": "no", "hypothesis": "yes", "label": "neg"}],
-                                      {"text_pair_column": "hypothesis"}),
+    "sequence_classification": (
+        [{"text": HUGE, "label": "pos"}, {"text": "no", "label": "neg"}],
+        {},
+    ),
+    "sequence_classification pairs": (
+        [
+            {"text": PAIR, "hypothesis": PAIR, "label": "pos"},
+            {"text": "no", "hypothesis": "yes", "label": "neg"},
+        ],
+        {"text_pair_column": "hypothesis"},
+    ),
     "regression": ([{"text": HUGE, "label": 1.5}, {"text": "no", "label": 0.5}], {}),
-    "multi_label_classification": ([{"text": HUGE, "label": ["a"]}, {"text": "no", "label": []}],
-                                   {}),
-    "token_classification": ([{"text": WORDS, "label": ["B-PER"] + ["O"] * (len(WORDS) - 1)},
-                              {"text": ["x" * len(HUGE)], "label": ["B-LOC"]}], {}),
+    "multi_label_classification": (
+        [{"text": HUGE, "label": ["a"]}, {"text": "no", "label": []}],
+        {},
+    ),
+    "token_classification": (
+        [
+            {"text": WORDS, "label": ["B-PER"] + ["O"] * (len(WORDS) - 1)},
+            {"text": ["x" * len(HUGE)], "label": ["B-LOC"]},
+        ],
+        {},
+    ),
     "causal_lm": ([{"text": HUGE}, {"text": "a short text"}], {}),
-    "causal_lm prompts": ([{"prompt": HUGE, "completion": HUGE},
-                           {"prompt": "a", "completion": "b"}],
-                          {"prompt_column": "prompt", "completion_column": "completion"}),
-}  # fmt: skip
+    "causal_lm prompts": (
+        [{"prompt": HUGE, "completion": HUGE}, {"prompt": "a", "completion": "b"}],
+        {"prompt_column": "prompt", "completion_column": "completion"},
+    ),
+}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -105,15 +125,18 @@ def test_a_huge_cell_is_cut_to_what_max_length_can_reach_before_it_is_tokenized(
 def test_the_cut_cell_gives_the_tokens_the_whole_cell_gave(tmp_path: Path, tokenizer: Any) -> None:
     for case, expected in (
         ("sequence_classification", tokenizer(HUGE, truncation=True, max_length=MAX_LENGTH)),
-        ("sequence_classification pairs",
-         tokenizer(PAIR, PAIR, truncation=True, max_length=MAX_LENGTH)),
-    ):  # fmt: skip
+        (
+            "sequence_classification pairs",
+            tokenizer(PAIR, PAIR, truncation=True, max_length=MAX_LENGTH),
+        ),
+    ):
         rows, data = CASES[case]
         got = prepared(tmp_path / case, tokenizer, rows, "sequence_classification", **data)
         assert row_ids(got.train, 0) == expected["input_ids"]
         assert got.train.type_ids[:MAX_LENGTH].tolist() == expected["token_type_ids"]
-    words = prepared(tmp_path / "words", tokenizer, *CASES["token_classification"][:1],
-                     "token_classification")  # fmt: skip
+    words = prepared(
+        tmp_path / "words", tokenizer, *CASES["token_classification"][:1], "token_classification"
+    )
     whole = tokenizer(WORDS, is_split_into_words=True, truncation=True, max_length=MAX_LENGTH)
     assert row_ids(words.train, 0) == whole["input_ids"]
     assert words.train.token_labels[1] == words.label_names.index("B-PER")
@@ -138,8 +161,9 @@ def test_one_huge_cell_costs_the_memory_of_a_row(tmp_path: Path) -> None:
     """Measured in a process of its own: the tokenizer's memory is native, unseen by
     tracemalloc. Before the cut, a 4 MB cell took 650 MB more (30 MB: 5 GB)."""
     cell = "the quick brown fox jumps over the lazy dog " * 100_000  # 4.4 MB
-    train = write_jsonl(tmp_path / "train.jsonl", [{"text": cell, "label": "pos"},
-                                                   *easy_rows(20, 0)])  # fmt: skip
+    train = write_jsonl(
+        tmp_path / "train.jsonl", [{"text": cell, "label": "pos"}, *easy_rows(20, 0)]
+    )
     code = f"""
 import resource
 from trainer.config import DataConfig, ModelConfig
@@ -162,14 +186,18 @@ def test_a_line_or_row_past_max_row_mib_is_refused_naming_it(
     tmp_path: Path, tokenizer: Any
 ) -> None:
     long_text = "x" * (MIB + 10)
-    jsonl = write_jsonl(tmp_path / "t.jsonl", [{"text": "a", "label": "x"},
-                                               {"text": long_text, "label": "y"}])  # fmt: skip
+    jsonl = write_jsonl(
+        tmp_path / "t.jsonl", [{"text": "a", "label": "x"}, {"text": long_text, "label": "y"}]
+    )
     csv_row = tmp_path / "row.csv"  # a quoted field over several lines: the row is what counts
     csv_row.write_text('text,label\na,x\n"' + "y\n" * (MIB // 2 + 8) + '",y\n', encoding="utf-8")
     header = tmp_path / "header.csv"
     header.write_text(",".join(f"c{i}" for i in range(MIB // 4)) + "\n", encoding="utf-8")
-    for path, where in ((jsonl, "line 2"), (csv_row, "row 2 (from line 3)"),
-                        (header, "the header (from line 1)")):  # fmt: skip
+    for path, where in (
+        (jsonl, "line 2"),
+        (csv_row, "row 2 (from line 3)"),
+        (header, "the header (from line 1)"),
+    ):
         config = DataConfig(train_file=str(path), eval_file=str(path), max_row_mib=1)
         with pytest.raises(DataError) as caught:
             prepare_data(config, tokenizer)
@@ -185,8 +213,9 @@ def test_a_line_of_exactly_max_row_mib_is_read(tmp_path: Path, tokenizer: Any) -
     assert len(line.encode()) == MIB  # its end included; two bytes a character: bytes count
     path = tmp_path / "t.jsonl"
     path.write_text(line + '{"text": "b", "label": "neg"}\n', encoding="utf-8")
-    config = DataConfig(train_file=str(path), eval_file=str(path), max_row_mib=1,
-                        cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    config = DataConfig(
+        train_file=str(path), eval_file=str(path), max_row_mib=1, cache_dir=str(tmp_path / "cache")
+    )
     assert len(prepare_data(config, tokenizer).train) == 2
     path.write_text("é" + line, encoding="utf-8")
     with pytest.raises(DataError, match=re.escape(f"{path}: line 1 is longer than 1 MiB")):
@@ -229,8 +258,12 @@ def test_a_csv_header_past_the_widest_is_refused_in_one_line(
 
 def test_a_missing_column_of_a_wide_csv_lists_its_header(tmp_path: Path, tokenizer: Any) -> None:
     path = write_csv(tmp_path / "t.csv", [{"txt": "a", "label": "x", "other": "1"}])
-    with pytest.raises(DataError, match=re.escape("no column 'text' (columns: ['label', 'other', "
-                                                  "'txt']); set data.text_column")):  # fmt: skip
+    with pytest.raises(
+        DataError,
+        match=re.escape(
+            "no column 'text' (columns: ['label', 'other', 'txt']); set data.text_column"
+        ),
+    ):
         prepare_data(DataConfig(train_file=str(path), eval_file=str(path)), tokenizer)
 
 

@@ -64,8 +64,9 @@ def test_normal_data_and_the_users_own_space_are_left_as_they_are(
     assert fit_default_space(config, 5120) is None  # 512 still makes 10 steps an epoch
     assert config.search_space["effective_batch_size"].choices == DEFAULT_BATCH_CHOICES
     assert config.search_space["learning_rate"].low == 1e-6
-    own = config_of(easy_data, {"effective_batch_size": {"type": "categorical",
-                                                         "choices": [64, 512]}})  # fmt: skip
+    own = config_of(
+        easy_data, {"effective_batch_size": {"type": "categorical", "choices": [64, 512]}}
+    )
     assert fit_default_space(own, 160) is None
     assert own.search_space["effective_batch_size"].choices == [64, 512]
     assert own.search_space["learning_rate"].low == 1e-6  # the default: not fitted alone
@@ -79,9 +80,12 @@ def test_normal_data_and_the_users_own_space_are_left_as_they_are(
 def test_a_batch_larger_than_the_training_set_is_one_warning_naming_the_numbers(
     easy_data: tuple[Path, Path],
 ) -> None:
-    own = config_of(easy_data, {"effective_batch_size": {"type": "categorical",
-                                                         "choices": [8, 512]}},
-                    epochs=3, evals_per_epoch=1)  # fmt: skip
+    own = config_of(
+        easy_data,
+        {"effective_batch_size": {"type": "categorical", "choices": [8, 512]}},
+        epochs=3,
+        evals_per_epoch=1,
+    )
     (line,) = step_warnings(own, 160)
     assert "has 160 examples, but an effective batch can be 512" in line
     assert "1 optimizer step an epoch, 3 in all" in line
@@ -89,18 +93,27 @@ def test_a_batch_larger_than_the_training_set_is_one_warning_naming_the_numbers(
 
 
 def test_a_trial_of_few_steps_is_warned_of(easy_data: tuple[Path, Path]) -> None:
-    few = config_of(easy_data, {"effective_batch_size": {"type": "int", "low": 8, "high": 64}},
-                    epochs=2, evals_per_epoch=1)  # fmt: skip
+    few = config_of(
+        easy_data,
+        {"effective_batch_size": {"type": "int", "low": 8, "high": 64}},
+        epochs=2,
+        evals_per_epoch=1,
+    )
     (line,) = step_warnings(few, 160)  # 64: 3 steps an epoch, 6 in all
     assert "effective batch of 64 on the 160 training examples takes only 6 optimizer steps" in line
     assert "(3 an epoch x 2 epochs)" in line and "raise training.epochs" in line
-    few.search_space["epochs"] = dataclasses.replace(few.search_space["effective_batch_size"],
-                                                     type="int", low=1, high=5)  # fmt: skip
+    few.search_space["epochs"] = dataclasses.replace(
+        few.search_space["effective_batch_size"], type="int", low=1, high=5
+    )
     (line,) = step_warnings(few, 160)  # the fewest epochs searched
     assert "takes only 3 optimizer steps (3 an epoch x 1 epochs)" in line
-    capped = config_of(easy_data, {"effective_batch_size": {"type": "categorical",
-                                                            "choices": [8]}},
-                       epochs=5, max_steps=4, evals_per_epoch=1)  # fmt: skip
+    capped = config_of(
+        easy_data,
+        {"effective_batch_size": {"type": "categorical", "choices": [8]}},
+        epochs=5,
+        max_steps=4,
+        evals_per_epoch=1,
+    )
     assert step_warnings(capped, 160) == []  # a short max_steps is meant (a smoke test)
     assert step_warnings(config_of(easy_data, None, epochs=1, evals_per_epoch=1), 100_000) == []
 
@@ -110,9 +123,12 @@ def test_fewer_steps_an_epoch_than_evaluations_is_one_warning(
 ) -> None:
     """An epoch of 5 steps cannot hold 8 evenly spaced evaluations: its trials evaluate after
     every step and their evaluation numbers mean other points of training."""
-    config = config_of(easy_data, {"effective_batch_size": {"type": "categorical",
-                                                            "choices": [8, 32]}},
-                       epochs=3, evals_per_epoch=8)  # fmt: skip
+    config = config_of(
+        easy_data,
+        {"effective_batch_size": {"type": "categorical", "choices": [8, 32]}},
+        epochs=3,
+        evals_per_epoch=8,
+    )
     (line,) = step_warnings(config, 150)
     assert "effective batch above 18 (up to 32)" in line
     assert "fewer optimizer steps than training.evals_per_epoch (8)" in line
@@ -128,8 +144,9 @@ def test_a_study_on_160_rows_with_the_default_space_says_so_and_trains_steps(
     a learning rate from 1e-5 and records where its evaluations fell."""
     train = write_csv(tmp_path / "train.csv", easy_rows(160, 1))
     evaluation = write_csv(tmp_path / "eval.csv", easy_rows(32, 2))
-    raw = tiny_config(train, evaluation, study={"n_trials": 3},
-                      training={"epochs": 1, "evals_per_epoch": 2})  # fmt: skip
+    raw = tiny_config(
+        train, evaluation, study={"n_trials": 3}, training={"epochs": 1, "evals_per_epoch": 2}
+    )
     del raw["search_space"]
     url = f"sqlite:///{tmp_path / 's.db'}"
     done = run_study(write_config(tmp_path / "c.yaml", raw), url, tmp_path)
@@ -145,8 +162,18 @@ def test_a_study_on_160_rows_with_the_default_space_says_so_and_trains_steps(
         epochs = trial.user_attrs["evaluation_epochs"]
         assert len(epochs) == 2 and epochs[-1] == 1.0 and abs(epochs[0] - 0.5) <= 0.05
     # The config (unfitted: it names no data size) still enqueues into its study.
-    queued = run_hpo("enqueue", "--study", "s", "--config", "c.yaml", "--storage", url,
-                     "--params", '{"effective_batch_size": 8}', cwd=tmp_path)  # fmt: skip
+    queued = run_hpo(
+        "enqueue",
+        "--study",
+        "s",
+        "--config",
+        "c.yaml",
+        "--storage",
+        url,
+        "--params",
+        '{"effective_batch_size": 8}',
+        cwd=tmp_path,
+    )
     assert queued.returncode == 0, queued.stderr[-3000:]
 
 
@@ -155,9 +182,11 @@ def test_the_warning_goes_to_the_log_at_the_workers_start(
 ) -> None:
     from hpo.commands.run import _fit_to_data_size
 
-    config = config_of(easy_data, {"effective_batch_size": {"type": "categorical",
-                                                            "choices": [512]}},
-                       evals_per_epoch=1)  # fmt: skip
+    config = config_of(
+        easy_data,
+        {"effective_batch_size": {"type": "categorical", "choices": [512]}},
+        evals_per_epoch=1,
+    )
     with caplog.at_level(logging.WARNING, logger="hpo"):
         _fit_to_data_size(config, 160)
     assert [r.levelname for r in caplog.records] == ["WARNING"]

@@ -46,14 +46,22 @@ def _fakes(tmp_path: Path) -> dict[str, str]:
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k != "HPO_CACHE_DIR"}
-    return {**env, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(tmp_path),
-            "HOME": str(tmp_path)}  # fmt: skip
+    return {
+        **env,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "FAKE_LOG": str(tmp_path),
+        "HOME": str(tmp_path),
+    }
 
 
 def test_the_slurm_script_starts_the_workers_and_hands_a_sigterm_on(tmp_path: Path) -> None:
     env = {**_fakes(tmp_path), "HPO_STORAGE": "postgresql+psycopg2://hpo:pw@db:5432/hpo"}
-    job = subprocess.Popen(["bash", str(SBATCH), "nli run", "configs/nli.yaml", "--n-trials", "50"],
-                           env=env, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    job = subprocess.Popen(
+        ["bash", str(SBATCH), "nli run", "configs/nli.yaml", "--n-trials", "50"],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 30
     while not (tmp_path / "started").exists():
         assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1]
@@ -65,8 +73,17 @@ def test_the_slurm_script_starts_the_workers_and_hands_a_sigterm_on(tmp_path: Pa
     # The workers got it and the script waited for them to hand their trials back.
     assert (tmp_path / "hpo-signals").read_text().split() == ["TERM", "handed-back"]
     args = (tmp_path / "hpo-args").read_text().split("\n")[:-1]
-    assert args == ["run", "--study", "nli run", "--config", "configs/nli.yaml", "--gpus", "auto",
-                    "--n-trials", "50"]  # fmt: skip
+    assert args == [
+        "run",
+        "--study",
+        "nli run",
+        "--config",
+        "configs/nli.yaml",
+        "--gpus",
+        "auto",
+        "--n-trials",
+        "50",
+    ]
     parsed = build_parser().parse_args(args)  # what hpo itself accepts
     assert parsed.study == "nli run" and parsed.gpus == "auto" and parsed.n_trials == 50
     assert "--ntasks-per-node=1" in (tmp_path / "srun-args").read_text()
@@ -86,8 +103,9 @@ def test_the_slurm_script_refuses_to_start_without_its_inputs(
     env.pop("HPO_STORAGE", None)
     if storage:
         env["HPO_STORAGE"] = storage
-    done = subprocess.run(["bash", str(SBATCH), *args], env=env, capture_output=True, text=True,
-                          timeout=30)  # fmt: skip
+    done = subprocess.run(
+        ["bash", str(SBATCH), *args], env=env, capture_output=True, text=True, timeout=30
+    )
     assert done.returncode == 2 and message in done.stderr
     assert not (tmp_path / "started").exists()
 
@@ -111,8 +129,13 @@ def test_the_kubernetes_manifests_are_valid_kubernetes_objects() -> None:
     validate = pytest.importorskip("kubernetes_validate")
     documents = _documents()
     kinds = sorted(f"{doc['kind']}/{doc['metadata']['name']}" for _, doc in documents)
-    assert kinds == ["Deployment/hpo-dashboard", "Job/hpo-workers", "Service/hpo-dashboard",
-                     "Service/hpo-db", "StatefulSet/hpo-db"]  # fmt: skip
+    assert kinds == [
+        "Deployment/hpo-dashboard",
+        "Job/hpo-workers",
+        "Service/hpo-dashboard",
+        "Service/hpo-db",
+        "StatefulSet/hpo-db",
+    ]
     for name, document in documents:
         try:
             validate.validate(document, KUBERNETES_VERSION, strict=True)
@@ -158,7 +181,8 @@ def test_the_image_runs_hpo_under_an_init_that_reaps_orphans() -> None:
     import json
 
     lines = (REPO / "Dockerfile").read_text(encoding="utf-8").splitlines()
-    entrypoints = [json.loads(line.split(None, 1)[1]) for line in lines
-                   if line.startswith("ENTRYPOINT")]  # fmt: skip
+    entrypoints = [
+        json.loads(line.split(None, 1)[1]) for line in lines if line.startswith("ENTRYPOINT")
+    ]
     assert entrypoints == [["tini", "-s", "--", "hpo"]]
     assert any("apt-get install" in line and "tini" in line for line in lines)

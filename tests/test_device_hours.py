@@ -45,12 +45,17 @@ def _killed_an_hour_in(storage: StudyStorage, trial: optuna.Trial, ran_s: int) -
     """As if the trial started an hour ago and its worker was killed `ran_s` seconds in: its
     last heartbeat then, and nothing since (the database's clock)."""
     with storage.engine.begin() as conn:
-        conn.execute(sa.text("UPDATE trials SET datetime_start = "
-                             "datetime(datetime_start, '-3600 seconds') WHERE number = :n"),
-                     {"n": trial.number})  # fmt: skip
+        conn.execute(
+            sa.text(
+                "UPDATE trials SET datetime_start = "
+                "datetime(datetime_start, '-3600 seconds') WHERE number = :n"
+            ),
+            {"n": trial.number},
+        )
         silent_s = int(HOUR_S) - ran_s
-        conn.execute(heartbeats.update().values(
-            beat_at=sa.text(f"datetime('now', '-{silent_s} seconds')")))  # fmt: skip
+        conn.execute(
+            heartbeats.update().values(beat_at=sa.text(f"datetime('now', '-{silent_s} seconds')"))
+        )
 
 
 def test_a_dead_workers_trial_counts_up_to_its_last_heartbeat_before_and_after_the_sweep(
@@ -78,8 +83,11 @@ def test_a_dead_workers_trial_counts_up_to_its_last_heartbeat_before_and_after_t
 def test_a_retry_does_not_carry_its_failed_attempts_time() -> None:
     study = optuna.create_study(direction="maximize")
     x = {"x": FloatDistribution(0, 1)}
-    study.add_trial(create_trial(state=TrialState.FAIL, params={"x": 0.5}, distributions=x,
-                                 user_attrs={"wall_s": 500.0}))  # fmt: skip
+    study.add_trial(
+        create_trial(
+            state=TrialState.FAIL, params={"x": 0.5}, distributions=x, user_attrs={"wall_s": 500.0}
+        )
+    )
     number = retry_trial(study, study.trials[0], max_retries=2)
     assert number is not None
     retry = study.trials[number]

@@ -26,9 +26,11 @@ def _config(
     tmp_path: Path, easy_data: tuple[Path, Path], enqueue: Any, n_trials: int = 3, **study: Any
 ) -> Path:
     # One epoch: these tests check what is tried, not what it learns.
-    raw = tiny_config(*easy_data, study={"n_trials": n_trials, "enqueue": enqueue,
-                                         "pruner": {"type": "none"}, **study},
-                      training={"epochs": 1})  # fmt: skip
+    raw = tiny_config(
+        *easy_data,
+        study={"n_trials": n_trials, "enqueue": enqueue, "pruner": {"type": "none"}, **study},
+        training={"epochs": 1},
+    )
     raw["search_space"] = SPACE
     return write_config(tmp_path / "c.yaml", raw)
 
@@ -37,9 +39,16 @@ def test_enqueued_values_are_converted_to_the_settings_types(
     tmp_path: Path, easy_data: tuple[Path, Path]
 ) -> None:
     # YAML 1.1 reads 3e-3 as a string and 8.0 as a float: what trains is a float and an int.
-    config = load_config(_config(tmp_path, easy_data, [
-        {"learning_rate": "3e-3", "effective_batch_size": 8.0}, {"warmup_ratio": 0.1},
-    ]))  # fmt: skip
+    config = load_config(
+        _config(
+            tmp_path,
+            easy_data,
+            [
+                {"learning_rate": "3e-3", "effective_batch_size": 8.0},
+                {"warmup_ratio": 0.1},
+            ],
+        )
+    )
     assert config.study.enqueue == [
         {"learning_rate": 0.003, "effective_batch_size": 8},
         {"warmup_ratio": 0.1},
@@ -80,12 +89,18 @@ def test_an_empty_or_partial_grid_configuration_is_refused(
 ) -> None:
     with pytest.raises(ConfigError, match=r"study.enqueue\[0\]: names no parameter"):
         load_config(_config(tmp_path, easy_data, [{}]))
-    raw = tiny_config(*easy_data, study={"sampler": {"type": "grid"}, "n_trials": 2,
-                                         "enqueue": [{"learning_rate": 0.002}]})  # fmt: skip
-    raw["search_space"] = {**SPACE, "learning_rate": {"type": "float", "low": 0.001,
-                                                      "high": 0.004, "step": 0.001}}  # fmt: skip
-    with pytest.raises(ConfigError, match="the grid sampler tries whole configurations: add "
-                                          "effective_batch_size, warmup_ratio"):  # fmt: skip
+    raw = tiny_config(
+        *easy_data,
+        study={"sampler": {"type": "grid"}, "n_trials": 2, "enqueue": [{"learning_rate": 0.002}]},
+    )
+    raw["search_space"] = {
+        **SPACE,
+        "learning_rate": {"type": "float", "low": 0.001, "high": 0.004, "step": 0.001},
+    }
+    with pytest.raises(
+        ConfigError,
+        match="the grid sampler tries whole configurations: add effective_batch_size, warmup_ratio",
+    ):
         load_config(write_config(tmp_path / "grid.yaml", raw))
 
 
@@ -130,8 +145,10 @@ def test_warm_start_from_the_config_and_the_command_line(
         assert hpo_main([*args, bad]) == 2
         refused = capsys.readouterr().err
         assert expected in refused and "Traceback" not in refused, refused[-3000:]
-    assert hpo_main(["enqueue", "--study", "nope", "--storage", url, "--params",
-                     json.dumps(mine)]) == 2  # fmt: skip
+    assert (
+        hpo_main(["enqueue", "--study", "nope", "--storage", url, "--params", json.dumps(mine)])
+        == 2
+    )
     assert "no study 'nope'" in capsys.readouterr().err
     assert len(study.get_trials()) == 2  # the one run, and one queued: nothing else written
 
@@ -172,9 +189,13 @@ def _spent_study(url: str) -> optuna.Study:
     study.set_user_attr("n_trials", 2)
     distribution = optuna.distributions.FloatDistribution(1e-3, 5e-3, log=True)
     for value in (0.7, 0.8):
-        study.add_trial(optuna.trial.create_trial(
-            params={"learning_rate": 2e-3}, distributions={"learning_rate": distribution},
-            value=value))  # fmt: skip
+        study.add_trial(
+            optuna.trial.create_trial(
+                params={"learning_rate": 2e-3},
+                distributions={"learning_rate": distribution},
+                value=value,
+            )
+        )
     return study
 
 
@@ -210,11 +231,20 @@ def test_enqueue_with_room_in_the_budget_says_the_next_worker_trains_it(
 
     url = f"sqlite:///{tmp_path / 'pw.db'}"
     _spent_study(url).set_user_attr("n_trials", 3)
-    assert hpo_main(["enqueue", "--study", "pw", "--storage", url, "--params",
-                     '{"learning_rate": 0.004}']) == 0  # fmt: skip
+    assert (
+        hpo_main(
+            ["enqueue", "--study", "pw", "--storage", url, "--params", '{"learning_rate": 0.004}']
+        )
+        == 0
+    )
     said = capsys.readouterr().out
     assert "the next worker to start a trial trains it" in said and "spent" not in said
-    room = {"study": "pw", "trials": {"complete": 2, "waiting": 1}, "running": [],
-            "budget": 3, "counted": 2}  # fmt: skip
+    room = {
+        "study": "pw",
+        "trials": {"complete": 2, "waiting": 1},
+        "running": [],
+        "budget": 3,
+        "counted": 2,
+    }
     assert report.stalled(room) and not report.ended(room)  # a worker would run it
     assert not report.waiting_for_budget(room)

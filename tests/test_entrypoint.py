@@ -158,9 +158,11 @@ def test_a_module_named_like_python_s_own_is_named_as_the_cause(
     (tmp_path / "os.py").write_text("def train(ctx):\n    return 1.0\n")
     with pytest.raises(ConfigError) as caught:
         load_entrypoint("os:train", str(tmp_path))
-    assert str(caught.value).endswith(f"has no train; your {tmp_path / 'os.py'} is not the module "
-                                      "imported under that name (Python's own or another one "
-                                      "loaded first): rename your file")  # fmt: skip
+    assert str(caught.value).endswith(
+        f"has no train; your {tmp_path / 'os.py'} is not the module "
+        "imported under that name (Python's own or another one "
+        "loaded first): rename your file"
+    )
 
 
 def test_a_nan_value_is_named_and_others_are_not() -> None:
@@ -205,8 +207,17 @@ def test_report_and_return_values_are_checked() -> None:
 def test_cli_refuses_a_missing_function_before_any_trial(tmp_path: Path) -> None:
     (tmp_path / "train_fn.py").write_text("def trian(ctx):\n    return 0.0\n")
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(entrypoint_config()))
-    done = run_hpo("run", "--config", "config.yaml", "--study", "s", "--storage",
-                   "sqlite:///s.db", cwd=tmp_path, timeout=120)  # fmt: skip
+    done = run_hpo(
+        "run",
+        "--config",
+        "config.yaml",
+        "--study",
+        "s",
+        "--storage",
+        "sqlite:///s.db",
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr
     assert (
         done.stderr.strip()
@@ -228,8 +239,19 @@ def test_example_mlp_is_tuned_by_hpo_run(tmp_path: Path) -> None:
     """The plain-PyTorch example, end to end: trials complete, the enqueued too-small learning
     rate is pruned, and the study's best is the best completed trial."""
     url = f"sqlite:///{tmp_path / 'mlp.db'}"
-    done = run_hpo("run", "--config", str(EXAMPLE), "--study", "mlp", "--storage", url,
-                   "--n-trials", "4", cwd=tmp_path, timeout=600)  # fmt: skip
+    done = run_hpo(
+        "run",
+        "--config",
+        str(EXAMPLE),
+        "--study",
+        "mlp",
+        "--storage",
+        url,
+        "--n-trials",
+        "4",
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     study = optuna.load_study(study_name="mlp", storage=url)
     states = [t.state for t in study.trials]
@@ -318,8 +340,19 @@ def test_user_code_failures_end_their_trial_and_the_worker_goes_on(tmp_path: Pat
     returns NaN (FAIL, the worker goes on), stops at the timeout (PRUNED, no traceback), changes
     the working folder and SIGTERM's handler (undone before the kept process's next trial)."""
     (tmp_path / "train_fn.py").write_text(FAILING_FUNCTION)
-    modes = ["ok", "raise", "hang", "wrong", "missing", "exit", "stops", "interrupt", "nan",
-             "unsettle", "settled"]  # fmt: skip
+    modes = [
+        "ok",
+        "raise",
+        "hang",
+        "wrong",
+        "missing",
+        "exit",
+        "stops",
+        "interrupt",
+        "nan",
+        "unsettle",
+        "settled",
+    ]
     enqueue = [{"mode": m, "folder": str(tmp_path)} for m in modes]
     raw = entrypoint_config(n_trials=len(modes), trial_timeout=3, stop_timeout=2, enqueue=enqueue)
     raw["search_space"] = {
@@ -328,8 +361,17 @@ def test_user_code_failures_end_their_trial_and_the_worker_goes_on(tmp_path: Pat
     }
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
     url = f"sqlite:///{tmp_path / 's.db'}"
-    done = run_hpo("run", "--config", "config.yaml", "--study", "s", "--storage", url,
-                   cwd=tmp_path, timeout=300)  # fmt: skip
+    done = run_hpo(
+        "run",
+        "--config",
+        "config.yaml",
+        "--study",
+        "s",
+        "--storage",
+        url,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     trials = {t.params["mode"]: t for t in optuna.load_study(study_name="s", storage=url).trials}
     state = optuna.trial.TrialState
@@ -358,8 +400,10 @@ def test_user_code_failures_end_their_trial_and_the_worker_goes_on(tmp_path: Pat
     assert stops.state == state.PRUNED and stops.user_attrs["prune_reason"].startswith("timeout")
     assert "traceback" not in stops.user_attrs and "fail_reason" not in stops.user_attrs
     interrupt = trials["interrupt"]
-    assert interrupt.state == state.FAIL and "in train\n    raise KeyboardInterrupt" in (
-        interrupt.user_attrs["traceback"])  # fmt: skip
+    assert (
+        interrupt.state == state.FAIL
+        and "in train\n    raise KeyboardInterrupt" in (interrupt.user_attrs["traceback"])
+    )
     assert "train_fn:train raised KeyboardInterrupt" in interrupt.user_attrs["fail_reason"]
     assert trials["nan"].state == state.FAIL
     assert trials["nan"].user_attrs["fail_reason"].startswith("the trial's value is NaN (val_loss")
@@ -473,10 +517,15 @@ def context_for(trial: RecordingTrial, effective_batch_size: int, **training: An
     from trainer.config import TrainingConfig
 
     return TrainingContext(
-        params={}, device=torch.device("cpu"), effective_batch_size=effective_batch_size,
-        trial_number=0, metric="val_loss", _trial=trial, _training=TrainingConfig(**training),
+        params={},
+        device=torch.device("cpu"),
+        effective_batch_size=effective_batch_size,
+        trial_number=0,
+        metric="val_loss",
+        _trial=trial,
+        _training=TrainingConfig(**training),
         _should_stop=lambda: False,
-    )  # fmt: skip
+    )
 
 
 def test_find_batch_size_probes_the_users_step_and_splits_the_effective_batch() -> None:
@@ -550,8 +599,11 @@ def test_save_refuses_what_a_resume_could_not_read(tmp_path: Path) -> None:
         pass
 
     no_checkpoints = context_for(RecordingTrial(), 32)
-    with pytest.raises(TypeError, match=r"state\['opt'\]\[1\] is tests\.test_entrypoint\..*Mine, "
-                       "which a resume could not read"):  # fmt: skip
+    with pytest.raises(
+        TypeError,
+        match=r"state\['opt'\]\[1\] is tests\.test_entrypoint\..*Mine, "
+        "which a resume could not read",
+    ):
         no_checkpoints.save({"epoch": 1, "opt": [1, Mine()]})
     ctx = context_for(RecordingTrial(), 32)
     ctx._store, ctx._fingerprint = CheckpointStore(tmp_path / "trial"), "f"
@@ -632,9 +684,12 @@ def test_every_example_config_loads_and_its_function_imports(
     config = load_config(path)
     raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     jsonschema.validate(raw, config_schema(), cls=jsonschema.Draft7Validator)
-    plugins = {"search_space": config.search_space_function, "metrics": config.metrics,
-               "task": config.task if is_task_path(config.task) else None,
-               "model.factory": config.model.factory}  # fmt: skip
+    plugins = {
+        "search_space": config.search_space_function,
+        "metrics": config.metrics,
+        "task": config.task if is_task_path(config.task) else None,
+        "model.factory": config.model.factory,
+    }
     for key, spec in plugins.items():  # a plug-in example's functions import too
         if spec is not None:
             assert callable(load_plugin(spec, config.base_dir, key))

@@ -38,10 +38,15 @@ def test_workers_ride_out_a_database_outage(
     budget = 2  # one trial per worker, both training through the outage
     raw = tiny_config(
         *easy_data,
-        study={"n_trials": budget, "pruner": {"type": "none"}, "heartbeat_interval": 2,
-               "grace_period": 60, "database_patience": 120},
+        study={
+            "n_trials": budget,
+            "pruner": {"type": "none"},
+            "heartbeat_interval": 2,
+            "grace_period": 60,
+            "database_patience": 120,
+        },
         training={"epochs": 6, "evals_per_epoch": 2},  # an evaluation every ~0.5 s
-    )  # fmt: skip
+    )
     config = write_config(tmp_path / "c.yaml", raw)
     args = ("run", "--study", "outage", "--config", str(config), "--storage", proxied)
     workers = [start_hpo(*args, cwd=tmp_path) for _ in range(2)]

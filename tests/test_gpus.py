@@ -73,8 +73,19 @@ def test_an_absent_gpu_is_one_clear_line_and_nothing_is_written(
 ) -> None:
     config = write_config(tmp_path / "c.yaml", tiny_config(*easy_data))
     url = f"sqlite:///{tmp_path / 'g.db'}"
-    result = run_hpo("run", "--study", "g", "--config", str(config), "--storage", url,
-                     "--gpus", "0", cwd=tmp_path, env=_cpu_only_env())  # fmt: skip
+    result = run_hpo(
+        "run",
+        "--study",
+        "g",
+        "--config",
+        str(config),
+        "--storage",
+        url,
+        "--gpus",
+        "0",
+        cwd=tmp_path,
+        env=_cpu_only_env(),
+    )
     assert result.returncode == 2
     assert "GPU 0 is not visible on this host (visible: none)" in result.stderr
     assert "Traceback" not in result.stderr
@@ -86,12 +97,24 @@ def test_auto_without_a_gpu_runs_one_cpu_worker(
 ) -> None:
     training = {"max_steps": 2, "device": "cuda"}
     # The trial trains in the worker (trial_isolation: none): no fork server's imports.
-    raw = tiny_config(*easy_data, study={"n_trials": 1, "trial_isolation": "none"},
-                      training=training)  # fmt: skip
+    raw = tiny_config(
+        *easy_data, study={"n_trials": 1, "trial_isolation": "none"}, training=training
+    )
     config = write_config(tmp_path / "c.yaml", raw)
     url = f"sqlite:///{tmp_path / 'g.db'}"
-    result = run_hpo("run", "--study", "g", "--config", str(config), "--storage", url,
-                     "--gpus", "auto", cwd=tmp_path, env=_cpu_only_env())  # fmt: skip
+    result = run_hpo(
+        "run",
+        "--study",
+        "g",
+        "--config",
+        str(config),
+        "--storage",
+        url,
+        "--gpus",
+        "auto",
+        cwd=tmp_path,
+        env=_cpu_only_env(),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "no GPU visible on this host: one worker on the CPU" in result.stderr
     trial = optuna.load_study(study_name="g", storage=url).get_trials()[0]
@@ -100,12 +123,24 @@ def test_auto_without_a_gpu_runs_one_cpu_worker(
 
 def test_one_worker_per_gpu_shares_the_study(tmp_path: Path, easy_data: tuple[Path, Path]) -> None:
     # The trials train in their workers (trial_isolation: none): no fork server per worker.
-    raw = tiny_config(*easy_data, study={"n_trials": 6, "trial_isolation": "none"},
-                      training={"max_steps": 2})  # fmt: skip
+    raw = tiny_config(
+        *easy_data, study={"n_trials": 6, "trial_isolation": "none"}, training={"max_steps": 2}
+    )
     config = write_config(tmp_path / "c.yaml", raw)
     url = f"sqlite:///{tmp_path / 'g.db'}"
-    result = run_hpo("run", "--study", "g", "--config", str(config), "--storage", url,
-                     "--gpus", "auto", cwd=tmp_path, env={"HPO_TEST_FAKE_GPUS": "2"})  # fmt: skip
+    result = run_hpo(
+        "run",
+        "--study",
+        "g",
+        "--config",
+        str(config),
+        "--storage",
+        url,
+        "--gpus",
+        "auto",
+        cwd=tmp_path,
+        env={"HPO_TEST_FAKE_GPUS": "2"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     trials = optuna.load_study(study_name="g", storage=url).get_trials()
     assert sorted(t.number for t in trials) == list(range(6))
@@ -119,9 +154,11 @@ def test_one_ctrl_c_stops_every_worker_and_hands_their_trials_back(
     tmp_path: Path, easy_data: tuple[Path, Path]
 ) -> None:
     # The trials train in their workers (trial_isolation: none): the stop is the workers'.
-    raw = tiny_config(*easy_data, study={"n_trials": 4, "stop_timeout": 5,
-                                         "trial_isolation": "none"},
-                      training={"epochs": 1000})  # fmt: skip
+    raw = tiny_config(
+        *easy_data,
+        study={"n_trials": 4, "stop_timeout": 5, "trial_isolation": "none"},
+        training={"epochs": 1000},
+    )
     config = write_config(tmp_path / "c.yaml", raw)
     url = f"sqlite:///{tmp_path / 'g.db'}"
     args = ("run", "--study", "g", "--config", str(config), "--storage", url, "--gpus", "0,1")
@@ -176,8 +213,19 @@ def test_explicit_workers_per_gpu_without_a_gpu_is_one_line(
 ) -> None:
     config = write_config(tmp_path / "c.yaml", tiny_config(*easy_data))
     url = f"sqlite:///{tmp_path / 'g.db'}"
-    result = run_hpo("run", "--study", "g", "--config", str(config), "--storage", url,
-                     "--workers-per-gpu", "2", cwd=tmp_path, env=_cpu_only_env())  # fmt: skip
+    result = run_hpo(
+        "run",
+        "--study",
+        "g",
+        "--config",
+        str(config),
+        "--storage",
+        url,
+        "--workers-per-gpu",
+        "2",
+        cwd=tmp_path,
+        env=_cpu_only_env(),
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     assert "--workers-per-gpu 2: no GPU to share on this host" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "g.db").exists()
@@ -203,14 +251,27 @@ def test_workers_per_gpu_auto_shares_one_gpu_and_keeps_the_budget_exact(
 ) -> None:
     # The physical batch is searched, within a simulated GPU whose quarter holds the largest
     # effective batch of the space (8): auto starts 4 workers, each capped at a quarter.
-    raw = tiny_config(*easy_data, study={"n_trials": 4, "trial_isolation": "none"},
-                      training={"max_steps": 2, "physical_batch_size": "auto",
-                                "batch_search_max": 16})  # fmt: skip
+    raw = tiny_config(
+        *easy_data,
+        study={"n_trials": 4, "trial_isolation": "none"},
+        training={"max_steps": 2, "physical_batch_size": "auto", "batch_search_max": 16},
+    )
     config = write_config(tmp_path / "c.yaml", raw)
     url = f"sqlite:///{tmp_path / 'g.db'}"
     env = {"HPO_TEST_FAKE_GPUS": "1", BUDGET_ENV: str(2 << 30)}
-    result = run_hpo("run", "--study", "g", "--config", str(config), "--storage", url,
-                     "--workers-per-gpu", "auto", cwd=tmp_path, env=env)  # fmt: skip
+    result = run_hpo(
+        "run",
+        "--study",
+        "g",
+        "--config",
+        str(config),
+        "--storage",
+        url,
+        "--workers-per-gpu",
+        "auto",
+        cwd=tmp_path,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "--workers-per-gpu auto: 4 workers per GPU" in result.stderr
     trials = optuna.load_study(study_name="g", storage=url).get_trials()

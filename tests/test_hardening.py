@@ -82,9 +82,11 @@ def test_a_study_named_dot_dot_writes_inside_the_checkpoint_root_and_removes_not
     decoy.mkdir(parents=True)
     # Four steps a trial: where a study's files go does not depend on how long it trains, nor
     # on which process trains it (hpo's main in this process, trials in the worker).
-    raw = tiny_config(*easy_data, study={"n_trials": 2, "pruner": {"type": "none"},
-                                         "trial_isolation": "none"},
-                      training={"max_steps": 4, "evals_per_epoch": 1})  # fmt: skip
+    raw = tiny_config(
+        *easy_data,
+        study={"n_trials": 2, "pruner": {"type": "none"}, "trial_isolation": "none"},
+        training={"max_steps": 4, "evals_per_epoch": 1},
+    )
     config = write_config(tmp_path / "c.yaml", raw)
     monkeypatch.chdir(tmp_path)
     for name in ("..", "x/../b"):
@@ -118,7 +120,7 @@ def test_a_name_of_512_characters_with_quotes_and_slashes_trains_on_integer_labe
                 {**row, "label": "200000000" if row["label"] == "pos" else "0"}
                 for row in read_csv(path)
             ],
-        )  # fmt: skip
+        )
         for split, path in (("train", easy_data[0]), ("eval", easy_data[1]))
     )
     raw = tiny_config(train, evaluation, study={"n_trials": 1}, training={"max_steps": 4})
@@ -213,8 +215,9 @@ def test_a_killed_fork_server_fails_its_trial_with_that_reason_and_the_worker_go
         training={"epochs": 2, "evals_per_epoch": 2},
     )
     config = write_config(tmp_path / "c.yaml", raw)
-    worker = start_hpo("run", "--study", "fs", "--config", str(config), "--storage", url,
-                       cwd=tmp_path)  # fmt: skip
+    worker = start_hpo(
+        "run", "--study", "fs", "--config", str(config), "--storage", url, cwd=tmp_path
+    )
     wait_until_training(url, "fs", [worker], evaluations=1)
     os.kill(_fork_server(worker.pid), signal.SIGKILL)
     _, stderr = worker.communicate(timeout=600)
@@ -242,12 +245,17 @@ def test_a_worker_that_wakes_after_its_trial_was_taken_over_drops_it_and_goes_on
     url = f"sqlite:///{tmp_path / 'wake.db'}"
     raw = tiny_config(
         *easy_data,
-        study={"n_trials": 2, "pruner": {"type": "none"}, "heartbeat_interval": 1,
-               "grace_period": 3, "checkpoint_interval": 0},
+        study={
+            "n_trials": 2,
+            "pruner": {"type": "none"},
+            "heartbeat_interval": 1,
+            "grace_period": 3,
+            "checkpoint_interval": 0,
+        },
         # 12 evaluations (a checkpoint each) over 3 epochs: the sleeper stops after the first,
         # the retry and the next trial train 3 epochs at most (they trained 12).
         training={"epochs": 3, "evals_per_epoch": 4},
-    )  # fmt: skip
+    )
     config = write_config(tmp_path / "c.yaml", raw)
     args = ("run", "--study", "wake", "--config", str(config), "--storage", url)
     sleeper = start_hpo(*args, cwd=tmp_path)
@@ -287,8 +295,9 @@ def test_a_paused_worker_pauses_its_trial_process_and_continues_it_on_waking(
         training={"epochs": 4, "evals_per_epoch": 4},
     )
     config = write_config(tmp_path / "c.yaml", raw)
-    worker = start_hpo("run", "--study", "p", "--config", str(config), "--storage", url,
-                       cwd=tmp_path)  # fmt: skip
+    worker = start_hpo(
+        "run", "--study", "p", "--config", str(config), "--storage", url, cwd=tmp_path
+    )
     try:
         wait_until_training(url, "p", [worker], evaluations=1)
         (trial_process,) = _children(_fork_server(worker.pid))
@@ -370,8 +379,11 @@ def test_the_trial_timeout_counts_training_not_the_startup_before_it(
         return search(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(trial_training, "_resolve_physical_batch", slow_search)
-    raw = tiny_config(*easy_data, study={"n_trials": 1, "trial_isolation": "none"},
-                      training={"max_steps": 2, "evals_per_epoch": 1})  # fmt: skip
+    raw = tiny_config(
+        *easy_data,
+        study={"n_trials": 1, "trial_isolation": "none"},
+        training={"max_steps": 2, "evals_per_epoch": 1},
+    )
     config = write_config(tmp_path / "c.yaml", raw)
     url = f"sqlite:///{tmp_path / 't.db'}"
     monkeypatch.chdir(tmp_path)
@@ -459,8 +471,10 @@ def test_a_reader_that_stops_reading_is_no_traceback(tmp_path: Path) -> None:
     database = tmp_path / "s.db"
     study = optuna.create_study(study_name="s", storage=f"sqlite:///{database}")
     study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=30)
-    command = (f"{sys.executable} -m hpo status --study s --json --storage sqlite:///{database}"
-               " | head -c 10")  # fmt: skip
+    command = (
+        f"{sys.executable} -m hpo status --study s --json --storage sqlite:///{database}"
+        " | head -c 10"
+    )
     result = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=60)
     assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr, result.stderr
 
@@ -502,8 +516,9 @@ def test_a_trial_in_a_kept_trial_process_trains_exactly_as_in_a_new_one(
     # Nothing of one trial leaks into the next one in the same trial process: RNG states, the
     # model, the optimizer. The same configuration twice gives the same curve.
     url = f"sqlite:///{tmp_path / 'same.db'}"
-    raw = tiny_config(*easy_data, study={"n_trials": 3, "pruner": {"type": "none"},
-                                         "checkpoints": False})  # fmt: skip
+    raw = tiny_config(
+        *easy_data, study={"n_trials": 3, "pruner": {"type": "none"}, "checkpoints": False}
+    )
     study = optuna.create_study(study_name="same", storage=url, direction="maximize")
     for learning_rate in (2e-3, 4e-3, 2e-3):
         study.enqueue_trial({"effective_batch_size": 8, "learning_rate": learning_rate})

@@ -105,8 +105,9 @@ def test_dashboard_on_a_port_in_use_is_one_line(tmp_path: Path, study_db: str) -
         taken.listen()
         port = taken.getsockname()[1]
         started = time.monotonic()
-        result = run_hpo("dashboard", "--storage", study_db, "--port", str(port),
-                         cwd=tmp_path, timeout=30)  # fmt: skip
+        result = run_hpo(
+            "dashboard", "--storage", study_db, "--port", str(port), cwd=tmp_path, timeout=30
+        )
     assert time.monotonic() - started < 20
     assert result.returncode == 2, result.stderr[-3000:]
     assert f"hpo: error: dashboard: cannot listen on 127.0.0.1:{port} (" in result.stderr
@@ -250,9 +251,13 @@ def test_output_that_cannot_be_written_is_one_line(tmp_path: Path, study_db: str
     with open("/dev/full", "w") as full:
         done = subprocess.run(
             [sys.executable, "-m", "hpo", "studies", "--storage", study_db],
-            cwd=tmp_path, stdout=full, stderr=subprocess.PIPE, text=True, timeout=60,
+            cwd=tmp_path,
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
             env={**os.environ, "PYTHONPATH": str(REPO)},
-        )  # fmt: skip
+        )
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "cannot write the output to standard output (No space left on device)" in done.stderr
 
@@ -275,11 +280,24 @@ def test_a_closed_standard_output_is_one_line(
     database = tmp_path / "watch.db"
     before = database.read_bytes()
     done = subprocess.run(
-        ["bash", "-c", 'exec "$@" >&-', "bash", sys.executable, "-m", "hpo", *args,
-         "--storage", study_db],
-        cwd=tmp_path, stderr=subprocess.PIPE, text=True, timeout=60,
+        [
+            "bash",
+            "-c",
+            'exec "$@" >&-',
+            "bash",
+            sys.executable,
+            "-m",
+            "hpo",
+            *args,
+            "--storage",
+            study_db,
+        ],
+        cwd=tmp_path,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=60,
         env={**os.environ, "PYTHONPATH": str(REPO)},
-    )  # fmt: skip
+    )
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines() == [
         "hpo: error: standard output is closed (>&-), and hpo writes its answer there: send it "

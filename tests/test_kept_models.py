@@ -38,8 +38,13 @@ X = {"x": FloatDistribution(0, 1)}
 
 
 def _complete(number: int, *values: float, **attrs: Any) -> FrozenTrial:
-    trial = create_trial(state=TrialState.COMPLETE, values=list(values), params={"x": 0.5},
-                         distributions=X, user_attrs=attrs)  # fmt: skip
+    trial = create_trial(
+        state=TrialState.COMPLETE,
+        values=list(values),
+        params={"x": 0.5},
+        distributions=X,
+        user_attrs=attrs,
+    )
     trial.number = number
     return trial
 
@@ -71,8 +76,11 @@ def test_with_several_objectives_a_trial_only_the_lost_model_beat_keeps_its_own(
 
 
 def test_in_a_retrain_study_each_configuration_keeps_a_run_whose_model_is_there() -> None:
-    runs = [_complete(0, 0.9, retrain_config=1), _complete(1, 0.9, retrain_config=1),
-            _complete(2, 0.7, retrain_config=1)]  # fmt: skip
+    runs = [
+        _complete(0, 0.9, retrain_config=1),
+        _complete(1, 0.9, retrain_config=1),
+        _complete(2, 0.7, retrain_config=1),
+    ]
     assert kept_models(runs, MAX, _folders(0, 1, 2)) == _folders(0)
     assert kept_models(runs, MAX, _folders(1, 2)) == _folders(0, 1)
 
@@ -193,8 +201,12 @@ def test_a_study_whose_best_trials_folder_is_lost_ends_with_a_tied_trials_model(
     hpo_main: Callable[[list[str]], int],
 ) -> None:
     root = tmp_path / "checkpoints"
-    study = {"n_trials": 3, "trial_isolation": "none", "checkpoint_dir": str(root),
-             "pruner": {"type": "none"}}  # fmt: skip
+    study = {
+        "n_trials": 3,
+        "trial_isolation": "none",
+        "checkpoint_dir": str(root),
+        "pruner": {"type": "none"},
+    }
     config = write_config(
         tmp_path / "c.yaml",
         tiny_config(*easy_data, study=study, training={"epochs": 1, "evals_per_epoch": 1}),

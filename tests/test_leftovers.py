@@ -107,8 +107,13 @@ print("children left", len(zombies))
 def test_what_a_trial_left_is_ended_killed_past_the_grace_and_waited_for(tmp_path: Path) -> None:
     folder = tmp_path / "pids"
     folder.mkdir()
-    done = subprocess.run([sys.executable, "-c", LEAVES_THREE, str(folder)], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", LEAVES_THREE, str(folder)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     ended, took_s = done.stdout.splitlines()[0].split()[1:]
     assert ended == "3" and float(took_s) < 5  # SIGTERM, then SIGKILL for the one ignoring it
@@ -146,8 +151,17 @@ def test_a_child_forked_by_the_training_function_ends_with_its_trial(tmp_path: P
     raw["search_space"]["folder"] = {"type": "categorical", "choices": [str(tmp_path)]}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
     started = time.monotonic()
-    done = run_hpo("run", "--config", "config.yaml", "--study", "s", "--storage",
-                   f"sqlite:///{tmp_path / 's.db'}", cwd=tmp_path, timeout=100)  # fmt: skip
+    done = run_hpo(
+        "run",
+        "--config",
+        "config.yaml",
+        "--study",
+        "s",
+        "--storage",
+        f"sqlite:///{tmp_path / 's.db'}",
+        cwd=tmp_path,
+        timeout=100,
+    )
     took_s = time.monotonic() - started
     assert done.returncode == 0, done.stderr[-3000:]
     assert took_s < 60, took_s  # the run's pipes closed without waiting out the children

@@ -111,8 +111,9 @@ def test_an_unreachable_hub_is_asked_once_then_the_cache_serves(
     import huggingface_hub
 
     cached = {("org/cached", "config.json"): "/cache/config.json"}
-    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache",
-                        lambda name, file: cached.get((name, file)))  # fmt: skip
+    monkeypatch.setattr(
+        huggingface_hub, "try_to_load_from_cache", lambda name, file: cached.get((name, file))
+    )
     assert _hub_options("org/cached", "model") == {"local_files_only": True}
     assert _hub_options("org/cached", "model") == {"local_files_only": True}
     assert hub_unreachable == ["org/cached"]  # asked once per process, not per load
@@ -136,9 +137,13 @@ def test_unknown_architecture() -> None:
 
 @pytest.mark.parametrize(
     "settings",
-    [{"hidden_size": "abc"}, {"layer_norm_eps": "tiny"}, {"num_attention_heads": 3},
-     {"hidden_size": -64}],  # a negative size: torch's RuntimeError, once a traceback
-)  # fmt: skip
+    [
+        {"hidden_size": "abc"},
+        {"layer_norm_eps": "tiny"},
+        {"num_attention_heads": 3},
+        {"hidden_size": -64},
+    ],  # a negative size: torch's RuntimeError, once a traceback
+)
 def test_a_bad_inline_config_value_is_a_model_error_naming_the_inline_config(
     settings: dict[str, object],
 ) -> None:
@@ -185,15 +190,28 @@ def test_a_model_with_fewer_positions_than_max_length_is_refused_before_any_tria
     with pytest.raises(ModelError, match=r"data.max_length is 48 but the model holds at most 16"):
         check_model_config(config, max_length=48)
     check_model_config(config, max_length=16)
-    roberta = {"model_type": "roberta", "max_position_embeddings": 514, "pad_token_id": 1,
-               "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-               "intermediate_size": 128}  # fmt: skip
+    roberta = {
+        "model_type": "roberta",
+        "max_position_embeddings": 514,
+        "pad_token_id": 1,
+        "hidden_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "intermediate_size": 128,
+    }
     check_model_config(ModelConfig(config=roberta, tokenizer="x"), max_length=512)
     with pytest.raises(ModelError, match="at most 512 positions"):  # numbered from pad + 1
         check_model_config(ModelConfig(config=roberta, tokenizer="x"), max_length=514)
-    deberta = {"model_type": "deberta-v2", "max_position_embeddings": 512, "hidden_size": 64,
-               "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 128,
-               "position_biased_input": False, "relative_attention": True}  # fmt: skip
+    deberta = {
+        "model_type": "deberta-v2",
+        "max_position_embeddings": 512,
+        "hidden_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "intermediate_size": 128,
+        "position_biased_input": False,
+        "relative_attention": True,
+    }
     relative = ModelConfig(config=deberta, tokenizer="x", attn_implementation="eager")
     check_model_config(relative, max_length=1024)  # relative positions: no such limit
 

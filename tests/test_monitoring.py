@@ -75,10 +75,15 @@ def test_the_studies_table_keeps_its_columns_with_long_and_odd_names() -> None:
 
     names = ["s", "a-study-name-longer-than-thirty-characters-by-far", "two\nlines"]
     rows = [
-        {"name": name, "direction": "maximize", "directions": ["maximize"], "n_trials": 3,
-         "best_value": 0.5}
+        {
+            "name": name,
+            "direction": "maximize",
+            "directions": ["maximize"],
+            "n_trials": 3,
+            "best_value": 0.5,
+        }
         for name in names
-    ]  # fmt: skip
+    ]
     lines = studies_table(rows).splitlines()
     assert len(lines) == 4 and "two\\nlines" in lines[3]
     columns = {line.index("maximize") for line in lines[1:]}
@@ -107,8 +112,11 @@ def start_dashboard(url: str, cwd: Path) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "hpo", "dashboard", "--storage", url, "--port", str(port)],
-        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
     return server, port
 
 
@@ -163,8 +171,11 @@ def test_a_sigterm_during_a_request_answers_it_then_stops_the_server(tmp_path: P
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-c", _STOPPED_MID_REQUEST, str(port)],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert server.stdout is not None and server.stdout.readline() == "serving\n"
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30) as response:
@@ -197,10 +208,24 @@ def test_status_watch_refreshes_until_the_running_trial_ends(
     study.tell(done, 0.5)
     running = study.ask()
     watcher = subprocess.Popen(
-        [sys.executable, "-m", "hpo", "status", "--study", "w", "--storage", url, "--watch",
-         "--interval", "0.2"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "hpo",
+            "status",
+            "--study",
+            "w",
+            "--storage",
+            url,
+            "--watch",
+            "--interval",
+            "0.2",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert watcher.stdout is not None
         first = watcher.stdout.readline()
@@ -277,8 +302,12 @@ def test_attributes_of_hpo_names_but_not_hpo_kinds_are_ignored(
     study = _plain_study(url, "odd", **odd)
 
     def objective(trial: optuna.Trial) -> float:
-        for key, value in (("samples_per_s", "fast"), ("peak_mem_bytes", "lots"),
-                           ("physical_batch_size", "big"), ("hpo:number", "x")):  # fmt: skip
+        for key, value in (
+            ("samples_per_s", "fast"),
+            ("peak_mem_bytes", "lots"),
+            ("physical_batch_size", "big"),
+            ("hpo:number", "x"),
+        ):
             trial.set_user_attr(key, value)
         return trial.suggest_float("x", 0, 1)
 
@@ -341,8 +370,11 @@ def test_numbers_are_shown_with_four_significant_digits() -> None:
     assert number_text(32) == "32" and number_text("linear") == "linear"
     assert metric_text("accuracy", 0.873412345678901) == "accuracy 0.8734"
     assert metric_text(None, 0.5) == "0.5"  # a study plain Optuna made names no metric
-    params = {"learning_rate": 3.2041234567890125e-05, "effective_batch_size": 32,
-              "scheduler": "cosine"}  # fmt: skip
+    params = {
+        "learning_rate": 3.2041234567890125e-05,
+        "effective_batch_size": 32,
+        "scheduler": "cosine",
+    }
     assert params_text(params) == (
         "learning_rate=3.204e-05, effective_batch_size=32, scheduler=cosine"
     )
@@ -352,8 +384,10 @@ def _named_study(url: str) -> None:
     """A study as hpo makes it: its metric named, a learning rate of 16 digits."""
     study = optuna.create_study(study_name="named", storage=url, direction="maximize")
     study.set_metric_names(["accuracy"])
-    space = {"learning_rate": optuna.distributions.FloatDistribution(1e-6, 1e-2, log=True),
-             "effective_batch_size": optuna.distributions.IntDistribution(8, 64)}  # fmt: skip
+    space = {
+        "learning_rate": optuna.distributions.FloatDistribution(1e-6, 1e-2, log=True),
+        "effective_batch_size": optuna.distributions.IntDistribution(8, 64),
+    }
     trial = study.ask(space)
     study.tell(trial, 0.873412345678901)
 
@@ -390,17 +424,30 @@ def test_best_and_status_name_the_metric_and_keep_full_digits_in_json(
 def test_a_pareto_front_trial_names_each_metric() -> None:
     from hpo.reports.text import best_text
 
-    front = {"study": "s", "number": 2, "values": [0.8734123, 412.345678],
-             "metrics": ["accuracy", "samples_per_s"], "params": {"learning_rate": 1e-4},
-             "user_attrs": {}}  # fmt: skip
+    front = {
+        "study": "s",
+        "number": 2,
+        "values": [0.8734123, 412.345678],
+        "metrics": ["accuracy", "samples_per_s"],
+        "params": {"learning_rate": 1e-4},
+        "user_attrs": {},
+    }
     assert best_text(front) == (
         "Pareto-front trial #2 of 's': accuracy 0.8734, samples_per_s 412.3 (learning_rate=0.0001)"
     )
-    lines = report.status_lines({
-        "study": "s", "trials": {"complete": 3}, "running": [], "best": None,
-        "pareto_front": [front], "device_hours": 0.1, "trials_per_hour": None,
-        "failures": {}, "prunes": {},
-    })  # fmt: skip
+    lines = report.status_lines(
+        {
+            "study": "s",
+            "trials": {"complete": 3},
+            "running": [],
+            "best": None,
+            "pareto_front": [front],
+            "device_hours": 0.1,
+            "trials_per_hour": None,
+            "failures": {},
+            "prunes": {},
+        }
+    )
     assert "Pareto front #2: accuracy 0.8734, samples_per_s 412.3 (learning_rate=0.0001)" in lines
 
 

@@ -33,19 +33,30 @@ def test_a_metric_list_makes_objectives_with_their_natural_directions(
 @pytest.mark.parametrize(
     ("study", "expected"),
     [
-        ({"metric": ["accuracy", "accuracy"]}, "study.metric: got ['accuracy', 'accuracy']; "
-                                               "lists a metric twice"),
+        (
+            {"metric": ["accuracy", "accuracy"]},
+            "study.metric: got ['accuracy', 'accuracy']; lists a metric twice",
+        ),
         ({"metric": ["samples_per_s", "accuracy"]}, "must begin with an evaluation metric"),
         ({"metric": []}, "give a metric, or a list of them"),
         ({"metric": ["accuracy", "eval_loss"], "direction": "maximize"}, "give one per metric"),
-        ({"metric": ["accuracy", "eval_loss"], "direction": ["maximize", "maximize"]},
-         "metric eval_loss must be minimized"),
+        (
+            {"metric": ["accuracy", "eval_loss"], "direction": ["maximize", "maximize"]},
+            "metric eval_loss must be minimized",
+        ),
         ({"metric": ["accuracy", "eval_loss"], "sampler": {"type": "cmaes"}}, "not cmaes"),
         ({"metric": ["accuracy", "speed"]}, "study.metric: got ['accuracy', 'speed']; must be"),
     ],
-    ids=["twice", "throughput first", "empty", "one direction", "wrong direction", "cmaes",
-         "unknown"],
-)  # fmt: skip
+    ids=[
+        "twice",
+        "throughput first",
+        "empty",
+        "one direction",
+        "wrong direction",
+        "cmaes",
+        "unknown",
+    ],
+)
 def test_a_bad_objective_setting_is_named_with_its_fix(
     easy_data: tuple[Path, Path], study: dict[str, Any], expected: str
 ) -> None:
@@ -78,9 +89,16 @@ def test_a_study_with_two_objectives_through_the_cli(
     # One epoch a trial: a curve of its 2 evaluations, the best of them the trial's value.
     # Every command runs hpo's main in this process, and trials train in the worker: the same
     # code decides, without seconds of imports per subprocess.
-    raw = tiny_config(*easy_data, study={"n_trials": 3, "metric": ["accuracy", "samples_per_s"],
-                                         "checkpoint_interval": 0, "trial_isolation": "none"},
-                      training={"epochs": 1})  # fmt: skip
+    raw = tiny_config(
+        *easy_data,
+        study={
+            "n_trials": 3,
+            "metric": ["accuracy", "samples_per_s"],
+            "checkpoint_interval": 0,
+            "trial_isolation": "none",
+        },
+        training={"epochs": 1},
+    )
     config = write_config(tmp_path / "c.yaml", raw)
     assert hpo_main(["run", "--study", "two", "--config", str(config), "--storage", url]) == 0
     result = capsys.readouterr()

@@ -33,8 +33,12 @@ def _declared() -> set[str]:
     project = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     # The users' extras (hpo[mlflow], hpo[tensorboard]) declare what the package imports only
     # when a config asks for it; dev is the tests' and tools', which the package never imports.
-    extras = [spec for name, specs in project["optional-dependencies"].items() if name != "dev"
-              for spec in specs]  # fmt: skip
+    extras = [
+        spec
+        for name, specs in project["optional-dependencies"].items()
+        if name != "dev"
+        for spec in specs
+    ]
     specs = [*project["dependencies"], *extras]
     names = {re.split(r"[<>=!~\[ ;]", spec, maxsplit=1)[0] for spec in specs}
     return {name.lower().replace("_", "-") for name in names}

@@ -44,8 +44,14 @@ from trainer.peft_adapters import (
 from trainer.step import make_optimizer
 from trainer.tasks import TASKS, auto_model_class, prepare_data
 
-TINY_GPT2 = {"model_type": "gpt2", "vocab_size": 128, "n_embd": 32, "n_layer": 1, "n_head": 2,
-             "n_positions": 64}  # fmt: skip
+TINY_GPT2 = {
+    "model_type": "gpt2",
+    "vocab_size": 128,
+    "n_embd": 32,
+    "n_layer": 1,
+    "n_head": 2,
+    "n_positions": 64,
+}
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +68,19 @@ def tiny_pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def lora_job(folder: Path, train: Path, evaluation: Path, **peft: Any) -> TrainJob:
-    training = TrainingConfig(physical_batch_size=4, effective_batch_size=8, learning_rate=3e-3,
-                              epochs=2, evals_per_epoch=2, device="cpu")  # fmt: skip
+    training = TrainingConfig(
+        physical_batch_size=4,
+        effective_batch_size=8,
+        learning_rate=3e-3,
+        epochs=2,
+        evals_per_epoch=2,
+        device="cpu",
+    )
     return TrainJob(
         data=DataConfig(train_file=str(train), eval_file=str(evaluation), max_length=32),
         model=ModelConfig(
             name_or_path=str(folder), tokenizer=MINILM_TOKENIZER, peft=PeftSettings(**peft)
-        ),  # fmt: skip
+        ),
         training=training,
     )
 
@@ -92,12 +104,14 @@ def _model_for(task: str, settings: dict[str, Any]) -> Any:
 
 @pytest.mark.parametrize(
     ("task", "task_type", "head"),
-    [("sequence_classification", "SEQ_CLS", "classifier"),
-     ("multi_label_classification", "SEQ_CLS", "classifier"),
-     ("regression", "SEQ_CLS", "classifier"),
-     ("token_classification", "TOKEN_CLS", "classifier"),
-     ("causal_lm", "CAUSAL_LM", None)],
-)  # fmt: skip
+    [
+        ("sequence_classification", "SEQ_CLS", "classifier"),
+        ("multi_label_classification", "SEQ_CLS", "classifier"),
+        ("regression", "SEQ_CLS", "classifier"),
+        ("token_classification", "TOKEN_CLS", "classifier"),
+        ("causal_lm", "CAUSAL_LM", None),
+    ],
+)
 def test_every_task_trains_the_adapter_and_its_head_and_nothing_else(
     task: str, task_type: str, head: str | None
 ) -> None:
@@ -147,16 +161,27 @@ def _meta_model(task: str, settings: dict[str, Any]) -> Any:
 
 @pytest.mark.parametrize(
     ("family", "targets", "expected"),
-    [(TINY_BERT, ["query", "LayerNorm"], "'LayerNorm' names LayerNorm layers, which LoRA cannot "
-      "adapt (only linear, embedding and convolution layers); name layers LoRA adapts; in this "
-      "model (bert): dense, key, position_embeddings, query, token_type_embeddings, value, "
-      "word_embeddings"),
-     (TINY_BERT, ["attention"], "'attention' names BertAttention layers, which LoRA cannot"),
-     (TINY_GPT2, ["ln_1"], "'ln_1' names LayerNorm layers, which LoRA cannot adapt"),
-     (TINY_BERT, ["classifier"], "got ['classifier']; peft refuses the adapter (No modules were "
-      "targeted for adaptation); name layers LoRA adapts; in this model (bert): dense, key,")],
+    [
+        (
+            TINY_BERT,
+            ["query", "LayerNorm"],
+            "'LayerNorm' names LayerNorm layers, which LoRA cannot "
+            "adapt (only linear, embedding and convolution layers); name layers LoRA adapts; "
+            "in this "
+            "model (bert): dense, key, position_embeddings, query, token_type_embeddings, value, "
+            "word_embeddings",
+        ),
+        (TINY_BERT, ["attention"], "'attention' names BertAttention layers, which LoRA cannot"),
+        (TINY_GPT2, ["ln_1"], "'ln_1' names LayerNorm layers, which LoRA cannot adapt"),
+        (
+            TINY_BERT,
+            ["classifier"],
+            "got ['classifier']; peft refuses the adapter (No modules were "
+            "targeted for adaptation); name layers LoRA adapts; in this model (bert): dense, key,",
+        ),
+    ],
     ids=["LayerNorm", "a whole block", "gpt2", "the head"],
-)  # fmt: skip
+)
 def test_a_target_lora_cannot_adapt_is_refused_naming_the_layers_it_can(
     family: dict[str, Any], targets: list[str], expected: str
 ) -> None:
@@ -192,8 +217,9 @@ def test_check_model_config_refuses_unknown_targets_before_any_trial(tiny_pretra
 
 
 def test_gradient_checkpointing_still_reaches_the_adapter(tiny_pretrained: Path) -> None:
-    config = ModelConfig(name_or_path=str(tiny_pretrained), gradient_checkpointing=True,
-                         peft=PeftSettings(r=4))  # fmt: skip
+    config = ModelConfig(
+        name_or_path=str(tiny_pretrained), gradient_checkpointing=True, peft=PeftSettings(r=4)
+    )
     model = build_model(config, ["a", "b"], seed=0).train()
     ids = torch.randint(0, 100, (2, 8))
     model(input_ids=ids, labels=torch.tensor([0, 1])).loss.backward()
@@ -229,8 +255,12 @@ def test_a_lora_checkpoint_holds_the_adapter_and_resumes_to_the_same_weights(
     full_model_bytes = 4 * expected.total_params
     assert store.state_path.stat().st_size < full_model_bytes / 10
     best = sorted(p.name for p in store.best_model_path.iterdir())
-    assert best == ["README.md", "adapter_config.json", "adapter_model.safetensors",
-                    "config.json"], best  # fmt: skip
+    assert best == [
+        "README.md",
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "config.json",
+    ], best
     assert (store.best_model_path / "adapter_model.safetensors").stat().st_size < (
         full_model_bytes / 10
     )
@@ -290,13 +320,15 @@ def test_the_batch_finder_keys_and_probes_the_adapted_model(
 
 @pytest.mark.parametrize(
     ("peft", "message"),
-    [({"r": 0}, "model.peft.r: got 0; must be an integer in [1, 4096]"),
-     ({"alpha": 0}, "model.peft.alpha: got 0.0; must be > 0"),
-     ({"dropout": 1.0}, "model.peft.dropout: got 1.0; must be in [0, 1)"),
-     ({"method": "ia3"}, "model.peft.method: got 'ia3'; must be one of lora, none"),
-     ({"target_modules": []}, "model.peft.target_modules: got []; must be auto or a list"),
-     ({"dropuot": 0.1}, "model.peft.dropuot: unknown key (did you mean 'dropout'?)")],
-)  # fmt: skip
+    [
+        ({"r": 0}, "model.peft.r: got 0; must be an integer in [1, 4096]"),
+        ({"alpha": 0}, "model.peft.alpha: got 0.0; must be > 0"),
+        ({"dropout": 1.0}, "model.peft.dropout: got 1.0; must be in [0, 1)"),
+        ({"method": "ia3"}, "model.peft.method: got 'ia3'; must be one of lora, none"),
+        ({"target_modules": []}, "model.peft.target_modules: got []; must be auto or a list"),
+        ({"dropuot": 0.1}, "model.peft.dropuot: unknown key (did you mean 'dropout'?)"),
+    ],
+)
 def test_bad_peft_settings_are_one_line_each(
     easy_data: tuple[Path, Path], tiny_pretrained: Path, peft: dict[str, Any], message: str
 ) -> None:
@@ -332,18 +364,26 @@ def lora_config(
     folder: Path, train: Path, evaluation: Path, **sections: dict[str, Any]
 ) -> dict[str, Any]:
     raw = tiny_config(train, evaluation, **sections)
-    raw["model"] = {"name_or_path": str(folder), "tokenizer": MINILM_TOKENIZER,
-                    "peft": {"r": 8, "alpha": 16}}  # fmt: skip
+    raw["model"] = {
+        "name_or_path": str(folder),
+        "tokenizer": MINILM_TOKENIZER,
+        "peft": {"r": 8, "alpha": 16},
+    }
     return raw
 
 
 @pytest.mark.parametrize(
     ("peft", "message"),
-    [({"r": -1}, "model.peft.r: got -1; must be an integer in [1, 4096]"),
-     ({"target_modules": ["query", "qkv"]}, "'qkv' names no layer of the model (bert)"),
-     ({"target_modules": ["LayerNorm"]}, "model.peft.target_modules: 'LayerNorm' names LayerNorm "
-      "layers, which LoRA cannot adapt")],
-)  # fmt: skip
+    [
+        ({"r": -1}, "model.peft.r: got -1; must be an integer in [1, 4096]"),
+        ({"target_modules": ["query", "qkv"]}, "'qkv' names no layer of the model (bert)"),
+        (
+            {"target_modules": ["LayerNorm"]},
+            "model.peft.target_modules: 'LayerNorm' names LayerNorm "
+            "layers, which LoRA cannot adapt",
+        ),
+    ],
+)
 def test_bad_lora_input_through_hpo_run_exits_2_and_writes_nothing(
     tmp_path: Path,
     tiny_pretrained: Path,
@@ -358,8 +398,9 @@ def test_bad_lora_input_through_hpo_run_exits_2_and_writes_nothing(
     config = write_config(tmp_path / "bad.yaml", raw)
     database = tmp_path / "must-not-exist.db"
     capsys.readouterr()
-    code = hpo_main(["run", "--study", "s", "--config", str(config),
-                     "--storage", f"sqlite:///{database}"])  # fmt: skip
+    code = hpo_main(
+        ["run", "--study", "s", "--config", str(config), "--storage", f"sqlite:///{database}"]
+    )
     err = capsys.readouterr().err
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not database.exists()
@@ -384,12 +425,16 @@ def test_a_lora_study_resumes_from_the_store_and_downloads_an_adapter_or_a_merge
     store.mkdir()
     url = f"sqlite:///{tmp_path / 'study.db'}"
     raw = lora_config(
-        tiny_pretrained, *easy_data,
-        study={"n_trials": 2, "artifact_store": f"file://{store}",
-               "checkpoint_dir": str(tmp_path / "host-a")},
+        tiny_pretrained,
+        *easy_data,
+        study={
+            "n_trials": 2,
+            "artifact_store": f"file://{store}",
+            "checkpoint_dir": str(tmp_path / "host-a"),
+        },
         # 64 steps, an evaluation every 16: the SIGTERM after the first one lands in training
         training={"learning_rate": 2e-2},
-    )  # fmt: skip
+    )
     raw["search_space"]["learning_rate"] = {"type": "categorical", "choices": [2e-2]}
     config = write_config(tmp_path / "lora.yaml", raw)
     args = ("run", "--study", "lora", "--config", str(config), "--storage", url)
@@ -405,8 +450,10 @@ def test_a_lora_study_resumes_from_the_store_and_downloads_an_adapter_or_a_merge
 
     trials = {t.number: t for t in study.get_trials()}
     assert {n: t.state for n, t in trials.items()} == {
-        0: TrialState.FAIL, 1: TrialState.COMPLETE, 2: TrialState.COMPLETE
-    }  # fmt: skip
+        0: TrialState.FAIL,
+        1: TrialState.COMPLETE,
+        2: TrialState.COMPLETE,
+    }
     retry = next(t for t in trials.values() if t.system_attrs.get("failed_trial") == 0)
     assert retry.user_attrs["resumed_from"].startswith("file://")
     assert retry.user_attrs["resumed_at_step"] >= 16
@@ -439,8 +486,9 @@ def test_a_lora_study_resumes_from_the_store_and_downloads_an_adapter_or_a_merge
     assert not (tmp_path / "merged" / "adapter_config.json").exists()
     assert merged.config.id2label == {0: "neg", 1: "pos"}
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "merged")
-    encoded = tokenizer(["the meal was superb", "our room felt awful"], return_tensors="pt",
-                        padding=True)  # fmt: skip
+    encoded = tokenizer(
+        ["the meal was superb", "our room felt awful"], return_tensors="pt", padding=True
+    )
     with torch.no_grad():
         want, got = loaded(**encoded).logits, merged(**encoded).logits
     torch.testing.assert_close(want, got, rtol=1e-4, atol=1e-5)
@@ -464,8 +512,14 @@ def test_the_report_and_hpo_best_say_how_an_adapter_loads() -> None:
     lora_trial = {ADAPTER_ATTR: adapter[ADAPTER_ATTR]}
     assert model_loader(plain, lora_trial) == model_loader(adapter)
     assert model_loader(adapter, {}) == model_loader(adapter)  # trials recorded before
-    best = {"number": 3, "study": "s", "value": 0.9, "params": {}, "adapter": adapter[ADAPTER_ATTR],
-            "user_attrs": {"best_model_uri": "file:///store/s/trial-3/best-model"}}  # fmt: skip
+    best = {
+        "number": 3,
+        "study": "s",
+        "value": 0.9,
+        "params": {},
+        "adapter": adapter[ADAPTER_ATTR],
+        "user_attrs": {"best_model_uri": "file:///store/s/trial-3/best-model"},
+    }
     assert "a LoRA adapter (hpo best --download DIR fetches it, loadable with peft; --merge" in (
         best_text(best)
     )
@@ -533,15 +587,32 @@ def test_hpo_retrain_of_a_lora_study_saves_an_adapter_that_peft_loads(
     from hpo.study.retrain import CARD_JSON
 
     monkeypatch.chdir(tmp_path)
-    raw = lora_config(tiny_pretrained, *easy_data, study={"n_trials": 1},
-                      training={"epochs": 1, "evals_per_epoch": 1})  # fmt: skip
+    raw = lora_config(
+        tiny_pretrained,
+        *easy_data,
+        study={"n_trials": 1},
+        training={"epochs": 1, "evals_per_epoch": 1},
+    )
     config = write_config(tmp_path / "lora.yaml", raw)
     url = f"sqlite:///{tmp_path / 'study.db'}"
     assert hpo_main(["run", "--study", "lora", "--config", str(config), "--storage", url]) == 0
     (searched,) = optuna.load_study(study_name="lora", storage=url).trials
     assert searched.user_attrs["adapter"] == {"method": "lora", "base_model": str(tiny_pretrained)}
-    retrain = ["retrain", "--study", "lora", "--config", str(config), "--storage", url,
-               "--top", "1", "--seeds", "2", "--out", "final"]  # fmt: skip
+    retrain = [
+        "retrain",
+        "--study",
+        "lora",
+        "--config",
+        str(config),
+        "--storage",
+        url,
+        "--top",
+        "1",
+        "--seeds",
+        "2",
+        "--out",
+        "final",
+    ]
     assert hpo_main(retrain) == 0
     out = capsys.readouterr().out
     assert "final model: final" in out, out

@@ -44,8 +44,10 @@ def test_a_function_search_space_replaces_the_mapping(tmp_path: Path) -> None:
 def test_function_search_space_config_problems(tmp_path: Path) -> None:
     raw = space_config(tmp_path)
     raw["search_space"] = "space_fn.space"
-    assert "search_space: got 'space_fn.space'; must be a mapping of parameter name to spec, or " \
-        "your function as `package.module:name`" in problems_of(raw, tmp_path)  # fmt: skip
+    assert (
+        "search_space: got 'space_fn.space'; must be a mapping of parameter name to spec, or "
+        "your function as `package.module:name`" in problems_of(raw, tmp_path)
+    )
     raw = space_config(tmp_path, sampler={"type": "grid"})
     assert "study.sampler.type: grid needs a search space mapping" in problems_of(raw, tmp_path)
     raw = space_config(tmp_path, enqueue=[{"lr": [1, 2]}])
@@ -56,15 +58,21 @@ def test_function_search_space_config_problems(tmp_path: Path) -> None:
 
 def test_what_the_function_returns_is_checked_like_a_yaml_space(tmp_path: Path) -> None:
     config = parse_config(space_config(tmp_path), base_dir=tmp_path)
-    returned = {"learning_rate": 1e-3, "training.epochs": 2.0, "model.dropout": 0.1,
-                "data.max_length": 16}  # fmt: skip
+    returned = {
+        "learning_rate": 1e-3,
+        "training.epochs": 2.0,
+        "model.dropout": 0.1,
+        "data.max_length": 16,
+    }
     got = function_params(config, returned, "m:f")
     # short and dotted names, as a YAML space takes them; whole floats become whole numbers
-    assert got == {"learning_rate": 1e-3, "epochs": 2, "model.dropout": 0.1,
-                   "data.max_length": 16}  # fmt: skip
+    assert got == {"learning_rate": 1e-3, "epochs": 2, "model.dropout": 0.1, "data.max_length": 16}
     assert isinstance(got["epochs"], int)
-    with pytest.raises(ValueError, match=r"m:f returned learning_rat: unknown parameter \(did you "
-                       r"mean 'learning_rate'\?\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"m:f returned learning_rat: unknown parameter \(did you "
+        r"mean 'learning_rate'\?\)",
+    ):
         function_params(config, {"learning_rat": 1e-3}, "m:f")
     with pytest.raises(ValueError, match="m:f returned epochs: got 'many'; must be an integer"):
         function_params(config, {"epochs": "many"}, "m:f")
@@ -72,8 +80,9 @@ def test_what_the_function_returns_is_checked_like_a_yaml_space(tmp_path: Path) 
         function_params(config, {"learning_rate": -1.0}, "m:f")
     with pytest.raises(ValueError, match=r"m:f returned a list \[1\]; expected a dict"):
         function_params(config, [1], "m:f")
-    with pytest.raises(ValueError, match="m:f returned lr: unknown parameter.*; m:f returned "
-                       "epochs: got 'x'"):  # fmt: skip
+    with pytest.raises(
+        ValueError, match="m:f returned lr: unknown parameter.*; m:f returned epochs: got 'x'"
+    ):
         function_params(config, {"lr": 1.0, "epochs": "x"}, "m:f")  # every problem at once
 
 
@@ -167,8 +176,17 @@ def test_cli_refuses_a_missing_space_function_before_any_trial(tmp_path: Path) -
     }
     (tmp_path / "train_fn.py").write_text("def train(ctx):\n    return 0.0\n")
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
-    done = run_hpo("run", "--config", "config.yaml", "--study", "s", "--storage",
-                   "sqlite:///s.db", cwd=tmp_path, timeout=120)  # fmt: skip
+    done = run_hpo(
+        "run",
+        "--config",
+        "config.yaml",
+        "--study",
+        "s",
+        "--storage",
+        "sqlite:///s.db",
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     where = tmp_path / "space_fn.py"
@@ -195,15 +213,28 @@ def test_space_failures_end_their_trial_and_the_worker_goes_on(tmp_path: Path) -
     modes = ["raise", "wrong", "exit", "hang", "ok"]
     raw = {
         "training": {"entrypoint": "train_fn:train", "device": "cpu"},
-        "study": {"metric": "width", "direction": "minimize", "n_trials": len(modes),
-                  "trial_timeout": 2,
-                  "enqueue": [{"mode": m, "layers": 2, "w0": 4, "w1": 5} for m in modes]},
+        "study": {
+            "metric": "width",
+            "direction": "minimize",
+            "n_trials": len(modes),
+            "trial_timeout": 2,
+            "enqueue": [{"mode": m, "layers": 2, "w0": 4, "w1": 5} for m in modes],
+        },
         "search_space": "space_fn:space",
-    }  # fmt: skip
+    }
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
     url = f"sqlite:///{tmp_path / 's.db'}"
-    done = run_hpo("run", "--config", "config.yaml", "--study", "s", "--storage", url,
-                   cwd=tmp_path, timeout=300)  # fmt: skip
+    done = run_hpo(
+        "run",
+        "--config",
+        "config.yaml",
+        "--study",
+        "s",
+        "--storage",
+        url,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     trials = {t.params["mode"]: t for t in optuna.load_study(study_name="s", storage=url).trials}
     state = optuna.trial.TrialState
@@ -242,8 +273,12 @@ def test_plugins_example_trains_with_what_its_space_returns(tmp_path: Path) -> N
     assert trial.state == optuna.trial.TrialState.COMPLETE
     assert trial.params == raw["study"]["enqueue"][0]  # Optuna's own record: the names suggested
     trained = trial.user_attrs["params"]
-    assert trained == {"learning_rate": 0.002, "effective_batch_size": 32,
-                       "lr_schedule": "linear", "warmup_ratio": 0.1}  # fmt: skip
+    assert trained == {
+        "learning_rate": 0.002,
+        "effective_batch_size": 32,
+        "lr_schedule": "linear",
+        "warmup_ratio": 0.1,
+    }
     assert trial.user_attrs["search_space"] == "space:space"
     metrics = trial.user_attrs["best_evaluation"]["metrics"]
     assert trial.value == metrics["f2"] and {"recall", "accuracy"} <= set(metrics)
@@ -271,8 +306,10 @@ def test_study_metric_may_name_the_functions_metrics(tmp_path: Path) -> None:
 
 def test_metrics_function_config_problems(tmp_path: Path) -> None:
     raw = metrics_config(tmp_path, metric="f2")
-    assert "study.direction: got null; f2 is not hpo's: give minimize or maximize for each " \
-        "metric (f2)" in problems_of(raw, tmp_path)  # fmt: skip
+    assert (
+        "study.direction: got null; f2 is not hpo's: give minimize or maximize for each "
+        "metric (f2)" in problems_of(raw, tmp_path)
+    )
     raw = metrics_config(tmp_path, metric=["f2", "accuracy"], direction=["maximize", "minimize"])
     assert "study.direction: metric accuracy must be maximized" in problems_of(raw, tmp_path)
     raw = metrics_config(tmp_path)
@@ -335,10 +372,20 @@ def test_what_the_metrics_function_returns_is_checked() -> None:
 
 def test_cli_refuses_a_metrics_module_that_does_not_import(tmp_path: Path) -> None:
     (tmp_path / "my_metrics.py").write_text("import sklearn_that_is_not_there\n")
-    write_config(tmp_path / "config.yaml", metrics_config(tmp_path, metric="f2",
-                                                          direction="maximize"))  # fmt: skip
-    done = run_hpo("run", "--config", "config.yaml", "--study", "s", "--storage",
-                   "sqlite:///s.db", cwd=tmp_path, timeout=120)  # fmt: skip
+    write_config(
+        tmp_path / "config.yaml", metrics_config(tmp_path, metric="f2", direction="maximize")
+    )
+    done = run_hpo(
+        "run",
+        "--config",
+        "config.yaml",
+        "--study",
+        "s",
+        "--storage",
+        "sqlite:///s.db",
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr
     assert (
         done.stderr.strip()
@@ -376,8 +423,17 @@ def test_a_metrics_function_that_raises_fails_its_trial_with_its_traceback(tmp_p
     raw["training"].update(epochs=1, evals_per_epoch=1)
     write_config(tmp_path / "config.yaml", raw)
     url = f"sqlite:///{tmp_path / 's.db'}"
-    done = run_hpo("run", "--config", "config.yaml", "--study", "s", "--storage", url,
-                   cwd=tmp_path, timeout=300)  # fmt: skip
+    done = run_hpo(
+        "run",
+        "--config",
+        "config.yaml",
+        "--study",
+        "s",
+        "--storage",
+        url,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     (trial,) = optuna.load_study(study_name="s", storage=url).trials
     assert trial.state == optuna.trial.TrialState.FAIL
@@ -416,8 +472,10 @@ def test_a_study_keeps_its_search_space_function(tmp_path: Path) -> None:
     open_study(storage, "s", config)  # the same function: joins
     other = parse_config(space_config(tmp_path), base_dir=tmp_path)
     other.search_space_function = "other_fn:space"
-    with pytest.raises(ConfigError, match="study 's' samples with space_fn:space, but this "
-                       "config with other_fn:space"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match="study 's' samples with space_fn:space, but this config with other_fn:space",
+    ):
         open_study(storage, "s", other)
     mapping = parse_config(metrics_config(tmp_path), base_dir=tmp_path)
     mapping.search_space = {}
@@ -431,8 +489,11 @@ def test_retrain_refuses_a_function_search_space(tmp_path: Path) -> None:
 
     config = parse_config(space_config(tmp_path), base_dir=tmp_path)
     study = optuna.create_study(direction="maximize")
-    with pytest.raises(HPOError, match="search_space: space_fn:space samples in Python; retrain "
-                       "needs the search space as a mapping"):  # fmt: skip
+    with pytest.raises(
+        HPOError,
+        match="search_space: space_fn:space samples in Python; retrain "
+        "needs the search space as a mapping",
+    ):
         retrain.make_plan(study, config, top=1, seeds=2)
 
 
@@ -443,8 +504,11 @@ def test_hpo_enqueue_takes_the_functions_own_names(
     from storage import open_storage, resolve_storage_url
 
     url = f"sqlite:///{tmp_path / 's.db'}"
-    open_study(open_storage(resolve_storage_url(url, None)), "s",
-               parse_config(space_config(tmp_path), base_dir=tmp_path))  # fmt: skip
+    open_study(
+        open_storage(resolve_storage_url(url, None)),
+        "s",
+        parse_config(space_config(tmp_path), base_dir=tmp_path),
+    )
     args = ["enqueue", "--study", "s", "--storage", url, "--params"]
     assert hpo_main([*args, '{"lr": 0.01, "layers": 2}']) == 0  # no search space to check them
     [waiting] = optuna.load_study(study_name="s", storage=url).get_trials()
@@ -562,11 +626,16 @@ def test_user_code_in_the_worker_leaves_its_folder_and_signals_as_they_were(
     (tmp_path / "train_fn.py").write_text(UNSETTLING_TRAIN)
     raw = {
         "training": {"entrypoint": "train_fn:train", "device": "cpu"},
-        "study": {"metric": "m", "direction": "minimize", "n_trials": 2,
-                  "trial_isolation": "none", "checkpoints": False,
-                  "enqueue": [{"mode": "unsettle"}, {"mode": "settled"}]},
+        "study": {
+            "metric": "m",
+            "direction": "minimize",
+            "n_trials": 2,
+            "trial_isolation": "none",
+            "checkpoints": False,
+            "enqueue": [{"mode": "unsettle"}, {"mode": "settled"}],
+        },
         "search_space": "space_fn:space",
-    }  # fmt: skip
+    }
     write_config(tmp_path / "c.yaml", raw)
     url = f"sqlite:///{tmp_path / 's.db'}"
     assert hpo_main(["run", "--config", "c.yaml", "--study", "s", "--storage", url]) == 0

@@ -363,8 +363,18 @@ def test_a_store_without_credentials_stops_hpo_run_in_seconds(
     """The report's case: two trials took 272 s, each waiting out the store's patience."""
     config = write_config(tmp_path / "c.yaml", tiny_config(*easy_data))
     started = time.monotonic()
-    result = run_hpo("run", "--study", "s", "--config", str(config), "--storage", "sqlite:///s.db",
-                     "--artifact-store", "s3://hpo/studies", cwd=tmp_path)  # fmt: skip
+    result = run_hpo(
+        "run",
+        "--study",
+        "s",
+        "--config",
+        str(config),
+        "--storage",
+        "sqlite:///s.db",
+        "--artifact-store",
+        "s3://hpo/studies",
+        cwd=tmp_path,
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.count("\n") == 1 and "Unable to locate credentials" in result.stderr
     assert time.monotonic() - started < 60
@@ -376,8 +386,11 @@ def test_a_missing_store_folder_is_created_when_the_run_starts(
 ) -> None:
     folder = tmp_path / "shared" / "hpo"
     folder.parent.mkdir()
-    raw = tiny_config(*easy_data, study={"n_trials": 1, "artifact_store": f"file://{folder}"},
-                      training={"epochs": 1})  # fmt: skip
+    raw = tiny_config(
+        *easy_data,
+        study={"n_trials": 1, "artifact_store": f"file://{folder}"},
+        training={"epochs": 1},
+    )
     config = write_config(tmp_path / "c.yaml", raw)
     assert run(hpo_main, config, f"sqlite:///{tmp_path / 's.db'}") == 0
     assert [p.name for p in folder.iterdir()] != []  # the best model went there

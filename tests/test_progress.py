@@ -35,10 +35,19 @@ class Terminal(io.StringIO):
 
 
 def test_the_lines_say_where_the_trial_and_the_study_are() -> None:
-    text = progress.trial_text(4, {
-        "epoch": 1.25, "epochs": 3, "step": 120, "total_steps": 300, "samples_per_s": 412.3,
-        "loss": 0.5312, "metric": ("accuracy", 0.8123), "seconds_left": 80.4,
-    })  # fmt: skip
+    text = progress.trial_text(
+        4,
+        {
+            "epoch": 1.25,
+            "epochs": 3,
+            "step": 120,
+            "total_steps": 300,
+            "samples_per_s": 412.3,
+            "loss": 0.5312,
+            "metric": ("accuracy", 0.8123),
+            "seconds_left": 80.4,
+        },
+    )
     assert text == (
         "trial #4 · epoch 1.2/3 · step 120/300 · 412 samples/s · loss 0.531 · "
         "accuracy 0.8123 · 1m20s left"
@@ -170,8 +179,12 @@ def _on_a_terminal(
     full_env.pop("HPO_NO_LIVE_LINE", None)
     worker = subprocess.Popen(
         [sys.executable, "-m", "hpo", *args],
-        cwd=cwd, stdin=subprocess.DEVNULL, stdout=secondary, stderr=secondary, env=full_env,
-    )  # fmt: skip
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        stdout=secondary,
+        stderr=secondary,
+        env=full_env,
+    )
     os.close(secondary)
     chunks = []
     while True:
@@ -196,13 +209,23 @@ def test_hpo_run_on_a_terminal_shows_a_live_line(
     tmp_path: Path, easy_data: tuple[Path, Path], columns: int
 ) -> None:
     # One epoch a trial (two evaluations): the line is drawn at every step all the same.
-    raw = tiny_config(*easy_data, study={"n_trials": 2},
-                      training={"log_every_steps": 1, "epochs": 1})  # fmt: skip
+    raw = tiny_config(
+        *easy_data, study={"n_trials": 2}, training={"log_every_steps": 1, "epochs": 1}
+    )
     config = write_config(tmp_path / "c.yaml", raw)
     out = _on_a_terminal(
-        ["run", "--study", "s", "--config", str(config), "--storage",
-         f"sqlite:///{tmp_path / 'p.db'}"], tmp_path, columns=columns,
-    )  # fmt: skip
+        [
+            "run",
+            "--study",
+            "s",
+            "--config",
+            str(config),
+            "--storage",
+            f"sqlite:///{tmp_path / 'p.db'}",
+        ],
+        tmp_path,
+        columns=columns,
+    )
     assert f"{progress.CLEAR}trial #0 · epoch " in out, out[-3000:]
     assert "samples/s" in out and "study: 1 complete, 0 pruned, 0 fail, budget 2; best " in out
     rows = _screen(out, columns)
@@ -218,14 +241,27 @@ def test_workers_of_several_gpus_each_get_a_line_on_the_terminal(
     # One epoch a trial (two evaluations): the line is drawn at every step all the same. The
     # trials train in their workers (trial_isolation: none): the lines are the workers', and
     # each worker's fork server would cost seconds of imports.
-    raw = tiny_config(*easy_data, study={"n_trials": 2, "trial_isolation": "none"},
-                      training={"log_every_steps": 1, "epochs": 1})  # fmt: skip
+    raw = tiny_config(
+        *easy_data,
+        study={"n_trials": 2, "trial_isolation": "none"},
+        training={"log_every_steps": 1, "epochs": 1},
+    )
     config = write_config(tmp_path / "c.yaml", raw)
     out = _on_a_terminal(
-        ["run", "--study", "s", "--config", str(config), "--storage",
-         f"sqlite:///{tmp_path / 'p.db'}", "--gpus", "0,1"], tmp_path,
+        [
+            "run",
+            "--study",
+            "s",
+            "--config",
+            str(config),
+            "--storage",
+            f"sqlite:///{tmp_path / 'p.db'}",
+            "--gpus",
+            "0,1",
+        ],
+        tmp_path,
         env={"HPO_TEST_FAKE_GPUS": "2", "CUDA_VISIBLE_DEVICES": ""},
-    )  # fmt: skip
+    )
     assert re.search(r"gpu[01]: trial #[01] · epoch ", out), out[-3000:]
     assert "study: " in out  # and the workers' log lines came through:
     assert re.search(r"trial [01] (finished|pruned)", out), out[-3000:]
@@ -306,17 +342,36 @@ def test_hpo_status_watch_on_a_terminal_of_80_columns(tmp_path: Path) -> None:
     space = {name: optuna.distributions.FloatDistribution(1e-5, 1.0) for name in names}
     for k in range(4):  # all four on the Pareto front, each line wider than 80 columns
         params = dict.fromkeys(names, 0.0123456789 * (k + 1))
-        study.add_trial(optuna.trial.create_trial(
-            params=params, distributions=space, values=[0.5 + k / 10, 1 - k / 10],
-        ))  # fmt: skip
+        study.add_trial(
+            optuna.trial.create_trial(
+                params=params,
+                distributions=space,
+                values=[0.5 + k / 10, 1 - k / 10],
+            )
+        )
     primary, secondary = pty.openpty()
     _set_size(secondary, 80, 8)
     env = {**os.environ, "TERM": "xterm", "PYTHONPATH": str(REPO)}
     watch = subprocess.Popen(
-        [sys.executable, "-m", "hpo", "status", "--study", "s", "--storage", url, "--watch",
-         "--interval", "0.2"], cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=secondary,
-        stderr=secondary, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "hpo",
+            "status",
+            "--study",
+            "s",
+            "--storage",
+            url,
+            "--watch",
+            "--interval",
+            "0.2",
+        ],
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        stdout=secondary,
+        stderr=secondary,
+        env=env,
+    )
     os.close(secondary)
     out = b""
     while select.select([primary], [], [], 60)[0]:

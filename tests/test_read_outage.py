@@ -140,8 +140,9 @@ def test_a_read_past_the_window_is_one_error_naming_the_database(short_backoff: 
     read = FlakyRead(drops=10**9)
     started = time.monotonic()
     with pytest.raises(DatabaseUnreachable) as caught:
-        outage.retrying(read, "the report", 0.3, database="the study database X",
-                        then="run it again")  # fmt: skip
+        outage.retrying(
+            read, "the report", 0.3, database="the study database X", then="run it again"
+        )
     took = time.monotonic() - started
     assert 0.2 < took < 5 and read.calls > 2
     assert str(caught.value).startswith("the study database X was unreachable for 0.3 s (")
@@ -161,11 +162,17 @@ def finished_study(tmp_path: Path) -> str:
 
 def _add_trials(study: optuna.Study, count: int) -> None:
     space = {"learning_rate": FloatDistribution(1e-5, 1e-2, log=True)}
-    study.add_trials([
-        optuna.trial.create_trial(params={"learning_rate": 1e-4 * (1 + i)}, distributions=space,
-                                  value=i / count, intermediate_values={1: i / count})
-        for i in range(count)
-    ])  # fmt: skip
+    study.add_trials(
+        [
+            optuna.trial.create_trial(
+                params={"learning_rate": 1e-4 * (1 + i)},
+                distributions=space,
+                value=i / count,
+                intermediate_values={1: i / count},
+            )
+            for i in range(count)
+        ]
+    )
 
 
 def _status_dropping(monkeypatch: pytest.MonkeyPatch, drops: set[int]) -> list[int]:
@@ -186,9 +193,12 @@ def _status_dropping(monkeypatch: pytest.MonkeyPatch, drops: set[int]) -> list[i
 
 
 def test_status_prints_its_answer_after_a_dropped_connection(
-    finished_study: str, hpo_main: Callable[[list[str]], int],
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, short_backoff: None,
-) -> None:  # fmt: skip
+    finished_study: str,
+    hpo_main: Callable[[list[str]], int],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    short_backoff: None,
+) -> None:
     calls = _status_dropping(monkeypatch, drops={1, 2})
     assert hpo_main(["status", "--study", "s", "--storage", finished_study, "--json"]) == 0
     out, err = capsys.readouterr()
@@ -197,9 +207,12 @@ def test_status_prints_its_answer_after_a_dropped_connection(
 
 
 def test_a_watch_goes_on_through_drops(
-    finished_study: str, hpo_main: Callable[[list[str]], int],
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, short_backoff: None,
-) -> None:  # fmt: skip
+    finished_study: str,
+    hpo_main: Callable[[list[str]], int],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    short_backoff: None,
+) -> None:
     """A finished study: the watch ends after two refreshes that succeed; drops between."""
     calls = _status_dropping(monkeypatch, drops={1, 3, 4})
     args = ["status", "--study", "s", "--storage", finished_study, "--watch", "--interval", "0.1"]
@@ -211,17 +224,21 @@ def test_a_watch_goes_on_through_drops(
 
 
 def test_a_read_past_the_window_is_one_line_and_exit_1(
-    finished_study: str, hpo_main: Callable[[list[str]], int],
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, short_backoff: None,
-) -> None:  # fmt: skip
+    finished_study: str,
+    hpo_main: Callable[[list[str]], int],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    short_backoff: None,
+) -> None:
     _status_dropping(monkeypatch, drops=set(range(1, 10**6)))
     args = ["status", "--study", "s", "--storage", finished_study, "--database-patience", "0.2"]
     assert hpo_main(args) == 1
     out, err = capsys.readouterr()
     assert out == "" and "Traceback" not in err
     last = err.strip().splitlines()[-1]
-    assert last.startswith(f"hpo: error: the study database {finished_study} was unreachable "
-                           "for 0.2 s (")  # fmt: skip
+    assert last.startswith(
+        f"hpo: error: the study database {finished_study} was unreachable for 0.2 s ("
+    )
     assert last.endswith("; check that it is up, then run it again")
 
 
@@ -253,8 +270,10 @@ def trials_locked(url: str) -> Iterator[sa.Connection]:
 
 def _wait_for_blocked_read(admin: sa.Engine, pid: int, process: Any) -> list[int]:
     """The backends of the hpo process `pid` that wait on the lock, once there is one."""
-    query = sa.text("SELECT pid FROM pg_stat_activity WHERE application_name = :app"
-                    " AND wait_event_type = 'Lock'")  # fmt: skip
+    query = sa.text(
+        "SELECT pid FROM pg_stat_activity WHERE application_name = :app"
+        " AND wait_event_type = 'Lock'"
+    )
     deadline = time.monotonic() + DEADLINE_S
     while time.monotonic() < deadline:
         with admin.connect() as conn:  # a new transaction: pg_stat_activity is fresh
@@ -276,11 +295,13 @@ def admin() -> Iterator[sa.Engine]:
 
 READS = {  # a read command and what its answer holds
     "report": (["report", "--study", "outage-read", "--format", "md"], "- trials: 20 complete"),
-    "status --watch": (["status", "--study", "outage-read", "--watch", "--interval", "0.1"],
-                       "study 'outage-read': 20 complete"),
+    "status --watch": (
+        ["status", "--study", "outage-read", "--watch", "--interval", "0.1"],
+        "study 'outage-read': 20 complete",
+    ),
     "best": (["best", "--study", "outage-read", "--json"], '"number": 19'),
     "studies": (["studies"], "outage-read  maximize      20  0.9500"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.postgres
@@ -335,7 +356,8 @@ def test_a_read_past_the_window_on_postgresql_is_one_line_and_exit_1(
     assert took < 2 + 10, took  # the window, and a connect timeout at most
     masked = proxied.render_as_string(hide_password=True)
     lines = err.strip().splitlines()
-    assert lines[-1].startswith(f"hpo: error: the study database {masked} was unreachable "
-                                "for 2 s ("), lines  # fmt: skip
+    assert lines[-1].startswith(
+        f"hpo: error: the study database {masked} was unreachable for 2 s ("
+    ), lines
     # Before it: the outage said once, as a warning; nothing else.
     assert len(lines) == 2 and "unreachable (" in lines[0], lines

@@ -70,8 +70,11 @@ def test_the_plan_takes_the_best_distinct_configurations_and_seeds_the_search_di
     assert plan.runs == 6 and plan.study_name == name and len(plan.digest) == 6
     assert retrain.make_plan(study, _config(), top=3, seeds=2).study_name == name  # resumable
     # The search went on and found a better configuration: another plan, another study.
-    study.add_trial(optuna.create_trial(value=0.99, params={"learning_rate": 9e-3},
-                                        distributions={"learning_rate": LR}))  # fmt: skip
+    study.add_trial(
+        optuna.create_trial(
+            value=0.99, params={"learning_rate": 9e-3}, distributions={"learning_rate": LR}
+        )
+    )
     assert retrain.make_plan(study, _config(), top=3, seeds=2).study_name != name
     assert "full data" in plan.full_data_study_name
     assert plan.full_data_study_name not in (name, plan.study_name)
@@ -171,8 +174,11 @@ def test_cleanup_keeps_the_run_retrain_saves_in_a_study_of_two_objectives(tmp_pa
     # front holds only it, but retrain saves the earlier (best on the first, earliest of equals).
     study = optuna.create_study(directions=["maximize", "maximize"])
     for values in ([0.9, 0.5], [0.9, 0.7], [0.8, 0.9]):
-        study.add_trial(optuna.create_trial(values=values, params={}, distributions={},
-                                            user_attrs={"retrain_config": 1}))  # fmt: skip
+        study.add_trial(
+            optuna.create_trial(
+                values=values, params={}, distributions={}, user_attrs={"retrain_config": 1}
+            )
+        )
     trials = study.get_trials()
     root = tmp_path / "r"
     for trial in trials:
@@ -184,15 +190,20 @@ def test_cleanup_keeps_the_run_retrain_saves_in_a_study_of_two_objectives(tmp_pa
 
 
 def test_full_data_trains_on_both_splits_and_keeps_the_evaluation_split() -> None:
-    train = TokenizedSplit(np.array([1, 2, 3], np.int32), np.array([0, 1, 3]), None,
-                           np.array([0, 1]))  # fmt: skip
-    held = TokenizedSplit(np.array([7, 8, 9, 9], np.int32), np.array([0, 3, 4]), None,
-                          np.array([1, 1]))  # fmt: skip
+    train = TokenizedSplit(
+        np.array([1, 2, 3], np.int32), np.array([0, 1, 3]), None, np.array([0, 1])
+    )
+    held = TokenizedSplit(
+        np.array([7, 8, 9, 9], np.int32), np.array([0, 3, 4]), None, np.array([1, 1])
+    )
     joined = with_eval_in_training(PreparedData(train, held, ["a", "b"], 0))
     assert joined.train.ids.tolist() == [1, 2, 3, 7, 8, 9, 9]
     assert joined.train.lengths.tolist() == [1, 2, 3, 1] and joined.train.labels.tolist() == [
-        0, 1, 1, 1,
-    ]  # fmt: skip
+        0,
+        1,
+        1,
+        1,
+    ]
     assert joined.eval is held
 
 
@@ -326,8 +337,22 @@ def test_retrain_through_the_cli_stopped_resumed_then_best_names_the_winner(
 
     monkeypatch.chdir(tmp_path)
     config, url = _search(tmp_path, easy_data, hpo_main)
-    args = ["retrain", "--study", "s", "--config", str(config), "--storage", url, "--top", "2",
-            "--seeds", "2", "--full-data", "--out", "final"]  # fmt: skip
+    args = [
+        "retrain",
+        "--study",
+        "s",
+        "--config",
+        str(config),
+        "--storage",
+        url,
+        "--top",
+        "2",
+        "--seeds",
+        "2",
+        "--full-data",
+        "--out",
+        "final",
+    ]
     plan = _plan(url, config, 2, 2)
     name, full_name = plan.study_name, plan.full_data_study_name
 
@@ -413,8 +438,23 @@ def test_bad_retrain_input_is_one_line_and_trains_nothing(
     config = write_config(tmp_path / "c.yaml", tiny_config(*easy_data))
     url = f"sqlite:///{tmp_path / 'hpo.db'}"
     if "--study" in extra:
-        assert hpo_main(["run", "--study", "s", "--config", str(config), "--storage", url,
-                         "--n-trials", "1", "--quiet"]) == 0  # fmt: skip
+        assert (
+            hpo_main(
+                [
+                    "run",
+                    "--study",
+                    "s",
+                    "--config",
+                    str(config),
+                    "--storage",
+                    url,
+                    "--n-trials",
+                    "1",
+                    "--quiet",
+                ]
+            )
+            == 0
+        )
         capsys.readouterr()
     args = ["retrain", "--study", "s", "--config", str(config), "--storage", url]
     args += [*extra] if "--study" not in extra else ["--study", "nope"]
@@ -440,8 +480,22 @@ def test_retrain_runs_on_the_workers_of_several_gpus(
     # The runs train in their workers (trial_isolation: none): this is about the launcher and
     # its workers, and each worker's fork server would cost seconds of imports.
     config, url = _search(tmp_path, easy_data, hpo_main, trial_isolation="none")
-    args = ("retrain", "--study", "s", "--config", str(config), "--storage", url, "--top", "1",
-            "--seeds", "2", "--gpus", "0,1", "--full-data")  # fmt: skip
+    args = (
+        "retrain",
+        "--study",
+        "s",
+        "--config",
+        str(config),
+        "--storage",
+        url,
+        "--top",
+        "1",
+        "--seeds",
+        "2",
+        "--gpus",
+        "0,1",
+        "--full-data",
+    )
     env = {"HPO_TEST_FAKE_GPUS": "2"}
     plan = _plan(url, config, 1, 2)
     # A SIGTERM to the launcher reaches its workers, and the launcher ends too (it once went on
@@ -480,9 +534,12 @@ def test_without_config_the_demo_config_is_checked_against_the_study() -> None:
     retrain.check_demo_config(ran_with_demo, demo, "demo")  # the demo's own study: no refusal
     mine = {"sha256": "0" * 64, "path": "/data/mine.csv"}
     other_data = {**ran_with_demo[SETUP_ATTR], "data.train_file": mine}
-    with pytest.raises(HPOError, match=r"^no --config given, and the demo config is not the one "
-                       r"study 'mine' ran with \(its data.train_file differs\); pass the study's "
-                       r"config: hpo retrain --study mine --config FILE$"):  # fmt: skip
+    with pytest.raises(
+        HPOError,
+        match=r"^no --config given, and the demo config is not the one "
+        r"study 'mine' ran with \(its data.train_file differs\); pass the study's "
+        r"config: hpo retrain --study mine --config FILE$",
+    ):
         retrain.check_demo_config({**ran_with_demo, SETUP_ATTR: other_data}, demo, "mine")
     with pytest.raises(HPOError, match=r"\(its search_space differs\)"):
         retrain.check_demo_config({"search_space": space_record(SPACE)}, demo, "mine")

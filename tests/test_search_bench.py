@@ -36,7 +36,7 @@ def _run(rate: float, seed: int) -> dict[str, Any]:
                 "samples": 80 * i,
                 "seconds": 1.0 * i,
                 "metrics": {"accuracy": value + 0.001 * seed},
-            }  # fmt: skip
+            }
             for i, value in enumerate(curve, 1)
         ],
     }
@@ -135,8 +135,10 @@ def test_a_trial_without_lora_snaps_to_a_point_without_a_rank(lora_task: str) ->
     ]
     assert sorted(run.seed for run in lora) == [1, 2]
     # What sample() never gives has no grid point: a rank without LoRA, LoRA without a rank.
-    for wrong in ({"model.peft.method": "none", "model.peft.r": 4, "learning_rate": 1e-3},
-                  {"model.peft.method": "lora", "learning_rate": 1e-3}):  # fmt: skip
+    for wrong in (
+        {"model.peft.method": "none", "model.peft.r": 4, "learning_rate": 1e-3},
+        {"model.peft.method": "lora", "learning_rate": 1e-3},
+    ):
         with pytest.raises(SystemExit, match="the grid has no run at"):
             table.nearest({**wrong, **batch})
 
@@ -148,11 +150,15 @@ def test_every_strategy_replays_the_conditional_task(lora_task: str) -> None:
         assert len(search.points) == 14, strategy
         for point in search.points:
             assert ("model.peft.r" in point) == (point["model.peft.method"] == "lora"), strategy
-    searches = [bench.replay(lora_task, s, seed, 14) for s in ("random, no pruning",
-                "hpo default") for seed in range(2)]  # fmt: skip
+    searches = [
+        bench.replay(lora_task, s, seed, 14)
+        for s in ("random, no pruning", "hpo default")
+        for seed in range(2)
+    ]
     table = bench.condition_use(lora_task, searches)
-    assert table[0] == ("| strategy | model.peft.method: share of trials "
-                        "| model.peft.r: share of trials |")  # fmt: skip
+    assert table[0] == (
+        "| strategy | model.peft.method: share of trials | model.peft.r: share of trials |"
+    )
     assert table[2].startswith("| random, no pruning | lora: ") and "4: " in table[2]
     assert bench.branches(lora_task).startswith(
         "best run with model.peft.method none: 0.9000 (learning_rate 0.0001, "
@@ -168,8 +174,14 @@ def test_every_strategy_replays_the_conditional_task(lora_task: str) -> None:
 def _search(strategy: str, seed: int, best: float, compute: float) -> Any:
     """A search of 4 trials whose best after 2 trials is `best`, reached at `compute`; 0.95 at
     its third trial."""
-    return bench.Search(strategy, seed, [compute / 2, compute, 2 * compute, 3 * compute],
-                        [0.0] * 4, [0.5, best, 0.95, 0.95], 0)  # fmt: skip
+    return bench.Search(
+        strategy,
+        seed,
+        [compute / 2, compute, 2 * compute, 3 * compute],
+        [0.0] * 4,
+        [0.5, best, 0.95, 0.95],
+        0,
+    )
 
 
 def test_the_rule_sets_seeds_rank_by_rank_and_allows_few_worse_than_random() -> None:
@@ -218,15 +230,16 @@ def test_the_default_is_chosen_by_its_worst_task_not_its_mean() -> None:
                     ("cheap but worse", (0.1, 0.1), i == 0),
                 )
             },
-        }  # fmt: skip
+        }
         for i, task in enumerate(("a", "b"))
     }
     lines = bench.choose(by_task)
-    assert lines[-1] == ("chosen by the worst-task rule: even (worst task 0.60x, median task "
-                         "0.55x of random search's compute)")  # fmt: skip
+    assert lines[-1] == (
+        "chosen by the worst-task rule: even (worst task 0.60x, median task "
+        "0.55x of random search's compute)"
+    )
     rows = [line for line in lines if line.startswith("| ") and "---" not in line][1:]
-    assert [row.split(" | ")[0] for row in rows] == ["| even", "| mean winner",
-                                                     "| cheap but worse"]  # fmt: skip
+    assert [row.split(" | ")[0] for row in rows] == ["| even", "| mean winner", "| cheap but worse"]
     assert rows[2] == "| cheap but worse | 0.10x | 0.10x (rule: no) | 0.10x | 0.10x | b |"
     # No strategy keeps the rule everywhere: the nearest, and by how much it misses.
     for task in by_task.values():
@@ -255,8 +268,11 @@ def _asked(pruner: optuna.pruners.BasePruner, curves: list[list[float]]) -> list
             said.append(trial.should_prune())
             if said[-1]:
                 break
-        study.tell(trial, None if said[-1] else curve[-1],
-                   optuna.trial.TrialState.PRUNED if said[-1] else None)  # fmt: skip
+        study.tell(
+            trial,
+            None if said[-1] else curve[-1],
+            optuna.trial.TrialState.PRUNED if said[-1] else None,
+        )
         answers.append(said)
     return answers
 
@@ -279,8 +295,9 @@ def test_a_first_rung_at_one_epoch_is_the_tasks_evaluations_per_epoch(task: str)
     _, raw, _ = bench.load_task(task)
     strategy = "TPE multivariate + ASHA, first rung at one epoch"
     assert bench.strategy_raw(raw, strategy, 0)["study"]["pruner"] == {
-        "type": "successive_halving", "min_resource": raw["training"]["evals_per_epoch"]
-    }  # fmt: skip
+        "type": "successive_halving",
+        "min_resource": raw["training"]["evals_per_epoch"],
+    }
     search = bench.replay(task, strategy, seed=0, n_trials=12)
     steps = {b - a for a, b in zip([0.0, *search.samples], search.samples, strict=False)}
     assert search.pruned > 0 and 80.0 not in steps  # none stopped before the first epoch's end
@@ -300,8 +317,11 @@ def test_the_new_grids_write_their_data_and_cover_their_spaces(
         config, _, _ = bench.load_task(name)
         for spec_name, values in search_grid.TASKS[name]["grid"].items():
             spec = config.search_space[spec_name]
-            assert spec.choices == values if spec.type == "categorical" else (
-                spec.low <= min(values) and max(values) <= spec.high)  # fmt: skip
+            assert (
+                spec.choices == values
+                if spec.type == "categorical"
+                else (spec.low <= min(values) and max(values) <= spec.high)
+            )
     train_names = {w for r in search_data.ner_rows(320, 1) for w in r["tokens"]}
     held_out = {w for r in search_data.ner_rows(96, 2, held_out=True) for w in r["tokens"]}
     assert "Perth" in held_out - train_names  # names never seen in training

@@ -208,9 +208,16 @@ def test_a_study_runs_with_another_sampler_through_the_cli(
     # A fixed seed: unseeded, CMA-ES's first point (the space's centre) matched the random
     # first trial's in about one run in 24, and the test below failed on chance. hpo's main in
     # this process, trials in the worker, one epoch: this is about what the sampler proposes.
-    raw = tiny_config(*easy_data, study={"n_trials": 2, "sampler": {"type": sampler, "seed": 0},
-                                         "pruner": {"type": "none"}, "trial_isolation": "none"},
-                      training={"epochs": 1})  # fmt: skip
+    raw = tiny_config(
+        *easy_data,
+        study={
+            "n_trials": 2,
+            "sampler": {"type": sampler, "seed": 0},
+            "pruner": {"type": "none"},
+            "trial_isolation": "none",
+        },
+        training={"epochs": 1},
+    )
     raw["search_space"] = FINITE_SPACE
     url = f"sqlite:///{tmp_path / 'menu.db'}"
     config = write_config(tmp_path / "c.yaml", raw)
@@ -279,8 +286,15 @@ def test_a_pruned_trial_says_which_pruner_and_what_it_was_compared_with(margin: 
 
 
 def test_a_prune_reason_names_the_best_so_far_the_percentile_and_patience() -> None:
-    study = _explained_study({"type": "percentile", "percentile": 25.0, "n_warmup_steps": 2,
-                              "margin": 0.0, "patience": 0})  # fmt: skip
+    study = _explained_study(
+        {
+            "type": "percentile",
+            "percentile": 25.0,
+            "n_warmup_steps": 2,
+            "margin": 0.0,
+            "patience": 0,
+        }
+    )
     weak = study.ask()
     weak.report(0.55, 1)
     weak.report(0.5, 2)

@@ -91,8 +91,11 @@ def test_a_short_name_and_its_dotted_path_are_one_parameter_named_as_studies_alw
         ("model.dropuot", "(did you mean 'model.dropout'?)"),
         ("dropout", "(did you mean 'model.dropout'?)"),
         ("training.lr_scheduler", "(did you mean 'training.lr_schedule'?)"),
-        ("data.train_file", "not searchable: a file path: the same for every trial; "
-                            "searchable in data: data.max_length"),
+        (
+            "data.train_file",
+            "not searchable: a file path: the same for every trial; "
+            "searchable in data: data.max_length",
+        ),
         ("data.max_lenght", "(did you mean 'data.max_length'?)"),
         ("storage", "not searchable: study settings say how the search runs"),
         ("study.n_trials", "not searchable: study settings"),
@@ -101,7 +104,7 @@ def test_a_short_name_and_its_dotted_path_are_one_parameter_named_as_studies_alw
         ("model.tokenizer", "each model.name_or_path choice loads its own tokenizer"),
         ("training", "a section, not a field"),
     ],
-)  # fmt: skip
+)
 def test_a_path_that_cannot_be_searched_is_one_line_naming_the_nearest_real_one(
     tmp_path: Path, easy_data: tuple[Path, Path], key: str, expected: str
 ) -> None:
@@ -113,31 +116,62 @@ def test_a_path_that_cannot_be_searched_is_one_line_naming_the_nearest_real_one(
 @pytest.mark.parametrize(
     ("space", "expected"),
     [
-        ({"warmup_ratio": {**WARMUP, "when": {"lr_schedule": "linear"}}},
-         "search_space.warmup_ratio.when.lr_schedule: lr_schedule is not searched"),
-        ({"lr_schedule": SCHEDULE, "warmup_ratio": {**WARMUP, "when": {"lr_schedule": "cosin"}}},
-         "got 'cosin'; lr_schedule never takes it: must be one of the choices"),
-        ({"warmup_ratio": {**WARMUP, "when": {"warmup_ratio": 0.1}}},
-         "a parameter cannot depend on itself"),
-        ({"lr_schedule": {**SCHEDULE, "when": {"weight_decay": 0.1}},
-          "weight_decay": {"type": "categorical", "choices": [0.0, 0.1],
-                           "when": {"lr_schedule": "cosine"}}},
-         "the conditions form a cycle (lr_schedule -> weight_decay -> lr_schedule)"),
-        ({"warmup_ratio": {**WARMUP, "when": {"model.dropuot": 0.1}}},
-         "search_space.warmup_ratio.when.model.dropuot: unknown parameter (did you mean"),
+        (
+            {"warmup_ratio": {**WARMUP, "when": {"lr_schedule": "linear"}}},
+            "search_space.warmup_ratio.when.lr_schedule: lr_schedule is not searched",
+        ),
+        (
+            {"lr_schedule": SCHEDULE, "warmup_ratio": {**WARMUP, "when": {"lr_schedule": "cosin"}}},
+            "got 'cosin'; lr_schedule never takes it: must be one of the choices",
+        ),
+        (
+            {"warmup_ratio": {**WARMUP, "when": {"warmup_ratio": 0.1}}},
+            "a parameter cannot depend on itself",
+        ),
+        (
+            {
+                "lr_schedule": {**SCHEDULE, "when": {"weight_decay": 0.1}},
+                "weight_decay": {
+                    "type": "categorical",
+                    "choices": [0.0, 0.1],
+                    "when": {"lr_schedule": "cosine"},
+                },
+            },
+            "the conditions form a cycle (lr_schedule -> weight_decay -> lr_schedule)",
+        ),
+        (
+            {"warmup_ratio": {**WARMUP, "when": {"model.dropuot": 0.1}}},
+            "search_space.warmup_ratio.when.model.dropuot: unknown parameter (did you mean",
+        ),
         ({"warmup_ratio": {**WARMUP, "when": {}}}, "names no condition"),
-        ({"learning_rate": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True},
-          "warmup_ratio": {**WARMUP, "when": {"learning_rate": 0.001}}},
-         "search_space.warmup_ratio.when.learning_rate: got 0.001; learning_rate is a float "
-         "parameter, and a condition on its value never holds; name a categorical or int "
-         "parameter, or make learning_rate categorical"),
-        ({"warmup_ratio": {**WARMUP, "step": 0.1},
-          "weight_decay": {**WARMUP, "when": {"warmup_ratio": [0.1, 0.2]}}},
-         "warmup_ratio is a float parameter, and a condition on its value never holds"),
+        (
+            {
+                "learning_rate": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True},
+                "warmup_ratio": {**WARMUP, "when": {"learning_rate": 0.001}},
+            },
+            "search_space.warmup_ratio.when.learning_rate: got 0.001; learning_rate is a float "
+            "parameter, and a condition on its value never holds; name a categorical or int "
+            "parameter, or make learning_rate categorical",
+        ),
+        (
+            {
+                "warmup_ratio": {**WARMUP, "step": 0.1},
+                "weight_decay": {**WARMUP, "when": {"warmup_ratio": [0.1, 0.2]}},
+            },
+            "warmup_ratio is a float parameter, and a condition on its value never holds",
+        ),
     ],
-    ids=["not searched", "value never taken", "itself", "cycle", "typo", "empty", "float",
-         "float with a step"],
-)  # fmt: skip
+    ids=[
+        "not searched",
+        "value never taken",
+        "itself",
+        "cycle",
+        "typo",
+        "empty",
+        "float",
+        "float with a step",
+    ],
+)
 def test_a_bad_condition_is_one_line(
     tmp_path: Path, easy_data: tuple[Path, Path], space: dict[str, Any], expected: str
 ) -> None:
@@ -147,16 +181,21 @@ def test_a_bad_condition_is_one_line(
 def test_a_condition_on_an_int_parameter_holds_for_its_values(
     tmp_path: Path, easy_data: tuple[Path, Path]
 ) -> None:
-    space = {"training.epochs": {"type": "int", "low": 1, "high": 3},
-             "warmup_ratio": {**WARMUP, "when": {"training.epochs": [2, 3]}}}  # fmt: skip
+    space = {
+        "training.epochs": {"type": "int", "low": 1, "high": 3},
+        "warmup_ratio": {**WARMUP, "when": {"training.epochs": [2, 3]}},
+    }
     config = _config(tmp_path, easy_data, space)
     assert config.search_space["warmup_ratio"].when == {"epochs": [2, 3]}
 
 
 def test_the_grid_sampler_refuses_conditions(tmp_path: Path, easy_data: tuple[Path, Path]) -> None:
     step = {**WARMUP, "step": 0.1, "when": {"lr_schedule": "cosine"}}
-    space = {"learning_rate": {"type": "categorical", "choices": [1e-3]}, "lr_schedule": SCHEDULE,
-             "warmup_ratio": step}  # fmt: skip
+    space = {
+        "learning_rate": {"type": "categorical", "choices": [1e-3]},
+        "lr_schedule": SCHEDULE,
+        "warmup_ratio": step,
+    }
     grid = {"sampler": {"type": "grid"}, "n_trials": 2}
     assert "the grid sampler tries every combination" in _problem(
         tmp_path, easy_data, space, study=grid
@@ -205,13 +244,18 @@ def test_a_configuration_to_enqueue_gives_a_conditional_parameter_only_where_it_
     problems: list[str] = []
     given = {"training.lr_schedule": "cosine", "training.warmup_ratio": 0.1}
     assert check_params(space, given, "--params", problems) == {
-        "lr_schedule": "cosine", "warmup_ratio": 0.1}  # fmt: skip
+        "lr_schedule": "cosine",
+        "warmup_ratio": 0.1,
+    }
     assert check_params(space, {"lr_schedule": "linear"}, "--params", problems) == {
-        "lr_schedule": "linear"}  # fmt: skip
+        "lr_schedule": "linear"
+    }
     assert problems == []
     check_params(space, {"lr_schedule": "linear", "warmup_ratio": 0.1}, "--params", problems)
-    assert problems == ["--params.warmup_ratio: applies only when lr_schedule in ['cosine'] "
-                        "(its `when`); give those values too, or leave it out"]  # fmt: skip
+    assert problems == [
+        "--params.warmup_ratio: applies only when lr_schedule in ['cosine'] "
+        "(its `when`); give those values too, or leave it out"
+    ]
 
 
 def test_a_trials_parameters_set_the_fields_they_name(
@@ -228,8 +272,12 @@ def test_a_trials_parameters_set_the_fields_they_name(
     raw["search_space"], raw["model"] = space, {}  # the first choice is the config's own model
     config = parse_config(raw, base_dir=tmp_path)
     assert config.model.name_or_path == MINILM
-    params = {"model.name_or_path": "./models/small", "data.max_length": 16,
-              "gradient_checkpointing": True, "learning_rate": 0.003}  # fmt: skip
+    params = {
+        "model.name_or_path": "./models/small",
+        "data.max_length": 16,
+        "gradient_checkpointing": True,
+        "learning_rate": 0.003,
+    }
     job = job_for_trial(config, params)
     assert job.model.name_or_path == str(model)  # relative to the config file's folder
     assert (job.data.max_length, job.training.learning_rate) == (16, 0.003)
@@ -265,8 +313,14 @@ def test_each_schedule_has_its_curve_after_warmup() -> None:
         rates.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()
-    assert rates == pytest.approx([0.1, 0.1 * (1 + math.cos(math.pi / 4)) / 2, 0.05,
-                                   0.1 * (1 + math.cos(3 * math.pi / 4)) / 2])  # fmt: skip
+    assert rates == pytest.approx(
+        [
+            0.1,
+            0.1 * (1 + math.cos(math.pi / 4)) / 2,
+            0.05,
+            0.1 * (1 + math.cos(3 * math.pi / 4)) / 2,
+        ]
+    )
 
 
 def test_a_checkpoint_resumes_only_under_its_schedule_and_dropout(
@@ -297,8 +351,13 @@ def test_a_checkpoint_resumes_only_under_its_schedule_and_dropout(
 def test_model_dropout_is_set_on_the_dropout_settings_of_the_family(
     family: dict[str, Any], fields: list[str]
 ) -> None:
-    tiny = {"hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64,
-            "num_hidden_layers": 1, "vocab_size": 100}  # fmt: skip
+    tiny = {
+        "hidden_size": 32,
+        "num_attention_heads": 2,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "vocab_size": 100,
+    }
     if family["model_type"] == "gpt2":
         tiny = {"n_embd": 32, "n_head": 2, "n_layer": 1, "vocab_size": 100}
     if family["model_type"] == "distilbert":
@@ -332,10 +391,14 @@ def _model_choice_config(tmp_path: Path, data: tuple[Path, Path], second: str) -
     raw["search_space"] = {
         "model.name_or_path": {"type": "categorical", "choices": [MINILM, second]},
         "effective_batch_size": {"type": "categorical", "choices": [8]},
-        "model.dropout": {"type": "float", "low": 0.0, "high": 0.2,
-                          "when": {"model.name_or_path": second}},
+        "model.dropout": {
+            "type": "float",
+            "low": 0.0,
+            "high": 0.2,
+            "when": {"model.name_or_path": second},
+        },
         "training.lr_schedule": SCHEDULE,
-    }  # fmt: skip
+    }
     raw["data"]["max_length"] = 16
     return raw
 
@@ -352,8 +415,16 @@ def test_a_bad_choice_is_refused_before_anything_is_written(
         raw["search_space"]["data.train_file"] = {"type": "categorical", "choices": ["x.csv"]}
     config = write_config(tmp_path / "c.yaml", raw)
     database = tmp_path / "study.db"
-    result = run_hpo("run", "--study", "s", "--config", str(config), "--storage",
-                     f"sqlite:///{database}", cwd=tmp_path)  # fmt: skip
+    result = run_hpo(
+        "run",
+        "--study",
+        "s",
+        "--config",
+        str(config),
+        "--storage",
+        f"sqlite:///{database}",
+        cwd=tmp_path,
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if line.startswith("hpo: error")]
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
@@ -378,8 +449,10 @@ def test_a_study_chooses_between_two_models_with_a_parameter_of_one_of_them(
     )
     _tiny_bert_maker()(tmp_path / "tiny-bert", [row["text"] for row in easy_rows(48, 1)], 200)
     raw = _model_choice_config(tmp_path, data, "./tiny-bert")
-    enqueue = [{"model.name_or_path": MINILM},
-               {"model.name_or_path": "./tiny-bert", "model.dropout": 0.1}]  # fmt: skip
+    enqueue = [
+        {"model.name_or_path": MINILM},
+        {"model.name_or_path": "./tiny-bert", "model.dropout": 0.1},
+    ]
     raw["study"].update(
         {"n_trials": 3, "sampler": {"type": "random", "seed": 3}, "enqueue": enqueue}
     )
@@ -390,8 +463,9 @@ def test_a_study_chooses_between_two_models_with_a_parameter_of_one_of_them(
     # the config's ./tiny-bert is.
     monkeypatch.chdir(tmp_path)
     capsys.readouterr()
-    code = hpo_main(["run", "--study", "s", "--config", str(config), "--storage",
-                     f"sqlite:///{database}"])  # fmt: skip
+    code = hpo_main(
+        ["run", "--study", "s", "--config", str(config), "--storage", f"sqlite:///{database}"]
+    )
     stderr = capsys.readouterr().err
     assert code == 0, stderr[-3000:]
     assert "TPE" not in stderr  # random sampler: no word of TPE's group
@@ -406,8 +480,9 @@ def test_a_study_chooses_between_two_models_with_a_parameter_of_one_of_them(
     # Each tokenizer has its own token cache entries: two splits for each model.
     assert len(list((tmp_path / "cache" / "tokenized").iterdir())) == 4
     with sqlite3.connect(database) as db:
-        (record,) = db.execute("select value_json from study_user_attributes "
-                               "where key = 'search_space'").fetchone()  # fmt: skip
+        (record,) = db.execute(
+            "select value_json from study_user_attributes where key = 'search_space'"
+        ).fetchone()
     assert json.loads(record)["model.dropout"]["when"] == {"model.name_or_path": ["./tiny-bert"]}
 
 

@@ -80,12 +80,14 @@ def test_a_stopped_worker_hands_its_trial_back_and_the_next_worker_runs_it(
         return  # the next worker's part is the same whoever got the signal
     # The next worker is hpo's main in this process, its trials in itself: it is not the one
     # stopped, and a subprocess took seconds to start.
-    short = tiny_config(*easy_data, study={**study_settings, "trial_isolation": "none"},
-                        training={"max_steps": 2})  # fmt: skip
+    short = tiny_config(
+        *easy_data, study={**study_settings, "trial_isolation": "none"}, training={"max_steps": 2}
+    )
     monkeypatch.chdir(tmp_path)
     # Its config ends trials after 2 steps: another evaluation schedule, allowed deliberately.
-    _run_in_process(hpo_main, write_config(tmp_path / "short.yaml", short), url, capsys,
-                    "--allow-changed-setup")  # fmt: skip
+    _run_in_process(
+        hpo_main, write_config(tmp_path / "short.yaml", short), url, capsys, "--allow-changed-setup"
+    )
     states = [(t.number, t.state) for t in study.get_trials()]
     assert states == [(0, TrialState.FAIL), (1, TrialState.COMPLETE), (2, TrialState.COMPLETE)]
     assert study.get_trials()[1].user_attrs["retry_of"] == 0
@@ -202,10 +204,13 @@ def test_an_unwritable_checkpoint_folder_is_recorded_and_the_trial_completes(
     (tmp_path / "a-file").write_text("not a folder")
     raw = tiny_config(
         *easy_data,
-        study={"n_trials": 1, "checkpoint_dir": str(tmp_path / "a-file" / "ckpt"),
-               "trial_isolation": "none"},
+        study={
+            "n_trials": 1,
+            "checkpoint_dir": str(tmp_path / "a-file" / "ckpt"),
+            "trial_isolation": "none",
+        },
         training={"max_steps": 4, "evals_per_epoch": 4},
-    )  # fmt: skip
+    )
     url = f"sqlite:///{tmp_path / 'stop.db'}"
     monkeypatch.chdir(tmp_path)  # hpo's main in this process, the trial in itself
     _run_in_process(hpo_main, write_config(tmp_path / "c.yaml", raw), url, capsys)
@@ -235,9 +240,14 @@ def test_a_worker_killed_between_a_trials_end_and_its_record_leaves_it_resumable
 
     raw = tiny_config(
         *easy_data,
-        study={"n_trials": 1, "pruner": {"type": "none"}, "trial_isolation": "none",
-               "checkpoint_interval": 0, "checkpoint_dir": str(tmp_path / "hpo-checkpoints")},
-    )  # fmt: skip
+        study={
+            "n_trials": 1,
+            "pruner": {"type": "none"},
+            "trial_isolation": "none",
+            "checkpoint_interval": 0,
+            "checkpoint_dir": str(tmp_path / "hpo-checkpoints"),
+        },
+    )
     config = load_config(write_config(tmp_path / "c.yaml", raw))
     url = StorageURL(f"sqlite:///{tmp_path / 'k.db'}", "test")
     storage = open_storage(url, patience_s=30)

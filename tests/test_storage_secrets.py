@@ -24,8 +24,18 @@ MISTYPED_URLS = [
     f" postgresql+psycopg2:/user:{SECRET}@127.0.0.1/db",  # a space before it
     f"postgresql+psycopg2:/user:{SECRET}@127.0.0.1/db\n",  # a newline after it
 ]
-IDS = ["1 slash", "0 slashes", "no colon", "no scheme", "3 slashes", "4 slashes", "@ in password",
-       "no user", "space", "newline"]  # fmt: skip
+IDS = [
+    "1 slash",
+    "0 slashes",
+    "no colon",
+    "no scheme",
+    "3 slashes",
+    "4 slashes",
+    "@ in password",
+    "no user",
+    "space",
+    "newline",
+]
 
 
 @pytest.mark.parametrize("url", MISTYPED_URLS, ids=IDS)
@@ -176,8 +186,12 @@ SECRET_QUERIES = [
 def test_a_secret_query_value_is_masked_wherever_a_url_is_shown(url: str) -> None:
     from storage.artifacts import masked_artifact_url
 
-    for shown in (mask_url(url), mask_text(f"got {url!r} here"), mask_text(f"MLflow at {url}: 403"),
-                  masked_artifact_url(url)):  # fmt: skip
+    for shown in (
+        mask_url(url),
+        mask_text(f"got {url!r} here"),
+        mask_text(f"MLflow at {url}: 403"),
+        masked_artifact_url(url),
+    ):
         assert SECRET not in shown and "***" in shown, shown
 
 

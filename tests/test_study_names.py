@@ -31,9 +31,10 @@ def test_a_name_in_any_unicode_form_becomes_its_composed_form() -> None:
 
 
 @pytest.mark.parametrize(
-    "new", ["Café", "CAFÉ", DECOMPOSED, "ca\u200bfé", "café\u00ad"],
+    "new",
+    ["Café", "CAFÉ", DECOMPOSED, "ca\u200bfé", "café\u00ad"],
     ids=["capital", "upper case", "decomposed", "zero-width space", "soft hyphen"],
-)  # fmt: skip
+)
 def test_a_new_name_that_looks_like_a_stored_one_is_refused_naming_it(new: str) -> None:
     with pytest.raises(HPOError) as refused:
         check_no_lookalike(new, ["other", COMPOSED])
@@ -52,8 +53,16 @@ def test_names_that_do_not_show_what_they_are_print_escaped() -> None:
     assert shown_study_name(DECOMPOSED) == "'cafe\\u0301'"
     assert shown_study_name("a\u200bb") == "'a\\u200bb'"
     assert shown_study_name("tab\there") == "'tab\\there'"
-    rows = [{"name": name, "direction": "maximize", "directions": ["maximize"], "n_trials": 1,
-             "best_value": None} for name in (COMPOSED, DECOMPOSED)]  # fmt: skip
+    rows = [
+        {
+            "name": name,
+            "direction": "maximize",
+            "directions": ["maximize"],
+            "n_trials": 1,
+            "best_value": None,
+        }
+        for name in (COMPOSED, DECOMPOSED)
+    ]
     table = studies_table(rows).splitlines()  # `hpo studies`: the two rows read differently
     assert table[1].startswith("café ") and table[2].startswith("'cafe\\u0301' ")
 

@@ -111,8 +111,10 @@ def test_the_database_answers_as_the_public_api_does(storage: StudyStorage) -> N
     running = study.trials[11].datetime_start  # its time so far counts too
     assert fast["device_hours"] == round((95 + (NOW - running).total_seconds()) / 3600, 4)
     assert fast["lost_checkpoints"] == {
-        "trials": 2, "latest": 10, "reason": "no checkpoints for this trial: x"
-    }  # fmt: skip
+        "trials": 2,
+        "latest": 10,
+        "reason": "no checkpoints for this trial: x",
+    }
     assert best == report.best_trials(study)
     assert rows == report.studies(storage.rdb)
     assert counted_trials(study.get_trials(deepcopy=False)) == 10
@@ -156,8 +158,10 @@ def test_trials_read_in_bulk_are_optunas_trials(
     trial.report(float("nan"), 0)
     trial.report(float("inf"), 1)
     study_id = storage.get_study_id_from_name("q")
-    ids = [storage.get_trial_id_from_study_id_trial_number(study_id, t.number)
-           for t in study.get_trials()]  # fmt: skip
+    ids = [
+        storage.get_trial_id_from_study_id_trial_number(study_id, t.number)
+        for t in study.get_trials()
+    ]
     bulk = [_comparable(t) for t in study_queries.trials(storage.engine, ids)]
     assert bulk == [_comparable(storage.rdb.get_trial(i)) for i in ids]
     # A sample to draw a large study from: the best, the latest, and some of the rest.

@@ -47,12 +47,17 @@ def finished_study(url: str, name: str = "watched") -> optuna.Study:
     engine = sa.create_engine(url)
     with engine.begin() as conn:
         for i in range(10):
-            start, end = (f"2026-11-20 {9 + (6 * k) // 60:02d}:{(6 * k) % 60:02d}:00"
-                          for k in (i, i + 1))  # fmt: skip
-            conn.execute(sa.text(
-                "UPDATE trials SET datetime_start = :s, datetime_complete = :e WHERE number = :n "
-                "AND study_id = (SELECT study_id FROM studies WHERE study_name = :name)"
-            ), {"s": start, "e": end, "n": i, "name": name})  # fmt: skip
+            start, end = (
+                f"2026-11-20 {9 + (6 * k) // 60:02d}:{(6 * k) % 60:02d}:00" for k in (i, i + 1)
+            )
+            conn.execute(
+                sa.text(
+                    "UPDATE trials SET datetime_start = :s, datetime_complete = :e "
+                    "WHERE number = :n "
+                    "AND study_id = (SELECT study_id FROM studies WHERE study_name = :name)"
+                ),
+                {"s": start, "e": end, "n": i, "name": name},
+            )
     engine.dispose()
     return study
 
@@ -167,8 +172,12 @@ def test_hpo_report_through_the_cli(
         # What a user's Python shows (its default filters, every time): no plotting notes.
         warnings.resetwarnings()
         warnings.simplefilter("always")
-        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning,
-                         ResourceWarning):  # fmt: skip
+        for category in (
+            DeprecationWarning,
+            PendingDeprecationWarning,
+            ImportWarning,
+            ResourceWarning,
+        ):
             warnings.simplefilter("ignore", category)
         assert hpo_main(report) == 0
     done = capsys.readouterr()
@@ -236,20 +245,37 @@ def test_the_report_names_the_retrain_winner_and_a_retrain_study_points_back(
 ) -> None:
     url = f"sqlite:///{tmp_path / 'r.db'}"
     searched = finished_study(url, name="s")
-    searched.set_user_attr("retrain", {
-        "study": "s [retrain top 1 x 1 seeds, abc123]", "metric": "accuracy", "mean": 0.9,
-        "std": None, "seeds": 1, "params": {"learning_rate": 0.01}, "model": "/final",
-        "search_trial": 3, "full_data": False})  # fmt: skip
+    searched.set_user_attr(
+        "retrain",
+        {
+            "study": "s [retrain top 1 x 1 seeds, abc123]",
+            "metric": "accuracy",
+            "mean": 0.9,
+            "std": None,
+            "seeds": 1,
+            "params": {"learning_rate": 0.01},
+            "model": "/final",
+            "search_trial": 3,
+            "full_data": False,
+        },
+    )
     text = study_report.markdown(searched)
     assert "Retrain winner (s [retrain top 1 x 1 seeds, abc123]): accuracy 0.9000 (one run" in text
     assert "hpo retrain --study s" in text
-    runs = optuna.create_study(study_name="s [retrain top 1 x 1 seeds, abc123]", storage=url,
-                               direction="maximize")  # fmt: skip
+    runs = optuna.create_study(
+        study_name="s [retrain top 1 x 1 seeds, abc123]", storage=url, direction="maximize"
+    )
     runs.set_user_attr("retrain_of", "s")
-    runs.add_trial(optuna.create_trial(
-        value=0.9, params={"learning_rate": 0.01, "seed": 43},
-        distributions={"learning_rate": optuna.distributions.FloatDistribution(1e-5, 1e-1),
-                       "seed": optuna.distributions.CategoricalDistribution([43])}))  # fmt: skip
+    runs.add_trial(
+        optuna.create_trial(
+            value=0.9,
+            params={"learning_rate": 0.01, "seed": 43},
+            distributions={
+                "learning_rate": optuna.distributions.FloatDistribution(1e-5, 1e-1),
+                "seed": optuna.distributions.CategoricalDistribution([43]),
+            },
+        )
+    )
     text = study_report.markdown(runs)
     # The recipe to train it again is one hpo accepts: the seed as training.seed, not a param.
     assert 'enqueue: [{"learning_rate": 0.01}]\ntraining:\n  seed: 43' in text
@@ -280,10 +306,15 @@ def test_a_large_study_is_drawn_from_a_sample_read_from_the_database(
     url = f"sqlite:///{tmp_path / 'r.db'}"
     study = finished_study(url)
     for i in range(50):
-        study.add_trial(optuna.create_trial(
-            value=0.5 + i / 1000, params={"learning_rate": 1e-3, "effective_batch_size": 32},
-            distributions=study.trials[0].distributions, intermediate_values={0: 0.4},
-            user_attrs={"samples_per_s": 10.0, "physical_batch_size": 8}))  # fmt: skip
+        study.add_trial(
+            optuna.create_trial(
+                value=0.5 + i / 1000,
+                params={"learning_rate": 1e-3, "effective_batch_size": 32},
+                distributions=study.trials[0].distributions,
+                intermediate_values={0: 0.4},
+                user_attrs={"samples_per_s": 10.0, "physical_batch_size": 8},
+            )
+        )
     monkeypatch.setattr(study_report, "DRAW_LIMIT", 20)
     storage = open_storage(StorageURL(url, "test"))
     view = study_report._drawn(study, storage)
@@ -343,15 +374,20 @@ def test_the_report_replays_the_studys_curves_under_other_pruners() -> None:
     would have gone on, its later curve unknown."""
     from hpo.reports import pruning
 
-    study = _curves_study([[0.3, 0.5, 0.7], [0.3, 0.6, 0.8], [0.31, 0.6, 0.9], [0.1],
-                           [0.1, 0.2, 0.95]])  # fmt: skip
+    study = _curves_study(
+        [[0.3, 0.5, 0.7], [0.3, 0.6, 0.8], [0.31, 0.6, 0.9], [0.1], [0.1, 0.2, 0.95]]
+    )
     said = pruning.lines(study, study.get_trials())
-    assert said[0] == ("pruning: 1 of 5 trials pruned; the study ran 13 evaluations, 87% of the "
-                       "15 the same trials would run unpruned")  # fmt: skip
+    assert said[0] == (
+        "pruning: 1 of 5 trials pruned; the study ran 13 evaluations, 87% of the "
+        "15 the same trials would run unpruned"
+    )
     lines = {line.split(" would have")[0]: line for line in said[1:]}
     median = "the median rule without a margin"
-    assert lines[median] == (f"{median} would have used 85% of this study's evaluations: a "
-                             "different best: trial #2, 0.9000; 2 trials pruned")  # fmt: skip
+    assert lines[median] == (
+        f"{median} would have used 85% of this study's evaluations: a "
+        "different best: trial #2, 0.9000; 2 trials pruned"
+    )
     assert lines["no pruning"].startswith(
         "no pruning would have used 115% of this study's evaluations: the same best (trial #4, "
         "0.9500); 1 trial this study pruned would have gone on"

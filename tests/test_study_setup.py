@@ -65,11 +65,14 @@ def _changed(raw: dict[str, Any], section: str, key: str, value: Any) -> dict[st
         ("study", "timeout", 3600),
         ("training", "physical_batch_size", 2),
         ("training", "device", "auto"),
-        ("study", "pruner", {"type": "median", "n_warmup_steps": 1, "margin": 0.0,
-                             "reduction_factor": 4}),  # not a median pruner's setting
+        (
+            "study",
+            "pruner",
+            {"type": "median", "n_warmup_steps": 1, "margin": 0.0, "reduction_factor": 4},
+        ),  # not a median pruner's setting
     ],
     ids=["n_trials", "storage", "timeout", "physical batch", "device", "unused pruner setting"],
-)  # fmt: skip
+)
 def test_what_does_not_change_what_trials_compute_is_no_difference(
     tmp_path: Path, raw: dict[str, Any], section: str, key: str, value: Any
 ) -> None:
@@ -97,13 +100,25 @@ def test_the_same_data_at_another_path_is_no_difference(
         ("training", "max_steps", 5, "training.max_steps"),
         ("training", "epochs", 3, "training.epochs"),
         ("study", "pruner", {"type": "hyperband"}, "study.pruner.type"),
-        ("study", "pruner", {"type": "median", "n_warmup_steps": 2, "margin": 0.0},
-         "study.pruner.n_warmup_steps"),
+        (
+            "study",
+            "pruner",
+            {"type": "median", "n_warmup_steps": 2, "margin": 0.0},
+            "study.pruner.n_warmup_steps",
+        ),
         ("model", "tokenizer", "bert-base-uncased", "model.tokenizer"),
     ],
-    ids=["max_length", "column", "evals_per_epoch", "max_steps", "epochs", "pruner type",
-         "pruner warmup", "tokenizer"],
-)  # fmt: skip
+    ids=[
+        "max_length",
+        "column",
+        "evals_per_epoch",
+        "max_steps",
+        "epochs",
+        "pruner type",
+        "pruner warmup",
+        "tokenizer",
+    ],
+)
 def test_what_changes_the_trials_is_a_difference(
     tmp_path: Path, raw: dict[str, Any], section: str, key: str, value: Any, field: str
 ) -> None:
@@ -209,8 +224,10 @@ def test_a_study_of_an_older_hpo_gets_the_record_on_its_first_join(
     from sqlalchemy import text
 
     with storage.engine.begin() as connection:
-        connection.execute(text("delete from study_user_attributes where study_id = :id and "
-                                "key = :key"), {"id": study_id, "key": SETUP_ATTR})  # fmt: skip
+        connection.execute(
+            text("delete from study_user_attributes where study_id = :id and key = :key"),
+            {"id": study_id, "key": SETUP_ATTR},
+        )
     assert SETUP_ATTR not in storage.get_study_user_attrs(study_id)
     other = _changed(raw, "data", "train_file", _other_train_file(tmp_path))
     open_study(storage, "s", _config(tmp_path, other))  # not refused: nothing to compare with
@@ -237,8 +254,9 @@ def test_another_train_file_is_refused_by_hpo_run_unless_allowed(
     raw["training"].update(max_steps=2, evals_per_epoch=1)
     url = f"sqlite:///{tmp_path / 'cli.db'}"
     a = write_config(tmp_path / "a.yaml", raw)
-    b = write_config(tmp_path / "b.yaml", _changed(raw, "data", "train_file",
-                                                   _other_train_file(tmp_path)))  # fmt: skip
+    b = write_config(
+        tmp_path / "b.yaml", _changed(raw, "data", "train_file", _other_train_file(tmp_path))
+    )
     run = ("run", "--study", "S", "--storage", url, "--quiet")
     first = run_hpo(*run, "--config", str(a), cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -251,8 +269,9 @@ def test_another_train_file_is_refused_by_hpo_run_unless_allowed(
     assert "--study NEW_NAME" in errors[0] and "--allow-changed-setup" in errors[0]
     assert len(optuna.load_study(study_name="S", storage=url).trials) == 1
 
-    allowed = run_hpo(*run, "--config", str(b), "--n-trials", "2", "--allow-changed-setup",
-                      cwd=tmp_path)  # fmt: skip
+    allowed = run_hpo(
+        *run, "--config", str(b), "--n-trials", "2", "--allow-changed-setup", cwd=tmp_path
+    )
     assert allowed.returncode == 0, allowed.stderr[-3000:]
     study = optuna.load_study(study_name="S", storage=url)
     assert len(study.trials) == 2

@@ -74,8 +74,10 @@ def test_the_budget_counts_started_trials_and_a_retry_takes_its_failed_trials_pl
     trials.tell(second, TrialState.PRUNED)
     assert trials.next_trial() is None  # 2 counted: FAIL+retry, and the pruned one
     assert [t.state for t in study.get_trials()] == [
-        TrialState.FAIL, TrialState.COMPLETE, TrialState.PRUNED,
-    ]  # fmt: skip
+        TrialState.FAIL,
+        TrialState.COMPLETE,
+        TrialState.PRUNED,
+    ]
 
 
 def test_a_trial_whose_heartbeats_stopped_is_failed_with_its_reason_and_queued_again(
@@ -413,7 +415,7 @@ def test_every_way_a_worker_fails_its_trial_records_why(
         "hand_back": HandBack(
             "its trial process was stopped (SIGSTOP, a debugger) for 6 s, "
             "past study.grace_period; killed"
-        ),  # fmt: skip
+        ),
         "taken_over": TakenOver(),
         "interrupted": Interrupted("SIGTERM"),
     }.get(error, error)

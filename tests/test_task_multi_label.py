@@ -62,23 +62,36 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
 def _prepare(
     tmp_path: Path, tokenizer: Any, train: Path, evaluation: Path, separator: str = "|"
 ) -> PreparedData:
-    config = DataConfig(train_file=str(train), eval_file=str(evaluation), label_column="topics",
-                        label_separator=separator, max_length=32,
-                        cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    config = DataConfig(
+        train_file=str(train),
+        eval_file=str(evaluation),
+        label_column="topics",
+        label_separator=separator,
+        max_length=32,
+        cache_dir=str(tmp_path / "cache"),
+    )
     return prepare_data(config, tokenizer, TASK)
 
 
 def test_label_lists_and_separated_cells_become_multi_hot_rows(
     tmp_path: Path, tokenizer: Any
 ) -> None:
-    train = write_csv(tmp_path / "t.csv", [
-        {"text": "soup and tax", "topics": "food|money"}, {"text": "a goal", "topics": " sports "},
-        {"text": "a song", "topics": "music|music"},
-    ])  # fmt: skip
-    evaluation = write_jsonl(tmp_path / "e.jsonl", [
-        {"text": "bread", "topics": ["food"]}, {"text": "nothing", "topics": []},
-        {"text": "a bank match", "topics": "money|sports"},
-    ])  # fmt: skip
+    train = write_csv(
+        tmp_path / "t.csv",
+        [
+            {"text": "soup and tax", "topics": "food|money"},
+            {"text": "a goal", "topics": " sports "},
+            {"text": "a song", "topics": "music|music"},
+        ],
+    )
+    evaluation = write_jsonl(
+        tmp_path / "e.jsonl",
+        [
+            {"text": "bread", "topics": ["food"]},
+            {"text": "nothing", "topics": []},
+            {"text": "a bank match", "topics": "money|sports"},
+        ],
+    )
     data = _prepare(tmp_path, tokenizer, train, evaluation)
     assert data.label_names == ["food", "money", "music", "sports"]
     assert data.train.labels is not None and data.train.labels.dtype == np.float32
@@ -93,8 +106,9 @@ def test_label_lists_and_separated_cells_become_multi_hot_rows(
 def test_integer_labels_rank_as_numbers_and_the_separator_is_a_setting(
     tmp_path: Path, tokenizer: Any
 ) -> None:
-    train = write_csv(tmp_path / "t.csv", [{"text": "a", "topics": "10;2"},
-                                           {"text": "b", "topics": "9"}])  # fmt: skip
+    train = write_csv(
+        tmp_path / "t.csv", [{"text": "a", "topics": "10;2"}, {"text": "b", "topics": "9"}]
+    )
     evaluation = write_jsonl(tmp_path / "e.jsonl", [{"text": "c", "topics": [2, 10.0]}])
     data = _prepare(tmp_path, tokenizer, train, evaluation, separator=";")
     assert data.label_names == ["2", "9", "10"]
@@ -137,8 +151,9 @@ def test_a_bad_cell_in_jsonl_is_refused_by_row(
 def test_an_empty_csv_cell_is_refused_and_names_the_way_to_say_no_label(
     tmp_path: Path, tokenizer: Any
 ) -> None:
-    train = write_csv(tmp_path / "t.csv", [{"text": "soup", "topics": "food"},
-                                           {"text": "nothing", "topics": ""}])  # fmt: skip
+    train = write_csv(
+        tmp_path / "t.csv", [{"text": "soup", "topics": "food"}, {"text": "nothing", "topics": ""}]
+    )
     evaluation = write_jsonl(tmp_path / "e.jsonl", topic_rows(4, 1))
     with pytest.raises(DataError) as caught:
         _prepare(tmp_path, tokenizer, train, evaluation)
@@ -188,9 +203,13 @@ def test_the_fresh_head_answers_each_labels_share_of_the_training_rows() -> None
 
 @pytest.mark.parametrize(
     ("threshold", "expected"),
-    [(0.5, [False, True, True]), (0.3, [False, True, True]), (0.8, [False, False, True]),
-     (0.1, [True, True, True])],
-)  # fmt: skip
+    [
+        (0.5, [False, True, True]),
+        (0.3, [False, True, True]),
+        (0.8, [False, False, True]),
+        (0.1, [True, True, True]),
+    ],
+)
 def test_predictions_are_the_labels_at_or_above_the_threshold(
     threshold: float, expected: list[bool]
 ) -> None:
@@ -236,8 +255,10 @@ def test_the_chance_level_is_the_best_constant_label_set() -> None:
     chance = task.chance_levels(split, list("abcd"))
     # Every constant label set, tried: the chance level is the best of them, metric by metric,
     # so also no worse than predicting nothing or each label's majority.
-    constants = [np.broadcast_to(np.array(s, bool), truth.shape)
-                 for s in itertools.product([False, True], repeat=4)]  # fmt: skip
+    constants = [
+        np.broadcast_to(np.array(s, bool), truth.shape)
+        for s in itertools.product([False, True], repeat=4)
+    ]
     scores = [multi_label_metrics(c, truth) for c in constants]
     for name in ("micro_f1", "macro_f1", "subset_accuracy"):
         assert chance[name] == pytest.approx(max(s[name] for s in scores), abs=1e-12), name
@@ -272,8 +293,9 @@ def test_an_empty_csv_cell_through_the_cli_is_one_line_and_writes_nothing(
     rows = [{"text": "soup", "topics": "food"}, {"text": "x", "topics": ""}]
     train = write_csv(tmp_path / "t.csv", rows)
     evaluation = write_jsonl(tmp_path / "e.jsonl", topic_rows(4, 1))
-    raw = tiny_config(train, evaluation, study={"metric": "micro_f1"},
-                      data={"label_column": "topics"})  # fmt: skip
+    raw = tiny_config(
+        train, evaluation, study={"metric": "micro_f1"}, data={"label_column": "topics"}
+    )
     raw["task"] = TASK
     config = write_config(tmp_path / "c.yaml", raw)
     url = f"sqlite:///{tmp_path / 'hpo.db'}"
@@ -291,12 +313,15 @@ def test_a_multi_label_study_end_to_end(
 
     folder = tmp_path / "data"
     folder.mkdir()
-    data = (write_jsonl(folder / "train.jsonl", topic_rows(256, 1)),
-            write_jsonl(folder / "eval.jsonl", topic_rows(32, 2)))  # fmt: skip
+    data = (
+        write_jsonl(folder / "train.jsonl", topic_rows(256, 1)),
+        write_jsonl(folder / "eval.jsonl", topic_rows(32, 2)),
+    )
     # eval_loss: early F1 is 0 for any learning rate (the fresh head predicts no label), the
     # loss of a learning model falls from the first steps.
-    run = run_task_study(tmp_path, hpo_main, capsys, TASK, data, "eval_loss",
-                         data={"label_column": "topics"})  # fmt: skip
+    run = run_task_study(
+        tmp_path, hpo_main, capsys, TASK, data, "eval_loss", data={"label_column": "topics"}
+    )
 
     assert run.study.direction.name == "MINIMIZE"
     truth = np.array([[t in row["topics"] for t in CUES] for row in topic_rows(32, 2)])

@@ -149,21 +149,44 @@ def test_a_task_class_is_checked_before_any_trial(user_modules: Path) -> None:
     check_task(tmp_path, "tasks_mod:Focal")  # inherits sequence classification's catalog
     check_task(tmp_path, "tasks_mod:Kappa", metric="kappa", direction="maximize")
     for spec, study, said in [
-        ("tasks_mod:NotATask", {}, "task: tasks_mod:NotATask is the class NotATask; expected a "
-         "subclass of trainer.tasks.base.Task"),
-        ("tasks_mod:not_a_class", {}, "task: tasks_mod:not_a_class is function; expected a "
-         "subclass of trainer.tasks.base.Task"),
-        ("tasks_mod:Unfinished", {}, "task: tasks_mod:Unfinished leaves abstract methods of Task "
-         "unwritten: chance_levels, encode, eval_outputs, label_names, loss_sum, metrics, "
-         "worst_case_labels"),
-        ("tasks_mod:Silent", {}, "task: tasks_mod:Silent says nothing of its metrics: subclass "
-         "a built-in task, or set catalog = TaskInfo(...)"),
+        (
+            "tasks_mod:NotATask",
+            {},
+            "task: tasks_mod:NotATask is the class NotATask; expected a "
+            "subclass of trainer.tasks.base.Task",
+        ),
+        (
+            "tasks_mod:not_a_class",
+            {},
+            "task: tasks_mod:not_a_class is function; expected a "
+            "subclass of trainer.tasks.base.Task",
+        ),
+        (
+            "tasks_mod:Unfinished",
+            {},
+            "task: tasks_mod:Unfinished leaves abstract methods of Task "
+            "unwritten: chance_levels, encode, eval_outputs, label_names, loss_sum, metrics, "
+            "worst_case_labels",
+        ),
+        (
+            "tasks_mod:Silent",
+            {},
+            "task: tasks_mod:Silent says nothing of its metrics: subclass "
+            "a built-in task, or set catalog = TaskInfo(...)",
+        ),
         ("tasks_mod:Missing", {}, "task: tasks_mod:Missing: module tasks_mod ("),
-        ("tasks_mod:Kappa", {"metric": "accuracy"}, "study.metric: the task tasks_mod:Kappa has "
-         "no metric accuracy; its metrics: kappa, eval_loss"),
-        ("tasks_mod:Kappa", {"metric": "kappa", "direction": "minimize"}, "study.direction: "
-         "metric kappa of the task tasks_mod:Kappa must be maximized"),
-    ]:  # fmt: skip
+        (
+            "tasks_mod:Kappa",
+            {"metric": "accuracy"},
+            "study.metric: the task tasks_mod:Kappa has "
+            "no metric accuracy; its metrics: kappa, eval_loss",
+        ),
+        (
+            "tasks_mod:Kappa",
+            {"metric": "kappa", "direction": "minimize"},
+            "study.direction: metric kappa of the task tasks_mod:Kappa must be maximized",
+        ),
+    ]:
         with pytest.raises(ConfigError) as caught:
             check_task(tmp_path, spec, **study)
         assert said in str(caught.value), spec
@@ -177,8 +200,9 @@ def test_a_task_module_that_does_not_import_is_one_line_before_any_trial(
     raw = plugin_config(tmp_path, task="broken_task:Focal")
     write_config(tmp_path / "config.yaml", raw)
     url = f"sqlite:///{tmp_path / 's.db'}"
-    code = hpo_main(["run", "--config", str(tmp_path / "config.yaml"), "--study", "s",
-                     "--storage", url])  # fmt: skip
+    code = hpo_main(
+        ["run", "--config", str(tmp_path / "config.yaml"), "--study", "s", "--storage", url]
+    )
     err = capsys.readouterr().err
     assert code == 2, err
     assert (
@@ -202,12 +226,20 @@ def test_logits_of_each_form_a_forward_may_return() -> None:
     from trainer.model_factory import ModelOutputError, logits_of
 
     logits = torch.ones(2, 3)
-    for output in (logits, {"logits": logits, "loss": None}, (torch.tensor(0.5), logits),
-                   (logits,), SequenceClassifierOutput(logits=logits)):  # fmt: skip
+    for output in (
+        logits,
+        {"logits": logits, "loss": None},
+        (torch.tensor(0.5), logits),
+        (logits,),
+        SequenceClassifierOutput(logits=logits),
+    ):
         assert logits_of(output) is logits
     for output in ({"scores": logits}, (1, 2, 3), None, "logits"):
-        with pytest.raises(ModelOutputError, match="the model's forward returned .*; expected "
-                           "logits: a tensor, an object or dict with `logits`"):  # fmt: skip
+        with pytest.raises(
+            ModelOutputError,
+            match="the model's forward returned .*; expected "
+            "logits: a tensor, an object or dict with `logits`",
+        ):
             logits_of(output)
 
 
@@ -279,12 +311,16 @@ def test_the_factory_builds_the_model_from_what_hpo_hands_it(
     monkeypatch.setenv(BUDGET_ENV, str(64 * 2**20))
     search = find_physical_batch_size(job, ["neg", "pos"], torch.device("cpu"))
     assert search.chosen >= 1 and search.probes
-    with pytest.raises(ModelFactoryError, match=r"factory_mod:wrong returned list; expected a "
-                       r"torch.nn.Module \(a transformers model, or a module whose forward "
-                       "returns logits"):  # fmt: skip
+    with pytest.raises(
+        ModelFactoryError,
+        match=r"factory_mod:wrong returned list; expected a "
+        r"torch.nn.Module \(a transformers model, or a module whose forward "
+        "returns logits",
+    ):
         build_model(factory_job(user_modules, "factory_mod:wrong").model, ["a", "b"], seed=0)
-    with pytest.raises(ModelFactoryError, match="factory_mod:broken raised RuntimeError: factory "
-                       "broke") as caught:  # fmt: skip
+    with pytest.raises(
+        ModelFactoryError, match="factory_mod:broken raised RuntimeError: factory broke"
+    ) as caught:
         build_model(factory_job(user_modules, "factory_mod:broken").model, ["a", "b"], seed=0)
     assert isinstance(caught.value.__cause__, RuntimeError)  # the user's traceback goes with it
 
@@ -320,8 +356,9 @@ def test_a_factory_model_stopped_mid_run_resumes_to_the_same_weights(user_module
     evaluation = write_csv(user_modules / "eval.csv", easy_rows(16, 2))
     job.data = DataConfig(train_file=str(train), eval_file=str(evaluation), max_length=16)
     # 32 examples / 8 = 4 steps, evaluations at steps 2 and 4; stopped after the first
-    job.training = TrainingConfig(physical_batch_size=4, effective_batch_size=8, epochs=1,
-                                  evals_per_epoch=2, device="cpu")  # fmt: skip
+    job.training = TrainingConfig(
+        physical_batch_size=4, effective_batch_size=8, epochs=1, evals_per_epoch=2, device="cpu"
+    )
     data = prepare_data(job.data, load_tokenizer(job.model), job.task, job.training)
     reference = Trainer(job, data)
     reference.fit()
@@ -383,17 +420,23 @@ def test_user_code_that_fails_ends_its_trial_and_the_worker_goes_on(
     raw = plugin_config(
         tmp_path,
         task="fragile:Fragile",
-        study={"n_trials": 4, "trial_isolation": "none",
-               "enqueue": [{"learning_rate": r} for r in rates]},
-        search_space={"learning_rate": {"type": "categorical", "choices": rates},
-                      "effective_batch_size": {"type": "categorical", "choices": [8]}},
+        study={
+            "n_trials": 4,
+            "trial_isolation": "none",
+            "enqueue": [{"learning_rate": r} for r in rates],
+        },
+        search_space={
+            "learning_rate": {"type": "categorical", "choices": rates},
+            "effective_batch_size": {"type": "categorical", "choices": [8]},
+        },
         training={"epochs": 1, "evals_per_epoch": 1},
-    )  # fmt: skip
+    )
     raw["model"] = {"factory": "fragile:build", "tokenizer": raw["model"]["tokenizer"]}
     write_config(tmp_path / "config.yaml", raw)
     url = f"sqlite:///{tmp_path / 's.db'}"
-    code = hpo_main(["run", "--config", str(tmp_path / "config.yaml"), "--study", "s",
-                     "--storage", url])  # fmt: skip
+    code = hpo_main(
+        ["run", "--config", str(tmp_path / "config.yaml"), "--study", "s", "--storage", url]
+    )
     err = capsys.readouterr().err
     assert code == 0, err[-3000:]
     study = optuna.load_study(study_name="s", storage=url)
@@ -411,8 +454,9 @@ def test_user_code_that_fails_ends_its_trial_and_the_worker_goes_on(
     assert 'fragile.py", line 19, in build' in raised.user_attrs["traceback"]
     wrong = trials[0.005]
     assert wrong.state == fail
-    assert wrong.user_attrs["fail_reason"].startswith("fragile:build returned str; expected a "
-                                                      "torch.nn.Module")  # fmt: skip
+    assert wrong.user_attrs["fail_reason"].startswith(
+        "fragile:build returned str; expected a torch.nn.Module"
+    )
     good = trials[0.002]
     assert good.state == optuna.trial.TrialState.COMPLETE, good.user_attrs
     assert (Path(good.user_attrs["best_model"]) / "config.json").is_file()  # save_pretrained
@@ -472,8 +516,24 @@ def test_example_custom_task_runs_and_retrains(
         assert hpo_main(["best", "--study", "ct", "--storage", url]) == 0
         assert "encoder:build(request), then model.load_state_dict(" in capsys.readouterr().out
         out = tmp_path / "final"
-        assert hpo_main(["retrain", "--config", config, "--study", "ct", "--top", "1",
-                         "--seeds", "1", "--out", str(out)]) == 0  # fmt: skip
+        assert (
+            hpo_main(
+                [
+                    "retrain",
+                    "--config",
+                    config,
+                    "--study",
+                    "ct",
+                    "--top",
+                    "1",
+                    "--seeds",
+                    "1",
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         assert (out / "model_state_dict.pt").is_file() and (out / "HPO_MODEL.md").is_file()
         assert "encoder:build(request)" in (out / "README.md").read_text()
     finally:

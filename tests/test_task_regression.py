@@ -45,8 +45,13 @@ def scored_rows(n: int, seed: int) -> list[dict[str, str]]:
 
 
 def _prepare(tmp_path: Path, tokenizer: Any, train: Path, evaluation: Path) -> PreparedData:
-    config = DataConfig(train_file=str(train), eval_file=str(evaluation), label_column="score",
-                        max_length=32, cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    config = DataConfig(
+        train_file=str(train),
+        eval_file=str(evaluation),
+        label_column="score",
+        max_length=32,
+        cache_dir=str(tmp_path / "cache"),
+    )
     return prepare_data(config, tokenizer, TASK)
 
 
@@ -58,13 +63,22 @@ def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
 def test_targets_from_csv_text_and_json_numbers_are_float32_per_example(
     tmp_path: Path, tokenizer: Any
 ) -> None:
-    train = write_csv(tmp_path / "t.csv", [
-        {"text": "good", "score": "4"}, {"text": "meh", "score": " 2.5 "},
-        {"text": "bad", "score": "1e0"}, {"text": "top", "score": "-0.25"},
-    ])  # fmt: skip
-    evaluation = _write_jsonl(tmp_path / "e.jsonl", [
-        {"text": "fine", "score": 3}, {"text": "great", "score": 4.75},
-    ])  # fmt: skip
+    train = write_csv(
+        tmp_path / "t.csv",
+        [
+            {"text": "good", "score": "4"},
+            {"text": "meh", "score": " 2.5 "},
+            {"text": "bad", "score": "1e0"},
+            {"text": "top", "score": "-0.25"},
+        ],
+    )
+    evaluation = _write_jsonl(
+        tmp_path / "e.jsonl",
+        [
+            {"text": "fine", "score": 3},
+            {"text": "great", "score": 4.75},
+        ],
+    )
     data = _prepare(tmp_path, tokenizer, train, evaluation)
     assert data.label_names == [] and data.task == TASK
     assert data.train.labels is not None and data.train.labels.dtype == np.float32
@@ -88,8 +102,9 @@ def test_targets_from_csv_text_and_json_numbers_are_float32_per_example(
 def test_a_csv_cell_that_is_no_finite_number_is_refused_by_row(
     tmp_path: Path, tokenizer: Any, cell: str, row: int, expected: str
 ) -> None:
-    train = write_csv(tmp_path / "t.csv", [{"text": "good", "score": "4"},
-                                           {"text": "bad", "score": cell}])  # fmt: skip
+    train = write_csv(
+        tmp_path / "t.csv", [{"text": "good", "score": "4"}, {"text": "bad", "score": cell}]
+    )
     evaluation = write_csv(tmp_path / "e.csv", scored_rows(4, 1))
     with pytest.raises(DataError, match="^" + re.escape(f"{train}: {expected}")):
         _prepare(tmp_path, tokenizer, train, evaluation)
@@ -110,8 +125,9 @@ def test_a_json_value_that_is_no_number_is_refused_by_row(
     tmp_path: Path, tokenizer: Any, value: Any, expected: str
 ) -> None:
     train = write_csv(tmp_path / "t.csv", scored_rows(4, 0))
-    evaluation = _write_jsonl(tmp_path / "e.jsonl", [{"text": "x", "score": 3},
-                                                     {"text": "y", "score": value}])  # fmt: skip
+    evaluation = _write_jsonl(
+        tmp_path / "e.jsonl", [{"text": "x", "score": 3}, {"text": "y", "score": value}]
+    )
     with pytest.raises(DataError, match="^" + re.escape(f"{evaluation}: {expected}")):
         _prepare(tmp_path, tokenizer, train, evaluation)
 
@@ -121,8 +137,10 @@ def test_targets_that_never_vary_are_refused(tmp_path: Path, tokenizer: Any) -> 
     same = write_csv(tmp_path / "same.csv", rows)
     varied = write_csv(tmp_path / "varied.csv", scored_rows(8, 1))
     for train, evaluation in ((same, varied), (varied, same)):
-        with pytest.raises(DataError, match=f"^{same}: every row of column 'score' has the "
-                           "target 3; a regression learns"):  # fmt: skip
+        with pytest.raises(
+            DataError,
+            match=f"^{same}: every row of column 'score' has the target 3; a regression learns",
+        ):
             _prepare(tmp_path, tokenizer, train, evaluation)
 
 
@@ -205,8 +223,12 @@ def test_bad_targets_through_the_cli_are_one_line_and_write_nothing(
     from tests.conftest import tiny_config
 
     train = write_csv(tmp_path / "t.csv", [*scored_rows(6, 0), {"text": "x", "score": "NaN"}])
-    raw = tiny_config(train, write_csv(tmp_path / "e.csv", scored_rows(4, 1)),
-                      study={"metric": "rmse"}, data={"label_column": "score"})  # fmt: skip
+    raw = tiny_config(
+        train,
+        write_csv(tmp_path / "e.csv", scored_rows(4, 1)),
+        study={"metric": "rmse"},
+        data={"label_column": "score"},
+    )
     raw["task"] = TASK
     config = write_config(tmp_path / "c.yaml", raw)
     url = f"sqlite:///{tmp_path / 'hpo.db'}"
@@ -224,10 +246,13 @@ def test_a_regression_study_end_to_end(
 
     folder = tmp_path / "data"
     folder.mkdir()
-    data = (write_csv(folder / "train.csv", scored_rows(256, 1)),
-            write_csv(folder / "eval.csv", scored_rows(32, 2)))  # fmt: skip
-    run = run_task_study(tmp_path, hpo_main, capsys, TASK, data, "rmse",
-                         data={"label_column": "score"})  # fmt: skip
+    data = (
+        write_csv(folder / "train.csv", scored_rows(256, 1)),
+        write_csv(folder / "eval.csv", scored_rows(32, 2)),
+    )
+    run = run_task_study(
+        tmp_path, hpo_main, capsys, TASK, data, "rmse", data={"label_column": "score"}
+    )
 
     assert run.study.direction.name == "MINIMIZE"
     scores = np.array([float(row["score"]) for row in read_csv(data[1])])

@@ -115,8 +115,11 @@ def test_every_worker_of_a_study_trains_the_same_task(easy_data: tuple[Path, Pat
     other = parse_config(
         _raw(easy_data, task="causal_lm", study={"metric": "eval_loss"}), base_dir=Path(".")
     )
-    with pytest.raises(ConfigError, match="study 's' trains regression, but this config says "
-                       "causal_lm; use the study's task or another --study name"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match="study 's' trains regression, but this config says "
+        "causal_lm; use the study's task or another --study name",
+    ):
         _check_study_settings(storage, study_id, "s", other)  # type: ignore[arg-type]
 
 

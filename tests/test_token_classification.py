@@ -105,8 +105,12 @@ def task_for(config: DataConfig, training: TrainingConfig | None = None) -> Task
 def test_each_words_first_sub_token_carries_its_tag_and_cut_words_count_for_nothing(
     tmp_path: Path, tokenizer: Any
 ) -> None:
-    rows = [{"tokens": ["Angela", "Merkel", "visited", "Berlinerstrasse", "today"],
-             "tags": ["B-PER", "I-PER", "O", "B-LOC", "O"]}]  # fmt: skip
+    rows = [
+        {
+            "tokens": ["Angela", "Merkel", "visited", "Berlinerstrasse", "today"],
+            "tags": ["B-PER", "I-PER", "O", "B-LOC", "O"],
+        }
+    ]
     files = write_jsonl(tmp_path / "t.jsonl", rows), write_jsonl(tmp_path / "e.jsonl", rows)
     data = prepare_data(data_config(*files, max_length=7), tokenizer, TASK)
     assert data.label_names == ["B-LOC", "B-PER", "I-PER", "O"]  # sorted, "O" among them
@@ -129,9 +133,13 @@ def byte_level_bpe_tokenizer(folder: Path) -> Path:
     specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
     bpe.train_from_iterator(texts, vocab_size=400, min_frequency=1, special_tokens=specials)
     RobertaTokenizerFast(
-        tokenizer_object=bpe._tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-        unk_token="<unk>", mask_token="<mask>",
-    ).save_pretrained(folder)  # fmt: skip
+        tokenizer_object=bpe._tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        mask_token="<mask>",
+    ).save_pretrained(folder)
     return folder
 
 
@@ -146,8 +154,10 @@ def test_a_byte_level_bpe_tokenizer_reads_each_word_as_in_running_text(tmp_path:
     assert as_is.add_prefix_space is False
     words_tokenizer = load_tokenizer(model, TASK)
     assert words_tokenizer.add_prefix_space is True
-    row = {"tokens": ["Angela", "Merkel", "visited", "Berlin", "today"],
-           "tags": ["B-PER", "I-PER", "O", "B-LOC", "O"]}  # fmt: skip
+    row = {
+        "tokens": ["Angela", "Merkel", "visited", "Berlin", "today"],
+        "tags": ["B-PER", "I-PER", "O", "B-LOC", "O"],
+    }
     files = write_jsonl(tmp_path / "t.jsonl", [row]), write_jsonl(tmp_path / "e.jsonl", [row])
     data = prepare_data(data_config(*files), words_tokenizer, TASK)
     tokens = words_tokenizer.convert_ids_to_tokens(data.train.ids.tolist())
@@ -341,34 +351,67 @@ def test_the_chance_level_tags_every_word_with_the_most_common_tag(
 
 GOOD = {"tokens": ["Maria", "flew", "to", "Oslo"], "tags": ["B-PER", "O", "O", "B-LOC"]}
 BAD_CASES = [
-    ("train", {"tokens": ["Maria", "flew"], "tags": ["B-PER"]},
-     "train.jsonl: row 2 has 2 words but 1 tags; give every word exactly one tag"),
-    ("train", {"tokens": ["Maria", "flew"], "tags": ["PER", "O"]},
-     "train.jsonl: row 2, tag 1 of column 'tags' is 'PER', not a BIO tag; use 'O' or B-/I-"),
-    ("eval", {"tokens": ["Acme", "won"], "tags": ["B-ORG", "O"]},
-     "eval.jsonl: row 2, tag 1 of column 'tags' is 'B-ORG', which the training data never has"),
-    ("train", {"tokens": [], "tags": []},
-     "train.jsonl: row 2 has no words in column 'tokens'; fill it in or drop the row"),
-    ("eval", {"tokens": "Maria flew", "tags": None},
-     "eval.jsonl: row 2 has no tags in column 'tags'; fill it in or drop the row"),
-    ("train", {"tokens": ["Maria", ""], "tags": ["B-PER", "O"]},
-     "train.jsonl: row 2, item 2 of column 'tokens' is empty"),
-    ("train", {"tokens": ["Maria", "flew"], "tags": [3, 0]},
-     "train.jsonl: row 2, item 1 of column 'tags' is 3, not text; each of the tags must be a "
-     "non-empty string (tags by name: 'B-PER', not ids)"),
-]  # fmt: skip
+    (
+        "train",
+        {"tokens": ["Maria", "flew"], "tags": ["B-PER"]},
+        "train.jsonl: row 2 has 2 words but 1 tags; give every word exactly one tag",
+    ),
+    (
+        "train",
+        {"tokens": ["Maria", "flew"], "tags": ["PER", "O"]},
+        "train.jsonl: row 2, tag 1 of column 'tags' is 'PER', not a BIO tag; use 'O' or B-/I-",
+    ),
+    (
+        "eval",
+        {"tokens": ["Acme", "won"], "tags": ["B-ORG", "O"]},
+        "eval.jsonl: row 2, tag 1 of column 'tags' is 'B-ORG', which the training data never has",
+    ),
+    (
+        "train",
+        {"tokens": [], "tags": []},
+        "train.jsonl: row 2 has no words in column 'tokens'; fill it in or drop the row",
+    ),
+    (
+        "eval",
+        {"tokens": "Maria flew", "tags": None},
+        "eval.jsonl: row 2 has no tags in column 'tags'; fill it in or drop the row",
+    ),
+    (
+        "train",
+        {"tokens": ["Maria", ""], "tags": ["B-PER", "O"]},
+        "train.jsonl: row 2, item 2 of column 'tokens' is empty",
+    ),
+    (
+        "train",
+        {"tokens": ["Maria", "flew"], "tags": [3, 0]},
+        "train.jsonl: row 2, item 1 of column 'tags' is 3, not text; each of the tags must be a "
+        "non-empty string (tags by name: 'B-PER', not ids)",
+    ),
+]
 
 
-@pytest.mark.parametrize(("split", "row", "message"), BAD_CASES,
-                         ids=["unequal lengths", "not BIO", "tag only in eval", "no words",
-                              "no tags", "empty word", "tag ids"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("split", "row", "message"),
+    BAD_CASES,
+    ids=[
+        "unequal lengths",
+        "not BIO",
+        "tag only in eval",
+        "no words",
+        "no tags",
+        "empty word",
+        "tag ids",
+    ],
+)
 def test_bad_rows_are_one_line_naming_the_file_row_and_fix(
     tmp_path: Path, tokenizer: Any, split: str, row: dict[str, Any], message: str
 ) -> None:
     rows = {"train": [GOOD], "eval": [GOOD]}
     rows[split] = [GOOD, row]
-    files = (write_jsonl(tmp_path / "train.jsonl", rows["train"]),
-             write_jsonl(tmp_path / "eval.jsonl", rows["eval"]))  # fmt: skip
+    files = (
+        write_jsonl(tmp_path / "train.jsonl", rows["train"]),
+        write_jsonl(tmp_path / "eval.jsonl", rows["eval"]),
+    )
     with pytest.raises(DataError) as caught:
         prepare_data(data_config(*files), tokenizer, TASK)
     assert message in str(caught.value) and "\n" not in str(caught.value)
@@ -396,19 +439,22 @@ def test_bad_ner_input_through_hpo_run_exits_2_and_writes_nothing(
 ) -> None:
     bad_eval = write_jsonl(tmp_path / "bad-eval.jsonl", [GOOD, {"tokens": ["a"], "tags": ["X"]}])
     for change, message in (
-        ({"data": {"eval_file": str(bad_eval)}},
-         "bad-eval.jsonl: row 2, tag 1 of column 'tags' is 'X', not a BIO tag"),
+        (
+            {"data": {"eval_file": str(bad_eval)}},
+            "bad-eval.jsonl: row 2, tag 1 of column 'tags' is 'X', not a BIO tag",
+        ),
         ({"training": {"class_weights": "balanced"}}, "training.class_weights"),
         ({"study": {"metric": "accuracy"}}, "f1, precision, recall, token_accuracy, eval_loss"),
-    ):  # fmt: skip
+    ):
         raw = ner_config(*ner_files)
         for section, values in change.items():
             raw[section].update(values)
         config = write_config(tmp_path / "bad.yaml", raw)
         database = tmp_path / "must-not-exist.db"
         capsys.readouterr()
-        code = hpo_main(["run", "--study", "s", "--config", str(config),
-                         "--storage", f"sqlite:///{database}"])  # fmt: skip
+        code = hpo_main(
+            ["run", "--study", "s", "--config", str(config), "--storage", f"sqlite:///{database}"]
+        )
         err = capsys.readouterr().err
         assert code == 2 and message in err, err
         assert "Traceback" not in err and not database.exists()
@@ -436,16 +482,30 @@ def test_a_ner_study_prunes_resumes_and_downloads_a_token_classifier(
     as its labels, and tags a new sentence."""
     from transformers import AutoModelForTokenClassification, AutoTokenizer
 
-    run = run_task_study(tmp_path, hpo_main, capsys, TASK, ner_files, "f1", data=NER_COLUMNS,
-                         training={"epochs": 6, "evals_per_epoch": 1})  # fmt: skip
+    run = run_task_study(
+        tmp_path,
+        hpo_main,
+        capsys,
+        TASK,
+        ner_files,
+        "f1",
+        data=NER_COLUMNS,
+        training={"epochs": 6, "evals_per_epoch": 1},
+    )
 
     assert run.resumed.value is not None and run.resumed.value > 0.5  # chance: 0
     assert "best trial #1" in run.finished and "f1=" in run.finished, run.finished
 
     model = AutoModelForTokenClassification.from_pretrained(run.model_dir).eval()
     assert list(model.config.id2label.values()) == [
-        "B-LOC", "B-ORG", "B-PER", "I-LOC", "I-ORG", "I-PER", "O"
-    ]  # fmt: skip
+        "B-LOC",
+        "B-ORG",
+        "B-PER",
+        "I-LOC",
+        "I-ORG",
+        "I-PER",
+        "O",
+    ]
     # It tags: each word's first sub-token, read back through the model's own tokenizer.
     words = ["Kenji", "Tanaka", "flew", "to", "Cape", "Town", "today", "."]
     encoded = AutoTokenizer.from_pretrained(run.model_dir)(

@@ -51,8 +51,10 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             pass  # a line per request would bury the test's own output
 
     folder = tmp_path_factory.mktemp("mlflow")
-    settings = {BACKEND_STORE_URI_ENV_VAR: f"sqlite:///{folder / 'mlflow.db'}",
-                ARTIFACT_ROOT_ENV_VAR: str(folder / "artifacts")}  # fmt: skip
+    settings = {
+        BACKEND_STORE_URI_ENV_VAR: f"sqlite:///{folder / 'mlflow.db'}",
+        ARTIFACT_ROOT_ENV_VAR: str(folder / "artifacts"),
+    }
     saved = {key: os.environ.get(key) for key in settings}
     os.environ.update(settings)  # what the app reads, as `mlflow server` hands them to it
     from mlflow.server import app
@@ -88,9 +90,13 @@ def _mlflow_http_settings() -> Iterator[None]:
 
 
 def _study_args(
-    tmp_path: Path, data: tuple[Path, Path], tracking: dict, name: str,
-    metrics: str | None = None, **sections: dict,
-) -> list[str]:  # fmt: skip
+    tmp_path: Path,
+    data: tuple[Path, Path],
+    tracking: dict,
+    name: str,
+    metrics: str | None = None,
+    **sections: dict,
+) -> list[str]:
     raw = tiny_config(*data, **{"training": {"epochs": 1, "evals_per_epoch": 2}, **sections})
     raw["tracking"] = tracking
     if metrics is not None:
@@ -100,8 +106,13 @@ def _study_args(
     return ["run", "--study", name, "--config", str(config), "--storage", storage]
 
 
-def _wait_for_runs(client: Any, experiment: str, filter_string: str, what: str,
-                   alive: Callable[[], bool] = lambda: True) -> None:  # fmt: skip
+def _wait_for_runs(
+    client: Any,
+    experiment: str,
+    filter_string: str,
+    what: str,
+    alive: Callable[[], bool] = lambda: True,
+) -> None:
     """Until a run of `experiment` matches `filter_string` (the server read directly; a failed
     answer is asked again)."""
     from mlflow.exceptions import MlflowException
@@ -146,8 +157,13 @@ def _kill_when_held(worker: Any, held: Path, client: Any, experiment: str) -> in
         if worker.poll() is not None or time.monotonic() > deadline:
             pytest.fail(f"the first worker was never held in its trial: {worker.poll()}")
         time.sleep(0.05)
-    _wait_for_runs(client, experiment, "tags.`hpo.first_attempt` = '0' and metrics.accuracy >= 0",
-                   "first evaluation of trial 0", alive=lambda: worker.poll() is None)  # fmt: skip
+    _wait_for_runs(
+        client,
+        experiment,
+        "tags.`hpo.first_attempt` = '0' and metrics.accuracy >= 0",
+        "first evaluation of trial 0",
+        alive=lambda: worker.poll() is None,
+    )
     worker.send_signal(signal.SIGKILL)
     return 0
 
@@ -164,13 +180,25 @@ def test_two_workers_log_one_study_a_lost_trial_goes_on_in_its_run_and_retrain_r
     under the same parent run. Then `hpo retrain --register` puts the winner in the registry.
     The trials run in their workers (trial_isolation: none): no fork server to start, twice."""
     mlflow = _mlflow()
-    study_section = {"n_trials": 2, "heartbeat_interval": 1, "grace_period": 3,
-                     "checkpoint_interval": 0, "trial_isolation": "none"}  # fmt: skip
+    study_section = {
+        "n_trials": 2,
+        "heartbeat_interval": 1,
+        "grace_period": 3,
+        "checkpoint_interval": 0,
+        "trial_isolation": "none",
+    }
     training = {"epochs": 2, "evals_per_epoch": 2}
     tracking = {"mlflow": {"uri": mlflow_server}}
     (tmp_path / "holding_metrics.py").write_text(HOLDING_METRICS, encoding="utf-8")
-    args = _study_args(tmp_path, easy_data, tracking, "shared", study=study_section,
-                       training=training, metrics="holding_metrics:metrics")  # fmt: skip
+    args = _study_args(
+        tmp_path,
+        easy_data,
+        tracking,
+        "shared",
+        study=study_section,
+        training=training,
+        metrics="holding_metrics:metrics",
+    )
     client = mlflow.MlflowClient(mlflow_server)
     held = tmp_path / "held"
     doomed = start_hpo(*args, "--quiet", cwd=tmp_path, env={"HPO_TEST_HELD_FILE": str(held)})
@@ -191,14 +219,17 @@ def test_two_workers_log_one_study_a_lost_trial_goes_on_in_its_run_and_retrain_r
     experiment = client.get_experiment_by_name("hpo-shared")
     runs = client.search_runs([experiment.experiment_id])
     parents = [r for r in runs if r.data.tags.get("hpo.kind") == "study"]
-    trials = {r.data.tags["hpo.first_attempt"]: r for r in runs
-              if r.data.tags.get("hpo.kind") == "trial"}  # fmt: skip
+    trials = {
+        r.data.tags["hpo.first_attempt"]: r for r in runs if r.data.tags.get("hpo.kind") == "trial"
+    }
     assert len(parents) == 1 and len(runs) == 3, [r.data.tags for r in runs]  # one per attempt 0
     parent = parents[0]
     assert parent.data.params["sampler"] == "tpe" and parent.data.params["pruner"] == "median"
     assert parent.data.params["objectives"] == "accuracy"
     assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {
-        "config.json", "search_space.json"}  # fmt: skip
+        "config.json",
+        "search_space.json",
+    }
     steps = [128 * k for k in range(1, 5)]  # 2 evaluations an epoch of 256 examples, 2 epochs
     for trial in done:
         run = trials[str(trial.user_attrs.get("first_attempt", trial.number))]
@@ -209,8 +240,9 @@ def test_two_workers_log_one_study_a_lost_trial_goes_on_in_its_run_and_retrain_r
         assert params["physical_batch_size"] == str(trial.user_attrs["physical_batch_size"])
         assert params["grad_accum_steps"] == str(trial.user_attrs["grad_accum_steps"])
         assert run.data.tags["hpo.worker"] == trial.user_attrs["worker"]
-        history = sorted(client.get_metric_history(run.info.run_id, "accuracy"),
-                         key=lambda m: m.step)  # fmt: skip
+        history = sorted(
+            client.get_metric_history(run.info.run_id, "accuracy"), key=lambda m: m.step
+        )
         ended = client.get_metric_history(run.info.run_id, "eval_loss")
         if trial is retry:  # the killed worker's evaluations, then this one's, in one run
             assert history[0].step == 128 and {m.step for m in history} == set(steps)
@@ -220,15 +252,28 @@ def test_two_workers_log_one_study_a_lost_trial_goes_on_in_its_run_and_retrain_r
         else:
             assert [m.step for m in history] == steps and len(ended) == len(steps)
             assert [round(m.value, 6) for m in history] == [
-                round(v, 6) for v in trial.intermediate_values.values()]  # fmt: skip
+                round(v, 6) for v in trial.intermediate_values.values()
+            ]
         assert history[-1].value == pytest.approx(trial.value)
         assert {"samples_per_s", "peak_mem_bytes", "train_loss"} <= set(run.data.metrics)
         assert run.data.tags["hpo.best_model"] == trial.user_attrs["best_model"]
 
     capsys.readouterr()
     final = tmp_path / "final"
-    retrain = ["retrain", "--study", "shared", *args[3:], "--top", "1", "--seeds", "1",
-               "--out", str(final), "--register", "tiny-classifier"]  # fmt: skip
+    retrain = [
+        "retrain",
+        "--study",
+        "shared",
+        *args[3:],
+        "--top",
+        "1",
+        "--seeds",
+        "1",
+        "--out",
+        str(final),
+        "--register",
+        "tiny-classifier",
+    ]
     assert hpo_main(retrain) == 0
     out = capsys.readouterr().out
     assert "registered in MLflow's model registry: tiny-classifier version 1" in out, out
@@ -249,8 +294,13 @@ def test_two_workers_log_one_study_a_lost_trial_goes_on_in_its_run_and_retrain_r
 def _card() -> dict[str, Any]:
     winner = {"mean": 0.9, "std": 0.01, "seeds": 2, "params": {"learning_rate": 0.01}}
     saved = {"trial": 1, "full_data": False}
-    return {"study": "s", "retrain_study": "s [retrain top 1 x 2 seeds, abc123]",
-            "metric": "accuracy", "winner": winner, "saved_run": saved}  # fmt: skip
+    return {
+        "study": "s",
+        "retrain_study": "s [retrain top 1 x 2 seeds, abc123]",
+        "metric": "accuracy",
+        "winner": winner,
+        "saved_run": saved,
+    }
 
 
 def test_a_winner_the_tracker_missed_gets_a_run_and_a_remote_store_copy_is_the_source(
@@ -268,8 +318,9 @@ def test_a_winner_the_tracker_missed_gets_a_run_and_a_remote_store_copy_is_the_s
     config.tracking.mlflow = MlflowTrackingConfig(uri=mlflow_server)
     stored = "s3://models/hpo/s/trial-1/best-model"
     trial = SimpleNamespace(number=1, user_attrs={"best_model_uri": stored})
-    said = registry.register_winner(config, "stored", "s [retrain]", trial, tmp_path, _card(),
-                                    "# the card")  # fmt: skip
+    said = registry.register_winner(
+        config, "stored", "s [retrain]", trial, tmp_path, _card(), "# the card"
+    )
     assert said == "stored version 1"
     client = mlflow.MlflowClient(mlflow_server)
     version = client.get_model_version("stored", "1")
@@ -296,8 +347,9 @@ def test_a_registry_out_of_reach_is_one_line_that_keeps_the_model(tmp_path: Path
         registry.register_winner(config, "m", "s", trial, tmp_path, _card(), "# card")
     said = str(raised.value)
     assert said.startswith("--register m: MLflow at http://hpo:***@127.0.0.1:"), said
-    assert said.endswith(f"the final model is saved in {tmp_path}: run the same hpo retrain "
-                         "again to register it")  # fmt: skip
+    assert said.endswith(
+        f"the final model is saved in {tmp_path}: run the same hpo retrain again to register it"
+    )
     assert "s3cret-token" not in said and "\n" not in said
 
 
@@ -309,13 +361,16 @@ def test_register_without_mlflow_tracking_is_one_line_before_any_training(
 ) -> None:
     args = _study_args(tmp_path, easy_data, {}, "searched")
     final = tmp_path / "final"
-    code = hpo_main(["retrain", "--study", "searched", *args[3:], "--out", str(final),
-                     "--register", "model"])  # fmt: skip
+    code = hpo_main(
+        ["retrain", "--study", "searched", *args[3:], "--out", str(final), "--register", "model"]
+    )
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["hpo: error: --register: the model registry is MLflow's and no MLflow "
-                   "tracking is configured; add tracking.mlflow to the config or pass "
-                   "--tracking URI"], err  # fmt: skip
+    assert err == [
+        "hpo: error: --register: the model registry is MLflow's and no MLflow "
+        "tracking is configured; add tracking.mlflow to the config or pass "
+        "--tracking URI"
+    ], err
     assert not final.exists() and not (tmp_path / "studies.db").exists()
 
 
@@ -343,8 +398,9 @@ def test_a_retry_continues_its_run_and_the_ends_are_tags(mlflow_server: str) -> 
     again.evaluation(3, 128, {"accuracy": 0.75})
     again.end_trial(TrialEnd(3, "pruned", "pruner: accuracy=0.75 at evaluation 2", 128))
     runs.start_trial(TrialStart(1, 1, {"learning_rate": 0.02}, "a:1", "a"))
-    runs.end_trial(TrialEnd(1, "failed", "RuntimeError: boom", 0,
-                            derived={"physical_batch_size": 4}))  # fmt: skip
+    runs.end_trial(
+        TrialEnd(1, "failed", "RuntimeError: boom", 0, derived={"physical_batch_size": 4})
+    )
     experiment = client.get_experiment_by_name("retries")
     found = client.search_runs([experiment.experiment_id], "tags.`hpo.kind` = 'trial'")
     by_attempt = {r.data.tags["hpo.first_attempt"]: r for r in found}
@@ -357,7 +413,8 @@ def test_a_retry_continues_its_run_and_the_ends_are_tags(mlflow_server: str) -> 
     assert sorted((m.step, m.value) for m in history) == [(64, 0.5), (128, 0.75)]
     failed = by_attempt["1"]
     assert failed.info.status == "FAILED" and failed.data.tags["hpo.failed_reason"] == (
-        "RuntimeError: boom")  # fmt: skip
+        "RuntimeError: boom"
+    )
     assert failed.data.params["physical_batch_size"] == "4"
 
 
@@ -432,8 +489,7 @@ def test_a_token_in_the_tracking_uris_query_is_never_printed_or_stored(
     assert token.encode() not in (tmp_path / "studies.db").read_bytes()
 
 
-def test_hpos_http_settings_hold_in_its_own_calls_only_and_the_environment_is_untouched(
-) -> None:  # fmt: skip
+def test_hpos_http_settings_hold_in_its_own_calls_only_and_the_environment_is_untouched() -> None:
     """No retries and a short timeout in hpo's client's calls (a refused server fails at once,
     not after MLflow's 7 retries with backoff); a call in another thread at the same time, and
     any call after, reads MLflow's defaults; nothing is written to os.environ."""
@@ -466,8 +522,10 @@ def test_hpos_http_settings_hold_in_its_own_calls_only_and_the_environment_is_un
     thread = threading.Thread(target=scoped.read)
     thread.start()
     assert inside.wait(10)
-    seen["other thread meanwhile"] = (MLFLOW_HTTP_REQUEST_MAX_RETRIES.get(),
-                                      MLFLOW_HTTP_REQUEST_TIMEOUT.get())  # fmt: skip
+    seen["other thread meanwhile"] = (
+        MLFLOW_HTTP_REQUEST_MAX_RETRIES.get(),
+        MLFLOW_HTTP_REQUEST_TIMEOUT.get(),
+    )
     outside.set()
     thread.join()
     seen["after"] = (MLFLOW_HTTP_REQUEST_MAX_RETRIES.get(), MLFLOW_HTTP_REQUEST_TIMEOUT.get())
@@ -588,8 +646,9 @@ def test_a_tracker_not_installed_is_one_line_naming_its_extra(
     args = _study_args(tmp_path, easy_data, {tracker: wanted}, "no_extra")
     assert hpo_main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"hpo: error: tracking.{tracker}: {tracker} is not installed; "
-                   f"pip install 'hpo[{tracker}]'"], err  # fmt: skip
+    assert err == [
+        f"hpo: error: tracking.{tracker}: {tracker} is not installed; pip install 'hpo[{tracker}]'"
+    ], err
     assert not (tmp_path / "studies.db").exists()  # before anything is written
 
 
@@ -629,7 +688,8 @@ def test_a_study_in_tensorboard_event_files_read_back_with_its_own_reader(
         accuracy = events.Scalars("accuracy")
         assert [e.step for e in accuracy] == [128, 256]
         assert [round(e.value, 5) for e in accuracy] == [
-            round(v, 5) for v in trial.intermediate_values.values()]  # fmt: skip
+            round(v, 5) for v in trial.intermediate_values.values()
+        ]
         assert len(events.Scalars("eval_loss")) == 2
         assert "final/samples_per_s" in events.Tags()["scalars"]
         records = {
@@ -641,7 +701,8 @@ def test_a_study_in_tensorboard_event_files_read_back_with_its_own_reader(
         assert {m.name.tag for m in experiment.metric_infos} == {"accuracy", "eval_loss"}
         start = records["_hparams_/session_start_info"].session_start_info
         assert start.hparams["learning_rate"].number_value == pytest.approx(
-            trial.params["learning_rate"])  # fmt: skip
+            trial.params["learning_rate"]
+        )
         end = records["_hparams_/session_end_info"].session_end_info
         assert end.status == api_pb2.Status.Value("STATUS_SUCCESS")
 

@@ -271,8 +271,9 @@ def test_a_loader_worker_is_quiet_when_the_training_process_leaves_mid_handover(
     import sys
 
     def stderr(mode: str) -> str:
-        done = subprocess.run([sys.executable, "-c", HANDED_OVER, mode], capture_output=True,
-                              text=True, timeout=60)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", HANDED_OVER, mode], capture_output=True, text=True, timeout=60
+        )
         return done.stderr
 
     plain, worker = stderr("plain"), stderr("worker")
@@ -286,8 +287,13 @@ def _report_signals(conn: Any) -> None:
     before = signal.SIGTERM in blocked and signal.SIGINT in blocked
     loaders.leave_stop_signals_to_the_trainer(0)
     after = signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    conn.send((before, signal.SIGTERM in after or signal.SIGINT in after,
-               signal.getsignal(signal.SIGTERM) == signal.SIG_IGN))  # fmt: skip
+    conn.send(
+        (
+            before,
+            signal.SIGTERM in after or signal.SIGINT in after,
+            signal.getsignal(signal.SIGTERM) == signal.SIG_IGN,
+        )
+    )
 
 
 @pytest.mark.skipif(loaders.LOADER_CONTEXT is None, reason="fork: Linux")

@@ -76,8 +76,11 @@ def test_evaluations_fall_at_the_same_fraction_of_an_epoch_for_every_batch(
         steps = math.ceil(rows / batch)
         if steps < evals_per_epoch:
             continue
-        found = [s for s in range(1, steps + 1)
-                 if is_evaluation_step(s, steps, evals_per_epoch, 3 * steps)]  # fmt: skip
+        found = [
+            s
+            for s in range(1, steps + 1)
+            if is_evaluation_step(s, steps, evals_per_epoch, 3 * steps)
+        ]
         assert len(found) == evals_per_epoch, batch
         for k, step in enumerate(found, start=1):
             assert abs(step / steps - k / evals_per_epoch) <= 1 / (2 * steps) + 1e-12, (batch, k)
@@ -141,8 +144,9 @@ def test_metrics_follow_the_labels_of_each_batch_in_any_order(
         "eval_batches",
         lambda _, size: [order[i : i + size] for i in range(0, 60, size)],
     )
-    settings = LoaderSettings(pad_token_id=0, padding=Padding(), num_workers=0, pin_memory=False,
-                              seed=0)  # fmt: skip
+    settings = LoaderSettings(
+        pad_token_id=0, padding=Padding(), num_workers=0, pin_memory=False, seed=0
+    )
     task = make_task("sequence_classification", DataConfig(), TrainingConfig())
     evaluator = Evaluator(split, task, ["a", "b", "c"], 8, settings, CPU, "fp32")
     metrics = evaluator(FirstTokenIsTheClass(3))

@@ -53,10 +53,15 @@ def context(
     from trainer.config import TrainingConfig
 
     return TrainingContext(
-        params=params or {}, device=torch.device("cpu"), effective_batch_size=32,
-        trial_number=trial.number, metric=metric, _trial=trial,
-        _training=TrainingConfig(**training), _should_stop=should_stop,
-    )  # fmt: skip
+        params=params or {},
+        device=torch.device("cpu"),
+        effective_batch_size=32,
+        trial_number=trial.number,
+        metric=metric,
+        _trial=trial,
+        _training=TrainingConfig(**training),
+        _should_stop=should_stop,
+    )
 
 
 def test_exact_split_gives_equal_passes_that_make_the_effective_batch() -> None:
@@ -77,11 +82,17 @@ def test_trial_arguments_set_sampled_fields_and_hpos_batch_split(tmp_path: Path)
 
     from hpo.integrations.transformers import trial_arguments
 
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8,
-                             report_to="none")  # fmt: skip
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=8, report_to="none"
+    )
     trial = RecordingTrial()
-    params = {"learning_rate": 0.01, "num_train_epochs": 2, "lr_scheduler_type": "cosine",
-              "effective_batch_size": 64, "dropout": 0.1}  # fmt: skip
+    params = {
+        "learning_rate": 0.01,
+        "num_train_epochs": 2,
+        "lr_scheduler_type": "cosine",
+        "effective_batch_size": 64,
+        "dropout": 0.1,
+    }
     ctx = context(trial, params, physical_batch_size=24)
     tuned = trial_arguments(args, ctx)
     assert tuned.learning_rate == 0.01
@@ -106,7 +117,9 @@ def test_trial_arguments_set_sampled_fields_and_hpos_batch_split(tmp_path: Path)
     ctx = context(RecordingTrial(), {"effective_batch_size": 128})
     tuned = trial_arguments(args, ctx, probe=lambda size: sizes.append(size) or _oom(size > 40))
     assert sizes and (tuned.per_device_train_batch_size, tuned.gradient_accumulation_steps) == (
-        32, 4)  # fmt: skip
+        32,
+        4,
+    )
 
     with pytest.raises(ValueError, match="the sampled num_train_epochs='many' is no float"):
         trial_arguments(args, context(RecordingTrial(), {"num_train_epochs": "many"}))
@@ -155,8 +168,13 @@ def test_callback_reports_each_evaluation_by_its_number_and_prunes() -> None:
     args = TrainingArguments(output_dir="unused", report_to="none")
 
     def evaluate(loss: float, accuracy: float) -> None:
-        metrics = {"eval_loss": loss, "eval_accuracy": accuracy, "eval_runtime": 0.1,
-                   "epoch": 1.0, "eval_note": "not a number"}  # fmt: skip
+        metrics = {
+            "eval_loss": loss,
+            "eval_accuracy": accuracy,
+            "eval_runtime": 0.1,
+            "epoch": 1.0,
+            "eval_note": "not a number",
+        }
         state.log_history.append({**metrics, "step": 8})  # the Trainer logs, then calls back
         callback.on_evaluate(args, state, control, metrics=metrics)
 
@@ -219,8 +237,9 @@ def test_hyperparameter_search_names_the_scripts_functions_in_hpos_config(
     monkeypatch.syspath_prepend(str(EXAMPLE))
     import train_bert
 
-    raw = search_config(train_bert.train, train_bert.hp_space, 5, "maximize", "cpu",
-                        {"pruner": {"type": "median"}})  # fmt: skip
+    raw = search_config(
+        train_bert.train, train_bert.hp_space, 5, "maximize", "cpu", {"pruner": {"type": "median"}}
+    )
     assert raw["training"] == {"entrypoint": "train_bert:train", "device": "cpu"}
     assert raw["search_space"] == "train_bert:hp_space"
     config = config_from(raw)  # hpo's own checks take it
@@ -251,8 +270,17 @@ def test_trainer_script_is_tuned_pruned_and_resumed_after_sigterm(
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))
     url = f"sqlite:///{tmp_path / 's.db'}"
-    args = ["run", "--config", str(EXAMPLE / "config.yaml"), "--study", "s", "--storage", url,
-            "--n-trials", "3"]  # fmt: skip
+    args = [
+        "run",
+        "--config",
+        str(EXAMPLE / "config.yaml"),
+        "--study",
+        "s",
+        "--storage",
+        url,
+        "--n-trials",
+        "3",
+    ]
     killer = threading.Thread(target=_sigterm_after_an_evaluation, args=(url,), daemon=True)
     killer.start()
     hpo_main(args)
@@ -269,15 +297,18 @@ def test_trainer_script_is_tuned_pruned_and_resumed_after_sigterm(
     # relaying once it asked the trial to stop): it resumed after the last one recorded or one.
     assert first in (max(stopped.intermediate_values) + 1, max(stopped.intermediate_values) + 2)
     assert sorted(resumed.intermediate_values) == list(range(first, 4))  # 3 epochs, none twice
-    assert resumed.user_attrs["grad_accum_steps"] * resumed.user_attrs[
-        "physical_batch_size"] == resumed.params["effective_batch_size"]  # fmt: skip
+    assert (
+        resumed.user_attrs["grad_accum_steps"] * resumed.user_attrs["physical_batch_size"]
+        == resumed.params["effective_batch_size"]
+    )
     (pruned,) = [t for t in trials if t.state == optuna.trial.TrialState.PRUNED]
     assert pruned.params["learning_rate"] == 0.0001 and sorted(pruned.intermediate_values) == [1, 2]
     # The worker's account of the pruner's decision replaces the script's bare "pruner: ...".
     assert pruned.user_attrs["prune_reason"].startswith("median pruner: ")
     assert "objective" in pruned.user_attrs["prune_reason"]
     assert len(complete) == 2 and all(t.value < 0.68 for t in complete), [
-        (t.params, t.value) for t in complete]  # fmt: skip
+        (t.params, t.value) for t in complete
+    ]
     assert (tmp_path / "trainer-runs").is_dir()  # the Trainer's own output, where it ran
 
 

@@ -195,8 +195,9 @@ def test_a_sigterm_the_worker_did_not_send_hands_the_trial_back_with_that_reason
     study = _study(tmp_path)
     trial = study.ask()
     with pytest.raises(HandBack, match="did not send"):
-        run_in_child(trial, trial_targets.sigterm_itself_while_training, None, StopRequest(),
-                     TrialLimits(5))  # fmt: skip
+        run_in_child(
+            trial, trial_targets.sigterm_itself_while_training, None, StopRequest(), TrialLimits(5)
+        )
     assert "did not send" in study.get_trials()[0].user_attrs["fail_reason"]
 
 
@@ -311,8 +312,13 @@ process = TrialProcess(trial_targets.record_pid, None, StopRequest(), TrialLimit
 study.tell(trial, process.run(trial))
 print(study.get_trials()[0].user_attrs["child_pid"])
 """
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            timeout=120, cwd=Path(__file__).parents[1])  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[1],
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     child = int(result.stdout.split()[-1])
     deadline = time.monotonic() + 10
@@ -342,8 +348,13 @@ def test_a_trial_process_stopped_by_someone_else_is_given_up_after_the_grace_per
     limits = TrialLimits(5, stopped_limit_s=1)
     started = time.monotonic()
     with pytest.raises(HandBack, match=r"stopped \(SIGSTOP, a debugger\) for \d+ s"):
-        run_in_child(study.ask(), trial_targets.sleep_forever, SimpleNamespace(config=stub_config),
-                     StopRequest(), limits)  # fmt: skip
+        run_in_child(
+            study.ask(),
+            trial_targets.sleep_forever,
+            SimpleNamespace(config=stub_config),
+            StopRequest(),
+            limits,
+        )
     assert time.monotonic() - started < 30
     assert _gone(int(pid_file.read_text()))  # killed: a stopped process cannot checkpoint
 

@@ -79,8 +79,12 @@ def _run_worker(tmp_path: Path, mode: str) -> dict[str, str]:
     env.pop(worker_copy.FORK_SERVER_ENV, None)  # a developer's HPO_FORK_SERVER=fresh
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(WORKER), mode, str(tmp_path / "note")],
-        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return dict(line.split(": ", 1) for line in result.stdout.splitlines() if ": " in line)
 
@@ -216,10 +220,12 @@ def test_a_loaded_driver_is_asked_through_the_library_already_loaded(tmp_path: P
         pytest.skip("no C compiler to build a driver in miniature")
     (tmp_path / "driver.c").write_text(FAKE_DRIVER)
     library = tmp_path / "libcuda.so.1"
-    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(library), str(tmp_path / "driver.c")],
-                   check=True)  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", ASK_DRIVER, str(library)], capture_output=True,
-                          text=True, check=True)  # fmt: skip
+    subprocess.run(
+        [compiler, "-shared", "-fPIC", "-o", str(library), str(tmp_path / "driver.c")], check=True
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", ASK_DRIVER, str(library)], capture_output=True, text=True, check=True
+    )
     assert done.stdout.splitlines() == [
         "None",
         "None",

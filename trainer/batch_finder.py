@@ -128,8 +128,12 @@ def batch_key(job: TrainJob, device: torch.device, precision: str) -> dict[str, 
     if adapter is not None:  # frozen weights need no gradients or AdamW state
         # What shapes the adapter's memory; alpha (a scale) and the dropout rate do not, and a
         # search over them must not search the batch again at every trial.
-        key["peft"] = {"method": adapter.method, "r": adapter.r, "dropout": adapter.dropout > 0,
-                       "target_modules": adapter.target_modules}  # fmt: skip
+        key["peft"] = {
+            "method": adapter.method,
+            "r": adapter.r,
+            "dropout": adapter.dropout > 0,
+            "target_modules": adapter.target_modules,
+        }
     share = memory_share()
     if share < 1:  # a worker sharing its GPU (keys of a whole GPU stay as they were)
         key["memory_share"] = share
@@ -148,9 +152,13 @@ class BatchFinder:
         self.task = make_task(job.task, job.data, job.training)
         self.num_labels = len(label_names)
         self.base_model = build_model(
-            job.model, label_names, self.cfg.seed, task=job.task,
-            gradient_checkpointing=job.gradient_checkpointing, job=job,
-        )  # fmt: skip
+            job.model,
+            label_names,
+            self.cfg.seed,
+            task=job.task,
+            gradient_checkpointing=job.gradient_checkpointing,
+            job=job,
+        )
         self.vocab_size = vocab_size_of(self.base_model, job.model)
         self.probes: list[Probe] = []
 

@@ -154,9 +154,11 @@ class CheckpointStore:
             return True
         if self._was_there:
             self._was_there = False
-            self.errors.append(f"{self.directory} was removed while the run trained (by "
-                               "something else than the run): the checkpoint and best model it "
-                               "held are lost")  # fmt: skip
+            self.errors.append(
+                f"{self.directory} was removed while the run trained (by "
+                "something else than the run): the checkpoint and best model it "
+                "held are lost"
+            )
             log.warning("%s", self.errors[-1])
         return False
 

@@ -242,8 +242,9 @@ class ModelConfig:
         if self.dropout is not None and not 0 <= self.dropout < 1:
             found.append(("dropout", self.dropout, "must be in [0, 1)"))
         if self.cuda_graphs and not self.compile:
-            found.append(("cuda_graphs", True, "needs model.compile: true (the graphs are "
-                          "torch.compile's)"))  # fmt: skip
+            found.append(
+                ("cuda_graphs", True, "needs model.compile: true (the graphs are torch.compile's)")
+            )
         if self.compile_scope not in ("auto", "blocks", "model"):
             found.append(("compile_scope", self.compile_scope, "must be auto, blocks or model"))
         if self.attn_implementation not in ("sdpa", "eager", "flash_attention_2"):
@@ -256,25 +257,52 @@ class ModelConfig:
             )
         if self.adapter is not None and self.config is not None and self.factory is None:
             # The adapter would be saved without the random weights it adapts: nobody could load it.
-            found.append(("peft", self.adapter.method, "needs a pretrained model: save the model "
-                          "built from model.config (save_pretrained) and give its folder as "
-                          "model.name_or_path"))  # fmt: skip
+            found.append(
+                (
+                    "peft",
+                    self.adapter.method,
+                    "needs a pretrained model: save the model "
+                    "built from model.config (save_pretrained) and give its folder as "
+                    "model.name_or_path",
+                )
+            )
         return found
 
     def _factory_problems(self) -> list[tuple[str, Any, str]]:
         found: list[tuple[str, Any, str]] = []
         if not ENTRYPOINT.fullmatch(str(self.factory)):
-            found.append(("factory", self.factory, "must be your function as "
-                          "`package.module:name`, e.g. my_model:build"))  # fmt: skip
+            found.append(
+                (
+                    "factory",
+                    self.factory,
+                    "must be your function as `package.module:name`, e.g. my_model:build",
+                )
+            )
         if self.name_or_path is not None and self.config is not None:
-            found.append(("name_or_path", self.name_or_path, "give at most one of name_or_path "
-                          "or config with a factory"))  # fmt: skip
+            found.append(
+                (
+                    "name_or_path",
+                    self.name_or_path,
+                    "give at most one of name_or_path or config with a factory",
+                )
+            )
         if self.name_or_path is None and self.tokenizer is None:
-            found.append(("tokenizer", None, "is required with a factory (the data's tokens); "
-                          "or give name_or_path"))  # fmt: skip
+            found.append(
+                (
+                    "tokenizer",
+                    None,
+                    "is required with a factory (the data's tokens); or give name_or_path",
+                )
+            )
         if self.peft is not None and self.peft.method != "none":
-            found.append(("peft", self.peft.method, "not with a factory: your function builds "
-                          "the whole model (wrap it in an adapter there)"))  # fmt: skip
+            found.append(
+                (
+                    "peft",
+                    self.peft.method,
+                    "not with a factory: your function builds "
+                    "the whole model (wrap it in an adapter there)",
+                )
+            )
         return found
 
 
@@ -396,8 +424,10 @@ class TrainingConfig:
         """What only the data can decide: checked once its labels are known, before any trial."""
         weights = self.class_weights
         if isinstance(weights, list) and len(weights) != len(label_names):
-            rule = (f"has {len(weights)} weights for {len(label_names)} labels {label_names}; "
-                    "give one weight per label, in this order, or `balanced`")  # fmt: skip
+            rule = (
+                f"has {len(weights)} weights for {len(label_names)} labels {label_names}; "
+                "give one weight per label, in this order, or `balanced`"
+            )
             return [("class_weights", weights, rule)]
         return []
 

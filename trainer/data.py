@@ -197,16 +197,20 @@ def _read_csv(path: Path, keep: Collection[str] | None, max_row_bytes: int) -> d
             'close its quote, and write a quote inside a quoted text as two ("")'
         )
     if too_wide is not None:
-        raise DataError(f"{path}: row {too_wide[0]} has {too_wide[1]} fields, the header "
-                        f"{len(names)}; quote a text that holds a comma")  # fmt: skip
+        raise DataError(
+            f"{path}: row {too_wide[0]} has {too_wide[1]} fields, the header "
+            f"{len(names)}; quote a text that holds a comma"
+        )
     return columns
 
 
 def _csv_names(header: list[str] | None, path: Path) -> list[str]:
     """A CSV's column names from its header row, checked."""
     if header is None:
-        raise DataError(f"{path} is empty: a CSV file starts with a header row that "
-                        "names its columns (text,label, say)")  # fmt: skip
+        raise DataError(
+            f"{path} is empty: a CSV file starts with a header row that "
+            "names its columns (text,label, say)"
+        )
     _check_csv_header(header, path)
     return [name if name else f"Unnamed: {index}" for index, name in enumerate(header)]
 

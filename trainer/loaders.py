@@ -83,8 +83,10 @@ def _quiet_when_the_trainer_left(previous: ExceptHook) -> ExceptHook:
 
     def hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> Any:
         left = isinstance(error, (ConnectionError, EOFError))
-        if left and any(frame.f_code.co_filename == resource_sharer.__file__
-                        for frame, _ in traceback.walk_tb(tb)):  # fmt: skip
+        if left and any(
+            frame.f_code.co_filename == resource_sharer.__file__
+            for frame, _ in traceback.walk_tb(tb)
+        ):
             return None
         return previous(kind, error, tb)
 

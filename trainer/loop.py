@@ -133,8 +133,16 @@ class Trainer:
     def _evaluator(self) -> Evaluator:
         eval_batch_size = self.cfg.eval_batch_size or 2 * self.physical_batch_size
         data = self.data
-        return Evaluator(data.eval, self.task, data.label_names, eval_batch_size, self.loaders,
-                         self.device, self.precision, self.user_metrics)  # fmt: skip
+        return Evaluator(
+            data.eval,
+            self.task,
+            data.label_names,
+            eval_batch_size,
+            self.loaders,
+            self.device,
+            self.precision,
+            self.user_metrics,
+        )
 
     def _metric_and_direction(self, metric: str | None) -> tuple[str, Direction]:
         """The metric that picks the best evaluation (the task's default, else the study's),
@@ -143,16 +151,23 @@ class Trainer:
         user = self.user_metrics.directions if self.user_metrics else {}
         directions = {**self.task.info.metrics, **user}
         if chosen not in directions:
-            raise ValueError(f"the task {self.job.task} has no metric {chosen}; its metrics: "
-                             f"{', '.join(self.task.info.metrics)}")  # fmt: skip
+            raise ValueError(
+                f"the task {self.job.task} has no metric {chosen}; its metrics: "
+                f"{', '.join(self.task.info.metrics)}"
+            )
         return chosen, directions[chosen]
 
     def _build_model_and_optimizer(self) -> None:
         torch.manual_seed(self.cfg.seed)
         self.model = build_model(
-            self.job.model, self.data.label_names, self.cfg.seed, self.device, self.job.task,
-            gradient_checkpointing=self.job.gradient_checkpointing, job=self.job,
-        )  # fmt: skip
+            self.job.model,
+            self.data.label_names,
+            self.cfg.seed,
+            self.device,
+            self.job.task,
+            gradient_checkpointing=self.job.gradient_checkpointing,
+            job=self.job,
+        )
         self.model.to(self.device)  # a pretrained model loads on the CPU
         self.task.prepare_model(self.model, self.data.train)
         self.trainable_params, self.total_params = parameter_counts(self.model)
@@ -453,9 +468,11 @@ class Trainer:
         value = evaluation.metrics.get(self.metric)
         if value is None:  # the user's metrics function did not return the study's metric
             spec = self.user_metrics.spec if self.user_metrics else "the task"
-            raise MetricsFunctionError(f"{spec}: no {self.metric!r} among the metrics "
-                                       f"({', '.join(evaluation.metrics)}); study.metric names "
-                                       "it")  # fmt: skip
+            raise MetricsFunctionError(
+                f"{spec}: no {self.metric!r} among the metrics "
+                f"({', '.join(evaluation.metrics)}); study.metric names "
+                "it"
+            )
         if is_better(value, run.best.metrics[self.metric] if run.best else None, self.direction):
             run.best, run.since_best = evaluation, 0
         else:

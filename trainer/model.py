@@ -29,8 +29,12 @@ log = logging.getLogger(__name__)
 
 PACKAGE_SCHEME = "pkg://"
 # The weights transformers loads from a model folder, in the order it looks for them.
-WEIGHTS_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                 "pytorch_model.bin.index.json")  # fmt: skip
+WEIGHTS_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 # How long the one question to the model hub may take before hpo calls it unreachable.
 HUB_PROBE_TIMEOUT_S = 10.0
 
@@ -166,8 +170,11 @@ def check_data_fits_model(config: ModelConfig, model_config: Any, data: Prepared
         rows = getattr(model_config, attr, None)
         if isinstance(rows, int) and largest is not None and largest >= rows:
             where = f"model.config.{attr}" if inline else f"the model's {attr}"
-            fix = (f"set model.config.{attr} to at least {largest + 1}" if inline
-                   else "use the model's own tokenizer (model.tokenizer)")  # fmt: skip
+            fix = (
+                f"set model.config.{attr} to at least {largest + 1}"
+                if inline
+                else "use the model's own tokenizer (model.tokenizer)"
+            )
             raise ModelError(
                 f"the tokenized data holds {name} {largest} but the model has only {rows} "
                 f"({where}): model.tokenizer does not match the model; {fix}"
@@ -264,19 +271,26 @@ def _factory_model(
 
     data = job.data if job is not None else DataConfig()
     request = ModelRequest(
-        label_names=list(label_names), num_labels=int(head.get("num_labels", len(label_names))),
-        head=head, vocab_size=len(_tokenizer_of(config)), max_length=data.max_length, task=task,
-        model=config, training=job.training if job is not None else TrainingConfig(),
-    )  # fmt: skip
+        label_names=list(label_names),
+        num_labels=int(head.get("num_labels", len(label_names))),
+        head=head,
+        vocab_size=len(_tokenizer_of(config)),
+        max_length=data.max_length,
+        task=task,
+        model=config,
+        training=job.training if job is not None else TrainingConfig(),
+    )
     torch.manual_seed(seed)
     model = call_factory(str(config.factory), request)
     if gradient_checkpointing or (gradient_checkpointing is None and config.gradient_checkpointing):
         if not hasattr(model, "gradient_checkpointing_enable") and not hasattr(
             model, "activation_checkpointing_enable"
         ):
-            raise ModelError(f"training.gradient_checkpointing: the model {config.factory} builds "
-                             f"({type(model).__name__}) cannot recompute activations (it is no "
-                             "transformers model); leave gradient_checkpointing off")  # fmt: skip
+            raise ModelError(
+                f"training.gradient_checkpointing: the model {config.factory} builds "
+                f"({type(model).__name__}) cannot recompute activations (it is no "
+                "transformers model); leave gradient_checkpointing off"
+            )
         _enable_checkpointing(model)
     return model
 
@@ -312,8 +326,12 @@ def model_fingerprint(config: ModelConfig) -> str:
     model.dropout: each value of a searched dropout would otherwise search its batch anew. A
     factory's model: the factory and what it is handed of the model settings."""
     if config.factory is not None:
-        parts = {"factory": config.factory, "name_or_path": config.name_or_path,
-                 "config": config.config, "tokenizer": config.tokenizer}  # fmt: skip
+        parts = {
+            "factory": config.factory,
+            "name_or_path": config.name_or_path,
+            "config": config.config,
+            "tokenizer": config.tokenizer,
+        }
         text = json.dumps(parts, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
     model_config = _loaded_model_config(config, num_labels=2)
@@ -330,9 +348,18 @@ def _model_config(config: ModelConfig, num_labels: int) -> Any:
 
 # The dropout settings of transformers' model configs, by family: BERT-like (RoBERTa, ELECTRA,
 # DeBERTa, MiniLM), DistilBERT and BART, GPT-2, T5, Llama-like decoders (attention only).
-DROPOUT_FIELDS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "dropout",
-                  "attention_dropout", "activation_dropout", "hidden_dropout", "resid_pdrop",
-                  "embd_pdrop", "attn_pdrop", "dropout_rate")  # fmt: skip
+DROPOUT_FIELDS = (
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "dropout",
+    "attention_dropout",
+    "activation_dropout",
+    "hidden_dropout",
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "dropout_rate",
+)
 
 
 def set_dropout(model_config: Any, probability: float) -> list[str]:
@@ -368,8 +395,17 @@ def _loaded_model_config(config: ModelConfig, num_labels: int) -> Any:
 
 
 # Models that number positions from pad_token_id + 1: RoBERTa's 514 embeddings hold 512 tokens.
-_PADDING_OFFSET_MODELS = {"roberta", "xlm-roberta", "xlm-roberta-xl", "roberta-prelayernorm",
-                          "camembert", "longformer", "data2vec-text", "ibert", "mpnet"}  # fmt: skip
+_PADDING_OFFSET_MODELS = {
+    "roberta",
+    "xlm-roberta",
+    "xlm-roberta-xl",
+    "roberta-prelayernorm",
+    "camembert",
+    "longformer",
+    "data2vec-text",
+    "ibert",
+    "mpnet",
+}
 
 
 def _absolute_positions(model_config: Any) -> int | None:
@@ -388,11 +424,15 @@ def _check_model_folder(path: Path, location: str) -> None:
     """A local model is a folder with a config.json; said plainly, not in transformers' words
     ("not a valid JSON file" for a file, "should have a model_type key" for an empty folder)."""
     if path.is_file():
-        raise ModelError(f"model {location!r} is a file; set model.name_or_path to the folder "
-                         "that holds the model's config.json")  # fmt: skip
+        raise ModelError(
+            f"model {location!r} is a file; set model.name_or_path to the folder "
+            "that holds the model's config.json"
+        )
     if path.is_dir() and not (path / "config.json").is_file():
-        raise ModelError(f"model folder {location!r} has no config.json; point "
-                         "model.name_or_path at a folder written by save_pretrained")  # fmt: skip
+        raise ModelError(
+            f"model folder {location!r} has no config.json; point "
+            "model.name_or_path at a folder written by save_pretrained"
+        )
 
 
 def check_weights(folder: Path, location: str) -> None:
@@ -411,8 +451,10 @@ def check_weights(folder: Path, location: str) -> None:
         files = [folder / shard for shard in _shards(folder / found, location)]
     for path in files:
         if not path.is_file():
-            raise ModelError(f"model folder {location!r} has no {path.name}, which {found} "
-                             "names; copy the whole model folder again")  # fmt: skip
+            raise ModelError(
+                f"model folder {location!r} has no {path.name}, which {found} "
+                "names; copy the whole model folder again"
+            )
         _check_weights_file(path, location)
 
 
@@ -421,8 +463,10 @@ def _shards(index: Path, location: str) -> list[str]:
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         return sorted(set(weight_map.values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ModelError(f"model folder {location!r}: {index.name} is not a weights index "
-                         f"({_first_line(e)}); copy the model folder again") from e  # fmt: skip
+        raise ModelError(
+            f"model folder {location!r}: {index.name} is not a weights index "
+            f"({_first_line(e)}); copy the model folder again"
+        ) from e
 
 
 def _check_weights_file(path: Path, location: str) -> None:
@@ -495,8 +539,11 @@ def _ask_hub(location: str) -> tuple[str, Exception | None]:
         return "answered", None  # gated, rate limited: transformers says what it needs
     except Exception as e:  # no network: the HTTP library's own error types
         if _in_hub_cache(location):
-            log.warning("the model hub is unreachable (%s); loading %r from the local cache",
-                        _first_line(e), location)  # fmt: skip
+            log.warning(
+                "the model hub is unreachable (%s); loading %r from the local cache",
+                _first_line(e),
+                location,
+            )
             return "cached", e
         return "unreachable", e
 

@@ -40,8 +40,10 @@ def peft_task_type(task: str) -> str:
     """peft's TaskType name for `task`; ModelError for a task whose model class it has none for."""
     auto_model = task_info(task).auto_model
     if auto_model not in PEFT_TASK_TYPES:
-        raise ModelError(f"model.peft: the task {task} ({auto_model}) has no peft task type; "
-                         "remove model.peft to fine-tune the whole model")  # fmt: skip
+        raise ModelError(
+            f"model.peft: the task {task} ({auto_model}) has no peft task type; "
+            "remove model.peft to fine-tune the whole model"
+        )
     return PEFT_TASK_TYPES[auto_model]
 
 
@@ -143,8 +145,13 @@ def _unadaptable(model: torch.nn.Module, targets: list[str]) -> str:
     types = lora_layer_types()
     found = []
     for target in targets:
-        kinds = sorted({type(m).__name__ for n, m in model.named_modules()
-                        if _matches(n, target) and not isinstance(m, types)})  # fmt: skip
+        kinds = sorted(
+            {
+                type(m).__name__
+                for n, m in model.named_modules()
+                if _matches(n, target) and not isinstance(m, types)
+            }
+        )
         if kinds:
             found.append(f"{target!r} names {', '.join(kinds)} layers")
     return "; ".join(found)
@@ -217,8 +224,10 @@ def load_trained_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -
     result: Any = set_peft_model_state_dict(model, state)
     missing = [k for k in result.missing_keys if "lora_" in k or "modules_to_save" in k]
     if missing or result.unexpected_keys:
-        raise RuntimeError(f"adapter state does not fit the model: missing {missing[:3]}, "
-                           f"unexpected {list(result.unexpected_keys)[:3]}")  # fmt: skip
+        raise RuntimeError(
+            f"adapter state does not fit the model: missing {missing[:3]}, "
+            f"unexpected {list(result.unexpected_keys)[:3]}"
+        )
 
 
 def best_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:

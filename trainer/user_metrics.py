@@ -50,21 +50,25 @@ class UserMetrics:
 
 def checked(returned: Any, spec: str, known: dict[str, float]) -> dict[str, float]:
     if not isinstance(returned, dict):
-        raise MetricsFunctionError(f"{spec} returned {type(returned).__name__}; expected a dict "
-                                   "of metric name to number, e.g. {'f2': 0.75}")  # fmt: skip
+        raise MetricsFunctionError(
+            f"{spec} returned {type(returned).__name__}; expected a dict "
+            "of metric name to number, e.g. {'f2': 0.75}"
+        )
     values: dict[str, float] = {}
     for name, value in returned.items():
         if not isinstance(name, str) or not name:
-            raise MetricsFunctionError(f"{spec} returned the key {name!r}; a metric's name is "
-                                       "text")  # fmt: skip
+            raise MetricsFunctionError(f"{spec} returned the key {name!r}; a metric's name is text")
         if name in known:
             taken = ", ".join(known)
-            raise MetricsFunctionError(f"{spec} returned {name!r}, a metric the task has "
-                                       f"already ({taken}); name yours otherwise")  # fmt: skip
+            raise MetricsFunctionError(
+                f"{spec} returned {name!r}, a metric the task has "
+                f"already ({taken}); name yours otherwise"
+            )
         if isinstance(value, np.ndarray) and value.shape == ():
             value = value.item()
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise MetricsFunctionError(f"{spec} returned {name!r}: {type(value).__name__} "
-                                       f"{value!r}; expected a number")  # fmt: skip
+            raise MetricsFunctionError(
+                f"{spec} returned {name!r}: {type(value).__name__} {value!r}; expected a number"
+            )
         values[name] = float(value)
     return values

@@ -40,15 +40,28 @@ def start_server(folder: Path) -> tuple[subprocess.Popen[bytes], str]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = int(probe.getsockname()[1])
-    command = [sys.executable, "-m", "mlflow", "server",
-               "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
-               "--default-artifact-root", str(folder / "artifacts"),
-               "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        f"sqlite:///{folder / 'mlflow.db'}",
+        "--default-artifact-root",
+        str(folder / "artifacts"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ]
     # Without MLflow 3's GenAI job runner and its seven consumers: the tracking server only.
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     log = (folder / "server.log").open("wb")
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                              start_new_session=True)  # fmt: skip
+    server = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
     uri = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: _answers(f"{uri}/health"), "the mlflow server to answer", 180)
@@ -84,7 +97,8 @@ def run_study(folder: Path, uri: str, trials: int) -> None:
     train = write_csv(folder / "train.csv", easy_rows(256, 1))
     evaluation = write_csv(folder / "eval.csv", easy_rows(64, 2))
     config = tiny_config(
-        train, evaluation,
+        train,
+        evaluation,
         study={"n_trials": trials, "pruner": {"type": "successive_halving", "min_resource": 2}},
         search_space={
             "effective_batch_size": {"type": "categorical", "choices": [8, 16]},
@@ -92,11 +106,23 @@ def run_study(folder: Path, uri: str, trials: int) -> None:
             "warmup_ratio": {"type": "float", "low": 0.0, "high": 0.2},
         },
         training={"epochs": 2, "evals_per_epoch": 4},
-    )  # fmt: skip
+    )
     config["tracking"] = {"mlflow": {"experiment": EXPERIMENT}}
     path = write_config(folder / "study.yaml", config)
-    command = [sys.executable, "-m", "hpo", "run", "--study", STUDY, "--config", str(path),
-               "--storage", f"sqlite:///{folder / 'studies.db'}", "--tracking", uri]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "hpo",
+        "run",
+        "--study",
+        STUDY,
+        "--config",
+        str(path),
+        "--storage",
+        f"sqlite:///{folder / 'studies.db'}",
+        "--tracking",
+        uri,
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     subprocess.run(command, cwd=folder, env=env, check=True)
 
@@ -116,8 +142,13 @@ def browser(width: int, height: int) -> Any:
         raise SystemExit("no chromium and chromedriver: apt-get install chromium chromium-driver")
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
-                 f"--window-size={width},{height}", "--hide-scrollbars"):  # fmt: skip
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        f"--window-size={width},{height}",
+        "--hide-scrollbars",
+    ):
         options.add_argument(flag)
     return webdriver.Chrome(options=options, service=Service(driver))
 
@@ -139,12 +170,16 @@ def shoot(driver: Any, page: str, out: Path) -> None:
             break
     driver.get(f"{page}?compareRunsMode=CHART")
     driver.refresh()
-    expander = wait_for(lambda: driver.find_elements("css selector", PARENT_EXPANDER),
-                        "the study's run", 120)  # fmt: skip
+    expander = wait_for(
+        lambda: driver.find_elements("css selector", PARENT_EXPANDER), "the study's run", 120
+    )
     expander[0].click()
     wait_for(lambda: "trial 0" in body(), "the trials' runs", 60)
-    wait_for(lambda: len(driver.find_elements("css selector", ".js-plotly-plot, canvas")) > 0,
-             "a metric chart", 60)  # fmt: skip
+    wait_for(
+        lambda: len(driver.find_elements("css selector", ".js-plotly-plot, canvas")) > 0,
+        "a metric chart",
+        60,
+    )
     time.sleep(5)  # the charts' lines drawn
     driver.save_screenshot(str(out))
 

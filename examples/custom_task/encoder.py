@@ -19,8 +19,9 @@ class Encoder(nn.Module):
         width = 64
         self.tokens = nn.Embedding(vocab_size, width)
         self.positions = nn.Embedding(max_length, width)
-        layer = nn.TransformerEncoderLayer(width, nhead=2, dim_feedforward=128, dropout=dropout,
-                                           batch_first=True)  # fmt: skip
+        layer = nn.TransformerEncoderLayer(
+            width, nhead=2, dim_feedforward=128, dropout=dropout, batch_first=True
+        )
         self.layers = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
         self.head = nn.Linear(width, num_labels)
 

@@ -69,8 +69,13 @@ def train(ctx: TrainingContext) -> dict[str, float]:
         metrics = evaluate(model, x_val.to(ctx.device), y_val.to(ctx.device))
         ctx.report(metrics, step=epoch)  # raises optuna.TrialPruned when the pruner says so
         if ctx.should_stop:  # SIGTERM or the trial timeout: save, return; a retry resumes
-            ctx.save({"epoch": epoch + 1, "model": model.state_dict(),
-                      "optimizer": optimizer.state_dict()})  # fmt: skip
+            ctx.save(
+                {
+                    "epoch": epoch + 1,
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                }
+            )
             return metrics
     return metrics
 

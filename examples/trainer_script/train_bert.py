@@ -44,16 +44,23 @@ def reviews(tokenizer: PreTrainedTokenizerBase, split: str, rows: int) -> list[d
     with (DATA / "demo" / f"{split}.csv").open(encoding="utf-8") as f:
         lines = list(csv.DictReader(f))[:rows]
     return [
-        {**tokenizer(line["text"], truncation=True, max_length=32),
-         "labels": LABELS.index(line["label"])}
+        {
+            **tokenizer(line["text"], truncation=True, max_length=32),
+            "labels": LABELS.index(line["label"]),
+        }
         for line in lines
-    ]  # fmt: skip
+    ]
 
 
 def model_init(trial: optuna.Trial | None = None) -> PreTrainedModel:
-    config = BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2,
-                        num_attention_heads=2, intermediate_size=128,
-                        max_position_embeddings=64)  # fmt: skip
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=64,
+    )
     config.num_labels = len(LABELS)
     return BertForSequenceClassification(config)
 

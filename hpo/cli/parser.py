@@ -108,18 +108,21 @@ def build_parser() -> argparse.ArgumentParser:
         "s3://bucket/prefix (overrides $HPO_ARTIFACT_STORE and study.artifact_store)",
     )
     run.add_argument(
-        "--tracking", default=None, metavar="URI",
+        "--tracking",
+        default=None,
+        metavar="URI",
         help="log the trials to this MLflow tracking server (overrides tracking.mlflow.uri and "
         "$MLFLOW_TRACKING_URI; needs pip install 'hpo[mlflow]')",
-    )  # fmt: skip
+    )
     run.add_argument(
-        "--allow-changed-setup", action="store_true",
+        "--allow-changed-setup",
+        action="store_true",
         help="join the study although its data (sha256 of the train and eval files), model, "
         "task, data.max_length, evaluation schedule (training.evals_per_epoch, epochs, "
         "max_steps) or pruner differ from this config's; without it such a worker is refused "
         "(exit 2), as its trials would not compare with the study's. The change is recorded "
         "in the study and `hpo status` says the study mixes setups",
-    )  # fmt: skip
+    )
     run.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
     run.add_argument("--quiet", action="store_true", help="only warnings and the final summary")
     _add_monitoring_commands(commands)
@@ -137,10 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
     finder.add_argument("--config", type=Path, required=True, help="YAML config of the study")
     finder.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N")
     finder.add_argument(
-        "--max", type=functools.partial(_count, "--max", 1_048_576), default=None, metavar="N",
+        "--max",
+        type=functools.partial(_count, "--max", 1_048_576),
+        default=None,
+        metavar="N",
         help="search no further than N (default: training.batch_search_max); hpo run searches "
         "up to what its search space's largest effective batch needs",
-    )  # fmt: skip
+    )
     finder.add_argument("--json", action="store_true", help="print the search as JSON")
     finder.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
     finder.add_argument("--quiet", action="store_true", help="only warnings and the report")
@@ -163,44 +169,61 @@ def _add_retrain_command(commands: argparse._SubParsersAction) -> None:
     )
     retrain.add_argument("--study", required=True, help="the searched study")
     retrain.add_argument(
-        "--config", type=Path, default=None,
+        "--config",
+        type=Path,
+        default=None,
         help="YAML config the study ran with (default: the demo config)",
-    )  # fmt: skip
-    retrain.add_argument("--storage", default=None, help="database URL (default: $HPO_STORAGE, "
-                         "then the config's study.storage, then ./hpo.db)")  # fmt: skip
+    )
     retrain.add_argument(
-        "--top", type=functools.partial(_count, "--top", MAX_TOP), default=3,
+        "--storage",
+        default=None,
+        help="database URL (default: $HPO_STORAGE, then the config's study.storage, then ./hpo.db)",
+    )
+    retrain.add_argument(
+        "--top",
+        type=functools.partial(_count, "--top", MAX_TOP),
+        default=3,
         help="configurations to retrain, best first (default 3)",
-    )  # fmt: skip
+    )
     retrain.add_argument(
-        "--seeds", type=functools.partial(_count, "--seeds", MAX_SEEDS), default=3,
+        "--seeds",
+        type=functools.partial(_count, "--seeds", MAX_SEEDS),
+        default=3,
         help="new seeds per configuration (default 3)",
-    )  # fmt: skip
+    )
     retrain.add_argument(
-        "--out", type=Path, default=None,
+        "--out",
+        type=Path,
+        default=None,
         help="folder for the final model (default: hpo-final-<study> here)",
-    )  # fmt: skip
+    )
     retrain.add_argument(
-        "--full-data", action="store_true",
+        "--full-data",
+        action="store_true",
         help="then train the winner once more on the training and evaluation splits together "
         "and save that model; its metric is then the mean of the held-out retrain runs",
-    )  # fmt: skip
+    )
     retrain.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N")
     retrain.add_argument(
-        "--gpus", default=None,
+        "--gpus",
+        default=None,
         help="one worker per GPU of this host, as for hpo run: auto, none or ids like 0,1,3",
-    )  # fmt: skip
+    )
     retrain.add_argument(
-        "--register", default=None, metavar="NAME",
+        "--register",
+        default=None,
+        metavar="NAME",
         help="register the final model in MLflow's model registry as a new version of NAME, "
         "its model card as the version's description (needs MLflow tracking: tracking.mlflow "
         "in the config or --tracking)",
-    )  # fmt: skip
+    )
     retrain.add_argument(
-        "--tracking", default=None, metavar="URI",
+        "--tracking",
+        default=None,
+        metavar="URI",
         help="log the runs to this MLflow tracking server (overrides tracking.mlflow.uri and "
         "$MLFLOW_TRACKING_URI; needs pip install 'hpo[mlflow]')",
-    )  # fmt: skip
+    )
     retrain.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
     retrain.add_argument("--quiet", action="store_true", help="only warnings and the summary")
     # A worker of `--gpus` runs trials only; its launcher waits, picks and saves.
@@ -255,11 +278,16 @@ def _add_enqueue_command(commands: argparse._SubParsersAction) -> None:
         help='JSON, e.g. \'{"learning_rate": 3e-5, "effective_batch_size": 32}\'',
     )
     enqueue.add_argument(
-        "--config", type=Path, default=None,
+        "--config",
+        type=Path,
+        default=None,
         help="YAML config of the study (default: the search space the study was created with)",
-    )  # fmt: skip
-    enqueue.add_argument("--storage", default=None, help="database URL (default: $HPO_STORAGE, "
-                         "then the config's study.storage, then ./hpo.db)")  # fmt: skip
+    )
+    enqueue.add_argument(
+        "--storage",
+        default=None,
+        help="database URL (default: $HPO_STORAGE, then the config's study.storage, then ./hpo.db)",
+    )
     enqueue.add_argument("--debug", action="store_true", help="show tracebacks")
     enqueue.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
 
@@ -284,41 +312,50 @@ def _add_monitoring_commands(commands: argparse._SubParsersAction) -> None:
         "--format", choices=["html", "md"], default="html", help="html (default) or md"
     )
     status.add_argument(
-        "--watch", action="store_true",
+        "--watch",
+        action="store_true",
         help="refresh until the study ends (no trial running or queued, its budget spent)",
-    )  # fmt: skip
+    )
     status.add_argument(
         "--interval", type=_seconds, default=5.0, help="seconds between refreshes (default 5)"
     )
     report.add_argument(
-        "--out", default=None,
+        "--out",
+        default=None,
         help="file or existing folder to write to (default: hpo-report-<study>.html here; "
         "Markdown: standard output)",
-    )  # fmt: skip
+    )
     for sub in (studies, best, status):
         sub.add_argument("--json", action="store_true", help="machine-readable output")
     for sub in (studies, best, status, report):
         sub.add_argument(
-            "--database-patience", type=_seconds, default=DATABASE_PATIENCE_S, metavar="SECONDS",
+            "--database-patience",
+            type=_seconds,
+            default=DATABASE_PATIENCE_S,
+            metavar="SECONDS",
             help="how long a read rides out a study database that drops out, as the workers do "
             f"(default {DATABASE_PATIENCE_S:g}, as study.database_patience)",
-        )  # fmt: skip
+        )
     for sub in (best, status):
         sub.add_argument(
-            "--artifact-store", default=None,
+            "--artifact-store",
+            default=None,
             help="the study's artifact store (default: $HPO_ARTIFACT_STORE, then the one its "
             "workers recorded)",
-        )  # fmt: skip
+        )
     best.add_argument(
-        "--download", default=None, metavar="DIR",
+        "--download",
+        default=None,
+        metavar="DIR",
         help="fetch the best model from the artifact store into DIR (new or empty), every file "
         "checked against its sha256",
-    )  # fmt: skip
+    )
     best.add_argument(
-        "--merge", action="store_true",
+        "--merge",
+        action="store_true",
         help="with --download, of a LoRA study: merge the adapter into its base model and write "
         "a plain model (default: the adapter, which peft loads on the base model)",
-    )  # fmt: skip
+    )
     dashboard.add_argument(
         "--host", type=_host, default="127.0.0.1", help="bind address (default: localhost)"
     )

@@ -23,10 +23,13 @@ def batch_size_command(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     if config.training.entrypoint is not None:
-        rule = ("trains a model hpo does not know, so hpo batch-size cannot probe it; call "
-                "ctx.find_batch_size(step) in your function")  # fmt: skip
-        raise ConfigError([f"training.entrypoint: {config.training.entrypoint} {rule}"],
-                          config.source)  # fmt: skip
+        rule = (
+            "trains a model hpo does not know, so hpo batch-size cannot probe it; call "
+            "ctx.find_batch_size(step) in your function"
+        )
+        raise ConfigError(
+            [f"training.entrypoint: {config.training.entrypoint} {rule}"], config.source
+        )
     if args.device is not None:
         config.training.device = args.device
         rules = [rule for key, _, rule in config.training.problems() if key == "device"]

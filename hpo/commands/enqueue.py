@@ -36,8 +36,10 @@ def enqueue_command(args: argparse.Namespace) -> int:
     try:
         study_id = storage.get_study_id_from_name(args.study)
     except KeyError as e:
-        raise HPOError(f"no study {args.study!r} in {storage_url.masked}; start it with `hpo "
-                       "run` (or check --study with `hpo studies`)") from e  # fmt: skip
+        raise HPOError(
+            f"no study {args.study!r} in {storage_url.masked}; start it with `hpo "
+            "run` (or check --study with `hpo studies`)"
+        ) from e
     attrs = storage.get_study_user_attrs(study_id)
     recorded = attrs.get("search_space")
     if config is not None:
@@ -45,8 +47,11 @@ def enqueue_command(args: argparse.Namespace) -> int:
         if recorded is not None:
             # hpo's default parameters as the study fitted them to its training set
             # (hpo.config.data_size): the config alone cannot say.
-            fitted = {name: ParamSpec(**recorded[name]) for name in config.default_params
-                      if name in recorded and name in space}  # fmt: skip
+            fitted = {
+                name: ParamSpec(**recorded[name])
+                for name in config.default_params
+                if name in recorded and name in space
+            }
             space = {name: fitted.get(name, spec) for name, spec in space.items()}
         if recorded is not None and recorded != space_record(space):
             raise HPOError(
@@ -54,8 +59,10 @@ def enqueue_command(args: argparse.Namespace) -> int:
                 "with; use the study's config or leave --config out"
             )
     elif recorded is None:
-        raise HPOError(f"study {args.study!r} has no search space recorded by hpo; pass the "
-                       "--config it runs with")  # fmt: skip
+        raise HPOError(
+            f"study {args.study!r} has no search space recorded by hpo; pass the "
+            "--config it runs with"
+        )
     else:
         space = {name: ParamSpec(**spec) for name, spec in recorded.items()}
     problems: list[str] = []
@@ -77,9 +84,11 @@ def enqueue_command(args: argparse.Namespace) -> int:
     elif (spent := _budget_spent(study, attrs.get("n_trials"))) is not None:
         emit(f"hpo: queued {shown} in study {args.study!r}, but {spent}")
     else:
-        emit(f"hpo: queued {shown} in study {args.study!r}: the next worker to start a trial "
-             "trains it, if the study's n_trials leaves room (queued trials count once "
-             "started)")  # fmt: skip
+        emit(
+            f"hpo: queued {shown} in study {args.study!r}: the next worker to start a trial "
+            "trains it, if the study's n_trials leaves room (queued trials count once "
+            "started)"
+        )
     return 0
 
 
@@ -97,10 +106,12 @@ def _budget_spent(study: Any, budget: object) -> str | None:
     if counted < budget:
         return None
     waiting = sum(t.state == TrialState.WAITING for t in trials)
-    return (f"its budget is spent ({counted} of n_trials {budget} started): a worker starts no "
-            "trial, and `hpo run` stops at once. The queued trials run only with a larger "
-            f"budget, e.g. hpo run --study {shlex.quote(study.study_name)} --config ... "
-            f"--n-trials {counted + waiting}")  # fmt: skip
+    return (
+        f"its budget is spent ({counted} of n_trials {budget} started): a worker starts no "
+        "trial, and `hpo run` stops at once. The queued trials run only with a larger "
+        f"budget, e.g. hpo run --study {shlex.quote(study.study_name)} --config ... "
+        f"--n-trials {counted + waiting}"
+    )
 
 
 def _json_params(text: str) -> dict[str, Any]:

@@ -124,8 +124,18 @@ def choose_workers_per_gpu(
 def _largest_batch_within(config: str, gpu: str, share: float, bound: int | None) -> int:
     device = "cpu" if os.environ.get(FAKE_GPUS_ENV) else "cuda"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu, SHARE_ENV: repr(share)}
-    command = [sys.executable, "-m", "hpo", "batch-size", "--config", config, "--device", device,
-               "--json", "--quiet"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "hpo",
+        "batch-size",
+        "--config",
+        config,
+        "--device",
+        device,
+        "--json",
+        "--quiet",
+    ]
     if bound is not None:
         command += ["--max", str(bound)]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -139,9 +149,12 @@ def _largest_batch_within(config: str, gpu: str, share: float, bound: int | None
 
 
 def run_workers(
-    gpus: Sequence[str], argv: Sequence[str], per_gpu: int = 1, stop: StopRequest | None = None,
+    gpus: Sequence[str],
+    argv: Sequence[str],
+    per_gpu: int = 1,
+    stop: StopRequest | None = None,
     extra_env: Mapping[str, str] | None = None,
-) -> int:  # fmt: skip
+) -> int:
     """Start `per_gpu` workers (`hpo run`) on each GPU, each capped at 1/per_gpu of its memory,
     and wait for all of them. Ctrl-C or SIGTERM is passed to every worker once; each hands its
     running trial back and exits. The caller's `stop` learns of the signal, and its handlers
@@ -159,8 +172,12 @@ def run_workers(
     for gpu in gpus:
         for k in range(per_gpu):
             label = f"gpu{gpu}" if per_gpu == 1 else f"gpu{gpu}.{k}"
-            env = {**os.environ, **(extra_env or {}), "CUDA_VISIBLE_DEVICES": gpu,
-                   WORKER_LABEL_ENV: label}  # fmt: skip
+            env = {
+                **os.environ,
+                **(extra_env or {}),
+                "CUDA_VISIBLE_DEVICES": gpu,
+                WORKER_LABEL_ENV: label,
+            }
             env[live.RELAY_ENV if block else live.OFF_ENV] = "1"
             if per_gpu > 1:
                 env[SHARE_ENV] = repr(1 / per_gpu)
@@ -178,7 +195,7 @@ def run_workers(
                     errors="replace",
                     stderr=subprocess.PIPE if block else None,
                     stdout=subprocess.PIPE if block and sys.stdout.isatty() else None,
-                )  # fmt: skip
+                )
             )
             labels.append(label)
     shared = f", {per_gpu} per GPU, each with 1/{per_gpu} of its memory" if per_gpu > 1 else ""

@@ -179,8 +179,9 @@ def study_gone(error: KeyError, name: str, masked_url: str) -> HPOError:
     for a row that has gone is one line; any other KeyError is raised as it is."""
     if "Record does not exist" not in str(error):
         raise error
-    return HPOError(f"study {name!r} is no longer in {masked_url}: deleted while hpo read it; "
-                    "see `hpo studies`")  # fmt: skip
+    return HPOError(
+        f"study {name!r} is no longer in {masked_url}: deleted while hpo read it; see `hpo studies`"
+    )
 
 
 def best_of(study: Any, storage: Any) -> list[dict[str, Any]]:
@@ -210,17 +211,29 @@ def _look_at(study: Any, storage: Any, args: argparse.Namespace, read: Reader) -
         emit(f"hpo: report of study {study.study_name!r} written to {out}")
         return 0
     if args.command == "best":
-        best, retrained, objectives = read("the best trial", lambda: (
-            best_of(study, storage), retrain.recorded_outcome(study.user_attrs),
-            len(study.directions),
-        ))  # fmt: skip
+        best, retrained, objectives = read(
+            "the best trial",
+            lambda: (
+                best_of(study, storage),
+                retrain.recorded_outcome(study.user_attrs),
+                len(study.directions),
+            ),
+        )
         if args.download is not None:
             # The download reads the study's attributes too; a retry fetches the model again
             # (what a failed try fetched is removed: see download_best).
-            emit(read("the best model", lambda: download_best(
-                study, best, study_artifact_store(study, args.artifact_store), args.download,
-                args.merge,
-            ))[1])  # fmt: skip
+            emit(
+                read(
+                    "the best model",
+                    lambda: download_best(
+                        study,
+                        best,
+                        study_artifact_store(study, args.artifact_store),
+                        args.download,
+                        args.merge,
+                    ),
+                )[1]
+            )
             return 0
         if args.merge:
             raise HPOError("--merge goes with --download DIR: it writes the merged model there")
@@ -238,9 +251,13 @@ def _look_at(study: Any, storage: Any, args: argparse.Namespace, read: Reader) -
         return 0
     if args.watch:
         return _watch(study, storage, args.json, args.interval, read)
-    summary, store = read("the status", lambda: (
-        report.status(study, storage=storage), artifact_summary(study, args),
-    ))  # fmt: skip
+    summary, store = read(
+        "the status",
+        lambda: (
+            report.status(study, storage=storage),
+            artifact_summary(study, args),
+        ),
+    )
     if store is not None:
         summary["artifact_store"] = store
     lines = report.status_lines(summary) + ([artifact_line(store)] if store else [])
@@ -269,8 +286,11 @@ def artifact_summary(study: Any, args: argparse.Namespace) -> dict[str, Any] | N
         if store is None:
             return None
         slug = study_folder_name(study.study_name)
-        return {"url": store.url, "size_bytes": store.size(slug),
-                "trial_folders": len(store.folders(slug))}  # fmt: skip
+        return {
+            "url": store.url,
+            "size_bytes": store.size(slug),
+            "trial_folders": len(store.folders(slug)),
+        }
     except ArtifactStoreError as e:  # e.g. the workers' shared mount is not mounted here
         if args.artifact_store is not None:
             raise
@@ -291,9 +311,13 @@ API_DOWNLOAD = DownloadNames("download folder", "merge=True", 'download("best-mo
 
 
 def download_best(
-    study: Any, best: list[dict], store: ArtifactStore | None, download: str, merge: bool,
+    study: Any,
+    best: list[dict],
+    store: ArtifactStore | None,
+    download: str,
+    merge: bool,
     names: DownloadNames = DownloadNames(),
-) -> tuple[Path, str]:  # fmt: skip
+) -> tuple[Path, str]:
     """`hpo best --download DIR`: the best trial's model from the store into `download` (written
     beside it, then renamed: never half a model), each file checked against its sha256; with
     `merge`, a LoRA adapter merged into its base model. Returns the folder and what to say.
@@ -303,15 +327,21 @@ def download_best(
 
     entrypoint = best[0]["user_attrs"].get("entrypoint") if best else None
     if entrypoint:
-        raise HPOError(f"trial #{best[0]['number']} ran your training function ({entrypoint}), "
-                       "which keeps its own model: hpo has none to download")  # fmt: skip
+        raise HPOError(
+            f"trial #{best[0]['number']} ran your training function ({entrypoint}), "
+            "which keeps its own model: hpo has none to download"
+        )
     if store is None:
-        raise HPOError(f"study {study.study_name!r} has no artifact store; its best model is on "
-                       "the host that trained it (hpo best names the folder)")  # fmt: skip
+        raise HPOError(
+            f"study {study.study_name!r} has no artifact store; its best model is on "
+            "the host that trained it (hpo best names the folder)"
+        )
     out = Path(download)
     if not download.strip() or out.resolve() == Path.cwd() or out.name in ("", ".", ".."):
-        raise HPOError(f"{names.folder} {download!r}: name a new (or empty) folder for the "
-                       f"model, e.g. {names.example}")  # fmt: skip
+        raise HPOError(
+            f"{names.folder} {download!r}: name a new (or empty) folder for the "
+            f"model, e.g. {names.example}"
+        )
     if out.is_symlink():  # a link to an empty folder: that folder; a link to nothing: refused
         if not out.is_dir():
             raise HPOError(f"{names.folder} {out}: a link to nothing; name a new folder")
@@ -350,9 +380,13 @@ def download_best(
 
 
 def _finish_adapter(
-    study: Any, adapter: dict | None, folder: Path, merged: Path | None, out: Path,
+    study: Any,
+    adapter: dict | None,
+    folder: Path,
+    merged: Path | None,
+    out: Path,
     names: DownloadNames,
-) -> str:  # fmt: skip
+) -> str:
     """A downloaded LoRA adapter made loadable here: it names its base model as this host finds
     it; with `merged`, merged into that base as a plain model there. Returns what to say of
     `out`, where it goes ("" for a plain model)."""
@@ -361,9 +395,11 @@ def _finish_adapter(
 
     if not is_adapter_folder(folder):
         if merged is not None:
-            raise HPOError(f"{names.merge}: the best trial fine-tuned every weight (no LoRA "
-                           f"adapter), so its model is plain already; leave {names.merge} "
-                           "out")  # fmt: skip
+            raise HPOError(
+                f"{names.merge}: the best trial fine-tuned every weight (no LoRA "
+                f"adapter), so its model is plain already; leave {names.merge} "
+                "out"
+            )
         return ""
     recorded = adapter.get("base_model") if adapter is not None else None
     base = point_at_base(folder, resolve_location(recorded) if recorded else None)
@@ -406,8 +442,11 @@ def _watch(study: Any, storage: Any, as_json: bool, interval: float, read: Reade
         # No live worker for longer than a worker takes between two trials: nothing will move.
         patience = max(3 * interval, summary.get("grace_period_s") or 60)
         if stalled_since is not None and time.monotonic() - stalled_since >= patience:
-            print(f"hpo: study {study.study_name!r} has stopped moving: no trial runs with a live "
-                  "worker; start a worker (hpo run) to go on", file=sys.stderr)  # fmt: skip
+            print(
+                f"hpo: study {study.study_name!r} has stopped moving: no trial runs with a live "
+                "worker; start a worker (hpo run) to go on",
+                file=sys.stderr,
+            )
             return 1
         time.sleep(interval)
     spent = f": {report.budget_advice(summary)}" if report.waiting_for_budget(summary) else ""
@@ -436,9 +475,13 @@ def report_path(given: str | None, study_name: str, form: str, flag: str = "--ou
 
 
 def write_report(
-    study: Any, storage: Any, form: str, given: str | None, flag: str = "--out",
+    study: Any,
+    storage: Any,
+    form: str,
+    given: str | None,
+    flag: str = "--out",
     read: Reader = at_once,
-) -> Path:  # fmt: skip
+) -> Path:
     """The report (`form`: html or md) to `given` (see report_path), written aside, then
     renamed: never half a file. Returns the file written. `flag`: how messages name `given`;
     `read`: how the study is read (see Reader)."""
@@ -450,10 +493,18 @@ def write_report(
     if out.exists() and not out.is_file():  # a device, a pipe: never replaced by a file
         raise HPOError(f"{flag} {out}: not a regular file; name a file to write")
     if out.is_file() and not study_report.is_report(out):  # a study's database, the data
-        raise HPOError(f"{flag} {out}: exists and is not a report hpo wrote; name a new file, "
-                       "or move that one away first")  # fmt: skip
-    text = read("the report", lambda: study_report.markdown(study, storage) if form == "md"
-                else study_report.html_page(study, storage))  # fmt: skip
+        raise HPOError(
+            f"{flag} {out}: exists and is not a report hpo wrote; name a new file, "
+            "or move that one away first"
+        )
+    text = read(
+        "the report",
+        lambda: (
+            study_report.markdown(study, storage)
+            if form == "md"
+            else study_report.html_page(study, storage)
+        ),
+    )
     try:
         handle, aside = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
     except OSError as e:

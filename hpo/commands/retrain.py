@@ -66,8 +66,11 @@ def retrain_command(args: argparse.Namespace) -> int:
             ) from e
         if args.config is None:  # the demo's config: refused at once unless the study ran with it
             retrain.check_demo_config(storage.get_study_user_attrs(study_id), config, args.study)
-            log.warning("no --config given: using the demo config %s, which study %r ran with",
-                        DEMO_CONFIG, args.study)  # fmt: skip
+            log.warning(
+                "no --config given: using the demo config %s, which study %r ran with",
+                DEMO_CONFIG,
+                args.study,
+            )
         # Its pool closed again: the worker may copy itself next (hpo.trial.worker_copy), and
         # the copy and its trial processes would hold a connection of the worker's open.
         storage.engine.dispose()
@@ -83,9 +86,12 @@ def retrain_command(args: argparse.Namespace) -> int:
     plan = retrain.make_plan(source, config, args.top, args.seeds, args.config is not None)
     plan = retrain.stored_plan(storage, plan.study_name) or plan  # a resumed retrain
     retrain_config = retrain.study_config(config, plan)
-    print(f"hpo: retraining {len(plan.configs)} configurations of study {args.study!r} with "
-          f"{len(plan.seeds)} seeds each, in study {plan.study_name!r} in "
-          f"{storage_url.describe()}", file=sys.stderr)  # fmt: skip
+    print(
+        f"hpo: retraining {len(plan.configs)} configurations of study {args.study!r} with "
+        f"{len(plan.seeds)} seeds each, in study {plan.study_name!r} in "
+        f"{storage_url.describe()}",
+        file=sys.stderr,
+    )
     if stop.requested:
         return stopped_before_first_trial(stop)
     study = open_study(storage, plan.study_name, retrain_config)
@@ -104,8 +110,11 @@ def retrain_command(args: argparse.Namespace) -> int:
     direction = study.directions[0]
     winner = retrain.pick_winner(found, direction, len(plan.seeds))
     if winner is None:
-        print(f"hpo: no retrain run of study {plan.study_name!r} completed; see "
-              f"`hpo status --study {shlex.quote(plan.study_name)}`", file=sys.stderr)  # fmt: skip
+        print(
+            f"hpo: no retrain run of study {plan.study_name!r} completed; see "
+            f"`hpo status --study {shlex.quote(plan.study_name)}`",
+            file=sys.stderr,
+        )
         return 1
     chosen = retrain.best_run(winner, direction)
     model_study, model_trial = study, chosen["trial"]
@@ -118,13 +127,17 @@ def retrain_command(args: argparse.Namespace) -> int:
             return code
         full_data_trial = retrain.full_data_trial(model_study, winner)
         if full_data_trial is None:
-            print("hpo: the full-data run did not complete; see `hpo status --study "
-                  f"{shlex.quote(plan.full_data_study_name)}`", file=sys.stderr)  # fmt: skip
+            print(
+                "hpo: the full-data run did not complete; see `hpo status --study "
+                f"{shlex.quote(plan.full_data_study_name)}`",
+                file=sys.stderr,
+            )
             return 1
         model_trial = full_data_trial
     metric = config.study.primary_metric
-    card = retrain.model_card(plan, found, winner, chosen, config, metric, full_data_trial,
-                              storage_url.masked)  # fmt: skip
+    card = retrain.model_card(
+        plan, found, winner, chosen, config, metric, full_data_trial, storage_url.masked
+    )
     if config.training.entrypoint is not None:
         # A training function keeps its own model: the runs' values over seeds are the outcome.
         print(retrain.summary(card, None))
@@ -137,16 +150,23 @@ def retrain_command(args: argparse.Namespace) -> int:
         trial = next(t for t in model_study.get_trials(deepcopy=False) if t.number == model_trial)
         try:
             registered = registry.register_winner(
-                config, args.register, model_study.study_name, trial, out, card,
+                config,
+                args.register,
+                model_study.study_name,
+                trial,
+                out,
+                card,
                 retrain.card_markdown(card),
-            )  # fmt: skip
+            )
         except HPOError as e:  # the model is saved: a rerun registers it, training nothing
             print(f"hpo: {e}", file=sys.stderr)
             return 1
         print(f"registered in MLflow's model registry: {registered}")
     if stop.requested:  # exit 0 all the same: nothing is left to do, a rerun would redo nothing
-        print(f"hpo: {stop.signal_name} came during the final save, which was finished first",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"hpo: {stop.signal_name} came during the final save, which was finished first",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -202,6 +222,8 @@ def _retrain_runs(
 
 def _retrain_stopped(stop: StopRequest, code: int, args: argparse.Namespace) -> int:
     if stop.signal_name is not None and not args.as_worker:
-        print(f"hpo: stopped by {stop.signal_name}; run the same hpo retrain again to resume",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"hpo: stopped by {stop.signal_name}; run the same hpo retrain again to resume",
+            file=sys.stderr,
+        )
     return stop.exit_code if stop.requested else code

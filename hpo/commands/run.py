@@ -76,11 +76,24 @@ def run_arguments(
     time.monotonic() at the start. Its messages name the options as hpo.run's arguments
     (n_trials, not --n-trials)."""
     args = argparse.Namespace(
-        command="hpo.run", study=study, config=config, storage=None, n_trials=None, timeout=None,
-        trial_timeout=None, device=None, gpus=None, workers_per_gpu=None, artifact_store=None,
-        tracking=None, allow_changed_setup=False, debug=False, quiet=True, argv=[],
+        command="hpo.run",
+        study=study,
+        config=config,
+        storage=None,
+        n_trials=None,
+        timeout=None,
+        trial_timeout=None,
+        device=None,
+        gpus=None,
+        workers_per_gpu=None,
+        artifact_store=None,
+        tracking=None,
+        allow_changed_setup=False,
+        debug=False,
+        quiet=True,
+        argv=[],
         started=time.monotonic(),
-    )  # fmt: skip
+    )
     for name, value in options.items():
         if not hasattr(args, name):
             raise TypeError(f"run_arguments: no option {name!r}")
@@ -198,8 +211,9 @@ def check_inputs(
     _apply_overrides(config, args)
     tracking.resolve(config, getattr(args, "tracking", None), option(args, "tracking"))
     storage_url = resolve_storage_url(args.storage, config.study.storage, option(args, "storage"))
-    artifacts = resolve_artifact_url(getattr(args, "artifact_store", None),
-                                     config.study.artifact_store)  # fmt: skip
+    artifacts = resolve_artifact_url(
+        getattr(args, "artifact_store", None), config.study.artifact_store
+    )
     config.study.artifact_store = artifacts.url if artifacts is not None else None
     _check_memory_share()
     per_gpu = args.workers_per_gpu
@@ -216,8 +230,11 @@ def check_inputs(
     if args.config is None and say_demo:  # once the input is known good: bad input, one line
         # A user in their own folder who forgot --config would otherwise train the demo's data
         # into their ./hpo.db without a word.
-        log.warning("no --config given: using the demo config %s (synthetic review sentiment); "
-                    "pass --config FILE to train on your own data", DEMO_CONFIG)  # fmt: skip
+        log.warning(
+            "no --config given: using the demo config %s (synthetic review sentiment); "
+            "pass --config FILE to train on your own data",
+            DEMO_CONFIG,
+        )
     # Only now the heavy imports: a config or URL error is reported in well under a second.
     from hpo.trial.worker_copy import use_nvml_for_cuda_checks
     from trainer.device import resolve_device
@@ -251,8 +268,9 @@ def check_inputs(
         return config, storage_url, gpus, None, per_gpu if isinstance(per_gpu, int) else 1, {}
     data, prepared = _prepare_every_model(config)
     named = f", labels {data.label_names}" if data.label_names else ""
-    log.info("data: %d training and %d evaluation examples%s", len(data.train), len(data.eval),
-             named)  # fmt: skip
+    log.info(
+        "data: %d training and %d evaluation examples%s", len(data.train), len(data.eval), named
+    )
     problems = config.training.data_problems(data.label_names)
     if problems:
         raise ConfigError([f"training.{k}: got {value!r}; {rule}" for k, value, rule in problems])
@@ -293,8 +311,12 @@ def config_from(source: str | Path | Mapping[str, Any]) -> Config:
     if isinstance(source, (str, os.PathLike)):
         return load_config(source)
     if not isinstance(source, Mapping):
-        raise ConfigError([f"the config must be a file path or a mapping of sections, got "
-                           f"{type(source).__name__}"])  # fmt: skip
+        raise ConfigError(
+            [
+                f"the config must be a file path or a mapping of sections, got "
+                f"{type(source).__name__}"
+            ]
+        )
     return parse_config(_as_yaml_values(source), Path.cwd(), paths_from="the working folder")
 
 
@@ -338,8 +360,9 @@ def _prepare_every_model(config: Config) -> tuple[Any, dict[str, Any]]:
             raise HPOError(f"{e} (with the search's {choice})") from e
     data = prepared.pop(data_key(config.job()), None)
     if data is None:  # the config's own data settings are not among the choices' (max_length)
-        data = prepare_data(config.data, load_tokenizer(config.model, config.task), config.task,
-                            config.training)  # fmt: skip
+        data = prepare_data(
+            config.data, load_tokenizer(config.model, config.task), config.task, config.training
+        )
     return data, prepared
 
 
@@ -453,8 +476,10 @@ def _apply_overrides(config: Config, args: argparse.Namespace) -> None:
         config.study.trial_timeout = args.trial_timeout
     for name in ("gpus", "workers_per_gpu"):
         if getattr(args, name) is not None and args.device is not None:
-            problems.append(f"{option(args, 'device')}: cannot be combined with "
-                            f"{option(args, name)}, which sets the GPU")  # fmt: skip
+            problems.append(
+                f"{option(args, 'device')}: cannot be combined with "
+                f"{option(args, name)}, which sets the GPU"
+            )
     if args.device is not None:
         config.training.device = args.device
         for key, value, rule in config.training.problems():

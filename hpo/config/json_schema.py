@@ -63,9 +63,13 @@ def _entrypoint_or_not(schema: dict[str, Any]) -> dict[str, Any]:
     }
     entrypoint_set = {
         "required": ["training"],
-        "properties": {"training": {"required": ["entrypoint"],
-                                    "properties": {"entrypoint": {"type": "string"}}}},
-    }  # fmt: skip
+        "properties": {
+            "training": {
+                "required": ["entrypoint"],
+                "properties": {"entrypoint": {"type": "string"}},
+            }
+        },
+    }
     return {
         "if": entrypoint_set,
         "then": {
@@ -73,7 +77,7 @@ def _entrypoint_or_not(schema: dict[str, Any]) -> dict[str, Any]:
                 "study": {"properties": {"metric": user_metric}},
                 "search_space": user_space,
             }
-        },  # fmt: skip
+        },
         "else": {
             "properties": {"search_space": {"anyOf": [_search_space_schema(), SPACE_FUNCTION]}},
             # `metrics: package.module:name` or `task: package.module:ClassName`: study.metric
@@ -86,7 +90,7 @@ def _entrypoint_or_not(schema: dict[str, Any]) -> dict[str, Any]:
             },
             "then": {"properties": {"study": {"properties": {"metric": user_metric}}}},
             "else": {"properties": {"study": {"properties": {"metric": hpo_metric}}}},
-        },  # fmt: skip
+        },
     }
 
 

@@ -198,8 +198,10 @@ def _parse_entrypoint_config(
     problems: list[str] = []
     for key in _NOT_WITH_ENTRYPOINT:
         if raw.pop(key, None) is not None:
-            problems.append(f"{key}: means nothing with training.entrypoint (your function "
-                            "builds its own model, reads its own data); leave it out")  # fmt: skip
+            problems.append(
+                f"{key}: means nothing with training.entrypoint (your function "
+                "builds its own model, reads its own data); leave it out"
+            )
     study = raw.get("study")
     objectives: Any = None
     direction: Any = None
@@ -226,8 +228,9 @@ def _parse_entrypoint_config(
         grid = config.study.sampler.type == "grid"
         for index, params in enumerate(config.study.enqueue):
             where = f"study.enqueue[{index}]"
-            config.study.enqueue[index] = check_params(config.search_space, params, where,
-                                                       problems, complete=grid)  # fmt: skip
+            config.study.enqueue[index] = check_params(
+                config.search_space, params, where, problems, complete=grid
+            )
     _resolve_paths(config, base_dir, problems, paths_from)
     if problems:
         raise ConfigError(problems, source)
@@ -262,11 +265,15 @@ def _check_metrics_function(
     each metric improves (an hpo metric's direction, if given, must be its own)."""
     spec = config.metrics
     if not isinstance(spec, str) or not ENTRYPOINT.fullmatch(spec):
-        problems.append(f"metrics: got {_show(spec)}; must be your function as "
-                        "`package.module:name`, e.g. my_metrics:f2")  # fmt: skip
+        problems.append(
+            f"metrics: got {_show(spec)}; must be your function as "
+            "`package.module:name`, e.g. my_metrics:f2"
+        )
     if config.task not in EXAMPLE_TASKS and not is_task_path(config.task):
-        problems.append(f"metrics: the task {config.task} has a target per token; a metrics "
-                        f"function works with {', '.join(EXAMPLE_TASKS)}")  # fmt: skip
+        problems.append(
+            f"metrics: the task {config.task} has a target per token; a metrics "
+            f"function works with {', '.join(EXAMPLE_TASKS)}"
+        )
     if objectives is not None:
         _check_user_objectives(config, objectives, problems)
 
@@ -284,17 +291,20 @@ def _check_user_objectives(
     given = _directions(direction, len(names))
     if given is None:
         unknown = [n for n in names if n not in METRIC_DIRECTIONS]
-        problems.append(f"study.direction: got {_show(direction)}; {', '.join(unknown)} "
-                        f"{'is' if len(unknown) == 1 else 'are'} not hpo's: give minimize or "
-                        f"maximize for each metric ({', '.join(names)})")  # fmt: skip
+        problems.append(
+            f"study.direction: got {_show(direction)}; {', '.join(unknown)} "
+            f"{'is' if len(unknown) == 1 else 'are'} not hpo's: give minimize or "
+            f"maximize for each metric ({', '.join(names)})"
+        )
         return
     for name, way in zip(names, given, strict=True):
         if name in METRIC_DIRECTIONS and way != METRIC_DIRECTIONS[name]:
             problems.append(f"study.direction: metric {name} must be {METRIC_DIRECTIONS[name]}d")
             return
     if names[0] == "samples_per_s":
-        problems.append("study.metric: must begin with an evaluation metric: it picks the best "
-                        "evaluation")  # fmt: skip
+        problems.append(
+            "study.metric: must begin with an evaluation metric: it picks the best evaluation"
+        )
         return
     config.study.metric = typing.cast(Any, metric)
     config.study.direction = typing.cast(Any, direction)
@@ -304,20 +314,25 @@ def _set_space_function(config: Config, spec: str, problems: list[str]) -> None:
     """`search_space: package.module:name`: the user's define-by-run function samples each
     trial's parameters (imported and checked before any trial, by hpo run)."""
     if not ENTRYPOINT.fullmatch(spec):
-        problems.append(f"search_space: got {_show(spec)}; must be a mapping of parameter name to "
-                        "spec, or your function as `package.module:name`, e.g. "
-                        "my_space:space")  # fmt: skip
+        problems.append(
+            f"search_space: got {_show(spec)}; must be a mapping of parameter name to "
+            "spec, or your function as `package.module:name`, e.g. "
+            "my_space:space"
+        )
         return
     config.search_space_function = spec
     if config.study.sampler.type == "grid":
-        problems.append(f"study.sampler.type: grid needs a search space mapping (the grid "
-                        f"of {spec} is not known before it runs); use tpe or random")  # fmt: skip
+        problems.append(
+            f"study.sampler.type: grid needs a search space mapping (the grid "
+            f"of {spec} is not known before it runs); use tpe or random"
+        )
 
 
 def _check_function_enqueue(config: Config, problems: list[str]) -> None:
     for index, params in enumerate(config.study.enqueue):
-        config.study.enqueue[index] = check_function_params(params, f"study.enqueue[{index}]",
-                                                            problems)  # fmt: skip
+        config.study.enqueue[index] = check_function_params(
+            params, f"study.enqueue[{index}]", problems
+        )
 
 
 def check_function_params(
@@ -328,14 +343,18 @@ def check_function_params(
     cannot know them before the function runs, so only their form is checked here; what the
     function returns is checked in the trial like any other."""
     if not params:
-        problems.append(f"{where}: names no parameter; give the names your function suggests "
-                        "(trial.suggest_float(name, ...))")  # fmt: skip
+        problems.append(
+            f"{where}: names no parameter; give the names your function suggests "
+            "(trial.suggest_float(name, ...))"
+        )
     for key, value in params.items():
         if not isinstance(key, str):
             problems.append(f"{where}: key {_show(key)} is not text; quote it")
         elif not isinstance(value, (str, int, float, bool, type(None))):
-            problems.append(f"{where}.{key}: got {_show(value)}; must be a single value (a "
-                            "number, text, true/false, null)")  # fmt: skip
+            problems.append(
+                f"{where}.{key}: got {_show(value)}; must be a single value (a "
+                "number, text, true/false, null)"
+            )
     return dict(params)
 
 
@@ -345,8 +364,10 @@ def function_params(config: Config, params: Any, spec: str) -> dict[str, Any]:
     function's own parameter needs only be an identifier), each value converted to the
     setting's type and valid for it. Raises ValueError with every problem found."""
     if not isinstance(params, dict):
-        raise ValueError(f"{spec} returned {_described(params)}; expected a dict of parameter "
-                         "name to value, e.g. {'learning_rate': 3e-5}")  # fmt: skip
+        raise ValueError(
+            f"{spec} returned {_described(params)}; expected a dict of parameter "
+            "name to value, e.g. {'learning_rate': 3e-5}"
+        )
     problems: list[str] = []
     checked: dict[str, Any] = {}
     user_function = config.training.entrypoint is not None
@@ -374,8 +395,11 @@ def function_params(config: Config, params: Any, spec: str) -> dict[str, Any]:
         checked[name] = setting
     if not user_function and not problems:
         unused = {search_paths.param_name(p) for p in _unused_settings(config.task)}
-        problems.extend(f"{spec} returned {n}: means nothing for the task {config.task}"
-                        for n in checked if n in unused)  # fmt: skip
+        problems.extend(
+            f"{spec} returned {n}: means nothing for the task {config.task}"
+            for n in checked
+            if n in unused
+        )
     if problems:
         raise ValueError("; ".join(problems))
     return checked
@@ -391,18 +415,23 @@ def _build_user_space(raw: Any, problems: list[str]) -> dict[str, ParamSpec]:
     if raw is None:
         return {}
     if not isinstance(raw, dict):
-        problems.append(f"search_space: got {_described(raw)}; must be a mapping of parameter "
-                        "name to spec")  # fmt: skip
+        problems.append(
+            f"search_space: got {_described(raw)}; must be a mapping of parameter name to spec"
+        )
         return {}
     space: dict[str, ParamSpec] = {}
     for name, spec in raw.items():
         key = f"search_space.{_key(name)}"
         if not isinstance(name, str) or not name.isidentifier():
-            problems.append(f"{key}: a parameter's name must be a Python identifier, e.g. "
-                            "hidden_size (your function reads ctx.params[name])")  # fmt: skip
+            problems.append(
+                f"{key}: a parameter's name must be a Python identifier, e.g. "
+                "hidden_size (your function reads ctx.params[name])"
+            )
         elif not isinstance(spec, dict):
-            problems.append(f"{key}: got {_described(spec)}; give its spec, e.g. "
-                            "{type: float, low: 1.0e-5, high: 1.0e-3}")  # fmt: skip
+            problems.append(
+                f"{key}: got {_described(spec)}; give its spec, e.g. "
+                "{type: float, low: 1.0e-5, high: 1.0e-3}"
+            )
         else:
             space[name] = _build(ParamSpec, spec, key + ".", problems)
     return space
@@ -421,8 +450,10 @@ def _check_user_space(config: Config, problems: list[str]) -> None:
     for value in batch.values_for_bounds():
         ok, converted, _ = _convert(value, int, "", [])
         if not ok or converted < 1:
-            problems.append(f"search_space.effective_batch_size: value {_show(value)} must be a "
-                            "positive integer")  # fmt: skip
+            problems.append(
+                f"search_space.effective_batch_size: value {_show(value)} must be a "
+                "positive integer"
+            )
             return
     if batch.type == "float":
         problems.append("search_space.effective_batch_size: got type float; use int or categorical")
@@ -439,15 +470,19 @@ def _set_user_objectives(config: Config, metric: Any, direction: Any, problems: 
         or not names
         or not all(isinstance(n, str) and n.strip() for n in names)
     ):
-        problems.append(f"study.metric: got {_show(metric)}; with training.entrypoint, name the "
-                        "metric your function reports (ctx.report), e.g. val_loss")  # fmt: skip
+        problems.append(
+            f"study.metric: got {_show(metric)}; with training.entrypoint, name the "
+            "metric your function reports (ctx.report), e.g. val_loss"
+        )
         return
     if len(set(names)) < len(names):
         problems.append(f"study.metric: got {_show(names)}; lists a metric twice")
         return
     if _directions(direction, len(names)) is None:
-        problems.append(f"study.direction: got {_show(direction)}; with training.entrypoint give "
-                        f"minimize or maximize for each metric ({', '.join(names)})")  # fmt: skip
+        problems.append(
+            f"study.direction: got {_show(direction)}; with training.entrypoint give "
+            f"minimize or maximize for each metric ({', '.join(names)})"
+        )
         return
     config.study.metric = typing.cast(Any, metric)
     config.study.direction = typing.cast(Any, direction)
@@ -475,8 +510,9 @@ def _check_searched_for_task(config: Config, problems: list[str]) -> None:
     unused = {search_paths.param_name(path) for path in info.unused_settings()}
     for name in config.search_space:
         if search_paths.resolve(name)[0] in unused:
-            problems.append(f"search_space.{name}: means nothing for the task {config.task}; "
-                            "leave it out")  # fmt: skip
+            problems.append(
+                f"search_space.{name}: means nothing for the task {config.task}; leave it out"
+            )
 
 
 def _default_metric_of_task(raw: dict[Any, Any]) -> None:
@@ -500,8 +536,9 @@ def _default_model_of_search(raw: dict[Any, Any], space_raw: Any) -> None:
     model, space = raw.get("model"), space_raw
     if not isinstance(space, dict) or not (model is None or isinstance(model, dict)):
         return
-    spec = next((v for k, v in space.items() if search_paths.resolve(k)[0] == "model.name_or_path"),
-                None)  # fmt: skip
+    spec = next(
+        (v for k, v in space.items() if search_paths.resolve(k)[0] == "model.name_or_path"), None
+    )
     choices = spec.get("choices") if isinstance(spec, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], str):
         return
@@ -631,8 +668,10 @@ def _setting_problems(config: Config, name: str, value: Any) -> list[str]:
     if (section, field) == ("model", "name_or_path") and isinstance(value, str):
         resolved = _resolved(Path(config.base_dir), value)
         if _looks_local(value) and not _exists(resolved):
-            return [f"not found (looked for {_clip(str(resolved), 200)}); paths are relative "
-                    "to the config file"]  # fmt: skip
+            return [
+                f"not found (looked for {_clip(str(resolved), 200)}); paths are relative "
+                "to the config file"
+            ]
     if not isinstance(value, (str, int, float, bool, type(None))):
         return ["is not a single value (Optuna's choices are numbers, text, true/false, null)"]
     changed = search_paths.with_value(getattr(config, section), section, field, value)
@@ -655,9 +694,11 @@ def _search_conflicts(config: Config) -> list[str]:
                 "model loads its own tokenizer; leave model.tokenizer out"
             )
     if "gradient_checkpointing" in space and model.gradient_checkpointing:
-        found.append("model.gradient_checkpointing: true, but search_space searches "
-                     "training.gradient_checkpointing: a trial's false would not turn it off; "
-                     "leave model.gradient_checkpointing out")  # fmt: skip
+        found.append(
+            "model.gradient_checkpointing: true, but search_space searches "
+            "training.gradient_checkpointing: a trial's false would not turn it off; "
+            "leave model.gradient_checkpointing out"
+        )
     return found
 
 
@@ -673,8 +714,10 @@ def _check_conditions(
             continue
         where = f"search_space.{name}.when"
         if not spec.when:
-            problems.append(f"{where}: names no condition; leave `when` out, or name a "
-                            "searched parameter and its value")  # fmt: skip
+            problems.append(
+                f"{where}: names no condition; leave `when` out, or name a "
+                "searched parameter and its value"
+            )
             continue
         spec.when = _conditions(name, spec.when, space, where, problems, user_function)
     if problems:
@@ -682,8 +725,10 @@ def _check_conditions(
     try:
         order = sampling_order(space)
     except ValueError as e:
-        problems.append(f"search_space: the conditions form a cycle ({e}); a parameter's "
-                        "`when` must name parameters decided before it")  # fmt: skip
+        problems.append(
+            f"search_space: the conditions form a cycle ({e}); a parameter's "
+            "`when` must name parameters decided before it"
+        )
         return
     reordered = {name: space[name] for name in order}
     space.clear()
@@ -691,9 +736,13 @@ def _check_conditions(
 
 
 def _conditions(
-    name: str, when: dict[Any, Any], space: dict[str, ParamSpec], where: str, problems: list[str],
+    name: str,
+    when: dict[Any, Any],
+    space: dict[str, ParamSpec],
+    where: str,
+    problems: list[str],
     user_function: bool = False,
-) -> dict[str, list[Any]]:  # fmt: skip
+) -> dict[str, list[Any]]:
     conditions: dict[str, list[Any]] = {}
     for key, value in when.items():
         if user_function and isinstance(key, str) and key.isidentifier():
@@ -709,16 +758,20 @@ def _conditions(
             problems.append(f"{where}.{_key(key)}: a parameter cannot depend on itself")
             continue
         if param not in space:
-            problems.append(f"{where}.{_key(key)}: {param} is not searched; a condition names "
-                            f"a parameter of the search space ({', '.join(space)})")  # fmt: skip
+            problems.append(
+                f"{where}.{_key(key)}: {param} is not searched; a condition names "
+                f"a parameter of the search space ({', '.join(space)})"
+            )
             continue
         if space[param].type == "float":
             # Sampled from a continuum: one value of it (learning_rate: 0.001) is never drawn,
             # so the parameter would never be searched.
-            problems.append(f"{where}.{_key(key)}: got {_show(value)}; {param} is a float "
-                            "parameter, and a condition on its value never holds; name a "
-                            f"categorical or int parameter, or make {param} categorical "
-                            "(type: categorical, choices: [...])")  # fmt: skip
+            problems.append(
+                f"{where}.{_key(key)}: got {_show(value)}; {param} is a float "
+                "parameter, and a condition on its value never holds; name a "
+                f"categorical or int parameter, or make {param} categorical "
+                "(type: categorical, choices: [...])"
+            )
             continue
         allowed = []
         for item in value if isinstance(value, list) else [value]:
@@ -726,8 +779,9 @@ def _conditions(
             ok, setting, _ = _convert(item, hint, f"{where}.", [])
             outside = _outside(space[param], setting if ok else item)
             if outside:
-                problems.append(f"{where}.{_key(key)}: got {_show(item)}; {param} never takes "
-                                f"it: {outside}")  # fmt: skip
+                problems.append(
+                    f"{where}.{_key(key)}: got {_show(item)}; {param} never takes it: {outside}"
+                )
                 break
             allowed.append(setting)
         conditions[param] = allowed
@@ -762,22 +816,28 @@ def _check_grid(config: Config, problems: list[str]) -> None:
     no larger than the grid (more trials would repeat configurations)."""
     if has_conditions(config.search_space):
         conditional = next(name for name, spec in config.search_space.items() if spec.when)
-        problems.append(f"search_space.{conditional}.when: the grid sampler tries every "
-                        "combination of every parameter, so it would train one configuration "
-                        "once per value of a parameter that does not apply; use tpe or random, "
-                        "or leave `when` out")  # fmt: skip
+        problems.append(
+            f"search_space.{conditional}.when: the grid sampler tries every "
+            "combination of every parameter, so it would train one configuration "
+            "once per value of a parameter that does not apply; use tpe or random, "
+            "or leave `when` out"
+        )
         return
     size = 1
     for name, spec in config.search_space.items():
         points = grid_points(spec)
         if points is None:
-            problems.append(f"search_space.{name}: the grid sampler needs a finite dimension; "
-                            "give it a step or choices")  # fmt: skip
+            problems.append(
+                f"search_space.{name}: the grid sampler needs a finite dimension; "
+                "give it a step or choices"
+            )
             return
         size *= len(points)
     if size > MAX_GRID_POINTS:
-        problems.append(f"study.sampler.type: grid: the search space has {size} combinations, "
-                        f"more than {MAX_GRID_POINTS}; use tpe or coarser steps")  # fmt: skip
+        problems.append(
+            f"study.sampler.type: grid: the search space has {size} combinations, "
+            f"more than {MAX_GRID_POINTS}; use tpe or coarser steps"
+        )
     elif config.study.n_trials is not None and config.study.n_trials > size:
         problems.append(
             f"study.n_trials: got {config.study.n_trials}; the grid has {size} combinations "
@@ -804,8 +864,10 @@ def check_params(
         name = search_paths.resolve(key)[0] or key
         if name not in space:
             hint = _did_you_mean(key, space) if isinstance(key, str) else ""
-            problems.append(f"{where}.{_key(key)}: not in the search space{hint}; its "
-                            f"parameters: {', '.join(space)}")  # fmt: skip
+            problems.append(
+                f"{where}.{_key(key)}: not in the search space{hint}; its "
+                f"parameters: {', '.join(space)}"
+            )
             continue
         if name in checked:
             problems.append(f"{where}.{_key(key)}: the same parameter as another key; give it once")
@@ -823,12 +885,15 @@ def check_params(
         when = space[name].when
         if when and not applies(space[name], checked):
             said = ", ".join(f"{k} in {_show(v)}" for k, v in when.items())
-            problems.append(f"{where}.{name}: applies only when {said} (its `when`); give "
-                            "those values too, or leave it out")  # fmt: skip
+            problems.append(
+                f"{where}.{name}: applies only when {said} (its `when`); give "
+                "those values too, or leave it out"
+            )
     missing = [n for n in space if n not in params and n not in checked]
     if complete and params and missing:
-        problems.append(f"{where}: the grid sampler tries whole configurations: add "
-                        f"{', '.join(missing)}")  # fmt: skip
+        problems.append(
+            f"{where}: the grid sampler tries whole configurations: add {', '.join(missing)}"
+        )
     return checked
 
 

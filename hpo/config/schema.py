@@ -18,14 +18,44 @@ from trainer.tasks import DEFAULT_TASK, METRIC_DIRECTIONS, TASKS, is_task_path
 DEFAULT_BATCH_CHOICES = [32, 64, 128, 256, 512]
 # Every task's metrics (trainer.tasks.TASKS); the config's task decides which it may name.
 MetricName = Literal[
-    "accuracy", "macro_f1", "micro_f1", "roc_auc", "eval_loss", "subset_accuracy", "mse", "rmse",
-    "mae", "pearson", "spearman", "r2", "f1", "precision", "recall", "token_accuracy", "perplexity",
-]  # fmt: skip
+    "accuracy",
+    "macro_f1",
+    "micro_f1",
+    "roc_auc",
+    "eval_loss",
+    "subset_accuracy",
+    "mse",
+    "rmse",
+    "mae",
+    "pearson",
+    "spearman",
+    "r2",
+    "f1",
+    "precision",
+    "recall",
+    "token_accuracy",
+    "perplexity",
+]
 ObjectiveName = Literal[
-    "accuracy", "macro_f1", "micro_f1", "roc_auc", "eval_loss", "subset_accuracy", "mse", "rmse",
-    "mae", "pearson", "spearman", "r2", "f1", "precision", "recall", "token_accuracy", "perplexity",
+    "accuracy",
+    "macro_f1",
+    "micro_f1",
+    "roc_auc",
+    "eval_loss",
+    "subset_accuracy",
+    "mse",
+    "rmse",
+    "mae",
+    "pearson",
+    "spearman",
+    "r2",
+    "f1",
+    "precision",
+    "recall",
+    "token_accuracy",
+    "perplexity",
     "samples_per_s",
-]  # fmt: skip
+]
 # What a study can optimise: the evaluation metrics, and a trial's training throughput.
 OBJECTIVE_DIRECTIONS: dict[str, Direction] = {**METRIC_DIRECTIONS, "samples_per_s": "maximize"}
 # study.throughput_tolerance: the run-to-run noise of samples/s is a few percent (hpo.trial.front).
@@ -166,8 +196,14 @@ class PrunerConfig:
         if self.type not in ("median", "percentile"):
             for key, default in (("n_startup_trials", 3), ("n_warmup_steps", DEFAULT_WARMUP)):
                 if getattr(self, key) != default:
-                    found.append((key, getattr(self, key), f"only for median or percentile, "
-                                  f"not {self.type}; set type: median to use it"))  # fmt: skip
+                    found.append(
+                        (
+                            key,
+                            getattr(self, key),
+                            f"only for median or percentile, "
+                            f"not {self.type}; set type: median to use it",
+                        )
+                    )
         if self.margin < 0:
             found.append(("margin", self.margin, "must be >= 0"))
         elif self.margin not in (0.0, DEFAULT_MARGIN) and self.type not in ("median", "percentile"):
@@ -315,8 +351,13 @@ class StudyConfig:
             rule = "several objectives need tpe, gp, nsga2, random, qmc or grid, not cmaes"
             found.append(("metric", self.objectives, rule))
         if not 0 <= self.throughput_tolerance < 1:
-            found.append(("throughput_tolerance", self.throughput_tolerance,
-                          "must be a fraction in [0, 1), e.g. 0.05"))  # fmt: skip
+            found.append(
+                (
+                    "throughput_tolerance",
+                    self.throughput_tolerance,
+                    "must be a fraction in [0, 1), e.g. 0.05",
+                )
+            )
         if self.n_trials is not None and self.n_trials < 1:
             found.append(("n_trials", self.n_trials, "must be a positive integer or null"))
         if self.timeout is not None and self.timeout <= 0:
@@ -342,8 +383,9 @@ class StudyConfig:
         if self.n_trials is None and self.timeout is None:
             found.append(("n_trials", None, "give n_trials or timeout, or the study never ends"))
         if len(self.enqueue) > MAX_ENQUEUED:
-            found.append(("enqueue", f"{len(self.enqueue)} configurations",
-                          f"at most {MAX_ENQUEUED}"))  # fmt: skip
+            found.append(
+                ("enqueue", f"{len(self.enqueue)} configurations", f"at most {MAX_ENQUEUED}")
+            )
         return found + self._duration_problems()
 
     def _duration_problems(self) -> list[tuple[str, Any, str]]:
@@ -370,8 +412,13 @@ class StudyConfig:
         if directions is None:
             return []
         if isinstance(directions, str) and len(objectives) > 1:
-            return [("direction", directions, f"give one per metric ({len(objectives)}) or leave "
-                     "it out")]  # fmt: skip
+            return [
+                (
+                    "direction",
+                    directions,
+                    f"give one per metric ({len(objectives)}) or leave it out",
+                )
+            ]
         given = [directions] if isinstance(directions, str) else list(directions)
         if len(given) != len(objectives):
             return [("direction", given, f"give one per metric ({len(objectives)})")]
@@ -446,8 +493,14 @@ class ParamSpec:
         if abs(ratio - round(ratio)) > 1e-9 * max(1.0, ratio):
             # Optuna would lower high to the last step silently (with a warning per trial).
             last = low + math.floor(ratio) * step
-            return [("step", step, f"high - low ({high - low:g}) is not a multiple of it, so "
-                     f"high is never tried; set high: {last:g} or another step")]  # fmt: skip
+            return [
+                (
+                    "step",
+                    step,
+                    f"high - low ({high - low:g}) is not a multiple of it, so "
+                    f"high is never tried; set high: {last:g} or another step",
+                )
+            ]
         return []
 
     def values_for_bounds(self) -> list[Any]:
@@ -601,13 +654,25 @@ class Config:
         if is_task_path(self.task):
             return []
         if self.task not in TASKS:
-            return [("task", self.task, f"must be one of {', '.join(TASKS)}, or your task class "
-                     "as `package.module:ClassName`")]  # fmt: skip
+            return [
+                (
+                    "task",
+                    self.task,
+                    f"must be one of {', '.join(TASKS)}, or your task class "
+                    "as `package.module:ClassName`",
+                )
+            ]
         info = TASKS[self.task]
         for name in self.study.objectives:
             if name != "samples_per_s" and name in METRIC_DIRECTIONS and name not in info.metrics:
-                return [("study.metric", name, f"the task {self.task} has no metric {name}; its "
-                         f"metrics: {', '.join(info.metrics)}")]  # fmt: skip
+                return [
+                    (
+                        "study.metric",
+                        name,
+                        f"the task {self.task} has no metric {name}; its "
+                        f"metrics: {', '.join(info.metrics)}",
+                    )
+                ]
         found: list[tuple[str, Any, str]] = []
         unused = f"means nothing for the task {self.task}; leave it out"
         for path in info.unused_settings():

@@ -49,10 +49,13 @@ SEARCHABLE = (
 ALIASES = {"model.gradient_checkpointing": "training.gradient_checkpointing"}
 
 _HARDWARE = "how the run uses the hardware, not what it learns: the same for every trial"
-_SPLIT = ("how a step is split to fit memory, not what it computes: search "
-          "training.effective_batch_size")  # fmt: skip
-_BUDGET = ("the trial's budget or how often it is measured: the pruner compares trials at the "
-           "same evaluations; search training.epochs")  # fmt: skip
+_SPLIT = (
+    "how a step is split to fit memory, not what it computes: search training.effective_batch_size"
+)
+_BUDGET = (
+    "the trial's budget or how often it is measured: the pruner compares trials at the "
+    "same evaluations; search training.epochs"
+)
 _DATA = "which data is read: a study compares its trials on one data set"
 _FILE = "a file path: the same for every trial"
 # Why each other field of a section is not searchable (tests check that every field has a say).
@@ -70,7 +73,7 @@ NOT_SEARCHABLE = {
             "training.batch_safety_margin",
         ),
         _SPLIT,
-    ),  # fmt: skip
+    ),
     **dict.fromkeys(
         ("training.max_steps", "training.evals_per_epoch", "training.early_stopping_patience"),
         _BUDGET,
@@ -88,7 +91,7 @@ NOT_SEARCHABLE = {
             "model.cuda_graphs",
         ),
         _HARDWARE,
-    ),  # fmt: skip
+    ),
     "model.config": "an inline model config; search model.name_or_path over saved models",
     "model.factory": "your function that builds the model, the same for every trial: it reads "
     "each trial's searched settings from its request (request.model.dropout, ...)",
@@ -111,7 +114,7 @@ NOT_SEARCHABLE = {
             "data.max_row_mib",
         ),
         _DATA,
-    ),  # fmt: skip
+    ),
 }
 _NOT_A_SECTION = {
     "study": "study settings say how the search runs, not what a trial trains",

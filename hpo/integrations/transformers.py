@@ -52,8 +52,11 @@ DEFAULT_HP_SPACE = "transformers.trainer_utils:default_hp_space_optuna"
 ObjectiveFunction = Callable[[dict[str, float]], float]
 # Sampled names that set the batch: hpo splits the effective batch into the per-device batch
 # and the accumulation steps itself.
-_BATCH_PARAMS = ("effective_batch_size", "per_device_train_batch_size",
-                 "gradient_accumulation_steps")  # fmt: skip
+_BATCH_PARAMS = (
+    "effective_batch_size",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+)
 _CHECKPOINT = re.compile(r"checkpoint-\d+")
 _RESTORED = "hpo-restored"  # the folder (under output_dir) hpo writes a restored checkpoint to
 
@@ -65,8 +68,10 @@ def exact_split(effective_batch_size: int, physical_batch_size: int) -> tuple[in
     fit is 2 passes of 32; an effective batch with few divisors may give far smaller passes
     (a prime: passes of 1), so sample batch sizes such as powers of two."""
     if effective_batch_size < 1 or physical_batch_size < 1:
-        raise ValueError(f"batch sizes must be >= 1, got effective {effective_batch_size} and "
-                         f"physical {physical_batch_size}")  # fmt: skip
+        raise ValueError(
+            f"batch sizes must be >= 1, got effective {effective_batch_size} and "
+            f"physical {physical_batch_size}"
+        )
     steps = math.ceil(effective_batch_size / physical_batch_size)
     while effective_batch_size % steps:
         steps += 1
@@ -100,8 +105,11 @@ def trial_settings(
             settings[name] = _cast(name, getattr(args, name), value)
     others = [n for n in ctx.params if n not in fields and n not in _BATCH_PARAMS]
     if others:
-        log.debug("trial %d: %s name no TrainingArguments field (read them from ctx.params)",
-                  ctx.trial_number, ", ".join(others))  # fmt: skip
+        log.debug(
+            "trial %d: %s name no TrainingArguments field (read them from ctx.params)",
+            ctx.trial_number,
+            ", ".join(others),
+        )
     ctx.effective_batch_size = effective_batch_size(args, ctx.params)
     if probe is not None:
         ctx.find_batch_size(probe)
@@ -130,8 +138,10 @@ def _cast(name: str, current: Any, value: Any) -> Any:
     try:
         return kind(value)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"the sampled {name}={value!r} is no {kind.__name__}, the type of "
-                         f"TrainingArguments.{name}") from e  # fmt: skip
+        raise ValueError(
+            f"the sampled {name}={value!r} is no {kind.__name__}, the type of "
+            f"TrainingArguments.{name}"
+        ) from e
 
 
 def probe_step(model: torch.nn.Module, batch: Mapping[str, Any]) -> Callable[[int], None]:
@@ -232,8 +242,11 @@ def reported_metrics(
 ) -> dict[str, float]:
     """The numbers among an evaluation's metrics, with compute_objective's value as
     "objective" when there is one."""
-    numbers = {k: float(v) for k, v in metrics.items()
-               if isinstance(v, (int, float)) and not isinstance(v, bool)}  # fmt: skip
+    numbers = {
+        k: float(v)
+        for k, v in metrics.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
     if compute_objective is not None:
         numbers[OBJECTIVE] = float(compute_objective(dict(metrics)))
     return numbers
@@ -252,8 +265,11 @@ def evaluation_number(state: TrainerState, metrics: Mapping[str, Any], reported:
 def pack_checkpoint(folder: Path) -> dict[str, Any]:
     """A Trainer checkpoint folder as a state ctx.save can keep: its name and each file's
     bytes by path. Small models' checkpoints only: the whole folder is held in memory."""
-    files = {path.relative_to(folder).as_posix(): path.read_bytes()
-             for path in sorted(folder.rglob("*")) if path.is_file()}  # fmt: skip
+    files = {
+        path.relative_to(folder).as_posix(): path.read_bytes()
+        for path in sorted(folder.rglob("*"))
+        if path.is_file()
+    }
     return {"checkpoint": folder.name, "files": files}
 
 
@@ -266,8 +282,10 @@ def resume_checkpoint(ctx: TrainingContext, output_dir: str | os.PathLike[str]) 
         return None
     name, files = state.get("checkpoint"), state.get("files")
     if not isinstance(name, str) or not _CHECKPOINT.fullmatch(name) or not isinstance(files, dict):
-        raise ValueError(f"trial {ctx.trial_number}: the state in hpo's store is no Trainer "
-                         "checkpoint that HpoCallback saved")  # fmt: skip
+        raise ValueError(
+            f"trial {ctx.trial_number}: the state in hpo's store is no Trainer "
+            "checkpoint that HpoCallback saved"
+        )
     restored = Path(output_dir) / _RESTORED
     folder = restored / name
     if restored.exists():  # hpo's own folder, from an earlier attempt
@@ -275,8 +293,10 @@ def resume_checkpoint(ctx: TrainingContext, output_dir: str | os.PathLike[str]) 
     for relative, data in files.items():
         path = (folder / relative).resolve()
         if not path.is_relative_to(folder.resolve()) or not isinstance(data, bytes):
-            raise ValueError(f"trial {ctx.trial_number}: checkpoint file {relative!r} in hpo's "
-                             "store is not one HpoCallback saved")  # fmt: skip
+            raise ValueError(
+                f"trial {ctx.trial_number}: checkpoint file {relative!r} in hpo's "
+                "store is not one HpoCallback saved"
+            )
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
     log.info("trial %d resumes from %s", ctx.trial_number, name)
@@ -298,9 +318,11 @@ class TrainerEntrypoint:
     def __call__(self, ctx: TrainingContext) -> None:
         trainer = self.make_trainer()
         if not isinstance(trainer, Trainer) or trainer.model_init is None:
-            raise TypeError(f"{_name(self.make_trainer)} must return a transformers Trainer "
-                            "built with model_init=, as for hyperparameter_search; got "
-                            f"{type(trainer).__name__}")  # fmt: skip
+            raise TypeError(
+                f"{_name(self.make_trainer)} must return a transformers Trainer "
+                "built with model_init=, as for hyperparameter_search; got "
+                f"{type(trainer).__name__}"
+            )
         # model_init(trial) may read the parameters, or suggest them: a FixedTrial answers
         trial: Any = optuna.trial.FixedTrial(dict(ctx.params), number=ctx.trial_number)
         probe = _trainer_probe(trainer, trial) if ctx.device.type == "cuda" else None
@@ -355,11 +377,18 @@ def hyperparameter_search(
     import hpo.api
 
     if backend not in (None, "optuna"):
-        raise ConfigError([f"backend: got {backend!r}; hpo's search is Optuna's: leave it out"],
-                          "hyperparameter_search")  # fmt: skip
+        raise ConfigError(
+            [f"backend: got {backend!r}; hpo's search is Optuna's: leave it out"],
+            "hyperparameter_search",
+        )
     if not isinstance(train, TrainerEntrypoint):
-        raise ConfigError([f"train: got {type(train).__name__}; give what trainer_entrypoint("
-                           "make_trainer) returned"], "hyperparameter_search")  # fmt: skip
+        raise ConfigError(
+            [
+                f"train: got {type(train).__name__}; give what trainer_entrypoint("
+                "make_trainer) returned"
+            ],
+            "hyperparameter_search",
+        )
     config = search_config(train, hp_space, n_trials, direction, device, study_settings)
     result = hpo.api.run(config, study=study, storage=storage, n_trials=n_trials, timeout=timeout)
     best = result.best
@@ -379,8 +408,10 @@ def search_config(
     """hpo's config for hyperparameter_search: `train` and `hp_space` by import path, the
     study optimizing compute_objective's value ("objective") in `direction`."""
     if not isinstance(direction, str):
-        raise ConfigError([f"direction: got {direction!r}; give minimize or maximize (one "
-                           "objective)"], "hyperparameter_search")  # fmt: skip
+        raise ConfigError(
+            [f"direction: got {direction!r}; give minimize or maximize (one objective)"],
+            "hyperparameter_search",
+        )
     training: dict[str, Any] = {"entrypoint": _spec_of(train, train.module, "train")}
     if device is not None:
         training["device"] = device
@@ -399,17 +430,26 @@ def _spec_of(value: object, module_name: str, what: str) -> str:
     module = sys.modules.get(module_name)
     name = next((k for k, v in vars(module).items() if v is value), None) if module else None
     if module is None or name is None:
-        raise ConfigError([f"{what}: {_name(value)} is not a name at the top of a module; hpo "
-                           "imports it in each trial process: define it there"],
-                          "hyperparameter_search")  # fmt: skip
+        raise ConfigError(
+            [
+                f"{what}: {_name(value)} is not a name at the top of a module; hpo "
+                "imports it in each trial process: define it there"
+            ],
+            "hyperparameter_search",
+        )
     if module_name != "__main__":
         return f"{module_name}:{name}"
     file = getattr(module, "__file__", None)
     stem = Path(file).stem if file else ""
     if not stem.isidentifier():
-        raise ConfigError([f"{what}: defined in {file or 'an interactive session'}, which a "
-                           "trial process cannot import: put it in a .py file whose name is a "
-                           "Python identifier"], "hyperparameter_search")  # fmt: skip
+        raise ConfigError(
+            [
+                f"{what}: defined in {file or 'an interactive session'}, which a "
+                "trial process cannot import: put it in a .py file whose name is a "
+                "Python identifier"
+            ],
+            "hyperparameter_search",
+        )
     return f"{stem}:{name}"
 
 

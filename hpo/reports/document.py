@@ -272,9 +272,11 @@ def _summary(study: optuna.Study, status: dict[str, Any], drawn: Drawn) -> list[
         values = ", ".join(f"{v:.4f}" for v in trial["values"])
         lines.append(f"Pareto front: trial #{trial['number']}, {values}")
     if drawn.total is not None:
-        lines.append(f"plots and the trial table show {len(drawn.sample_ids or [])} of the study's "
-                     f"{drawn.total} trials: the best, the latest and an even spread of the rest; "
-                     "the counts above are of every trial")  # fmt: skip
+        lines.append(
+            f"plots and the trial table show {len(drawn.sample_ids or [])} of the study's "
+            f"{drawn.total} trials: the best, the latest and an even spread of the rest; "
+            "the counts above are of every trial"
+        )
     best = [status["best"]] if status["best"] is not None else status["pareto_front"] or []
     return lines + report.checkpoint_warnings(best, status.get("lost_checkpoints"))
 
@@ -315,8 +317,10 @@ def _best_block(study: optuna.Study, status: dict[str, Any], fence: str) -> list
         "",
     ]
     if searched is not None:  # a retrain study: its winner is in the searched study's report
-        lines.append(f"This study holds the retrain runs of study {searched!r}; `hpo best --study "
-                     f"{shlex.quote(str(searched))}` names the winner on the mean.")  # fmt: skip
+        lines.append(
+            f"This study holds the retrain runs of study {searched!r}; `hpo best --study "
+            f"{shlex.quote(str(searched))}` names the winner on the mean."
+        )
         return lines
     lines += [
         "For a final model: the best configurations trained again with new seeds, the winner "
@@ -407,15 +411,16 @@ def _plots(drawn: Drawn) -> list[tuple[str, Callable[[], Any]]]:
             ("Throughput and peak memory by physical batch size", lambda: _throughput(study)),
         ]
     return [
-        ("Optimization history",
-         lambda: _renumbered(vis.plot_optimization_history(study, target_name=names[0]), drawn)),
+        (
+            "Optimization history",
+            lambda: _renumbered(vis.plot_optimization_history(study, target_name=names[0]), drawn),
+        ),
         ("Learning rate against effective batch size", lambda: _lr_batch(study)),
         ("Parameter importances", lambda: vis.plot_param_importances(study, target_name=names[0])),
         ("Learning curves (pruned in grey)", lambda: _curves(study)),
-        ("Parallel coordinates",
-         lambda: vis.plot_parallel_coordinate(study, target_name=names[0])),
+        ("Parallel coordinates", lambda: vis.plot_parallel_coordinate(study, target_name=names[0])),
         ("Throughput and peak memory by physical batch size", lambda: _throughput(study)),
-    ]  # fmt: skip
+    ]
 
 
 def _renumbered(figure: Any, drawn: Drawn) -> Any:
@@ -437,34 +442,43 @@ def _lr_batch(study: optuna.Study) -> Any:
 
     figure = go.Figure()
     complete = [
-        t for t in _trials(study, TrialState.COMPLETE) if {"learning_rate", "effective_batch_size"}
-        <= set(t.params)
-    ]  # fmt: skip
+        t
+        for t in _trials(study, TrialState.COMPLETE)
+        if {"learning_rate", "effective_batch_size"} <= set(t.params)
+    ]
     pruned = [
-        t for t in _trials(study, TrialState.PRUNED) if {"learning_rate", "effective_batch_size"}
-        <= set(t.params)
-    ]  # fmt: skip
+        t
+        for t in _trials(study, TrialState.PRUNED)
+        if {"learning_rate", "effective_batch_size"} <= set(t.params)
+    ]
     if not complete and not pruned:
         raise ValueError("no trial samples both learning_rate and effective_batch_size")
     figure.add_trace(
         go.Scatter(
             x=[t.params["effective_batch_size"] for t in complete],
             y=[t.params["learning_rate"] for t in complete],
-            mode="markers", name="complete",
-            marker={"size": 11, "color": [t.values[0] for t in complete], "colorscale": "Viridis",
-                    "showscale": True, "colorbar": {"title": _metric_names(study)[0]}},
+            mode="markers",
+            name="complete",
+            marker={
+                "size": 11,
+                "color": [t.values[0] for t in complete],
+                "colorscale": "Viridis",
+                "showscale": True,
+                "colorbar": {"title": _metric_names(study)[0]},
+            },
             text=[f"#{_shown(t)}: {t.values[0]:.4f}" for t in complete],
         )
-    )  # fmt: skip
+    )
     figure.add_trace(
         go.Scatter(
             x=[t.params["effective_batch_size"] for t in pruned],
             y=[t.params["learning_rate"] for t in pruned],
-            mode="markers", name="pruned",
+            mode="markers",
+            name="pruned",
             marker={"size": 9, "color": PRUNED_GREY, "symbol": "x"},
             text=[f"#{_shown(t)}: pruned" for t in pruned],
         )
-    )  # fmt: skip
+    )
     figure.update_xaxes(title="effective batch size", type="log")
     figure.update_yaxes(title="learning rate", type="log")
     return figure
@@ -483,11 +497,13 @@ def _curves(study: optuna.Study) -> Any:
         pruned = trial.state == TrialState.PRUNED
         figure.add_trace(
             go.Scatter(
-                x=steps, y=[trial.intermediate_values[s] for s in steps], mode="lines+markers",
+                x=steps,
+                y=[trial.intermediate_values[s] for s in steps],
+                mode="lines+markers",
                 name=f"#{_shown(trial)}" + (" (pruned)" if pruned else ""),
                 line={"color": PRUNED_GREY} if pruned else None,
             )
-        )  # fmt: skip
+        )
     figure.update_xaxes(title="evaluation")
     figure.update_yaxes(title=_metric_names(study)[0])
     return figure
@@ -502,20 +518,28 @@ def _throughput(study: optuna.Study) -> Any:
         for t in _trials(study, TrialState.COMPLETE, TrialState.PRUNED)
         if report.finite_number(t.user_attrs.get("physical_batch_size"))
         and report.finite_number(t.user_attrs.get("samples_per_s"))
-    ]  # fmt: skip  (hpo's figures; a plain Optuna study's attributes of these names may be text)
+    ]
     if not trials:
         raise ValueError("no trial has recorded its throughput yet")
     figure = make_subplots(rows=1, cols=2, subplot_titles=("samples/s", "peak memory (GiB)"))
     batch = [t.user_attrs["physical_batch_size"] for t in trials]
     labels = [f"#{_shown(t)}" for t in trials]
     figure.add_trace(
-        go.Scatter(x=batch, y=[t.user_attrs["samples_per_s"] for t in trials], mode="markers",
-                   text=labels, name="samples/s"), row=1, col=1,
-    )  # fmt: skip
+        go.Scatter(
+            x=batch,
+            y=[t.user_attrs["samples_per_s"] for t in trials],
+            mode="markers",
+            text=labels,
+            name="samples/s",
+        ),
+        row=1,
+        col=1,
+    )
     peaks = [_gib(t.user_attrs.get("peak_mem_bytes")) for t in trials]
     figure.add_trace(
         go.Scatter(x=batch, y=peaks, mode="markers", text=labels, name="peak memory"),
-        row=1, col=2,
-    )  # fmt: skip
+        row=1,
+        col=2,
+    )
     figure.update_xaxes(title="physical batch size")
     return figure

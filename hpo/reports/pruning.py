@@ -83,29 +83,38 @@ def lines(study: optuna.Study, trials: list[FrozenTrial]) -> list[str]:
     if len(study.directions) != 1:
         return []
     finished = sorted(
-        (t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
-         and t.intermediate_values),
+        (
+            t
+            for t in trials
+            if t.state in (TrialState.COMPLETE, TrialState.PRUNED) and t.intermediate_values
+        ),
         key=lambda t: t.number,
-    )  # fmt: skip
+    )
     if not finished:
         return []
     direction = study.direction
     pruned = sum(t.state == TrialState.PRUNED for t in finished)
     used = sum(len(t.intermediate_values) for t in finished)
     # Unpruned, each pruned trial would have run as long as the study's longest complete trial.
-    longest = max((len(t.intermediate_values) for t in finished
-                   if t.state == TrialState.COMPLETE), default=0)  # fmt: skip
-    whole = sum(len(t.intermediate_values) if t.state == TrialState.COMPLETE else longest
-                for t in finished)  # fmt: skip
-    found = [f"pruning: {pruned} of {len(finished)} trials pruned; the study ran {used} "
-             f"evaluations{_share(used, whole)}"]  # fmt: skip
+    longest = max(
+        (len(t.intermediate_values) for t in finished if t.state == TrialState.COMPLETE), default=0
+    )
+    whole = sum(
+        len(t.intermediate_values) if t.state == TrialState.COMPLETE else longest for t in finished
+    )
+    found = [
+        f"pruning: {pruned} of {len(finished)} trials pruned; the study ran {used} "
+        f"evaluations{_share(used, whole)}"
+    ]
     own = _best(finished, direction)
     for name, config in ALTERNATIVES:
         outcome = replay(finished, direction, config, study.study_name)
         if name == "no pruning":
             outcome.evaluations = whole  # the pruned trials' full length, not where they stopped
-        found.append(f"{name} would have used {_share(outcome.evaluations, used, 'this')}: "
-                     f"{_said(outcome, own)}")  # fmt: skip
+        found.append(
+            f"{name} would have used {_share(outcome.evaluations, used, 'this')}: "
+            f"{_said(outcome, own)}"
+        )
     found.append(
         "(the study's own curves replayed, trial by trial in its order: the same trials, as if "
         "the sampler had proposed them again; a trial the study pruned has no later curve)"

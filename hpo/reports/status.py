@@ -59,8 +59,15 @@ def studies(storage: optuna.storages.BaseStorage) -> list[dict[str, Any]]:
     rows = []
     for summary in optuna.study.get_all_study_summaries(storage, include_best_trial=True):
         best = summary.best_trial if len(summary.directions) == 1 else None
-        rows.append(_row(summary.study_name, summary.directions, summary.n_trials, best,
-                         summary.datetime_start))  # fmt: skip
+        rows.append(
+            _row(
+                summary.study_name,
+                summary.directions,
+                summary.n_trials,
+                best,
+                summary.datetime_start,
+            )
+        )
     return rows
 
 
@@ -135,10 +142,14 @@ def _trial_summary(study: optuna.Study, trial: FrozenTrial) -> dict[str, Any]:
         summary["values"] = trial.values
         summary["metrics"] = names
     missing = checkpoints.missing_model(trial.number, trial.user_attrs)
-    return {**summary, "params": trial.params, "user_attrs": trial.user_attrs,
-            "model_loader": model_loader(study.user_attrs, trial.user_attrs),
-            "adapter": trial_adapter(study.user_attrs, trial.user_attrs),
-            "model_missing": missing}  # fmt: skip
+    return {
+        **summary,
+        "params": trial.params,
+        "user_attrs": trial.user_attrs,
+        "model_loader": model_loader(study.user_attrs, trial.user_attrs),
+        "adapter": trial_adapter(study.user_attrs, trial.user_attrs),
+        "model_missing": missing,
+    }
 
 
 def metric_names(study: optuna.Study) -> list[str] | None:
@@ -290,9 +301,11 @@ def budget_advice(report: dict[str, Any]) -> str:
     """What runs the queued trials that wait for a larger budget."""
     waiting, budget = waiting_for_budget(report), report["budget"]
     trials = "1 queued trial waits" if waiting == 1 else f"{waiting} queued trials wait"
-    return (f"{trials}: the budget of {budget} trials is spent; run them with a larger one, "
-            f"e.g. hpo run --study {shlex.quote(report['study'])} --config ... "
-            f"--n-trials {report['counted'] + waiting}")  # fmt: skip
+    return (
+        f"{trials}: the budget of {budget} trials is spent; run them with a larger one, "
+        f"e.g. hpo run --study {shlex.quote(report['study'])} --config ... "
+        f"--n-trials {report['counted'] + waiting}"
+    )
 
 
 def status_lines(report: dict[str, Any]) -> list[str]:
@@ -302,8 +315,10 @@ def status_lines(report: dict[str, Any]) -> list[str]:
     for run in report["running"]:
         line = f"  running #{run['number']} on {run['worker']} for {run['age_s']:.0f} s"
         if run["number"] in stale_trials:
-            line += (f", silent for {run['silent_s']:.0f} s: its worker is gone or hangs; the "
-                     "next worker to start a trial takes it over")  # fmt: skip
+            line += (
+                f", silent for {run['silent_s']:.0f} s: its worker is gone or hangs; the "
+                "next worker to start a trial takes it over"
+            )
         lines.append(line)
     best = report["best"]
     if best is not None:
@@ -330,9 +345,11 @@ def setup_warnings(changes: list[dict[str, Any]]) -> list[str]:
     latest = changes[-1]
     fields = ", ".join(latest.get("fields") or {}) or "its setup"
     times = "once" if len(changes) == 1 else f"{len(changes)} times"
-    return [f"WARNING: the study mixes setups: changed {times} with --allow-changed-setup "
-            f"(latest at {latest.get('at', 'an unknown time')}: {fields}); its trials before "
-            "and after a change do not compare"]  # fmt: skip
+    return [
+        f"WARNING: the study mixes setups: changed {times} with --allow-changed-setup "
+        f"(latest at {latest.get('at', 'an unknown time')}: {fields}); its trials before "
+        "and after a change do not compare"
+    ]
 
 
 def tracking_missing(study: optuna.Study) -> dict[str, Any] | None:
@@ -349,8 +366,10 @@ def tracking_warnings(missing: dict[str, Any] | None) -> list[str]:
     if not missing:
         return []
     trials = "1 trial" if missing["trials"] == 1 else f"{missing['trials']} trials"
-    return [f"WARNING: the tracker is missing {trials} (all or in part); the latest, trial "
-            f"#{missing['latest']}: {missing['reason']}"]  # fmt: skip
+    return [
+        f"WARNING: the tracker is missing {trials} (all or in part); the latest, trial "
+        f"#{missing['latest']}: {missing['reason']}"
+    ]
 
 
 def figures_line(report: dict[str, Any]) -> str:
@@ -371,9 +390,11 @@ def checkpoint_warnings(best: list[dict[str, Any]], lost: dict[str, Any] | None)
     lines = [f"WARNING: {trial['model_missing']}" for trial in best if trial.get("model_missing")]
     if lost:
         trials = "1 trial" if lost["trials"] == 1 else f"{lost['trials']} trials"
-        lines.append(f"WARNING: checkpoints not written or not stored for {trials} "
-                     f"(checkpoint_error); the latest, trial #{lost['latest']}: "
-                     f"{lost['reason']}")  # fmt: skip
+        lines.append(
+            f"WARNING: checkpoints not written or not stored for {trials} "
+            f"(checkpoint_error); the latest, trial #{lost['latest']}: "
+            f"{lost['reason']}"
+        )
     return lines
 
 

@@ -53,8 +53,10 @@ def _best_lines(best: FrozenTrial, objectives: list[str]) -> list[str]:
         lines.append(f"  {key}: {number_text(value)}")
     attrs = best.user_attrs
     if "physical_batch_size" in attrs:
-        line = (f"  physical batch {attrs['physical_batch_size']} x "
-                f"{attrs.get('grad_accum_steps')} accumulation steps")  # fmt: skip
+        line = (
+            f"  physical batch {attrs['physical_batch_size']} x "
+            f"{attrs.get('grad_accum_steps')} accumulation steps"
+        )
         if "samples_per_s" in attrs:  # measured by hpo's trainer, not by a training function
             line += f", {attrs['samples_per_s']:.1f} samples/s on {attrs.get('device_name', '?')}"
         lines.append(line)

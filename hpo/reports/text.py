@@ -50,8 +50,10 @@ def emit(text: str, end: str = "\n") -> None:
 def artifact_line(store: dict[str, Any]) -> str:
     if "error" in store:
         return f"artifact store {store['url']}: unreachable ({store['error']})"
-    return (f"artifact store {store['url']}: {store['size_bytes'] / 1e6:.1f} MB in "
-            f"{store['trial_folders']} trial folders")  # fmt: skip
+    return (
+        f"artifact store {store['url']}: {store['size_bytes'] / 1e6:.1f} MB in "
+        f"{store['trial_folders']} trial folders"
+    )
 
 
 def studies_table(rows: list[dict]) -> str:
@@ -128,8 +130,10 @@ def best_text(best: dict) -> str:
     uri = best["user_attrs"].get("best_model_uri")
     missing = best.get("model_missing")
     if uri and best.get("adapter"):
-        text += (f"\nmodel: {uri}, a LoRA adapter (hpo best --download DIR fetches it, loadable "
-                 "with peft; --merge makes it a plain model)")  # fmt: skip
+        text += (
+            f"\nmodel: {uri}, a LoRA adapter (hpo best --download DIR fetches it, loadable "
+            "with peft; --merge makes it a plain model)"
+        )
     elif uri:
         text += f"\nmodel: {uri} (hpo best --download DIR fetches it)"
     elif model and not missing:

@@ -58,9 +58,11 @@ def model_loader(user_attrs: dict[str, Any], trial_attrs: dict[str, Any] | None 
 def factory_loader_text(factory: str, folder: str = "DIR") -> str:
     """How a model of the user's factory loads: its state_dict into the module the factory
     builds (a transformers model it returned: from_pretrained, as usual)."""
-    return (f"{factory}(request), then model.load_state_dict(torch.load('{folder}/"
-            "model_state_dict.pt')): see HPO_MODEL.md there; a transformers model it returned: "
-            f"from_pretrained({folder})")  # fmt: skip
+    return (
+        f"{factory}(request), then model.load_state_dict(torch.load('{folder}/"
+        "model_state_dict.pt')): see HPO_MODEL.md there; a transformers model it returned: "
+        f"from_pretrained({folder})"
+    )
 
 
 def trial_adapter(study_attrs: dict[str, Any], trial_attrs: dict[str, Any]) -> dict | None:
@@ -106,9 +108,12 @@ def open_study(
     setup = setup_record(config)
     directions = config.study.resolved_directions
     optuna.create_study(
-        storage=storage, study_name=name, directions=directions, load_if_exists=True,
+        storage=storage,
+        study_name=name,
+        directions=directions,
+        load_if_exists=True,
         sampler=optuna.samplers.RandomSampler(),  # this worker's own sampler is built below
-    )  # fmt: skip
+    )
     study_id = storage.get_study_id_from_name(name)
     existing = [d.name.lower() for d in storage.get_study_directions(study_id)]
     if existing != directions:
@@ -136,8 +141,11 @@ def open_study(
     _say_group(config)
     pruner = build_pruner(config.study.pruner)
     if len(directions) > 1 and not isinstance(pruner, optuna.pruners.NopPruner):
-        log.info("study %r has %d objectives: pruning is off (Optuna's pruners serve one "
-                 "objective)", name, len(directions))  # fmt: skip
+        log.info(
+            "study %r has %d objectives: pruning is off (Optuna's pruners serve one objective)",
+            name,
+            len(directions),
+        )
         pruner = optuna.pruners.NopPruner()
     if not isinstance(pruner, optuna.pruners.NopPruner):  # a pruned trial's reason says why
         step_word = "step" if config.training.entrypoint is not None else "evaluation"
@@ -158,8 +166,12 @@ def open_study(
         budget = config.study.n_trials
         if budget is not None and len(config.study.enqueue) > budget:
             count = len(config.study.enqueue)
-            log.warning("study.enqueue lists %d configurations but n_trials is %d: the ones "
-                        "past the budget stay queued", count, budget)  # fmt: skip
+            log.warning(
+                "study.enqueue lists %d configurations but n_trials is %d: the ones "
+                "past the budget stay queued",
+                count,
+                budget,
+            )
         with storage.lock(study_id):
             for params in config.study.enqueue:
                 enqueue(study, params, "study.enqueue")
@@ -188,9 +200,11 @@ def _say_group(config: Config) -> None:
     """A conditional space turns TPE's `group` on unless the config set it: said, once."""
     sampler = config.study.sampler
     if sampler.group is None and tpe_group(sampler, config.search_space):
-        log.info("the search space has conditional parameters (`when`): TPE models the "
-                 "parameters that appear together jointly (study.sampler.group: true, Optuna's "
-                 "advice for conditional spaces); set study.sampler.group to choose")  # fmt: skip
+        log.info(
+            "the search space has conditional parameters (`when`): TPE models the "
+            "parameters that appear together jointly (study.sampler.group: true, Optuna's "
+            "advice for conditional spaces); set study.sampler.group to choose"
+        )
 
 
 def _say_budget_change(storage: StudyStorage, study_id: int, name: str, budget: int | None) -> None:
@@ -200,9 +214,13 @@ def _say_budget_change(storage: StudyStorage, study_id: int, name: str, budget: 
     attrs = storage.get_study_user_attrs(study_id)
     if "n_trials" not in attrs or attrs["n_trials"] == budget:  # a new study, or the same
         return
-    log.warning("study %r had a budget of %s; this worker's is %s (--n-trials or "
-                "study.n_trials), which now applies", name, _budget_text(attrs["n_trials"]),
-                _budget_text(budget))  # fmt: skip
+    log.warning(
+        "study %r had a budget of %s; this worker's is %s (--n-trials or "
+        "study.n_trials), which now applies",
+        name,
+        _budget_text(attrs["n_trials"]),
+        _budget_text(budget),
+    )
 
 
 def _budget_text(budget: int | None) -> str:

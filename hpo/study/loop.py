@@ -55,8 +55,9 @@ def run_trials(
     `started` (time.monotonic() when the worker started: preparing the data is part of its
     time), else from now."""
     study_config = objective.task.config.study
-    trials = StudyTrials(study, storage, worker_id(), study_config.n_trials,
-                         liveness(study_config), queued_only)  # fmt: skip
+    trials = StudyTrials(
+        study, storage, worker_id(), study_config.n_trials, liveness(study_config), queued_only
+    )
     deadline = None
     if study_config.timeout is not None:
         deadline = (time.monotonic() if started is None else started) + study_config.timeout
@@ -78,8 +79,9 @@ def run_trials(
     try:
         with host as entry:
             objective.cpu_worker = entry
-            return _trial_loop(trials, objective, stop, (checkpoints, artifacts), deadline,
-                               collect=in_worker)  # fmt: skip
+            return _trial_loop(
+                trials, objective, stop, (checkpoints, artifacts), deadline, collect=in_worker
+            )
     finally:
         # A worker that ran out of trials (not one told to stop) lets its last cleanup of the
         # artifact store finish, for up to ARTIFACT_CLEANUP_WAIT_S.
@@ -130,8 +132,13 @@ def _trial_loop(
             waiting = len(trials.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
             queued = f"; {waiting} queued trials wait for a larger n_trials" if waiting else ""
             held = counted_trials(trials.study.get_trials(deepcopy=False))
-            log.info("study %r holds %d started trials, this worker's budget being %d%s; "
-                     "stopping", trials.study.study_name, held, trials.budget, queued)  # fmt: skip
+            log.info(
+                "study %r holds %d started trials, this worker's budget being %d%s; stopping",
+                trials.study.study_name,
+                held,
+                trials.budget,
+                queued,
+            )
             return ran
         stop.doing = StopRequest.RUNNING  # what a signal stops, said in its log line
         _say_queued(trial)
@@ -206,22 +213,32 @@ def _wait_for_unsure_trials(trials: StudyTrials, stop: StopRequest, poll_s: floa
             return False
         _pause(poll_s, stop)
     if watched and not stop.requested:
-        log.warning("trials %s still run with no heartbeat after %.0f s; not waiting longer",
-                    sorted(watched), limit_s)  # fmt: skip
+        log.warning(
+            "trials %s still run with no heartbeat after %.0f s; not waiting longer",
+            sorted(watched),
+            limit_s,
+        )
     return False
 
 
 def _say_waiting(trials: StudyTrials, watched: dict[int, LastBeat | None], limit_s: float) -> None:
     """One line: which trials this worker waits for, and what ends the wait."""
     shown = ", ".join(
-        f"#{n} (no heartbeat)" if beat is None
+        f"#{n} (no heartbeat)"
+        if beat is None
         else f"#{n} on {beat.worker}, last heartbeat {beat.silent_s:.0f} s ago"
         for n, beat in sorted(watched.items())
-    )  # fmt: skip
-    log.info("study %r holds this worker's budget of %s trials, but trials run: %s; waiting up "
-             "to %.0f s for each to end, beat again (its worker is alive: left to it), or pass "
-             "the grace period (%.0f s: queued again and run here)", trials.study.study_name,
-             trials.budget, shown, limit_s, trials.grace_period_s)  # fmt: skip
+    )
+    log.info(
+        "study %r holds this worker's budget of %s trials, but trials run: %s; waiting up "
+        "to %.0f s for each to end, beat again (its worker is alive: left to it), or pass "
+        "the grace period (%.0f s: queued again and run here)",
+        trials.study.study_name,
+        trials.budget,
+        shown,
+        limit_s,
+        trials.grace_period_s,
+    )
 
 
 def _wait_for_other_workers(trials: StudyTrials, stop: StopRequest, poll_s: float = 1.0) -> bool:

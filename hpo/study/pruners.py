@@ -97,8 +97,10 @@ def prune_explanation(
         text = f"{name}: {_below_others(cfg, study, values, step, maximize, here, step_word)}"
     elif cfg.type in ("successive_halving", "hyperband"):
         among = "its bracket's trials" if cfg.type == "hyperband" else "the trials"
-        text = (f"{name}: {here} not in the best 1/{cfg.reduction_factor} of {among} that "
-                f"reached {step_word} {step}")  # fmt: skip
+        text = (
+            f"{name}: {here} not in the best 1/{cfg.reduction_factor} of {among} that "
+            f"reached {step_word} {step}"
+        )
     else:  # none: only patience prunes
         text = f"patience {cfg.patience}: {here}"
     if cfg.patience is not None:
@@ -107,9 +109,14 @@ def prune_explanation(
 
 
 def _below_others(
-    cfg: PrunerConfig, study: optuna.Study, values: dict[int, float], step: int,
-    maximize: bool, here: str, step_word: str,
-) -> str:  # fmt: skip
+    cfg: PrunerConfig,
+    study: optuna.Study,
+    values: dict[int, float],
+    step: int,
+    maximize: bool,
+    here: str,
+    step_word: str,
+) -> str:
     """The median or percentile rule: the trial's best so far against the complete trials'
     values at the same step (as MarginPruner and Optuna's PercentilePruner compute it)."""
     completed = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
@@ -127,8 +134,7 @@ def _below_others(
     mark = "the median" if cfg.type == "median" else f"the top-{percentile:g}% mark"
     margin = f" by more than the margin {number_text(cfg.margin)}" if cfg.margin > 0 else ""
     trials = "1 complete trial" if len(others) == 1 else f"{len(others)} complete trials"
-    return (f"{mine} {side} {mark} {number_text(threshold)} of {trials} at that "
-            f"{step_word}{margin}")  # fmt: skip
+    return f"{mine} {side} {mark} {number_text(threshold)} of {trials} at that {step_word}{margin}"
 
 
 def _no_progress(
@@ -143,5 +149,7 @@ def _no_progress(
     best = max(before) if maximize else min(before)
     if len(last) == 1:
         return f"; and its {metric} no better than {number_text(best)}, its best before it"
-    return (f"; and its {metric} in its last {len(last)} {step_word}s no better than "
-            f"{number_text(best)}, its best before them")  # fmt: skip
+    return (
+        f"; and its {metric} in its last {len(last)} {step_word}s no better than "
+        f"{number_text(best)}, its best before them"
+    )

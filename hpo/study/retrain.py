@@ -72,8 +72,9 @@ class RetrainPlan:
     def full_data_study_name(self) -> str:
         """The winner trained on both splits: a study apart, as its metric is measured on
         data it trained on and must not stand beside the held-out runs."""
-        return retrain_study_name(self.source, len(self.configs), len(self.seeds),
-                                  f"{self.digest}, full data")  # fmt: skip
+        return retrain_study_name(
+            self.source, len(self.configs), len(self.seeds), f"{self.digest}, full data"
+        )
 
     @property
     def digest(self) -> str:
@@ -123,9 +124,11 @@ def check_demo_config(study_attrs: dict[str, Any], config: Config, name: str) ->
         differ += differences(setup, setup_record(config))
     if differ:
         verb = "differs" if len(differ) == 1 else "differ"
-        raise HPOError(f"no --config given, and the demo config is not the one study {name!r} "
-                       f"ran with (its {', '.join(differ)} {verb}); pass the study's config: "
-                       f"hpo retrain --study {shlex.quote(name)} --config FILE")  # fmt: skip
+        raise HPOError(
+            f"no --config given, and the demo config is not the one study {name!r} "
+            f"ran with (its {', '.join(differ)} {verb}); pass the study's config: "
+            f"hpo retrain --study {shlex.quote(name)} --config FILE"
+        )
 
 
 def make_plan(
@@ -135,24 +138,33 @@ def make_plan(
     objectives, ranked by the first), each to train with `seeds` seeds not used by the search."""
     searched = source.user_attrs.get("retrain_of")
     if searched is not None:
-        raise HPOError(f"study {source.study_name!r} is the retrain of study {searched!r}: give "
-                       "that one to --study")  # fmt: skip
+        raise HPOError(
+            f"study {source.study_name!r} is the retrain of study {searched!r}: give "
+            "that one to --study"
+        )
     if not config_given:
         check_demo_config(source.user_attrs, config, source.study_name)
     recorded = source.user_attrs.get("search_space")
     if recorded is not None and recorded != space_record(config.search_space):
-        raise HPOError(f"--config: its search space is not the one study {source.study_name!r} "
-                       "was created with; pass the config the study ran with")  # fmt: skip
+        raise HPOError(
+            f"--config: its search space is not the one study {source.study_name!r} "
+            "was created with; pass the config the study ran with"
+        )
     if config.search_space_function is not None:
-        raise HPOError(f"search_space: {config.search_space_function} samples in Python; retrain "
-                       "needs the search space as a mapping: give the winner's parameters to a "
-                       "config of their own, or tune with a mapping")  # fmt: skip
+        raise HPOError(
+            f"search_space: {config.search_space_function} samples in Python; retrain "
+            "needs the search space as a mapping: give the winner's parameters to a "
+            "config of their own, or tune with a mapping"
+        )
     if "seed" in config.search_space:
-        raise HPOError("search_space tunes training.seed, but retrain varies the seed to measure "
-                       "its effect: remove seed from the search space")  # fmt: skip
+        raise HPOError(
+            "search_space tunes training.seed, but retrain varies the seed to measure "
+            "its effect: remove seed from the search space"
+        )
     sign = 1.0 if source.directions[0] == StudyDirection.MAXIMIZE else -1.0
-    complete = [t for t in source.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                if t.values]  # fmt: skip
+    complete = [
+        t for t in source.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.values
+    ]
     complete.sort(key=lambda t: (-sign * t.values[0], t.number))
     configs: list[dict[str, Any]] = []
     seen: list[dict[str, Any]] = []
@@ -160,20 +172,35 @@ def make_plan(
         if trial.params in seen:
             continue  # the same configuration trained twice (enqueued again, say)
         seen.append(trial.params)
-        configs.append({"rank": len(configs) + 1, "trial": trial.number,
-                        "value": trial.values[0], "params": trial.params})  # fmt: skip
+        configs.append(
+            {
+                "rank": len(configs) + 1,
+                "trial": trial.number,
+                "value": trial.values[0],
+                "params": trial.params,
+            }
+        )
         if len(configs) == top:
             break
     if len(source.directions) > 1:
-        log.info("study %r has %d objectives: configurations are ranked, and the winner is "
-                 "picked, by the first (%s)", source.study_name, len(source.directions),
-                 config.study.primary_metric)  # fmt: skip
+        log.info(
+            "study %r has %d objectives: configurations are ranked, and the winner is "
+            "picked, by the first (%s)",
+            source.study_name,
+            len(source.directions),
+            config.study.primary_metric,
+        )
     if not configs:
-        raise HPOError(f"study {source.study_name!r} has no completed trial to retrain; run it "
-                       "first (hpo run), or check --study with `hpo studies`")  # fmt: skip
+        raise HPOError(
+            f"study {source.study_name!r} has no completed trial to retrain; run it "
+            "first (hpo run), or check --study with `hpo studies`"
+        )
     if len(configs) < top:
-        log.info("study %r has %d distinct completed configurations; retraining those",
-                 source.study_name, len(configs))  # fmt: skip
+        log.info(
+            "study %r has %d distinct completed configurations; retraining those",
+            source.study_name,
+            len(configs),
+        )
     first = config.training.seed + 1
     new_seeds = [(first + i) % _SEED_LIMIT for i in range(seeds)]
     return RetrainPlan(source.study_name, configs, new_seeds)
@@ -222,8 +249,11 @@ def queue_runs(storage: StudyStorage, study: optuna.Study, plan: RetrainPlan) ->
             for seed in plan.seeds:
                 if (config["rank"], seed, False) in held:
                     continue
-                attrs = {"retrain_config": config["rank"], "source_trial": config["trial"],
-                         "seed": seed}  # fmt: skip
+                attrs = {
+                    "retrain_config": config["rank"],
+                    "source_trial": config["trial"],
+                    "seed": seed,
+                }
                 study.enqueue_trial({**config["params"], "seed": seed}, user_attrs=attrs)
                 queued += 1
     return queued
@@ -242,16 +272,19 @@ def queue_full_data_run(
             storage.set_study_user_attr(study_id, "retrain_of", plan.source)
         if any(_run_key(t) == (winner.rank, seed, True) for t in study.get_trials(deepcopy=False)):
             return
-        attrs = {"retrain_config": winner.rank, "source_trial": winner.source_trial,
-                 "seed": seed, "full_data": True}  # fmt: skip
+        attrs = {
+            "retrain_config": winner.rank,
+            "source_trial": winner.source_trial,
+            "seed": seed,
+            "full_data": True,
+        }
         study.enqueue_trial({**winner.params, "seed": seed}, user_attrs=attrs)
 
 
 def full_data_trial(study: optuna.Study, winner: ConfigResult) -> int | None:
     """The number of the winner's complete full-data run, if there is one."""
     done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-    return next((t.number for t in done if _run_key(t)[0] == winner.rank and _run_key(t)[2]),
-                None)  # fmt: skip
+    return next((t.number for t in done if _run_key(t)[0] == winner.rank and _run_key(t)[2]), None)
 
 
 def model_folder(study: optuna.Study, number: int) -> Path:
@@ -284,8 +317,11 @@ def results(study: optuna.Study, plan: RetrainPlan) -> list[ConfigResult]:
         ]
         failed = {t.user_attrs.get("seed") for t in mine if t.state in _ENDED_BADLY}
         unfinished = len(failed - {r["seed"] for r in runs})
-        out.append(ConfigResult(config["rank"], config["trial"], config["params"],
-                                config["value"], runs, unfinished))  # fmt: skip
+        out.append(
+            ConfigResult(
+                config["rank"], config["trial"], config["params"], config["value"], runs, unfinished
+            )
+        )
     return out
 
 
@@ -317,17 +353,19 @@ def check_out(out: Path, source: str, storage: str) -> None:
     wrote there before for the same study of the same database (replaced whole); and a place
     this process can write in."""
     if out.is_symlink() or (out.exists() and not out.is_dir()):
-        raise HPOError(f"--out {out}: exists and is not a final model hpo wrote; name a new "
-                       "folder")  # fmt: skip
+        raise HPOError(f"--out {out}: exists and is not a final model hpo wrote; name a new folder")
     if out.is_dir() and any(out.iterdir()):
         card = _card_owner(out)
         if card is None:
-            raise HPOError(f"--out {out}: exists and is not a final model hpo wrote; name a new "
-                           "folder")  # fmt: skip
+            raise HPOError(
+                f"--out {out}: exists and is not a final model hpo wrote; name a new folder"
+            )
         if card != (source, storage) and card != (source, None):
-            raise HPOError(f"--out {out}: holds the final model of study {card[0]!r} of "
-                           f"{card[1] or 'another database'}, not of study {source!r} of "
-                           f"{storage}; name another folder")  # fmt: skip
+            raise HPOError(
+                f"--out {out}: holds the final model of study {card[0]!r} of "
+                f"{card[1] or 'another database'}, not of study {source!r} of "
+                f"{storage}; name another folder"
+            )
     parent = out.parent
     if not parent.is_dir():
         what = "is not a folder" if parent.exists() else "does not exist; create it first"
@@ -391,8 +429,10 @@ def save_final_model(model_dir: Path, out: Path, card: dict[str, Any]) -> None:
     from trainer.checkpoint import STATE_DICT_FILE  # a factory's module of the user's
 
     if not any((model_dir / name).is_file() for name in ("config.json", STATE_DICT_FILE)):
-        raise HPOError(f"the winning run's model {model_dir} is missing (removed, or on another "
-                       "host's disk); run hpo retrain on the host that trained it")  # fmt: skip
+        raise HPOError(
+            f"the winning run's model {model_dir} is missing (removed, or on another "
+            "host's disk); run hpo retrain on the host that trained it"
+        )
     check_out(out, str(card.get("study")), str(card.get("storage")))
     _remove_abandoned(out)
     aside, old = None, None
@@ -401,8 +441,9 @@ def save_final_model(model_dir: Path, out: Path, card: dict[str, Any]) -> None:
         writer = {"host": socket.gethostname(), "pid": os.getpid()}
         (aside / ASIDE_MARKER).write_text(json.dumps(writer), encoding="utf-8")
         shutil.copytree(model_dir, aside, dirs_exist_ok=True)
-        (aside / CARD_JSON).write_text(json.dumps(card, indent=2, default=str) + "\n",
-                                       encoding="utf-8")  # fmt: skip
+        (aside / CARD_JSON).write_text(
+            json.dumps(card, indent=2, default=str) + "\n", encoding="utf-8"
+        )
         (aside / CARD_MD).write_text(card_markdown(card), encoding="utf-8")
         umask = os.umask(0)
         os.umask(umask)
@@ -466,7 +507,7 @@ def model_card(
                 **dataclasses.asdict(r),
                 "mean": r.mean if r.runs else None,
                 "std": r.std if r.runs else None,
-            }  # fmt: skip
+            }
             for r in found
         ],
         "training": {
@@ -499,8 +540,14 @@ def data_files(config: Config) -> list[dict[str, Any]]:
         ("eval", config.data.eval_file, config.data.eval_split),
     ):
         path = Path(location).resolve()
-        files.append({"role": role, "path": str(path), "split": split,
-                      "sha256": content_sha256(path) if path.exists() else None})  # fmt: skip
+        files.append(
+            {
+                "role": role,
+                "path": str(path),
+                "split": split,
+                "sha256": content_sha256(path) if path.exists() else None,
+            }
+        )
     return files
 
 
@@ -509,9 +556,14 @@ def versions() -> dict[str, str]:
     import torch
     import transformers
 
-    return {"hpo": __version__, "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "peft": peft.__version__,
-            "optuna": optuna.__version__}  # fmt: skip
+    return {
+        "hpo": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "optuna": optuna.__version__,
+    }
 
 
 def card_markdown(card: dict[str, Any]) -> str:
@@ -530,24 +582,35 @@ def card_markdown(card: dict[str, Any]) -> str:
     ]
     saved = card["saved_run"]
     if saved["full_data"]:
-        lines += [f"This model: {card['full_data_note']} (trial {saved['trial']}, seed "
-                  f"{saved['seed']}).", ""]  # fmt: skip
+        lines += [
+            f"This model: {card['full_data_note']} (trial {saved['trial']}, seed {saved['seed']}).",
+            "",
+        ]
     else:
-        lines += [f"This model: the winner's best run (trial {saved['trial']}, seed "
-                  f"{saved['seed']}, {metric} {saved['value']:.4f}).", ""]  # fmt: skip
+        lines += [
+            f"This model: the winner's best run (trial {saved['trial']}, seed "
+            f"{saved['seed']}, {metric} {saved['value']:.4f}).",
+            "",
+        ]
     lines += ["## Parameters", ""]
     lines += [f"- `{k}`: {v}" for k, v in winner["params"].items()]
-    lines += ["", "## Configurations retrained", "",
-              f"| rank | search trial | search {metric} | per seed | mean | std |",
-              "|---:|---:|---:|---|---:|---:|"]  # fmt: skip
+    lines += [
+        "",
+        "## Configurations retrained",
+        "",
+        f"| rank | search trial | search {metric} | per seed | mean | std |",
+        "|---:|---:|---:|---|---:|---:|",
+    ]
     for r in card["configurations"]:
         per_seed = ", ".join(f"{run['value']:.4f} (seed {run['seed']})" for run in r["runs"])
         if r["unfinished"]:
             per_seed += f"; {r['unfinished']} failed or pruned"
         mean = "-" if r["mean"] is None else f"{r['mean']:.4f}"
         std = "-" if r["std"] is None else f"{r['std']:.4f}"  # one run: no spread
-        lines.append(f"| {r['rank']} | {r['source_trial']} | {r['search_value']:.4f} | "
-                     f"{per_seed or '-'} | {mean} | {std} |")  # fmt: skip
+        lines.append(
+            f"| {r['rank']} | {r['source_trial']} | {r['search_value']:.4f} | "
+            f"{per_seed or '-'} | {mean} | {std} |"
+        )
     lines += ["", "## Data", ""]
     for f in card["data"]:
         lines.append(f"- {f['role']}: `{f['path']}` (split {f['split']}), sha256 {f['sha256']}")
@@ -565,10 +628,17 @@ def default_out(source: str) -> Path:
 def outcome(card: dict[str, Any], out: Path) -> dict[str, Any]:
     """What the searched study records of its latest retrain, for `hpo best`."""
     winner = card["winner"]
-    return {"study": card["retrain_study"], "params": winner["params"], "mean": winner["mean"],
-            "std": winner["std"], "seeds": winner["seeds"], "search_trial": winner["search_trial"],
-            "model": str(out.resolve()), "full_data": card["saved_run"]["full_data"],
-            "metric": card["metric"]}  # fmt: skip
+    return {
+        "study": card["retrain_study"],
+        "params": winner["params"],
+        "mean": winner["mean"],
+        "std": winner["std"],
+        "seeds": winner["seeds"],
+        "search_trial": winner["search_trial"],
+        "model": str(out.resolve()),
+        "full_data": card["saved_run"]["full_data"],
+        "metric": card["metric"],
+    }
 
 
 def recorded_outcome(attrs: dict[str, Any]) -> dict[str, Any] | None:
@@ -580,9 +650,14 @@ def recorded_outcome(attrs: dict[str, Any]) -> dict[str, Any] | None:
         return None
     number: tuple[type, ...] = (int, float)
     kinds: dict[str, type | tuple[type, ...]] = {
-        "study": str, "params": dict, "mean": number, "seeds": int, "model": str,
-        "metric": str, "search_trial": int,
-    }  # fmt: skip
+        "study": str,
+        "params": dict,
+        "mean": number,
+        "seeds": int,
+        "model": str,
+        "metric": str,
+        "search_trial": int,
+    }
     if any(not isinstance(found.get(key), kind) for key, kind in kinds.items()):
         return None
     if found.get("std") is not None and not isinstance(found["std"], number):
@@ -599,8 +674,10 @@ def summary(card: dict[str, Any], out: Path | None) -> str:
         values = ", ".join(f"{run['value']:.4f}" for run in r["runs"]) or "no run completed"
         mean = "" if r["mean"] is None else f"  mean {mean_std_text(r['mean'], r['std'])}"
         mark = "  <- winner" if r["rank"] == card["winner"]["rank_in_search"] else ""
-        lines.append(f"  #{r['rank']} (search trial {r['source_trial']}, "
-                     f"{r['search_value']:.4f}): {values}{mean}{mark}")  # fmt: skip
+        lines.append(
+            f"  #{r['rank']} (search trial {r['source_trial']}, "
+            f"{r['search_value']:.4f}): {values}{mean}{mark}"
+        )
     params = ", ".join(
         f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
         for k, v in card["winner"]["params"].items()
@@ -609,8 +686,10 @@ def summary(card: dict[str, Any], out: Path | None) -> str:
     if card["saved_run"]["full_data"]:
         lines.append(f"the final model: {card['full_data_note']}")
     if out is None:
-        lines.append("final model: none saved by hpo (training.entrypoint: your function keeps "
-                     "its own model; retrain the winner's parameters with it)")  # fmt: skip
+        lines.append(
+            "final model: none saved by hpo (training.entrypoint: your function keeps "
+            "its own model; retrain the winner's parameters with it)"
+        )
     else:
         lines.append(f"final model: {out} (with README.md, its model card)")
     return "\n".join(lines)

@@ -24,8 +24,14 @@ SETUP_ATTR = "setup"  # the record: a field's dotted config path -> its value or
 SETUP_CHANGES_ATTR = "setup_changes"
 
 # Which data is read, besides the files themselves (a file's columns, a multi-label separator).
-_DATA_FIELDS = ("text_column", "text_pair_column", "label_column", "prompt_column",
-                "completion_column", "label_separator")  # fmt: skip
+_DATA_FIELDS = (
+    "text_column",
+    "text_pair_column",
+    "label_column",
+    "prompt_column",
+    "completion_column",
+    "label_separator",
+)
 
 
 def setup_record(config: Config) -> dict[str, Any]:
@@ -138,21 +144,28 @@ def check_setup(
     stored = attrs.get(SETUP_ATTR)
     if not isinstance(stored, dict):
         if "n_trials" in attrs:  # a worker joined before (open_study sets it): an older hpo
-            log.info("study %r has no record of its data and model (an older hpo made it): "
-                     "this worker's is recorded now", name)  # fmt: skip
+            log.info(
+                "study %r has no record of its data and model (an older hpo made it): "
+                "this worker's is recorded now",
+                name,
+            )
         storage.set_study_user_attr(study_id, SETUP_ATTR, record)
         return
     changed = differences(stored, record)
     if changed and not allow_changed:
         raise ConfigError([_refusal(name, stored, record, changed, in_python)], config.source)
     if changed:
-        change = {"at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                  "fields": {k: {"study": shown(stored[k]), "worker": shown(record[k])}
-                             for k in changed}}  # fmt: skip
-        storage.set_study_user_attr(study_id, SETUP_CHANGES_ATTR,
-                                    [*setup_changes(attrs), change])  # fmt: skip
-        log.warning("study %r: joined with another %s, as allowed; recorded in the study (hpo "
-                    "status says it mixes setups)", name, ", ".join(changed))  # fmt: skip
+        change = {
+            "at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "fields": {k: {"study": shown(stored[k]), "worker": shown(record[k])} for k in changed},
+        }
+        storage.set_study_user_attr(study_id, SETUP_CHANGES_ATTR, [*setup_changes(attrs), change])
+        log.warning(
+            "study %r: joined with another %s, as allowed; recorded in the study (hpo "
+            "status says it mixes setups)",
+            name,
+            ", ".join(changed),
+        )
     if changed or record.keys() - stored.keys():
         storage.set_study_user_attr(study_id, SETUP_ATTR, {**stored, **record})
 
@@ -168,9 +181,11 @@ def _refusal(
         if in_python
         else ("--study NEW_NAME", "--allow-changed-setup")
     )
-    return (f"study {name!r} was set up otherwise, and its trials would not compare with this "
-            f"worker's ({fields}); start a new study with {new}, or pass {allow} to join it "
-            "anyway (recorded: hpo status then says the study mixes setups)")  # fmt: skip
+    return (
+        f"study {name!r} was set up otherwise, and its trials would not compare with this "
+        f"worker's ({fields}); start a new study with {new}, or pass {allow} to join it "
+        "anyway (recorded: hpo status then says the study mixes setups)"
+    )
 
 
 def setup_changes(user_attrs: dict[str, Any]) -> list[dict[str, Any]]:

@@ -94,8 +94,9 @@ class StudyTrials:
         with self.storage.lock(self.study_id):
             trials = self.study.get_trials(deepcopy=False)
             if checkpoints is not None and checkpoints.is_dir():
-                remove_unneeded_folders(checkpoints, self.study.study_name, trials,
-                                        rule_for(self.study))  # fmt: skip
+                remove_unneeded_folders(
+                    checkpoints, self.study.study_name, trials, rule_for(self.study)
+                )
             if self.budget is not None and counted_trials(trials) >= self.budget:
                 return None
             if self.queued_only and not any(t.state == TrialState.WAITING for t in trials):
@@ -158,8 +159,11 @@ class StudyTrials:
         except (ValueError, UpdateFinishedTrialError):
             if not self.taken_over(trial.number):
                 raise
-        log.warning("trial %d was taken over by another worker while this one was unresponsive; "
-                    "dropping this worker's result", trial.number)  # fmt: skip
+        log.warning(
+            "trial %d was taken over by another worker while this one was unresponsive; "
+            "dropping this worker's result",
+            trial.number,
+        )
         return False
 
     def fail(self, trial: optuna.Trial, reason: str) -> bool:
@@ -203,9 +207,11 @@ class StudyTrials:
         with self.storage.lock(self.study_id):
             trials = self.study.get_trials(deepcopy=False)
         self._cleanup = threading.Thread(
-            target=self._remove_artifacts, args=(store, trials), name="hpo-artifact-cleanup",
+            target=self._remove_artifacts,
+            args=(store, trials),
+            name="hpo-artifact-cleanup",
             daemon=True,  # a worker stopped by a signal does not wait for it
-        )  # fmt: skip
+        )
         self._cleanup.start()
 
     def finish_cleanup(self, timeout_s: float) -> None:

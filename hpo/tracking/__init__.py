@@ -43,20 +43,24 @@ def resolve(config: Config, uri: str | None, flag: str = "--tracking") -> None:
     tracking = config.tracking
     if uri is not None:
         if not uri.strip():
-            raise ConfigError([f"{flag}: got an empty URI; give the MLflow tracking URI"],
-                              "command line")  # fmt: skip
+            raise ConfigError(
+                [f"{flag}: got an empty URI; give the MLflow tracking URI"], "command line"
+            )
         tracking.mlflow = dataclasses.replace(tracking.mlflow or MlflowTrackingConfig(), uri=uri)
     if tracking.mlflow is not None and tracking.mlflow.uri is None:
         env = os.environ.get("MLFLOW_TRACKING_URI")
         if not env:
-            raise ConfigError(["tracking.mlflow.uri: no URI; give one, pass --tracking URI or "
-                               "set MLFLOW_TRACKING_URI"])  # fmt: skip
+            raise ConfigError(
+                [
+                    "tracking.mlflow.uri: no URI; give one, pass --tracking URI or "
+                    "set MLFLOW_TRACKING_URI"
+                ]
+            )
         tracking.mlflow.uri = env
     for name in asked(config):
         module, extra = EXTRAS[name]
         if not installed(module):
-            raise HPOError(f"tracking.{name}: {module} is not installed; "
-                           f"pip install '{extra}'")  # fmt: skip
+            raise HPOError(f"tracking.{name}: {module} is not installed; pip install '{extra}'")
 
 
 def installed(module: str) -> bool:
@@ -143,8 +147,9 @@ def evaluation(number: int, report: dict[str, Any]) -> None:
     samples = int(report.get("samples", 0))
     _active.samples[number] = samples
     metrics = {k: float(v) for k, v in report.get("metrics", {}).items() if v is not None}
-    _active.submit(number, f"evaluation {report.get('index')}", "evaluation", number, samples,
-                   metrics)  # fmt: skip
+    _active.submit(
+        number, f"evaluation {report.get('index')}", "evaluation", number, samples, metrics
+    )
 
 
 def trial_ended(trial: optuna.Trial, state: str, reason: str | None = None) -> None:
@@ -156,8 +161,9 @@ def trial_ended(trial: optuna.Trial, state: str, reason: str | None = None) -> N
     final = {key: float(attrs[key]) for key in FINAL if isinstance(attrs.get(key), int | float)}
     best = attrs.get("best_model_uri") or (attrs.get("best_model") if state == "complete" else None)
     samples = _active.samples.pop(trial.number, 0)
-    end = TrialEnd(trial.number, state, mask_text(reason) if reason else None, samples, final,
-                   derived, best)  # fmt: skip
+    end = TrialEnd(
+        trial.number, state, mask_text(reason) if reason else None, samples, final, derived, best
+    )
     _active.submit(trial.number, "its end", "end_trial", end)
     _active.record_missing(trial.study)
 
@@ -193,10 +199,20 @@ def study_start(config: Config, study: optuna.Study) -> StudyStart:
         "model": config.model.name_or_path,
         "task": config.task,
     }
-    params.update({f"sampler.{k}": v for k, v in dataclasses.asdict(sampler).items()
-                   if v is not None and k != "type"})  # fmt: skip
-    params.update({f"pruner.{k}": v for k, v in dataclasses.asdict(pruner).items()
-                   if v is not None and k != "type"})  # fmt: skip
+    params.update(
+        {
+            f"sampler.{k}": v
+            for k, v in dataclasses.asdict(sampler).items()
+            if v is not None and k != "type"
+        }
+    )
+    params.update(
+        {
+            f"pruner.{k}": v
+            for k, v in dataclasses.asdict(pruner).items()
+            if v is not None and k != "type"
+        }
+    )
     return StudyStart(study.study_name, params, whole, whole.get("search_space", {}))
 
 

@@ -44,8 +44,9 @@ def client_for(uri: str, patience_s: float) -> Any:
 
     _answer_in_scope()
     timeout_s = max(1, int(min(HTTP_TIMEOUT_S, patience_s)))
-    return ScopedClient(MlflowClient(tracking_uri=uri), {RETRIES: 0, TIMEOUT: timeout_s,
-                                                         QUIET: True})  # fmt: skip
+    return ScopedClient(
+        MlflowClient(tracking_uri=uri), {RETRIES: 0, TIMEOUT: timeout_s, QUIET: True}
+    )
 
 
 class ScopedClient:
@@ -168,12 +169,22 @@ class MlflowRuns:
         # request costs the server 13-17 ms of CPU, taken from training where it shares a host).
         retry = start.first_attempt != start.number
         run_id = self._trial_run(start.first_attempt) if retry else None
-        tags = {"hpo.trial": str(start.number), "hpo.worker": start.worker,
-                "hpo.host": start.host, "hpo.state": "running"}  # fmt: skip
+        tags = {
+            "hpo.trial": str(start.number),
+            "hpo.worker": start.worker,
+            "hpo.host": start.host,
+            "hpo.state": "running",
+        }
         if run_id is None:
-            tags.update({PARENT_TAG: self._parent(), STUDY_TAG: self.study, KIND_TAG: "trial",
-                         ATTEMPT_TAG: str(start.first_attempt),
-                         RUN_NAME_TAG: f"trial {start.first_attempt}"})  # fmt: skip
+            tags.update(
+                {
+                    PARENT_TAG: self._parent(),
+                    STUDY_TAG: self.study,
+                    KIND_TAG: "trial",
+                    ATTEMPT_TAG: str(start.first_attempt),
+                    RUN_NAME_TAG: f"trial {start.first_attempt}",
+                }
+            )
             run_id = self.client.create_run(self.experiment_id, tags=tags).info.run_id
         else:  # a retry: the same run goes on
             self.client.update_run(run_id, status="RUNNING")
@@ -194,8 +205,7 @@ class MlflowRuns:
         return runs[0].info.run_id if runs else None
 
     def evaluation(self, number: int, step: int, metrics: dict[str, float]) -> None:
-        self.client.log_batch(self._run(number), metrics=_metrics(step, metrics),
-                              synchronous=True)  # fmt: skip
+        self.client.log_batch(self._run(number), metrics=_metrics(step, metrics), synchronous=True)
 
     def end_trial(self, end: TrialEnd) -> None:
         run_id = self._run(end.number)
@@ -205,8 +215,7 @@ class MlflowRuns:
         if end.best_model is not None:
             tags["hpo.best_model"] = end.best_model
         # The end in one request, and the status in a second: not one per kind of record.
-        self._log_batch(run_id, end.derived, tags=tags,
-                        metrics=_metrics(end.samples, end.metrics))  # fmt: skip
+        self._log_batch(run_id, end.derived, tags=tags, metrics=_metrics(end.samples, end.metrics))
         self.client.set_terminated(run_id, status=END_STATUS[end.state])
 
     def interrupt_trial(self, end: TrialInterrupted) -> None:
@@ -252,14 +261,16 @@ class MlflowRuns:
         if not (logged or run_tags or metrics):
             return
         try:
-            self.client.log_batch(run_id, params=logged, tags=run_tags, metrics=list(metrics),
-                                  synchronous=True)  # fmt: skip
+            self.client.log_batch(
+                run_id, params=logged, tags=run_tags, metrics=list(metrics), synchronous=True
+            )
         except MlflowException as e:
             if not logged or "INVALID_PARAMETER_VALUE" not in str(e.error_code):
                 raise
             as_tags = [RunTag(f"hpo.param.{p.key}", p.value) for p in logged]
-            self.client.log_batch(run_id, tags=[*run_tags, *as_tags], metrics=list(metrics),
-                                  synchronous=True)  # fmt: skip
+            self.client.log_batch(
+                run_id, tags=[*run_tags, *as_tags], metrics=list(metrics), synchronous=True
+            )
 
 
 def _metrics(step: int, metrics: dict[str, float]) -> list[Any]:

@@ -36,14 +36,21 @@ def check_register(config: Config, name: str) -> None:
             "add tracking.mlflow to the config or pass --tracking URI"
         )
     if config.training.entrypoint is not None:
-        raise HPOError("--register: a training function keeps its own model, hpo saves none to "
-                       "register; leave --register out")  # fmt: skip
+        raise HPOError(
+            "--register: a training function keeps its own model, hpo saves none to "
+            "register; leave --register out"
+        )
 
 
 def register_winner(
-    config: Config, name: str, study: str, trial: Any, out: Path, card: dict[str, Any],
+    config: Config,
+    name: str,
+    study: str,
+    trial: Any,
+    out: Path,
+    card: dict[str, Any],
     description: str,
-) -> str:  # fmt: skip
+) -> str:
     """Register the final model saved in `out` (from `trial` of retrain study `study`) as a new
     version of `name`, described by its model card (`card`, and `description`: its Markdown);
     returns "NAME version N". The version's run is the trial's MLflow run
@@ -64,9 +71,9 @@ def register_winner(
         except MlflowException as e:
             if e.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
-        version = client.create_model_version(name, source, run_id=run_id,
-                                              tags=version_tags(card, out),
-                                              description=description)  # fmt: skip
+        version = client.create_model_version(
+            name, source, run_id=run_id, tags=version_tags(card, out), description=description
+        )
     except (MlflowException, OSError) as e:
         said = mask_text(" ".join(str(e).split()))[:300]
         raise HPOError(
@@ -111,8 +118,12 @@ def _winner_run(client: Any, experiment: str, study: str, trial: Any) -> str:
             return str(runs[0].info.run_id)
     else:
         experiment_id = client.create_experiment(experiment)
-    tags = {STUDY_TAG: study, KIND_TAG: "final_model", ATTEMPT_TAG: str(first),
-            RUN_NAME_TAG: f"final model (trial {trial.number})"}  # fmt: skip
+    tags = {
+        STUDY_TAG: study,
+        KIND_TAG: "final_model",
+        ATTEMPT_TAG: str(first),
+        RUN_NAME_TAG: f"final model (trial {trial.number})",
+    }
     run_id = str(client.create_run(experiment_id, tags=tags).info.run_id)
     client.set_terminated(run_id, status="FINISHED")
     return run_id

@@ -284,8 +284,10 @@ class _MemoryWatch:
             if self.cuda_baseline is None:
                 self.cuda_baseline = cuda
             if cuda - self.cuda_baseline > CUDA_LEFT_OVER_LIMIT:
-                log.info("%d MiB of CUDA tensors outlived the trial; replacing the trial "
-                         "process", (cuda - self.cuda_baseline) // 2**20)  # fmt: skip
+                log.info(
+                    "%d MiB of CUDA tensors outlived the trial; replacing the trial process",
+                    (cuda - self.cuda_baseline) // 2**20,
+                )
                 return False
         rss = _resident_bytes()
         if rss is None:
@@ -293,8 +295,10 @@ class _MemoryWatch:
         if self.rss_baseline is None:
             self.rss_baseline = rss
         if rss - self.rss_baseline > MEMORY_GROWTH_LIMIT:
-            log.info("the trial process holds %d MiB more than after its first trial; "
-                     "replacing it", (rss - self.rss_baseline) // 2**20)  # fmt: skip
+            log.info(
+                "the trial process holds %d MiB more than after its first trial; replacing it",
+                (rss - self.rss_baseline) // 2**20,
+            )
             return False
         return True
 
@@ -347,8 +351,10 @@ def _watch_worker(worker_pid: int, conn: Connection) -> None:
         while not exited(pidfd, WORKER_WATCH_S):
             seen_stopped = seen_stopped + 1 if process_stopped(worker_pid) else 0
             if seen_stopped >= 2:  # not a moment's ptrace stop (py-spy dump, say)
-                log.warning("trial process: its worker %d is stopped (SIGSTOP?); pausing "
-                            "with it", worker_pid)  # fmt: skip
+                log.warning(
+                    "trial process: its worker %d is stopped (SIGSTOP?); pausing with it",
+                    worker_pid,
+                )
                 _notify_paused(conn)
                 os.kill(os.getpid(), signal.SIGSTOP)
                 seen_stopped = 0

@@ -119,8 +119,10 @@ class TrainingContext:
             raise TypeError(f"use_physical_batch_size: size must be an integer, got {size!r}")
         if not 1 <= size <= self.effective_batch_size:
             most = self.effective_batch_size
-            raise ValueError(f"use_physical_batch_size: size must be in [1, {most}] (the "
-                             f"effective batch), got {size}")  # fmt: skip
+            raise ValueError(
+                f"use_physical_batch_size: size must be in [1, {most}] (the "
+                f"effective batch), got {size}"
+            )
         self._physical = size
         self._trial.set_user_attr("physical_batch_size", self.physical_batch_size)
         self._trial.set_user_attr("grad_accum_steps", self.grad_accum_steps)
@@ -137,8 +139,12 @@ class TrainingContext:
         if send is not None:
             send({"step": step, "metric": (self.metric, value)})
         if not self._prunes:  # several objectives: Optuna takes no intermediate values
-            log.info("trial %d step %d: %s", self.trial_number, step,
-                     ", ".join(f"{k}={v:.4g}" for k, v in self.last_metrics.items()))  # fmt: skip
+            log.info(
+                "trial %d step %d: %s",
+                self.trial_number,
+                step,
+                ", ".join(f"{k}={v:.4g}" for k, v in self.last_metrics.items()),
+            )
             return
         self._trial.report(value, step)
         if self._trial.should_prune():
@@ -170,8 +176,18 @@ class TrainingContext:
         return state
 
 
-_PLAIN = (torch.Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.device,
-          torch.Size)  # fmt: skip
+_PLAIN = (
+    torch.Tensor,
+    int,
+    float,
+    bool,
+    str,
+    bytes,
+    type(None),
+    torch.dtype,
+    torch.device,
+    torch.Size,
+)
 # A checkpoint is read with torch.load(weights_only=True), which refuses numpy's pickled
 # objects: a numpy array or scalar is saved as the bytes of its own .npy format instead, in a
 # dict under this key, and turned back into what was saved by ctx.restore.
@@ -197,16 +213,18 @@ def _storable(value: Any, where: str, depth: int = 0) -> Any:
     if isinstance(value, _PLAIN):
         return value
     kind = type(value)
-    raise _refused(f"{where} is {kind.__module__}.{kind.__qualname__}, which a resume could "
-                   "not read")  # fmt: skip
+    raise _refused(
+        f"{where} is {kind.__module__}.{kind.__qualname__}, which a resume could not read"
+    )
 
 
 def _storable_dict(value: dict[Any, Any], where: str, depth: int) -> dict[Any, Any]:
     changed = {}
     for key, item in value.items():
         if not isinstance(key, (str, int)):
-            raise _refused(f"{where} has the key {key!r} ({type(key).__name__}); keys are str "
-                           "or int")  # fmt: skip
+            raise _refused(
+                f"{where} has the key {key!r} ({type(key).__name__}); keys are str or int"
+            )
         if key in (_NUMPY_ARRAY, _NUMPY_SCALAR):
             raise _refused(f"{where} has the key {key!r}, which hpo keeps for numpy values")
         stored = _storable(item, f"{where}[{key!r}]", depth + 1)
@@ -223,14 +241,17 @@ def _npy_bytes(array: np.ndarray, where: str) -> bytes:
     try:
         np.save(buffer, array, allow_pickle=False)
     except ValueError as e:  # an object array: Python objects, not numbers
-        raise _refused(f"{where} is a numpy array of dtype {array.dtype}, which a resume could "
-                       "not read") from e  # fmt: skip
+        raise _refused(
+            f"{where} is a numpy array of dtype {array.dtype}, which a resume could not read"
+        ) from e
     return buffer.getvalue()
 
 
 def _refused(what: str) -> TypeError:
-    return TypeError(f"ctx.save: {what}; save tensors, numpy arrays of numbers, numbers, strings, "
-                     "and lists, tuples and dicts of them")  # fmt: skip
+    return TypeError(
+        f"ctx.save: {what}; save tensors, numpy arrays of numbers, numbers, strings, "
+        "and lists, tuples and dicts of them"
+    )
 
 
 def _from_storable(value: Any) -> Any:
@@ -255,18 +276,23 @@ def checked_metrics(metrics: Any, metric: str, where: str) -> dict[str, float]:
     """`metrics` as names to finite-or-not floats; raises ReportError naming what was given
     when it is no dict of numbers or lacks study.metric."""
     if not isinstance(metrics, dict):
-        raise ReportError(f"{where}: expected a dict of metric names to numbers (with "
-                          f"{metric!r}), got {type(metrics).__name__}")  # fmt: skip
+        raise ReportError(
+            f"{where}: expected a dict of metric names to numbers (with "
+            f"{metric!r}), got {type(metrics).__name__}"
+        )
     if metric not in metrics:
         given = ", ".join(map(str, metrics)) or "none"
-        raise ReportError(f"{where}: no {metric!r} among the metrics given ({given}); "
-                          f"study.metric names {metric!r}")  # fmt: skip
+        raise ReportError(
+            f"{where}: no {metric!r} among the metrics given ({given}); "
+            f"study.metric names {metric!r}"
+        )
     checked: dict[str, float] = {}
     for name, value in metrics.items():
         number = number_of(value)
         if number is None:
-            raise ReportError(f"{where}: metric {name!r} is {type(value).__name__} {value!r}; "
-                              "expected a number")  # fmt: skip
+            raise ReportError(
+                f"{where}: metric {name!r} is {type(value).__name__} {value!r}; expected a number"
+            )
         checked[str(name)] = number
     return checked
 

@@ -88,8 +88,12 @@ def registered(folder: Path | None = None, threads: int | None = None) -> Iterat
     try:
         entry, handle = _register(folder, fixed)
     except OSError as e:
-        log.warning("cannot register this worker in %s (%s): its trials will not share the "
-                    "host's cores with other workers", folder, e.strerror or e)  # fmt: skip
+        log.warning(
+            "cannot register this worker in %s (%s): its trials will not share the "
+            "host's cores with other workers",
+            folder,
+            e.strerror or e,
+        )
         yield None
         return
     try:

@@ -153,13 +153,17 @@ def _values(
     if returned is None:
         if context.last_metrics is None:
             example = f"{{{metric!r}: value}}"
-            raise TrainingFunctionError(f"{spec} returned None and never called ctx.report: "
-                                        f"return the metrics, e.g. {example}")  # fmt: skip
+            raise TrainingFunctionError(
+                f"{spec} returned None and never called ctx.report: "
+                f"return the metrics, e.g. {example}"
+            )
         metrics = context.last_metrics
     elif (number := number_of(returned)) is not None:  # a numpy scalar, a 1-element tensor...
         if len(objectives) > 1:
-            raise TrainingFunctionError(f"{spec} returned a number; with several objectives "
-                                        f"return a dict with {', '.join(objectives)}")  # fmt: skip
+            raise TrainingFunctionError(
+                f"{spec} returned a number; with several objectives "
+                f"return a dict with {', '.join(objectives)}"
+            )
         metrics = {metric: number}
     elif isinstance(returned, dict):
         metrics = checked_metrics(returned, metric, f"the dict {spec} returned")
@@ -170,8 +174,10 @@ def _values(
         )
     missing = [name for name in objectives if name not in metrics]
     if missing:
-        raise TrainingFunctionError(f"{spec}: no {', '.join(missing)} among the final metrics "
-                                    f"({', '.join(metrics)}); study.metric names them")  # fmt: skip
+        raise TrainingFunctionError(
+            f"{spec}: no {', '.join(missing)} among the final metrics "
+            f"({', '.join(metrics)}); study.metric names them"
+        )
     context.last_metrics = metrics
     return [metrics[name] for name in objectives]
 

@@ -126,8 +126,10 @@ def missing_model(number: int, attrs: Mapping[str, Any]) -> str | None:
     if isinstance(model, str) and model:
         if Path(model).is_dir():
             return None
-        return (f"the model of trial #{number} is gone: {model} is not on this host (removed "
-                "since the trial ended, or on another host's disk)")  # fmt: skip
+        return (
+            f"the model of trial #{number} is gone: {model} is not on this host (removed "
+            "since the trial ended, or on another host's disk)"
+        )
     if error:
         return f"trial #{number} has no saved model: {error}"
     if "checkpoint_s" in attrs:  # it had a checkpoint folder, and no model came out of it
@@ -255,9 +257,10 @@ def best_trials(trials: list[FrozenTrial], rule: Rule) -> list[FrozenTrial]:
     done = [
         (t, t.values)
         for t in trials
-        if t.state == TrialState.COMPLETE and t.values is not None
+        if t.state == TrialState.COMPLETE
+        and t.values is not None
         and len(t.values) == len(rule.directions)
-    ]  # fmt: skip
+    ]
     return best_of(done, rule)
 
 

@@ -69,8 +69,9 @@ def best_of(scored: Sequence[tuple[T, Sequence[float]]], rule: FrontRule) -> lis
     """Of (item, values) pairs in trial order: the best on the one objective (the first of
     equals), or the Pareto front by the rule, in the same order."""
     signs = [1.0 if d == StudyDirection.MAXIMIZE else -1.0 for d in rule.directions]
-    signed = [(item, [s * v for s, v in zip(signs, values, strict=True)])
-              for item, values in scored]  # fmt: skip
+    signed = [
+        (item, [s * v for s, v in zip(signs, values, strict=True)]) for item, values in scored
+    ]
     if len(signs) == 1:
         return [max(signed, key=lambda pair: pair[1][0])[0]] if signed else []
     floors = [None if c is None else s * c for s, c in zip(signs, rule.chance, strict=False)]
@@ -81,9 +82,7 @@ def best_of(scored: Sequence[tuple[T, Sequence[float]]], rule: FrontRule) -> lis
     return [
         item
         for item, score in front
-        if not any(
-            _better_within_tolerance(other, score, quality, rule) for _, other in candidates
-        )  # fmt: skip
+        if not any(_better_within_tolerance(other, score, quality, rule) for _, other in candidates)
     ]
 
 

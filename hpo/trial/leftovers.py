@@ -180,8 +180,13 @@ def end_what_the_trial_left(trial_number: int) -> int:
     ended = Snapshot(p.pid for p in below if not p.zombie).end()
     reap_children(me)
     if ended:
-        log.warning("trial %d left %d process%s running; ended %s", trial_number, ended,
-                    "" if ended == 1 else "es", "it" if ended == 1 else "them")  # fmt: skip
+        log.warning(
+            "trial %d left %d process%s running; ended %s",
+            trial_number,
+            ended,
+            "" if ended == 1 else "es",
+            "it" if ended == 1 else "them",
+        )
     return ended
 
 

@@ -88,8 +88,9 @@ class Objective:
         cache = batch_cache or batch_cache_for(storage_url, config.study.database_patience)
         remember_worker_cache(storage_url, cache)  # for trials in the worker (isolation none)
         preload = fork_server_preload(config.training.entrypoint is not None)
-        self.trial_process = TrialProcess(self.target, self.task, stop, _limits(config.study),
-                                          BatchCacheRequests(cache), preload)  # fmt: skip
+        self.trial_process = TrialProcess(
+            self.target, self.task, stop, _limits(config.study), BatchCacheRequests(cache), preload
+        )
 
     def __call__(
         self, trial: optuna.Trial, taken_over: threading.Event | None = None
@@ -138,15 +139,19 @@ class Objective:
         the checkpoint folder, a file store) and its stop signals' handlers."""
         with contextlib.suppress(OSError):  # the folder is gone: nothing to go back to
             if os.getcwd() != self.folder:
-                log.warning("the user's code changed the working folder; back to %s",
-                            self.folder)  # fmt: skip
+                log.warning("the user's code changed the working folder; back to %s", self.folder)
                 os.chdir(self.folder)
-        if threading.current_thread() is threading.main_thread() and self.stop.installed and (
-            signal.getsignal(signal.SIGTERM) != self.stop.handler
-            or signal.getsignal(signal.SIGINT) != self.stop.handler
-        ):  # fmt: skip
-            log.warning("the user's code replaced the worker's SIGINT or SIGTERM handler; "
-                        "hpo's are back")  # fmt: skip
+        if (
+            threading.current_thread() is threading.main_thread()
+            and self.stop.installed
+            and (
+                signal.getsignal(signal.SIGTERM) != self.stop.handler
+                or signal.getsignal(signal.SIGINT) != self.stop.handler
+            )
+        ):
+            log.warning(
+                "the user's code replaced the worker's SIGINT or SIGTERM handler; hpo's are back"
+            )
             self.stop.install()
 
     def trains_on_cpu(self) -> bool:

@@ -45,21 +45,34 @@ def load_plugin(spec: str, base_dir: str, key: str) -> Callable[..., Any]:
         fix = ""
         if module_name.endswith(".py") and isinstance(e, ImportError):
             fix = f"; name the module without its .py: {module_name[:-3]}:{name}"
-        raise ConfigError([f"{key}: {spec}: module {module_name} does not import "
-                           f"({last}){fix}"]) from e  # fmt: skip
+        raise ConfigError(
+            [f"{key}: {spec}: module {module_name} does not import ({last}){fix}"]
+        ) from e
     function = getattr(module, name, None)
     if function is None:
         where = getattr(module, "__file__", None) or "built in"
-        raise ConfigError([f"{key}: {spec}: module {module_name} ({where}) has no "
-                           f"{name}{_shadowed(module_name, where, base_dir)}"])  # fmt: skip
+        raise ConfigError(
+            [
+                f"{key}: {spec}: module {module_name} ({where}) has no "
+                f"{name}{_shadowed(module_name, where, base_dir)}"
+            ]
+        )
     if not callable(function):
-        raise ConfigError([f"{key}: {spec}: {name} is not callable (it is "
-                           f"{type(function).__name__}); name a function"])  # fmt: skip
+        raise ConfigError(
+            [
+                f"{key}: {spec}: {name} is not callable (it is "
+                f"{type(function).__name__}); name a function"
+            ]
+        )
     kind = _not_plain_function(function)
     if kind and key != "task":
-        raise ConfigError([f"{key}: {spec}: {name} is {kind}, so calling it runs none of its "
-                           "body; hpo calls it and uses what it returns: make it a plain "
-                           "`def` that returns its result"])  # fmt: skip
+        raise ConfigError(
+            [
+                f"{key}: {spec}: {name} is {kind}, so calling it runs none of its "
+                "body; hpo calls it and uses what it returns: make it a plain "
+                "`def` that returns its result"
+            ]
+        )
     return function
 
 
@@ -69,8 +82,10 @@ def _shadowed(module_name: str, where: str, base_dir: str) -> str:
     mine = Path(base_dir, *module_name.split(".")).with_suffix(".py")
     if not base_dir or not mine.is_file() or Path(where).resolve() == mine.resolve():
         return ""
-    return (f"; your {mine} is not the module imported under that name (Python's own or "
-            "another one loaded first): rename your file")  # fmt: skip
+    return (
+        f"; your {mine} is not the module imported under that name (Python's own or "
+        "another one loaded first): rename your file"
+    )
 
 
 def _not_plain_function(function: Any) -> str:
@@ -129,25 +144,36 @@ def check_trial_processes_import(config: Config) -> None:
         return  # `python -m package`: imported again by its name
     path = getattr(main, "__file__", None)
     if path is not None and not os.path.isfile(path):
-        raise ConfigError([f"study.trial_isolation: process: each trial process imports the "
-                           f"script that started its worker, and {path} is no file (a script "
-                           "read from stdin?): run it from a file, or set "
-                           "study.trial_isolation: none"])  # fmt: skip
+        raise ConfigError(
+            [
+                f"study.trial_isolation: process: each trial process imports the "
+                f"script that started its worker, and {path} is no file (a script "
+                "read from stdin?): run it from a file, or set "
+                "study.trial_isolation: none"
+            ]
+        )
     if path is not None:
         return
     for key, spec in _specs_in_trial_processes(config):
         if spec.partition(":")[0] == "__main__":
-            raise ConfigError([f"{key}: {spec}: a trial process cannot import a function of "
-                               "this interactive session (a notebook, python -c): move it into "
-                               "a module file and name that module, or set "
-                               "study.trial_isolation: none"])  # fmt: skip
+            raise ConfigError(
+                [
+                    f"{key}: {spec}: a trial process cannot import a function of "
+                    "this interactive session (a notebook, python -c): move it into "
+                    "a module file and name that module, or set "
+                    "study.trial_isolation: none"
+                ]
+            )
 
 
 def _specs_in_trial_processes(config: Config) -> list[tuple[str, str]]:
     """The config's plug-ins that a trial process imports, by their keys."""
-    named = [("training.entrypoint", config.training.entrypoint), ("metrics", config.metrics),
-             ("model.factory", getattr(config.model, "factory", None)),
-             ("task", user_task(config))]  # fmt: skip
+    named = [
+        ("training.entrypoint", config.training.entrypoint),
+        ("metrics", config.metrics),
+        ("model.factory", getattr(config.model, "factory", None)),
+        ("task", user_task(config)),
+    ]
     return [(key, spec) for key, spec in named if spec is not None]
 
 
@@ -175,11 +201,16 @@ def check_task_class(config: Config) -> None:
         if name == "samples_per_s" or (name not in info.metrics and config.metrics is not None):
             continue  # the throughput, or a metric of the user's metrics function
         if name not in info.metrics:
-            raise ConfigError([f"study.metric: the task {spec} has no metric {name}; its metrics: "
-                               f"{', '.join(info.metrics)}"])  # fmt: skip
+            raise ConfigError(
+                [
+                    f"study.metric: the task {spec} has no metric {name}; its metrics: "
+                    f"{', '.join(info.metrics)}"
+                ]
+            )
         if way != info.metrics[name]:
-            raise ConfigError([f"study.direction: metric {name} of the task {spec} must be "
-                               f"{info.metrics[name]}d"])  # fmt: skip
+            raise ConfigError(
+                [f"study.direction: metric {name} of the task {spec} must be {info.metrics[name]}d"]
+            )
 
 
 def first_user_frame(

@@ -187,8 +187,11 @@ class TrialProcess:
         watch.ask_to_stop()
         read_last_words(conn, watch, trial, self.limits.stop_timeout_s)
         if not watch.wait(0):  # still running past the stop timeout: killed, as close() would
-            log.warning("trial process %s did not stop within %.0f s; killing it",
-                        watch.process.pid, self.limits.stop_timeout_s)  # fmt: skip
+            log.warning(
+                "trial process %s did not stop within %.0f s; killing it",
+                watch.process.pid,
+                self.limits.stop_timeout_s,
+            )
             watch.kill()
 
     def close(self) -> None:
@@ -221,10 +224,16 @@ class TrialProcess:
         stderr = _stderr_open()
         process = context.Process(
             target=child_main,
-            args=(child_conn, self.target, self.base, logging.getLogger().level, os.getpid(),
-                  stderr),
+            args=(
+                child_conn,
+                self.target,
+                self.base,
+                logging.getLogger().level,
+                os.getpid(),
+                stderr,
+            ),
             name="hpo-trial-process",
-        )  # fmt: skip
+        )
         try:
             with _sigint_blocked():
                 process.start()
@@ -308,8 +317,10 @@ class _Watchers:
         self.stopped_since[:] = [since, now]
         if now - since >= self.stopped_limit_s:
             watch.kill()
-            raise HandBack(f"its trial process was stopped (SIGSTOP, a debugger) for "
-                           f"{now - since:.0f} s, past study.grace_period; killed")  # fmt: skip
+            raise HandBack(
+                f"its trial process was stopped (SIGSTOP, a debugger) for "
+                f"{now - since:.0f} s, past study.grace_period; killed"
+            )
 
 
 def _relay(
@@ -333,8 +344,9 @@ def _relay(
             raise Interrupted(stop.signal_name)
         watchers.check()
         if paused and watch.stopped():
-            log.info("trial %d: continuing its trial process, paused with this worker",
-                     trial.number)  # fmt: skip
+            log.info(
+                "trial %d: continuing its trial process, paused with this worker", trial.number
+            )
             watch.resume()
             paused = False
         elif paused and time.monotonic() - paused_at > PAUSE_SETTLE_S:
@@ -515,8 +527,11 @@ class _ProcessWatch:
             if not self.wait(0):
                 self.ask_to_stop()
                 if not self.wait(stop_timeout_s):
-                    log.warning("trial process %s ignored SIGTERM for %.0f s; killing it",
-                                self.process.pid, stop_timeout_s)  # fmt: skip
+                    log.warning(
+                        "trial process %s ignored SIGTERM for %.0f s; killing it",
+                        self.process.pid,
+                        stop_timeout_s,
+                    )
                     self._kill_with_what_it_started(stop_timeout_s)
             self.process.join(timeout=1)  # multiprocessing's own record of the exit
         finally:
@@ -544,9 +559,13 @@ class _ProcessWatch:
         self.wait(wait_s)
         ended = left.end() if left is not None else 0
         if ended:
-            log.warning("the killed trial process %s left %d process%s running; ended %s",
-                        self.process.pid, ended, "" if ended == 1 else "es",
-                        "it" if ended == 1 else "them")  # fmt: skip
+            log.warning(
+                "the killed trial process %s left %d process%s running; ended %s",
+                self.process.pid,
+                ended,
+                "" if ended == 1 else "es",
+                "it" if ended == 1 else "them",
+            )
 
     def _signal(self, signum: int) -> None:
         if self.pidfd is None:

@@ -107,8 +107,12 @@ def _call_bounded(
     included) is raised here as it is; a thread of its own also keeps it from replacing the
     worker's signal handlers (signal.signal refuses outside the main thread)."""
     done: dict[str, Any] = {}
-    thread = threading.Thread(target=_call_into, args=(function, trial, done),
-                              name=f"hpo-search-space-{trial.number}", daemon=True)  # fmt: skip
+    thread = threading.Thread(
+        target=_call_into,
+        args=(function, trial, done),
+        name=f"hpo-search-space-{trial.number}",
+        daemon=True,
+    )
     thread.start()
     deadline = None if limit_s is None else time.monotonic() + limit_s
     while thread.is_alive():
@@ -192,8 +196,9 @@ def job_for_trial(config: Config, params: dict[str, Any]) -> TrainJob:
         changes[section][field] = value
     model_changes = changes["model"]
     if isinstance(model_changes.get("name_or_path"), str):
-        model_changes["name_or_path"] = model_location(model_changes["name_or_path"],
-                                                       config.base_dir)  # fmt: skip
+        model_changes["name_or_path"] = model_location(
+            model_changes["name_or_path"], config.base_dir
+        )
     sections = {name: getattr(config, name) for name in search_paths.SECTIONS}
     for section, fields in changes.items():
         for field, value in fields.items():

@@ -62,8 +62,9 @@ def data_for(task: TrialTask, job: TrainJob) -> PreparedData:
         from trainer.model import load_tokenizer
         from trainer.tasks import prepare_data
 
-        task.prepared[key] = prepare_data(job.data, load_tokenizer(job.model, job.task), job.task,
-                                          job.training)  # fmt: skip
+        task.prepared[key] = prepare_data(
+            job.data, load_tokenizer(job.model, job.task), job.task, job.training
+        )
     return task.prepared[key]
 
 

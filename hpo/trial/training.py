@@ -62,8 +62,9 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
     if task.checkpoint_dir is not None:
         interval = task.config.study.checkpoint_interval
         remake = trial_folder_maker(task.study_name) if task.study_name else None
-        store = CheckpointStore(task.checkpoint_dir, resume=task.resume, interval_s=interval,
-                                make_directory=remake)  # fmt: skip
+        store = CheckpointStore(
+            task.checkpoint_dir, resume=task.resume, interval_s=interval, make_directory=remake
+        )
         uploader = start_uploader(trial, task, store)
     try:
         prepared = data_for(task, job)
@@ -78,9 +79,16 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
         )
         clock = TrainingClock(task.config.study.trial_timeout)
         data = with_eval_in_training(prepared) if task.full_data else prepared
-        result = train(job, data, reporter, metric, store, should_stop=clock.should_stop,
-                       on_progress=_progress_sender(trial, sender),
-                       user_metrics=user_metrics)  # fmt: skip
+        result = train(
+            job,
+            data,
+            reporter,
+            metric,
+            store,
+            should_stop=clock.should_stop,
+            on_progress=_progress_sender(trial, sender),
+            user_metrics=user_metrics,
+        )
     except MetricsFunctionError as e:
         give_up_uploads(uploader, task)
         _record_user_failure(trial, str(task.config.metrics), e, started, "the metrics function")
@@ -145,8 +153,11 @@ def user_metrics_of(config: Config) -> UserMetrics | None:
         return None
     function = load_plugin(config.metrics, config.base_dir, "metrics")
     study = config.study
-    own = {name: way for name, way in zip(study.objectives, study.resolved_directions, strict=True)
-           if name not in METRIC_DIRECTIONS}  # fmt: skip
+    own = {
+        name: way
+        for name, way in zip(study.objectives, study.resolved_directions, strict=True)
+        if name not in METRIC_DIRECTIONS
+    }
     return UserMetrics(function, config.metrics, own)
 
 
@@ -262,8 +273,10 @@ def raise_stopped(clock: TrainingClock) -> NoReturn:
     """The run checkpointed and stopped: past its timeout it is pruned, with that reason;
     otherwise its worker is stopping, and the retry resumes from the checkpoint."""
     if clock.timed_out() and not stop_requested():
-        raise TrialTimedOut(f"stopped after {clock.elapsed_s():.0f} s of training, past "
-                            f"study.trial_timeout ({clock.trial_timeout:g} s)")  # fmt: skip
+        raise TrialTimedOut(
+            f"stopped after {clock.elapsed_s():.0f} s of training, past "
+            f"study.trial_timeout ({clock.trial_timeout:g} s)"
+        )
     raise Interrupted(stop_reason())
 
 
@@ -376,12 +389,18 @@ class EvaluationSender:
         self.samples_per_s: float | None = None  # set by the progress sender
 
     def __call__(self, evaluation: Evaluation) -> None:
-        metrics: dict[str, float | None] = {**evaluation.metrics, "epoch": evaluation.epoch,
-                                            "train_loss": evaluation.train_loss,
-                                            "samples_per_s": self.samples_per_s}  # fmt: skip
+        metrics: dict[str, float | None] = {
+            **evaluation.metrics,
+            "epoch": evaluation.epoch,
+            "train_loss": evaluation.train_loss,
+            "samples_per_s": self.samples_per_s,
+        }
         metrics["peak_mem_bytes"] = dev.peak_memory_bytes(self.device)  # the CPU: peak RSS
-        report = {"index": evaluation.index, "metrics": metrics,
-                  "samples": evaluation.optimizer_step * self.effective_batch_size}  # fmt: skip
+        report = {
+            "index": evaluation.index,
+            "metrics": metrics,
+            "samples": evaluation.optimizer_step * self.effective_batch_size,
+        }
         if self.send is not None:
             self.send(report)
         else:
@@ -436,9 +455,11 @@ def _value(trial: TrialLike, result: TrainResult, objectives: list[str]) -> Tria
     metrics = {**result.best.metrics, "samples_per_s": result.samples_per_s}
     missing = [name for name in objectives if name not in metrics]
     if missing:  # a metric the user's metrics function did not return
-        raise MetricsFunctionError(f"no {', '.join(missing)} among the metrics of the best "
-                                   f"evaluation ({', '.join(metrics)}); study.metric names "
-                                   "them")  # fmt: skip
+        raise MetricsFunctionError(
+            f"no {', '.join(missing)} among the metrics of the best "
+            f"evaluation ({', '.join(metrics)}); study.metric names "
+            "them"
+        )
     values = [float(metrics[name]) for name in objectives]
     return values[0] if len(values) == 1 else values
 

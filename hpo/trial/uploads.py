@@ -61,8 +61,9 @@ class BackgroundUploader:
     such bucket: see StoreRefused) ends the trial's uploads: no wait would change it, and each
     trial's end would otherwise wait out study.artifact_patience for nothing."""
 
-    def __init__(self, store: ArtifactStore, target: ArtifactTarget,
-                 backoff: Backoff | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, store: ArtifactStore, target: ArtifactTarget, backoff: Backoff | None = None
+    ) -> None:
         self.store, self.target = store, target
         self.backoff = backoff or Backoff()
         self.stats = UploadStats()
@@ -192,8 +193,9 @@ class BackgroundUploader:
         self.stats.errors.append(reason[:500])
 
 
-def fetch_resume_state(store: ArtifactStore, target: ArtifactTarget,
-                       checkpoints: CheckpointStore) -> bool:  # fmt: skip
+def fetch_resume_state(
+    store: ArtifactStore, target: ArtifactTarget, checkpoints: CheckpointStore
+) -> bool:
     """A retry: unless its folder holds the newest state (this host wrote it, or fetched it,
     and no other host has published one since), the trial's best model and state come from the
     store into its folder, each checked against its manifest's hashes. Whether a state came; the

@@ -83,7 +83,7 @@ TASKS: dict[str, TaskInfo] = {
                 "micro_f1": "maximize",
                 "roc_auc": "maximize",
                 "eval_loss": "minimize",
-            },  # fmt: skip
+            },
             "accuracy",
             "AutoModelForSequenceClassification",
             "one class per text or text pair",
@@ -97,7 +97,7 @@ TASKS: dict[str, TaskInfo] = {
                 "macro_f1": "maximize",
                 "subset_accuracy": "maximize",
                 "eval_loss": "minimize",
-            },  # fmt: skip
+            },
             "micro_f1",
             "AutoModelForSequenceClassification",
             "any number of classes per text",
@@ -114,7 +114,7 @@ TASKS: dict[str, TaskInfo] = {
                 "spearman": "maximize",
                 "r2": "maximize",
                 "eval_loss": "minimize",
-            },  # fmt: skip
+            },
             "rmse",
             "AutoModelForSequenceClassification",
             "one number per text",
@@ -129,7 +129,7 @@ TASKS: dict[str, TaskInfo] = {
                 "recall": "maximize",
                 "token_accuracy": "maximize",
                 "eval_loss": "minimize",
-            },  # fmt: skip
+            },
             "f1",
             "AutoModelForTokenClassification",
             "a tag per word (named entities in BIO tags)",
@@ -162,8 +162,10 @@ def task_info(name: str) -> TaskInfo:
         return TASKS[name]
     if is_task_path(name):
         return task_class(name).describe()
-    raise ValueError(f"unknown task {name!r}; tasks: {', '.join(TASKS)}, or your task class as "
-                     "`package.module:ClassName`")  # fmt: skip
+    raise ValueError(
+        f"unknown task {name!r}; tasks: {', '.join(TASKS)}, or your task class as "
+        "`package.module:ClassName`"
+    )
 
 
 def task_class(name: str) -> type[Task]:
@@ -194,12 +196,16 @@ def _user_task_class(spec: str) -> type[Task]:
     try:
         info = found.describe()
     except (ValueError, AttributeError) as e:  # no catalog, and no built-in task's name
-        raise TaskClassError(f"{spec} says nothing of its metrics: subclass a built-in task, or "
-                             "set catalog = TaskInfo(...) on the class") from e  # fmt: skip
+        raise TaskClassError(
+            f"{spec} says nothing of its metrics: subclass a built-in task, or "
+            "set catalog = TaskInfo(...) on the class"
+        ) from e
     if not isinstance(info, TaskInfo) or info.default_metric not in info.metrics:
-        raise TaskClassError(f"{spec}: describe() returned {info!r}; expected a "
-                             "trainer.tasks.TaskInfo with its metrics and a default_metric among "
-                             "them")  # fmt: skip
+        raise TaskClassError(
+            f"{spec}: describe() returned {info!r}; expected a "
+            "trainer.tasks.TaskInfo with its metrics and a default_metric among "
+            "them"
+        )
     return found
 
 

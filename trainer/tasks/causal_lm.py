@@ -212,8 +212,13 @@ class CausalLM(TokenTask):
             cut += longer or not whole
             rows.append((ids, targets))
         if cut:
-            log.info("%s: %d of %d texts cut to data.max_length %d (their end is not learnt)",
-                     source, cut, len(rows), max_length)  # fmt: skip
+            log.info(
+                "%s: %d of %d texts cut to data.max_length %d (their end is not learnt)",
+                source,
+                cut,
+                len(rows),
+                max_length,
+            )
         return rows
 
     def _prompted_rows(
@@ -246,8 +251,14 @@ class CausalLM(TokenTask):
             cut += fitted.prompt != prompt or fitted.completion != completion or not whole
             rows.append(sequence_and_targets(fitted.prompt, fitted.completion, tokens, ends))
         if cut:
-            log.info("%s: %d of %d rows cut to data.max_length %d (prompts from the left, then "
-                     "completions from the right)", source, cut, len(rows), max_length)  # fmt: skip
+            log.info(
+                "%s: %d of %d rows cut to data.max_length %d (prompts from the left, then "
+                "completions from the right)",
+                source,
+                cut,
+                len(rows),
+                max_length,
+            )
         return rows
 
     def check_split(self, split: TokenizedSplit, source: str) -> None:
@@ -277,8 +288,11 @@ class CausalLM(TokenTask):
         (for BERT WordPiece: [CLS], [SEP], [PAD]), so that generate() stops where training ended
         every row."""
         tokens = SpecialTokens.of(tokenizer)
-        return {"bos_token_id": tokens.start, "eos_token_id": tokens.end,
-                "pad_token_id": tokens.pad}  # fmt: skip
+        return {
+            "bos_token_id": tokens.start,
+            "eos_token_id": tokens.end,
+            "pad_token_id": tokens.pad,
+        }
 
     def eval_outputs(self, logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         return {}  # the loss is all the metrics need: no [batch, width, vocab] logits kept
@@ -318,9 +332,13 @@ def _token_ids(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     if not texts:
         return []
     encoded = tokenizer(
-        texts, add_special_tokens=False, truncation=False, return_attention_mask=False,
-        return_token_type_ids=False, verbose=False,
-    )  # fmt: skip
+        texts,
+        add_special_tokens=False,
+        truncation=False,
+        return_attention_mask=False,
+        return_token_type_ids=False,
+        verbose=False,
+    )
     return [list(ids) for ids in encoded["input_ids"]]
 
 

@@ -45,7 +45,7 @@ This page is generated from that schema, so it says what the code reads.
 
 def _type_of(spec: dict[str, Any]) -> str:
     if "enum" in spec:
-        return " \\| ".join(f"`{value}`" for value in spec["enum"])
+        return ", ".join(f"`{value}`" for value in spec["enum"])
     if "anyOf" in spec:
         return " or ".join(_type_of(option) for option in spec["anyOf"])
     if "$ref" in spec:

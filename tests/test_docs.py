@@ -84,3 +84,11 @@ def test_the_reference_pages_are_generated_from_the_parser_the_schema_and_public
     mkdocs = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
     for page in ("reference/config.md", "reference/cli.md", "reference/api.md"):
         assert page in mkdocs and page in script
+
+
+def test_the_first_guide_shows_the_template_as_its_sed_line_leaves_it() -> None:
+    guide = (ROOT / "docs" / "getting-started" / "your-own-data.md").read_text(encoding="utf-8")
+    assert "sed -i 's#\\.\\./data/demo/##' config.yaml" in guide
+    edited = TEMPLATE.read_text(encoding="utf-8").replace("../data/demo/", "")
+    assert edited in code_blocks(guide, "yaml")
+    assert "`data.eval_file` is **required**" in guide

@@ -6,7 +6,6 @@ the command line from hpo's argparse parser, and the Python API from `hpo`'s pub
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import sys
@@ -116,21 +115,21 @@ def cli_page() -> str:
 
 
 def public_names() -> dict[str, str]:
-    """`hpo._PUBLIC`, read from hpo/__init__.py: each public name and its module."""
-    tree = ast.parse((ROOT / "hpo" / "__init__.py").read_text(encoding="utf-8"))
-    for node in tree.body:
-        target = node.target if isinstance(node, ast.AnnAssign) else None
-        if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            target = node.targets[0]
-        if isinstance(target, ast.Name) and target.id == "_PUBLIC" and node.value is not None:
-            return dict(ast.literal_eval(node.value))
-    raise SystemExit("hpo/__init__.py has no _PUBLIC map")
+    """`hpo._PUBLIC`: each public name (`hpo.__all__`) and the module that defines it."""
+    import hpo
+
+    names = dict(hpo._PUBLIC)
+    missing = sorted(set(hpo.__all__) - set(names) - {"__version__"})
+    if missing:
+        raise SystemExit(f"hpo.__all__ names {missing}, which hpo._PUBLIC does not map")
+    return names
 
 
 def api_page() -> str:
     parts = [
         "# Python API reference\n",
-        "Every name your code may import from `hpo` (`hpo.__all__`): these are promised; "
+        "Every name your code may import from `hpo` (`hpo.__all__`), as `from hpo import run, "
+        "ConfigError`: these are promised; "
         "modules and names not listed here are internal and may move. Generated from the "
         "docstrings. See [Your own code](../guides/your-own-code.md) for how they fit "
         "together.\n",
@@ -139,7 +138,7 @@ def api_page() -> str:
     for name, module in public_names().items():
         by_module.setdefault(module, []).append(name)
     for module, names in by_module.items():
-        parts.append(f"## From `{module}`\n")
+        parts.append(f"## Defined in `{module}`\n")
         for name in sorted(names):
             parts.append(f"::: {module}.{name}\n    options:\n      heading_level: 3\n")
     return "\n".join(parts)

@@ -1,6 +1,7 @@
 """The packages' shape, as a reader meets it: no module of hpo/, trainer/ or storage/ over 600
 lines, functions that fit on a screen, the trainer free of Optuna, one place that decides a
-trial's physical batch, and a worker's loop that loads no torch.
+trial's physical batch, a worker's loop that loads no torch, and a map of the tests that names
+every test file (tests/README.md).
 
 Which package imports which, and that no package's modules import each other in a cycle, is the
 import contract's to say (pyproject.toml [tool.importlinter], tests/test_import_contract.py).
@@ -9,6 +10,7 @@ import contract's to say (pyproject.toml [tool.importlinter], tests/test_import_
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -143,3 +145,11 @@ def test_the_worker_loop_imports_neither_torch_nor_transformers() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_the_map_of_the_tests_names_every_test_file_and_no_other() -> None:
+    named = set(re.findall(r"`(test_\w+\.py)`", (REPO / "tests" / "README.md").read_text()))
+    files = {path.name for path in (REPO / "tests").glob("test_*.py")}
+    assert len(files) > 50  # the folder is read
+    assert sorted(files - named) == [], "add them to tests/README.md"
+    assert sorted(named - files) == [], "tests/README.md names files that are not there"

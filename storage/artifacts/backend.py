@@ -10,6 +10,7 @@ from typing import BinaryIO, Protocol
 
 from storage.artifacts.errors import ArtifactStoreError
 
+# Bytes copied or hashed at a time (a file store's copies, a publish's and a fetch's hashes).
 CHUNK = 1 << 20
 PROBE_PREFIX = ".hpo-probe-"
 

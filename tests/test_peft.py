@@ -528,15 +528,15 @@ def test_the_report_and_hpo_best_say_how_an_adapter_loads() -> None:
 def test_the_retrain_card_of_a_lora_study_names_the_adapter_and_its_base(
     easy_data: tuple[Path, Path], tiny_pretrained: Path
 ) -> None:
-    from hpo.study.retrain import _card_loader
+    from hpo.reports.model_card import card_loader
 
     raw = tiny_config(*easy_data, model={"name_or_path": str(tiny_pretrained), "peft": {"r": 4}})
     del raw["model"]["config"]
     config = parse_config(raw, Path("."))
-    assert _card_loader(config).startswith(f"a LoRA adapter on {tiny_pretrained}: PeftModel")
+    assert card_loader(config).startswith(f"a LoRA adapter on {tiny_pretrained}: PeftModel")
     config.model.peft = None
     assert (
-        _card_loader(config) == "AutoModelForSequenceClassification.from_pretrained(<this folder>)"
+        card_loader(config) == "AutoModelForSequenceClassification.from_pretrained(<this folder>)"
     )
 
 

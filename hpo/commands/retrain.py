@@ -36,6 +36,7 @@ def retrain_command(args: argparse.Namespace) -> int:
     """`hpo retrain`: see hpo.study.retrain."""
     import optuna
 
+    from hpo.reports import model_card
     from hpo.study import retrain
     from hpo.study.join import open_study
     from hpo.tracking import registry
@@ -135,17 +136,17 @@ def retrain_command(args: argparse.Namespace) -> int:
             return 1
         model_trial = full_data_trial
     metric = config.study.primary_metric
-    card = retrain.model_card(
+    card = model_card.model_card(
         plan, found, winner, chosen, config, metric, full_data_trial, storage_url.masked
     )
     if config.training.entrypoint is not None:
         # A training function keeps its own model: the runs' values over seeds are the outcome.
-        print(retrain.summary(card, None))
+        print(model_card.summary(card, None))
         return 0
     with winner_model(model_study, model_trial, config, out) as model_dir:
-        retrain.save_final_model(model_dir, out, card)
+        retrain.save_final_model(model_dir, out, card, model_card.card_markdown(card))
     source.set_user_attr(retrain.OUTCOME_ATTR, retrain.outcome(card, out))
-    print(retrain.summary(card, out))
+    print(model_card.summary(card, out))
     if args.register is not None:
         trial = next(t for t in model_study.get_trials(deepcopy=False) if t.number == model_trial)
         try:
@@ -156,7 +157,7 @@ def retrain_command(args: argparse.Namespace) -> int:
                 trial,
                 out,
                 card,
-                retrain.card_markdown(card),
+                model_card.card_markdown(card),
             )
         except HPOError as e:  # the model is saved: a rerun registers it, training nothing
             print(f"hpo: {e}", file=sys.stderr)

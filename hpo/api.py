@@ -204,7 +204,7 @@ def open_study(name: str, storage: str | None = None) -> Study:
     """The study `name` in `storage` (default: $HPO_STORAGE, then ./hpo.db), to read: nothing is
     created or written, not even a database file for a mistyped URL. Raises hpo.HPOError when
     there is no such study, hpo.StorageError when the database cannot be reached."""
-    from hpo.commands.monitor import load_existing_study, open_storage_to_read
+    from hpo.services import load_existing_study, open_storage_to_read
 
     if not isinstance(name, str):
         raise ConfigError([f"name: got {name!r}; give the study's name as text"], "open_study")
@@ -266,7 +266,7 @@ class Study:
     def pareto_front(self) -> list[Trial]:
         """The trials no other complete trial beats on every objective (one objective: the best
         trial alone); raises hpo.HPOError before one completes."""
-        from hpo.commands.monitor import best_of
+        from hpo.services import best_of
 
         with self._reading():
             found = best_of(self._study, self._storage)
@@ -275,10 +275,10 @@ class Study:
     def status(self) -> dict[str, Any]:
         """What `hpo status --json` prints: trials by state, running trials and their workers,
         the best, device-hours, trials/hour, failures and prunes by reason, the budget."""
-        from hpo.reports import status as report
+        from hpo import services
 
         with self._reading():
-            return report.status(self._study, storage=self._storage)
+            return services.status(self._study, self._storage, with_store=False)
 
     def download(
         self,
@@ -292,7 +292,7 @@ class Study:
         `merge`: a LoRA study's adapter merged into its base model, written as a plain model.
         `artifact_store`: where the store is reached from here (default: $HPO_ARTIFACT_STORE,
         then the one the study's workers recorded). Returns the folder."""
-        from hpo.commands.monitor import API_DOWNLOAD, download_best, study_artifact_store
+        from hpo.services import API_DOWNLOAD, download_best, study_artifact_store
 
         with self._reading():
             best = self._best_summaries()
@@ -307,7 +307,7 @@ class Study:
         """The study's report, as `hpo report` writes it, to `path` (a file, or an existing
         folder for the default name): one HTML page that opens offline, or Markdown (`format`
         "md", or a path ending in .md). Returns the file written."""
-        from hpo.commands.monitor import write_report
+        from hpo.services import write_report
 
         given = os.fspath(path)
         form = format or ("md" if given.lower().endswith(".md") else "html")
@@ -330,14 +330,14 @@ class Study:
         return f"hpo.Study({self.name!r}, storage={self._url!r})"
 
     def _best_summaries(self) -> list[dict[str, Any]]:
-        from hpo.commands.monitor import best_of
+        from hpo.services import best_of
 
         return best_of(self._study, self._storage)
 
     @contextlib.contextmanager
     def _reading(self) -> Iterator[None]:
         """A study deleted while it is read is one hpo.HPOError, as in the CLI."""
-        from hpo.commands.monitor import study_gone
+        from hpo.services import study_gone
 
         try:
             yield

@@ -289,7 +289,7 @@ def test_api_messages_name_its_arguments_not_the_cli_s_flags(
     argument of the call they made."""
     from types import SimpleNamespace
 
-    from hpo.commands.monitor import API_DOWNLOAD, download_best
+    from hpo.services import API_DOWNLOAD, download_best
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("HPO_STORAGE", raising=False)

@@ -556,8 +556,8 @@ def test_method_none_fine_tunes_every_weight_so_a_search_can_turn_lora_off(
 def test_merge_of_a_model_trained_fully_is_one_line(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from hpo.commands.monitor import API_DOWNLOAD, DownloadNames, _finish_adapter
     from hpo.errors import HPOError
+    from hpo.services import API_DOWNLOAD, DownloadNames, _finish_adapter
 
     study = SimpleNamespace(user_attrs={})
     plain, merged, out = tmp_path / "plain", tmp_path / "merged", tmp_path / "out"

@@ -21,6 +21,7 @@ from hpo.config.loader import DEMO_CONFIG, load_config, parse_config
 from hpo.config.schema import Config
 from hpo.errors import ConfigError, HPOError
 from hpo.logs import set_optuna_verbosity, setup_logging
+from hpo.services import ARTIFACT_STORE_ATTR
 from hpo.stopping import Interrupted, StopRequest
 from hpo.study.names import checked_study_name, quoted_study_name
 from storage.url import StorageURL
@@ -28,9 +29,6 @@ from storage.url import StorageURL
 if TYPE_CHECKING:
     from storage.artifacts import ArtifactURL
 log = logging.getLogger("hpo")
-
-
-ARTIFACT_STORE_ATTR = "artifact_store"  # the study's store, as its workers resolved it
 
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

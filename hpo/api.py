@@ -27,9 +27,12 @@ import time
 import types
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpo.errors import ConfigError, HPOError
+
+if TYPE_CHECKING:
+    from hpo.commands.requests import RunRequest
 
 log = logging.getLogger("hpo")
 
@@ -139,7 +142,8 @@ def run(
 
     Raises hpo.ConfigError for a bad config or argument, another hpo.HPOError (or
     hpo.TrainerError, hpo.StorageError) for anything else the user can fix."""
-    from hpo.commands.run import run_arguments, run_study
+    from hpo.commands.requests import RunRequest
+    from hpo.commands.run import run_study
     from hpo.logs import quiet_library_output
 
     started = time.monotonic()  # the timeout counts from here, data preparation included
@@ -161,9 +165,9 @@ def run(
     # Before CUDA initialises: fewer fragmentation OOMs as batch shapes change between steps.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     quiet_library_output()
-    args = run_arguments(
-        study,
-        config,
+    request = RunRequest(
+        study=study,
+        config=config,
         storage=storage,
         n_trials=n_trials,
         timeout=timeout,
@@ -174,11 +178,14 @@ def run(
         gpus=gpu_list,
         workers_per_gpu=per_gpu,
         allow_changed_setup=allow_changed_setup,
+        quiet=True,  # no progress line
+        from_python=True,
     )
     if gpu_list is not None or per_gpu is not None:
-        args.argv, args.worker_env = _worker_command(args)
+        argv, env = _worker_command(request)
+        request = dataclasses.replace(request, argv=tuple(argv), worker_env=env)
     with _signals_restored():
-        outcome = run_study(args, say=log.info)
+        outcome = run_study(request, say=log.info)
     try:
         return _result(study, outcome)
     finally:
@@ -402,22 +409,23 @@ def _gpu_options(
     return spec, per_gpu  # type: ignore[return-value]
 
 
-def _worker_command(args: Any) -> tuple[list[str], dict[str, str]]:
+def _worker_command(request: RunRequest) -> tuple[list[str], dict[str, str]]:
     """The `hpo` arguments and environment of each worker process that run(gpus=...) starts:
     the same run, with the storage and artifact store in the environment, where no other user
     of the host can read them (a command line shows in `ps`)."""
-    argv = ["run", "--config", os.fspath(args.config), "--study", args.study]
+    assert isinstance(request.config, (str, os.PathLike))  # _gpu_options: a file with gpus
+    argv = ["run", "--config", os.fspath(request.config), "--study", request.study]
     for name in ("n_trials", "timeout", "trial_timeout"):
-        value = getattr(args, name)
+        value = getattr(request, name)
         if value is not None:
             argv += [f"--{name.replace('_', '-')}", str(value)]
-    if args.allow_changed_setup:
+    if request.allow_changed_setup:
         argv.append("--allow-changed-setup")
     env = {}
-    if args.storage is not None:
-        env["HPO_STORAGE"] = args.storage
-    if args.artifact_store is not None:
-        env["HPO_ARTIFACT_STORE"] = args.artifact_store
+    if request.storage is not None:
+        env["HPO_STORAGE"] = request.storage
+    if request.artifact_store is not None:
+        env["HPO_ARTIFACT_STORE"] = request.artifact_store
     return argv, env
 
 

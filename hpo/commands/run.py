@@ -170,7 +170,8 @@ class CheckedInputs:
 
     study: str
     config: Config
-    config_path: Path
+    config_path: Path | None
+    """The config's file (None: hpo.run's mapping)."""
     storage_url: StorageURL
     gpus: list[str]
     workers_per_gpu: int | str | None
@@ -280,7 +281,7 @@ def check_inputs(
         )
     copy_worker = copies_itself(request, config, gpus, per_gpu)
     threads = _load_user_code(config, copy_worker)
-    path = Path(config_path) if isinstance(config_path, (str, os.PathLike)) else Path.cwd()
+    path = Path(config_path) if isinstance(config_path, (str, os.PathLike)) else None
     return CheckedInputs(study, config, path, storage_url, gpus, per_gpu, copy_worker, threads)
 
 
@@ -445,7 +446,7 @@ def _check_memory_share() -> None:
         raise HPOError(f"{e}, or unset it") from e
 
 
-def _auto_workers_per_gpu(config: Config, config_path: Path, gpus: list[str]) -> int:
+def _auto_workers_per_gpu(config: Config, config_path: Path | None, gpus: list[str]) -> int:
     """`--workers-per-gpu auto` on the first GPU (the others are taken to be alike)."""
     from hpo.commands.launcher import choose_workers_per_gpu
 
@@ -456,6 +457,8 @@ def _auto_workers_per_gpu(config: Config, config_path: Path, gpus: list[str]) ->
 
     largest = largest_effective_batch(config)
     bound = batch_search_bound(config)
+    if config_path is None:  # hpo.run refuses it first: its workers read the config's file
+        raise HPOError("workers_per_gpu 'auto': give the config as a file path")
     workers, why = choose_workers_per_gpu(str(config_path), gpus[0], largest, bound)
     log.info("--workers-per-gpu auto: %d workers per GPU (%s)", workers, why)
     return workers

@@ -3,7 +3,8 @@ model from a study. The best configurations of the search are trained
 again with new seeds, in a study of their own (`<study> [retrain top K x S seeds, PLAN]`, where
 PLAN is a short hash of the configurations and seeds; run by the same workers, heartbeats,
 retries and resume as `hpo run`, which run its queued runs only); the configuration with the
-best mean metric wins, and its best run's model and tokenizer are saved with a model card.
+best mean metric wins, and its best run's model and tokenizer are saved with a model card
+(hpo.reports.model_card writes it).
 
 A single training run's score is partly the luck of its seed (Dodge et al. 2020): the mean and
 spread over seeds is what tells two close configurations apart.

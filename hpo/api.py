@@ -27,9 +27,12 @@ import time
 import types
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpo.errors import ConfigError, HPOError
+
+if TYPE_CHECKING:
+    from hpo.commands.requests import RunRequest
 
 log = logging.getLogger("hpo")
 
@@ -139,7 +142,8 @@ def run(
 
     Raises hpo.ConfigError for a bad config or argument, another hpo.HPOError (or
     hpo.TrainerError, hpo.StorageError) for anything else the user can fix."""
-    from hpo.commands.run import run_arguments, run_study
+    from hpo.commands.requests import RunRequest
+    from hpo.commands.run import run_study
     from hpo.logs import quiet_library_output
 
     started = time.monotonic()  # the timeout counts from here, data preparation included
@@ -161,9 +165,9 @@ def run(
     # Before CUDA initialises: fewer fragmentation OOMs as batch shapes change between steps.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     quiet_library_output()
-    args = run_arguments(
-        study,
-        config,
+    request = RunRequest(
+        study=study,
+        config=config,
         storage=storage,
         n_trials=n_trials,
         timeout=timeout,
@@ -174,11 +178,14 @@ def run(
         gpus=gpu_list,
         workers_per_gpu=per_gpu,
         allow_changed_setup=allow_changed_setup,
+        quiet=True,  # no progress line
+        from_python=True,
     )
     if gpu_list is not None or per_gpu is not None:
-        args.argv, args.worker_env = _worker_command(args)
+        argv, env = _worker_command(request)
+        request = dataclasses.replace(request, argv=tuple(argv), worker_env=env)
     with _signals_restored():
-        outcome = run_study(args, say=log.info)
+        outcome = run_study(request, say=log.info)
     try:
         return _result(study, outcome)
     finally:
@@ -204,7 +211,7 @@ def open_study(name: str, storage: str | None = None) -> Study:
     """The study `name` in `storage` (default: $HPO_STORAGE, then ./hpo.db), to read: nothing is
     created or written, not even a database file for a mistyped URL. Raises hpo.HPOError when
     there is no such study, hpo.StorageError when the database cannot be reached."""
-    from hpo.commands.monitor import load_existing_study, open_storage_to_read
+    from hpo.services import load_existing_study, open_storage_to_read
 
     if not isinstance(name, str):
         raise ConfigError([f"name: got {name!r}; give the study's name as text"], "open_study")
@@ -266,7 +273,7 @@ class Study:
     def pareto_front(self) -> list[Trial]:
         """The trials no other complete trial beats on every objective (one objective: the best
         trial alone); raises hpo.HPOError before one completes."""
-        from hpo.commands.monitor import best_of
+        from hpo.services import best_of
 
         with self._reading():
             found = best_of(self._study, self._storage)
@@ -275,10 +282,10 @@ class Study:
     def status(self) -> dict[str, Any]:
         """What `hpo status --json` prints: trials by state, running trials and their workers,
         the best, device-hours, trials/hour, failures and prunes by reason, the budget."""
-        from hpo.reports import status as report
+        from hpo import services
 
         with self._reading():
-            return report.status(self._study, storage=self._storage)
+            return services.status(self._study, self._storage, with_store=False)
 
     def download(
         self,
@@ -292,7 +299,7 @@ class Study:
         `merge`: a LoRA study's adapter merged into its base model, written as a plain model.
         `artifact_store`: where the store is reached from here (default: $HPO_ARTIFACT_STORE,
         then the one the study's workers recorded). Returns the folder."""
-        from hpo.commands.monitor import API_DOWNLOAD, download_best, study_artifact_store
+        from hpo.services import API_DOWNLOAD, download_best, study_artifact_store
 
         with self._reading():
             best = self._best_summaries()
@@ -307,7 +314,7 @@ class Study:
         """The study's report, as `hpo report` writes it, to `path` (a file, or an existing
         folder for the default name): one HTML page that opens offline, or Markdown (`format`
         "md", or a path ending in .md). Returns the file written."""
-        from hpo.commands.monitor import write_report
+        from hpo.services import write_report
 
         given = os.fspath(path)
         form = format or ("md" if given.lower().endswith(".md") else "html")
@@ -330,14 +337,14 @@ class Study:
         return f"hpo.Study({self.name!r}, storage={self._url!r})"
 
     def _best_summaries(self) -> list[dict[str, Any]]:
-        from hpo.commands.monitor import best_of
+        from hpo.services import best_of
 
         return best_of(self._study, self._storage)
 
     @contextlib.contextmanager
     def _reading(self) -> Iterator[None]:
         """A study deleted while it is read is one hpo.HPOError, as in the CLI."""
-        from hpo.commands.monitor import study_gone
+        from hpo.services import study_gone
 
         try:
             yield
@@ -402,22 +409,23 @@ def _gpu_options(
     return spec, per_gpu  # type: ignore[return-value]
 
 
-def _worker_command(args: Any) -> tuple[list[str], dict[str, str]]:
+def _worker_command(request: RunRequest) -> tuple[list[str], dict[str, str]]:
     """The `hpo` arguments and environment of each worker process that run(gpus=...) starts:
     the same run, with the storage and artifact store in the environment, where no other user
     of the host can read them (a command line shows in `ps`)."""
-    argv = ["run", "--config", os.fspath(args.config), "--study", args.study]
+    assert isinstance(request.config, (str, os.PathLike))  # _gpu_options: a file with gpus
+    argv = ["run", "--config", os.fspath(request.config), "--study", request.study]
     for name in ("n_trials", "timeout", "trial_timeout"):
-        value = getattr(args, name)
+        value = getattr(request, name)
         if value is not None:
             argv += [f"--{name.replace('_', '-')}", str(value)]
-    if args.allow_changed_setup:
+    if request.allow_changed_setup:
         argv.append("--allow-changed-setup")
     env = {}
-    if args.storage is not None:
-        env["HPO_STORAGE"] = args.storage
-    if args.artifact_store is not None:
-        env["HPO_ARTIFACT_STORE"] = args.artifact_store
+    if request.storage is not None:
+        env["HPO_STORAGE"] = request.storage
+    if request.artifact_store is not None:
+        env["HPO_ARTIFACT_STORE"] = request.artifact_store
     return argv, env
 
 

@@ -289,7 +289,7 @@ def test_api_messages_name_its_arguments_not_the_cli_s_flags(
     argument of the call they made."""
     from types import SimpleNamespace
 
-    from hpo.commands.monitor import API_DOWNLOAD, download_best
+    from hpo.services import API_DOWNLOAD, download_best
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("HPO_STORAGE", raising=False)
@@ -329,7 +329,7 @@ def test_run_s_gpu_arguments_are_checked_and_keep_the_storage_off_the_command_li
     tmp_path: Path,
 ) -> None:
     from hpo.api import _gpu_options, _worker_command
-    from hpo.commands.run import run_arguments
+    from hpo.commands.requests import RunRequest
 
     path = tmp_path / "c.yaml"
     assert _gpu_options([0, 1], None, path) == ("0,1", None)
@@ -344,7 +344,7 @@ def test_run_s_gpu_arguments_are_checked_and_keep_the_storage_off_the_command_li
         "is a process of its own that reads it",
     ]
     secret = "postgresql+psycopg2://me:hunter2@db/hpo"
-    args = run_arguments(
+    request = RunRequest(
         "s",
         path,
         storage=secret,
@@ -353,7 +353,7 @@ def test_run_s_gpu_arguments_are_checked_and_keep_the_storage_off_the_command_li
         artifact_store="file:///shared",
         gpus="0,1",
     )
-    argv, env = _worker_command(args)
+    argv, env = _worker_command(request)
     assert argv == [
         "run",
         "--config",

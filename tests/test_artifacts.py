@@ -646,21 +646,20 @@ def test_a_state_dropped_at_the_end_of_a_trial_is_not_waited_for(
 def test_status_says_when_the_store_is_not_reachable_from_here(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import argparse
 
-    from hpo.commands.monitor import artifact_summary
     from hpo.reports.text import artifact_line
+    from hpo.services import artifact_summary
 
     monkeypatch.delenv("HPO_ARTIFACT_STORE", raising=False)
     study = optuna.create_study(study_name="s")
     study.set_user_attr("artifact_store", "file:///mnt/not-mounted-here")
-    summary = artifact_summary(study, argparse.Namespace(artifact_store=None))
+    summary = artifact_summary(study, None)
     assert summary is not None
     assert artifact_line(summary).startswith(
         "artifact store file:///mnt/not-mounted-here: unreachable ("
     )
     with pytest.raises(ArtifactStoreError, match="not a folder"):  # asked for: an error
-        artifact_summary(study, argparse.Namespace(artifact_store="file:///mnt/not-mounted"))
+        artifact_summary(study, "file:///mnt/not-mounted")
 
 
 def test_a_disk_full_mid_copy_leaves_no_file_on_the_shared_mount(tmp_path: Path) -> None:

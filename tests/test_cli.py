@@ -226,3 +226,51 @@ def test_run_without_config_says_it_uses_the_demo(tmp_path: Path) -> None:
     assert "pass --config FILE" in result.stderr
     bad = run_hpo("run", "--study", "x", "--storage", "sqlite:////proc/hpo.db", cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr[-2000:]
+
+
+def test_the_command_line_asks_by_a_typed_request_that_check_inputs_only_checks(
+    tmp_path: Path, easy_data: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`hpo run`'s flags become a frozen RunRequest (hpo.run builds the same; retrain's flags a
+    RetrainRequest around one). check_inputs takes it and only checks: the fork server of the
+    trial processes starts where the work starts (worker_inputs), not while checking."""
+    import dataclasses
+
+    from hpo.cli.app import retrain_request, run_request
+    from hpo.cli.parser import build_parser
+    from hpo.commands import run
+    from hpo.commands.requests import RetrainRequest, RunRequest
+    from hpo.trial import process, worker_copy
+
+    config = write_config(tmp_path / "c.yaml", tiny_config(*easy_data))
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    argv = ["run", "--study", "s", "--config", str(config), "--storage", url, "--n-trials", "3"]
+    args = build_parser().parse_args(argv)
+    args.argv, args.started, args.own_process = argv, 1.0, True
+    request = run_request(args)
+    assert request == RunRequest(
+        "s", config, url, n_trials=3, own_process=True, argv=tuple(argv), started=1.0
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        request.study = "t"  # type: ignore[misc]
+    assert request.option("n_trials") == "--n-trials"
+    assert dataclasses.replace(request, from_python=True).option("n_trials") == "n_trials"
+
+    started: list[tuple] = []
+    monkeypatch.setattr(worker_copy, "use_nvml_for_cuda_checks", lambda: None)
+    monkeypatch.setattr(process, "prepare_fork_server", lambda user_function: 7)
+    monkeypatch.setattr(process, "start_fork_server", lambda *given: started.append(given))
+    checked = run.check_inputs(request)
+    assert (checked.study, checked.config.study.n_trials, checked.gpus) == ("s", 3, [])
+    assert checked.copy_worker and checked.native_threads == 7 and started == []
+    inputs = run.worker_inputs(checked)
+    assert started == [(False, 7)]
+    assert inputs.workers_per_gpu == 1 and len(inputs.data.train) > 0
+    assert list(tmp_path.glob("*.db")) == []  # checked and prepared: nothing written yet
+
+    argv = ["retrain", "--study", "s", "--top", "2", "--as-worker"]
+    args = build_parser().parse_args(argv)
+    args.argv, args.started, args.own_process = argv, 1.0, False
+    assert retrain_request(args) == RetrainRequest(
+        run=RunRequest("s", argv=tuple(argv), started=1.0), top=2, as_worker=True
+    )

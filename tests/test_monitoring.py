@@ -481,3 +481,38 @@ def test_status_watch_on_a_finished_study_says_so_at_the_first_refresh(
     assert time.monotonic() - started < 20  # no second refresh, 30 s later
     assert said.out.count("study 'done': 2 complete") == 1, said.out
     assert "study 'done' has ended" in said.err
+
+
+def test_the_services_return_what_the_cli_prints_and_print_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], hpo_main: Callable[[list[str]], int]
+) -> None:
+    """hpo.services, under both `hpo best`/`hpo status` and hpo.Study: data, no output; the
+    status with the study's artifact store where the CLI shows it, without it for the API."""
+    from hpo import services
+
+    url = f"sqlite:///{tmp_path / 'watch.db'}"
+    known_study(url)
+    store = tmp_path / "store"
+    store.mkdir()
+    optuna.load_study(study_name="watched", storage=url).set_user_attr(
+        services.ARTIFACT_STORE_ATTR, f"file://{store}"
+    )
+    storage, storage_url = services.open_storage_to_read(url)
+    study = services.load_existing_study(storage, "watched", storage_url.masked)
+    best = services.best(study, storage)
+    status = services.status(study, storage, None)
+    plain = services.status(study, storage, with_store=False)
+    assert capsys.readouterr() == ("", "")
+    assert [trial["number"] for trial in best.trials] == [0]
+    assert (best.retrained, best.objectives) == (None, 1)
+    assert status["artifact_store"]["url"] == f"file://{store}"
+    assert "artifact_store" not in plain and plain["trials"] == status["trials"]
+    assert hpo_main(["best", "--study", "watched", "--storage", url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(
+        json.dumps(best.trials[0], default=str)
+    )
+    assert hpo_main(["status", "--study", "watched", "--storage", url, "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["artifact_store"] == status["artifact_store"]
+    assert printed["trials"] == status["trials"]
+    storage.engine.dispose()

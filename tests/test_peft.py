@@ -528,15 +528,15 @@ def test_the_report_and_hpo_best_say_how_an_adapter_loads() -> None:
 def test_the_retrain_card_of_a_lora_study_names_the_adapter_and_its_base(
     easy_data: tuple[Path, Path], tiny_pretrained: Path
 ) -> None:
-    from hpo.study.retrain import _card_loader
+    from hpo.reports.model_card import card_loader
 
     raw = tiny_config(*easy_data, model={"name_or_path": str(tiny_pretrained), "peft": {"r": 4}})
     del raw["model"]["config"]
     config = parse_config(raw, Path("."))
-    assert _card_loader(config).startswith(f"a LoRA adapter on {tiny_pretrained}: PeftModel")
+    assert card_loader(config).startswith(f"a LoRA adapter on {tiny_pretrained}: PeftModel")
     config.model.peft = None
     assert (
-        _card_loader(config) == "AutoModelForSequenceClassification.from_pretrained(<this folder>)"
+        card_loader(config) == "AutoModelForSequenceClassification.from_pretrained(<this folder>)"
     )
 
 
@@ -556,8 +556,8 @@ def test_method_none_fine_tunes_every_weight_so_a_search_can_turn_lora_off(
 def test_merge_of_a_model_trained_fully_is_one_line(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from hpo.commands.monitor import API_DOWNLOAD, DownloadNames, _finish_adapter
     from hpo.errors import HPOError
+    from hpo.services import API_DOWNLOAD, DownloadNames, _finish_adapter
 
     study = SimpleNamespace(user_attrs={})
     plain, merged, out = tmp_path / "plain", tmp_path / "merged", tmp_path / "out"

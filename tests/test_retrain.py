@@ -21,6 +21,7 @@ from optuna.trial import TrialState
 
 from hpo.config.schema import Config, ParamSpec, space_record
 from hpo.errors import HPOError
+from hpo.reports import model_card
 from hpo.study import retrain
 from hpo.trial.folders import prepare_trial_folder, remove_unneeded_folders, study_folder_name
 from tests.conftest import (
@@ -150,7 +151,7 @@ def test_one_lucky_run_of_a_configuration_that_failed_on_most_seeds_does_not_win
     winner = retrain.pick_winner(found, study.direction, seeds=3)
     assert winner is not None and winner.rank == 2
     assert found[0].std is None  # one run: no spread, not a spread of zero
-    assert "one run, no spread" in retrain.mean_std_text(found[0].mean, found[0].std)
+    assert "one run, no spread" in model_card.mean_std_text(found[0].mean, found[0].std)
     # When every configuration lost most of its runs, the ones with the most runs compete.
     study = _retrain_study(plan, {1: [0.99, None, None], 2: [0.70, 0.71, None]})
     winner = retrain.pick_winner(retrain.results(study, plan), study.direction, seeds=3)
@@ -230,12 +231,11 @@ def test_the_final_model_is_written_whole_or_not_at_all(tmp_path: Path) -> None:
     with pytest.raises(HPOError, match="is not a folder"):
         retrain.check_out(stranger / "notes.txt" / "final", "s", db)
     with pytest.raises(HPOError, match="missing"):
-        retrain.save_final_model(tmp_path / "gone", out, card)
+        retrain.save_final_model(tmp_path / "gone", out, card, "# card\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best-model", "mine"]  # nothing left
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(retrain, "card_markdown", lambda card: "# card\n")
-        retrain.save_final_model(model, out, card)
+        retrain.save_final_model(model, out, card, "# card\n")
         retrain.check_out(out, "s", db)  # hpo's own: a later retrain may replace it
         with pytest.raises(HPOError, match="holds the final model of study 's' of sqlite"):
             retrain.check_out(out, "other", db)  # another study's final model is never replaced
@@ -249,13 +249,13 @@ def test_the_final_model_is_written_whole_or_not_at_all(tmp_path: Path) -> None:
             writer = {"host": socket.gethostname(), "pid": pid}
             (folder / retrain.ASIDE_MARKER).write_text(json.dumps(writer))
         (model / "model.safetensors").write_bytes(b"better weights")
-        retrain.save_final_model(model, out, card)
+        retrain.save_final_model(model, out, card, "# card\n")
         assert not dead.exists() and live.is_dir()
         shutil.rmtree(live)
         # A parent folder it cannot write in: one line, nothing left behind.
         patch.setattr(retrain.tempfile, "mkdtemp", _refused)
         with pytest.raises(HPOError, match="cannot write"):
-            retrain.save_final_model(model, tmp_path / "empty", card)
+            retrain.save_final_model(model, tmp_path / "empty", card, "# card\n")
     assert (out / "model.safetensors").read_bytes() == b"better weights"
     assert (out / "model.safetensors").stat().st_mode & 0o044 == 0o044  # readable as any file
     assert not (out / retrain.ASIDE_MARKER).exists()
@@ -384,7 +384,7 @@ def test_retrain_through_the_cli_stopped_resumed_then_best_names_the_winner(
         len(c["runs"]) == 2 for c in card["configurations"]
     )
     assert [f["sha256"] for f in card["data"]] == [
-        retrain.data_files(retrain_config_of(config))[i]["sha256"] for i in range(2)
+        model_card.data_files(retrain_config_of(config))[i]["sha256"] for i in range(2)
     ]
     assert set(card["versions"]) >= {"hpo", "torch", "transformers", "optuna", "python"}
     assert "± " in (tmp_path / "final" / "README.md").read_text(encoding="utf-8")

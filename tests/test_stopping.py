@@ -291,19 +291,19 @@ def test_a_stop_as_the_database_opens_creates_no_study_and_says_no_trial_runs(
     """A SIGTERM after the inputs are checked, as the database opens: found by a hostile try,
     the log said "stopping the running trial and handing it back" (there was none) and the
     study was created after the signal."""
-    import argparse
-
     import sqlalchemy as sa
 
     import storage
     from hpo.commands import run
+    from hpo.commands.requests import RunRequest
     from hpo.config.loader import load_config
     from storage.url import resolve_storage_url
 
     url = f"sqlite:///{tmp_path / 'stop.db'}"
     config = load_config(write_config(tmp_path / "c.yaml", tiny_config(*easy_data)))
-    inputs = (config, resolve_storage_url(url, None), [], None, 1, {})
-    monkeypatch.setattr(run, "check_inputs", lambda args: inputs)
+    inputs = run.WorkerInputs("s", config, resolve_storage_url(url, None), [], None, 1, {})
+    monkeypatch.setattr(run, "check_inputs", lambda request: None)
+    monkeypatch.setattr(run, "worker_inputs", lambda checked: inputs)
     real_open_storage = storage.open_storage
 
     def open_storage_on_sigterm(*args: Any, **kwargs: Any) -> Any:
@@ -313,7 +313,7 @@ def test_a_stop_as_the_database_opens_creates_no_study_and_says_no_trial_runs(
     monkeypatch.setattr(storage, "open_storage", open_storage_on_sigterm)
     handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     try:
-        code = run.run_command(argparse.Namespace(study="s", quiet=True))
+        code = run.run_command(RunRequest(study="s", quiet=True))
     finally:
         signal.signal(signal.SIGINT, handlers[0])
         signal.signal(signal.SIGTERM, handlers[1])

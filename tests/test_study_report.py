@@ -135,8 +135,8 @@ def test_an_empty_study_and_one_with_two_objectives(tmp_path: Path) -> None:
 def test_report_out_names_a_file_or_a_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hpo.commands.monitor import report_path
     from hpo.errors import HPOError
+    from hpo.services import report_path
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "rep").mkdir()

@@ -239,16 +239,17 @@ def test_only_a_worker_that_is_the_hpo_command_alone_copies_itself() -> None:
     from types import SimpleNamespace
     from typing import Any
 
+    from hpo.commands.requests import RunRequest
     from hpo.commands.run import copies_itself
 
     def config(isolation: str) -> Any:
         return SimpleNamespace(study=SimpleNamespace(trial_isolation=isolation))
 
-    command, in_a_user_process = SimpleNamespace(own_process=True), SimpleNamespace()
+    command, in_a_user_process = RunRequest("s", own_process=True), RunRequest("s")
     assert copies_itself(command, config("process"), [], None)
     assert copies_itself(command, config("process"), ["0"], 1)
     assert not copies_itself(in_a_user_process, config("process"), [], None)
-    assert not copies_itself(SimpleNamespace(own_process=False), config("process"), [], None)
+    assert not copies_itself(RunRequest("s", own_process=False), config("process"), [], None)
     assert not copies_itself(command, config("none"), [], None)  # no trial processes
     assert not copies_itself(command, config("process"), ["0", "1"], None)  # a launcher
     assert not copies_itself(command, config("process"), ["0"], 2)

@@ -16,6 +16,7 @@ from hpo.cli.parser import build_parser
 from hpo.commands.batch_size import batch_size_command
 from hpo.commands.enqueue import enqueue_command
 from hpo.commands.monitor import monitor_command
+from hpo.commands.requests import RetrainRequest, RunRequest
 from hpo.commands.retrain import retrain_command
 from hpo.commands.run import (
     configure_logging,
@@ -60,13 +61,13 @@ def main(argv: Sequence[str] | None = None, own_process: bool = False) -> int:
     configure_logging(args.debug, args.quiet)
     try:
         if args.command == "run":
-            return run_command(args)
+            return run_command(run_request(args))
         if args.command == "batch-size":
             return batch_size_command(args)
         if args.command == "enqueue":
             return enqueue_command(args)
         if args.command == "retrain":
-            return retrain_command(args)
+            return retrain_command(retrain_request(args))
         if args.command == "config":
             return _config(args)
         return monitor_command(args)
@@ -83,6 +84,42 @@ def main(argv: Sequence[str] | None = None, own_process: bool = False) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     return 0
+
+
+def run_request(args: argparse.Namespace) -> RunRequest:
+    """The request of `hpo run`'s flags (and retrain's, which share its worker's part), as
+    parsed by main(): `argv`, `started` and `own_process` set there."""
+    return RunRequest(
+        study=args.study,
+        config=args.config,
+        storage=args.storage,
+        n_trials=args.n_trials,
+        timeout=args.timeout,
+        trial_timeout=args.trial_timeout,
+        device=args.device,
+        gpus=args.gpus,
+        workers_per_gpu=args.workers_per_gpu,
+        artifact_store=getattr(args, "artifact_store", None),
+        tracking=args.tracking,
+        allow_changed_setup=getattr(args, "allow_changed_setup", False),
+        quiet=args.quiet,
+        own_process=args.own_process,
+        argv=tuple(args.argv),
+        started=args.started,
+    )
+
+
+def retrain_request(args: argparse.Namespace) -> RetrainRequest:
+    """The request of `hpo retrain`'s flags."""
+    return RetrainRequest(
+        run=run_request(args),
+        out=args.out,
+        top=args.top,
+        seeds=args.seeds,
+        full_data=args.full_data,
+        register=args.register,
+        as_worker=args.as_worker,
+    )
 
 
 def _stopped(interrupt: KeyboardInterrupt) -> int:

@@ -4,16 +4,24 @@ trained by the same workers as hpo run.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import dataclasses
 import logging
 import shlex
 import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from hpo.commands.requests import RetrainRequest
+from hpo.commands.run import (
+    WorkerInputs,
+    check_inputs,
+    stopped_before_first_trial,
+    work_on_study,
+    worker_inputs,
+)
 from hpo.config.loader import DEMO_CONFIG
 from hpo.config.schema import Config
 from hpo.errors import HPOError
@@ -21,55 +29,49 @@ from hpo.stopping import Interrupted, StopRequest
 from hpo.study.names import checked_study_name
 from storage.url import StorageURL
 
-if TYPE_CHECKING:
-    pass
-from hpo.commands.run import (
-    check_inputs,
-    stopped_before_first_trial,
-    work_on_study,
-)
-
 log = logging.getLogger("hpo")
 
 
-def retrain_command(args: argparse.Namespace) -> int:
+def retrain_command(request: RetrainRequest) -> int:
     """`hpo retrain`: see hpo.study.retrain."""
     import optuna
 
+    from hpo.reports import model_card
     from hpo.study import retrain
     from hpo.study.join import open_study
     from hpo.tracking import registry
     from storage import open_storage
 
-    args.study = checked_study_name(args.study)  # NFC before --out's default is named for it
+    name = checked_study_name(request.run.study)  # NFC before --out's default is named for it
+    # Its worker processes (several GPUs) run the same command as workers of this retrain.
+    run = dataclasses.replace(request.run, study=name, worker_flags=("--as-worker",))
+    request = dataclasses.replace(request, run=run)
     stop = StopRequest(interrupt_at_once=True, doing=StopRequest.BEFORE_FIRST_TRIAL)
     stop.install()
-    out = args.out if args.out is not None else retrain.default_out(args.study)
+    out = request.out if request.out is not None else retrain.default_out(name)
     inputs = None
     opened: list[Any] = []
 
     def open_source(config: Config, storage_url: StorageURL) -> None:
         """The study to retrain, found before the data is prepared; --out checked first."""
-        if not args.as_worker:  # before any training: a bad --out is found in seconds
-            retrain.check_out(out, args.study, storage_url.masked)
-            if args.register is not None:
-                registry.check_register(config, args.register)
+        if not request.as_worker:  # before any training: a bad --out is found in seconds
+            retrain.check_out(out, name, storage_url.masked)
+            if request.register is not None:
+                registry.check_register(config, request.register)
         on_demand = config.study.database_connections == "on_demand"
         storage = open_storage(
             storage_url, config.study.database_patience, must_exist=True, on_demand=on_demand
         )
         try:
-            study_id = storage.get_study_id_from_name(args.study)
+            study_id = storage.get_study_id_from_name(name)
         except KeyError as e:
-            raise HPOError(
-                f"no study {args.study!r} in {storage_url.masked}; see `hpo studies`"
-            ) from e
-        if args.config is None:  # the demo's config: refused at once unless the study ran with it
-            retrain.check_demo_config(storage.get_study_user_attrs(study_id), config, args.study)
+            raise HPOError(f"no study {name!r} in {storage_url.masked}; see `hpo studies`") from e
+        if run.config is None:  # the demo's config: refused at once unless the study ran with it
+            retrain.check_demo_config(storage.get_study_user_attrs(study_id), config, name)
             log.warning(
                 "no --config given: using the demo config %s, which study %r ran with",
                 DEMO_CONFIG,
-                args.study,
+                name,
             )
         # Its pool closed again: the worker may copy itself next (hpo.trial.worker_copy), and
         # the copy and its trial processes would hold a connection of the worker's open.
@@ -77,17 +79,17 @@ def retrain_command(args: argparse.Namespace) -> int:
         opened.append(storage)
 
     with contextlib.suppress(Interrupted):
-        inputs = check_inputs(args, before_data=open_source, say_demo=False)
+        inputs = worker_inputs(check_inputs(run, before_data=open_source, say_demo=False))
     stop.interrupt_at_once = False  # a signal is only noted now; the loop stops the trial
     if inputs is None or stop.requested:
         return stopped_before_first_trial(stop)
-    config, storage_url, storage = inputs[0], inputs[1], opened[0]
-    source = optuna.load_study(study_name=args.study, storage=storage)
-    plan = retrain.make_plan(source, config, args.top, args.seeds, args.config is not None)
+    config, storage_url, storage = inputs.config, inputs.storage_url, opened[0]
+    source = optuna.load_study(study_name=name, storage=storage)
+    plan = retrain.make_plan(source, config, request.top, request.seeds, run.config is not None)
     plan = retrain.stored_plan(storage, plan.study_name) or plan  # a resumed retrain
     retrain_config = retrain.study_config(config, plan)
     print(
-        f"hpo: retraining {len(plan.configs)} configurations of study {args.study!r} with "
+        f"hpo: retraining {len(plan.configs)} configurations of study {name!r} with "
         f"{len(plan.seeds)} seeds each, in study {plan.study_name!r} in "
         f"{storage_url.describe()}",
         file=sys.stderr,
@@ -96,15 +98,15 @@ def retrain_command(args: argparse.Namespace) -> int:
         return stopped_before_first_trial(stop)
     study = open_study(storage, plan.study_name, retrain_config)
     retrain.queue_runs(storage, study, plan)
-    work = (retrain_config, *inputs[1:])
-    code = _retrain_runs(study, storage, work, stop, args)
-    if args.as_worker and code is None and args.full_data:
+    work = dataclasses.replace(inputs, config=retrain_config)
+    code = _retrain_runs(study, storage, work, stop, request)
+    if request.as_worker and code is None and request.full_data:
         # A worker of several GPUs also runs the full-data run, once the winner's is queued.
         with contextlib.suppress(KeyError):
             storage.get_study_id_from_name(plan.full_data_study_name)
             full = open_study(storage, plan.full_data_study_name, retrain_config)
-            code = _retrain_runs(full, storage, work, stop, args)
-    if code is not None or args.as_worker:
+            code = _retrain_runs(full, storage, work, stop, request)
+    if code is not None or request.as_worker:
         return code or 0
     found = retrain.results(study, plan)
     direction = study.directions[0]
@@ -119,10 +121,10 @@ def retrain_command(args: argparse.Namespace) -> int:
     chosen = retrain.best_run(winner, direction)
     model_study, model_trial = study, chosen["trial"]
     full_data_trial = None
-    if args.full_data:
+    if request.full_data:
         model_study = open_study(storage, plan.full_data_study_name, retrain_config)
         retrain.queue_full_data_run(storage, model_study, plan, winner)
-        code = _retrain_runs(model_study, storage, work, stop, args)
+        code = _retrain_runs(model_study, storage, work, stop, request)
         if code is not None:
             return code
         full_data_trial = retrain.full_data_trial(model_study, winner)
@@ -135,28 +137,28 @@ def retrain_command(args: argparse.Namespace) -> int:
             return 1
         model_trial = full_data_trial
     metric = config.study.primary_metric
-    card = retrain.model_card(
+    card = model_card.model_card(
         plan, found, winner, chosen, config, metric, full_data_trial, storage_url.masked
     )
     if config.training.entrypoint is not None:
         # A training function keeps its own model: the runs' values over seeds are the outcome.
-        print(retrain.summary(card, None))
+        print(model_card.summary(card, None))
         return 0
     with winner_model(model_study, model_trial, config, out) as model_dir:
-        retrain.save_final_model(model_dir, out, card)
+        retrain.save_final_model(model_dir, out, card, model_card.card_markdown(card))
     source.set_user_attr(retrain.OUTCOME_ATTR, retrain.outcome(card, out))
-    print(retrain.summary(card, out))
-    if args.register is not None:
+    print(model_card.summary(card, out))
+    if request.register is not None:
         trial = next(t for t in model_study.get_trials(deepcopy=False) if t.number == model_trial)
         try:
             registered = registry.register_winner(
                 config,
-                args.register,
+                request.register,
                 model_study.study_name,
                 trial,
                 out,
                 card,
-                retrain.card_markdown(card),
+                model_card.card_markdown(card),
             )
         except HPOError as e:  # the model is saved: a rerun registers it, training nothing
             print(f"hpo: {e}", file=sys.stderr)
@@ -203,7 +205,7 @@ def winner_model(study: Any, number: int, config: Config, out: Path) -> Iterator
 
 
 def _retrain_runs(
-    study: Any, storage: Any, work: tuple, stop: StopRequest, args: Any
+    study: Any, storage: Any, work: WorkerInputs, stop: StopRequest, request: RetrainRequest
 ) -> int | None:
     """Run a retrain study's queued runs (here, or on the workers of several GPUs) until none
     is left, none running anywhere; None when done, else the exit code (stopped, or a worker
@@ -211,17 +213,17 @@ def _retrain_runs(
     from hpo.study import retrain
 
     while True:
-        code = work_on_study(study, storage, work, stop, args, queued_only=True)
+        code = work_on_study(study, storage, work, stop, request.run, queued_only=True)
         if stop.requested or code != 0:
-            return _retrain_stopped(stop, code, args)
-        if args.as_worker or not retrain.unfinished(study):
+            return _retrain_stopped(stop, code, request)
+        if request.as_worker or not retrain.unfinished(study):
             return None
         # Runs are still unfinished: one was handed back, or queued again by a sweep, after
         # this worker's loop had ended. Run the loop again.
 
 
-def _retrain_stopped(stop: StopRequest, code: int, args: argparse.Namespace) -> int:
-    if stop.signal_name is not None and not args.as_worker:
+def _retrain_stopped(stop: StopRequest, code: int, request: RetrainRequest) -> int:
+    if stop.signal_name is not None and not request.as_worker:
         print(
             f"hpo: stopped by {stop.signal_name}; run the same hpo retrain again to resume",
             file=sys.stderr,

@@ -4,23 +4,23 @@ process or in one worker process per GPU.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import logging
 import math
 import os
 import sys
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpo import live, tracking
+from hpo.commands.requests import RunRequest
 from hpo.config.loader import DEMO_CONFIG, load_config, parse_config
 from hpo.config.schema import Config
 from hpo.errors import ConfigError, HPOError
 from hpo.logs import set_optuna_verbosity, setup_logging
+from hpo.services import ARTIFACT_STORE_ATTR
 from hpo.stopping import Interrupted, StopRequest
 from hpo.study.names import checked_study_name, quoted_study_name
 from storage.url import StorageURL
@@ -28,9 +28,6 @@ from storage.url import StorageURL
 if TYPE_CHECKING:
     from storage.artifacts import ArtifactURL
 log = logging.getLogger("hpo")
-
-
-ARTIFACT_STORE_ATTR = "artifact_store"  # the study's store, as its workers resolved it
 
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -54,8 +51,8 @@ class RunOutcome:
     exit_code: int
 
 
-def run_command(args: argparse.Namespace) -> int:
-    outcome = run_study(args)
+def run_command(request: RunRequest) -> int:
+    outcome = run_study(request)
     if outcome.study is not None and outcome.config is not None:
         from hpo.reports.summary import summary_lines
 
@@ -67,45 +64,11 @@ def run_command(args: argparse.Namespace) -> int:
     return outcome.exit_code
 
 
-def run_arguments(
-    study: str, config: str | os.PathLike[str] | Mapping[str, Any], **options: Any
-) -> argparse.Namespace:
-    """The arguments `hpo run` parses, for a run started from Python (hpo.run): one worker, in
-    this process, with no progress line; `options` are the flags' values (storage, n_trials,
-    timeout, trial_timeout, device, artifact_store, allow_changed_setup) and `started`,
-    time.monotonic() at the start. Its messages name the options as hpo.run's arguments
-    (n_trials, not --n-trials)."""
-    args = argparse.Namespace(
-        command="hpo.run",
-        study=study,
-        config=config,
-        storage=None,
-        n_trials=None,
-        timeout=None,
-        trial_timeout=None,
-        device=None,
-        gpus=None,
-        workers_per_gpu=None,
-        artifact_store=None,
-        tracking=None,
-        allow_changed_setup=False,
-        debug=False,
-        quiet=True,
-        argv=[],
-        started=time.monotonic(),
-    )
-    for name, value in options.items():
-        if not hasattr(args, name):
-            raise TypeError(f"run_arguments: no option {name!r}")
-        setattr(args, name, value)
-    return args
-
-
 def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr)
 
 
-def run_study(args: argparse.Namespace, say: Callable[[str], None] = _to_stderr) -> RunOutcome:
+def run_study(request: RunRequest, say: Callable[[str], None] = _to_stderr) -> RunOutcome:
     """`hpo run` and hpo.run: check every input, create or join the study, run the worker's
     trials. `say` gets the lines a user reads as the run starts (the CLI prints them)."""
     # From the start: a SIGTERM or Ctrl-C while torch loads and the data is prepared stops
@@ -114,24 +77,23 @@ def run_study(args: argparse.Namespace, say: Callable[[str], None] = _to_stderr)
     stop.install()
     inputs = None
     with contextlib.suppress(Interrupted):
-        inputs = check_inputs(args)
+        inputs = worker_inputs(check_inputs(request))
     # From here a signal is only noted, never raised: the study is not left half-written. The
     # loop says "stopping the running trial" once it starts one (hpo.study.loop).
     stop.interrupt_at_once = False
     if inputs is None or stop.requested:
         return RunOutcome(None, None, None, 0, stop.signal_name, stop.exit_code)
-    config, storage_url = inputs[0], inputs[1]
+    config, storage_url = inputs.config, inputs.storage_url
     from hpo.study.join import open_study
     from storage import open_storage
 
-    say(f"hpo: study {quoted_study_name(args.study)} in {storage_url.describe()}")
+    say(f"hpo: study {quoted_study_name(inputs.study)} in {storage_url.describe()}")
     on_demand = config.study.database_connections == "on_demand"
     storage = open_storage(storage_url, config.study.database_patience, on_demand=on_demand)
     if stop.requested:  # a signal came while the database opened: no study is created
         return RunOutcome(None, storage, config, 0, stop.signal_name, stop.exit_code)
-    in_python = args.command == "hpo.run"
-    allow_changed = getattr(args, "allow_changed_setup", False)
-    study = open_study(storage, args.study, config, allow_changed, in_python)
+    allow_changed = request.allow_changed_setup
+    study = open_study(storage, inputs.study, config, allow_changed, request.from_python)
     if config.study.artifact_store is not None:
         from storage.artifacts import ArtifactStore
 
@@ -139,7 +101,7 @@ def run_study(args: argparse.Namespace, say: Callable[[str], None] = _to_stderr)
         # For `hpo best` and `hpo status`, which have no config.
         study.set_user_attr(ARTIFACT_STORE_ATTR, config.study.artifact_store)
         say(f"hpo: checkpoints and best models go to {config.study.artifact_store}")
-    code, finished = work_and_count(study, storage, inputs, stop, args)
+    code, finished = work_and_count(study, storage, inputs, stop, request)
     return RunOutcome(study, storage, config, finished, stop.signal_name, code)
 
 
@@ -149,15 +111,26 @@ def stopped_before_first_trial(stop: StopRequest) -> int:
 
 
 def work_on_study(
-    study: Any, storage: Any, inputs: tuple, stop: StopRequest, args: Any, queued_only: bool = False
+    study: Any,
+    storage: Any,
+    inputs: WorkerInputs,
+    stop: StopRequest,
+    request: RunRequest,
+    queued_only: bool = False,
 ) -> int:
     """Run the study's trials (`queued_only`: its queued ones): in this process, or in one
-    worker process per GPU (each runs the same command with `worker_args` added)."""
-    return work_and_count(study, storage, inputs, stop, args, queued_only)[0]
+    worker process per GPU (each runs the same command with the request's worker_flags
+    added)."""
+    return work_and_count(study, storage, inputs, stop, request, queued_only)[0]
 
 
 def work_and_count(
-    study: Any, storage: Any, inputs: tuple, stop: StopRequest, args: Any, queued_only: bool = False
+    study: Any,
+    storage: Any,
+    inputs: WorkerInputs,
+    stop: StopRequest,
+    request: RunRequest,
+    queued_only: bool = False,
 ) -> tuple[int, int | None]:
     """work_on_study's exit code, and the trials this worker finished (None: its worker
     processes ran them)."""
@@ -166,20 +139,22 @@ def work_and_count(
     from hpo.trial.objective import Objective
     from storage.batch_cache import BatchSizeCache
 
-    config, storage_url, gpus, data, per_gpu, prepared = inputs
+    config, gpus, per_gpu = inputs.config, inputs.gpus, inputs.workers_per_gpu
     if len(gpus) * per_gpu > 1:
-        worker_args = ["--as-worker"] if args.command == "retrain" else []
         storage.engine.dispose()  # its workers connect; this process holds none meanwhile
-        env = getattr(args, "worker_env", None)
-        return run_workers(gpus, [*args.argv, *worker_args], per_gpu, stop, env), None
+        argv = [*request.argv, *request.worker_flags]
+        env = dict(request.worker_env) if request.worker_env is not None else None
+        return run_workers(gpus, argv, per_gpu, stop, env), None
     stop.interrupt_at_once = config.study.trial_isolation == "none"
-    if not args.quiet:
+    if not request.quiet:
         live.start()  # a progress line below the log, on a terminal only
     cache = BatchSizeCache(storage.engine)  # the worker's pool: no connection of its own
-    objective = Objective(config, data, storage_url, stop, batch_cache=cache, prepared=prepared)
+    objective = Objective(
+        config, inputs.data, inputs.storage_url, stop, batch_cache=cache, prepared=inputs.prepared
+    )
     tracking.start(config, study)  # its calls run in the background, never in the trials' way
     try:
-        finished = run_trials(study, storage, objective, stop, queued_only, started=args.started)
+        finished = run_trials(study, storage, objective, stop, queued_only, started=request.started)
     finally:
         live.stop()
         tracking.stop(study)
@@ -187,47 +162,116 @@ def work_and_count(
     return (stop.exit_code if stop.requested else 0), finished
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckedInputs:
+    """What check_inputs found good: the study's name (NFC), the config with the request's
+    overrides, the database, the worker's GPUs (none: the CPU or the one GPU set up in this
+    process) and workers per GPU as asked, and how its trial processes start."""
+
+    study: str
+    config: Config
+    config_path: Path | None
+    """The config's file (None: hpo.run's mapping)."""
+    storage_url: StorageURL
+    gpus: list[str]
+    workers_per_gpu: int | str | None
+    copy_worker: bool
+    """Its trial processes come from a copy of this worker (see copies_itself)."""
+    native_threads: int | None
+    """With copy_worker: the native threads running before the user's modules were loaded."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerInputs:
+    """What a worker runs its trials with: the checked inputs, the prepared data (None: the
+    user's training function reads its own), the workers per GPU decided, and the data of
+    every other model the search may choose (by hpo.trial.task.data_key)."""
+
+    study: str
+    config: Config
+    storage_url: StorageURL
+    gpus: list[str]
+    data: Any
+    workers_per_gpu: int
+    prepared: dict[str, Any]
+
+
+def worker_inputs(checked: CheckedInputs) -> WorkerInputs:
+    """Where a worker's work starts, once its inputs are checked: the fork server of its trial
+    processes (a copy of this worker, before the data's tokenizer threads, the study or any
+    thread), then the data prepared and checked against the config (a bad one writes nothing
+    yet: the study is opened after)."""
+    config, per_gpu = checked.config, checked.workers_per_gpu
+    user_function = config.training.entrypoint is not None
+    if checked.copy_worker:
+        from hpo.trial.process import start_fork_server
+        from trainer.device import resolve_device
+
+        start_fork_server(user_function, checked.native_threads)
+        # torch's own check now: a driver that NVML sees and CUDA cannot use (older than
+        # torch's CUDA) is reported here, not by every trial.
+        resolve_device(config.training.device)
+    if user_function:
+        # --workers-per-gpu auto measures hpo's own model: one worker per GPU for a function
+        per = per_gpu if isinstance(per_gpu, int) else 1
+        return WorkerInputs(checked.study, config, checked.storage_url, checked.gpus, None, per, {})
+    data, prepared = _prepare_every_model(config)
+    named = f", labels {data.label_names}" if data.label_names else ""
+    log.info(
+        "data: %d training and %d evaluation examples%s", len(data.train), len(data.eval), named
+    )
+    problems = config.training.data_problems(data.label_names)
+    if problems:
+        raise ConfigError([f"training.{k}: got {value!r}; {rule}" for k, value, rule in problems])
+    _fit_to_data_size(config, len(data.train))
+    workers = per_gpu if isinstance(per_gpu, int) else None
+    if per_gpu == "auto":
+        workers = _auto_workers_per_gpu(config, checked.config_path, checked.gpus)
+    return WorkerInputs(
+        checked.study, config, checked.storage_url, checked.gpus, data, workers or 1, prepared
+    )
+
+
 def check_inputs(
-    args: argparse.Namespace,
+    request: RunRequest,
     before_data: Callable[[Config, StorageURL], None] | None = None,
     say_demo: bool = True,
-) -> tuple[Config, StorageURL, list[str], Any, int, dict[str, Any]]:
-    """Every input of `hpo run`, checked before anything is written: a bad one writes nothing.
-    The cheap checks first, the data last (it takes seconds, minutes on a real set): the
-    database and the artifact store are reached once, and a model folder's weights read, before
-    it is prepared. Returns the config, the storage URL, the worker's GPUs, the prepared data,
-    the workers per GPU and the data of every other model the search may choose (by
-    hpo.trial.task.data_key). `before_data` checks what it must (retrain: that the study exists)
-    before the data is prepared. `say_demo`: say here that the demo config is used when no
-    --config is given (retrain says it once it knows the study ran with it)."""
+) -> CheckedInputs:
+    """Every input of `hpo run` but the data, checked before anything is written: a bad one
+    writes nothing. The cheap checks first: the database and the artifact store are reached
+    once, the device found, the user's modules loaded. The data is prepared and checked next,
+    by worker_inputs (it takes seconds, minutes on a real set). `before_data` checks what it
+    must (retrain: that the study exists) before the data is prepared. `say_demo`: say here
+    that the demo config is used when no --config is given (retrain says it once it knows the
+    study ran with it)."""
     from storage.artifacts import resolve_artifact_url
     from storage.url import resolve_storage_url
 
-    args.study = checked_study_name(args.study, option(args, "study"))
-    config_path = args.config if args.config is not None else DEMO_CONFIG
-    if args.config is None and not DEMO_CONFIG.is_file():
+    study = checked_study_name(request.study, request.option("study"))
+    config_path = request.config if request.config is not None else DEMO_CONFIG
+    if request.config is None and not DEMO_CONFIG.is_file():
         raise HPOError("no --config given and the demo config is not installed; pass --config FILE")
     config = config_from(config_path)
-    _apply_overrides(config, args)
-    tracking.resolve(config, getattr(args, "tracking", None), option(args, "tracking"))
-    storage_url = resolve_storage_url(args.storage, config.study.storage, option(args, "storage"))
-    artifacts = resolve_artifact_url(
-        getattr(args, "artifact_store", None), config.study.artifact_store
+    _apply_overrides(config, request)
+    tracking.resolve(config, request.tracking, request.option("tracking"))
+    storage_url = resolve_storage_url(
+        request.storage, config.study.storage, request.option("storage")
     )
+    artifacts = resolve_artifact_url(request.artifact_store, config.study.artifact_store)
     config.study.artifact_store = artifacts.url if artifacts is not None else None
     _check_memory_share()
-    per_gpu = args.workers_per_gpu
-    spec = "auto" if args.gpus is None and per_gpu is not None else args.gpus
-    gpus = _worker_gpus(config, spec, option(args, "gpus"))
+    per_gpu = request.workers_per_gpu
+    spec = "auto" if request.gpus is None and per_gpu is not None else request.gpus
+    gpus = _worker_gpus(config, spec, request.option("gpus"))
     if not gpus and isinstance(per_gpu, int) and per_gpu > 1:
         raise HPOError(
-            f"{option(args, 'workers_per_gpu')} {per_gpu}: no GPU to share on this host; leave "
-            "it out to run one worker on the CPU"
+            f"{request.option('workers_per_gpu')} {per_gpu}: no GPU to share on this host; "
+            "leave it out to run one worker on the CPU"
         )
     _check_stores(storage_url, artifacts)
     if before_data is not None:
         before_data(config, storage_url)
-    if args.config is None and say_demo:  # once the input is known good: bad input, one line
+    if request.config is None and say_demo:  # once the input is known good: bad input, one line
         # A user in their own folder who forgot --config would otherwise train the demo's data
         # into their ./hpo.db without a word.
         log.warning(
@@ -235,18 +279,27 @@ def check_inputs(
             "pass --config FILE to train on your own data",
             DEMO_CONFIG,
         )
+    copy_worker = copies_itself(request, config, gpus, per_gpu)
+    threads = _load_user_code(config, copy_worker)
+    path = Path(config_path) if isinstance(config_path, (str, os.PathLike)) else None
+    return CheckedInputs(study, config, path, storage_url, gpus, per_gpu, copy_worker, threads)
+
+
+def _load_user_code(config: Config, copy_worker: bool) -> int | None:
+    """The device found and the user's modules loaded (each one line if it cannot be); with
+    `copy_worker`, what the fork server preloads imported first. Returns the native threads
+    running before the user's modules (None without copy_worker)."""
     # Only now the heavy imports: a config or URL error is reported in well under a second.
     from hpo.trial.worker_copy import use_nvml_for_cuda_checks
     from trainer.device import resolve_device
 
-    copy_worker = copies_itself(args, config, gpus, per_gpu)
     if copy_worker:
         use_nvml_for_cuda_checks()  # torch's CUDA check leaves the driver unloaded until the copy
     set_optuna_verbosity(logging.getLogger().level)
     # The device first: `cuda` on a host without CUDA is reported before the data is prepared.
     resolve_device(config.training.device)
     from hpo.trial.plugins import check_trial_processes_import, load_plugin, load_user_code
-    from hpo.trial.process import prepare_fork_server, start_fork_server
+    from hpo.trial.process import prepare_fork_server
 
     user_function = config.training.entrypoint is not None
     threads = prepare_fork_server(user_function) if copy_worker else None
@@ -258,26 +311,7 @@ def check_inputs(
         from hpo.trial.entrypoint import load_entrypoint
 
         load_entrypoint(config.training.entrypoint, config.base_dir)  # one line if it cannot
-    if copy_worker:  # before the data (and the tokenizer's threads), the study, any thread
-        start_fork_server(user_function, threads)
-        # torch's own check now: a driver that NVML sees and CUDA cannot use (older than
-        # torch's CUDA) is reported here, not by every trial.
-        resolve_device(config.training.device)
-    if user_function:
-        # --workers-per-gpu auto measures hpo's own model: one worker per GPU for a function
-        return config, storage_url, gpus, None, per_gpu if isinstance(per_gpu, int) else 1, {}
-    data, prepared = _prepare_every_model(config)
-    named = f", labels {data.label_names}" if data.label_names else ""
-    log.info(
-        "data: %d training and %d evaluation examples%s", len(data.train), len(data.eval), named
-    )
-    problems = config.training.data_problems(data.label_names)
-    if problems:
-        raise ConfigError([f"training.{k}: got {value!r}; {rule}" for k, value, rule in problems])
-    _fit_to_data_size(config, len(data.train))
-    if per_gpu == "auto":
-        per_gpu = _auto_workers_per_gpu(config, config_path, gpus)
-    return config, storage_url, gpus, data, per_gpu or 1, prepared
+    return threads
 
 
 def _fit_to_data_size(config: Config, train_rows: int) -> None:
@@ -294,22 +328,22 @@ def _fit_to_data_size(config: Config, train_rows: int) -> None:
 
 
 def copies_itself(
-    args: argparse.Namespace, config: Config, gpus: list[str], per_gpu: int | str | None
+    request: RunRequest, config: Config, gpus: list[str], per_gpu: int | str | None
 ) -> bool:
     """Whether this worker's trial processes come from a copy of it (hpo.trial.worker_copy):
     only in a process that is the `hpo` command alone (a user's process, hpo.run's or a test's,
     may have run torch's OpenMP pool or started threads of its own) and runs its trial
     processes itself (not one worker process per GPU)."""
-    if not getattr(args, "own_process", False) or config.study.trial_isolation != "process":
+    if not request.own_process or config.study.trial_isolation != "process":
         return False
     return isinstance(per_gpu, int | None) and len(gpus) * (per_gpu or 1) <= 1
 
 
-def config_from(source: str | Path | Mapping[str, Any]) -> Config:
+def config_from(source: str | os.PathLike[str] | Mapping[str, Any]) -> Config:
     """The config of a file, or of a mapping as `yaml.safe_load` gives it (hpo.run's dict):
     checked by the same rules, its relative paths taken from the working folder."""
     if isinstance(source, (str, os.PathLike)):
-        return load_config(source)
+        return load_config(source if isinstance(source, (str, Path)) else Path(source))
     if not isinstance(source, Mapping):
         raise ConfigError(
             [
@@ -412,7 +446,7 @@ def _check_memory_share() -> None:
         raise HPOError(f"{e}, or unset it") from e
 
 
-def _auto_workers_per_gpu(config: Config, config_path: Path, gpus: list[str]) -> int:
+def _auto_workers_per_gpu(config: Config, config_path: Path | None, gpus: list[str]) -> int:
     """`--workers-per-gpu auto` on the first GPU (the others are taken to be alike)."""
     from hpo.commands.launcher import choose_workers_per_gpu
 
@@ -423,6 +457,8 @@ def _auto_workers_per_gpu(config: Config, config_path: Path, gpus: list[str]) ->
 
     largest = largest_effective_batch(config)
     bound = batch_search_bound(config)
+    if config_path is None:  # hpo.run refuses it first: its workers read the config's file
+        raise HPOError("workers_per_gpu 'auto': give the config as a file path")
     workers, why = choose_workers_per_gpu(str(config_path), gpus[0], largest, bound)
     log.info("--workers-per-gpu auto: %d workers per GPU (%s)", workers, why)
     return workers
@@ -449,45 +485,39 @@ def _worker_gpus(config: Config, spec: str | None, flag: str = "--gpus") -> list
     return gpus
 
 
-def option(args: argparse.Namespace, name: str) -> str:
-    """How the user wrote option `name` (n_trials): `--n-trials` on the command line,
-    `n_trials` to hpo.run."""
-    return name if getattr(args, "command", None) == "hpo.run" else f"--{name.replace('_', '-')}"
-
-
-def _apply_overrides(config: Config, args: argparse.Namespace) -> None:
+def _apply_overrides(config: Config, request: RunRequest) -> None:
     problems = []
-    if args.n_trials is not None:
-        if args.n_trials < 1:
-            flag = option(args, "n_trials")
-            problems.append(f"{flag}: got {args.n_trials}; must be a positive integer")
-        config.study.n_trials = args.n_trials
-    if args.timeout is not None:
-        if not 0 < args.timeout < math.inf:
-            flag = option(args, "timeout")
-            problems.append(f"{flag}: got {args.timeout}; must be a finite number > 0 seconds")
-        config.study.timeout = args.timeout
-    if args.trial_timeout is not None:
-        if not 0 < args.trial_timeout < math.inf:
+    if request.n_trials is not None:
+        if request.n_trials < 1:
+            flag = request.option("n_trials")
+            problems.append(f"{flag}: got {request.n_trials}; must be a positive integer")
+        config.study.n_trials = request.n_trials
+    if request.timeout is not None:
+        if not 0 < request.timeout < math.inf:
+            flag = request.option("timeout")
+            problems.append(f"{flag}: got {request.timeout}; must be a finite number > 0 seconds")
+        config.study.timeout = request.timeout
+    if request.trial_timeout is not None:
+        if not 0 < request.trial_timeout < math.inf:
             problems.append(
-                f"{option(args, 'trial_timeout')}: got {args.trial_timeout}; must be a finite "
+                f"{request.option('trial_timeout')}: got {request.trial_timeout}; must be a finite "
                 "number > 0 seconds"
             )
-        config.study.trial_timeout = args.trial_timeout
+        config.study.trial_timeout = request.trial_timeout
     for name in ("gpus", "workers_per_gpu"):
-        if getattr(args, name) is not None and args.device is not None:
+        if getattr(request, name) is not None and request.device is not None:
             problems.append(
-                f"{option(args, 'device')}: cannot be combined with "
-                f"{option(args, name)}, which sets the GPU"
+                f"{request.option('device')}: cannot be combined with "
+                f"{request.option(name)}, which sets the GPU"
             )
-    if args.device is not None:
-        config.training.device = args.device
+    if request.device is not None:
+        config.training.device = request.device
         for key, value, rule in config.training.problems():
             if key == "device":
-                problems.append(f"{option(args, 'device')}: got {value!r}; {rule}")
+                problems.append(f"{request.option('device')}: got {value!r}; {rule}")
     if problems:
-        raise ConfigError(problems, "hpo.run" if args.command == "hpo.run" else "command line")
-    if args.device is not None and args.device.startswith("cuda"):
+        raise ConfigError(problems, "hpo.run" if request.from_python else "command line")
+    if request.device is not None and request.device.startswith("cuda"):
         from trainer.device import resolve_device
 
-        resolve_device(args.device, option(args, "device"))  # as typed, not training.device
+        resolve_device(request.device, request.option("device"))  # as typed, not training.device

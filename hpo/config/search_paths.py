@@ -156,12 +156,12 @@ def with_params(
     training.learning_rate). The one place sampled values become a job: a trial's training,
     its batch-size cache key, the checks of each model choice before a study, retrain's runs.
 
-    The learning rate's path from the YAML to AdamW, one file each, none visited twice:
-    hpo/config/loader.py (parse_config: search_space.learning_rate, a ParamSpec) ->
-    hpo/trial/search_space.py (suggest: Optuna's suggest_float, the trial's params) ->
-    hpo/trial/training.py (train_trial: with_params(config, params)) -> here (with_value:
-    TrainJob.training.learning_rate) -> trainer/loop.py (Trainer: make_optimizer) ->
-    trainer/step.py (make_optimizer: torch.optim.AdamW(lr=...)).
+    The learning rate's path from the YAML to AdamW, through the files that read or set it,
+    none visited twice: hpo/config/loader.py (parse_config: search_space.learning_rate, a
+    ParamSpec) -> hpo/trial/search_space.py (suggest: Optuna's suggest_float, the trial's
+    params, which the trial process machinery carries unchanged) -> hpo/trial/training.py
+    (train_trial: with_params) -> here (with_value: TrainJob.training.learning_rate) ->
+    trainer/loop.py (Trainer: make_optimizer) -> trainer/step.py (torch.optim.AdamW(lr=...)).
 
     `bound_batch_search`: an automatic physical batch is searched no further than the study's
     largest effective batch needs (batch_search_bound); False keeps the config's own

@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from hpo.config.loader import load_config  # noqa: E402
+from hpo.config.search_paths import with_params  # noqa: E402
 from hpo.trial.uploads import BackgroundUploader  # noqa: E402
 from storage.artifacts import ArtifactStore, ArtifactTarget  # noqa: E402
 from trainer.checkpoint import CheckpointStore  # noqa: E402
@@ -90,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     data = prepare_data(
         config.data, load_tokenizer(config.model, config.task), config.task, config.training
     )
-    job = config.job()
+    job = with_params(config, {}, bound_batch_search=False)
     runs: list[Run] = []
     transfers: list[str] = []
     with tempfile.TemporaryDirectory() as scratch:

@@ -27,6 +27,7 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 
 from hpo.config.loader import load_config  # noqa: E402
+from hpo.config.search_paths import with_params  # noqa: E402
 from trainer.batch_finder import BatchFinder  # noqa: E402
 from trainer.checkpoint import CheckpointStore  # noqa: E402
 from trainer.config import DataConfig, ModelConfig, TrainingConfig, TrainJob  # noqa: E402
@@ -159,7 +160,7 @@ def main() -> None:
         help="the model, task and adapter of this config (its data and search are not used)",
     )
     args = parser.parse_args()
-    base = load_config(args.config).job() if args.config else None
+    base = with_params(load_config(args.config), {}) if args.config else None
     if not torch.cuda.is_available():
         raise SystemExit("gpu_batch_finder: needs a CUDA GPU")
     print(torch.cuda.get_device_name(0), torch.__version__, flush=True)

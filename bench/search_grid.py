@@ -167,11 +167,11 @@ def _init(task: str) -> None:
 
 def train_point(run: dict[str, Any]) -> dict[str, Any]:
     """Train one grid point with one seed through hpo's trainer; its curve and status."""
-    from hpo.trial.search_space import job_for_trial
+    from hpo.config.search_paths import with_params
     from trainer.loop import Evaluation, train
 
     config = _STATE["config"]
-    job = job_for_trial(config, {**run["params"], "seed": run["seed"]})
+    job = with_params(config, {**run["params"], "seed": run["seed"]})
     evaluations: list[dict[str, Any]] = []
     started = time.perf_counter()
 

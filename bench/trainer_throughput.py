@@ -33,6 +33,7 @@ from transformers.trainer_callback import PrinterCallback
 
 from hpo.config.loader import load_config
 from hpo.config.schema import Config
+from hpo.config.search_paths import with_params
 from hpo.errors import USER_ERRORS
 from trainer import device as dev
 from trainer.batching import collate
@@ -420,7 +421,9 @@ def _build(setup: Setup, device: torch.device | None = None) -> torch.nn.Module:
 
 def run_ours(setup: Setup) -> Run:
     trainer = Trainer(
-        setup.config.job(setup.training), setup.data, setup.config.study.primary_metric
+        dataclasses.replace(with_params(setup.config, {}), training=setup.training),
+        setup.data,
+        setup.config.study.primary_metric,
     )
     if trainer.padding.multiple != setup.pad_multiple:
         raise RuntimeError(

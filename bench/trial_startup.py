@@ -26,6 +26,7 @@ def phases(config_path: str) -> dict[str, float]:
     import torch
 
     from hpo.config.loader import load_config
+    from hpo.config.search_paths import with_params
     from trainer.loop import Trainer
     from trainer.model import load_tokenizer
     from trainer.tasks import prepare_data
@@ -44,7 +45,7 @@ def phases(config_path: str) -> dict[str, float]:
     training = dataclasses.replace(
         config.training, physical_batch_size=64, effective_batch_size=64, device=device.type
     )
-    job = config.job(training)
+    job = dataclasses.replace(with_params(config, {}), training=training)
     trainer = Trainer(job, data)
     mark("model build, to device, optimizer, loaders")
     steps = trainer._steps(0)

@@ -152,6 +152,31 @@ def test_bad_input_is_one_clear_message_and_nothing_is_written(
         assert debug.returncode == 2 and "Traceback" in debug.stderr
 
 
+def test_a_config_without_eval_file_is_one_line_saying_what_to_give(
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hpo_main: Callable[[list[str]], int],
+) -> None:
+    # The first thing a user with one CSV meets: hpo does not split it, so the line says how.
+    raw = tiny_config(*easy_data)
+    del raw["data"]["eval_file"]
+    config = write_config(tmp_path / "one-file.yaml", raw)
+    database = tmp_path / "study.db"
+    monkeypatch.chdir(tmp_path)
+    args = ["run", "--study", "s", "--config", str(config), "--storage", f"sqlite:///{database}"]
+    code = hpo_main(args)
+    err = capsys.readouterr().err
+    assert code == 2, err[-3000:]
+    assert err.strip().splitlines() == [
+        f"hpo: error: {config}: data.eval_file: is required: a path to held-out rows each "
+        "trial is scored on, in train_file's formats; with one file, move about a tenth of "
+        "its rows into another and name that here"
+    ]
+    assert not database.exists()
+
+
 @pytest.mark.parametrize(
     ("url", "expected"),
     [

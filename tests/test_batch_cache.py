@@ -178,7 +178,7 @@ def test_an_oom_in_a_trial_lowers_the_cached_size(
     hpo_main: Callable[[list[str]], int],
 ) -> None:
     from hpo.config.loader import load_config
-    from hpo.trial.search_space import job_for_trial
+    from hpo.config.search_paths import with_params
     from tests.test_batch_finder import training_peak
     from trainer.batch_finder import batch_key
     from trainer.model import load_tokenizer
@@ -186,7 +186,7 @@ def test_an_oom_in_a_trial_lowers_the_cached_size(
 
     config_path = long_text_config(tmp_path, n_trials=1, trial_isolation="none")
     config = load_config(config_path)
-    job = job_for_trial(config, {})  # the trial's job: its search bounded by the study's batch
+    job = with_params(config, {})  # the trial's job: its search bounded by the study's batch
     data = prepare_data(job.data, load_tokenizer(job.model))
     # The study's effective batch is 8: one micro-batch of 8 does not fit, two of 4 do.
     peaks = [training_peak(job, data, physical, effective=8) for physical in (4, 8)]
@@ -324,15 +324,15 @@ def test_the_search_stops_at_the_largest_batch_the_study_can_use(
 
 def test_the_bound_holds_the_largest_batch_after_the_margin() -> None:
     from hpo.config.loader import load_config
-    from hpo.trial.search_space import batch_search_bound, job_for_trial
+    from hpo.config.search_paths import batch_search_bound, with_params
 
     config = load_config(REPO / "bench/configs/bert-base-nli.yaml")
     assert batch_search_bound(config) == 285  # choices up to 256, margin 0.9: floor(285 * 0.9)
-    assert job_for_trial(config, {"effective_batch_size": 32}).training.batch_search_max == 285
+    assert with_params(config, {"effective_batch_size": 32}).training.batch_search_max == 285
     config.training.batch_search_max = 100  # the config's own limit is lower: it stands
     assert batch_search_bound(config) == 100
     config.search_space.pop("effective_batch_size")
     config.training.batch_search_max, config.training.effective_batch_size = 4096, 50
     assert batch_search_bound(config) == 56
     config.training.physical_batch_size = 16  # no search: nothing to bound
-    assert job_for_trial(config, {}).training.batch_search_max == 4096
+    assert with_params(config, {}).training.batch_search_max == 4096

@@ -12,7 +12,8 @@ import optuna
 import pytest
 import yaml
 
-from hpo.config.loader import MAX_SHOWN_CHARS, _show, load_config, parse_config
+from hpo.config.convert import MAX_SHOWN_CHARS, show
+from hpo.config.loader import load_config, parse_config
 from hpo.config.schema import DEFAULT_BATCH_CHOICES
 from hpo.errors import ConfigError
 from hpo.trial.search_space import sample
@@ -34,6 +35,13 @@ def test_every_shipped_config_loads(path: Path) -> None:
     assert {"effective_batch_size", "learning_rate"} <= set(config.search_space)
     assert Path(config.data.train_file).is_file()
     assert Path(config.data.eval_file).is_file()
+
+
+def test_a_file_and_its_mapping_make_the_same_config() -> None:
+    # One parse path: load_config reads the file, then parses its mapping as code's would be.
+    path = REPO / "configs" / "demo.yaml"
+    raw = yaml.safe_load(path.read_text())
+    assert load_config(path) == parse_config(raw, base_dir=path.parent, source=str(path))
 
 
 def test_defaults_fill_the_search_space(easy_data: tuple[Path, Path]) -> None:
@@ -282,7 +290,9 @@ def test_absent_sections_are_validated_like_present_ones() -> None:
         "model.name_or_path: give exactly one of name_or_path or config "
         "(the model: section is missing or empty)",
         "data.train_file: is required: a path to the data (the data: section is missing or empty)",
-        "data.eval_file: is required: a path to the data (the data: section is missing or empty)",
+        "data.eval_file: is required: a path to held-out rows each trial is scored on, in "
+        "train_file's formats; with one file, move about a tenth of its rows into another and "
+        "name that here (the data: section is missing or empty)",
     ]
 
 
@@ -331,13 +341,13 @@ def test_every_user_value_in_a_message_is_short() -> None:
 
 
 def test_show_is_bounded_and_speaks_yaml() -> None:
-    assert _show(None) == "null" and _show(True) == "true"
-    assert _show(1e-4) == "0.0001" and _show("a") == "'a'"
-    assert len(_show("x" * 10**6)) <= MAX_SHOWN_CHARS
+    assert show(None) == "null" and show(True) == "true"
+    assert show(1e-4) == "0.0001" and show("a") == "'a'"
+    assert len(show("x" * 10**6)) <= MAX_SHOWN_CHARS
     nested: list[Any] = [1]
     for _ in range(50):
         nested = [nested] * 9
-    assert len(_show(nested)) <= MAX_SHOWN_CHARS  # 9**50 leaves: not expanded
+    assert len(show(nested)) <= MAX_SHOWN_CHARS  # 9**50 leaves: not expanded
 
 
 def test_categorical_numbers_become_the_settings_type(tmp_path: Path) -> None:

@@ -13,7 +13,8 @@ import optuna
 import pytest
 import yaml
 
-from hpo.config.loader import function_params, parse_config
+from hpo.config.loader import parse_config
+from hpo.config.param_checks import function_params
 from hpo.errors import ConfigError
 from tests.conftest import REPO, easy_rows, run_hpo, tiny_config, write_config, write_csv
 

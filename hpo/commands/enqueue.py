@@ -22,7 +22,7 @@ PARAMS_EXAMPLE = '{"learning_rate": 3e-5, "effective_batch_size": 32}'
 def enqueue_command(args: argparse.Namespace) -> int:
     import optuna
 
-    from hpo.config.loader import check_function_params, check_params
+    from hpo.config.param_checks import check_function_params, check_params
     from hpo.config.schema import ParamSpec, space_record
     from hpo.study.join import SPACE_FUNCTION_ATTR, enqueue
     from storage import open_storage, resolve_storage_url

@@ -371,7 +371,7 @@ def _prepare_every_model(config: Config) -> tuple[Any, dict[str, Any]]:
     against its model before the first trial (its config loads, it holds the longest
     data.max_length, its dropout settings exist, every token id has an embedding): a bad
     choice is one line now, not a failure in every trial that draws it."""
-    from hpo.trial.search_space import job_for_trial
+    from hpo.config.search_paths import with_params
     from hpo.trial.task import data_key
     from trainer.errors import TrainerError
     from trainer.model import check_data_fits_model, check_model_config, load_tokenizer
@@ -379,7 +379,7 @@ def _prepare_every_model(config: Config) -> tuple[Any, dict[str, Any]]:
 
     prepared: dict[str, Any] = {}
     for params in model_choices(config):
-        job = job_for_trial(config, params)
+        job = with_params(config, params)
         try:
             model_config = check_model_config(job.model, job.data.max_length, job.task)
             key = data_key(job)
@@ -392,7 +392,7 @@ def _prepare_every_model(config: Config) -> tuple[Any, dict[str, Any]]:
                 raise
             choice = ", ".join(f"{name}: {value}" for name, value in params.items())
             raise HPOError(f"{e} (with the search's {choice})") from e
-    data = prepared.pop(data_key(config.job()), None)
+    data = prepared.pop(data_key(with_params(config, {})), None)
     if data is None:  # the config's own data settings are not among the choices' (max_length)
         data = prepare_data(
             config.data, load_tokenizer(config.model, config.task), config.task, config.training
@@ -453,7 +453,7 @@ def _auto_workers_per_gpu(config: Config, config_path: Path | None, gpus: list[s
     if not gpus:  # said, since --workers-per-gpu 2 is refused here
         log.info("--workers-per-gpu auto: 1 worker, on the CPU (no GPU on this host to share)")
         return 1
-    from hpo.trial.search_space import batch_search_bound, largest_effective_batch
+    from hpo.config.search_paths import batch_search_bound, largest_effective_batch
 
     largest = largest_effective_batch(config)
     bound = batch_search_bound(config)

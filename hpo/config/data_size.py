@@ -9,7 +9,8 @@ import math
 from collections.abc import Callable
 
 from hpo.config import search_paths
-from hpo.config.schema import DEFAULT_BATCH_CHOICES, Config
+from hpo.config.schema import Config
+from hpo.config.space import DEFAULT_BATCH_CHOICES
 
 BATCH = "effective_batch_size"
 LEARNING_RATE = "learning_rate"

@@ -12,8 +12,9 @@ import types
 import typing
 from typing import Any, Literal
 
-from hpo.config.schema import Config, ParamSpec
+from hpo.config.schema import Config
 from hpo.config.search_paths import accepted_names
+from hpo.config.space import ParamSpec
 from trainer.config import ENTRYPOINT
 
 SCHEMA_DIALECT = "http://json-schema.org/draft-07/schema#"
@@ -163,7 +164,7 @@ def _type_schema(hint: Any) -> dict[str, Any]:
     return dict(_SCALARS[hint])
 
 
-# Only the annotations hpo.config's loader converts (its _convert_scalar); another fails loudly.
+# Only the annotations the loader converts (hpo.config.convert); another fails loudly.
 _SCALARS: dict[Any, dict[str, Any]] = {
     Any: {},
     type(None): {"type": "null"},

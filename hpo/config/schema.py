@@ -4,18 +4,22 @@ rules between a section's own fields.
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from trainer.config import DataConfig, ModelConfig, TrainingConfig, TrainJob
+# The search space's types are space.py's; importers of the schema find them here too.
+from hpo.config.space import DEFAULT_BATCH_CHOICES as DEFAULT_BATCH_CHOICES
+from hpo.config.space import ParamSpec as ParamSpec
+from hpo.config.space import applies as applies
+from hpo.config.space import default_search_space as default_search_space
+from hpo.config.space import has_conditions as has_conditions
+from hpo.config.space import sampling_order as sampling_order
+from hpo.config.space import space_record as space_record
+from trainer.config import DataConfig, ModelConfig, TrainingConfig
 from trainer.metrics import Direction
 from trainer.tasks import DEFAULT_TASK, METRIC_DIRECTIONS, TASKS, is_task_path
 
-DEFAULT_BATCH_CHOICES = [32, 64, 128, 256, 512]
 # Every task's metrics (trainer.tasks.TASKS); the config's task decides which it may name.
 MetricName = Literal[
     "accuracy",
@@ -435,141 +439,9 @@ class StudyConfig:
         return self.resolved_directions[0]
 
 
-@dataclass
-class ParamSpec:
-    """One dimension of the search space."""
-
-    type: Literal["categorical", "float", "int"] = _doc("categorical, float or int.", "float")
-    choices: list[Any] | None = _doc("categorical: the values to choose from.")
-    low: float | None = _doc("float/int: lower bound, inclusive.")
-    high: float | None = _doc("float/int: upper bound, inclusive.")
-    log: bool = _doc("float/int: sample uniformly in log space.", False)
-    step: float | None = _doc("float/int: discretisation step.")
-    when: dict[str, Any] | None = _doc(
-        "When the parameter applies: searched categorical or int parameters and the value (or "
-        "list of values) each must have, e.g. {model.name_or_path: ./bert-small}; a trial where "
-        "one does not hold neither samples nor shows it. null: always."
-    )
-
-    def problems(self) -> list[tuple[str, Any, str]]:
-        if self.type == "categorical":
-            return self._categorical_problems()
-        if self.choices is not None:
-            return [("choices", self.choices, f"only for type: categorical, not {self.type}")]
-        if self.low is None or self.high is None:
-            return [("low", self.low, f"a {self.type} parameter needs both low and high")]
-        found: list[tuple[str, Any, str]] = []
-        if self.low > self.high:
-            found.append(("low", self.low, f"must be <= high ({self.high})"))
-        if self.log and self.low <= 0:
-            found.append(("low", self.low, "must be > 0 for a log-scale parameter"))
-        if self.type == "int" and not all(float(v).is_integer() for v in (self.low, self.high)):
-            found.append(("low", (self.low, self.high), "int bounds must be whole numbers"))
-        return found + self._step_problems(self.low, self.high)
-
-    def _categorical_problems(self) -> list[tuple[str, Any, str]]:
-        if not self.choices:
-            return [("choices", self.choices, "a categorical parameter needs a non-empty list")]
-        ranged = {"low": self.low, "high": self.high, "step": self.step, "log": self.log or None}
-        given = [key for key, value in ranged.items() if value is not None]
-        if given:
-            return [(given[0], ranged[given[0]], "only for type: float or int; use choices")]
-        return []
-
-    def _step_problems(self, low: float, high: float) -> list[tuple[str, Any, str]]:
-        """A step Optuna cannot use fails every trial at once; refuse it before the study."""
-        step = self.step
-        if step is None:
-            return []
-        if self.log:
-            return [("step", step, "cannot be combined with log: true")]
-        if self.type == "int" and not (step >= 1 and float(step).is_integer()):
-            return [("step", step, "must be a positive whole number for an int parameter")]
-        if step <= 0:
-            return [("step", step, "must be > 0")]
-        if high > low and step > high - low:
-            return [("step", step, f"must be <= high - low ({high - low:g}), or only low is tried")]
-        ratio = (high - low) / step
-        if abs(ratio - round(ratio)) > 1e-9 * max(1.0, ratio):
-            # Optuna would lower high to the last step silently (with a warning per trial).
-            last = low + math.floor(ratio) * step
-            return [
-                (
-                    "step",
-                    step,
-                    f"high - low ({high - low:g}) is not a multiple of it, so "
-                    f"high is never tried; set high: {last:g} or another step",
-                )
-            ]
-        return []
-
-    def values_for_bounds(self) -> list[Any]:
-        """Every value the parameter can take at its extremes, for range checks."""
-        if self.type == "categorical":
-            return list(self.choices or [])
-        return [self.low, self.high]
-
-
 def objective_list(metric: str | Sequence[str]) -> list[str]:
     """`study.metric` (as written, or as a study recorded it) as a list of objectives."""
     return [metric] if isinstance(metric, str) else list(metric)
-
-
-def space_record(space: dict[str, ParamSpec]) -> dict[str, Any]:
-    """The search space as a study records it (plain JSON values), to compare with a config. A
-    parameter without `when` is recorded as before conditions existed: older studies match."""
-    record = {}
-    for name, spec in space.items():
-        fields = dataclasses.asdict(spec)
-        if fields["when"] is None:
-            del fields["when"]
-        record[name] = fields
-    return json.loads(json.dumps(record))
-
-
-def has_conditions(space: dict[str, ParamSpec]) -> bool:
-    """Whether some parameter of the space applies only when others have given values."""
-    return any(spec.when for spec in space.values())
-
-
-def applies(spec: ParamSpec, values: dict[str, Any]) -> bool:
-    """Whether a parameter applies given the `values` already decided (sampled or enqueued):
-    each parameter its `when` names has one of the values listed (the loader makes each a
-    list); one that was not decided (itself conditional and off) does not hold."""
-    return all(
-        name in values and values[name] in allowed for name, allowed in (spec.when or {}).items()
-    )
-
-
-def sampling_order(space: dict[str, ParamSpec]) -> list[str]:
-    """The parameters in an order where each comes after those its `when` names (otherwise in
-    the space's order): define-by-run sampling decides the conditions first. Raises
-    ValueError naming the parameters of a cycle."""
-    order: list[str] = []
-    visiting: list[str] = []
-
-    def visit(name: str) -> None:
-        if name in order or name not in space:
-            return
-        if name in visiting:
-            cycle = visiting[visiting.index(name) :]
-            raise ValueError(" -> ".join([*cycle, name]))
-        visiting.append(name)
-        for condition in space[name].when or {}:
-            visit(condition)
-        visiting.pop()
-        order.append(name)
-
-    for name in space:
-        visit(name)
-    return order
-
-
-def default_search_space() -> dict[str, ParamSpec]:
-    return {
-        "effective_batch_size": ParamSpec(type="categorical", choices=list(DEFAULT_BATCH_CHOICES)),
-        "learning_rate": ParamSpec(type="float", low=1e-6, high=1e-3, log=True),
-    }
 
 
 @dataclass
@@ -642,11 +514,6 @@ class Config:
     # The search space's parameters that come from hpo's default (the config does not set
     # them): only these are fitted to a small training set (hpo.config.data_size).
     default_params: list[str] = field(default_factory=lambda: list(default_search_space()))
-
-    def job(self, training: TrainingConfig | None = None) -> TrainJob:
-        """The trainer's input: this config's data, model and task, with `training` (a trial's
-        sampled settings) or the config's own."""
-        return TrainJob(self.data, self.model, training or self.training, self.task)
 
     def problems(self) -> list[tuple[str, Any, str]]:
         """Rules between sections: the metric must be one the task has (a task class of the

@@ -1,15 +1,22 @@
 """What a search space may name: the config fields a trial may vary, by dotted path, why every
-other field may not, and the name each parameter has in the study. The one place that decides.
+other field may not, and the name each parameter has in the study. The one place that decides,
+and the one place a trial's values are set on those fields (with_params: values to a TrainJob).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-from trainer.config import DataConfig, ModelConfig, PeftSettings, TrainingConfig
+from hpo.config.paths import model_location
+from trainer.config import DataConfig, ModelConfig, PeftSettings, TrainingConfig, TrainJob
+
+if TYPE_CHECKING:
+    from hpo.config.schema import Config
 
 # The config sections a trial's parameters change, by the name a dotted path begins with.
 SECTIONS: dict[str, Any] = {"model": ModelConfig, "data": DataConfig, "training": TrainingConfig}
@@ -138,6 +145,64 @@ def field_hint(name: str) -> Any:
     if dot:
         return typing.get_type_hints(SUBSECTIONS[f"{section}.{sub}"])[leaf]
     return typing.get_type_hints(SECTIONS[section])[field]
+
+
+def with_params(
+    config: Config, params: Mapping[str, Any], *, bound_batch_search: bool = True
+) -> TrainJob:
+    """The trainer's input: the config's data, model, training settings and task, with each
+    of `params` set on the field its name leads to (a trial's sampled or enqueued values, by
+    their study names or search paths: `learning_rate` and `training.learning_rate` both set
+    training.learning_rate). The one place sampled values become a job: a trial's training,
+    its batch-size cache key, the checks of each model choice before a study, retrain's runs.
+
+    The learning rate's path from the YAML to AdamW, through the files that read or set it,
+    none visited twice: hpo/config/loader.py (parse_config: search_space.learning_rate, a
+    ParamSpec) -> hpo/trial/search_space.py (suggest: Optuna's suggest_float, the trial's
+    params, which the trial process machinery carries unchanged) -> hpo/trial/training.py
+    (train_trial: with_params) -> here (with_value: TrainJob.training.learning_rate) ->
+    trainer/loop.py (Trainer: make_optimizer) -> trainer/step.py (torch.optim.AdamW(lr=...)).
+
+    `bound_batch_search`: an automatic physical batch is searched no further than the study's
+    largest effective batch needs (batch_search_bound); False keeps the config's own
+    training.batch_search_max (`hpo batch-size`, which probes as far as the config allows)."""
+    sections = {name: getattr(config, name) for name in SECTIONS}
+    for name, value in params.items():
+        section, field = field_of(name)
+        if (section, field) == ("model", "name_or_path") and isinstance(value, str):
+            value = model_location(value, config.base_dir)  # relative to the config's folder
+        sections[section] = with_value(sections[section], section, field, value)
+    training = sections["training"]
+    if bound_batch_search and training.physical_batch_size == "auto":
+        # The same bound for every trial of the study, so they share one search (its cache
+        # key holds the bound: a later study with larger batches searches further).
+        bound = batch_search_bound(config)
+        training = dataclasses.replace(training, batch_search_max=bound)
+    return TrainJob(sections["data"], sections["model"], training, config.task)
+
+
+def largest_effective_batch(config: Config) -> int:
+    """The largest effective batch a trial of this study can ask for: the search space's
+    largest choice or high end, else training.effective_batch_size."""
+    largest = config.training.effective_batch_size
+    for name, spec in config.search_space.items():
+        if field_of(name) != ("training", "effective_batch_size"):
+            continue
+        if spec.choices is not None:
+            largest = max(int(choice) for choice in spec.choices)
+        elif spec.high is not None:
+            largest = int(spec.high)
+    return largest
+
+
+def batch_search_bound(config: Config) -> int:
+    """The largest physical batch worth a probe: the study's largest effective batch before
+    the safety margin takes its share (the margin's cut of this bound still holds that batch).
+    A search past it finds sizes no trial can use: 21 probes and 40 s up to 2,836 on an H200
+    for a space whose largest batch was 256 (issue 42)."""
+    training = config.training
+    needed = math.ceil(largest_effective_batch(config) / training.batch_safety_margin)
+    return max(1, min(training.batch_search_max, needed))
 
 
 def with_value(settings: Any, section: str, field: str, value: Any) -> Any:

@@ -12,13 +12,13 @@ from typing import Any
 
 import optuna
 
-from hpo.config.loader import grid_points
 from hpo.config.schema import (
     ParamSpec,
     PrunerConfig,
     SamplerConfig,
     has_conditions,
 )
+from hpo.config.space_checks import grid_points
 from hpo.study.pruners import MarginPruner
 
 

@@ -1,11 +1,10 @@
 """Turn the config's search space into Optuna suggestions (define-by-run: a parameter whose
-`when` does not hold is never suggested), and a trial's parameters into its training job.
+`when` does not hold is never suggested), or call the user's define-by-run function. A trial's
+parameters become its training job in hpo.config.search_paths.with_params.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import threading
 import time
 import types
@@ -14,12 +13,11 @@ from typing import Any
 
 import optuna
 
-from hpo.config import search_paths
-from hpo.config.loader import function_params, model_location
-from hpo.config.schema import Config, ParamSpec, applies, sampling_order
+from hpo.config.param_checks import function_params
+from hpo.config.schema import Config
+from hpo.config.space import ParamSpec, applies, sampling_order
 from hpo.stopping import Interrupted, StopRequest
 from hpo.trial.plugins import load_plugin, record_failure
-from trainer.config import TrainJob
 
 SpaceFunction = Callable[[optuna.Trial], Any]
 
@@ -160,52 +158,3 @@ def suggest(trial: optuna.Trial, name: str, spec: ParamSpec) -> Any:
         step = int(spec.step) if spec.step is not None else 1
         return trial.suggest_int(name, int(spec.low), int(spec.high), step=step, log=spec.log)
     return trial.suggest_float(name, spec.low, spec.high, step=spec.step, log=spec.log)
-
-
-def largest_effective_batch(config: Config) -> int:
-    """The largest effective batch a trial of this study can ask for: the search space's
-    largest choice or high end, else training.effective_batch_size."""
-    largest = config.training.effective_batch_size
-    for name, spec in config.search_space.items():
-        if search_paths.field_of(name) != ("training", "effective_batch_size"):
-            continue
-        if spec.choices is not None:
-            largest = max(int(choice) for choice in spec.choices)
-        elif spec.high is not None:
-            largest = int(spec.high)
-    return largest
-
-
-def batch_search_bound(config: Config) -> int:
-    """The largest physical batch worth a probe: the study's largest effective batch before
-    the safety margin takes its share (the margin's cut of this bound still holds that batch).
-    A search past it finds sizes no trial can use: 21 probes and 40 s up to 2,836 on an H200
-    for a space whose largest batch was 256 (issue 42)."""
-    training = config.training
-    needed = math.ceil(largest_effective_batch(config) / training.batch_safety_margin)
-    return max(1, min(training.batch_search_max, needed))
-
-
-def job_for_trial(config: Config, params: dict[str, Any]) -> TrainJob:
-    """The trainer's input for a trial: the config's model, data and training settings with the
-    trial's parameters applied (each to the field search_paths names). The trial's training,
-    the batch-size cache key and retrain's runs all come from here."""
-    changes: dict[str, dict[str, Any]] = {section: {} for section in search_paths.SECTIONS}
-    for name, value in params.items():
-        section, field = search_paths.field_of(name)
-        changes[section][field] = value
-    model_changes = changes["model"]
-    if isinstance(model_changes.get("name_or_path"), str):
-        model_changes["name_or_path"] = model_location(
-            model_changes["name_or_path"], config.base_dir
-        )
-    sections = {name: getattr(config, name) for name in search_paths.SECTIONS}
-    for section, fields in changes.items():
-        for field, value in fields.items():
-            sections[section] = search_paths.with_value(sections[section], section, field, value)
-    if sections["training"].physical_batch_size == "auto":
-        # The same bound for every trial of the study, so they share one search (its cache
-        # key holds the bound: a later study with larger batches searches further).
-        bound = batch_search_bound(config)
-        sections["training"] = dataclasses.replace(sections["training"], batch_search_max=bound)
-    return TrainJob(sections["data"], sections["model"], sections["training"], config.task)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpo.config.schema import Config
+from hpo.config.search_paths import with_params
 from hpo.trial.child import ChildTrial
 from hpo.trial.protocol import TrialLike
 from storage.artifacts import ArtifactTarget
@@ -57,7 +58,7 @@ def data_for(task: TrialTask, job: TrainJob) -> PreparedData:
     tokenized now (the token cache on disk makes it a read after the first time)."""
     key = data_key(job)
     if key not in task.prepared:
-        if key == data_key(task.config.job()):
+        if key == data_key(with_params(task.config, {})):
             return task.data
         from trainer.model import load_tokenizer
         from trainer.tasks import prepare_data

@@ -15,13 +15,13 @@ import optuna
 
 from hpo import live, tracking
 from hpo.config.schema import Config
+from hpo.config.search_paths import with_params
 from hpo.stopping import Interrupted, TrialTimedOut
 from hpo.trial import cpu_share
 from hpo.trial.child import replace_after_this_trial, stop_reason, stop_requested
 from hpo.trial.folders import trial_folder_maker
 from hpo.trial.plugins import first_user_frame, load_plugin, load_user_code, record_failure
 from hpo.trial.protocol import ADAPTER_ATTR, TrialLike, TrialValue
-from hpo.trial.search_space import job_for_trial
 from hpo.trial.task import TrialTask, batch_cache, data_for
 from hpo.trial.uploads import BackgroundUploader, fetch_resume_state
 from storage.artifacts import ArtifactStore, ArtifactStoreError
@@ -53,7 +53,7 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
     started, began_at = time.perf_counter(), time.time()
     objectives = task.config.study.objectives
     metric = task.config.study.primary_metric
-    job = job_for_trial(task.config, task.params)
+    job = with_params(task.config, task.params)
     load_user_code(task.config)  # the task class and model factory, for the trainer to find
     user_metrics = user_metrics_of(task.config)
     take_cpu_share(trial, task, job.training.device)
@@ -298,7 +298,7 @@ def _record_checkpoints(
     if result.resumed_at_step is not None:
         trial.set_user_attr("resumed_at_step", result.resumed_at_step)
     has_model = store.best_model_path.is_dir()
-    job = job_for_trial(task.config, task.params)  # the trial's model choice
+    job = with_params(task.config, task.params)  # the trial's model choice
     tokenizer = task_class(job.task).tokenizer_to_save(load_tokenizer(job.model, job.task))
     if has_model and store.save_tokenizer(tokenizer):
         trial.set_user_attr("best_model", str(store.best_model_path))

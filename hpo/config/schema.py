@@ -307,8 +307,8 @@ class StudyConfig:
         "PostgreSQL only. pooled: each worker keeps at most 2 connections open (fastest; up to "
         "max_connections / 2 workers, 48 on a stock server); on_demand: a connection per "
         "database call, closed after it, so hundreds of workers share a stock server (each "
-        "call pays a connect: a few ms on a LAN, more over TLS). See README, 'Running on a "
-        "cluster'.",
+        "call pays a connect: a few ms on a LAN, more over TLS). See the storage concepts "
+        "(docs/concepts/storage.md).",
         "pooled",
     )
     stop_timeout: float = _doc(

@@ -22,7 +22,8 @@ from optuna.trial import TrialState
 from hpo.config.schema import Config, ParamSpec, space_record
 from hpo.errors import HPOError
 from hpo.study import retrain
-from hpo.trial.folders import prepare_trial_folder, remove_unneeded_folders, study_folder_name
+from hpo.study.kept_models import remove_unneeded_folders
+from hpo.trial.folders import prepare_trial_folder, study_folder_name
 from tests.conftest import (
     run_hpo,
     sigterm_once_training,

@@ -245,7 +245,7 @@ def check_inputs(
     set_optuna_verbosity(logging.getLogger().level)
     # The device first: `cuda` on a host without CUDA is reported before the data is prepared.
     resolve_device(config.training.device)
-    from hpo.trial.plugins import check_trial_processes_import, load_plugin, load_user_code
+    from hpo.plugins.loading import check_trial_processes_import, load_plugin, load_user_code
     from hpo.trial.process import prepare_fork_server, start_fork_server
 
     user_function = config.training.entrypoint is not None
@@ -255,7 +255,7 @@ def check_inputs(
     load_user_code(config)  # metrics, task, model.factory: imported again in each trial process
     check_trial_processes_import(config)
     if config.training.entrypoint is not None:  # the user's function reads its own data
-        from hpo.trial.entrypoint import load_entrypoint
+        from hpo.plugins.entrypoint import load_entrypoint
 
         load_entrypoint(config.training.entrypoint, config.base_dir)  # one line if it cannot
     if copy_worker:  # before the data (and the tokenizer's threads), the study, any thread

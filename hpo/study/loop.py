@@ -19,12 +19,12 @@ from optuna.trial import TrialState
 
 from hpo import live, tracking
 from hpo.stopping import HandBack, Interrupted, StopRequest, TakenOver
+from hpo.study.front import CHANCE_ATTR
 from hpo.study.join import QUEUED_BY_ATTR, liveness
 from hpo.study.pruners import ExplainedPruner
 from hpo.study.trials import StudyTrials, counted_trials, unsure_trials
 from hpo.trial import cpu_share
 from hpo.trial.folders import checkpoint_root, folder_name
-from hpo.trial.front import CHANCE_ATTR
 from hpo.trial.objective import Objective, worker_id
 from storage.artifacts import ArtifactStore
 from storage.engine import StudyStorage
@@ -94,7 +94,7 @@ def run_trials(
 
 def _record_chance_level(study: optuna.Study, objective: Objective) -> None:
     """What guessing scores on the evaluation split: no trial at that level is on the Pareto
-    front (hpo.trial.front)."""
+    front (hpo.study.front)."""
     from trainer.tasks import make_task
 
     config, data = objective.task.config, objective.task.data

@@ -21,13 +21,13 @@ from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import FrozenTrial, TrialState
 
 from hpo import tracking
-from hpo.study.retry import retry_trial
-from hpo.trial.folders import (
+from hpo.study.front import rule_for
+from hpo.study.kept_models import (
     remove_stale_checkpoints,
     remove_unneeded_artifacts,
     remove_unneeded_folders,
 )
-from hpo.trial.front import rule_for
+from hpo.study.retry import retry_trial
 from storage.artifacts import ArtifactStore, ArtifactStoreError
 from storage.engine import StudyStorage
 from storage.heartbeats import Heartbeats, HeartbeatThread, LastBeat

@@ -72,7 +72,7 @@ class Objective:
         # a benchmark's): only such trials share the host's cores when they run on the CPU.
         self.trains = target is None
         if target is None and config.training.entrypoint is not None:
-            from hpo.trial.entrypoint import train_with_entrypoint  # the user's own function
+            from hpo.trial.own_function import train_with_entrypoint  # the user's own function
 
             target = train_with_entrypoint
         elif target is None:

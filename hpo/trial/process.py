@@ -75,7 +75,7 @@ PRELOAD = [
 ]
 # A user's training function (training.entrypoint) needs no transformers: its trial process
 # starts seconds sooner without them (its own imports happen in its first trial).
-ENTRYPOINT_PRELOAD = ["torch", "optuna", "hpo.trial.entrypoint", "hpo.trial.fork_server"]
+ENTRYPOINT_PRELOAD = ["torch", "optuna", "hpo.trial.own_function", "hpo.trial.fork_server"]
 # ...unless the user's module uses transformers' Trainer (the worker imported the module to
 # check it): then loaded once here, not again in each trial (seconds of CPU each).
 TRAINER_PRELOAD = ["transformers", "transformers.trainer", "hpo.integrations.transformers"]

@@ -17,8 +17,8 @@ import optuna
 from hpo.config import search_paths
 from hpo.config.loader import function_params, model_location
 from hpo.config.schema import Config, ParamSpec, applies, sampling_order
+from hpo.plugins.loading import load_plugin, record_failure
 from hpo.stopping import Interrupted, StopRequest
-from hpo.trial.plugins import load_plugin, record_failure
 from trainer.config import TrainJob
 
 SpaceFunction = Callable[[optuna.Trial], Any]

@@ -15,12 +15,13 @@ import optuna
 
 from hpo import live, tracking
 from hpo.config.schema import Config
+from hpo.plugins.loading import first_user_frame, load_plugin, load_user_code, record_failure
+from hpo.plugins.protocols import TrialLike
 from hpo.stopping import Interrupted, TrialTimedOut
 from hpo.trial import cpu_share
 from hpo.trial.child import replace_after_this_trial, stop_reason, stop_requested
 from hpo.trial.folders import trial_folder_maker
-from hpo.trial.plugins import first_user_frame, load_plugin, load_user_code, record_failure
-from hpo.trial.protocol import ADAPTER_ATTR, TrialLike, TrialValue
+from hpo.trial.protocol import ADAPTER_ATTR, TrialValue
 from hpo.trial.search_space import job_for_trial
 from hpo.trial.task import TrialTask, batch_cache, data_for
 from hpo.trial.uploads import BackgroundUploader, fetch_resume_state

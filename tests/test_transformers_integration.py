@@ -328,7 +328,7 @@ def _sigterm_after_an_evaluation(url: str) -> None:
 def test_an_entrypoint_that_uses_the_trainer_has_it_preloaded() -> None:
     """The fork server of a worker whose training function imported transformers' Trainer
     loads it once (not again in each trial process); a plain PyTorch function's does not."""
-    from hpo.trial.process import ENTRYPOINT_PRELOAD, TRAINER_PRELOAD, entrypoint_preload
+    from hpo.trial.fork_start import ENTRYPOINT_PRELOAD, TRAINER_PRELOAD, entrypoint_preload
 
     assert entrypoint_preload({"torch", "optuna"}) == ENTRYPOINT_PRELOAD
     preload = entrypoint_preload({"torch", *TRAINER_PRELOAD})

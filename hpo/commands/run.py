@@ -246,7 +246,7 @@ def check_inputs(
     # The device first: `cuda` on a host without CUDA is reported before the data is prepared.
     resolve_device(config.training.device)
     from hpo.plugins.loading import check_trial_processes_import, load_plugin, load_user_code
-    from hpo.trial.process import prepare_fork_server, start_fork_server
+    from hpo.trial.fork_start import prepare_fork_server, start_fork_server
 
     user_function = config.training.entrypoint is not None
     threads = prepare_fork_server(user_function) if copy_worker else None

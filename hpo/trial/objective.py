@@ -28,7 +28,8 @@ from hpo.trial.folders import (
     prepare_trial_folder,
     study_folder_name,
 )
-from hpo.trial.process import TrialLimits, TrialProcess, fork_server_preload
+from hpo.trial.fork_start import fork_server_preload
+from hpo.trial.process import TrialLimits, TrialProcess
 from hpo.trial.protocol import TrialTarget, TrialValue
 from hpo.trial.search_space import Sampler
 from hpo.trial.task import TrialTask, batch_cache_for, remember_worker_cache

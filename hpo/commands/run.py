@@ -177,12 +177,10 @@ def work_and_count(
         live.start()  # a progress line below the log, on a terminal only
     cache = BatchSizeCache(storage.engine)  # the worker's pool: no connection of its own
     objective = Objective(config, data, storage_url, stop, batch_cache=cache, prepared=prepared)
-    tracking.start(config, study)  # its calls run in the background, never in the trials' way
     try:
         finished = run_trials(study, storage, objective, stop, queued_only, started=args.started)
     finally:
         live.stop()
-        tracking.stop(study)
         stop.interrupt_at_once = False
     return (stop.exit_code if stop.requested else 0), finished
 

@@ -76,6 +76,11 @@ def run_trials(
         # What is alive now (torch, transformers, the data) outlives every trial: frozen, so the
         # collection after each trial skips it (150 ms a trial otherwise).
         gc.freeze()
+    # The worker's trackers hear of its trials; their calls run in the background, never in
+    # the trials' way.
+    observer = tracking.start(objective.task.config, study)
+    objective.observe(observer)
+    trials.observer = observer
     try:
         with host as entry:
             objective.cpu_worker = entry
@@ -90,6 +95,7 @@ def run_trials(
         objective.close()
         if in_worker:
             gc.unfreeze()
+        observer.close(study)
 
 
 def _record_chance_level(study: optuna.Study, objective: Objective) -> None:
@@ -277,7 +283,7 @@ def run_trial(
             # The tracker hears each end once it stands: a trial another worker took over
             # meanwhile keeps that worker's record.
             if trials.tell(trial, TrialState.PRUNED):
-                tracking.trial_ended(trial, "pruned", reason)
+                objective.observer.trial_ended(trial, "pruned", reason)
                 _drop_state(checkpoints, trial)
             return
         except TakenOver:
@@ -300,17 +306,17 @@ def run_trial(
             if not (beat.lost.is_set() or isinstance(e, UpdateFinishedTrialError)):
                 _record_failure(trial, e)
             if trials.fail(trial, _error_text(e)):
-                tracking.trial_ended(trial, "failed", trial.user_attrs.get("fail_reason"))
+                objective.observer.trial_ended(trial, "failed", trial.user_attrs.get("fail_reason"))
             return
     not_a_value = nan_objectives(objective.task.config.study.objectives, value)
     if not_a_value:  # Optuna refuses NaN: the trial fails, saying which, and the worker goes on
         reason = f"the trial's value is NaN ({not_a_value}): nothing to compare it by"
         log.warning("trial %d failed: %s", trial.number, reason)
         if trials.fail(trial, reason):
-            tracking.trial_ended(trial, "failed", reason)
+            objective.observer.trial_ended(trial, "failed", reason)
         return
     if trials.tell(trial, TrialState.COMPLETE, value):
-        tracking.trial_ended(trial, "complete")
+        objective.observer.trial_ended(trial, "complete")
         _drop_state(checkpoints, trial)
         shown = values_text(objective.task.config.study.objectives, value)
         log.info("trial %d finished: %s", trial.number, shown)

@@ -21,8 +21,9 @@ from typing import Any, Protocol
 
 import optuna
 
-from hpo import live, tracking
+from hpo import live
 from hpo.stopping import HandBack, Interrupted, StopRequest, TakenOver, TrialTimedOut
+from hpo.tracking.observer import NoObserver, TrialObserver
 from hpo.trial.child import child_main
 from hpo.trial.fork_start import PRELOAD, mp_context, sigint_blocked
 from hpo.trial.process_watch import ProcessWatch
@@ -94,6 +95,7 @@ class TrialProcess:
         self.limits = limits
         self.requests = requests
         self.started = 0  # processes started, for logs and tests
+        self.observer: TrialObserver = NoObserver()  # hears the trial's evaluations
         self._process: BaseProcess | None = None
         self._conn: Connection | None = None
         self._watch: ProcessWatch | None = None
@@ -116,7 +118,9 @@ class TrialProcess:
                 started = self.started
                 conn, watch = self._send_job(("run", trial.number, changes))
                 try:
-                    message = _relay(trial, conn, watch, self.stop, watchers, self.requests)
+                    message = _relay(
+                        trial, conn, watch, self.stop, watchers, self.requests, self.observer
+                    )
                     break
                 except _JobNotTaken:
                     if self.started != started:
@@ -302,9 +306,10 @@ def _relay(
     stop: StopRequest,
     watchers: _Watchers,
     requests: WorkerRequests | None = None,
+    observer: TrialObserver | None = None,
 ) -> tuple[Any, ...] | None:
-    """Pass the child's calls on to the trial until it sends ("outcome", outcome, staying);
-    None if it died first."""
+    """Pass the child's calls on to the trial (its evaluations to `observer`) until it sends
+    ("outcome", outcome, staying); None if it died first."""
     paused = False  # the child said it stops itself, because this worker was stopped
     paused_at = 0.0
     taken = False  # the child took the job: if it dies from now on, the trial fails with it
@@ -347,7 +352,7 @@ def _relay(
         if message[0] == "progress":
             watchers.training()
         try:
-            outcome = _pass_on(trial, conn, stop, message)
+            outcome = _pass_on(trial, conn, stop, message, observer)
         except optuna.exceptions.UpdateFinishedTrialError as e:
             raise TakenOver() from e  # another worker failed the trial while this one slept
         if outcome is not None:
@@ -370,7 +375,11 @@ def _answer(
 
 
 def _pass_on(
-    trial: optuna.Trial, conn: Connection, stop: StopRequest, message: tuple[Any, ...]
+    trial: optuna.Trial,
+    conn: Connection,
+    stop: StopRequest,
+    message: tuple[Any, ...],
+    observer: TrialObserver | None = None,
 ) -> tuple[Any, ...] | None:
     """One call of the child on the trial; returns the child's outcome once it sends it."""
     kind = message[0]
@@ -381,7 +390,8 @@ def _pass_on(
     elif kind == "progress":
         live.trial_progress(trial.number, message[1])
     elif kind == "evaluation":
-        tracking.evaluation(trial.number, message[1])
+        if observer is not None:
+            observer.evaluation(trial.number, message[1])
     elif kind == "should_prune":
         with contextlib.suppress(OSError):  # it died asking: the next read says so
             conn.send(trial.should_prune())

@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 import optuna
 
-from hpo import live, tracking
+from hpo import live
 from hpo.config.schema import Config
 from hpo.plugins.loading import first_user_frame, load_plugin, load_user_code, record_failure
 from hpo.plugins.protocols import TrialLike
@@ -404,8 +404,6 @@ class EvaluationSender:
         }
         if self.send is not None:
             self.send(report)
-        else:
-            tracking.evaluation(self.number, report)
 
 
 def pruning_reporter(

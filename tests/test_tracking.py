@@ -593,6 +593,9 @@ def test_the_tracker_hears_a_trials_end_only_once_the_study_recorded_it(
     monkeypatch.setattr(loop, "_record_failure", lambda trial, e: None)
 
     class Trials:
+        # The worker's trackers, as run_trials hands them down: they hear each end.
+        observer = SimpleNamespace(trial_ended=lambda trial, state, *a: ended.append(state))
+
         def heartbeat(self, trial: Any) -> Any:
             return contextlib.nullcontext(SimpleNamespace(lost=threading.Event()))
 
@@ -605,8 +608,6 @@ def test_the_tracker_hears_a_trials_end_only_once_the_study_recorded_it(
     class Objective:
         stop = SimpleNamespace(signal_name=None)
         task = SimpleNamespace(config=SimpleNamespace(study=SimpleNamespace(objectives=["a"])))
-        # The worker's trackers, as run_trials hands them down: they hear each end.
-        observer = SimpleNamespace(trial_ended=lambda trial, state, *a: ended.append(state))
 
         def __call__(self, trial: Any, lost: Any) -> float:
             if outcome == "pruned":

@@ -283,7 +283,7 @@ def run_trial(
             # The tracker hears each end once it stands: a trial another worker took over
             # meanwhile keeps that worker's record.
             if trials.tell(trial, TrialState.PRUNED):
-                objective.observer.trial_ended(trial, "pruned", reason)
+                trials.observer.trial_ended(trial, "pruned", reason)
                 _drop_state(checkpoints, trial)
             return
         except TakenOver:
@@ -306,17 +306,17 @@ def run_trial(
             if not (beat.lost.is_set() or isinstance(e, UpdateFinishedTrialError)):
                 _record_failure(trial, e)
             if trials.fail(trial, _error_text(e)):
-                objective.observer.trial_ended(trial, "failed", trial.user_attrs.get("fail_reason"))
+                trials.observer.trial_ended(trial, "failed", trial.user_attrs.get("fail_reason"))
             return
     not_a_value = nan_objectives(objective.task.config.study.objectives, value)
     if not_a_value:  # Optuna refuses NaN: the trial fails, saying which, and the worker goes on
         reason = f"the trial's value is NaN ({not_a_value}): nothing to compare it by"
         log.warning("trial %d failed: %s", trial.number, reason)
         if trials.fail(trial, reason):
-            objective.observer.trial_ended(trial, "failed", reason)
+            trials.observer.trial_ended(trial, "failed", reason)
         return
     if trials.tell(trial, TrialState.COMPLETE, value):
-        objective.observer.trial_ended(trial, "complete")
+        trials.observer.trial_ended(trial, "complete")
         _drop_state(checkpoints, trial)
         shown = values_text(objective.task.config.study.objectives, value)
         log.info("trial %d finished: %s", trial.number, shown)

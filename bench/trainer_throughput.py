@@ -35,8 +35,9 @@ from hpo.config.loader import load_config
 from hpo.config.schema import Config
 from hpo.errors import USER_ERRORS
 from trainer import device as dev
+from trainer.batching import collate
 from trainer.config import TrainingConfig
-from trainer.data import PreparedData, TokenizedSplit, collate
+from trainer.data import PreparedData, TokenizedSplit
 from trainer.loaders import num_workers_for, padding_for
 from trainer.loop import Trainer
 from trainer.model import build_model, load_tokenizer

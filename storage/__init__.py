@@ -1,4 +1,5 @@
-"""storage: where a study lives. URL resolution, engine options and password masking.
+"""storage: where a study lives. URL resolution, engine options and password masking; the
+artifact store (checkpoints and best models every host can reach) is `storage.artifacts`.
 
 `open_storage(url)` is the one way hpo opens an Optuna RDB storage. The package imports
 lazily: `storage.errors` and `storage.url` load without SQLAlchemy's engine or Optuna, so the

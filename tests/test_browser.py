@@ -1,7 +1,7 @@
 """The report and `hpo dashboard` in a real headless Chromium (Debian's `chromium` and
 `chromium-driver`, driven by Selenium; scripts/test installs them where it can). Without them:
 a failure under CI=true, a skip elsewhere. With HPO_SCREENSHOTS=DIR the pages are saved there as
-PNG (the README's screenshots come from here)."""
+PNG (the documentation's screenshots come from here)."""
 
 from __future__ import annotations
 

@@ -18,8 +18,9 @@ import torch
 from scipy.stats import entropy
 
 from tests.conftest import MINILM_TOKENIZER, write_csv
+from trainer.batching import collate
 from trainer.config import DataConfig, ModelConfig, TrainingConfig, TrainJob
-from trainer.data import PreparedData, collate
+from trainer.data import PreparedData
 from trainer.errors import DataError
 from trainer.evaluation import evaluate_batches
 from trainer.model import build_model, load_tokenizer

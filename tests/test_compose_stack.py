@@ -180,8 +180,9 @@ def podman(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 
 def up(env: dict[str, str], workers: int) -> None:
-    """The README's order: the database and the dashboard, then the workers once the database
-    is healthy (podman-compose 1.0 does not wait for `condition: service_healthy` itself)."""
+    """docs/guides/deploy.md's order: the database and the dashboard, then the workers once
+    the database is healthy (podman-compose 1.0 does not wait for `condition: service_healthy`
+    itself)."""
     compose(env, "up", "-d", "postgres", "dashboard")
     wait_for(
         lambda: podman("healthcheck", "run", f"{PROJECT}_postgres_1").returncode == 0,

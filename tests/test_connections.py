@@ -179,7 +179,7 @@ BOUNCED_BUDGET = 12
 def test_on_demand_workers_behind_pgbouncer_share_two_server_connections(
     postgres_url: str,
 ) -> None:
-    """README "Running on a cluster": more workers than server connections, through the shipped
+    """docs/concepts/storage.md: more workers than server connections, through the shipped
     deploy/pgbouncer/pgbouncer.ini (session mode). Six workers, each of which may hold two
     sessions at once (the study lock and a call under it), get by with two server connections:
     the budget exact, no trial failed, none left running."""

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 from tests.conftest import MINILM_TOKENIZER, easy_rows, loaded_by, write_csv
-from trainer import data as data_module
+from trainer.batching import Padding, collate, eval_batches, plan_epoch
 from trainer.config import DataConfig, ModelConfig
-from trainer.data import Padding, collate, eval_batches, plan_epoch
+from trainer.data import save_split
 from trainer.errors import DataError
 from trainer.model import load_tokenizer
+from trainer.readers import read_table
 from trainer.tasks import prepare_data
 
 
@@ -198,7 +199,7 @@ def test_a_second_writer_of_an_entry_keeps_the_first(tmp_path: Path, tokenizer: 
     first = prepare_data(config, tokenizer).train
     assert first.cached_at is not None
     written = sorted((p.name, p.stat().st_mtime_ns) for p in first.cached_at.iterdir())
-    data_module._save_split(first, first.cached_at)  # as a worker that lost the race would
+    save_split(first, first.cached_at)  # as a worker that lost the race would
     assert sorted((p.name, p.stat().st_mtime_ns) for p in first.cached_at.iterdir()) == written
     assert not [p for p in first.cached_at.parent.iterdir() if p.name.startswith(".")]
 
@@ -416,7 +417,7 @@ def test_a_tab_separated_file_named_csv_is_called_tab_separated(tmp_path: Path) 
     tsv = tmp_path / "train.csv"
     tsv.write_text("text\tlabel\ngood meal\tpos\nbad meal\tneg\n", encoding="utf-8")
     with pytest.raises(DataError) as caught:
-        data_module.read_table(str(tsv), "train")
+        read_table(str(tsv), "train")
     assert "the file is tab-separated (TSV); hpo reads .csv files separated by commas" in str(
         caught.value
     )
@@ -473,7 +474,7 @@ def test_a_csv_reads_as_pandas_read_it_every_field_as_text(
     replaced it (pandas cost each worker seconds of CPU to import)."""
     path = tmp_path / "table.csv"
     path.write_bytes(body.encode("utf-8"))
-    assert data_module.read_table(str(path), "train") == expected
+    assert read_table(str(path), "train") == expected
 
 
 @pytest.mark.parametrize(
@@ -495,12 +496,13 @@ def test_a_broken_csv_is_one_line_naming_where(tmp_path: Path, body: str, messag
     path = tmp_path / "table.csv"
     path.write_bytes(body.encode("latin-1") if "\xe9" in body else body.encode("utf-8"))
     with pytest.raises(DataError, match=message):
-        data_module.read_table(str(path), "train")
+        read_table(str(path), "train")
 
 
 def test_reading_a_csv_imports_no_pandas(tmp_path: Path) -> None:
     path = write_csv(tmp_path / "t.csv", easy_rows(4, 0))
     code = (
-        f"from trainer.data import read_table\nassert read_table({str(path)!r}, 'train')['label']"
+        "from trainer.readers import read_table\n"
+        f"assert read_table({str(path)!r}, 'train')['label']"
     )
     assert loaded_by(code, ("pandas",)) == []

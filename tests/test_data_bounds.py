@@ -17,9 +17,9 @@ import pytest
 
 from tests.conftest import MINILM_TOKENIZER, easy_rows, write_csv
 from trainer.config import DataConfig, ModelConfig
-from trainer.data import MAX_CSV_COLUMNS, MIB
 from trainer.errors import DataError
 from trainer.model import load_tokenizer
+from trainer.readers import MAX_CSV_COLUMNS, MIB
 from trainer.tasks import prepare_data
 from trainer.tasks.base import IGNORE
 from trainer.text_window import window_chars

@@ -39,14 +39,14 @@ def _in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def no_data(monkeypatch: pytest.MonkeyPatch) -> None:
     """The data is never prepared: a check that comes after it fails the test."""
-    import trainer.data
     import trainer.tasks
+    import trainer.token_cache
 
     def prepare_data(*args: Any) -> None:
         raise AssertionError("the data was prepared before the check")
 
     monkeypatch.setattr(trainer.tasks, "prepare_data", prepare_data)
-    monkeypatch.setattr(trainer.data, "prepare_splits", prepare_data)
+    monkeypatch.setattr(trainer.token_cache, "prepare_splits", prepare_data)
 
 
 def run(main: Main, config: Path, storage: str, *more: str) -> int:

@@ -19,8 +19,9 @@ import torch
 
 from tests.conftest import MINILM_TOKENIZER, TINY_BERT, tiny_config, write_config, write_csv
 from tests.task_study import run_task_study
+from trainer.batching import collate
 from trainer.config import DataConfig, ModelConfig, TrainingConfig
-from trainer.data import PreparedData, TokenizedSplit, collate
+from trainer.data import PreparedData, TokenizedSplit
 from trainer.errors import DataError
 from trainer.model import build_model, load_tokenizer
 from trainer.tasks import make_task, prepare_data

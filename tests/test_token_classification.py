@@ -18,8 +18,8 @@ import torch
 
 from tests.conftest import MINILM_TOKENIZER, TINY_BERT, tiny_config, write_config, write_csv
 from tests.task_study import run_task_study
+from trainer.batching import collate
 from trainer.config import DataConfig, ModelConfig, TrainingConfig
-from trainer.data import collate
 from trainer.errors import DataError
 from trainer.model import build_model, load_tokenizer
 from trainer.step import accumulate_gradients

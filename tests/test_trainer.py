@@ -16,8 +16,9 @@ import torch.nn.functional as F
 
 from tests.conftest import MINILM_TOKENIZER, TINY_BERT, easy_rows, loaded_by, write_csv
 from trainer import loaders, loop, step
+from trainer.batching import BatchCollator, collate
 from trainer.config import DataConfig, ModelConfig, TrainingConfig, TrainJob
-from trainer.data import BatchCollator, PreparedData, collate
+from trainer.data import PreparedData
 from trainer.loop import Evaluation, train
 from trainer.model import build_model, load_tokenizer
 from trainer.step import accumulate_gradients, grad_accum_steps_for, optimizer_step
@@ -236,7 +237,7 @@ def test_optional_modes_train(
 
 
 def test_trainer_does_not_import_optuna() -> None:
-    code = "import trainer.loop, trainer.data, trainer.model, trainer.metrics"
+    code = "import trainer.loop, trainer.token_cache, trainer.model, trainer.metrics"
     assert loaded_by(code, ("optuna",)) == []
 
 

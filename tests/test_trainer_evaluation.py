@@ -16,8 +16,9 @@ import torch.nn.functional as F
 
 from tests.test_trainer import tiny_job
 from trainer import evaluation
+from trainer.batching import Padding
 from trainer.config import DataConfig, TrainingConfig
-from trainer.data import Padding, TokenizedSplit
+from trainer.data import TokenizedSplit
 from trainer.evaluation import (
     Evaluator,
     evaluations_per_epoch,

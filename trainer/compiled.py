@@ -7,7 +7,7 @@ object: `BACKEND`, one per process. What a trial compiles is counted (`compile_s
 and seconds spent in the compiler. A deep model's repeated blocks are compiled alone
 (`compile_model`), one graph for every layer. Shapes are kept few: the batch dimension becomes
 dynamic (micro-batches of an accumulated step differ by one, evaluation batches are twice as
-large), and sequence lengths are padded to a handful of widths (`trainer.data.Padding`).
+large), and sequence lengths are padded to a handful of widths (`trainer.batching.Padding`).
 Inductor keeps its caches in one folder per host (`inductor_cache_dir`), which every worker of
 the host shares.
 

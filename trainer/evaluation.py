@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from trainer import device as dev
-from trainer.data import TokenizedSplit, eval_batches
+from trainer.batching import eval_batches
+from trainer.data import TokenizedSplit
 from trainer.loaders import LoaderSettings, to_device
 from trainer.memory import OutOfMemoryAtBatchOne, none_on_oom, release_memory
 from trainer.tasks.base import Task

@@ -19,10 +19,11 @@ import torch
 
 from trainer import device as dev
 from trainer.batch_finder import resolve_physical_batch
+from trainer.batching import collate, plan_epoch, split_micro_batches
 from trainer.checkpoint import CheckpointStore
 from trainer.compiled import compile_model, compile_stats
 from trainer.config import TrainJob
-from trainer.data import PreparedData, collate, plan_epoch, split_micro_batches
+from trainer.data import PreparedData
 from trainer.evaluation import Evaluation, Evaluator, is_evaluation_step
 from trainer.loaders import (
     LoaderSettings,

@@ -1,4 +1,4 @@
-"""The README's screenshot of a study in MLflow's UI, in one command: a real `mlflow server`
+"""The documentation's screenshot of a study in MLflow's UI, in one command: a real `mlflow server`
 on 127.0.0.1 (SQLite backend, its own artifact folder, in a temporary folder), a short study of
 the CPU demo logging to it (`hpo run --tracking URI`, ASHA pruning some trials), then the
 experiment's runs page (the study's run with its trials' runs nested under it, and their

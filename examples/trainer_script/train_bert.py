@@ -6,7 +6,7 @@ Run it with
 
 or from a config: `hpo run --config examples/trainer_script/config.yaml --study bert`. Pruning
 happens at each evaluation (every epoch); a trial stopped by SIGTERM (or Ctrl-C) keeps its
-Trainer checkpoint in hpo's store and resumes from it in its retry. README "Your own code" >
+Trainer checkpoint in hpo's store and resumes from it in its retry. docs/guides/your-own-code.md,
 "Migrating from Trainer.hyperparameter_search" shows the lines that changed.
 """
 

@@ -229,6 +229,6 @@ def prepare_data(
 ) -> PreparedData:
     """Both splits of `config` read, checked and tokenized for `task` (cached on disk)."""
     from trainer.config import TrainingConfig
-    from trainer.data import prepare_splits
+    from trainer.token_cache import prepare_splits
 
     return prepare_splits(config, tokenizer, make_task(task, config, training or TrainingConfig()))

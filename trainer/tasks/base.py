@@ -29,10 +29,12 @@ import numpy as np
 import torch
 
 from trainer.config import DataConfig, TrainingConfig
-from trainer.data import TokenizedSplit, text_column, tokenize_texts
+from trainer.data import TokenizedSplit
 from trainer.errors import DataError
+from trainer.labels import text_column
 from trainer.model_factory import logits_of
 from trainer.tasks import TaskInfo, task_info
+from trainer.token_cache import tokenize_texts
 
 IGNORE = -100  # a token label that counts for nothing (transformers' convention too)
 

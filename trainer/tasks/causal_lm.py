@@ -28,8 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.data import TokenizedSplit, flat_split, text_column
+from trainer.data import TokenizedSplit, flat_split
 from trainer.errors import DataError
+from trainer.labels import text_column
 from trainer.tasks.base import IGNORE, TokenTask
 from trainer.text_window import heads, tails, window_chars
 

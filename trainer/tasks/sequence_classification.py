@@ -10,7 +10,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trainer.data import TokenizedSplit, encode_labels, label_vocabulary
+from trainer.data import TokenizedSplit
+from trainer.labels import encode_labels, label_vocabulary
 from trainer.metrics import accuracy, binary_roc_auc, macro_f1, micro_f1
 from trainer.tasks.base import Task, encode_texts
 

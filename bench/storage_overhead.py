@@ -28,12 +28,12 @@ import optuna
 
 from hpo.config.schema import Config, ParamSpec, StudyConfig
 from hpo.logs import setup_logging
+from hpo.plugins.protocols import TrialLike
 from hpo.stopping import StopRequest
 from hpo.study.join import open_study
 from hpo.study.loop import run_trials
 from hpo.study.sampling import build_pruner, build_sampler
 from hpo.trial.objective import Objective
-from hpo.trial.protocol import TrialLike
 from storage.engine import engine_kwargs, open_storage
 from storage.url import StorageURL
 

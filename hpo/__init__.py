@@ -1,8 +1,14 @@
 """hpo: hyperparameter optimisation for fine-tuning transformer models.
 
+What user code may import is exported here and listed in `hpo.__all__`: the Python API
+(`hpo.run`, `hpo.open_study`), the plug-in surface (the training context a training function
+gets, the task classes to subclass, the model request a model factory gets, the shapes of a
+metrics function and a define-by-run search space) and the errors. `hpo.integrations` (e.g.
+`hpo.integrations.transformers`) is public too. Everything else, every module under hpo/,
+trainer/ and storage/, is internal and may move or change without notice: import from `hpo`.
+
 Kept import-light: the CLI reports a bad config before torch, transformers or Optuna load, and
-`import hpo` costs a script nothing. The Python API (hpo.api: `hpo.run`, `hpo.open_study`) and
-the errors load on first use of their names.
+`import hpo` costs a script nothing. Each name loads its module on first use.
 """
 
 from __future__ import annotations
@@ -26,18 +32,43 @@ _PUBLIC = {
     "ModelError": "hpo.errors",
     "StorageError": "hpo.errors",
     "TrainerError": "hpo.errors",
+    # The plug-in surface: what hpo hands the user's code, and what it may subclass.
+    "TrainingContext": "hpo.plugins.context",
+    "TrainingFunction": "hpo.plugins.entrypoint",
+    "MetricsFunction": "hpo.plugins.protocols",
+    "SearchSpaceFunction": "hpo.plugins.protocols",
+    "ModelRequest": "trainer.model_factory",
+    "Task": "trainer.tasks.base",
+    "TokenTask": "trainer.tasks.base",
+    "SequenceClassification": "trainer.tasks.sequence_classification",
+    "MultiLabelClassification": "trainer.tasks.multi_label",
+    "Regression": "trainer.tasks.regression",
+    "TokenClassification": "trainer.tasks.token_classification",
+    "CausalLM": "trainer.tasks.causal_lm",
 }
 
 __all__ = [
+    "CausalLM",
     "ConfigError",
     "DataError",
     "DeviceError",
     "HPOError",
+    "MetricsFunction",
     "ModelError",
+    "ModelRequest",
+    "MultiLabelClassification",
+    "Regression",
     "RunResult",
+    "SearchSpaceFunction",
+    "SequenceClassification",
     "StorageError",
     "Study",
+    "Task",
+    "TokenClassification",
+    "TokenTask",
     "TrainerError",
+    "TrainingContext",
+    "TrainingFunction",
     "Trial",
     "__version__",
     "open_study",
@@ -57,6 +88,16 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr_
         StorageError,
         TrainerError,
     )
+    from hpo.plugins.context import TrainingContext
+    from hpo.plugins.entrypoint import TrainingFunction
+    from hpo.plugins.protocols import MetricsFunction, SearchSpaceFunction
+    from trainer.model_factory import ModelRequest
+    from trainer.tasks.base import Task, TokenTask
+    from trainer.tasks.causal_lm import CausalLM
+    from trainer.tasks.multi_label import MultiLabelClassification
+    from trainer.tasks.regression import Regression
+    from trainer.tasks.sequence_classification import SequenceClassification
+    from trainer.tasks.token_classification import TokenClassification
 
 
 def __getattr__(name: str) -> Any:

@@ -404,7 +404,7 @@ def test_run_from_stdin_or_an_interactive_session_says_what_a_trial_process_cann
     import types
 
     from hpo.config.loader import parse_config
-    from hpo.trial.plugins import check_trial_processes_import
+    from hpo.plugins.loading import check_trial_processes_import
 
     raw = {
         "training": {"entrypoint": "__main__:train", "device": "cpu"},

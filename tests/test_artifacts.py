@@ -547,7 +547,7 @@ def test_the_workers_remove_old_artifacts_under_the_rules_of_local_folders(tmp_p
     from optuna.study import StudyDirection
     from optuna.trial import create_trial
 
-    from hpo.trial.folders import remove_unneeded_artifacts
+    from hpo.study.kept_models import remove_unneeded_artifacts
 
     def trial(number: int, state: TrialState, value: float | None = None, **attrs: int) -> object:
         made = create_trial(

@@ -19,7 +19,8 @@ from optuna.distributions import FloatDistribution
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
-from hpo.trial.folders import remove_unneeded_artifacts, study_folder_name
+from hpo.study.kept_models import remove_unneeded_artifacts
+from hpo.trial.folders import study_folder_name
 from storage.artifacts import (
     ArtifactStore,
     FileBackend,

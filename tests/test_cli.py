@@ -240,7 +240,7 @@ def test_the_command_line_asks_by_a_typed_request_that_check_inputs_only_checks(
     from hpo.cli.parser import build_parser
     from hpo.commands import run
     from hpo.commands.requests import RetrainRequest, RunRequest
-    from hpo.trial import process, worker_copy
+    from hpo.trial import fork_start, worker_copy
 
     config = write_config(tmp_path / "c.yaml", tiny_config(*easy_data))
     url = f"sqlite:///{tmp_path / 'r.db'}"
@@ -258,8 +258,8 @@ def test_the_command_line_asks_by_a_typed_request_that_check_inputs_only_checks(
 
     started: list[tuple] = []
     monkeypatch.setattr(worker_copy, "use_nvml_for_cuda_checks", lambda: None)
-    monkeypatch.setattr(process, "prepare_fork_server", lambda user_function: 7)
-    monkeypatch.setattr(process, "start_fork_server", lambda *given: started.append(given))
+    monkeypatch.setattr(fork_start, "prepare_fork_server", lambda user_function: 7)
+    monkeypatch.setattr(fork_start, "start_fork_server", lambda *given: started.append(given))
     checked = run.check_inputs(request)
     assert (checked.study, checked.config.study.n_trials, checked.gpus) == ("s", 3, [])
     assert checked.copy_worker and checked.native_threads == 7 and started == []

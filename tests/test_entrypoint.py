@@ -134,7 +134,7 @@ def test_a_training_function_s_space_may_have_conditions(tmp_path: Path) -> None
 def test_entrypoint_that_cannot_be_called_is_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, spec: str, said: str
 ) -> None:
-    from hpo.trial.entrypoint import load_entrypoint
+    from hpo.plugins.entrypoint import load_entrypoint
 
     monkeypatch.setattr(sys, "path", list(sys.path))  # load_entrypoint adds the folder
     monkeypatch.delitem(sys.modules, "user_fn", raising=False)
@@ -152,7 +152,7 @@ def test_entrypoint_that_cannot_be_called_is_one_line(
 def test_a_module_named_like_python_s_own_is_named_as_the_cause(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hpo.trial.entrypoint import load_entrypoint
+    from hpo.plugins.entrypoint import load_entrypoint
 
     monkeypatch.setattr(sys, "path", list(sys.path))
     (tmp_path / "os.py").write_text("def train(ctx):\n    return 1.0\n")
@@ -174,8 +174,8 @@ def test_a_nan_value_is_named_and_others_are_not() -> None:
 
 
 def test_report_and_return_values_are_checked() -> None:
-    from hpo.trial.context import ReportError, checked_metrics
-    from hpo.trial.entrypoint import TrainingFunctionError, _values
+    from hpo.plugins.context import ReportError, checked_metrics
+    from hpo.plugins.entrypoint import TrainingFunctionError, trial_values
 
     with pytest.raises(ReportError, match=r"no 'val_loss' among the metrics given \(loss, acc\)"):
         checked_metrics({"loss": 1.0, "acc": 0.5}, "val_loss", "ctx.report")
@@ -187,21 +187,23 @@ def test_report_and_return_values_are_checked() -> None:
 
     context: Any = Context()
     with pytest.raises(TrainingFunctionError, match="m:f returned list; expected a dict of"):
-        _values([0.1], context, ["val_loss"], "m:f")
+        trial_values([0.1], context, ["val_loss"], "m:f")
     with pytest.raises(TrainingFunctionError, match="returned None and never called ctx.report"):
-        _values(None, context, ["val_loss"], "m:f")
-    assert _values(0.25, context, ["val_loss"], "m:f") == [0.25]
+        trial_values(None, context, ["val_loss"], "m:f")
+    assert trial_values(0.25, context, ["val_loss"], "m:f") == [0.25]
     import numpy as np
     import torch
 
     for number in (np.float32(0.5), np.array(0.5), torch.tensor([0.5]), np.int64(0)):
-        assert _values(number, context, ["val_loss"], "m:f") == [float(number)]  # hostile F: np
+        assert trial_values(number, context, ["val_loss"], "m:f") == [
+            float(number)
+        ]  # hostile F: np
     with pytest.raises(TrainingFunctionError, match="m:f returned str_; expected a dict"):
-        _values(np.str_("0.5"), context, ["val_loss"], "m:f")
+        trial_values(np.str_("0.5"), context, ["val_loss"], "m:f")
     with pytest.raises(ReportError, match="metric 'val_loss' is bool np.True_; expected a number"):
         checked_metrics({"val_loss": np.bool_(True)}, "val_loss", "ctx.report")
     context.last_metrics = {"val_loss": 0.5, "accuracy": 0.9}
-    assert _values(None, context, ["val_loss", "accuracy"], "m:f") == [0.5, 0.9]
+    assert trial_values(None, context, ["val_loss", "accuracy"], "m:f") == [0.5, 0.9]
 
 
 def test_cli_refuses_a_missing_function_before_any_trial(tmp_path: Path) -> None:
@@ -513,7 +515,7 @@ class RecordingTrial:
 def context_for(trial: RecordingTrial, effective_batch_size: int, **training: Any) -> Any:
     import torch
 
-    from hpo.trial.context import TrainingContext
+    from hpo.plugins.context import TrainingContext
     from trainer.config import TrainingConfig
 
     return TrainingContext(
@@ -676,8 +678,8 @@ def test_every_example_config_loads_and_its_function_imports(
 
     from hpo.config.json_schema import config_schema
     from hpo.config.loader import load_config
-    from hpo.trial.entrypoint import load_entrypoint
-    from hpo.trial.plugins import load_plugin, load_user_code
+    from hpo.plugins.entrypoint import load_entrypoint
+    from hpo.plugins.loading import load_plugin, load_user_code
     from trainer.tasks import is_task_path
 
     monkeypatch.setattr(sys, "path", list(sys.path))

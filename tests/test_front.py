@@ -13,8 +13,9 @@ from optuna.study import StudyDirection
 
 from hpo.reports import status as report
 from hpo.reports.summary import summary_lines
-from hpo.trial.folders import prepare_trial_folder, remove_stale_checkpoints
-from hpo.trial.front import FrontRule, best_of, rule_for
+from hpo.study.front import FrontRule, best_of, rule_for
+from hpo.study.kept_models import remove_stale_checkpoints
+from hpo.trial.folders import prepare_trial_folder
 from trainer.config import DataConfig, TrainingConfig
 from trainer.data import TokenizedSplit
 from trainer.tasks import make_task

@@ -16,12 +16,8 @@ import pytest
 from optuna.trial import TrialState
 
 from hpo.cli.parser import build_parser
-from hpo.trial.folders import (
-    STUDY_MARKER,
-    prepare_trial_folder,
-    remove_stale_checkpoints,
-    study_folder_name,
-)
+from hpo.study.kept_models import remove_stale_checkpoints
+from hpo.trial.folders import STUDY_MARKER, prepare_trial_folder, study_folder_name
 from hpo.trial.protocol import FORK_SERVER_NAME, process_stopped
 from tests.conftest import (
     exit_code,

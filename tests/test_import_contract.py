@@ -49,6 +49,16 @@ BREAKS = {
         "from hpo.commands import run",
         "hpo's rooms, each importing only those below it",
     ),
+    "a plug-in reaching up into the trial machinery": (
+        "hpo/plugins/loading.py",
+        "from hpo.trial import process",
+        "hpo's rooms, each importing only those below it",
+    ),
+    "the trial machinery reaching up into the study's Pareto rule": (
+        "hpo/trial/folders.py",
+        "from hpo.study import front",
+        "hpo's rooms, each importing only those below it",
+    ),
     "the config reaching up into the study": (
         "hpo/config/loader.py",
         "from hpo.study import join",

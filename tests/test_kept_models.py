@@ -18,15 +18,14 @@ from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
 from hpo import live
-from hpo.study.trials import StudyTrials
-from hpo.trial.folders import (
+from hpo.study.kept_models import (
     holds_model,
     kept_models,
-    prepare_trial_folder,
     remove_stale_checkpoints,
     remove_unneeded_artifacts,
-    study_folder_name,
 )
+from hpo.study.trials import StudyTrials
+from hpo.trial.folders import prepare_trial_folder, study_folder_name
 from storage.artifacts import ArtifactStore, FileBackend
 from storage.engine import open_storage
 from storage.url import StorageURL

@@ -15,8 +15,8 @@ from optuna.trial import TrialState
 
 from hpo.config.loader import parse_config
 from hpo.errors import ConfigError
-from hpo.trial.folders import best_trials
-from hpo.trial.front import rule_for
+from hpo.study.front import rule_for
+from hpo.study.kept_models import best_trials
 from tests.conftest import tiny_config, write_config
 
 
@@ -115,7 +115,7 @@ def test_a_study_with_two_objectives_through_the_cli(
 
     assert hpo_main(["best", "--study", "two", "--storage", url, "--json"]) == 0
     front = json.loads(capsys.readouterr().out)
-    # hpo's front (hpo.trial.front), not Optuna's: throughput within the tolerance is noise.
+    # hpo's front (hpo.study.front), not Optuna's: throughput within the tolerance is noise.
     assert {t["number"] for t in front} == {t.number for t in best_trials(trials, rule_for(study))}
     assert all(len(t["values"]) == 2 for t in front)
     # The front's best models stay; the folders of the trials off the front are gone.

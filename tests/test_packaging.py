@@ -80,7 +80,7 @@ def test_every_shipped_module_serves_the_command_line() -> None:
     by_module = {name.removesuffix(".__init__"): path for name, path in files.items()}
     # Task modules are imported by name from the catalog (trainer.tasks.task_class), and the
     # fork server imports its preload list by name (hpo.trial.fork_server only there).
-    from hpo.trial.process import ENTRYPOINT_PRELOAD, PRELOAD, TRAINER_PRELOAD
+    from hpo.trial.fork_start import ENTRYPOINT_PRELOAD, PRELOAD, TRAINER_PRELOAD
     from trainer.tasks import TASKS
 
     by_name = [f"trainer.tasks.{t.module}" for t in TASKS.values()] + PRELOAD + ENTRYPOINT_PRELOAD

@@ -23,7 +23,8 @@ from hpo.config.schema import Config, ParamSpec, space_record
 from hpo.errors import HPOError
 from hpo.reports import model_card
 from hpo.study import retrain
-from hpo.trial.folders import prepare_trial_folder, remove_unneeded_folders, study_folder_name
+from hpo.study.kept_models import remove_unneeded_folders
+from hpo.trial.folders import prepare_trial_folder, study_folder_name
 from tests.conftest import (
     run_hpo,
     sigterm_once_training,

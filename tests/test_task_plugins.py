@@ -137,7 +137,7 @@ def not_a_class():
 
 
 def check_task(tmp_path: Path, spec: str, **study: Any) -> None:
-    from hpo.trial.plugins import check_task_class
+    from hpo.plugins.loading import check_task_class
 
     (tmp_path / "tasks_mod.py").write_text(TASKS)
     raw = plugin_config(tmp_path, task=spec, study=study or {"metric": "accuracy"})

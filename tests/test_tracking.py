@@ -590,10 +590,12 @@ def test_the_tracker_hears_a_trials_end_only_once_the_study_recorded_it(
     from hpo.study import loop
 
     ended: list[str] = []
-    monkeypatch.setattr(loop.tracking, "trial_ended", lambda trial, state, *a: ended.append(state))
     monkeypatch.setattr(loop, "_record_failure", lambda trial, e: None)
 
     class Trials:
+        # The worker's trackers, as run_trials hands them down: they hear each end.
+        observer = SimpleNamespace(trial_ended=lambda trial, state, *a: ended.append(state))
+
         def heartbeat(self, trial: Any) -> Any:
             return contextlib.nullcontext(SimpleNamespace(lost=threading.Event()))
 

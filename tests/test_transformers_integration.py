@@ -49,7 +49,7 @@ def context(
     should_stop: Callable[[], bool] = lambda: False,
     **training: Any,
 ) -> Any:
-    from hpo.trial.context import TrainingContext
+    from hpo.plugins.context import TrainingContext
     from trainer.config import TrainingConfig
 
     return TrainingContext(
@@ -232,7 +232,7 @@ def test_hyperparameter_search_names_the_scripts_functions_in_hpos_config(
     from hpo.commands.run import config_from
     from hpo.errors import ConfigError
     from hpo.integrations.transformers import hyperparameter_search, search_config
-    from hpo.trial.entrypoint import load_entrypoint
+    from hpo.plugins.entrypoint import load_entrypoint
 
     monkeypatch.syspath_prepend(str(EXAMPLE))
     import train_bert
@@ -328,7 +328,7 @@ def _sigterm_after_an_evaluation(url: str) -> None:
 def test_an_entrypoint_that_uses_the_trainer_has_it_preloaded() -> None:
     """The fork server of a worker whose training function imported transformers' Trainer
     loads it once (not again in each trial process); a plain PyTorch function's does not."""
-    from hpo.trial.process import ENTRYPOINT_PRELOAD, TRAINER_PRELOAD, entrypoint_preload
+    from hpo.trial.fork_start import ENTRYPOINT_PRELOAD, TRAINER_PRELOAD, entrypoint_preload
 
     assert entrypoint_preload({"torch", "optuna"}) == ENTRYPOINT_PRELOAD
     preload = entrypoint_preload({"torch", *TRAINER_PRELOAD})

@@ -410,3 +410,28 @@ def test_what_a_stopping_trial_sent_before_it_exited_is_recorded() -> None:
     read_last_words(worker_end, Exited(), trial, limit_s=30)  # type: ignore[arg-type]
     assert trial.attrs == {"checkpoint_s": 0.25, "checkpoint_error": None}
     assert time.monotonic() - started < 5  # an exited process is not waited for
+
+
+def test_a_trial_trained_in_the_worker_sends_its_evaluations_to_the_workers_observer() -> None:
+    """study.trial_isolation: none: the evaluations the training loop sends reach the worker's
+    trackers as a trial process's do over its pipe; the rest is the Optuna trial's own."""
+    from hpo.trial.objective import InWorkerTrial
+    from hpo.trial.training import EvaluationSender
+
+    heard: list[tuple[int, dict[str, object]]] = []
+
+    class Observer:
+        def evaluation(self, number: int, report: dict[str, object]) -> None:
+            heard.append((number, report))
+
+    study = optuna.create_study()
+    trial = study.ask()
+    in_worker = InWorkerTrial(trial, Observer())  # type: ignore[arg-type]
+    sender = EvaluationSender(in_worker, effective_batch_size=8, device="cpu")
+    assert sender.send is not None  # what a trial process's ChildTrial offers too
+    in_worker.send_evaluation({"index": 1, "samples": 8, "metrics": {"val_loss": 0.5}})
+    assert heard == [(trial.number, {"index": 1, "samples": 8, "metrics": {"val_loss": 0.5}})]
+    in_worker.set_user_attr("wall_s", 1.5)
+    in_worker.report(0.5, 1)
+    assert in_worker.study is study and trial.user_attrs == {"wall_s": 1.5}
+    assert study.trials[0].intermediate_values == {1: 0.5}

@@ -11,9 +11,9 @@ from typing import Any
 
 import optuna
 
+from hpo.plugins.protocols import TrialLike
 from hpo.stopping import Interrupted
 from hpo.trial.child import stop_reason, stop_requested
-from hpo.trial.protocol import TrialLike
 
 
 def report_until_pruned(trial: TrialLike, payload: dict[str, Any]) -> float:

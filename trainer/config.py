@@ -376,7 +376,7 @@ class TrainingConfig:
     seed: int = _doc("Seed for weights init, shuffling and dropout (the same for every trial).", 42)
     entrypoint: str | None = _doc(
         "Your own training function, `package.module:name`, called in each trial with a "
-        "context (hpo.trial.context.TrainingContext) instead of hpo's trainer; the module is "
+        "context (hpo.TrainingContext) instead of hpo's trainer; the module is "
         "imported with the config file's folder first on the path. The config then needs no "
         "model:, data: or task:, study.metric names a metric your function reports, and "
         "study.direction is required. null: hpo's own trainer."

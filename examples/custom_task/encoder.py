@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.model_factory import ModelRequest
+from hpo import ModelRequest
 
 
 class Encoder(nn.Module):

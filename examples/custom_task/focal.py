@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from trainer.tasks.sequence_classification import SequenceClassification
+from hpo import SequenceClassification
 
 
 class FocalLoss(SequenceClassification):

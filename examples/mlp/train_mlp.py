@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpo.trial.context import TrainingContext
+from hpo import TrainingContext
 
 EPOCHS = 12
 TRAIN_POINTS, VAL_POINTS = 2048, 512

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 def batch_size_command(args: argparse.Namespace) -> int:
-    from hpo.trial.plugins import load_user_code
+    from hpo.plugins.loading import load_user_code
     from trainer import device as dev
     from trainer.batch_finder import batch_key, find_physical_batch_size
     from trainer.model import check_model_config, load_tokenizer

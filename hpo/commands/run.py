@@ -152,12 +152,10 @@ def work_and_count(
     objective = Objective(
         config, inputs.data, inputs.storage_url, stop, batch_cache=cache, prepared=inputs.prepared
     )
-    tracking.start(config, study)  # its calls run in the background, never in the trials' way
     try:
         finished = run_trials(study, storage, objective, stop, queued_only, started=request.started)
     finally:
         live.stop()
-        tracking.stop(study)
         stop.interrupt_at_once = False
     return (stop.exit_code if stop.requested else 0), finished
 
@@ -204,7 +202,7 @@ def worker_inputs(checked: CheckedInputs) -> WorkerInputs:
     config, per_gpu = checked.config, checked.workers_per_gpu
     user_function = config.training.entrypoint is not None
     if checked.copy_worker:
-        from hpo.trial.process import start_fork_server
+        from hpo.trial.fork_start import start_fork_server
         from trainer.device import resolve_device
 
         start_fork_server(user_function, checked.native_threads)
@@ -298,8 +296,8 @@ def _load_user_code(config: Config, copy_worker: bool) -> int | None:
     set_optuna_verbosity(logging.getLogger().level)
     # The device first: `cuda` on a host without CUDA is reported before the data is prepared.
     resolve_device(config.training.device)
-    from hpo.trial.plugins import check_trial_processes_import, load_plugin, load_user_code
-    from hpo.trial.process import prepare_fork_server
+    from hpo.plugins.loading import check_trial_processes_import, load_plugin, load_user_code
+    from hpo.trial.fork_start import prepare_fork_server
 
     user_function = config.training.entrypoint is not None
     threads = prepare_fork_server(user_function) if copy_worker else None
@@ -308,7 +306,7 @@ def _load_user_code(config: Config, copy_worker: bool) -> int | None:
     load_user_code(config)  # metrics, task, model.factory: imported again in each trial process
     check_trial_processes_import(config)
     if config.training.entrypoint is not None:  # the user's function reads its own data
-        from hpo.trial.entrypoint import load_entrypoint
+        from hpo.plugins.entrypoint import load_entrypoint
 
         load_entrypoint(config.training.entrypoint, config.base_dir)  # one line if it cannot
     return threads

@@ -62,7 +62,7 @@ ObjectiveName = Literal[
 ]
 # What a study can optimise: the evaluation metrics, and a trial's training throughput.
 OBJECTIVE_DIRECTIONS: dict[str, Direction] = {**METRIC_DIRECTIONS, "samples_per_s": "maximize"}
-# study.throughput_tolerance: the run-to-run noise of samples/s is a few percent (hpo.trial.front).
+# study.throughput_tolerance: the run-to-run noise of samples/s is a few percent (hpo.study.front).
 DEFAULT_THROUGHPUT_TOLERANCE = 0.05
 MAX_SECONDS = 1e9  # about 31 years; a timer cannot wait 1e300 s
 MAX_ENQUEUED = 1000  # configurations in study.enqueue

@@ -40,7 +40,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_utils import BestRun, HPSearchBackend, default_compute_objective
 
 from hpo.errors import ConfigError
-from hpo.trial.context import TrainingContext
+from hpo.plugins.context import TrainingContext
 
 log = logging.getLogger(__name__)
 

@@ -22,12 +22,13 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpo import tracking
 from hpo.reports.text import best_values_text
+from hpo.study.front import best_of, rule_for
 from hpo.study.join import model_loader, trial_adapter
+from hpo.study.kept_models import best_trials as kept_best_trials
 from hpo.study.names import quoted_study_name
 from hpo.study.setup_record import setup_changes
 from hpo.study.trials import RETRY_ATTR, counted_trials
 from hpo.trial import folders as checkpoints
-from hpo.trial.front import rule_for
 from storage import heartbeats, study_queries
 from storage.engine import StudyStorage
 
@@ -118,7 +119,7 @@ def best_trials(
         best = _best_from_database(study, db)
     else:
         trials = study.get_trials(deepcopy=False) if trials is None else trials
-        best = checkpoints.best_trials(trials, rule_for(study))
+        best = kept_best_trials(trials, rule_for(study))
     return [_trial_summary(study, t) for t in best]
 
 
@@ -128,7 +129,7 @@ def _best_from_database(study: optuna.Study, db: Database) -> list[FrozenTrial]:
         best = _best_single(db.storage, db.study_id, directions[0])
         return [] if best is None else [best]
     values = study_queries.complete_values(db.storage.engine, db.study_id, len(directions))
-    front = checkpoints.best_of(sorted(values.items()), rule_for(study))
+    front = best_of(sorted(values.items()), rule_for(study))
     return [db.storage.rdb.get_trial(trial_id) for trial_id in front]
 
 

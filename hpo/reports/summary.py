@@ -10,10 +10,10 @@ from optuna.trial import FrozenTrial
 
 from hpo.numbers import number_text
 from hpo.reports import status as report
+from hpo.study.front import rule_for
+from hpo.study.kept_models import best_trials
 from hpo.study.loop import values_text
 from hpo.study.names import quoted_study_name
-from hpo.trial.folders import best_trials
-from hpo.trial.front import rule_for
 
 
 def summary_lines(study: optuna.Study, objectives: list[str]) -> list[str]:

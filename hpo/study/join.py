@@ -17,11 +17,11 @@ from hpo.config.schema import (
     space_record,
 )
 from hpo.errors import ConfigError
+from hpo.study.front import TOLERANCE_ATTR
 from hpo.study.names import check_no_lookalike
 from hpo.study.pruners import ExplainedPruner
 from hpo.study.sampling import build_pruner, build_sampler, experimental_features, tpe_group
 from hpo.study.setup_record import check_setup, setup_record
-from hpo.trial.front import TOLERANCE_ATTR
 from hpo.trial.protocol import ADAPTER_ATTR
 from storage.engine import StudyStorage
 from storage.tables import check_version
@@ -131,7 +131,7 @@ def open_study(
         _say_budget_change(storage, study_id, name, config.study.n_trials)
         # The budget of the latest worker to join, for `hpo status --watch` to know the end.
         storage.set_study_user_attr(study_id, "n_trials", config.study.n_trials)
-        # The Pareto front's tolerance of throughput noise (hpo.trial.front), the latest worker's.
+        # The Pareto front's tolerance of throughput noise (hpo.study.front), the latest worker's.
         storage.set_study_user_attr(study_id, TOLERANCE_ATTR, config.study.throughput_tolerance)
         # The grace period (how long a running trial's worker may be silent before it counts
         # as gone), for `hpo status`.

@@ -19,12 +19,12 @@ from optuna.trial import TrialState
 
 from hpo import live, tracking
 from hpo.stopping import HandBack, Interrupted, StopRequest, TakenOver
+from hpo.study.front import CHANCE_ATTR
 from hpo.study.join import QUEUED_BY_ATTR, liveness
 from hpo.study.pruners import ExplainedPruner
 from hpo.study.trials import StudyTrials, counted_trials, unsure_trials
 from hpo.trial import cpu_share
 from hpo.trial.folders import checkpoint_root, folder_name
-from hpo.trial.front import CHANCE_ATTR
 from hpo.trial.objective import Objective, worker_id
 from storage.artifacts import ArtifactStore
 from storage.engine import StudyStorage
@@ -76,6 +76,11 @@ def run_trials(
         # What is alive now (torch, transformers, the data) outlives every trial: frozen, so the
         # collection after each trial skips it (150 ms a trial otherwise).
         gc.freeze()
+    # The worker's trackers hear of its trials; their calls run in the background, never in
+    # the trials' way.
+    observer = tracking.start(objective.task.config, study)
+    objective.observe(observer)
+    trials.observer = observer
     try:
         with host as entry:
             objective.cpu_worker = entry
@@ -90,11 +95,12 @@ def run_trials(
         objective.close()
         if in_worker:
             gc.unfreeze()
+        observer.close(study)
 
 
 def _record_chance_level(study: optuna.Study, objective: Objective) -> None:
     """What guessing scores on the evaluation split: no trial at that level is on the Pareto
-    front (hpo.trial.front)."""
+    front (hpo.study.front)."""
     from trainer.tasks import make_task
 
     config, data = objective.task.config, objective.task.data
@@ -277,7 +283,7 @@ def run_trial(
             # The tracker hears each end once it stands: a trial another worker took over
             # meanwhile keeps that worker's record.
             if trials.tell(trial, TrialState.PRUNED):
-                tracking.trial_ended(trial, "pruned", reason)
+                trials.observer.trial_ended(trial, "pruned", reason)
                 _drop_state(checkpoints, trial)
             return
         except TakenOver:
@@ -300,17 +306,17 @@ def run_trial(
             if not (beat.lost.is_set() or isinstance(e, UpdateFinishedTrialError)):
                 _record_failure(trial, e)
             if trials.fail(trial, _error_text(e)):
-                tracking.trial_ended(trial, "failed", trial.user_attrs.get("fail_reason"))
+                trials.observer.trial_ended(trial, "failed", trial.user_attrs.get("fail_reason"))
             return
     not_a_value = nan_objectives(objective.task.config.study.objectives, value)
     if not_a_value:  # Optuna refuses NaN: the trial fails, saying which, and the worker goes on
         reason = f"the trial's value is NaN ({not_a_value}): nothing to compare it by"
         log.warning("trial %d failed: %s", trial.number, reason)
         if trials.fail(trial, reason):
-            tracking.trial_ended(trial, "failed", reason)
+            trials.observer.trial_ended(trial, "failed", reason)
         return
     if trials.tell(trial, TrialState.COMPLETE, value):
-        tracking.trial_ended(trial, "complete")
+        trials.observer.trial_ended(trial, "complete")
         _drop_state(checkpoints, trial)
         shown = values_text(objective.task.config.study.objectives, value)
         log.info("trial %d finished: %s", trial.number, shown)

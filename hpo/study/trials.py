@@ -20,14 +20,14 @@ import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import FrozenTrial, TrialState
 
-from hpo import tracking
-from hpo.study.retry import retry_trial
-from hpo.trial.folders import (
+from hpo.study.front import rule_for
+from hpo.study.kept_models import (
     remove_stale_checkpoints,
     remove_unneeded_artifacts,
     remove_unneeded_folders,
 )
-from hpo.trial.front import rule_for
+from hpo.study.retry import retry_trial
+from hpo.tracking.observer import NoObserver, TrialObserver
 from storage.artifacts import ArtifactStore, ArtifactStoreError
 from storage.engine import StudyStorage
 from storage.heartbeats import Heartbeats, HeartbeatThread, LastBeat
@@ -86,6 +86,8 @@ class StudyTrials:
         self._last_sweep: float | None = None
         self._cleanup: threading.Thread | None = None  # the artifact store's cleanup
         self._cleanup_due: ArtifactStore | None = None  # skipped: a cleanup was running
+        # Hears of the trials this worker hands back (run_trials gives it the worker's trackers).
+        self.observer: TrialObserver = NoObserver()
 
     def next_trial(self, checkpoints: Path | None = None) -> optuna.Trial | None:
         """A new (or queued) trial for this worker, or None when the study holds its budget.
@@ -251,7 +253,7 @@ class StudyTrials:
 
     def _queue_again(self, number: int, what: str) -> None:
         frozen = self._frozen(number)
-        tracking.trial_interrupted(frozen, str(frozen.user_attrs.get("fail_reason", what)))
+        self.observer.trial_interrupted(frozen, str(frozen.user_attrs.get("fail_reason", what)))
         retry = retry_trial(self.study, frozen, self.max_retries)
         if retry is not None:
             log.warning("trial %d %s; queued again as trial %d", number, what, retry)

@@ -4,8 +4,8 @@ trials' way: the worker only hands plain values to a background thread per track
 not be logged is said once per trial and recorded in the study (`hpo status` counts it); a
 tracker that is down, slow or refuses costs no training.
 
-One worker's tracking is module state, like hpo.live's progress line: `start` before its
-trials, `stop` after them; every other call does nothing while none is started."""
+A worker's trackers are one observer of its trials (hpo.tracking.observer): `start` makes it
+where the trials start, the worker hands it down, and `close` ends it after the trials."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from hpo.config.schema import Config, MlflowTrackingConfig
 from hpo.errors import ConfigError, HPOError
 from hpo.tracking.background import STUDY, BackgroundCalls
 from hpo.tracking.events import StudyStart, TrialEnd, TrialInterrupted, TrialStart
+from hpo.tracking.observer import NoObserver, TrialObserver
 from storage.url import mask_text
 
 log = logging.getLogger(__name__)
@@ -72,8 +73,18 @@ def asked(config: Config) -> list[str]:
     return [name for name in EXTRAS if getattr(tracking, name) is not None]
 
 
+def start(config: Config, study: optuna.Study) -> TrialObserver:
+    """The worker's observer of its trials: its trackers (tracking: in the config), the study's
+    run begun; one that does nothing when the config asks for none."""
+    if not asked(config):
+        return NoObserver()
+    tracking = Tracking(config, study.study_name)
+    tracking.submit(STUDY, "the study's run", "start_study", study_start(config, study))
+    return tracking
+
+
 class Tracking:
-    """One worker's trackers, each with its background thread."""
+    """One worker's trackers, each with its background thread: a TrialObserver."""
 
     def __init__(self, config: Config, study: str) -> None:
         self.trackers: list[tuple[BackgroundCalls, Any]] = []
@@ -105,77 +116,51 @@ class Tracking:
                 except Exception as e:  # the database's own trouble is said by its own code
                     log.debug("could not record trial %d's tracking gap: %s", number, e)
 
+    def close(self, study: optuna.Study | None) -> None:
+        """Let the last calls reach the trackers (a bounded wait), then record what is
+        missing."""
+        for calls, tracker in self.trackers:
+            calls.submit(STUDY, "closing", tracker.close)
+            calls.close(min(CLOSE_WAIT_S, calls.patience_s))
+        if study is not None:
+            self.record_missing(study)
 
-_active: Tracking | None = None
+    def trial_started(self, trial: optuna.Trial, params: dict[str, Any]) -> None:
+        first = trial.user_attrs.get("first_attempt", trial.number)
+        host = socket.gethostname()
+        worker = f"{host}:{os.getpid()}"
+        start = TrialStart(trial.number, int(first), dict(params), worker, host)
+        self.submit(trial.number, "its start", "start_trial", start)
 
+    def evaluation(self, number: int, report: dict[str, Any]) -> None:
+        """One evaluation, as hpo.trial.training sends it: `samples` trained so far and
+        `metrics`."""
+        samples = int(report.get("samples", 0))
+        self.samples[number] = samples
+        metrics = {k: float(v) for k, v in report.get("metrics", {}).items() if v is not None}
+        what = f"evaluation {report.get('index')}"
+        self.submit(number, what, "evaluation", number, samples, metrics)
 
-def start(config: Config, study: optuna.Study) -> None:
-    global _active
-    if not asked(config):
-        return
-    _active = Tracking(config, study.study_name)
-    _active.submit(STUDY, "the study's run", "start_study", study_start(config, study))
+    def trial_ended(self, trial: optuna.Trial, state: str, reason: str | None = None) -> None:
+        """The trial's end (complete, pruned or failed), with what it recorded about itself."""
+        attrs = trial.user_attrs
+        derived: dict[str, Any] = {key: attrs[key] for key in DERIVED if key in attrs}
+        final = {k: float(attrs[k]) for k in FINAL if isinstance(attrs.get(k), int | float)}
+        best = attrs.get("best_model_uri") or (
+            attrs.get("best_model") if state == "complete" else None
+        )
+        samples = self.samples.pop(trial.number, 0)
+        reason = mask_text(reason) if reason else None
+        end = TrialEnd(trial.number, state, reason, samples, final, derived, best)
+        self.submit(trial.number, "its end", "end_trial", end)
+        self.record_missing(trial.study)
 
-
-def stop(study: optuna.Study | None) -> None:
-    """Let the last calls reach the trackers (a bounded wait), then record what is missing."""
-    global _active
-    if _active is None:
-        return
-    tracking, _active = _active, None
-    for calls, tracker in tracking.trackers:
-        calls.submit(STUDY, "closing", tracker.close)
-        calls.close(min(CLOSE_WAIT_S, calls.patience_s))
-    if study is not None:
-        tracking.record_missing(study)
-
-
-def trial_started(trial: optuna.Trial, params: dict[str, Any]) -> None:
-    if _active is None:
-        return
-    first = trial.user_attrs.get("first_attempt", trial.number)
-    host = socket.gethostname()
-    worker = f"{host}:{os.getpid()}"
-    start = TrialStart(trial.number, int(first), dict(params), worker, host)
-    _active.submit(trial.number, "its start", "start_trial", start)
-
-
-def evaluation(number: int, report: dict[str, Any]) -> None:
-    """One evaluation, as hpo.trial.training sends it: `samples` trained so far and `metrics`."""
-    if _active is None:
-        return
-    samples = int(report.get("samples", 0))
-    _active.samples[number] = samples
-    metrics = {k: float(v) for k, v in report.get("metrics", {}).items() if v is not None}
-    _active.submit(
-        number, f"evaluation {report.get('index')}", "evaluation", number, samples, metrics
-    )
-
-
-def trial_ended(trial: optuna.Trial, state: str, reason: str | None = None) -> None:
-    """The trial's end (complete, pruned or failed), with what it recorded about itself."""
-    if _active is None:
-        return
-    attrs = trial.user_attrs
-    derived: dict[str, Any] = {key: attrs[key] for key in DERIVED if key in attrs}
-    final = {key: float(attrs[key]) for key in FINAL if isinstance(attrs.get(key), int | float)}
-    best = attrs.get("best_model_uri") or (attrs.get("best_model") if state == "complete" else None)
-    samples = _active.samples.pop(trial.number, 0)
-    end = TrialEnd(
-        trial.number, state, mask_text(reason) if reason else None, samples, final, derived, best
-    )
-    _active.submit(trial.number, "its end", "end_trial", end)
-    _active.record_missing(trial.study)
-
-
-def trial_interrupted(trial: FrozenTrial, reason: str) -> None:
-    """A trial failed for a reason not its own and handed back (this worker was stopped, or
-    another worker died with it): its run ends KILLED until a retry goes on with it."""
-    if _active is None:
-        return
-    first = int(trial.user_attrs.get("first_attempt", trial.number))
-    interrupted = TrialInterrupted(trial.number, first, mask_text(reason))
-    _active.submit(trial.number, "its interruption", "interrupt_trial", interrupted)
+    def trial_interrupted(self, trial: FrozenTrial, reason: str) -> None:
+        """A trial failed for a reason not its own and handed back (this worker was stopped, or
+        another worker died with it): its run ends KILLED until a retry goes on with it."""
+        first = int(trial.user_attrs.get("first_attempt", trial.number))
+        interrupted = TrialInterrupted(trial.number, first, mask_text(reason))
+        self.submit(trial.number, "its interruption", "interrupt_trial", interrupted)
 
 
 def missing_trials(study_attrs: dict[str, Any]) -> dict[int, str]:

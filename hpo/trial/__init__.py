@@ -1,2 +1,3 @@
-"""One trial's life: its task and parameters, the objective, the trial process, its checkpoint
-folders and uploads."""
+"""One trial's life: its task and parameters, the objective, the trial process (started by
+fork_start, watched by process_watch), its checkpoint folders and uploads. The user's code it
+runs is hpo.plugins'."""

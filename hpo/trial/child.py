@@ -42,17 +42,31 @@ from hpo.trial.protocol import (
 log = logging.getLogger(__name__)
 
 
-# Why this trial process was asked to stop, once it was: a SIGTERM (from its worker, or from the
-# kernel when its fork server died), its worker gone, or its worker no longer answering.
-_stop_reason: list[str] = []
-# The pid of this process's parent, the fork server. A SIGTERM that comes once the parent has
-# died is the kernel's notice (PR_SET_PDEATHSIG), not a stop from the worker.
-_parent_pid: list[int] = []
-# Whether the trial process has begun training, so that a stop would checkpoint. Until then
-# (batch search, model build: many seconds on a GPU) a SIGTERM ends it at once: nothing is lost.
-_training: list[bool] = []
-# Set by the trial through `replace_after_this_trial`: this process ends after the trial.
-_replace_after_trial: list[str] = []
+@dataclasses.dataclass
+class _ProcessState:
+    """What this trial process knows of its own state, written by its signal handler, its
+    watch of the worker and the trial, read by the training loop."""
+
+    # Why this trial process was asked to stop, once it was (the first reason): a SIGTERM (from
+    # its worker, or from the kernel when its fork server died), its worker gone, or its
+    # worker no longer answering.
+    stop_reason: str | None = None
+    # The pid of this process's parent, the fork server. A SIGTERM that comes once the parent
+    # has died is the kernel's notice (PR_SET_PDEATHSIG), not a stop from the worker.
+    parent_pid: int | None = None
+    # Whether the trial process has begun training, so that a stop would checkpoint. Until then
+    # (batch search, model build: many seconds on a GPU) a SIGTERM ends it at once: nothing is
+    # lost.
+    training: bool = False
+    # Set by the trial through `replace_after_this_trial`: this process ends after the trial.
+    replace_reason: str | None = None
+
+    def ask_to_stop(self, reason: str) -> None:
+        if self.stop_reason is None:
+            self.stop_reason = reason
+
+
+_state = _ProcessState()
 # Two threads write to the pipe to the worker: the trial's, and the one that watches the worker
 # (it sends PAUSED); one message at a time.
 _sending = threading.Lock()
@@ -66,25 +80,25 @@ def stop_requested() -> bool:
     """In a trial process: whether to checkpoint and stop at the next optimizer step. The
     training loop first asks before its first step, so the first question also says that
     training runs."""
-    if not _training:
-        _training.append(True)
-    return bool(_stop_reason)
+    _state.training = True
+    return _state.stop_reason is not None
 
 
 def stop_reason() -> str:
     """Why this trial process was asked to stop: SIGTERM (its worker), or `orphaned` (its fork
     server died and the kernel sent the notice)."""
-    return _stop_reason[0] if _stop_reason else "SIGTERM"
+    return _state.stop_reason or "SIGTERM"
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    _stop(ORPHANED if _parent_pid and os.getppid() != _parent_pid[0] else "SIGTERM")
+    orphaned = _state.parent_pid is not None and os.getppid() != _state.parent_pid
+    _stop(ORPHANED if orphaned else "SIGTERM")
 
 
 def _stop(reason: str) -> None:
     """Checkpoint and stop at the next optimizer step; before training, exit at once."""
-    _stop_reason.append(reason)
-    if not _training:
+    _state.ask_to_stop(reason)
+    if not _state.training:
         os._exit(EXIT_STOPPED_BEFORE_TRAINING)  # nothing to save; the worker hands it back
 
 
@@ -124,7 +138,7 @@ class ChildTrial:
         try:
             return self._conn.recv()
         except (EOFError, OSError):
-            _stop_reason.append("the worker stopped listening")
+            _state.ask_to_stop("the worker stopped listening")
             raise WorkerStoppedListening(request[0]) from None
 
     def should_prune(self) -> bool:
@@ -133,18 +147,18 @@ class ChildTrial:
         try:
             return bool(self._conn.recv())
         except (EOFError, OSError):
-            _stop_reason.append("the worker stopped listening")
+            _state.ask_to_stop("the worker stopped listening")
             return False
 
     def _send(self, message: tuple[Any, ...], while_stopping: bool = False) -> bool:
-        if _stop_reason and not while_stopping:
+        if _state.stop_reason is not None and not while_stopping:
             return False
         try:
             with _sending:
                 self._conn.send(message)
             return True
         except OSError:  # BrokenPipeError: the worker is gone or stopping this trial
-            _stop_reason.append("the worker stopped listening")
+            _state.ask_to_stop("the worker stopped listening")
             return False
 
 
@@ -163,7 +177,7 @@ def child_main(
     name_this_process(TRIAL_PROCESS_NAME)
     if worker_stderr:
         _write_where_the_worker_writes(conn)
-    _parent_pid.append(os.getppid())
+    _state.parent_pid = os.getppid()
     signal.signal(signal.SIGTERM, _on_sigterm)
     _stop_when_orphaned()
     # What a trial starts stays below this process, to be ended with the trial (leftovers.py).
@@ -195,20 +209,20 @@ def child_main(
         outcome = _run_target(target, trial, payload)
         _undo_process_changes(folder)
         leftovers.end_what_the_trial_left(number)
-        staying = outcome[0] in ("complete", "pruned") and not _stop_reason
-        staying = staying and not _replace_after_trial
+        staying = outcome[0] in ("complete", "pruned") and _state.stop_reason is None
+        staying = staying and _state.replace_reason is None
         try:
             with _sending:
                 conn.send(("outcome", outcome, staying))
         except OSError:
             return  # the worker stopped listening: it is handing this trial back
-        _training.clear()  # idle: a SIGTERM now ends this process at once
+        _state.training = False  # idle: a SIGTERM now ends this process at once
         # The memory check runs while the worker records the trial; a process that grew
         # exits, and the worker starts a new one for its next trial.
         if not staying or not memory.fit():
             conn.close()
             return
-        _stop_reason.clear()
+        _state.stop_reason = None
 
 
 def _write_where_the_worker_writes(conn: Connection) -> None:
@@ -263,7 +277,7 @@ def replace_after_this_trial(reason: str) -> None:
     """In a trial process: end this process after the current trial (its next trial starts
     in a new one): after an OOM at batch 1 or a CUDA error, the device's state is suspect."""
     log.info("the trial process will be replaced after this trial: %s", reason)
-    _replace_after_trial.append(reason)
+    _state.replace_reason = reason
 
 
 class _MemoryWatch:
@@ -328,8 +342,8 @@ def _stop_when_orphaned() -> None:
         return
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-    if os.getppid() != _parent_pid[0]:  # orphaned before the line above took effect
-        _stop_reason.append(ORPHANED)
+    if os.getppid() != _state.parent_pid:  # orphaned before the line above took effect
+        _state.ask_to_stop(ORPHANED)
 
 
 def _watch_worker(worker_pid: int, conn: Connection) -> None:

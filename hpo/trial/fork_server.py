@@ -1,4 +1,4 @@
-"""Imported by the fork server alone (the last module it preloads, see process.py): it exits at
+"""Imported by the fork server alone (the last module it preloads, see fork_start.py): it exits at
 once when its worker has gone, instead of tearing down the torch and transformers it loaded.
 
 The fork server only forks trial processes (each of which ends with os._exit, never through

@@ -18,17 +18,18 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 
-from hpo import tracking
 from hpo.config.schema import Config, StudyConfig
 from hpo.logs import worker_label
 from hpo.stopping import Interrupted, StopRequest, TrialTimedOut
+from hpo.tracking.observer import NoObserver, TrialObserver
 from hpo.trial.folders import (
     checkpoint_root,
     folder_name,
     prepare_trial_folder,
     study_folder_name,
 )
-from hpo.trial.process import TrialLimits, TrialProcess, fork_server_preload
+from hpo.trial.fork_start import fork_server_preload
+from hpo.trial.process import TrialLimits, TrialProcess
 from hpo.trial.protocol import TrialTarget, TrialValue
 from hpo.trial.search_space import Sampler
 from hpo.trial.task import TrialTask, batch_cache_for, remember_worker_cache
@@ -72,7 +73,7 @@ class Objective:
         # a benchmark's): only such trials share the host's cores when they run on the CPU.
         self.trains = target is None
         if target is None and config.training.entrypoint is not None:
-            from hpo.trial.entrypoint import train_with_entrypoint  # the user's own function
+            from hpo.trial.own_function import train_with_entrypoint  # the user's own function
 
             target = train_with_entrypoint
         elif target is None:
@@ -91,6 +92,12 @@ class Objective:
         self.trial_process = TrialProcess(
             self.target, self.task, stop, _limits(config.study), BatchCacheRequests(cache), preload
         )
+        self.observer: TrialObserver = NoObserver()
+
+    def observe(self, observer: TrialObserver) -> None:
+        """Tell `observer` (the worker's trackers) of each trial: its start and evaluations."""
+        self.observer = observer
+        self.trial_process.observer = observer
 
     def __call__(
         self, trial: optuna.Trial, taken_over: threading.Event | None = None
@@ -112,7 +119,7 @@ class Objective:
             "full_data": bool(trial.user_attrs.get("full_data")),
             "cpu_worker": self.cpu_worker,
         }
-        tracking.trial_started(trial, changes["params"])
+        self.observer.trial_started(trial, changes["params"])
         if study_config.checkpoints:
             changes["checkpoint_dir"] = _trial_folder(self.task.config, trial)
             changes["study_name"] = trial.study.study_name
@@ -122,7 +129,8 @@ class Objective:
             if study_config.trial_isolation == "process":
                 return self.trial_process.run(trial, changes, taken_over)
             try:
-                return self.target(trial, dataclasses.replace(self.task, **changes))
+                in_worker = InWorkerTrial(trial, self.observer)
+                return self.target(in_worker, dataclasses.replace(self.task, **changes))
             finally:
                 self.undo_process_changes()  # the user's code trained in this process
         except TrialTimedOut as e:
@@ -171,6 +179,35 @@ class Objective:
     def mark_interrupted(trial: optuna.Trial, signal_name: str) -> None:
         trial.set_user_attr("interrupted", signal_name)
         trial.set_user_attr("fail_reason", f"interrupted: the worker got {signal_name}")
+
+
+class InWorkerTrial:
+    """An optuna.Trial trained in the worker itself (study.trial_isolation: none): its
+    evaluations go to the worker's observer, as a trial process's come over its pipe
+    (ChildTrial.send_evaluation); everything else is the trial's own."""
+
+    def __init__(self, trial: optuna.Trial, observer: TrialObserver) -> None:
+        self.trial = trial
+        self.observer = observer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.trial, name)
+
+    @property
+    def number(self) -> int:
+        return self.trial.number
+
+    def set_user_attr(self, key: str, value: Any) -> None:
+        self.trial.set_user_attr(key, value)
+
+    def report(self, value: float, step: int) -> None:
+        self.trial.report(value, step)
+
+    def should_prune(self) -> bool:
+        return self.trial.should_prune()
+
+    def send_evaluation(self, report: dict[str, Any]) -> None:
+        self.observer.evaluation(self.trial.number, report)
 
 
 def _created_at(trial: optuna.Trial) -> float:

@@ -1,7 +1,8 @@
 """The worker's side of a trial process: run a trial in a child process, so that a crash, a CUDA
 error or leaked memory ends with the trial and not with the worker, and relay the child's
 reports and pruning questions to the study as they happen. The child's side is child.py, what
-the two say to each other protocol.py.
+the two say to each other protocol.py, how one starts fork_start.py and is watched
+process_watch.py.
 """
 
 from __future__ import annotations
@@ -9,27 +10,23 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import multiprocessing
 import os
-import signal
-import sys
 import threading
 import time
-from collections.abc import Container, Iterator
 from dataclasses import dataclass, field
-from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
-from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import send_handle
 from typing import Any, Protocol
 
 import optuna
 
-from hpo import live, tracking
+from hpo import live
 from hpo.stopping import HandBack, Interrupted, StopRequest, TakenOver, TrialTimedOut
-from hpo.trial import leftovers, worker_copy
+from hpo.tracking.observer import NoObserver, TrialObserver
 from hpo.trial.child import child_main
+from hpo.trial.fork_start import PRELOAD, mp_context, sigint_blocked
+from hpo.trial.process_watch import ProcessWatch
 from hpo.trial.protocol import (
     ASK,
     EXIT_STOPPED_BEFORE_TRAINING,
@@ -42,8 +39,6 @@ from hpo.trial.protocol import (
     TrialValue,
     WorkerRequests,
     describe_exit,
-    exited,
-    process_stopped,
 )
 
 log = logging.getLogger(__name__)
@@ -58,28 +53,6 @@ PAUSE_SETTLE_S = 5.0
 
 class _JobNotTaken(Exception):
     """The kept trial process ended before it took the trial (it died while idle)."""
-
-
-# Imported once by the fork server: a trial process then starts in milliseconds, not seconds.
-# transformers.modeling_utils is what every model class of transformers imports (with
-# torch._dynamo, seconds of CPU): loaded here, not again in each new trial process. None of
-# them initialises CUDA, which must happen in the trial process itself. The last one makes the
-# fork server exit without the interpreter's slow teardown (see fork_server.py).
-PRELOAD = [
-    "torch",
-    "transformers",
-    "transformers.modeling_utils",
-    "optuna",
-    "hpo.trial.objective",
-    "hpo.trial.fork_server",
-]
-# A user's training function (training.entrypoint) needs no transformers: its trial process
-# starts seconds sooner without them (its own imports happen in its first trial).
-ENTRYPOINT_PRELOAD = ["torch", "optuna", "hpo.trial.entrypoint", "hpo.trial.fork_server"]
-# ...unless the user's module uses transformers' Trainer (the worker imported the module to
-# check it): then loaded once here, not again in each trial (seconds of CPU each).
-TRAINER_PRELOAD = ["transformers", "transformers.trainer", "hpo.integrations.transformers"]
-_context: ForkServerContext | None = None
 
 
 @dataclass(frozen=True)
@@ -122,9 +95,10 @@ class TrialProcess:
         self.limits = limits
         self.requests = requests
         self.started = 0  # processes started, for logs and tests
+        self.observer: TrialObserver = NoObserver()  # hears the trial's evaluations
         self._process: BaseProcess | None = None
         self._conn: Connection | None = None
-        self._watch: _ProcessWatch | None = None
+        self._watch: ProcessWatch | None = None
 
     def run(
         self,
@@ -144,7 +118,9 @@ class TrialProcess:
                 started = self.started
                 conn, watch = self._send_job(("run", trial.number, changes))
                 try:
-                    message = _relay(trial, conn, watch, self.stop, watchers, self.requests)
+                    message = _relay(
+                        trial, conn, watch, self.stop, watchers, self.requests, self.observer
+                    )
                     break
                 except _JobNotTaken:
                     if self.started != started:
@@ -204,7 +180,7 @@ class TrialProcess:
         self._process = self._conn = self._watch = None
         atexit.unregister(self.close)
 
-    def _send_job(self, job: tuple[Any, ...]) -> tuple[Connection, _ProcessWatch]:
+    def _send_job(self, job: tuple[Any, ...]) -> tuple[Connection, ProcessWatch]:
         if self._watch is not None and self._watch.wait(0):
             self.close()  # it died while idle (the OOM killer, a stray signal): a new one
         if self._conn is not None and self._watch is not None:
@@ -218,8 +194,8 @@ class TrialProcess:
             conn.send(job)
         return conn, watch
 
-    def _start(self) -> tuple[Connection, _ProcessWatch]:
-        context = _mp_context(self.preload)
+    def _start(self) -> tuple[Connection, ProcessWatch]:
+        context = mp_context(self.preload)
         parent_conn, child_conn = context.Pipe()
         stderr = _stderr_open()
         process = context.Process(
@@ -235,7 +211,7 @@ class TrialProcess:
             name="hpo-trial-process",
         )
         try:
-            with _sigint_blocked():
+            with sigint_blocked():
                 process.start()
             if stderr:  # where the process writes: this worker's stderr now (child.py)
                 with contextlib.suppress(OSError):  # died at once: _relay finds the pipe closed
@@ -248,7 +224,7 @@ class TrialProcess:
         finally:
             child_conn.close()
         self.started += 1
-        self._process, self._conn, self._watch = process, parent_conn, _ProcessWatch(process)
+        self._process, self._conn, self._watch = process, parent_conn, ProcessWatch(process)
         # Before multiprocessing's own exit hook, which would wait for an idle child forever.
         atexit.register(self.close)
         return parent_conn, self._watch
@@ -301,7 +277,7 @@ class _Watchers:
                 "plus study.stop_timeout (stuck loading its data or model, or searching its batch)"
             )
 
-    def check_stopped(self, watch: _ProcessWatch) -> None:
+    def check_stopped(self, watch: ProcessWatch) -> None:
         """A trial process stopped by someone else (not paused along with its worker): past the
         limit it is killed (a stopped process cannot checkpoint) and its trial handed back, to
         resume from its last checkpoint."""
@@ -326,13 +302,14 @@ class _Watchers:
 def _relay(
     trial: optuna.Trial,
     conn: Connection,
-    watch: _ProcessWatch,
+    watch: ProcessWatch,
     stop: StopRequest,
     watchers: _Watchers,
     requests: WorkerRequests | None = None,
+    observer: TrialObserver | None = None,
 ) -> tuple[Any, ...] | None:
-    """Pass the child's calls on to the trial until it sends ("outcome", outcome, staying);
-    None if it died first."""
+    """Pass the child's calls on to the trial (its evaluations to `observer`) until it sends
+    ("outcome", outcome, staying); None if it died first."""
     paused = False  # the child said it stops itself, because this worker was stopped
     paused_at = 0.0
     taken = False  # the child took the job: if it dies from now on, the trial fails with it
@@ -375,7 +352,7 @@ def _relay(
         if message[0] == "progress":
             watchers.training()
         try:
-            outcome = _pass_on(trial, conn, stop, message)
+            outcome = _pass_on(trial, conn, stop, message, observer)
         except optuna.exceptions.UpdateFinishedTrialError as e:
             raise TakenOver() from e  # another worker failed the trial while this one slept
         if outcome is not None:
@@ -398,7 +375,11 @@ def _answer(
 
 
 def _pass_on(
-    trial: optuna.Trial, conn: Connection, stop: StopRequest, message: tuple[Any, ...]
+    trial: optuna.Trial,
+    conn: Connection,
+    stop: StopRequest,
+    message: tuple[Any, ...],
+    observer: TrialObserver | None = None,
 ) -> tuple[Any, ...] | None:
     """One call of the child on the trial; returns the child's outcome once it sends it."""
     kind = message[0]
@@ -409,7 +390,8 @@ def _pass_on(
     elif kind == "progress":
         live.trial_progress(trial.number, message[1])
     elif kind == "evaluation":
-        tracking.evaluation(trial.number, message[1])
+        if observer is not None:
+            observer.evaluation(trial.number, message[1])
     elif kind == "should_prune":
         with contextlib.suppress(OSError):  # it died asking: the next read says so
             conn.send(trial.should_prune())
@@ -489,149 +471,9 @@ def read_last_words(conn: Connection, watch: _Exits, trial: optuna.Trial, limit_
                 conn.send(reply)
 
 
-class _ProcessWatch:
-    """Waits for, stops and kills the trial process by its own pid. multiprocessing's join()
-    hears of the exit from the fork server; a signal to the whole process group (Slurm, systemd,
-    `timeout`) kills the fork server too, and join() then returns at once while the trial
-    process trains on, orphaned, holding its GPU memory (seen in CI: the worker exited and its
-    trial process went on for 20 s). A pidfd follows the process itself, and no reused pid."""
-
-    def __init__(self, process: BaseProcess) -> None:
-        self.process = process
-        self.pidfd: int | None = None
-        if hasattr(os, "pidfd_open") and process.pid is not None:
-            try:
-                self.pidfd = os.pidfd_open(process.pid)
-            except ProcessLookupError:
-                pass  # already gone
-            except OSError:
-                self.pidfd = None  # no pidfds (old kernel, seccomp): multiprocessing's view
-
-    def wait(self, timeout_s: float) -> bool:
-        """Whether the process has exited within `timeout_s`."""
-        if self.pidfd is None:
-            self.process.join(timeout=timeout_s)
-            return not self.process.is_alive()
-        return exited(self.pidfd, timeout_s)
-
-    def ask_to_stop(self) -> None:
-        """SIGTERM: it checkpoints at the next optimizer step and exits."""
-        if not self.wait(0):
-            self._signal(signal.SIGTERM)
-            self._signal(signal.SIGCONT)  # a paused process acts on SIGTERM only then
-
-    def end(self, stop_timeout_s: float) -> None:
-        """A process still running is asked to stop (see ask_to_stop), then killed after the
-        timeout."""
-        try:
-            if not self.wait(0):
-                self.ask_to_stop()
-                if not self.wait(stop_timeout_s):
-                    log.warning(
-                        "trial process %s ignored SIGTERM for %.0f s; killing it",
-                        self.process.pid,
-                        stop_timeout_s,
-                    )
-                    self._kill_with_what_it_started(stop_timeout_s)
-            self.process.join(timeout=1)  # multiprocessing's own record of the exit
-        finally:
-            if self.pidfd is not None:
-                os.close(self.pidfd)
-                self.pidfd = None
-
-    def stopped(self) -> bool:
-        """Whether the process is stopped (SIGSTOP): it paused itself with its worker."""
-        return self.process.pid is not None and process_stopped(self.process.pid)
-
-    def resume(self) -> None:
-        self._signal(signal.SIGCONT)
-
-    def kill(self) -> None:
-        """At once, with no chance to checkpoint."""
-        if not self.wait(0):
-            self._kill_with_what_it_started(POLL_S * 10)
-
-    def _kill_with_what_it_started(self, wait_s: float) -> None:
-        """SIGKILL, then what the process had started (its trial's children, which it can no
-        longer end itself: leftovers.py) is ended too."""
-        left = leftovers.Snapshot.below(self.process.pid) if self.process.pid else None
-        self._signal(signal.SIGKILL)
-        self.wait(wait_s)
-        ended = left.end() if left is not None else 0
-        if ended:
-            log.warning(
-                "the killed trial process %s left %d process%s running; ended %s",
-                self.process.pid,
-                ended,
-                "" if ended == 1 else "es",
-                "it" if ended == 1 else "them",
-            )
-
-    def _signal(self, signum: int) -> None:
-        if self.pidfd is None:
-            self.process.kill() if signum == signal.SIGKILL else self.process.terminate()
-            return
-        try:
-            signal.pidfd_send_signal(self.pidfd, signum)
-        except ProcessLookupError:
-            pass  # exited in the meantime
-
-
 def _stderr_open() -> bool:
     try:
         os.fstat(STDERR_FD)
     except OSError:
         return False  # started with it closed (`2>&-`): the process keeps its fork server's
     return True
-
-
-@contextlib.contextmanager
-def _sigint_blocked() -> Iterator[None]:
-    """SIGINT held back (not lost) while a trial process starts. A fork server started here
-    inherits the blocked signal and keeps it blocked: a Ctrl-C while it imports torch would
-    otherwise print its KeyboardInterrupt traceback (it ignores SIGINT only once ready).
-    multiprocessing's resource tracker unblocks SIGINT after it starts: it starts first."""
-    resource_tracker.ensure_running()
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-
-
-def entrypoint_preload(modules: Container[str] = sys.modules) -> list[str]:
-    """What the fork server of a worker running a user's training function preloads
-    (`modules`: those loaded in the worker)."""
-    loaded = [name for name in TRAINER_PRELOAD if name in modules]
-    return [*ENTRYPOINT_PRELOAD[:-1], *loaded, ENTRYPOINT_PRELOAD[-1]]
-
-
-def fork_server_preload(user_function: bool) -> list[str]:
-    """What the fork server preloads for hpo's own training, or a user's function."""
-    return entrypoint_preload() if user_function else PRELOAD
-
-
-def prepare_fork_server(user_function: bool) -> int:
-    """For a worker that runs its trial processes, before it loads the user's modules: what the
-    fork server preloads imported here; returns the native threads running then (see
-    start_fork_server)."""
-    return worker_copy.import_preload(fork_server_preload(user_function))
-
-
-def start_fork_server(user_function: bool, native_threads_before: int | None = None) -> bool:
-    """For a worker that runs its trial processes, once its inputs are checked and before it
-    prepares the data, opens the study or starts a thread: the fork server as a copy of the
-    worker (worker_copy.py; True), else started afresh with the first trial process (False).
-    `native_threads_before`: prepare_fork_server's count, before the user's modules ran."""
-    _mp_context(fork_server_preload(user_function))  # what a server started afresh preloads
-    return worker_copy.start_as_copy(native_threads_before)
-
-
-def _mp_context(preload: list[str]) -> ForkServerContext:
-    """The fork server, started with the first trial process (what it preloads then stays)."""
-    global _context
-    if _context is None:
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(preload)
-        _context = context
-    return _context

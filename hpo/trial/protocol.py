@@ -1,6 +1,5 @@
-"""What passes between a worker and its trial process: the messages' kinds, what training code may
-ask of a trial (TrialLike), how each side sees the other gone or stopped, and the errors each
-side raises then.
+"""What passes between a worker and its trial process: the messages' kinds, how each side sees
+the other gone or stopped, and the errors each side raises then.
 """
 
 from __future__ import annotations
@@ -12,6 +11,8 @@ import signal
 import sys
 from collections.abc import Callable
 from typing import Any, Protocol
+
+from hpo.plugins.protocols import TrialLike
 
 # A trial's (and, for trials of hpo before 0.1's per-trial record, a study's) record of the
 # LoRA adapter it trained: {method, base_model}, or None for full fine-tuning.
@@ -36,19 +37,6 @@ class WorkerRequests(Protocol):
     def end_trial(self) -> None:
         """Release what the trial's requests took (it ended, whatever way)."""
         ...
-
-
-class TrialLike(Protocol):
-    """What training code needs of a trial; an optuna.Trial, or ChildTrial inside the child."""
-
-    @property
-    def number(self) -> int: ...
-
-    def set_user_attr(self, key: str, value: Any) -> None: ...
-
-    def report(self, value: float, step: int) -> None: ...
-
-    def should_prune(self) -> bool: ...
 
 
 # A trial's value: one number, or one per objective of a study with several.

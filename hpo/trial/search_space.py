@@ -16,8 +16,8 @@ import optuna
 from hpo.config.param_checks import function_params
 from hpo.config.schema import Config
 from hpo.config.space import ParamSpec, applies, sampling_order
+from hpo.plugins.loading import load_plugin, record_failure
 from hpo.stopping import Interrupted, StopRequest
-from hpo.trial.plugins import load_plugin, record_failure
 
 SpaceFunction = Callable[[optuna.Trial], Any]
 

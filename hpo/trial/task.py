@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from hpo.config.schema import Config
 from hpo.config.search_paths import with_params
+from hpo.plugins.protocols import TrialLike
 from hpo.trial.child import ChildTrial
-from hpo.trial.protocol import TrialLike
 from storage.artifacts import ArtifactTarget
 from storage.batch_cache import BatchSizeCache, RelayedBatchCache
 from storage.engine import create_engine

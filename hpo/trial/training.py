@@ -13,15 +13,16 @@ from typing import Any, NoReturn
 
 import optuna
 
-from hpo import live, tracking
+from hpo import live
 from hpo.config.schema import Config
 from hpo.config.search_paths import with_params
+from hpo.plugins.loading import first_user_frame, load_plugin, load_user_code, record_failure
+from hpo.plugins.protocols import TrialLike
 from hpo.stopping import Interrupted, TrialTimedOut
 from hpo.trial import cpu_share
 from hpo.trial.child import replace_after_this_trial, stop_reason, stop_requested
 from hpo.trial.folders import trial_folder_maker
-from hpo.trial.plugins import first_user_frame, load_plugin, load_user_code, record_failure
-from hpo.trial.protocol import ADAPTER_ATTR, TrialLike, TrialValue
+from hpo.trial.protocol import ADAPTER_ATTR, TrialValue
 from hpo.trial.task import TrialTask, batch_cache, data_for
 from hpo.trial.uploads import BackgroundUploader, fetch_resume_state
 from storage.artifacts import ArtifactStore, ArtifactStoreError
@@ -403,8 +404,6 @@ class EvaluationSender:
         }
         if self.send is not None:
             self.send(report)
-        else:
-            tracking.evaluation(self.number, report)
 
 
 def pruning_reporter(

@@ -229,7 +229,7 @@ def _serve(listener_fd: int, alive_r: int, alive_w: int) -> None:
         _forget_nvml_for_cuda_checks()  # trial processes ask torch's own check
         name_this_process(FORK_SERVER_NAME)
         _default_signal_handlers()
-        # SIGINT stays blocked, as in a server started afresh (see process._sigint_blocked);
+        # SIGINT stays blocked, as in a server started afresh (see fork_start.sigint_blocked);
         # SIGALRM, blocked for the fork, is the user's again in trial processes.
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGALRM})
         # The worker's objects are never collected here (a finalizer of one might act for it).

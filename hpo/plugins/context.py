@@ -15,7 +15,7 @@ import numpy as np
 import optuna
 import torch
 
-from hpo.trial.protocol import TrialLike
+from hpo.plugins.protocols import TrialLike
 from trainer.batch_finder import BatchSearch, search_step
 from trainer.checkpoint import CheckpointStore
 from trainer.config import TrainingConfig

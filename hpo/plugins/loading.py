@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpo.errors import ConfigError
-from hpo.trial.protocol import TrialLike
+from hpo.plugins.protocols import TrialLike
 
 if TYPE_CHECKING:
     from hpo.config.schema import Config

@@ -1,22 +1,22 @@
-"""A user's own training function (`training.entrypoint: package.module:name`): imported and checked
-before any trial, then called in each trial with a TrainingContext, and how it ended turned into
-Optuna's terms (complete, pruned, stopped to resume, failed with the user's traceback kept).
+"""A trial that calls the user's training function (`training.entrypoint`) with a
+TrainingContext, and how it ended turned into Optuna's terms (complete, pruned, stopped to
+resume, failed with the user's traceback kept).
 """
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import optuna
 
+from hpo.plugins.context import ReportError, TrainingContext
+from hpo.plugins.entrypoint import TrainingFunctionError, load_entrypoint, trial_values
+from hpo.plugins.loading import record_failure
+from hpo.plugins.protocols import TrialLike
 from hpo.stopping import Interrupted, TrialTimedOut
-from hpo.trial.context import ReportError, TrainingContext, checked_metrics, number_of
 from hpo.trial.folders import trial_folder_maker
-from hpo.trial.plugins import load_plugin, record_failure
-from hpo.trial.protocol import TrialLike, TrialValue
+from hpo.trial.protocol import TrialValue
 from hpo.trial.task import TrialTask
 from hpo.trial.training import (
     TrainingClock,
@@ -31,20 +31,6 @@ from hpo.trial.training import (
 )
 from trainer import device as dev
 from trainer.checkpoint import CheckpointStore, job_fingerprint
-
-log = logging.getLogger(__name__)
-
-TrainingFunction = Callable[[TrainingContext], Any]
-
-
-class TrainingFunctionError(Exception):
-    """The user's training function raised, or returned what cannot be the trial's value."""
-
-
-def load_entrypoint(spec: str, base_dir: str) -> TrainingFunction:
-    """The function `spec` names (`package.module:name`); one line (ConfigError) when the
-    module does not import, lacks the name, or the name is not callable."""
-    return load_plugin(spec, base_dir, "training.entrypoint")
 
 
 def train_with_entrypoint(trial: TrialLike, task: TrialTask) -> TrialValue:
@@ -71,7 +57,7 @@ def train_with_entrypoint(trial: TrialLike, task: TrialTask) -> TrialValue:
             if store is not None:
                 hand_over(trial, task, store, uploader)
             raise_stopped(clock)
-        values = _values(returned, context, config.study.objectives, spec)
+        values = trial_values(returned, context, config.study.objectives, spec)
     except optuna.TrialPruned:
         give_up_uploads(uploader, task)
         raise
@@ -142,44 +128,6 @@ def _context(
         _prunes=len(config.study.objectives) == 1,
     )
     return context
-
-
-def _values(
-    returned: Any, context: TrainingContext, objectives: list[str], spec: str
-) -> list[float]:
-    """The trial's value of each objective: from the metrics the function returned, or (it
-    returned None) from its last ctx.report."""
-    metric = objectives[0]
-    if returned is None:
-        if context.last_metrics is None:
-            example = f"{{{metric!r}: value}}"
-            raise TrainingFunctionError(
-                f"{spec} returned None and never called ctx.report: "
-                f"return the metrics, e.g. {example}"
-            )
-        metrics = context.last_metrics
-    elif (number := number_of(returned)) is not None:  # a numpy scalar, a 1-element tensor...
-        if len(objectives) > 1:
-            raise TrainingFunctionError(
-                f"{spec} returned a number; with several objectives "
-                f"return a dict with {', '.join(objectives)}"
-            )
-        metrics = {metric: number}
-    elif isinstance(returned, dict):
-        metrics = checked_metrics(returned, metric, f"the dict {spec} returned")
-    else:
-        raise TrainingFunctionError(
-            f"{spec} returned {type(returned).__name__}; expected a dict of metrics with "
-            f"{metric!r}, a number, or None (the last ctx.report counts)"
-        )
-    missing = [name for name in objectives if name not in metrics]
-    if missing:
-        raise TrainingFunctionError(
-            f"{spec}: no {', '.join(missing)} among the final metrics "
-            f"({', '.join(metrics)}); study.metric names them"
-        )
-    context.last_metrics = metrics
-    return [metrics[name] for name in objectives]
 
 
 def _record_failure(trial: TrialLike, spec: str, error: BaseException, started: float) -> None:

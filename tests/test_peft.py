@@ -7,6 +7,7 @@ import dataclasses
 import json
 import shutil
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -318,6 +319,30 @@ def test_the_batch_finder_keys_and_probes_the_adapted_model(
 # -- the config ------------------------------------------------------------------------------------
 
 
+# A metrics function that holds a trial in its first evaluation until its trial process is
+# asked to stop: the SIGTERM then lands in training, wherever the machine's speed would have put
+# it (a trial of 64 tiny steps had finished training before the signal in 1 run of 10).
+STOP_IN_TRAINING_METRICS = """
+import os, pathlib, time
+
+from hpo.trial.child import stop_requested
+
+calls = 0
+
+
+def metrics(logits, labels):
+    global calls
+    calls += 1
+    held = os.environ.get("HPO_TEST_HELD_FILE")
+    if held and calls == 1:
+        pathlib.Path(held).write_text("held")
+        deadline = time.monotonic() + 120
+        while not stop_requested() and time.monotonic() < deadline:
+            time.sleep(0.02)
+    return {"evaluations_seen": float(calls)}
+"""
+
+
 @pytest.mark.parametrize(
     ("peft", "message"),
     [
@@ -432,15 +457,23 @@ def test_a_lora_study_resumes_from_the_store_and_downloads_an_adapter_or_a_merge
             "artifact_store": f"file://{store}",
             "checkpoint_dir": str(tmp_path / "host-a"),
         },
-        # 64 steps, an evaluation every 16: the SIGTERM after the first one lands in training
+        # 64 steps, an evaluation every 16: the first evaluation holds until the stop arrives
         training={"learning_rate": 2e-2},
     )
     raw["search_space"]["learning_rate"] = {"type": "categorical", "choices": [2e-2]}
+    raw["metrics"] = "holding_metrics:metrics"
+    (tmp_path / "holding_metrics.py").write_text(STOP_IN_TRAINING_METRICS, encoding="utf-8")
     config = write_config(tmp_path / "lora.yaml", raw)
     args = ("run", "--study", "lora", "--config", str(config), "--storage", url)
 
-    first = start_hpo(*args, cwd=tmp_path, own_group=True)
-    study = wait_until_training(url, "lora", [first], evaluations=1)
+    held = tmp_path / "held"
+    env = {"HPO_TEST_HELD_FILE": str(held)}
+    first = start_hpo(*args, cwd=tmp_path, env=env, own_group=True)
+    study = wait_until_training(url, "lora", [first])
+    deadline = time.monotonic() + 180
+    while not held.exists():
+        assert first.poll() is None and time.monotonic() < deadline, "never held in training"
+        time.sleep(0.05)
     first.send_signal(signal.SIGTERM)
     _, stderr = first.communicate(timeout=60)
     assert first.returncode == 0, stderr[-3000:]

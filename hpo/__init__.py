@@ -22,6 +22,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "run": "hpo.api",
     "open_study": "hpo.api",
+    "load_model": "hpo.api",
     "Study": "hpo.api",
     "Trial": "hpo.api",
     "RunResult": "hpo.api",
@@ -71,6 +72,7 @@ __all__ = [
     "TrainingFunction",
     "Trial",
     "__version__",
+    "load_model",
     "open_study",
     "run",
 ]
@@ -78,7 +80,7 @@ __all__ = [
 if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr__ below
     from typing import Any
 
-    from hpo.api import RunResult, Study, Trial, open_study, run
+    from hpo.api import RunResult, Study, Trial, load_model, open_study, run
     from hpo.errors import (
         ConfigError,
         DataError,

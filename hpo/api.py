@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from hpo.errors import ConfigError, HPOError
 
 if TYPE_CHECKING:
+    from hpo.commands.predict import Model
     from hpo.commands.requests import RunRequest
 
 log = logging.getLogger("hpo")
@@ -223,6 +224,16 @@ def open_study(name: str, storage: str | None = None) -> Study:
         _dispose(opened)
         raise
     return Study(study, opened, storage_url.masked)
+
+
+def load_model(
+    folder: str | os.PathLike[str], *, device: str = "auto", batch_size: int = 32
+) -> Model:
+    """A saved model (hpo retrain's, a trial's, a LoRA adapter, a soup) to predict with:
+    `.predict(rows)` (dicts with the training data's text columns), `.task`, `.labels`."""
+    from hpo.commands.predict import load_model as load
+
+    return load(folder, device=device, batch_size=batch_size)
 
 
 class Study:

@@ -5,6 +5,7 @@ the adapter's weights read and put back for checkpoints, and the checks a config
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -289,5 +290,8 @@ def merge_adapter(folder: Path, base: str, task: str, out: Path) -> None:
             "base model there on this host?"
         ) from e
     merged.save_pretrained(out)
+    for name in ("hpo_inference.json",):  # what hpo predict reads (trainer.inference)
+        if (folder / name).is_file():
+            shutil.copyfile(folder / name, out / name)
     if (folder / "tokenizer_config.json").is_file():
         AutoTokenizer.from_pretrained(folder).save_pretrained(out)

@@ -16,6 +16,7 @@ from hpo.cli.parser import build_parser
 from hpo.commands.batch_size import batch_size_command
 from hpo.commands.enqueue import enqueue_command
 from hpo.commands.monitor import monitor_command
+from hpo.commands.predict import PredictRequest, predict_command
 from hpo.commands.requests import RetrainRequest, RunRequest
 from hpo.commands.retrain import retrain_command
 from hpo.commands.run import (
@@ -68,6 +69,8 @@ def main(argv: Sequence[str] | None = None, own_process: bool = False) -> int:
             return enqueue_command(args)
         if args.command == "retrain":
             return retrain_command(retrain_request(args))
+        if args.command == "predict":
+            return predict_command(predict_request(args))
         if args.command == "config":
             return _config(args)
         return monitor_command(args)
@@ -119,6 +122,19 @@ def retrain_request(args: argparse.Namespace) -> RetrainRequest:
         full_data=args.full_data,
         register=args.register,
         as_worker=args.as_worker,
+    )
+
+
+def predict_request(args: argparse.Namespace) -> PredictRequest:
+    """The request of `hpo predict`'s flags."""
+    return PredictRequest(
+        model=args.model,
+        input=args.input,
+        out=args.out,
+        id_column=args.id_column,
+        batch_size=args.batch_size,
+        device=args.device,
+        quiet=args.quiet,
     )
 
 

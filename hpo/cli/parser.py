@@ -128,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_monitoring_commands(commands)
     _add_enqueue_command(commands)
     _add_retrain_command(commands)
+    _add_predict_command(commands)
     _add_config_command(commands)
     finder = commands.add_parser(
         "batch-size",
@@ -229,6 +230,47 @@ def _add_retrain_command(commands: argparse._SubParsersAction) -> None:
     # A worker of `--gpus` runs trials only; its launcher waits, picks and saves.
     retrain.add_argument("--as-worker", action="store_true", help=argparse.SUPPRESS)
     retrain.set_defaults(n_trials=None, timeout=None, trial_timeout=None, workers_per_gpu=None)
+
+
+def _add_predict_command(commands: argparse._SubParsersAction) -> None:
+    predict = commands.add_parser(
+        "predict",
+        allow_abbrev=False,
+        help="predict with a saved model: labels and probabilities, values or tags per word",
+        description="Run a saved model (a final model of hpo retrain, a trial's model from hpo "
+        "best --download, a LoRA adapter, a soup) on every row of a CSV or JSONL file shaped as "
+        "its training data (the text columns it was trained on; no labels needed). Rows are "
+        "read and written in batches, on the GPU when there is one; the predictions are written "
+        "beside --out and renamed in once whole. Causal LMs are refused: predict does not "
+        "generate text.",
+    )
+    predict.add_argument("--model", required=True, metavar="DIR", help="the model's folder")
+    predict.add_argument(
+        "--input", required=True, metavar="FILE", help="rows to predict: a .csv or .jsonl file"
+    )
+    predict.add_argument(
+        "--out",
+        required=True,
+        metavar="FILE",
+        help="where the predictions go: .csv or .jsonl (the suffix picks the format)",
+    )
+    predict.add_argument(
+        "--id-column",
+        default=None,
+        metavar="NAME",
+        help="the input's column written beside each prediction (default: the row's number, "
+        "from 1, in a column `row`)",
+    )
+    predict.add_argument(
+        "--batch-size",
+        type=functools.partial(_count, "--batch-size", 65_536),
+        default=32,
+        metavar="N",
+        help="rows per forward pass (default 32)",
+    )
+    predict.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
+    predict.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
+    predict.add_argument("--quiet", action="store_true", help="print nothing when done")
 
 
 def _count(flag: str, most: int, text: str) -> int:

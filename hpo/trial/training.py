@@ -37,6 +37,7 @@ from trainer.batch_finder import (
 from trainer.checkpoint import CheckpointStore
 from trainer.config import TrainJob
 from trainer.data import PreparedData, with_eval_in_training
+from trainer.inference import job_settings, save_settings
 from trainer.loop import Evaluation, TrainResult, grad_accum_steps_for, train
 from trainer.memory import OutOfMemoryAtBatchOne
 from trainer.model import load_tokenizer
@@ -302,6 +303,7 @@ def _record_checkpoints(
     job = with_params(task.config, task.params)  # the trial's model choice
     tokenizer = task_class(job.task).tokenizer_to_save(load_tokenizer(job.model, job.task))
     if has_model and store.save_tokenizer(tokenizer):
+        save_settings(store.best_model_path, job_settings(job))  # what hpo predict reads
         trial.set_user_attr("best_model", str(store.best_model_path))
     if uploader is not None and not _completes(result):
         give_up_uploads(uploader, task)  # pruned: its model is never the best

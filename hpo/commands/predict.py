@@ -1,0 +1,303 @@
+"""`hpo predict` and `hpo.load_model`: a saved model (a final model of hpo retrain, a kept trial's
+model, a LoRA adapter, a soup) answers the rows of a CSV or JSONL file in the training data's
+shape. The file is read and the answers written in chunks (memory bounded on any number of
+rows); the answers go to a file beside --out, renamed in at the end: never half a file.
+The forward itself is trainer.inference's.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import csv
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from hpo.errors import DataError, HPOError
+
+if TYPE_CHECKING:
+    from trainer.inference import Predictor
+
+log = logging.getLogger("hpo")
+
+SUFFIXES = (".csv", ".jsonl")
+ROW_ID = "row"  # the id column without --id-column: the row's number, from 1
+CHUNK_BATCHES = 8  # batches read at once: sorted by length within them, so they pad little
+_CSV_FIELD_LIMIT = 2**31 - 1  # a CSV field may be a whole document
+
+
+@dataclass(frozen=True)
+class PredictRequest:
+    """`hpo predict --model DIR --input FILE --out FILE`."""
+
+    model: str
+    input: str
+    out: str
+    id_column: str | None = None
+    batch_size: int = 32
+    device: str = "auto"
+    quiet: bool = False
+
+
+class Model:
+    """A saved model, loaded: `predict(rows)` answers each row (a dict holding the text columns
+    its training data had) with a dict: `label` and `probabilities` (a classifier), `labels` over
+    the threshold and `probabilities` (multi-label), `value` (regression), `tags` and `scores`,
+    one per word (token classification).
+
+        model = hpo.load_model("hpo-final-demo")
+        model.predict([{"text": "a lovely meal"}])  # [{"label": "pos", "probabilities": ...}]
+    """
+
+    def __init__(self, predictor: Predictor) -> None:
+        self._predictor = predictor
+
+    @property
+    def task(self) -> str:
+        """The model's task: sequence_classification, multi_label_classification, regression
+        or token_classification."""
+        return self._predictor.settings.task
+
+    @property
+    def labels(self) -> list[str]:
+        """The names of its outputs in id order (classes, tags); [] for regression."""
+        return list(self._predictor.labels)
+
+    @property
+    def columns(self) -> list[str]:
+        """The columns each row must hold: the text column (and the pair's)."""
+        return self._predictor.settings.columns
+
+    def predict(self, rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each row's prediction, in the rows' order (in batches: any number of rows)."""
+        return list(predict_rows(self._predictor, rows))
+
+    def __repr__(self) -> str:
+        return f"<hpo model {self._predictor.folder} ({self.task}, {len(self.labels)} labels)>"
+
+
+def load_model(
+    folder: str | os.PathLike[str], *, device: str = "auto", batch_size: int = 32, flag: str = ""
+) -> Model:
+    """The model saved in `folder`; HPOError (ModelError) in one line when it is none. `flag`:
+    how messages name `folder` (--model)."""
+    from trainer.device import resolve_device
+    from trainer.inference import Predictor
+
+    where = Path(folder)
+    named = f"{flag} {where}" if flag else f"model folder {where}"
+    if not where.is_dir():
+        what = "is a file" if where.exists() else "does not exist"
+        raise HPOError(
+            f"{named} {what}; give the folder hpo retrain --out or hpo best --download wrote"
+        )
+    if batch_size < 1:
+        raise HPOError(f"batch_size {batch_size}: give a whole number of rows, at least 1")
+    return Model(Predictor(where, resolve_device(device, "--device"), batch_size))
+
+
+def predict_rows(predictor: Predictor, rows: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Each row's prediction, reading `rows` a chunk at a time (CHUNK_BATCHES batches): no more
+    than a chunk is held, however many rows come."""
+    chunk_rows = predictor.batch_size * CHUNK_BATCHES
+    source = iter(rows)
+    first = 1
+    while True:
+        chunk = [row for _, row in zip(range(chunk_rows), source, strict=False)]
+        if not chunk:
+            return
+        yield from predictor.predict(chunk, first_row=first)
+        first += len(chunk)
+
+
+def predict_command(request: PredictRequest) -> int:
+    """`hpo predict`: checks first (the files, then the model), then the rows streamed."""
+    source, out = Path(request.input), Path(request.out)
+    check_files(source, out)
+    started = time.perf_counter()
+    model = load_model(
+        request.model, device=request.device, batch_size=request.batch_size, flag="--model"
+    )
+    with _input_rows(source) as (columns, rows):
+        _check_columns(columns, model, request.id_column, source)
+        id_name = request.id_column or ROW_ID
+        count = _write_aside(out, _with_ids(rows, request.id_column), id_name, model)
+    seconds = time.perf_counter() - started
+    if not request.quiet:
+        print(f"hpo: {count} predictions of {model.task} in {out} ({seconds:.1f} s)")
+    return 0
+
+
+def check_files(source: Path, out: Path) -> None:
+    """--input a CSV or JSONL file that is there, --out one to write in a folder that is."""
+    if source.suffix.lower() not in SUFFIXES:
+        raise HPOError(f"--input {source}: unknown kind of file; give a .csv or .jsonl file")
+    if not source.is_file():
+        raise HPOError(f"--input {source}: no such file")
+    if out.suffix.lower() not in SUFFIXES:
+        raise HPOError(f"--out {out}: name a .csv or .jsonl file (its suffix picks the format)")
+    if not out.parent.is_dir():
+        raise HPOError(f"--out {out}: no such folder {str(out.parent)!r}; create it first")
+    if out.exists() and not out.is_file():
+        raise HPOError(f"--out {out}: exists and is not a file; name a file to write")
+    if out.exists() and out.resolve() == source.resolve():
+        raise HPOError(f"--out {out} is the --input file; name another file")
+
+
+# -- the input, a row at a time -----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _input_rows(source: Path) -> Iterator[tuple[list[str], Iterator[dict[str, Any]]]]:
+    """The file's column names (a CSV's header, a JSONL file's first object's keys) and its
+    rows, read as they are asked for."""
+    is_csv = source.suffix.lower() == ".csv"
+    with source.open(newline="" if is_csv else None, encoding="utf-8-sig") as handle:
+        if is_csv:
+            csv.field_size_limit(_CSV_FIELD_LIMIT)
+            reader = csv.DictReader(handle)
+            yield list(reader.fieldnames or []), _csv_rows(reader, source)
+        else:
+            rows = _jsonl_rows(handle, source)
+            first = next(rows, None)
+            columns = list(first) if first is not None else []
+            yield columns, _chained(first, rows)
+
+
+def _csv_rows(reader: csv.DictReader, source: Path) -> Iterator[dict[str, Any]]:
+    try:
+        yield from reader
+    except csv.Error as e:
+        raise DataError(f"cannot read {source}: {e} (line {reader.line_num})") from e
+
+
+def _jsonl_rows(handle: IO[str], source: Path) -> Iterator[dict[str, Any]]:
+    for number, line in enumerate(handle, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(
+                f"cannot read {source}: line {number} is not valid JSON ({e.msg}); a .jsonl "
+                "file holds one JSON object per line"
+            ) from e
+        if not isinstance(row, dict):
+            raise DataError(f"{source}: line {number} is not a JSON object; write one per row")
+        yield row
+
+
+def _chained(first: dict[str, Any] | None, rest: Iterator[dict[str, Any]]) -> Iterator[dict]:
+    if first is not None:
+        yield first
+        yield from rest
+
+
+def _check_columns(columns: list[str], model: Model, id_column: str | None, source: Path) -> None:
+    """The text columns the model reads (and --id-column) are in the file."""
+    has = ", ".join(repr(c) for c in columns) or "none"
+    for column in model.columns:
+        if column not in columns:
+            raise HPOError(
+                f"--input {source} has no column {column!r}, which the model reads its text "
+                f"from (the file's columns: {has}); rename that column, or give the file the "
+                "model was trained on's shape"
+            )
+    if id_column is not None and id_column not in columns:
+        raise HPOError(
+            f"--id-column {id_column!r}: no such column in {source} (its columns: {has})"
+        )
+
+
+def _with_ids(
+    rows: Iterator[dict[str, Any]], id_column: str | None
+) -> Iterator[tuple[Any, dict[str, Any]]]:
+    """(id, row) of each row: --id-column's value, else the row's number."""
+    for number, row in enumerate(rows, start=1):
+        yield (row.get(id_column) if id_column is not None else number), row
+
+
+# -- the output, written aside -------------------------------------------------------------------
+
+
+def _write_aside(
+    out: Path, rows: Iterator[tuple[Any, dict[str, Any]]], id_name: str, model: Model
+) -> int:
+    """Every row's prediction into a file beside `out`, renamed to `out` once whole; how many."""
+    try:
+        handle, aside = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    except OSError as e:
+        raise HPOError(f"--out {out}: cannot write there ({e.strerror or e})") from e
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8", newline="") as file:
+            count = _write_rows(file, out, rows, id_name, model)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(aside, 0o666 & ~umask)  # as any new file, not mkstemp's owner-only mode
+        os.replace(aside, out)
+    except OSError as e:
+        Path(aside).unlink(missing_ok=True)
+        raise HPOError(f"--out {out}: cannot write it ({e.strerror or e})") from e
+    except BaseException:  # a bad row, a stop: no half file stays
+        Path(aside).unlink(missing_ok=True)
+        raise
+    return count
+
+
+def _write_rows(
+    file: IO[str],
+    out: Path,
+    rows: Iterator[tuple[Any, dict[str, Any]]],
+    id_name: str,
+    model: Model,
+) -> int:
+    """Each row's id and prediction as a JSONL line or a CSV row; how many rows."""
+    predictor = model._predictor
+    ids: collections.deque[Any] = collections.deque()  # of the rows read, not yet answered
+
+    def texts() -> Iterator[dict[str, Any]]:
+        for row_id, row in rows:
+            ids.append(row_id)
+            yield row
+
+    writer: csv.DictWriter | None = None
+    count = 0
+    for answer in predict_rows(predictor, texts()):
+        row_id = ids.popleft()
+        count += 1
+        if id_name in answer:
+            raise HPOError(
+                f"--id-column {id_name!r}: the predictions have a column of that name; "
+                "rename the file's id column"
+            )
+        if out.suffix.lower() == ".jsonl":
+            file.write(json.dumps({id_name: row_id, **answer}, ensure_ascii=False) + "\n")
+            continue
+        flat = {id_name: row_id, **flat_answer(answer, predictor.settings.label_separator)}
+        if writer is None:
+            writer = csv.DictWriter(file, fieldnames=list(flat))
+            writer.writeheader()
+        writer.writerow(flat)
+    return count
+
+
+def flat_answer(answer: dict[str, Any], separator: str) -> dict[str, Any]:
+    """A prediction as one CSV row, in the training data's shape: probabilities as a column per
+    label (`probabilities.NAME`), labels joined by the label separator, tags by spaces."""
+    flat: dict[str, Any] = {}
+    for key, value in answer.items():
+        if isinstance(value, dict):
+            flat.update({f"{key}.{name}": v for name, v in value.items()})
+        elif isinstance(value, list):
+            joiner = separator if key == "labels" else " "
+            flat[key] = joiner.join("" if v is None else str(v) for v in value)
+        else:
+            flat[key] = value
+    return flat

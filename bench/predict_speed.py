@@ -15,6 +15,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,7 +30,7 @@ WORDS = "the meal was good bad lovely awful room felt quite really very today ou
 
 def save_model(folder: Path, max_length: int) -> None:
     """MiniLM with a fresh two-class head, as hpo saves a kept model."""
-    model = build_model(ModelConfig(name_or_path=MINILM), ["neg", "pos"], seed=0)
+    model: Any = build_model(ModelConfig(name_or_path=MINILM), ["neg", "pos"], seed=0)
     model.save_pretrained(folder)
     load_tokenizer(ModelConfig(name_or_path=MINILM)).save_pretrained(folder)
     save_settings(folder, InferenceSettings("sequence_classification", max_length=max_length))
@@ -63,7 +64,7 @@ def run_pipeline(model: Path, source: Path, out: Path, batch: int, device: str) 
     )
     with source.open(newline="", encoding="utf-8") as handle:
         rows = list(csv.DictReader(handle))
-    answers = classify([r["text"] for r in rows], batch_size=batch)
+    answers: Any = classify([r["text"] for r in rows], batch_size=batch)
     with out.open("w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
         writer.writerow(["id", "label", "probabilities.neg", "probabilities.pos"])

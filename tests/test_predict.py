@@ -344,3 +344,35 @@ def test_every_bad_input_is_one_line_and_writes_nothing(
     )
     assert "does not generate text" in refused(causal)
     assert not Path(out).exists() and not list(tmp_path.glob(".out.csv.*"))
+
+
+def test_a_final_model_without_settings_takes_the_threshold_of_its_card(tmp_path: Path) -> None:
+    folder = _save(tmp_path / "m", "multi_label_classification", ["a", "b"], threshold=0.5)
+    (folder / SETTINGS_FILE).unlink()
+    for threshold, labels in ((0.999, []), (0.001, ["a", "b"])):
+        card = {"task": "multi_label_classification", "training": {"threshold": threshold}}
+        (folder / "hpo_model_card.json").write_text(json.dumps(card))
+        answer = hpo.load_model(folder).predict([{"text": "good"}])[0]
+        assert answer["labels"] == labels, answer
+
+
+def test_a_pair_model_reads_both_text_columns(tmp_path: Path) -> None:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    folder = _save(tmp_path / "m", "sequence_classification", ["no", "yes"])
+    settings = InferenceSettings("sequence_classification", "premise", "hypothesis", 32)
+    save_settings(folder, settings)
+    model = hpo.load_model(folder)
+    assert model.columns == ["premise", "hypothesis"]
+    pairs = [("a man sleeps", "nobody sleeps"), ("the meal was good", "food")]
+    answers = model.predict([{"premise": p, "hypothesis": h} for p, h in pairs])
+    direct = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    with torch.no_grad():
+        logits = [
+            direct(**tokenizer(p, h, return_tensors="pt")).logits[0].numpy() for p, h in pairs
+        ]
+    got = [[a["probabilities"]["no"], a["probabilities"]["yes"]] for a in answers]
+    np.testing.assert_allclose(got, _softmax(np.stack(logits)), atol=1e-5)
+    with pytest.raises(hpo.DataError, match="row 1 has no text in column 'hypothesis'"):
+        model.predict([{"premise": "a man sleeps"}])

@@ -91,15 +91,23 @@ def read_settings(folder: Path) -> InferenceSettings:
         known = {k: v for k, v in saved.items() if k in InferenceSettings.__dataclass_fields__}
         settings = InferenceSettings(**known)
     else:
-        card = _json_file(folder / CARD_FILE)
-        task = card.get("task") if isinstance(card, dict) else None
-        threshold = (card.get("training") or {}).get("threshold") if isinstance(card, dict) else 0
-        settings = InferenceSettings(task=task if isinstance(task, str) else "")
-        if isinstance(threshold, float) and 0 < threshold < 1:
-            settings = InferenceSettings(task=settings.task, threshold=threshold)
+        settings = _card_settings(folder)
     if settings.task not in TASKS:  # none said, or a task class of the user's: its head's
         settings = InferenceSettings(**{**asdict(settings), "task": _task_of_head(folder)})
     return settings
+
+
+def _card_settings(folder: Path) -> InferenceSettings:
+    """What hpo retrain's model card says: the task and the multi-label threshold (the text
+    columns are not on it: `text`, the default, is assumed)."""
+    card = _json_file(folder / CARD_FILE)
+    card = card if isinstance(card, dict) else {}
+    task = card.get("task")
+    training = card.get("training")
+    threshold = training.get("threshold") if isinstance(training, dict) else None
+    if not (isinstance(threshold, float) and 0 < threshold < 1):
+        threshold = 0.5
+    return InferenceSettings(task=task if isinstance(task, str) else "", threshold=threshold)
 
 
 def _json_file(path: Path) -> Any:

@@ -155,7 +155,7 @@ def check_files(source: Path, out: Path) -> None:
 
 
 @contextlib.contextmanager
-def _input_rows(source: Path) -> Iterator[tuple[list[str], Iterator[dict[str, Any]]]]:
+def _input_rows(source: Path) -> Iterator[tuple[list[str] | None, Iterator[dict[str, Any]]]]:
     """The file's column names (a CSV's header, a JSONL file's first object's keys) and its
     rows, read as they are asked for."""
     is_csv = source.suffix.lower() == ".csv"
@@ -167,7 +167,7 @@ def _input_rows(source: Path) -> Iterator[tuple[list[str], Iterator[dict[str, An
         else:
             rows = _jsonl_rows(handle, source)
             first = next(rows, None)
-            columns = list(first) if first is not None else []
+            columns = list(first) if first is not None else None  # no rows: none to check
             yield columns, _chained(first, rows)
 
 
@@ -200,15 +200,20 @@ def _chained(first: dict[str, Any] | None, rest: Iterator[dict[str, Any]]) -> It
         yield from rest
 
 
-def _check_columns(columns: list[str], model: Model, id_column: str | None, source: Path) -> None:
-    """The text columns the model reads (and --id-column) are in the file."""
+def _check_columns(
+    columns: list[str] | None, model: Model, id_column: str | None, source: Path
+) -> None:
+    """The text columns the model reads (and --id-column) are in the file (None: a JSONL file
+    of no rows)."""
+    if columns is None:
+        return
     has = ", ".join(repr(c) for c in columns) or "none"
     for column in model.columns:
         if column not in columns:
             raise HPOError(
                 f"--input {source} has no column {column!r}, which the model reads its text "
-                f"from (the file's columns: {has}); rename that column, or give the file the "
-                "model was trained on's shape"
+                f"from (the file's columns: {has}); rename that column, or give rows shaped as "
+                "the model's training data"
             )
     if id_column is not None and id_column not in columns:
         raise HPOError(
@@ -285,6 +290,10 @@ def _write_rows(
             writer = csv.DictWriter(file, fieldnames=list(flat))
             writer.writeheader()
         writer.writerow(flat)
+    if (
+        writer is None and out.suffix.lower() == ".csv"
+    ):  # no rows: a CSV of no rows still has a header
+        csv.writer(file).writerow([id_name])
     return count
 
 

@@ -67,6 +67,7 @@ def _jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
 
 def _refused(hpo_main: Callable, capsys: pytest.CaptureFixture[str], *args: str) -> str:
     """hpo predict ARGS: exit code 2 and one line, nothing written."""
+    capsys.readouterr()  # what came before (a progress bar of saving a model)
     assert hpo_main(["predict", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("hpo: error: ") and "\n" not in err and "Traceback" not in err, err
@@ -285,7 +286,10 @@ def test_a_file_of_many_rows_is_streamed_in_order_and_written_whole(
     _jsonl(tmp_path / "bad.jsonl", [{"text": "good"}] * 300 + [{"txt": "x"}])
     bad = ["predict", "--model", str(folder), "--input", str(tmp_path / "bad.jsonl")]
     err = _refused(hpo_main, capsys, *bad[1:], "--out", str(out))
-    assert "row 301 has no text in column 'text'" in err
+    assert f"--input {tmp_path / 'bad.jsonl'}: row 301 has no text in column 'text'" in err
+    (tmp_path / "bad.jsonl").write_text('{"text": "good"}\n{"text": \n')
+    err = _refused(hpo_main, capsys, *bad[1:], "--out", str(out))
+    assert "bad.jsonl: line 2 is not valid JSON" in err
     assert sorted(p.name for p in tmp_path.iterdir() if "out" in p.name) == []
 
 

@@ -125,10 +125,13 @@ def predict_command(request: PredictRequest) -> int:
     model = load_model(
         request.model, device=request.device, batch_size=request.batch_size, flag="--model"
     )
-    with _input_rows(source) as (columns, rows):
-        _check_columns(columns, model, request.id_column, source)
-        id_name = request.id_column or ROW_ID
-        count = _write_aside(out, _with_ids(rows, request.id_column), id_name, model)
+    try:
+        with _input_rows(source) as (columns, rows):
+            _check_columns(columns, model, request.id_column, source)
+            id_name = request.id_column or ROW_ID
+            count = _write_aside(out, _with_ids(rows, request.id_column), id_name, model)
+    except DataError as e:  # a row that cannot be read or predicted: said with the file's name
+        raise DataError(f"--input {source}: {e}") from e
     seconds = time.perf_counter() - started
     if not request.quiet:
         print(f"hpo: {count} predictions of {model.task} in {out} ({seconds:.1f} s)")
@@ -163,22 +166,22 @@ def _input_rows(source: Path) -> Iterator[tuple[list[str] | None, Iterator[dict[
         if is_csv:
             csv.field_size_limit(_CSV_FIELD_LIMIT)
             reader = csv.DictReader(handle)
-            yield list(reader.fieldnames or []), _csv_rows(reader, source)
+            yield list(reader.fieldnames or []), _csv_rows(reader)
         else:
-            rows = _jsonl_rows(handle, source)
+            rows = _jsonl_rows(handle)
             first = next(rows, None)
             columns = list(first) if first is not None else None  # no rows: none to check
             yield columns, _chained(first, rows)
 
 
-def _csv_rows(reader: csv.DictReader, source: Path) -> Iterator[dict[str, Any]]:
+def _csv_rows(reader: csv.DictReader) -> Iterator[dict[str, Any]]:
     try:
         yield from reader
     except csv.Error as e:
-        raise DataError(f"cannot read {source}: {e} (line {reader.line_num})") from e
+        raise DataError(f"{e} (line {reader.line_num})") from e
 
 
-def _jsonl_rows(handle: IO[str], source: Path) -> Iterator[dict[str, Any]]:
+def _jsonl_rows(handle: IO[str]) -> Iterator[dict[str, Any]]:
     for number, line in enumerate(handle, start=1):
         if not line.strip():
             continue
@@ -186,11 +189,11 @@ def _jsonl_rows(handle: IO[str], source: Path) -> Iterator[dict[str, Any]]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(
-                f"cannot read {source}: line {number} is not valid JSON ({e.msg}); a .jsonl "
-                "file holds one JSON object per line"
+                f"line {number} is not valid JSON ({e.msg}); a .jsonl file holds one JSON "
+                "object per line"
             ) from e
         if not isinstance(row, dict):
-            raise DataError(f"{source}: line {number} is not a JSON object; write one per row")
+            raise DataError(f"line {number} is not a JSON object; write one per row")
         yield row
 
 
@@ -290,9 +293,7 @@ def _write_rows(
             writer = csv.DictWriter(file, fieldnames=list(flat))
             writer.writeheader()
         writer.writerow(flat)
-    if (
-        writer is None and out.suffix.lower() == ".csv"
-    ):  # no rows: a CSV of no rows still has a header
+    if writer is None and out.suffix.lower() == ".csv":  # no rows: still a CSV, with a header
         csv.writer(file).writerow([id_name])
     return count
 

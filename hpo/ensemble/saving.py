@@ -114,6 +114,12 @@ def _dump_meta_learner(model: StackedModel, path: Path) -> None:
     import skops.io
 
     skops.io.dump({"estimators": model.estimators, "params": model.params}, path)
+    refused = [t for t in skops.io.get_untrusted_types(file=path) if t not in TRUSTED_TYPES]
+    if refused:  # refused now, not when someone loads the folder
+        raise EnsembleError(
+            f"meta-learner {model.learner} holds types hpo would refuse to load "
+            f"({', '.join(refused[:3])}); choose another meta-learner"
+        )
 
 
 def load_ensemble(folder: Path) -> SavedEnsemble:

@@ -130,25 +130,19 @@ def evaluate_ensemble(
     members = list(evaluation.predictions)
     chosen = resolve_learners(task, learners)
     outputs = _num_outputs(task, evaluation)
-    fitted = {
-        lr.name: fit_stacked(
-            task,
-            lr,
-            evaluation.stack_features(members),
-            evaluation.labels,
-            metric,
-            members,
-            settings,
-            outputs,
-            seed,
+
+    def fit_on_evaluation(lr: Learner) -> StackedModel:
+        features = evaluation.stack_features(members)
+        return fit_stacked(
+            task, lr, features, evaluation.labels, metric, members, settings, outputs, seed
         )
-        for lr in chosen
-    }
+
     selection = greedy_selection(
         task, evaluation.predictions, evaluation.labels, metric, max_rounds
     )
     best = best_member(task, metric, evaluation.predictions, evaluation.labels)
     if test is not None:
+        fitted = {lr.name: fit_on_evaluation(lr) for lr in chosen}
         scores = _on_test(task, metric, test, members, fitted, selection, best)
         measured: MeasuredOn = "test_split"
         used_folds = None
@@ -157,12 +151,17 @@ def evaluate_ensemble(
             task, metric, evaluation, members, chosen, settings, folds, max_rounds, seed
         )
         measured, used_folds = "cross_validation", scores.pop("_folds")
+        fitted = {}
     stacking = {lr.name: float(scores[f"stack:{lr.name}"]) for lr in chosen}
     direction = direction_of(task, metric)
     best_learner = chosen[0].name
     for name, value in stacking.items():
         if is_better(value, stacking[best_learner], direction):
             best_learner = name
+    if best_learner not in fitted:  # cross-validation: only the best is fitted on every row
+        fitted[best_learner] = fit_on_evaluation(
+            next(lr for lr in chosen if lr.name == best_learner)
+        )
     report = EnsembleReport(
         task,
         metric,

@@ -31,6 +31,7 @@ from hpo.ensemble.stacking import (
     fold_splitter,
 )
 from hpo.ensemble.stacking import stack_features as _stack
+from trainer.metrics import Direction
 
 CV_FOLDS = 5
 MeasuredOn = Literal["test_split", "cross_validation"]
@@ -85,7 +86,10 @@ class EnsembleReport:
     @property
     def how_measured(self) -> str:
         if self.measured_on == "test_split":
-            return "on the test split (data.test_file), which no trial and no fit saw"
+            return (
+                "on the test split (data.test_file), which no trial and no fit saw; the "
+                "meta-learner was chosen by cross-validation on the evaluation split"
+            )
         return (
             f"by {self.folds}-fold cross-validation on the evaluation split: each fold scored "
             "by what was fitted on the other folds (no test_file given)"
@@ -153,11 +157,15 @@ def evaluate_ensemble(
         measured, used_folds = "cross_validation", scores.pop("_folds")
         fitted = {}
     stacking = {lr.name: float(scores[f"stack:{lr.name}"]) for lr in chosen}
-    direction = direction_of(task, metric)
-    best_learner = chosen[0].name
-    for name, value in stacking.items():
-        if is_better(value, stacking[best_learner], direction):
-            best_learner = name
+    chosen_by = stacking
+    if test is not None and len(chosen) > 1:
+        # The learner is chosen on the evaluation split (cross-validated), never on the test
+        # split: a choice made there would make the score it reports optimistic.
+        chosen_by = _cross_validated(
+            task, metric, evaluation, members, chosen, settings, folds, max_rounds, seed
+        )
+        chosen_by = {lr.name: float(chosen_by[f"stack:{lr.name}"]) for lr in chosen}
+    best_learner = _best_of(chosen_by, direction_of(task, metric))
     if best_learner not in fitted:  # cross-validation: only the best is fitted on every row
         fitted[best_learner] = fit_on_evaluation(
             next(lr for lr in chosen if lr.name == best_learner)
@@ -183,6 +191,15 @@ def evaluate_ensemble(
             f"member ({best}, {report.best_member_score:.4f}): the best member is the choice"
         )
     return report
+
+
+def _best_of(scores: Mapping[str, float], direction: Direction) -> str:
+    """The best-scoring name (the first of equals)."""
+    best = next(iter(scores))
+    for name, value in scores.items():
+        if is_better(value, scores[best], direction):
+            best = name
+    return best
 
 
 def _num_outputs(task: str, split: Split) -> int:

@@ -60,6 +60,11 @@ class DataConfig:
     label_column: str = _doc("Column with the label: strings or integers.", "label")
     train_split: str = _doc("Split to read when train_file is a saved DatasetDict.", "train")
     eval_split: str = _doc("Split to read when eval_file is a saved DatasetDict.", "validation")
+    test_file: str | None = _doc(
+        "Optional test data, same formats as eval_file: rows no trial ever reads, kept for "
+        "honest final scores (hpo ensemble scores every candidate there)."
+    )
+    test_split: str = _doc("Split to read when test_file is a saved DatasetDict.", "test")
     max_length: int = _doc("Tokens per example after truncation.", 128)
     label_separator: str = _doc(
         "multi_label_classification: what separates the labels in a CSV cell (JSONL and "

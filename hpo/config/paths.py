@@ -13,7 +13,7 @@ from storage.url import sqlite_file_relative_to
 
 def resolve_paths(config: Config, base_dir: Path, problems: list[str], paths_from: str) -> None:
     data = config.data
-    for key in ("train_file", "eval_file"):
+    for key in ("train_file", "eval_file", "test_file"):
         if not getattr(data, key):
             continue  # reported as required by DataConfig.problems
         resolved = resolved_path(base_dir, getattr(data, key))

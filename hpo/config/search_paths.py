@@ -107,7 +107,9 @@ NOT_SEARCHABLE = {
     "model.peft.target_modules": "a list of layer names tied to the model's family: the same "
     "for every trial",
     "model.tokenizer": "a file path; each model.name_or_path choice loads its own tokenizer",
-    **dict.fromkeys(("data.train_file", "data.eval_file", "data.cache_dir"), _FILE),
+    **dict.fromkeys(
+        ("data.train_file", "data.eval_file", "data.test_file", "data.cache_dir"), _FILE
+    ),
     **dict.fromkeys(
         (
             "data.text_column",
@@ -115,6 +117,7 @@ NOT_SEARCHABLE = {
             "data.label_column",
             "data.train_split",
             "data.eval_split",
+            "data.test_split",
             "data.label_separator",
             "data.prompt_column",
             "data.completion_column",

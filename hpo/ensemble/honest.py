@@ -1,0 +1,284 @@
+"""Honest scores for every candidate (the best member, soft voting, greedy selection, each
+stacked learner): on a test split no trial saw, or else by K-fold cross-validated predictions on
+the evaluation split, where whatever is fitted (a learner, a selection, the choice of the best
+member) is fitted on the other folds only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from hpo.ensemble.errors import EnsembleError
+from hpo.ensemble.learners import Learner, resolve_learners
+from hpo.ensemble.scoring import (
+    average,
+    check_predictions,
+    direction_of,
+    is_better,
+    metric_for,
+    score,
+)
+from hpo.ensemble.selection import DEFAULT_ROUNDS, Selection, best_member, greedy_selection
+from hpo.ensemble.stacking import (
+    PREDICTIONS,
+    FeatureSettings,
+    StackedModel,
+    fit_stacked,
+    fold_splitter,
+)
+from hpo.ensemble.stacking import stack_features as _stack
+from trainer.metrics import Direction
+
+CV_FOLDS = 5
+MeasuredOn = Literal["test_split", "cross_validation"]
+
+
+@dataclass(frozen=True)
+class Split:
+    """One split's rows: each member's predictions, the labels, and (optional) the stacking
+    features when they are not the predictions (embeddings)."""
+
+    predictions: Mapping[str, np.ndarray]
+    labels: np.ndarray
+    features: np.ndarray | None = None
+
+    def stack_features(self, members: Sequence[str]) -> np.ndarray:
+        return self.features if self.features is not None else _stack(self.predictions, members)
+
+
+@dataclass
+class EnsembleReport:
+    """What each candidate scores, and how it was measured; `choice` is what to save."""
+
+    task: str
+    metric: str
+    measured_on: MeasuredOn
+    folds: int | None
+    member_scores: dict[str, float]  # each member, as measured (no choice involved)
+    best_member: str  # chosen on the evaluation split
+    best_member_score: float
+    soft_voting_score: float
+    selection: Selection  # fitted on the whole evaluation split
+    selection_score: float
+    stacking_scores: dict[str, float]
+    best_learner: str | None
+    stacked: StackedModel | None = None  # the best learner, fitted on the whole evaluation split
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def stacked_score(self) -> float:
+        return self.stacking_scores[self.best_learner] if self.best_learner else float("nan")
+
+    @property
+    def stacking_beats_best_member(self) -> bool:
+        direction = direction_of(self.task, self.metric)
+        return is_better(self.stacked_score, self.best_member_score, direction)
+
+    @property
+    def choice(self) -> Literal["stacking", "best_member"]:
+        """Stacking when it beats the best member; else the best member is what to save."""
+        return "stacking" if self.stacking_beats_best_member else "best_member"
+
+    @property
+    def how_measured(self) -> str:
+        if self.measured_on == "test_split":
+            return (
+                "on the test split (data.test_file), which no trial and no fit saw; the "
+                "meta-learner was chosen by cross-validation on the evaluation split"
+            )
+        return (
+            f"by {self.folds}-fold cross-validation on the evaluation split: each fold scored "
+            "by what was fitted on the other folds (no test_file given)"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "task": self.task,
+            "metric": self.metric,
+            "measured_on": self.measured_on,
+            "folds": self.folds,
+            "how_measured": self.how_measured,
+            "member_scores": self.member_scores,
+            "best_member": {"name": self.best_member, "score": self.best_member_score},
+            "soft_voting": {"score": self.soft_voting_score},
+            "greedy_selection": {"score": self.selection_score, "weights": self.selection.weights},
+            "stacking": {
+                "scores": self.stacking_scores,
+                "best_learner": self.best_learner,
+                "params": self.stacked.params if self.stacked else [],
+                "beats_best_member": self.stacking_beats_best_member,
+            },
+            "choice": self.choice,
+            "notes": self.notes,
+        }
+
+
+def evaluate_ensemble(
+    task: str,
+    evaluation: Split,
+    test: Split | None = None,
+    metric: str | None = None,
+    learners: Sequence[str | Learner] | None = None,
+    settings: FeatureSettings = PREDICTIONS,
+    folds: int = CV_FOLDS,
+    max_rounds: int = DEFAULT_ROUNDS,
+    seed: int = 0,
+) -> EnsembleReport:
+    """Score every candidate honestly and fit the best learner on the whole evaluation split."""
+    metric = metric_for(task, metric)
+    check_predictions(task, evaluation.predictions, evaluation.labels, "evaluation")
+    members = list(evaluation.predictions)
+    chosen = resolve_learners(task, learners)
+    outputs = _num_outputs(task, evaluation)
+
+    def fit_on_evaluation(lr: Learner) -> StackedModel:
+        features = evaluation.stack_features(members)
+        return fit_stacked(
+            task, lr, features, evaluation.labels, metric, members, settings, outputs, seed
+        )
+
+    selection = greedy_selection(
+        task, evaluation.predictions, evaluation.labels, metric, max_rounds
+    )
+    best = best_member(task, metric, evaluation.predictions, evaluation.labels)
+    if test is not None:
+        fitted = {lr.name: fit_on_evaluation(lr) for lr in chosen}
+        scores = _on_test(task, metric, test, members, fitted, selection, best)
+        measured: MeasuredOn = "test_split"
+        used_folds = None
+    else:
+        scores = _cross_validated(
+            task, metric, evaluation, members, chosen, settings, folds, max_rounds, seed
+        )
+        measured, used_folds = "cross_validation", scores.pop("_folds")
+        fitted = {}
+    stacking = {lr.name: float(scores[f"stack:{lr.name}"]) for lr in chosen}
+    chosen_by = stacking
+    if test is not None and len(chosen) > 1:
+        # The learner is chosen on the evaluation split (cross-validated), never on the test
+        # split: a choice made there would make the score it reports optimistic.
+        chosen_by = _cross_validated(
+            task, metric, evaluation, members, chosen, settings, folds, max_rounds, seed
+        )
+        chosen_by = {lr.name: float(chosen_by[f"stack:{lr.name}"]) for lr in chosen}
+    best_learner = _best_of(chosen_by, direction_of(task, metric))
+    if best_learner not in fitted:  # cross-validation: only the best is fitted on every row
+        fitted[best_learner] = fit_on_evaluation(
+            next(lr for lr in chosen if lr.name == best_learner)
+        )
+    report = EnsembleReport(
+        task,
+        metric,
+        measured,
+        used_folds,
+        scores["_members"],
+        best,
+        float(scores["best_member"]),
+        float(scores["soft_voting"]),
+        selection,
+        float(scores["selection"]),
+        stacking,
+        best_learner,
+        fitted[best_learner],
+    )
+    if not report.stacking_beats_best_member:
+        report.notes.append(
+            f"stacking ({best_learner}, {report.stacked_score:.4f}) is not better than the best "
+            f"member ({best}, {report.best_member_score:.4f}): the best member is the choice"
+        )
+    return report
+
+
+def _best_of(scores: Mapping[str, float], direction: Direction) -> str:
+    """The best-scoring name (the first of equals)."""
+    best = next(iter(scores))
+    for name, value in scores.items():
+        if is_better(value, scores[best], direction):
+            best = name
+    return best
+
+
+def _num_outputs(task: str, split: Split) -> int:
+    first = np.asarray(next(iter(split.predictions.values())))
+    return 1 if task == "regression" else int(first.shape[1])
+
+
+def _on_test(
+    task: str,
+    metric: str,
+    test: Split,
+    members: list[str],
+    fitted: Mapping[str, StackedModel],
+    selection: Selection,
+    best: str,
+) -> dict[str, Any]:
+    check_predictions(task, test.predictions, test.labels, "test")
+    missing = [m for m in members if m not in test.predictions]
+    if missing:
+        raise EnsembleError(f"member {missing[0]!r} has no predictions on the test split")
+    preds, labels = test.predictions, test.labels
+    features = test.stack_features(members)
+    scores: dict[str, Any] = {
+        "_members": {m: score(task, metric, np.asarray(preds[m]), labels) for m in members},
+        "best_member": score(task, metric, np.asarray(preds[best]), labels),
+        "soft_voting": score(task, metric, average(preds, dict.fromkeys(members, 1.0)), labels),
+        "selection": score(task, metric, average(preds, selection.weights), labels),
+    }
+    for name, model in fitted.items():
+        scores[f"stack:{name}"] = score(task, metric, model.predict(features), labels)
+    return scores
+
+
+def _cross_validated(
+    task: str,
+    metric: str,
+    evaluation: Split,
+    members: list[str],
+    learners: list[Learner],
+    settings: FeatureSettings,
+    folds: int,
+    max_rounds: int,
+    seed: int,
+) -> dict[str, Any]:
+    """Out-of-fold outputs of every candidate: each fold predicted by what the other folds fit
+    (the learner and its grid point, the selection, the choice of best member)."""
+    labels = np.asarray(evaluation.labels)
+    preds = {m: np.asarray(evaluation.predictions[m], dtype=np.float64) for m in members}
+    features = evaluation.stack_features(members)
+    outputs = _num_outputs(task, evaluation)
+    strata = labels if task == "sequence_classification" else np.zeros(len(labels))
+    stratified = task if task == "sequence_classification" else "regression"  # plain K-fold
+    splitter = fold_splitter(stratified, strata, folds, seed)
+    shape = preds[members[0]].shape
+    out: dict[str, np.ndarray] = {k: np.zeros(shape) for k in ("best_member", "selection")}
+    out.update({f"stack:{lr.name}": np.zeros(shape) for lr in learners})
+    for fit_rows, held_rows in splitter.split(features, strata):
+        fit_preds = {m: p[fit_rows] for m, p in preds.items()}
+        held_preds = {m: p[held_rows] for m, p in preds.items()}
+        best = best_member(task, metric, fit_preds, labels[fit_rows])
+        out["best_member"][held_rows] = held_preds[best]
+        chosen = greedy_selection(task, fit_preds, labels[fit_rows], metric, max_rounds)
+        out["selection"][held_rows] = average(held_preds, chosen.weights)
+        for lr in learners:
+            model = fit_stacked(
+                task,
+                lr,
+                features[fit_rows],
+                labels[fit_rows],
+                metric,
+                members,
+                settings,
+                outputs,
+                seed,
+            )
+            out[f"stack:{lr.name}"][held_rows] = model.predict(features[held_rows])
+    scores: dict[str, Any] = {k: score(task, metric, v, labels) for k, v in out.items()}
+    # Soft voting and single members fit nothing here: scored on every evaluation row.
+    scores["soft_voting"] = score(task, metric, average(preds, dict.fromkeys(members, 1.0)), labels)
+    scores["_members"] = {m: score(task, metric, p, labels) for m, p in preds.items()}
+    scores["_folds"] = splitter.get_n_splits()
+    return scores

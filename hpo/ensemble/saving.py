@@ -1,0 +1,199 @@
+"""The saved ensemble, a folder: ensemble.json (kind, members with their folders and weights'
+sha256, feature settings, scores and how each was measured) and, for stacking, the meta-learner
+saved with skops, which loads without running code (never a pickle).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpo.ensemble.errors import EnsembleError
+from hpo.ensemble.honest import EnsembleReport
+from hpo.ensemble.stacking import FeatureSettings, StackedModel
+from trainer.digests import file_sha256
+
+RECORD = "ensemble.json"
+META_LEARNER = "meta_learner.skops"
+FORMAT = 1
+# The weight files a member folder may hold (transformers, PEFT adapters, a soup).
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
+# Types that skops does not trust by default but that the learners hpo fits are made of: both
+# are scikit-learn's own, restored from their arrays (no code runs). Anything else is refused.
+TRUSTED_TYPES = (
+    "sklearn.ensemble._hist_gradient_boosting.predictor.TreePredictor",
+    "sklearn.tree._tree.Tree",
+)
+
+
+@dataclass
+class SavedEnsemble:
+    """A loaded ensemble: what to predict with, and its record."""
+
+    kind: str  # "stacking" or "best_member"
+    task: str
+    members: dict[str, Path]  # name -> member folder, its weights checked
+    model: StackedModel | None
+    record: dict[str, Any]
+
+
+def weights_sha256(folder: Path) -> str:
+    """The sha256 of a member's weights: of its weight files' names and sha256s, in name order."""
+    files = sorted({p for pattern in WEIGHT_PATTERNS for p in Path(folder).glob(pattern)})
+    if not files:
+        raise EnsembleError(
+            f"member folder {folder} holds no weights (*.safetensors, *.bin); "
+            "point at a saved model folder"
+        )
+    listing = "".join(f"{p.name} {file_sha256(p)}\n" for p in files)
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
+def save_ensemble(folder: Path, report: EnsembleReport, members: Mapping[str, Path]) -> Path:
+    """Write the ensemble `report` chose into a new `folder` (written aside, then renamed in)."""
+    folder = Path(folder)
+    if folder.exists():
+        raise EnsembleError(f"{folder} already exists; choose another folder or remove it")
+    missing = [n for n in report.member_scores if n not in members]
+    if missing:
+        raise EnsembleError(f"member {missing[0]!r} has no folder; give every member's folder")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        record = _record(report, members, folder)
+        if report.choice == "stacking" and report.stacked is not None:
+            _dump_meta_learner(report.stacked, staging / META_LEARNER)
+        (staging / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        staging.rename(folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return folder
+
+
+def _record(report: EnsembleReport, members: Mapping[str, Path], folder: Path) -> dict[str, Any]:
+    used = list(report.member_scores)
+    if report.choice == "best_member":
+        used = [report.best_member]
+    stacked = report.stacked if report.choice == "stacking" else None
+    return {
+        "format": FORMAT,
+        "kind": report.choice,
+        "task": report.task,
+        "members": [
+            {
+                "name": name,
+                "folder": _shown_path(Path(members[name]), folder),
+                "sha256": weights_sha256(Path(members[name])),
+                "score": report.member_scores[name],
+            }
+            for name in used
+        ],
+        "learner": stacked.learner if stacked else None,
+        "num_outputs": stacked.num_outputs if stacked else None,
+        "features": (stacked.settings if stacked else FeatureSettings()).to_json(),
+        "meta_learner": META_LEARNER if stacked else None,
+        "scores": report.to_json(),
+    }
+
+
+def _shown_path(member: Path, folder: Path) -> str:
+    """A member inside the ensemble's folder is recorded relative to it (the folder can move)."""
+    resolved, base = member.resolve(), folder.resolve()
+    return str(resolved.relative_to(base)) if resolved.is_relative_to(base) else str(resolved)
+
+
+def _dump_meta_learner(model: StackedModel, path: Path) -> None:
+    import skops.io
+
+    skops.io.dump({"estimators": model.estimators, "params": model.params}, path)
+    refused = [t for t in skops.io.get_untrusted_types(file=path) if t not in TRUSTED_TYPES]
+    if refused:  # refused now, not when someone loads the folder
+        raise EnsembleError(
+            f"meta-learner {model.learner} holds types hpo would refuse to load "
+            f"({', '.join(refused[:3])}); choose another meta-learner"
+        )
+
+
+def load_ensemble(folder: Path) -> SavedEnsemble:
+    """Read a saved ensemble; refuse, in one line, a damaged record, a missing member or one
+    whose weights changed, and a meta-learner that is not a skops file of trusted types."""
+    folder = Path(folder)
+    record = _read_record(folder)
+    members: dict[str, Path] = {}
+    for entry in record["members"]:
+        path = folder / entry["folder"]  # an absolute folder stays absolute
+        if not path.is_dir():
+            raise EnsembleError(
+                f"{folder}: member {entry['name']!r} is missing (no folder {path}); restore it "
+                "or build the ensemble again"
+            )
+        if weights_sha256(path) != entry["sha256"]:
+            raise EnsembleError(
+                f"{folder}: member {entry['name']!r} in {path} is not the one this ensemble "
+                "was built on (its weights' sha256 differs); restore it or build the ensemble again"
+            )
+        members[entry["name"]] = path
+    model = None
+    if record["kind"] == "stacking":
+        estimators = _load_meta_learner(folder / str(record["meta_learner"]))
+        settings = FeatureSettings(**record["features"])
+        model = StackedModel(
+            record["task"],
+            record["learner"],
+            list(members),
+            settings,
+            estimators["estimators"],
+            int(record["num_outputs"]),
+            list(estimators.get("params", [])),
+        )
+    return SavedEnsemble(record["kind"], record["task"], members, model, record)
+
+
+def _read_record(folder: Path) -> dict[str, Any]:
+    path = folder / RECORD
+    if not path.is_file():
+        raise EnsembleError(f"{folder} is not a saved ensemble (no {RECORD}); check the path")
+    try:
+        record = json.loads(path.read_text())
+        keys_ok = {"format", "kind", "task", "members"} <= set(record)
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
+        raise EnsembleError(f"{path} is damaged ({e}); build the ensemble again") from e
+    if not keys_ok or record["kind"] not in ("stacking", "best_member"):
+        raise EnsembleError(f"{path} is not an ensemble record hpo wrote; build it again")
+    if record["format"] != FORMAT:
+        raise EnsembleError(f"{path} has format {record['format']}; this hpo reads format {FORMAT}")
+    return dict(record)
+
+
+def _load_meta_learner(path: Path) -> dict[str, Any]:
+    import skops.io
+
+    if not path.is_file():
+        raise EnsembleError(f"{path} is missing; the stacked ensemble needs its meta-learner")
+    if not zipfile.is_zipfile(path):
+        raise EnsembleError(
+            f"{path} is not a skops file (a pickle, perhaps); hpo loads only skops files, "
+            "which run no code: build the ensemble again"
+        )
+    try:
+        untrusted = skops.io.get_untrusted_types(file=path)
+    except Exception as e:  # skops raises several kinds on a zip that is not its own
+        raise EnsembleError(f"{path} is not a skops file ({e}); build the ensemble again") from e
+    refused = [t for t in untrusted if t not in TRUSTED_TYPES]
+    if refused:
+        raise EnsembleError(
+            f"{path} holds types hpo does not trust ({', '.join(refused[:3])}); "
+            "loading them could run code: refused"
+        )
+    loaded = skops.io.load(path, trusted=list(untrusted))
+    if not isinstance(loaded, dict) or "estimators" not in loaded:
+        raise EnsembleError(f"{path} is not a meta-learner hpo saved; build the ensemble again")
+    return loaded

@@ -1,0 +1,195 @@
+"""Stacking: a meta-learner fitted on the members' outputs (or embeddings, scaled and reduced by
+PCA), tuned by cross-validation on the rows it is given; multi-label fits one per label.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from hpo.ensemble.errors import EnsembleError
+from hpo.ensemble.learners import Learner
+from hpo.ensemble.scoring import check_stackable
+
+FeatureKind = Literal["predictions", "embedding"]
+TUNING_FOLDS = 5
+# The scikit-learn scorer that tunes a learner for each ensemble metric.
+_SCORERS = {
+    "accuracy": "accuracy",
+    "macro_f1": "f1_macro",
+    "micro_f1": "f1_micro",
+    "rmse": "neg_root_mean_squared_error",
+    "mse": "neg_mean_squared_error",
+    "mae": "neg_mean_absolute_error",
+    "r2": "r2",
+}
+
+
+@dataclass(frozen=True)
+class FeatureSettings:
+    """What the meta-learner reads: the members' predictions, or their mean-pooled embeddings;
+    scaled (StandardScaler) and reduced to `pca_components` (PCA) when asked."""
+
+    kind: FeatureKind = "predictions"
+    scale: bool = False
+    pca_components: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("predictions", "embedding"):
+            raise EnsembleError(f"features {self.kind!r}: use predictions or embedding")
+        if self.pca_components is not None and self.pca_components < 1:
+            raise EnsembleError(f"pca {self.pca_components}: keep at least 1 component")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+PREDICTIONS = FeatureSettings()  # the default: members' outputs, unscaled
+
+
+@dataclass
+class StackedModel:
+    """A fitted meta-learner (one per label for multi-label) over the named members."""
+
+    task: str
+    learner: str
+    members: list[str]
+    settings: FeatureSettings
+    estimators: list[Any]
+    num_outputs: int  # classes, labels, or 1 for regression
+    params: list[dict[str, Any]] = field(default_factory=list)
+
+    def predict(self, features: np.ndarray) -> np.ndarray:
+        """Probabilities [rows, classes or labels], or values [rows] for regression."""
+        if self.task == "regression":
+            return np.asarray(self.estimators[0].predict(features), dtype=np.float64)
+        if self.task == "multi_label_classification":
+            columns = [_class_outputs(e, features, 2)[:, 1] for e in self.estimators]
+            return np.stack(columns, axis=1)
+        return _class_outputs(self.estimators[0], features, self.num_outputs)
+
+
+def stack_features(predictions: Mapping[str, np.ndarray], members: Sequence[str]) -> np.ndarray:
+    """The members' outputs side by side, one block of columns per member in `members` order."""
+    columns = []
+    for name in members:
+        if name not in predictions:
+            raise EnsembleError(f"member {name!r} has no predictions; predict with every member")
+        block = np.asarray(predictions[name], dtype=np.float64)
+        columns.append(block.reshape(len(block), -1))
+    return np.concatenate(columns, axis=1)
+
+
+def fit_stacked(
+    task: str,
+    learner: Learner,
+    features: np.ndarray,
+    labels: np.ndarray,
+    metric: str,
+    members: Sequence[str],
+    settings: FeatureSettings = PREDICTIONS,
+    num_outputs: int | None = None,
+    seed: int = 0,
+) -> StackedModel:
+    """Fit `learner` on all of `features`, its grid point chosen by cross-validation on them."""
+    check_stackable(task)
+    labels = np.asarray(labels)
+    if task == "multi_label_classification":
+        targets = [labels[:, j].astype(int) for j in range(labels.shape[1])]
+        outputs = labels.shape[1]
+    elif task == "regression":
+        targets, outputs = [labels.astype(np.float64)], 1
+    else:
+        targets = [labels.astype(int)]
+        outputs = num_outputs or int(labels.max()) + 1
+    from threadpoolctl import threadpool_limits  # installed with scikit-learn
+
+    fitted, params = [], []
+    # One thread per fit: a meta-learner's data is small, and OpenMP's threads (histogram
+    # boosting's) cost more to start than they save; 10x slower on a busy 2-core host.
+    with threadpool_limits(limits=1):
+        for target in targets:
+            estimator, chosen = _tuned(task, learner, features, target, metric, settings, seed)
+            fitted.append(estimator)
+            params.append(chosen)
+    return StackedModel(task, learner.name, list(members), settings, fitted, outputs, params)
+
+
+def _tuned(
+    task: str,
+    learner: Learner,
+    features: np.ndarray,
+    target: np.ndarray,
+    metric: str,
+    settings: FeatureSettings,
+    seed: int,
+) -> tuple[Any, dict[str, Any]]:
+    """The pipeline fitted on all rows at the grid point cross-validation liked best."""
+    from sklearn.dummy import DummyClassifier
+    from sklearn.model_selection import GridSearchCV
+
+    is_classifier = task != "regression"
+    if is_classifier and len(np.unique(target)) < 2:
+        # One class in every row (a label never seen): nothing to learn, its rate is the answer.
+        return DummyClassifier(strategy="prior").fit(features, target), {}
+    splits = fold_splitter(task, target, TUNING_FOLDS, seed)
+    inner_rows = len(target) - len(target) // splits.get_n_splits()
+    pipeline = _pipeline(learner, settings, features.shape[1], inner_rows, seed)
+    grid = {f"learner__{key}": values for key, values in learner.grid.items()}
+    if not grid or all(len(v) == 1 for v in grid.values()):
+        return pipeline.fit(features, target), {}
+    scoring = "f1" if task == "multi_label_classification" else _SCORERS[metric]
+    search = GridSearchCV(pipeline, grid, scoring=scoring, cv=splits, error_score=np.nan)
+    search.fit(features, target)
+    chosen = {k.removeprefix("learner__"): v for k, v in search.best_params_.items()}
+    return search.best_estimator_, chosen
+
+
+def _pipeline(
+    learner: Learner, settings: FeatureSettings, columns: int, rows: int, seed: int
+) -> Any:
+    from sklearn.decomposition import PCA
+    from sklearn.pipeline import Pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    steps: list[tuple[str, Any]] = []
+    if settings.scale:
+        steps.append(("scale", StandardScaler()))
+    if settings.pca_components is not None:
+        # PCA keeps at most as many components as the rows and columns it is fitted on.
+        components = max(1, min(settings.pca_components, columns, rows - 1))
+        steps.append(("pca", PCA(n_components=components, random_state=seed)))
+    steps.append(("learner", learner.make(seed)))
+    return Pipeline(steps)
+
+
+def fold_splitter(task: str, target: np.ndarray, folds: int, seed: int) -> Any:
+    """K folds, stratified by class where every class has K rows (else plain K-fold)."""
+    from sklearn.model_selection import KFold, StratifiedKFold
+
+    folds = max(2, min(folds, len(target) // 2))
+    if task != "regression":
+        _, counts = np.unique(target, return_counts=True)
+        if counts.min() >= folds:
+            return StratifiedKFold(n_splits=folds, shuffle=True, random_state=seed)
+    return KFold(n_splits=folds, shuffle=True, random_state=seed)
+
+
+def _class_outputs(estimator: Any, features: np.ndarray, num_classes: int) -> np.ndarray:
+    """[rows, num_classes] probabilities; a learner that gives only margins (a linear SVM) is
+    softmaxed; classes a learner never saw get 0."""
+    if hasattr(estimator, "predict_proba"):
+        raw = np.asarray(estimator.predict_proba(features), dtype=np.float64)
+    else:
+        margins = np.asarray(estimator.decision_function(features), dtype=np.float64)
+        if margins.ndim == 1:  # binary: one margin, for the second class
+            margins = np.stack([-margins / 2, margins / 2], axis=1)
+        margins -= margins.max(axis=1, keepdims=True)
+        raw = np.exp(margins) / np.exp(margins).sum(axis=1, keepdims=True)
+    outputs = np.zeros((len(features), num_classes))
+    classes = np.asarray(estimator.classes_).astype(int)
+    outputs[:, classes] = raw
+    return outputs

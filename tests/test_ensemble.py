@@ -1,0 +1,397 @@
+"""hpo.ensemble on synthetic member predictions whose answer is known: greedy selection,
+stacking (classification, regression, multi-label), honest scores, skops saving and its
+refusals, soups, the feature cache; and data.test_file, which no trial reads."""
+
+from __future__ import annotations
+
+import pickle
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from hpo.ensemble import (
+    EnsembleError,
+    EnsembleReport,
+    FeatureCache,
+    FeatureSettings,
+    Learner,
+    Split,
+    adapter_soup,
+    average,
+    average_token_probabilities,
+    evaluate_ensemble,
+    greedy_selection,
+    greedy_soup,
+    load_ensemble,
+    save_ensemble,
+    stack_features,
+    uniform_soup,
+)
+from hpo.errors import HPOError
+from tests.conftest import run_study, tiny_config, write_config
+
+LR = ["logistic_regression"]
+
+
+def _probabilities(logits: np.ndarray) -> np.ndarray:
+    e = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def complementary(rows: int, seed: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Three classes; member `a` knows classes 0 and 1, member `b` knows class 2 (and says so
+    with a margin the others lack): together they know every class, each alone does not."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 3, rows)
+    members = {}
+    for name, known in (("a", (0, 1)), ("b", (2,))):
+        logits = rng.normal(0, 1, (rows, 3))
+        hit = np.isin(labels, known)
+        logits[hit, labels[hit]] += 4
+        members[name] = _probabilities(logits)
+    return labels, members
+
+
+def accuracy_of(outputs: np.ndarray, labels: np.ndarray) -> float:
+    return float(np.mean(outputs.argmax(axis=1) == labels))
+
+
+def test_a_stack_of_two_complementary_members_beats_each_on_the_test_split() -> None:
+    labels, members = complementary(300, 0)
+    test_labels, test_members = complementary(300, 1)
+    report = evaluate_ensemble(
+        "sequence_classification",
+        Split(members, labels),
+        Split(test_members, test_labels),
+        learners=LR,
+    )
+    assert report.measured_on == "test_split" and "test split" in report.how_measured
+    best_single = max(accuracy_of(p, test_labels) for p in test_members.values())
+    assert report.best_member_score == pytest.approx(best_single)
+    assert report.stacked_score > best_single + 0.15
+    assert report.stacking_beats_best_member and report.choice == "stacking"
+    assert set(report.to_json()) >= {"soft_voting", "greedy_selection", "best_member", "stacking"}
+    stacked = report.stacked
+    assert stacked is not None
+    outputs = stacked.predict(stack_features(test_members, ["a", "b"]))
+    assert accuracy_of(outputs, test_labels) == pytest.approx(report.stacked_score)
+
+
+def test_greedy_selection_does_not_count_a_duplicated_member_twice() -> None:
+    labels, members = complementary(300, 2)
+    alone = greedy_selection("sequence_classification", members, labels)
+    doubled = greedy_selection(
+        "sequence_classification", {**members, "a_copy": members["a"].copy()}, labels
+    )
+    assert alone.score > max(accuracy_of(p, labels) for p in members.values())
+    assert doubled.score == pytest.approx(alone.score)
+    weights = doubled.weights
+    assert weights.get("a", 0) + weights.get("a_copy", 0) == pytest.approx(alone.weights["a"])
+    assert weights["b"] == pytest.approx(alone.weights["b"])
+    with_copy = {**members, "a_copy": members["a"]}
+    np.testing.assert_allclose(average(with_copy, weights), average(members, alone.weights))
+
+
+def test_ridge_stacking_undoes_a_members_scale_for_regression() -> None:
+    rng = np.random.default_rng(3)
+
+    def split(rows: int) -> Split:
+        truth = rng.normal(0, 1, rows)
+        # `scaled` knows the answer but doubles it; `noisy` is right on average only.
+        members = {"scaled": 2 * truth + rng.normal(0, 0.05, rows)}
+        members["noisy"] = truth + rng.normal(0, 0.5, rows)
+        return Split(members, truth)
+
+    report = evaluate_ensemble("regression", split(200), split(200))
+    assert report.metric == "rmse" and report.best_learner == "ridge"
+    assert report.best_member_score > 0.4
+    assert report.stacked_score < 0.1 and report.choice == "stacking"
+
+
+def test_multi_label_fits_a_meta_learner_per_label() -> None:
+    rng = np.random.default_rng(4)
+
+    def split(rows: int) -> Split:
+        truth = rng.random((rows, 3)) < 0.4
+        members = {}
+        for name, known in (("first_two", [0, 1]), ("last", [2])):
+            probabilities = rng.random((rows, 3))
+            probabilities[:, known] = np.where(truth[:, known], 0.8, 0.2)
+            members[name] = probabilities
+        return Split(members, truth.astype(int))
+
+    report = evaluate_ensemble("multi_label_classification", split(300), split(300), learners=LR)
+    assert report.metric == "micro_f1"
+    assert report.stacked is not None and len(report.stacked.estimators) == 3
+    assert report.stacked_score > 0.98 > max(report.member_scores.values()) + 0.15
+
+
+def memoriser() -> Learner:
+    from sklearn.neighbors import KNeighborsClassifier
+
+    return Learner("memoriser", lambda seed: KNeighborsClassifier(n_neighbors=1))
+
+
+def test_cross_validated_scores_never_come_from_rows_the_learner_was_fitted_on() -> None:
+    rng = np.random.default_rng(5)
+    labels = rng.integers(0, 2, 200)  # noise: nothing can be learnt
+    members = {n: _probabilities(rng.normal(0, 1, (200, 2))) for n in ("a", "b")}
+    evaluation = Split(members, labels)
+    # The learner memorises: scored on the rows it was fitted on, it is always right.
+    model = evaluate_ensemble(
+        "sequence_classification", evaluation, evaluation, learners=[memoriser()]
+    )
+    assert model.stacked_score == 1.0
+    report = evaluate_ensemble("sequence_classification", evaluation, learners=[memoriser()])
+    assert report.measured_on == "cross_validation" and report.folds == 5
+    assert "5-fold cross-validation" in report.how_measured
+    assert report.stacked_score < 0.65
+
+
+def test_a_stack_no_better_than_the_best_member_is_flagged_and_not_chosen() -> None:
+    rng = np.random.default_rng(6)
+    labels = rng.integers(0, 3, 150)
+    members = {"perfect": np.eye(3)[labels], "noise": _probabilities(rng.normal(0, 1, (150, 3)))}
+    report = evaluate_ensemble("sequence_classification", Split(members, labels), learners=LR)
+    assert report.best_member == "perfect" and report.best_member_score == 1.0
+    assert not report.stacking_beats_best_member and report.choice == "best_member"
+    assert "not better than the best member" in report.notes[0]
+
+
+@pytest.mark.parametrize(
+    ("task", "words"),
+    [("causal_lm", "soup"), ("token_classification", "averaging their token probabilities")],
+)
+def test_stacking_refuses_tasks_it_cannot_stack_in_one_line(task: str, words: str) -> None:
+    labels, members = complementary(30, 7)
+    with pytest.raises(EnsembleError) as caught:
+        evaluate_ensemble(task, Split(members, labels))
+    assert isinstance(caught.value, HPOError)
+    assert words in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_token_probabilities_are_averaged_per_example() -> None:
+    first = [np.array([[1.0, 0.0], [0.0, 1.0]]), np.array([[0.5, 0.5]])]
+    second = [np.array([[0.0, 1.0], [0.0, 1.0]]), np.array([[1.0, 0.0]])]
+    averaged = average_token_probabilities([first, second])
+    np.testing.assert_allclose(averaged[0], [[0.5, 0.5], [0.0, 1.0]])
+    np.testing.assert_allclose(averaged[1], [[0.75, 0.25]])
+    with pytest.raises(EnsembleError, match="one tokenizer"):
+        average_token_probabilities([first, [second[0], np.zeros((3, 2))]])
+
+
+def member_folders(root: Path, names: list[str]) -> dict[str, Path]:
+    folders = {}
+    for index, name in enumerate(names):
+        folder = root / "members" / name
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(bytes([index]) * 64)
+        folders[name] = folder
+    return folders
+
+
+def saved_stack(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray], EnsembleReport]:
+    labels, members = complementary(200, 8)
+    report = evaluate_ensemble("sequence_classification", Split(members, labels), learners=LR)
+    assert report.choice == "stacking"
+    folder = save_ensemble(tmp_path / "ens", report, member_folders(tmp_path, ["a", "b"]))
+    return folder, members, report
+
+
+def test_a_saved_stack_loads_back_and_predicts_the_same(tmp_path: Path) -> None:
+    folder, members, report = saved_stack(tmp_path)
+    assert sorted(p.name for p in folder.iterdir()) == ["ensemble.json", "meta_learner.skops"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # nothing left aside
+    loaded = load_ensemble(folder)
+    assert loaded.kind == "stacking" and list(loaded.members) == ["a", "b"]
+    assert loaded.record["scores"]["measured_on"] == "cross_validation"
+    assert len(loaded.record["members"][0]["sha256"]) == 64
+    assert loaded.model is not None and report.stacked is not None
+    features = stack_features(members, ["a", "b"])
+    np.testing.assert_allclose(loaded.model.predict(features), report.stacked.predict(features))
+    with pytest.raises(EnsembleError, match="already exists"):
+        save_ensemble(folder, report, {})
+
+
+def one_line_refusal(folder: Path, words: str) -> None:
+    with pytest.raises(EnsembleError) as caught:
+        load_ensemble(folder)
+    assert words in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_pickle_named_as_the_meta_learner_is_refused(tmp_path: Path) -> None:
+    folder, _, _ = saved_stack(tmp_path)
+    (folder / "meta_learner.skops").write_bytes(pickle.dumps({"estimators": []}))
+    one_line_refusal(folder, "not a skops file")
+
+
+def test_a_skops_file_of_untrusted_types_is_refused(tmp_path: Path) -> None:
+    import skops.io
+
+    folder, _, _ = saved_stack(tmp_path)
+    skops.io.dump({"estimators": [Untrusted()]}, folder / "meta_learner.skops")
+    one_line_refusal(folder, "does not trust")
+
+
+class Untrusted:
+    def __reduce__(self) -> Any:
+        return (print, ("code ran",))
+
+
+def test_a_changed_or_missing_member_is_refused(tmp_path: Path) -> None:
+    folder, _, _ = saved_stack(tmp_path)
+    weights = tmp_path / "members" / "b" / "model.safetensors"
+    weights.write_bytes(b"other weights")
+    one_line_refusal(folder, "sha256 differs")
+    for path in weights.parent.iterdir():
+        path.unlink()
+    weights.parent.rmdir()
+    one_line_refusal(folder, "member 'b' is missing")
+
+
+def test_the_best_member_is_saved_when_stacking_does_not_beat_it(tmp_path: Path) -> None:
+    rng = np.random.default_rng(10)
+    labels = rng.integers(0, 3, 120)
+    members = {"perfect": np.eye(3)[labels], "noise": _probabilities(rng.normal(0, 1, (120, 3)))}
+    report = evaluate_ensemble("sequence_classification", Split(members, labels), learners=LR)
+    folders = member_folders(tmp_path, ["perfect", "noise"])
+    loaded = load_ensemble(save_ensemble(tmp_path / "ens", report, folders))
+    assert loaded.kind == "best_member" and list(loaded.members) == ["perfect"]
+    assert loaded.model is None and not (tmp_path / "ens" / "meta_learner.skops").exists()
+
+
+def tiny_models(seeds: list[int]) -> list[dict[str, torch.Tensor]]:
+    models = []
+    for seed in seeds:
+        torch.manual_seed(seed)
+        models.append(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)))
+    return [m.state_dict() for m in models]
+
+
+def test_the_uniform_soup_is_the_mean_of_the_members_weights() -> None:
+    first, second = tiny_models([0, 1])
+    soup = uniform_soup([first, second])
+    for key in first:
+        torch.testing.assert_close(soup[key], (first[key] + second[key]) / 2)
+    lora = [
+        {"q.lora_A.weight": torch.ones(2, 4) * i, "q.lora_B.weight": torch.ones(4, 2)}
+        for i in (1, 3)
+    ]
+    torch.testing.assert_close(adapter_soup(lora)["q.lora_A.weight"], torch.full((2, 4), 2.0))
+
+
+def test_a_soup_of_different_shapes_is_refused_in_one_line() -> None:
+    first = tiny_models([0])[0]
+    wider = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1)).state_dict()
+    with pytest.raises(EnsembleError) as caught:
+        uniform_soup([first, wider], ["base", "wider"])
+    assert "'wider'" in str(caught.value) and "one base model" in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_the_greedy_soup_keeps_only_members_that_help() -> None:
+    target = torch.zeros(4)
+    members = {
+        "near": {"w": torch.tensor([0.1, -0.1, 0.1, -0.1])},
+        "other_side": {"w": torch.tensor([-0.1, 0.1, -0.1, 0.1])},
+        "far": {"w": torch.tensor([5.0, 5.0, 5.0, 5.0])},
+    }
+    calls: list[list[float]] = []
+
+    def score(state: dict[str, torch.Tensor]) -> float:
+        calls.append(state["w"].tolist())
+        return -float(torch.linalg.norm(state["w"] - target))
+
+    soup = greedy_soup(members, score)
+    assert soup.kept == ["near", "other_side"]
+    torch.testing.assert_close(soup.state_dict["w"], target)
+    assert soup.score == 0.0 and soup.tried["far"] < soup.score
+
+
+def test_the_feature_cache_computes_a_members_features_once(tmp_path: Path) -> None:
+    cache = FeatureCache(tmp_path / "features")
+    computed: list[int] = []
+
+    def compute() -> np.ndarray:
+        computed.append(1)
+        return np.arange(6, dtype=np.float32).reshape(3, 2)
+
+    key: tuple[str, str, str] = ("a" * 64, "b" * 64, "probabilities")
+    first = cache.get_or_compute(*key, compute)
+    second = cache.get_or_compute(*key, compute)
+    assert computed == [1]
+    np.testing.assert_array_equal(first, second)
+    assert second.dtype == np.float32
+    other_data = cache.get_or_compute("a" * 64, "c" * 64, "probabilities", compute)
+    assert computed == [1, 1] and other_data.shape == (3, 2)
+    assert not [p for p in (tmp_path / "features").rglob(".*")]  # nothing left aside
+    with pytest.raises(EnsembleError, match="not a sha256"):
+        cache.get("../x", "b" * 64, "probabilities")
+
+
+def test_data_test_file_resolves_like_eval_file(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    from hpo.config.loader import load_config
+
+    train, evaluation = easy_data
+    (tmp_path / "data" / "test.csv").write_text("text,label\nx,0\n")
+    config = tiny_config(train, evaluation, data={"test_file": "data/test.csv"})
+    loaded = load_config(write_config(tmp_path / "config.yaml", config))
+    assert loaded.data.test_file == str(tmp_path / "data" / "test.csv")
+    config["data"]["test_file"] = "data/nowhere.csv"
+    with pytest.raises(HPOError, match="data.test_file: .*not found"):
+        load_config(write_config(tmp_path / "config.yaml", config))
+
+
+@pytest.mark.slow
+def test_no_trial_reads_the_test_file(tmp_path: Path, easy_data: tuple[Path, Path]) -> None:
+    train, evaluation = easy_data
+    # A test file that any reader refuses: a trial that read it would fail.
+    test_file = tmp_path / "data" / "test.csv"
+    test_file.write_bytes(b"\xff\xfe\x00 not a table \x00" * 10)
+    config = tiny_config(
+        train,
+        evaluation,
+        study={"n_trials": 1},
+        data={"test_file": str(test_file)},
+        training={"epochs": 1, "evals_per_epoch": 1},
+    )
+    path = write_config(tmp_path / "config.yaml", config)
+    done = run_study(path, f"sqlite:///{tmp_path / 'db.sqlite'}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    with sqlite3.connect(tmp_path / "db.sqlite") as db:
+        states = [s for (s,) in db.execute("SELECT state FROM trials")]
+    assert states == ["COMPLETE"]
+
+
+def test_embedding_features_are_scaled_and_reduced_and_saved_with_the_stack(
+    tmp_path: Path,
+) -> None:
+    rng = np.random.default_rng(11)
+    labels = rng.integers(0, 2, 160)
+    # Mean-pooled embeddings of two members: 16 columns each, the label in a few, on a large
+    # scale that StandardScaler brings back; PCA keeps 4 components of the 32.
+    embeddings = rng.normal(0, 1, (160, 32)) * 50
+    embeddings[:, :4] += labels[:, None] * 150
+    members = {n: _probabilities(rng.normal(0, 1, (160, 2))) for n in ("a", "b")}
+    settings = FeatureSettings(kind="embedding", scale=True, pca_components=4)
+    report = evaluate_ensemble(
+        "sequence_classification",
+        Split(members, labels, features=embeddings),
+        learners=LR,
+        settings=settings,
+    )
+    assert report.stacked_score > 0.9 and report.choice == "stacking"
+    assert report.stacked is not None
+    steps = dict(report.stacked.estimators[0].steps)
+    assert steps["pca"].n_components_ == 4 and "scale" in steps
+    loaded = load_ensemble(
+        save_ensemble(tmp_path / "ens", report, member_folders(tmp_path, ["a", "b"]))
+    )
+    assert loaded.model is not None and loaded.model.settings == settings
+    np.testing.assert_allclose(loaded.model.predict(embeddings), report.stacked.predict(embeddings))

@@ -21,9 +21,12 @@ from hpo.trial.folders import STUDY_MARKER, prepare_trial_folder, study_folder_n
 from hpo.trial.protocol import FORK_SERVER_NAME, process_stopped
 from tests.conftest import (
     exit_code,
+    hold_env,
+    holding_metrics,
     read_csv,
     start_hpo,
     tiny_config,
+    wait_until_held,
     wait_until_training,
     write_config,
     write_csv,
@@ -207,14 +210,26 @@ def test_a_killed_fork_server_fails_its_trial_with_that_reason_and_the_worker_go
     raw = tiny_config(
         *easy_data,
         study={"n_trials": 2, "pruner": {"type": "none"}, "checkpoint_interval": 0},
-        # The fork server is killed after the first of 4 evaluations (a checkpoint each).
+        # The fork server is killed in the second of 4 evaluations (a checkpoint each), which
+        # holds until the trial process is told (a tiny trial may otherwise finish before).
         training={"epochs": 2, "evals_per_epoch": 2},
     )
+    raw["metrics"] = holding_metrics(tmp_path)
     config = write_config(tmp_path / "c.yaml", raw)
+    held = tmp_path / "held"
     worker = start_hpo(
-        "run", "--study", "fs", "--config", str(config), "--storage", url, cwd=tmp_path
+        "run",
+        "--study",
+        "fs",
+        "--config",
+        str(config),
+        "--storage",
+        url,
+        cwd=tmp_path,
+        env=hold_env(held, at=2),
     )
     wait_until_training(url, "fs", [worker], evaluations=1)
+    wait_until_held(held, [worker])
     os.kill(_fork_server(worker.pid), signal.SIGKILL)
     _, stderr = worker.communicate(timeout=600)
     assert worker.returncode == 0, stderr[-3000:]

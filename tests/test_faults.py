@@ -48,15 +48,22 @@ def test_workers_ride_out_a_database_outage(
             "grace_period": 60,
             "database_patience": 120,
         },
-        training={"epochs": 6, "evals_per_epoch": 2},  # an evaluation every ~0.5 s
+        # 12 evaluations; each trial's first holds until the outage began: both train, and
+        # report, through it (a tiny trial may otherwise finish before the cut)
+        training={"epochs": 6, "evals_per_epoch": 2},
     )
+    raw["metrics"] = holding_metrics(tmp_path)
     config = write_config(tmp_path / "c.yaml", raw)
     args = ("run", "--study", "outage", "--config", str(config), "--storage", proxied)
-    workers = [start_hpo(*args, cwd=tmp_path) for _ in range(2)]
+    held, cut = tmp_path / "held", tmp_path / "cut"
+    env = hold_env(held, release=cut, holds=budget)
+    workers = [start_hpo(*args, cwd=tmp_path, env=env) for _ in range(2)]
     try:
-        study = wait_until_training(postgres_url, "outage", workers, trials=2, evaluations=1)
+        study = wait_until_training(postgres_url, "outage", workers, trials=2)
+        wait_until_held(held, workers, count=2)
         proxy.cut()  # every connection dropped, new ones refused: a server restart
-        time.sleep(OUTAGE_S)
+        cut.touch()
+        time.sleep(OUTAGE_S)  # the outage's length, not a wait for something to happen
         proxy.restore()
         outputs = [w.communicate(timeout=600) for w in workers]
     finally:

@@ -456,9 +456,13 @@ def sigterm_once_training(database: Path, study_name: str) -> Iterator[threading
     """SIGTERM to this process (an in-process worker, `hpo_main`) once a RUNNING trial of
     `study_name` trains (its trial reported the physical batch); the event says it was sent. From
     a thread: Python runs the worker's handler in the main thread. Read with sqlite3, not Optuna,
-    which would create the tables beside the worker's own creation of them."""
+    which would create the tables beside the worker's own creation of them. Until it is sent,
+    the worker holds its answer to the trial's should_prune (asked at each evaluation; the trial
+    waits for the answer): the signal lands in training, however fast the trial trains."""
     import signal
     import sqlite3
+
+    import optuna
 
     query = (
         "select count(*) from trials t join studies s on t.study_id = s.study_id"
@@ -479,15 +483,27 @@ def sigterm_once_training(database: Path, study_name: str) -> Iterator[threading
     def watch() -> None:
         while not done.wait(0.1):
             if training():
-                sent.set()
                 os.kill(os.getpid(), signal.SIGTERM)
+                sent.set()
                 return
 
+    should_prune = optuna.trial.Trial.should_prune
+
+    def held_should_prune(trial: optuna.trial.Trial) -> bool:
+        deadline = time.monotonic() + 120
+        while trial.study.study_name == study_name and not sent.is_set():
+            if done.is_set() or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        return should_prune(trial)
+
+    optuna.trial.Trial.should_prune = held_should_prune  # type: ignore[method-assign]
     watcher = threading.Thread(target=watch, name="sigterm-once-training", daemon=True)
     watcher.start()
     try:
         yield sent
     finally:
+        optuna.trial.Trial.should_prune = should_prune  # type: ignore[method-assign]
         done.set()
         watcher.join()
 

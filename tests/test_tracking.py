@@ -610,11 +610,20 @@ def test_the_tracker_hears_a_trials_end_only_once_the_study_recorded_it(
 
 def test_a_full_queue_gives_calls_up_without_blocking() -> None:
     calls = BackgroundCalls("MLflow", patience_s=5, max_waiting=1)
-    slow_started = time.monotonic()
-    calls.submit(0, "slow", lambda: time.sleep(0.5))
-    for index in range(5):
-        calls.submit(index + 1, f"call {index}", lambda: None)
-    assert time.monotonic() - slow_started < 0.2  # never waits for the tracker
+    release = threading.Event()
+    calls.submit(0, "slow", lambda: release.wait(30))  # the tracker hangs until released
+
+    def submit_more() -> None:
+        for index in range(5):
+            calls.submit(index + 1, f"call {index}", lambda: None)
+
+    submitting = threading.Thread(target=submit_more)
+    submitting.start()
+    submitting.join(timeout=20)
+    blocked = submitting.is_alive()
+    release.set()
+    submitting.join()
+    assert not blocked  # never waits for the tracker: all submitted while it hangs
     calls.close(5)
     assert len(calls.missing) >= 3
 

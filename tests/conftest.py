@@ -283,6 +283,95 @@ def wait_until_training(
     raise AssertionError(f"{trials} trials never trained with {evaluations} evaluations each")
 
 
+# A user metrics function (`metrics: holding_metrics:metrics`, see `holding_metrics`) that holds
+# a trial process in one of its evaluations until the state a test needs: a signal or a kill then
+# lands where the test says, however fast or slow the machine trains (a tiny trial may finish
+# training before a signal sent "after the first evaluation"). Set in the trial process's
+# environment (`hold_env`): HPO_TEST_HELD, a folder where a held process writes a file named by
+# its pid; HPO_TEST_HOLDS, how many processes hold, one hold each (the first to claim a slot:
+# a retry in the same worker, or a later trial, trains on); HPO_TEST_HOLD_AT, which evaluation
+# (1 = the first); HPO_TEST_RELEASE, `stop` (until the trial process is asked to stop), `never`
+# (until it is killed) or a file's path (until it exists). Each hold has a deadline.
+HOLDING_METRICS = """
+import os, pathlib, time
+
+calls = 0
+
+
+def _claim(folder):
+    for slot in range(int(os.environ.get("HPO_TEST_HOLDS", "1"))):
+        try:
+            os.close(os.open(folder / f"slot-{slot}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            continue
+        return True
+    return False
+
+
+def _released(release):
+    if release == "stop":
+        from hpo.trial.child import stop_requested
+
+        return stop_requested()
+    return release != "never" and pathlib.Path(release).exists()
+
+
+def metrics(logits, labels):
+    global calls
+    calls += 1
+    held = os.environ.get("HPO_TEST_HELD")
+    at = int(os.environ.get("HPO_TEST_HOLD_AT", "1"))
+    if held and calls == at and _claim(pathlib.Path(held)):
+        release = os.environ.get("HPO_TEST_RELEASE", "stop")
+        (pathlib.Path(held) / str(os.getpid())).write_text("held")
+        deadline = time.monotonic() + 300
+        while not _released(release) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    return {"evaluations_seen": float(calls)}
+"""
+
+
+def holding_metrics(folder: Path) -> str:
+    """Writes HOLDING_METRICS into `folder` (the config's folder, where the config's `metrics`
+    is imported from) and returns the config's `metrics` value."""
+    (folder / "holding_metrics.py").write_text(HOLDING_METRICS, encoding="utf-8")
+    return "holding_metrics:metrics"
+
+
+def hold_env(
+    held: Path, at: int = 1, release: str | Path = "stop", holds: int = 1
+) -> dict[str, str]:
+    """The environment that makes HOLDING_METRICS hold; `held` is made, empty."""
+    held.mkdir()
+    return {
+        "HPO_TEST_HELD": str(held),
+        "HPO_TEST_HOLD_AT": str(at),
+        "HPO_TEST_RELEASE": str(release),
+        "HPO_TEST_HOLDS": str(holds),
+    }
+
+
+def wait_until_held(
+    held: Path, processes: list[subprocess.Popen[str]], count: int = 1, timeout: float = 180
+) -> list[int]:
+    """Until `count` trial processes hold in HOLDING_METRICS; returns their pids."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = [int(p.name) for p in held.iterdir() if p.name.isdigit()]
+        if len(pids) >= count:
+            return pids
+        for process in processes:
+            if process.poll() is not None:
+                raise AssertionError(
+                    f"hpo ended before holding: {process.communicate()[1][-3000:]}"
+                )
+        if time.monotonic() > deadline:
+            for process in processes:
+                process.kill()
+            raise AssertionError(f"{count} trial processes never held in an evaluation: {pids}")
+        time.sleep(0.05)
+
+
 def run_study(
     config: Path | str, storage: str, cwd: Path, study: str = "s", env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
@@ -367,9 +456,13 @@ def sigterm_once_training(database: Path, study_name: str) -> Iterator[threading
     """SIGTERM to this process (an in-process worker, `hpo_main`) once a RUNNING trial of
     `study_name` trains (its trial reported the physical batch); the event says it was sent. From
     a thread: Python runs the worker's handler in the main thread. Read with sqlite3, not Optuna,
-    which would create the tables beside the worker's own creation of them."""
+    which would create the tables beside the worker's own creation of them. Until it is sent,
+    the worker holds its answer to the trial's should_prune (asked at each evaluation; the trial
+    waits for the answer): the signal lands in training, however fast the trial trains."""
     import signal
     import sqlite3
+
+    import optuna
 
     query = (
         "select count(*) from trials t join studies s on t.study_id = s.study_id"
@@ -390,15 +483,27 @@ def sigterm_once_training(database: Path, study_name: str) -> Iterator[threading
     def watch() -> None:
         while not done.wait(0.1):
             if training():
-                sent.set()
                 os.kill(os.getpid(), signal.SIGTERM)
+                sent.set()
                 return
 
+    should_prune = optuna.trial.Trial.should_prune
+
+    def held_should_prune(trial: optuna.trial.Trial) -> bool:
+        deadline = time.monotonic() + 120
+        while trial.study.study_name == study_name and not sent.is_set():
+            if done.is_set() or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        return should_prune(trial)
+
+    optuna.trial.Trial.should_prune = held_should_prune  # type: ignore[method-assign]
     watcher = threading.Thread(target=watch, name="sigterm-once-training", daemon=True)
     watcher.start()
     try:
         yield sent
     finally:
+        optuna.trial.Trial.should_prune = should_prune  # type: ignore[method-assign]
         done.set()
         watcher.join()
 

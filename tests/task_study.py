@@ -9,6 +9,7 @@ import os
 import signal
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
@@ -114,23 +115,38 @@ def run_task_study(
 
 @contextmanager
 def _sigterm_after_the_first_evaluation(database: Path) -> Iterator[None]:
-    """SIGTERM to this process, the worker, once its trial reported an evaluation. Sent from a
-    thread: Python runs the worker's handler in the main thread, where it works."""
+    """SIGTERM to this process, the worker, once its trial reported an evaluation. The worker
+    holds its answer to the trial's first should_prune (asked after that report; the trial
+    process waits for the answer) until the signal is sent: it lands in training however fast
+    the trial trains (six tiny evaluations could all be over before a poll saw the first). Sent
+    from a thread: Python runs the worker's handler in the main thread, where it works."""
     done = threading.Event()
+    asked = threading.Event()
     sent = threading.Event()
+    should_prune = optuna.trial.Trial.should_prune
+
+    def held_should_prune(trial: optuna.trial.Trial) -> bool:
+        if not asked.is_set():
+            asked.set()
+            deadline = time.monotonic() + 120
+            while not sent.is_set() and time.monotonic() < deadline:
+                time.sleep(0.02)
+        return should_prune(trial)
 
     def watch() -> None:
-        while not done.wait(0.2):
-            if _evaluations_reported(database) > 0:
-                sent.set()
+        while not done.wait(0.05):
+            if asked.is_set() and _evaluations_reported(database) > 0:
                 os.kill(os.getpid(), signal.SIGTERM)
+                sent.set()
                 return
 
+    optuna.trial.Trial.should_prune = held_should_prune  # type: ignore[method-assign]
     watcher = threading.Thread(target=watch, name="sigterm-after-evaluation", daemon=True)
     watcher.start()
     try:
         yield
     finally:
+        optuna.trial.Trial.should_prune = should_prune  # type: ignore[method-assign]
         done.set()
         watcher.join()
     assert sent.is_set(), "the trial ended before it reported an evaluation to stop after"

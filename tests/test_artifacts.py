@@ -29,7 +29,16 @@ from storage.artifacts import (
     resolve_artifact_url,
     validated_artifact_url,
 )
-from tests.conftest import run_hpo, start_hpo, tiny_config, wait_until_training, write_config
+from tests.conftest import (
+    hold_env,
+    holding_metrics,
+    run_hpo,
+    start_hpo,
+    tiny_config,
+    wait_until_held,
+    wait_until_training,
+    write_config,
+)
 
 STUDY, FOLDER = "s-0123456789ab", "trial-0"
 
@@ -355,15 +364,19 @@ def test_a_trial_stopped_on_one_host_resumes_on_another_from_the_store(
     raw = tiny_config(
         *easy_data,
         study={"n_trials": 1, "pruner": {"type": "none"}, "artifact_store": store_url},
-        # 384 steps, an evaluation every 32: time to see the first one before the trial ends
+        # 384 steps, an evaluation every 32: the first holds until the SIGTERM arrives (a tiny
+        # trial may otherwise finish training before it)
         training={"epochs": 12, "evals_per_epoch": 1},
     )
-    config = write_config(tmp_path / "c.yaml", raw)
     host_a, host_b = tmp_path / "host-a", tmp_path / "host-b"
     host_a.mkdir(), host_b.mkdir()
+    raw["metrics"] = holding_metrics(tmp_path)  # held on host A only: no HPO_TEST_HELD here
+    config = write_config(tmp_path / "c.yaml", raw)
     args = ("run", "--study", "nli/1", "--config", str(config), "--storage", url)
-    worker = start_hpo(*args, cwd=host_a, own_group=True)
-    study = wait_until_training(url, "nli/1", [worker], evaluations=1)
+    held = tmp_path / "held"
+    worker = start_hpo(*args, cwd=host_a, env=hold_env(held), own_group=True)
+    study = wait_until_training(url, "nli/1", [worker])
+    wait_until_held(held, [worker])
     worker.send_signal(signal.SIGTERM)
     _, stderr = worker.communicate(timeout=60)
     assert worker.returncode == 0, stderr[-3000:]

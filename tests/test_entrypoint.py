@@ -414,12 +414,25 @@ def test_user_code_failures_end_their_trial_and_the_worker_goes_on(tmp_path: Pat
 
 
 RESUMABLE_FUNCTION = """
+import os
 import time
 
 import numpy as np
 import torch
 
 EPOCHS = 40
+
+
+def hold_once(ctx):
+    # After the third report, once in the study: wait for the worker's SIGTERM (a fast machine
+    # would otherwise train all 40 epochs before it came), with a deadline.
+    try:
+        os.close(os.open("held", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    deadline = time.monotonic() + 120
+    while not ctx.should_stop and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def train(ctx):
@@ -433,6 +446,8 @@ def train(ctx):
     for epoch in range(first, EPOCHS):
         time.sleep(0.1)
         ctx.report({"val_loss": 1.0 / (epoch + 1)}, step=epoch)
+        if epoch == 2:
+            hold_once(ctx)
         if ctx.should_stop:
             ctx.save({"epoch": epoch + 1, "weights": torch.full((3,), float(epoch)),
                       "means": np.full((2, 2), epoch, np.float32),
@@ -450,7 +465,8 @@ def test_stopped_trial_resumes_from_what_the_function_saved(
     """SIGTERM to the worker: the function sees ctx.should_stop, saves (tensors and numpy
     arrays) and returns; the trial is queued again, and the next worker's attempt starts from
     ctx.restore(), with the same arrays. `other_host`:
-    the local checkpoints are gone (another host), the artifact store has the state."""
+    the local checkpoints are gone (another host), the artifact store has the state. The function
+    holds after its third report until the SIGTERM arrives."""
     import shutil
     import signal
 

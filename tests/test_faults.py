@@ -16,9 +16,12 @@ from sqlalchemy.engine import make_url
 
 from tests.conftest import (
     easy_rows,
+    hold_env,
+    holding_metrics,
     record_faults,
     start_hpo,
     tiny_config,
+    wait_until_held,
     wait_until_training,
     write_config,
     write_csv,
@@ -45,15 +48,22 @@ def test_workers_ride_out_a_database_outage(
             "grace_period": 60,
             "database_patience": 120,
         },
-        training={"epochs": 6, "evals_per_epoch": 2},  # an evaluation every ~0.5 s
+        # 12 evaluations; each trial's first holds until the outage began: both train, and
+        # report, through it (a tiny trial may otherwise finish before the cut)
+        training={"epochs": 6, "evals_per_epoch": 2},
     )
+    raw["metrics"] = holding_metrics(tmp_path)
     config = write_config(tmp_path / "c.yaml", raw)
     args = ("run", "--study", "outage", "--config", str(config), "--storage", proxied)
-    workers = [start_hpo(*args, cwd=tmp_path) for _ in range(2)]
+    held, cut = tmp_path / "held", tmp_path / "cut"
+    env = hold_env(held, release=cut, holds=budget)
+    workers = [start_hpo(*args, cwd=tmp_path, env=env) for _ in range(2)]
     try:
-        study = wait_until_training(postgres_url, "outage", workers, trials=2, evaluations=1)
+        study = wait_until_training(postgres_url, "outage", workers, trials=2)
+        wait_until_held(held, workers, count=2)
         proxy.cut()  # every connection dropped, new ones refused: a server restart
-        time.sleep(OUTAGE_S)
+        cut.touch()
+        time.sleep(OUTAGE_S)  # the outage's length, not a wait for something to happen
         proxy.restore()
         outputs = [w.communicate(timeout=600) for w in workers]
     finally:
@@ -86,14 +96,17 @@ def test_sigterm_during_evaluation_checkpoints_and_the_retry_resumes(
         easy_data[0],
         big_eval,
         study={"n_trials": 1, "pruner": {"type": "none"}, "stop_timeout": 20},
-        # Evaluating 3000 examples takes far longer than the 8 steps between evaluations.
+        # 12 evaluations of 3000 examples, 8 steps apart: the second holds until the SIGTERM
+        # arrives, which lands in it however long the 8 steps before it take.
         training={"epochs": 3, "evals_per_epoch": 4},
     )
+    raw["metrics"] = holding_metrics(tmp_path)
     config = write_config(tmp_path / "c.yaml", raw)
     args = ("run", "--study", "eval", "--config", str(config), "--storage", postgres_url)
-    worker = start_hpo(*args, cwd=tmp_path)
+    held = tmp_path / "held"
+    worker = start_hpo(*args, cwd=tmp_path, env=hold_env(held, at=2))
     study = wait_until_training(postgres_url, "eval", [worker], evaluations=1)
-    time.sleep(0.3)  # past the next 8 steps: into the second evaluation
+    wait_until_held(held, [worker])
     sent = time.monotonic()
     worker.send_signal(signal.SIGTERM)
     _, stderr = worker.communicate(timeout=60)

@@ -21,9 +21,12 @@ from hpo.trial.folders import STUDY_MARKER, prepare_trial_folder, study_folder_n
 from hpo.trial.protocol import FORK_SERVER_NAME, process_stopped
 from tests.conftest import (
     exit_code,
+    hold_env,
+    holding_metrics,
     read_csv,
     start_hpo,
     tiny_config,
+    wait_until_held,
     wait_until_training,
     write_config,
     write_csv,
@@ -207,14 +210,26 @@ def test_a_killed_fork_server_fails_its_trial_with_that_reason_and_the_worker_go
     raw = tiny_config(
         *easy_data,
         study={"n_trials": 2, "pruner": {"type": "none"}, "checkpoint_interval": 0},
-        # The fork server is killed after the first of 4 evaluations (a checkpoint each).
+        # The fork server is killed in the second of 4 evaluations (a checkpoint each), which
+        # holds until the trial process is told (a tiny trial may otherwise finish before).
         training={"epochs": 2, "evals_per_epoch": 2},
     )
+    raw["metrics"] = holding_metrics(tmp_path)
     config = write_config(tmp_path / "c.yaml", raw)
+    held = tmp_path / "held"
     worker = start_hpo(
-        "run", "--study", "fs", "--config", str(config), "--storage", url, cwd=tmp_path
+        "run",
+        "--study",
+        "fs",
+        "--config",
+        str(config),
+        "--storage",
+        url,
+        cwd=tmp_path,
+        env=hold_env(held, at=2),
     )
     wait_until_training(url, "fs", [worker], evaluations=1)
+    wait_until_held(held, [worker])
     os.kill(_fork_server(worker.pid), signal.SIGKILL)
     _, stderr = worker.communicate(timeout=600)
     assert worker.returncode == 0, stderr[-3000:]
@@ -248,15 +263,19 @@ def test_a_worker_that_wakes_after_its_trial_was_taken_over_drops_it_and_goes_on
             "grace_period": 3,
             "checkpoint_interval": 0,
         },
-        # 12 evaluations (a checkpoint each) over 3 epochs: the sleeper stops after the first,
-        # the retry and the next trial train 3 epochs at most (they trained 12).
+        # 12 evaluations (a checkpoint each) over 3 epochs: the sleeper stops in the second,
+        # held there until the retry is done (a tiny trial may otherwise finish before the
+        # SIGSTOP); the retry and the next trial train 3 epochs at most (they trained 12).
         training={"epochs": 3, "evals_per_epoch": 4},
     )
+    raw["metrics"] = holding_metrics(tmp_path)  # held in the sleeper only: HPO_TEST_HELD
     config = write_config(tmp_path / "c.yaml", raw)
     args = ("run", "--study", "wake", "--config", str(config), "--storage", url)
-    sleeper = start_hpo(*args, cwd=tmp_path)
+    held, retried = tmp_path / "held", tmp_path / "retried"
+    sleeper = start_hpo(*args, cwd=tmp_path, env=hold_env(held, at=2, release=retried))
     try:
         wait_until_training(url, "wake", [sleeper], evaluations=1)
+        wait_until_held(held, [sleeper])
         sleeper.send_signal(signal.SIGSTOP)
         time.sleep(5)  # past the grace period
         # The other worker is hpo's main in this process (the sleeper is the one under test).
@@ -265,6 +284,7 @@ def test_a_worker_that_wakes_after_its_trial_was_taken_over_drops_it_and_goes_on
         taken = capsys.readouterr().err
         assert "Traceback" not in taken, taken[-3000:]
     finally:
+        retried.touch()  # the sleeper's trial trains on once it wakes
         sleeper.send_signal(signal.SIGCONT)
     _, stderr = sleeper.communicate(timeout=120)
     assert sleeper.returncode == 0, stderr[-3000:]
@@ -287,19 +307,32 @@ def test_a_paused_worker_pauses_its_trial_process_and_continues_it_on_waking(
     raw = tiny_config(
         *easy_data,
         study={"n_trials": 1, "pruner": {"type": "none"}, "checkpoint_interval": 0},
-        # Paused after the first of 16 evaluations: 15 are left to train once it continues.
+        # Paused in the first of 16 evaluations, held there until the trial process is paused
+        # (a tiny trial may otherwise finish first): 15 are left to train once it continues.
         training={"epochs": 4, "evals_per_epoch": 4},
     )
+    raw["metrics"] = holding_metrics(tmp_path)
     config = write_config(tmp_path / "c.yaml", raw)
+    held, paused = tmp_path / "held", tmp_path / "paused"
     worker = start_hpo(
-        "run", "--study", "p", "--config", str(config), "--storage", url, cwd=tmp_path
+        "run",
+        "--study",
+        "p",
+        "--config",
+        str(config),
+        "--storage",
+        url,
+        cwd=tmp_path,
+        env=hold_env(held, release=paused),
     )
     try:
-        wait_until_training(url, "p", [worker], evaluations=1)
+        wait_until_training(url, "p", [worker])
+        wait_until_held(held, [worker])
         (trial_process,) = _children(_fork_server(worker.pid))
         worker.send_signal(signal.SIGSTOP)
         _wait_for_state(trial_process, stopped=True)
         written = _checkpoint_files(tmp_path)
+        paused.touch()  # released: a trial process that ran on would write checkpoints now
         time.sleep(2)
         assert process_stopped(trial_process)
         assert _checkpoint_files(tmp_path) == written

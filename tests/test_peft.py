@@ -7,7 +7,6 @@ import dataclasses
 import json
 import shutil
 import signal
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,8 +21,11 @@ from hpo.errors import ConfigError
 from tests.conftest import (
     MINILM_TOKENIZER,
     TINY_BERT,
+    hold_env,
+    holding_metrics,
     start_hpo,
     tiny_config,
+    wait_until_held,
     wait_until_training,
     write_config,
 )
@@ -319,30 +321,6 @@ def test_the_batch_finder_keys_and_probes_the_adapted_model(
 # -- the config ------------------------------------------------------------------------------------
 
 
-# A metrics function that holds a trial in its first evaluation until its trial process is
-# asked to stop: the SIGTERM then lands in training, wherever the machine's speed would have put
-# it (a trial of 64 tiny steps had finished training before the signal in 1 run of 10).
-STOP_IN_TRAINING_METRICS = """
-import os, pathlib, time
-
-from hpo.trial.child import stop_requested
-
-calls = 0
-
-
-def metrics(logits, labels):
-    global calls
-    calls += 1
-    held = os.environ.get("HPO_TEST_HELD_FILE")
-    if held and calls == 1:
-        pathlib.Path(held).write_text("held")
-        deadline = time.monotonic() + 120
-        while not stop_requested() and time.monotonic() < deadline:
-            time.sleep(0.02)
-    return {"evaluations_seen": float(calls)}
-"""
-
-
 @pytest.mark.parametrize(
     ("peft", "message"),
     [
@@ -461,19 +439,15 @@ def test_a_lora_study_resumes_from_the_store_and_downloads_an_adapter_or_a_merge
         training={"learning_rate": 2e-2},
     )
     raw["search_space"]["learning_rate"] = {"type": "categorical", "choices": [2e-2]}
-    raw["metrics"] = "holding_metrics:metrics"
-    (tmp_path / "holding_metrics.py").write_text(STOP_IN_TRAINING_METRICS, encoding="utf-8")
+    # (a trial of 64 tiny steps had finished training before the signal in 1 run of 10)
+    raw["metrics"] = holding_metrics(tmp_path)
     config = write_config(tmp_path / "lora.yaml", raw)
     args = ("run", "--study", "lora", "--config", str(config), "--storage", url)
 
     held = tmp_path / "held"
-    env = {"HPO_TEST_HELD_FILE": str(held)}
-    first = start_hpo(*args, cwd=tmp_path, env=env, own_group=True)
+    first = start_hpo(*args, cwd=tmp_path, env=hold_env(held, release="stop"), own_group=True)
     study = wait_until_training(url, "lora", [first])
-    deadline = time.monotonic() + 180
-    while not held.exists():
-        assert first.poll() is None and time.monotonic() < deadline, "never held in training"
-        time.sleep(0.05)
+    wait_until_held(held, [first])
     first.send_signal(signal.SIGTERM)
     _, stderr = first.communicate(timeout=60)
     assert first.returncode == 0, stderr[-3000:]

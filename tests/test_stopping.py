@@ -20,9 +20,12 @@ from optuna.trial import TrialState
 
 from hpo.trial.folders import study_folder_name
 from tests.conftest import (
+    hold_env,
+    holding_metrics,
     record_faults,
     start_hpo,
     tiny_config,
+    wait_until_held,
     wait_until_training,
     write_config,
 )
@@ -146,9 +149,11 @@ def _run_in_process(
     assert "Traceback" not in err, err[-3000:]
 
 
-def _start_worker(config: Path, url: str, cwd: Path) -> subprocess.Popen[str]:
+def _start_worker(
+    config: Path, url: str, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
     args = ("run", "--study", "stop", "--config", str(config), "--storage", url)
-    return start_hpo(*args, cwd=cwd, own_group=True)
+    return start_hpo(*args, cwd=cwd, env=env, own_group=True)
 
 
 @pytest.mark.postgres
@@ -164,12 +169,16 @@ def test_a_preempted_trial_resumes_from_its_checkpoint_on_the_next_worker(
     raw = tiny_config(
         *easy_data,
         study={"n_trials": 1, "pruner": {"type": "none"}},
-        # 96 steps, an evaluation every 8: time to see the first one before the trial ends
+        # 96 steps, an evaluation every 8: the first holds until the SIGTERM arrives (a tiny
+        # trial may otherwise finish training before it)
         training={"epochs": 3, "evals_per_epoch": 4},
     )
+    raw["metrics"] = holding_metrics(tmp_path)
     config = write_config(tmp_path / "c.yaml", raw)
-    worker = _start_worker(config, url, tmp_path)
-    study = wait_until_training(url, "stop", [worker], evaluations=1)
+    held = tmp_path / "held"
+    worker = _start_worker(config, url, tmp_path, env=hold_env(held, at=1, release="stop"))
+    study = wait_until_training(url, "stop", [worker])
+    wait_until_held(held, [worker])
     worker.send_signal(signal.SIGTERM)
     _, stderr = worker.communicate(timeout=60)
     assert worker.returncode == 0, stderr[-3000:]

@@ -19,7 +19,14 @@ import optuna
 import pytest
 
 from hpo.tracking.background import STUDY, BackgroundCalls, GiveUp
-from tests.conftest import start_hpo, tiny_config, write_config
+from tests.conftest import (
+    hold_env,
+    holding_metrics,
+    start_hpo,
+    tiny_config,
+    wait_until_held,
+    write_config,
+)
 
 HTTP_SETTINGS = ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")
 
@@ -127,36 +134,15 @@ def _wait_for_runs(
     pytest.fail(f"no {what} in MLflow")
 
 
-# A metrics function that holds the worker in its trial 0's second evaluation (the first is
-# in MLflow by then): the test kills it there, where before it froze the worker at a guess and
-# looked, and a slow machine's worker could finish its trials first (a CI failure).
-HOLDING_METRICS = """
-import os, pathlib, time
-
-calls = 0
-
-
-def metrics(logits, labels):
-    global calls
-    calls += 1
-    held = os.environ.get("HPO_TEST_HELD_FILE")
-    if held and calls == 2:
-        pathlib.Path(held).write_text("held")
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:  # until the test kills this worker
-            time.sleep(0.05)
-    return {"evaluations_seen": float(calls)}
-"""
+# The worker is held in its trial 0's second evaluation (the first is in MLflow by then) by
+# conftest's HOLDING_METRICS: the test kills it there, where before it froze the worker at a guess
+# and looked, and a slow machine's worker could finish its trials first (a CI failure).
 
 
 def _kill_when_held(worker: Any, held: Path, client: Any, experiment: str) -> int:
     """SIGKILL `worker` once it is held in trial 0's second evaluation and trial 0's first
     evaluation is in MLflow; returns 0, the trial lost."""
-    deadline = time.monotonic() + 180
-    while not held.exists():
-        if worker.poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"the first worker was never held in its trial: {worker.poll()}")
-        time.sleep(0.05)
+    wait_until_held(held, [worker])
     _wait_for_runs(
         client,
         experiment,
@@ -189,7 +175,7 @@ def test_two_workers_log_one_study_a_lost_trial_goes_on_in_its_run_and_retrain_r
     }
     training = {"epochs": 2, "evals_per_epoch": 2}
     tracking = {"mlflow": {"uri": mlflow_server}}
-    (tmp_path / "holding_metrics.py").write_text(HOLDING_METRICS, encoding="utf-8")
+    metrics = holding_metrics(tmp_path)
     args = _study_args(
         tmp_path,
         easy_data,
@@ -197,11 +183,12 @@ def test_two_workers_log_one_study_a_lost_trial_goes_on_in_its_run_and_retrain_r
         "shared",
         study=study_section,
         training=training,
-        metrics="holding_metrics:metrics",
+        metrics=metrics,
     )
     client = mlflow.MlflowClient(mlflow_server)
     held = tmp_path / "held"
-    doomed = start_hpo(*args, "--quiet", cwd=tmp_path, env={"HPO_TEST_HELD_FILE": str(held)})
+    env = hold_env(held, at=2, release="never")  # until killed
+    doomed = start_hpo(*args, "--quiet", cwd=tmp_path, env=env)
     try:
         killed_in = _kill_when_held(doomed, held, client, "hpo-shared")
     finally:
@@ -623,11 +610,20 @@ def test_the_tracker_hears_a_trials_end_only_once_the_study_recorded_it(
 
 def test_a_full_queue_gives_calls_up_without_blocking() -> None:
     calls = BackgroundCalls("MLflow", patience_s=5, max_waiting=1)
-    slow_started = time.monotonic()
-    calls.submit(0, "slow", lambda: time.sleep(0.5))
-    for index in range(5):
-        calls.submit(index + 1, f"call {index}", lambda: None)
-    assert time.monotonic() - slow_started < 0.2  # never waits for the tracker
+    release = threading.Event()
+    calls.submit(0, "slow", lambda: release.wait(30))  # the tracker hangs until released
+
+    def submit_more() -> None:
+        for index in range(5):
+            calls.submit(index + 1, f"call {index}", lambda: None)
+
+    submitting = threading.Thread(target=submit_more)
+    submitting.start()
+    submitting.join(timeout=20)
+    blocked = submitting.is_alive()
+    release.set()
+    submitting.join()
+    assert not blocked  # never waits for the tracker: all submitted while it hangs
     calls.close(5)
     assert len(calls.missing) >= 3
 

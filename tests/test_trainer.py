@@ -244,20 +244,33 @@ def test_trainer_does_not_import_optuna() -> None:
 # A DataLoader worker handing a batch's tensor over as a file descriptor (resource_sharer's
 # serving thread), and a training process that leaves mid-handshake (a reset).
 HANDED_OVER = """
-import os, socket, struct, sys, time
+import os, select, socket, struct, sys, threading
 from multiprocessing import resource_sharer
 from trainer import loaders
 
 if sys.argv[1] == "worker":
     loaders.leave_stop_signals_to_the_trainer(0)
+told = threading.Event()
+hook = sys.excepthook
+
+
+def telling(*args):  # outside whatever hook is installed: says the serving thread reported
+    try:
+        hook(*args)
+    finally:
+        told.set()
+
+
+sys.excepthook = telling
 read, _ = os.pipe()
 resource_sharer.DupFd(read)
 client = socket.socket(socket.AF_UNIX)
 client.connect(resource_sharer._resource_sharer._address)
-time.sleep(0.3)  # the challenge sent, unread
+assert select.select([client], [], [], 30)[0]  # the challenge sent, unread
 client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 client.close()
-time.sleep(0.5)
+assert told.wait(30)  # the serving thread met the reset and reported it (or kept quiet)
+sys.excepthook = hook
 try:
     1 / 0
 except ZeroDivisionError:

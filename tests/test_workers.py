@@ -11,9 +11,12 @@ import optuna
 import pytest
 
 from tests.conftest import (
+    hold_env,
+    holding_metrics,
     record_faults,
     start_hpo,
     tiny_config,
+    wait_until_held,
     wait_until_training,
     write_config,
 )
@@ -80,15 +83,19 @@ def test_a_killed_workers_trial_is_failed_and_retried_elsewhere(
             "checkpoint_interval": 0,  # a checkpoint at every evaluation, for the retry
         },
         # 12 evaluations (a checkpoint each) over 3 epochs, not 12 epochs of one: the worker is
-        # killed after the first, and the retry trains what is left (seconds, not a minute).
+        # killed in the second, held until its trial process sees the worker gone (a tiny trial
+        # may otherwise finish first), and the retry trains what is left.
         training={"epochs": 3, "evals_per_epoch": 4},
     )
+    raw["metrics"] = holding_metrics(tmp_path)
     config = write_config(tmp_path / "c.yaml", raw)
     args = ("run", "--study", "kill", "--config", str(config), "--storage", postgres_url, "--quiet")
-    doomed = start_hpo(*args, cwd=tmp_path)
+    held = tmp_path / "held"
+    doomed = start_hpo(*args, cwd=tmp_path, env=hold_env(held, at=2))
     try:
         # Training, and checkpointed once: the retry has something to resume from.
         wait_until_training(postgres_url, "kill", [doomed], evaluations=1)
+        wait_until_held(held, [doomed])
     finally:
         doomed.send_signal(signal.SIGKILL)
         doomed.wait(timeout=30)

@@ -110,15 +110,24 @@ def test_a_stop_as_a_worker_starts_ends_it_quietly(
 ) -> None:
     url = f"sqlite:///{tmp_path / 'stop.db'}"
     endless = tiny_config(*easy_data, study={"pruner": {"type": "none"}}, training={"epochs": 1000})
-    worker = _start_worker(write_config(tmp_path / "endless.yaml", endless), url, tmp_path)
-    if moment != "while the fork server loads":
-        time.sleep(0.2 if moment == "while the CLI loads" else 1.5)
-    else:  # the first trial exists: its trial process is being started, torch loading
+    config = write_config(tmp_path / "endless.yaml", endless)
+    if moment == "while inputs are checked":  # held there until the signal was sent
+        worker = _start_worker(config, url, tmp_path, env=_held_in_check_inputs(tmp_path))
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "checking").exists():
+            assert worker.poll() is None and time.monotonic() < deadline, "never checked inputs"
+            time.sleep(0.02)
+    else:
+        worker = _start_worker(config, url, tmp_path)
+    if moment == "while the CLI loads":
+        time.sleep(0.2)  # a stop at any moment of the loading is this case: no moment to hit
+    elif moment == "while the fork server loads":  # its trial process is being started
         deadline = time.monotonic() + 120
         while not _first_trial_asked(url) and time.monotonic() < deadline:
             time.sleep(0.02)
         time.sleep(0.3)
     os.killpg(worker.pid, signum)  # Ctrl-C in a terminal, or a scheduler's stop: the group
+    (tmp_path / "go").touch()  # a check held where the stop did not interrupt it goes on
     _, stderr = worker.communicate(timeout=60)
     assert worker.returncode == (130 if signum == signal.SIGINT else 0), stderr[-3000:]
     assert f"stopped by {signum.name}" in stderr, stderr[-3000:]
@@ -126,6 +135,37 @@ def test_a_stop_as_a_worker_starts_ends_it_quietly(
     assert "torch." not in stderr, stderr[-3000:]  # no library's INFO lines at exit
     if moment != "while the fork server loads":
         assert not (tmp_path / "stop.db").exists()  # stopped before anything was written
+
+
+# Started before hpo's main (sitecustomize): `check_inputs` says it began, then waits for the
+# test's "go" (after its signal), so the stop lands while inputs are checked on any machine.
+HOLD_CHECK_INPUTS = """
+import os, pathlib, time
+
+import hpo.commands.run as run
+
+checking = run.check_inputs
+
+
+def held(*args, **kwargs):
+    folder = pathlib.Path(os.environ["HPO_TEST_CHECK_FOLDER"])
+    (folder / "checking").touch()
+    deadline = time.monotonic() + 60
+    while not (folder / "go").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return checking(*args, **kwargs)
+
+
+run.check_inputs = held
+"""
+
+
+def _held_in_check_inputs(folder: Path) -> dict[str, str]:
+    site = folder / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(HOLD_CHECK_INPUTS, encoding="utf-8")
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "HPO_TEST_CHECK_FOLDER": str(folder)}
 
 
 def _first_trial_asked(url: str) -> bool:

@@ -1,0 +1,357 @@
+"""`hpo ensemble` and `Study.ensemble`: the study's top models (or hpo retrain's outputs) combined.
+Each member predicts the evaluation split (and the test split, data.test_file) once: the arrays
+are cached on disk by the member's weights and the data file's sha256. hpo.ensemble scores every
+candidate honestly and fits the stack; the folder saved holds the members' copies, the
+meta-learner (skops) and a model card. A stack no better than the best member saves that member,
+a plain model folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpo.errors import HPOError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+log = logging.getLogger("hpo")
+
+CARD_JSON = "ensemble_card.json"
+CARD_MD = "ENSEMBLE.md"
+DEFAULT_TOP = 5  # as --top
+
+
+@dataclass(frozen=True)
+class EnsembleRequest:
+    """`hpo ensemble --study S --out DIR` and its options."""
+
+    out: str
+    study: str | None = None
+    storage: str | None = None
+    config: str | None = None
+    top: int = DEFAULT_TOP
+    from_retrain: tuple[str, ...] = ()
+    learners: tuple[str, ...] = ()
+    features: str = "predictions"
+    pca: int | None = None
+    soup: str = "none"
+    device: str = "auto"
+    batch_size: int = 32
+    quiet: bool = False
+    cache_dir: str | None = None
+
+
+@dataclass
+class DataFiles:
+    """The files members predict, and how their labels read."""
+
+    task: str
+    evaluation: Path
+    test: Path | None
+    label_column: str
+    label_separator: str = ","
+
+
+@dataclass
+class Outcome:
+    """What `ensemble_command` built: the report, the folder, the table printed."""
+
+    report: Any
+    folder: Path
+    table: str
+    saved: str  # "stacking" or "best_member"
+    members: dict[str, Path] = field(default_factory=dict)
+
+
+def ensemble_command(request: EnsembleRequest) -> int:
+    outcome = build_ensemble(request)
+    if not request.quiet:
+        print(outcome.table)
+    return 0
+
+
+def build_ensemble(request: EnsembleRequest) -> Outcome:
+    """Members, their cached predictions, the honest report, the folder written."""
+    from hpo.ensemble import FeatureSettings, check_stackable, evaluate_ensemble
+
+    out = Path(request.out)
+    if out.exists():
+        raise HPOError(f"--out {out} already exists; name a new folder")
+    if not out.parent.is_dir():
+        raise HPOError(f"--out {out}: no such folder {str(out.parent)!r}; create it first")
+    if request.features != "predictions":
+        raise HPOError(
+            f"--features {request.features}: only predictions are wired into hpo ensemble yet; "
+            "use --features predictions"
+        )
+    if request.soup != "none":
+        raise HPOError(f"--soup {request.soup}: soups are not wired into hpo ensemble yet")
+    members, data = _members_and_data(request)
+    if len(members) < 2:
+        raise HPOError(
+            f"an ensemble needs at least 2 members, found {len(members)}: raise --top, or give "
+            "more --from-retrain folders"
+        )
+    check_stackable(data.task)
+    order = _label_order(next(iter(members.values())), data.task)
+    evaluation = _split(members, data.evaluation, data, order, request)
+    test = _split(members, data.test, data, order, request) if data.test else None
+    settings = FeatureSettings(
+        kind="predictions", scale=request.pca is not None, pca_components=request.pca
+    )
+    report = evaluate_ensemble(
+        data.task,
+        evaluation,
+        test,
+        learners=list(request.learners) or None,
+        settings=settings,
+    )
+    saved = _save(out, report, members)
+    return Outcome(report, out, table(report, saved), saved, members)
+
+
+# -- members -------------------------------------------------------------------------------------
+
+
+def _members_and_data(request: EnsembleRequest) -> tuple[dict[str, Path], DataFiles]:
+    if request.from_retrain and request.study:
+        raise HPOError("give --study or --from-retrain, not both")
+    if request.from_retrain:
+        if request.config is None:
+            raise HPOError("--from-retrain needs --config: the config the study ran with")
+        members = {}
+        for given in request.from_retrain:
+            folder = Path(given)
+            if not (folder / "config.json").is_file():
+                raise HPOError(
+                    f"--from-retrain {folder}: not a model folder (no config.json); give the "
+                    "folder hpo retrain --out wrote"
+                )
+            members[folder.name] = folder
+        return members, _data_of_config(request.config)
+    if not request.study:
+        raise HPOError("give --study NAME (its top trials' models) or --from-retrain DIR ...")
+    if request.top < 2:
+        raise HPOError(f"--top {request.top}: an ensemble needs at least 2 members")
+    from hpo import services
+    from hpo.study.setup_record import SETUP_ATTR
+
+    storage, url = services.open_storage_to_read(request.storage)
+    study = services.load_existing_study(storage, request.study, url.masked)
+    members = _top_models(study, request.top)
+    if request.config is not None:
+        return members, _data_of_config(request.config)
+    return members, _data_of_setup(study.user_attrs.get(SETUP_ATTR) or {}, request.study)
+
+
+def _top_models(study: Any, top: int) -> dict[str, Path]:
+    """The best `top` completed trials whose kept model is on this host."""
+    import optuna
+
+    if len(study.directions) > 1:
+        raise HPOError("a multi-objective study has no single order of its trials to ensemble")
+    reverse = study.direction == optuna.study.StudyDirection.MAXIMIZE
+    done = [
+        t
+        for t in study.get_trials(deepcopy=False, states=[optuna.trial.TrialState.COMPLETE])
+        if t.value is not None
+    ]
+    members: dict[str, Path] = {}
+    for trial in sorted(done, key=lambda t: t.value, reverse=reverse):
+        kept = trial.user_attrs.get("best_model")
+        if kept and (Path(kept) / "config.json").is_file():
+            members[f"trial-{trial.number}"] = Path(kept)
+        elif kept:
+            log.info("trial #%d: its model %s is not on this host; left out", trial.number, kept)
+        if len(members) == top:
+            break
+    return members
+
+
+def _data_of_config(path: str) -> DataFiles:
+    from hpo.config.loader import load_config
+
+    config = load_config(path)
+    data = config.data
+    test = getattr(data, "test_file", None)
+    return DataFiles(
+        config.task,
+        Path(data.eval_file),
+        Path(test) if test else None,
+        data.label_column,
+        data.label_separator or ",",
+    )
+
+
+def _data_of_setup(setup: dict[str, Any], study: str) -> DataFiles:
+    entry = setup.get("data.eval_file")
+    if not isinstance(entry, dict) or not entry.get("path"):
+        raise HPOError(
+            f"study {study!r} recorded no evaluation file; give --config, the config it ran with"
+        )
+    return DataFiles(
+        str(setup.get("task") or "sequence_classification"),
+        Path(entry["path"]),
+        None,
+        str(setup.get("data.label_column") or "label"),
+        str(setup.get("data.label_separator") or ","),
+    )
+
+
+# -- predictions, cached ------------------------------------------------------------------------
+
+
+def _label_order(folder: Path, task: str) -> list[str]:
+    """The class (label) names in the first member's id order; members must share them."""
+    config = json.loads((folder / "config.json").read_text())
+    id2label = config.get("id2label") or {}
+    return [] if task == "regression" else [id2label[k] for k in sorted(id2label, key=int)]
+
+
+def _split(
+    members: dict[str, Path],
+    path: Path,
+    data: DataFiles,
+    order: list[str],
+    request: EnsembleRequest,
+) -> Any:
+    from hpo.commands.predict import input_rows
+    from hpo.ensemble import FeatureCache, Split, weights_sha256
+    from trainer.digests import file_sha256
+
+    if not path.is_file() or path.suffix.lower() not in (".csv", ".jsonl"):
+        raise HPOError(f"{path}: the members predict a .csv or .jsonl file; none there")
+    with input_rows(path) as (_, rows_iter):
+        rows = list(rows_iter)
+    labels = _labels(rows, data, order, path)
+    cache = FeatureCache(Path(request.cache_dir) if request.cache_dir else None)
+    digest = file_sha256(path)
+    predictions = {}
+    for name, folder in members.items():
+
+        def compute(folder: Path = folder) -> np.ndarray:
+            return member_predictions(folder, rows, order, request)
+
+        predictions[name] = cache.get_or_compute(
+            weights_sha256(folder), digest, "predictions", compute
+        )
+    return Split(predictions, labels)
+
+
+def member_predictions(
+    folder: Path, rows: Sequence[dict[str, Any]], order: list[str], request: EnsembleRequest
+) -> np.ndarray:
+    """A member's outputs on `rows`: probabilities in `order`'s class order, or values."""
+    from hpo.commands.predict import answers_array, predict_rows
+    from trainer.device import resolve_device
+    from trainer.inference import Predictor
+
+    predictor = Predictor(folder, resolve_device(request.device, "--device"), request.batch_size)
+    return answers_array(list(predict_rows(predictor, rows)), predictor.settings.task, order)
+
+
+def _labels(rows: list[dict[str, Any]], data: DataFiles, order: list[str], path: Path) -> Any:
+    import numpy as np
+
+    column = data.label_column
+    values = []
+    for number, row in enumerate(rows, start=1):
+        if column not in row:
+            raise HPOError(f"{path}: row {number} has no label column {column!r}")
+        values.append(row[column])
+    if data.task == "regression":
+        return np.asarray([float(v) for v in values])
+    index = {name: i for i, name in enumerate(order)}
+    if data.task == "multi_label_classification":
+        hot = np.zeros((len(values), len(order)), dtype=np.int64)
+        for r, value in enumerate(values):
+            names = value if isinstance(value, list) else str(value).split(data.label_separator)
+            for label in (n.strip() for n in names if str(n).strip()):
+                hot[r, _label_id(index, label, path)] = 1
+        return hot
+    return np.asarray([_label_id(index, str(v), path) for v in values])
+
+
+def _label_id(index: dict[str, int], label: str, path: Path) -> int:
+    if label not in index:
+        raise HPOError(f"{path}: label {label!r} is none of the members' ({', '.join(index)})")
+    return index[label]
+
+
+# -- the folder and the table ---------------------------------------------------------------------
+
+
+def _save(out: Path, report: Any, members: dict[str, Path]) -> str:
+    from hpo.ensemble import save_ensemble
+
+    card = card_json(report, members)
+    files = {CARD_JSON: json.dumps(card, indent=2) + "\n", CARD_MD: card_markdown(report)}
+    if report.choice == "stacking":
+        save_ensemble(out, report, members, copy_members=True, extra_files=files)
+        return "stacking"
+    # Not better than the best member: that member is the model, a plain folder.
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        shutil.copytree(members[report.best_member], staging / "model")
+        for name, text in files.items():
+            (staging / "model" / name).write_text(text, encoding="utf-8")
+        (staging / "model").rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return "best_member"
+
+
+def card_json(report: Any, members: dict[str, Path]) -> dict[str, Any]:
+    return {
+        "members": {name: str(folder) for name, folder in members.items()},
+        **report.to_json(),
+    }
+
+
+def _rows(report: Any) -> list[tuple[str, float]]:
+    rows = [
+        (f"best single member ({report.best_member})", report.best_member_score),
+        ("soft voting", report.soft_voting_score),
+        ("greedy selection", report.selection_score),
+    ]
+    rows += [(f"stacking: {name}", value) for name, value in report.stacking_scores.items()]
+    return rows
+
+
+def table(report: Any, saved: str) -> str:
+    lines = [f"{'candidate':<44} {report.metric:>10}"]
+    lines += [f"{name:<44} {value:>10.4f}" for name, value in _rows(report)]
+    measured = "test split" if report.measured_on == "test_split" else f"{report.folds}-fold CV"
+    lines.append(f"measured: {measured} ({report.how_measured})")
+    lines += report.notes
+    what = (
+        f"the stacked model ({report.best_learner})"
+        if saved == "stacking"
+        else f"the best member ({report.best_member}), as a plain model folder"
+    )
+    lines.append(f"saved: {what}")
+    return "\n".join(lines)
+
+
+def card_markdown(report: Any) -> str:
+    lines = [
+        "# Ensemble model card",
+        "",
+        f"Task: {report.task}. Metric: {report.metric}. Measured {report.how_measured}.",
+        "",
+        "| member | score |",
+        "|---|---|",
+    ]
+    lines += [f"| {name} | {value:.4f} |" for name, value in report.member_scores.items()]
+    lines += ["", "| candidate | score |", "|---|---|"]
+    lines += [f"| {name} | {value:.4f} |" for name, value in _rows(report)]
+    lines += ["", f"Saved: {report.choice}.", *report.notes, ""]
+    return "\n".join(lines)

@@ -97,8 +97,9 @@ def build_ensemble(request: EnsembleRequest) -> Outcome:
     members, data = _members_and_data(request)
     if len(members) < 2:
         raise HPOError(
-            f"an ensemble needs at least 2 members, found {len(members)}: raise --top, or give "
-            "more --from-retrain folders"
+            f"an ensemble needs at least 2 members, found {len(members)} model(s) on this host: "
+            "a study keeps only its best trial's model; give hpo retrain's study (it keeps each "
+            "configuration's best run), raise --top, or give --from-retrain folders"
         )
     check_stackable(data.task)
     order = _label_order(next(iter(members.values())), data.task)

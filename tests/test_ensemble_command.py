@@ -1,0 +1,177 @@
+"""`hpo ensemble` and ensembles in `hpo predict` / `hpo.load_model` (issue 44): a tiny 3-trial
+study's kept models stacked, end to end; the second run reads the feature cache (no member
+predicts again); the saved folder predicts as its meta-learner on the members' outputs; every
+refusal is one line, exit code 2.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import hpo
+from hpo.ensemble import EnsembleReport, load_ensemble, stack_features
+from tests.conftest import easy_rows, read_csv, tiny_config, write_config, write_csv
+
+Main = Callable[[list[str]], int]
+
+
+def _refused(hpo_main: Main, capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    capsys.readouterr()
+    assert hpo_main(list(args)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hpo: error: ") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def _study(
+    tmp_path: Path, easy_data: tuple[Path, Path], hpo_main: Main, monkeypatch: pytest.MonkeyPatch
+) -> tuple[str, Path]:
+    """A 3-trial study that keeps every trial's model (a plain study keeps only the best one's;
+    hpo retrain's study keeps each configuration's best run's)."""
+    from hpo.study import kept_models
+
+    monkeypatch.setattr(
+        kept_models, "kept_models", lambda trials, rule, with_model: set(with_model)
+    )
+    raw = tiny_config(
+        *easy_data,
+        study={"n_trials": 3, "pruner": {"type": "none"}, "checkpoint_dir": str(tmp_path / "c")},
+        training={"max_steps": 6, "evals_per_epoch": 1},
+    )
+    config = write_config(tmp_path / "c.yaml", raw)
+    url = f"sqlite:///{tmp_path / 'hpo.db'}"
+    run = ["run", "--study", "s", "--config", str(config), "--storage", url, "--quiet"]
+    assert hpo_main(run) == 0
+    return url, config
+
+
+def _member_outputs(folder: Path, rows: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+    saved = load_ensemble(folder)
+    outputs = {}
+    for name, path in saved.members.items():
+        model = hpo.load_model(path)
+        answers = model.predict(rows)
+        outputs[name] = np.array([[a["probabilities"][n] for n in model.labels] for a in answers])
+    return outputs
+
+
+def test_a_study_s_top_models_stack_cache_and_predict(
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    hpo_main: Main,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    url, config = _study(tmp_path, easy_data, hpo_main, monkeypatch)
+    ensemble = ["ensemble", "--study", "s", "--storage", url, "--top", "3"]
+    capsys.readouterr()
+    out = tmp_path / "ens"
+    assert hpo_main([*ensemble, "--learner", "logistic_regression", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    for line in ("best single member", "soft voting", "greedy selection", "stacking: "):
+        assert line in table, table
+    assert "measured: 5-fold CV" in table
+    assert (out / "ensemble.json").is_file() or (out / "config.json").is_file()
+    assert (out / "ENSEMBLE.md").is_file() and (out / "ensemble_card.json").is_file()
+
+    # The second run reads every member's predictions from the cache: no Predictor is built.
+    import trainer.inference
+
+    def no_forward(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a member predicted again: the feature cache was not read")
+
+    # Stacking forced to win, so the folder is a stacked ensemble whatever the tiny models score.
+    monkeypatch.setattr(EnsembleReport, "stacking_beats_best_member", property(lambda r: True))
+    with monkeypatch.context() as patched:
+        patched.setattr(trainer.inference.Predictor, "__init__", no_forward)
+        stacked = tmp_path / "stacked"
+        assert hpo_main([*ensemble, "--learner", "logistic_regression", "--out", str(stacked)]) == 0
+    assert "saved: the stacked model (logistic_regression)" in capsys.readouterr().out
+    assert sorted(p.name for p in (stacked / "members").iterdir()) == sorted(
+        load_ensemble(stacked).members
+    )
+
+    # hpo predict --model ENSEMBLE: the meta-learner applied to the members' outputs.
+    rows = easy_rows(12, 7)
+    source, predictions = write_csv(tmp_path / "in.csv", rows), tmp_path / "p.csv"
+    args = ["predict", "--model", str(stacked), "--input", str(source), "--out", str(predictions)]
+    assert hpo_main(args) == 0
+    saved = load_ensemble(stacked)
+    assert saved.model is not None
+    expected = saved.model.predict(
+        stack_features(_member_outputs(stacked, rows), saved.model.members)
+    )
+    written = read_csv(predictions)
+    got = np.array(
+        [[float(r["probabilities.neg"]), float(r["probabilities.pos"])] for r in written]
+    )
+    np.testing.assert_allclose(got, expected, atol=1e-6)
+    model = hpo.load_model(stacked)
+    assert [a["label"] for a in model.predict(rows)] == [r["label"] for r in written]
+
+    # With data.test_file every candidate is scored there, and the table says so.
+    test_file = write_csv(tmp_path / "data" / "test.csv", easy_rows(40, 3))
+    import yaml
+
+    raw = yaml.safe_load(config.read_text())
+    raw["data"]["test_file"] = str(test_file)
+    with_test = write_config(tmp_path / "t.yaml", raw)
+    on_test = [*ensemble, "--config", str(with_test), "--out", str(tmp_path / "t")]
+    assert hpo_main([*on_test, "--learner", "logistic_regression"]) == 0
+    assert "measured: test split" in capsys.readouterr().out
+
+    # Refusals, one line each, nothing written: a member changed, a pickle as meta-learner.
+    damaged = tmp_path / "damaged"
+    shutil.copytree(stacked, damaged)
+    member = next((damaged / "members").iterdir())
+    weights = next(member.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
+    err = _refused(hpo_main, capsys, *args[:2], str(damaged), *args[3:])
+    assert "sha256" in err and member.name in err
+    shutil.rmtree(member)
+    assert "is missing" in _refused(hpo_main, capsys, *args[:2], str(damaged), *args[3:])
+
+    pickled = tmp_path / "pickled"
+    shutil.copytree(stacked, pickled)
+    import pickle
+
+    (pickled / "meta_learner.skops").write_bytes(pickle.dumps({"estimators": []}))
+    assert "not a skops file" in _refused(hpo_main, capsys, *args[:2], str(pickled), *args[3:])
+
+    err = _refused(hpo_main, capsys, *ensemble[:-2], "--top", "1", "--out", str(tmp_path / "x"))
+    assert "at least 2 members" in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_causal_lm_stacking_is_refused_in_one_line(
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    hpo_main: Main,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    members = []
+    for name in ("a", "b"):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+        members.append(str(folder))
+    raw = tiny_config(*easy_data)
+    raw["task"] = "causal_lm"
+    raw["data"] = {
+        **raw["data"],
+        "prompt_column": "text",
+        "completion_column": "label",
+    }
+    raw["study"]["metric"] = "eval_loss"
+    config = write_config(tmp_path / "c.yaml", raw)
+    out = tmp_path / "out"
+    args = ["ensemble", "--from-retrain", *members, "--config", str(config), "--out", str(out)]
+    err = _refused(hpo_main, capsys, *args)
+    assert "causal_lm" in err and "soup" in err
+    assert not out.exists()

@@ -78,8 +78,9 @@ def ensemble_command(request: EnsembleRequest) -> int:
     return 0
 
 
-def build_ensemble(request: EnsembleRequest) -> Outcome:
-    """Members, their cached predictions, the honest report, the folder written."""
+def build_ensemble(request: EnsembleRequest, study: Any = None) -> Outcome:
+    """Members, their cached predictions, the honest report, the folder written. `study`: the
+    Optuna study already open (the Python API's), else --study in --storage is opened."""
     from hpo.ensemble import FeatureSettings, check_stackable, evaluate_ensemble
 
     out = Path(request.out)
@@ -94,7 +95,7 @@ def build_ensemble(request: EnsembleRequest) -> Outcome:
         )
     if request.soup != "none":
         raise HPOError(f"--soup {request.soup}: soups are not wired into hpo ensemble yet")
-    members, data = _members_and_data(request)
+    members, data = _members_and_data(request, study)
     if len(members) < 2:
         raise HPOError(
             f"an ensemble needs at least 2 members, found {len(members)} model(s) on this host: "
@@ -122,8 +123,10 @@ def build_ensemble(request: EnsembleRequest) -> Outcome:
 # -- members -------------------------------------------------------------------------------------
 
 
-def _members_and_data(request: EnsembleRequest) -> tuple[dict[str, Path], DataFiles]:
-    if request.from_retrain and request.study:
+def _members_and_data(
+    request: EnsembleRequest, study: Any = None
+) -> tuple[dict[str, Path], DataFiles]:
+    if request.from_retrain and (request.study or study is not None):
         raise HPOError("give --study or --from-retrain, not both")
     if request.from_retrain:
         if request.config is None:
@@ -138,19 +141,20 @@ def _members_and_data(request: EnsembleRequest) -> tuple[dict[str, Path], DataFi
                 )
             members[folder.name] = folder
         return members, _data_of_config(request.config)
-    if not request.study:
+    if not request.study and study is None:
         raise HPOError("give --study NAME (its top trials' models) or --from-retrain DIR ...")
     if request.top < 2:
         raise HPOError(f"--top {request.top}: an ensemble needs at least 2 members")
     from hpo import services
     from hpo.study.setup_record import SETUP_ATTR
 
-    storage, url = services.open_storage_to_read(request.storage)
-    study = services.load_existing_study(storage, request.study, url.masked)
+    if study is None:
+        storage, url = services.open_storage_to_read(request.storage)
+        study = services.load_existing_study(storage, str(request.study), url.masked)
     members = _top_models(study, request.top)
     if request.config is not None:
         return members, _data_of_config(request.config)
-    return members, _data_of_setup(study.user_attrs.get(SETUP_ATTR) or {}, request.study)
+    return members, _data_of_setup(study.user_attrs.get(SETUP_ATTR) or {}, study.study_name)
 
 
 def _top_models(study: Any, top: int) -> dict[str, Path]:

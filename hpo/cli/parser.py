@@ -308,6 +308,10 @@ def _add_ensemble_command(commands: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="hpo retrain --out folders as the members, instead of the study's trials",
     )
+    _add_ensemble_options(ensemble)
+
+
+def _add_ensemble_options(ensemble: argparse.ArgumentParser) -> None:
     ensemble.add_argument(
         "--learner",
         action="append",

@@ -87,6 +87,7 @@ def test_a_study_s_top_models_stack_cache_and_predict(
         raise AssertionError("a member predicted again: the feature cache was not read")
 
     # Stacking forced to win, so the folder is a stacked ensemble whatever the tiny models score.
+    honest = EnsembleReport.stacking_beats_best_member
     monkeypatch.setattr(EnsembleReport, "stacking_beats_best_member", property(lambda r: True))
     with monkeypatch.context() as patched:
         patched.setattr(trainer.inference.Predictor, "__init__", no_forward)
@@ -131,6 +132,16 @@ def test_a_study_s_top_models_stack_cache_and_predict(
     on_test = [*ensemble, "--config", str(with_test), "--out", str(tmp_path / "t")]
     assert hpo_main([*on_test, "--learner", "logistic_regression"]) == 0
     assert "measured: test split" in capsys.readouterr().out
+
+    # Members of one base architecture: the greedy soup is built, scored on the test split and
+    # shown beside; whatever wins, the folder predicts (a soup or a member: a plain folder).
+    monkeypatch.setattr(EnsembleReport, "stacking_beats_best_member", honest)  # scores decide
+    souped = tmp_path / "souped"
+    with_soup = [*ensemble, "--config", str(with_test), "--soup", "greedy", "--out", str(souped)]
+    assert hpo_main([*with_soup, "--learner", "logistic_regression"]) == 0
+    said = capsys.readouterr().out
+    assert "greedy soup (" in said and "greedy soup: scored on the test split" in said, said
+    assert len(hpo.load_model(souped).predict(rows)) == len(rows)
 
     # Refusals, one line each, nothing written: a member changed, a pickle as meta-learner.
     damaged = tmp_path / "damaged"

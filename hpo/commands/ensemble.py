@@ -93,8 +93,6 @@ def build_ensemble(request: EnsembleRequest, study: Any = None) -> Outcome:
             f"--features {request.features}: only predictions are wired into hpo ensemble yet; "
             "use --features predictions"
         )
-    if request.soup != "none":
-        raise HPOError(f"--soup {request.soup}: soups are not wired into hpo ensemble yet")
     members, data = _members_and_data(request, study)
     if len(members) < 2:
         raise HPOError(
@@ -104,8 +102,10 @@ def build_ensemble(request: EnsembleRequest, study: Any = None) -> Outcome:
         )
     check_stackable(data.task)
     order = _label_order(next(iter(members.values())), data.task)
-    evaluation = _split(members, data.evaluation, data, order, request)
-    test = _split(members, data.test, data, order, request) if data.test else None
+    evaluation, eval_rows = _split(members, data.evaluation, data, order, request)
+    test, test_rows = (
+        _split(members, data.test, data, order, request) if data.test else (None, None)
+    )
     settings = FeatureSettings(
         kind="predictions", scale=request.pca is not None, pca_components=request.pca
     )
@@ -116,8 +116,23 @@ def build_ensemble(request: EnsembleRequest, study: Any = None) -> Outcome:
         learners=list(request.learners) or None,
         settings=settings,
     )
-    saved = _save(out, report, members)
-    return Outcome(report, out, table(report, saved), saved, members)
+    soup = None
+    if request.soup != "none":
+        from hpo.commands.soup import build_soup
+
+        soup = build_soup(
+            request.soup,
+            members,
+            data.task,
+            report.metric,
+            order,
+            eval_rows,
+            test_rows,
+            request.device,
+            request.batch_size,
+        )
+    saved = _save(out, report, members, soup)
+    return Outcome(report, out, table(report, saved, soup), saved, members)
 
 
 # -- members -------------------------------------------------------------------------------------
@@ -248,7 +263,9 @@ def _split(
         predictions[name] = cache.get_or_compute(
             weights_sha256(folder), digest, "predictions", compute
         )
-    return Split(predictions, labels)
+    from hpo.commands.soup import Rows
+
+    return Split(predictions, labels), Rows(rows, labels)
 
 
 def member_predictions(
@@ -294,11 +311,33 @@ def _label_id(index: dict[str, int], label: str, path: Path) -> int:
 # -- the folder and the table ---------------------------------------------------------------------
 
 
-def _save(out: Path, report: Any, members: dict[str, Path]) -> str:
+def _soup_wins(report: Any, soup: Any) -> bool:
+    from hpo.ensemble.scoring import direction_of, is_better
+
+    if soup is None or soup.score is None:
+        return False
+    chosen = report.stacked_score if report.choice == "stacking" else report.best_member_score
+    return is_better(soup.score, chosen, direction_of(report.task, report.metric))
+
+
+def _save(out: Path, report: Any, members: dict[str, Path], soup: Any = None) -> str:
     from hpo.ensemble import save_ensemble
 
-    card = card_json(report, members)
-    files = {CARD_JSON: json.dumps(card, indent=2) + "\n", CARD_MD: card_markdown(report)}
+    card = card_json(report, members, soup)
+    text = card_markdown(report, soup)
+    files = {CARD_JSON: json.dumps(card, indent=2) + "\n", CARD_MD: text}
+    if _soup_wins(report, soup):
+        from hpo.commands.soup import save_soup
+
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        try:
+            folder = save_soup(soup, out, staging)
+            for name, content in files.items():
+                (folder / name).write_text(content, encoding="utf-8")
+            folder.rename(out)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return "soup"
     if report.choice == "stacking":
         save_ensemble(out, report, members, copy_members=True, extra_files=files)
         return "stacking"
@@ -314,39 +353,65 @@ def _save(out: Path, report: Any, members: dict[str, Path]) -> str:
     return "best_member"
 
 
-def card_json(report: Any, members: dict[str, Path]) -> dict[str, Any]:
-    return {
+def card_json(report: Any, members: dict[str, Path], soup: Any = None) -> dict[str, Any]:
+    card = {
         "members": {name: str(folder) for name, folder in members.items()},
         **report.to_json(),
     }
+    if soup is not None:
+        card["soup"] = {
+            "kind": soup.kind,
+            "score": soup.score,
+            "measured_on": soup.measured_on,
+            "members": soup.kept,
+            "note": soup.note,
+        }
+    return card
 
 
-def _rows(report: Any) -> list[tuple[str, float]]:
+def _rows(report: Any, soup: Any = None) -> list[tuple[str, float]]:
     rows = [
         (f"best single member ({report.best_member})", report.best_member_score),
         ("soft voting", report.soft_voting_score),
         ("greedy selection", report.selection_score),
     ]
     rows += [(f"stacking: {name}", value) for name, value in report.stacking_scores.items()]
+    if soup is not None and soup.score is not None:
+        rows.append((f"{soup.kind} soup ({len(soup.kept)} members, one model)", soup.score))
     return rows
 
 
-def table(report: Any, saved: str) -> str:
+def _soup_measured(soup: Any) -> list[str]:
+    if soup is None:
+        return []
+    if soup.score is None:
+        return [soup.note or "soup: not built"]
+    if soup.measured_on == "test_split":
+        return [f"{soup.kind} soup: scored on the test split"]
+    greedy = " (chosen there: optimistic)" if soup.kind == "greedy" else ""
+    return [f"{soup.kind} soup: scored on the evaluation split{greedy}; no test_file given"]
+
+
+def _saved_text(report: Any, saved: str, soup: Any) -> str:
+    if saved == "soup":
+        return f"the {soup.kind} soup of {len(soup.kept)} members, a plain model folder"
+    if saved == "stacking":
+        return f"the stacked model ({report.best_learner})"
+    return f"the best member ({report.best_member}), as a plain model folder"
+
+
+def table(report: Any, saved: str, soup: Any = None) -> str:
     lines = [f"{'candidate':<44} {report.metric:>10}"]
-    lines += [f"{name:<44} {value:>10.4f}" for name, value in _rows(report)]
+    lines += [f"{name:<44} {value:>10.4f}" for name, value in _rows(report, soup)]
     measured = "test split" if report.measured_on == "test_split" else f"{report.folds}-fold CV"
     lines.append(f"measured: {measured} ({report.how_measured})")
+    lines += _soup_measured(soup)
     lines += report.notes
-    what = (
-        f"the stacked model ({report.best_learner})"
-        if saved == "stacking"
-        else f"the best member ({report.best_member}), as a plain model folder"
-    )
-    lines.append(f"saved: {what}")
+    lines.append(f"saved: {_saved_text(report, saved, soup)}")
     return "\n".join(lines)
 
 
-def card_markdown(report: Any) -> str:
+def card_markdown(report: Any, soup: Any = None) -> str:
     lines = [
         "# Ensemble model card",
         "",
@@ -357,6 +422,6 @@ def card_markdown(report: Any) -> str:
     ]
     lines += [f"| {name} | {value:.4f} |" for name, value in report.member_scores.items()]
     lines += ["", "| candidate | score |", "|---|---|"]
-    lines += [f"| {name} | {value:.4f} |" for name, value in _rows(report)]
-    lines += ["", f"Saved: {report.choice}.", *report.notes, ""]
+    lines += [f"| {name} | {value:.4f} |" for name, value in _rows(report, soup)]
+    lines += ["", *_soup_measured(soup), *report.notes, ""]
     return "\n".join(lines)

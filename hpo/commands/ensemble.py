@@ -78,11 +78,7 @@ def ensemble_command(request: EnsembleRequest) -> int:
     return 0
 
 
-def build_ensemble(request: EnsembleRequest, study: Any = None) -> Outcome:
-    """Members, their cached predictions, the honest report, the folder written. `study`: the
-    Optuna study already open (the Python API's), else --study in --storage is opened."""
-    from hpo.ensemble import FeatureSettings, check_stackable, evaluate_ensemble
-
+def _checked_out(request: EnsembleRequest) -> Path:
     out = Path(request.out)
     if out.exists():
         raise HPOError(f"--out {out} already exists; name a new folder")
@@ -93,6 +89,15 @@ def build_ensemble(request: EnsembleRequest, study: Any = None) -> Outcome:
             f"--features {request.features}: only predictions are wired into hpo ensemble yet; "
             "use --features predictions"
         )
+    return out
+
+
+def build_ensemble(request: EnsembleRequest, study: Any = None) -> Outcome:
+    """Members, their cached predictions, the honest report, the folder written. `study`: the
+    Optuna study already open (the Python API's), else --study in --storage is opened."""
+    from hpo.ensemble import FeatureSettings, check_stackable, evaluate_ensemble
+
+    out = _checked_out(request)
     members, data = _members_and_data(request, study)
     if len(members) < 2:
         raise HPOError(

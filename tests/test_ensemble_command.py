@@ -6,6 +6,7 @@ refusal is one line, exit code 2.
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -41,7 +42,12 @@ def _study(
     )
     raw = tiny_config(
         *easy_data,
-        study={"n_trials": 3, "pruner": {"type": "none"}, "checkpoint_dir": str(tmp_path / "c")},
+        study={
+            "n_trials": 3,
+            "pruner": {"type": "none"},
+            "checkpoint_dir": str(tmp_path / "c"),
+            "artifact_store": f"file://{tmp_path / 'store'}",
+        },
         training={"max_steps": 6, "evals_per_epoch": 1},
     )
     config = write_config(tmp_path / "c.yaml", raw)
@@ -160,6 +166,20 @@ def test_a_study_s_top_models_stack_cache_and_predict(
 
     (pickled / "meta_learner.skops").write_bytes(pickle.dumps({"estimators": []}))
     assert "not a skops file" in _refused(hpo_main, capsys, *args[:2], str(pickled), *args[3:])
+
+    # A member whose folder is not on this host is fetched from the study's artifact store.
+    import optuna
+
+    trials = optuna.load_study(study_name="s", storage=url).trials
+    kept = Path(trials[0].user_attrs["best_model"])  # a link to the best checkpoint
+    shutil.rmtree(kept.resolve())
+    kept.unlink(missing_ok=True)
+    fetched = tmp_path / "fetched"
+    assert hpo_main([*ensemble, "--learner", "logistic_regression", "--out", str(fetched)]) == 0
+    assert "best single member" in capsys.readouterr().out
+    card = json.loads((fetched / "ensemble_card.json").read_text())
+    assert f"trial-{trials[0].number}" in card["member_scores"], card["member_scores"]
+    assert not list(tmp_path.glob(".fetched.*"))  # the fetched copies removed
 
     err = _refused(hpo_main, capsys, *ensemble[:-2], "--top", "1", "--out", str(tmp_path / "x"))
     assert "at least 2 members" in err

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -95,10 +96,18 @@ def _checked_out(request: EnsembleRequest) -> Path:
 def build_ensemble(request: EnsembleRequest, study: Any = None) -> Outcome:
     """Members, their cached predictions, the honest report, the folder written. `study`: the
     Optuna study already open (the Python API's), else --study in --storage is opened."""
+    out = _checked_out(request)
+    fetched = out.parent / f".{out.name}.{os.getpid()}.members"  # members from the store
+    try:
+        return _build(request, study, out, fetched)
+    finally:
+        shutil.rmtree(fetched, ignore_errors=True)
+
+
+def _build(request: EnsembleRequest, study: Any, out: Path, fetched: Path) -> Outcome:
     from hpo.ensemble import FeatureSettings, check_stackable, evaluate_ensemble
 
-    out = _checked_out(request)
-    members, data = _members_and_data(request, study)
+    members, data = _members_and_data(request, study, fetched)
     if len(members) < 2:
         raise HPOError(
             f"an ensemble needs at least 2 members, found {len(members)} model(s) on this host: "
@@ -144,7 +153,7 @@ def build_ensemble(request: EnsembleRequest, study: Any = None) -> Outcome:
 
 
 def _members_and_data(
-    request: EnsembleRequest, study: Any = None
+    request: EnsembleRequest, study: Any, fetched: Path
 ) -> tuple[dict[str, Path], DataFiles]:
     if request.from_retrain and (request.study or study is not None):
         raise HPOError("give --study or --from-retrain, not both")
@@ -171,14 +180,15 @@ def _members_and_data(
     if study is None:
         storage, url = services.open_storage_to_read(request.storage)
         study = services.load_existing_study(storage, str(request.study), url.masked)
-    members = _top_models(study, request.top)
+    members = _top_models(study, request.top, fetched)
     if request.config is not None:
         return members, _data_of_config(request.config)
     return members, _data_of_setup(study.user_attrs.get(SETUP_ATTR) or {}, study.study_name)
 
 
-def _top_models(study: Any, top: int) -> dict[str, Path]:
-    """The best `top` completed trials whose kept model is on this host."""
+def _top_models(study: Any, top: int, fetched: Path) -> dict[str, Path]:
+    """The best `top` completed trials that kept a model: on this host, else fetched from the
+    study's artifact store into `fetched` (every file checked against its sha256)."""
     import optuna
 
     if len(study.directions) > 1:
@@ -194,11 +204,32 @@ def _top_models(study: Any, top: int) -> dict[str, Path]:
         kept = trial.user_attrs.get("best_model")
         if kept and (Path(kept) / "config.json").is_file():
             members[f"trial-{trial.number}"] = Path(kept)
-        elif kept:
-            log.info("trial #%d: its model %s is not on this host; left out", trial.number, kept)
+        elif kept or trial.user_attrs.get("best_model_uri"):
+            found = _fetch(study, trial, fetched / f"trial-{trial.number}")
+            if found is not None:
+                members[f"trial-{trial.number}"] = found
+            else:
+                log.info("trial #%d: its model is not on this host nor in a store", trial.number)
         if len(members) == top:
             break
     return members
+
+
+def _fetch(study: Any, trial: Any, into: Path) -> Path | None:
+    from hpo.services import study_artifact_store
+    from hpo.trial.folders import folder_name, study_folder_name
+    from storage.artifacts import ArtifactStoreError
+
+    try:
+        store = study_artifact_store(study, None)
+        if store is None:
+            return None
+        slug = study_folder_name(study.study_name)
+        if store.fetch(slug, folder_name(trial), "best-model", into) is None:
+            return None
+    except ArtifactStoreError as e:
+        raise HPOError(f"trial #{trial.number}'s model not fetched from the store: {e}") from e
+    return into if (into / "config.json").is_file() else None
 
 
 def _data_of_config(path: str) -> DataFiles:
@@ -282,7 +313,17 @@ def member_predictions(
     from trainer.inference import Predictor
 
     predictor = Predictor(folder, resolve_device(request.device, "--device"), request.batch_size)
+    check_member(folder, predictor, order)
     return answers_array(list(predict_rows(predictor, rows)), predictor.settings.task, order)
+
+
+def check_member(folder: Path, predictor: Any, order: list[str]) -> None:
+    """A member predicts the same classes (labels) as the first member, by name."""
+    if sorted(predictor.labels) != sorted(order):
+        raise HPOError(
+            f"member {folder} predicts {', '.join(predictor.labels) or 'values'}, the first "
+            f"member {', '.join(order) or 'values'}; members must share their classes"
+        )
 
 
 def _labels(rows: list[dict[str, Any]], data: DataFiles, order: list[str], path: Path) -> Any:

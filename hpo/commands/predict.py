@@ -358,6 +358,12 @@ class EnsembleModel(Model):
             name: Predictor(path, device, batch_size) for name, path in self.saved.members.items()
         }
         super().__init__(next(iter(self.predictors.values())))
+        for name, predictor in self.predictors.items():
+            if sorted(predictor.labels) != sorted(self.labels):
+                raise HPOError(
+                    f"{folder}: member {name!r} predicts other classes than the first member; "
+                    "build the ensemble again"
+                )
 
     def answers(self, rows: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         from hpo.ensemble import stack_features

@@ -128,6 +128,27 @@ def test_a_study_s_top_models_stack_cache_and_predict(
     model = hpo.load_model(stacked)
     assert [a["label"] for a in model.predict(rows)] == [r["label"] for r in written]
 
+    # --features embedding: the meta-learner reads the members' mean-pooled hidden states, at
+    # build time and when the folder predicts.
+    embedded = tmp_path / "embedded"
+    by_embedding = [*ensemble, "--features", "embedding", "--pca", "4", "--out", str(embedded)]
+    assert hpo_main([*by_embedding, "--learner", "logistic_regression"]) == 0
+    assert load_ensemble(embedded).record["features"]["kind"] == "embedding"
+    answers = hpo.load_model(embedded).predict(rows)
+    import torch
+
+    from hpo.commands.features import member_embeddings, stacked_embeddings
+
+    by_members = load_ensemble(embedded)
+    assert by_members.model is not None
+    pooled = {
+        name: member_embeddings(trainer.inference.Predictor(path, torch.device("cpu")), rows)
+        for name, path in by_members.members.items()
+    }
+    expected = by_members.model.predict(stacked_embeddings(pooled, by_members.model.members))
+    got = np.array([[a["probabilities"]["neg"], a["probabilities"]["pos"]] for a in answers])
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+
     # With data.test_file every candidate is scored there, and the table says so.
     test_file = write_csv(tmp_path / "data" / "test.csv", easy_rows(40, 3))
     import yaml

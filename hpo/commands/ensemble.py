@@ -85,11 +85,8 @@ def _checked_out(request: EnsembleRequest) -> Path:
         raise HPOError(f"--out {out} already exists; name a new folder")
     if not out.parent.is_dir():
         raise HPOError(f"--out {out}: no such folder {str(out.parent)!r}; create it first")
-    if request.features != "predictions":
-        raise HPOError(
-            f"--features {request.features}: only predictions are wired into hpo ensemble yet; "
-            "use --features predictions"
-        )
+    if request.features not in ("predictions", "embedding"):
+        raise HPOError(f"--features {request.features}: give predictions or embedding")
     return out
 
 
@@ -121,7 +118,9 @@ def _build(request: EnsembleRequest, study: Any, out: Path, fetched: Path) -> Ou
         _split(members, data.test, data, order, request) if data.test else (None, None)
     )
     settings = FeatureSettings(
-        kind="predictions", scale=request.pca is not None, pca_components=request.pca
+        kind="embedding" if request.features == "embedding" else "predictions",
+        scale=request.pca is not None or request.features == "embedding",
+        pca_components=request.pca,
     )
     report = evaluate_ensemble(
         data.task,
@@ -290,30 +289,43 @@ def _split(
     labels = _labels(rows, data, order, path)
     cache = FeatureCache(Path(request.cache_dir) if request.cache_dir else None)
     digest = file_sha256(path)
-    predictions = {}
+    kinds = ["predictions"] + (["embedding"] if request.features == "embedding" else [])
+    found: dict[str, dict[str, np.ndarray]] = {kind: {} for kind in kinds}
     for name, folder in members.items():
+        for kind in kinds:
 
-        def compute(folder: Path = folder) -> np.ndarray:
-            return member_predictions(folder, rows, order, request)
+            def compute(folder: Path = folder, kind: str = kind) -> np.ndarray:
+                return member_predictions(folder, rows, order, request, kind)
 
-        predictions[name] = cache.get_or_compute(
-            weights_sha256(folder), digest, "predictions", compute
-        )
+            found[kind][name] = cache.get_or_compute(weights_sha256(folder), digest, kind, compute)
+    from hpo.commands.features import stacked_embeddings
     from hpo.commands.soup import Rows
 
-    return Split(predictions, labels), Rows(rows, labels)
+    features = None
+    if request.features == "embedding":
+        features = stacked_embeddings(found["embedding"], list(members))
+    return Split(found["predictions"], labels, features), Rows(rows, labels)
 
 
 def member_predictions(
-    folder: Path, rows: Sequence[dict[str, Any]], order: list[str], request: EnsembleRequest
+    folder: Path,
+    rows: Sequence[dict[str, Any]],
+    order: list[str],
+    request: EnsembleRequest,
+    kind: str = "predictions",
 ) -> np.ndarray:
-    """A member's outputs on `rows`: probabilities in `order`'s class order, or values."""
+    """A member's outputs on `rows`: probabilities in `order`'s class order, or values; with
+    `kind` "embedding", its mean-pooled last hidden states."""
     from hpo.commands.predict import answers_array, predict_rows
     from trainer.device import resolve_device
     from trainer.inference import Predictor
 
     predictor = Predictor(folder, resolve_device(request.device, "--device"), request.batch_size)
     check_member(folder, predictor, order)
+    if kind == "embedding":
+        from hpo.commands.features import member_embeddings
+
+        return member_embeddings(predictor, rows)
     return answers_array(list(predict_rows(predictor, rows)), predictor.settings.task, order)
 
 

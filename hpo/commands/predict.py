@@ -366,8 +366,6 @@ class EnsembleModel(Model):
                 )
 
     def answers(self, rows: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-        from hpo.ensemble import stack_features
-
         stacked = self.saved.model
         first = self._predictor
         chunk_rows = first.batch_size * CHUNK_BATCHES
@@ -376,16 +374,30 @@ class EnsembleModel(Model):
             chunk = [row for _, row in zip(range(chunk_rows), source, strict=False)]
             if not chunk:
                 return
-            outputs = {
-                name: answers_array(p.predict(chunk, first_row=start), self.task, self.labels)
-                for name, p in self.predictors.items()
-            }
-            start += len(chunk)
             if stacked is None:  # the best member alone
-                yield from first.predict(chunk, first_row=start - len(chunk))
-                continue
-            blended = stacked.predict(stack_features(outputs, stacked.members))
-            yield from (self._answer(row) for row in blended)
+                yield from first.predict(chunk, first_row=start)
+            else:
+                blended = stacked.predict(self._features(stacked, chunk, start))
+                yield from (self._answer(row) for row in blended)
+            start += len(chunk)
+
+    def _features(self, stacked: Any, chunk: list[dict[str, Any]], first_row: int) -> np.ndarray:
+        """What the meta-learner reads: the members' probabilities (values), or their
+        mean-pooled embeddings side by side; a forward per member."""
+        from hpo.ensemble import stack_features
+
+        if stacked.settings.kind == "embedding":
+            from hpo.commands.features import member_embeddings, stacked_embeddings
+
+            pooled = {
+                name: member_embeddings(p, chunk, first_row) for name, p in self.predictors.items()
+            }
+            return stacked_embeddings(pooled, stacked.members)
+        outputs = {
+            name: answers_array(p.predict(chunk, first_row=first_row), self.task, self.labels)
+            for name, p in self.predictors.items()
+        }
+        return stack_features(outputs, stacked.members)
 
     def _answer(self, outputs: np.ndarray) -> dict[str, Any]:
         import numpy as np

@@ -233,3 +233,72 @@ def test_causal_lm_stacking_is_refused_in_one_line(
     err = _refused(hpo_main, capsys, *args)
     assert "causal_lm" in err and "soup" in err
     assert not out.exists()
+
+
+def test_taggers_are_combined_by_averaging_their_word_probabilities(
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    hpo_main: Main,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    import trainer.inference
+    from hpo.commands import token_ensemble
+    from hpo.commands.features import word_probabilities
+    from tests.conftest import MINILM_TOKENIZER, TINY_BERT
+    from tests.test_predict import _save
+    from trainer.config import ModelConfig
+    from trainer.model import build_model
+
+    tags = ["B-PER", "I-PER", "O"]
+    members = []
+    for seed, name in enumerate("abc"):  # members that differ: a seed each
+        folder = _save(tmp_path / name, "token_classification", tags)
+        model = build_model(
+            ModelConfig(tokenizer=MINILM_TOKENIZER, config=dict(TINY_BERT)),
+            tags,
+            seed,
+            task="token_classification",
+        )
+        model.save_pretrained(folder)
+        members.append(str(folder))
+    from hpo.ensemble import weights_sha256
+
+    assert len({weights_sha256(Path(m)) for m in members}) == 3
+    rows = [
+        {"text": "Ada Lovelace wrote notes", "tags": "B-PER I-PER O O"},
+        {"text": "the meal", "tags": "O O"},
+        {"text": "Grace Hopper", "tags": "B-PER I-PER"},
+    ]
+    evaluation = write_csv(tmp_path / "eval.csv", rows)
+    raw = tiny_config(easy_data[0], evaluation)
+    raw["task"] = "token_classification"
+    raw["data"] = {**raw["data"], "label_column": "tags"}
+    raw["study"]["metric"] = "f1"
+    config = write_config(tmp_path / "c.yaml", raw)
+    out = tmp_path / "tagged"
+    args = ["ensemble", "--from-retrain", *members, "--config", str(config), "--out", str(out)]
+    capsys.readouterr()
+    assert hpo_main(args) == 0
+    said = capsys.readouterr().out
+    assert "average of token probabilities" in said and "measured: on the evaluation split" in said
+    assert (out / "ensemble.json").is_file() == ("saved: the average" in said)
+
+    # The average saved (forced to win): it tags as the members' mean probabilities do.
+    monkeypatch.setattr(token_ensemble, "average_wins", lambda averaged, best: True)
+    out = tmp_path / "averaged"
+    assert hpo_main([*args[:-1], str(out)]) == 0
+    if True:
+        model = hpo.load_model(out)
+        answers = model.predict(rows)
+        each = [
+            word_probabilities(
+                trainer.inference.Predictor(Path(m), torch.device("cpu")), rows, tags
+            )
+            for m in members
+        ]
+        mean = np.mean(each, axis=0)
+        flat = [tag for a in answers for tag in a["tags"]]
+        assert flat == [tags[i] for i in mean.argmax(axis=1)]

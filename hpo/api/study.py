@@ -195,7 +195,8 @@ class Study:
         with self._reading():
             outcome = build_ensemble(request, self._study)
         log.info("%s", outcome.table)
-        return {"folder": outcome.folder, "saved": outcome.saved, **outcome.report.to_json()}
+        scores = outcome.report.to_json() if outcome.report is not None else {}
+        return {"folder": outcome.folder, "saved": outcome.saved, "table": outcome.table, **scores}
 
     def close(self) -> None:
         """Release the study's database connections; the object reads nothing more after."""

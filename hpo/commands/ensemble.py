@@ -111,6 +111,19 @@ def _build(request: EnsembleRequest, study: Any, out: Path, fetched: Path) -> Ou
             "a study keeps only its best trial's model; give hpo retrain's study (it keeps each "
             "configuration's best run), raise --top, or give --from-retrain folders"
         )
+    if data.task == "token_classification":
+        from hpo.commands.token_ensemble import token_ensemble
+
+        said, saved = token_ensemble(
+            members,
+            data.evaluation,
+            data.test,
+            data.label_column,
+            out,
+            request.device,
+            request.batch_size,
+        )
+        return Outcome(None, out, said, saved, members)
     check_stackable(data.task)
     order = _label_order(next(iter(members.values())), data.task)
     evaluation, eval_rows = _split(members, data.evaluation, data, order, request)
@@ -129,23 +142,35 @@ def _build(request: EnsembleRequest, study: Any, out: Path, fetched: Path) -> Ou
         learners=list(request.learners) or None,
         settings=settings,
     )
-    soup = None
-    if request.soup != "none":
-        from hpo.commands.soup import build_soup
-
-        soup = build_soup(
-            request.soup,
-            members,
-            data.task,
-            report.metric,
-            order,
-            eval_rows,
-            test_rows,
-            request.device,
-            request.batch_size,
-        )
+    soup = _soup(request, members, data.task, report.metric, order, eval_rows, test_rows)
     saved = _save(out, report, members, soup)
     return Outcome(report, out, table(report, saved, soup), saved, members)
+
+
+def _soup(
+    request: EnsembleRequest,
+    members: dict[str, Path],
+    task: str,
+    metric: str,
+    order: list[str],
+    eval_rows: Any,
+    test_rows: Any,
+) -> Any:
+    if request.soup == "none":
+        return None
+    from hpo.commands.soup import build_soup
+
+    return build_soup(
+        request.soup,
+        members,
+        task,
+        metric,
+        order,
+        eval_rows,
+        test_rows,
+        request.device,
+        request.batch_size,
+    )
 
 
 # -- members -------------------------------------------------------------------------------------

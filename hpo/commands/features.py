@@ -42,3 +42,38 @@ def stacked_embeddings(embeddings: dict[str, np.ndarray], members: Sequence[str]
     import numpy as np
 
     return np.concatenate([np.asarray(embeddings[name]) for name in members], axis=1)
+
+
+def row_words(row: dict[str, Any], column: str) -> list[str]:
+    """A tagger's row as words: a JSONL list, or a CSV text split at spaces."""
+    value = row.get(column)
+    return value.split() if isinstance(value, str) else list(value or [])
+
+
+def word_probabilities(
+    predictor: Any, rows: Sequence[dict[str, Any]], order: Sequence[str], first_row: int = 1
+) -> np.ndarray:
+    """A tagger's tag probabilities per word ([all rows' words, tags], tags in `order`): each
+    word's first sub-token's, as training scored it; uniform for the words max_length cut off."""
+    import numpy as np
+
+    from trainer.data import flat_split
+
+    words = predictor._words(rows, first_row)
+    encoded = predictor.tokenizer(
+        words, is_split_into_words=True, truncation=True, max_length=predictor.max_length
+    )
+    split = flat_split(encoded["input_ids"], encoded.get("token_type_ids"))
+    index = [predictor.labels.index(name) for name in order]
+    column = predictor.settings.text_column
+    out = []
+    for i, logits in enumerate(predictor._logits(split)):
+        probabilities = np.full((len(row_words(rows[i], column)), len(order)), 1.0 / len(order))
+        previous = None
+        for position, word in enumerate(encoded.word_ids(i)):
+            if word is not None and word != previous:
+                shifted = np.exp(logits[position] - np.max(logits[position]))
+                probabilities[word] = (shifted / shifted.sum())[index]
+            previous = word
+        out.append(probabilities)
+    return np.concatenate(out) if out else np.zeros((0, len(order)))

@@ -374,12 +374,41 @@ class EnsembleModel(Model):
             chunk = [row for _, row in zip(range(chunk_rows), source, strict=False)]
             if not chunk:
                 return
-            if stacked is None:  # the best member alone
+            if self.saved.kind == "average":  # taggers: their word probabilities averaged
+                yield from self._averaged_tags(chunk, start)
+            elif stacked is None:  # the best member alone
                 yield from first.predict(chunk, first_row=start)
             else:
                 blended = stacked.predict(self._features(stacked, chunk, start))
                 yield from (self._answer(row) for row in blended)
             start += len(chunk)
+
+    def _averaged_tags(self, chunk: list[dict[str, Any]], first_row: int) -> list[dict[str, Any]]:
+        """Each word's tag of the members' mean probabilities; None for the words max_length
+        cut off (as a single tagger answers)."""
+        import numpy as np
+
+        from hpo.commands.features import row_words, word_probabilities
+
+        mean = np.mean(
+            [
+                word_probabilities(p, chunk, self.labels, first_row)
+                for p in self.predictors.values()
+            ],
+            axis=0,
+        )
+        kept = [len(words) for words in self._predictor._words(chunk, first_row)]
+        column, at, answers = self._predictor.settings.text_column, 0, []
+        for row, count in zip(chunk, kept, strict=True):
+            n = len(row_words(row, column))
+            rows = mean[at : at + n]
+            at += n
+            tags = [
+                self.labels[int(np.argmax(r))] if i < count else None for i, r in enumerate(rows)
+            ]
+            scores = [float(np.max(r)) if i < count else None for i, r in enumerate(rows)]
+            answers.append({"tags": tags, "scores": scores})
+        return answers
 
     def _features(self, stacked: Any, chunk: list[dict[str, Any]], first_row: int) -> np.ndarray:
         """What the meta-learner reads: the members' probabilities (values), or their

@@ -195,7 +195,8 @@ def _read_record(folder: Path) -> dict[str, Any]:
         keys_ok = {"format", "kind", "task", "members"} <= set(record)
     except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
         raise EnsembleError(f"{path} is damaged ({e}); build the ensemble again") from e
-    if not keys_ok or record["kind"] not in ("stacking", "best_member"):
+    # "average": a tagger ensemble, its members' token probabilities averaged (no learner).
+    if not keys_ok or record["kind"] not in ("stacking", "best_member", "average"):
         raise EnsembleError(f"{path} is not an ensemble record hpo wrote; build it again")
     if record["format"] != FORMAT:
         raise EnsembleError(f"{path} has format {record['format']}; this hpo reads format {FORMAT}")

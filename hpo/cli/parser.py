@@ -319,7 +319,13 @@ def _add_ensemble_options(ensemble: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="a meta-learner to try (repeat; default: all the task's installed ones)",
     )
-    ensemble.add_argument("--features", choices=["predictions", "embedding"], default="predictions")
+    ensemble.add_argument(
+        "--features",
+        choices=["predictions", "embedding"],
+        default="predictions",
+        help="what the meta-learner reads: the members' probabilities (default) or their "
+        "mean-pooled last hidden states, scaled",
+    )
     ensemble.add_argument(
         "--pca",
         type=functools.partial(_count, "--pca", 4096),
@@ -327,7 +333,12 @@ def _add_ensemble_options(ensemble: argparse.ArgumentParser) -> None:
         metavar="N",
         help="scale the features and keep N principal components",
     )
-    ensemble.add_argument("--soup", choices=["uniform", "greedy", "none"], default="none")
+    ensemble.add_argument(
+        "--soup",
+        choices=["uniform", "greedy", "none"],
+        default="none",
+        help="also average the members' weights (members of one base model): one model's cost",
+    )
     ensemble.add_argument("--out", required=True, metavar="DIR", help="the new folder to write")
     ensemble.add_argument(
         "--batch-size",

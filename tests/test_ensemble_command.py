@@ -302,3 +302,26 @@ def test_taggers_are_combined_by_averaging_their_word_probabilities(
         mean = np.mean(each, axis=0)
         flat = [tag for a in answers for tag in a["tags"]]
         assert flat == [tags[i] for i in mean.argmax(axis=1)]
+
+
+def test_labels_and_member_outputs_of_multi_label_and_regression_read_as_arrays(
+    tmp_path: Path,
+) -> None:
+    from hpo.commands.ensemble import DataFiles, _labels
+    from hpo.commands.predict import answers_array
+
+    where = tmp_path / "eval.csv"
+    tagged = DataFiles("multi_label_classification", where, None, "label", "|")
+    rows = [{"label": "a|c"}, {"label": "b"}, {"label": ""}]
+    np.testing.assert_array_equal(
+        _labels(rows, tagged, ["a", "b", "c"], where), [[1, 0, 1], [0, 1, 0], [0, 0, 0]]
+    )
+    valued = DataFiles("regression", where, None, "score")
+    assert _labels([{"score": "1.5"}, {"score": 2}], valued, [], where).tolist() == [1.5, 2.0]
+    answers = [{"labels": ["b"], "probabilities": {"b": 0.9, "a": 0.2}}]
+    np.testing.assert_allclose(
+        answers_array(answers, "multi_label_classification", ["a", "b"]), [[0.2, 0.9]]
+    )
+    assert answers_array([{"value": 3.0}], "regression", []).tolist() == [3.0]
+    with pytest.raises(hpo.HPOError, match="label 'z' is none of the members'"):
+        _labels([{"label": "z"}], tagged, ["a", "b"], where)

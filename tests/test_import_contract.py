@@ -70,7 +70,7 @@ BREAKS = {
         "hpo's rooms, each importing only those below it",
     ),
     "the Python API importing an integration": (
-        "hpo/api.py",
+        "hpo/api/__init__.py",
         "from hpo.integrations import transformers",
         "hpo's rooms, each importing only those below it",
     ),

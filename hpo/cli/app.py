@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from hpo.cli.parser import build_parser
 from hpo.commands.batch_size import batch_size_command
 from hpo.commands.enqueue import enqueue_command
+from hpo.commands.ensemble import EnsembleRequest, ensemble_command
 from hpo.commands.monitor import monitor_command
 from hpo.commands.predict import PredictRequest, predict_command
 from hpo.commands.requests import RetrainRequest, RunRequest
@@ -71,6 +72,8 @@ def main(argv: Sequence[str] | None = None, own_process: bool = False) -> int:
             return retrain_command(retrain_request(args))
         if args.command == "predict":
             return predict_command(predict_request(args))
+        if args.command == "ensemble":
+            return ensemble_command(ensemble_request(args))
         if args.command == "config":
             return _config(args)
         return monitor_command(args)
@@ -134,6 +137,25 @@ def predict_request(args: argparse.Namespace) -> PredictRequest:
         id_column=args.id_column,
         batch_size=args.batch_size,
         device=args.device,
+        quiet=args.quiet,
+    )
+
+
+def ensemble_request(args: argparse.Namespace) -> EnsembleRequest:
+    """The request of `hpo ensemble`'s flags."""
+    return EnsembleRequest(
+        out=args.out,
+        study=args.study,
+        storage=args.storage,
+        config=args.config,
+        top=args.top,
+        from_retrain=tuple(args.from_retrain),
+        learners=tuple(args.learner),
+        features=args.features,
+        pca=args.pca,
+        soup=args.soup,
+        device=args.device,
+        batch_size=args.batch_size,
         quiet=args.quiet,
     )
 

@@ -129,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_enqueue_command(commands)
     _add_retrain_command(commands)
     _add_predict_command(commands)
+    _add_ensemble_command(commands)
     _add_config_command(commands)
     finder = commands.add_parser(
         "batch-size",
@@ -271,6 +272,84 @@ def _add_predict_command(commands: argparse._SubParsersAction) -> None:
     predict.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
     predict.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
     predict.add_argument("--quiet", action="store_true", help="print nothing when done")
+
+
+def _add_ensemble_command(commands: argparse._SubParsersAction) -> None:
+    ensemble = commands.add_parser(
+        "ensemble",
+        allow_abbrev=False,
+        help="combine a study's top models (or hpo retrain's) into a stacked ensemble",
+        description="Each member predicts the evaluation split (and data.test_file's, when set) "
+        "once, cached by its weights' and the file's sha256; soft voting, greedy selection and "
+        "each meta-learner are scored on the test split or by K-fold cross-validation, and the "
+        "winner is saved in --out with a model card (the best member when stacking is no better).",
+    )
+    ensemble.add_argument("--study", default=None, help="the study whose top trials are members")
+    ensemble.add_argument(
+        "--storage", default=None, help="database URL (default: $HPO_STORAGE, then ./hpo.db)"
+    )
+    ensemble.add_argument(
+        "--config",
+        default=None,
+        help="the config the study ran with (default: the data files the study recorded; "
+        "needed for data.test_file and with --from-retrain)",
+    )
+    ensemble.add_argument(
+        "--top",
+        type=functools.partial(_count, "--top", 100),
+        default=5,
+        metavar="K",
+        help="the K best completed trials that kept a model (default 5)",
+    )
+    ensemble.add_argument(
+        "--from-retrain",
+        nargs="+",
+        default=[],
+        metavar="DIR",
+        help="hpo retrain --out folders as the members, instead of the study's trials",
+    )
+    _add_ensemble_options(ensemble)
+
+
+def _add_ensemble_options(ensemble: argparse.ArgumentParser) -> None:
+    ensemble.add_argument(
+        "--learner",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a meta-learner to try (repeat; default: all the task's installed ones)",
+    )
+    ensemble.add_argument(
+        "--features",
+        choices=["predictions", "embedding"],
+        default="predictions",
+        help="what the meta-learner reads: the members' probabilities (default) or their "
+        "mean-pooled last hidden states, scaled",
+    )
+    ensemble.add_argument(
+        "--pca",
+        type=functools.partial(_count, "--pca", 4096),
+        default=None,
+        metavar="N",
+        help="scale the features and keep N principal components",
+    )
+    ensemble.add_argument(
+        "--soup",
+        choices=["uniform", "greedy", "none"],
+        default="none",
+        help="also average the members' weights (members of one base model): one model's cost",
+    )
+    ensemble.add_argument("--out", required=True, metavar="DIR", help="the new folder to write")
+    ensemble.add_argument(
+        "--batch-size",
+        type=functools.partial(_count, "--batch-size", 65_536),
+        default=32,
+        metavar="N",
+        help="rows per forward pass (default 32)",
+    )
+    ensemble.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
+    ensemble.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
+    ensemble.add_argument("--quiet", action="store_true", help="print nothing when done")
 
 
 def _count(flag: str, most: int, text: str) -> int:

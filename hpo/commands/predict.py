@@ -15,14 +15,18 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+import numpy as np
+
 from hpo.errors import DataError, HPOError
 
 if TYPE_CHECKING:
+    import torch
+
     from trainer.inference import Predictor
 
 log = logging.getLogger("hpo")
@@ -31,6 +35,7 @@ SUFFIXES = (".csv", ".jsonl")
 ROW_ID = "row"  # the id column without --id-column: the row's number, from 1
 CHUNK_BATCHES = 8  # batches read at once: sorted by length within them, so they pad little
 _CSV_FIELD_LIMIT = 2**31 - 1  # a CSV field may be a whole document
+MULTI_LABEL_THRESHOLD = 0.5  # a stacked multi-label ensemble says a label from this probability
 
 
 @dataclass(frozen=True)
@@ -75,9 +80,17 @@ class Model:
         """The columns each row must hold: the text column (and the pair's)."""
         return self._predictor.settings.columns
 
+    @property
+    def label_separator(self) -> str:
+        return self._predictor.settings.label_separator
+
     def predict(self, rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         """Each row's prediction, in the rows' order (in batches: any number of rows)."""
-        return list(predict_rows(self._predictor, rows))
+        return list(self.answers(rows))
+
+    def answers(self, rows: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        """Each row's prediction as the rows are read (a chunk at a time)."""
+        return predict_rows(self._predictor, rows)
 
     def __repr__(self) -> str:
         return f"<hpo model {self._predictor.folder} ({self.task}, {len(self.labels)} labels)>"
@@ -100,6 +113,8 @@ def load_model(
         )
     if batch_size < 1:
         raise HPOError(f"batch_size {batch_size}: give a whole number of rows, at least 1")
+    if (where / "ensemble.json").is_file():
+        return EnsembleModel(where, resolve_device(device, "--device"), batch_size)
     return Model(Predictor(where, resolve_device(device, "--device"), batch_size))
 
 
@@ -126,7 +141,7 @@ def predict_command(request: PredictRequest) -> int:
         request.model, device=request.device, batch_size=request.batch_size, flag="--model"
     )
     try:
-        with _input_rows(source) as (columns, rows):
+        with input_rows(source) as (columns, rows):
             _check_columns(columns, model, request.id_column, source)
             id_name = request.id_column or ROW_ID
             count = _write_aside(out, _with_ids(rows, request.id_column), id_name, model)
@@ -158,7 +173,7 @@ def check_files(source: Path, out: Path) -> None:
 
 
 @contextlib.contextmanager
-def _input_rows(source: Path) -> Iterator[tuple[list[str] | None, Iterator[dict[str, Any]]]]:
+def input_rows(source: Path) -> Iterator[tuple[list[str] | None, Iterator[dict[str, Any]]]]:
     """The file's column names (a CSV's header, a JSONL file's first object's keys) and its
     rows, read as they are asked for."""
     is_csv = source.suffix.lower() == ".csv"
@@ -267,7 +282,6 @@ def _write_rows(
     model: Model,
 ) -> int:
     """Each row's id and prediction as a JSONL line or a CSV row; how many rows."""
-    predictor = model._predictor
     ids: collections.deque[Any] = collections.deque()  # of the rows read, not yet answered
 
     def texts() -> Iterator[dict[str, Any]]:
@@ -277,7 +291,7 @@ def _write_rows(
 
     writer: csv.DictWriter | None = None
     count = 0
-    for answer in predict_rows(predictor, texts()):
+    for answer in model.answers(texts()):
         row_id = ids.popleft()
         count += 1
         if id_name in answer:
@@ -288,7 +302,7 @@ def _write_rows(
         if out.suffix.lower() == ".jsonl":
             file.write(json.dumps({id_name: row_id, **answer}, ensure_ascii=False) + "\n")
             continue
-        flat = {id_name: row_id, **flat_answer(answer, predictor.settings.label_separator)}
+        flat = {id_name: row_id, **flat_answer(answer, model.label_separator)}
         if writer is None:
             writer = csv.DictWriter(file, fieldnames=list(flat))
             writer.writeheader()
@@ -311,3 +325,120 @@ def flat_answer(answer: dict[str, Any], separator: str) -> dict[str, Any]:
         else:
             flat[key] = value
     return flat
+
+
+# -- a saved ensemble (ensemble.json): each member's forward, then the meta-learner ------------
+
+
+def answers_array(answers: Sequence[dict[str, Any]], task: str, order: list[str]) -> np.ndarray:
+    """Predictor answers as an array: probabilities [rows, classes] in `order`, or values."""
+    import numpy as np
+
+    if task == "regression":
+        return np.asarray([a["value"] for a in answers], dtype=np.float64)
+    if task not in ("sequence_classification", "multi_label_classification"):
+        from hpo.ensemble import check_stackable
+
+        check_stackable(task)
+    return np.asarray(
+        [[a["probabilities"][name] for name in order] for a in answers], dtype=np.float64
+    ).reshape(len(answers), len(order))
+
+
+class EnsembleModel(Model):
+    """A stacked ensemble: `predict(rows)` answers as a single model of its task does."""
+
+    def __init__(self, folder: Path, device: torch.device, batch_size: int = 32) -> None:
+        from hpo.ensemble import load_ensemble
+        from trainer.inference import Predictor
+
+        self.folder = folder
+        self.saved = load_ensemble(folder)
+        self.predictors = {
+            name: Predictor(path, device, batch_size) for name, path in self.saved.members.items()
+        }
+        super().__init__(next(iter(self.predictors.values())))
+        for name, predictor in self.predictors.items():
+            if sorted(predictor.labels) != sorted(self.labels):
+                raise HPOError(
+                    f"{folder}: member {name!r} predicts other classes than the first member; "
+                    "build the ensemble again"
+                )
+
+    def answers(self, rows: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        stacked = self.saved.model
+        first = self._predictor
+        chunk_rows = first.batch_size * CHUNK_BATCHES
+        source, start = iter(rows), 1
+        while True:
+            chunk = [row for _, row in zip(range(chunk_rows), source, strict=False)]
+            if not chunk:
+                return
+            if self.saved.kind == "average":  # taggers: their word probabilities averaged
+                yield from self._averaged_tags(chunk, start)
+            elif stacked is None:  # the best member alone
+                yield from first.predict(chunk, first_row=start)
+            else:
+                blended = stacked.predict(self._features(stacked, chunk, start))
+                yield from (self._answer(row) for row in blended)
+            start += len(chunk)
+
+    def _averaged_tags(self, chunk: list[dict[str, Any]], first_row: int) -> list[dict[str, Any]]:
+        """Each word's tag of the members' mean probabilities; None for the words max_length
+        cut off (as a single tagger answers)."""
+        import numpy as np
+
+        from hpo.commands.features import row_words, word_probabilities
+
+        mean = np.mean(
+            [
+                word_probabilities(p, chunk, self.labels, first_row)
+                for p in self.predictors.values()
+            ],
+            axis=0,
+        )
+        kept = [len(words) for words in self._predictor._words(chunk, first_row)]
+        column, at, answers = self._predictor.settings.text_column, 0, []
+        for row, count in zip(chunk, kept, strict=True):
+            n = len(row_words(row, column))
+            rows = mean[at : at + n]
+            at += n
+            tags = [
+                self.labels[int(np.argmax(r))] if i < count else None for i, r in enumerate(rows)
+            ]
+            scores = [float(np.max(r)) if i < count else None for i, r in enumerate(rows)]
+            answers.append({"tags": tags, "scores": scores})
+        return answers
+
+    def _features(self, stacked: Any, chunk: list[dict[str, Any]], first_row: int) -> np.ndarray:
+        """What the meta-learner reads: the members' probabilities (values), or their
+        mean-pooled embeddings side by side; a forward per member."""
+        from hpo.ensemble import stack_features
+
+        if stacked.settings.kind == "embedding":
+            from hpo.commands.features import member_embeddings, stacked_embeddings
+
+            pooled = {
+                name: member_embeddings(p, chunk, first_row) for name, p in self.predictors.items()
+            }
+            return stacked_embeddings(pooled, stacked.members)
+        outputs = {
+            name: answers_array(p.predict(chunk, first_row=first_row), self.task, self.labels)
+            for name, p in self.predictors.items()
+        }
+        return stack_features(outputs, stacked.members)
+
+    def _answer(self, outputs: np.ndarray) -> dict[str, Any]:
+        import numpy as np
+
+        if self.task == "regression":
+            return {"value": float(np.asarray(outputs).reshape(-1)[0])}
+        named = {name: float(p) for name, p in zip(self.labels, outputs, strict=True)}
+        if self.task == "multi_label_classification":
+            chosen = [n for n, p in named.items() if p >= MULTI_LABEL_THRESHOLD]
+            return {"labels": chosen, "probabilities": named}
+        return {"label": self.labels[int(np.argmax(outputs))], "probabilities": named}
+
+    def __repr__(self) -> str:
+        kind, count = self.saved.kind, len(self.predictors)
+        return f"<hpo ensemble {self.folder} ({self.task}, {kind} of {count} members)>"

@@ -22,6 +22,7 @@ from trainer.digests import file_sha256
 
 RECORD = "ensemble.json"
 META_LEARNER = "meta_learner.skops"
+MEMBERS = "members"  # the folder members are copied into
 FORMAT = 1
 # The weight files a member folder may hold (transformers, PEFT adapters, a soup).
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
@@ -56,8 +57,16 @@ def weights_sha256(folder: Path) -> str:
     return hashlib.sha256(listing.encode()).hexdigest()
 
 
-def save_ensemble(folder: Path, report: EnsembleReport, members: Mapping[str, Path]) -> Path:
-    """Write the ensemble `report` chose into a new `folder` (written aside, then renamed in)."""
+def save_ensemble(
+    folder: Path,
+    report: EnsembleReport,
+    members: Mapping[str, Path],
+    copy_members: bool = False,
+    extra_files: Mapping[str, str] | None = None,
+) -> Path:
+    """Write the ensemble `report` chose into a new `folder` (written aside, then renamed in).
+    `copy_members`: each member used is copied into folder/members/NAME (the folder then holds
+    all it needs); `extra_files`: name -> text written beside the record (a model card)."""
     folder = Path(folder)
     if folder.exists():
         raise EnsembleError(f"{folder} already exists; choose another folder or remove it")
@@ -67,7 +76,16 @@ def save_ensemble(folder: Path, report: EnsembleReport, members: Mapping[str, Pa
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
-        record = _record(report, members, folder)
+        if copy_members:
+            used = [report.best_member] if report.choice == "best_member" else report.member_scores
+            for name in used:
+                shutil.copytree(Path(members[name]), staging / MEMBERS / name)
+            members = {name: folder / MEMBERS / name for name in used}
+            record = _record(report, members, folder, staging)
+        else:
+            record = _record(report, members, folder)
+        for name, text in (extra_files or {}).items():
+            (staging / name).write_text(text, encoding="utf-8")
         if report.choice == "stacking" and report.stacked is not None:
             _dump_meta_learner(report.stacked, staging / META_LEARNER)
         (staging / RECORD).write_text(json.dumps(record, indent=2) + "\n")
@@ -78,7 +96,16 @@ def save_ensemble(folder: Path, report: EnsembleReport, members: Mapping[str, Pa
     return folder
 
 
-def _record(report: EnsembleReport, members: Mapping[str, Path], folder: Path) -> dict[str, Any]:
+def _record(
+    report: EnsembleReport, members: Mapping[str, Path], folder: Path, staged: Path | None = None
+) -> dict[str, Any]:
+    """`staged`: where `folder`'s files are until it is renamed in (the members' copies)."""
+
+    def on_disk(member: Path) -> Path:
+        if staged is None or not member.is_relative_to(folder):
+            return member
+        return staged / member.relative_to(folder)
+
     used = list(report.member_scores)
     if report.choice == "best_member":
         used = [report.best_member]
@@ -91,7 +118,7 @@ def _record(report: EnsembleReport, members: Mapping[str, Path], folder: Path) -
             {
                 "name": name,
                 "folder": _shown_path(Path(members[name]), folder),
-                "sha256": weights_sha256(Path(members[name])),
+                "sha256": weights_sha256(on_disk(Path(members[name]))),
                 "score": report.member_scores[name],
             }
             for name in used
@@ -106,6 +133,8 @@ def _record(report: EnsembleReport, members: Mapping[str, Path], folder: Path) -
 
 def _shown_path(member: Path, folder: Path) -> str:
     """A member inside the ensemble's folder is recorded relative to it (the folder can move)."""
+    if member.is_relative_to(folder):  # a copy not yet renamed in
+        return str(member.relative_to(folder))
     resolved, base = member.resolve(), folder.resolve()
     return str(resolved.relative_to(base)) if resolved.is_relative_to(base) else str(resolved)
 
@@ -166,7 +195,8 @@ def _read_record(folder: Path) -> dict[str, Any]:
         keys_ok = {"format", "kind", "task", "members"} <= set(record)
     except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
         raise EnsembleError(f"{path} is damaged ({e}); build the ensemble again") from e
-    if not keys_ok or record["kind"] not in ("stacking", "best_member"):
+    # "average": a tagger ensemble, its members' token probabilities averaged (no learner).
+    if not keys_ok or record["kind"] not in ("stacking", "best_member", "average"):
         raise EnsembleError(f"{path} is not an ensemble record hpo wrote; build it again")
     if record["format"] != FORMAT:
         raise EnsembleError(f"{path} has format {record['format']}; this hpo reads format {FORMAT}")

@@ -1,0 +1,510 @@
+"""`hpo ensemble` and `Study.ensemble`: the study's top models (or hpo retrain's outputs) combined.
+Each member predicts the evaluation split (and the test split, data.test_file) once: the arrays
+are cached on disk by the member's weights and the data file's sha256. hpo.ensemble scores every
+candidate honestly and fits the stack; the folder saved holds the members' copies, the
+meta-learner (skops) and a model card. A stack no better than the best member saves that member,
+a plain model folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpo.errors import HPOError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+log = logging.getLogger("hpo")
+
+CARD_JSON = "ensemble_card.json"
+CARD_MD = "ENSEMBLE.md"
+DEFAULT_TOP = 5  # as --top
+
+
+@dataclass(frozen=True)
+class EnsembleRequest:
+    """`hpo ensemble --study S --out DIR` and its options."""
+
+    out: str
+    study: str | None = None
+    storage: str | None = None
+    config: str | None = None
+    top: int = DEFAULT_TOP
+    from_retrain: tuple[str, ...] = ()
+    learners: tuple[str, ...] = ()
+    features: str = "predictions"
+    pca: int | None = None
+    soup: str = "none"
+    device: str = "auto"
+    batch_size: int = 32
+    quiet: bool = False
+    cache_dir: str | None = None
+
+
+@dataclass
+class DataFiles:
+    """The files members predict, and how their labels read."""
+
+    task: str
+    evaluation: Path
+    test: Path | None
+    label_column: str
+    label_separator: str = ","
+
+
+@dataclass
+class Outcome:
+    """What `ensemble_command` built: the report, the folder, the table printed."""
+
+    report: Any
+    folder: Path
+    table: str
+    saved: str  # "stacking" or "best_member"
+    members: dict[str, Path] = field(default_factory=dict)
+
+
+def ensemble_command(request: EnsembleRequest) -> int:
+    outcome = build_ensemble(request)
+    if not request.quiet:
+        print(outcome.table)
+    return 0
+
+
+def _checked_out(request: EnsembleRequest) -> Path:
+    out = Path(request.out)
+    if out.exists():
+        raise HPOError(f"--out {out} already exists; name a new folder")
+    if not out.parent.is_dir():
+        raise HPOError(f"--out {out}: no such folder {str(out.parent)!r}; create it first")
+    if request.features not in ("predictions", "embedding"):
+        raise HPOError(f"--features {request.features}: give predictions or embedding")
+    return out
+
+
+def build_ensemble(request: EnsembleRequest, study: Any = None) -> Outcome:
+    """Members, their cached predictions, the honest report, the folder written. `study`: the
+    Optuna study already open (the Python API's), else --study in --storage is opened."""
+    out = _checked_out(request)
+    fetched = out.parent / f".{out.name}.{os.getpid()}.members"  # members from the store
+    try:
+        return _build(request, study, out, fetched)
+    finally:
+        shutil.rmtree(fetched, ignore_errors=True)
+
+
+def _build(request: EnsembleRequest, study: Any, out: Path, fetched: Path) -> Outcome:
+    from hpo.ensemble import FeatureSettings, check_stackable, evaluate_ensemble
+
+    members, data = _members_and_data(request, study, fetched)
+    if len(members) < 2:
+        raise HPOError(
+            f"an ensemble needs at least 2 members, found {len(members)} model(s) on this host: "
+            "a study keeps only its best trial's model; give hpo retrain's study (it keeps each "
+            "configuration's best run), raise --top, or give --from-retrain folders"
+        )
+    if data.task == "token_classification":
+        from hpo.commands.token_ensemble import token_ensemble
+
+        said, saved = token_ensemble(
+            members,
+            data.evaluation,
+            data.test,
+            data.label_column,
+            out,
+            request.device,
+            request.batch_size,
+        )
+        return Outcome(None, out, said, saved, members)
+    check_stackable(data.task)
+    order = _label_order(next(iter(members.values())), data.task)
+    evaluation, eval_rows = _split(members, data.evaluation, data, order, request)
+    test, test_rows = (
+        _split(members, data.test, data, order, request) if data.test else (None, None)
+    )
+    settings = FeatureSettings(
+        kind="embedding" if request.features == "embedding" else "predictions",
+        scale=request.pca is not None or request.features == "embedding",
+        pca_components=request.pca,
+    )
+    report = evaluate_ensemble(
+        data.task,
+        evaluation,
+        test,
+        learners=list(request.learners) or None,
+        settings=settings,
+    )
+    soup = _soup(request, members, data.task, report.metric, order, eval_rows, test_rows)
+    saved = _save(out, report, members, soup)
+    return Outcome(report, out, table(report, saved, soup), saved, members)
+
+
+def _soup(
+    request: EnsembleRequest,
+    members: dict[str, Path],
+    task: str,
+    metric: str,
+    order: list[str],
+    eval_rows: Any,
+    test_rows: Any,
+) -> Any:
+    if request.soup == "none":
+        return None
+    from hpo.commands.soup import build_soup
+
+    return build_soup(
+        request.soup,
+        members,
+        task,
+        metric,
+        order,
+        eval_rows,
+        test_rows,
+        request.device,
+        request.batch_size,
+    )
+
+
+# -- members -------------------------------------------------------------------------------------
+
+
+def _members_and_data(
+    request: EnsembleRequest, study: Any, fetched: Path
+) -> tuple[dict[str, Path], DataFiles]:
+    if request.from_retrain and (request.study or study is not None):
+        raise HPOError("give --study or --from-retrain, not both")
+    if request.from_retrain:
+        if request.config is None:
+            raise HPOError("--from-retrain needs --config: the config the study ran with")
+        members = {}
+        for given in request.from_retrain:
+            folder = Path(given)
+            if not (folder / "config.json").is_file():
+                raise HPOError(
+                    f"--from-retrain {folder}: not a model folder (no config.json); give the "
+                    "folder hpo retrain --out wrote"
+                )
+            members[folder.name] = folder
+        return members, _data_of_config(request.config)
+    if not request.study and study is None:
+        raise HPOError("give --study NAME (its top trials' models) or --from-retrain DIR ...")
+    if request.top < 2:
+        raise HPOError(f"--top {request.top}: an ensemble needs at least 2 members")
+    from hpo import services
+    from hpo.study.setup_record import SETUP_ATTR
+
+    if study is None:
+        storage, url = services.open_storage_to_read(request.storage)
+        study = services.load_existing_study(storage, str(request.study), url.masked)
+    members = _top_models(study, request.top, fetched)
+    if request.config is not None:
+        return members, _data_of_config(request.config)
+    return members, _data_of_setup(study.user_attrs.get(SETUP_ATTR) or {}, study.study_name)
+
+
+def _top_models(study: Any, top: int, fetched: Path) -> dict[str, Path]:
+    """The best `top` completed trials that kept a model: on this host, else fetched from the
+    study's artifact store into `fetched` (every file checked against its sha256)."""
+    import optuna
+
+    if len(study.directions) > 1:
+        raise HPOError("a multi-objective study has no single order of its trials to ensemble")
+    reverse = study.direction == optuna.study.StudyDirection.MAXIMIZE
+    done = [
+        t
+        for t in study.get_trials(deepcopy=False, states=[optuna.trial.TrialState.COMPLETE])
+        if t.value is not None
+    ]
+    members: dict[str, Path] = {}
+    for trial in sorted(done, key=lambda t: t.value, reverse=reverse):
+        kept = trial.user_attrs.get("best_model")
+        if kept and (Path(kept) / "config.json").is_file():
+            members[f"trial-{trial.number}"] = Path(kept)
+        elif kept or trial.user_attrs.get("best_model_uri"):
+            found = _fetch(study, trial, fetched / f"trial-{trial.number}")
+            if found is not None:
+                members[f"trial-{trial.number}"] = found
+            else:
+                log.info("trial #%d: its model is not on this host nor in a store", trial.number)
+        if len(members) == top:
+            break
+    return members
+
+
+def _fetch(study: Any, trial: Any, into: Path) -> Path | None:
+    from hpo.services import study_artifact_store
+    from hpo.trial.folders import folder_name, study_folder_name
+    from storage.artifacts import ArtifactStoreError
+
+    try:
+        store = study_artifact_store(study, None)
+        if store is None:
+            return None
+        slug = study_folder_name(study.study_name)
+        if store.fetch(slug, folder_name(trial), "best-model", into) is None:
+            return None
+    except ArtifactStoreError as e:
+        raise HPOError(f"trial #{trial.number}'s model not fetched from the store: {e}") from e
+    return into if (into / "config.json").is_file() else None
+
+
+def _data_of_config(path: str) -> DataFiles:
+    from hpo.config.loader import load_config
+
+    config = load_config(path)
+    data = config.data
+    test = getattr(data, "test_file", None)
+    return DataFiles(
+        config.task,
+        Path(data.eval_file),
+        Path(test) if test else None,
+        data.label_column,
+        data.label_separator or ",",
+    )
+
+
+def _data_of_setup(setup: dict[str, Any], study: str) -> DataFiles:
+    entry = setup.get("data.eval_file")
+    if not isinstance(entry, dict) or not entry.get("path"):
+        raise HPOError(
+            f"study {study!r} recorded no evaluation file; give --config, the config it ran with"
+        )
+    return DataFiles(
+        str(setup.get("task") or "sequence_classification"),
+        Path(entry["path"]),
+        None,
+        str(setup.get("data.label_column") or "label"),
+        str(setup.get("data.label_separator") or ","),
+    )
+
+
+# -- predictions, cached ------------------------------------------------------------------------
+
+
+def _label_order(folder: Path, task: str) -> list[str]:
+    """The class (label) names in the first member's id order; members must share them."""
+    config = json.loads((folder / "config.json").read_text())
+    id2label = config.get("id2label") or {}
+    return [] if task == "regression" else [id2label[k] for k in sorted(id2label, key=int)]
+
+
+def _split(
+    members: dict[str, Path],
+    path: Path,
+    data: DataFiles,
+    order: list[str],
+    request: EnsembleRequest,
+) -> Any:
+    from hpo.commands.predict import input_rows
+    from hpo.ensemble import FeatureCache, Split, weights_sha256
+    from trainer.digests import file_sha256
+
+    if not path.is_file() or path.suffix.lower() not in (".csv", ".jsonl"):
+        raise HPOError(f"{path}: the members predict a .csv or .jsonl file; none there")
+    with input_rows(path) as (_, rows_iter):
+        rows = list(rows_iter)
+    labels = _labels(rows, data, order, path)
+    cache = FeatureCache(Path(request.cache_dir) if request.cache_dir else None)
+    digest = file_sha256(path)
+    kinds = ["predictions"] + (["embedding"] if request.features == "embedding" else [])
+    found: dict[str, dict[str, np.ndarray]] = {kind: {} for kind in kinds}
+    for name, folder in members.items():
+        for kind in kinds:
+
+            def compute(folder: Path = folder, kind: str = kind) -> np.ndarray:
+                return member_predictions(folder, rows, order, request, kind)
+
+            found[kind][name] = cache.get_or_compute(weights_sha256(folder), digest, kind, compute)
+    from hpo.commands.features import stacked_embeddings
+    from hpo.commands.soup import Rows
+
+    features = None
+    if request.features == "embedding":
+        features = stacked_embeddings(found["embedding"], list(members))
+    return Split(found["predictions"], labels, features), Rows(rows, labels)
+
+
+def member_predictions(
+    folder: Path,
+    rows: Sequence[dict[str, Any]],
+    order: list[str],
+    request: EnsembleRequest,
+    kind: str = "predictions",
+) -> np.ndarray:
+    """A member's outputs on `rows`: probabilities in `order`'s class order, or values; with
+    `kind` "embedding", its mean-pooled last hidden states."""
+    from hpo.commands.predict import answers_array, predict_rows
+    from trainer.device import resolve_device
+    from trainer.inference import Predictor
+
+    predictor = Predictor(folder, resolve_device(request.device, "--device"), request.batch_size)
+    check_member(folder, predictor, order)
+    if kind == "embedding":
+        from hpo.commands.features import member_embeddings
+
+        return member_embeddings(predictor, rows)
+    return answers_array(list(predict_rows(predictor, rows)), predictor.settings.task, order)
+
+
+def check_member(folder: Path, predictor: Any, order: list[str]) -> None:
+    """A member predicts the same classes (labels) as the first member, by name."""
+    if sorted(predictor.labels) != sorted(order):
+        raise HPOError(
+            f"member {folder} predicts {', '.join(predictor.labels) or 'values'}, the first "
+            f"member {', '.join(order) or 'values'}; members must share their classes"
+        )
+
+
+def _labels(rows: list[dict[str, Any]], data: DataFiles, order: list[str], path: Path) -> Any:
+    import numpy as np
+
+    column = data.label_column
+    values = []
+    for number, row in enumerate(rows, start=1):
+        if column not in row:
+            raise HPOError(f"{path}: row {number} has no label column {column!r}")
+        values.append(row[column])
+    if data.task == "regression":
+        return np.asarray([float(v) for v in values])
+    index = {name: i for i, name in enumerate(order)}
+    if data.task == "multi_label_classification":
+        hot = np.zeros((len(values), len(order)), dtype=np.int64)
+        for r, value in enumerate(values):
+            names = value if isinstance(value, list) else str(value).split(data.label_separator)
+            for label in (n.strip() for n in names if str(n).strip()):
+                hot[r, _label_id(index, label, path)] = 1
+        return hot
+    return np.asarray([_label_id(index, str(v), path) for v in values])
+
+
+def _label_id(index: dict[str, int], label: str, path: Path) -> int:
+    if label not in index:
+        raise HPOError(f"{path}: label {label!r} is none of the members' ({', '.join(index)})")
+    return index[label]
+
+
+# -- the folder and the table ---------------------------------------------------------------------
+
+
+def _soup_wins(report: Any, soup: Any) -> bool:
+    from hpo.ensemble.scoring import direction_of, is_better
+
+    if soup is None or soup.score is None:
+        return False
+    chosen = report.stacked_score if report.choice == "stacking" else report.best_member_score
+    return is_better(soup.score, chosen, direction_of(report.task, report.metric))
+
+
+def _save(out: Path, report: Any, members: dict[str, Path], soup: Any = None) -> str:
+    from hpo.ensemble import save_ensemble
+
+    card = card_json(report, members, soup)
+    text = card_markdown(report, soup)
+    files = {CARD_JSON: json.dumps(card, indent=2) + "\n", CARD_MD: text}
+    if _soup_wins(report, soup):
+        from hpo.commands.soup import save_soup
+
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        try:
+            folder = save_soup(soup, out, staging)
+            for name, content in files.items():
+                (folder / name).write_text(content, encoding="utf-8")
+            folder.rename(out)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return "soup"
+    if report.choice == "stacking":
+        save_ensemble(out, report, members, copy_members=True, extra_files=files)
+        return "stacking"
+    # Not better than the best member: that member is the model, a plain folder.
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        shutil.copytree(members[report.best_member], staging / "model")
+        for name, text in files.items():
+            (staging / "model" / name).write_text(text, encoding="utf-8")
+        (staging / "model").rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return "best_member"
+
+
+def card_json(report: Any, members: dict[str, Path], soup: Any = None) -> dict[str, Any]:
+    card = {
+        "members": {name: str(folder) for name, folder in members.items()},
+        **report.to_json(),
+    }
+    if soup is not None:
+        card["soup"] = {
+            "kind": soup.kind,
+            "score": soup.score,
+            "measured_on": soup.measured_on,
+            "members": soup.kept,
+            "note": soup.note,
+        }
+    return card
+
+
+def _rows(report: Any, soup: Any = None) -> list[tuple[str, float]]:
+    rows = [
+        (f"best single member ({report.best_member})", report.best_member_score),
+        ("soft voting", report.soft_voting_score),
+        ("greedy selection", report.selection_score),
+    ]
+    rows += [(f"stacking: {name}", value) for name, value in report.stacking_scores.items()]
+    if soup is not None and soup.score is not None:
+        rows.append((f"{soup.kind} soup ({len(soup.kept)} members, one model)", soup.score))
+    return rows
+
+
+def _soup_measured(soup: Any) -> list[str]:
+    if soup is None:
+        return []
+    if soup.score is None:
+        return [soup.note or "soup: not built"]
+    if soup.measured_on == "test_split":
+        return [f"{soup.kind} soup: scored on the test split"]
+    greedy = " (chosen there: optimistic)" if soup.kind == "greedy" else ""
+    return [f"{soup.kind} soup: scored on the evaluation split{greedy}; no test_file given"]
+
+
+def _saved_text(report: Any, saved: str, soup: Any) -> str:
+    if saved == "soup":
+        return f"the {soup.kind} soup of {len(soup.kept)} members, a plain model folder"
+    if saved == "stacking":
+        return f"the stacked model ({report.best_learner})"
+    return f"the best member ({report.best_member}), as a plain model folder"
+
+
+def table(report: Any, saved: str, soup: Any = None) -> str:
+    lines = [f"{'candidate':<44} {report.metric:>10}"]
+    lines += [f"{name:<44} {value:>10.4f}" for name, value in _rows(report, soup)]
+    measured = "test split" if report.measured_on == "test_split" else f"{report.folds}-fold CV"
+    lines.append(f"measured: {measured} ({report.how_measured})")
+    lines += _soup_measured(soup)
+    lines += report.notes
+    lines.append(f"saved: {_saved_text(report, saved, soup)}")
+    return "\n".join(lines)
+
+
+def card_markdown(report: Any, soup: Any = None) -> str:
+    lines = [
+        "# Ensemble model card",
+        "",
+        f"Task: {report.task}. Metric: {report.metric}. Measured {report.how_measured}.",
+        "",
+        "| member | score |",
+        "|---|---|",
+    ]
+    lines += [f"| {name} | {value:.4f} |" for name, value in report.member_scores.items()]
+    lines += ["", "| candidate | score |", "|---|---|"]
+    lines += [f"| {name} | {value:.4f} |" for name, value in _rows(report, soup)]
+    lines += ["", *_soup_measured(soup), *report.notes, ""]
+    return "\n".join(lines)

@@ -1,0 +1,327 @@
+"""`hpo ensemble` and ensembles in `hpo predict` / `hpo.load_model` (issue 44): a tiny 3-trial
+study's kept models stacked, end to end; the second run reads the feature cache (no member
+predicts again); the saved folder predicts as its meta-learner on the members' outputs; every
+refusal is one line, exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import hpo
+from hpo.ensemble import EnsembleReport, load_ensemble, stack_features
+from tests.conftest import easy_rows, read_csv, tiny_config, write_config, write_csv
+
+Main = Callable[[list[str]], int]
+
+
+def _refused(hpo_main: Main, capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    capsys.readouterr()
+    assert hpo_main(list(args)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hpo: error: ") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def _study(
+    tmp_path: Path, easy_data: tuple[Path, Path], hpo_main: Main, monkeypatch: pytest.MonkeyPatch
+) -> tuple[str, Path]:
+    """A 3-trial study that keeps every trial's model (a plain study keeps only the best one's;
+    hpo retrain's study keeps each configuration's best run's)."""
+    from hpo.study import kept_models
+
+    monkeypatch.setattr(
+        kept_models, "kept_models", lambda trials, rule, with_model: set(with_model)
+    )
+    raw = tiny_config(
+        *easy_data,
+        study={
+            "n_trials": 3,
+            "pruner": {"type": "none"},
+            "checkpoint_dir": str(tmp_path / "c"),
+            "artifact_store": f"file://{tmp_path / 'store'}",
+        },
+        training={"max_steps": 6, "evals_per_epoch": 1},
+    )
+    config = write_config(tmp_path / "c.yaml", raw)
+    url = f"sqlite:///{tmp_path / 'hpo.db'}"
+    run = ["run", "--study", "s", "--config", str(config), "--storage", url, "--quiet"]
+    assert hpo_main(run) == 0
+    return url, config
+
+
+def _member_outputs(folder: Path, rows: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+    saved = load_ensemble(folder)
+    outputs = {}
+    for name, path in saved.members.items():
+        model = hpo.load_model(path)
+        answers = model.predict(rows)
+        outputs[name] = np.array([[a["probabilities"][n] for n in model.labels] for a in answers])
+    return outputs
+
+
+def test_a_study_s_top_models_stack_cache_and_predict(
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    hpo_main: Main,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    url, config = _study(tmp_path, easy_data, hpo_main, monkeypatch)
+    ensemble = ["ensemble", "--study", "s", "--storage", url, "--top", "3"]
+    capsys.readouterr()
+    out = tmp_path / "ens"
+    assert hpo_main([*ensemble, "--learner", "logistic_regression", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    for line in ("best single member", "soft voting", "greedy selection", "stacking: "):
+        assert line in table, table
+    assert "measured: 5-fold CV" in table
+    assert (out / "ensemble.json").is_file() or (out / "config.json").is_file()
+    assert (out / "ENSEMBLE.md").is_file() and (out / "ensemble_card.json").is_file()
+
+    # The second run reads every member's predictions from the cache: no Predictor is built.
+    import trainer.inference
+
+    def no_forward(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a member predicted again: the feature cache was not read")
+
+    # Stacking forced to win, so the folder is a stacked ensemble whatever the tiny models score.
+    honest = EnsembleReport.stacking_beats_best_member
+    monkeypatch.setattr(EnsembleReport, "stacking_beats_best_member", property(lambda r: True))
+    with monkeypatch.context() as patched:
+        patched.setattr(trainer.inference.Predictor, "__init__", no_forward)
+        stacked = tmp_path / "stacked"
+        assert hpo_main([*ensemble, "--learner", "logistic_regression", "--out", str(stacked)]) == 0
+    assert "saved: the stacked model (logistic_regression)" in capsys.readouterr().out
+    with hpo.open_study("s", url) as study:  # the Python API, from the cache too
+        with monkeypatch.context() as patched:
+            patched.setattr(trainer.inference.Predictor, "__init__", no_forward)
+            scores = study.ensemble(tmp_path / "api", top=3, learners=["logistic_regression"])
+    assert scores["saved"] == "stacking" and scores["measured_on"] == "cross_validation"
+    assert (scores["folder"] / "ensemble.json").is_file()
+    assert sorted(p.name for p in (stacked / "members").iterdir()) == sorted(
+        load_ensemble(stacked).members
+    )
+
+    # hpo predict --model ENSEMBLE: the meta-learner applied to the members' outputs.
+    rows = easy_rows(12, 7)
+    source, predictions = write_csv(tmp_path / "in.csv", rows), tmp_path / "p.csv"
+    args = ["predict", "--model", str(stacked), "--input", str(source), "--out", str(predictions)]
+    assert hpo_main(args) == 0
+    saved = load_ensemble(stacked)
+    assert saved.model is not None
+    expected = saved.model.predict(
+        stack_features(_member_outputs(stacked, rows), saved.model.members)
+    )
+    written = read_csv(predictions)
+    got = np.array(
+        [[float(r["probabilities.neg"]), float(r["probabilities.pos"])] for r in written]
+    )
+    np.testing.assert_allclose(got, expected, atol=1e-6)
+    model = hpo.load_model(stacked)
+    assert [a["label"] for a in model.predict(rows)] == [r["label"] for r in written]
+
+    # --features embedding: the meta-learner reads the members' mean-pooled hidden states, at
+    # build time and when the folder predicts.
+    embedded = tmp_path / "embedded"
+    by_embedding = [*ensemble, "--features", "embedding", "--pca", "4", "--out", str(embedded)]
+    assert hpo_main([*by_embedding, "--learner", "logistic_regression"]) == 0
+    assert load_ensemble(embedded).record["features"]["kind"] == "embedding"
+    answers = hpo.load_model(embedded).predict(rows)
+    import torch
+
+    from hpo.commands.features import member_embeddings, stacked_embeddings
+
+    by_members = load_ensemble(embedded)
+    assert by_members.model is not None
+    pooled = {
+        name: member_embeddings(trainer.inference.Predictor(path, torch.device("cpu")), rows)
+        for name, path in by_members.members.items()
+    }
+    expected = by_members.model.predict(stacked_embeddings(pooled, by_members.model.members))
+    got = np.array([[a["probabilities"]["neg"], a["probabilities"]["pos"]] for a in answers])
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+
+    # With data.test_file every candidate is scored there, and the table says so.
+    test_file = write_csv(tmp_path / "data" / "test.csv", easy_rows(40, 3))
+    import yaml
+
+    raw = yaml.safe_load(config.read_text())
+    raw["data"]["test_file"] = str(test_file)
+    with_test = write_config(tmp_path / "t.yaml", raw)
+    on_test = [*ensemble, "--config", str(with_test), "--out", str(tmp_path / "t")]
+    assert hpo_main([*on_test, "--learner", "logistic_regression"]) == 0
+    assert "measured: test split" in capsys.readouterr().out
+
+    # Members of one base architecture: the greedy soup is built, scored on the test split and
+    # shown beside; whatever wins, the folder predicts (a soup or a member: a plain folder).
+    monkeypatch.setattr(EnsembleReport, "stacking_beats_best_member", honest)  # scores decide
+    souped = tmp_path / "souped"
+    with_soup = [*ensemble, "--config", str(with_test), "--soup", "greedy", "--out", str(souped)]
+    assert hpo_main([*with_soup, "--learner", "logistic_regression"]) == 0
+    said = capsys.readouterr().out
+    assert "greedy soup (" in said and "greedy soup: scored on the test split" in said, said
+    assert len(hpo.load_model(souped).predict(rows)) == len(rows)
+
+    # Refusals, one line each, nothing written: a member changed, a pickle as meta-learner.
+    damaged = tmp_path / "damaged"
+    shutil.copytree(stacked, damaged)
+    member = next((damaged / "members").iterdir())
+    weights = next(member.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
+    err = _refused(hpo_main, capsys, *args[:2], str(damaged), *args[3:])
+    assert "sha256" in err and member.name in err
+    shutil.rmtree(member)
+    assert "is missing" in _refused(hpo_main, capsys, *args[:2], str(damaged), *args[3:])
+
+    pickled = tmp_path / "pickled"
+    shutil.copytree(stacked, pickled)
+    import pickle
+
+    (pickled / "meta_learner.skops").write_bytes(pickle.dumps({"estimators": []}))
+    assert "not a skops file" in _refused(hpo_main, capsys, *args[:2], str(pickled), *args[3:])
+
+    # A member whose folder is not on this host is fetched from the study's artifact store.
+    import optuna
+
+    trials = optuna.load_study(study_name="s", storage=url).trials
+    kept = Path(trials[0].user_attrs["best_model"])  # a link to the best checkpoint
+    shutil.rmtree(kept.resolve())
+    kept.unlink(missing_ok=True)
+    fetched = tmp_path / "fetched"
+    assert hpo_main([*ensemble, "--learner", "logistic_regression", "--out", str(fetched)]) == 0
+    assert "best single member" in capsys.readouterr().out
+    card = json.loads((fetched / "ensemble_card.json").read_text())
+    assert f"trial-{trials[0].number}" in card["member_scores"], card["member_scores"]
+    assert not list(tmp_path.glob(".fetched.*"))  # the fetched copies removed
+
+    err = _refused(hpo_main, capsys, *ensemble[:-2], "--top", "1", "--out", str(tmp_path / "x"))
+    assert "at least 2 members" in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_causal_lm_stacking_is_refused_in_one_line(
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    hpo_main: Main,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    members = []
+    for name in ("a", "b"):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+        members.append(str(folder))
+    raw = tiny_config(*easy_data)
+    raw["task"] = "causal_lm"
+    raw["data"] = {
+        **raw["data"],
+        "prompt_column": "text",
+        "completion_column": "label",
+    }
+    raw["study"]["metric"] = "eval_loss"
+    config = write_config(tmp_path / "c.yaml", raw)
+    out = tmp_path / "out"
+    args = ["ensemble", "--from-retrain", *members, "--config", str(config), "--out", str(out)]
+    err = _refused(hpo_main, capsys, *args)
+    assert "causal_lm" in err and "soup" in err
+    assert not out.exists()
+
+
+def test_taggers_are_combined_by_averaging_their_word_probabilities(
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    hpo_main: Main,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    import trainer.inference
+    from hpo.commands import token_ensemble
+    from hpo.commands.features import word_probabilities
+    from tests.conftest import MINILM_TOKENIZER, TINY_BERT
+    from tests.test_predict import _save
+    from trainer.config import ModelConfig
+    from trainer.model import build_model
+
+    tags = ["B-PER", "I-PER", "O"]
+    members = []
+    for seed, name in enumerate("abc"):  # members that differ: a seed each
+        folder = _save(tmp_path / name, "token_classification", tags)
+        model = build_model(
+            ModelConfig(tokenizer=MINILM_TOKENIZER, config=dict(TINY_BERT)),
+            tags,
+            seed,
+            task="token_classification",
+        )
+        model.save_pretrained(folder)
+        members.append(str(folder))
+    from hpo.ensemble import weights_sha256
+
+    assert len({weights_sha256(Path(m)) for m in members}) == 3
+    rows = [
+        {"text": "Ada Lovelace wrote notes", "tags": "B-PER I-PER O O"},
+        {"text": "the meal", "tags": "O O"},
+        {"text": "Grace Hopper", "tags": "B-PER I-PER"},
+    ]
+    evaluation = write_csv(tmp_path / "eval.csv", rows)
+    raw = tiny_config(easy_data[0], evaluation)
+    raw["task"] = "token_classification"
+    raw["data"] = {**raw["data"], "label_column": "tags"}
+    raw["study"]["metric"] = "f1"
+    config = write_config(tmp_path / "c.yaml", raw)
+    out = tmp_path / "tagged"
+    args = ["ensemble", "--from-retrain", *members, "--config", str(config), "--out", str(out)]
+    capsys.readouterr()
+    assert hpo_main(args) == 0
+    said = capsys.readouterr().out
+    assert "average of token probabilities" in said and "measured: on the evaluation split" in said
+    assert (out / "ensemble.json").is_file() == ("saved: the average" in said)
+
+    # The average saved (forced to win): it tags as the members' mean probabilities do.
+    monkeypatch.setattr(token_ensemble, "average_wins", lambda averaged, best: True)
+    out = tmp_path / "averaged"
+    assert hpo_main([*args[:-1], str(out)]) == 0
+    if True:
+        model = hpo.load_model(out)
+        answers = model.predict(rows)
+        each = [
+            word_probabilities(
+                trainer.inference.Predictor(Path(m), torch.device("cpu")), rows, tags
+            )
+            for m in members
+        ]
+        mean = np.mean(each, axis=0)
+        flat = [tag for a in answers for tag in a["tags"]]
+        assert flat == [tags[i] for i in mean.argmax(axis=1)]
+
+
+def test_labels_and_member_outputs_of_multi_label_and_regression_read_as_arrays(
+    tmp_path: Path,
+) -> None:
+    from hpo.commands.ensemble import DataFiles, _labels
+    from hpo.commands.predict import answers_array
+
+    where = tmp_path / "eval.csv"
+    tagged = DataFiles("multi_label_classification", where, None, "label", "|")
+    rows = [{"label": "a|c"}, {"label": "b"}, {"label": ""}]
+    np.testing.assert_array_equal(
+        _labels(rows, tagged, ["a", "b", "c"], where), [[1, 0, 1], [0, 1, 0], [0, 0, 0]]
+    )
+    valued = DataFiles("regression", where, None, "score")
+    assert _labels([{"score": "1.5"}, {"score": 2}], valued, [], where).tolist() == [1.5, 2.0]
+    answers = [{"labels": ["b"], "probabilities": {"b": 0.9, "a": 0.2}}]
+    np.testing.assert_allclose(
+        answers_array(answers, "multi_label_classification", ["a", "b"]), [[0.2, 0.9]]
+    )
+    assert answers_array([{"value": 3.0}], "regression", []).tolist() == [3.0]
+    with pytest.raises(hpo.HPOError, match="label 'z' is none of the members'"):
+        _labels([{"label": "z"}], tagged, ["a", "b"], where)

@@ -497,7 +497,7 @@ def sigterm_once_training(database: Path, study_name: str) -> Iterator[threading
             time.sleep(0.02)
         return should_prune(trial)
 
-    optuna.trial.Trial.should_prune = held_should_prune  # type: ignore[method-assign]
+    optuna.trial.Trial.should_prune = held_should_prune  # type: ignore[method-assign,assignment]
     watcher = threading.Thread(target=watch, name="sigterm-once-training", daemon=True)
     watcher.start()
     try:

@@ -35,6 +35,11 @@ def quiet_library_output() -> None:
     # progress bar at every checkpoint ("Writing model shards") is noise in a worker's log.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # Read when the libraries load: where they already have (hpo's main called in a process
+    # that imported transformers, as a notebook or a test does), said to them directly.
+    transformers = sys.modules.get("transformers")
+    if transformers is not None and os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1":
+        transformers.utils.logging.disable_progress_bar()
 
 
 def setup_logging(level: int) -> None:

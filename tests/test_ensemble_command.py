@@ -33,17 +33,13 @@ def _refused(hpo_main: Main, capsys: pytest.CaptureFixture[str], *args: str) -> 
 def _study(
     tmp_path: Path, easy_data: tuple[Path, Path], hpo_main: Main, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[str, Path]:
-    """A 3-trial study that keeps every trial's model (a plain study keeps only the best one's;
-    hpo retrain's study keeps each configuration's best run's)."""
-    from hpo.study import kept_models
-
-    monkeypatch.setattr(
-        kept_models, "kept_models", lambda trials, rule, with_model: set(with_model)
-    )
+    """A 3-trial study that keeps every trial's model (study.keep_models: 3; by default a
+    study keeps only the best one's)."""
     raw = tiny_config(
         *easy_data,
         study={
             "n_trials": 3,
+            "keep_models": 3,
             "pruner": {"type": "none"},
             "checkpoint_dir": str(tmp_path / "c"),
             "artifact_store": f"file://{tmp_path / 'store'}",

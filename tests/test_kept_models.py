@@ -66,6 +66,16 @@ def test_a_tied_trial_keeps_its_model_while_the_best_trials_model_is_gone() -> N
     assert kept_models(trials, MAX, set()) == _folders(0)
 
 
+def test_keep_models_keeps_the_top_trials_whose_model_is_there() -> None:
+    trials = [_complete(0, 0.7), _complete(1, 0.9), _complete(2, 0.8), _complete(3, 0.5)]
+    assert kept_models(trials, MAX, _folders(0, 1, 2, 3)) == _folders(1)
+    assert kept_models(trials, MAX, _folders(0, 1, 2, 3), top=3) == _folders(1, 2, 0)
+    # Trial 2's model lost: the next one there stands in; the best's folder stays named.
+    assert kept_models(trials, MAX, _folders(0, 1, 3), top=3) == _folders(1, 0, 3)
+    minimize = [StudyDirection.MINIMIZE]
+    assert kept_models(trials, minimize, _folders(0, 1, 2, 3), top=2) == _folders(3, 0)
+
+
 def test_with_several_objectives_a_trial_only_the_lost_model_beat_keeps_its_own() -> None:
     two = [StudyDirection.MAXIMIZE, StudyDirection.MAXIMIZE]
     # #2 is beaten by #0 alone (#1 is less accurate than #2, and faster).

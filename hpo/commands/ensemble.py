@@ -108,8 +108,9 @@ def _build(request: EnsembleRequest, study: Any, out: Path, fetched: Path) -> Ou
     if len(members) < 2:
         raise HPOError(
             f"an ensemble needs at least 2 members, found {len(members)} model(s) on this host: "
-            "a study keeps only its best trial's model; give hpo retrain's study (it keeps each "
-            "configuration's best run), raise --top, or give --from-retrain folders"
+            "a study keeps only its best trial's model unless study.keep_models says more; "
+            "give hpo retrain's study (it keeps each configuration's best run), raise --top, "
+            "or give --from-retrain folders"
         )
     if data.task == "token_classification":
         from hpo.commands.token_ensemble import token_ensemble

@@ -276,6 +276,12 @@ class StudyConfig:
         "Checkpoint each trial, so that a retried trial resumes; the best trial's model is kept.",
         True,
     )
+    keep_models: int = _doc(
+        "How many of the study's best trials keep their model, on disk and in the artifact "
+        "store: 1, the best (what `hpo best` names); more for `hpo ensemble`, which stacks or "
+        "averages the top ones. Each kept model takes its space until the study ends.",
+        1,
+    )
     checkpoint_interval: float = _doc(
         "Least seconds between two checkpoints of a trial, written at evaluations (0: at every "
         "evaluation). A stop (SIGTERM, Ctrl-C) always checkpoints; a crash loses at most this "
@@ -378,6 +384,8 @@ class StudyConfig:
             found.append(("database_patience", self.database_patience, "must be > 0 seconds"))
         if self.stop_timeout <= 0:
             found.append(("stop_timeout", self.stop_timeout, "must be > 0 seconds"))
+        if isinstance(self.keep_models, bool) or self.keep_models < 1:
+            found.append(("keep_models", self.keep_models, "must be an integer >= 1"))
         if self.checkpoint_interval < 0:
             found.append(("checkpoint_interval", self.checkpoint_interval, "must be >= 0 seconds"))
         if self.artifact_patience <= 0:

@@ -18,6 +18,7 @@ from hpo.config.schema import (
 )
 from hpo.errors import ConfigError
 from hpo.study.front import TOLERANCE_ATTR
+from hpo.study.kept_models import KEEP_ATTR
 from hpo.study.names import check_no_lookalike
 from hpo.study.pruners import ExplainedPruner
 from hpo.study.sampling import build_pruner, build_sampler, experimental_features, tpe_group
@@ -133,6 +134,8 @@ def open_study(
         storage.set_study_user_attr(study_id, "n_trials", config.study.n_trials)
         # The Pareto front's tolerance of throughput noise (hpo.study.front), the latest worker's.
         storage.set_study_user_attr(study_id, TOLERANCE_ATTR, config.study.throughput_tolerance)
+        # How many best trials keep their model (hpo.study.kept_models), the latest worker's.
+        storage.set_study_user_attr(study_id, KEEP_ATTR, config.study.keep_models)
         # The grace period (how long a running trial's worker may be silent before it counts
         # as gone), for `hpo status`.
         storage.set_study_user_attr(study_id, "grace_period_s", liveness(config.study)[1])

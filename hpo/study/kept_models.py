@@ -22,6 +22,15 @@ from trainer.files import BEST_MODEL_DIR
 
 # Which trials' models are best: hpo's rule (hpo.study.front), or the study's directions alone.
 Rule = FrontRule | Sequence[StudyDirection]
+# The study's user attribute: how many best trials keep their model (study.keep_models).
+KEEP_ATTR = "keep_models"
+
+
+def models_kept(study: optuna.Study) -> int:
+    """study.keep_models as its latest worker recorded it; 1 for a study that never said."""
+    value = study.user_attrs.get(KEEP_ATTR, 1)
+    return value if isinstance(value, int) and value >= 1 else 1
+
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +38,13 @@ log = logging.getLogger(__name__)
 def remove_stale_checkpoints(study: optuna.Study, root: Path) -> list[Path]:
     """Remove the trial folders no trial of `study` needs any more; returns them."""
     trials = study.get_trials(deepcopy=False)
-    return remove_unneeded_folders(root, study.study_name, trials, rule_for(study))
+    return remove_unneeded_folders(
+        root, study.study_name, trials, rule_for(study), models_kept(study)
+    )
 
 
 def remove_unneeded_folders(
-    root: Path, study_name: str, trials: list[FrozenTrial], rule: Rule
+    root: Path, study_name: str, trials: list[FrozenTrial], rule: Rule, top: int = 1
 ) -> list[Path]:
     """Remove the trial folders in `root` that none of `trials` needs: not a running or queued
     attempt's, not one whose model kept_models keeps. Folders are listed before `trials` was
@@ -43,7 +54,7 @@ def remove_unneeded_folders(
         return []
     folders = [p for p in root.iterdir() if is_trial_folder(p, study_name)]
     with_model = {p.name for p in folders if holds_model(p)}
-    keep = _active_folders(trials) | kept_models(trials, rule, with_model)
+    keep = _active_folders(trials) | kept_models(trials, rule, with_model, top)
     removed = [p for p in folders if p.name not in keep]
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
@@ -61,7 +72,7 @@ def holds_model(folder: Path) -> bool:
 
 
 def remove_unneeded_artifacts(
-    store: ArtifactStore, study_name: str, trials: list[FrozenTrial], rule: Rule
+    store: ArtifactStore, study_name: str, trials: list[FrozenTrial], rule: Rule, top: int = 1
 ) -> list[str]:
     """The artifact store's counterpart of remove_unneeded_folders: a resume state stays while
     its trial runs or is queued, a best model also while kept_models keeps it (judged by the
@@ -75,7 +86,8 @@ def remove_unneeded_artifacts(
     # set below, and is left alone (it was once removed while its trial ran).
     known = {folder_name(t) for t in trials}
     stored = {f: kinds for f, kinds in store.folders(study).items() if f in known}
-    models = active | kept_models(trials, rule, _models_in_store(store, study, stored, trials))
+    there = _models_in_store(store, study, stored, trials)
+    models = active | kept_models(trials, rule, there, top)
     removed = []
     for folder, kinds in sorted(stored.items()):
         for kind in kinds:
@@ -105,7 +117,9 @@ def _active_folders(trials: list[FrozenTrial]) -> set[str]:
     return {folder_name(t) for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)}
 
 
-def kept_models(trials: list[FrozenTrial], rule: Rule, with_model: Collection[str]) -> set[str]:
+def kept_models(
+    trials: list[FrozenTrial], rule: Rule, with_model: Collection[str], top: int = 1
+) -> set[str]:
     """The trial folders whose best model stays: the one place that decides it, for this host's
     folders and for the artifact store alike. `with_model`: the folders where a model is known
     to be there whole (on this disk, or in the store).
@@ -114,11 +128,16 @@ def kept_models(trials: list[FrozenTrial], rule: Rule, with_model: Collection[st
     configuration's best run's too), and so do the best of the trials whose model is there:
     when the best trial's model was lost (its folder removed by hand, a wiped disk), the
     trials tied with it, or the next best, keep theirs. So a model is removed only while a model
-    at least as good is there, and a study that saved a model always ends with one."""
+    at least as good is there, and a study that saved a model always ends with one.
+
+    With `top` above 1 (study.keep_models), the `top` trials best on the first objective whose
+    model is there keep theirs too: the members `hpo ensemble` stacks."""
     rule = as_rule(rule)
     keep: set[str] = set()
     for group in _model_groups(trials):
         there = [t for t in group if folder_name(t) in with_model]
+        if top > 1:
+            keep |= {folder_name(t) for t in _top_on_first_objective(there, rule, top)}
         for trials_of in (group, there):
             keep |= {folder_name(t) for t in best_trials(trials_of, rule)}
             if "retrain_config" in group[0].user_attrs:
@@ -126,6 +145,15 @@ def kept_models(trials: list[FrozenTrial], rule: Rule, with_model: Collection[st
                 best_run = best_on_first_objective(trials_of, rule.directions[0])
                 keep |= {folder_name(t) for t in best_run}
     return keep
+
+
+def _top_on_first_objective(
+    trials: list[FrozenTrial], rule: FrontRule, top: int
+) -> list[FrozenTrial]:
+    """The `top` complete trials best on the first objective, the earliest of equals first."""
+    sign = 1.0 if rule.directions[0] == StudyDirection.MAXIMIZE else -1.0
+    done = [t for t in trials if t.state == TrialState.COMPLETE and t.values]
+    return sorted(done, key=lambda t: (-sign * t.values[0], t.number))[:top]
 
 
 def _model_groups(trials: list[FrozenTrial]) -> list[list[FrozenTrial]]:

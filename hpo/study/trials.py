@@ -22,6 +22,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpo.study.front import rule_for
 from hpo.study.kept_models import (
+    models_kept,
     remove_stale_checkpoints,
     remove_unneeded_artifacts,
     remove_unneeded_folders,
@@ -97,7 +98,11 @@ class StudyTrials:
             trials = self.study.get_trials(deepcopy=False)
             if checkpoints is not None and checkpoints.is_dir():
                 remove_unneeded_folders(
-                    checkpoints, self.study.study_name, trials, rule_for(self.study)
+                    checkpoints,
+                    self.study.study_name,
+                    trials,
+                    rule_for(self.study),
+                    models_kept(self.study),
                 )
             if self.budget is not None and counted_trials(trials) >= self.budget:
                 return None
@@ -232,7 +237,8 @@ class StudyTrials:
     def _remove_artifacts(self, store: ArtifactStore, trials: list[FrozenTrial]) -> None:
         """Never raises: a store that fails now is cleaned after a later trial."""
         try:
-            remove_unneeded_artifacts(store, self.study.study_name, trials, rule_for(self.study))
+            name, rule = self.study.study_name, rule_for(self.study)
+            remove_unneeded_artifacts(store, name, trials, rule, models_kept(self.study))
         except ArtifactStoreError as e:
             log.warning("old artifacts of study %r not removed yet: %s", self.study.study_name, e)
 

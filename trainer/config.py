@@ -317,6 +317,37 @@ class ModelConfig:
         return found
 
 
+# GPUs one trial may span: a host's worth (NVLink domains top out at 8; 72 in a rack).
+MAX_GPUS_PER_TRIAL = 72
+DistributedStrategy = Literal["ddp", "fsdp"]
+
+
+@dataclass
+class DistributedSettings:
+    """One trial across several GPUs of its host (torch.distributed, started by torch's elastic
+    launcher). `training.distributed` absent: every trial trains in one process."""
+
+    gpus_per_trial: int = _doc(
+        "Ranks (GPUs) each trial trains on; each worker of `hpo run --gpus` owns this many. "
+        "On the CPU (tests, the bench) as many CPU ranks, over gloo.",
+        2,
+    )
+    strategy: DistributedStrategy = _doc(
+        "ddp: every rank holds the whole model and the gradients are averaged (data-parallel); "
+        "fsdp (sharded weights, not built yet).",
+        "ddp",
+    )
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        found: list[tuple[str, Any, str]] = []
+        if not 1 <= self.gpus_per_trial <= MAX_GPUS_PER_TRIAL:
+            rule = f"must be an integer in [1, {MAX_GPUS_PER_TRIAL}]"
+            found.append(("gpus_per_trial", self.gpus_per_trial, rule))
+        if self.strategy == "fsdp":
+            found.append(("strategy", self.strategy, "fsdp is not built yet: use ddp"))
+        return found
+
+
 @dataclass
 class TrainingConfig:
     """Fixed settings of the training loop and defaults for every tunable hyperparameter."""
@@ -379,6 +410,11 @@ class TrainingConfig:
         "DataLoader worker processes; null: none (the trainer pads its own batches)."
     )
     seed: int = _doc("Seed for weights init, shuffling and dropout (the same for every trial).", 42)
+    distributed: DistributedSettings | None = _doc(
+        "Train each trial on several GPUs of its host (data-parallel); null or absent: one "
+        "process per trial. The effective batch is split evenly across the ranks: it must be a "
+        "multiple of distributed.gpus_per_trial."
+    )
     entrypoint: str | None = _doc(
         "Your own training function, `package.module:name`, called in each trial with a "
         "context (hpo.TrainingContext) instead of hpo's trainer; the module is "
@@ -429,7 +465,29 @@ class TrainingConfig:
         if self.num_workers is not None and self.num_workers < 0:
             found.append(("num_workers", self.num_workers, "must be >= 0 or null"))
         found.extend(_above_bounds(self, _TRAINING_BOUNDS))
+        found.extend(self._distributed_problems())
         return found
+
+    @property
+    def world_size(self) -> int:
+        """Ranks per trial: distributed.gpus_per_trial, or 1."""
+        return self.distributed.gpus_per_trial if self.distributed is not None else 1
+
+    def _distributed_problems(self) -> list[tuple[str, Any, str]]:
+        """Every rank takes an equal share of each optimizer step, so the effective batch
+        stays exact: physical x accumulation x world size."""
+        ranks = self.world_size
+        if ranks > 1 and self.effective_batch_size % ranks:
+            nearest = ranks * max(1, self.effective_batch_size // ranks)
+            rule = (
+                f"must be a multiple of distributed.gpus_per_trial ({ranks}): each rank "
+                f"trains an equal share of the step, e.g. {nearest}"
+            )
+            return [("effective_batch_size", self.effective_batch_size, rule)]
+        if ranks > 1 and self.entrypoint is not None:
+            rule = "hpo's trainer only: your own function starts its own ranks"
+            return [("distributed", "set", rule)]
+        return []
 
     def data_problems(self, label_names: list[str]) -> list[tuple[str, Any, str]]:
         """What only the data can decide: checked once its labels are known, before any trial."""

@@ -299,7 +299,7 @@ class Trainer:
         sizes = BatchSizes(self.physical_batch_size, self.eval_batch_size, self.oom_recoveries)
         train_s = run.train_s + self._elapsed_since(run.segment_start)
         state = training_state(self.fingerprint(), self._parts(), sizes, run, train_s)
-        checkpoints.save_state(state)
+        checkpoints.save_state({**state, **self._extra_state()})
 
     def _resume(
         self,
@@ -313,6 +313,7 @@ class Trainer:
         if state is None or checkpoints is None:
             return None
         sizes = restore_training(state, self._parts(), run)
+        self._restored(state)
         self._use_physical_batch(sizes.physical_batch_size)
         if sizes.eval_batch_size != self.evaluator.batch_size:
             self.evaluator.use_batch_size(sizes.eval_batch_size)
@@ -325,6 +326,13 @@ class Trainer:
                 break
         run.segment_start = time.perf_counter()
         return run.step
+
+    def _extra_state(self) -> dict[str, Any]:
+        """What a subclass adds to each saved state (trainer.distributed: every rank's RNG)."""
+        return {}
+
+    def _restored(self, state: dict[str, Any]) -> None:
+        """Called with a state just loaded, for what `_extra_state` added."""
 
     # -- training steps and out-of-memory recovery ---------------------------------------------
 

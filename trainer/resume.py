@@ -34,7 +34,7 @@ RESUMABLE_ACROSS = frozenset(
 # Settings added after checkpoints existed, with the value every earlier run had: left out of
 # the fingerprint at that value, so a retry after an upgrade still resumes its checkpoint.
 _ADDED_LATER: dict[str, dict[str, Any]] = {
-    "training": {"lr_schedule": "linear"},
+    "training": {"lr_schedule": "linear", "distributed": None},
     "model": {"dropout": None, "factory": None},
 }
 

@@ -83,6 +83,35 @@ def select_gpus(spec: str, visible: Sequence[str], flag: str = "--gpus") -> list
     return wanted
 
 
+def gpu_groups(gpus: Sequence[str], per_trial: int, flag: str = "--gpus") -> list[str]:
+    """The GPUs of each worker when a trial spans `per_trial` of them
+    (training.distributed.gpus_per_trial): consecutive ids, as CUDA_VISIBLE_DEVICES lists
+    them ("0,1"). GPUs left over (5 GPUs, 2 per trial) stay idle, and the log says so."""
+    if per_trial == 1 or not gpus:
+        return list(gpus)
+    if len(gpus) < per_trial:
+        raise ConfigError(
+            [
+                f"{flag}: {len(gpus)} GPU{'s' if len(gpus) > 1 else ''} ({', '.join(gpus)}) for "
+                f"trials of {per_trial} (training.distributed.gpus_per_trial): give at least "
+                f"{per_trial} GPUs, or lower gpus_per_trial"
+            ],
+            "command line" if flag.startswith("--") else "hpo.run",
+        )
+    workers = len(gpus) // per_trial
+    groups = [",".join(gpus[i * per_trial : (i + 1) * per_trial]) for i in range(workers)]
+    idle = gpus[workers * per_trial :]
+    if idle:
+        log.warning(
+            "GPU %s left idle: %d GPUs make %d trials of %d",
+            ", ".join(idle),
+            len(gpus),
+            workers,
+            per_trial,
+        )
+    return groups
+
+
 def _looks_like_gpu_id(name: str) -> bool:
     """A GPU id as CUDA_VISIBLE_DEVICES may name one: an index, or a GPU or MIG UUID."""
     return (name.isascii() and name.isdigit()) or name.startswith(("GPU-", "MIG-"))
@@ -171,7 +200,8 @@ def run_workers(
     labels = []
     for gpu in gpus:
         for k in range(per_gpu):
-            label = f"gpu{gpu}" if per_gpu == 1 else f"gpu{gpu}.{k}"
+            name = gpu.replace(",", "+")  # a worker of a trial across GPUs: gpu0+1
+            label = f"gpu{name}" if per_gpu == 1 else f"gpu{name}.{k}"
             env = {
                 **os.environ,
                 **(extra_env or {}),

@@ -261,6 +261,11 @@ def check_inputs(
     per_gpu = request.workers_per_gpu
     spec = "auto" if request.gpus is None and per_gpu is not None else request.gpus
     gpus = _worker_gpus(config, spec, request.option("gpus"))
+    if config.training.world_size > 1 and per_gpu not in (None, 1):
+        raise HPOError(
+            f"{request.option('workers_per_gpu')} {per_gpu}: a trial across GPUs "
+            "(training.distributed) owns its GPUs whole; leave it out"
+        )
     if not gpus and isinstance(per_gpu, int) and per_gpu > 1:
         raise HPOError(
             f"{request.option('workers_per_gpu')} {per_gpu}: no GPU to share on this host; "
@@ -465,19 +470,19 @@ def _auto_workers_per_gpu(config: Config, config_path: Path | None, gpus: list[s
 def _worker_gpus(config: Config, spec: str | None, flag: str = "--gpus") -> list[str]:
     """With --gpus, the GPUs to start workers on; one of them (or the CPU) is set up to run in
     this very process."""
-    from hpo.commands.launcher import FAKE_GPUS_ENV, select_gpus, visible_gpus
+    from hpo.commands.launcher import FAKE_GPUS_ENV, gpu_groups, select_gpus, visible_gpus
     from hpo.logs import WORKER_LABEL_ENV
 
     if spec is None:
         return []
-    gpus = select_gpus(spec, visible_gpus(), flag)
+    gpus = gpu_groups(select_gpus(spec, visible_gpus(), flag), config.training.world_size, flag)
     if not gpus:
         if spec.strip().lower() == "auto":
             log.info("no GPU visible on this host: one worker on the CPU")
         config.training.device = "cpu"
     elif len(gpus) == 1:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpus[0]  # before anything initialises CUDA
-        os.environ[WORKER_LABEL_ENV] = f"gpu{gpus[0]}"
+        os.environ[WORKER_LABEL_ENV] = f"gpu{gpus[0].replace(',', '+')}"
         setup_logging(logging.getLogger().level)  # log lines now name the GPU
         config.training.device = "cpu" if os.environ.get(FAKE_GPUS_ENV) else "cuda"
     return gpus

@@ -22,7 +22,7 @@ from typing import Any
 import optuna
 
 from hpo.logs import set_optuna_verbosity, setup_logging
-from hpo.stopping import Interrupted, TrialTimedOut
+from hpo.stopping import HandBack, Interrupted, TrialTimedOut
 from hpo.trial import leftovers
 from hpo.trial.protocol import (
     ASK,
@@ -269,6 +269,8 @@ def _run_target(target: TrialTarget, trial: ChildTrial, payload: Any) -> tuple[A
         return ("timed_out", str(e))
     except Interrupted as e:
         return ("interrupted", e.signal_name)
+    except HandBack as e:
+        return ("handed_back", str(e))
     except Exception as e:
         return ("failed", f"{type(e).__name__}: {e}", traceback.format_exc())
 

@@ -422,6 +422,9 @@ def _result(
         raise optuna.TrialPruned(outcome[1])
     if kind == "timed_out":
         raise TrialTimedOut(outcome[1])
+    if kind == "handed_back":  # not the trial's fault (a rank of its run was lost): again
+        trial.set_user_attr("fail_reason", str(outcome[1])[:1000])
+        raise HandBack(outcome[1])
     if kind == "interrupted":
         if stop.signal_name is not None:  # the stop signal reached the trial process first
             raise Interrupted(stop.signal_name)

@@ -18,7 +18,7 @@ from hpo.config.schema import Config
 from hpo.config.search_paths import with_params
 from hpo.plugins.loading import first_user_frame, load_plugin, load_user_code, record_failure
 from hpo.plugins.protocols import TrialLike
-from hpo.stopping import Interrupted, TrialTimedOut
+from hpo.stopping import HandBack, Interrupted, TrialTimedOut
 from hpo.trial import cpu_share
 from hpo.trial.child import replace_after_this_trial, stop_reason, stop_requested
 from hpo.trial.folders import trial_folder_maker
@@ -38,6 +38,7 @@ from trainer.checkpoint import CheckpointStore
 from trainer.config import TrainJob
 from trainer.data import PreparedData, with_eval_in_training
 from trainer.inference import job_settings, save_settings
+from trainer.launch import RankFailed, train_distributed
 from trainer.loop import Evaluation, TrainResult, grad_accum_steps_for, train
 from trainer.memory import OutOfMemoryAtBatchOne
 from trainer.model import load_tokenizer
@@ -70,7 +71,9 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
         uploader = start_uploader(trial, task, store)
     try:
         prepared = data_for(task, job)
-        key = _resolve_physical_batch(trial, job, cache, prepared)
+        ranks = job.training.world_size
+        # A run across ranks finds its batch on every rank's own device (trainer.launch).
+        key = _resolve_physical_batch(trial, job, cache, prepared) if ranks == 1 else None
         batch_at = time.time()
         sender = EvaluationSender(trial, job.training.effective_batch_size, job.training.device)
         # Optuna's pruning (report, should_prune) serves a single objective only.
@@ -81,7 +84,7 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
         )
         clock = TrainingClock(task.config.study.trial_timeout)
         data = with_eval_in_training(prepared) if task.full_data else prepared
-        result = train(
+        result = (train if ranks == 1 else train_distributed)(
             job,
             data,
             reporter,
@@ -102,6 +105,13 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
         trial.set_user_attr("prune_reason", reason)
         trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
         raise optuna.TrialPruned(reason) from e
+    except RankFailed as e:
+        # Not the configuration's fault (a rank killed, a GPU lost): failed with the reason,
+        # queued again, and the retry resumes from the last checkpoint.
+        trial.set_user_attr("wall_s", round(time.perf_counter() - started, 3))
+        if store is not None:
+            hand_over(trial, task, store, uploader)
+        raise HandBack(f"a rank failed: {e}") from e
     except ModelFactoryError as e:
         give_up_uploads(uploader, task)
         _record_user_failure(trial, str(task.config.model.factory), e, started, "the model factory")

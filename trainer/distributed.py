@@ -1,0 +1,286 @@
+"""One rank of a data-parallel run (DDP): each optimizer step split evenly across the ranks, exact
+accumulation with `no_sync`, OOMs agreed so every rank steps down together, and the decisions
+(pruning, stopping, checkpoints) taken on rank 0 and followed by all. trainer.launch starts it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from trainer.batching import collate, plan_epoch
+from trainer.checkpoint import CheckpointStore, rng_state, set_rng_state
+from trainer.config import TrainJob
+from trainer.data import PreparedData
+from trainer.loop import OnEvaluation, ShouldStop, Trainer
+from trainer.memory import none_on_oom
+from trainer.progress import Progress
+from trainer.result import TrainResult
+from trainer.step import grad_accum_steps_for, optimizer_step
+from trainer.user_metrics import UserMetrics
+
+log = logging.getLogger(__name__)
+
+# DDP's option for "no buffer broadcast at every forward": renamed in torch 2.13.
+_NO_BUFFER_SYNC: dict[str, Any] = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    else {"broadcast_buffers": False}
+)
+
+
+@dataclass(frozen=True)
+class RankGroup:
+    """This process's place in the trial's process group, and the few collectives the trainer
+    needs. Tensors travel on `device` (NCCL wants CUDA tensors; gloo takes the CPU's)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def any(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank (a host sync: every rank waits for the slowest)."""
+        value = torch.tensor([int(flag)], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+    def min(self, value: int) -> int:
+        tensor = torch.tensor([value], device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        return int(tensor.item())
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks (a new tensor; `tensor` is left as it was)."""
+        total = tensor.detach().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return total
+
+    def from_main(self, value: Any) -> Any:
+        """Rank 0's `value`, on every rank."""
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's `value`, in rank order, on every rank."""
+        values: list[Any] = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        return values
+
+
+class DistributedTrainer(Trainer):
+    """The one-process Trainer with its model wrapped in DDP. Every rank plans the same epoch
+    (same seed) and takes its share of each step, so the effective batch is exact: physical x
+    accumulation x world size. The loss of a micro-batch is divided by the counted units
+    (examples or tokens) of the whole step over every rank, then multiplied by the world size,
+    which DDP's averaging divides out: the gradient is the one-process gradient of the step.
+
+    Evaluation runs on rank 0 only, on the whole evaluation split, while the others wait: its
+    metrics are exactly the one-process metrics (no padding or duplicated examples from a
+    split), and the pruner, the trackers and the checkpoint all live there."""
+
+    def __init__(
+        self,
+        job: TrainJob,
+        data: PreparedData,
+        group: RankGroup,
+        metric: str | None = None,
+        user_metrics: UserMetrics | None = None,
+    ) -> None:
+        self.group = group  # first: the base class sets the physical batch, which reads it
+        self._step_indices = np.zeros(0, dtype=np.int64)
+        self._rank_rngs: list[Any] = []
+        super().__init__(job, data, metric, user_metrics)
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        # No buffer broadcast: it would be a collective at every forward, before the OOM
+        # check can run; the models hpo trains keep no running statistics.
+        self.ddp = DistributedDataParallel(self.model, device_ids=device_ids, **_NO_BUFFER_SYNC)
+        self.forward_model = self.ddp
+        if group.rank:  # dropout masks of their own; rank 0 draws as one process would
+            torch.manual_seed(self.cfg.seed + group.rank)
+
+    # -- the share of each step ----------------------------------------------------------------
+
+    def _use_physical_batch(self, physical_batch_size: int) -> None:
+        self.physical_batch_size = physical_batch_size
+        share = self.cfg.effective_batch_size // self.group.world_size
+        self.grad_accum_steps = grad_accum_steps_for(share, physical_batch_size)
+
+    def _rank_parts(self, indices: np.ndarray) -> list[np.ndarray]:
+        """This rank's micro-batches of a step: the same count on every rank (an empty one, in
+        the short last step of an epoch, runs a stand-in example at weight 0, so every rank
+        takes part in every collective)."""
+        shard = np.array_split(indices, self.group.world_size)[self.group.rank]
+        largest_shard = -(-len(indices) // self.group.world_size)
+        parts = grad_accum_steps_for(largest_shard, self.physical_batch_size)
+        return list(np.array_split(shard, parts))
+
+    def _loaded(self, part: np.ndarray, indices: np.ndarray) -> np.ndarray:
+        return part if len(part) else indices[:1]
+
+    def _steps(
+        self, epoch: int, skip: int = 0
+    ) -> Iterator[tuple[np.ndarray, list[dict[str, torch.Tensor]]]]:
+        plan = plan_epoch(
+            self.data.train.lengths, self.cfg.effective_batch_size, 1, self.cfg.seed, epoch
+        )[skip:]
+        steps = [np.concatenate(step) for step in plan]
+        parts = [self._rank_parts(indices) for indices in steps]
+        self.train_sampler.micro_batches = [
+            self._loaded(part, indices)
+            for indices, step_parts in zip(steps, parts, strict=True)
+            for part in step_parts
+        ]
+        micro_batches = iter(self.train_loader)
+        for indices, step_parts in zip(steps, parts, strict=True):
+            yield indices, [self._to_device(next(micro_batches)) for _ in step_parts]
+
+    def _split_step(self, indices: np.ndarray) -> list[dict[str, torch.Tensor]]:
+        data = self.data
+        return [
+            self._to_device(
+                collate(data.train, self._loaded(part, indices), data.pad_token_id, self.padding)
+            )
+            for part in self._rank_parts(indices)
+        ]
+
+    def _train_step(
+        self, run: Progress, indices: np.ndarray, micro_batches: list[dict[str, torch.Tensor]]
+    ) -> None:
+        self._step_indices = indices  # _try_step weighs its micro-batches by it
+        super()._train_step(run, indices, micro_batches)
+
+    # -- one step, with out-of-memory errors agreed across the ranks ---------------------------
+
+    def _try_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor | None:
+        """The whole step's loss (summed over the ranks), or None when any rank ran out of
+        memory. After each forward, and after each backward that DDP does not synchronise,
+        the ranks agree whether one failed, so all of them drop the step together and redo it
+        at half the micro-batch. The last backward is DDP's (its all-reduce overlaps it)."""
+        weights = [1.0 if len(part) else 0.0 for part in self._rank_parts(self._step_indices)]
+        units = self._step_units(micro_batches, weights)
+        total = torch.zeros((), device=self.device)
+        last = len(micro_batches) - 1
+        for i, (batch, weight) in enumerate(zip(micro_batches, weights, strict=True)):
+            local = self.ddp.no_sync() if i < last else contextlib.nullcontext()
+            with local:
+                loss = none_on_oom(functools.partial(self._micro_loss, batch, units, weight))
+                if self.group.any(loss is None):
+                    return None
+                assert loss is not None  # noqa: S101 (for mypy: every rank has a loss now)
+                if i < last:
+                    done = none_on_oom(functools.partial(self._backward, loss))
+                    if self.group.any(done is None):
+                        return None
+                else:
+                    self._backward(loss)
+            total += loss.detach()
+        optimizer_step(self.model, self.optimizer, self.cfg, self.scaler)
+        return self.group.sum(total)
+
+    def _step_units(
+        self, micro_batches: list[dict[str, torch.Tensor]], weights: list[float]
+    ) -> torch.Tensor:
+        """The counted units (examples or tokens) of the whole step, over every rank."""
+        local = torch.zeros((), dtype=torch.float32, device=self.device)
+        for batch, weight in zip(micro_batches, weights, strict=True):
+            if weight:
+                local += self.task.units(batch["labels"])
+        return self.group.sum(local).clamp(min=1)  # no counted token: zero loss, not NaN
+
+    def _micro_loss(
+        self, batch: dict[str, torch.Tensor], units: torch.Tensor, weight: float
+    ) -> torch.Tensor:
+        labels = batch["labels"]
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        with self._autocast():
+            logits, labels = self.task.logits(self.forward_model, inputs, labels)
+        loss = self.task.loss_sum(logits, labels, self.class_weights, self.cfg.label_smoothing)
+        return loss * weight / units
+
+    def _backward(self, loss: torch.Tensor) -> bool:
+        scaled = loss * self.group.world_size  # DDP averages the ranks' gradients
+        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        return True
+
+    # -- decisions on rank 0, followed by every rank -------------------------------------------
+
+    def fit(
+        self,
+        on_evaluation: OnEvaluation | None = None,
+        checkpoints: CheckpointStore | None = None,
+        should_stop: ShouldStop | None = None,
+    ) -> TrainResult:
+        """As Trainer.fit; `on_evaluation` and `should_stop` are asked on rank 0 only."""
+        main = self.group.is_main
+        asked = should_stop if main else None
+
+        def agreed_stop() -> bool:
+            stop = self.group.any(bool(asked is not None and asked()))
+            if stop:  # every rank checkpoints now: rank 0 writes their RNG states too
+                self._rank_rngs = self.group.gather(rng_state())
+            return stop
+
+        return super().fit(on_evaluation if main else None, checkpoints, agreed_stop)
+
+    def evaluate(self) -> dict[str, float]:
+        return self.evaluator(self.model)  # rank 0 alone: no DDP hooks, no collective
+
+    def _evaluate(
+        self,
+        run: Progress,
+        on_evaluation: OnEvaluation | None,
+        checkpoints: CheckpointStore | None = None,
+    ) -> None:
+        self._rank_rngs = self.group.gather(rng_state())  # for a checkpoint written now
+        if self.group.is_main:
+            super()._evaluate(run, on_evaluation, checkpoints)
+        self._follow_main(run)
+
+    def _resume(
+        self,
+        run: Progress,
+        checkpoints: CheckpointStore | None,
+        on_evaluation: OnEvaluation | None,
+    ) -> int | None:
+        """Every rank loads the same state (the weights, optimizer and progress are the same on
+        all), then its own RNG; a pruning decision on the restored evaluations is rank 0's."""
+        resumed_at = super()._resume(run, checkpoints, on_evaluation)
+        self._follow_main(run)
+        return resumed_at
+
+    def _follow_main(self, run: Progress) -> None:
+        """Rank 0's verdict on the run (go on, pruned, early-stopped, diverged) on every rank."""
+        status, reason = self.group.from_main((run.status, run.reason))
+        if status != run.status:
+            run.stop(status, reason)
+
+    def _checkpoint(self, run: Progress, checkpoints: CheckpointStore | None) -> None:
+        if self.group.is_main:  # DDP keeps the weights and optimizer state the same everywhere
+            super()._checkpoint(run, checkpoints)
+
+    def _save_best_model(self, checkpoints: CheckpointStore | None) -> None:
+        if self.group.is_main:
+            super()._save_best_model(checkpoints)
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"rank_rng": self._rank_rngs}
+
+    def _restored(self, state: dict[str, Any]) -> None:
+        rngs = state.get("rank_rng") or []
+        if len(rngs) == self.group.world_size:
+            set_rng_state(rngs[self.group.rank])

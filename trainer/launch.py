@@ -1,0 +1,365 @@
+"""A training run across several ranks (`training.distributed`), started by torch's elastic
+launcher (`torch.distributed.launcher.api.elastic_launch`, what `torchrun` runs) on this host:
+NCCL on GPUs, gloo on the CPU. The launching process keeps the run's callbacks (pruning,
+progress, stop requests, uploads) and serves them to rank 0 over a pipe.
+
+    result = train_distributed(job, data, on_evaluation=report)  # job.training.distributed set
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import datetime
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from trainer import device as dev
+from trainer.batch_finder import BatchSearch, NoPhysicalBatchFits, resolve_physical_batch
+from trainer.checkpoint import CheckpointStore
+from trainer.config import TrainJob
+from trainer.data import PreparedData
+from trainer.distributed import DistributedTrainer, RankGroup
+from trainer.errors import DeviceError
+from trainer.evaluation import Evaluation
+from trainer.loop import OnEvaluation, OnProgress, ShouldStop
+from trainer.memory import OutOfMemoryAtBatchOne, simulated_budget
+from trainer.result import TrainResult
+from trainer.user_metrics import UserMetrics
+
+log = logging.getLogger(__name__)
+
+# How long a collective may wait for a slow rank before it fails: rank 0 evaluates alone while
+# the others wait, and a large evaluation split takes minutes. A rank that dies is noticed by
+# the launcher at once, whatever this says.
+COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
+# How often the launching process looks at rank 0's pipe (seconds).
+RELAY_POLL_S = 0.05
+_PR_SET_PDEATHSIG = 1
+
+
+class _NoChildThreadWarning(logging.Filter):
+    """torch warns that a launcher in a thread cannot register signal handlers: on purpose here
+    (see _Launch), and the ranks end with this process (_die_with_the_launcher)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "running on a child thread" not in record.getMessage()
+
+
+logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
+    _NoChildThreadWarning()
+)
+
+
+class RankFailed(Exception):
+    """A rank of the run ended without finishing it: killed, crashed, or it raised; the
+    message names the rank and what the launcher saw (its exit code or its error)."""
+
+
+@dataclass(frozen=True)
+class CheckpointPlace:
+    """Where rank 0 writes the run's checkpoints and every rank reads one to resume (a
+    CheckpointStore without its callbacks, which stay in the launching process)."""
+
+    directory: Path
+    resume: bool
+    interval_s: float
+
+
+@dataclass
+class RankJob:
+    """What every rank is started with; it pickles (a spawned rank receives it)."""
+
+    job: TrainJob
+    data: PreparedData
+    metric: str | None
+    user_metrics: UserMetrics | None
+    checkpoints: CheckpointPlace | None
+    cpu_threads: int  # each rank's share of this process's CPU threads
+    conn: Connection  # rank 0's line to the launching process
+
+
+def train_distributed(
+    job: TrainJob,
+    data: PreparedData,
+    on_evaluation: OnEvaluation | None = None,
+    metric: str | None = None,
+    checkpoints: CheckpointStore | None = None,
+    should_stop: ShouldStop | None = None,
+    on_progress: OnProgress | None = None,
+    user_metrics: UserMetrics | None = None,
+) -> TrainResult:
+    """trainer.loop.train across `job.training.world_size` ranks: the same arguments and
+    result (rank 0's). Raises OutOfMemoryAtBatchOne when one example fits on no rank, rank 0's
+    own error when it raised, and RankFailed when another rank ended the run."""
+    world_size = job.training.world_size
+    device = dev.resolve_device(job.training.device)
+    if device.type == "cuda" and torch.cuda.device_count() < world_size:
+        raise DeviceError(
+            f"training.distributed.gpus_per_trial is {world_size} but this process sees "
+            f"{torch.cuda.device_count()} GPUs; give each worker that many (hpo run --gpus)"
+        )
+    here, there = multiprocessing.Pipe()
+    place = None
+    if checkpoints is not None:
+        place = CheckpointPlace(checkpoints.directory, checkpoints.resume, checkpoints.interval_s)
+    threads = max(1, torch.get_num_threads() // world_size)
+    rank_job = RankJob(job, data, metric, user_metrics, place, threads, there)
+    relay = _Relay(here, on_evaluation, should_stop, on_progress, checkpoints)
+    launch = _Launch(_launch_config(world_size, device), rank_job)
+    launch.start()
+    while launch.is_alive():
+        relay.serve(RELAY_POLL_S)
+    relay.serve(0)  # anything rank 0 sent just before it ended
+    here.close()
+    there.close()
+    return launch.result(relay.error)
+
+
+def _launch_config(world_size: int, device: torch.device) -> LaunchConfig:
+    """One node, `world_size` ranks, no restart (a failed run is the trial's to retry, from
+    its checkpoint), a rendezvous on a free local port. Ranks are forked on the CPU (fast, and
+    this process holds no CUDA context); spawned for GPUs, as torchrun does."""
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world_size,
+        run_id=f"hpo-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="fork" if device.type == "cpu" else "spawn",
+    )
+
+
+class _Launch(threading.Thread):
+    """torch's elastic launcher, run in a thread: it then leaves this process's signal handlers
+    alone (a SIGTERM to a trial process checkpoints the run; in the main thread the launcher
+    would take SIGTERM to kill the ranks at once), and the main thread serves rank 0."""
+
+    def __init__(self, config: LaunchConfig, rank_job: RankJob) -> None:
+        super().__init__(name="hpo-elastic-launch", daemon=True)
+        self.config, self.rank_job = config, rank_job
+        self.results: dict[int, Any] | None = None
+        self.failure: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.results = elastic_launch(self.config, rank_main)(self.rank_job)
+        except BaseException as e:  # noqa: BLE001 (handed to the launching thread whole)
+            self.failure = e
+
+    def result(self, rank0_error: BaseException | None) -> TrainResult:
+        if rank0_error is not None:  # rank 0's own error says more than "rank 1 lost its peer"
+            raise rank0_error
+        if isinstance(self.failure, ChildFailedError):
+            raise RankFailed(_failure_text(self.failure)) from self.failure
+        if self.failure is not None:
+            raise RankFailed(f"the launcher failed: {self.failure}") from self.failure
+        result = (self.results or {}).get(0)
+        if not isinstance(result, TrainResult):
+            raise RankFailed("rank 0 returned no result")
+        return result
+
+
+def _failure_text(error: ChildFailedError) -> str:
+    """The first rank that failed and how: its signal or exit code, and its error's text."""
+    rank, failure = error.get_first_failure()
+    signal_name = failure.signal_name()
+    if failure.exitcode < 0 and signal_name != "<N/A>":
+        return f"rank {rank} (pid {failure.pid}) was killed by {signal_name}"
+    message = failure.message
+    said = message.get("message", "") if isinstance(message, dict) else ""
+    text = f"rank {rank} (pid {failure.pid}) exited with code {failure.exitcode}"
+    return f"{text}: {str(said).strip()[:500]}" if said else text
+
+
+class _Relay:
+    """The launching process's end of rank 0's pipe: each message is a callback of the run.
+    A callback that raises ends the run: its error is kept (and raised once the ranks are
+    down) and the pipe closed, so rank 0's next question fails."""
+
+    def __init__(
+        self,
+        conn: Connection,
+        on_evaluation: OnEvaluation | None,
+        should_stop: ShouldStop | None,
+        on_progress: OnProgress | None,
+        checkpoints: CheckpointStore | None,
+    ) -> None:
+        self.conn = conn
+        self.on_evaluation, self.should_stop = on_evaluation, should_stop
+        self.on_progress, self.checkpoints = on_progress, checkpoints
+        self.error: BaseException | None = None
+        self.open = True
+
+    def serve(self, timeout_s: float) -> None:
+        try:
+            while self.open and self.conn.poll(timeout_s):
+                self._answer(self.conn.recv())
+                timeout_s = 0
+        except (EOFError, OSError):
+            self.open = False
+        except Exception as e:  # a callback's error, or one rank 0 sent that does not unpickle
+            self.error = self.error or e
+            self.open = False
+            self.conn.close()
+
+    def _answer(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "evaluation":
+            self.conn.send(self.on_evaluation(message[1]) if self.on_evaluation else None)
+        elif kind == "should_stop":
+            self.conn.send(bool(self.should_stop()) if self.should_stop else False)
+        elif kind == "progress" and self.on_progress is not None:
+            self.on_progress(message[1])
+        elif kind == "saved":
+            self._saved(message[1], message[2])
+        elif kind == "error":
+            self.error = self.error or message[1]
+
+    def _saved(self, kind: str, path: Path) -> None:
+        if self.checkpoints is None:
+            return
+        if kind == "state":
+            self.checkpoints.last_state_at = time.monotonic()
+        if self.checkpoints.on_saved is not None:
+            self.checkpoints.on_saved(kind, path)
+
+
+class _RankRelay:
+    """Rank 0's end of the pipe: the run's callbacks, answered by the launching process."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def on_evaluation(self, evaluation: Evaluation) -> str | None:
+        self.conn.send(("evaluation", evaluation))
+        answer: str | None = self.conn.recv()
+        return answer
+
+    def should_stop(self) -> bool:
+        self.conn.send(("should_stop",))
+        return bool(self.conn.recv())
+
+    def progress(self, progress: dict[str, Any]) -> None:
+        self.conn.send(("progress", progress))
+
+    def saved(self, kind: str, path: Path) -> None:
+        self.conn.send(("saved", kind, path))
+
+    def error(self, error: BaseException) -> None:
+        """Hand rank 0's error to the launching process; as text if it does not pickle."""
+        try:
+            self.conn.send(("error", error))
+        except Exception:  # noqa: BLE001 (an exception that does not pickle: its text will do)
+            self.conn.send(("error", RankFailed(f"rank 0: {type(error).__name__}: {error}")))
+
+
+@record
+def rank_main(rank_job: RankJob) -> TrainResult | None:
+    """One rank: join the trial's process group (the launcher set RANK, WORLD_SIZE and the
+    rendezvous address), train, and return rank 0's result."""
+    _die_with_the_launcher()
+    # A Ctrl-C is the worker's to handle; a SIGTERM from the launcher ends a rank at once.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = dev.resolve_device(rank_job.job.training.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(rank_job.cpu_threads)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
+    relay = _RankRelay(rank_job.conn) if rank == 0 else None
+    try:
+        return _train_rank(rank_job, RankGroup(rank, world_size, device), relay)
+    except Exception as e:
+        if relay is not None:
+            relay.error(e)
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _train_rank(
+    rank_job: RankJob, group: RankGroup, relay: _RankRelay | None
+) -> TrainResult | None:
+    job, data = rank_job.job, rank_job.data
+    training = dataclasses.replace(job.training, device=str(group.device))
+    job = dataclasses.replace(job, training=training)
+    size, search = agreed_physical_batch(job, data, group)
+    job = dataclasses.replace(job, training=dataclasses.replace(training, physical_batch_size=size))
+    place = rank_job.checkpoints
+    store = None
+    if place is not None:
+        on_saved = relay.saved if relay is not None else None
+        store = CheckpointStore(place.directory, place.resume, place.interval_s, on_saved=on_saved)
+    with simulated_budget(group.device):
+        trainer = DistributedTrainer(job, data, group, rank_job.metric, rank_job.user_metrics)
+        if relay is not None:
+            trainer.on_progress = relay.progress
+            log.info(
+                "training on %d ranks of %s, %s; effective batch %d = %d x %d micro-batches x %d",
+                group.world_size,
+                dev.device_name(trainer.device),
+                trainer.precision,
+                trainer.cfg.effective_batch_size,
+                trainer.physical_batch_size,
+                trainer.grad_accum_steps,
+                group.world_size,
+            )
+        fit_started_at = time.time()
+        on_evaluation = relay.on_evaluation if relay is not None else None
+        should_stop = relay.should_stop if relay is not None else None
+        result = trainer.fit(on_evaluation, store, should_stop)
+    result.fit_started_at = fit_started_at
+    result.batch_search = search
+    return result if group.is_main else None
+
+
+def agreed_physical_batch(
+    job: TrainJob, data: PreparedData, group: RankGroup
+) -> tuple[int, BatchSearch | None]:
+    """The physical batch every rank trains with: each finds its own (configured, or searched
+    on its device), and the smallest wins. Raises OutOfMemoryAtBatchOne on every rank when one
+    example does not fit on some rank."""
+    try:
+        batch = resolve_physical_batch(job, data.label_names, group.device)
+        size, search = batch.size, batch.search
+    except NoPhysicalBatchFits as e:
+        size, search = 0, e.batch.search
+    agreed = group.min(size)
+    if agreed == 0:
+        raise OutOfMemoryAtBatchOne(
+            f"not even 1 example at max_length {job.data.max_length} fits in memory on every "
+            f"one of the {group.world_size} ranks"
+        )
+    return agreed, search
+
+
+def _die_with_the_launcher() -> None:
+    """A rank ends when the thread that launched it does (the trial process killed): left
+    running, it would hold its GPU and wait on its peers for COLLECTIVE_TIMEOUT."""
+    if sys.platform != "linux":
+        return
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)

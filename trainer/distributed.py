@@ -1,13 +1,12 @@
-"""One rank of a data-parallel run (DDP): each optimizer step split evenly across the ranks, exact
-accumulation with `no_sync`, OOMs agreed so every rank steps down together, and the decisions
-(pruning, stopping, checkpoints) taken on rank 0 and followed by all. trainer.launch starts it.
+"""One rank of a data-parallel run (`strategy: ddp`): each optimizer step split evenly across the
+ranks, exact accumulation, OOMs agreed so every rank steps down together and redoes the step, and
+the decisions (pruning, stopping, checkpoints) taken on rank 0 and followed by all.
+trainer.launch starts the ranks.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import inspect
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,7 +15,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from trainer.batching import collate, plan_epoch
 from trainer.checkpoint import CheckpointStore, rng_state, set_rng_state
@@ -30,13 +28,6 @@ from trainer.step import grad_accum_steps_for, optimizer_step
 from trainer.user_metrics import UserMetrics
 
 log = logging.getLogger(__name__)
-
-# DDP's option for "no buffer broadcast at every forward": renamed in torch 2.13.
-_NO_BUFFER_SYNC: dict[str, Any] = (
-    {"forward_sync_buffers": False}
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-    else {"broadcast_buffers": False}
-)
 
 
 @dataclass(frozen=True)
@@ -69,6 +60,18 @@ class RankGroup:
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         return total
 
+    def sum_gradients(self, model: torch.nn.Module) -> None:
+        """Each gradient summed over the ranks, in place."""
+        for param in model.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+
+    def broadcast_weights(self, model: torch.nn.Module) -> None:
+        """Rank 0's parameters and buffers on every rank."""
+        with torch.no_grad():
+            for tensor in (*model.parameters(), *model.buffers()):
+                dist.broadcast(tensor, src=0)
+
     def from_main(self, value: Any) -> Any:
         """Rank 0's `value`, on every rank."""
         box = [value]
@@ -83,11 +86,18 @@ class RankGroup:
 
 
 class DistributedTrainer(Trainer):
-    """The one-process Trainer with its model wrapped in DDP. Every rank plans the same epoch
-    (same seed) and takes its share of each step, so the effective batch is exact: physical x
-    accumulation x world size. The loss of a micro-batch is divided by the counted units
-    (examples or tokens) of the whole step over every rank, then multiplied by the world size,
-    which DDP's averaging divides out: the gradient is the one-process gradient of the step.
+    """The one-process Trainer, data-parallel. Every rank plans the same epoch (same seed) and
+    takes its share of each step, so the effective batch is exact: physical x accumulation x
+    world size. A micro-batch's loss is divided by the counted units (examples or tokens) of the
+    whole step over every rank, and the ranks' gradients are summed: the gradient is the
+    one-process gradient of the step.
+
+    Why not torch's DistributedDataParallel module: it all-reduces inside the last backward, and
+    a rank that runs out of memory there leaves the others waiting in an all-reduce it never
+    joins; nor can the step be redone (some buckets were reduced, some not). Here every forward
+    and backward is local and followed by an agreement whether any rank failed; only then are
+    the gradients summed, in place (an all-reduce that allocates nothing). The price is the
+    overlap of that all-reduce with the backward (bench/distributed_scaling.py measures it).
 
     Evaluation runs on rank 0 only, on the whole evaluation split, while the others wait: its
     metrics are exactly the one-process metrics (no padding or duplicated examples from a
@@ -105,11 +115,7 @@ class DistributedTrainer(Trainer):
         self._step_indices = np.zeros(0, dtype=np.int64)
         self._rank_rngs: list[Any] = []
         super().__init__(job, data, metric, user_metrics)
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        # No buffer broadcast: it would be a collective at every forward, before the OOM
-        # check can run; the models hpo trains keep no running statistics.
-        self.ddp = DistributedDataParallel(self.model, device_ids=device_ids, **_NO_BUFFER_SYNC)
-        self.forward_model = self.ddp
+        group.broadcast_weights(self.model)  # a model factory may not seed its init
         if group.rank:  # dropout masks of their own; rank 0 draws as one process would
             torch.manual_seed(self.cfg.seed + group.rank)
 
@@ -168,27 +174,21 @@ class DistributedTrainer(Trainer):
 
     def _try_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor | None:
         """The whole step's loss (summed over the ranks), or None when any rank ran out of
-        memory. After each forward, and after each backward that DDP does not synchronise,
-        the ranks agree whether one failed, so all of them drop the step together and redo it
-        at half the micro-batch. The last backward is DDP's (its all-reduce overlaps it)."""
+        memory. After each forward and each backward the ranks agree whether one failed, so all
+        of them drop the step together and redo it at half the micro-batch."""
         weights = [1.0 if len(part) else 0.0 for part in self._rank_parts(self._step_indices)]
         units = self._step_units(micro_batches, weights)
         total = torch.zeros((), device=self.device)
-        last = len(micro_batches) - 1
-        for i, (batch, weight) in enumerate(zip(micro_batches, weights, strict=True)):
-            local = self.ddp.no_sync() if i < last else contextlib.nullcontext()
-            with local:
-                loss = none_on_oom(functools.partial(self._micro_loss, batch, units, weight))
-                if self.group.any(loss is None):
-                    return None
-                assert loss is not None  # noqa: S101 (for mypy: every rank has a loss now)
-                if i < last:
-                    done = none_on_oom(functools.partial(self._backward, loss))
-                    if self.group.any(done is None):
-                        return None
-                else:
-                    self._backward(loss)
+        for batch, weight in zip(micro_batches, weights, strict=True):
+            loss = none_on_oom(functools.partial(self._micro_loss, batch, units, weight))
+            if self.group.any(loss is None):
+                return None
+            assert loss is not None  # noqa: S101 (for mypy: every rank has a loss now)
+            done = none_on_oom(functools.partial(self._backward, loss))
+            if self.group.any(done is None):
+                return None
             total += loss.detach()
+        self.group.sum_gradients(self.model)
         optimizer_step(self.model, self.optimizer, self.cfg, self.scaler)
         return self.group.sum(total)
 
@@ -213,8 +213,7 @@ class DistributedTrainer(Trainer):
         return loss * weight / units
 
     def _backward(self, loss: torch.Tensor) -> bool:
-        scaled = loss * self.group.world_size  # DDP averages the ranks' gradients
-        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         return True
 
     # -- decisions on rank 0, followed by every rank -------------------------------------------
@@ -236,9 +235,6 @@ class DistributedTrainer(Trainer):
             return stop
 
         return super().fit(on_evaluation if main else None, checkpoints, agreed_stop)
-
-    def evaluate(self) -> dict[str, float]:
-        return self.evaluator(self.model)  # rank 0 alone: no DDP hooks, no collective
 
     def _evaluate(
         self,
@@ -270,7 +266,7 @@ class DistributedTrainer(Trainer):
             run.stop(status, reason)
 
     def _checkpoint(self, run: Progress, checkpoints: CheckpointStore | None) -> None:
-        if self.group.is_main:  # DDP keeps the weights and optimizer state the same everywhere
+        if self.group.is_main:  # the weights and optimizer state are the same everywhere
             super()._checkpoint(run, checkpoints)
 
     def _save_best_model(self, checkpoints: CheckpointStore | None) -> None:

@@ -166,10 +166,16 @@ class _Launch(threading.Thread):
             self.failure = e
 
     def result(self, rank0_error: BaseException | None) -> TrainResult:
-        if rank0_error is not None:  # rank 0's own error says more than "rank 1 lost its peer"
+        """Rank 0's result; or why the run ended: a rank killed (rank 0 then lost its peer), rank
+        0's own error (another rank then lost its peer), or the first rank that failed."""
+        failure = self.failure
+        killed = isinstance(failure, ChildFailedError) and _killed_rank(failure) is not None
+        if rank0_error is not None and not killed and not _lost_a_peer(rank0_error):
             raise rank0_error
-        if isinstance(self.failure, ChildFailedError):
-            raise RankFailed(_failure_text(self.failure)) from self.failure
+        if isinstance(failure, ChildFailedError):
+            raise RankFailed(_failure_text(failure)) from failure
+        if rank0_error is not None:
+            raise rank0_error
         if self.failure is not None:
             raise RankFailed(f"the launcher failed: {self.failure}") from self.failure
         result = (self.results or {}).get(0)
@@ -178,9 +184,25 @@ class _Launch(threading.Thread):
         return result
 
 
+def _killed_rank(error: ChildFailedError) -> int | None:
+    """A rank that a signal ended (the others then fail for want of it), if one did."""
+    return next((rank for rank, f in sorted(error.failures.items()) if f.exitcode < 0), None)
+
+
+def _lost_a_peer(error: BaseException) -> bool:
+    """Whether a rank's error is a collective that failed because another rank is gone (gloo
+    and NCCL raise RuntimeError, newer torch a DistError), not a cause of its own."""
+    return type(error) is RuntimeError or isinstance(error, dist.DistError)
+
+
 def _failure_text(error: ChildFailedError) -> str:
-    """The first rank that failed and how: its signal or exit code, and its error's text."""
-    rank, failure = error.get_first_failure()
+    """The rank that ended the run and how: the one a signal killed, else the first that
+    failed; its signal or exit code, and its error's text."""
+    killed = _killed_rank(error)
+    if killed is not None:
+        rank, failure = killed, error.failures[killed]
+    else:
+        rank, failure = error.get_first_failure()
     signal_name = failure.signal_name()
     if failure.exitcode < 0 and signal_name != "<N/A>":
         return f"rank {rank} (pid {failure.pid}) was killed by {signal_name}"

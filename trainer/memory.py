@@ -18,6 +18,9 @@ from trainer.memory_share import memory_share
 
 # Set by tests, never by users: a CPU run then raises torch.OutOfMemoryError past this many bytes.
 BUDGET_ENV = "HPO_TEST_MEMORY_BUDGET_BYTES"
+# Tests only, with BUDGET_ENV: the budget holds on this rank of a distributed run alone (the
+# launcher sets RANK), so one rank runs out of memory while the others would not.
+BUDGET_RANK_ENV = "HPO_TEST_MEMORY_BUDGET_RANK"
 # The part of its GPU's memory this worker may use, when several workers share one GPU
 # (`hpo run --workers-per-gpu N` sets 1/N for each): a number in (0, 1].
 
@@ -129,6 +132,9 @@ def claim_memory_share(device: torch.device) -> None:
 def budget_from_env() -> int | None:
     """The simulated memory budget of a CPU test run, scaled by the worker's share."""
     value = os.environ.get(BUDGET_ENV)
+    only_rank = os.environ.get(BUDGET_RANK_ENV)
+    if only_rank is not None and only_rank != os.environ.get("RANK"):
+        return None
     return int(int(value) * memory_share()) if value else None
 
 

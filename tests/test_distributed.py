@@ -10,16 +10,25 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import optuna
 import pytest
+from optuna.trial import TrialState
 
+from hpo.commands.launcher import gpu_groups, select_gpus
+from hpo.errors import ConfigError
 from tests.conftest import (
     easy_rows,
     long_rows,
+    run_hpo,
+    tiny_config,
+    write_config,
     write_csv,
 )
+from tests.test_batch_finder import probe_peak
 from tests.test_trainer import tiny_job
+from trainer.batch_finder import find_physical_batch_size
 from trainer.checkpoint import CheckpointStore
-from trainer.config import DistributedSettings, TrainJob
+from trainer.config import DistributedSettings, TrainingConfig, TrainJob
 from trainer.data import PreparedData
 from trainer.launch import RankFailed, train_distributed
 from trainer.loop import train
@@ -180,3 +189,135 @@ def test_an_oom_on_one_rank_steps_every_rank_down_together(
     assert (result.physical_batch_size, result.grad_accum_steps) == (2, 4)
     assert result.oom_recoveries == 1 and result.status == "completed"
     assert_same_curve(reference, result)
+
+
+def test_the_worst_rank_decides_the_physical_batch(
+    long_job: tuple[TrainJob, PreparedData], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job, data = long_job
+    job.training.physical_batch_size = "auto"
+    job.training.batch_search_start = 2
+    job.training.batch_search_max = 8
+    job.training.max_steps = 1
+    peaks = [probe_peak(job, data.label_names, size) for size in (2, 4)]
+    monkeypatch.setenv(BUDGET_ENV, str(sum(peaks) // 2))  # a probe at 2 fits, at 4 not
+    alone = find_physical_batch_size(job, data.label_names).chosen  # what the budget allows
+    assert 0 < alone < 8
+    monkeypatch.setenv(BUDGET_RANK_ENV, "1")  # only rank 1 is short of memory
+    result = train_distributed(across(job, 2), data)
+    assert result.physical_batch_size == alone  # rank 0 alone would have taken 8 (its bound)
+
+
+def test_distributed_settings_are_checked() -> None:
+    refused = TrainingConfig(effective_batch_size=30, distributed=DistributedSettings(4))
+    assert [key for key, _, _ in refused.problems()] == ["effective_batch_size"]
+    assert "multiple of distributed.gpus_per_trial (4)" in refused.problems()[0][2]
+    assert (
+        TrainingConfig(effective_batch_size=32, distributed=DistributedSettings(4)).problems() == []
+    )
+    assert [k for k, _, _ in DistributedSettings(0).problems()] == ["gpus_per_trial"]
+    assert "not built yet: use ddp" in DistributedSettings(2, "fsdp").problems()[0][2]
+    assert TrainingConfig().world_size == 1
+
+
+@pytest.mark.parametrize(
+    ("training", "space", "expected"),
+    [
+        ({"distributed": {"gpus_per_trial": 3}}, None, "training.effective_batch_size: must be "),
+        (
+            {"effective_batch_size": 6, "distributed": {"gpus_per_trial": 3}},
+            {"type": "categorical", "choices": [6, 8]},
+            "search_space.effective_batch_size: value 8 must be a multiple of",
+        ),
+        ({"distributed": {"strategy": "fsdp"}}, None, "fsdp is not built yet: use ddp"),
+    ],
+)
+def test_a_world_size_that_does_not_divide_the_batch_is_one_line_and_exit_2(
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    training: dict[str, Any],
+    space: dict[str, Any] | None,
+    expected: str,
+) -> None:
+    raw = tiny_config(*easy_data, training=training)
+    if space is not None:
+        raw["search_space"]["effective_batch_size"] = space
+    config = write_config(tmp_path / "c.yaml", raw)
+    database = tmp_path / "s.db"
+    done = run_hpo(
+        "run",
+        "--study",
+        "s",
+        "--config",
+        str(config),
+        "--storage",
+        f"sqlite:///{database}",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert len(done.stderr.strip().splitlines()) == 1 and expected in done.stderr
+    assert not database.exists()  # nothing written
+
+
+def test_workers_own_gpus_per_trial_of_the_gpus_given() -> None:
+    eight = [str(i) for i in range(8)]
+    assert gpu_groups(select_gpus("auto", eight), 2) == ["0,1", "2,3", "4,5", "6,7"]
+    assert gpu_groups(select_gpus("0,1,2,3", eight), 2) == ["0,1", "2,3"]
+    assert gpu_groups(select_gpus("0,1,2", eight), 2) == ["0,1"]  # GPU 2 idle, and logged
+    assert gpu_groups(["0", "1"], 1) == ["0", "1"]
+    with pytest.raises(ConfigError, match="--gpus: 1 GPU .0. for trials of 2"):
+        gpu_groups(select_gpus("0", eight), 2)
+
+
+@pytest.mark.slow
+def test_hpo_run_trains_each_trial_across_the_gpus_of_its_worker(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    """--gpus 0,1,2,3 with 2 per trial: 2 workers, each training its trials on 2 ranks (fake
+    GPUs: CPU ranks over gloo)."""
+    training = {"max_steps": 2, "evals_per_epoch": 1, "distributed": {"gpus_per_trial": 2}}
+    study = {"n_trials": 2, "trial_isolation": "none"}
+    config = write_config(
+        tmp_path / "c.yaml", tiny_config(*easy_data, study=study, training=training)
+    )
+    url = f"sqlite:///{tmp_path / 'g.db'}"
+    done = run_hpo(
+        "run",
+        "--study",
+        "g",
+        "--config",
+        str(config),
+        "--storage",
+        url,
+        "--gpus",
+        "0,1,2,3",
+        cwd=tmp_path,
+        env={"HPO_TEST_FAKE_GPUS": "4"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "started 2 workers: GPUs 0,1, 2,3" in done.stderr
+    trials = optuna.load_study(study_name="g", storage=url).get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 2
+    assert {t.user_attrs["ranks"] for t in trials} == {2}
+    assert {t.user_attrs["gpu"] for t in trials} <= {"gpu0+1", "gpu2+3"}
+
+
+class _RecordingTrial:
+    def __init__(self) -> None:
+        self.user_attrs: dict[str, Any] = {}
+
+    def set_user_attr(self, key: str, value: Any) -> None:
+        self.user_attrs[key] = value
+
+
+def test_a_trial_whose_rank_failed_is_handed_back_with_the_reason() -> None:
+    """The trial process says "handed_back" (training.py turns RankFailed into HandBack): the
+    worker records the reason and queues the trial again (hpo.study.loop.run_trial)."""
+    from hpo.stopping import HandBack, StopRequest
+    from hpo.trial.process import _result
+
+    trial = _RecordingTrial()
+    reason = "a rank failed: rank 1 (pid 7) was killed by SIGKILL"
+    with pytest.raises(HandBack, match="killed by SIGKILL"):
+        _result(trial, ("handed_back", reason), 0, StopRequest())  # type: ignore[arg-type]
+    assert trial.user_attrs["fail_reason"] == reason

@@ -17,6 +17,8 @@ from optuna.trial import TrialState
 from hpo.commands.launcher import gpu_groups, select_gpus
 from hpo.errors import ConfigError
 from tests.conftest import (
+    MINILM_TOKENIZER,
+    TINY_BERT,
     easy_rows,
     long_rows,
     run_hpo,
@@ -321,3 +323,30 @@ def test_a_trial_whose_rank_failed_is_handed_back_with_the_reason() -> None:
     with pytest.raises(HandBack, match="killed by SIGKILL"):
         _result(trial, ("handed_back", reason), 0, StopRequest())  # type: ignore[arg-type]
     assert trial.user_attrs["fail_reason"] == reason
+
+
+def test_a_token_task_divides_by_the_counted_tokens_of_every_rank(tmp_path: Path) -> None:
+    """Token classification: each rank holds a different number of counted tokens, and the
+    step's loss is the sum over every rank's tokens divided by all of them, as in one process."""
+    from tests.test_token_classification import TASK, data_config, ner_rows, write_jsonl
+    from trainer.config import ModelConfig
+
+    train_file = write_jsonl(tmp_path / "train.jsonl", ner_rows(40, 1))
+    eval_file = write_jsonl(tmp_path / "eval.jsonl", ner_rows(12, 2))
+    training = TrainingConfig(
+        effective_batch_size=8,
+        physical_batch_size=2,
+        learning_rate=3e-3,
+        max_steps=4,
+        evals_per_epoch=2,
+        log_every_steps=1,
+        device="cpu",
+        seed=3,
+    )
+    model = ModelConfig(
+        config={**TINY_BERT, "hidden_dropout_prob": 0.0}, tokenizer=MINILM_TOKENIZER
+    )
+    model.dropout = 0.0
+    job = TrainJob(data_config(train_file, eval_file), model, training, task=TASK)
+    data = prepare_data(job.data, load_tokenizer(job.model, TASK), TASK)
+    assert_same_curve(train(job, data), train_distributed(across(job, 2), data))

@@ -141,7 +141,8 @@ def test_a_rank_killed_mid_step_fails_the_run_with_its_reason_and_the_retry_resu
             os.kill(killed[0], signal.SIGKILL)
 
     folder = tmp_path / "checkpoints"
-    with pytest.raises(RankFailed, match=r"rank \d \(pid \d+\) was killed by SIGKILL") as failed:
+    said = r"rank \d \(pid \d+\) (was killed by SIGKILL|ended without an error of its own)"
+    with pytest.raises(RankFailed, match=said) as failed:
         train_distributed(job, data, checkpoints=CheckpointStore(folder), on_progress=kill_a_rank)
     assert f"pid {killed[0]}" in str(failed.value)
     retry = train_distributed(job, data, checkpoints=CheckpointStore(folder, resume=True))
@@ -350,3 +351,19 @@ def test_a_token_task_divides_by_the_counted_tokens_of_every_rank(tmp_path: Path
     job = TrainJob(data_config(train_file, eval_file), model, training, task=TASK)
     data = prepare_data(job.data, load_tokenizer(job.model, TASK), TASK)
     assert_same_curve(train(job, data), train_distributed(across(job, 2), data))
+
+
+def test_the_reason_names_the_rank_that_ended_the_run() -> None:
+    """Why a run ended, from what each rank said of itself: its own error first (rank 0's as
+    raised), then a rank that died without a word; a collective that failed for want of a
+    peer is never the reason."""
+    from trainer.launch import RankWords, _cause
+    from trainer.memory import OutOfMemoryAtBatchOne
+
+    lost = RuntimeError("Connection reset by peer")
+    killed = [RankWords(10, True, lost), RankWords(11)]  # rank 1 said nothing more
+    assert str(_cause(killed, None)).startswith("rank 1 (pid 11) ended without an error")
+    own = [RankWords(10), RankWords(11, True, ValueError("bad row 7"))]  # rank 0 then stopped
+    assert str(_cause(own, None)) == "rank 1 (pid 11): ValueError: bad row 7"
+    oom = OutOfMemoryAtBatchOne("not even 1 example")
+    assert _cause([RankWords(10, True, oom), RankWords(11, True, oom)], None) is oom

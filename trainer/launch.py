@@ -8,6 +8,7 @@ progress, stop requests, uploads) and serves them to rank 0 over a pipe.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import datetime
@@ -91,7 +92,9 @@ class RankJob:
     user_metrics: UserMetrics | None
     checkpoints: CheckpointPlace | None
     cpu_threads: int  # each rank's share of this process's CPU threads
-    conn: Connection  # rank 0's line to the launching process
+    # Each rank's line to the launching process (by rank): it says its pid when it starts and
+    # how it ended (its error, or done); rank 0's also carries the run's callbacks.
+    conns: list[Connection]
 
 
 def train_distributed(
@@ -114,21 +117,23 @@ def train_distributed(
             f"training.distributed.gpus_per_trial is {world_size} but this process sees "
             f"{torch.cuda.device_count()} GPUs; give each worker that many (hpo run --gpus)"
         )
-    here, there = multiprocessing.Pipe()
+    pipes = [multiprocessing.Pipe() for _ in range(world_size)]
+    here, there = [pipe[0] for pipe in pipes], [pipe[1] for pipe in pipes]
     place = None
     if checkpoints is not None:
         place = CheckpointPlace(checkpoints.directory, checkpoints.resume, checkpoints.interval_s)
     threads = max(1, torch.get_num_threads() // world_size)
     rank_job = RankJob(job, data, metric, user_metrics, place, threads, there)
-    relay = _Relay(here, on_evaluation, should_stop, on_progress, checkpoints)
+    relay = _Relay(here[0], on_evaluation, should_stop, on_progress, checkpoints)
     launch = _Launch(_launch_config(world_size, device), rank_job)
     launch.start()
     while launch.is_alive():
         relay.serve(RELAY_POLL_S)
     relay.serve(0)  # anything rank 0 sent just before it ended
-    here.close()
-    there.close()
-    return launch.result(relay.error)
+    words = [relay.words, *(_last_words(conn) for conn in here[1:])]
+    for conn in (*here, *there):
+        conn.close()
+    return launch.result(words)
 
 
 def _launch_config(world_size: int, device: torch.device) -> LaunchConfig:
@@ -165,28 +170,82 @@ class _Launch(threading.Thread):
         except BaseException as e:  # noqa: BLE001 (handed to the launching thread whole)
             self.failure = e
 
-    def result(self, rank0_error: BaseException | None) -> TrainResult:
-        """Rank 0's result; or why the run ended: a rank killed (rank 0 then lost its peer), rank
-        0's own error (another rank then lost its peer), or the first rank that failed."""
+    def result(self, words: list[RankWords]) -> TrainResult:
+        """Rank 0's result; or why the run ended, most telling first: a rank that died without
+        a word (killed, crashed: the others then fail for want of it), rank 0's own error, another
+        rank's own error, and what the launcher saw."""
         failure = self.failure
-        killed = isinstance(failure, ChildFailedError) and _killed_rank(failure) is not None
-        if rank0_error is not None and not killed and not _lost_a_peer(rank0_error):
-            raise rank0_error
-        if isinstance(failure, ChildFailedError):
-            raise RankFailed(_failure_text(failure)) from failure
-        if rank0_error is not None:
-            raise rank0_error
-        if self.failure is not None:
-            raise RankFailed(f"the launcher failed: {self.failure}") from self.failure
+        if failure is not None or words[0].error is not None:
+            raise _cause(words, failure)
         result = (self.results or {}).get(0)
         if not isinstance(result, TrainResult):
             raise RankFailed("rank 0 returned no result")
         return result
 
 
-def _killed_rank(error: ChildFailedError) -> int | None:
-    """A rank that a signal ended (the others then fail for want of it), if one did."""
-    return next((rank for rank, f in sorted(error.failures.items()) if f.exitcode < 0), None)
+@dataclass
+class RankWords:
+    """What one rank said of itself: its pid, and how it ended (None: it never said)."""
+
+    pid: int | None = None
+    ended: bool = False
+    error: BaseException | None = None
+
+    def record(self, message: tuple[Any, ...]) -> None:
+        if message[0] == "started":
+            self.pid = message[1]
+        elif message[0] == "ended":
+            self.ended = True
+        elif message[0] == "error":
+            self.error, self.ended = message[1], True
+
+
+def _last_words(conn: Connection) -> RankWords:
+    words = RankWords()
+    try:
+        while conn.poll(0):
+            words.record(conn.recv())
+    except (EOFError, OSError):
+        pass
+    return words
+
+
+def _cause(words: list[RankWords], failure: BaseException | None) -> BaseException:
+    """The error that says why the run ended (see _Launch.result). A rank's own error (not a
+    collective that failed for want of a peer) first: rank 0's as it was raised. Then a rank
+    that died without a word, preferring one the launcher saw killed by a signal other than its
+    own SIGTERM (which it sends the ranks left once one failed)."""
+    own = [(r, w.error) for r, w in enumerate(words) if w.error and not _lost_a_peer(w.error)]
+    if own:
+        rank, error = own[0]
+        if rank == 0 and error is not None:
+            return error
+        return RankFailed(f"rank {rank} (pid {words[rank].pid}): {type(error).__name__}: {error}")
+    reported = failure.failures if isinstance(failure, ChildFailedError) else {}
+    silent = [r for r, w in enumerate(words) if w.pid is not None and not w.ended]
+    silent.sort(key=lambda r: 0 if _killed_by(reported.get(r)) not in (None, "SIGTERM") else 1)
+    if silent:
+        rank = silent[0]
+        signal_name = _killed_by(reported.get(rank))
+        how = (
+            f"was killed by {signal_name}"
+            if signal_name is not None
+            else "ended without an error of its own (killed by a signal, or crashed)"
+        )
+        return RankFailed(f"rank {rank} (pid {words[rank].pid}) {how}")
+    if isinstance(failure, ChildFailedError):
+        return RankFailed(_failure_text(failure))
+    if words[0].error is not None:
+        return words[0].error
+    return RankFailed(f"the launcher failed: {failure}")
+
+
+def _killed_by(failure: Any) -> str | None:
+    """The signal that ended a rank as the launcher saw it, if one did."""
+    if failure is None or failure.exitcode >= 0:
+        return None
+    name = failure.signal_name()
+    return name if isinstance(name, str) and name != "<N/A>" else None
 
 
 def _lost_a_peer(error: BaseException) -> bool:
@@ -196,13 +255,9 @@ def _lost_a_peer(error: BaseException) -> bool:
 
 
 def _failure_text(error: ChildFailedError) -> str:
-    """The rank that ended the run and how: the one a signal killed, else the first that
-    failed; its signal or exit code, and its error's text."""
-    killed = _killed_rank(error)
-    if killed is not None:
-        rank, failure = killed, error.failures[killed]
-    else:
-        rank, failure = error.get_first_failure()
+    """The first rank that failed as the launcher saw it: its signal or exit code, and its
+    error's text."""
+    rank, failure = error.get_first_failure()
     signal_name = failure.signal_name()
     if failure.exitcode < 0 and signal_name != "<N/A>":
         return f"rank {rank} (pid {failure.pid}) was killed by {signal_name}"
@@ -228,7 +283,7 @@ class _Relay:
         self.conn = conn
         self.on_evaluation, self.should_stop = on_evaluation, should_stop
         self.on_progress, self.checkpoints = on_progress, checkpoints
-        self.error: BaseException | None = None
+        self.words = RankWords()  # what rank 0 said of itself
         self.open = True
 
     def serve(self, timeout_s: float) -> None:
@@ -239,7 +294,8 @@ class _Relay:
         except (EOFError, OSError):
             self.open = False
         except Exception as e:  # a callback's error, or one rank 0 sent that does not unpickle
-            self.error = self.error or e
+            # Kept as rank 0's error (rank 0 then fails on its closed line): it ended the run.
+            self.words.error = self.words.error or e
             self.open = False
             self.conn.close()
 
@@ -253,8 +309,9 @@ class _Relay:
             self.on_progress(message[1])
         elif kind == "saved":
             self._saved(message[1], message[2])
-        elif kind == "error":
-            self.error = self.error or message[1]
+        elif kind in ("started", "ended", "error"):
+            if self.words.error is None or kind == "started":
+                self.words.record(message)
 
     def _saved(self, kind: str, path: Path) -> None:
         if self.checkpoints is None:
@@ -286,12 +343,15 @@ class _RankRelay:
     def saved(self, kind: str, path: Path) -> None:
         self.conn.send(("saved", kind, path))
 
-    def error(self, error: BaseException) -> None:
-        """Hand rank 0's error to the launching process; as text if it does not pickle."""
-        try:
-            self.conn.send(("error", error))
-        except Exception:  # noqa: BLE001 (an exception that does not pickle: its text will do)
-            self.conn.send(("error", RankFailed(f"rank 0: {type(error).__name__}: {error}")))
+
+def _say(conn: Connection, *message: Any) -> None:
+    """Tell the launching process how this rank is doing; never raises (it may be gone)."""
+    try:
+        conn.send(message)
+    except Exception:  # noqa: BLE001 (an error that does not pickle goes as its text)
+        with contextlib.suppress(Exception):
+            error = message[-1]
+            conn.send((message[0], RankFailed(f"{type(error).__name__}: {error}")))
 
 
 @record
@@ -311,15 +371,18 @@ def rank_main(rank_job: RankJob) -> TrainResult | None:
         torch.set_num_threads(rank_job.cpu_threads)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
-    relay = _RankRelay(rank_job.conn) if rank == 0 else None
+    conn = rank_job.conns[rank]
+    _say(conn, "started", os.getpid())
+    relay = _RankRelay(conn) if rank == 0 else None
     try:
-        return _train_rank(rank_job, RankGroup(rank, world_size, device), relay)
+        result = _train_rank(rank_job, RankGroup(rank, world_size, device), relay)
     except Exception as e:
-        if relay is not None:
-            relay.error(e)
+        _say(conn, "error", e)
         raise
     finally:
         dist.destroy_process_group()
+    _say(conn, "ended")
+    return result
 
 
 def _train_rank(

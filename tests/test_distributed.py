@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ from tests.conftest import (
     easy_rows,
     long_rows,
     run_hpo,
+    start_hpo,
+    study_exists,
     tiny_config,
     write_config,
     write_csv,
@@ -367,3 +370,34 @@ def test_the_reason_names_the_rank_that_ended_the_run() -> None:
     assert str(_cause(own, None)) == "rank 1 (pid 11): ValueError: bad row 7"
     oom = OutOfMemoryAtBatchOne("not even 1 example")
     assert _cause([RankWords(10, True, oom), RankWords(11, True, oom)], None) is oom
+
+
+@pytest.mark.slow
+def test_a_worker_stopped_mid_trial_hands_it_back_and_the_retry_resumes(tmp_path: Path) -> None:
+    """SIGTERM to `hpo run` while a trial trains on 2 ranks: rank 0 hears the stop (through its
+    launching trial process), every rank stops at the same step, rank 0 checkpoints, the trial
+    is queued again, and the next `hpo run` resumes it."""
+    train_file = write_csv(tmp_path / "train.csv", easy_rows(256, 1))
+    eval_file = write_csv(tmp_path / "eval.csv", easy_rows(16, 2))
+    training = {"distributed": {"gpus_per_trial": 2}, "effective_batch_size": 8, "epochs": 6}
+    raw = tiny_config(train_file, eval_file, study={"n_trials": 1}, training=training)
+    config = write_config(tmp_path / "c.yaml", raw)
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    args = ("run", "--study", "s", "--config", str(config), "--storage", url)
+    worker = start_hpo(*args, cwd=tmp_path)
+    reported = False  # the trial trains once it reported an evaluation
+    deadline = time.monotonic() + 180
+    while not reported and time.monotonic() < deadline and worker.poll() is None:
+        if study_exists(url, "s"):
+            trials = optuna.load_study(study_name="s", storage=url).get_trials()
+            reported = any(t.intermediate_values for t in trials)
+        time.sleep(0.2)
+    assert reported, worker.communicate()[1][-3000:] if worker.poll() is not None else "no report"
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(timeout=120) == 0, worker.communicate()[1][-3000:]
+    assert run_hpo(*args, cwd=tmp_path).returncode == 0
+    first, retry = optuna.load_study(study_name="s", storage=url).get_trials()
+    assert first.state == TrialState.FAIL and "SIGTERM" in first.user_attrs["fail_reason"]
+    assert first.user_attrs["checkpoint_s"] > 0
+    assert retry.state == TrialState.COMPLETE and retry.user_attrs["resumed_at_step"] > 0
+    assert retry.user_attrs["ranks"] == 2

@@ -308,14 +308,17 @@ class _Relay:
         elif kind == "progress" and self.on_progress is not None:
             self.on_progress(message[1])
         elif kind == "saved":
-            self._saved(message[1], message[2])
+            self._saved(message[1], message[2], message[3])
         elif kind in ("started", "ended", "error"):
             if self.words.error is None or kind == "started":
                 self.words.record(message)
 
-    def _saved(self, kind: str, path: Path) -> None:
+    def _saved(self, kind: str, path: Path, seconds: float) -> None:
+        """Rank 0 wrote a checkpoint: this process's store says what writing cost so far (the
+        trial records it) and passes it on (an upload to the artifact store)."""
         if self.checkpoints is None:
             return
+        self.checkpoints.seconds = seconds
         if kind == "state":
             self.checkpoints.last_state_at = time.monotonic()
         if self.checkpoints.on_saved is not None:
@@ -340,8 +343,8 @@ class _RankRelay:
     def progress(self, progress: dict[str, Any]) -> None:
         self.conn.send(("progress", progress))
 
-    def saved(self, kind: str, path: Path) -> None:
-        self.conn.send(("saved", kind, path))
+    def saved(self, kind: str, path: Path, seconds: float) -> None:
+        self.conn.send(("saved", kind, path, seconds))
 
 
 def _say(conn: Connection, *message: Any) -> None:
@@ -393,11 +396,7 @@ def _train_rank(
     job = dataclasses.replace(job, training=training)
     size, search = agreed_physical_batch(job, data, group)
     job = dataclasses.replace(job, training=dataclasses.replace(training, physical_batch_size=size))
-    place = rank_job.checkpoints
-    store = None
-    if place is not None:
-        on_saved = relay.saved if relay is not None else None
-        store = CheckpointStore(place.directory, place.resume, place.interval_s, on_saved=on_saved)
+    store = _rank_store(rank_job.checkpoints, relay)
     with simulated_budget(group.device):
         trainer = DistributedTrainer(job, data, group, rank_job.metric, rank_job.user_metrics)
         if relay is not None:
@@ -419,6 +418,17 @@ def _train_rank(
     result.fit_started_at = fit_started_at
     result.batch_search = search
     return result if group.is_main else None
+
+
+def _rank_store(place: CheckpointPlace | None, relay: _RankRelay | None) -> CheckpointStore | None:
+    """The run's checkpoints as this rank sees them: every rank reads one to resume, rank 0
+    writes them and tells the launching process of each."""
+    if place is None:
+        return None
+    store = CheckpointStore(place.directory, place.resume, place.interval_s)
+    if relay is not None:
+        store.on_saved = lambda kind, path: relay.saved(kind, path, store.seconds)
+    return store
 
 
 def agreed_physical_batch(

@@ -171,9 +171,7 @@ class _Launch(threading.Thread):
             self.failure = e
 
     def result(self, words: list[RankWords]) -> TrainResult:
-        """Rank 0's result; or why the run ended, most telling first: a rank that died without
-        a word (killed, crashed: the others then fail for want of it), rank 0's own error, another
-        rank's own error, and what the launcher saw."""
+        """Rank 0's result; or why the run ended (see _cause)."""
         failure = self.failure
         if failure is not None or words[0].error is not None:
             raise _cause(words, failure)

@@ -401,3 +401,16 @@ def test_a_worker_stopped_mid_trial_hands_it_back_and_the_retry_resumes(tmp_path
     assert first.user_attrs["checkpoint_s"] > 0
     assert retry.state == TrialState.COMPLETE and retry.user_attrs["resumed_at_step"] > 0
     assert retry.user_attrs["ranks"] == 2
+
+
+def test_the_default_space_fitted_to_small_data_keeps_batches_the_ranks_divide(
+    easy_data: tuple[Path, Path],
+) -> None:
+    from hpo.config.data_size import fit_default_space
+    from hpo.config.loader import parse_config
+
+    raw = tiny_config(*easy_data, training={"distributed": {"gpus_per_trial": 2}})
+    del raw["search_space"]["effective_batch_size"]  # hpo's default choices, fitted to the data
+    config = parse_config(raw, easy_data[0].parent)
+    assert fit_default_space(config, 40) is not None  # 4 steps an epoch at most: 1, 2 and 4
+    assert config.search_space["effective_batch_size"].choices == [2, 4]

@@ -38,6 +38,8 @@ def fit_default_space(config: Config, train_rows: int) -> str | None:
     if max(int(choice) for choice in batch.choices or []) <= largest_fitting:
         return None
     choices = small_batch_choices(largest_fitting, len(DEFAULT_BATCH_CHOICES))
+    ranks = config.training.world_size  # a trial across ranks splits each step evenly
+    choices = [c for c in choices if c % ranks == 0] or [ranks]
     config.search_space[BATCH] = dataclasses.replace(batch, choices=list(choices))
     said = f"{BATCH} choices {choices} (at least {MIN_STEPS_PER_EPOCH} optimizer steps an epoch)"
     rate = config.search_space.get(LEARNING_RATE)

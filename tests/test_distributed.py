@@ -414,3 +414,35 @@ def test_the_default_space_fitted_to_small_data_keeps_batches_the_ranks_divide(
     config = parse_config(raw, easy_data[0].parent)
     assert fit_default_space(config, 40) is not None  # 4 steps an epoch at most: 1, 2 and 4
     assert config.search_space["effective_batch_size"].choices == [2, 4]
+
+
+def test_more_gpus_per_trial_than_a_worker_is_given_is_one_line_and_exit_2(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    raw = tiny_config(*easy_data, training={"distributed": {"gpus_per_trial": 2}})
+    config = write_config(tmp_path / "c.yaml", raw)
+    database = tmp_path / "s.db"
+    args = ("run", "--study", "s", "--config", str(config), "--storage", f"sqlite:///{database}")
+    done = run_hpo(*args, "--gpus", "0", cwd=tmp_path, env={"HPO_TEST_FAKE_GPUS": "1"})
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [
+        "hpo: error: command line: --gpus: 1 GPU (0) for trials of 2 "
+        "(training.distributed.gpus_per_trial): give at least 2 GPUs, or lower gpus_per_trial"
+    ]
+    assert not database.exists()
+
+
+def test_a_cuda_worker_that_sees_too_few_gpus_is_refused_before_any_trial(
+    easy_data: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hpo.commands import launcher, run
+    from hpo.config.loader import parse_config
+
+    raw = tiny_config(*easy_data, training={"device": "cuda", "distributed": {}})
+    config = parse_config(raw, easy_data[0].parent)
+    monkeypatch.delenv(launcher.FAKE_GPUS_ENV, raising=False)
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: ["0"])
+    with pytest.raises(ConfigError, match="2 GPUs per trial, but this worker sees 1"):
+        run._check_gpus_per_trial(config)
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: ["0", "1"])
+    run._check_gpus_per_trial(config)  # enough

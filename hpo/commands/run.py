@@ -266,6 +266,8 @@ def check_inputs(
             f"{request.option('workers_per_gpu')} {per_gpu}: a trial across GPUs "
             "(training.distributed) owns its GPUs whole; leave it out"
         )
+    if not gpus and config.training.world_size > 1:
+        _check_gpus_per_trial(config)
     if not gpus and isinstance(per_gpu, int) and per_gpu > 1:
         raise HPOError(
             f"{request.option('workers_per_gpu')} {per_gpu}: no GPU to share on this host; "
@@ -447,6 +449,24 @@ def _check_memory_share() -> None:
         memory_share()
     except ValueError as e:
         raise HPOError(f"{e}, or unset it") from e
+
+
+def _check_gpus_per_trial(config: Config) -> None:
+    """A worker on CUDA without --gpus trains each trial on the GPUs it sees: enough of them."""
+    from hpo.commands.launcher import FAKE_GPUS_ENV, visible_gpus
+
+    device = config.training.device
+    if device == "cpu" or device.startswith("cuda:") or os.environ.get(FAKE_GPUS_ENV):
+        return  # a CPU run (gloo ranks), or cuda:N, which the device check refuses as it is
+    visible = visible_gpus()  # NVML's count: this process initialises no CUDA
+    wanted = config.training.world_size
+    if (device == "cuda" or visible) and len(visible) < wanted:
+        raise ConfigError(
+            [
+                f"training.distributed.gpus_per_trial: {wanted} GPUs per trial, but this worker "
+                f"sees {len(visible)}; lower it, or run where {wanted} GPUs are visible"
+            ]
+        )
 
 
 def _auto_workers_per_gpu(config: Config, config_path: Path | None, gpus: list[str]) -> int:

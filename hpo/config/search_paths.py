@@ -71,6 +71,7 @@ NOT_SEARCHABLE = {
     "`hpo retrain` measures the spread over seeds",
     "training.entrypoint": "the training function: the same for every trial",
     "training.threshold": "applies to predictions only: every value trains the same model",
+    "training.distributed": "the GPUs each trial trains on: the workers are laid out by it",
     **dict.fromkeys(
         (
             "training.physical_batch_size",

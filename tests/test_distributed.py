@@ -305,6 +305,7 @@ def test_hpo_run_trains_each_trial_across_the_gpus_of_its_worker(
     trials = optuna.load_study(study_name="g", storage=url).get_trials()
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 2
     assert {t.user_attrs["ranks"] for t in trials} == {2}
+    assert {t.user_attrs["batch_size_source"] for t in trials} == {"config"}
     assert {t.user_attrs["gpu"] for t in trials} <= {"gpu0+1", "gpu2+3"}
 
 

@@ -131,8 +131,9 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
             hand_over(trial, task, store, uploader)
         raise_stopped(clock)
     record_result(trial, result)
-    if ranks > 1:
+    if ranks > 1:  # its batch was found by the ranks (the smallest wins), not asked first
         trial.set_user_attr("ranks", ranks)
+        trial.set_user_attr("batch_size_source", "search" if result.batch_search else "config")
     # Each trial says whether it trained an adapter: a search may turn LoRA on and off.
     trial.set_user_attr(ADAPTER_ATTR, job.model.adapter_record())
     if result.first_step_at is not None and task.asked_at is not None:

@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -125,18 +127,20 @@ def train_distributed(
     threads = max(1, torch.get_num_threads() // world_size)
     rank_job = RankJob(job, data, metric, user_metrics, place, threads, there)
     relay = _Relay(here[0], on_evaluation, should_stop, on_progress, checkpoints)
-    launch = _Launch(_launch_config(world_size, device), rank_job)
-    launch.start()
-    while launch.is_alive():
-        relay.serve(RELAY_POLL_S)
-    relay.serve(0)  # anything rank 0 sent just before it ended
+    # The launcher's error files, read once the ranks are down; gone with the run.
+    with tempfile.TemporaryDirectory(prefix="hpo-ranks-") as logs:
+        launch = _Launch(_launch_config(world_size, device, Path(logs)), rank_job)
+        launch.start()
+        while launch.is_alive():
+            relay.serve(RELAY_POLL_S)
+        relay.serve(0)  # anything rank 0 sent just before it ended
     words = [relay.words, *(_last_words(conn) for conn in here[1:])]
     for conn in (*here, *there):
         conn.close()
     return launch.result(words)
 
 
-def _launch_config(world_size: int, device: torch.device) -> LaunchConfig:
+def _launch_config(world_size: int, device: torch.device, logs: Path) -> LaunchConfig:
     """One node, `world_size` ranks, no restart (a failed run is the trial's to retry, from
     its checkpoint), a rendezvous on a free local port. Ranks are forked on the CPU (fast, and
     this process holds no CUDA context); spawned for GPUs, as torchrun does."""
@@ -150,6 +154,7 @@ def _launch_config(world_size: int, device: torch.device) -> LaunchConfig:
         max_restarts=0,
         monitor_interval=0.1,
         start_method="fork" if device.type == "cpu" else "spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(logs)),
     )
 
 

@@ -94,7 +94,8 @@ def test_lora_members_from_the_store_are_put_on_this_hosts_base_and_souped(
     config = write_config(tmp_path / "here.yaml", here)
     with monkeypatch.context() as patched:
         _stacking_wins(patched)
-        assert hpo_main([*ens, "--config", str(config), "--out", str(out)]) == 0
+        stack = [*ens, "--config", str(config), "--learner", "logistic_regression"]
+        assert hpo_main([*stack, "--out", str(out)]) == 0
     said = capsys.readouterr().out
     assert "saved: the stacked model" in said, said
     saved = load_ensemble(out)
@@ -128,6 +129,7 @@ def test_lora_members_from_the_store_are_put_on_this_hosts_base_and_souped(
     assert hpo_main([*soup_args, "--learner", "logistic_regression"]) == 0
     said = capsys.readouterr().out
     assert "uniform soup (2 members, one model)" in said and "saved: the uniform soup" in said
+    assert "a LoRA adapter on their base model" in said, said
     assert json.loads((souped / "adapter_config.json").read_text())["base_model_name_or_path"] == (
         str(base_b)
     )
@@ -141,6 +143,22 @@ def test_lora_members_from_the_store_are_put_on_this_hosts_base_and_souped(
     assert hpo_main([*args[:2], str(souped), *args[3:6], str(souped_out)]) == 0
     assert len(read_csv(souped_out)) == len(rows)
     assert len(hpo.load_model(souped).predict(rows)) == len(rows)
+
+    # The greedy soup through the Python API: the mean of the adapters it kept.
+    with hpo.open_study("lora", url) as study:
+        greedy = study.ensemble(
+            tmp_path / "greedy",
+            top=2,
+            config=config,
+            soup="greedy",
+            learners=["logistic_regression"],
+        )
+    assert greedy["saved"] == "soup" and "greedy soup (" in greedy["table"]
+    kept = json.loads((tmp_path / "greedy" / "ensemble_card.json").read_text())["soup"]["members"]
+    by_name = dict(zip(saved.members, each, strict=True))
+    mean = {k: sum(by_name[n][k] for n in kept) / len(kept) for k in soup}
+    for key, value in load_peft_weights(str(tmp_path / "greedy")).items():
+        torch.testing.assert_close(value, mean[key])
 
 
 def test_adapters_of_other_bases_or_mixed_with_whole_models_make_no_soup(tmp_path: Path) -> None:
@@ -301,3 +319,24 @@ def test_a_regression_ensemble_is_saved_and_predicts_one_value_a_row(
     assert len(values) == len(rows) and all(np.isfinite(values))
     again = [a["value"] for a in hpo.load_model(out).predict(rows)]
     np.testing.assert_allclose(again, values, rtol=1e-5)
+
+
+def test_a_recorded_test_file_the_members_cannot_read_is_said_not_used(tmp_path: Path) -> None:
+    from hpo.commands.ensemble_members import recorded_test_file
+    from hpo.study.setup_record import TEST_FILE_ATTR
+    from trainer.digests import content_sha256
+
+    assert recorded_test_file({}) == (None, None)
+    assert recorded_test_file({TEST_FILE_ATTR: "not a record"}) == (None, None)
+    table = tmp_path / "test.parquet"
+    table.write_bytes(b"PAR1")
+    folder = tmp_path / "dataset"
+    folder.mkdir()
+    for path in (table, folder):
+        record = {TEST_FILE_ATTR: {"path": str(path), "sha256": content_sha256(path)}}
+        found, note = recorded_test_file(record)
+        assert found is None and note is not None and "not a .csv or .jsonl file" in note
+        assert "--test-file" in note
+    good = write_csv(tmp_path / "test.csv", easy_rows(4, 1))
+    record = {TEST_FILE_ATTR: {"path": str(good), "sha256": content_sha256(good)}}
+    assert recorded_test_file(record) == (good, None)

@@ -377,7 +377,8 @@ def _soup_measured(soup: Any) -> list[str]:
 
 def _saved_text(report: Any, saved: str, soup: Any) -> str:
     if saved == "soup":
-        return f"the {soup.kind} soup of {len(soup.kept)} members, a plain model folder"
+        form = "a LoRA adapter on their base model" if soup.adapter else "a plain model folder"
+        return f"the {soup.kind} soup of {len(soup.kept)} members, {form}"
     if saved == "stacking":
         return f"the stacked model ({report.best_learner})"
     return f"the best member ({report.best_member}), as a plain model folder"

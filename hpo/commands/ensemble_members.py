@@ -250,7 +250,7 @@ def data_of_setup(
 
 def recorded_test_file(attrs: dict[str, Any]) -> tuple[Path | None, str | None]:
     """The study's recorded test file when it is there with the sha256 recorded; else None and
-    why not ("the study's test file X changed" / "is missing")."""
+    why not ("the study's test file X changed" / "is missing" / is not a file members read)."""
     from hpo.study.setup_record import TEST_FILE_ATTR
     from trainer.digests import content_sha256
 
@@ -258,8 +258,13 @@ def recorded_test_file(attrs: dict[str, Any]) -> tuple[Path | None, str | None]:
     if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
         return None, None
     path = Path(entry["path"])
-    if not path.is_file():
+    if not path.exists():
         return None, f"the study's test file {path} is missing"
+    if not path.is_file() or path.suffix.lower() not in (".csv", ".jsonl"):
+        return None, (
+            f"the study's test file {path} is not a .csv or .jsonl file, which the members "
+            "predict; give one with --test-file"
+        )
     if content_sha256(path) != entry.get("sha256"):
         return None, f"the study's test file {path} changed since the study recorded it"
     return path, None

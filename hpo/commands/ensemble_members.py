@@ -60,9 +60,10 @@ def members_and_data(
 ) -> tuple[Members, DataFiles]:
     """The members the request names and the data they are scored on (--test-file, else the
     config's data.test_file, else the one the study recorded, when it is unchanged)."""
+    given = None if request.test_file is None else checked_test_file(request.test_file)
     members, data = _members_and_data(request, study, fetched)
-    if request.test_file is not None:
-        data.test, data.test_note = checked_test_file(request.test_file), None
+    if given is not None:
+        data.test, data.test_note = given, None
     return members, data
 
 

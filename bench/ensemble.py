@@ -183,13 +183,14 @@ def feature_stage(config: Path, members: dict[str, str], cache: Path, threads: i
     the feature cache in `cache`."""
     import torch
 
-    from hpo.commands.ensemble import EnsembleRequest, _data_of_config, _label_order, _split
+    from hpo.commands.ensemble import EnsembleRequest, _label_order, _split
+    from hpo.commands.ensemble_members import data_of_config
 
     with FEATURES_LOCK:
         if threads is not None:
             torch.set_num_threads(threads)
         folders = {name: Path(path) for name, path in members.items()}
-        data = _data_of_config(str(config))
+        data = data_of_config(str(config))
         order = _label_order(next(iter(folders.values())), data.task)
         request = EnsembleRequest(out="-", device="cpu", quiet=True, cache_dir=str(cache))
         started = time.perf_counter()

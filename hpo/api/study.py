@@ -173,13 +173,18 @@ class Study:
         pca: int | None = None,
         device: str = "auto",
         batch_size: int = 32,
+        test_file: str | os.PathLike[str] | None = None,
+        soup: str = "none",
     ) -> dict[str, Any]:
         """`hpo ensemble`: the study's `top` trials that kept a model, stacked, written to the
         new folder `out` (the stacked ensemble, or the best member when stacking is not
         better). `config`: the config the study ran with (its data.test_file scores every
-        candidate; default: the evaluation file the study recorded, scored by 5-fold
-        cross-validation). Returns the scores: `folder`, `saved`, each candidate's and how
-        they were measured (`how_measured`). `hpo.load_model(out)` predicts with it."""
+        candidate; default: the evaluation file the study recorded, scored on the test file it
+        recorded when that is unchanged, else by 5-fold cross-validation). `test_file`: a
+        held-out .csv or .jsonl to score every candidate on instead. `soup`: "uniform" or
+        "greedy" also averages the members' weights (or LoRA adapters). Returns the scores:
+        `folder`, `saved`, each candidate's and how they were measured (`how_measured`).
+        `hpo.load_model(out)` predicts with it."""
         from hpo.commands.ensemble import EnsembleRequest, build_ensemble
 
         request = EnsembleRequest(
@@ -188,9 +193,11 @@ class Study:
             top=top,
             learners=tuple(learners or ()),
             pca=pca,
+            soup=soup,
             device=device,
             batch_size=batch_size,
             quiet=True,
+            test_file=None if test_file is None else os.fspath(test_file),
         )
         with self._reading():
             outcome = build_ensemble(request, self._study)

@@ -157,6 +157,7 @@ def ensemble_request(args: argparse.Namespace) -> EnsembleRequest:
         device=args.device,
         batch_size=args.batch_size,
         quiet=args.quiet,
+        test_file=args.test_file,
     )
 
 

@@ -295,6 +295,13 @@ def _add_ensemble_command(commands: argparse._SubParsersAction) -> None:
         "needed for data.test_file and with --from-retrain)",
     )
     ensemble.add_argument(
+        "--test-file",
+        default=None,
+        metavar="FILE",
+        help="a held-out .csv or .jsonl no trial saw, to score every candidate on (default: "
+        "the config's data.test_file, else the one the study recorded if unchanged)",
+    )
+    ensemble.add_argument(
         "--top",
         type=functools.partial(_count, "--top", 100),
         default=5,

@@ -1,0 +1,236 @@
+"""hpo copy: a study moved to another database (a laptop's SQLite file to the team's PostgreSQL
+and back) with hpo's own records, whole or not at all; the mechanics are storage.study_copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import shlex
+import signal
+import threading
+import unicodedata
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any
+
+from hpo.errors import HPOError
+from hpo.logs import set_optuna_verbosity
+from hpo.reports.text import emit
+from hpo.stopping import Interrupted
+from hpo.study.names import check_no_lookalike, checked_study_name, quoted_study_name
+
+log = logging.getLogger(__name__)
+
+SHOWN_NAMES = 10  # an unknown study's message lists at most this many of the source's
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyRequest:
+    """`hpo copy --study S --from URL --to URL`: each option as given."""
+
+    study: str
+    source: str
+    """--from: the database URL that holds the study."""
+    target: str
+    """--to: the database URL to copy it into (an SQLite file is created if need be)."""
+    to_study: str | None = None
+    """The copy's name; None: the study's own."""
+    allow_running: bool = False
+    """Copy a study whose trials are running, as it stands at the read."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyOutcome:
+    name: str
+    trials: int
+    states: dict[str, int]
+    batch_sizes: int
+    target: str  # the target's URL, password masked
+
+
+def copy_command(request: CopyRequest) -> int:
+    # Optuna's INFO line names the temporary study it creates: hpo says what it copied.
+    set_optuna_verbosity(max(logging.getLogger().level, logging.WARNING))
+    outcome = copy_study(request)
+    states = ", ".join(f"{n} {state}" for state, n in sorted(outcome.states.items()))
+    emit(
+        f"hpo: copied study {quoted_study_name(outcome.name)} to {outcome.target}: "
+        f"{outcome.trials} trials ({states or 'none'}), {outcome.batch_sizes} batch-size "
+        f"records; its workers join it with hpo run --study {shlex.quote(outcome.name)} "
+        f"--storage {shlex.quote(outcome.target)}"
+    )
+    return 0
+
+
+def copy_study(request: CopyRequest) -> CopyOutcome:
+    """Copy the study, refusing (HPOError, StorageError) before anything is written when the
+    source, the name or the target is wrong; see storage.study_copy for how it is written."""
+    from hpo import services
+    from storage import open_storage
+    from storage.study_copy import read_snapshot, same_database
+    from storage.tables import ensure_tables
+
+    if request.study == "":
+        raise HPOError("--study is empty; give the name of the study to copy (see hpo studies)")
+    source, source_url = services.open_storage_to_read(request.source, flag="--from")
+    target_url = _target_url(request.target)
+    study_id = _find_study(source, request.study, source_url.masked)
+    name = source.get_study_name_from_id(study_id)
+    final = checked_study_name(request.to_study, "--to-study") if request.to_study else name
+    same = same_database(source_url, target_url)
+    if same and final == name:
+        raise HPOError(
+            "--from and --to are the same database: a study cannot be copied onto itself; "
+            "give --to-study NAME to copy it beside itself under another name"
+        )
+    # Read through Optuna's own storage, not hpo's trial cache: each trial as Optuna reads it,
+    # its parameters in their order.
+    snapshot = read_snapshot(source.rdb, source.engine, study_id)
+    if snapshot.running() and not request.allow_running:
+        raise HPOError(_running_refusal(name, snapshot.running()))
+    target = open_storage(target_url)
+    _check_name_free(target, final, target_url.masked)
+    with _failed_copy(target_url.masked):
+        ensure_tables(target.engine)  # a layout of another hpo's is refused before a write
+    rows = [] if same else snapshot.batch_sizes  # one table already: nothing to bring over
+    with _termination_raises(), _failed_copy(target_url.masked):
+        _write(source.rdb, study_id, snapshot, target, final, rows, request.allow_running)
+    if snapshot.running():
+        log.warning(_running_note(snapshot.running()))
+    return CopyOutcome(final, len(snapshot.trials), snapshot.states(), len(rows), target_url.masked)
+
+
+def _write(
+    source: Any,
+    study_id: int,
+    snapshot: Any,
+    target: Any,
+    final: str,
+    rows: list[dict[str, Any]],
+    allow_running: bool,
+) -> None:
+    """Written under a temporary name, checked, then published under `final`."""
+    from storage.study_copy import publish, temporary_name, trial_fingerprint, write_copy
+
+    temporary = temporary_name()
+    copy_id = write_copy(target, snapshot, temporary)
+    if not allow_running:
+        # A worker that started or ended a trial while the study was read or written: the
+        # copy would miss it. Compared once the copy is written, so that nothing escapes.
+        now = trial_fingerprint(source.get_all_trials(study_id, deepcopy=False))
+        if now != trial_fingerprint(snapshot.trials):
+            from storage.study_copy import discard
+
+            discard(target, copy_id)
+            raise HPOError(
+                f"study {quoted_study_name(snapshot.name)} changed while it was copied: a worker "
+                "is running it. Nothing was copied; stop its workers and copy again, or pass "
+                "--allow-running to copy it as it stands"
+            )
+    publish(target, target.engine, copy_id, temporary, final, rows)
+
+
+def _target_url(given: str) -> Any:
+    from storage import resolve_storage_url
+
+    if not given.strip():
+        raise HPOError("--to is empty; give the database URL to copy into, e.g. sqlite:///copy.db")
+    return resolve_storage_url(given, None, "--to")
+
+
+def _find_study(storage: Any, name: str, masked_url: str) -> int:
+    """The id of study `name` (as typed, else in NFC); one line listing the source's studies
+    when there is none."""
+    for spelling in dict.fromkeys([name, unicodedata.normalize("NFC", name)]):
+        with contextlib.suppress(KeyError):
+            return int(storage.get_study_id_from_name(spelling))
+    names = sorted(s.study_name for s in storage.get_all_studies())
+    if not names:
+        held = "it holds no study"
+    else:
+        shown = ", ".join(quoted_study_name(n) for n in names[:SHOWN_NAMES])
+        more = f" and {len(names) - SHOWN_NAMES} more" if len(names) > SHOWN_NAMES else ""
+        held = f"it holds {shown}{more}"
+    raise HPOError(f"no study {quoted_study_name(name)} in {masked_url} (--from); {held}")
+
+
+def _check_name_free(target: Any, name: str, masked_url: str) -> None:
+    """The target holds no study of that name (hpo copy never merges into or replaces one),
+    nor one that reads alike; a note on copies that were stopped before their end."""
+    from storage.study_copy import unfinished_copies
+
+    names = [s.study_name for s in target.get_all_studies()]
+    if name in names:
+        raise HPOError(
+            f"{masked_url} (--to) already holds a study {quoted_study_name(name)}; hpo copy "
+            "never merges into or replaces a study: give --to-study NEW_NAME, or delete that "
+            "one first"
+        )
+    check_no_lookalike(name, names)
+    leftovers = unfinished_copies(names)
+    if leftovers:
+        log.warning(
+            "%s holds %d unfinished copies (%s...) from copies that were killed, or are still "
+            "under way: no worker uses them; delete them with optuna delete-study "
+            "--study-name NAME --storage URL",
+            masked_url,
+            len(leftovers),
+            leftovers[0],
+        )
+
+
+def _running_refusal(name: str, running: list[int]) -> str:
+    numbers = ", ".join(str(n) for n in running[:5]) + (" ..." if len(running) > 5 else "")
+    return (
+        f"study {quoted_study_name(name)} has {len(running)} RUNNING trials ({numbers}): its "
+        "workers may still be writing to it, and the copy would miss what they write. Stop "
+        "its workers (hpo status shows none running) and copy again, or pass --allow-running "
+        "to copy it as it stands"
+    )
+
+
+def _running_note(running: list[int]) -> str:
+    return (
+        f"{len(running)} trials were RUNNING and are copied as such; no worker of the copy "
+        "beats for them, so the first worker that joins the copy fails them as stale and "
+        "queues them again with the same parameters (what their workers go on writing goes "
+        "to the source only)"
+    )
+
+
+@contextlib.contextmanager
+def _failed_copy(masked_url: str) -> Iterator[None]:
+    """A database error mid-copy as one line (the unfinished copy is deleted by then)."""
+    import optuna
+    import sqlalchemy as sa
+
+    from storage.errors import StorageError
+    from storage.url import mask_text
+
+    try:
+        yield
+    except (sa.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as e:
+        reason = mask_text(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+        raise StorageError(
+            f"the copy into {masked_url} failed ({reason[:300]}); nothing was copied: run it "
+            "again once the database is reachable"
+        ) from e
+
+
+@contextlib.contextmanager
+def _termination_raises() -> Iterator[None]:
+    """SIGTERM stops the copy as Ctrl-C does, so that the unfinished copy is deleted."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        raise Interrupted(signal.Signals(signum).name)
+
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)

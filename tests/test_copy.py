@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState, create_trial
 
-from tests.conftest import REPO
+from tests.conftest import REPO, run_hpo, run_study, tiny_config, write_config
 
 Main = Callable[[list[str]], int]
 STUDY = "moving"
@@ -390,3 +390,40 @@ def test_batch_sizes_merge_keeps_the_smaller(tmp_path: Path, hpo_main: Main) -> 
     assert cache.get({"model": "tiny", "max_length": 32}) == 12
     assert cache.get({"model": "tiny", "max_length": 64}) == 8
     engine.dispose()
+
+
+@pytest.mark.postgres
+def test_a_real_study_moved_to_postgres_reads_the_same_and_runs_on(
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    postgres_url: str,
+    hpo_main: Main,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`hpo run` on a laptop's SQLite file, `hpo copy` (the real CLI) to PostgreSQL: status
+    and best agree there, and a worker on the copy adds trials to it."""
+    raw = tiny_config(*easy_data, training={"physical_batch_size": "auto"})
+    config = write_config(tmp_path / "study.yaml", raw)
+    laptop = sqlite(tmp_path, "laptop.db")
+    ran = run_study(config, laptop, tmp_path, study=STUDY)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert rows(laptop, "hpo_batch_sizes") != []  # the batch finder's record, to be kept
+    copied = run_hpo(*copy_args(laptop, postgres_url), cwd=tmp_path)
+    assert copied.returncode == 0, copied.stderr[-3000:]
+    assert "2 trials (2 COMPLETE)" in copied.stdout
+    capsys.readouterr()
+
+    def read(command: str, url: str) -> Any:
+        assert hpo_main([command, "--study", STUDY, "--storage", url, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    for command in ("status", "best"):
+        assert read(command, postgres_url) == read(command, laptop), command
+    assert rows(postgres_url, "hpo_batch_sizes") == rows(laptop, "hpo_batch_sizes")
+    args = ["run", "--study", STUDY, "--config", str(config), "--storage", postgres_url]
+    assert hpo_main([*args, "--n-trials", "3"]) == 0
+    trials = optuna.load_study(study_name=STUDY, storage=postgres_url).trials
+    assert [t.number for t in trials] == [0, 1, 2]
+    assert trials[2].state == TrialState.COMPLETE
+    assert trials[2].user_attrs["batch_size_source"] == "cache"  # the copied record, reused
+    assert len(optuna.load_study(study_name=STUDY, storage=laptop).trials) == 2

@@ -193,7 +193,7 @@ def test_running_trials_refused_unless_allowed(
     rich_study(source)
     assert hpo_main(copy_args(source, f"sqlite:///{target}")) == 2
     err = capsys.readouterr().err
-    assert "1 RUNNING trials (4)" in err and "--allow-running" in err
+    assert "1 RUNNING trial (#4)" in err and "--allow-running" in err
     assert len(err.strip().splitlines()) == 1
     assert not target.exists()  # refused before the target was opened
 
@@ -211,6 +211,8 @@ def test_target_that_holds_the_name_is_refused(
     assert "already holds a study 'moving'" in err and len(err.strip().splitlines()) == 1
     assert len(optuna.load_study(study_name=STUDY, storage=target).trials) == 1
     assert names(target) == [STUDY]
+    assert hpo_main(copy_args(source, target, "--to-study", "")) == 2
+    assert "--to-study: the study name is empty" in capsys.readouterr().err
     # A look-alike name (another case) is refused too: `hpo studies` would print them alike.
     assert hpo_main(copy_args(source, target, "--to-study", "MOVING")) == 2
     assert "differs only in case" in capsys.readouterr().err
@@ -235,6 +237,8 @@ def test_unknown_study_lists_the_sources(
         ("sqlite:///{tmp}/a.db", "mysql://u:hunter2@h/db", "which hpo does not support"),
         ("sqlite:///{tmp}/a.db", "postgres://u:hunter2@h/db", "postgresql+psycopg2://"),
         ("sqlite:///{tmp}/a.db", "", "--to is empty"),
+        (" ", "sqlite:///{tmp}/b.db", "--from is empty"),
+        ("sqlite:///{tmp}/a.db", "sqlite:///{tmp}/no/such/folder/b.db", "folder"),
         ("sqlite:///{tmp}/a.db", "postgresql+psycopg2://u:hunter2@127.0.0.1:1/db", "u:***@"),
     ],
 )

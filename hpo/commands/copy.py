@@ -68,17 +68,22 @@ def copy_study(request: CopyRequest) -> CopyOutcome:
     """Copy the study, refusing (HPOError, StorageError) before anything is written when the
     source, the name or the target is wrong; see storage.study_copy for how it is written."""
     from hpo import services
-    from storage import open_storage
+    from storage import open_storage, resolve_storage_url
     from storage.study_copy import read_snapshot, same_database
     from storage.tables import ensure_tables
+    from storage.url import EXAMPLE_URLS
 
     if request.study == "":
         raise HPOError("--study is empty; give the name of the study to copy (see hpo studies)")
+    for flag, url in (("--from", request.source), ("--to", request.target)):
+        if not url.strip():
+            raise HPOError(f"{flag} is empty; give a database URL, e.g. {EXAMPLE_URLS}")
     source, source_url = services.open_storage_to_read(request.source, flag="--from")
-    target_url = _target_url(request.target)
+    target_url = resolve_storage_url(request.target, None, "--to")
     study_id = _find_study(source, request.study, source_url.masked)
     name = source.get_study_name_from_id(study_id)
-    final = checked_study_name(request.to_study, "--to-study") if request.to_study else name
+    given = request.to_study
+    final = name if given is None else checked_study_name(given, "--to-study")
     same = same_database(source_url, target_url)
     if same and final == name:
         raise HPOError(
@@ -132,14 +137,6 @@ def _write(
     publish(target, target.engine, copy_id, temporary, final, rows)
 
 
-def _target_url(given: str) -> Any:
-    from storage import resolve_storage_url
-
-    if not given.strip():
-        raise HPOError("--to is empty; give the database URL to copy into, e.g. sqlite:///copy.db")
-    return resolve_storage_url(given, None, "--to")
-
-
 def _find_study(storage: Any, name: str, masked_url: str) -> int:
     """The id of study `name` (as typed, else in NFC); one line listing the source's studies
     when there is none."""
@@ -181,10 +178,15 @@ def _check_name_free(target: Any, name: str, masked_url: str) -> None:
         )
 
 
+def _running_trials(running: list[int]) -> str:
+    """`2 RUNNING trials (#3, #7)`."""
+    numbers = ", ".join(f"#{n}" for n in running[:5]) + (", ..." if len(running) > 5 else "")
+    return f"{len(running)} RUNNING trial{'s' if len(running) != 1 else ''} ({numbers})"
+
+
 def _running_refusal(name: str, running: list[int]) -> str:
-    numbers = ", ".join(str(n) for n in running[:5]) + (" ..." if len(running) > 5 else "")
     return (
-        f"study {quoted_study_name(name)} has {len(running)} RUNNING trials ({numbers}): its "
+        f"study {quoted_study_name(name)} has {_running_trials(running)}: its "
         "workers may still be writing to it, and the copy would miss what they write. Stop "
         "its workers (hpo status shows none running) and copy again, or pass --allow-running "
         "to copy it as it stands"
@@ -193,8 +195,8 @@ def _running_refusal(name: str, running: list[int]) -> str:
 
 def _running_note(running: list[int]) -> str:
     return (
-        f"{len(running)} trials were RUNNING and are copied as such; no worker of the copy "
-        "beats for them, so the first worker that joins the copy fails them as stale and "
+        f"copied {_running_trials(running)} as RUNNING: no worker of the copy beats for "
+        "them, so the first worker that joins the copy fails them as stale and "
         "queues them again with the same parameters (what their workers go on writing goes "
         "to the source only)"
     )

@@ -167,10 +167,19 @@ def test_sqlite_to_postgres_and_back(
     assert rows(postgres_url, "hpo_heartbeats") == rows(back, "hpo_heartbeats") == []
 
 
-def test_copy_keeps_everything_between_sqlite_files(tmp_path: Path, hpo_main: Main) -> None:
+def test_copy_keeps_everything_between_sqlite_files(
+    tmp_path: Path,
+    hpo_main: Main,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     source, target = sqlite(tmp_path, "a.db"), sqlite(tmp_path, "b.db")
     rich_study(source)
+    monkeypatch.setattr("hpo.commands.copy.PROGRESS_EVERY_S", 0.0)
     assert hpo_main(copy_args(source, target, "--allow-running", "--to-study", "renamed")) == 0
+    err = capsys.readouterr().err
+    assert "copying: 6 of 6 trials written" in err and "1 RUNNING trial (#4)" in err, err
+    assert "hpo-copy-" not in err  # Optuna's line about the temporary study is not shown
     assert study_view(target, "renamed") == study_view(source, STUDY)
     assert names(target) == ["renamed"]  # no temporary study left
     assert rows(target, "hpo_batch_sizes") == rows(source, "hpo_batch_sizes")

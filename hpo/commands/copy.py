@@ -10,8 +10,9 @@ import logging
 import shlex
 import signal
 import threading
+import time
 import unicodedata
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -23,6 +24,7 @@ from hpo.study.names import check_no_lookalike, checked_study_name, quoted_study
 
 log = logging.getLogger(__name__)
 
+PROGRESS_EVERY_S = 10.0
 SHOWN_NAMES = 10  # an unknown study's message lists at most this many of the source's
 
 
@@ -120,7 +122,7 @@ def _write(
     from storage.study_copy import publish, temporary_name, trial_fingerprint, write_copy
 
     temporary = temporary_name()
-    copy_id = write_copy(target, snapshot, temporary)
+    copy_id = write_copy(target, snapshot, temporary, _progress(len(snapshot.trials)))
     if not allow_running:
         # A worker that started or ended a trial while the study was read or written: the
         # copy would miss it. Compared once the copy is written, so that nothing escapes.
@@ -135,6 +137,22 @@ def _write(
                 "--allow-running to copy it as it stands"
             )
     publish(target, target.engine, copy_id, temporary, final, rows)
+
+
+def _progress(total: int) -> Callable[[int], None]:
+    """A line every PROGRESS_EVERY_S while trials are written (a few thousand take minutes:
+    Optuna writes one trial per transaction)."""
+    last = time.monotonic()
+    done = 0
+
+    def copied(number: int) -> None:
+        nonlocal last, done
+        done += 1
+        if time.monotonic() - last >= PROGRESS_EVERY_S:
+            last = time.monotonic()
+            log.info("copying: %d of %d trials written", done, total)
+
+    return copied
 
 
 def _find_study(storage: Any, name: str, masked_url: str) -> int:

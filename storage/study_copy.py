@@ -102,10 +102,12 @@ def write_copy(
     snapshot: StudySnapshot,
     temporary: str,
     copied: Callable[[int], None] = lambda number: None,
+    last_check: Callable[[], None] = lambda: None,
 ) -> int:
     """The snapshot written to `target` as study `temporary`; returns its study id. Deleted
     again when anything goes wrong or the copy is interrupted, before the error goes on;
-    `copied(number)` is called after each trial."""
+    `copied(number)` is called after each trial, `last_check()` once the copy is written and
+    read back equal (an error it raises deletes the copy too)."""
     study_id = target.create_new_study(snapshot.directions, temporary)
     try:
         for key, value in snapshot.system_attrs.items():
@@ -118,6 +120,7 @@ def write_copy(
             target.create_new_trial(study_id, template_trial=trial)
             copied(trial.number)
         _check_copy(snapshot, target.get_all_trials(study_id, deepcopy=False))
+        last_check()
     except BaseException:
         discard(target, study_id)
         raise

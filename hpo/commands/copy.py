@@ -121,21 +121,22 @@ def _write(
     """Written under a temporary name, checked, then published under `final`."""
     from storage.study_copy import publish, temporary_name, trial_fingerprint, write_copy
 
-    temporary = temporary_name()
-    copy_id = write_copy(target, snapshot, temporary, _progress(len(snapshot.trials)))
-    if not allow_running:
+    def unchanged() -> None:
         # A worker that started or ended a trial while the study was read or written: the
         # copy would miss it. Compared once the copy is written, so that nothing escapes.
+        if allow_running:
+            return
         now = trial_fingerprint(source.get_all_trials(study_id, deepcopy=False))
         if now != trial_fingerprint(snapshot.trials):
-            from storage.study_copy import discard
-
-            discard(target, copy_id)
             raise HPOError(
                 f"study {quoted_study_name(snapshot.name)} changed while it was copied: a worker "
                 "is running it. Nothing was copied; stop its workers and copy again, or pass "
                 "--allow-running to copy it as it stands"
             )
+
+    temporary = temporary_name()
+    progress = _progress(len(snapshot.trials))
+    copy_id = write_copy(target, snapshot, temporary, progress, last_check=unchanged)
     publish(target, target.engine, copy_id, temporary, final, rows)
 
 

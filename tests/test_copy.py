@@ -195,6 +195,14 @@ def test_several_objectives(tmp_path: Path, hpo_main: Main) -> None:
     assert study_view(target, STUDY) == study_view(source, STUDY)
 
 
+def test_an_empty_study(tmp_path: Path, hpo_main: Main, capsys: pytest.CaptureFixture[str]) -> None:
+    source, target = sqlite(tmp_path, "a.db"), sqlite(tmp_path, "b.db")
+    optuna.create_study(study_name=STUDY, storage=source, direction="minimize")
+    assert hpo_main(copy_args(source, target)) == 0
+    assert "0 trials (none), 0 batch-size records" in capsys.readouterr().out
+    assert study_view(target, STUDY) == study_view(source, STUDY)
+
+
 def test_running_trials_refused_unless_allowed(
     tmp_path: Path, hpo_main: Main, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -378,7 +386,9 @@ def test_killed_mid_copy_publishes_nothing(
     )
     assert STUDY not in names(target), killed.stderr
     if signal_name == "SIGTERM":  # stopped: the unfinished copy deleted on the way out
-        assert "stopped by SIGTERM" in killed.stderr and names(target) == []
+        assert killed.returncode == 143, killed.stderr  # not 0: a script must not go on
+        assert "stopped by SIGTERM: nothing was copied" in killed.stderr
+        assert names(target) == []
         return
     assert killed.returncode == -9
     leftovers = names(target)  # killed outright: a temporary study, never the study's name

@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import shlex
 import signal
+import sys
 import threading
 import time
 import unicodedata
@@ -55,7 +56,14 @@ class CopyOutcome:
 def copy_command(request: CopyRequest) -> int:
     # Optuna's INFO line names the temporary study it creates: hpo says what it copied.
     set_optuna_verbosity(max(logging.getLogger().level, logging.WARNING))
-    outcome = copy_study(request)
+    try:
+        outcome = copy_study(request)
+    except KeyboardInterrupt as e:
+        # Not the exit code 0 a stopped worker gives for SIGTERM: `hpo copy ... && rm old.db`
+        # must not go on when nothing was copied.
+        name = getattr(e, "signal_name", "SIGINT")
+        print(f"hpo: stopped by {name}: nothing was copied", file=sys.stderr)
+        return 128 + signal.Signals[name].value
     states = ", ".join(f"{n} {state}" for state, n in sorted(outcome.states.items()))
     emit(
         f"hpo: copied study {quoted_study_name(outcome.name)} to {outcome.target}: "

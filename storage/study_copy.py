@@ -150,7 +150,10 @@ def publish(
             _merge_batch_sizes(conn, batch_size_rows)
     except sa.exc.IntegrityError as e:  # the unique study name: another study took it
         discard(target, study_id)
-        raise StudyNameTaken(f"a study {name!r} appeared in the target during the copy") from e
+        raise StudyNameTaken(
+            f"a study {name!r} appeared in the target during the copy (another copy, or a "
+            "worker); nothing was copied: copy again, with --to-study NEW_NAME to keep both"
+        ) from e
     except BaseException:
         discard(target, study_id)
         raise

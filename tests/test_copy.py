@@ -355,6 +355,34 @@ def test_source_changed_while_copied_is_not_published(
     assert names(target) == []
 
 
+def test_a_study_of_the_name_made_during_the_copy_wins(
+    tmp_path: Path,
+    hpo_main: Main,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import storage.study_copy
+
+    source, target = sqlite(tmp_path, "a.db"), sqlite(tmp_path, "b.db")
+    rich_study(source, running=False)
+    checked = storage.study_copy._check_copy
+
+    def check_then_race(*args: Any) -> None:
+        checked(*args)
+        # Another copy (or a worker) creates the study before this one is published.
+        optuna.create_study(study_name=STUDY, storage=target).optimize(
+            lambda t: t.suggest_float("y", 0, 1), n_trials=1
+        )
+
+    monkeypatch.setattr(storage.study_copy, "_check_copy", check_then_race)
+    assert hpo_main(copy_args(source, target)) == 2
+    err = capsys.readouterr().err
+    assert "appeared in the target during the copy" in err and len(err.strip().splitlines()) == 1
+    assert names(target) == [STUDY]  # the other one, untouched; the copy deleted
+    assert len(optuna.load_study(study_name=STUDY, storage=target).trials) == 1
+    assert rows(target, "hpo_batch_sizes") == []
+
+
 KILLER = """
 import os, signal, sys
 from storage.resilient import ResilientStorage

@@ -11,6 +11,7 @@ the process was killed outright. Heartbeats are not copied: no worker runs the c
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
 from collections.abc import Callable, Sequence
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import optuna
 import sqlalchemy as sa
 from optuna.storages import BaseStorage
 from optuna.study import StudyDirection
@@ -26,7 +28,9 @@ from sqlalchemy.engine import Engine, make_url
 
 from storage.errors import StorageError
 from storage.tables import batch_sizes, check_version, ensure_tables
-from storage.url import StorageURL
+from storage.url import StorageURL, mask_text
+
+log = logging.getLogger(__name__)
 
 TEMPORARY_PREFIX = "hpo-copy-"
 _TEMPORARY_NAME = re.compile(rf"{TEMPORARY_PREFIX}[0-9a-f]{{12}}")
@@ -160,11 +164,16 @@ def publish(
 
 
 def discard(target: BaseStorage, study_id: int) -> None:
-    """Delete a copy that was not published (its temporary name is the copy's own)."""
+    """Delete a copy that was not published (its temporary name is the copy's own). A database
+    that fails here too (it went down) keeps the copy under its temporary name, and the error
+    that stopped the copy is the one raised."""
     try:
         target.delete_study(study_id)
     except KeyError:
         pass  # never written, or deleted already
+    except (sa.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as e:
+        reason = (mask_text(str(e)).strip().splitlines() or [type(e).__name__])[0]
+        log.warning("the unfinished copy (study id %d) stays in the target: %s", study_id, reason)
 
 
 def same_database(first: StorageURL, second: StorageURL) -> bool:
@@ -191,11 +200,15 @@ def _check_copy(snapshot: StudySnapshot, copied: Sequence[FrozenTrial]) -> None:
         return
     if len(expected) != len(found):
         raise StorageError(
-            f"the copy holds {len(found)} trials where the source holds {len(expected)}"
+            f"the copy holds {len(found)} trials where the source holds {len(expected)}; "
+            "nothing was copied: is another program writing to the copy's temporary study?"
         )
     pairs = zip(snapshot.trials, expected, found, strict=True)
     differs = next(trial.number for trial, e, f in pairs if e != f)
-    raise StorageError(f"trial {differs} of the copy differs from the source's")
+    raise StorageError(
+        f"trial {differs} of the copy differs from the source's, as read back; nothing was "
+        "copied. A bug: please report it with both databases' kinds and the Optuna version"
+    )
 
 
 def _comparable(trial: FrozenTrial) -> dict[str, Any]:

@@ -167,6 +167,24 @@ def test_sqlite_to_postgres_and_back(
     assert rows(postgres_url, "hpo_heartbeats") == rows(back, "hpo_heartbeats") == []
 
 
+@pytest.mark.postgres
+def test_a_password_in_the_urls_is_never_printed(
+    tmp_path: Path, postgres_url: str, hpo_main: Main, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The test server trusts its clients: a password in the URL is accepted and ignored.
+    with_password = postgres_url.replace("postgres@", "postgres:hunter2@")
+    assert with_password != postgres_url
+    laptop = sqlite(tmp_path, "laptop.db")
+    rich_study(laptop, running=False)
+    assert hpo_main(copy_args(laptop, with_password)) == 0
+    assert hpo_main(copy_args(with_password, laptop, study="nope")) == 2
+    assert hpo_main(copy_args(laptop, with_password)) == 2  # the name is taken
+    out, err = capsys.readouterr()
+    assert "--storage URL (the --to URL)" in out and "postgres:***@" in out, out
+    assert "no study 'nope' in postgresql+psycopg2://postgres:***@" in err, err
+    assert "hunter2" not in out + err
+
+
 def test_copy_keeps_everything_between_sqlite_files(
     tmp_path: Path,
     hpo_main: Main,

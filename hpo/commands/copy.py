@@ -51,6 +51,7 @@ class CopyOutcome:
     states: dict[str, int]
     batch_sizes: int
     target: str  # the target's URL, password masked
+    secret: bool  # whether the URL holds a password (the masked one cannot be pasted)
 
 
 def copy_command(request: CopyRequest) -> int:
@@ -69,7 +70,7 @@ def copy_command(request: CopyRequest) -> int:
         f"hpo: copied study {quoted_study_name(outcome.name)} to {outcome.target}: "
         f"{outcome.trials} trials ({states or 'none'}), {outcome.batch_sizes} batch-size "
         f"records; its workers join it with hpo run --study {shlex.quote(outcome.name)} "
-        f"--storage {shlex.quote(outcome.target)}"
+        f"--storage {'URL (the --to URL)' if outcome.secret else shlex.quote(outcome.target)}"
     )
     return 0
 
@@ -114,7 +115,9 @@ def copy_study(request: CopyRequest) -> CopyOutcome:
         _write(source.rdb, study_id, snapshot, target, final, rows, request.allow_running)
     if snapshot.running():
         log.warning(_running_note(snapshot.running()))
-    return CopyOutcome(final, len(snapshot.trials), snapshot.states(), len(rows), target_url.masked)
+    masked = target_url.masked
+    secret = masked != target_url.url
+    return CopyOutcome(final, len(snapshot.trials), snapshot.states(), len(rows), masked, secret)
 
 
 def _write(

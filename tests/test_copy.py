@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState, create_trial
 
-from tests.conftest import REPO, run_hpo, run_study, tiny_config, write_config
+from tests.conftest import REPO, exit_code, run_hpo, run_study, tiny_config, write_config
 
 Main = Callable[[list[str]], int]
 STUDY = "moving"
@@ -496,3 +496,20 @@ def test_a_real_study_moved_to_postgres_reads_the_same_and_runs_on(
     assert trials[2].state == TrialState.COMPLETE
     assert trials[2].user_attrs["batch_size_source"] == "cache"  # the copied record, reused
     assert len(optuna.load_study(study_name=STUDY, storage=laptop).trials) == 2
+
+
+def test_the_flags_become_a_copy_request(
+    hpo_main: Main, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hpo.cli.app import copy_request
+    from hpo.cli.parser import build_parser
+    from hpo.commands.copy import CopyRequest
+
+    argv = [*copy_args("sqlite:///a.db", "sqlite:///b.db"), "--to-study", "b", "--allow-running"]
+    request = copy_request(build_parser().parse_args(argv))
+    assert request == CopyRequest(STUDY, "sqlite:///a.db", "sqlite:///b.db", "b", True)
+    assert exit_code(hpo_main, ["copy", "--study", STUDY, "--to", "sqlite:///b.db"]) == 2
+    assert "the following arguments are required: --from" in capsys.readouterr().err
+    assert exit_code(hpo_main, ["copy", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "published whole at its end, or not at all" in text and "--allow-running" in text

@@ -6,6 +6,8 @@ against the source, and only then renamed to the study's name, in the one transa
 brings the batch-size records over. A copy stopped before that rename (an error, Ctrl-C, even
 SIGKILL) leaves no study of that name: at most a temporary one, deleted on the way out unless
 the process was killed outright. Heartbeats are not copied: no worker runs the copy's trials.
+The Optuna calls are those `optuna.copy_study` makes (a trial created from each source trial as
+its template keeps every field); copy_study itself writes under the final name from the start.
 """
 
 from __future__ import annotations

@@ -91,27 +91,27 @@ def copy_study(request: CopyRequest) -> CopyOutcome:
             raise HPOError(f"{flag} is empty; give a database URL, e.g. {EXAMPLE_URLS}")
     source, source_url = services.open_storage_to_read(request.source, flag="--from")
     target_url = resolve_storage_url(request.target, None, "--to")
-    study_id = _find_study(source, request.study, source_url.masked)
-    name = source.get_study_name_from_id(study_id)
-    given = request.to_study
-    final = name if given is None else checked_study_name(given, "--to-study")
-    same = same_database(source_url, target_url)
-    if same and final == name:
-        raise HPOError(
-            "--from and --to are the same database: a study cannot be copied onto itself; "
-            "give --to-study NAME to copy it beside itself under another name"
-        )
-    # Read through Optuna's own storage, not hpo's trial cache: each trial as Optuna reads it,
-    # its parameters in their order.
-    snapshot = read_snapshot(source.rdb, source.engine, study_id)
+    with _database_errors(f"reading {source_url.masked}"):
+        study_id = _find_study(source, request.study, source_url.masked)
+        name = source.get_study_name_from_id(study_id)
+        given = request.to_study
+        final = name if given is None else checked_study_name(given, "--to-study")
+        same = same_database(source_url, target_url)
+        if same and final == name:
+            raise HPOError(
+                "--from and --to are the same database: a study cannot be copied onto itself; "
+                "give --to-study NAME to copy it beside itself under another name"
+            )
+        # Read through Optuna's own storage, not hpo's trial cache: each trial as Optuna reads
+        # it, its parameters in their order.
+        snapshot = read_snapshot(source.rdb, source.engine, study_id)
     if snapshot.running() and not request.allow_running:
         raise HPOError(_running_refusal(name, snapshot.running()))
     target = open_storage(target_url)
-    _check_name_free(target, final, target_url.masked)
-    with _failed_copy(target_url.masked):
-        ensure_tables(target.engine)  # a layout of another hpo's is refused before a write
     rows = [] if same else snapshot.batch_sizes  # one table already: nothing to bring over
-    with _termination_raises(), _failed_copy(target_url.masked):
+    with _termination_raises(), _database_errors(f"the copy into {target_url.masked}"):
+        _check_name_free(target, final, target_url.masked)
+        ensure_tables(target.engine)  # a layout of another hpo's is refused before a write
         _write(source.rdb, study_id, snapshot, target, final, rows, request.allow_running)
     if snapshot.running():
         log.warning(_running_note(snapshot.running()))
@@ -233,8 +233,8 @@ def _running_note(running: list[int]) -> str:
 
 
 @contextlib.contextmanager
-def _failed_copy(masked_url: str) -> Iterator[None]:
-    """A database error mid-copy as one line (the unfinished copy is deleted by then)."""
+def _database_errors(what: str) -> Iterator[None]:
+    """A database error as one line (an unfinished copy is deleted by then)."""
     import optuna
     import sqlalchemy as sa
 
@@ -246,8 +246,8 @@ def _failed_copy(masked_url: str) -> Iterator[None]:
     except (sa.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as e:
         reason = mask_text(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
         raise StorageError(
-            f"the copy into {masked_url} failed ({reason[:300]}); nothing was copied: run it "
-            "again once the database is reachable"
+            f"{what} failed ({reason[:300]}); nothing was copied: run it again once the "
+            "database is reachable"
         ) from e
 
 

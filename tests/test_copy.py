@@ -513,3 +513,18 @@ def test_the_flags_become_a_copy_request(
     assert exit_code(hpo_main, ["copy", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "published whole at its end, or not at all" in text and "--allow-running" in text
+
+
+def test_hpo_tables_of_another_layout_are_refused_before_a_write(
+    tmp_path: Path, hpo_main: Main, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source, target = sqlite(tmp_path, "a.db"), tmp_path / "b.db"
+    rich_study(source, running=False)
+    engine = sa.create_engine(source)
+    with engine.begin() as conn:
+        conn.execute(sa.text("update hpo_schema_version set version = 99"))
+    engine.dispose()
+    assert hpo_main(copy_args(source, f"sqlite:///{target}")) == 2
+    err = capsys.readouterr().err
+    assert "layout version 99, made by a newer hpo" in err and len(err.strip().splitlines()) == 1
+    assert not target.exists()

@@ -201,6 +201,14 @@ def _say_stalled(study: Any, notify: NotifyConfig | None, summary: dict[str, Any
     sender.close()
 
 
+def _stall_patience(summary: dict[str, Any], interval: float, notify: NotifyConfig | None) -> float:
+    """How long a watch sees no live worker before it says the study stalled: study.notify's
+    stall_after, else longer than a worker takes between two trials."""
+    if notify is not None and notify.stall_after is not None:
+        return notify.stall_after
+    return max(3 * interval, summary.get("grace_period_s") or 60)
+
+
 def _watch(
     study: Any,
     storage: Any,
@@ -237,10 +245,7 @@ def _watch(
         if report.ended_for_good(summary) or ended_polls >= 2:
             break
         stalled_since = (stalled_since or time.monotonic()) if report.stalled(summary) else None
-        # No live worker for longer than a worker takes between two trials: nothing will move.
-        patience = max(3 * interval, summary.get("grace_period_s") or 60)
-        if notify is not None and notify.stall_after is not None:
-            patience = notify.stall_after
+        patience = _stall_patience(summary, interval, notify)
         if stalled_since is not None and time.monotonic() - stalled_since >= patience:
             _say_stalled(study, notify, summary)
             print(

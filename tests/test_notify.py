@@ -142,7 +142,10 @@ def test_two_workers_say_each_new_best_and_the_end_once_with_no_secret_anywhere(
     status_json = run_hpo("status", "--study", "s", "--storage", url, "--json", cwd=tmp_path)
     assert status.returncode == 0, status.stderr
     secret_free(*[text for pair in outputs for text in pair], status.stdout, status_json.stdout)
-    secret_free((tmp_path / "s.db").read_bytes().decode("latin-1"))
+    # Every file the workers wrote: the database (its journal too), checkpoints, caches.
+    written = [p for p in tmp_path.rglob("*") if p.is_file() and p.name != "c.yaml"]
+    assert tmp_path / "s.db" in written
+    secret_free(*[p.read_bytes().decode("latin-1") for p in written])
 
 
 def test_failures_in_a_row_are_said_once_per_streak(tmp_path: Path, endpoint: Endpoint) -> None:
@@ -256,6 +259,24 @@ def test_a_config_s_notify_secrets_are_masked_in_every_message_even_a_wrong_valu
     secret_free(str(caught.value))
     # From now on, in this process, a library's error that quotes the token is masked too.
     assert TOKEN not in mask_text(f"HTTPError: 403 for https://hooks.slack.com/{TOKEN}/x")
+
+
+def test_what_the_trackers_are_sent_of_the_config_masks_the_notify_secrets(
+    tmp_path: Path,
+) -> None:
+    from hpo.tracking import study_start
+
+    slack = f"slack://{TOKEN}/B1234567/C7654321/#hpo"
+    raw = {
+        "training": {"entrypoint": "train_fn:train"},
+        "study": {"metric": "loss", "direction": "minimize", "notify": {"urls": [slack]}},
+        "search_space": {"x": {"type": "float", "low": 0.0, "high": 1.0}},
+    }
+    config = parse_config(raw, tmp_path)
+    study = optuna.create_study(direction="minimize")
+    sent = study_start(config, study)
+    assert "slack://" in json.dumps(sent.config)
+    secret_free(json.dumps(sent.config), repr(config))
 
 
 def _finished(state: TrialState, reason: str | None = None, value: float = 1.0) -> Any:

@@ -70,9 +70,7 @@ class NotifyConfig:
     )
 
     def __post_init__(self) -> None:
-        # From the first moment the URLs exist, no message shows their secrets.
-        add_secrets({url: shown_url(url) for url in self.urls if isinstance(url, str)})
-        add_secrets({part: "****" for url in self.urls for part in secret_parts(url)})
+        hide([url for url in self.urls if isinstance(url, str)])  # from the first moment
 
     def problems(self) -> list[tuple[str, Any, str]]:
         found: list[tuple[str, Any, str]] = []
@@ -103,9 +101,14 @@ def hide_notify_secrets(raw: dict[Any, Any]) -> None:
     notify = study.get("notify") if isinstance(study, dict) else None
     # What could be a URL: event names and numbers are no secret, and masking "end" would
     # blank that word out of every message.
-    texts = [text for text in _texts(notify) if any(c in text for c in ":/@")]
-    add_secrets({text: shown_url(text) for text in texts})
-    add_secrets({part: "****" for text in texts for part in secret_parts(text)})
+    hide([text for text in _texts(notify) if any(c in text for c in ":/@")])
+
+
+def hide(urls: list[str]) -> None:
+    """Each URL, and each part of it that its shown form hides, masked by mask_text from now
+    on in this process (the whole URL first: its parts are masked within what is left)."""
+    add_secrets({url: shown_url(url) for url in urls})
+    add_secrets({part: "****" for url in urls for part in secret_parts(url)})
 
 
 def _texts(value: Any) -> list[str]:

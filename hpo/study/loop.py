@@ -90,16 +90,17 @@ def run_trials(
     try:
         with host as entry:
             objective.cpu_worker = entry
-            return _trial_loop(
+            ran = _trial_loop(
                 trials, objective, stop, (checkpoints, artifacts), deadline, collect=in_worker
             )
+        if said is not None and not stop.requested:  # said if nothing runs or is left to run
+            said.worker_done(trials.budget)
+        return ran
     finally:
         # A worker that ran out of trials (not one told to stop) lets its last cleanup of the
         # artifact store finish, for up to ARTIFACT_CLEANUP_WAIT_S.
         if not stop.requested:
             trials.finish_cleanup(ARTIFACT_CLEANUP_WAIT_S)
-            if said is not None:  # said once nothing runs and nothing is left to run
-                said.worker_done(trials.budget)
         objective.close()
         if in_worker:
             gc.unfreeze()

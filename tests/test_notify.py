@@ -279,6 +279,60 @@ def test_what_the_trackers_are_sent_of_the_config_masks_the_notify_secrets(
     secret_free(json.dumps(sent.config), repr(config))
 
 
+class Heard:
+    """Notices that run each job at once and keep what is said."""
+
+    def __init__(self) -> None:
+        self.said: list[str] = []
+        self.lock = threading.Lock()
+
+    def wants(self, event: str) -> bool:
+        return True
+
+    def submit(self, job: Callable[[], None]) -> None:
+        job()
+
+    def say(self, title: str, body: str) -> None:
+        with self.lock:
+            self.said.append(title)
+
+    def close(self) -> None:
+        pass
+
+
+def test_of_many_workers_ending_at_once_one_says_the_end_and_again_after_more_trials(
+    tmp_path: Path,
+) -> None:
+    from hpo.study.notices import StudyNotices
+    from storage.engine import open_storage
+    from storage.url import StorageURL
+
+    storage = open_storage(StorageURL(f"sqlite:///{tmp_path / 'c.db'}", "test"))
+    study = optuna.create_study(study_name="c", storage=storage)
+    for value in (3.0, 1.0, 2.0):
+        study.add_trial(create_trial(value=value))
+    heard = Heard()
+    workers = [StudyNotices(study, storage, heard, 3) for _ in range(8)]
+    start = threading.Barrier(len(workers))
+
+    def end(worker: StudyNotices) -> None:
+        start.wait()
+        worker.worker_done(3)
+
+    threads = [threading.Thread(target=end, args=(w,)) for w in workers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert heard.said == ["hpo: study 'c' has ended"]
+    workers[0].worker_done(3)
+    assert len(heard.said) == 1
+    # A larger budget, spent: the study ended again, with more trials.
+    study.add_trial(create_trial(value=0.5))
+    workers[1].worker_done(4)
+    assert heard.said == ["hpo: study 'c' has ended"] * 2
+
+
 def _finished(state: TrialState, reason: str | None = None, value: float = 1.0) -> Any:
     attrs = {"fail_reason": reason} if reason else {}
     return create_trial(

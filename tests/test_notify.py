@@ -333,6 +333,39 @@ def test_of_many_workers_ending_at_once_one_says_the_end_and_again_after_more_tr
     assert heard.said == ["hpo: study 'c' has ended"] * 2
 
 
+def test_a_new_best_is_said_for_the_trial_that_sets_it_or_joins_the_pareto_front(
+    tmp_path: Path,
+) -> None:
+    from hpo.study.notices import StudyNotices
+    from storage.engine import open_storage
+    from storage.url import StorageURL
+
+    storage = open_storage(StorageURL(f"sqlite:///{tmp_path / 'b.db'}", "test"))
+    one = optuna.create_study(study_name="one", storage=storage, direction="maximize")
+    one.set_metric_names(["accuracy"])
+    heard = Heard()
+    notices = StudyNotices(one, storage, heard, 3)
+    for value in (0.5, 0.4, 0.7, 0.7):
+        one.add_trial(create_trial(value=value, params={}, distributions={}))
+        notices.trial_ended(one.trials[-1], "complete")
+    assert heard.said == [
+        "hpo: study 'one': new best accuracy=0.5",
+        "hpo: study 'one': new best accuracy=0.7",
+    ]
+    two = optuna.create_study(
+        study_name="two", storage=storage, directions=["maximize", "minimize"]
+    )
+    heard = Heard()
+    notices = StudyNotices(two, storage, heard, 3)
+    for values in ([0.5, 2.0], [0.4, 3.0], [0.3, 1.0]):  # the second is dominated
+        two.add_trial(create_trial(values=values))
+        notices.trial_ended(two.trials[-1], "complete")
+    assert heard.said == [
+        "hpo: study 'two': trial 0 joins the Pareto front",
+        "hpo: study 'two': trial 2 joins the Pareto front",
+    ]
+
+
 def _finished(state: TrialState, reason: str | None = None, value: float = 1.0) -> Any:
     attrs = {"fail_reason": reason} if reason else {}
     return create_trial(

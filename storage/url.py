@@ -359,15 +359,17 @@ def mask_text(text: str) -> str:
 
 # Secrets that no pattern recognises (a Slack token is a plain path segment of its URL), each
 # with what is shown in its place, longest first: a whole URL is replaced before its parts.
-_REGISTERED: list[tuple[str, str]] = []
+# A tuple, replaced whole: a thread masking a log line reads the old one or the new one.
+_REGISTERED: tuple[tuple[str, str], ...] = ()
 
 
 def add_secrets(secrets: dict[str, str]) -> None:
     """Have mask_text replace each key of `secrets` by its value from now on, in this process:
     the logs, the errors and everything the trackers are sent go through mask_text."""
+    global _REGISTERED
     known = dict(_REGISTERED)
     known.update({secret: shown for secret, shown in secrets.items() if secret})
-    _REGISTERED[:] = sorted(known.items(), key=lambda pair: -len(pair[0]))
+    _REGISTERED = tuple(sorted(known.items(), key=lambda pair: -len(pair[0])))
 
 
 _SQLITE_NOT_A_DATABASE = ("file is not a database", "database disk image is malformed")

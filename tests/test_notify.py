@@ -134,7 +134,8 @@ def test_two_workers_say_each_new_best_and_the_end_once_with_no_secret_anywhere(
     assert sum("has ended" in t for t in titles) == 1, titles
     study = optuna.load_study(study_name="s", storage=url)
     bests = [t for t in titles if "new best" in t]
-    assert bests and f"loss={study.best_value:.4g}" in bests[-1]
+    # Two workers send at once: the study's best was said, not necessarily last.
+    assert any(f"loss={study.best_value:.4g}" in t for t in bests), titles
     # The endpoint got the secrets (they are the URL's, for the service)...
     assert all(h.get("X-Token") == TOKEN for h in endpoint.headers)
     # ...and nothing else did: not the workers' output, the database, or `hpo status`.

@@ -61,7 +61,9 @@ def setup_logging(level: int) -> None:
     # op per step (1,845 lines for one tiny trial), or every HTTP exchange of botocore's.
     # So are botocore's INFO lines ("Found credentials in environment variables", before every
     # S3 call's error): an artifact store's failure is one line of hpo's.
-    for library in ("torch", "botocore", "boto3", "s3transfer"):
+    # Apprise's INFO lines ("Sent JSON POST notification") are one per message: noise in a
+    # worker's log; its failures are WARNINGs, and hpo says them too.
+    for library in ("torch", "botocore", "boto3", "s3transfer", "apprise"):
         logging.getLogger(library).setLevel(
             logging.INFO if level <= logging.DEBUG else max(level, logging.WARNING)
         )

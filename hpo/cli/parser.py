@@ -482,6 +482,13 @@ def _add_monitoring_commands(commands: argparse._SubParsersAction) -> None:
     status.add_argument(
         "--interval", type=_seconds, default=5.0, help="seconds between refreshes (default 5)"
     )
+    status.add_argument(
+        "--notify",
+        default=None,
+        metavar="CONFIG",
+        help="with --watch: say through the study.notify of this config file when the study "
+        "stalls (no trial runs with a live worker for study.notify.stall_after seconds)",
+    )
     report.add_argument(
         "--out",
         default=None,

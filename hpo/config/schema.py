@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 # The search space's types are space.py's; importers of the schema find them here too.
+from hpo.config.notify import NotifyConfig as NotifyConfig
 from hpo.config.space import DEFAULT_BATCH_CHOICES as DEFAULT_BATCH_CHOICES
 from hpo.config.space import ParamSpec as ParamSpec
 from hpo.config.space import applies as applies
@@ -306,6 +307,11 @@ class StudyConfig:
     )
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     pruner: PrunerConfig = field(default_factory=PrunerConfig)
+    notify: NotifyConfig | None = _doc(
+        "Messages about the study (its end, a new best, failures in a row, a stall) to Slack, "
+        "email, Matrix, ntfy or a webhook: Apprise URLs and when; see "
+        "docs/guides/notifications.md."
+    )
     enqueue: list[dict[str, Any]] = field(
         default_factory=list,
         metadata={

@@ -134,8 +134,8 @@ def study_config(task: Task, folder: Path, seed: int, args: argparse.Namespace) 
         if not str(choice).startswith("pkg://"):
             choices[i] = str((task.config.parent / choice).resolve())
     for rule in raw["search_space"].values():
-        when = rule.get("when") if isinstance(rule, dict) else None
-        for key, value in (when or {}).items():
+        when: dict[str, Any] = (rule.get("when") if isinstance(rule, dict) else None) or {}
+        for key, value in when.items():
             if key == "model.name_or_path" and not str(value).startswith("pkg://"):
                 when[key] = str((task.config.parent / value).resolve())
     study = raw.setdefault("study", {})

@@ -81,7 +81,8 @@ def spec_of(function: Callable[..., Any], key: str, classes: bool = False) -> st
     qualname = getattr(function, "__qualname__", None) or type(function).__name__
     if module != MAIN and qualname.isidentifier() and _imports_as(function, module, qualname):
         return f"{module}:{qualname}"
-    name = re.sub(r"\W", "_", qualname).strip("_") or "function"
+    # A closure's or a lambda's own name (`make.<locals>.train`: train; `<lambda>`: lambda).
+    name = re.sub(r"\W", "_", qualname.rsplit(".", 1)[-1]).strip("_") or "function"
     spec = f"{MAIN}:{name if name[0].isalpha() else 'f_' + name}"
     base, n = spec, 1
     while _functions.get(spec, function) is not function:  # two lambdas: two names

@@ -128,7 +128,7 @@ def test_the_summary_says_what_ran_and_when_nothing_did() -> None:
     spent = summary_lines(_result(trials_run=0))[0]
     assert "no trial ran" in spent and "budget (n_trials=2) is spent" in spent
     stopped = summary_lines(_result(trials_run=1, stopped_by="SIGINT"))[0]
-    assert "stopped by SIGINT" in stopped
+    assert "stopped by SIGINT after 1 trial(s)" in stopped
     assert "<table>" in result_html(_result()) and "lr=0.01" in result_html(_result())
 
 

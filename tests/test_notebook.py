@@ -159,3 +159,18 @@ def test_notebook_runs_with_a_real_kernel(tmp_path: Path, monkeypatch: pytest.Mo
     # Handed back: recorded as failed and queued again, for a later run to resume.
     after = _text(notebook.cells[-1])
     assert "held states ['fail', 'waiting']" in after, after
+
+
+def test_a_second_interrupt_in_a_kernel_does_not_end_it(caplog: pytest.LogCaptureFixture) -> None:
+    """In a terminal a second Ctrl-C exits at once; in a notebook's kernel that would end the
+    user's session: there it is said and the stop goes on."""
+    import signal
+
+    from hpo.stopping import StopRequest
+
+    stop = StopRequest()
+    stop.exit_on_second = False
+    stop.handler(signal.SIGINT, None)
+    stop.handler(signal.SIGINT, None)  # os._exit here would end pytest itself
+    assert stop.signal_name == "SIGINT"
+    assert "SIGINT again: still stopping the running trial" in caplog.text

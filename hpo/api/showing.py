@@ -65,7 +65,10 @@ def summary_lines(result: RunResult) -> list[str]:
     where = f"study {result.study!r}" + (f" in {result.storage}" if result.storage else "")
     held = sum(n for state, n in result.trials.items() if state != "waiting")
     if result.stopped_by is not None:
-        lines = [f"hpo: stopped by {result.stopped_by}; the running trial was handed back"]
+        lines = [
+            f"hpo: stopped by {result.stopped_by} after {result.trials_run or 0} trial(s); "
+            "a trial it stopped was handed back, queued for the next run"
+        ]
     elif result.trials_run == 0 and result.budget is not None and held >= result.budget:
         lines = [
             f"hpo: no trial ran: {where} already holds {held} trials, its budget "

@@ -127,7 +127,7 @@ def keep(spec: str, function: Callable[..., Any], key: str) -> None:
             _heaviest(function),
         )
     else:
-        log.debug("%s: %s is sent to each trial process by value (%d bytes)", key, spec, size)
+        log.info("%s: %s is sent to each trial process by value (%d bytes)", key, spec, size)
     _packed[spec] = data
 
 

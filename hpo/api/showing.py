@@ -32,10 +32,8 @@ class NotebookProgress(live.LiveLine):
     (IPython's display handle), never terminal escape codes; the final summary replaces it."""
 
     def __init__(self) -> None:
-        from IPython.display import display
-
         super().__init__(sys.stderr, width=10_000)
-        self.handle = display(_bundle("hpo: starting"), raw=True, display_id=True)
+        self.handle: Any = None  # made with the first thing shown: a bad config shows none
 
     def text(self) -> str:
         return " | ".join(part for part in (self.trial, self.study) if part) or "hpo: running"
@@ -51,7 +49,11 @@ class NotebookProgress(live.LiveLine):
         print(text, end="" if text.endswith("\n") else "\n", file=sys.stderr)
 
     def show(self, text: str) -> None:
-        if self.handle is not None:
+        from IPython.display import display
+
+        if self.handle is None:
+            self.handle = display(_bundle(text), raw=True, display_id=True)
+        else:
             self.handle.update(_bundle(text), raw=True)
 
 

@@ -95,7 +95,8 @@ def spec_of(function: Callable[..., Any], key: str, classes: bool = False) -> st
 def _imports_as(function: Callable[..., Any], module: str, name: str) -> bool:
     imported = sys.modules.get(module)
     path = getattr(imported, "__file__", None)
-    loadable = path is not None and os.path.isfile(path) or bool(getattr(imported, "__path__", 0))
+    has_file = path is not None and os.path.isfile(path)
+    loadable = has_file or hasattr(imported, "__path__")  # a file, or a package
     return loadable and getattr(imported, name, None) is function
 
 

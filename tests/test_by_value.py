@@ -145,6 +145,11 @@ config = {
 print("worker", os.getpid(), flush=True)
 result = hpo.run(config, study="c", storage="sqlite:///c.db", entrypoint=train)
 print("best", result.best.value >= offset)
+# Two lambdas in two runs of one session: the same name (__main__:lambda), each its own code.
+config["study"]["n_trials"] = 1
+seven = hpo.run(config, study="c7", storage="sqlite:///c.db", entrypoint=lambda ctx: 7.0)
+nine = hpo.run(config, study="c9", storage="sqlite:///c.db", entrypoint=lambda ctx: 9.0)
+print("values", seven.best.value, nine.best.value)
 """
 
 
@@ -162,4 +167,5 @@ def test_python_c_function_runs_in_trial_processes(tmp_path: Path) -> None:
     trained = [line.split()[2] for line in done.stdout.splitlines() if line.startswith("trained")]
     assert len(trained) == 2 and worker[0] not in trained, done.stdout  # not in the worker
     assert "best True" in done.stdout
+    assert "values 7.0 9.0" in done.stdout
     assert "hpo: ran 2 trial(s)" in done.stderr, done.stderr[-3000:]

@@ -58,7 +58,7 @@ def find(spec: str) -> Callable[..., Any] | None:
         _functions[spec] = function
         module, _, name = spec.partition(":")
         main = sys.modules.get(MAIN)
-        if module == MAIN and main is not None and not hasattr(main, name):
+        if module == MAIN and main is not None:
             # What hpo's trainer imports by the path itself (a model factory, a task class)
             # finds it here as it did in the worker.
             setattr(main, name, function)
@@ -195,10 +195,12 @@ def packed() -> dict[str, bytes]:
 
 def receive(sent: dict[str, bytes]) -> None:
     """In a trial process, before its first trial: the functions sent by value, found by
-    their spec from then on (one inherited from the worker, a copy of it, is kept as is)."""
+    their spec from then on. What it inherited (its fork server may be a copy of the worker,
+    made during an earlier run of the same session) gives way: a name may stand for another
+    function in this run."""
     for spec, data in sent.items():
-        if spec not in _functions:
-            _received[spec] = data
+        _functions.pop(spec, None)
+        _received[spec] = data
 
 
 def forget() -> None:

@@ -169,3 +169,27 @@ def test_python_c_function_runs_in_trial_processes(tmp_path: Path) -> None:
     assert "best True" in done.stdout
     assert "values 7.0 9.0" in done.stdout
     assert "hpo: ran 2 trial(s)" in done.stderr, done.stderr[-3000:]
+
+
+def test_an_entrypoint_given_to_run_is_set_over_a_config_file(tmp_path: Path) -> None:
+    from hpo.commands.run import config_from
+
+    path = tmp_path / "tune.yaml"
+    path.write_text(
+        "study: {metric: loss, direction: minimize}\n"
+        "search_space: {lr: {type: float, low: 0.001, high: 0.1}}\n"
+        "training: {entrypoint: elsewhere:train, device: cpu}\n"
+    )
+    assert config_from(path, "__main__:mine").training.entrypoint == "__main__:mine"
+    assert config_from(path).training.entrypoint == "elsewhere:train"
+
+
+def test_run_refuses_what_is_no_function_in_one_line(tmp_path: Path) -> None:
+    import hpo
+
+    config = {"study": {"metric": "loss", "direction": "minimize"}}
+    with pytest.raises(hpo.ConfigError, match="entrypoint: got 3; give a function"):
+        hpo.run(config, study="s", storage=f"sqlite:///{tmp_path}/x.db", entrypoint=3)  # type: ignore[arg-type]
+    with pytest.raises(hpo.ConfigError, match="with gpus or workers_per_gpu, name it in the"):
+        hpo.run(str(tmp_path / "c.yaml"), study="s", gpus="none", entrypoint=lambda ctx: 1.0)
+    assert not (tmp_path / "x.db").exists()  # nothing written

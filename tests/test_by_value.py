@@ -153,6 +153,7 @@ print("values", seven.best.value, nine.best.value)
 """
 
 
+@pytest.mark.slow
 def test_python_c_function_runs_in_trial_processes(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-c", PYTHON_C],

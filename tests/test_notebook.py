@@ -103,6 +103,7 @@ def _text(cell: Any) -> str:
     return "\n".join(parts)
 
 
+@pytest.mark.slow
 def test_notebook_runs_with_a_real_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _venv_kernel(tmp_path / "jupyter", monkeypatch)
     work = tmp_path / "work"

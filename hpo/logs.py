@@ -35,6 +35,9 @@ def quiet_library_output() -> None:
     # progress bar at every checkpoint ("Writing model shards") is noise in a worker's log.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # In a notebook without ipywidgets, tqdm.auto (which the libraries import) warns that it
+    # falls back to text bars: nothing for the user of hpo.run to act on.
+    warnings.filterwarnings("ignore", message="IProgress not found")
     # Read when the libraries load: where they already have (hpo's main called in a process
     # that imported transformers, as a notebook or a test does), said to them directly.
     transformers = sys.modules.get("transformers")

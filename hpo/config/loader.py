@@ -43,8 +43,9 @@ from hpo.errors import ConfigError
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 
 
-def load_config(path: str | Path) -> Config:
-    """Read, type-check and validate a config file; raises ConfigError listing every problem."""
+def load_config(path: str | Path, entrypoint: str | None = None) -> Config:
+    """Read, type-check and validate a config file; raises ConfigError listing every problem.
+    `entrypoint`: training.entrypoint set over the file's (hpo.run's argument)."""
     if not str(path).strip():  # Path("") is the working folder
         raise ConfigError([f"the config path is empty; {config_hint()}"])
     path = Path(path)
@@ -58,7 +59,17 @@ def load_config(path: str | Path) -> Config:
         )
         raise ConfigError([f"{path}: {what}; {config_hint()}"])
     raw = _read_yaml(path)
-    return parse_config(raw if raw is not None else {}, base_dir=path.parent, source=str(path))
+    raw = with_entrypoint(raw if raw is not None else {}, entrypoint)
+    return parse_config(raw, base_dir=path.parent, source=str(path))
+
+
+def with_entrypoint(raw: Any, entrypoint: str | None) -> Any:
+    """A parsed config with training.entrypoint set to `entrypoint` (unless None)."""
+    if entrypoint is None or not isinstance(raw, dict):
+        return raw
+    training = raw.get("training")
+    kept = training if isinstance(training, dict) else {}
+    return {**raw, "training": {**kept, "entrypoint": entrypoint}}
 
 
 def load_notify(path: str | Path) -> NotifyConfig:

@@ -395,3 +395,154 @@ def test_embedding_features_are_scaled_and_reduced_and_saved_with_the_stack(
     )
     assert loaded.model is not None and loaded.model.settings == settings
     np.testing.assert_allclose(loaded.model.predict(embeddings), report.stacked.predict(embeddings))
+
+
+# -- the default learner, and the cache of fitted ensembles -------------------------------------
+
+
+def test_the_default_is_one_learner_and_all_tries_every_installed_one() -> None:
+    from hpo.ensemble import available_learners
+    from hpo.ensemble.learners import resolve_learners
+
+    def names(task: str, chosen: Any) -> list[str]:
+        return [lr.name for lr in resolve_learners(task, chosen)]
+
+    assert names("sequence_classification", None) == ["logistic_regression"]
+    assert names("sequence_classification", []) == ["logistic_regression"]
+    assert names("regression", None) == ["ridge"]
+    every = available_learners("sequence_classification")
+    assert len(every) >= 4 and names("sequence_classification", ["all"]) == every
+    assert names("sequence_classification", "all") == every
+    assert names("multi_label_classification", ["linear_svm", "linear_svm"]) == ["linear_svm"]
+    with pytest.raises(EnsembleError, match="or all"):
+        names("regression", ["random_forest"])
+    labels, members = complementary(120, 0)
+    report = evaluate_ensemble("sequence_classification", Split(members, labels))
+    assert list(report.stacking_scores) == ["logistic_regression"]
+
+
+def _cached(tmp_path: Path, split: Any, **options: Any) -> tuple[EnsembleReport, int]:
+    """evaluate_cached over `split`, and how many meta-learner fits it ran."""
+    from hpo.ensemble import ReportCache, evaluate_cached, stacking
+
+    fits = []
+    tuned = stacking._tuned
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        fits.append(1)
+        return tuned(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(stacking, "_tuned", counted)
+        report = evaluate_cached(
+            "sequence_classification", split, None, ReportCache(tmp_path / "ens"), **options
+        )
+    return report, len(fits)
+
+
+def test_a_second_ensemble_over_the_same_features_fits_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hpo.ensemble import honest, stacking
+
+    labels, members = complementary(150, 1)
+    split = Split(members, labels)
+    first, fits = _cached(tmp_path, split, learners=LR)
+    assert fits > 1  # 5 folds and the final fit
+
+    def no_fit(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("fitted again: the ensemble cache was not read")
+
+    monkeypatch.setattr(stacking, "_tuned", no_fit)
+    monkeypatch.setattr(honest, "greedy_selection", no_fit)
+    monkeypatch.setattr(honest, "evaluate_ensemble", no_fit)
+    second, _ = _cached(tmp_path, Split(dict(members), labels.copy()), learners=LR)
+    assert second.to_json() == first.to_json()
+    assert second.selection == first.selection and second.choice == first.choice
+    assert first.stacked is not None and second.stacked is not None
+    features = stack_features(members, ["a", "b"])
+    monkeypatch.undo()  # the meta-learner read back predicts as the one fitted
+    np.testing.assert_allclose(second.stacked.predict(features), first.stacked.predict(features))
+    assert second.stacked.skops_file() == first.stacked.skops_file()
+    # Saved from the cache, the folder holds the same meta-learner and loads back.
+    folders = {}
+    for name in ("a", "b"):
+        folder = tmp_path / "members" / name
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(name.encode())
+        folders[name] = folder
+    second.notes.clear()
+    monkeypatch.setattr(EnsembleReport, "choice", property(lambda r: "stacking"))
+    saved = save_ensemble(tmp_path / "saved", second, folders)
+    loaded = load_ensemble(saved)
+    assert loaded.model is not None
+    np.testing.assert_allclose(loaded.model.predict(features), first.stacked.predict(features))
+
+
+def test_a_changed_member_label_or_option_fits_again(tmp_path: Path) -> None:
+    labels, members = complementary(150, 2)
+    split = Split(members, labels)
+    _, fits = _cached(tmp_path, split, learners=LR)
+    assert fits > 0
+    assert _cached(tmp_path, split, learners=LR)[1] == 0
+    changed = dict(members, b=members["b"].copy())
+    changed["b"][0] = changed["b"][0][::-1]
+    flipped = labels.copy()
+    flipped[0] = (flipped[0] + 1) % 3
+    for other, options in (
+        (Split(changed, labels), {"learners": LR}),  # a member's outputs
+        (Split(members, flipped), {"learners": LR}),  # a label
+        (Split({"b": members["b"], "a": members["a"]}, labels), {"learners": LR}),  # order
+        (split, {"learners": ["linear_svm"]}),
+        (split, {"learners": LR, "settings": FeatureSettings(scale=True)}),
+        (split, {"learners": LR, "seed": 1}),
+        (split, {"learners": LR, "folds": 3}),
+        (split, {"learners": LR, "metric": "macro_f1"}),
+    ):
+        assert _cached(tmp_path, other, **options)[1] > 0, options
+        assert _cached(tmp_path, other, **options)[1] == 0, options  # and stored in turn
+
+
+def test_a_damaged_cache_entry_is_fitted_again_never_an_error(tmp_path: Path) -> None:
+    from hpo.ensemble import ReportCache
+
+    labels, members = complementary(120, 3)
+    split = Split(members, labels)
+    first, _ = _cached(tmp_path, split, learners=LR)
+    (entry,) = (tmp_path / "ens").glob("*.zip")
+    whole = entry.read_bytes()
+    middle = len(whole) // 2
+    for damaged in (
+        whole[:middle],  # cut short
+        whole[:middle] + bytes([whole[middle] ^ 0xFF]) + whole[middle + 1 :],  # a flipped byte
+        b"",
+        b"PK\x03\x04 not a zip",
+        pickle.dumps({"report": 1}),
+    ):
+        entry.write_bytes(damaged)
+        again, fits = _cached(tmp_path, split, learners=LR)
+        assert fits > 0 and again.to_json() == first.to_json()
+        assert ReportCache(tmp_path / "ens").get(entry.stem) is not None  # replaced whole
+    assert not [p for p in (tmp_path / "ens").glob(".*")]  # nothing left aside
+    cache = ReportCache(tmp_path / "ens")
+    for position in range(0, len(whole), 3):  # any byte flipped: the same report, or none
+        entry.write_bytes(
+            whole[:position] + bytes([whole[position] ^ 0x5A]) + whole[position + 1 :]
+        )
+        read = cache.get(entry.stem)
+        assert read is None or read.to_json() == first.to_json(), position
+
+
+def test_a_learner_of_the_callers_is_never_cached(tmp_path: Path) -> None:
+    labels, members = complementary(120, 4)
+
+    def make(seed: int) -> Any:
+        from sklearn.linear_model import LogisticRegression
+
+        return LogisticRegression(C=0.5)
+
+    own = Learner("logistic_regression", make)  # even under a built-in name
+    split = Split(members, labels)
+    for _ in range(2):
+        assert _cached(tmp_path, split, learners=[own])[1] > 0
+    assert not (tmp_path / "ens").exists()

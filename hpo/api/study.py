@@ -169,7 +169,7 @@ class Study:
         *,
         top: int = 5,
         config: str | os.PathLike[str] | None = None,
-        learners: Sequence[str] | None = None,
+        learners: Sequence[str] | str | None = None,
         pca: int | None = None,
         device: str = "auto",
         batch_size: int = 32,
@@ -178,15 +178,18 @@ class Study:
         new folder `out` (the stacked ensemble, or the best member when stacking is not
         better). `config`: the config the study ran with (its data.test_file scores every
         candidate; default: the evaluation file the study recorded, scored by 5-fold
-        cross-validation). Returns the scores: `folder`, `saved`, each candidate's and how
-        they were measured (`how_measured`). `hpo.load_model(out)` predicts with it."""
+        cross-validation). `learners`: the meta-learners to try, chosen by cross-validation
+        ("all": every installed one; default: logistic regression, ridge for regression); a
+        second call over the same members and options reads the fit from the cache. Returns
+        the scores: `folder`, `saved`, each candidate's and how they were measured
+        (`how_measured`). `hpo.load_model(out)` predicts with it."""
         from hpo.commands.ensemble import EnsembleRequest, build_ensemble
 
         request = EnsembleRequest(
             out=os.fspath(out),
             config=None if config is None else os.fspath(config),
             top=top,
-            learners=tuple(learners or ()),
+            learners=(learners,) if isinstance(learners, str) else tuple(learners or ()),
             pca=pca,
             device=device,
             batch_size=batch_size,

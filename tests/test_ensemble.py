@@ -533,6 +533,36 @@ def test_a_damaged_cache_entry_is_fitted_again_never_an_error(tmp_path: Path) ->
         assert read is None or read.to_json() == first.to_json(), position
 
 
+def test_a_stack_not_chosen_is_cached_without_its_fit_and_fitted_when_needed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = np.random.default_rng(6)
+    labels = rng.integers(0, 3, 150)
+    members = {"perfect": np.eye(3)[labels], "noise": _probabilities(rng.normal(0, 1, (150, 3)))}
+    split = Split(members, labels)
+    first, _ = _cached(tmp_path, split, learners=LR)
+    assert first.choice == "best_member"
+    second, fits = _cached(tmp_path, split, learners=LR)  # skops (all of sklearn) not loaded
+    assert fits == 0 and second.to_json() == first.to_json()
+    assert second.stacked is not None and second.stacked.skops_bytes is None
+    with pytest.raises(EnsembleError, match="without its fit"):
+        second.stacked.predict(stack_features(members, ["perfect", "noise"]))
+    monkeypatch.setattr(EnsembleReport, "choice", property(lambda r: "stacking"))
+    third, fits = _cached(tmp_path, split, learners=LR)  # a run that saves the stack: fitted
+    assert fits > 0 and third.stacked is not None and third.stacked.skops_bytes is not None
+    assert _cached(tmp_path, split, learners=LR)[1] == 0  # and now stored with its fit
+
+
+def test_a_cache_folder_that_cannot_be_written_only_costs_the_next_run_a_fit(
+    tmp_path: Path,
+) -> None:
+    labels, members = complementary(120, 5)
+    (tmp_path / "ens").write_text("a file where the cache folder would be")
+    for _ in range(2):
+        report, fits = _cached(tmp_path, Split(members, labels), learners=LR)
+        assert fits > 0 and report.best_learner == "logistic_regression"
+
+
 def test_a_learner_of_the_callers_is_never_cached(tmp_path: Path) -> None:
     labels, members = complementary(120, 4)
 

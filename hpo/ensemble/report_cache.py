@@ -70,20 +70,30 @@ class ReportCache:
             return None
 
     def put(self, key: str, report: EnsembleReport) -> Path | None:
-        """Store `report`; None when its meta-learner cannot be saved with skops (nothing
-        stored: the next run fits again)."""
+        """Store `report`, with its meta-learner when stacking is the choice (skops loads all of
+        scikit-learn: seconds, spent only when the stack is saved anyway). None when nothing
+        could be stored (a meta-learner skops refuses, a folder that cannot be written): the
+        next run fits again."""
         try:
             entry = _entry_bytes(key, report)
         except EnsembleError as e:
             log.info("ensemble cache: not stored (%s)", e)
             return None
-        self.folder.mkdir(parents=True, exist_ok=True)
         path = self.path(key)
-        handle, aside = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".zip", dir=self.folder)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            handle, aside = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".zip", dir=self.folder)
+        except OSError as e:  # a cache that cannot be written costs the next run a fit
+            log.info("ensemble cache: not stored in %s (%s)", self.folder, e)
+            return None
         try:
             with os.fdopen(handle, "wb") as out:
                 out.write(entry)
             os.replace(aside, path)
+        except OSError as e:  # a full disk, say
+            Path(aside).unlink(missing_ok=True)
+            log.info("ensemble cache: not stored in %s (%s)", self.folder, e)
+            return None
         except BaseException:
             Path(aside).unlink(missing_ok=True)
             raise
@@ -108,7 +118,9 @@ def evaluate_cached(
     key = None if cache is None else report_key(task, evaluation, test, *options)
     if cache is not None and key is not None:
         cached = cache.get(key)
-        if cached is not None:
+        # Stored without its meta-learner (stacking was not the choice then): fitted again
+        # if this run would save the stack.
+        if cached is not None and (cached.choice != "stacking" or _has_fit(cached)):
             log.info("ensemble cache: read %s (nothing fitted)", cache.path(key))
             return cached
     report = evaluate_ensemble(task, evaluation, test, *options)
@@ -178,9 +190,14 @@ def _update_split(digest: Any, split: Split) -> None:
 # -- the entry: a zip of the report's JSON and the meta-learner's skops file -----------------
 
 
+def _has_fit(report: EnsembleReport) -> bool:
+    return report.stacked is not None and report.stacked.skops_bytes is not None
+
+
 def _entry_bytes(key: str, report: EnsembleReport) -> bytes:
     stacked = report.stacked
-    skops = stacked.skops_file() if stacked is not None else b""
+    keep = stacked is not None and report.choice == "stacking"
+    skops = stacked.skops_file() if stacked is not None and keep else b""
     text = json.dumps({"format": FORMAT, "key": key, "report": _report_json(report)})
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as entry:
@@ -238,14 +255,12 @@ def _report_from_json(data: Mapping[str, Any], skops: bytes | None) -> EnsembleR
     stacked = data["stacked"]
     model = None
     if stacked is not None:
-        if skops is None:
-            raise EnsembleError("the meta-learner is missing")
         model = StackedModel(
             str(stacked["task"]),
             str(stacked["learner"]),
             list(stacked["members"]),
             FeatureSettings(**stacked["settings"]),
-            [],  # loaded from skops_bytes only if the model predicts
+            [],  # loaded from skops_bytes only if the model predicts (None: not stored)
             int(stacked["num_outputs"]),
             list(stacked["params"]),
             skops_bytes=skops,

@@ -80,13 +80,23 @@ class StackedModel:
         if not self.estimators and self.skops_bytes is not None:
             loaded = meta_learner_from_bytes(self.skops_bytes, f"meta-learner {self.learner}")
             self.estimators = list(loaded["estimators"])
+        if not self.estimators:
+            raise EnsembleError(self._not_kept())
         return self.estimators
 
     def skops_file(self) -> bytes:
         """The fitted estimators and their params as a skops file (never a pickle)."""
         if self.skops_bytes is None:
+            if not self.estimators:
+                raise EnsembleError(self._not_kept())
             self.skops_bytes = meta_learner_bytes(self.learner, self.estimators, self.params)
         return self.skops_bytes
+
+    def _not_kept(self) -> str:
+        return (
+            f"meta-learner {self.learner} was read from the ensemble cache without its fit "
+            "(stacking was not the choice); fit it again with evaluate_ensemble"
+        )
 
 
 def stack_features(predictions: Mapping[str, np.ndarray], members: Sequence[str]) -> np.ndarray:

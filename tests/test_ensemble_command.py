@@ -98,13 +98,13 @@ def test_a_study_s_top_models_stack_cache_and_predict(
 
     with monkeypatch.context() as patched:
         patched.setattr(trainer.inference.Predictor, "__init__", no_forward)
-        patched.setattr(stacking, "_tuned", no_fit)  # the fitted stack is read back too
         stacked = tmp_path / "stacked"
         assert hpo_main([*ensemble, "--learner", "logistic_regression", "--out", str(stacked)]) == 0
     assert "saved: the stacked model (logistic_regression)" in capsys.readouterr().out
     with hpo.open_study("s", url) as study:  # the Python API, from the cache too
         with monkeypatch.context() as patched:
             patched.setattr(trainer.inference.Predictor, "__init__", no_forward)
+            # The stack the run before fitted and saved is read back: nothing is fitted.
             patched.setattr(stacking, "_tuned", no_fit)
             scores = study.ensemble(tmp_path / "api", top=3, learners=["logistic_regression"])
     assert scores["saved"] == "stacking" and scores["measured_on"] == "cross_validation"

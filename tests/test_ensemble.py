@@ -421,8 +421,14 @@ def test_the_default_is_one_learner_and_all_tries_every_installed_one() -> None:
     assert list(report.stacking_scores) == ["logistic_regression"]
 
 
-def _cached(tmp_path: Path, split: Any, **options: Any) -> tuple[EnsembleReport, int]:
-    """evaluate_cached over `split`, and how many meta-learner fits it ran."""
+def _cached(
+    tmp_path: Path,
+    split: Any,
+    task: str = "sequence_classification",
+    test: Split | None = None,
+    **options: Any,
+) -> tuple[EnsembleReport, int]:
+    """evaluate_cached over `split` (and `test`), and how many meta-learner fits it ran."""
     from hpo.ensemble import ReportCache, evaluate_cached, stacking
 
     fits = []
@@ -434,9 +440,7 @@ def _cached(tmp_path: Path, split: Any, **options: Any) -> tuple[EnsembleReport,
 
     with pytest.MonkeyPatch.context() as patched:
         patched.setattr(stacking, "_tuned", counted)
-        report = evaluate_cached(
-            "sequence_classification", split, None, ReportCache(tmp_path / "ens"), **options
-        )
+        report = evaluate_cached(task, split, test, ReportCache(tmp_path / "ens"), **options)
     return report, len(fits)
 
 
@@ -477,6 +481,36 @@ def test_a_second_ensemble_over_the_same_features_fits_nothing(
     loaded = load_ensemble(saved)
     assert loaded.model is not None
     np.testing.assert_allclose(loaded.model.predict(features), first.stacked.predict(features))
+
+
+@pytest.mark.parametrize("task", ["regression", "multi_label_classification"])
+def test_regression_and_multi_label_stacks_read_back_from_the_cache(
+    tmp_path: Path, task: str
+) -> None:
+    rng = np.random.default_rng(8)
+
+    def split(rows: int) -> Split:
+        if task == "regression":
+            truth = rng.normal(0, 1, rows)
+            members = {"scaled": 2 * truth + rng.normal(0, 0.05, rows)}
+            members["noisy"] = truth + rng.normal(0, 0.5, rows)
+            return Split(members, truth)
+        labels = rng.random((rows, 3)) < 0.4
+        members = {}
+        for name, known in (("first_two", [0, 1]), ("last", [2])):
+            probabilities = rng.random((rows, 3))
+            probabilities[:, known] = np.where(labels[:, known], 0.8, 0.2)
+            members[name] = probabilities
+        return Split(members, labels.astype(int))
+
+    evaluation, test = split(100), split(60)
+    first, fits = _cached(tmp_path, evaluation, task, test)
+    second, again = _cached(tmp_path, evaluation, task, test)
+    assert fits > 0 and again == 0 and first.choice == "stacking"
+    assert second.to_json() == first.to_json() and second.measured_on == "test_split"
+    assert first.stacked is not None and second.stacked is not None
+    features = test.stack_features(list(test.predictions))
+    np.testing.assert_allclose(second.stacked.predict(features), first.stacked.predict(features))
 
 
 def test_a_changed_member_label_or_option_fits_again(tmp_path: Path) -> None:
@@ -525,7 +559,8 @@ def test_a_damaged_cache_entry_is_fitted_again_never_an_error(tmp_path: Path) ->
         assert ReportCache(tmp_path / "ens").get(entry.stem) is not None  # replaced whole
     assert not [p for p in (tmp_path / "ens").glob(".*")]  # nothing left aside
     cache = ReportCache(tmp_path / "ens")
-    for position in range(0, len(whole), 3):  # any byte flipped: the same report, or none
+    step = max(1, len(whole) // 300)
+    for position in range(0, len(whole), step):  # a byte flipped: the same report, or none
         entry.write_bytes(
             whole[:position] + bytes([whole[position] ^ 0x5A]) + whole[position + 1 :]
         )

@@ -76,7 +76,7 @@ class ReportCache:
         next run fits again."""
         try:
             entry = _entry_bytes(key, report)
-        except EnsembleError as e:
+        except (EnsembleError, TypeError, ValueError) as e:  # skops refused; not JSON
             log.info("ensemble cache: not stored (%s)", e)
             return None
         path = self.path(key)

@@ -179,7 +179,7 @@ class Study:
         *,
         top: int = 5,
         config: str | os.PathLike[str] | None = None,
-        learners: Sequence[str] | None = None,
+        learners: Sequence[str] | str | None = None,
         pca: int | None = None,
         device: str = "auto",
         batch_size: int = 32,
@@ -191,17 +191,20 @@ class Study:
         better). `config`: the config the study ran with (its data.test_file scores every
         candidate; default: the evaluation file the study recorded, scored on the test file it
         recorded when that is unchanged, else by 5-fold cross-validation). `test_file`: a
-        held-out .csv or .jsonl to score every candidate on instead. `soup`: "uniform" or
-        "greedy" also averages the members' weights (or LoRA adapters). Returns the scores:
-        `folder`, `saved`, each candidate's and how they were measured (`how_measured`).
-        `hpo.load_model(out)` predicts with it."""
+        held-out .csv or .jsonl to score every candidate on instead. `learners`: the
+        meta-learners to try, chosen by cross-validation ("all": every installed one; default:
+        logistic regression, ridge for regression); a second call over the same members and
+        options reads the fit from the cache. `soup`: "uniform" or "greedy" also averages the
+        members' weights (or LoRA adapters). Returns the scores: `folder`, `saved`, each
+        candidate's and how they were measured (`how_measured`). `hpo.load_model(out)` predicts
+        with it."""
         from hpo.commands.ensemble import EnsembleRequest, build_ensemble
 
         request = EnsembleRequest(
             out=os.fspath(out),
             config=None if config is None else os.fspath(config),
             top=top,
-            learners=tuple(learners or ()),
+            learners=(learners,) if isinstance(learners, str) else tuple(learners or ()),
             pca=pca,
             soup=soup,
             device=device,

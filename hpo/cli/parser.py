@@ -325,7 +325,9 @@ def _add_ensemble_options(ensemble: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME",
-        help="a meta-learner to try (repeat; default: all the task's installed ones)",
+        help="a meta-learner to fit (default: logistic_regression; ridge for regression); "
+        "repeat to try several, or give all for every installed one: the best by "
+        "cross-validation is kept",
     )
     ensemble.add_argument(
         "--features",

@@ -95,7 +95,7 @@ def build_ensemble(request: EnsembleRequest, study: Any = None) -> Outcome:
 
 
 def _build(request: EnsembleRequest, study: Any, out: Path, fetched: Path) -> Outcome:
-    from hpo.ensemble import FeatureSettings, check_stackable, evaluate_ensemble
+    from hpo.ensemble import FeatureSettings, ReportCache, check_stackable, evaluate_cached
 
     found, data = members_and_data(request, study, fetched)
     members = found.folders
@@ -132,10 +132,11 @@ def _build(request: EnsembleRequest, study: Any, out: Path, fetched: Path) -> Ou
         scale=request.pca is not None or request.features == "embedding",
         pca_components=request.pca,
     )
-    report = evaluate_ensemble(
+    report = evaluate_cached(
         data.task,
         evaluation,
         test,
+        ReportCache.beside(_feature_cache(request)),
         learners=list(request.learners) or None,
         settings=settings,
     )
@@ -190,7 +191,7 @@ def _split(
     request: EnsembleRequest,
 ) -> Any:
     from hpo.commands.predict import input_rows
-    from hpo.ensemble import FeatureCache, Split, weights_sha256
+    from hpo.ensemble import Split, weights_sha256
     from trainer.digests import file_sha256
 
     if not path.is_file() or path.suffix.lower() not in (".csv", ".jsonl"):
@@ -198,7 +199,7 @@ def _split(
     with input_rows(path) as (_, rows_iter):
         rows = list(rows_iter)
     labels = _labels(rows, data, order, path)
-    cache = FeatureCache(Path(request.cache_dir) if request.cache_dir else None)
+    cache = _feature_cache(request)
     digest = file_sha256(path)
     kinds = ["predictions"] + (["embedding"] if request.features == "embedding" else [])
     found: dict[str, dict[str, np.ndarray]] = {kind: {} for kind in kinds}
@@ -216,6 +217,12 @@ def _split(
     if request.features == "embedding":
         features = stacked_embeddings(found["embedding"], list(members))
     return Split(found["predictions"], labels, features), Rows(rows, labels)
+
+
+def _feature_cache(request: EnsembleRequest) -> Any:
+    from hpo.ensemble import FeatureCache
+
+    return FeatureCache(Path(request.cache_dir) if request.cache_dir else None)
 
 
 def member_predictions(

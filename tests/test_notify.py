@@ -84,6 +84,15 @@ class Endpoint:
         self.server.server_close()
 
 
+@pytest.fixture(autouse=True)
+def _forget_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The secrets a test's configs register stay in this test: masking lasts for the process,
+    and this suite's endpoint (127.0.0.1) would otherwise be masked in every later test."""
+    import storage.url
+
+    monkeypatch.setattr(storage.url, "_REGISTERED", storage.url._REGISTERED)
+
+
 @pytest.fixture
 def endpoint() -> Iterator[Endpoint]:
     served = Endpoint()

@@ -60,8 +60,9 @@ def setup_logging(level: int) -> None:
     # torch's developers; --debug shows them, but never their DEBUG lines: a line per autograd
     # op per step (1,845 lines for one tiny trial), or every HTTP exchange of botocore's.
     # So are botocore's INFO lines ("Found credentials in environment variables", before every
-    # S3 call's error): an artifact store's failure is one line of hpo's.
-    for library in ("torch", "botocore", "boto3", "s3transfer"):
+    # S3 call's error): an artifact store's failure is one line of hpo's. wandb's INFO lines
+    # (each run's init and finish, with its config) say what its own debug.log keeps.
+    for library in ("torch", "botocore", "boto3", "s3transfer", "wandb"):
         logging.getLogger(library).setLevel(
             logging.INFO if level <= logging.DEBUG else max(level, logging.WARNING)
         )

@@ -5,6 +5,7 @@ wandb that hangs or raises costs no trial, and the API key is never shown."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import subprocess
@@ -205,11 +206,18 @@ def test_a_retrains_runs_are_tagged_and_grouped_with_the_searched_study(
     assert run["config"]["hpo.retrain_of"] == "s" and run["config"]["seed"] == 43
 
 
-def test_the_retrain_plans_attribute_is_the_one_the_retrain_study_records() -> None:
+def test_a_retrain_study_is_told_apart_by_the_plan_it_records() -> None:
+    from hpo.config.schema import Config
     from hpo.study import retrain
-    from hpo.tracking import RETRAIN_PLAN_ATTR
+    from hpo.tracking import RETRAIN_PLAN_ATTR, study_start
 
     assert retrain.PLAN_ATTR == RETRAIN_PLAN_ATTR
+    searched = optuna.create_study(study_name="s")
+    assert study_start(Config(), searched).retrain_of is None
+    study = optuna.create_study(study_name="s [retrain top 1 x 2 seeds, ab12]")
+    plan = retrain.RetrainPlan("s", [], [1, 2])
+    study.set_user_attr(retrain.PLAN_ATTR, dataclasses.asdict(plan))
+    assert study_start(Config(), study).retrain_of == "s"
 
 
 def test_an_error_quoting_the_api_key_is_said_without_it(monkeypatch: pytest.MonkeyPatch) -> None:

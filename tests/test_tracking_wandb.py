@@ -313,6 +313,9 @@ def test_a_wandb_that_hangs_or_raises_costs_no_trial_and_each_gap_is_said_once(
         assert hpo_main(["status", "--study", "down", "--storage", args[-1]]) == 0
     finally:
         release.set()
+        for thread in threading.enumerate():  # the hung call ends within the test
+            if thread.name == "hpo-W&B":
+                thread.join(30)
     out = capsys.readouterr()
     text = out.out + out.err
     study = optuna.load_study(study_name="down", storage=args[-1])
@@ -323,6 +326,21 @@ def test_a_wandb_that_hangs_or_raises_costs_no_trial_and_each_gap_is_said_once(
     assert "the tracker is missing" in text, text[-3000:]
     assert API_KEY not in text and "Traceback" not in text
     _no_key_anywhere(tmp_path / "studies.db")
+
+
+def test_a_closed_trackers_thread_ends_once_its_hung_call_returns() -> None:
+    """A worker that ends while a call hangs gives it up; the thread does not outlive the
+    call (in a notebook, each study's would otherwise wait for calls for ever)."""
+    from hpo.tracking.background import BackgroundCalls
+
+    release = threading.Event()
+    calls = BackgroundCalls("T", patience_s=5)
+    calls.submit(0, "its start", lambda: None if release.wait(60) else None)
+    calls.submit(0, "its end", lambda: None)
+    assert not calls.close(0.1)
+    release.set()
+    calls.thread.join(10)
+    assert not calls.thread.is_alive()
 
 
 def test_wandb_not_installed_is_one_line_naming_its_extra(

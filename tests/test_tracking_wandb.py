@@ -134,6 +134,45 @@ def test_a_trials_run_holds_its_params_every_evaluation_its_summary_and_attribut
     assert [c["path"] for c in artifact["manifest"]["contents"]] == ["model.safetensors"]
 
 
+def test_a_best_model_in_a_store_is_an_artifact_by_reference_not_a_copy(
+    offline_wandb: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Credentials in the environment, as where the store is used: boto3 looks for none on
+    the network, and W&B records the reference without reading the store."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    runs = _runs(log_model=True)
+    runs.start_study(_study())
+    runs.start_trial(TrialStart(0, 0, {"learning_rate": 0.01}, "h:1", "h"))
+    store = "s3://models/s/trial-0/best"
+    runs.end_trial(TrialEnd(0, "complete", None, 0, {}, {}, store))
+    [artifact] = [r["artifact"] for r in _records(offline_wandb) if r["type"] == "artifact"]
+    [entry] = artifact["manifest"]["contents"]
+    assert entry["ref"] == store and "local_path" not in entry
+
+
+def test_a_best_model_wandb_cannot_log_leaves_the_trials_end_whole(
+    offline_wandb: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import wandb
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise PermissionError(f"s3://models refused the key {API_KEY}")
+
+    monkeypatch.setattr(wandb.Artifact, "add_reference", refuse)
+    runs = _runs(log_model=True)
+    runs.start_study(_study())
+    runs.start_trial(TrialStart(0, 0, {"learning_rate": 0.01}, "h:1", "h"))
+    runs.end_trial(TrialEnd(0, "complete", None, 0, {}, {}, "s3://models/s/best"))
+    [run] = read_runs(offline_wandb)
+    assert run["state"] == "finished" and run["summary"]["hpo.state"] == "complete"
+    said = [r.getMessage() for r in caplog.records if "best model" in r.getMessage()]
+    assert said == [
+        "trial 0's best model is not in W&B: PermissionError: s3://models refused the key ***"
+    ], said
+
+
 def _records(folder: Path) -> list[dict[str, Any]]:
     [path] = folder.glob("wandb/offline-run-*/run-*.wandb")
     command = [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(path)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import re
 from collections.abc import Callable
@@ -16,7 +17,9 @@ from typing import Any, TypeVar
 from hpo.config.schema import WANDB_FORBIDDEN, WandbTrackingConfig
 from hpo.tracking.background import GiveUp
 from hpo.tracking.events import StudyStart, TrialEnd, TrialInterrupted, TrialStart
+from storage.url import mask_text
 
+log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 API_KEY = "WANDB_API_KEY"
 # How a trial's run ends in W&B: a run has no "pruned" state, so a pruned trial finishes and
@@ -35,12 +38,19 @@ def _key_kept_out(method: F) -> F:
         try:
             return method(*args, **kwargs)
         except Exception as e:
+            said = f"{type(e).__name__}: {e}"
             key = os.environ.get(API_KEY, "")
-            if len(key) < 8 or key not in str(e):
+            if len(key) < 8 or key not in said:
                 raise
-            raise RuntimeError(f"{type(e).__name__}: {str(e).replace(key, '***')}") from None
+            raise RuntimeError(_without_key(said)) from None
 
     return call  # type: ignore[return-value]
+
+
+def _without_key(text: str) -> str:
+    """`text` with the API key (and any credentials of a URL) masked."""
+    key = os.environ.get(API_KEY, "")
+    return mask_text(text.replace(key, "***") if len(key) >= 8 else text)
 
 
 def run_id(study: str, first_attempt: int) -> str:
@@ -174,7 +184,11 @@ class WandbRuns:
         run.summary.update(summary)
         run.tags = (*run.tags, end.state)
         if self.config.log_model and end.best_model is not None and end.state == "complete":
-            self._log_model(run, end)
+            try:
+                self._log_model(run, end)
+            except Exception as e:  # the store's or wandb's trouble: the run still ends
+                said = _without_key(f"{type(e).__name__}: {e}")
+                log.warning("trial %d's best model is not in W&B: %s", end.number, said[:300])
         del self.runs[end.number]
         run.finish(exit_code=EXIT_CODE[end.state])
 

@@ -232,6 +232,25 @@ def test_a_handed_back_trial_ends_interrupted_and_its_retry_goes_on_in_the_same_
     assert retry["summary"]["hpo.state"] == "complete"
 
 
+def test_hpos_runs_leave_the_users_own_wandb_run_alone(offline_wandb: Path) -> None:
+    """A training function that logs to W&B itself (trial_isolation: none) keeps its run as
+    wandb.run while hpo's trial runs start and end beside it."""
+    import wandb
+
+    own = wandb.init(project="mine", settings=wandb.Settings(silent=True, console="off"))
+    runs = _runs()
+    runs.start_study(_study())
+    runs.start_trial(TrialStart(0, 0, {"learning_rate": 0.01}, "h:1", "h"))
+    runs.evaluation(0, 64, {"accuracy": 0.5})
+    runs.end_trial(TrialEnd(0, "complete", None, 64, {}, {}, None))
+    assert wandb.run is own
+    own.log({"own_metric": 1.0})
+    own.finish()
+    mine, hpos = sorted(read_runs(offline_wandb), key=lambda r: r["project"] != "mine")
+    assert mine["project"] == "mine" and mine["history"] == {0: {"own_metric": 1.0}}
+    assert hpos["history"] == {64: {"accuracy": 0.5}}
+
+
 def test_a_retrains_runs_are_tagged_and_grouped_with_the_searched_study(
     offline_wandb: Path,
 ) -> None:
@@ -297,7 +316,8 @@ def test_hpo_run_logs_each_trial_to_wandb_offline_read_back_with_wandbs_reader(
 ) -> None:
     """The real CLI: one run per trial in the study's group, its evaluations at step = samples
     trained (as MLflow's), the same values the study recorded; wandb writes nothing to hpo's
-    output, and the API key is nowhere."""
+    output, and the API key is nowhere. Then `hpo retrain`'s run: job type and tag retrain,
+    in the searched study's group."""
     tracking = {"wandb": {"project": "e2e"}}
     args = _study_args(tmp_path, easy_data, tracking, "wb study")
     done = run_hpo(*args, cwd=tmp_path)
@@ -319,6 +339,20 @@ def test_hpo_run_logs_each_trial_to_wandb_offline_read_back_with_wandbs_reader(
         assert run["summary"]["best/accuracy"] == pytest.approx(max(logged))
         assert run["summary"]["hpo.state"] == "complete" and run["state"] == "finished"
         assert "samples_per_s" in run["history"][256]
+    final = tmp_path / "final"
+    retrain = ["retrain", "--study", "wb study", *args[3:], "--top", "1", "--seeds", "1"]
+    done = run_hpo(*retrain, "--out", str(final), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    retrained = [r for r in read_runs(offline_wandb) if r["job_type"] == "retrain"]
+    assert len(retrained) == 1  # one configuration, one seed
+    [run] = retrained
+    assert (run["project"], run["group"], run["tags"]) == (
+        "e2e",
+        "wb study",
+        ["hpo", "retrain", "complete"],
+    )
+    assert run["config"]["hpo.retrain_of"] == "wb study"
+    assert run["config"]["hpo.study"].startswith("wb study [retrain top 1 x 1 seeds")
 
 
 @pytest.mark.parametrize("how", ["hangs", "raises"])

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 # The search space's types are space.py's; importers of the schema find them here too.
+from hpo.config.notify import NotifyConfig as NotifyConfig
 from hpo.config.space import DEFAULT_BATCH_CHOICES as DEFAULT_BATCH_CHOICES
 from hpo.config.space import ParamSpec as ParamSpec
 from hpo.config.space import applies as applies
@@ -40,27 +41,9 @@ MetricName = Literal[
     "token_accuracy",
     "perplexity",
 ]
-ObjectiveName = Literal[
-    "accuracy",
-    "macro_f1",
-    "micro_f1",
-    "roc_auc",
-    "eval_loss",
-    "subset_accuracy",
-    "mse",
-    "rmse",
-    "mae",
-    "pearson",
-    "spearman",
-    "r2",
-    "f1",
-    "precision",
-    "recall",
-    "token_accuracy",
-    "perplexity",
-    "samples_per_s",
-]
-# What a study can optimise: the evaluation metrics, and a trial's training throughput.
+# What a study can optimise: the evaluation metrics, and a trial's training throughput (nested
+# Literals flatten).
+ObjectiveName = Literal[MetricName, "samples_per_s"]
 OBJECTIVE_DIRECTIONS: dict[str, Direction] = {**METRIC_DIRECTIONS, "samples_per_s": "maximize"}
 # study.throughput_tolerance: the run-to-run noise of samples/s is a few percent (hpo.study.front).
 DEFAULT_THROUGHPUT_TOLERANCE = 0.05
@@ -324,6 +307,11 @@ class StudyConfig:
     )
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     pruner: PrunerConfig = field(default_factory=PrunerConfig)
+    notify: NotifyConfig | None = _doc(
+        "Messages about the study (its end, a new best, failures in a row, a stall) to Slack, "
+        "email, Matrix, ntfy or a webhook: Apprise URLs and when; see "
+        "docs/guides/notifications.md."
+    )
     enqueue: list[dict[str, Any]] = field(
         default_factory=list,
         metadata={

@@ -65,8 +65,9 @@ def setup_logging(level: int) -> None:
     # So are botocore's INFO lines ("Found credentials in environment variables", before every
     # S3 call's error): an artifact store's failure is one line of hpo's.
     # Apprise's INFO lines ("Sent JSON POST notification") are one per message: noise in a
-    # worker's log; its failures are WARNINGs, and hpo says them too.
-    for library in ("torch", "botocore", "boto3", "s3transfer", "apprise"):
+    # worker's log; its failures are WARNINGs, and hpo says them too. wandb's INFO lines (each
+    # run's init and finish, with its config) say what its own debug.log keeps.
+    for library in ("torch", "botocore", "boto3", "s3transfer", "apprise", "wandb"):
         logging.getLogger(library).setLevel(
             logging.INFO if level <= logging.DEBUG else max(level, logging.WARNING)
         )

@@ -46,11 +46,20 @@ class Task:
     config: Path  # a shipped config: model, data columns, training
     kind: str  # what the table says
     higher_is_better: bool = True
+    own_learning_rate: bool = False  # keep the config's search space as it is
 
 
 TASKS = {
     "nli": Task("nli", REPO / "bench/configs/search-nli-scratch.yaml", "3 classes, accuracy"),
     "demo": Task("demo", REPO / "configs/demo.yaml", "binary, accuracy"),
+    # A study that searches the model itself: the pretrained MiniLM against the tiny BERT from
+    # scratch, each with its own learning rates (the most diverse members a study gives).
+    "nli-models": Task(
+        "nli-models",
+        REPO / "configs/model-choice.yaml",
+        "3 classes, accuracy, the model searched",
+        own_learning_rate=True,
+    ),
     "multilabel": Task("multilabel", REPO / "configs/multilabel.yaml", "multi-label, micro-F1"),
     "regression": Task(
         "regression", REPO / "configs/regression.yaml", "regression, RMSE", higher_is_better=False
@@ -120,6 +129,15 @@ def study_config(task: Task, folder: Path, seed: int, args: argparse.Namespace) 
         Path(data["train_file"]), folder, seed, args.test_share, args.max_train
     )
     data["train_file"], data["test_file"] = str(train), str(test)
+    choices = raw["search_space"].get("model.name_or_path", {}).get("choices", [])
+    for i, choice in enumerate(choices):  # folders relative to the shipped config
+        if not str(choice).startswith("pkg://"):
+            choices[i] = str((task.config.parent / choice).resolve())
+    for rule in raw["search_space"].values():
+        when: dict[str, Any] = (rule.get("when") if isinstance(rule, dict) else None) or {}
+        for key, value in when.items():
+            if key == "model.name_or_path" and not str(value).startswith("pkg://"):
+                when[key] = str((task.config.parent / value).resolve())
     study = raw.setdefault("study", {})
     study.update(
         n_trials=args.trials,
@@ -128,7 +146,8 @@ def study_config(task: Task, folder: Path, seed: int, args: argparse.Namespace) 
         pruner={"type": "none"},  # every trial completes: K members to keep
         checkpoint_dir=str(folder / "checkpoints"),
     )
-    raw["search_space"]["learning_rate"] = LEARNING_RATE
+    if not task.own_learning_rate:
+        raw["search_space"]["learning_rate"] = LEARNING_RATE
     training = raw.setdefault("training", {})
     training["seed"] = seed
     training["device"] = "cpu"
@@ -164,13 +183,14 @@ def feature_stage(config: Path, members: dict[str, str], cache: Path, threads: i
     the feature cache in `cache`."""
     import torch
 
-    from hpo.commands.ensemble import EnsembleRequest, _data_of_config, _label_order, _split
+    from hpo.commands.ensemble import EnsembleRequest, _label_order, _split
+    from hpo.commands.ensemble_members import data_of_config
 
     with FEATURES_LOCK:
         if threads is not None:
             torch.set_num_threads(threads)
         folders = {name: Path(path) for name, path in members.items()}
-        data = _data_of_config(str(config))
+        data = data_of_config(str(config))
         order = _label_order(next(iter(folders.values())), data.task)
         request = EnsembleRequest(out="-", device="cpu", quiet=True, cache_dir=str(cache))
         started = time.perf_counter()
@@ -208,6 +228,7 @@ def one_seed(task: Task, seed: int, root: Path, args: argparse.Namespace) -> See
     study_s = time.perf_counter() - started
     common = ["ensemble", "--study", "s", "--storage", url, "--config", str(config)]
     common += ["--top", str(args.top), "--device", "cpu", "--quiet"]
+    common += [a for learner in args.learner for a in ("--learner", learner)]
     uncached = hpo(*common, "--out", str(folder / "e1"), cwd=folder, env=env)
     cached = hpo(*common, "--out", str(folder / "e2"), cwd=folder, env=env)
     hpo(*common, "--soup", "uniform", "--out", str(folder / "e3"), cwd=folder, env=env)
@@ -227,6 +248,7 @@ def one_seed(task: Task, seed: int, root: Path, args: argparse.Namespace) -> See
         "soft voting": first["soft_voting"]["score"],
         "greedy selection": first["greedy_selection"]["score"],
         "stacking": stacking["scores"][stacking["best_learner"]],
+        "stacking (LR)": stacking["scores"].get("logistic_regression", math.nan),
     }
     soup = souped.get("soup") or {}
     scores["uniform soup"] = soup["score"] if soup.get("score") is not None else math.nan
@@ -252,7 +274,14 @@ def one_seed(task: Task, seed: int, root: Path, args: argparse.Namespace) -> See
 
 # -- the table ---------------------------------------------------------------------------------
 
-CANDIDATES = ("best member", "soft voting", "greedy selection", "uniform soup", "stacking")
+CANDIDATES = (
+    "best member",
+    "soft voting",
+    "greedy selection",
+    "uniform soup",
+    "stacking",
+    "stacking (LR)",  # logistic regression, the default learner, when it was among those fitted
+)
 
 
 def median(values: list[float]) -> float:
@@ -331,6 +360,12 @@ def main(argv: list[str] | None = None) -> int:
         "--jobs", type=int, default=1, help="studies run at once (each its own processes)"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads per process")
+    parser.add_argument(
+        "--learner",
+        action="append",
+        default=[],
+        help="hpo ensemble's --learner (repeat; default: the command's own default)",
+    )
     parser.add_argument(
         "--quick",
         action="store_true",

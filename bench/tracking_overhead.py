@@ -1,6 +1,8 @@
-"""What MLflow tracking costs a trial (issue 28): the CPU demo's tiny study run by `hpo run` in
+"""What tracking costs a trial (issues 28, 45): the CPU demo's tiny study run by `hpo run` in
 this process with no tracker and with an MLflow tracking server on this machine (started here:
-127.0.0.1, SQLite backend), in pairs: each round runs both, in alternating order, so that the
+127.0.0.1, SQLite backend), or with Weights & Biases (`--tracker wandb`: offline, its runs
+written under the bench's folder by wandb's own service process, wandb-core, which runs on the
+training host in every mode), in pairs: each round runs both, in alternating order, so that the
 host's load falls on both alike.
 
 Two accounts, per trial:
@@ -10,13 +12,14 @@ Two accounts, per trial:
   first pays the fork server and imports). On a shared host this is as noisy as its load.
 - CPU time, which is what tracking takes from training on a CPU host and is not moved by the
   other processes' load: the CPU seconds of hpo's tracker thread (time.thread_time in it), of
-  the MLflow server's processes (psutil) while the study ran, and of the trials' processes
-  (getrusage of this process' children, all reaped when `hpo run` returns).
+  the MLflow server's processes (psutil) or of wandb-core while the study ran, and of the
+  trials' processes (getrusage of this process' children, all reaped when `hpo run` returns).
 
 Needs the full `mlflow` package (the dev extra) for the server; with --remote-uri (a server
 already running on another host, the way MLflow is deployed) only the client, and no server
 is started here (its CPU is then not counted).
-Run: .venv/bin/python bench/tracking_overhead.py [--rounds 5] [--trials 4] [--nice 0]
+Run: .venv/bin/python bench/tracking_overhead.py [--tracker mlflow|wandb] [--rounds 5]
+     [--trials 4] [--nice 0]
      [--remote-uri http://tracking-host:5000] [--epochs 2] [--evals-per-epoch 4]
      [--train-rows 256]
 """
@@ -120,13 +123,27 @@ class TrackerCpu:
         return taken
 
 
+def tracker_processes(server: subprocess.Popen[bytes] | None) -> list[psutil.Process]:
+    """The tracker's own processes on this host: the MLflow server's (its workers' included),
+    or wandb's service (wandb-core, a child of this process once a run started) and its
+    children."""
+    if server is not None:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            root = psutil.Process(server.pid)
+            return [root, *root.children(recursive=True)]
+        return []
+    found = []
+    for process in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if process.name().startswith("wandb"):
+                found += [process, *process.children(recursive=True)]
+    return found
+
+
 def server_cpu(server: subprocess.Popen[bytes] | None) -> float:
-    """CPU seconds of the MLflow server's processes so far (its workers' included)."""
-    if server is None:
-        return 0.0
-    root = psutil.Process(server.pid)
+    """CPU seconds of the tracker's processes so far."""
     total = 0.0
-    for process in (root, *root.children(recursive=True)):
+    for process in tracker_processes(server):
         with contextlib.suppress(psutil.NoSuchProcess):
             times = process.cpu_times()
             total += times.user + times.system + times.children_user + times.children_system
@@ -139,11 +156,7 @@ def trials_cpu(server: subprocess.Popen[bytes] | None) -> float:
     times once reaped), and whatever this process reaped itself."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     total = usage.ru_utime + usage.ru_stime
-    skip = set()
-    if server is not None:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            root = psutil.Process(server.pid)
-            skip = {server.pid, *(child.pid for child in root.children(recursive=True))}
+    skip = {process.pid for process in tracker_processes(server)}
     for process in psutil.Process().children(recursive=True):
         if process.pid in skip:
             continue
@@ -177,6 +190,13 @@ def run_study(folder: Path, name: str, raw: dict, storage: str) -> tuple[list[fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="pairs, the first one a warm-up")
+    parser.add_argument(
+        "--tracker",
+        choices=("mlflow", "wandb"),
+        default="mlflow",
+        help="mlflow: a server started here (or --remote-uri); wandb: offline, under the "
+        "bench's folder (no network needed)",
+    )
     parser.add_argument("--trials", type=int, default=4)
     parser.add_argument(
         "--remote-uri",
@@ -217,13 +237,23 @@ def main() -> None:
         write_csv(folder / "train.csv", easy_rows(options.train_rows, 1)),
         write_csv(folder / "eval.csv", easy_rows(options.train_rows // 4, 2)),
     )
-    server, uri = (
-        (None, options.remote_uri) if options.remote_uri else start_server(folder, options.nice)
-    )
     experiment = f"hpo-bench-{int(time.time())}"
+    tracking: dict[str, Any]
+    server: subprocess.Popen[bytes] | None = None
+    if options.tracker == "wandb":
+        os.environ["WANDB_MODE"] = "offline"
+        for variable in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+            os.environ[variable] = str(folder / "wandb")
+        (folder / "wandb").mkdir()
+        tracking = {"wandb": {"project": experiment}}
+    else:
+        server, uri = (
+            (None, options.remote_uri) if options.remote_uri else start_server(folder, options.nice)
+        )
+        tracking = {"mlflow": {"uri": uri, "experiment": experiment}}
     storage = f"sqlite:///{folder / 'studies.db'}"
     tracker = TrackerCpu()
-    columns = ("none", "mlflow")
+    columns = ("none", options.tracker)
     walls: dict[str, list[float]] = {name: [] for name in columns}
     gaps: dict[str, list[float]] = {name: [] for name in columns}
     cpu: dict[str, dict[str, float]] = {name: dict.fromkeys(CPU, 0.0) for name in columns}
@@ -235,8 +265,8 @@ def main() -> None:
             for name in columns if index % 2 == 0 else columns[::-1]:
                 training = {"epochs": options.epochs, "evals_per_epoch": options.evals_per_epoch}
                 raw = tiny_config(*data, study={"n_trials": options.trials}, training=training)
-                if name == "mlflow":
-                    raw["tracking"] = {"mlflow": {"uri": uri, "experiment": experiment}}
+                if name != "none":
+                    raw["tracking"] = tracking
                 before = (trials_cpu(server), self_cpu(), server_cpu(server))
                 tracker.take()
                 round_walls, round_gaps = run_study(folder, f"{name}-{index}", raw, storage)
@@ -261,7 +291,7 @@ def main() -> None:
                 spent["tracker"] += tracker_s
                 spent["server"] += after[2] - before[2]
             if index > 0:
-                ratios.append(medians["mlflow"] / medians["none"])
+                ratios.append(medians[options.tracker] / medians["none"])
             loads.append(os.getloadavg()[0])
     finally:
         if server is not None:
@@ -277,13 +307,13 @@ def main() -> None:
         )
     listed = ", ".join(f"{r:.3f}" for r in ratios)
     print(
-        f"pair ratios mlflow / none (median wall_s per trial, per round): {listed}; "
+        f"pair ratios {options.tracker} / none (median wall_s per trial, per round): {listed}; "
         f"median {statistics.median(ratios):.3f}"
     )
     print()
     print(
         "| tracking | CPU s per trial: trial process | worker process | of which tracker thread "
-        "| MLflow server |"
+        f"| {'wandb-core' if options.tracker == 'wandb' else 'MLflow server'} |"
     )
     print("|---|---:|---:|---:|---:|")
     for name in columns:
@@ -295,12 +325,12 @@ def main() -> None:
     trial_cpu = cpu["none"]["trials"] / counted["none"]
     if trial_cpu <= 0:
         raise SystemExit("the trials' CPU time was not measured")
-    mlflow = {key: value / counted["mlflow"] for key, value in cpu["mlflow"].items()}
+    used = {key: value / counted[options.tracker] for key, value in cpu[options.tracker].items()}
     print(
-        f"tracking's CPU per trial: tracker thread {mlflow['tracker']:.4f} s "
-        f"({100 * mlflow['tracker'] / trial_cpu:.2f}% of a trial's {trial_cpu:.2f} CPU s), "
-        f"server {mlflow['server']:.4f} s ({100 * mlflow['server'] / trial_cpu:.2f}%), "
-        f"together {100 * (mlflow['tracker'] + mlflow['server']) / trial_cpu:.2f}%"
+        f"tracking's CPU per trial: tracker thread {used['tracker']:.4f} s "
+        f"({100 * used['tracker'] / trial_cpu:.2f}% of a trial's {trial_cpu:.2f} CPU s), "
+        f"its processes {used['server']:.4f} s ({100 * used['server'] / trial_cpu:.2f}%), "
+        f"together {100 * (used['tracker'] + used['server']) / trial_cpu:.2f}%"
     )
 
 

@@ -65,8 +65,13 @@ def _rows(properties: dict[str, Any], prefix: str) -> list[str]:
         default = f"`{json.dumps(spec['default'])}`" if "default" in spec else ""
         description = _cell(spec.get("description", ""))
         rows.append(f"| `{prefix}{key}` | {_cell(_type_of(spec))} | {default} | {description} |")
-        if isinstance(spec.get("properties"), dict):
-            rows.extend(_rows(spec["properties"], f"{prefix}{key}."))
+        # A section that may be left out (study.notify, tracking.mlflow): its keys too.
+        options = [spec, *spec.get("anyOf", [])]
+        nested = next(
+            (o["properties"] for o in options if isinstance(o.get("properties"), dict)), None
+        )
+        if nested is not None:
+            rows.extend(_rows(nested, f"{prefix}{key}."))
     return rows
 
 

@@ -373,6 +373,13 @@ def start(stream: TextIO | None = None) -> LiveLine | None:
     return _line
 
 
+def show_on(line: LiveLine) -> None:
+    """The progress drawn by `line` from now on (a notebook's display: hpo.api.showing), not
+    on a terminal; stop() ends it."""
+    global _line
+    _line = line
+
+
 def stop() -> None:
     """Print what is still on its way to the terminal, clear the line and give the terminal
     its file descriptor back."""

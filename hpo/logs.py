@@ -35,6 +35,9 @@ def quiet_library_output() -> None:
     # progress bar at every checkpoint ("Writing model shards") is noise in a worker's log.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # In a notebook without ipywidgets, tqdm.auto (which the libraries import) warns that it
+    # falls back to text bars: nothing for the user of hpo.run to act on.
+    warnings.filterwarnings("ignore", message="IProgress not found")
     # Read when the libraries load: where they already have (hpo's main called in a process
     # that imported transformers, as a notebook or a test does), said to them directly.
     transformers = sys.modules.get("transformers")
@@ -61,7 +64,10 @@ def setup_logging(level: int) -> None:
     # op per step (1,845 lines for one tiny trial), or every HTTP exchange of botocore's.
     # So are botocore's INFO lines ("Found credentials in environment variables", before every
     # S3 call's error): an artifact store's failure is one line of hpo's.
-    for library in ("torch", "botocore", "boto3", "s3transfer"):
+    # Apprise's INFO lines ("Sent JSON POST notification") are one per message: noise in a
+    # worker's log; its failures are WARNINGs, and hpo says them too. wandb's INFO lines (each
+    # run's init and finish, with its config) say what its own debug.log keeps.
+    for library in ("torch", "botocore", "boto3", "s3transfer", "apprise", "wandb"):
         logging.getLogger(library).setLevel(
             logging.INFO if level <= logging.DEBUG else max(level, logging.WARNING)
         )

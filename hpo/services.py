@@ -295,6 +295,15 @@ def report_path(given: str | None, study_name: str, form: str, flag: str = "--ou
     return out
 
 
+def report_text(study: Any, storage: Any, form: str) -> str:
+    """The study's report (`form`: html, a whole page, or md) as text."""
+    from hpo.reports import document as study_report
+
+    if form == "md":
+        return study_report.markdown(study, storage)
+    return study_report.html_page(study, storage)
+
+
 def write_report(
     study: Any,
     storage: Any,
@@ -318,14 +327,7 @@ def write_report(
             f"{flag} {out}: exists and is not a report hpo wrote; name a new file, "
             "or move that one away first"
         )
-    text = read(
-        "the report",
-        lambda: (
-            study_report.markdown(study, storage)
-            if form == "md"
-            else study_report.html_page(study, storage)
-        ),
-    )
+    text = read("the report", lambda: report_text(study, storage, form))
     try:
         handle, aside = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
     except OSError as e:

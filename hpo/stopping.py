@@ -78,6 +78,9 @@ class StopRequest:
         self.installed = False  # whether install() set the process's handlers
         self.interrupt_at_once = interrupt_at_once
         self.doing = doing  # what the signal stops, for the log line
+        # A second Ctrl-C exits at once; not in a notebook's kernel, whose exit would end the
+        # user's session (the trial process is killed past study.stop_timeout all the same).
+        self.exit_on_second = True
         self._held_back: str | None = None  # a stop to raise once an import is over
         self._alarm_handler: Any = signal.SIG_DFL  # SIGALRM's handler before hpo's looks
 
@@ -149,6 +152,9 @@ class StopRequest:
         the trial again once past the grace period."""
         if self.interrupt_at_once:
             self._interrupt(name, frame)
+            return
+        if not self.exit_on_second:
+            log.warning("%s again: still %s (it ends within study.stop_timeout)", name, self.doing)
             return
         log.warning("%s again: exiting at once", name)
         for handler in logging.getLogger().handlers:

@@ -344,13 +344,32 @@ def _mask_userinfo(url: str) -> str:
 
 def mask_text(text: str) -> str:
     """Mask every `user:password@` in free text, such as a driver's error message that echoes
-    a database name (`database "user:pw@host/db" does not exist`), and every secret parameter
-    (`password=`, `access_token=`, `X-Amz-Signature=`: see is_secret_name)."""
+    a database name (`database "user:pw@host/db" does not exist`), every secret parameter
+    (`password=`, `access_token=`, `X-Amz-Signature=`: see is_secret_name) and every secret
+    registered with add_secrets (a notification URL's token)."""
+    for secret, shown in _REGISTERED:
+        if secret in text:
+            text = text.replace(secret, shown)
     # Split, not searched with a pattern: linear in the text's length (a pattern that looks
     # for an `@` inside a word took seconds on one long word).
     words = _BETWEEN_WORDS.split(text)
     masked = "".join(_mask_userinfo(word) if "@" in word else word for word in words)
     return _mask_secret_parameters(masked)
+
+
+# Secrets that no pattern recognises (a Slack token is a plain path segment of its URL), each
+# with what is shown in its place, longest first: a whole URL is replaced before its parts.
+# A tuple, replaced whole: a thread masking a log line reads the old one or the new one.
+_REGISTERED: tuple[tuple[str, str], ...] = ()
+
+
+def add_secrets(secrets: dict[str, str]) -> None:
+    """Have mask_text replace each key of `secrets` by its value from now on, in this process:
+    the logs, the errors and everything the trackers are sent go through mask_text."""
+    global _REGISTERED
+    known = dict(_REGISTERED)
+    known.update({secret: shown for secret, shown in secrets.items() if secret})
+    _REGISTERED = tuple(sorted(known.items(), key=lambda pair: -len(pair[0])))
 
 
 _SQLITE_NOT_A_DATABASE = ("file is not a database", "database disk image is malformed")

@@ -429,7 +429,7 @@ def hpo_main() -> Iterator[Callable[[list[str]], int]]:
     handlers, level = list(root.handlers), root.level
     # --debug sets torch's logger to INFO: left so, torch's own handler logged its cache
     # statistics at exit to this test's closed stderr ("I/O operation on closed file").
-    names = ("torch", "botocore", "boto3", "s3transfer")
+    names = ("torch", "botocore", "boto3", "s3transfer", "wandb")
     libraries = {name: logging.getLogger(name).level for name in names}
     yield main
     for handler in root.handlers[:]:

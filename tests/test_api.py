@@ -400,7 +400,8 @@ def test_run_from_stdin_or_an_interactive_session_says_what_a_trial_process_cann
 ) -> None:
     """A script read from stdin: every trial process failed to start (multiprocessing runs the
     main script again, and `<stdin>` is no file); a notebook's own function named
-    `__main__:train`: every trial failed with "has no train". Now one line before any trial."""
+    `__main__:train`: every trial failed with "has no train". Now one line before any trial
+    for the script, and the notebook's function sent to the trial processes by value."""
     import types
 
     from hpo.config.loader import parse_config
@@ -417,9 +418,20 @@ def test_run_from_stdin_or_an_interactive_session_says_what_a_trial_process_cann
     monkeypatch.setitem(sys.modules, "__main__", stdin)
     with pytest.raises(hpo.ConfigError, match="and <stdin> is no file .a script read from stdin"):
         check_trial_processes_import(config)
-    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))  # a notebook's
-    with pytest.raises(hpo.ConfigError, match="__main__:train: a trial process cannot import a "):
+    notebook = types.ModuleType("__main__")  # a notebook's: its function is sent by value
+    monkeypatch.setitem(sys.modules, "__main__", notebook)
+    with pytest.raises(hpo.ConfigError, match="__main__:train: module __main__ .* has no train"):
         check_trial_processes_import(config)
+
+    def train(ctx: object) -> float:
+        return 1.0
+
+    notebook.train = train  # type: ignore[attr-defined]
+    check_trial_processes_import(config)
+    from hpo.plugins import by_value
+
+    assert "__main__:train" in by_value.packed()
+    by_value.forget()
     config.study.trial_isolation = "none"  # trained in the worker, which has the function
     check_trial_processes_import(config)
     script = types.ModuleType("__main__")

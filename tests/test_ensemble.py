@@ -395,3 +395,219 @@ def test_embedding_features_are_scaled_and_reduced_and_saved_with_the_stack(
     )
     assert loaded.model is not None and loaded.model.settings == settings
     np.testing.assert_allclose(loaded.model.predict(embeddings), report.stacked.predict(embeddings))
+
+
+# -- the default learner, and the cache of fitted ensembles -------------------------------------
+
+
+def test_the_default_is_one_learner_and_all_tries_every_installed_one() -> None:
+    from hpo.ensemble import available_learners
+    from hpo.ensemble.learners import resolve_learners
+
+    def names(task: str, chosen: Any) -> list[str]:
+        return [lr.name for lr in resolve_learners(task, chosen)]
+
+    assert names("sequence_classification", None) == ["logistic_regression"]
+    assert names("sequence_classification", []) == ["logistic_regression"]
+    assert names("regression", None) == ["ridge"]
+    every = available_learners("sequence_classification")
+    assert len(every) >= 4 and names("sequence_classification", ["all"]) == every
+    assert names("sequence_classification", "all") == every
+    assert names("multi_label_classification", ["linear_svm", "linear_svm"]) == ["linear_svm"]
+    with pytest.raises(EnsembleError, match="or all"):
+        names("regression", ["random_forest"])
+    labels, members = complementary(120, 0)
+    report = evaluate_ensemble("sequence_classification", Split(members, labels))
+    assert list(report.stacking_scores) == ["logistic_regression"]
+
+
+def _cached(
+    tmp_path: Path,
+    split: Any,
+    task: str = "sequence_classification",
+    test: Split | None = None,
+    **options: Any,
+) -> tuple[EnsembleReport, int]:
+    """evaluate_cached over `split` (and `test`), and how many meta-learner fits it ran."""
+    from hpo.ensemble import ReportCache, evaluate_cached, stacking
+
+    fits = []
+    tuned = stacking._tuned
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        fits.append(1)
+        return tuned(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(stacking, "_tuned", counted)
+        report = evaluate_cached(task, split, test, ReportCache(tmp_path / "ens"), **options)
+    return report, len(fits)
+
+
+def test_a_second_ensemble_over_the_same_features_fits_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hpo.ensemble import honest, stacking
+
+    labels, members = complementary(150, 1)
+    split = Split(members, labels)
+    first, fits = _cached(tmp_path, split, learners=LR)
+    assert fits > 1  # 5 folds and the final fit
+
+    def no_fit(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("fitted again: the ensemble cache was not read")
+
+    monkeypatch.setattr(stacking, "_tuned", no_fit)
+    monkeypatch.setattr(honest, "greedy_selection", no_fit)
+    monkeypatch.setattr(honest, "evaluate_ensemble", no_fit)
+    second, _ = _cached(tmp_path, Split(dict(members), labels.copy()), learners=LR)
+    assert second.to_json() == first.to_json()
+    assert second.selection == first.selection and second.choice == first.choice
+    assert first.stacked is not None and second.stacked is not None
+    features = stack_features(members, ["a", "b"])
+    monkeypatch.undo()  # the meta-learner read back predicts as the one fitted
+    np.testing.assert_allclose(second.stacked.predict(features), first.stacked.predict(features))
+    assert second.stacked.skops_file() == first.stacked.skops_file()
+    # Saved from the cache, the folder holds the same meta-learner and loads back.
+    folders = {}
+    for name in ("a", "b"):
+        folder = tmp_path / "members" / name
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(name.encode())
+        folders[name] = folder
+    second.notes.clear()
+    monkeypatch.setattr(EnsembleReport, "choice", property(lambda r: "stacking"))
+    saved = save_ensemble(tmp_path / "saved", second, folders)
+    loaded = load_ensemble(saved)
+    assert loaded.model is not None
+    np.testing.assert_allclose(loaded.model.predict(features), first.stacked.predict(features))
+
+
+@pytest.mark.parametrize("task", ["regression", "multi_label_classification"])
+def test_regression_and_multi_label_stacks_read_back_from_the_cache(
+    tmp_path: Path, task: str
+) -> None:
+    rng = np.random.default_rng(8)
+
+    def split(rows: int) -> Split:
+        if task == "regression":
+            truth = rng.normal(0, 1, rows)
+            members = {"scaled": 2 * truth + rng.normal(0, 0.05, rows)}
+            members["noisy"] = truth + rng.normal(0, 0.5, rows)
+            return Split(members, truth)
+        labels = rng.random((rows, 3)) < 0.4
+        members = {}
+        for name, known in (("first_two", [0, 1]), ("last", [2])):
+            probabilities = rng.random((rows, 3))
+            probabilities[:, known] = np.where(labels[:, known], 0.8, 0.2)
+            members[name] = probabilities
+        return Split(members, labels.astype(int))
+
+    evaluation, test = split(100), split(60)
+    first, fits = _cached(tmp_path, evaluation, task, test)
+    second, again = _cached(tmp_path, evaluation, task, test)
+    assert fits > 0 and again == 0 and first.choice == "stacking"
+    assert second.to_json() == first.to_json() and second.measured_on == "test_split"
+    assert first.stacked is not None and second.stacked is not None
+    features = test.stack_features(list(test.predictions))
+    np.testing.assert_allclose(second.stacked.predict(features), first.stacked.predict(features))
+
+
+def test_a_changed_member_label_or_option_fits_again(tmp_path: Path) -> None:
+    labels, members = complementary(150, 2)
+    split = Split(members, labels)
+    _, fits = _cached(tmp_path, split, learners=LR)
+    assert fits > 0
+    assert _cached(tmp_path, split, learners=LR)[1] == 0
+    changed = dict(members, b=members["b"].copy())
+    changed["b"][0] = changed["b"][0][::-1]
+    flipped = labels.copy()
+    flipped[0] = (flipped[0] + 1) % 3
+    for other, options in (
+        (Split(changed, labels), {"learners": LR}),  # a member's outputs
+        (Split(members, flipped), {"learners": LR}),  # a label
+        (Split({"b": members["b"], "a": members["a"]}, labels), {"learners": LR}),  # order
+        (split, {"learners": ["linear_svm"]}),
+        (split, {"learners": LR, "settings": FeatureSettings(scale=True)}),
+        (split, {"learners": LR, "seed": 1}),
+        (split, {"learners": LR, "folds": 3}),
+        (split, {"learners": LR, "metric": "macro_f1"}),
+    ):
+        assert _cached(tmp_path, other, **options)[1] > 0, options
+        assert _cached(tmp_path, other, **options)[1] == 0, options  # and stored in turn
+
+
+def test_a_damaged_cache_entry_is_fitted_again_never_an_error(tmp_path: Path) -> None:
+    from hpo.ensemble import ReportCache
+
+    labels, members = complementary(120, 3)
+    split = Split(members, labels)
+    first, _ = _cached(tmp_path, split, learners=LR)
+    (entry,) = (tmp_path / "ens").glob("*.zip")
+    whole = entry.read_bytes()
+    middle = len(whole) // 2
+    for damaged in (
+        whole[:middle],  # cut short
+        whole[:middle] + bytes([whole[middle] ^ 0xFF]) + whole[middle + 1 :],  # a flipped byte
+        b"",
+        b"PK\x03\x04 not a zip",
+        pickle.dumps({"report": 1}),
+    ):
+        entry.write_bytes(damaged)
+        again, fits = _cached(tmp_path, split, learners=LR)
+        assert fits > 0 and again.to_json() == first.to_json()
+        assert ReportCache(tmp_path / "ens").get(entry.stem) is not None  # replaced whole
+    assert not [p for p in (tmp_path / "ens").glob(".*")]  # nothing left aside
+    cache = ReportCache(tmp_path / "ens")
+    step = max(1, len(whole) // 300)
+    for position in range(0, len(whole), step):  # a byte flipped: the same report, or none
+        entry.write_bytes(
+            whole[:position] + bytes([whole[position] ^ 0x5A]) + whole[position + 1 :]
+        )
+        read = cache.get(entry.stem)
+        assert read is None or read.to_json() == first.to_json(), position
+
+
+def test_a_stack_not_chosen_is_cached_without_its_fit_and_fitted_when_needed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = np.random.default_rng(6)
+    labels = rng.integers(0, 3, 150)
+    members = {"perfect": np.eye(3)[labels], "noise": _probabilities(rng.normal(0, 1, (150, 3)))}
+    split = Split(members, labels)
+    first, _ = _cached(tmp_path, split, learners=LR)
+    assert first.choice == "best_member"
+    second, fits = _cached(tmp_path, split, learners=LR)  # skops (all of sklearn) not loaded
+    assert fits == 0 and second.to_json() == first.to_json()
+    assert second.stacked is not None and second.stacked.skops_bytes is None
+    with pytest.raises(EnsembleError, match="without its fit"):
+        second.stacked.predict(stack_features(members, ["perfect", "noise"]))
+    monkeypatch.setattr(EnsembleReport, "choice", property(lambda r: "stacking"))
+    third, fits = _cached(tmp_path, split, learners=LR)  # a run that saves the stack: fitted
+    assert fits > 0 and third.stacked is not None and third.stacked.skops_bytes is not None
+    assert _cached(tmp_path, split, learners=LR)[1] == 0  # and now stored with its fit
+
+
+def test_a_cache_folder_that_cannot_be_written_only_costs_the_next_run_a_fit(
+    tmp_path: Path,
+) -> None:
+    labels, members = complementary(120, 5)
+    (tmp_path / "ens").write_text("a file where the cache folder would be")
+    for _ in range(2):
+        report, fits = _cached(tmp_path, Split(members, labels), learners=LR)
+        assert fits > 0 and report.best_learner == "logistic_regression"
+
+
+def test_a_learner_of_the_callers_is_never_cached(tmp_path: Path) -> None:
+    labels, members = complementary(120, 4)
+
+    def make(seed: int) -> Any:
+        from sklearn.linear_model import LogisticRegression
+
+        return LogisticRegression(C=0.5)
+
+    own = Learner("logistic_regression", make)  # even under a built-in name
+    split = Split(members, labels)
+    for _ in range(2):
+        assert _cached(tmp_path, split, learners=[own])[1] > 0
+    assert not (tmp_path / "ens").exists()

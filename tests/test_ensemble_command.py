@@ -91,6 +91,11 @@ def test_a_study_s_top_models_stack_cache_and_predict(
     # Stacking forced to win, so the folder is a stacked ensemble whatever the tiny models score.
     honest = EnsembleReport.stacking_beats_best_member
     monkeypatch.setattr(EnsembleReport, "stacking_beats_best_member", property(lambda r: True))
+    from hpo.ensemble import stacking
+
+    def no_fit(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a meta-learner was fitted again: the ensemble cache was not read")
+
     with monkeypatch.context() as patched:
         patched.setattr(trainer.inference.Predictor, "__init__", no_forward)
         stacked = tmp_path / "stacked"
@@ -99,6 +104,8 @@ def test_a_study_s_top_models_stack_cache_and_predict(
     with hpo.open_study("s", url) as study:  # the Python API, from the cache too
         with monkeypatch.context() as patched:
             patched.setattr(trainer.inference.Predictor, "__init__", no_forward)
+            # The stack the run before fitted and saved is read back: nothing is fitted.
+            patched.setattr(stacking, "_tuned", no_fit)
             scores = study.ensemble(tmp_path / "api", top=3, learners=["logistic_regression"])
     assert scores["saved"] == "stacking" and scores["measured_on"] == "cross_validation"
     assert (scores["folder"] / "ensemble.json").is_file()

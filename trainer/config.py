@@ -62,7 +62,8 @@ class DataConfig:
     eval_split: str = _doc("Split to read when eval_file is a saved DatasetDict.", "validation")
     test_file: str | None = _doc(
         "Optional test data, same formats as eval_file: rows no trial ever reads, kept for "
-        "honest final scores (hpo ensemble scores every candidate there)."
+        "honest final scores (hpo ensemble scores every candidate there). Its path and sha256 "
+        "are recorded in the study, not matched between workers."
     )
     test_split: str = _doc("Split to read when test_file is a saved DatasetDict.", "test")
     max_length: int = _doc("Tokens per example after truncation.", 128)

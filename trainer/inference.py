@@ -293,11 +293,13 @@ ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 STATE_DICT_FILE = "model_state_dict.pt"  # a module of the user's factory (trainer.checkpoint)
 
 
-def load_model(folder: Path, task: str) -> torch.nn.Module:
+def load_model(folder: Path, task: str, merge: bool = True) -> torch.nn.Module:
     """The model of `folder` with `task`'s head: a whole model, or a LoRA adapter merged into
-    its base (one forward's cost, as a whole model). ModelError naming what is missing."""
+    its base (one forward's cost, as a whole model; `merge` False: peft's model, the adapter
+    kept apart, so that other adapter weights can be loaded into it). ModelError naming what
+    is missing."""
     if is_adapter_folder(folder):
-        return _adapter_model(folder, task)
+        return _adapter_model(folder, task, merge)
     if (folder / STATE_DICT_FILE).is_file() and not (folder / "config.json").is_file():
         raise ModelError(
             f"{folder} holds a module of your model.factory (its state_dict), not a "
@@ -312,7 +314,7 @@ def load_model(folder: Path, task: str) -> torch.nn.Module:
     return model
 
 
-def _adapter_model(folder: Path, task: str) -> torch.nn.Module:
+def _adapter_model(folder: Path, task: str, merge: bool = True) -> torch.nn.Module:
     from peft import PeftModel
     from transformers import AutoConfig
 
@@ -326,7 +328,8 @@ def _adapter_model(folder: Path, task: str) -> torch.nn.Module:
     try:
         config = AutoConfig.from_pretrained(folder)  # the base's config with the task's head
         model = auto_model_class(task).from_pretrained(base, config=config)
-        merged: torch.nn.Module = PeftModel.from_pretrained(model, folder).merge_and_unload()
+        adapted = PeftModel.from_pretrained(model, folder)
+        merged: torch.nn.Module = adapted.merge_and_unload() if merge else adapted
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
         raise ModelError(
             f"cannot load the LoRA adapter in {folder} on its base model {base!r}: "

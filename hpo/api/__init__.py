@@ -25,10 +25,11 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpo.api import showing
 from hpo.api.study import STATES, Study, Trial, _dispose, _trial
 from hpo.errors import ConfigError, HPOError
 
@@ -61,6 +62,22 @@ class RunResult:
     stopped_by: str | None
     """SIGINT or SIGTERM when a signal stopped the worker (its running trial handed back for
     another worker or a later run); None when it ran to its budget or timeout."""
+    storage: str | None = None
+    """Where the study is (its database, a password masked)."""
+    budget: int | None = None
+    """The study's n_trials as this run had it; None: no budget (a timeout, or until stopped)."""
+
+    def summary(self) -> str:
+        """What the run did in two or three lines: the trials it ran (or why none), the
+        study's trials and best, and where it is. hpo.run prints it as it ends."""
+        from hpo.api.showing import summary_lines
+
+        return "\n".join(summary_lines(self))
+
+    def _repr_html_(self) -> str:
+        from hpo.api.showing import result_html
+
+        return result_html(self)
 
 
 def run(
@@ -76,6 +93,8 @@ def run(
     gpus: str | Sequence[int | str] | None = None,
     workers_per_gpu: int | str | None = None,
     allow_changed_setup: bool = False,
+    entrypoint: str | Callable[..., Any] | None = None,
+    quiet: bool = False,
 ) -> RunResult:
     """Run a worker on `study`, as `hpo run` does, in this process: create or join the study,
     then run trials until the study holds `n_trials` (counted across every worker) or
@@ -96,6 +115,16 @@ def run(
     `allow_changed_setup`, as `hpo run --allow-changed-setup`: join a study whose data, model,
     evaluation schedule or pruner differ from this config's (recorded in the study); without
     it such a join is refused with a ConfigError that names each difference.
+
+    `entrypoint`: the training function (training.entrypoint, set over the config's), as a
+    function object or its import path. A function, metrics function or search space defined
+    in a notebook cell or `python -c` is sent to each trial process by value (cloudpickle):
+    give it as an object, or in the config as `__main__:name`.
+
+    It prints a short summary as it ends (the trials it ran, or why none, the best trial and
+    where the study is); in a Jupyter notebook it shows its progress in one display updated
+    in place, and a kernel interrupt stops the running trial and hands it back. `quiet`:
+    neither.
 
     Raises hpo.ConfigError for a bad config or argument, another hpo.HPOError (or
     hpo.TrainerError, hpo.StorageError) for anything else the user can fix."""
@@ -119,6 +148,17 @@ def run(
     from hpo.study.names import checked_study_name
 
     study = checked_study_name(study, "study")  # NFC: the name the study is stored under
+    from hpo.plugins import by_value
+
+    by_value.forget()  # a function of an earlier run (a cell run before) is not this one's
+    config = _functions_named(config)
+    spec = None if entrypoint is None else _entrypoint_spec(entrypoint)
+    if spec is not None and (gpu_list is not None or per_gpu is not None):
+        raise ConfigError(
+            ["entrypoint: with gpus or workers_per_gpu, name it in the config file instead"],
+            "hpo.run",
+        )
+    notebook = not quiet and showing.in_notebook()
     # Before CUDA initialises: fewer fragmentation OOMs as batch shapes change between steps.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     quiet_library_output()
@@ -135,23 +175,86 @@ def run(
         gpus=gpu_list,
         workers_per_gpu=per_gpu,
         allow_changed_setup=allow_changed_setup,
-        quiet=True,  # no progress line
+        entrypoint=spec,
+        quiet=True,  # no terminal line: the notebook's display, or nothing
+        in_notebook=notebook,
         from_python=True,
     )
     if gpu_list is not None or per_gpu is not None:
         argv, env = _worker_command(request)
         request = dataclasses.replace(request, argv=tuple(argv), worker_env=env)
-    with _signals_restored():
+    progress = showing.NotebookProgress() if notebook else None
+    with _signals_restored(), _progress_shown(progress):
         outcome = run_study(request, say=log.info)
     try:
-        return _result(study, outcome)
+        result = _result(study, outcome)
     finally:
         _dispose(outcome.storage)  # a long-lived caller (a notebook) keeps no connection
+    if progress is not None:
+        progress.show(result.summary())
+    elif not quiet:
+        print(result.summary(), file=sys.stderr, flush=True)
+    return result
+
+
+@contextlib.contextmanager
+def _progress_shown(progress: showing.NotebookProgress | None) -> Iterator[None]:
+    from hpo import live
+
+    if progress is not None:
+        live.show_on(progress)
+    try:
+        yield
+    finally:
+        live.stop()
+
+
+def _functions_named(config: ConfigSource) -> ConfigSource:
+    """A config mapping with each function object where an import path goes (a callable as
+    training.entrypoint, metrics, model.factory, task or search_space) named by its path,
+    or kept to be sent to the trial processes by value."""
+    from hpo.plugins import by_value
+
+    if not isinstance(config, Mapping):
+        return config
+    copied = dict(config)
+    for section, key in _PLUGIN_KEYS:
+        holder = copied if section is None else copied.get(section)
+        if not isinstance(holder, Mapping) or not _is_code(holder.get(key)):
+            continue
+        name = key if section is None else f"{section}.{key}"
+        spec = by_value.spec_of(holder[key], name, classes=key == "task")
+        if section is None:
+            copied[key] = spec
+        else:
+            copied[section] = {**holder, key: spec}
+    return copied
+
+
+_PLUGIN_KEYS = (
+    ("training", "entrypoint"),
+    (None, "metrics"),
+    ("model", "factory"),
+    (None, "task"),
+    (None, "search_space"),
+)
+
+
+def _is_code(value: object) -> bool:
+    return callable(value) and not isinstance(value, (str, os.PathLike))
+
+
+def _entrypoint_spec(entrypoint: object) -> str:
+    from hpo.plugins import by_value
+
+    if isinstance(entrypoint, str):
+        return entrypoint
+    return by_value.spec_of(entrypoint, "entrypoint")  # type: ignore[arg-type]
 
 
 def _result(name: str, outcome: Any) -> RunResult:
     if outcome.study is None:
-        return RunResult(name, 0, None, (), {}, outcome.stopped_by)
+        return RunResult(name, 0, None, (), {}, outcome.stopped_by, outcome.where)
     front = [_trial(summary, outcome.study.metric_names) for summary in _best(outcome.study)]
     several = len(outcome.study.directions) > 1
     return RunResult(
@@ -161,6 +264,8 @@ def _result(name: str, outcome: Any) -> RunResult:
         pareto_front=tuple(front) if several else (),
         trials=_counts(outcome.study),
         stopped_by=outcome.stopped_by,
+        storage=outcome.where,
+        budget=outcome.config.study.n_trials if outcome.config is not None else None,
     )
 
 

@@ -10,7 +10,7 @@ import logging
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from hpo.errors import ConfigError, HPOError
 
@@ -150,17 +150,27 @@ class Study:
         log.info("%s", said)
         return out
 
-    def report(self, path: str | os.PathLike[str], *, format: str | None = None) -> Path:
+    @overload
+    def report(self, path: None = None, *, format: str | None = None) -> Report: ...
+    @overload
+    def report(self, path: str | os.PathLike[str], *, format: str | None = None) -> Path: ...
+
+    def report(
+        self, path: str | os.PathLike[str] | None = None, *, format: str | None = None
+    ) -> Path | Report:
         """The study's report, as `hpo report` writes it, to `path` (a file, or an existing
         folder for the default name): one HTML page that opens offline, or Markdown (`format`
-        "md", or a path ending in .md). Returns the file written."""
-        from hpo.services import write_report
+        "md", or a path ending in .md). Returns the file written. Without `path`, nothing is
+        written: a Report that a notebook displays inline (`.html`, `.markdown`, `.save()`)."""
+        from hpo.services import report_text, write_report
 
-        given = os.fspath(path)
-        form = format or ("md" if given.lower().endswith(".md") else "html")
+        given = None if path is None else os.fspath(path)
+        form = format or ("md" if given is not None and given.lower().endswith(".md") else "html")
         if form not in ("html", "md"):
             raise ConfigError([f"format: got {format!r}; give 'html' or 'md'"], "report")
         with self._reading():
+            if given is None:
+                return Report(self, report_text(self._study, self._storage, form), form)
             return write_report(self._study, self._storage, form, given, "report path")
 
     def ensemble(
@@ -169,28 +179,38 @@ class Study:
         *,
         top: int = 5,
         config: str | os.PathLike[str] | None = None,
-        learners: Sequence[str] | None = None,
+        learners: Sequence[str] | str | None = None,
         pca: int | None = None,
         device: str = "auto",
         batch_size: int = 32,
+        test_file: str | os.PathLike[str] | None = None,
+        soup: str = "none",
     ) -> dict[str, Any]:
         """`hpo ensemble`: the study's `top` trials that kept a model, stacked, written to the
         new folder `out` (the stacked ensemble, or the best member when stacking is not
         better). `config`: the config the study ran with (its data.test_file scores every
-        candidate; default: the evaluation file the study recorded, scored by 5-fold
-        cross-validation). Returns the scores: `folder`, `saved`, each candidate's and how
-        they were measured (`how_measured`). `hpo.load_model(out)` predicts with it."""
+        candidate; default: the evaluation file the study recorded, scored on the test file it
+        recorded when that is unchanged, else by 5-fold cross-validation). `test_file`: a
+        held-out .csv or .jsonl to score every candidate on instead. `learners`: the
+        meta-learners to try, chosen by cross-validation ("all": every installed one; default:
+        logistic regression, ridge for regression); a second call over the same members and
+        options reads the fit from the cache. `soup`: "uniform" or "greedy" also averages the
+        members' weights (or LoRA adapters). Returns the scores: `folder`, `saved`, each
+        candidate's and how they were measured (`how_measured`). `hpo.load_model(out)` predicts
+        with it."""
         from hpo.commands.ensemble import EnsembleRequest, build_ensemble
 
         request = EnsembleRequest(
             out=os.fspath(out),
             config=None if config is None else os.fspath(config),
             top=top,
-            learners=tuple(learners or ()),
+            learners=(learners,) if isinstance(learners, str) else tuple(learners or ()),
             pca=pca,
+            soup=soup,
             device=device,
             batch_size=batch_size,
             quiet=True,
+            test_file=None if test_file is None else os.fspath(test_file),
         )
         with self._reading():
             outcome = build_ensemble(request, self._study)
@@ -225,6 +245,31 @@ class Study:
             yield
         except KeyError as e:
             raise study_gone(e, self.name, self._url) from e
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """A study's report read into memory (`Study.report()` without a path): shown inline by a
+    notebook; `save(path)` writes it as `Study.report(path)` would."""
+
+    study: Study
+    text: str
+    format: str
+    """html (a whole page) or md."""
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        return self.study.report(path, format=self.format)
+
+    def _repr_html_(self) -> str | None:
+        from hpo.api.showing import report_html
+
+        return report_html(self.text) if self.format == "html" else None
+
+    def _repr_markdown_(self) -> str | None:
+        return self.text if self.format == "md" else None
+
+    def __repr__(self) -> str:
+        return f"<hpo report of study {self.study.name!r} ({self.format}, {len(self.text)} chars)>"
 
 
 def _states(states: Sequence[str] | None) -> set[Any] | None:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from hpo.cli.parser import build_parser
 from hpo.commands.batch_size import batch_size_command
+from hpo.commands.copy import CopyRequest, copy_command
 from hpo.commands.enqueue import enqueue_command
 from hpo.commands.ensemble import EnsembleRequest, ensemble_command
 from hpo.commands.monitor import monitor_command
@@ -68,6 +69,8 @@ def main(argv: Sequence[str] | None = None, own_process: bool = False) -> int:
             return batch_size_command(args)
         if args.command == "enqueue":
             return enqueue_command(args)
+        if args.command == "copy":
+            return copy_command(copy_request(args))
         if args.command == "retrain":
             return retrain_command(retrain_request(args))
         if args.command == "predict":
@@ -128,6 +131,17 @@ def retrain_request(args: argparse.Namespace) -> RetrainRequest:
     )
 
 
+def copy_request(args: argparse.Namespace) -> CopyRequest:
+    """The request of `hpo copy`'s flags."""
+    return CopyRequest(
+        study=args.study,
+        source=args.source,
+        target=args.target,
+        to_study=args.to_study,
+        allow_running=args.allow_running,
+    )
+
+
 def predict_request(args: argparse.Namespace) -> PredictRequest:
     """The request of `hpo predict`'s flags."""
     return PredictRequest(
@@ -157,6 +171,7 @@ def ensemble_request(args: argparse.Namespace) -> EnsembleRequest:
         device=args.device,
         batch_size=args.batch_size,
         quiet=args.quiet,
+        test_file=args.test_file,
     )
 
 

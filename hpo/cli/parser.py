@@ -127,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="only warnings and the final summary")
     _add_monitoring_commands(commands)
     _add_enqueue_command(commands)
+    _add_copy_command(commands)
     _add_retrain_command(commands)
     _add_predict_command(commands)
     _add_ensemble_command(commands)
@@ -295,6 +296,13 @@ def _add_ensemble_command(commands: argparse._SubParsersAction) -> None:
         "needed for data.test_file and with --from-retrain)",
     )
     ensemble.add_argument(
+        "--test-file",
+        default=None,
+        metavar="FILE",
+        help="a held-out .csv or .jsonl no trial saw, to score every candidate on (default: "
+        "the config's data.test_file, else the one the study recorded if unchanged)",
+    )
+    ensemble.add_argument(
         "--top",
         type=functools.partial(_count, "--top", 100),
         default=5,
@@ -317,7 +325,9 @@ def _add_ensemble_options(ensemble: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME",
-        help="a meta-learner to try (repeat; default: all the task's installed ones)",
+        help="a meta-learner to fit (default: logistic_regression; ridge for regression); "
+        "repeat to try several, or give all for every installed one: the best by "
+        "cross-validation is kept",
     )
     ensemble.add_argument(
         "--features",
@@ -413,6 +423,40 @@ def _add_enqueue_command(commands: argparse._SubParsersAction) -> None:
     enqueue.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
 
 
+def _add_copy_command(commands: argparse._SubParsersAction) -> None:
+    copy = commands.add_parser(
+        "copy",
+        allow_abbrev=False,
+        help="copy a study to another database (SQLite to PostgreSQL and back)",
+        description="Copy a study, every trial with its values, intermediate values, parameters "
+        "and attributes, and the database's batch-size records, into another database. The "
+        "copy is published whole at its end, or not at all; a target that already holds a "
+        "study of that name is refused. Workers then run it there as before.",
+    )
+    copy.add_argument("--study", required=True, help="the study to copy")
+    copy.add_argument(
+        "--from", dest="source", required=True, metavar="URL", help="database URL that holds it"
+    )
+    copy.add_argument(
+        "--to",
+        dest="target",
+        required=True,
+        metavar="URL",
+        help="database URL to copy it into (a new SQLite file is created)",
+    )
+    copy.add_argument(
+        "--to-study", default=None, metavar="NAME", help="the copy's name (default: the study's)"
+    )
+    copy.add_argument(
+        "--allow-running",
+        action="store_true",
+        help="copy a study whose trials are running, as it stands; in the copy they are "
+        "failed as stale and queued again (default: refused)",
+    )
+    copy.add_argument("--debug", action="store_true", help="show tracebacks")
+    copy.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
+
+
 def _add_monitoring_commands(commands: argparse._SubParsersAction) -> None:
     storage_help = "database URL (default: $HPO_STORAGE, then ./hpo.db)"
     add = functools.partial(commands.add_parser, allow_abbrev=False)
@@ -439,6 +483,13 @@ def _add_monitoring_commands(commands: argparse._SubParsersAction) -> None:
     )
     status.add_argument(
         "--interval", type=_seconds, default=5.0, help="seconds between refreshes (default 5)"
+    )
+    status.add_argument(
+        "--notify",
+        default=None,
+        metavar="CONFIG",
+        help="with --watch: say through the study.notify of this config file when the study "
+        "stalls (no trial runs with a live worker for study.notify.stall_after seconds)",
     )
     report.add_argument(
         "--out",

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpo.commands.ensemble_members import DataFiles, members_and_data
 from hpo.errors import HPOError
 
 if TYPE_CHECKING:
@@ -48,17 +49,7 @@ class EnsembleRequest:
     batch_size: int = 32
     quiet: bool = False
     cache_dir: str | None = None
-
-
-@dataclass
-class DataFiles:
-    """The files members predict, and how their labels read."""
-
-    task: str
-    evaluation: Path
-    test: Path | None
-    label_column: str
-    label_separator: str = ","
+    test_file: str | None = None  # scores every candidate (default: the config's, the study's)
 
 
 @dataclass
@@ -87,6 +78,8 @@ def _checked_out(request: EnsembleRequest) -> Path:
         raise HPOError(f"--out {out}: no such folder {str(out.parent)!r}; create it first")
     if request.features not in ("predictions", "embedding"):
         raise HPOError(f"--features {request.features}: give predictions or embedding")
+    if request.soup not in ("none", "uniform", "greedy"):
+        raise HPOError(f"--soup {request.soup}: give uniform, greedy or none")
     return out
 
 
@@ -102,9 +95,10 @@ def build_ensemble(request: EnsembleRequest, study: Any = None) -> Outcome:
 
 
 def _build(request: EnsembleRequest, study: Any, out: Path, fetched: Path) -> Outcome:
-    from hpo.ensemble import FeatureSettings, check_stackable, evaluate_ensemble
+    from hpo.ensemble import FeatureSettings, ReportCache, check_stackable, evaluate_cached
 
-    members, data = _members_and_data(request, study, fetched)
+    found, data = members_and_data(request, study, fetched)
+    members = found.folders
     if len(members) < 2:
         raise HPOError(
             f"an ensemble needs at least 2 members, found {len(members)} model(s) on this host: "
@@ -124,6 +118,8 @@ def _build(request: EnsembleRequest, study: Any, out: Path, fetched: Path) -> Ou
             request.device,
             request.batch_size,
         )
+        if data.test_note:
+            said += f"\nscored on the evaluation split: {data.test_note}"
         return Outcome(None, out, said, saved, members)
     check_stackable(data.task)
     order = _label_order(next(iter(members.values())), data.task)
@@ -136,15 +132,18 @@ def _build(request: EnsembleRequest, study: Any, out: Path, fetched: Path) -> Ou
         scale=request.pca is not None or request.features == "embedding",
         pca_components=request.pca,
     )
-    report = evaluate_ensemble(
+    report = evaluate_cached(
         data.task,
         evaluation,
         test,
+        ReportCache.beside(_feature_cache(request)),
         learners=list(request.learners) or None,
         settings=settings,
     )
+    if data.test_note:
+        report.notes.append(f"scored by {report.folds}-fold CV: {data.test_note}")
     soup = _soup(request, members, data.task, report.metric, order, eval_rows, test_rows)
-    saved = _save(out, report, members, soup)
+    saved = _save(out, report, members, soup, found.sources)
     return Outcome(report, out, table(report, saved, soup), saved, members)
 
 
@@ -174,119 +173,6 @@ def _soup(
     )
 
 
-# -- members -------------------------------------------------------------------------------------
-
-
-def _members_and_data(
-    request: EnsembleRequest, study: Any, fetched: Path
-) -> tuple[dict[str, Path], DataFiles]:
-    if request.from_retrain and (request.study or study is not None):
-        raise HPOError("give --study or --from-retrain, not both")
-    if request.from_retrain:
-        if request.config is None:
-            raise HPOError("--from-retrain needs --config: the config the study ran with")
-        members = {}
-        for given in request.from_retrain:
-            folder = Path(given)
-            if not (folder / "config.json").is_file():
-                raise HPOError(
-                    f"--from-retrain {folder}: not a model folder (no config.json); give the "
-                    "folder hpo retrain --out wrote"
-                )
-            members[folder.name] = folder
-        return members, _data_of_config(request.config)
-    if not request.study and study is None:
-        raise HPOError("give --study NAME (its top trials' models) or --from-retrain DIR ...")
-    if request.top < 2:
-        raise HPOError(f"--top {request.top}: an ensemble needs at least 2 members")
-    from hpo import services
-    from hpo.study.setup_record import SETUP_ATTR
-
-    if study is None:
-        storage, url = services.open_storage_to_read(request.storage)
-        study = services.load_existing_study(storage, str(request.study), url.masked)
-    members = _top_models(study, request.top, fetched)
-    if request.config is not None:
-        return members, _data_of_config(request.config)
-    return members, _data_of_setup(study.user_attrs.get(SETUP_ATTR) or {}, study.study_name)
-
-
-def _top_models(study: Any, top: int, fetched: Path) -> dict[str, Path]:
-    """The best `top` completed trials that kept a model: on this host, else fetched from the
-    study's artifact store into `fetched` (every file checked against its sha256)."""
-    import optuna
-
-    if len(study.directions) > 1:
-        raise HPOError("a multi-objective study has no single order of its trials to ensemble")
-    reverse = study.direction == optuna.study.StudyDirection.MAXIMIZE
-    done = [
-        t
-        for t in study.get_trials(deepcopy=False, states=[optuna.trial.TrialState.COMPLETE])
-        if t.value is not None
-    ]
-    members: dict[str, Path] = {}
-    for trial in sorted(done, key=lambda t: t.value, reverse=reverse):
-        kept = trial.user_attrs.get("best_model")
-        if kept and (Path(kept) / "config.json").is_file():
-            members[f"trial-{trial.number}"] = Path(kept)
-        elif kept or trial.user_attrs.get("best_model_uri"):
-            found = _fetch(study, trial, fetched / f"trial-{trial.number}")
-            if found is not None:
-                members[f"trial-{trial.number}"] = found
-            else:
-                log.info("trial #%d: its model is not on this host nor in a store", trial.number)
-        if len(members) == top:
-            break
-    return members
-
-
-def _fetch(study: Any, trial: Any, into: Path) -> Path | None:
-    from hpo.services import study_artifact_store
-    from hpo.trial.folders import folder_name, study_folder_name
-    from storage.artifacts import ArtifactStoreError
-
-    try:
-        store = study_artifact_store(study, None)
-        if store is None:
-            return None
-        slug = study_folder_name(study.study_name)
-        if store.fetch(slug, folder_name(trial), "best-model", into) is None:
-            return None
-    except ArtifactStoreError as e:
-        raise HPOError(f"trial #{trial.number}'s model not fetched from the store: {e}") from e
-    return into if (into / "config.json").is_file() else None
-
-
-def _data_of_config(path: str) -> DataFiles:
-    from hpo.config.loader import load_config
-
-    config = load_config(path)
-    data = config.data
-    test = getattr(data, "test_file", None)
-    return DataFiles(
-        config.task,
-        Path(data.eval_file),
-        Path(test) if test else None,
-        data.label_column,
-        data.label_separator or ",",
-    )
-
-
-def _data_of_setup(setup: dict[str, Any], study: str) -> DataFiles:
-    entry = setup.get("data.eval_file")
-    if not isinstance(entry, dict) or not entry.get("path"):
-        raise HPOError(
-            f"study {study!r} recorded no evaluation file; give --config, the config it ran with"
-        )
-    return DataFiles(
-        str(setup.get("task") or "sequence_classification"),
-        Path(entry["path"]),
-        None,
-        str(setup.get("data.label_column") or "label"),
-        str(setup.get("data.label_separator") or ","),
-    )
-
-
 # -- predictions, cached ------------------------------------------------------------------------
 
 
@@ -305,7 +191,7 @@ def _split(
     request: EnsembleRequest,
 ) -> Any:
     from hpo.commands.predict import input_rows
-    from hpo.ensemble import FeatureCache, Split, weights_sha256
+    from hpo.ensemble import Split, weights_sha256
     from trainer.digests import file_sha256
 
     if not path.is_file() or path.suffix.lower() not in (".csv", ".jsonl"):
@@ -313,7 +199,7 @@ def _split(
     with input_rows(path) as (_, rows_iter):
         rows = list(rows_iter)
     labels = _labels(rows, data, order, path)
-    cache = FeatureCache(Path(request.cache_dir) if request.cache_dir else None)
+    cache = _feature_cache(request)
     digest = file_sha256(path)
     kinds = ["predictions"] + (["embedding"] if request.features == "embedding" else [])
     found: dict[str, dict[str, np.ndarray]] = {kind: {} for kind in kinds}
@@ -331,6 +217,12 @@ def _split(
     if request.features == "embedding":
         features = stacked_embeddings(found["embedding"], list(members))
     return Split(found["predictions"], labels, features), Rows(rows, labels)
+
+
+def _feature_cache(request: EnsembleRequest) -> Any:
+    from hpo.ensemble import FeatureCache
+
+    return FeatureCache(Path(request.cache_dir) if request.cache_dir else None)
 
 
 def member_predictions(
@@ -404,11 +296,17 @@ def _soup_wins(report: Any, soup: Any) -> bool:
     return is_better(soup.score, chosen, direction_of(report.task, report.metric))
 
 
-def _save(out: Path, report: Any, members: dict[str, Path], soup: Any = None) -> str:
+def _save(
+    out: Path,
+    report: Any,
+    members: dict[str, Path],
+    soup: Any = None,
+    sources: dict[str, dict[str, Any]] | None = None,
+) -> str:
     from hpo.ensemble import save_ensemble
 
-    card = card_json(report, members, soup)
-    text = card_markdown(report, soup)
+    card = card_json(report, members, soup, sources)
+    text = card_markdown(report, soup, card["members"])
     files = {CARD_JSON: json.dumps(card, indent=2) + "\n", CARD_MD: text}
     if _soup_wins(report, soup):
         from hpo.commands.soup import save_soup
@@ -437,9 +335,17 @@ def _save(out: Path, report: Any, members: dict[str, Path], soup: Any = None) ->
     return "best_member"
 
 
-def card_json(report: Any, members: dict[str, Path], soup: Any = None) -> dict[str, Any]:
+def card_json(
+    report: Any,
+    members: dict[str, Path],
+    soup: Any = None,
+    sources: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """`sources`: members fetched from the store, shown by their store reference (the folder
+    they were fetched into is gone once the ensemble is built)."""
+    sources = sources or {}
     card = {
-        "members": {name: str(folder) for name, folder in members.items()},
+        "members": {name: sources.get(name, str(folder)) for name, folder in members.items()},
         **report.to_json(),
     }
     if soup is not None:
@@ -478,7 +384,8 @@ def _soup_measured(soup: Any) -> list[str]:
 
 def _saved_text(report: Any, saved: str, soup: Any) -> str:
     if saved == "soup":
-        return f"the {soup.kind} soup of {len(soup.kept)} members, a plain model folder"
+        form = "a LoRA adapter on their base model" if soup.adapter else "a plain model folder"
+        return f"the {soup.kind} soup of {len(soup.kept)} members, {form}"
     if saved == "stacking":
         return f"the stacked model ({report.best_learner})"
     return f"the best member ({report.best_member}), as a plain model folder"
@@ -495,16 +402,28 @@ def table(report: Any, saved: str, soup: Any = None) -> str:
     return "\n".join(lines)
 
 
-def card_markdown(report: Any, soup: Any = None) -> str:
+def _source_text(source: Any) -> str:
+    """A member's folder, or its store reference (card_json's "members" entry)."""
+    if not isinstance(source, dict):
+        return str(source or "")
+    return f"trial #{source['trial']} in {source['store']} (weights sha256 {source['sha256'][:12]})"
+
+
+def card_markdown(report: Any, soup: Any = None, sources: dict[str, Any] | None = None) -> str:
+    """`sources`: each member's folder or store reference, as card_json gives them."""
+    sources = sources or {}
     lines = [
         "# Ensemble model card",
         "",
         f"Task: {report.task}. Metric: {report.metric}. Measured {report.how_measured}.",
         "",
-        "| member | score |",
-        "|---|---|",
+        "| member | score | from |",
+        "|---|---|---|",
     ]
-    lines += [f"| {name} | {value:.4f} |" for name, value in report.member_scores.items()]
+    lines += [
+        f"| {name} | {value:.4f} | {_source_text(sources.get(name))} |"
+        for name, value in report.member_scores.items()
+    ]
     lines += ["", "| candidate | score |", "|---|---|"]
     lines += [f"| {name} | {value:.4f} |" for name, value in _rows(report, soup)]
     lines += ["", *_soup_measured(soup), *report.notes, ""]

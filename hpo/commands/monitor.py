@@ -14,6 +14,7 @@ from functools import partial
 from typing import Any
 
 from hpo import live, services
+from hpo.config.notify import NotifyConfig
 from hpo.errors import HPOError
 from hpo.logs import set_optuna_verbosity
 from hpo.reports.text import (
@@ -127,7 +128,9 @@ def _look_at(study: Any, storage: Any, args: argparse.Namespace, read: Reader) -
     if args.command == "best":
         return _best(study, storage, args, read)
     if args.watch:
-        return _watch(study, storage, args.json, args.interval, read)
+        return _watch(study, storage, args.json, args.interval, read, _notify_of(args.notify))
+    if args.notify is not None:
+        raise HPOError("--notify goes with --watch: a stall is noticed by watching")
     summary = read("the status", lambda: services.status(study, storage, args.artifact_store))
     store = summary.get("artifact_store")
     lines = report.status_lines(summary) + ([artifact_line(store)] if store else [])
@@ -170,7 +173,50 @@ def _best(study: Any, storage: Any, args: argparse.Namespace, read: Reader) -> i
     return 0
 
 
-def _watch(study: Any, storage: Any, as_json: bool, interval: float, read: Reader) -> int:
+def _notify_of(path: str | None) -> NotifyConfig | None:
+    """The study.notify section of the config file of `hpo status --watch --notify`."""
+    if path is None:
+        return None
+    from hpo.config.loader import load_notify
+
+    return load_notify(path)
+
+
+def _say_stalled(study: Any, notify: NotifyConfig | None, summary: dict[str, Any]) -> None:
+    """The stall, through study.notify (the watcher waits study.notify.wait at most)."""
+    if notify is None or "stall" not in notify.events:
+        return
+    from hpo import notify as notices
+    from hpo.reports import status as report
+
+    sender = notices.start(notify)
+    name = study.study_name
+    lines = "\n".join(report.status_lines(summary))
+    sender.submit(
+        lambda: sender.say(
+            f"hpo: study {name!r} has stalled",
+            f"No trial runs with a live worker: start a worker (hpo run) to go on.\n{lines}",
+        )
+    )
+    sender.close()
+
+
+def _stall_patience(summary: dict[str, Any], interval: float, notify: NotifyConfig | None) -> float:
+    """How long a watch sees no live worker before it says the study stalled: study.notify's
+    stall_after, else longer than a worker takes between two trials."""
+    if notify is not None and notify.stall_after is not None:
+        return notify.stall_after
+    return max(3 * interval, summary.get("grace_period_s") or 60)
+
+
+def _watch(
+    study: Any,
+    storage: Any,
+    as_json: bool,
+    interval: float,
+    read: Reader,
+    notify: NotifyConfig | None = None,
+) -> int:
     """`hpo status --watch`: the status again every `interval` seconds (the screen redrawn on a
     terminal, one block per refresh otherwise) until the study has ended: at once when its
     budget is spent, else (nothing runs, but a worker may be between two trials) at two
@@ -199,9 +245,9 @@ def _watch(study: Any, storage: Any, as_json: bool, interval: float, read: Reade
         if report.ended_for_good(summary) or ended_polls >= 2:
             break
         stalled_since = (stalled_since or time.monotonic()) if report.stalled(summary) else None
-        # No live worker for longer than a worker takes between two trials: nothing will move.
-        patience = max(3 * interval, summary.get("grace_period_s") or 60)
+        patience = _stall_patience(summary, interval, notify)
         if stalled_since is not None and time.monotonic() - stalled_since >= patience:
+            _say_stalled(study, notify, summary)
             print(
                 f"hpo: study {study.study_name!r} has stopped moving: no trial runs with a live "
                 "worker; start a worker (hpo run) to go on",

@@ -35,8 +35,13 @@ class RunRequest:
     artifact_store: str | None = None
     tracking: str | None = None
     allow_changed_setup: bool = False
+    entrypoint: str | None = None
+    """training.entrypoint set over the config's (hpo.run's `entrypoint`)."""
     quiet: bool = False
     """No progress line (hpo.run, `hpo run --quiet`)."""
+    in_notebook: bool = False
+    """hpo.run in a Jupyter kernel: a second interrupt is not an exit (it would end the
+    kernel and the user's session with it)."""
     from_python: bool = False
     """Asked by hpo.run: messages name the options as its arguments (n_trials, not
     --n-trials), and a changed setup is refused in its words."""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpo import live, tracking
 from hpo.commands.requests import RunRequest
-from hpo.config.loader import DEMO_CONFIG, load_config, parse_config
+from hpo.config.loader import DEMO_CONFIG, load_config, parse_config, with_entrypoint
 from hpo.config.schema import Config
 from hpo.errors import ConfigError, HPOError
 from hpo.logs import set_optuna_verbosity, setup_logging
@@ -49,6 +49,8 @@ class RunOutcome:
     trials_run: int | None
     stopped_by: str | None
     exit_code: int
+    where: str | None = None
+    """The study's database as a user reads it (a password masked)."""
 
 
 def run_command(request: RunRequest) -> int:
@@ -74,6 +76,7 @@ def run_study(request: RunRequest, say: Callable[[str], None] = _to_stderr) -> R
     # From the start: a SIGTERM or Ctrl-C while torch loads and the data is prepared stops
     # the worker at once, before anything is written: no traceback, no signal's exit code.
     stop = StopRequest(interrupt_at_once=True, doing=StopRequest.BEFORE_FIRST_TRIAL)
+    stop.exit_on_second = not request.in_notebook
     stop.install()
     inputs = None
     with contextlib.suppress(Interrupted):
@@ -102,7 +105,8 @@ def run_study(request: RunRequest, say: Callable[[str], None] = _to_stderr) -> R
         study.set_user_attr(ARTIFACT_STORE_ATTR, config.study.artifact_store)
         say(f"hpo: checkpoints and best models go to {config.study.artifact_store}")
     code, finished = work_and_count(study, storage, inputs, stop, request)
-    return RunOutcome(study, storage, config, finished, stop.signal_name, code)
+    where = storage_url.describe()
+    return RunOutcome(study, storage, config, finished, stop.signal_name, code, where)
 
 
 def stopped_before_first_trial(stop: StopRequest) -> int:
@@ -249,7 +253,7 @@ def check_inputs(
     config_path = request.config if request.config is not None else DEMO_CONFIG
     if request.config is None and not DEMO_CONFIG.is_file():
         raise HPOError("no --config given and the demo config is not installed; pass --config FILE")
-    config = config_from(config_path)
+    config = config_from(config_path, request.entrypoint)
     _apply_overrides(config, request)
     tracking.resolve(config, request.tracking, request.option("tracking"))
     storage_url = resolve_storage_url(
@@ -344,11 +348,15 @@ def copies_itself(
     return isinstance(per_gpu, int | None) and len(gpus) * (per_gpu or 1) <= 1
 
 
-def config_from(source: str | os.PathLike[str] | Mapping[str, Any]) -> Config:
+def config_from(
+    source: str | os.PathLike[str] | Mapping[str, Any], entrypoint: str | None = None
+) -> Config:
     """The config of a file, or of a mapping as `yaml.safe_load` gives it (hpo.run's dict):
-    checked by the same rules, its relative paths taken from the working folder."""
+    checked by the same rules, its relative paths taken from the working folder.
+    `entrypoint`: training.entrypoint set over the config's (hpo.run's argument)."""
     if isinstance(source, (str, os.PathLike)):
-        return load_config(source if isinstance(source, (str, Path)) else Path(source))
+        path = source if isinstance(source, (str, Path)) else Path(source)
+        return load_config(path, entrypoint)
     if not isinstance(source, Mapping):
         raise ConfigError(
             [
@@ -356,7 +364,8 @@ def config_from(source: str | os.PathLike[str] | Mapping[str, Any]) -> Config:
                 f"{type(source).__name__}"
             ]
         )
-    return parse_config(_as_yaml_values(source), Path.cwd(), paths_from="the working folder")
+    raw = with_entrypoint(_as_yaml_values(source), entrypoint)
+    return parse_config(raw, Path.cwd(), paths_from="the working folder")
 
 
 def _as_yaml_values(value: Any) -> Any:

@@ -1,7 +1,9 @@
 """`hpo ensemble --soup uniform|greedy`: the members' weights averaged into one model (one
-model's inference cost), when they share one base architecture. The greedy soup is chosen on the
-evaluation split; each soup is scored on the test split when there is one, else on the
-evaluation split (said so: the greedy soup's score there is optimistic).
+model's inference cost), when they share one base architecture; LoRA adapters of one base model
+have their adapter weights (and the head each trained) averaged, and the soup is an adapter.
+The greedy soup is chosen on the evaluation split; each soup is scored on the test split when
+there is one, else on the evaluation split (said so: the greedy soup's score there is
+optimistic).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class SoupResult:
     state_dict: dict[str, torch.Tensor] | None = None
     base: Path | None = None
     note: str | None = None
+    adapter: bool = False  # the state dict is a LoRA adapter's (on `base`'s base model)
 
 
 @dataclass
@@ -52,23 +55,25 @@ def build_soup(
     batch_size: int,
 ) -> SoupResult:
     """The uniform or greedy soup of `members`; a note instead when they are not one
-    architecture (or are LoRA adapters, not souped here yet)."""
+    architecture (or LoRA adapters of other base models, or adapters mixed with whole models)."""
     from hpo.ensemble import EnsembleError, greedy_soup, uniform_soup
     from hpo.ensemble.scoring import direction_of
     from trainer.device import resolve_device
     from trainer.inference import Predictor
-    from trainer.peft_adapters import is_adapter_folder
 
     measured = "test_split" if test is not None else "evaluation_split"
-    if any(is_adapter_folder(f) for f in members.values()):
-        return SoupResult(
-            kind, None, measured, note="soup: LoRA adapter members are not souped yet"
-        )
+    refused = _not_souped(members)
+    if refused is not None:
+        return SoupResult(kind, None, measured, note=refused)
+    adapter = _is_adapter(next(iter(members.values())))
     base = next(iter(members.values()))
     predictor = Predictor(base, resolve_device(device, "--device"), batch_size)
-    states = {
-        name: _state_dict(folder, predictor.settings.task) for name, folder in members.items()
-    }
+    if adapter:  # the adapter kept apart from its base: each candidate's weights load into it
+        from trainer.inference import load_model
+
+        task_name = predictor.settings.task
+        predictor.model = load_model(base, task_name, merge=False).to(predictor.device).eval()
+    states = {name: _weights(folder, predictor.settings.task) for name, folder in members.items()}
 
     def scored(state: dict[str, torch.Tensor], split: Rows) -> float:
         return _score(predictor, state, split, task, metric, order)
@@ -84,10 +89,52 @@ def build_soup(
     except EnsembleError as e:
         return SoupResult(kind, None, measured, note=str(e))
     value = scored(soup, test if test is not None else evaluation)
-    return SoupResult(kind, value, measured, kept, soup, base)
+    return SoupResult(kind, value, measured, kept, soup, base, adapter=adapter)
 
 
-def _state_dict(folder: Path, task: str) -> dict[str, torch.Tensor]:
+def _is_adapter(folder: Path) -> bool:
+    from trainer.peft_adapters import is_adapter_folder
+
+    return is_adapter_folder(folder)
+
+
+def _not_souped(members: dict[str, Path]) -> str | None:
+    """Why `members` make no soup: adapters mixed with whole models, or adapters of other base
+    models; None when they may (their weights' shapes are checked when averaged)."""
+    import json
+
+    from trainer.peft_adapters import ADAPTER_CONFIG
+
+    adapters = [name for name, folder in members.items() if _is_adapter(folder)]
+    if not adapters:
+        return None
+    if len(adapters) < len(members):
+        whole = next(name for name in members if name not in adapters)
+        return (
+            f"soup: member {adapters[0]!r} is a LoRA adapter and {whole!r} a whole model; a "
+            "soup averages members of one kind"
+        )
+    bases = {
+        name: str(json.loads((folder / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path"))
+        for name, folder in members.items()
+    }
+    first = next(iter(bases))
+    other = next((n for n in bases if bases[n] != bases[first]), None)
+    if other is not None:
+        return (
+            f"soup: the LoRA adapters of {first!r} and {other!r} are on other base models "
+            f"({bases[first]}, {bases[other]}); a soup needs adapters of one base model"
+        )
+    return None
+
+
+def _weights(folder: Path, task: str) -> dict[str, torch.Tensor]:
+    """A member's weights to average: its whole state dict, or a LoRA adapter's own weights
+    (and its head's), as peft saved them."""
+    if _is_adapter(folder):
+        from peft.utils import load_peft_weights
+
+        return {k: v.detach().cpu() for k, v in load_peft_weights(str(folder)).items()}
     from trainer.inference import load_model
 
     return {k: v.detach().cpu() for k, v in load_model(folder, task).state_dict().items()}
@@ -103,20 +150,32 @@ def _score(
 ) -> float:
     from hpo.commands.predict import answers_array, predict_rows
     from hpo.ensemble.scoring import score
+    from trainer.peft_adapters import load_trained_state
 
-    predictor.model.load_state_dict(state)
+    load_trained_state(predictor.model, state)  # a peft model: the adapter's weights
     answers = list(predict_rows(predictor, split.rows))
     return score(task, metric, answers_array(answers, task, order), split.labels)
 
 
 def save_soup(result: SoupResult, out: Path, staging: Path) -> Path:
-    """The soup as a plain model folder: the first member's folder, its weights replaced."""
+    """The soup as a plain model folder (an adapter folder for adapters): the first member's
+    folder, its weights replaced."""
     from trainer.inference import load_model, read_settings
 
     if result.state_dict is None or result.base is None:
         raise HPOError("no soup to save")
     folder = staging / "soup"
     shutil.copytree(result.base, folder)
+    if result.adapter:
+        from safetensors.torch import save_file
+
+        from trainer.inference import ADAPTER_WEIGHTS
+
+        for name in ADAPTER_WEIGHTS:
+            (folder / name).unlink(missing_ok=True)
+        state = {k: v.contiguous() for k, v in result.state_dict.items()}
+        save_file(state, folder / ADAPTER_WEIGHTS[0], metadata={"format": "pt"})
+        return folder
     for weights in [*folder.glob("*.safetensors"), *folder.glob("*.bin")]:
         weights.unlink()
     model: Any = load_model(result.base, read_settings(result.base).task)

@@ -16,6 +16,7 @@ import yaml
 
 from hpo.config import search_paths
 from hpo.config.convert import build, clip, described, show
+from hpo.config.notify import NotifyConfig, hide_notify_secrets
 from hpo.config.objectives import (
     check_metrics_function,
     check_user_objectives,
@@ -42,8 +43,9 @@ from hpo.errors import ConfigError
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 
 
-def load_config(path: str | Path) -> Config:
-    """Read, type-check and validate a config file; raises ConfigError listing every problem."""
+def load_config(path: str | Path, entrypoint: str | None = None) -> Config:
+    """Read, type-check and validate a config file; raises ConfigError listing every problem.
+    `entrypoint`: training.entrypoint set over the file's (hpo.run's argument)."""
     if not str(path).strip():  # Path("") is the working folder
         raise ConfigError([f"the config path is empty; {config_hint()}"])
     path = Path(path)
@@ -57,7 +59,36 @@ def load_config(path: str | Path) -> Config:
         )
         raise ConfigError([f"{path}: {what}; {config_hint()}"])
     raw = _read_yaml(path)
-    return parse_config(raw if raw is not None else {}, base_dir=path.parent, source=str(path))
+    raw = with_entrypoint(raw if raw is not None else {}, entrypoint)
+    return parse_config(raw, base_dir=path.parent, source=str(path))
+
+
+def with_entrypoint(raw: Any, entrypoint: str | None) -> Any:
+    """A parsed config with training.entrypoint set to `entrypoint` (unless None)."""
+    if entrypoint is None or not isinstance(raw, dict):
+        return raw
+    training = raw.get("training")
+    kept = training if isinstance(training, dict) else {}
+    return {**raw, "training": {**kept, "entrypoint": entrypoint}}
+
+
+def load_notify(path: str | Path) -> NotifyConfig:
+    """Only the study.notify section of a config file (a watcher's, `hpo status --watch
+    --notify`): the rest of the file is the workers' business."""
+    path = Path(path)
+    raw = _read_yaml(path)
+    raw = raw if isinstance(raw, dict) else {}
+    hide_notify_secrets(raw)
+    study = raw.get("study")
+    section = study.get("notify") if isinstance(study, dict) else None
+    if section is None:
+        problem = "study.notify: missing; give its urls (see configs/template.yaml)"
+        raise ConfigError([problem], str(path))
+    problems: list[str] = []
+    notify = build(NotifyConfig, section, "study.notify.", problems)
+    if problems:
+        raise ConfigError(problems, str(path))
+    return notify
 
 
 def config_hint() -> str:
@@ -139,6 +170,7 @@ def parse_config(
             source,
         )
     raw = dict(raw)
+    hide_notify_secrets(raw)  # before any message could show them, a wrong one's included
     problems: list[str] = []
     sections = _hpo_trained if _entrypoint_of(raw) is None else _function_trained
     config = sections(raw, base_dir, source, problems)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 # The search space's types are space.py's; importers of the schema find them here too.
+from hpo.config.notify import NotifyConfig as NotifyConfig
 from hpo.config.space import DEFAULT_BATCH_CHOICES as DEFAULT_BATCH_CHOICES
 from hpo.config.space import ParamSpec as ParamSpec
 from hpo.config.space import applies as applies
@@ -40,27 +41,9 @@ MetricName = Literal[
     "token_accuracy",
     "perplexity",
 ]
-ObjectiveName = Literal[
-    "accuracy",
-    "macro_f1",
-    "micro_f1",
-    "roc_auc",
-    "eval_loss",
-    "subset_accuracy",
-    "mse",
-    "rmse",
-    "mae",
-    "pearson",
-    "spearman",
-    "r2",
-    "f1",
-    "precision",
-    "recall",
-    "token_accuracy",
-    "perplexity",
-    "samples_per_s",
-]
-# What a study can optimise: the evaluation metrics, and a trial's training throughput.
+# What a study can optimise: the evaluation metrics, and a trial's training throughput (nested
+# Literals flatten).
+ObjectiveName = Literal[MetricName, "samples_per_s"]
 OBJECTIVE_DIRECTIONS: dict[str, Direction] = {**METRIC_DIRECTIONS, "samples_per_s": "maximize"}
 # study.throughput_tolerance: the run-to-run noise of samples/s is a few percent (hpo.study.front).
 DEFAULT_THROUGHPUT_TOLERANCE = 0.05
@@ -324,6 +307,11 @@ class StudyConfig:
     )
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     pruner: PrunerConfig = field(default_factory=PrunerConfig)
+    notify: NotifyConfig | None = _doc(
+        "Messages about the study (its end, a new best, failures in a row, a stall) to Slack, "
+        "email, Matrix, ntfy or a webhook: Apprise URLs and when; see "
+        "docs/guides/notifications.md."
+    )
     enqueue: list[dict[str, Any]] = field(
         default_factory=list,
         metadata={
@@ -470,6 +458,41 @@ class TensorboardTrackingConfig:
     dir: str = _doc("The folder of the event files (a folder per study below it).", "tensorboard")
 
 
+WANDB_FORBIDDEN = "/\\#?%:"  # what W&B refuses in a project's name
+
+
+@dataclass
+class WandbTrackingConfig:
+    """tracking.wandb: a Weights & Biases run per trial, grouped by study."""
+
+    project: str | None = _doc(
+        "The W&B project; left out: WANDB_PROJECT, else hpo-<study name> (a retrain's: the "
+        "searched study's)."
+    )
+    entity: str | None = _doc(
+        "The W&B team or user the runs belong to; left out: WANDB_ENTITY, else the API key's "
+        "default entity."
+    )
+    group: str | None = _doc(
+        "The runs' group; left out: the study's name (a retrain's: the searched study's)."
+    )
+    log_model: bool = _doc(
+        "Log each complete trial's best model as a W&B artifact (type model; a store URI "
+        "such as s3://... as a reference, not a second copy).",
+        False,
+    )
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        named = {k: getattr(self, k) for k in ("project", "entity", "group")}
+        empty = [k for k, v in named.items() if v is not None and not v.strip()]
+        found: list[tuple[str, Any, str]] = [(k, named[k], "must not be empty") for k in empty]
+        project = self.project or ""
+        if len(project) > 128 or any(c in project for c in WANDB_FORBIDDEN):
+            rule = f"W&B takes at most 128 characters and none of {WANDB_FORBIDDEN}"
+            found.append(("project", project, rule))
+        return found
+
+
 @dataclass
 class TrackingConfig:
     """Where trials are logged besides the study's database (never in the trials' way)."""
@@ -477,6 +500,10 @@ class TrackingConfig:
     mlflow: MlflowTrackingConfig | None = _doc("Log to MLflow (needs `pip install hpo[mlflow]`).")
     tensorboard: TensorboardTrackingConfig | None = _doc(
         "Write TensorBoard event files (needs `pip install hpo[tensorboard]`)."
+    )
+    wandb: WandbTrackingConfig | None = _doc(
+        "Log to Weights & Biases (needs `pip install hpo[wandb]`; WANDB_MODE=offline writes "
+        "the runs to disk for `wandb sync`)."
     )
     patience: float = _doc(
         "Seconds one tracker call may take, its retries included, before what it logs is "

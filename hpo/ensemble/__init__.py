@@ -3,13 +3,15 @@ stacking with scikit-learn meta-learners, honest scores, saving with skops, soup
 
 What a command calls: `evaluate_ensemble` (every candidate scored, the best stack fitted),
 `save_ensemble` / `load_ensemble`, `uniform_soup` / `greedy_soup` / `adapter_soup`,
-`FeatureCache`, `average_token_probabilities`.
+`FeatureCache`, `average_token_probabilities`; `evaluate_cached` reads a fitted ensemble
+back from its `ReportCache` instead of fitting it again.
 """
 
 from hpo.ensemble.cache import FeatureCache, default_cache_folder
 from hpo.ensemble.errors import EnsembleError
 from hpo.ensemble.honest import EnsembleReport, Split, evaluate_ensemble
 from hpo.ensemble.learners import Learner, available_learners, default_learner
+from hpo.ensemble.report_cache import ReportCache, evaluate_cached
 from hpo.ensemble.saving import SavedEnsemble, load_ensemble, save_ensemble, weights_sha256
 from hpo.ensemble.scoring import average, average_token_probabilities, check_stackable
 from hpo.ensemble.selection import Selection, greedy_selection
@@ -23,6 +25,7 @@ __all__ = [
     "FeatureSettings",
     "GreedySoup",
     "Learner",
+    "ReportCache",
     "SavedEnsemble",
     "Selection",
     "Split",
@@ -34,6 +37,7 @@ __all__ = [
     "check_stackable",
     "default_cache_folder",
     "default_learner",
+    "evaluate_cached",
     "evaluate_ensemble",
     "fit_stacked",
     "greedy_selection",

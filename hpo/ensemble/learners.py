@@ -22,6 +22,7 @@ CLASSIFIER_LEARNERS = (
 )
 REGRESSION_LEARNERS = ("ridge",)
 DEFAULT_LEARNER = {"regression": "ridge"}  # other tasks: logistic_regression
+ALL = "all"  # as a learner's name: every learner available for the task, chosen by CV
 # The extras a learner needs beyond scikit-learn: the module, and what to install.
 _OPTIONAL = {"xgboost": "xgboost", "lightgbm": "lightgbm"}
 
@@ -49,10 +50,17 @@ def default_learner(task: str) -> str:
 
 
 def resolve_learners(task: str, chosen: Sequence[str | Learner] | None) -> list[Learner]:
-    """The learners named (or given), or every one available for the task."""
+    """The learners named (or given); "all": every one available for the task; none named:
+    the task's default only (logistic regression, ridge for regression)."""
     available = available_learners(task)
+    if chosen is None or (not isinstance(chosen, str) and len(chosen) == 0):
+        chosen = [default_learner(task)]
+    elif isinstance(chosen, str):
+        chosen = [chosen]
+    if ALL in chosen:
+        chosen = [*available, *(c for c in chosen if isinstance(c, Learner))]
     learners: list[Learner] = []
-    for item in chosen if chosen is not None else available:
+    for item in chosen:
         if isinstance(item, Learner):
             learners.append(item)
             continue
@@ -64,11 +72,10 @@ def resolve_learners(task: str, chosen: Sequence[str | Learner] | None) -> list[
         if item not in available:
             raise EnsembleError(
                 f"meta-learner {item!r} cannot stack a {task} ensemble; "
-                f"choose one of {', '.join(available)}"
+                f"choose one of {', '.join(available)}, or {ALL}"
             )
-        learners.append(learner(item))
-    if not learners:
-        raise EnsembleError("no meta-learner chosen; name at least one")
+        if item not in (lr.name for lr in learners):  # named twice: fitted once
+            learners.append(learner(item))
     return learners
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from hpo.ensemble.errors import EnsembleError
 from hpo.ensemble.honest import EnsembleReport
+from hpo.ensemble.skops_files import meta_learner_from_bytes
 from hpo.ensemble.stacking import FeatureSettings, StackedModel
 from trainer.digests import file_sha256
 
@@ -26,12 +27,6 @@ MEMBERS = "members"  # the folder members are copied into
 FORMAT = 1
 # The weight files a member folder may hold (transformers, PEFT adapters, a soup).
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
-# Types that skops does not trust by default but that the learners hpo fits are made of: both
-# are scikit-learn's own, restored from their arrays (no code runs). Anything else is refused.
-TRUSTED_TYPES = (
-    "sklearn.ensemble._hist_gradient_boosting.predictor.TreePredictor",
-    "sklearn.tree._tree.Tree",
-)
 
 
 @dataclass
@@ -140,15 +135,7 @@ def _shown_path(member: Path, folder: Path) -> str:
 
 
 def _dump_meta_learner(model: StackedModel, path: Path) -> None:
-    import skops.io
-
-    skops.io.dump({"estimators": model.estimators, "params": model.params}, path)
-    refused = [t for t in skops.io.get_untrusted_types(file=path) if t not in TRUSTED_TYPES]
-    if refused:  # refused now, not when someone loads the folder
-        raise EnsembleError(
-            f"meta-learner {model.learner} holds types hpo would refuse to load "
-            f"({', '.join(refused[:3])}); choose another meta-learner"
-        )
+    path.write_bytes(model.skops_file())
 
 
 def load_ensemble(folder: Path) -> SavedEnsemble:
@@ -204,8 +191,6 @@ def _read_record(folder: Path) -> dict[str, Any]:
 
 
 def _load_meta_learner(path: Path) -> dict[str, Any]:
-    import skops.io
-
     if not path.is_file():
         raise EnsembleError(f"{path} is missing; the stacked ensemble needs its meta-learner")
     if not zipfile.is_zipfile(path):
@@ -213,17 +198,4 @@ def _load_meta_learner(path: Path) -> dict[str, Any]:
             f"{path} is not a skops file (a pickle, perhaps); hpo loads only skops files, "
             "which run no code: build the ensemble again"
         )
-    try:
-        untrusted = skops.io.get_untrusted_types(file=path)
-    except Exception as e:  # skops raises several kinds on a zip that is not its own
-        raise EnsembleError(f"{path} is not a skops file ({e}); build the ensemble again") from e
-    refused = [t for t in untrusted if t not in TRUSTED_TYPES]
-    if refused:
-        raise EnsembleError(
-            f"{path} holds types hpo does not trust ({', '.join(refused[:3])}); "
-            "loading them could run code: refused"
-        )
-    loaded = skops.io.load(path, trusted=list(untrusted))
-    if not isinstance(loaded, dict) or "estimators" not in loaded:
-        raise EnsembleError(f"{path} is not a meta-learner hpo saved; build the ensemble again")
-    return loaded
+    return meta_learner_from_bytes(path.read_bytes(), str(path))

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from hpo.ensemble.errors import EnsembleError
 from hpo.ensemble.scoring import is_better
 from trainer.metrics import Direction
 
-StateDict = Mapping[str, torch.Tensor]
+if TYPE_CHECKING:  # torch loads on first use: `hpo ensemble` from its cache runs no model
+    import torch
+
+StateDict = Mapping[str, "torch.Tensor"]
 
 
 @dataclass
@@ -54,6 +56,8 @@ def uniform_soup(
 ) -> dict[str, torch.Tensor]:
     """The mean of the members' weights (floating tensors averaged in float32, then cast back;
     integer buffers, such as position ids, taken from the first member)."""
+    import torch
+
     names = list(names) if names is not None else [str(i) for i in range(len(state_dicts))]
     check_same_shapes(state_dicts, names)
     soup: dict[str, torch.Tensor] = {}

@@ -13,6 +13,7 @@ import numpy as np
 from hpo.ensemble.errors import EnsembleError
 from hpo.ensemble.learners import Learner
 from hpo.ensemble.scoring import check_stackable
+from hpo.ensemble.skops_files import meta_learner_bytes, meta_learner_from_bytes
 
 FeatureKind = Literal["predictions", "embedding"]
 TUNING_FOLDS = 5
@@ -61,15 +62,41 @@ class StackedModel:
     estimators: list[Any]
     num_outputs: int  # classes, labels, or 1 for regression
     params: list[dict[str, Any]] = field(default_factory=list)
+    # The estimators as a skops file: made when first saved, or read from the ensemble cache
+    # (the estimators, then empty, load from it only when the model predicts).
+    skops_bytes: bytes | None = field(default=None, repr=False)
 
     def predict(self, features: np.ndarray) -> np.ndarray:
         """Probabilities [rows, classes or labels], or values [rows] for regression."""
+        estimators = self.fitted_estimators()
         if self.task == "regression":
-            return np.asarray(self.estimators[0].predict(features), dtype=np.float64)
+            return np.asarray(estimators[0].predict(features), dtype=np.float64)
         if self.task == "multi_label_classification":
-            columns = [_class_outputs(e, features, 2)[:, 1] for e in self.estimators]
+            columns = [_class_outputs(e, features, 2)[:, 1] for e in estimators]
             return np.stack(columns, axis=1)
-        return _class_outputs(self.estimators[0], features, self.num_outputs)
+        return _class_outputs(estimators[0], features, self.num_outputs)
+
+    def fitted_estimators(self) -> list[Any]:
+        if not self.estimators and self.skops_bytes is not None:
+            loaded = meta_learner_from_bytes(self.skops_bytes, f"meta-learner {self.learner}")
+            self.estimators = list(loaded["estimators"])
+        if not self.estimators:
+            raise EnsembleError(self._not_kept())
+        return self.estimators
+
+    def skops_file(self) -> bytes:
+        """The fitted estimators and their params as a skops file (never a pickle)."""
+        if self.skops_bytes is None:
+            if not self.estimators:
+                raise EnsembleError(self._not_kept())
+            self.skops_bytes = meta_learner_bytes(self.learner, self.estimators, self.params)
+        return self.skops_bytes
+
+    def _not_kept(self) -> str:
+        return (
+            f"meta-learner {self.learner} was read from the ensemble cache without its fit "
+            "(stacking was not the choice); fit it again with evaluate_ensemble"
+        )
 
 
 def stack_features(predictions: Mapping[str, np.ndarray], members: Sequence[str]) -> np.ndarray:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpo.errors import ConfigError
+from hpo.plugins import by_value
 from hpo.plugins.protocols import TrialLike
 
 if TYPE_CHECKING:
@@ -35,6 +36,11 @@ def load_plugin(spec: str, base_dir: str, key: str) -> Callable[..., Any]:
     first on sys.path. Raises ConfigError, one line starting with the config's `key`: the
     module, the name and the error's last line, when the module does not import, lacks the
     name, or the name is not callable."""
+    sent = by_value.find(spec)  # a notebook's function, sent to this trial process by value
+    return _checked(spec, key, sent) if sent is not None else _imported(spec, base_dir, key)
+
+
+def _imported(spec: str, base_dir: str, key: str) -> Callable[..., Any]:
     module_name, _, name = spec.partition(":")
     if base_dir and base_dir not in sys.path:
         sys.path.insert(0, base_dir)
@@ -57,6 +63,12 @@ def load_plugin(spec: str, base_dir: str, key: str) -> Callable[..., Any]:
                 f"{name}{_shadowed(module_name, where, base_dir)}"
             ]
         )
+    return _checked(spec, key, function)
+
+
+def _checked(spec: str, key: str, function: Any) -> Callable[..., Any]:
+    """`function` if hpo can call it as the plug-in `key`; ConfigError, one line, if not."""
+    name = spec.partition(":")[2]
     if not callable(function):
         raise ConfigError(
             [
@@ -135,15 +147,15 @@ def load_user_code(config: Config) -> None:
 
 def check_trial_processes_import(config: Config) -> None:
     """Each trial process imports the script that started its worker (hpo.run in a script), as
-    multiprocessing does, and there the user's code it runs: one line, before any trial, when it
-    could not, rather than every trial failing as its process starts."""
+    multiprocessing does, and there the user's code it runs; a function it cannot import (one
+    of a notebook, of `python -c`) is packed here to be sent to it by value. One line, before
+    any trial, when neither can be, rather than every trial failing as its process starts."""
     if config.study.trial_isolation != "process":
         return  # the user's code runs in the worker, where it was imported already
     main = sys.modules.get("__main__")
-    if getattr(getattr(main, "__spec__", None), "name", None):
-        return  # `python -m package`: imported again by its name
     path = getattr(main, "__file__", None)
-    if path is not None and not os.path.isfile(path):
+    named = getattr(getattr(main, "__spec__", None), "name", None)
+    if not named and path is not None and not os.path.isfile(path):
         raise ConfigError(
             [
                 f"study.trial_isolation: process: each trial process imports the "
@@ -152,18 +164,9 @@ def check_trial_processes_import(config: Config) -> None:
                 "study.trial_isolation: none"
             ]
         )
-    if path is not None:
-        return
     for key, spec in _specs_in_trial_processes(config):
-        if spec.partition(":")[0] == "__main__":
-            raise ConfigError(
-                [
-                    f"{key}: {spec}: a trial process cannot import a function of "
-                    "this interactive session (a notebook, python -c): move it into "
-                    "a module file and name that module, or set "
-                    "study.trial_isolation: none"
-                ]
-            )
+        if by_value.needs_sending(spec):
+            by_value.keep(spec, load_plugin(spec, config.base_dir, key), key)
 
 
 def _specs_in_trial_processes(config: Config) -> list[tuple[str, str]]:

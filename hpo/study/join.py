@@ -22,7 +22,12 @@ from hpo.study.kept_models import KEEP_ATTR
 from hpo.study.names import check_no_lookalike
 from hpo.study.pruners import ExplainedPruner
 from hpo.study.sampling import build_pruner, build_sampler, experimental_features, tpe_group
-from hpo.study.setup_record import check_setup, setup_record
+from hpo.study.setup_record import (
+    TEST_FILE_ATTR,
+    check_setup,
+    setup_record,
+    test_file_record,
+)
 from hpo.trial.protocol import ADAPTER_ATTR
 from storage.engine import StudyStorage
 from storage.tables import check_version
@@ -107,6 +112,7 @@ def open_study(
     _check_new_name(storage, name)
     # Before the lock: a file's first hash (the token cache has usually read it) holds no one up.
     setup = setup_record(config)
+    test_file = test_file_record(config)
     directions = config.study.resolved_directions
     optuna.create_study(
         storage=storage,
@@ -136,6 +142,8 @@ def open_study(
         storage.set_study_user_attr(study_id, TOLERANCE_ATTR, config.study.throughput_tolerance)
         # How many best trials keep their model (hpo.study.kept_models), the latest worker's.
         storage.set_study_user_attr(study_id, KEEP_ATTR, config.study.keep_models)
+        if test_file is not None:  # what hpo ensemble --study scores on (not matched)
+            storage.set_study_user_attr(study_id, TEST_FILE_ATTR, test_file)
         # The grace period (how long a running trial's worker may be silent before it counts
         # as gone), for `hpo status`.
         storage.set_study_user_attr(study_id, "grace_period_s", liveness(config.study)[1])

@@ -19,10 +19,12 @@ from optuna.trial import TrialState
 
 from hpo import live, tracking
 from hpo.stopping import HandBack, Interrupted, StopRequest, TakenOver
+from hpo.study import notices
 from hpo.study.front import CHANCE_ATTR
 from hpo.study.join import QUEUED_BY_ATTR, liveness
 from hpo.study.pruners import ExplainedPruner
 from hpo.study.trials import StudyTrials, counted_trials, unsure_trials
+from hpo.tracking.observer import Observers, TrialObserver
 from hpo.trial import cpu_share
 from hpo.trial.folders import checkpoint_root, folder_name
 from hpo.trial.objective import Objective, worker_id
@@ -78,15 +80,22 @@ def run_trials(
         gc.freeze()
     # The worker's trackers hear of its trials; their calls run in the background, never in
     # the trials' way.
-    observer = tracking.start(objective.task.config, study)
+    observer: TrialObserver = tracking.start(objective.task.config, study)
+    # The study's notices (study.notify) hear of the trials' ends as the trackers do.
+    said = notices.start(study, storage, study_config.notify)
+    if said is not None:
+        observer = Observers(observer, said)
     objective.observe(observer)
     trials.observer = observer
     try:
         with host as entry:
             objective.cpu_worker = entry
-            return _trial_loop(
+            ran = _trial_loop(
                 trials, objective, stop, (checkpoints, artifacts), deadline, collect=in_worker
             )
+        if said is not None and not stop.requested:  # said if nothing runs or is left to run
+            said.worker_done(trials.budget)
+        return ran
     finally:
         # A worker that ran out of trials (not one told to stop) lets its last cleanup of the
         # artifact store finish, for up to ARTIFACT_CLEANUP_WAIT_S.

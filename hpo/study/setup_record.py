@@ -22,6 +22,10 @@ log = logging.getLogger(__name__)
 SETUP_ATTR = "setup"  # the record: a field's dotted config path -> its value or file digest
 # Each change a worker was allowed to make (`hpo run --allow-changed-setup`): when, and what.
 SETUP_CHANGES_ATTR = "setup_changes"
+# The held-out test file (data.test_file) of the latest worker that named one: {"path", "sha256"}.
+# Not part of the setup a worker must match (a worker with another test file trains the same
+# trials); `hpo ensemble --study` scores on it while it is there unchanged.
+TEST_FILE_ATTR = "test_file"
 
 # Which data is read, besides the files themselves (a file's columns, a multi-label separator).
 _DATA_FIELDS = (
@@ -102,6 +106,14 @@ def _location_entry(location: str | None) -> Any:
     if location is None or not Path(location).is_absolute() or not Path(location).is_dir():
         return location
     return {"sha256": content_sha256(Path(location), recursive=False), "path": location}
+
+
+def test_file_record(config: Config) -> dict[str, Any] | None:
+    """What TEST_FILE_ATTR records of this config's data.test_file (None: it names none)."""
+    location = getattr(config.data, "test_file", None)
+    if not location or config.training.entrypoint is not None:
+        return None
+    return _file_entry(location, config.data.test_split)
 
 
 def differences(stored: dict[str, Any], record: dict[str, Any]) -> list[str]:

@@ -1,4 +1,4 @@
-"""Trials in the experiment tracker a team already uses (MLflow, TensorBoard), never in the
+"""Trials in the experiment tracker a team already uses (MLflow, TensorBoard, W&B), never in the
 trials' way: the worker only hands plain values to a background thread per tracker
 (hpo.tracking.background), which logs them with retries within tracking.patience. What could
 not be logged is said once per trial and recorded in the study (`hpo status` counts it); a
@@ -35,7 +35,14 @@ CLOSE_WAIT_S = 30.0
 # derived from the sampled ones, and metrics of the whole run.
 DERIVED = ("physical_batch_size", "grad_accum_steps", "device_name", "precision")
 FINAL = ("samples_per_s", "tokens_per_s", "peak_mem_bytes", "wall_s", "train_s")
-EXTRAS = {"mlflow": ("mlflow", "hpo[mlflow]"), "tensorboard": ("tensorboard", "hpo[tensorboard]")}
+EXTRAS = {
+    "mlflow": ("mlflow", "hpo[mlflow]"),
+    "tensorboard": ("tensorboard", "hpo[tensorboard]"),
+    "wandb": ("wandb", "hpo[wandb]"),
+}
+# The retrain study's record of its plan (hpo.study.retrain.PLAN_ATTR; the study layer sits
+# above this one): its runs are told apart from the search's in the trackers.
+RETRAIN_PLAN_ATTR = "retrain_plan"
 
 
 def resolve(config: Config, uri: str | None, flag: str = "--tracking") -> None:
@@ -102,6 +109,11 @@ class Tracking:
             folder = os.path.join(config.base_dir or ".", config.tracking.tensorboard.dir)
             files = TensorboardFiles(folder, study, config.study.objectives)
             self.trackers.append((BackgroundCalls("TensorBoard", patience), files))
+        if config.tracking.wandb is not None:
+            from hpo.tracking.wandb_runs import WandbRuns
+
+            wandb = WandbRuns(config.tracking.wandb, patience)
+            self.trackers.append((BackgroundCalls("W&B", patience), wandb))
 
     def submit(self, trial: int, what: str, method: str, *args: Any) -> None:
         for calls, tracker in self.trackers:
@@ -198,7 +210,10 @@ def study_start(config: Config, study: optuna.Study) -> StudyStart:
             if v is not None and k != "type"
         }
     )
-    return StudyStart(study.study_name, params, whole, whole.get("search_space", {}))
+    plan = study.user_attrs.get(RETRAIN_PLAN_ATTR)
+    source = plan.get("source") if isinstance(plan, dict) else None
+    space = whole.get("search_space", {})
+    return StudyStart(study.study_name, params, whole, space, str(source) if source else None)
 
 
 def _bound(method: Any, *args: Any) -> Any:

@@ -3,6 +3,7 @@ retries within a patience, and what could not be logged remembered per trial (sa
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -69,6 +70,10 @@ class BackgroundCalls:
                     break
                 if item is not None:
                     self._give_up(item[0], f"{item[1]}: not sent before the worker ended")
+            # The end, queued again: the thread stops once its hung call returns, rather than
+            # waiting for calls for ever (a notebook runs many studies in one process).
+            with contextlib.suppress(queue.Full):
+                self.calls.put_nowait(None)
         return done
 
     def take_unreported(self) -> dict[int, str]:

@@ -13,6 +13,7 @@ class StudyStart:
     params: dict[str, Any]  # sampler, pruner, objectives...
     config: dict[str, Any]  # the whole config
     search_space: dict[str, Any]
+    retrain_of: str | None = None  # a retrain study's: the study it retrains (hpo retrain)
 
 
 @dataclass

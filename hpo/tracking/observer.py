@@ -55,3 +55,30 @@ class NoObserver:
 
     def close(self, study: optuna.Study | None) -> None:
         pass
+
+
+class Observers:
+    """Several observers heard as one (the trackers, the study's notices), in order."""
+
+    def __init__(self, *observers: TrialObserver) -> None:
+        self.observers = observers
+
+    def trial_started(self, trial: optuna.Trial, params: dict[str, Any]) -> None:
+        for observer in self.observers:
+            observer.trial_started(trial, params)
+
+    def evaluation(self, number: int, report: dict[str, Any]) -> None:
+        for observer in self.observers:
+            observer.evaluation(number, report)
+
+    def trial_ended(self, trial: optuna.Trial, state: str, reason: str | None = None) -> None:
+        for observer in self.observers:
+            observer.trial_ended(trial, state, reason)
+
+    def trial_interrupted(self, trial: FrozenTrial, reason: str) -> None:
+        for observer in self.observers:
+            observer.trial_interrupted(trial, reason)
+
+    def close(self, study: optuna.Study | None) -> None:
+        for observer in self.observers:
+            observer.close(study)

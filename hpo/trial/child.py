@@ -22,6 +22,7 @@ from typing import Any
 import optuna
 
 from hpo.logs import set_optuna_verbosity, setup_logging
+from hpo.plugins import by_value
 from hpo.stopping import HandBack, Interrupted, TrialTimedOut
 from hpo.trial import leftovers
 from hpo.trial.protocol import (
@@ -169,6 +170,7 @@ def child_main(
     log_level: int,
     worker_pid: int,
     worker_stderr: bool = False,
+    sent: dict[str, bytes] | None = None,
 ) -> None:
     # The worker decides how its trial stops: Ctrl-C in a terminal reaches the whole group, and
     # the worker's SIGTERM means "checkpoint and stop".
@@ -178,6 +180,7 @@ def child_main(
     if worker_stderr:
         _write_where_the_worker_writes(conn)
     _state.parent_pid = os.getppid()
+    by_value.receive(sent or {})  # the user's functions this process cannot import
     signal.signal(signal.SIGTERM, _on_sigterm)
     _stop_when_orphaned()
     # What a trial starts stays below this process, to be ended with the trial (leftovers.py).

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import optuna
 
 from hpo import live
+from hpo.plugins import by_value
 from hpo.stopping import HandBack, Interrupted, StopRequest, TakenOver, TrialTimedOut
 from hpo.tracking.observer import NoObserver, TrialObserver
 from hpo.trial.child import child_main
@@ -207,6 +208,7 @@ class TrialProcess:
                 logging.getLogger().level,
                 os.getpid(),
                 stderr,
+                by_value.packed(),
             ),
             name="hpo-trial-process",
         )

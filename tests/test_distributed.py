@@ -437,6 +437,7 @@ def test_a_cuda_worker_that_sees_too_few_gpus_is_refused_before_any_trial(
     easy_data: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from hpo.commands import launcher, run
+    from hpo.commands.requests import RunRequest
     from hpo.config.loader import parse_config
 
     raw = tiny_config(*easy_data, training={"device": "cuda", "distributed": {}})
@@ -444,6 +445,6 @@ def test_a_cuda_worker_that_sees_too_few_gpus_is_refused_before_any_trial(
     monkeypatch.delenv(launcher.FAKE_GPUS_ENV, raising=False)
     monkeypatch.setattr(launcher, "visible_gpus", lambda: ["0"])
     with pytest.raises(ConfigError, match="2 GPUs per trial, but this worker sees 1"):
-        run._check_gpus_per_trial(config)
+        run._check_gpus_per_trial(config, [], None, RunRequest("s"))
     monkeypatch.setattr(launcher, "visible_gpus", lambda: ["0", "1"])
-    run._check_gpus_per_trial(config)  # enough
+    run._check_gpus_per_trial(config, [], None, RunRequest("s"))  # enough

@@ -265,18 +265,7 @@ def check_inputs(
     per_gpu = request.workers_per_gpu
     spec = "auto" if request.gpus is None and per_gpu is not None else request.gpus
     gpus = _worker_gpus(config, spec, request.option("gpus"))
-    if config.training.world_size > 1 and per_gpu not in (None, 1):
-        raise HPOError(
-            f"{request.option('workers_per_gpu')} {per_gpu}: a trial across GPUs "
-            "(training.distributed) owns its GPUs whole; leave it out"
-        )
-    if not gpus and config.training.world_size > 1:
-        _check_gpus_per_trial(config)
-    if not gpus and isinstance(per_gpu, int) and per_gpu > 1:
-        raise HPOError(
-            f"{request.option('workers_per_gpu')} {per_gpu}: no GPU to share on this host; "
-            "leave it out to run one worker on the CPU"
-        )
+    _check_gpu_layout(config, gpus, per_gpu, request)
     _check_stores(storage_url, artifacts)
     if before_data is not None:
         before_data(config, storage_url)
@@ -460,11 +449,34 @@ def _check_memory_share() -> None:
         raise HPOError(f"{e}, or unset it") from e
 
 
-def _check_gpus_per_trial(config: Config) -> None:
-    """A worker on CUDA without --gpus trains each trial on the GPUs it sees: enough of them."""
+def _check_gpu_layout(
+    config: Config, gpus: list[str], per_gpu: int | str | None, request: RunRequest
+) -> None:
+    """Workers per GPU need a GPU to share; a trial across GPUs needs enough of them."""
+    if config.training.world_size > 1:
+        _check_gpus_per_trial(config, gpus, per_gpu, request)
+    if not gpus and isinstance(per_gpu, int) and per_gpu > 1:
+        raise HPOError(
+            f"{request.option('workers_per_gpu')} {per_gpu}: no GPU to share on this host; "
+            "leave it out to run one worker on the CPU"
+        )
+
+
+def _check_gpus_per_trial(
+    config: Config, gpus: list[str], per_gpu: int | str | None, request: RunRequest
+) -> None:
+    """A trial across GPUs owns them whole (no --workers-per-gpu); a worker on CUDA without
+    --gpus (which groups them) trains each trial on the GPUs it sees: enough of them."""
     from hpo.commands.launcher import FAKE_GPUS_ENV, visible_gpus
 
+    if per_gpu not in (None, 1):
+        raise HPOError(
+            f"{request.option('workers_per_gpu')} {per_gpu}: a trial across GPUs "
+            "(training.distributed) owns its GPUs whole; leave it out"
+        )
     device = config.training.device
+    if gpus:
+        return
     if device == "cpu" or device.startswith("cuda:") or os.environ.get(FAKE_GPUS_ENV):
         return  # a CPU run (gloo ranks), or cuda:N, which the device check refuses as it is
     visible = visible_gpus()  # NVML's count: this process initialises no CUDA

@@ -18,6 +18,7 @@ from hpo.config.schema import (
     space_record,
 )
 from hpo.errors import ConfigError
+from hpo.study import warm_start
 from hpo.study.device_time import BUDGET_ATTR, PRICE_ATTR
 from hpo.study.front import TOLERANCE_ATTR
 from hpo.study.kept_models import KEEP_ATTR
@@ -112,6 +113,9 @@ def open_study(
     succeed. `in_python`: a refusal names hpo.run's arguments, not hpo run's flags."""
     check_version(storage.engine)  # a database of another hpo's layout: refused, nothing written
     _check_new_name(storage, name)
+    # The earlier studies' best configurations, read before anything is written: a source
+    # that does not exist is refused with nothing created.
+    warm = warm_start.plan(storage, config)
     # Before the lock: a file's first hash (the token cache has usually read it) holds no one up.
     setup = setup_record(config)
     test_file = test_file_record(config)
@@ -192,6 +196,7 @@ def open_study(
         with storage.lock(study_id):
             for params in config.study.enqueue:
                 enqueue(study, params, "study.enqueue")
+    warm_start.apply(study, storage, config, warm, enqueue)
     return study
 
 

@@ -158,7 +158,10 @@ def main() -> None:
         f"trials); warm start: top {args.top} of a {args.source_trials}-trial random search "
         f"on {args.source}; {args.seeds} seeds, {total} trials each"
     )
-    print("| strategy | seeds reaching it | median samples trained to reach it | median final best |")
+    print(
+        "| strategy | seeds reaching it | median samples trained to reach it "
+        "| median final best |"
+    )
     print("|---|---:|---:|---:|")
     for name, searches in rows.items():
         print(summary(name, searches, target, random_median))

@@ -159,8 +159,7 @@ def main() -> None:
         f"on {args.source}; {args.seeds} seeds, {total} trials each"
     )
     print(
-        "| strategy | seeds reaching it | median samples trained to reach it "
-        "| median final best |"
+        "| strategy | seeds reaching it | median samples trained to reach it | median final best |"
     )
     print("|---|---:|---:|---:|")
     for name, searches in rows.items():

@@ -165,3 +165,17 @@ def test_a_study_without_a_price_shows_no_cost() -> None:
     study.add_trial(_trial(0.3, 1.0, 0))
     assert report.status(study)["cost"] is None
     assert "cost" not in report.figures_line(report.status(study))
+
+
+def test_hpo_run_refuses_a_bad_budget_by_its_argument_name(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    import hpo
+    from hpo.errors import ConfigError
+
+    config = write_config(tmp_path / "c.yaml", tiny_config(*easy_data))
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    with pytest.raises(ConfigError) as refused:
+        hpo.run(str(config), study="s", storage=url, budget_device_hours=-2.0, quiet=True)
+    assert str(refused.value).startswith("hpo.run: budget_device_hours: got -2.0; must be")
+    assert not (tmp_path / "h.db").exists()

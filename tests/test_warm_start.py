@@ -209,3 +209,16 @@ def test_a_warm_started_study_trains_the_earlier_best_first(
     assert "warm start narrows learning_rate" in ran.stderr
     (trial,) = optuna.load_study(study_name="new", storage=url).trials
     assert trial.state == TrialState.COMPLETE and trial.params == best
+
+
+def test_a_warm_start_with_the_grid_sampler_is_refused(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    raw = tiny_config(
+        *easy_data, study={"warm_start": {"from": ["old"]}, "sampler": {"type": "grid"}}
+    )
+    with pytest.raises(ConfigError) as refused:
+        load_config(write_config(tmp_path / "c.yaml", raw))
+    assert "study.warm_start: got '{...}'; the grid sampler tries every grid point" in str(
+        refused.value
+    )

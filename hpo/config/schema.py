@@ -374,6 +374,9 @@ class StudyConfig:
         if self.n_trials is not None and self.n_trials < 1:
             found.append(("n_trials", self.n_trials, "must be a positive integer or null"))
         found += budget_problems(self.budget_device_hours)
+        if self.warm_start is not None and self.sampler.type == "grid":
+            rule = "the grid sampler tries every grid point itself: leave warm_start out"
+            found.append(("warm_start", "{...}", rule))
         if isinstance(self.price_per_device_hour, float) and not self.price_per_device_hour > 0:
             found.append(("price_per_device_hour", self.price_per_device_hour, "must be > 0"))
         if self.timeout is not None and self.timeout <= 0:

@@ -222,3 +222,20 @@ def test_a_warm_start_with_the_grid_sampler_is_refused(
     assert "study.warm_start: got '{...}'; the grid sampler tries every grid point" in str(
         refused.value
     )
+
+
+def test_a_source_in_another_database_is_read_relative_to_the_config(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    other = open_storage(StorageURL(f"sqlite:///{tmp_path / 'other.db'}", "test"))
+    _source(other)
+    other.engine.dispose()
+    (tmp_path / "run").mkdir()
+    source = {"study": "old", "storage": "sqlite:///../other.db"}  # beside the config's folder
+    raw = tiny_config(*easy_data, study={"warm_start": {"from": [source], "top": 1}})
+    config = load_config(write_config(tmp_path / "run" / "c.yaml", raw))
+    storage = _storage(tmp_path)
+    study = open_study(storage, "new", config)
+    (waiting,) = study.get_trials(states=(TrialState.WAITING,))
+    assert waiting.system_attrs["fixed_params"] == {"learning_rate": 2e-3}
+    storage.engine.dispose()

@@ -239,3 +239,17 @@ def test_a_source_in_another_database_is_read_relative_to_the_config(
     (waiting,) = study.get_trials(states=(TrialState.WAITING,))
     assert waiting.system_attrs["fixed_params"] == {"learning_rate": 2e-3}
     storage.engine.dispose()
+
+
+def test_a_retrain_study_takes_neither_the_warm_start_nor_the_budget(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    from hpo.study.retrain import RetrainPlan, study_config
+
+    raw = tiny_config(
+        *easy_data, study={"warm_start": {"from": ["old"]}, "budget_device_hours": 2.0}
+    )
+    config = load_config(write_config(tmp_path / "c.yaml", raw))
+    retrain = study_config(config, RetrainPlan("old", [], [1, 2]))
+    assert retrain.study.warm_start is None and retrain.study.budget_device_hours is None
+    assert config.study.warm_start is not None  # the search's own config is left as it was

@@ -179,3 +179,14 @@ def test_hpo_run_refuses_a_bad_budget_by_its_argument_name(
         hpo.run(str(config), study="s", storage=url, budget_device_hours=-2.0, quiet=True)
     assert str(refused.value).startswith("hpo.run: budget_device_hours: got -2.0; must be")
     assert not (tmp_path / "h.db").exists()
+
+
+def test_the_end_notice_hears_of_a_spent_device_hour_budget() -> None:
+    from hpo.study.notices import study_ended
+
+    done = [_trial(0.5, 1.0, 0)]
+    queued = create_trial(state=TrialState.WAITING, params={}, distributions={})
+    assert not study_ended([*done, queued], budget=10)  # by n_trials alone: more to run
+    assert study_ended([*done, queued], budget=10, device_hours_spent=True)
+    running = create_trial(state=TrialState.RUNNING, params={}, distributions={})
+    assert not study_ended([*done, running], budget=10, device_hours_spent=True)

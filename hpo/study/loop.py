@@ -95,7 +95,7 @@ def run_trials(
                 trials, objective, stop, (checkpoints, artifacts), deadline, collect=in_worker
             )
         if said is not None and not stop.requested:  # said if nothing runs or is left to run
-            said.worker_done(trials.budget)
+            said.worker_done(trials.budget, trials.device_hours_spent is not None)
         return ran
     finally:
         # A worker that ran out of trials (not one told to stop) lets its last cleanup of the

@@ -190,3 +190,15 @@ def test_the_end_notice_hears_of_a_spent_device_hour_budget() -> None:
     assert study_ended([*done, queued], budget=10, device_hours_spent=True)
     running = create_trial(state=TrialState.RUNNING, params={}, distributions={})
     assert not study_ended([*done, running], budget=10, device_hours_spent=True)
+
+
+def test_a_watcher_sees_a_study_whose_device_hours_are_spent_as_ended() -> None:
+    study = optuna.create_study(direction="maximize")
+    study.add_trial(_trial(0.5, 1.0, 0))
+    study.enqueue_trial({"x": 0.3})  # queued, but no worker will start it
+    study.set_user_attr("n_trials", 10)
+    shown = report.status(study)
+    assert not report.ended(shown)  # by n_trials alone, a worker may yet come
+    study.set_user_attr(BUDGET_ATTR, 1.0)
+    shown = report.status(study)
+    assert report.ended(shown) and report.ended_for_good(shown)

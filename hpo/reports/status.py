@@ -293,6 +293,8 @@ def ended(report: dict[str, Any]) -> bool:
     states = report["trials"]
     if not states or states.get("running"):
         return False
+    if device_hours_spent(report):
+        return True
     if states.get("waiting"):
         return bool(waiting_for_budget(report))
     budget = report.get("budget")
@@ -305,7 +307,15 @@ def ended_for_good(report: dict[str, Any]) -> bool:
     budget (a study with only a timeout, or one plain Optuna made), nothing running may be a
     worker between two trials."""
     budget = report.get("budget")
-    return ended(report) and budget is not None and report.get("counted", 0) >= budget
+    spent = budget is not None and report.get("counted", 0) >= budget
+    return ended(report) and (spent or device_hours_spent(report))
+
+
+def device_hours_spent(report: dict[str, Any]) -> bool:
+    """The study's device-hours reach its budget (study.budget_device_hours): no worker
+    starts another trial."""
+    budget = report.get("budget_device_hours")
+    return budget is not None and report["device_hours"] >= budget
 
 
 def waiting_for_budget(report: dict[str, Any]) -> int:

@@ -202,3 +202,41 @@ def test_a_watcher_sees_a_study_whose_device_hours_are_spent_as_ended() -> None:
     study.set_user_attr(BUDGET_ATTR, 1.0)
     shown = report.status(study)
     assert report.ended(shown) and report.ended_for_good(shown)
+
+
+def test_two_worker_processes_stop_starting_trials_once_the_budget_is_spent(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    from tests.conftest import start_hpo
+
+    raw = tiny_config(
+        *easy_data,
+        study={"n_trials": 200, "pruner": {"type": "none"}, "trial_isolation": "none"},
+        training={"max_steps": 1, "evals_per_epoch": 1},
+    )
+    config = write_config(tmp_path / "c.yaml", raw)
+    url = f"sqlite:///{tmp_path / 'h.db'}"
+    budget_h = 0.002  # 7.2 s of trials: a handful of tiny ones, far from n_trials
+    args = ("run", "--study", "s", "--config", str(config), "--storage", url)
+    workers = [
+        start_hpo(*args, "--budget-device-hours", str(budget_h), cwd=tmp_path) for _ in range(2)
+    ]
+    outputs = [worker.communicate(timeout=600) for worker in workers]
+    for worker, (_, stderr) in zip(workers, outputs, strict=True):
+        assert worker.returncode == 0, stderr[-3000:]
+        assert "starting no new trial" in stderr, stderr[-3000:]
+    trials = optuna.load_study(study_name="s", storage=url).get_trials()
+    assert 0 < len(trials) < 200 and all(t.state == TrialState.COMPLETE for t in trials)
+    # No trial started once the trials that had ended before it held the budget (a lower
+    # bound of the study's device-hours then: running trials count too).
+    for trial in trials:
+        before_s = sum(
+            t.user_attrs["wall_s"]
+            for t in trials
+            if t.datetime_complete is not None
+            and trial.datetime_start is not None
+            and t.datetime_complete < trial.datetime_start
+        )
+        assert before_s < budget_h * HOUR_S, (trial.number, before_s)
+    # Spent, across both workers: the study's figure passed the budget.
+    assert sum(t.user_attrs["wall_s"] for t in trials) >= budget_h * HOUR_S

@@ -182,30 +182,26 @@ def status(
     done = [t for t in trials if t.state in DONE and t.datetime_complete]
     best = best_trials(study, trials)
     several = len(study.directions) > 1
-    return _with_spend(
-        study,
-        {
-            "study": study.study_name,
-            "trials": dict(Counter(t.state.name.lower() for t in trials)),
-            "running": [
-                {**_running(t, now), "silent_s": None}
-                for t in trials
-                if t.state == TrialState.RUNNING
-            ],
-            "best": best[0] if best and not several else None,
-            "pareto_front": best if several else None,
-            "grace_period_s": _positive(study.user_attrs.get("grace_period_s")),
-            "device_hours": round(sum(_device_s(t, now) for t in trials) / 3600, 4),
-            "trials_per_hour": _trials_per_hour(done),
-            "failures": _reasons(trials, TrialState.FAIL, "fail_reason"),
-            "prunes": _reasons(trials, TrialState.PRUNED, "prune_reason"),
-            "budget": _budget(study.user_attrs.get("n_trials")),
-            "counted": counted_trials(trials),
-            "lost_checkpoints": lost_checkpoints(trials),
-            "tracking_missing": tracking_missing(study),
-            "setup_changes": setup_changes(study.user_attrs),
-        },
-    )
+    shown = {
+        "study": study.study_name,
+        "trials": dict(Counter(t.state.name.lower() for t in trials)),
+        "running": [
+            {**_running(t, now), "silent_s": None} for t in trials if t.state == TrialState.RUNNING
+        ],
+        "best": best[0] if best and not several else None,
+        "pareto_front": best if several else None,
+        "grace_period_s": _positive(study.user_attrs.get("grace_period_s")),
+        "device_hours": round(sum(_device_s(t, now) for t in trials) / 3600, 4),
+        "trials_per_hour": _trials_per_hour(done),
+        "failures": _reasons(trials, TrialState.FAIL, "fail_reason"),
+        "prunes": _reasons(trials, TrialState.PRUNED, "prune_reason"),
+        "budget": _budget(study.user_attrs.get("n_trials")),
+        "counted": counted_trials(trials),
+        "lost_checkpoints": lost_checkpoints(trials),
+        "tracking_missing": tracking_missing(study),
+        "setup_changes": setup_changes(study.user_attrs),
+    }
+    return _with_spend(study, shown)
 
 
 def _with_spend(study: optuna.Study, shown: dict[str, Any]) -> dict[str, Any]:

@@ -88,6 +88,7 @@ def run(
     n_trials: int | None = None,
     timeout: float | None = None,
     trial_timeout: float | None = None,
+    budget_device_hours: float | None = None,
     device: str | None = None,
     artifact_store: str | None = None,
     gpus: str | Sequence[int | str] | None = None,
@@ -103,7 +104,8 @@ def run(
     `config`: a YAML file's path, or a dict of the same sections (checked by the same rules;
     its relative paths are taken from the working folder). `storage`: a database URL (default:
     $HPO_STORAGE, then the config's study.storage, then ./hpo.db). `n_trials`, `timeout`,
-    `trial_timeout`, `device` and `artifact_store` override the config as the CLI's flags do.
+    `trial_timeout`, `budget_device_hours`, `device` and `artifact_store` override the config
+    as the CLI's flags do.
     A SIGINT or SIGTERM (in the main thread) stops the running trial cleanly and returns.
 
     `gpus` ("auto", "none", "0,1" or [0, 1]) and `workers_per_gpu` (a number, or "auto"), as
@@ -169,6 +171,7 @@ def run(
         n_trials=n_trials,
         timeout=timeout,
         trial_timeout=trial_timeout,
+        budget_device_hours=budget_device_hours,
         device=device,
         artifact_store=artifact_store,
         started=started,
@@ -360,7 +363,7 @@ def _worker_command(request: RunRequest) -> tuple[list[str], dict[str, str]]:
     of the host can read them (a command line shows in `ps`)."""
     assert isinstance(request.config, (str, os.PathLike))  # _gpu_options: a file with gpus
     argv = ["run", "--config", os.fspath(request.config), "--study", request.study]
-    for name in ("n_trials", "timeout", "trial_timeout"):
+    for name in ("n_trials", "timeout", "trial_timeout", "budget_device_hours"):
         value = getattr(request, name)
         if value is not None:
             argv += [f"--{name.replace('_', '-')}", str(value)]

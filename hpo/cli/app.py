@@ -103,6 +103,7 @@ def run_request(args: argparse.Namespace) -> RunRequest:
         config=args.config,
         storage=args.storage,
         n_trials=args.n_trials,
+        budget_device_hours=getattr(args, "budget_device_hours", None),
         timeout=args.timeout,
         trial_timeout=args.trial_timeout,
         device=args.device,

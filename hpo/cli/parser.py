@@ -70,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="trials for the whole study, across all workers (overrides study.n_trials)",
     )
     run.add_argument(
+        "--budget-device-hours",
+        type=float,
+        default=None,
+        help="device-hours for the whole study, across all workers: once spent, no trial "
+        "starts and running ones finish (overrides study.budget_device_hours)",
+    )
+    run.add_argument(
         "--timeout",
         type=float,
         default=None,

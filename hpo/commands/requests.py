@@ -25,6 +25,7 @@ class RunRequest:
     """A YAML file, or (hpo.run) a mapping of the same sections; None: the demo config."""
     storage: str | None = None
     n_trials: int | None = None
+    budget_device_hours: float | None = None
     timeout: float | None = None
     trial_timeout: float | None = None
     device: str | None = None

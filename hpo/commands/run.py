@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpo import live, tracking
 from hpo.commands.requests import RunRequest
+from hpo.config.budget import budget_problems
 from hpo.config.loader import DEMO_CONFIG, load_config, parse_config, with_entrypoint
 from hpo.config.schema import Config
 from hpo.errors import ConfigError, HPOError
@@ -536,6 +537,10 @@ def _apply_overrides(config: Config, request: RunRequest) -> None:
             flag = request.option("n_trials")
             problems.append(f"{flag}: got {request.n_trials}; must be a positive integer")
         config.study.n_trials = request.n_trials
+    if request.budget_device_hours is not None:
+        for _, value, rule in budget_problems(request.budget_device_hours):
+            problems.append(f"{request.option('budget_device_hours')}: got {value}; {rule}")
+        config.study.budget_device_hours = request.budget_device_hours
     if request.timeout is not None:
         if not 0 < request.timeout < math.inf:
             flag = request.option("timeout")

@@ -32,7 +32,9 @@ def build(
         problems.append(f"{section}: got {described(raw)}; must be a mapping of keys")
         return cls()
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.name not in skip]
+    # A field's YAML key is its name, or metadata["key"] where the name cannot be (`from`).
+    keys = {f.metadata.get("key", f.name): f.name for f in dataclasses.fields(cls)}
+    names = [key for key, name in keys.items() if name not in skip]
     values: dict[str, Any] = {}
     failed = set()
     for key, value in raw.items():
@@ -42,16 +44,16 @@ def build(
                 f"{prefix}{shown_key(key)}: unknown key{hint}; known: {', '.join(names)}"
             )
             continue
-        ok, converted, rule = convert(value, hints[key], f"{prefix}{key}.", problems)
+        ok, converted, rule = convert(value, hints[keys[key]], f"{prefix}{key}.", problems)
         if ok:
-            values[key] = converted
+            values[keys[key]] = converted
             continue
         failed.add(key)
         if rule:
             problems.append(f"{prefix}{key}: got {show(value)}; must be {rule}")
-    for name in names:  # absent sections are validated too
-        if name not in raw and dataclasses.is_dataclass(hints[name]):
-            values[name] = build(hints[name], None, f"{prefix}{name}.", problems)
+    for key in names:  # absent sections are validated too
+        if key not in raw and dataclasses.is_dataclass(hints[keys[key]]):
+            values[keys[key]] = build(hints[keys[key]], None, f"{prefix}{key}.", problems)
     instance = cls(**values)
     # Fields that failed conversion hold their defaults here: already reported, not again.
     for key, value, rule in getattr(instance, "problems", list)():

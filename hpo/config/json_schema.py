@@ -120,7 +120,7 @@ def _object_schema(cls: Any) -> dict[str, Any]:
         default = _default(field)
         if default is not dataclasses.MISSING:
             schema["default"] = default
-        properties[field.name] = schema
+        properties[field.metadata.get("key", field.name)] = schema
     schema = {"type": "object", "properties": properties, "additionalProperties": False}
     if cls.__doc__:
         schema["description"] = " ".join(cls.__doc__.split())

@@ -27,6 +27,9 @@ def resolve_paths(config: Config, base_dir: Path, problems: list[str], paths_fro
         config.study.checkpoint_dir = str(resolved_path(base_dir, config.study.checkpoint_dir))
     if isinstance(config.study.storage, str):
         config.study.storage = sqlite_file_relative_to(config.study.storage, base_dir)
+    for source in config.study.warm_start.source_list() if config.study.warm_start else []:
+        if source.storage is not None:  # as study.storage: relative to the config file
+            source.storage = sqlite_file_relative_to(source.storage, base_dir)
     model = config.model
     for key in ("name_or_path", "tokenizer"):
         value = getattr(model, key)

@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 # The search space's types are space.py's; importers of the schema find them here too.
+from hpo.config.budget import DevicePrice as DevicePrice
+from hpo.config.budget import WarmStartConfig as WarmStartConfig
+from hpo.config.budget import budget_problems
 from hpo.config.notify import NotifyConfig as NotifyConfig
 from hpo.config.space import DEFAULT_BATCH_CHOICES as DEFAULT_BATCH_CHOICES
 from hpo.config.space import ParamSpec as ParamSpec
@@ -231,6 +234,18 @@ class StudyConfig:
     n_trials: int | None = _doc(
         "Trials for the whole study (all workers); null: until timeout.", 20
     )
+    budget_device_hours: float | None = _doc(
+        "Device-hours for the whole study (all workers; the figure `hpo status` prints): once "
+        "spent, no worker starts a trial (running ones finish); null: no limit."
+    )
+    price_per_device_hour: float | DevicePrice | None = _doc(
+        "What a device-hour costs ({amount: 2.5, currency: EUR}, or a number in USD): `hpo "
+        "status` and `hpo report` then show the study's cost."
+    )
+    warm_start: WarmStartConfig | None = _doc(
+        "Start from earlier studies' best configurations: {from: [study, ...], top: K, "
+        "narrow: false}; see docs/guides/budgets.md."
+    )
     timeout: float | None = _doc(
         "Seconds after which this worker starts no new trial (the running one finishes), "
         "counted from the worker's start."
@@ -358,6 +373,12 @@ class StudyConfig:
             )
         if self.n_trials is not None and self.n_trials < 1:
             found.append(("n_trials", self.n_trials, "must be a positive integer or null"))
+        found += budget_problems(self.budget_device_hours)
+        if self.warm_start is not None and self.sampler.type == "grid":
+            rule = "the grid sampler tries every grid point itself: leave warm_start out"
+            found.append(("warm_start", "{...}", rule))
+        if isinstance(self.price_per_device_hour, float) and not self.price_per_device_hour > 0:
+            found.append(("price_per_device_hour", self.price_per_device_hour, "must be > 0"))
         if self.timeout is not None and self.timeout <= 0:
             found.append(("timeout", self.timeout, "must be > 0 seconds or null"))
         if self.trial_timeout is not None and self.trial_timeout <= 0:
@@ -380,8 +401,9 @@ class StudyConfig:
             found.append(("artifact_patience", self.artifact_patience, "must be > 0 seconds"))
         if self.artifact_store is not None:
             found.extend(_artifact_store_problems(self.artifact_store))
-        if self.n_trials is None and self.timeout is None:
-            found.append(("n_trials", None, "give n_trials or timeout, or the study never ends"))
+        if self.n_trials is None and self.timeout is None and self.budget_device_hours is None:
+            rule = "give n_trials, timeout or budget_device_hours, or the study never ends"
+            found.append(("n_trials", None, rule))
         if len(self.enqueue) > MAX_ENQUEUED:
             found.append(
                 ("enqueue", f"{len(self.enqueue)} configurations", f"at most {MAX_ENQUEUED}")

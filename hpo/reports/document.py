@@ -20,7 +20,7 @@ import optuna
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
-from hpo.reports import pruning
+from hpo.reports import cost, pruning
 from hpo.reports import status as report
 from hpo.reports.model_card import mean_std_text, seeds_text
 from hpo.study.join import model_loader
@@ -272,6 +272,8 @@ def _summary(study: optuna.Study, status: dict[str, Any], drawn: Drawn) -> list[
     for trial in status["pareto_front"] or []:
         values = ", ".join(f"{v:.4f}" for v in trial["values"])
         lines.append(f"Pareto front: trial #{trial['number']}, {values}")
+    if drawn.sample_ids is None and (reached := cost.reach_line(study, drawn.trials())):
+        lines.append(reached)
     if drawn.total is not None:
         lines.append(
             f"plots and the trial table show {len(drawn.sample_ids or [])} of the study's "

@@ -21,7 +21,10 @@ from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
 from hpo import tracking
+from hpo.reports import cost
 from hpo.reports.text import best_values_text
+from hpo.study.device_time import WALL_S
+from hpo.study.device_time import trial_device_s as _device_s
 from hpo.study.front import best_of, rule_for
 from hpo.study.join import model_loader, trial_adapter
 from hpo.study.kept_models import best_trials as kept_best_trials
@@ -35,7 +38,6 @@ from storage.engine import StudyStorage
 # Trials that reached an outcome the search learns from: what trials/hour counts.
 DONE = (TrialState.COMPLETE, TrialState.PRUNED)
 FINISHED = tuple(s for s in TrialState if s.is_finished())
-WALL_S = "wall_s"  # a trial's own record of its time, written however it ends
 CHECKPOINT_ERROR = "checkpoint_error"
 
 
@@ -175,12 +177,12 @@ def status(
     now = now or dt.datetime.now()
     db = database_of(study, storage)
     if db is not None:
-        return _status_from_database(study, db, now)
+        return _with_spend(study, _status_from_database(study, db, now))
     trials = study.get_trials(deepcopy=False)
     done = [t for t in trials if t.state in DONE and t.datetime_complete]
     best = best_trials(study, trials)
     several = len(study.directions) > 1
-    return {
+    shown = {
         "study": study.study_name,
         "trials": dict(Counter(t.state.name.lower() for t in trials)),
         "running": [
@@ -199,6 +201,20 @@ def status(
         "tracking_missing": tracking_missing(study),
         "setup_changes": setup_changes(study.user_attrs),
     }
+    return _with_spend(study, shown)
+
+
+def _with_spend(study: optuna.Study, shown: dict[str, Any]) -> dict[str, Any]:
+    """The study's device-hour budget and what its device-hours cost (study.budget_device_hours,
+    study.price_per_device_hour), None where it has none."""
+    price = cost.price_of(study.user_attrs)
+    shown["budget_device_hours"] = cost.budget_of(study.user_attrs)
+    shown["cost"] = (
+        None
+        if price is None
+        else {"amount": round(shown["device_hours"] * price[0], 2), "currency": price[1]}
+    )
+    return shown
 
 
 def _status_from_database(study: optuna.Study, db: Database, now: dt.datetime) -> dict[str, Any]:
@@ -273,6 +289,8 @@ def ended(report: dict[str, Any]) -> bool:
     states = report["trials"]
     if not states or states.get("running"):
         return False
+    if device_hours_spent(report):
+        return True
     if states.get("waiting"):
         return bool(waiting_for_budget(report))
     budget = report.get("budget")
@@ -285,7 +303,15 @@ def ended_for_good(report: dict[str, Any]) -> bool:
     budget (a study with only a timeout, or one plain Optuna made), nothing running may be a
     worker between two trials."""
     budget = report.get("budget")
-    return ended(report) and budget is not None and report.get("counted", 0) >= budget
+    spent = budget is not None and report.get("counted", 0) >= budget
+    return ended(report) and (spent or device_hours_spent(report))
+
+
+def device_hours_spent(report: dict[str, Any]) -> bool:
+    """The study's device-hours reach its budget (study.budget_device_hours): no worker
+    starts another trial."""
+    budget = report.get("budget_device_hours")
+    return budget is not None and report["device_hours"] >= budget
 
 
 def waiting_for_budget(report: dict[str, Any]) -> int:
@@ -382,6 +408,10 @@ def figures_line(report: dict[str, Any]) -> str:
         text += f", {report['trials_per_hour']:.1f} trials/hour (completed or pruned)"
     if report.get("budget"):
         text += f", budget {report['budget']} trials"
+    if report.get("cost") is not None:
+        text += f", cost {report['cost']['amount']:.2f} {report['cost']['currency']}"
+    if report.get("budget_device_hours") is not None:
+        text += f", budget {report['budget_device_hours']:g} device-hours"
     return text
 
 
@@ -414,32 +444,6 @@ def _positive(value: object) -> float | None:
 def _budget(value: object) -> int | None:
     """The study's n_trials as hpo recorded it (a positive whole number), or None."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
-def _seconds(value: object) -> float:
-    """A trial's wall_s; 0 for one that is not a number (set by hand, say)."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return float(value) if number else 0.0  # type: ignore[arg-type]
-
-
-def _device_s(trial: FrozenTrial, now: dt.datetime, silent_s: float | None = None) -> float:
-    """A trial's time: a running one's up to its last heartbeat (`silent_s` ago; without a
-    heartbeat row, up to now); a finished one's as it recorded it (wall_s), else from its
-    start to its end (its worker was killed, or it stopped before training).
-
-    A worker killed outright (a second Ctrl-C, kill -9) leaves its trial RUNNING until another
-    worker sweeps it: what it ran is what its heartbeats vouch for, not its age, which grows
-    for as long as no worker comes. The sweep records the same figure as the trial's wall_s."""
-    start, end = trial.datetime_start, trial.datetime_complete
-    if trial.state == TrialState.RUNNING:
-        if start is None:
-            return 0.0
-        return max(0.0, (now - start).total_seconds() - (silent_s or 0.0))
-    if not trial.state.is_finished():
-        return 0.0
-    if WALL_S in trial.user_attrs:
-        return _seconds(trial.user_attrs[WALL_S])
-    return max(0.0, (end - start).total_seconds()) if start and end else 0.0
 
 
 def lost_checkpoints(trials: list[FrozenTrial]) -> dict[str, Any] | None:

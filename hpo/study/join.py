@@ -10,6 +10,7 @@ from typing import Any
 
 import optuna
 
+from hpo.config.budget import price_record
 from hpo.config.schema import (
     Config,
     StudyConfig,
@@ -17,6 +18,8 @@ from hpo.config.schema import (
     space_record,
 )
 from hpo.errors import ConfigError
+from hpo.study import warm_start
+from hpo.study.device_time import BUDGET_ATTR, PRICE_ATTR
 from hpo.study.front import TOLERANCE_ATTR
 from hpo.study.kept_models import KEEP_ATTR
 from hpo.study.names import check_no_lookalike
@@ -110,6 +113,9 @@ def open_study(
     succeed. `in_python`: a refusal names hpo.run's arguments, not hpo run's flags."""
     check_version(storage.engine)  # a database of another hpo's layout: refused, nothing written
     _check_new_name(storage, name)
+    # The earlier studies' best configurations, read before anything is written: a source
+    # that does not exist is refused with nothing created.
+    warm = warm_start.plan(storage, config)
     # Before the lock: a file's first hash (the token cache has usually read it) holds no one up.
     setup = setup_record(config)
     test_file = test_file_record(config)
@@ -138,6 +144,10 @@ def open_study(
         _say_budget_change(storage, study_id, name, config.study.n_trials)
         # The budget of the latest worker to join, for `hpo status --watch` to know the end.
         storage.set_study_user_attr(study_id, "n_trials", config.study.n_trials)
+        # Its device-hour budget and price, for `hpo status` and `hpo report` (hpo.reports.cost).
+        storage.set_study_user_attr(study_id, BUDGET_ATTR, config.study.budget_device_hours)
+        price = price_record(config.study.price_per_device_hour)
+        storage.set_study_user_attr(study_id, PRICE_ATTR, price)
         # The Pareto front's tolerance of throughput noise (hpo.study.front), the latest worker's.
         storage.set_study_user_attr(study_id, TOLERANCE_ATTR, config.study.throughput_tolerance)
         # How many best trials keep their model (hpo.study.kept_models), the latest worker's.
@@ -186,6 +196,7 @@ def open_study(
         with storage.lock(study_id):
             for params in config.study.enqueue:
                 enqueue(study, params, "study.enqueue")
+    warm_start.apply(study, storage, config, warm, enqueue)
     return study
 
 

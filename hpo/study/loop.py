@@ -60,6 +60,7 @@ def run_trials(
     trials = StudyTrials(
         study, storage, worker_id(), study_config.n_trials, liveness(study_config), queued_only
     )
+    trials.device_hours_budget = study_config.budget_device_hours
     deadline = None
     if study_config.timeout is not None:
         deadline = (time.monotonic() if started is None else started) + study_config.timeout
@@ -94,7 +95,7 @@ def run_trials(
                 trials, objective, stop, (checkpoints, artifacts), deadline, collect=in_worker
             )
         if said is not None and not stop.requested:  # said if nothing runs or is left to run
-            said.worker_done(trials.budget)
+            said.worker_done(trials.budget, trials.device_hours_spent is not None)
         return ran
     finally:
         # A worker that ran out of trials (not one told to stop) lets its last cleanup of the
@@ -134,6 +135,9 @@ def _trial_loop(
             break
         trials.sweep_if_due()
         trial = trials.next_trial(checkpoints)
+        if trial is None and trials.device_hours_spent is not None:
+            _say_device_hours_spent(trials)
+            return ran
         if trial is None:
             if trials.queued_only and _wait_for_other_workers(trials, stop):
                 continue
@@ -175,6 +179,19 @@ def _trial_loop(
     if checkpoints is not None:
         trials.remove_stale_checkpoints(checkpoints)
     return ran
+
+
+def _say_device_hours_spent(trials: StudyTrials) -> None:
+    """One line: the study's device-hour budget is spent; trials running elsewhere finish."""
+    running = trials.running()
+    log.info(
+        "study %r has used %.3f device-hours, its budget being %g (study.budget_device_hours); "
+        "starting no new trial%s",
+        trials.study.study_name,
+        trials.device_hours_spent,
+        trials.device_hours_budget,
+        f" ({running} running trials finish)" if running else "",
+    )
 
 
 def _say_queued(trial: optuna.Trial) -> None:

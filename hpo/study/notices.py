@@ -56,11 +56,11 @@ class StudyNotices:
         elif state == "failed" and self.notices.wants("failures"):
             self.notices.submit(self._say_failures)
 
-    def worker_done(self, budget: int | None) -> None:
-        """This worker runs no more trials (not stopped: its budget or timeout): the study's
-        end is said if nothing runs and nothing is left to run."""
+    def worker_done(self, budget: int | None, device_hours_spent: bool = False) -> None:
+        """This worker runs no more trials (not stopped: its budget, its device-hours or its
+        timeout): the study's end is said if nothing runs and nothing is left to run."""
         if self.notices.wants("end"):
-            self.notices.submit(lambda: self._say_end(budget))
+            self.notices.submit(lambda: self._say_end(budget, device_hours_spent))
 
     def close(self, study: optuna.Study | None) -> None:
         """The last messages go out, for up to study.notify.wait seconds."""
@@ -102,9 +102,9 @@ class StudyNotices:
         )
         self.notices.say(title, body)
 
-    def _say_end(self, budget: int | None) -> None:
+    def _say_end(self, budget: int | None, device_hours_spent: bool = False) -> None:
         trials = self.study.get_trials(deepcopy=False)
-        if not study_ended(trials, budget):
+        if not study_ended(trials, budget, device_hours_spent):
             return
         counted = counted_trials(trials)
         if not self._claim(ENDED_ATTR, counted):
@@ -162,12 +162,16 @@ def reason_kind(trial: FrozenTrial) -> str:
     return _NUMBERS.sub("#", first_line)
 
 
-def study_ended(trials: list[FrozenTrial], budget: int | None) -> bool:
+def study_ended(
+    trials: list[FrozenTrial], budget: int | None, device_hours_spent: bool = False
+) -> bool:
     """Nothing runs, and no worker starts another trial: the budget is spent (queued trials
-    past it wait for a larger one), or there is none (a timeout ended the workers) and nothing
-    is queued."""
+    past it wait for a larger one; or the device-hours, study.budget_device_hours), or there
+    is none (a timeout ended the workers) and nothing is queued."""
     if any(t.state == TrialState.RUNNING for t in trials):
         return False
+    if device_hours_spent:
+        return True
     if budget is not None:
         return counted_trials(trials) >= budget
     return not any(t.state == TrialState.WAITING for t in trials)

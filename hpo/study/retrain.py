@@ -228,6 +228,10 @@ def study_config(config: Config, plan: RetrainPlan) -> Config:
     retrain.study.sampler = SamplerConfig(type="random", seed=0)
     retrain.study.pruner = PrunerConfig(type="none")
     retrain.study.enqueue = []
+    # The search's warm start and device-hour budget are the search's: the final runs are
+    # queued by the retrain, and each one queued is run.
+    retrain.study.warm_start = None
+    retrain.study.budget_device_hours = None
     retrain.study.checkpoints = True
     return retrain
 

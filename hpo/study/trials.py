@@ -20,6 +20,7 @@ import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import FrozenTrial, TrialState
 
+from hpo.study.device_time import device_hours
 from hpo.study.front import rule_for
 from hpo.study.kept_models import (
     models_kept,
@@ -31,7 +32,7 @@ from hpo.study.retry import retry_trial
 from hpo.tracking.observer import NoObserver, TrialObserver
 from storage.artifacts import ArtifactStore, ArtifactStoreError
 from storage.engine import StudyStorage
-from storage.heartbeats import Heartbeats, HeartbeatThread, LastBeat
+from storage.heartbeats import Heartbeats, HeartbeatThread, LastBeat, silences
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,10 @@ class StudyTrials:
         self._cleanup_due: ArtifactStore | None = None  # skipped: a cleanup was running
         # Hears of the trials this worker hands back (run_trials gives it the worker's trackers).
         self.observer: TrialObserver = NoObserver()
+        # study.budget_device_hours, held as n_trials is; the study's device-hours once found
+        # spent (then no trial starts).
+        self.device_hours_budget: float | None = None
+        self.device_hours_spent: float | None = None
 
     def next_trial(self, checkpoints: Path | None = None) -> optuna.Trial | None:
         """A new (or queued) trial for this worker, or None when the study holds its budget.
@@ -106,11 +111,24 @@ class StudyTrials:
                 )
             if self.budget is not None and counted_trials(trials) >= self.budget:
                 return None
+            if self._device_hours_spent(trials):
+                return None
             if self.queued_only and not any(t.state == TrialState.WAITING for t in trials):
                 return None
             trial = self.study.ask()
             self.beats.start(trial.number, self.worker)  # before any sweep can find it silent
         return trial
+
+    def _device_hours_spent(self, trials: list[FrozenTrial]) -> bool:
+        """Whether the study's device-hours (as `hpo status` counts them) reach its budget."""
+        if self.device_hours_budget is None:
+            return False
+        silent = silences(self.storage.engine, self.study_id)
+        used = device_hours(trials, dt.datetime.now(), silent)
+        if used < self.device_hours_budget:
+            return False
+        self.device_hours_spent = used
+        return True
 
     @contextmanager
     def heartbeat(self, trial: optuna.Trial) -> Iterator[HeartbeatThread]:

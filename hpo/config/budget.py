@@ -21,6 +21,20 @@ def budget_problems(value: object) -> list[tuple[str, Any, str]]:
     return [("budget_device_hours", value, "must be a finite number of hours > 0, or null")]
 
 
+def spend_problems(
+    budget: object, price: object, warm_start: object, sampler: str
+) -> list[tuple[str, Any, str]]:
+    """The study's budget, its price per device-hour and its warm start, as study.problems
+    reports them."""
+    found = budget_problems(budget)
+    if warm_start is not None and sampler == "grid":
+        rule = "the grid sampler tries every grid point itself: leave warm_start out"
+        found.append(("warm_start", "{...}", rule))
+    if isinstance(price, float) and not price > 0:
+        found.append(("price_per_device_hour", price, "must be > 0"))
+    return found
+
+
 @dataclass
 class DevicePrice:
     """What one device-hour costs, for the cost `hpo status` and `hpo report` show."""

@@ -40,9 +40,8 @@ def build(
     for key, value in raw.items():
         if key not in names:
             hint = did_you_mean(key, names) if isinstance(key, str) else ""
-            problems.append(
-                f"{prefix}{shown_key(key)}: unknown key{hint}; known: {', '.join(names)}"
-            )
+            known = ", ".join(names)
+            problems.append(f"{prefix}{shown_key(key)}: unknown key{hint}; known: {known}")
             continue
         ok, converted, rule = convert(value, hints[keys[key]], f"{prefix}{key}.", problems)
         if ok:

@@ -11,7 +11,7 @@ from typing import Any, Literal
 # The search space's types are space.py's; importers of the schema find them here too.
 from hpo.config.budget import DevicePrice as DevicePrice
 from hpo.config.budget import WarmStartConfig as WarmStartConfig
-from hpo.config.budget import budget_problems
+from hpo.config.budget import spend_problems
 from hpo.config.notify import NotifyConfig as NotifyConfig
 from hpo.config.space import DEFAULT_BATCH_CHOICES as DEFAULT_BATCH_CHOICES
 from hpo.config.space import ParamSpec as ParamSpec
@@ -364,21 +364,13 @@ class StudyConfig:
             rule = "several objectives need tpe, gp, nsga2, random, qmc or grid, not cmaes"
             found.append(("metric", self.objectives, rule))
         if not 0 <= self.throughput_tolerance < 1:
-            found.append(
-                (
-                    "throughput_tolerance",
-                    self.throughput_tolerance,
-                    "must be a fraction in [0, 1), e.g. 0.05",
-                )
-            )
+            rule = "must be a fraction in [0, 1), e.g. 0.05"
+            found.append(("throughput_tolerance", self.throughput_tolerance, rule))
         if self.n_trials is not None and self.n_trials < 1:
             found.append(("n_trials", self.n_trials, "must be a positive integer or null"))
-        found += budget_problems(self.budget_device_hours)
-        if self.warm_start is not None and self.sampler.type == "grid":
-            rule = "the grid sampler tries every grid point itself: leave warm_start out"
-            found.append(("warm_start", "{...}", rule))
-        if isinstance(self.price_per_device_hour, float) and not self.price_per_device_hour > 0:
-            found.append(("price_per_device_hour", self.price_per_device_hour, "must be > 0"))
+        found += spend_problems(
+            self.budget_device_hours, self.price_per_device_hour, self.warm_start, self.sampler.type
+        )
         if self.timeout is not None and self.timeout <= 0:
             found.append(("timeout", self.timeout, "must be > 0 seconds or null"))
         if self.trial_timeout is not None and self.trial_timeout <= 0:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: `hpo` starts fast
-__version__ = "0.1.0"
 
 # Each public name and the module that defines it, imported when the name is first used.
 _PUBLIC = {
@@ -80,6 +79,7 @@ __all__ = [
 if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr__ below
     from typing import Any
 
+    __version__: str
     from hpo.api import RunResult, Study, Trial, load_model, open_study, run
     from hpo.errors import (
         ConfigError,
@@ -103,6 +103,11 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr_
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # from the package's metadata (hpo/version.py), read on first use
+        from hpo.version import hpo_version
+
+        globals()[name] = hpo_version()
+        return globals()[name]
     module = _PUBLIC.get(name)
     if module is None:
         raise AttributeError(f"module 'hpo' has no attribute {name!r}")
@@ -112,4 +117,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_PUBLIC})
+    return sorted({*globals(), *_PUBLIC, "__version__"})

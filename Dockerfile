@@ -18,13 +18,14 @@ COPY pyproject.toml ./
 RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))\
 ['project']['dependencies']))" > /tmp/requirements.txt \
     && pip install --no-cache-dir "torch>=2.4,<3" \
-    && pip install --no-cache-dir -r /tmp/requirements.txt "setuptools>=68" \
+    && pip install --no-cache-dir -r /tmp/requirements.txt "setuptools>=77" \
     && rm /tmp/requirements.txt
-COPY README.md ./
+COPY README.md LICENSE setup.py ./
+# configs/ and data/ before the install: the demo's config and data are package data (setup.py).
+COPY configs ./configs
+COPY data ./data
 COPY hpo ./hpo
 COPY trainer ./trainer
 COPY storage ./storage
 RUN pip install --no-cache-dir --no-deps --no-build-isolation . && rm -rf build *.egg-info
-COPY configs ./configs
-COPY data ./data
 ENTRYPOINT ["tini", "-s", "--", "hpo"]

@@ -3,7 +3,10 @@ demo shipped in the package, the wheel's contents and the extras."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -43,3 +46,57 @@ def test_version_names_what_a_bug_report_needs(tmp_path: Path) -> None:
     assert names == ["hpo", "python", "torch", "transformers", "optuna", "device"]
     assert lines[-1] in {"device cpu", "device mps"} or lines[-1].startswith("device cuda")
     assert f"torch {metadata.version('torch')}" in lines
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The sdist and the wheel, as `python -m build` makes them (the wheel from the sdist):
+    scripts/test's, named by HPO_DIST, else built here."""
+    given = os.environ.get("HPO_DIST")
+    if given:
+        return Path(given)
+    out = tmp_path_factory.mktemp("dist")
+    done = subprocess.run(
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(REPO)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
+def _wheel(dist: Path) -> Path:
+    (wheel,) = dist.glob("hpo-*.whl")
+    return wheel
+
+
+def test_the_wheel_ships_the_demo_laid_out_as_in_the_repository(dist: Path, tmp_path: Path) -> None:
+    """Installed (no checkout beside it), hpo finds its demo config, and the config's relative
+    data paths reach the demo's data inside the package."""
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target)]
+        + [str(_wheel(dist))],
+        check=True,
+        timeout=120,
+    )
+    code = (
+        "from hpo.config.loader import DEMO_CONFIG, load_config; c = load_config(DEMO_CONFIG); "
+        "print(DEMO_CONFIG); print(c.data.train_file); print(c.data.eval_file)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(target)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    config, train, evaluation = (Path(line) for line in done.stdout.splitlines())
+    assert config == target / "hpo" / "_demo" / "configs" / "demo.yaml"
+    for data, name in ((train, "train.csv"), (evaluation, "eval.csv")):
+        assert data.resolve().is_relative_to(target / "hpo")
+        assert data.read_bytes() == (REPO / "data" / "demo" / name).read_bytes()
+    assert config.read_bytes() == (REPO / "configs" / "demo.yaml").read_bytes()

@@ -8,17 +8,11 @@ import argparse
 import functools
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
 from hpo.commands.launcher import MAX_WORKERS_PER_GPU
 from hpo.config.loader import DEMO_CONFIG
 from hpo.config.schema import DATABASE_PATIENCE_S
-
-if TYPE_CHECKING:
-    pass
-from hpo.commands.run import (
-    REPO_ROOT,
-)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -71,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--config",
         type=Path,
         default=None,
-        help=f"YAML config (default: the demo, {DEMO_CONFIG.relative_to(REPO_ROOT)})",
+        help=f"YAML config (default: the demo's, {DEMO_CONFIG})",
     )
     run.add_argument(
         "--storage",

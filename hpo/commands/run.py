@@ -30,9 +30,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("hpo")
 
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
 def configure_logging(debug: bool, quiet: bool) -> None:
     setup_logging(logging.DEBUG if debug else logging.WARNING if quiet else logging.INFO)
 

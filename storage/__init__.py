@@ -2,8 +2,8 @@
 artifact store (checkpoints and best models every host can reach) is `storage.artifacts`.
 
 `open_storage(url)` is the one way hpo opens an Optuna RDB storage. The package imports
-lazily: `storage.errors` and `storage.url` load without SQLAlchemy's engine or Optuna, so the
-CLI answers a bad config or URL, or a Ctrl-C, in a fraction of a second.
+lazily: `storage.errors` and `storage.url` load without SQLAlchemy's engine or Optuna,
+so the CLI answers a bad config or URL, or a Ctrl-C, in a fraction of a second.
 """
 
 from __future__ import annotations

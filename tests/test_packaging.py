@@ -68,13 +68,17 @@ def _shipped_imports(path: Path, modules: set[str]) -> set[str]:
     return found
 
 
+def _module_name(path: Path) -> str:
+    """The name a file imports as: trainer/ and storage/ are hpo.trainer and hpo.storage."""
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts if parts[0] == "hpo" else ("hpo", *parts))
+
+
 def test_every_shipped_module_serves_the_command_line() -> None:
     """A module that only the tests import (a scratch database helper once shipped in storage/)
     belongs under tests/; a module nothing imports is dead."""
     files = {
-        ".".join(path.relative_to(REPO).with_suffix("").parts): path
-        for package in PACKAGES
-        for path in (REPO / package).rglob("*.py")
+        _module_name(path): path for package in PACKAGES for path in (REPO / package).rglob("*.py")
     }
     modules = {name.removesuffix(".__init__") for name in files}
     by_module = {name.removesuffix(".__init__"): path for name, path in files.items()}

@@ -104,6 +104,6 @@ def test_an_internal_import_in_an_example_is_found(tmp_path: Path) -> None:
         "def f():\n    from trainer.tasks.base import Task\n    import hpo.trial.process\n"
     )
     assert _internal_imports(example, tmp_path) == [
-        "example.py: trainer.tasks.base",
+        "example.py: hpo.trainer.tasks.base",
         "example.py: hpo.trial.process",
     ]

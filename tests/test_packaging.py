@@ -84,10 +84,12 @@ def test_every_shipped_module_serves_the_command_line() -> None:
     by_module = {name.removesuffix(".__init__"): path for name, path in files.items()}
     # Task modules are imported by name from the catalog (trainer.tasks.task_class), and the
     # fork server imports its preload list by name (hpo.trial.fork_server only there).
+    from hpo.trainer.tasks import TASKS
     from hpo.trial.fork_start import ENTRYPOINT_PRELOAD, PRELOAD, TRAINER_PRELOAD
-    from trainer.tasks import TASKS
 
-    by_name = [f"trainer.tasks.{t.module}" for t in TASKS.values()] + PRELOAD + ENTRYPOINT_PRELOAD
+    by_name = (
+        [f"hpo.trainer.tasks.{t.module}" for t in TASKS.values()] + PRELOAD + ENTRYPOINT_PRELOAD
+    )
     by_name += TRAINER_PRELOAD  # hpo.integrations: imported by users, and preloaded by name
     reached, todo = set(), ["hpo.__main__", *(name for name in by_name if name in by_module)]
     while todo:

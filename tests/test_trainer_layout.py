@@ -141,9 +141,9 @@ def test_the_worker_loop_imports_neither_torch_nor_transformers() -> None:
         "hpo.study.loop",
         "hpo.trial.objective",
         "hpo.study.trials",
-        "storage.engine",
-        "storage.batch_cache",
-        "storage.artifacts",
+        "hpo.storage.engine",
+        "hpo.storage.batch_cache",
+        "hpo.storage.artifacts",
     ]
     code = (
         f"import sys, {', '.join(modules)}; "

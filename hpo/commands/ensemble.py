@@ -192,7 +192,7 @@ def _split(
 ) -> Any:
     from hpo.commands.predict import input_rows
     from hpo.ensemble import Split, weights_sha256
-    from trainer.digests import file_sha256
+    from hpo.trainer.digests import file_sha256
 
     if not path.is_file() or path.suffix.lower() not in (".csv", ".jsonl"):
         raise HPOError(f"{path}: the members predict a .csv or .jsonl file; none there")
@@ -235,8 +235,8 @@ def member_predictions(
     """A member's outputs on `rows`: probabilities in `order`'s class order, or values; with
     `kind` "embedding", its mean-pooled last hidden states."""
     from hpo.commands.predict import answers_array, predict_rows
-    from trainer.device import resolve_device
-    from trainer.inference import Predictor
+    from hpo.trainer.device import resolve_device
+    from hpo.trainer.inference import Predictor
 
     predictor = Predictor(folder, resolve_device(request.device, "--device"), request.batch_size)
     check_member(folder, predictor, order)

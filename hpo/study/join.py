@@ -17,6 +17,8 @@ from hpo.config.schema import (
     space_record,
 )
 from hpo.errors import ConfigError
+from hpo.storage.engine import StudyStorage
+from hpo.storage.tables import check_version
 from hpo.study.front import TOLERANCE_ATTR
 from hpo.study.kept_models import KEEP_ATTR
 from hpo.study.names import check_no_lookalike
@@ -28,10 +30,8 @@ from hpo.study.setup_record import (
     setup_record,
     test_file_record,
 )
+from hpo.trainer.tasks import DEFAULT_TASK, TASKS, is_task_path
 from hpo.trial.protocol import ADAPTER_ATTR
-from storage.engine import StudyStorage
-from storage.tables import check_version
-from trainer.tasks import DEFAULT_TASK, TASKS, is_task_path
 
 log = logging.getLogger(__name__)
 

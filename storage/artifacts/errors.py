@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import errno
 
-from storage.errors import StorageError
+from hpo.storage.errors import StorageError
 
 
 class ArtifactStoreError(StorageError):

@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
-from storage.artifacts.backend import probe
-from storage.artifacts.errors import ArtifactStoreError, store_error
-from storage.artifacts.manifest import checked_key
-from storage.url import mask_text
+from hpo.storage.artifacts.backend import probe
+from hpo.storage.artifacts.errors import ArtifactStoreError, store_error
+from hpo.storage.artifacts.manifest import checked_key
+from hpo.storage.url import mask_text
 
 # Seconds an S3 call waits to connect, or for the next bytes of an answer, before a retry.
 S3_TIMEOUT_S = 10

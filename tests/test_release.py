@@ -7,6 +7,8 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
+import zipfile
 from importlib import metadata
 from pathlib import Path
 
@@ -100,3 +102,27 @@ def test_the_wheel_ships_the_demo_laid_out_as_in_the_repository(dist: Path, tmp_
         assert data.resolve().is_relative_to(target / "hpo")
         assert data.read_bytes() == (REPO / "data" / "demo" / name).read_bytes()
     assert config.read_bytes() == (REPO / "configs" / "demo.yaml").read_bytes()
+
+
+def test_the_wheel_holds_one_top_level_package(dist: Path) -> None:
+    """trainer and storage are hpo.trainer and hpo.storage: installed beside Coqui's `trainer`
+    or PyPI's `storage`, hpo overwrites none of their files."""
+    with zipfile.ZipFile(_wheel(dist)) as wheel:
+        names = wheel.namelist()
+        metadata_text = wheel.read(next(n for n in names if n.endswith("/METADATA"))).decode()
+        top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top_level == {"hpo"}
+    assert "hpo/trainer/loop.py" in names and "hpo/storage/url.py" in names
+    assert "License-Expression: Apache-2.0" in metadata_text
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+
+
+def test_the_sdist_holds_trainer_and_storage_once_and_no_links(dist: Path) -> None:
+    (sdist,) = dist.glob("hpo-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        members = tar.getmembers()
+    names = {m.name.split("/", 1)[1] for m in members if "/" in m.name}
+    assert not [m.name for m in members if m.issym() or m.islnk()]
+    assert "trainer/loop.py" in names and "storage/url.py" in names
+    assert not [n for n in names if n.startswith(("hpo/trainer", "hpo/storage"))]
+    assert {"setup.py", "LICENSE", "configs/demo.yaml", "data/demo/train.csv"} <= names

@@ -3,19 +3,21 @@ demo shipped in the package, the wheel's contents and the extras."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
 import tarfile
 import zipfile
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
 import pytest
 
 import hpo.version
-from tests.conftest import REPO, run_hpo
+from tests.conftest import REPO, exit_code, run_hpo, tiny_config, write_config
 
 
 def _pyproject_version() -> str:
@@ -126,3 +128,82 @@ def test_the_sdist_holds_trainer_and_storage_once_and_no_links(dist: Path) -> No
     assert "trainer/loop.py" in names and "storage/url.py" in names
     assert not [n for n in names if n.startswith(("hpo/trainer", "hpo/storage"))]
     assert {"setup.py", "LICENSE", "configs/demo.yaml", "data/demo/train.csv"} <= names
+
+
+# The extras: a feature used without its extra is one line naming the extra, exit 2.
+
+
+def test_an_s3_store_without_boto3_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+    hpo_main: Callable[[list[str]], int],
+    easy_data: tuple[Path, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setitem(sys.modules, "boto3", None)  # what `import boto3` meets uninstalled
+    config = write_config(tmp_path / "c.yaml", tiny_config(*easy_data))
+    db = f"sqlite:///{tmp_path / 'h.db'}"
+    args = ["run", "--study", "s", "--config", str(config), "--storage", db]
+    code = exit_code(hpo_main, [*args, "--artifact-store", "s3://bucket/hpo"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].endswith(
+        "an s3:// artifact store needs boto3, not installed; pip install 'hpo[s3]'"
+    )
+    assert "Traceback" not in "\n".join(err)
+    assert not (tmp_path / "h.db").exists()
+
+
+def test_a_local_stores_errors_need_no_botocore(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpo.storage.artifacts.errors import is_refusal
+
+    monkeypatch.delitem(sys.modules, "botocore.exceptions", raising=False)
+    monkeypatch.setitem(sys.modules, "botocore", None)
+    assert is_refusal(RuntimeError("a store's error")) is False
+
+
+@pytest.mark.parametrize("missing", ["sklearn", "skops"])
+def test_stacking_without_scikit_learn_or_skops_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch, missing: str
+) -> None:
+    import hpo.ensemble.errors
+    from hpo.ensemble.errors import EnsembleError
+    from hpo.ensemble.learners import resolve_learners
+    from hpo.ensemble.skops_files import meta_learner_from_bytes
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        hpo.ensemble.errors.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == missing else real(name, *a),
+    )
+    package = {"sklearn": "scikit-learn", "skops": "skops"}[missing]
+    with pytest.raises(
+        EnsembleError,
+        match=rf"^stacking needs {package}, not installed; pip install 'hpo\[ensemble\]'$",
+    ):
+        resolve_learners("sequence_classification", None)
+    with pytest.raises(EnsembleError, match=r"pip install 'hpo\[ensemble\]'"):
+        meta_learner_from_bytes(b"", "ensemble/meta.skops")
+
+
+def test_hpo_ensemble_without_skops_says_so_before_any_member_predicts(
+    monkeypatch: pytest.MonkeyPatch,
+    hpo_main: Callable[[list[str]], int],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import hpo.ensemble.errors
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        hpo.ensemble.errors.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "skops" else real(name, *a),
+    )
+    db = f"sqlite:///{tmp_path / 'none.db'}"
+    args = ["ensemble", "--study", "s", "--storage", db, "--out", str(tmp_path / "e")]
+    assert exit_code(hpo_main, args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    needs = "hpo ensemble needs skops, not installed; pip install 'hpo[ensemble]'"
+    assert err == [f"hpo: error: {needs}"]

@@ -80,6 +80,9 @@ def _checked_out(request: EnsembleRequest) -> Path:
         raise HPOError(f"--features {request.features}: give predictions or embedding")
     if request.soup not in ("none", "uniform", "greedy"):
         raise HPOError(f"--soup {request.soup}: give uniform, greedy or none")
+    from hpo.ensemble.errors import require_stacking
+
+    require_stacking("hpo ensemble")  # before any member predicts: hpo[ensemble] installed
     return out
 
 

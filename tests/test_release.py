@@ -13,6 +13,7 @@ import zipfile
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -207,3 +208,43 @@ def test_hpo_ensemble_without_skops_says_so_before_any_member_predicts(
     err = capsys.readouterr().err.strip().splitlines()
     needs = "hpo ensemble needs skops, not installed; pip install 'hpo[ensemble]'"
     assert err == [f"hpo: error: {needs}"]
+
+
+def _rename_script() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "rename_imports", REPO / "scripts/rename_imports.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_rename_script_rewrites_what_a_merged_branch_brings_and_only_that() -> None:
+    """The lead reruns scripts/rename_imports.py after merging a branch written against the old
+    names: each form of import and module name is rewritten, once, and words are left alone."""
+    before = (
+        "from trainer.loop import train\n"
+        "from storage import open_storage\n"
+        "import trainer.tasks.base as base\n"
+        "import storage\n"
+        "    import trainer.inference\n"
+        "    trainer.inference.Predictor(p)\n"
+        'log = logging.getLogger("trainer.checkpoint")\n'
+        'code = "import sys, storage.engine, trainer.loop"\n'
+        "# read from storage when the trainer.x is set; config.storage.url; study.storage\n"
+    )
+    after = (
+        "from hpo.trainer.loop import train\n"
+        "from hpo.storage import open_storage\n"
+        "import hpo.trainer.tasks.base as base\n"
+        "from hpo import storage\n"
+        "    import hpo.trainer.inference\n"
+        "    hpo.trainer.inference.Predictor(p)\n"
+        'log = logging.getLogger("hpo.trainer.checkpoint")\n'
+        'code = "import sys, hpo.storage.engine, hpo.trainer.loop"\n'
+        "# read from storage when the trainer.x is set; config.storage.url; study.storage\n"
+    )
+    script = _rename_script()
+    assert script.rewrite(before) == after
+    assert script.rewrite(after) == after

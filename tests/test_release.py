@@ -248,3 +248,16 @@ def test_the_rename_script_rewrites_what_a_merged_branch_brings_and_only_that() 
     script = _rename_script()
     assert script.rewrite(before) == after
     assert script.rewrite(after) == after
+
+
+def test_version_names_the_cuda_devices_where_there_are_some(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: f"NVIDIA H200 #{i}")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    report = hpo.version.version_report().splitlines()
+    assert report[-1] == "device cuda 12.8: NVIDIA H200 #0, NVIDIA H200 #1"

@@ -15,16 +15,19 @@ RUN apt-get update && apt-get install -y --no-install-recommends tini \
 WORKDIR /app
 # The dependencies first, from pyproject.toml alone: a layer that a change of hpo's code keeps.
 COPY pyproject.toml ./
-RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))\
-['project']['dependencies']))" > /tmp/requirements.txt \
+# With the extras a deployment uses: s3 (an artifact store in S3) and ensemble (hpo ensemble).
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+print('\n'.join(p['dependencies'] + p['optional-dependencies']['s3'] \
++ p['optional-dependencies']['ensemble']))" > /tmp/requirements.txt \
     && pip install --no-cache-dir "torch>=2.4,<3" \
-    && pip install --no-cache-dir -r /tmp/requirements.txt "setuptools>=68" \
+    && pip install --no-cache-dir -r /tmp/requirements.txt "setuptools>=77" \
     && rm /tmp/requirements.txt
-COPY README.md ./
+COPY README.md LICENSE setup.py ./
+# configs/ and data/ before the install: the demo's config and data are package data (setup.py).
+COPY configs ./configs
+COPY data ./data
 COPY hpo ./hpo
 COPY trainer ./trainer
 COPY storage ./storage
 RUN pip install --no-cache-dir --no-deps --no-build-isolation . && rm -rf build *.egg-info
-COPY configs ./configs
-COPY data ./data
 ENTRYPOINT ["tini", "-s", "--", "hpo"]

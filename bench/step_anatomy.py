@@ -96,7 +96,7 @@ def make_step(
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True, capturable=capturable)
     forward: torch.nn.Module = model
     if variant.compiled == "blocks":
-        from trainer.compiled import repeated_blocks
+        from hpo.trainer.compiled import repeated_blocks
 
         for block in repeated_blocks(model):
             block.compile(dynamic=True)

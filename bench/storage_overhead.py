@@ -30,12 +30,12 @@ from hpo.config.schema import Config, ParamSpec, StudyConfig
 from hpo.logs import setup_logging
 from hpo.plugins.protocols import TrialLike
 from hpo.stopping import StopRequest
+from hpo.storage.engine import engine_kwargs, open_storage
+from hpo.storage.url import StorageURL
 from hpo.study.join import open_study
 from hpo.study.loop import run_trials
 from hpo.study.sampling import build_pruner, build_sampler
 from hpo.trial.objective import Objective
-from storage.engine import engine_kwargs, open_storage
-from storage.url import StorageURL
 
 # The scratch-database helper lives with the tests; this script runs from the repository.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

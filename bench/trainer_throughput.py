@@ -35,16 +35,16 @@ from hpo.config.loader import load_config
 from hpo.config.schema import Config
 from hpo.config.search_paths import with_params
 from hpo.errors import USER_ERRORS
-from trainer import device as dev
-from trainer.batching import collate
-from trainer.config import TrainingConfig
-from trainer.data import PreparedData, TokenizedSplit
-from trainer.loaders import num_workers_for, padding_for
-from trainer.loop import Trainer
-from trainer.model import build_model, load_tokenizer
-from trainer.step import grad_accum_steps_for, make_optimizer
-from trainer.tasks import TASKS, make_task, prepare_data
-from trainer.tasks.causal_lm import body_and_head
+from hpo.trainer import device as dev
+from hpo.trainer.batching import collate
+from hpo.trainer.config import TrainingConfig
+from hpo.trainer.data import PreparedData, TokenizedSplit
+from hpo.trainer.loaders import num_workers_for, padding_for
+from hpo.trainer.loop import Trainer
+from hpo.trainer.model import build_model, load_tokenizer
+from hpo.trainer.step import grad_accum_steps_for, make_optimizer
+from hpo.trainer.tasks import TASKS, make_task, prepare_data
+from hpo.trainer.tasks.causal_lm import body_and_head
 
 REPO = Path(__file__).resolve().parents[1]
 # The shipped config of each task, what --task measures.
@@ -241,7 +241,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--static-batch",
         action="store_true",
-        help="with --compile: leave our batch dimension static (trainer.compiled marks it "
+        help="with --compile: leave our batch dimension static (hpo.trainer.compiled marks it "
         "dynamic), to measure what dynamic shapes cost",
     )
     parser.add_argument(
@@ -307,9 +307,9 @@ def make_setup(args: argparse.Namespace) -> Setup:
         config.model.compile_scope = args.compile_scope
     config.model.cuda_graphs = config.model.cuda_graphs or args.cuda_graphs
     if args.static_batch:
-        import trainer.compiled
+        import hpo.trainer.compiled
 
-        trainer.compiled._batch_dimension_dynamic = lambda *_: None
+        hpo.trainer.compiled._batch_dimension_dynamic = lambda *_: None
     device = dev.resolve_device(args.device)
     tokenizer = load_tokenizer(config.model, config.task)
     data = prepare_data(config.data, tokenizer, config.task, config.training)
@@ -427,7 +427,7 @@ def run_ours(setup: Setup) -> Run:
     )
     if trainer.padding.multiple != setup.pad_multiple:
         raise RuntimeError(
-            f"trainer.loop pads to multiples of {trainer.padding.multiple}, the benchmark's HF "
+            f"hpo.trainer.loop pads to multiples of {trainer.padding.multiple}, the benchmark's HF "
             f"collator to {setup.pad_multiple}; both should use trainer.loaders.padding_for"
         )
     counter = BatchCounter()

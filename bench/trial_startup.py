@@ -27,9 +27,9 @@ def phases(config_path: str) -> dict[str, float]:
 
     from hpo.config.loader import load_config
     from hpo.config.search_paths import with_params
-    from trainer.loop import Trainer
-    from trainer.model import load_tokenizer
-    from trainer.tasks import prepare_data
+    from hpo.trainer.loop import Trainer
+    from hpo.trainer.model import load_tokenizer
+    from hpo.trainer.tasks import prepare_data
 
     mark("imports")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

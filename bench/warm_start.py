@@ -42,9 +42,9 @@ from hpo.config.schema import Config  # noqa: E402
 from hpo.study import warm_start  # noqa: E402
 from hpo.study.join import enqueue  # noqa: E402
 from hpo.study.sampling import build_sampler  # noqa: E402
+from hpo.trainer.loop import Evaluation  # noqa: E402
 from hpo.trial.search_space import sample  # noqa: E402
 from hpo.trial.training import pruning_reporter  # noqa: E402
-from trainer.loop import Evaluation  # noqa: E402
 
 DEFAULT = "hpo default"
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: `hpo` starts fast
-__version__ = "0.1.0"
 
 # Each public name and the module that defines it, imported when the name is first used.
 _PUBLIC = {
@@ -38,14 +37,14 @@ _PUBLIC = {
     "TrainingFunction": "hpo.plugins.entrypoint",
     "MetricsFunction": "hpo.plugins.protocols",
     "SearchSpaceFunction": "hpo.plugins.protocols",
-    "ModelRequest": "trainer.model_factory",
-    "Task": "trainer.tasks.base",
-    "TokenTask": "trainer.tasks.base",
-    "SequenceClassification": "trainer.tasks.sequence_classification",
-    "MultiLabelClassification": "trainer.tasks.multi_label",
-    "Regression": "trainer.tasks.regression",
-    "TokenClassification": "trainer.tasks.token_classification",
-    "CausalLM": "trainer.tasks.causal_lm",
+    "ModelRequest": "hpo.trainer.model_factory",
+    "Task": "hpo.trainer.tasks.base",
+    "TokenTask": "hpo.trainer.tasks.base",
+    "SequenceClassification": "hpo.trainer.tasks.sequence_classification",
+    "MultiLabelClassification": "hpo.trainer.tasks.multi_label",
+    "Regression": "hpo.trainer.tasks.regression",
+    "TokenClassification": "hpo.trainer.tasks.token_classification",
+    "CausalLM": "hpo.trainer.tasks.causal_lm",
 }
 
 __all__ = [
@@ -80,6 +79,7 @@ __all__ = [
 if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr__ below
     from typing import Any
 
+    __version__: str
     from hpo.api import RunResult, Study, Trial, load_model, open_study, run
     from hpo.errors import (
         ConfigError,
@@ -93,16 +93,21 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr_
     from hpo.plugins.context import TrainingContext
     from hpo.plugins.entrypoint import TrainingFunction
     from hpo.plugins.protocols import MetricsFunction, SearchSpaceFunction
-    from trainer.model_factory import ModelRequest
-    from trainer.tasks.base import Task, TokenTask
-    from trainer.tasks.causal_lm import CausalLM
-    from trainer.tasks.multi_label import MultiLabelClassification
-    from trainer.tasks.regression import Regression
-    from trainer.tasks.sequence_classification import SequenceClassification
-    from trainer.tasks.token_classification import TokenClassification
+    from hpo.trainer.model_factory import ModelRequest
+    from hpo.trainer.tasks.base import Task, TokenTask
+    from hpo.trainer.tasks.causal_lm import CausalLM
+    from hpo.trainer.tasks.multi_label import MultiLabelClassification
+    from hpo.trainer.tasks.regression import Regression
+    from hpo.trainer.tasks.sequence_classification import SequenceClassification
+    from hpo.trainer.tasks.token_classification import TokenClassification
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # from the package's metadata (hpo/version.py), read on first use
+        from hpo.version import hpo_version
+
+        globals()[name] = hpo_version()
+        return globals()[name]
     module = _PUBLIC.get(name)
     if module is None:
         raise AttributeError(f"module 'hpo' has no attribute {name!r}")
@@ -112,4 +117,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_PUBLIC})
+    return sorted({*globals(), *_PUBLIC, "__version__"})

@@ -4,9 +4,9 @@
 so that the CLI maps one tuple, `USER_ERRORS`. Every message says what is wrong and what to do.
 """
 
-from storage.errors import StorageError
-from storage.url import mask_text
-from trainer.errors import DataError, DeviceError, ModelError, TrainerError
+from hpo.storage.errors import StorageError
+from hpo.storage.url import mask_text
+from hpo.trainer.errors import DataError, DeviceError, ModelError, TrainerError
 
 
 class HPOError(Exception):

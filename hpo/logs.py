@@ -9,7 +9,7 @@ import os
 import sys
 import warnings
 
-from storage.url import mask_text
+from hpo.storage.url import mask_text
 
 # Set by `hpo run --gpus` for each worker it starts, e.g. "gpu1".
 WORKER_LABEL_ENV = "HPO_WORKER_LABEL"

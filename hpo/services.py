@@ -20,8 +20,8 @@ from hpo.study.join import loader_text, study_task, trial_adapter
 from hpo.study.names import quoted_study_name
 
 if TYPE_CHECKING:
-    from storage.artifacts import ArtifactStore
-    from storage.url import StorageURL
+    from hpo.storage.artifacts import ArtifactStore
+    from hpo.storage.url import StorageURL
 
 ARTIFACT_STORE_ATTR = "artifact_store"  # the study's store, as its workers resolved it
 
@@ -51,7 +51,7 @@ def open_storage_to_read(
     looking never creates a database (a typo in the URL), nor with `read_only` a table or a
     lock file (a read-only folder). `flag`: how messages name `given`. `patience_s`: once
     reached, how long the opening rides out a database that drops out."""
-    from storage import open_storage, resolve_storage_url
+    from hpo.storage import open_storage, resolve_storage_url
 
     storage_url = resolve_storage_url(given, None, flag)
     opened = open_storage(storage_url, patience_s, read_only=read_only, must_exist=True)
@@ -132,7 +132,7 @@ def status(
 def study_artifact_store(study: Any, given: str | None) -> ArtifactStore | None:
     """The study's artifact store (`given`: --artifact-store, else $HPO_ARTIFACT_STORE, else
     its workers' record), or None."""
-    from storage.artifacts import ArtifactStore, resolve_artifact_url
+    from hpo.storage.artifacts import ArtifactStore, resolve_artifact_url
 
     recorded = study.user_attrs.get(ARTIFACT_STORE_ATTR)
     url = resolve_artifact_url(given, None, recorded)
@@ -143,8 +143,8 @@ def artifact_summary(study: Any, given: str | None) -> dict[str, Any] | None:
     """What the study holds in its store (`given`: as study_artifact_store takes it): URL, bytes
     and trial folders; an unreachable store is said, not fatal (status is for looking), unless
     it was `given`."""
+    from hpo.storage.artifacts import ArtifactStoreError
     from hpo.trial.folders import study_folder_name
-    from storage.artifacts import ArtifactStoreError
 
     try:
         store = study_artifact_store(study, given)
@@ -187,8 +187,8 @@ def download_best(
     beside it, then renamed: never half a model), each file checked against its sha256; with
     `merge`, a LoRA adapter merged into its base model. Returns the folder and what to say.
     `names`: how the messages name the options."""
+    from hpo.storage.artifacts import ArtifactStoreError
     from hpo.trial.folders import study_folder_name
-    from storage.artifacts import ArtifactStoreError
 
     entrypoint = best[0]["user_attrs"].get("entrypoint") if best else None
     if entrypoint:
@@ -255,8 +255,8 @@ def _finish_adapter(
     """A downloaded LoRA adapter made loadable here: it names its base model as this host finds
     it; with `merged`, merged into that base as a plain model there. Returns what to say of
     `out`, where it goes ("" for a plain model)."""
-    from trainer.model import resolve_location
-    from trainer.peft_adapters import is_adapter_folder, merge_adapter, point_at_base
+    from hpo.trainer.model import resolve_location
+    from hpo.trainer.peft_adapters import is_adapter_folder, merge_adapter, point_at_base
 
     if not is_adapter_folder(folder):
         if merged is not None:

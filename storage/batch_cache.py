@@ -16,13 +16,13 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 
-from storage.errors import StorageError
-from storage.locks import (
+from hpo.storage.errors import StorageError
+from hpo.storage.locks import (
     advisory_lock,
     release_advisory_lock,
     try_advisory_lock,
 )
-from storage.tables import batch_sizes, ensure_tables
+from hpo.storage.tables import batch_sizes, ensure_tables
 
 
 def key_hash(key: dict[str, Any]) -> str:

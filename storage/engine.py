@@ -23,13 +23,13 @@ import sqlalchemy.exc
 from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.engine import make_url
 
-from storage import study_queries
-from storage.errors import StorageError
-from storage.locks import sqlite_lock, study_lock
-from storage.outage import dbapi_connect, retrying, wait_for_connections
-from storage.resilient import ResilientStorage
-from storage.trial_cache import TrialCache
-from storage.url import StorageURL, mask_text, open_fix
+from hpo.storage import study_queries
+from hpo.storage.errors import StorageError
+from hpo.storage.locks import sqlite_lock, study_lock
+from hpo.storage.outage import dbapi_connect, retrying, wait_for_connections
+from hpo.storage.resilient import ResilientStorage
+from hpo.storage.trial_cache import TrialCache
+from hpo.storage.url import StorageURL, mask_text, open_fix
 
 CONNECT_TIMEOUT_S = 10
 TABLE_CREATION_ATTEMPTS = 5

@@ -17,8 +17,8 @@ import sqlalchemy as sa
 from optuna.trial import FrozenTrial
 from sqlalchemy.engine import Engine
 
-from storage.errors import StorageError
-from storage.tables import ensure_tables, heartbeats
+from hpo.storage.errors import StorageError
+from hpo.storage.tables import ensure_tables, heartbeats
 
 log = logging.getLogger(__name__)
 

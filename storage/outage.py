@@ -14,8 +14,8 @@ import sqlalchemy
 import sqlalchemy.exc
 from sqlalchemy.engine import Engine
 
-from storage.errors import DatabaseUnreachable, StorageError
-from storage.url import mask_text
+from hpo.storage.errors import DatabaseUnreachable, StorageError
+from hpo.storage.url import mask_text
 
 log = logging.getLogger(__name__)
 

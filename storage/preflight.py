@@ -14,8 +14,8 @@ import sqlalchemy
 import sqlalchemy.exc
 from sqlalchemy.engine import Connection, make_url
 
-from storage.errors import StorageError
-from storage.url import StorageURL, mask_text, open_fix
+from hpo.storage.errors import StorageError
+from hpo.storage.url import StorageURL, mask_text, open_fix
 
 CONNECT_TIMEOUT_S = 10
 # A table of Optuna's every hpo worker writes to.
@@ -83,7 +83,7 @@ def _check_server(storage_url: StorageURL) -> None:
         with engine.connect() as conn:
             _check_rights(conn, storage_url)
     except sqlalchemy.exc.DBAPIError as e:
-        from storage.engine import server_full
+        from hpo.storage.engine import server_full
 
         if server_full(e):
             return  # open_storage waits for a free connection, up to study.database_patience

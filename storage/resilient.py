@@ -15,7 +15,7 @@ from optuna.storages import BaseStorage
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
-from storage.outage import retrying
+from hpo.storage.outage import retrying
 
 if TYPE_CHECKING:  # Optuna names no public home for it; only a type here
     from optuna.study._frozen import FrozenStudy

@@ -28,9 +28,9 @@ from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.engine import Engine, make_url
 
-from storage.errors import StorageError
-from storage.tables import batch_sizes, check_version, ensure_tables
-from storage.url import StorageURL, mask_text
+from hpo.storage.errors import StorageError
+from hpo.storage.tables import batch_sizes, check_version, ensure_tables
+from hpo.storage.url import StorageURL, mask_text
 
 log = logging.getLogger(__name__)
 

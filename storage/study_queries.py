@@ -23,7 +23,7 @@ from optuna.distributions import json_to_distribution
 from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.engine import Engine
 
-from storage.outage import is_transient
+from hpo.storage.outage import is_transient
 
 # Optuna's schema versions these queries were checked against (`version_info.schema_version`).
 KNOWN_SCHEMA_VERSIONS = frozenset({12})

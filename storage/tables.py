@@ -13,8 +13,8 @@ import weakref
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from storage.errors import StorageError
-from storage.locks import create_table_racing
+from hpo.storage.errors import StorageError
+from hpo.storage.locks import create_table_racing
 
 # The layout of the tables below. Raise it with any change to them (a column, a key, a new
 # table), and say in the release notes what moves a database from the old layout to the new.

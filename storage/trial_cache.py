@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from optuna.storages import RDBStorage
 from optuna.trial import FrozenTrial, TrialState
 
-from storage import study_queries
+from hpo.storage import study_queries
 
 
 @dataclass

@@ -14,7 +14,7 @@ from pathlib import Path
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 
-from storage.errors import StorageError
+from hpo.storage.errors import StorageError
 
 ENV_VAR = "HPO_STORAGE"
 DEFAULT_SQLITE_FILE = "hpo.db"

@@ -8,7 +8,7 @@ import time
 
 import sqlalchemy as sa
 
-from storage.batch_cache import BatchSizeCache
+from hpo.storage.batch_cache import BatchSizeCache
 
 KEY = {"model": "abc", "max_length": 128, "device": "NVIDIA H100 80GB HBM3"}
 

@@ -18,9 +18,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from hpo.trial.folders import study_folder_name
-from hpo.trial.uploads import BackgroundUploader, Backoff
-from storage.artifacts import (
+from hpo.storage.artifacts import (
     ArtifactStore,
     ArtifactStoreError,
     ArtifactTarget,
@@ -29,6 +27,8 @@ from storage.artifacts import (
     resolve_artifact_url,
     validated_artifact_url,
 )
+from hpo.trial.folders import study_folder_name
+from hpo.trial.uploads import BackgroundUploader, Backoff
 from tests.conftest import (
     hold_env,
     holding_metrics,
@@ -510,8 +510,8 @@ def test_a_retry_takes_the_newest_state_local_or_stored(
 ) -> None:
     import os
 
+    from hpo.trainer.checkpoint import CheckpointStore
     from hpo.trial.uploads import fetch_resume_state
-    from trainer.checkpoint import CheckpointStore
 
     files = FileBackend(tmp_path / "store")
     store = ArtifactStore("file://s", files)

@@ -19,14 +19,14 @@ from optuna.distributions import FloatDistribution
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
-from hpo.study.kept_models import remove_unneeded_artifacts
-from hpo.trial.folders import study_folder_name
-from storage.artifacts import (
+from hpo.storage.artifacts import (
     ArtifactStore,
     FileBackend,
     S3Backend,
     UntrustedArtifact,
 )
+from hpo.study.kept_models import remove_unneeded_artifacts
+from hpo.trial.folders import study_folder_name
 from tests.conftest import run_hpo
 
 STUDY = study_folder_name("s")

@@ -15,8 +15,9 @@ import sqlalchemy as sa
 import torch
 import yaml
 
-from storage.batch_cache import BatchCacheRequests, BatchSizeCache, RelayedBatchCache
-from storage.errors import StorageError
+from hpo.storage.batch_cache import BatchCacheRequests, BatchSizeCache, RelayedBatchCache
+from hpo.storage.errors import StorageError
+from hpo.trainer.memory import BUDGET_ENV
 from tests.batch_cache_race import KEY, open_cache
 from tests.conftest import (
     REPO,
@@ -26,7 +27,6 @@ from tests.conftest import (
     write_config,
     write_csv,
 )
-from trainer.memory import BUDGET_ENV
 
 
 def check_cache(url: str) -> None:
@@ -179,10 +179,10 @@ def test_an_oom_in_a_trial_lowers_the_cached_size(
 ) -> None:
     from hpo.config.loader import load_config
     from hpo.config.search_paths import with_params
+    from hpo.trainer.batch_finder import batch_key
+    from hpo.trainer.model import load_tokenizer
+    from hpo.trainer.tasks import prepare_data
     from tests.test_batch_finder import training_peak
-    from trainer.batch_finder import batch_key
-    from trainer.model import load_tokenizer
-    from trainer.tasks import prepare_data
 
     config_path = long_text_config(tmp_path, n_trials=1, trial_isolation="none")
     config = load_config(config_path)

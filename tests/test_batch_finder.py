@@ -14,10 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import long_rows, write_csv
-from tests.test_trainer import tiny_job
-from trainer import batch_finder, loop
-from trainer.batch_finder import (
+from hpo.trainer import batch_finder, loop
+from hpo.trainer.batch_finder import (
     BatchFinder,
     BatchSearch,
     NoPhysicalBatchFits,
@@ -26,19 +24,21 @@ from trainer.batch_finder import (
     resolve_physical_batch,
     search_largest,
 )
-from trainer.config import TrainJob
-from trainer.data import PreparedData
-from trainer.memory import (
+from hpo.trainer.config import TrainJob
+from hpo.trainer.data import PreparedData
+from hpo.trainer.memory import (
     BUDGET_ENV,
     MemoryBudget,
     OutOfMemoryAtBatchOne,
     claim_memory_share,
     is_oom,
 )
-from trainer.memory_share import SHARE_ENV, memory_share
-from trainer.model import load_tokenizer
-from trainer.progress import Progress
-from trainer.tasks import prepare_data
+from hpo.trainer.memory_share import SHARE_ENV, memory_share
+from hpo.trainer.model import load_tokenizer
+from hpo.trainer.progress import Progress
+from hpo.trainer.tasks import prepare_data
+from tests.conftest import long_rows, write_csv
+from tests.test_trainer import tiny_job
 
 CPU = torch.device("cpu")
 

@@ -19,10 +19,10 @@ from optuna.trial import TrialState, create_trial
 from hpo.config.budget import budget_problems
 from hpo.reports import cost
 from hpo.reports import status as report
+from hpo.storage.engine import StudyStorage, open_storage
+from hpo.storage.url import StorageURL
 from hpo.study.device_time import BUDGET_ATTR, PRICE_ATTR
 from hpo.study.trials import StudyTrials
-from storage.engine import StudyStorage, open_storage
-from storage.url import StorageURL
 from tests.conftest import exit_code, run_hpo, tiny_config, write_config
 
 HOUR_S = 3600.0

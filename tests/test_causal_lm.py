@@ -17,17 +17,17 @@ import pytest
 import torch
 from scipy.stats import entropy
 
+from hpo.trainer.batching import collate
+from hpo.trainer.config import DataConfig, ModelConfig, TrainingConfig, TrainJob
+from hpo.trainer.data import PreparedData
+from hpo.trainer.errors import DataError
+from hpo.trainer.evaluation import evaluate_batches
+from hpo.trainer.model import build_model, load_tokenizer
+from hpo.trainer.step import accumulate_gradients
+from hpo.trainer.tasks import make_task, prepare_data
+from hpo.trainer.tasks.base import IGNORE
+from hpo.trainer.tasks.causal_lm import SpecialTokens, fit_prompt_and_completion
 from tests.conftest import MINILM_TOKENIZER, write_csv
-from trainer.batching import collate
-from trainer.config import DataConfig, ModelConfig, TrainingConfig, TrainJob
-from trainer.data import PreparedData
-from trainer.errors import DataError
-from trainer.evaluation import evaluate_batches
-from trainer.model import build_model, load_tokenizer
-from trainer.step import accumulate_gradients
-from trainer.tasks import make_task, prepare_data
-from trainer.tasks.base import IGNORE
-from trainer.tasks.causal_lm import SpecialTokens, fit_prompt_and_completion
 
 TINY_LLAMA: dict[str, Any] = {
     "model_type": "llama",
@@ -299,7 +299,7 @@ def test_the_output_layer_on_counted_positions_alone_gives_the_full_loss_and_gra
     """For every family in PLAIN_HEADS, the loss and every gradient through the counted-only
     output layer equal those through the full logits: an upgrade of transformers that puts
     anything between a family's body and its output layer fails here."""
-    from trainer.tasks.causal_lm import PLAIN_HEADS, body_and_head
+    from hpo.trainer.tasks.causal_lm import PLAIN_HEADS, body_and_head
 
     assert set(FAMILIES) == PLAIN_HEADS
     model = family_model(family, FAMILIES[family])
@@ -327,7 +327,7 @@ def test_a_lora_model_and_other_families_take_the_path_that_is_right_for_them() 
     cap) and a compiled model run whole."""
     from peft import LoraConfig, get_peft_model
 
-    from trainer.tasks.causal_lm import body_and_head
+    from hpo.trainer.tasks.causal_lm import body_and_head
 
     task = make_task("causal_lm", DataConfig(), TrainingConfig())
     batch = prompt_batch()

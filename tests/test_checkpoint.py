@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 import torch
 
+from hpo.trainer import checkpoint as ckpt
+from hpo.trainer.checkpoint import CheckpointStore
+from hpo.trainer.config import TrainJob
+from hpo.trainer.data import PreparedData
+from hpo.trainer.loop import Evaluation, Trainer, TrainResult
+from hpo.trainer.model import build_model, load_tokenizer
+from hpo.trainer.tasks import prepare_data
 from tests.test_trainer import tiny_job
-from trainer import checkpoint as ckpt
-from trainer.checkpoint import CheckpointStore
-from trainer.config import TrainJob
-from trainer.data import PreparedData
-from trainer.loop import Evaluation, Trainer, TrainResult
-from trainer.model import build_model, load_tokenizer
-from trainer.tasks import prepare_data
 
 
 @pytest.fixture
@@ -200,7 +200,7 @@ def test_a_checkpoint_that_would_run_code_is_refused_and_the_run_starts_over(
     folder.mkdir()
     state = {"fingerprint": trainer.fingerprint(), "run": _RunsCode(marker)}
     torch.save(state, folder / ckpt.STATE_FILE)
-    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="hpo.trainer.checkpoint"):
         result = trainer.fit(checkpoints=CheckpointStore(folder, resume=True))
     assert not marker.exists()
     assert "refused" in caplog.text and "starting over" in caplog.text

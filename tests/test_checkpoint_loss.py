@@ -15,9 +15,9 @@ import optuna
 import pytest
 
 from hpo import live
+from hpo.trainer.checkpoint import CheckpointStore
 from hpo.trial.folders import STUDY_MARKER, TRIAL_MARKER, prepare_trial_folder, study_folder_name
 from tests.conftest import tiny_config, write_config
-from trainer.checkpoint import CheckpointStore
 
 
 def test_a_checkpoint_folder_removed_during_a_trial_is_made_again_for_the_next_ones(

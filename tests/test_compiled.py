@@ -10,10 +10,10 @@ import optuna
 import pytest
 import torch
 
+from hpo.trainer import compiled
+from hpo.trainer.config import ModelConfig
+from hpo.trainer.model import build_model
 from tests.conftest import MINILM_TOKENIZER, TINY_BERT, run_study, tiny_config, write_config
-from trainer import compiled
-from trainer.config import ModelConfig
-from trainer.model import build_model
 
 
 def test_the_private_torch_names_hpo_compiles_with_still_exist() -> None:
@@ -230,9 +230,14 @@ def test_accumulation_over_graph_replays_sums_every_micro_batch_when_grads_are_a
     # to it. With a gradient of its own (allocate_grads, kept by keep_grads) both count.
     from contextlib import nullcontext
 
-    from trainer.config import DataConfig, TrainingConfig
-    from trainer.step import accumulate_gradients, allocate_grads, make_optimizer, optimizer_step
-    from trainer.tasks import make_task
+    from hpo.trainer.config import DataConfig, TrainingConfig
+    from hpo.trainer.step import (
+        accumulate_gradients,
+        allocate_grads,
+        make_optimizer,
+        optimizer_step,
+    )
+    from hpo.trainer.tasks import make_task
 
     marks: list[int] = []
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))

@@ -153,7 +153,7 @@ def test_a_relative_sqlite_file_in_the_config_is_relative_to_the_config(
     expected: str,
 ) -> None:
     """As data paths are: workers started from two folders share one database, one budget."""
-    from storage.url import resolve_storage_url
+    from hpo.storage.url import resolve_storage_url
 
     conf, elsewhere = tmp_path / "conf", tmp_path / "run" / "deeper"
     (conf / "sub").mkdir(parents=True)
@@ -197,7 +197,7 @@ def test_a_config_storage_that_is_no_relative_file_is_kept_as_written(
 def test_a_relative_sqlite_file_from_the_command_line_is_relative_to_the_working_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from storage.url import resolve_storage_url
+    from hpo.storage.url import resolve_storage_url
 
     monkeypatch.chdir(tmp_path)
     for cli, env in (("sqlite:///rel.db", None), (None, "sqlite:///rel.db")):

@@ -21,13 +21,13 @@ from optuna.trial import TrialState
 
 from hpo.config.schema import Config, ParamSpec, PrunerConfig, StudyConfig
 from hpo.stopping import StopRequest
+from hpo.storage.batch_cache import BatchSizeCache
+from hpo.storage.engine import engine_kwargs, open_storage
+from hpo.storage.errors import StorageError
+from hpo.storage.url import StorageURL
 from hpo.study.join import open_study
 from hpo.study.loop import run_trials
 from hpo.trial.objective import Objective
-from storage.batch_cache import BatchSizeCache
-from storage.engine import engine_kwargs, open_storage
-from storage.errors import StorageError
-from storage.url import StorageURL
 from tests.conftest import missing
 from tests.connection_watch import ConnectionWatch
 from tests.pgbouncer import pgbouncer, pgbouncer_binary

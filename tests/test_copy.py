@@ -36,8 +36,8 @@ def _quiet_optuna() -> Iterator[None]:
 def rich_study(url: str, name: str = STUDY, running: bool = True) -> optuna.Study:
     """A study with a trial in every state, every kind of distribution, NaN and infinite
     intermediate values, user and system attributes, hpo's batch-size records and a heartbeat."""
-    from storage.batch_cache import BatchSizeCache
-    from storage.heartbeats import Heartbeats
+    from hpo.storage.batch_cache import BatchSizeCache
+    from hpo.storage.heartbeats import Heartbeats
 
     storage = optuna.storages.RDBStorage(url)
     study = optuna.create_study(study_name=name, storage=storage, direction="maximize")
@@ -307,7 +307,7 @@ def test_same_database(tmp_path: Path, hpo_main: Main, capsys: pytest.CaptureFix
 
 
 def _failing_after(calls: int, error: BaseException, monkeypatch: pytest.MonkeyPatch) -> None:
-    from storage.resilient import ResilientStorage
+    from hpo.storage.resilient import ResilientStorage
 
     original = ResilientStorage.create_new_trial
     made: list[int] = []
@@ -354,7 +354,7 @@ def test_source_changed_while_copied_is_not_published(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from storage.resilient import ResilientStorage
+    from hpo.storage.resilient import ResilientStorage
 
     source, target = sqlite(tmp_path, "a.db"), sqlite(tmp_path, "b.db")
     rich_study(source, running=False)
@@ -379,11 +379,11 @@ def test_a_study_of_the_name_made_during_the_copy_wins(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    import storage.study_copy
+    import hpo.storage.study_copy
 
     source, target = sqlite(tmp_path, "a.db"), sqlite(tmp_path, "b.db")
     rich_study(source, running=False)
-    checked = storage.study_copy._check_copy
+    checked = hpo.storage.study_copy._check_copy
 
     def check_then_race(*args: Any) -> None:
         checked(*args)
@@ -392,7 +392,7 @@ def test_a_study_of_the_name_made_during_the_copy_wins(
             lambda t: t.suggest_float("y", 0, 1), n_trials=1
         )
 
-    monkeypatch.setattr(storage.study_copy, "_check_copy", check_then_race)
+    monkeypatch.setattr(hpo.storage.study_copy, "_check_copy", check_then_race)
     assert hpo_main(copy_args(source, target)) == 2
     err = capsys.readouterr().err
     assert "appeared in the target during the copy" in err and len(err.strip().splitlines()) == 1
@@ -403,7 +403,7 @@ def test_a_study_of_the_name_made_during_the_copy_wins(
 
 KILLER = """
 import os, signal, sys
-from storage.resilient import ResilientStorage
+from hpo.storage.resilient import ResilientStorage
 original = ResilientStorage.create_new_trial
 made = []
 def create_new_trial(self, study_id, template_trial=None):
@@ -447,7 +447,7 @@ def test_killed_mid_copy_publishes_nothing(
 
 
 def test_batch_sizes_merge_keeps_the_smaller(tmp_path: Path, hpo_main: Main) -> None:
-    from storage.batch_cache import BatchSizeCache
+    from hpo.storage.batch_cache import BatchSizeCache
 
     source, target = sqlite(tmp_path, "a.db"), sqlite(tmp_path, "b.db")
     rich_study(source, running=False)

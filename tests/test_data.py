@@ -11,14 +11,14 @@ from typing import Any
 import numpy as np
 import pytest
 
+from hpo.trainer.batching import Padding, collate, eval_batches, plan_epoch
+from hpo.trainer.config import DataConfig, ModelConfig
+from hpo.trainer.data import save_split
+from hpo.trainer.errors import DataError
+from hpo.trainer.model import load_tokenizer
+from hpo.trainer.readers import read_table
+from hpo.trainer.tasks import prepare_data
 from tests.conftest import MINILM_TOKENIZER, easy_rows, loaded_by, write_csv
-from trainer.batching import Padding, collate, eval_batches, plan_epoch
-from trainer.config import DataConfig, ModelConfig
-from trainer.data import save_split
-from trainer.errors import DataError
-from trainer.model import load_tokenizer
-from trainer.readers import read_table
-from trainer.tasks import prepare_data
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +128,7 @@ def test_cache_skips_tokenization_on_the_second_load(
     )
     first = prepare_data(config, tokenizer)
     calls = []
-    import trainer.tasks.base as task_base
+    import hpo.trainer.tasks.base as task_base
 
     real = task_base.tokenize_texts
     monkeypatch.setattr(
@@ -502,7 +502,7 @@ def test_a_broken_csv_is_one_line_naming_where(tmp_path: Path, body: str, messag
 def test_reading_a_csv_imports_no_pandas(tmp_path: Path) -> None:
     path = write_csv(tmp_path / "t.csv", easy_rows(4, 0))
     code = (
-        "from trainer.readers import read_table\n"
+        "from hpo.trainer.readers import read_table\n"
         f"assert read_table({str(path)!r}, 'train')['label']"
     )
     assert loaded_by(code, ("pandas",)) == []

@@ -15,14 +15,14 @@ from typing import Any
 
 import pytest
 
+from hpo.trainer.config import DataConfig, ModelConfig
+from hpo.trainer.errors import DataError
+from hpo.trainer.model import load_tokenizer
+from hpo.trainer.readers import MAX_CSV_COLUMNS, MIB
+from hpo.trainer.tasks import prepare_data
+from hpo.trainer.tasks.base import IGNORE
+from hpo.trainer.text_window import window_chars
 from tests.conftest import MINILM_TOKENIZER, easy_rows, write_csv
-from trainer.config import DataConfig, ModelConfig
-from trainer.errors import DataError
-from trainer.model import load_tokenizer
-from trainer.readers import MAX_CSV_COLUMNS, MIB
-from trainer.tasks import prepare_data
-from trainer.tasks.base import IGNORE
-from trainer.text_window import window_chars
 
 MAX_LENGTH = 32
 HUGE = "the quick brown fox jumps over the lazy dog " * 10_000  # 440,000 characters
@@ -166,9 +166,9 @@ def test_one_huge_cell_costs_the_memory_of_a_row(tmp_path: Path) -> None:
     )
     code = f"""
 import resource
-from trainer.config import DataConfig, ModelConfig
-from trainer.model import load_tokenizer
-from trainer.tasks import prepare_data
+from hpo.trainer.config import DataConfig, ModelConfig
+from hpo.trainer.model import load_tokenizer
+from hpo.trainer.tasks import prepare_data
 tokenizer = load_tokenizer(ModelConfig(tokenizer={MINILM_TOKENIZER!r}, config={{"model_type": "bert"}}))
 tokenizer(["warm up"], truncation=True, max_length=8)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

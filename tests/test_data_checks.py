@@ -53,7 +53,7 @@ def test_a_setting_the_data_refutes_is_one_line_before_any_trial(
 
 def test_weights_for_every_label_pass() -> None:
     """The check refuses only what is wrong: a weight per label, or `balanced`, trains."""
-    from trainer.config import TrainingConfig
+    from hpo.trainer.config import TrainingConfig
 
     assert TrainingConfig(class_weights=[1.0, 2.0]).data_problems(["neg", "pos"]) == []
     assert TrainingConfig(class_weights="balanced").data_problems(["neg", "pos"]) == []

@@ -14,11 +14,11 @@ from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState, create_trial
 
 from hpo.reports import status as report
+from hpo.storage.engine import StudyStorage, open_storage
+from hpo.storage.heartbeats import heartbeats
+from hpo.storage.url import StorageURL
 from hpo.study.retry import retry_trial
 from hpo.study.trials import StudyTrials
-from storage.engine import StudyStorage, open_storage
-from storage.heartbeats import heartbeats
-from storage.url import StorageURL
 
 HOUR_S = 3600.0
 

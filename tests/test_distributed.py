@@ -17,6 +17,16 @@ from optuna.trial import TrialState
 
 from hpo.commands.launcher import gpu_groups, select_gpus
 from hpo.errors import ConfigError
+from hpo.trainer.batch_finder import find_physical_batch_size
+from hpo.trainer.checkpoint import CheckpointStore
+from hpo.trainer.config import DistributedSettings, TrainingConfig, TrainJob
+from hpo.trainer.data import PreparedData
+from hpo.trainer.launch import RankFailed, train_distributed
+from hpo.trainer.loop import train
+from hpo.trainer.memory import BUDGET_ENV, BUDGET_RANK_ENV, MemoryBudget
+from hpo.trainer.model import load_tokenizer
+from hpo.trainer.result import TrainResult
+from hpo.trainer.tasks import prepare_data
 from tests.conftest import (
     MINILM_TOKENIZER,
     TINY_BERT,
@@ -31,16 +41,6 @@ from tests.conftest import (
 )
 from tests.test_batch_finder import probe_peak
 from tests.test_trainer import tiny_job
-from trainer.batch_finder import find_physical_batch_size
-from trainer.checkpoint import CheckpointStore
-from trainer.config import DistributedSettings, TrainingConfig, TrainJob
-from trainer.data import PreparedData
-from trainer.launch import RankFailed, train_distributed
-from trainer.loop import train
-from trainer.memory import BUDGET_ENV, BUDGET_RANK_ENV, MemoryBudget
-from trainer.model import load_tokenizer
-from trainer.result import TrainResult
-from trainer.tasks import prepare_data
 
 
 def across(job: TrainJob, ranks: int, **training: Any) -> TrainJob:
@@ -333,8 +333,8 @@ def test_a_trial_whose_rank_failed_is_handed_back_with_the_reason() -> None:
 def test_a_token_task_divides_by_the_counted_tokens_of_every_rank(tmp_path: Path) -> None:
     """Token classification: each rank holds a different number of counted tokens, and the
     step's loss is the sum over every rank's tokens divided by all of them, as in one process."""
+    from hpo.trainer.config import ModelConfig
     from tests.test_token_classification import TASK, data_config, ner_rows, write_jsonl
-    from trainer.config import ModelConfig
 
     train_file = write_jsonl(tmp_path / "train.jsonl", ner_rows(40, 1))
     eval_file = write_jsonl(tmp_path / "eval.jsonl", ner_rows(12, 2))
@@ -361,8 +361,8 @@ def test_the_reason_names_the_rank_that_ended_the_run() -> None:
     """Why a run ended, from what each rank said of itself: its own error first (rank 0's as
     raised), then a rank that died without a word; a collective that failed for want of a
     peer is never the reason."""
-    from trainer.launch import RankWords, _cause
-    from trainer.memory import OutOfMemoryAtBatchOne
+    from hpo.trainer.launch import RankWords, _cause
+    from hpo.trainer.memory import OutOfMemoryAtBatchOne
 
     lost = RuntimeError("Connection reset by peer")
     killed = [RankWords(10, True, lost), RankWords(11)]  # rank 1 said nothing more

@@ -83,7 +83,7 @@ def test_a_study_s_top_models_stack_cache_and_predict(
     assert (out / "ENSEMBLE.md").is_file() and (out / "ensemble_card.json").is_file()
 
     # The second run reads every member's predictions from the cache: no Predictor is built.
-    import trainer.inference
+    import hpo.trainer.inference
 
     def no_forward(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a member predicted again: the feature cache was not read")
@@ -97,13 +97,13 @@ def test_a_study_s_top_models_stack_cache_and_predict(
         raise AssertionError("a meta-learner was fitted again: the ensemble cache was not read")
 
     with monkeypatch.context() as patched:
-        patched.setattr(trainer.inference.Predictor, "__init__", no_forward)
+        patched.setattr(hpo.trainer.inference.Predictor, "__init__", no_forward)
         stacked = tmp_path / "stacked"
         assert hpo_main([*ensemble, "--learner", "logistic_regression", "--out", str(stacked)]) == 0
     assert "saved: the stacked model (logistic_regression)" in capsys.readouterr().out
     with hpo.open_study("s", url) as study:  # the Python API, from the cache too
         with monkeypatch.context() as patched:
-            patched.setattr(trainer.inference.Predictor, "__init__", no_forward)
+            patched.setattr(hpo.trainer.inference.Predictor, "__init__", no_forward)
             # The stack the run before fitted and saved is read back: nothing is fitted.
             patched.setattr(stacking, "_tuned", no_fit)
             scores = study.ensemble(tmp_path / "api", top=3, learners=["logistic_regression"])
@@ -145,7 +145,7 @@ def test_a_study_s_top_models_stack_cache_and_predict(
     by_members = load_ensemble(embedded)
     assert by_members.model is not None
     pooled = {
-        name: member_embeddings(trainer.inference.Predictor(path, torch.device("cpu")), rows)
+        name: member_embeddings(hpo.trainer.inference.Predictor(path, torch.device("cpu")), rows)
         for name, path in by_members.members.items()
     }
     expected = by_members.model.predict(stacked_embeddings(pooled, by_members.model.members))
@@ -247,13 +247,13 @@ def test_taggers_are_combined_by_averaging_their_word_probabilities(
 ) -> None:
     import torch
 
-    import trainer.inference
+    import hpo.trainer.inference
     from hpo.commands import token_ensemble
     from hpo.commands.features import word_probabilities
+    from hpo.trainer.config import ModelConfig
+    from hpo.trainer.model import build_model
     from tests.conftest import MINILM_TOKENIZER, TINY_BERT
     from tests.test_predict import _save
-    from trainer.config import ModelConfig
-    from trainer.model import build_model
 
     tags = ["B-PER", "I-PER", "O"]
     members = []
@@ -298,7 +298,7 @@ def test_taggers_are_combined_by_averaging_their_word_probabilities(
         answers = model.predict(rows)
         each = [
             word_probabilities(
-                trainer.inference.Predictor(Path(m), torch.device("cpu")), rows, tags
+                hpo.trainer.inference.Predictor(Path(m), torch.device("cpu")), rows, tags
             )
             for m in members
         ]

@@ -324,7 +324,7 @@ def test_a_regression_ensemble_is_saved_and_predicts_one_value_a_row(
 def test_a_recorded_test_file_the_members_cannot_read_is_said_not_used(tmp_path: Path) -> None:
     from hpo.commands.ensemble_members import recorded_test_file
     from hpo.study.setup_record import TEST_FILE_ATTR
-    from trainer.digests import content_sha256
+    from hpo.trainer.digests import content_sha256
 
     assert recorded_test_file({}) == (None, None)
     assert recorded_test_file({TEST_FILE_ATTR: "not a record"}) == (None, None)

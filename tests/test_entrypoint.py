@@ -532,7 +532,7 @@ def context_for(trial: RecordingTrial, effective_batch_size: int, **training: An
     import torch
 
     from hpo.plugins.context import TrainingContext
-    from trainer.config import TrainingConfig
+    from hpo.trainer.config import TrainingConfig
 
     return TrainingContext(
         params={},
@@ -611,7 +611,7 @@ def test_save_refuses_what_a_resume_could_not_read(tmp_path: Path) -> None:
     import numpy as np
     import torch
 
-    from trainer.checkpoint import CheckpointStore
+    from hpo.trainer.checkpoint import CheckpointStore
 
     class Mine:
         pass
@@ -652,7 +652,7 @@ def test_numpy_arrays_and_scalars_saved_come_back_with_their_types(tmp_path: Pat
     import numpy as np
     import torch
 
-    from trainer.checkpoint import CheckpointStore
+    from hpo.trainer.checkpoint import CheckpointStore
 
     state = {
         "epoch": 3,
@@ -696,7 +696,7 @@ def test_every_example_config_loads_and_its_function_imports(
     from hpo.config.loader import load_config
     from hpo.plugins.entrypoint import load_entrypoint
     from hpo.plugins.loading import load_plugin, load_user_code
-    from trainer.tasks import is_task_path
+    from hpo.trainer.tasks import is_task_path
 
     monkeypatch.setattr(sys, "path", list(sys.path))
     config = load_config(path)

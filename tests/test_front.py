@@ -15,10 +15,10 @@ from hpo.reports import status as report
 from hpo.reports.summary import summary_lines
 from hpo.study.front import FrontRule, best_of, rule_for
 from hpo.study.kept_models import remove_stale_checkpoints
+from hpo.trainer.config import DataConfig, TrainingConfig
+from hpo.trainer.data import TokenizedSplit
+from hpo.trainer.tasks import make_task
 from hpo.trial.folders import prepare_trial_folder
-from trainer.config import DataConfig, TrainingConfig
-from trainer.data import TokenizedSplit
-from trainer.tasks import make_task
 
 MAX = StudyDirection.MAXIMIZE
 # [accuracy, samples_per_s] on an evaluation split where the most common label is half of it.

@@ -18,8 +18,8 @@ from hpo.cli.parser import build_parser
 from hpo.commands import launcher
 from hpo.commands.launcher import choose_workers_per_gpu, select_gpus, worker_argv
 from hpo.errors import ConfigError
+from hpo.trainer.memory import BUDGET_ENV
 from tests.conftest import run_hpo, start_hpo, tiny_config, wait_until_training, write_config
-from trainer.memory import BUDGET_ENV
 
 
 def test_gpu_lists_are_checked_against_the_visible_gpus() -> None:

@@ -18,6 +18,9 @@ from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
 from hpo import live
+from hpo.storage.artifacts import ArtifactStore, FileBackend
+from hpo.storage.engine import open_storage
+from hpo.storage.url import StorageURL
 from hpo.study.kept_models import (
     holds_model,
     kept_models,
@@ -25,12 +28,9 @@ from hpo.study.kept_models import (
     remove_unneeded_artifacts,
 )
 from hpo.study.trials import StudyTrials
+from hpo.trainer.checkpoint import CheckpointStore
 from hpo.trial.folders import prepare_trial_folder, study_folder_name
-from storage.artifacts import ArtifactStore, FileBackend
-from storage.engine import open_storage
-from storage.url import StorageURL
 from tests.conftest import tiny_config, write_config
-from trainer.checkpoint import CheckpointStore
 
 MAX = [StudyDirection.MAXIMIZE]
 X = {"x": FloatDistribution(0, 1)}

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from scipy.stats import rankdata
 
+from hpo.trainer.metrics import binary_roc_auc, mean_ranks
 from tests.conftest import loaded_by
-from trainer.metrics import binary_roc_auc, mean_ranks
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -59,8 +59,8 @@ def test_the_metrics_import_no_scipy() -> None:
     evaluation (each trial process is a fresh fork of its worker's fork server)."""
     code = (
         "import numpy as np\n"
-        "from trainer.metrics import binary_roc_auc\n"
-        "from trainer.tasks.regression import regression_metrics\n"
+        "from hpo.trainer.metrics import binary_roc_auc\n"
+        "from hpo.trainer.tasks.regression import regression_metrics\n"
         "binary_roc_auc(np.array([0.2, 0.7]), np.array([0, 1]))\n"
         "regression_metrics(np.array([1.0, 2.0]), np.array([1.5, 2.5]))"
     )

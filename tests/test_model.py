@@ -8,10 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import MINILM_TOKENIZER, TINY_BERT
-from trainer.config import ModelConfig
-from trainer.errors import ModelError
-from trainer.model import (
+from hpo.trainer.config import ModelConfig
+from hpo.trainer.errors import ModelError
+from hpo.trainer.model import (
     _ask_hub,
     _hub_options,
     build_model,
@@ -20,6 +19,7 @@ from trainer.model import (
     model_fingerprint,
     resolve_location,
 )
+from tests.conftest import MINILM_TOKENIZER, TINY_BERT
 
 
 def test_package_location_resolves_to_the_shipped_folder() -> None:
@@ -158,7 +158,7 @@ def test_a_model_that_built_once_on_this_host_is_not_built_again(
 ) -> None:
     """The meta-device build costs each worker the model code's imports: a marker in hpo's
     cache of the host spares the next worker on the same model, and only that model."""
-    import trainer.model as model_module
+    import hpo.trainer.model as model_module
 
     built: list[str] = []
     real = model_module.auto_model_class

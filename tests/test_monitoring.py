@@ -249,7 +249,7 @@ def test_status_watch_ends_when_only_a_dead_workers_trial_is_left(
 ) -> None:
     import sqlalchemy as sa
 
-    from storage.heartbeats import Heartbeats
+    from hpo.storage.heartbeats import Heartbeats
 
     url = f"sqlite:///{tmp_path / 'watch.db'}"
     study = optuna.create_study(study_name="w", storage=url, direction="maximize")

@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from hpo.config.loader import load_config
+from hpo.trainer.config import TrainJob
+from hpo.trainer.loop import train
+from hpo.trainer.model import load_tokenizer
+from hpo.trainer.tasks import prepare_data
 from tests.conftest import REPO
-from trainer.config import TrainJob
-from trainer.loop import train
-from trainer.model import load_tokenizer
-from trainer.tasks import prepare_data
 
 
 def test_nli_minilm_config_trains_a_few_steps(tmp_path: Path) -> None:

@@ -21,8 +21,8 @@ from hpo.config.loader import parse_config
 from hpo.config.notify import NotifyConfig
 from hpo.errors import ConfigError
 from hpo.notify import Notifier
+from hpo.storage.url import mask_text
 from hpo.study.notices import failure_streak, study_ended
-from storage.url import mask_text
 from tests.conftest import run_hpo, start_hpo, write_config
 
 pytest.importorskip("apprise")
@@ -88,9 +88,9 @@ class Endpoint:
 def _forget_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
     """The secrets a test's configs register stay in this test: masking lasts for the process,
     and this suite's endpoint (127.0.0.1) would otherwise be masked in every later test."""
-    import storage.url
+    import hpo.storage.url
 
-    monkeypatch.setattr(storage.url, "_REGISTERED", storage.url._REGISTERED)
+    monkeypatch.setattr(hpo.storage.url, "_REGISTERED", hpo.storage.url._REGISTERED)
 
 
 @pytest.fixture
@@ -313,9 +313,9 @@ class Heard:
 def test_of_many_workers_ending_at_once_one_says_the_end_and_again_after_more_trials(
     tmp_path: Path,
 ) -> None:
+    from hpo.storage.engine import open_storage
+    from hpo.storage.url import StorageURL
     from hpo.study.notices import StudyNotices
-    from storage.engine import open_storage
-    from storage.url import StorageURL
 
     storage = open_storage(StorageURL(f"sqlite:///{tmp_path / 'c.db'}", "test"))
     study = optuna.create_study(study_name="c", storage=storage)
@@ -346,9 +346,9 @@ def test_of_many_workers_ending_at_once_one_says_the_end_and_again_after_more_tr
 def test_a_new_best_is_said_for_the_trial_that_sets_it_or_joins_the_pareto_front(
     tmp_path: Path,
 ) -> None:
+    from hpo.storage.engine import open_storage
+    from hpo.storage.url import StorageURL
     from hpo.study.notices import StudyNotices
-    from storage.engine import open_storage
-    from storage.url import StorageURL
 
     storage = open_storage(StorageURL(f"sqlite:///{tmp_path / 'b.db'}", "test"))
     one = optuna.create_study(study_name="one", storage=storage, direction="maximize")

@@ -68,22 +68,28 @@ def _shipped_imports(path: Path, modules: set[str]) -> set[str]:
     return found
 
 
+def _module_name(path: Path) -> str:
+    """The name a file imports as: trainer/ and storage/ are hpo.trainer and hpo.storage."""
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts if parts[0] == "hpo" else ("hpo", *parts))
+
+
 def test_every_shipped_module_serves_the_command_line() -> None:
     """A module that only the tests import (a scratch database helper once shipped in storage/)
     belongs under tests/; a module nothing imports is dead."""
     files = {
-        ".".join(path.relative_to(REPO).with_suffix("").parts): path
-        for package in PACKAGES
-        for path in (REPO / package).rglob("*.py")
+        _module_name(path): path for package in PACKAGES for path in (REPO / package).rglob("*.py")
     }
     modules = {name.removesuffix(".__init__") for name in files}
     by_module = {name.removesuffix(".__init__"): path for name, path in files.items()}
     # Task modules are imported by name from the catalog (trainer.tasks.task_class), and the
     # fork server imports its preload list by name (hpo.trial.fork_server only there).
+    from hpo.trainer.tasks import TASKS
     from hpo.trial.fork_start import ENTRYPOINT_PRELOAD, PRELOAD, TRAINER_PRELOAD
-    from trainer.tasks import TASKS
 
-    by_name = [f"trainer.tasks.{t.module}" for t in TASKS.values()] + PRELOAD + ENTRYPOINT_PRELOAD
+    by_name = (
+        [f"hpo.trainer.tasks.{t.module}" for t in TASKS.values()] + PRELOAD + ENTRYPOINT_PRELOAD
+    )
     by_name += TRAINER_PRELOAD  # hpo.integrations: imported by users, and preloaded by name
     reached, todo = set(), ["hpo.__main__", *(name for name in by_name if name in by_module)]
     while todo:

@@ -18,6 +18,23 @@ from optuna.trial import TrialState
 
 from hpo.config.loader import parse_config
 from hpo.errors import ConfigError
+from hpo.trainer.batch_finder import BatchFinder, batch_key
+from hpo.trainer.checkpoint import CheckpointStore
+from hpo.trainer.config import DataConfig, ModelConfig, PeftSettings, TrainingConfig, TrainJob
+from hpo.trainer.data import PreparedData
+from hpo.trainer.errors import ModelError
+from hpo.trainer.loop import Trainer
+from hpo.trainer.model import build_model, check_model_config, load_tokenizer
+from hpo.trainer.peft_adapters import (
+    auto_target_modules,
+    check_targets,
+    is_adapted,
+    parameter_counts,
+    peft_task_type,
+    wrap_model,
+)
+from hpo.trainer.step import make_optimizer
+from hpo.trainer.tasks import TASKS, auto_model_class, prepare_data
 from tests.conftest import (
     MINILM_TOKENIZER,
     TINY_BERT,
@@ -29,23 +46,6 @@ from tests.conftest import (
     wait_until_training,
     write_config,
 )
-from trainer.batch_finder import BatchFinder, batch_key
-from trainer.checkpoint import CheckpointStore
-from trainer.config import DataConfig, ModelConfig, PeftSettings, TrainingConfig, TrainJob
-from trainer.data import PreparedData
-from trainer.errors import ModelError
-from trainer.loop import Trainer
-from trainer.model import build_model, check_model_config, load_tokenizer
-from trainer.peft_adapters import (
-    auto_target_modules,
-    check_targets,
-    is_adapted,
-    parameter_counts,
-    peft_task_type,
-    wrap_model,
-)
-from trainer.step import make_optimizer
-from trainer.tasks import TASKS, auto_model_class, prepare_data
 
 TINY_GPT2 = {
     "model_type": "gpt2",
@@ -650,7 +650,7 @@ def test_a_compiled_lora_model_trains_the_adapter_as_the_eager_one_does(
     """model.compile with LoRA: the compiled graph trains the adapter (and the head) and
     nothing else, to the same weights as eager training (aot_eager on the CPU: the same
     kernels)."""
-    from trainer import compiled
+    from hpo.trainer import compiled
 
     monkeypatch.setenv(compiled.BACKEND_ENV, "aot_eager")
     torch.compiler.reset()

@@ -339,7 +339,7 @@ def test_metrics_function_config_problems(tmp_path: Path) -> None:
 def test_what_the_metrics_function_returns_is_checked() -> None:
     import numpy as np
 
-    from trainer.user_metrics import MetricsFunctionError, UserMetrics
+    from hpo.trainer.user_metrics import MetricsFunctionError, UserMetrics
 
     def f2(logits: Any, labels: Any) -> Any:
         return {"f2": np.float32(0.5), "hits": int((logits.argmax(1) == labels).sum())}
@@ -464,8 +464,8 @@ def test_the_json_schema_takes_plugins_and_still_refuses_unknown_metrics(tmp_pat
 def test_a_study_keeps_its_search_space_function(tmp_path: Path) -> None:
     """The first worker records the function; one whose config names another, or a mapping,
     is refused (both would record an empty search space)."""
+    from hpo.storage import open_storage, resolve_storage_url
     from hpo.study.join import open_study
-    from storage import open_storage, resolve_storage_url
 
     storage = open_storage(resolve_storage_url(f"sqlite:///{tmp_path / 's.db'}", None))
     config = parse_config(space_config(tmp_path), base_dir=tmp_path)
@@ -501,8 +501,8 @@ def test_retrain_refuses_a_function_search_space(tmp_path: Path) -> None:
 def test_hpo_enqueue_takes_the_functions_own_names(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], hpo_main: Any
 ) -> None:
+    from hpo.storage import open_storage, resolve_storage_url
     from hpo.study.join import open_study
-    from storage import open_storage, resolve_storage_url
 
     url = f"sqlite:///{tmp_path / 's.db'}"
     open_study(

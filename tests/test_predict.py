@@ -17,6 +17,9 @@ import torch
 
 import hpo
 from hpo.commands.predict import CHUNK_BATCHES, predict_rows
+from hpo.trainer.config import ModelConfig, PeftSettings
+from hpo.trainer.inference import SETTINGS_FILE, InferenceSettings, save_settings
+from hpo.trainer.model import build_model, load_tokenizer
 from tests.conftest import (
     MINILM_TOKENIZER,
     TINY_BERT,
@@ -26,9 +29,6 @@ from tests.conftest import (
     write_config,
     write_csv,
 )
-from trainer.config import ModelConfig, PeftSettings
-from trainer.inference import SETTINGS_FILE, InferenceSettings, save_settings
-from trainer.model import build_model, load_tokenizer
 
 TEXTS = ["the meal was good", "awful room", "really very superb and lovely today", "poor"]
 
@@ -210,7 +210,7 @@ def test_a_tagger_gives_a_tag_per_word_and_none_past_max_length(
 
 
 def test_a_lora_adapter_predicts_on_its_base_as_it_is_and_merged(tmp_path: Path) -> None:
-    from trainer.peft_adapters import merge_adapter, save_head_config
+    from hpo.trainer.peft_adapters import merge_adapter, save_head_config
 
     base = _save(tmp_path / "base", "sequence_classification", ["neg", "pos"])
     settings = PeftSettings(r=4, target_modules=["query", "value"])

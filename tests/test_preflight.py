@@ -16,8 +16,7 @@ from typing import Any, BinaryIO
 import pytest
 import sqlalchemy as sa
 
-from hpo.trial.uploads import BackgroundUploader, Backoff
-from storage.artifacts import (
+from hpo.storage.artifacts import (
     ArtifactStore,
     ArtifactStoreError,
     ArtifactTarget,
@@ -26,6 +25,7 @@ from storage.artifacts import (
     is_refusal,
     validated_artifact_url,
 )
+from hpo.trial.uploads import BackgroundUploader, Backoff
 from tests.conftest import TINY_BERT, run_hpo, tiny_config, write_config
 
 Main = Callable[[list[str]], int]
@@ -39,14 +39,14 @@ def _in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def no_data(monkeypatch: pytest.MonkeyPatch) -> None:
     """The data is never prepared: a check that comes after it fails the test."""
-    import trainer.tasks
-    import trainer.token_cache
+    import hpo.trainer.tasks
+    import hpo.trainer.token_cache
 
     def prepare_data(*args: Any) -> None:
         raise AssertionError("the data was prepared before the check")
 
-    monkeypatch.setattr(trainer.tasks, "prepare_data", prepare_data)
-    monkeypatch.setattr(trainer.token_cache, "prepare_splits", prepare_data)
+    monkeypatch.setattr(hpo.trainer.tasks, "prepare_data", prepare_data)
+    monkeypatch.setattr(hpo.trainer.token_cache, "prepare_splits", prepare_data)
 
 
 def run(main: Main, config: Path, storage: str, *more: str) -> int:
@@ -236,8 +236,8 @@ def test_whole_weights_pass_the_check(saved_model: Path, tmp_path: Path) -> None
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from trainer.config import ModelConfig
-    from trainer.model import check_model_config
+    from hpo.trainer.config import ModelConfig
+    from hpo.trainer.model import check_model_config
 
     check_model_config(ModelConfig(name_or_path=str(saved_model)), 32)
     model = AutoModelForSequenceClassification.from_pretrained(saved_model)
@@ -328,8 +328,8 @@ def test_an_sqlite_file_where_no_file_can_be_made_is_refused_before_the_data(
 
 
 def test_the_sqlite_folder_check_leaves_nothing_in_a_writable_folder(tmp_path: Path) -> None:
-    from storage.preflight import check_database
-    from storage.url import StorageURL
+    from hpo.storage.preflight import check_database
+    from hpo.storage.url import StorageURL
 
     folder = tmp_path / "db"
     folder.mkdir()

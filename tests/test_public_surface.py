@@ -24,7 +24,7 @@ def test_every_public_name_imports(name: str) -> None:
 
 
 def test_the_task_classes_are_the_built_in_ones_users_subclass() -> None:
-    from trainer.tasks import sequence_classification
+    from hpo.trainer.tasks import sequence_classification
 
     assert hpo.SequenceClassification is sequence_classification.SequenceClassification
     for task in (hpo.SequenceClassification, hpo.Regression, hpo.MultiLabelClassification):
@@ -101,9 +101,9 @@ def test_an_internal_import_in_an_example_is_found(tmp_path: Path) -> None:
     example = tmp_path / "example.py"
     example.write_text(
         "import hpo\nfrom hpo import TrainingContext\nfrom hpo.integrations import transformers\n"
-        "def f():\n    from trainer.tasks.base import Task\n    import hpo.trial.process\n"
+        "def f():\n    from hpo.trainer.tasks.base import Task\n    import hpo.trial.process\n"
     )
     assert _internal_imports(example, tmp_path) == [
-        "example.py: trainer.tasks.base",
+        "example.py: hpo.trainer.tasks.base",
         "example.py: hpo.trial.process",
     ]

@@ -19,8 +19,8 @@ import sqlalchemy as sa
 from optuna.distributions import FloatDistribution
 from sqlalchemy.engine import make_url
 
-from storage import outage
-from storage.errors import DatabaseUnreachable
+from hpo.storage import outage
+from hpo.storage.errors import DatabaseUnreachable
 from tests.conftest import PG_ADMIN_URL, start_hpo
 from tests.tcp_proxy import CuttableProxy
 
@@ -110,7 +110,7 @@ def test_a_read_that_lost_its_connection_is_read_again_and_the_outage_said_once(
     short_backoff: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     read = FlakyRead(drops=3)
-    with caplog.at_level(logging.WARNING, logger="storage.outage"):
+    with caplog.at_level(logging.WARNING, logger="hpo.storage.outage"):
         answer = outage.retrying(read, "the report", 30, database="the study database X")
     assert answer == "the answer" and read.calls == 4
     said = [r.getMessage() for r in caplog.records]

@@ -24,6 +24,7 @@ from hpo.errors import HPOError
 from hpo.reports import model_card
 from hpo.study import retrain
 from hpo.study.kept_models import remove_unneeded_folders
+from hpo.trainer.data import PreparedData, TokenizedSplit, with_eval_in_training
 from hpo.trial.folders import prepare_trial_folder, study_folder_name
 from tests.conftest import (
     run_hpo,
@@ -33,7 +34,6 @@ from tests.conftest import (
     wait_until_training,
     write_config,
 )
-from trainer.data import PreparedData, TokenizedSplit, with_eval_in_training
 
 SPACE = {"learning_rate": ParamSpec(type="float", low=1e-4, high=1e-1, log=True)}
 LR = FloatDistribution(1e-4, 1e-1, log=True)

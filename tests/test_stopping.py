@@ -277,15 +277,15 @@ def test_a_worker_killed_between_a_trials_end_and_its_record_leaves_it_resumable
     trial once dropped its state before handing its result to the worker)."""
     from hpo.config.loader import load_config
     from hpo.stopping import StopRequest
+    from hpo.storage import open_storage
+    from hpo.storage.url import StorageURL
     from hpo.study.join import open_study
     from hpo.study.loop import run_trials
     from hpo.study.retry import retry_trial
     from hpo.study.trials import StudyTrials
+    from hpo.trainer.model import load_tokenizer
+    from hpo.trainer.tasks import prepare_data
     from hpo.trial.objective import Objective
-    from storage import open_storage
-    from storage.url import StorageURL
-    from trainer.model import load_tokenizer
-    from trainer.tasks import prepare_data
 
     raw = tiny_config(
         *easy_data,
@@ -342,11 +342,11 @@ def test_a_stop_as_the_database_opens_creates_no_study_and_says_no_trial_runs(
     study was created after the signal."""
     import sqlalchemy as sa
 
-    import storage
+    from hpo import storage
     from hpo.commands import run
     from hpo.commands.requests import RunRequest
     from hpo.config.loader import load_config
-    from storage.url import resolve_storage_url
+    from hpo.storage.url import resolve_storage_url
 
     url = f"sqlite:///{tmp_path / 'stop.db'}"
     config = load_config(write_config(tmp_path / "c.yaml", tiny_config(*easy_data)))

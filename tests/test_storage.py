@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from storage import mask_url, open_storage, resolve_storage_url
-from storage.errors import StorageError
-from storage.url import mask_text
+from hpo.storage import mask_url, open_storage, resolve_storage_url
+from hpo.storage.errors import StorageError
+from hpo.storage.url import mask_text
 
 
 def test_precedence_cli_env_config_default(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -181,7 +181,7 @@ def test_an_sqlite_file_deleted_under_a_worker_fails_at_once(tmp_path: Path) -> 
     made read-only gives SQLite's same error; as root, which CI is, a mode cannot make it so.)"""
     import optuna
 
-    from storage.url import StorageURL
+    from hpo.storage.url import StorageURL
 
     db = tmp_path / "gone.db"
     storage = open_storage(StorageURL(f"sqlite:///{db}", "test"), patience_s=600)
@@ -201,7 +201,7 @@ def test_an_sqlite_file_read_only_from_the_start_is_not_said_to_have_changed(
     which CI is, a mode cannot make a file read-only: SQLite's mode=ro does.)"""
     import optuna
 
-    from storage.url import StorageURL
+    from hpo.storage.url import StorageURL
 
     db = tmp_path / "ro.db"
     optuna.create_study(study_name="old", storage=f"sqlite:///{db}")
@@ -220,7 +220,7 @@ def test_an_sqlite_file_read_only_from_the_start_is_not_said_to_have_changed(
 def test_a_corrupt_sqlite_file_is_called_corrupt(tmp_path: Path, damage: str) -> None:
     import sqlite3
 
-    from storage.url import StorageURL
+    from hpo.storage.url import StorageURL
 
     db = tmp_path / "study.db"
     with sqlite3.connect(db) as conn:
@@ -244,7 +244,7 @@ def test_a_corrupt_sqlite_file_is_called_corrupt(tmp_path: Path, damage: str) ->
 def test_a_missing_postgres_database_says_how_to_create_it(postgres_url: str) -> None:
     from sqlalchemy.engine import make_url
 
-    from storage.url import StorageURL
+    from hpo.storage.url import StorageURL
 
     parsed = make_url(postgres_url).set(database="hpo_no_such_db", password="s3cret")
     url = parsed.render_as_string(hide_password=False)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from storage.url import StorageURL, mask_text, mask_url, resolve_storage_url
+from hpo.storage.url import StorageURL, mask_text, mask_url, resolve_storage_url
 
 SECRET = "Sekr1t"
 
@@ -80,7 +80,7 @@ def test_masking_a_long_text_takes_no_time() -> None:
 
 
 def test_three_slashes_are_refused_before_a_server_is_asked() -> None:
-    from storage.errors import StorageError
+    from hpo.storage.errors import StorageError
 
     with pytest.raises(StorageError) as caught:
         resolve_storage_url(f"postgresql+psycopg2:///user:{SECRET}@127.0.0.1/db", None)
@@ -96,8 +96,8 @@ def test_a_database_name_the_server_echoes_is_masked_with_its_createdb_line() ->
     # A URL that reached the server with the password inside the database name.
     url = StorageURL(f"postgresql+psycopg2://h/user:{SECRET}@127.0.0.1", "test")
     error = _ServerError(f'FATAL:  database "user:{SECRET}@127.0.0.1" does not exist')
-    from storage.preflight import _connection_failure
-    from storage.url import open_fix
+    from hpo.storage.preflight import _connection_failure
+    from hpo.storage.url import open_fix
 
     message = _connection_failure(url, error)
     assert "createdb" in message and SECRET not in message, message
@@ -184,7 +184,7 @@ SECRET_QUERIES = [
 
 @pytest.mark.parametrize("url", SECRET_QUERIES)
 def test_a_secret_query_value_is_masked_wherever_a_url_is_shown(url: str) -> None:
-    from storage.artifacts import masked_artifact_url
+    from hpo.storage.artifacts import masked_artifact_url
 
     for shown in (
         mask_url(url),

@@ -15,10 +15,10 @@ import hpo
 from hpo.config.schema import Config, ParamSpec, StudyConfig
 from hpo.errors import HPOError
 from hpo.reports.text import studies_table
+from hpo.storage.engine import open_storage
+from hpo.storage.url import StorageURL
 from hpo.study.join import open_study
 from hpo.study.names import check_no_lookalike, checked_study_name, shown_study_name
-from storage.engine import open_storage
-from storage.url import StorageURL
 
 COMPOSED = unicodedata.normalize("NFC", "café")  # é as one character
 DECOMPOSED = unicodedata.normalize("NFD", "café")  # e and a combining accent

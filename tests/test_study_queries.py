@@ -18,10 +18,10 @@ from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState
 
 from hpo.reports import status as report
+from hpo.storage import open_storage, study_queries
+from hpo.storage.engine import StudyStorage
+from hpo.storage.url import StorageURL
 from hpo.study.trials import counted_trials
-from storage import open_storage, study_queries
-from storage.engine import StudyStorage
-from storage.url import StorageURL
 
 LR = FloatDistribution(1e-5, 1e-1, log=True)
 NOW = dt.datetime(2030, 1, 1)
@@ -185,7 +185,7 @@ def _comparable(trial: optuna.trial.FrozenTrial) -> dict[str, Any]:
 def test_a_running_trial_whose_worker_went_silent_is_shown_and_the_study_stalled(
     storage: StudyStorage,
 ) -> None:
-    from storage.heartbeats import Heartbeats
+    from hpo.storage.heartbeats import Heartbeats
 
     study = optuna.create_study(storage=storage, study_name="q", direction="maximize")
     study.set_user_attr("grace_period_s", 90)

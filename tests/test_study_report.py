@@ -300,8 +300,8 @@ def test_markdown_cells_with_a_bar_or_a_line_break_keep_the_table_whole(tmp_path
 def test_a_large_study_is_drawn_from_a_sample_read_from_the_database(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from storage import open_storage
-    from storage.url import StorageURL
+    from hpo.storage import open_storage
+    from hpo.storage.url import StorageURL
 
     url = f"sqlite:///{tmp_path / 'r.db'}"
     study = finished_study(url)

@@ -17,6 +17,8 @@ from hpo.config.loader import parse_config
 from hpo.config.schema import Config
 from hpo.errors import ConfigError
 from hpo.reports.status import setup_warnings
+from hpo.storage.engine import StudyStorage, open_storage
+from hpo.storage.url import StorageURL
 from hpo.study.join import WORKERS_ATTR, open_study
 from hpo.study.setup_record import (
     SETUP_ATTR,
@@ -25,10 +27,8 @@ from hpo.study.setup_record import (
     setup_changes,
     setup_record,
 )
-from storage.engine import StudyStorage, open_storage
-from storage.url import StorageURL
+from hpo.trainer.digests import content_sha256, file_sha256
 from tests.conftest import easy_rows, run_hpo, tiny_config, write_config, write_csv
-from trainer.digests import content_sha256, file_sha256
 
 
 def _config(tmp_path: Path, raw: dict[str, Any]) -> Config:

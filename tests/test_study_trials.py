@@ -20,11 +20,11 @@ from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState
 
 from hpo.config.schema import SamplerConfig
+from hpo.storage.engine import StudyStorage, open_storage
+from hpo.storage.heartbeats import heartbeats
+from hpo.storage.url import StorageURL
 from hpo.study.sampling import build_sampler, worker_seed
 from hpo.study.trials import StudyTrials, counted_trials
-from storage.engine import StudyStorage, open_storage
-from storage.heartbeats import heartbeats
-from storage.url import StorageURL
 
 X = {"x": FloatDistribution(0, 1)}
 
@@ -193,7 +193,7 @@ def test_each_worker_gets_its_own_seed_and_the_first_keeps_the_configured_one() 
 def test_the_trial_cache_reads_finished_trials_once_and_sees_other_workers_trials(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from storage import study_queries
+    from hpo.storage import study_queries
 
     storage = _storage(tmp_path)
     assert storage.cache is not None

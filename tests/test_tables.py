@@ -11,8 +11,8 @@ import optuna
 import pytest
 import sqlalchemy as sa
 
-from storage.heartbeats import Heartbeats
-from storage.tables import (
+from hpo.storage.heartbeats import Heartbeats
+from hpo.storage.tables import (
     SCHEMA_VERSION,
     SchemaVersionError,
     batch_sizes,

@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 import torch
 
+from hpo.trainer.batching import collate
+from hpo.trainer.config import DataConfig, ModelConfig, TrainingConfig
+from hpo.trainer.data import PreparedData, TokenizedSplit
+from hpo.trainer.errors import DataError
+from hpo.trainer.model import build_model, load_tokenizer
+from hpo.trainer.tasks import make_task, prepare_data
+from hpo.trainer.tasks.multi_label import best_constant_scores, multi_label_metrics
 from tests.conftest import MINILM_TOKENIZER, TINY_BERT, tiny_config, write_config, write_csv
 from tests.task_study import run_task_study
-from trainer.batching import collate
-from trainer.config import DataConfig, ModelConfig, TrainingConfig
-from trainer.data import PreparedData, TokenizedSplit
-from trainer.errors import DataError
-from trainer.model import build_model, load_tokenizer
-from trainer.tasks import make_task, prepare_data
-from trainer.tasks.multi_label import best_constant_scores, multi_label_metrics
 
 TASK = "multi_label_classification"
 MODEL = ModelConfig(config=dict(TINY_BERT), tokenizer=MINILM_TOKENIZER)

@@ -105,9 +105,9 @@ def test_the_json_schema_takes_a_task_class_and_a_factory(tmp_path: Path) -> Non
 
 TASKS = """\
 import torch
-from trainer.tasks import TaskInfo
-from trainer.tasks.base import Task
-from trainer.tasks.sequence_classification import SequenceClassification
+from hpo.trainer.tasks import TaskInfo
+from hpo.trainer.tasks.base import Task
+from hpo.trainer.tasks.sequence_classification import SequenceClassification
 
 
 class Focal(SequenceClassification):
@@ -223,7 +223,7 @@ def test_a_task_module_that_does_not_import_is_one_line_before_any_trial(
 def test_logits_of_each_form_a_forward_may_return() -> None:
     from transformers.modeling_outputs import SequenceClassifierOutput
 
-    from trainer.model_factory import ModelOutputError, logits_of
+    from hpo.trainer.model_factory import ModelOutputError, logits_of
 
     logits = torch.ones(2, 3)
     for output in (
@@ -279,7 +279,7 @@ def helper_that_breaks():
 
 
 def factory_job(tmp_path: Path, spec: str) -> Any:
-    from trainer.config import DataConfig, ModelConfig, TrainingConfig, TrainJob
+    from hpo.trainer.config import DataConfig, ModelConfig, TrainingConfig, TrainJob
 
     (tmp_path / "factory_mod.py").write_text(FACTORY)
     sys.path.insert(0, str(tmp_path))
@@ -292,10 +292,10 @@ def factory_job(tmp_path: Path, spec: str) -> Any:
 def test_the_factory_builds_the_model_from_what_hpo_hands_it(
     user_modules: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from trainer.batch_finder import find_physical_batch_size
-    from trainer.memory import BUDGET_ENV
-    from trainer.model import build_model, model_fingerprint
-    from trainer.model_factory import ModelFactoryError
+    from hpo.trainer.batch_finder import find_physical_batch_size
+    from hpo.trainer.memory import BUDGET_ENV
+    from hpo.trainer.model import build_model, model_fingerprint
+    from hpo.trainer.model_factory import ModelFactoryError
 
     job = factory_job(user_modules, "factory_mod:build")
     model = build_model(job.model, ["neg", "pos"], seed=0, job=job)
@@ -328,8 +328,8 @@ def test_the_factory_builds_the_model_from_what_hpo_hands_it(
 def test_a_module_that_is_no_transformers_model_is_saved_as_its_state_dict(
     user_modules: Path,
 ) -> None:
-    from trainer.checkpoint import CheckpointStore
-    from trainer.model import build_model
+    from hpo.trainer.checkpoint import CheckpointStore
+    from hpo.trainer.model import build_model
 
     job = factory_job(user_modules, "factory_mod:build")
     model = build_model(job.model, ["neg", "pos"], seed=0, job=job)
@@ -345,11 +345,11 @@ def test_a_module_that_is_no_transformers_model_is_saved_as_its_state_dict(
 
 
 def test_a_factory_model_stopped_mid_run_resumes_to_the_same_weights(user_modules: Path) -> None:
-    from trainer.checkpoint import CheckpointStore
-    from trainer.config import DataConfig, TrainingConfig
-    from trainer.loop import Trainer
-    from trainer.model import load_tokenizer
-    from trainer.tasks import prepare_data
+    from hpo.trainer.checkpoint import CheckpointStore
+    from hpo.trainer.config import DataConfig, TrainingConfig
+    from hpo.trainer.loop import Trainer
+    from hpo.trainer.model import load_tokenizer
+    from hpo.trainer.tasks import prepare_data
 
     job = factory_job(user_modules, "factory_mod:build")
     train = write_csv(user_modules / "train.csv", easy_rows(32, 1))
@@ -381,7 +381,7 @@ def test_a_factory_model_stopped_mid_run_resumes_to_the_same_weights(user_module
 FRAGILE = """\
 from transformers import BertConfig, BertForSequenceClassification
 
-from trainer.tasks.sequence_classification import SequenceClassification
+from hpo.trainer.tasks.sequence_classification import SequenceClassification
 
 
 class Fragile(SequenceClassification):
@@ -471,8 +471,8 @@ def test_the_examples_focal_loss_is_cross_entropy_at_gamma_zero() -> None:
         from focal import FocalLoss  # type: ignore[import-not-found]
     finally:
         sys.path.remove(str(EXAMPLE))
-    from trainer.config import DataConfig, TrainingConfig
-    from trainer.tasks.sequence_classification import SequenceClassification
+    from hpo.trainer.config import DataConfig, TrainingConfig
+    from hpo.trainer.tasks.sequence_classification import SequenceClassification
 
     logits = torch.tensor([[2.0, -1.0], [0.1, 0.3], [-2.0, 2.0]])
     labels = torch.tensor([0, 0, 1])

@@ -14,7 +14,7 @@ from hpo.config.loader import parse_config
 from hpo.config.search_paths import with_params
 from hpo.errors import ConfigError
 from hpo.study.join import TASK_ATTR, _check_study_settings, model_loader, study_task
-from trainer.tasks import METRIC_DIRECTIONS, TASKS, make_task, task_info
+from hpo.trainer.tasks import METRIC_DIRECTIONS, TASKS, make_task, task_info
 
 
 def _raw(easy_data: tuple[Path, Path], **sections: Any) -> dict[str, Any]:
@@ -36,7 +36,7 @@ def _problems(raw: dict[str, Any]) -> list[str]:
 
 
 def test_every_task_in_the_catalog_loads_and_names_its_metrics() -> None:
-    from trainer.config import DataConfig, TrainingConfig
+    from hpo.trainer.config import DataConfig, TrainingConfig
 
     for name, info in TASKS.items():
         assert info.default_metric in info.metrics

@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 import torch
 
+from hpo.trainer.batching import collate
+from hpo.trainer.config import DataConfig, ModelConfig, TrainingConfig
+from hpo.trainer.errors import DataError
+from hpo.trainer.model import build_model, load_tokenizer
+from hpo.trainer.step import accumulate_gradients
+from hpo.trainer.tasks import make_task, prepare_data
+from hpo.trainer.tasks.base import IGNORE, Task
 from tests.conftest import MINILM_TOKENIZER, TINY_BERT, tiny_config, write_config, write_csv
 from tests.task_study import run_task_study
-from trainer.batching import collate
-from trainer.config import DataConfig, ModelConfig, TrainingConfig
-from trainer.errors import DataError
-from trainer.model import build_model, load_tokenizer
-from trainer.step import accumulate_gradients
-from trainer.tasks import make_task, prepare_data
-from trainer.tasks.base import IGNORE, Task
 
 TASK = "token_classification"
 NER_COLUMNS = {"text_column": "tokens", "label_column": "tags"}

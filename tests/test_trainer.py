@@ -14,15 +14,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hpo.trainer import loaders, loop, step
+from hpo.trainer.batching import BatchCollator, collate
+from hpo.trainer.config import DataConfig, ModelConfig, TrainingConfig, TrainJob
+from hpo.trainer.data import PreparedData
+from hpo.trainer.loop import Evaluation, train
+from hpo.trainer.model import build_model, load_tokenizer
+from hpo.trainer.step import accumulate_gradients, grad_accum_steps_for, optimizer_step
+from hpo.trainer.tasks import make_task, prepare_data
 from tests.conftest import MINILM_TOKENIZER, TINY_BERT, easy_rows, loaded_by, write_csv
-from trainer import loaders, loop, step
-from trainer.batching import BatchCollator, collate
-from trainer.config import DataConfig, ModelConfig, TrainingConfig, TrainJob
-from trainer.data import PreparedData
-from trainer.loop import Evaluation, train
-from trainer.model import build_model, load_tokenizer
-from trainer.step import accumulate_gradients, grad_accum_steps_for, optimizer_step
-from trainer.tasks import make_task, prepare_data
 
 
 def tiny_job(train_file: Path, eval_file: Path, **training: object) -> TrainJob:
@@ -118,7 +118,7 @@ def test_non_finite_loss_is_reported_as_divergence(
     prepared: tuple[TrainJob, PreparedData], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     job, data = prepared
-    from trainer.tasks.sequence_classification import SequenceClassification
+    from hpo.trainer.tasks.sequence_classification import SequenceClassification
 
     real = SequenceClassification.loss_sum
 
@@ -237,7 +237,9 @@ def test_optional_modes_train(
 
 
 def test_trainer_does_not_import_optuna() -> None:
-    code = "import trainer.loop, trainer.token_cache, trainer.model, trainer.metrics"
+    code = (
+        "import hpo.trainer.loop, hpo.trainer.token_cache, hpo.trainer.model, hpo.trainer.metrics"
+    )
     assert loaded_by(code, ("optuna",)) == []
 
 
@@ -246,7 +248,7 @@ def test_trainer_does_not_import_optuna() -> None:
 HANDED_OVER = """
 import os, select, socket, struct, sys, threading
 from multiprocessing import resource_sharer
-from trainer import loaders
+from hpo.trainer import loaders
 
 if sys.argv[1] == "worker":
     loaders.leave_stop_signals_to_the_trainer(0)

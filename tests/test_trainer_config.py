@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import tiny_config
-from trainer.config import (
+from hpo.trainer.config import (
     MAX_BATCH_SIZE,
     MAX_EPOCHS,
     MAX_EVALS_PER_EPOCH,
@@ -18,6 +17,7 @@ from trainer.config import (
     DataConfig,
     TrainingConfig,
 )
+from tests.conftest import tiny_config
 
 
 @pytest.mark.parametrize(

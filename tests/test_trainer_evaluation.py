@@ -14,20 +14,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.test_trainer import tiny_job
-from trainer import evaluation
-from trainer.batching import Padding
-from trainer.config import DataConfig, TrainingConfig
-from trainer.data import TokenizedSplit
-from trainer.evaluation import (
+from hpo.trainer import evaluation
+from hpo.trainer.batching import Padding
+from hpo.trainer.config import DataConfig, TrainingConfig
+from hpo.trainer.data import TokenizedSplit
+from hpo.trainer.evaluation import (
     Evaluator,
     evaluations_per_epoch,
     is_evaluation_step,
 )
-from trainer.loaders import LoaderSettings
-from trainer.loop import Trainer
-from trainer.model import load_tokenizer
-from trainer.tasks import make_task, prepare_data
+from hpo.trainer.loaders import LoaderSettings
+from hpo.trainer.loop import Trainer
+from hpo.trainer.model import load_tokenizer
+from hpo.trainer.tasks import make_task, prepare_data
+from tests.test_trainer import tiny_job
 
 CPU = torch.device("cpu")
 

@@ -139,9 +139,16 @@ def test_the_worker_loop_imports_neither_torch_nor_transformers() -> None:
     # A worker's study loop, storage and objective load in 60 MB instead of 240: hundreds of
     # light workers on a host (bench/many_workers.py). Only the trial's training, in the
     # trial process, needs them.
+    modules = [
+        "hpo.study.loop",
+        "hpo.trial.objective",
+        "hpo.study.trials",
+        "hpo.storage.engine",
+        "hpo.storage.batch_cache",
+        "hpo.storage.artifacts",
+    ]
     code = (
-        "import sys, hpo.study.loop, hpo.trial.objective, hpo.study.trials, storage.engine, "
-        "storage.batch_cache, storage.artifacts; "
+        f"import sys, {', '.join(modules)}; "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)

@@ -50,7 +50,7 @@ def context(
     **training: Any,
 ) -> Any:
     from hpo.plugins.context import TrainingContext
-    from trainer.config import TrainingConfig
+    from hpo.trainer.config import TrainingConfig
 
     return TrainingContext(
         params=params or {},
@@ -191,7 +191,7 @@ def test_callback_stops_with_a_checkpoint_that_the_retry_resumes_from(tmp_path: 
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
     from hpo.integrations.transformers import HpoCallback, resume_checkpoint
-    from trainer.checkpoint import CheckpointStore
+    from hpo.trainer.checkpoint import CheckpointStore
 
     stop = threading.Event()
     ctx = context(RecordingTrial(), should_stop=stop.is_set)

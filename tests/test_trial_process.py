@@ -20,12 +20,12 @@ from optuna.trial import TrialState
 from hpo.config.loader import load_config
 from hpo.config.schema import Config
 from hpo.stopping import StopRequest
+from hpo.storage import open_storage
+from hpo.storage.url import StorageURL
 from hpo.study.loop import run_trials
 from hpo.trial.objective import Objective
 from hpo.trial.process import TrialLimits, TrialProcess, run_in_child
 from hpo.trial.protocol import TrialTarget
-from storage import open_storage
-from storage.url import StorageURL
 from tests import trial_targets
 from tests.conftest import tiny_config, write_config
 

@@ -16,10 +16,10 @@ from optuna.trial import TrialState, create_trial
 from hpo.config.loader import load_config
 from hpo.config.schema import Config, ParamSpec
 from hpo.errors import ConfigError
+from hpo.storage.engine import StudyStorage, open_storage
+from hpo.storage.url import StorageURL
 from hpo.study import warm_start
 from hpo.study.join import open_study
-from storage.engine import StudyStorage, open_storage
-from storage.url import StorageURL
 from tests.conftest import exit_code, run_hpo, tiny_config, write_config
 
 SPACE = {

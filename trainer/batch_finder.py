@@ -17,10 +17,10 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from trainer import device as dev
-from trainer.compiled import compile_model
-from trainer.config import TrainJob
-from trainer.memory import (
+from hpo.trainer import device as dev
+from hpo.trainer.compiled import compile_model
+from hpo.trainer.config import TrainJob
+from hpo.trainer.memory import (
     OutOfMemoryAtBatchOne,
     budget_from_env,
     claim_memory_share,
@@ -30,10 +30,10 @@ from trainer.memory import (
     release_memory,
     simulated_budget,
 )
-from trainer.model import build_model, model_fingerprint, vocab_size_of
-from trainer.model_factory import logits_of
-from trainer.step import make_optimizer, optimizer_step
-from trainer.tasks import make_task
+from hpo.trainer.model import build_model, model_fingerprint, vocab_size_of
+from hpo.trainer.model_factory import logits_of
+from hpo.trainer.step import make_optimizer, optimizer_step
+from hpo.trainer.tasks import make_task
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.data import TokenizedSplit
+from hpo.trainer.data import TokenizedSplit
 
 # Steps per shuffled pool that is sorted by length before it is cut into steps.
 STEPS_PER_LENGTH_POOL = 16

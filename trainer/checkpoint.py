@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.files import BEST_MODEL_DIR, STATE_FILE
-from trainer.peft_adapters import save_head_config
+from hpo.trainer.files import BEST_MODEL_DIR, STATE_FILE
+from hpo.trainer.peft_adapters import save_head_config
 
 log = logging.getLogger(__name__)
 

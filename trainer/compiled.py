@@ -7,7 +7,7 @@ object: `BACKEND`, one per process. What a trial compiles is counted (`compile_s
 and seconds spent in the compiler. A deep model's repeated blocks are compiled alone
 (`compile_model`), one graph for every layer. Shapes are kept few: the batch dimension becomes
 dynamic (micro-batches of an accumulated step differ by one, evaluation batches are twice as
-large), and sequence lengths are padded to a handful of widths (`trainer.batching.Padding`).
+large), and sequence lengths are padded to a handful of widths (`hpo.trainer.batching.Padding`).
 Inductor keeps its caches in one folder per host (`inductor_cache_dir`), which every worker of
 the host shares.
 
@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from trainer.config import CompileScope
-from trainer.digests import hpo_cache_root
+from hpo.trainer.config import CompileScope
+from hpo.trainer.digests import hpo_cache_root
 
 # Tests only: compile with this backend (aot_eager compiles in seconds on a CPU, inductor takes
 # minutes there); users get torch's default, inductor.

@@ -2,8 +2,8 @@
 splits of a run (`PreparedData`), and a split's folder of .npy files, which the token cache
 writes and every process of a host memory-maps.
 
-Reading files is `trainer.readers`, labels `trainer.labels`, tokenization and its cache
-`trainer.token_cache`, steps and padding `trainer.batching`.
+Reading files is `hpo.trainer.readers`, labels `hpo.trainer.labels`, tokenization and its cache
+`hpo.trainer.token_cache`, steps and padding `hpo.trainer.batching`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from trainer.errors import DeviceError
+from hpo.trainer.errors import DeviceError
 
 
 def resolve_device(name: str, source: str = "training.device") -> torch.device:

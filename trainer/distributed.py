@@ -16,16 +16,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer.batching import collate, plan_epoch
-from trainer.checkpoint import CheckpointStore, rng_state, set_rng_state
-from trainer.config import TrainJob
-from trainer.data import PreparedData
-from trainer.loop import OnEvaluation, ShouldStop, Trainer
-from trainer.memory import none_on_oom
-from trainer.progress import Progress
-from trainer.result import TrainResult
-from trainer.step import grad_accum_steps_for, optimizer_step
-from trainer.user_metrics import UserMetrics
+from hpo.trainer.batching import collate, plan_epoch
+from hpo.trainer.checkpoint import CheckpointStore, rng_state, set_rng_state
+from hpo.trainer.config import TrainJob
+from hpo.trainer.data import PreparedData
+from hpo.trainer.loop import OnEvaluation, ShouldStop, Trainer
+from hpo.trainer.memory import none_on_oom
+from hpo.trainer.progress import Progress
+from hpo.trainer.result import TrainResult
+from hpo.trainer.step import grad_accum_steps_for, optimizer_step
+from hpo.trainer.user_metrics import UserMetrics
 
 log = logging.getLogger(__name__)
 

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trainer import device as dev
-from trainer.batching import eval_batches
-from trainer.data import TokenizedSplit
-from trainer.loaders import LoaderSettings, to_device
-from trainer.memory import OutOfMemoryAtBatchOne, none_on_oom, release_memory
-from trainer.tasks.base import Task
-from trainer.user_metrics import UserMetrics
+from hpo.trainer import device as dev
+from hpo.trainer.batching import eval_batches
+from hpo.trainer.data import TokenizedSplit
+from hpo.trainer.loaders import LoaderSettings, to_device
+from hpo.trainer.memory import OutOfMemoryAtBatchOne, none_on_oom, release_memory
+from hpo.trainer.tasks.base import Task
+from hpo.trainer.user_metrics import UserMetrics
 
 log = logging.getLogger(__name__)
 

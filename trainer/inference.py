@@ -20,18 +20,18 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from trainer.batching import collate, eval_batches
-from trainer.config import ModelConfig
-from trainer.data import TokenizedSplit, flat_split
-from trainer.errors import DataError, ModelError
-from trainer.model import check_weights, load_tokenizer, resolve_location
-from trainer.model_factory import logits_of
-from trainer.peft_adapters import ADAPTER_CONFIG, is_adapter_folder
-from trainer.tasks import TASKS, auto_model_class
-from trainer.text_window import cut_words, heads, window_chars
+from hpo.trainer.batching import collate, eval_batches
+from hpo.trainer.config import ModelConfig
+from hpo.trainer.data import TokenizedSplit, flat_split
+from hpo.trainer.errors import DataError, ModelError
+from hpo.trainer.model import check_weights, load_tokenizer, resolve_location
+from hpo.trainer.model_factory import logits_of
+from hpo.trainer.peft_adapters import ADAPTER_CONFIG, is_adapter_folder
+from hpo.trainer.tasks import TASKS, auto_model_class
+from hpo.trainer.text_window import cut_words, heads, window_chars
 
 if TYPE_CHECKING:
-    from trainer.config import TrainJob
+    from hpo.trainer.config import TrainJob
 
 log = logging.getLogger(__name__)
 

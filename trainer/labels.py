@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer.errors import DataError
+from hpo.trainer.errors import DataError
 
 
 def label_vocabulary(raw_labels: list[Any], source: str, column: str = "label") -> list[str]:

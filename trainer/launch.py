@@ -32,18 +32,18 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from trainer import device as dev
-from trainer.batch_finder import BatchSearch, NoPhysicalBatchFits, resolve_physical_batch
-from trainer.checkpoint import CheckpointStore
-from trainer.config import TrainJob
-from trainer.data import PreparedData
-from trainer.distributed import DistributedTrainer, RankGroup
-from trainer.errors import DeviceError
-from trainer.evaluation import Evaluation
-from trainer.loop import OnEvaluation, OnProgress, ShouldStop
-from trainer.memory import OutOfMemoryAtBatchOne, simulated_budget
-from trainer.result import TrainResult
-from trainer.user_metrics import UserMetrics
+from hpo.trainer import device as dev
+from hpo.trainer.batch_finder import BatchSearch, NoPhysicalBatchFits, resolve_physical_batch
+from hpo.trainer.checkpoint import CheckpointStore
+from hpo.trainer.config import TrainJob
+from hpo.trainer.data import PreparedData
+from hpo.trainer.distributed import DistributedTrainer, RankGroup
+from hpo.trainer.errors import DeviceError
+from hpo.trainer.evaluation import Evaluation
+from hpo.trainer.loop import OnEvaluation, OnProgress, ShouldStop
+from hpo.trainer.memory import OutOfMemoryAtBatchOne, simulated_budget
+from hpo.trainer.result import TrainResult
+from hpo.trainer.user_metrics import UserMetrics
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def train_distributed(
     on_progress: OnProgress | None = None,
     user_metrics: UserMetrics | None = None,
 ) -> TrainResult:
-    """trainer.loop.train across `job.training.world_size` ranks: the same arguments and
+    """hpo.trainer.loop.train across `job.training.world_size` ranks: the same arguments and
     result (rank 0's). Raises OutOfMemoryAtBatchOne when one example fits on no rank, rank 0's
     own error when it raised, and RankFailed when another rank ended the run."""
     world_size = job.training.world_size

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.batching import BatchCollator, Padding
-from trainer.data import TokenizedSplit
+from hpo.trainer.batching import BatchCollator, Padding
+from hpo.trainer.data import TokenizedSplit
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 ExceptHook = Callable[[type[BaseException], BaseException, TracebackType | None], Any]

@@ -17,41 +17,41 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer import device as dev
-from trainer.batch_finder import resolve_physical_batch
-from trainer.batching import collate, plan_epoch, split_micro_batches
-from trainer.checkpoint import CheckpointStore
-from trainer.compiled import compile_model, compile_stats
-from trainer.config import TrainJob
-from trainer.data import PreparedData
-from trainer.evaluation import Evaluation, Evaluator, is_evaluation_step
-from trainer.loaders import (
+from hpo.trainer import device as dev
+from hpo.trainer.batch_finder import resolve_physical_batch
+from hpo.trainer.batching import collate, plan_epoch, split_micro_batches
+from hpo.trainer.checkpoint import CheckpointStore
+from hpo.trainer.compiled import compile_model, compile_stats
+from hpo.trainer.config import TrainJob
+from hpo.trainer.data import PreparedData
+from hpo.trainer.evaluation import Evaluation, Evaluator, is_evaluation_step
+from hpo.trainer.loaders import (
     LoaderSettings,
     PlanSampler,
     num_workers_for,
     padding_for,
     to_device,
 )
-from trainer.memory import (
+from hpo.trainer.memory import (
     OutOfMemoryAtBatchOne,
     claim_memory_share,
     none_on_oom,
     release_memory,
     simulated_budget,
 )
-from trainer.metrics import Direction, is_better
-from trainer.model import build_model
-from trainer.peft_adapters import best_weights, parameter_counts
-from trainer.progress import Progress
-from trainer.result import TrainResult
-from trainer.resume import (
+from hpo.trainer.metrics import Direction, is_better
+from hpo.trainer.model import build_model
+from hpo.trainer.peft_adapters import best_weights, parameter_counts
+from hpo.trainer.progress import Progress
+from hpo.trainer.result import TrainResult
+from hpo.trainer.resume import (
     BatchSizes,
     TrainingParts,
     restore_training,
     run_fingerprint,
     training_state,
 )
-from trainer.step import (
+from hpo.trainer.step import (
     accumulate_gradients,
     allocate_grads,
     grad_accum_steps_for,
@@ -59,8 +59,8 @@ from trainer.step import (
     make_optimizer,
     optimizer_step,
 )
-from trainer.tasks import make_task
-from trainer.user_metrics import MetricsFunctionError, UserMetrics
+from hpo.trainer.tasks import make_task
+from hpo.trainer.user_metrics import MetricsFunctionError, UserMetrics
 
 __all__ = [
     "Evaluation",

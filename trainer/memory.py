@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from trainer.memory_share import memory_share
+from hpo.trainer.memory_share import memory_share
 
 # Set by tests, never by users: a CPU run then raises torch.OutOfMemoryError past this many bytes.
 BUDGET_ENV = "HPO_TEST_MEMORY_BUDGET_BYTES"

@@ -1,7 +1,7 @@
 """Metrics computed on the host from one evaluation's predictions, shared by the tasks:
 accuracy, F1 (macro and micro), ROC AUC, and which way a metric improves.
 
-Each task's own metrics, and their directions, are in `trainer.tasks`.
+Each task's own metrics, and their directions, are in `hpo.trainer.tasks`.
 """
 
 from __future__ import annotations

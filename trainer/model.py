@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.config import ModelConfig
-from trainer.errors import ModelError
-from trainer.tasks import DEFAULT_TASK, auto_model_class, task_class, task_info
+from hpo.trainer.config import ModelConfig
+from hpo.trainer.errors import ModelError
+from hpo.trainer.tasks import DEFAULT_TASK, auto_model_class, task_class, task_info
 
 if TYPE_CHECKING:
-    from trainer.config import TrainJob
-    from trainer.data import PreparedData
+    from hpo.trainer.config import TrainJob
+    from hpo.trainer.data import PreparedData
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def _check_builds(config: ModelConfig, model_config: Any, task: str) -> None:
             raise ModelError(_load_failure("model", _pretrained_location(config), e)) from e
         raise ModelError(_inline_failure(config.config, e)) from e
     if config.adapter is not None:  # the layers it names must be there
-        from trainer.peft_adapters import check_targets, peft_task_type
+        from hpo.trainer.peft_adapters import check_targets, peft_task_type
 
         peft_task_type(task)
         check_targets(config.adapter, model, task)
@@ -139,7 +139,7 @@ def _check_builds(config: ModelConfig, model_config: Any, task: str) -> None:
 def _build_marker(config: ModelConfig, model_config: Any, task: str) -> Path:
     import transformers
 
-    from trainer.digests import hpo_cache_root
+    from hpo.trainer.digests import hpo_cache_root
 
     checked = {
         "config": model_config.to_dict(),
@@ -221,7 +221,7 @@ def build_model(
     if gradient_checkpointing or (gradient_checkpointing is None and config.gradient_checkpointing):
         _enable_checkpointing(model)
     if config.adapter is not None:
-        from trainer.peft_adapters import wrap_model
+        from hpo.trainer.peft_adapters import wrap_model
 
         model = wrap_model(model, config.adapter, task)
     return model
@@ -266,8 +266,8 @@ def _factory_model(
 ) -> torch.nn.Module:
     """The model the user's factory builds (trainer.model_factory): on the CPU, torch seeded,
     so that every trial's starts the same; the trainer moves it to the device."""
-    from trainer.config import DataConfig, TrainingConfig
-    from trainer.model_factory import ModelRequest, call_factory
+    from hpo.trainer.config import DataConfig, TrainingConfig
+    from hpo.trainer.model_factory import ModelRequest, call_factory
 
     data = job.data if job is not None else DataConfig()
     request = ModelRequest(

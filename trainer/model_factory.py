@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from trainer.config import ModelConfig, TrainingConfig
+from hpo.trainer.config import ModelConfig, TrainingConfig
 
 
 class ModelFactoryError(Exception):

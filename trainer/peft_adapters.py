@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.config import PeftSettings
-from trainer.errors import ModelError
-from trainer.tasks import auto_model_class, task_info
+from hpo.trainer.config import PeftSettings
+from hpo.trainer.errors import ModelError
+from hpo.trainer.tasks import auto_model_class, task_info
 
 if TYPE_CHECKING:
     from peft import LoraConfig

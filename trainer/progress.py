@@ -9,7 +9,7 @@ from typing import Literal
 
 import torch
 
-from trainer.evaluation import Evaluation
+from hpo.trainer.evaluation import Evaluation
 
 Status = Literal["completed", "stopped", "early_stopped", "diverged", "interrupted"]
 

@@ -11,7 +11,7 @@ from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
-from trainer.errors import DataError
+from hpo.trainer.errors import DataError
 
 MIB = 2**20
 # A CSV wider than Excel's widest sheet (16,384 columns) is no table of texts: refused before a

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trainer.batch_finder import BatchSearch
-from trainer.compiled import CompileStats
-from trainer.evaluation import Evaluation
-from trainer.progress import Status
+from hpo.trainer.batch_finder import BatchSearch
+from hpo.trainer.compiled import CompileStats
+from hpo.trainer.evaluation import Evaluation
+from hpo.trainer.progress import Status
 
 
 @dataclass

@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint import job_fingerprint, rng_state, set_rng_state
-from trainer.config import TrainJob
-from trainer.evaluation import Evaluation
-from trainer.peft_adapters import load_trained_state, trained_state
-from trainer.progress import Progress
+from hpo.trainer.checkpoint import job_fingerprint, rng_state, set_rng_state
+from hpo.trainer.config import TrainJob
+from hpo.trainer.evaluation import Evaluation
+from hpo.trainer.peft_adapters import load_trained_state, trained_state
+from hpo.trainer.progress import Progress
 
 # Settings that change how a run is computed, not what it computes: a checkpoint stays valid.
 RESUMABLE_ACROSS = frozenset(

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.config import LRSchedule, TrainingConfig
+from hpo.trainer.config import LRSchedule, TrainingConfig
 
 if TYPE_CHECKING:
-    from trainer.tasks.base import Task
+    from hpo.trainer.tasks.base import Task
 
 
 def grad_accum_steps_for(effective_batch_size: int, physical_batch_size: int) -> int:

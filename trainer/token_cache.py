@@ -2,7 +2,7 @@
 and stored once per data file, tokenizer and settings (`prepare_splits`), then memory-mapped.
 
 What a row's target is (a class, a number, a tag per word) is the task's to say
-(`trainer.tasks`); this module tokenizes and stores whatever it encoded.
+(`hpo.trainer.tasks`); this module tokenizes and stores whatever it encoded.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import shutil
 from pathlib import Path
 from typing import Any, Protocol
 
-from trainer.config import DataConfig
-from trainer.data import PreparedData, TokenizedSplit, flat_split, load_split, save_split
-from trainer.digests import content_sha256, hpo_cache_root
-from trainer.errors import DataError
-from trainer.readers import MIB, read_table, table_columns
-from trainer.text_window import heads, window_chars
+from hpo.trainer.config import DataConfig
+from hpo.trainer.data import PreparedData, TokenizedSplit, flat_split, load_split, save_split
+from hpo.trainer.digests import content_sha256, hpo_cache_root
+from hpo.trainer.errors import DataError
+from hpo.trainer.readers import MIB, read_table, table_columns
+from hpo.trainer.text_window import heads, window_chars
 
 CACHE_FORMAT_VERSION = 3  # 3: targets of any task; 2: a folder of .npy files; 1: one .npz
 
@@ -120,7 +120,7 @@ def tokenize_texts(
     tokenizer: Any, texts: list[str], pairs: list[str] | None, max_length: int
 ) -> TokenizedSplit:
     """Texts (or text pairs) tokenized and truncated to `max_length`, stored flat, no targets.
-    Each text is cut first to what `max_length` tokens can reach (`trainer.text_window`)."""
+    Each text is cut first to what `max_length` tokens can reach (`hpo.trainer.text_window`)."""
     chars = window_chars(tokenizer, max_length)
     encoded = tokenizer(
         heads(texts, chars),

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer.metrics import Direction
+from hpo.trainer.metrics import Direction
 
 # The tasks whose evaluation has one target per example.
 EXAMPLE_TASKS = ("sequence_classification", "regression", "multi_label_classification")

@@ -28,8 +28,8 @@ from hpo.commands.run import (
 from hpo.errors import USER_ERRORS
 from hpo.reports.text import CLOSED_STDOUT, emit, stdout_is_closed
 from hpo.stopping import stopped_exit_code
-from storage.errors import DatabaseUnreachable
-from storage.url import mask_text
+from hpo.storage.errors import DatabaseUnreachable
+from hpo.storage.url import mask_text
 
 EXIT_BAD_INPUT = 2
 # Nothing the user typed is wrong: the same command works once the database is back.

@@ -8,18 +8,11 @@ import argparse
 import functools
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
-from hpo import __version__
 from hpo.commands.launcher import MAX_WORKERS_PER_GPU
 from hpo.config.loader import DEMO_CONFIG
 from hpo.config.schema import DATABASE_PATIENCE_S
-
-if TYPE_CHECKING:
-    pass
-from hpo.commands.run import (
-    REPO_ROOT,
-)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -28,6 +21,19 @@ class _Parser(argparse.ArgumentParser):
             option = message.removeprefix("argument ").split(":")[0].split("/")[-1]
             message += f"; a value that begins with '-' is written {option}=VALUE"
         super().error(message)
+
+
+class _VersionAction(argparse.Action):
+    """--version: what a bug report needs, torch imported only when asked for."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> NoReturn:
+        from hpo.version import version_report
+
+        print(version_report())
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Hyperparameter optimisation for fine-tuning transformer models. Trials live "
         "in an Optuna study in PostgreSQL or SQLite; run one worker per GPU on the same study.",
     )
-    parser.add_argument("--version", action="version", version=f"hpo {__version__}")
+    parser.add_argument(
+        "--version",
+        action=_VersionAction,
+        help="show hpo's version, Python's, torch's, transformers' and Optuna's, and the device",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = commands.add_parser(
         "run",
@@ -55,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--config",
         type=Path,
         default=None,
-        help=f"YAML config (default: the demo, {DEMO_CONFIG.relative_to(REPO_ROOT)})",
+        help=f"YAML config (default: the demo's, {DEMO_CONFIG})",
     )
     run.add_argument(
         "--storage",

@@ -17,10 +17,10 @@ if TYPE_CHECKING:
 
 def batch_size_command(args: argparse.Namespace) -> int:
     from hpo.plugins.loading import load_user_code
-    from trainer import device as dev
-    from trainer.batch_finder import batch_key, find_physical_batch_size
-    from trainer.model import check_model_config, load_tokenizer
-    from trainer.tasks import prepare_data
+    from hpo.trainer import device as dev
+    from hpo.trainer.batch_finder import batch_key, find_physical_batch_size
+    from hpo.trainer.model import check_model_config, load_tokenizer
+    from hpo.trainer.tasks import prepare_data
 
     config = load_config(args.config)
     if config.training.entrypoint is not None:

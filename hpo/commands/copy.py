@@ -79,10 +79,10 @@ def copy_study(request: CopyRequest) -> CopyOutcome:
     """Copy the study, refusing (HPOError, StorageError) before anything is written when the
     source, the name or the target is wrong; see storage.study_copy for how it is written."""
     from hpo import services
-    from storage import open_storage, resolve_storage_url
-    from storage.study_copy import read_snapshot, same_database
-    from storage.tables import ensure_tables
-    from storage.url import EXAMPLE_URLS
+    from hpo.storage import open_storage, resolve_storage_url
+    from hpo.storage.study_copy import read_snapshot, same_database
+    from hpo.storage.tables import ensure_tables
+    from hpo.storage.url import EXAMPLE_URLS
 
     if request.study == "":
         raise HPOError("--study is empty; give the name of the study to copy (see hpo studies)")
@@ -130,7 +130,7 @@ def _write(
     allow_running: bool,
 ) -> None:
     """Written under a temporary name, checked, then published under `final`."""
-    from storage.study_copy import publish, temporary_name, trial_fingerprint, write_copy
+    from hpo.storage.study_copy import publish, temporary_name, trial_fingerprint, write_copy
 
     def unchanged() -> None:
         # A worker that started or ended a trial while the study was read or written: the
@@ -186,7 +186,7 @@ def _find_study(storage: Any, name: str, masked_url: str) -> int:
 def _check_name_free(target: Any, name: str, masked_url: str) -> None:
     """The target holds no study of that name (hpo copy never merges into or replaces one),
     nor one that reads alike; a note on copies that were stopped before their end."""
-    from storage.study_copy import unfinished_copies
+    from hpo.storage.study_copy import unfinished_copies
 
     names = [s.study_name for s in target.get_all_studies()]
     if name in names:
@@ -238,8 +238,8 @@ def _database_errors(what: str) -> Iterator[None]:
     import optuna
     import sqlalchemy as sa
 
-    from storage.errors import StorageError
-    from storage.url import mask_text
+    from hpo.storage.errors import StorageError
+    from hpo.storage.url import mask_text
 
     try:
         yield

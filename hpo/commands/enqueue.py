@@ -24,8 +24,8 @@ def enqueue_command(args: argparse.Namespace) -> int:
 
     from hpo.config.param_checks import check_function_params, check_params
     from hpo.config.schema import ParamSpec, space_record
+    from hpo.storage import open_storage, resolve_storage_url
     from hpo.study.join import SPACE_FUNCTION_ATTR, enqueue
-    from storage import open_storage, resolve_storage_url
 
     args.study = checked_study_name(args.study)
     raw = _json_params(args.params)

@@ -80,6 +80,9 @@ def _checked_out(request: EnsembleRequest) -> Path:
         raise HPOError(f"--features {request.features}: give predictions or embedding")
     if request.soup not in ("none", "uniform", "greedy"):
         raise HPOError(f"--soup {request.soup}: give uniform, greedy or none")
+    from hpo.ensemble.errors import require_stacking
+
+    require_stacking("hpo ensemble")  # before any member predicts: hpo[ensemble] installed
     return out
 
 
@@ -192,7 +195,7 @@ def _split(
 ) -> Any:
     from hpo.commands.predict import input_rows
     from hpo.ensemble import Split, weights_sha256
-    from trainer.digests import file_sha256
+    from hpo.trainer.digests import file_sha256
 
     if not path.is_file() or path.suffix.lower() not in (".csv", ".jsonl"):
         raise HPOError(f"{path}: the members predict a .csv or .jsonl file; none there")
@@ -235,8 +238,8 @@ def member_predictions(
     """A member's outputs on `rows`: probabilities in `order`'s class order, or values; with
     `kind` "embedding", its mean-pooled last hidden states."""
     from hpo.commands.predict import answers_array, predict_rows
-    from trainer.device import resolve_device
-    from trainer.inference import Predictor
+    from hpo.trainer.device import resolve_device
+    from hpo.trainer.inference import Predictor
 
     predictor = Predictor(folder, resolve_device(request.device, "--device"), request.batch_size)
     check_member(folder, predictor, order)

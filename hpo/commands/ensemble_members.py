@@ -156,8 +156,8 @@ def _fetch(
 ) -> tuple[Path, dict[str, Any]] | None:
     from hpo.ensemble import weights_sha256
     from hpo.services import study_artifact_store
+    from hpo.storage.artifacts import ArtifactStoreError, masked_artifact_url
     from hpo.trial.folders import folder_name, study_folder_name
-    from storage.artifacts import ArtifactStoreError, masked_artifact_url
 
     try:
         store = study_artifact_store(study, None)
@@ -186,9 +186,9 @@ def _repoint_adapter(study: Any, trial: Any, folder: Path, base: str | None) -> 
     whole model is left as it is."""
     from hpo.config.paths import looks_local
     from hpo.study.join import trial_adapter
-    from trainer.errors import ModelError
-    from trainer.model import resolve_location
-    from trainer.peft_adapters import is_adapter_folder, point_at_base
+    from hpo.trainer.errors import ModelError
+    from hpo.trainer.model import resolve_location
+    from hpo.trainer.peft_adapters import is_adapter_folder, point_at_base
 
     if not is_adapter_folder(folder):
         return
@@ -253,7 +253,7 @@ def recorded_test_file(attrs: dict[str, Any]) -> tuple[Path | None, str | None]:
     """The study's recorded test file when it is there with the sha256 recorded; else None and
     why not ("the study's test file X changed" / "is missing" / is not a file members read)."""
     from hpo.study.setup_record import TEST_FILE_ATTR
-    from trainer.digests import content_sha256
+    from hpo.trainer.digests import content_sha256
 
     entry = attrs.get(TEST_FILE_ATTR)
     if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):

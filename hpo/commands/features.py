@@ -19,7 +19,7 @@ def member_embeddings(
     import numpy as np
     import torch
 
-    from trainer.batching import collate, eval_batches
+    from hpo.trainer.batching import collate, eval_batches
 
     split = predictor._encode(rows, first_row)
     split.labels = np.zeros(len(split), dtype=np.int64)  # collate carries a label column
@@ -57,7 +57,7 @@ def word_probabilities(
     word's first sub-token's, as training scored it; uniform for the words max_length cut off."""
     import numpy as np
 
-    from trainer.data import flat_split
+    from hpo.trainer.data import flat_split
 
     words = predictor._words(rows, first_row)
     encoded = predictor.tokenizer(

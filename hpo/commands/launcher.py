@@ -20,7 +20,7 @@ from hpo import live
 from hpo.errors import ConfigError, HPOError
 from hpo.logs import WORKER_LABEL_ENV
 from hpo.stopping import EXIT_INTERRUPTED, StopRequest
-from trainer.memory_share import SHARE_ENV
+from hpo.trainer.memory_share import SHARE_ENV
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from hpo.errors import DataError, HPOError
 if TYPE_CHECKING:
     import torch
 
-    from trainer.inference import Predictor
+    from hpo.trainer.inference import Predictor
 
 log = logging.getLogger("hpo")
 
@@ -101,8 +101,8 @@ def load_model(
 ) -> Model:
     """The model saved in `folder`; HPOError (ModelError) in one line when it is none. `flag`:
     how messages name `folder` (--model)."""
-    from trainer.device import resolve_device
-    from trainer.inference import Predictor
+    from hpo.trainer.device import resolve_device
+    from hpo.trainer.inference import Predictor
 
     where = Path(folder)
     named = f"{flag} {where}" if flag else f"model folder {where}"
@@ -350,7 +350,7 @@ class EnsembleModel(Model):
 
     def __init__(self, folder: Path, device: torch.device, batch_size: int = 32) -> None:
         from hpo.ensemble import load_ensemble
-        from trainer.inference import Predictor
+        from hpo.trainer.inference import Predictor
 
         self.folder = folder
         self.saved = load_ensemble(folder)

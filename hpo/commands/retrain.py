@@ -26,8 +26,8 @@ from hpo.config.loader import DEMO_CONFIG
 from hpo.config.schema import Config
 from hpo.errors import HPOError
 from hpo.stopping import Interrupted, StopRequest
+from hpo.storage.url import StorageURL
 from hpo.study.names import checked_study_name
-from storage.url import StorageURL
 
 log = logging.getLogger("hpo")
 
@@ -37,10 +37,10 @@ def retrain_command(request: RetrainRequest) -> int:
     import optuna
 
     from hpo.reports import model_card
+    from hpo.storage import open_storage
     from hpo.study import retrain
     from hpo.study.join import open_study
     from hpo.tracking import registry
-    from storage import open_storage
 
     name = checked_study_name(request.run.study)  # NFC before --out's default is named for it
     # Its worker processes (several GPUs) run the same command as workers of this retrain.
@@ -178,9 +178,9 @@ def winner_model(study: Any, number: int, config: Config, out: Path) -> Iterator
     the artifact store beside `out`, checked against its sha256, and removed afterwards."""
     import tempfile
 
+    from hpo.storage.artifacts import ArtifactStore, ArtifactStoreError
     from hpo.study import retrain
     from hpo.trial.folders import folder_name, study_folder_name
-    from storage.artifacts import ArtifactStore, ArtifactStoreError
 
     local = retrain.model_folder(study, number)
     if (local / "config.json").is_file() or config.study.artifact_store is None:

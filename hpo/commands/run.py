@@ -23,15 +23,12 @@ from hpo.errors import ConfigError, HPOError
 from hpo.logs import set_optuna_verbosity, setup_logging
 from hpo.services import ARTIFACT_STORE_ATTR
 from hpo.stopping import Interrupted, StopRequest
+from hpo.storage.url import StorageURL
 from hpo.study.names import checked_study_name, quoted_study_name
-from storage.url import StorageURL
 
 if TYPE_CHECKING:
-    from storage.artifacts import ArtifactURL
+    from hpo.storage.artifacts import ArtifactURL
 log = logging.getLogger("hpo")
-
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def configure_logging(debug: bool, quiet: bool) -> None:
@@ -88,8 +85,8 @@ def run_study(request: RunRequest, say: Callable[[str], None] = _to_stderr) -> R
     if inputs is None or stop.requested:
         return RunOutcome(None, None, None, 0, stop.signal_name, stop.exit_code)
     config, storage_url = inputs.config, inputs.storage_url
+    from hpo.storage import open_storage
     from hpo.study.join import open_study
-    from storage import open_storage
 
     say(f"hpo: study {quoted_study_name(inputs.study)} in {storage_url.describe()}")
     on_demand = config.study.database_connections == "on_demand"
@@ -99,7 +96,7 @@ def run_study(request: RunRequest, say: Callable[[str], None] = _to_stderr) -> R
     allow_changed = request.allow_changed_setup
     study = open_study(storage, inputs.study, config, allow_changed, request.from_python)
     if config.study.artifact_store is not None:
-        from storage.artifacts import ArtifactStore
+        from hpo.storage.artifacts import ArtifactStore
 
         ArtifactStore(config.study.artifact_store).create()  # a file store's folder, if missing
         # For `hpo best` and `hpo status`, which have no config.
@@ -140,9 +137,9 @@ def work_and_count(
     """work_on_study's exit code, and the trials this worker finished (None: its worker
     processes ran them)."""
     from hpo.commands.launcher import run_workers
+    from hpo.storage.batch_cache import BatchSizeCache
     from hpo.study.loop import run_trials
     from hpo.trial.objective import Objective
-    from storage.batch_cache import BatchSizeCache
 
     config, gpus, per_gpu = inputs.config, inputs.gpus, inputs.workers_per_gpu
     if len(gpus) * per_gpu > 1:
@@ -207,8 +204,8 @@ def worker_inputs(checked: CheckedInputs) -> WorkerInputs:
     config, per_gpu = checked.config, checked.workers_per_gpu
     user_function = config.training.entrypoint is not None
     if checked.copy_worker:
+        from hpo.trainer.device import resolve_device
         from hpo.trial.fork_start import start_fork_server
-        from trainer.device import resolve_device
 
         start_fork_server(user_function, checked.native_threads)
         # torch's own check now: a driver that NVML sees and CUDA cannot use (older than
@@ -247,8 +244,8 @@ def check_inputs(
     must (retrain: that the study exists) before the data is prepared. `say_demo`: say here
     that the demo config is used when no --config is given (retrain says it once it knows the
     study ran with it)."""
-    from storage.artifacts import resolve_artifact_url
-    from storage.url import resolve_storage_url
+    from hpo.storage.artifacts import resolve_artifact_url
+    from hpo.storage.url import resolve_storage_url
 
     study = checked_study_name(request.study, request.option("study"))
     config_path = request.config if request.config is not None else DEMO_CONFIG
@@ -289,8 +286,8 @@ def _load_user_code(config: Config, copy_worker: bool) -> int | None:
     `copy_worker`, what the fork server preloads imported first. Returns the native threads
     running before the user's modules (None without copy_worker)."""
     # Only now the heavy imports: a config or URL error is reported in well under a second.
+    from hpo.trainer.device import resolve_device
     from hpo.trial.worker_copy import use_nvml_for_cuda_checks
-    from trainer.device import resolve_device
 
     if copy_worker:
         use_nvml_for_cuda_checks()  # torch's CUDA check leaves the driver unloaded until the copy
@@ -376,10 +373,10 @@ def _prepare_every_model(config: Config) -> tuple[Any, dict[str, Any]]:
     data.max_length, its dropout settings exist, every token id has an embedding): a bad
     choice is one line now, not a failure in every trial that draws it."""
     from hpo.config.search_paths import with_params
+    from hpo.trainer.errors import TrainerError
+    from hpo.trainer.model import check_data_fits_model, check_model_config, load_tokenizer
+    from hpo.trainer.tasks import prepare_data
     from hpo.trial.task import data_key
-    from trainer.errors import TrainerError
-    from trainer.model import check_data_fits_model, check_model_config, load_tokenizer
-    from trainer.tasks import prepare_data
 
     prepared: dict[str, Any] = {}
     for params in model_choices(config):
@@ -433,8 +430,8 @@ def _check_stores(storage_url: StorageURL, artifacts: ArtifactURL | None) -> Non
     """The study database reached (credentials, Optuna's tables or the right to create them)
     and the artifact store tried (a probe written, read and deleted), writing nothing: a
     permanent refusal is one line now, not a wait of study.artifact_patience in every trial."""
-    from storage.artifacts import ArtifactStore
-    from storage.preflight import check_database
+    from hpo.storage.artifacts import ArtifactStore
+    from hpo.storage.preflight import check_database
 
     check_database(storage_url)
     if artifacts is not None:
@@ -442,7 +439,7 @@ def _check_stores(storage_url: StorageURL, artifacts: ArtifactURL | None) -> Non
 
 
 def _check_memory_share() -> None:
-    from trainer.memory_share import memory_share
+    from hpo.trainer.memory_share import memory_share
 
     try:
         memory_share()
@@ -567,6 +564,6 @@ def _apply_overrides(config: Config, request: RunRequest) -> None:
     if problems:
         raise ConfigError(problems, "hpo.run" if request.from_python else "command line")
     if request.device is not None and request.device.startswith("cuda"):
-        from trainer.device import resolve_device
+        from hpo.trainer.device import resolve_device
 
         resolve_device(request.device, request.option("device"))  # as typed, not training.device

@@ -58,8 +58,8 @@ def build_soup(
     architecture (or LoRA adapters of other base models, or adapters mixed with whole models)."""
     from hpo.ensemble import EnsembleError, greedy_soup, uniform_soup
     from hpo.ensemble.scoring import direction_of
-    from trainer.device import resolve_device
-    from trainer.inference import Predictor
+    from hpo.trainer.device import resolve_device
+    from hpo.trainer.inference import Predictor
 
     measured = "test_split" if test is not None else "evaluation_split"
     refused = _not_souped(members)
@@ -69,7 +69,7 @@ def build_soup(
     base = next(iter(members.values()))
     predictor = Predictor(base, resolve_device(device, "--device"), batch_size)
     if adapter:  # the adapter kept apart from its base: each candidate's weights load into it
-        from trainer.inference import load_model
+        from hpo.trainer.inference import load_model
 
         task_name = predictor.settings.task
         predictor.model = load_model(base, task_name, merge=False).to(predictor.device).eval()
@@ -93,7 +93,7 @@ def build_soup(
 
 
 def _is_adapter(folder: Path) -> bool:
-    from trainer.peft_adapters import is_adapter_folder
+    from hpo.trainer.peft_adapters import is_adapter_folder
 
     return is_adapter_folder(folder)
 
@@ -103,7 +103,7 @@ def _not_souped(members: dict[str, Path]) -> str | None:
     models; None when they may (their weights' shapes are checked when averaged)."""
     import json
 
-    from trainer.peft_adapters import ADAPTER_CONFIG
+    from hpo.trainer.peft_adapters import ADAPTER_CONFIG
 
     adapters = [name for name, folder in members.items() if _is_adapter(folder)]
     if not adapters:
@@ -135,7 +135,7 @@ def _weights(folder: Path, task: str) -> dict[str, torch.Tensor]:
         from peft.utils import load_peft_weights
 
         return {k: v.detach().cpu() for k, v in load_peft_weights(str(folder)).items()}
-    from trainer.inference import load_model
+    from hpo.trainer.inference import load_model
 
     return {k: v.detach().cpu() for k, v in load_model(folder, task).state_dict().items()}
 
@@ -150,7 +150,7 @@ def _score(
 ) -> float:
     from hpo.commands.predict import answers_array, predict_rows
     from hpo.ensemble.scoring import score
-    from trainer.peft_adapters import load_trained_state
+    from hpo.trainer.peft_adapters import load_trained_state
 
     load_trained_state(predictor.model, state)  # a peft model: the adapter's weights
     answers = list(predict_rows(predictor, split.rows))
@@ -160,7 +160,7 @@ def _score(
 def save_soup(result: SoupResult, out: Path, staging: Path) -> Path:
     """The soup as a plain model folder (an adapter folder for adapters): the first member's
     folder, its weights replaced."""
-    from trainer.inference import load_model, read_settings
+    from hpo.trainer.inference import load_model, read_settings
 
     if result.state_dict is None or result.base is None:
         raise HPOError("no soup to save")
@@ -169,7 +169,7 @@ def save_soup(result: SoupResult, out: Path, staging: Path) -> Path:
     if result.adapter:
         from safetensors.torch import save_file
 
-        from trainer.inference import ADAPTER_WEIGHTS
+        from hpo.trainer.inference import ADAPTER_WEIGHTS
 
         for name in ADAPTER_WEIGHTS:
             (folder / name).unlink(missing_ok=True)

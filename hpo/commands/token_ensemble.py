@@ -77,7 +77,7 @@ def _probabilities(
 ) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]:
     """Each split's members' word probabilities (cached) and its true tags."""
     from hpo.ensemble import FeatureCache, weights_sha256
-    from trainer.digests import file_sha256
+    from hpo.trainer.digests import file_sha256
 
     probabilities: dict[str, dict[str, np.ndarray]] = {}
     truth: dict[str, np.ndarray] = {}
@@ -130,8 +130,8 @@ def _member_words(
     folder: Path, rows: Sequence[dict[str, Any]], order: list[str], device: str, batch_size: int
 ) -> np.ndarray:
     from hpo.commands.features import word_probabilities
-    from trainer.device import resolve_device
-    from trainer.inference import Predictor
+    from hpo.trainer.device import resolve_device
+    from hpo.trainer.inference import Predictor
 
     predictor = Predictor(folder, resolve_device(device, "--device"), batch_size)
     if sorted(predictor.labels) != sorted(order):

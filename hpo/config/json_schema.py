@@ -15,7 +15,7 @@ from typing import Any, Literal
 from hpo.config.schema import Config
 from hpo.config.search_paths import accepted_names
 from hpo.config.space import ParamSpec
-from trainer.config import ENTRYPOINT
+from hpo.trainer.config import ENTRYPOINT
 
 SCHEMA_DIALECT = "http://json-schema.org/draft-07/schema#"
 SCHEMA_ID = "https://hpo.invalid/config.schema.json"  # a name for editors; nothing is served

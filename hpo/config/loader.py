@@ -39,8 +39,11 @@ from hpo.config.space_checks import (
 )
 from hpo.errors import ConfigError
 
-# The demo config, where hpo runs from its repository (an editable install); a wheel has none.
-DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
+# The demo config: package data in an installed wheel (setup.py lays it out under hpo/_demo/ as
+# in the repository), else the repository's own (a checkout, an editable install).
+_SHIPPED_DEMO = Path(__file__).resolve().parents[1] / "_demo" / "configs" / "demo.yaml"
+_CHECKOUT_DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
+DEMO_CONFIG = _SHIPPED_DEMO if _SHIPPED_DEMO.is_file() else _CHECKOUT_DEMO
 
 
 def load_config(path: str | Path, entrypoint: str | None = None) -> Config:

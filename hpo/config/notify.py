@@ -12,7 +12,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from storage.url import add_secrets
+from hpo.storage.url import add_secrets
 
 NotifyEvent = Literal["end", "best", "failures", "stall"]
 EVENTS: tuple[NotifyEvent, ...] = ("end", "best", "failures", "stall")

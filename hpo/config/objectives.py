@@ -9,9 +9,9 @@ from typing import Any
 
 from hpo.config.convert import show
 from hpo.config.schema import Config
-from trainer.config import ENTRYPOINT
-from trainer.tasks import DEFAULT_TASK, METRIC_DIRECTIONS, TASKS, is_task_path
-from trainer.user_metrics import EXAMPLE_TASKS
+from hpo.trainer.config import ENTRYPOINT
+from hpo.trainer.tasks import DEFAULT_TASK, METRIC_DIRECTIONS, TASKS, is_task_path
+from hpo.trainer.user_metrics import EXAMPLE_TASKS
 
 
 def default_metric_of_task(raw: dict[Any, Any]) -> None:

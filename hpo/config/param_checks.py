@@ -12,7 +12,7 @@ from hpo.config.convert import clip, convert, described, did_you_mean, show, sho
 from hpo.config.paths import looks_local, path_exists, resolved_path
 from hpo.config.schema import Config
 from hpo.config.space import ParamSpec, applies
-from trainer.tasks import TASKS
+from hpo.trainer.tasks import TASKS
 
 
 def check_enqueue(config: Config, problems: list[str]) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from hpo.config.convert import clip, show
 from hpo.config.schema import Config
-from storage.url import sqlite_file_relative_to
+from hpo.storage.url import sqlite_file_relative_to
 
 
 def resolve_paths(config: Config, base_dir: Path, problems: list[str], paths_from: str) -> None:

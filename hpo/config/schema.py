@@ -20,9 +20,9 @@ from hpo.config.space import default_search_space as default_search_space
 from hpo.config.space import has_conditions as has_conditions
 from hpo.config.space import sampling_order as sampling_order
 from hpo.config.space import space_record as space_record
-from trainer.config import DataConfig, ModelConfig, TrainingConfig
-from trainer.metrics import Direction
-from trainer.tasks import DEFAULT_TASK, METRIC_DIRECTIONS, TASKS, is_task_path
+from hpo.trainer.config import DataConfig, ModelConfig, TrainingConfig
+from hpo.trainer.metrics import Direction
+from hpo.trainer.tasks import DEFAULT_TASK, METRIC_DIRECTIONS, TASKS, is_task_path
 
 # Every task's metrics (trainer.tasks.TASKS); the config's task decides which it may name.
 MetricName = Literal[
@@ -65,7 +65,11 @@ DURATION_KEYS = (
 
 
 def _artifact_store_problems(url: str) -> list[tuple[str, Any, str]]:
-    from storage.artifacts import ArtifactStoreError, masked_artifact_url, validated_artifact_url
+    from hpo.storage.artifacts import (
+        ArtifactStoreError,
+        masked_artifact_url,
+        validated_artifact_url,
+    )
 
     try:
         validated_artifact_url(url)
@@ -545,7 +549,7 @@ class Config:
         "What the model learns: sequence_classification (the default: a class per text or "
         "text pair), multi_label_classification, regression, token_classification or "
         "causal_lm; or your task class, `package.module:ClassName` (a subclass of "
-        "trainer.tasks.base.Task: how rows become tensors, the loss, the metrics), imported "
+        "hpo.trainer.tasks.base.Task: how rows become tensors, the loss, the metrics), imported "
         "by hpo run before any trial.",
         DEFAULT_TASK,
     )

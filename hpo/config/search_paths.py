@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from hpo.config.paths import model_location
-from trainer.config import DataConfig, ModelConfig, PeftSettings, TrainingConfig, TrainJob
+from hpo.trainer.config import DataConfig, ModelConfig, PeftSettings, TrainingConfig, TrainJob
 
 if TYPE_CHECKING:
     from hpo.config.schema import Config

@@ -12,8 +12,8 @@ from hpo.config.convert import build, convert, described, show, shown_key
 from hpo.config.param_checks import setting_problems, setting_type, why_outside
 from hpo.config.schema import Config
 from hpo.config.space import ParamSpec, default_search_space, has_conditions, sampling_order
-from trainer.config import ENTRYPOINT
-from trainer.tasks import TASKS
+from hpo.trainer.config import ENTRYPOINT
+from hpo.trainer.tasks import TASKS
 
 
 def build_search_space(raw: Any, problems: list[str]) -> dict[str, ParamSpec]:

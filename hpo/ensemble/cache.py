@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from hpo.ensemble.errors import EnsembleError
-from trainer.digests import hpo_cache_root
+from hpo.trainer.digests import hpo_cache_root
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _KIND = re.compile(r"[A-Za-z0-9_.-]{1,64}")

@@ -31,7 +31,7 @@ from hpo.ensemble.stacking import (
     fold_splitter,
 )
 from hpo.ensemble.stacking import stack_features as _stack
-from trainer.metrics import Direction
+from hpo.trainer.metrics import Direction
 
 CV_FOLDS = 5
 MeasuredOn = Literal["test_split", "cross_validation"]

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpo.ensemble.errors import EnsembleError
+from hpo.ensemble.errors import EnsembleError, require_stacking
 from hpo.ensemble.scoring import check_stackable
 
 CLASSIFIER_LEARNERS = (
@@ -52,6 +52,7 @@ def default_learner(task: str) -> str:
 def resolve_learners(task: str, chosen: Sequence[str | Learner] | None) -> list[Learner]:
     """The learners named (or given); "all": every one available for the task; none named:
     the task's default only (logistic regression, ridge for regression)."""
+    require_stacking("stacking")
     available = available_learners(task)
     if chosen is None or (not isinstance(chosen, str) and len(chosen) == 0):
         chosen = [default_learner(task)]

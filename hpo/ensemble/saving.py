@@ -19,7 +19,7 @@ from hpo.ensemble.errors import EnsembleError
 from hpo.ensemble.honest import EnsembleReport
 from hpo.ensemble.skops_files import meta_learner_from_bytes
 from hpo.ensemble.stacking import FeatureSettings, StackedModel
-from trainer.digests import file_sha256
+from hpo.trainer.digests import file_sha256
 
 RECORD = "ensemble.json"
 META_LEARNER = "meta_learner.skops"

@@ -9,8 +9,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from hpo.ensemble.errors import EnsembleError
-from trainer.metrics import Direction, accuracy, macro_f1, micro_f1
-from trainer.tasks import TASKS
+from hpo.trainer.metrics import Direction, accuracy, macro_f1, micro_f1
+from hpo.trainer.tasks import TASKS
 
 # The tasks whose members give one output per row, which a meta-learner can stack.
 STACKABLE_TASKS = ("sequence_classification", "multi_label_classification", "regression")
@@ -77,11 +77,11 @@ def score(task: str, metric: str, outputs: np.ndarray, labels: np.ndarray) -> fl
         return micro_f1(predicted, truth) if metric == "micro_f1" else accuracy(predicted, truth)
     # These task modules load torch: imported when scored, not when an ensemble is read back.
     if task == "multi_label_classification":
-        from trainer.tasks.multi_label import multi_label_metrics
+        from hpo.trainer.tasks.multi_label import multi_label_metrics
 
         decided = np.asarray(outputs) >= MULTI_LABEL_THRESHOLD
         return multi_label_metrics(decided, np.asarray(labels).astype(bool))[metric]
-    from trainer.tasks.regression import regression_metrics
+    from hpo.trainer.tasks.regression import regression_metrics
 
     values = np.asarray(outputs, dtype=np.float64).reshape(-1)
     return regression_metrics(values, np.asarray(labels, dtype=np.float64))[metric]

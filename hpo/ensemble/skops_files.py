@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hpo.ensemble.errors import EnsembleError
+from hpo.ensemble.errors import EnsembleError, require_stacking
 
 # Types that skops does not trust by default but that the learners hpo fits are made of: both
 # are scikit-learn's own, restored from their arrays (no code runs). Anything else is refused.
@@ -26,6 +26,7 @@ def refused_types(untrusted: Sequence[str]) -> list[str]:
 def meta_learner_bytes(learner: str, estimators: list[Any], params: list[dict[str, Any]]) -> bytes:
     """The skops file of a fitted meta-learner; refused now when it holds types hpo would
     refuse to load (XGBoost's, say), not when someone loads the folder."""
+    require_stacking("saving a stacked ensemble")
     import skops.io
 
     data = skops.io.dumps({"estimators": estimators, "params": params})
@@ -40,6 +41,7 @@ def meta_learner_bytes(learner: str, estimators: list[Any], params: list[dict[st
 
 def meta_learner_from_bytes(data: bytes, where: str) -> dict[str, Any]:
     """The estimators and params of a skops file hpo wrote; `where` names it in the errors."""
+    require_stacking(f"loading {where}")
     import skops.io
 
     try:

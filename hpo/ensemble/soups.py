@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from hpo.ensemble.errors import EnsembleError
 from hpo.ensemble.scoring import is_better
-from trainer.metrics import Direction
+from hpo.trainer.metrics import Direction
 
 if TYPE_CHECKING:  # torch loads on first use: `hpo ensemble` from its cache runs no model
     import torch

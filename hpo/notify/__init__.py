@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from hpo.config.notify import NotifyConfig, NotifyEvent, parsed
-from storage.url import mask_text
+from hpo.storage.url import mask_text
 
 log = logging.getLogger(__name__)
 # Jobs waiting at most: a service that is down does not fill the memory, and no worker waits.

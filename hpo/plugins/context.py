@@ -16,10 +16,10 @@ import optuna
 import torch
 
 from hpo.plugins.protocols import TrialLike
-from trainer.batch_finder import BatchSearch, search_step
-from trainer.checkpoint import CheckpointStore
-from trainer.config import TrainingConfig
-from trainer.loop import grad_accum_steps_for
+from hpo.trainer.batch_finder import BatchSearch, search_step
+from hpo.trainer.checkpoint import CheckpointStore
+from hpo.trainer.config import TrainingConfig
+from hpo.trainer.loop import grad_accum_steps_for
 
 log = logging.getLogger(__name__)
 

@@ -182,7 +182,7 @@ def _specs_in_trial_processes(config: Config) -> list[tuple[str, str]]:
 
 def user_task(config: Config) -> str | None:
     """The task class the config names by import path; None for a built-in task."""
-    from trainer.tasks import is_task_path
+    from hpo.trainer.tasks import is_task_path
 
     return config.task if is_task_path(config.task) else None
 
@@ -191,7 +191,7 @@ def check_task_class(config: Config) -> None:
     """`task: package.module:ClassName`: it imports, it is a task class (a subclass of
     trainer.tasks.base.Task with a catalog entry), and it has the study's metrics, each improving
     the way study.direction says. ConfigError, one line, otherwise."""
-    from trainer.tasks import TaskClassError, task_class
+    from hpo.trainer.tasks import TaskClassError, task_class
 
     spec = config.task
     load_plugin(spec, config.base_dir, "task")

@@ -23,9 +23,9 @@ from optuna.trial import FrozenTrial, TrialState
 from hpo.reports import cost, pruning
 from hpo.reports import status as report
 from hpo.reports.model_card import mean_std_text, seeds_text
+from hpo.storage import study_queries
 from hpo.study.join import model_loader
 from hpo.study.retrain import recorded_outcome
-from storage import study_queries
 
 PRUNED_GREY = "#b0b0b0"
 # Past this many trials the plots and the table draw a sample: a page of 100,000 learning curves

@@ -82,7 +82,7 @@ def card_loader(config: Config) -> str:
 
 
 def data_files(config: Config) -> list[dict[str, Any]]:
-    from trainer.digests import content_sha256
+    from hpo.trainer.digests import content_sha256
 
     files = []
     for role, location, split in (

@@ -23,6 +23,8 @@ from optuna.trial import FrozenTrial, TrialState
 from hpo import tracking
 from hpo.reports import cost
 from hpo.reports.text import best_values_text
+from hpo.storage import heartbeats, study_queries
+from hpo.storage.engine import StudyStorage
 from hpo.study.device_time import WALL_S
 from hpo.study.device_time import trial_device_s as _device_s
 from hpo.study.front import best_of, rule_for
@@ -32,8 +34,6 @@ from hpo.study.names import quoted_study_name
 from hpo.study.setup_record import setup_changes
 from hpo.study.trials import RETRY_ATTR, counted_trials
 from hpo.trial import folders as checkpoints
-from storage import heartbeats, study_queries
-from storage.engine import StudyStorage
 
 # Trials that reached an outcome the search learns from: what trials/hour counts.
 DONE = (TrialState.COMPLETE, TrialState.PRUNED)

@@ -18,6 +18,8 @@ from hpo.config.schema import (
     space_record,
 )
 from hpo.errors import ConfigError
+from hpo.storage.engine import StudyStorage
+from hpo.storage.tables import check_version
 from hpo.study import warm_start
 from hpo.study.device_time import BUDGET_ATTR, PRICE_ATTR
 from hpo.study.front import TOLERANCE_ATTR
@@ -31,10 +33,8 @@ from hpo.study.setup_record import (
     setup_record,
     test_file_record,
 )
+from hpo.trainer.tasks import DEFAULT_TASK, TASKS, is_task_path
 from hpo.trial.protocol import ADAPTER_ATTR
-from storage.engine import StudyStorage
-from storage.tables import check_version
-from trainer.tasks import DEFAULT_TASK, TASKS, is_task_path
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ import optuna
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
+from hpo.storage.artifacts import ArtifactStore, UntrustedArtifact
 from hpo.study.front import FrontRule, as_rule, best_of, rule_for
+from hpo.trainer.files import BEST_MODEL_DIR
 from hpo.trial.folders import folder_name, is_ours, is_trial_folder, study_folder_name
-from storage.artifacts import ArtifactStore, UntrustedArtifact
-from trainer.files import BEST_MODEL_DIR
 
 # Which trials' models are best: hpo's rule (hpo.study.front), or the study's directions alone.
 Rule = FrontRule | Sequence[StudyDirection]

@@ -19,19 +19,19 @@ from optuna.trial import TrialState
 
 from hpo import live, tracking
 from hpo.stopping import HandBack, Interrupted, StopRequest, TakenOver
+from hpo.storage.artifacts import ArtifactStore
+from hpo.storage.engine import StudyStorage
+from hpo.storage.heartbeats import LastBeat
 from hpo.study import notices
 from hpo.study.front import CHANCE_ATTR
 from hpo.study.join import QUEUED_BY_ATTR, liveness
 from hpo.study.pruners import ExplainedPruner
 from hpo.study.trials import StudyTrials, counted_trials, unsure_trials
 from hpo.tracking.observer import Observers, TrialObserver
+from hpo.trainer.files import drop_resume_state
 from hpo.trial import cpu_share
 from hpo.trial.folders import checkpoint_root, folder_name
 from hpo.trial.objective import Objective, worker_id
-from storage.artifacts import ArtifactStore
-from storage.engine import StudyStorage
-from storage.heartbeats import LastBeat
-from trainer.files import drop_resume_state
 
 log = logging.getLogger(__name__)
 # How long a worker done with its trials lets its last cleanup of the artifact store go on.
@@ -111,7 +111,7 @@ def run_trials(
 def _record_chance_level(study: optuna.Study, objective: Objective) -> None:
     """What guessing scores on the evaluation split: no trial at that level is on the Pareto
     front (hpo.study.front)."""
-    from trainer.tasks import make_task
+    from hpo.trainer.tasks import make_task
 
     config, data = objective.task.config, objective.task.data
     task = make_task(data.task, config.data, config.training)

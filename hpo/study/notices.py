@@ -16,9 +16,9 @@ from optuna.trial import FrozenTrial, TrialState
 from hpo import notify
 from hpo.config.notify import NotifyConfig
 from hpo.notify import Notices
+from hpo.storage.engine import StudyStorage
 from hpo.study.front import best_of, rule_for
 from hpo.study.trials import counted_trials
-from storage.engine import StudyStorage
 
 # Study system attributes: what was said already (a claim, taken under the study's lock).
 ENDED_ATTR = "hpo:notified_end"  # the count of trials the end was said with

@@ -34,9 +34,9 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpo.config.schema import Config, ParamSpec, PrunerConfig, SamplerConfig, space_record
 from hpo.errors import HPOError
+from hpo.storage.engine import StudyStorage
 from hpo.study.setup_record import SETUP_ATTR, differences, setup_record
 from hpo.trial.folders import study_folder_name
-from storage.engine import StudyStorage
 
 log = logging.getLogger(__name__)
 
@@ -428,7 +428,7 @@ def save_final_model(model_dir: Path, out: Path, card: dict[str, Any], card_text
     """Copy the model and tokenizer to `out` with its card (`card_text`: as Markdown, the
     folder's README.md; hpo.reports.model_card writes both): written aside, then renamed in, so
     `out` is never half a model; a final model hpo wrote there before is replaced."""
-    from trainer.checkpoint import STATE_DICT_FILE  # a factory's module of the user's
+    from hpo.trainer.checkpoint import STATE_DICT_FILE  # a factory's module of the user's
 
     if not any((model_dir / name).is_file() for name in ("config.json", STATE_DICT_FILE)):
         raise HPOError(

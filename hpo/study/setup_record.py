@@ -13,9 +13,9 @@ from typing import Any
 
 from hpo.config.schema import Config
 from hpo.errors import ConfigError
+from hpo.storage.engine import StudyStorage
 from hpo.study.sampling import pruner_settings
-from storage.engine import StudyStorage
-from trainer.digests import content_sha256
+from hpo.trainer.digests import content_sha256
 
 log = logging.getLogger(__name__)
 

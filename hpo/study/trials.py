@@ -20,6 +20,9 @@ import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import FrozenTrial, TrialState
 
+from hpo.storage.artifacts import ArtifactStore, ArtifactStoreError
+from hpo.storage.engine import StudyStorage
+from hpo.storage.heartbeats import Heartbeats, HeartbeatThread, LastBeat, silences
 from hpo.study.device_time import device_hours
 from hpo.study.front import rule_for
 from hpo.study.kept_models import (
@@ -30,9 +33,6 @@ from hpo.study.kept_models import (
 )
 from hpo.study.retry import retry_trial
 from hpo.tracking.observer import NoObserver, TrialObserver
-from storage.artifacts import ArtifactStore, ArtifactStoreError
-from storage.engine import StudyStorage
-from storage.heartbeats import Heartbeats, HeartbeatThread, LastBeat, silences
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from optuna.trial import FrozenTrial, TrialState
 from hpo.config.budget import DEFAULT_WIDEN, WarmStartConfig, WarmStartSource
 from hpo.config.schema import Config, ParamSpec, applies
 from hpo.errors import ConfigError
-from storage.engine import StudyStorage, open_storage
-from storage.url import StorageURL
+from hpo.storage.engine import StudyStorage, open_storage
+from hpo.storage.url import StorageURL
 
 log = logging.getLogger(__name__)
 

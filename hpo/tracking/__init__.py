@@ -22,10 +22,10 @@ from optuna.trial import FrozenTrial
 
 from hpo.config.schema import Config, MlflowTrackingConfig
 from hpo.errors import ConfigError, HPOError
+from hpo.storage.url import mask_text
 from hpo.tracking.background import STUDY, BackgroundCalls
 from hpo.tracking.events import StudyStart, TrialEnd, TrialInterrupted, TrialStart
 from hpo.tracking.observer import NoObserver, TrialObserver
-from storage.url import mask_text
 
 log = logging.getLogger(__name__)
 MISSING_ATTR = "tracking_missing:"  # study user attr per trial: `tracking_missing:<number>`

@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from storage.url import mask_text
+from hpo.storage.url import mask_text
 
 log = logging.getLogger(__name__)
 # Calls waiting for the tracker at most: a tracker that is down does not fill the memory.

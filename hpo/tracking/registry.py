@@ -10,6 +10,7 @@ from typing import Any
 
 from hpo.config.schema import Config
 from hpo.errors import HPOError
+from hpo.storage.url import mask_text
 from hpo.tracking.mlflow_runs import (
     ATTEMPT_TAG,
     KIND_TAG,
@@ -18,7 +19,6 @@ from hpo.tracking.mlflow_runs import (
     client_for,
     quoted,
 )
-from storage.url import mask_text
 
 MODEL_ARTIFACT = "final_model"  # the final model's folder in its run's artifacts
 # The scheme of a store URI MLflow's server takes as a version's source as it is (it refuses

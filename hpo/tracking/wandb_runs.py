@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from hpo.config.schema import WANDB_FORBIDDEN, WandbTrackingConfig
+from hpo.storage.url import mask_text
 from hpo.tracking.background import GiveUp
 from hpo.tracking.events import StudyStart, TrialEnd, TrialInterrupted, TrialStart
-from storage.url import mask_text
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])

@@ -52,7 +52,7 @@ def workers_dir() -> Path:
     """The registry: under hpo's caches of this host ($HPO_CACHE_DIR or ~/.cache/hpo, where the
     compiled kernels the host's workers share live too), one folder per host name, in case
     that folder is a home folder on a network disk that several hosts share."""
-    from trainer.digests import hpo_cache_root
+    from hpo.trainer.digests import hpo_cache_root
 
     return hpo_cache_root() / "cpu-workers" / _safe_name(socket.gethostname())
 

@@ -21,7 +21,11 @@ import optuna
 from hpo.config.schema import Config, StudyConfig
 from hpo.logs import worker_label
 from hpo.stopping import Interrupted, StopRequest, TrialTimedOut
+from hpo.storage.artifacts import ArtifactTarget
+from hpo.storage.batch_cache import BatchCacheRequests, BatchSizeCache
+from hpo.storage.url import StorageURL
 from hpo.tracking.observer import NoObserver, TrialObserver
+from hpo.trainer.memory_share import memory_share
 from hpo.trial.folders import (
     checkpoint_root,
     folder_name,
@@ -33,13 +37,9 @@ from hpo.trial.process import TrialLimits, TrialProcess
 from hpo.trial.protocol import TrialTarget, TrialValue
 from hpo.trial.search_space import Sampler
 from hpo.trial.task import TrialTask, batch_cache_for, remember_worker_cache
-from storage.artifacts import ArtifactTarget
-from storage.batch_cache import BatchCacheRequests, BatchSizeCache
-from storage.url import StorageURL
-from trainer.memory_share import memory_share
 
 if TYPE_CHECKING:
-    from trainer.data import PreparedData
+    from hpo.trainer.data import PreparedData
 
 log = logging.getLogger(__name__)
 

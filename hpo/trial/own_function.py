@@ -15,6 +15,8 @@ from hpo.plugins.entrypoint import TrainingFunctionError, load_entrypoint, trial
 from hpo.plugins.loading import record_failure
 from hpo.plugins.protocols import TrialLike
 from hpo.stopping import Interrupted, TrialTimedOut
+from hpo.trainer import device as dev
+from hpo.trainer.checkpoint import CheckpointStore, job_fingerprint
 from hpo.trial.folders import trial_folder_maker
 from hpo.trial.protocol import TrialValue
 from hpo.trial.task import TrialTask
@@ -29,8 +31,6 @@ from hpo.trial.training import (
     start_uploader,
     take_cpu_share,
 )
-from trainer import device as dev
-from trainer.checkpoint import CheckpointStore, job_fingerprint
 
 
 def train_with_entrypoint(trial: TrialLike, task: TrialTask) -> TrialValue:

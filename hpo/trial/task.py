@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING, Any
 from hpo.config.schema import Config
 from hpo.config.search_paths import with_params
 from hpo.plugins.protocols import TrialLike
+from hpo.storage.artifacts import ArtifactTarget
+from hpo.storage.batch_cache import BatchSizeCache, RelayedBatchCache
+from hpo.storage.engine import create_engine
+from hpo.storage.url import StorageURL
+from hpo.trainer.config import TrainJob
 from hpo.trial.child import ChildTrial
-from storage.artifacts import ArtifactTarget
-from storage.batch_cache import BatchSizeCache, RelayedBatchCache
-from storage.engine import create_engine
-from storage.url import StorageURL
-from trainer.config import TrainJob
 
 if TYPE_CHECKING:
-    from trainer.data import PreparedData
+    from hpo.trainer.data import PreparedData
 
 
 @dataclass
@@ -60,8 +60,8 @@ def data_for(task: TrialTask, job: TrainJob) -> PreparedData:
     if key not in task.prepared:
         if key == data_key(with_params(task.config, {})):
             return task.data
-        from trainer.model import load_tokenizer
-        from trainer.tasks import prepare_data
+        from hpo.trainer.model import load_tokenizer
+        from hpo.trainer.tasks import prepare_data
 
         task.prepared[key] = prepare_data(
             job.data, load_tokenizer(job.model, job.task), job.task, job.training

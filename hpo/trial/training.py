@@ -19,32 +19,32 @@ from hpo.config.search_paths import with_params
 from hpo.plugins.loading import first_user_frame, load_plugin, load_user_code, record_failure
 from hpo.plugins.protocols import TrialLike
 from hpo.stopping import HandBack, Interrupted, TrialTimedOut
-from hpo.trial import cpu_share
-from hpo.trial.child import replace_after_this_trial, stop_reason, stop_requested
-from hpo.trial.folders import trial_folder_maker
-from hpo.trial.protocol import ADAPTER_ATTR, TrialValue
-from hpo.trial.task import TrialTask, batch_cache, data_for
-from hpo.trial.uploads import BackgroundUploader, fetch_resume_state
-from storage.artifacts import ArtifactStore, ArtifactStoreError
-from trainer import device as dev
-from trainer.batch_finder import (
+from hpo.storage.artifacts import ArtifactStore, ArtifactStoreError
+from hpo.trainer import device as dev
+from hpo.trainer.batch_finder import (
     BatchSearch,
     BatchSizeLookup,
     NoPhysicalBatchFits,
     PhysicalBatch,
     resolve_physical_batch,
 )
-from trainer.checkpoint import CheckpointStore
-from trainer.config import TrainJob
-from trainer.data import PreparedData, with_eval_in_training
-from trainer.inference import job_settings, save_settings
-from trainer.launch import RankFailed, train_distributed
-from trainer.loop import Evaluation, TrainResult, grad_accum_steps_for, train
-from trainer.memory import OutOfMemoryAtBatchOne
-from trainer.model import load_tokenizer
-from trainer.model_factory import ModelFactoryError
-from trainer.tasks import METRIC_DIRECTIONS, task_class
-from trainer.user_metrics import MetricsFunctionError, UserMetrics
+from hpo.trainer.checkpoint import CheckpointStore
+from hpo.trainer.config import TrainJob
+from hpo.trainer.data import PreparedData, with_eval_in_training
+from hpo.trainer.inference import job_settings, save_settings
+from hpo.trainer.launch import RankFailed, train_distributed
+from hpo.trainer.loop import Evaluation, TrainResult, grad_accum_steps_for, train
+from hpo.trainer.memory import OutOfMemoryAtBatchOne
+from hpo.trainer.model import load_tokenizer
+from hpo.trainer.model_factory import ModelFactoryError
+from hpo.trainer.tasks import METRIC_DIRECTIONS, task_class
+from hpo.trainer.user_metrics import MetricsFunctionError, UserMetrics
+from hpo.trial import cpu_share
+from hpo.trial.child import replace_after_this_trial, stop_reason, stop_requested
+from hpo.trial.folders import trial_folder_maker
+from hpo.trial.protocol import ADAPTER_ATTR, TrialValue
+from hpo.trial.task import TrialTask, batch_cache, data_for
+from hpo.trial.uploads import BackgroundUploader, fetch_resume_state
 
 log = logging.getLogger(__name__)
 

@@ -14,14 +14,14 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from storage.artifacts import (
+from hpo.storage.artifacts import (
     ArtifactStore,
     ArtifactStoreError,
     ArtifactTarget,
     Manifest,
     StoreRefused,
 )
-from trainer.checkpoint import STATE_FILE, CheckpointStore
+from hpo.trainer.checkpoint import STATE_FILE, CheckpointStore
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ midway leaves nothing a reader would use; a fetch checks every file's size and h
 made by hpo from slugs (never a user's string), and removal deletes only the keys that hpo's
 own manifests list.
 
-Import from `storage.artifacts`: the names below are the store's surface. Its modules are its
+Import from `hpo.storage.artifacts`: the names below are the store's surface. Its modules are its
 rooms, one job each: `url` (which store), `store` (publish, fetch, remove), `manifest` (what a
 reader may trust), `backend` (what a backend does), `local` and `s3` (the two backends),
 `errors`.
@@ -15,17 +15,17 @@ reader may trust), `backend` (what a backend does), `local` and `s3` (the two ba
 
 from __future__ import annotations
 
-from storage.artifacts.errors import (
+from hpo.storage.artifacts.errors import (
     ArtifactStoreError,
     StoreRefused,
     UntrustedArtifact,
     is_refusal,
 )
-from storage.artifacts.local import FileBackend
-from storage.artifacts.manifest import KINDS, FileEntry, Manifest
-from storage.artifacts.s3 import S3Backend
-from storage.artifacts.store import ArtifactStore, ArtifactTarget
-from storage.artifacts.url import (
+from hpo.storage.artifacts.local import FileBackend
+from hpo.storage.artifacts.manifest import KINDS, FileEntry, Manifest
+from hpo.storage.artifacts.s3 import S3Backend
+from hpo.storage.artifacts.store import ArtifactStore, ArtifactTarget
+from hpo.storage.artifacts.url import (
     ENV_VAR,
     ArtifactURL,
     masked_artifact_url,

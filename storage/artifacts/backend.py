@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Iterator
 from typing import BinaryIO, Protocol
 
-from storage.artifacts.errors import ArtifactStoreError
+from hpo.storage.artifacts.errors import ArtifactStoreError
 
 # Bytes copied or hashed at a time (a file store's copies, a publish's and a fetch's hashes).
 CHUNK = 1 << 20

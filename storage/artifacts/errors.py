@@ -5,8 +5,9 @@ will change (no credentials, access denied, no such bucket, a folder that cannot
 from __future__ import annotations
 
 import errno
+import sys
 
-from storage.errors import StorageError
+from hpo.storage.errors import StorageError
 
 
 class ArtifactStoreError(StorageError):
@@ -51,11 +52,12 @@ def is_refusal(error: BaseException) -> bool:
         return True
     if isinstance(error, OSError):
         return error.errno in _REFUSED_ERRNOS
-    from botocore.exceptions import ClientError, NoCredentialsError, PartialCredentialsError
-
-    if isinstance(error, NoCredentialsError | PartialCredentialsError):
+    exceptions = sys.modules.get("botocore.exceptions")
+    if exceptions is None:  # botocore never loaded (hpo[s3] may not be installed): not its error
+        return False
+    if isinstance(error, exceptions.NoCredentialsError | exceptions.PartialCredentialsError):
         return True
-    if isinstance(error, ClientError):
+    if isinstance(error, exceptions.ClientError):
         code = str(error.response.get("Error", {}).get("Code", ""))
         status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         return code in _REFUSED_CODES or status in (401, 403)

@@ -15,9 +15,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from storage.artifacts.backend import CHUNK, probe
-from storage.artifacts.errors import ArtifactStoreError, UntrustedArtifact, store_error
-from storage.artifacts.manifest import checked_key
+from hpo.storage.artifacts.backend import CHUNK, probe
+from hpo.storage.artifacts.errors import ArtifactStoreError, UntrustedArtifact, store_error
+from hpo.storage.artifacts.manifest import checked_key
 
 
 class FileBackend:

@@ -10,7 +10,7 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 
-from storage.artifacts.errors import ArtifactStoreError, UntrustedArtifact
+from hpo.storage.artifacts.errors import ArtifactStoreError, UntrustedArtifact
 
 KINDS = ("state", "best-model")
 MANIFEST_SUFFIX = ".manifest.json"

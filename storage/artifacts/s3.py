@@ -7,11 +7,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
-from storage.artifacts.backend import probe
-from storage.artifacts.errors import ArtifactStoreError, store_error
-from storage.artifacts.manifest import checked_key
-from storage.url import mask_text
+from hpo.storage.artifacts.backend import probe
+from hpo.storage.artifacts.errors import ArtifactStoreError, StoreRefused, store_error
+from hpo.storage.artifacts.manifest import checked_key
+from hpo.storage.url import mask_text
 
+S3_EXTRA = "hpo[s3]"
 # Seconds an S3 call waits to connect, or for the next bytes of an answer, before a retry.
 S3_TIMEOUT_S = 10
 
@@ -21,9 +22,14 @@ class S3Backend:
     (`$AWS_ENDPOINT_URL`, for MinIO, Ceph or R2) come from the usual AWS settings."""
 
     def __init__(self, bucket: str, prefix: str) -> None:
-        import boto3
-        from botocore.config import Config as BotoConfig
-        from botocore.exceptions import BotoCoreError
+        try:
+            import boto3
+            from botocore.config import Config as BotoConfig
+            from botocore.exceptions import BotoCoreError
+        except ImportError as e:  # boto3 is an extra: most stores are a folder
+            raise StoreRefused(
+                f"an s3:// artifact store needs boto3, not installed; pip install '{S3_EXTRA}'"
+            ) from e
 
         self.bucket, self.prefix = bucket, prefix
         # Few quick retries and short timeouts: hpo's uploader retries with its own backoff, and

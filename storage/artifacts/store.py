@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from storage.artifacts.backend import CHUNK, Backend
-from storage.artifacts.errors import (
+from hpo.storage.artifacts.backend import CHUNK, Backend
+from hpo.storage.artifacts.errors import (
     ArtifactStoreError,
     StoreRefused,
     UntrustedArtifact,
 )
-from storage.artifacts.local import FileBackend
-from storage.artifacts.manifest import (
+from hpo.storage.artifacts.local import FileBackend
+from hpo.storage.artifacts.manifest import (
     KINDS,
     MANIFEST_SUFFIX,
     SAFE_PART,
@@ -31,7 +31,7 @@ from storage.artifacts.manifest import (
     parsed_manifest,
     trial_prefix,
 )
-from storage.artifacts.s3 import S3Backend
+from hpo.storage.artifacts.s3 import S3Backend
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from storage.artifacts.errors import ArtifactStoreError
-from storage.artifacts.manifest import SAFE_PART
-from storage.url import mask_text
+from hpo.storage.artifacts.errors import ArtifactStoreError
+from hpo.storage.artifacts.manifest import SAFE_PART
+from hpo.storage.url import mask_text
 
 ENV_VAR = "HPO_ARTIFACT_STORE"
 EXAMPLE_URLS = "file:///mnt/shared/hpo or s3://bucket/prefix"

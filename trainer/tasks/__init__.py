@@ -4,10 +4,10 @@ default metric and the transformers class that loads its model.
 Light on purpose (no torch, no transformers): the config loader checks `task:` and
 `study.metric` against it in well under a second. The task classes themselves, the code that
 turns rows into tensors and logits into a loss and metrics, live one module per task beside it
-(`trainer.tasks.base` says what a task is) and are imported only when a run needs one.
+(`hpo.trainer.tasks.base` says what a task is) and are imported only when a run needs one.
 
 A task of the user's is named by import path (`task: package.module:ClassName`): a subclass of
-`trainer.tasks.base.Task`, imported where a run needs it, its catalog entry its `describe()`.
+`hpo.trainer.tasks.base.Task`, imported where a run needs it, its catalog entry its `describe()`.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from trainer.metrics import Direction
+from hpo.trainer.metrics import Direction
 
 if TYPE_CHECKING:
-    from trainer.config import DataConfig, TrainingConfig
-    from trainer.data import PreparedData
-    from trainer.tasks.base import Task
+    from hpo.trainer.config import DataConfig, TrainingConfig
+    from hpo.trainer.data import PreparedData
+    from hpo.trainer.tasks.base import Task
 
 DEFAULT_TASK = "sequence_classification"
 # A task of the user's: `package.module:ClassName` (trainer.config.ENTRYPOINT's form).
@@ -174,13 +174,13 @@ def task_class(name: str) -> type[Task]:
     TaskClassError when the name is not a subclass of trainer.tasks.base.Task."""
     if is_task_path(name):
         return _user_task_class(name)
-    module = importlib.import_module(f"trainer.tasks.{task_info(name).module}")
+    module = importlib.import_module(f"hpo.trainer.tasks.{task_info(name).module}")
     cls: type[Task] = module.TASK
     return cls
 
 
 def _user_task_class(spec: str) -> type[Task]:
-    from trainer.tasks.base import Task
+    from hpo.trainer.tasks.base import Task
 
     module_name, _, class_name = spec.partition(":")
     found = getattr(importlib.import_module(module_name), class_name, None)
@@ -188,7 +188,7 @@ def _user_task_class(spec: str) -> type[Task]:
         what = f"the class {found.__name__}" if isinstance(found, type) else type(found).__name__
         raise TaskClassError(
             f"{spec} is {what}; expected a subclass of trainer.tasks.base.Task (e.g. of "
-            "trainer.tasks.sequence_classification.SequenceClassification)"
+            "hpo.trainer.tasks.sequence_classification.SequenceClassification)"
         )
     if getattr(found, "__abstractmethods__", None):
         missing = ", ".join(sorted(found.__abstractmethods__))
@@ -203,7 +203,7 @@ def _user_task_class(spec: str) -> type[Task]:
     if not isinstance(info, TaskInfo) or info.default_metric not in info.metrics:
         raise TaskClassError(
             f"{spec}: describe() returned {info!r}; expected a "
-            "trainer.tasks.TaskInfo with its metrics and a default_metric among "
+            "hpo.trainer.tasks.TaskInfo with its metrics and a default_metric among "
             "them"
         )
     return found
@@ -228,7 +228,7 @@ def prepare_data(
     training: TrainingConfig | None = None,
 ) -> PreparedData:
     """Both splits of `config` read, checked and tokenized for `task` (cached on disk)."""
-    from trainer.config import TrainingConfig
-    from trainer.token_cache import prepare_splits
+    from hpo.trainer.config import TrainingConfig
+    from hpo.trainer.token_cache import prepare_splits
 
     return prepare_splits(config, tokenizer, make_task(task, config, training or TrainingConfig()))

@@ -28,13 +28,13 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from trainer.config import DataConfig, TrainingConfig
-from trainer.data import TokenizedSplit
-from trainer.errors import DataError
-from trainer.labels import text_column
-from trainer.model_factory import logits_of
-from trainer.tasks import TaskInfo, task_info
-from trainer.token_cache import tokenize_texts
+from hpo.trainer.config import DataConfig, TrainingConfig
+from hpo.trainer.data import TokenizedSplit
+from hpo.trainer.errors import DataError
+from hpo.trainer.labels import text_column
+from hpo.trainer.model_factory import logits_of
+from hpo.trainer.tasks import TaskInfo, task_info
+from hpo.trainer.token_cache import tokenize_texts
 
 IGNORE = -100  # a token label that counts for nothing (transformers' convention too)
 
@@ -62,7 +62,7 @@ class Task(ABC):
     @classmethod
     def config_name(cls) -> str:
         """How hpo's config names the task: a built-in's name, a user's class by import path."""
-        if cls.__module__.startswith("trainer.tasks."):
+        if cls.__module__.startswith("hpo.trainer.tasks."):
             return cls.name
         return f"{cls.__module__}:{cls.__qualname__}"
 

@@ -28,11 +28,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.data import TokenizedSplit, flat_split
-from trainer.errors import DataError
-from trainer.labels import text_column
-from trainer.tasks.base import IGNORE, TokenTask
-from trainer.text_window import heads, tails, window_chars
+from hpo.trainer.data import TokenizedSplit, flat_split
+from hpo.trainer.errors import DataError
+from hpo.trainer.labels import text_column
+from hpo.trainer.tasks.base import IGNORE, TokenTask
+from hpo.trainer.text_window import heads, tails, window_chars
 
 log = logging.getLogger(__name__)
 

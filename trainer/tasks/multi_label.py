@@ -18,9 +18,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trainer.data import TokenizedSplit
-from trainer.errors import DataError
-from trainer.tasks.base import Task, encode_texts, set_output_bias
+from hpo.trainer.data import TokenizedSplit
+from hpo.trainer.errors import DataError
+from hpo.trainer.tasks.base import Task, encode_texts, set_output_bias
 
 
 class MultiLabelClassification(Task):

@@ -11,10 +11,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trainer.data import TokenizedSplit
-from trainer.errors import DataError
-from trainer.metrics import mean_ranks
-from trainer.tasks.base import Task, encode_texts, missing_target, set_output_bias
+from hpo.trainer.data import TokenizedSplit
+from hpo.trainer.errors import DataError
+from hpo.trainer.metrics import mean_ranks
+from hpo.trainer.tasks.base import Task, encode_texts, missing_target, set_output_bias
 
 
 class Regression(Task):

@@ -10,10 +10,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trainer.data import TokenizedSplit
-from trainer.labels import encode_labels, label_vocabulary
-from trainer.metrics import accuracy, binary_roc_auc, macro_f1, micro_f1
-from trainer.tasks.base import Task, encode_texts
+from hpo.trainer.data import TokenizedSplit
+from hpo.trainer.labels import encode_labels, label_vocabulary
+from hpo.trainer.metrics import accuracy, binary_roc_auc, macro_f1, micro_f1
+from hpo.trainer.tasks.base import Task, encode_texts
 
 
 class SequenceClassification(Task):

@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.data import TokenizedSplit, flat_split
-from trainer.errors import DataError
-from trainer.tasks.base import IGNORE, TokenTask
-from trainer.text_window import cut_words, window_chars
+from hpo.trainer.data import TokenizedSplit, flat_split
+from hpo.trainer.errors import DataError
+from hpo.trainer.tasks.base import IGNORE, TokenTask
+from hpo.trainer.text_window import cut_words, window_chars
 
 OUTSIDE = "O"  # the tag of a word in no entity
 

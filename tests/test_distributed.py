@@ -132,11 +132,12 @@ def child_pids() -> list[int]:
     return sorted(found)
 
 
-def ranks_gone(deadline_s: float = 30.0) -> list[int]:
-    """This process's live children once they are gone, or those still there at the deadline:
-    a rank that ended may still be exiting when the launcher returns."""
+def ranks_gone(before: set[int], deadline_s: float = 30.0) -> list[int]:
+    """This process's live children not in `before` (what earlier tests in this process left
+    running, such as a multiprocessing fork server) once they are gone, or those still there
+    at the deadline: a rank that ended may still be exiting when the launcher returns."""
     deadline = time.monotonic() + deadline_s
-    while (alive := child_pids()) and time.monotonic() < deadline:
+    while (alive := sorted(set(child_pids()) - before)) and time.monotonic() < deadline:
         time.sleep(0.05)
     return alive
 
@@ -147,10 +148,11 @@ def test_a_rank_killed_mid_step_fails_the_run_with_its_reason_and_the_retry_resu
     job, data = small
     job = across(job, 2, epochs=1)
     killed: list[int] = []
+    before = set(child_pids())  # other tests' processes, in this process (a pytest-xdist worker)
 
     def kill_a_rank(progress: dict[str, Any]) -> None:
         if progress["step"] >= 3 and not killed:  # past the checkpoint of evaluation 1
-            killed.append(child_pids()[-1])  # the rank started last: rank 1
+            killed.append(sorted(set(child_pids()) - before)[-1])  # the rank started last: 1
             os.kill(killed[0], signal.SIGKILL)
 
     folder = tmp_path / "checkpoints"
@@ -160,7 +162,7 @@ def test_a_rank_killed_mid_step_fails_the_run_with_its_reason_and_the_retry_resu
     assert f"pid {killed[0]}" in str(failed.value)
     retry = train_distributed(job, data, checkpoints=CheckpointStore(folder, resume=True))
     assert retry.status == "completed" and retry.resumed_at_step == 2
-    assert ranks_gone() == []  # no rank left behind
+    assert ranks_gone(before) == []  # no rank left behind
 
 
 @pytest.fixture

@@ -359,10 +359,18 @@ class Search:
 
 
 def replay(task: str, strategy: str, seed: int, n_trials: int) -> Search:
-    optuna.logging.set_verbosity(optuna.logging.ERROR)
     source = Path(TASKS[task]["config"])
     _, raw, table = load_task(task)
     config = strategy_config(raw, source, strategy, seed)
+    return replay_config(task, config, table, strategy, seed, n_trials)
+
+
+def replay_config(
+    task: str, config: Config, table: Table, strategy: str, seed: int, n_trials: int
+) -> Search:
+    """`n_trials` of `config`'s search (its queued trials first) replayed on the task's grid
+    `table`, with the strategy's pruner wrappers."""
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
     metric = config.study.primary_metric
     if config.study.resolved_direction != "maximize":
         raise SystemExit(

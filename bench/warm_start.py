@@ -22,8 +22,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import optuna
-
 sys.path[:0] = [str(Path(__file__).resolve().parent)]
 
 from search_efficiency import (  # noqa: E402
@@ -33,18 +31,13 @@ from search_efficiency import (  # noqa: E402
     compute_to_reach,
     load_task,
     replay,
+    replay_config,
     strategy_config,
-    strategy_pruner,
 )
 from search_grid import TASKS  # noqa: E402
 
 from hpo.config.schema import Config  # noqa: E402
 from hpo.study import warm_start  # noqa: E402
-from hpo.study.join import enqueue  # noqa: E402
-from hpo.study.sampling import build_sampler  # noqa: E402
-from hpo.trainer.loop import Evaluation  # noqa: E402
-from hpo.trial.search_space import sample  # noqa: E402
-from hpo.trial.training import pruning_reporter  # noqa: E402
 
 DEFAULT = "hpo default"
 
@@ -79,40 +72,8 @@ def warm_config(task: str, seed: int, configurations: list[dict[str, Any]], narr
 
 def warm_replay(task: str, config: Config, seed: int, n_trials: int) -> Search:
     """search_efficiency.replay, with this config (its queued trials first)."""
-    optuna.logging.set_verbosity(optuna.logging.ERROR)
     _, _, table = load_task(task)
-    metric = config.study.primary_metric
-    study = optuna.create_study(
-        direction="maximize",
-        sampler=build_sampler(config.study.sampler, 0, config.search_space),
-        pruner=strategy_pruner(config, DEFAULT),
-    )
-    for params in config.study.enqueue:
-        enqueue(study, params)
-    pick = random.Random(seed)
-    spent = {"samples": 0.0, "seconds": 0.0}
-    samples, seconds, best, pruned = [0.0], [0.0], [-math.inf], 0
-
-    def objective(trial: optuna.Trial) -> float:
-        run = pick.choice(table.nearest(sample(trial, config.search_space)))
-        report = pruning_reporter(trial, metric)
-        for e in run.evaluations:
-            spent.update(samples=e["samples"], seconds=e["seconds"])
-            if report(Evaluation(e["index"], 0.0, e["step"], e["metrics"], None)) is not None:
-                raise optuna.TrialPruned()
-        if run.status == "diverged" or not run.evaluations:
-            raise optuna.TrialPruned("diverged")
-        return best_of(run, metric)
-
-    for _ in range(n_trials):
-        spent.update(samples=0.0, seconds=0.0)
-        study.optimize(objective, n_trials=1)
-        trial = study.trials[-1]
-        pruned += trial.state == optuna.trial.TrialState.PRUNED
-        best.append(max(trial.value if trial.value is not None else -math.inf, best[-1]))
-        samples.append(samples[-1] + spent["samples"])
-        seconds.append(seconds[-1] + spent["seconds"])
-    return Search(DEFAULT, seed, samples[1:], seconds[1:], best[1:], pruned)
+    return replay_config(task, config, table, DEFAULT, seed, n_trials)
 
 
 def summary(name: str, searches: list[Search], target: float, random_median: float) -> str:

@@ -115,9 +115,13 @@ class DistributedTrainer(Trainer):
         self._step_indices = np.zeros(0, dtype=np.int64)
         self._rank_rngs: list[Any] = []
         super().__init__(job, data, metric, user_metrics)
-        group.broadcast_weights(self.model)  # a model factory may not seed its init
+        self._broadcast_weights()
         if group.rank:  # dropout masks of their own; rank 0 draws as one process would
             torch.manual_seed(self.cfg.seed + group.rank)
+
+    def _broadcast_weights(self) -> None:
+        """Rank 0's weights on every rank: a model factory may not seed its init."""
+        self.group.broadcast_weights(self.model)
 
     # -- the share of each step ----------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from hpo.trainer.data import PreparedData
 from hpo.trainer.files import drop_resume_state
 from hpo.trainer.launch import train_distributed
 from hpo.trainer.loop import train
+from hpo.trainer.memory import BUDGET_ENV, BUDGET_RANK_ENV, OutOfMemoryAtBatchOne
 from hpo.trainer.model import load_tokenizer
 from hpo.trainer.tasks import prepare_data
 from tests.conftest import MINILM_TOKENIZER, TINY_BERT, easy_rows, write_csv
@@ -62,15 +63,18 @@ def small(tmp_path: Path) -> tuple[TrainJob, PreparedData]:
     return job, prepare_data(job.data, load_tokenizer(job.model))
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_the_loss_curve_is_the_one_process_curve(
-    small: tuple[TrainJob, PreparedData], ranks: int
-) -> None:
+def test_the_loss_curve_is_the_one_process_curve(small: tuple[TrainJob, PreparedData]) -> None:
+    """3 ranks: shards padded unevenly, and a rank with no example in the last step (2 ranks:
+    the resume test below)."""
     job, data = small
+    ranks = 3
     one = train(job, data)
     several = train_distributed(sharded(job, ranks), data)
     assert several.status == "completed" and several.optimizer_steps == one.optimizer_steps
     assert_same_curve(one, several)
+    # Weights and AdamW's two moments, 12 bytes a parameter in all: each rank holds its share.
+    whole_bytes = 12 * one.total_params
+    assert several.rank_state_bytes == pytest.approx(whole_bytes / ranks, rel=0.01)
 
 
 def test_a_run_stopped_and_resumed_ends_as_one_that_was_not(
@@ -96,7 +100,8 @@ def test_a_run_stopped_and_resumed_ends_as_one_that_was_not(
     assert [p.name for p in folder.glob("sharded-state.*")] == ["sharded-state.5"]
     resumed = train_distributed(job, data, checkpoints=CheckpointStore(folder, resume=True))
     assert resumed.status == "completed" and resumed.resumed_at_step == 5
-    assert_same_curve(one, resumed)
+    assert_same_curve(one, resumed)  # the 2-rank curve, across the stop
+    assert resumed.rank_state_bytes == pytest.approx(12 * one.total_params / 2, rel=0.01)
     kept, reference = (
         load_file(f / "best-model" / "model.safetensors") for f in (folder, one_folder)
     )
@@ -150,3 +155,17 @@ def test_the_config_accepts_fsdp_with_a_set_physical_batch() -> None:
     assert [(key, value) for key, value, _ in refused.problems()] == [
         ("physical_batch_size", "auto")
     ]
+
+
+def test_an_oom_on_one_rank_ends_the_run_with_that_rank_named(
+    small: tuple[TrainJob, PreparedData], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sharded step cannot be redone (the other ranks wait in its collectives): the run ends
+    at once, pruned as out of memory (not retried), naming the rank and what to change."""
+    job, data = small
+    # Building the model fits (8 MB whole, then rank 1's 4 MB share); the first step (weights
+    # gathered, the whole embedding gradient before it is scattered, AdamW's state) does not.
+    monkeypatch.setenv(BUDGET_ENV, str(16_000_000))
+    monkeypatch.setenv(BUDGET_RANK_ENV, "1")
+    with pytest.raises(OutOfMemoryAtBatchOne, match="on rank 1 in a sharded step at physical"):
+        train_distributed(sharded(job, 2), data)

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from hpo.trainer.checkpoint import CheckpointStore, rng_state, set_rng_state
 from hpo.trainer.distributed import DistributedTrainer
@@ -29,6 +30,7 @@ from hpo.trainer.loop import OnEvaluation, Trainer
 from hpo.trainer.memory import OutOfMemoryAtBatchOne, is_oom
 from hpo.trainer.peft_adapters import is_adapted
 from hpo.trainer.progress import Progress
+from hpo.trainer.result import TrainResult
 from hpo.trainer.resume import BatchSizes, progress_state, restore_progress
 from hpo.trainer.step import lr_schedule, make_optimizer, optimizer_step
 
@@ -83,11 +85,14 @@ def shard_model(
             module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no other)
 
 
-def local_bytes(tensors: Any) -> int:
-    """Bytes of `tensors` this rank holds (a sharded tensor's own shard only)."""
+def held_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of weights and optimizer state this rank holds (a sharded tensor: its own shard)."""
+    tensors: list[torch.Tensor] = [*model.parameters()]
+    for state in optimizer.state.values():
+        tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
     total = 0
     for tensor in tensors:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         total += local.numel() * local.element_size()
     return total
 
@@ -145,6 +150,11 @@ class ShardedTrainer(DistributedTrainer):
                 "wait in its collectives); set a smaller training.physical_batch_size"
             ) from e
         return self.group.sum(total)
+
+    def _result(self, run: Progress, started: float) -> TrainResult:
+        result = super()._result(run, started)
+        result.rank_state_bytes = held_state_bytes(self.model, self.optimizer)
+        return result
 
     # -- evaluations, with every rank -----------------------------------------------------------
 

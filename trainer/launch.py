@@ -222,7 +222,9 @@ def _cause(words: list[RankWords], failure: BaseException | None) -> BaseExcepti
     own = [(r, w.error) for r, w in enumerate(words) if w.error and not _lost_a_peer(w.error)]
     if own:
         rank, error = own[0]
-        if rank == 0 and error is not None:
+        # Out of memory is the configuration's, whichever rank hit it (a sharded step cannot
+        # be redone): raised as it was, so the trial is pruned rather than retried.
+        if (rank == 0 or isinstance(error, OutOfMemoryAtBatchOne)) and error is not None:
             return error
         return RankFailed(f"rank {rank} (pid {words[rank].pid}): {type(error).__name__}: {error}")
     reported = failure.failures if isinstance(failure, ChildFailedError) else {}

@@ -129,6 +129,8 @@ def tiny_pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_lora_shards_the_frozen_base_and_trains_the_adapter_alone(
     small: tuple[TrainJob, PreparedData], tiny_pretrained: Path, tmp_path: Path
 ) -> None:
+    """Stopped after step 5 and resumed: the checkpoint holds the adapter and head with their
+    AdamW state, not the frozen base, and the curve is the one-process LoRA curve."""
     job, data = small
     model = ModelConfig(
         name_or_path=str(tiny_pretrained),
@@ -139,9 +141,20 @@ def test_lora_shards_the_frozen_base_and_trains_the_adapter_alone(
     job = dataclasses.replace(job, model=model)
     one = train(job, data)
     folder = tmp_path / "checkpoints"
-    several = train_distributed(sharded(job, 2), data, checkpoints=CheckpointStore(folder))
-    assert several.trainable_params == one.trainable_params < several.total_params // 10
-    assert_same_curve(one, several)  # a base that trained would draw another curve
+    asked: list[int] = []
+    first = train_distributed(
+        sharded(job, 2),
+        data,
+        checkpoints=CheckpointStore(folder),
+        should_stop=lambda: asked.append(1) or len(asked) == 4,  # after step 5, as above
+    )
+    assert first.status == "interrupted"
+    shares = [f.stat().st_size for f in (folder / "sharded-state.5").rglob("*") if f.is_file()]
+    assert 0 < sum(shares) < 4 * one.total_params // 10  # the base's fp32 weights: not there
+    resumed = train_distributed(sharded(job, 2), data, checkpoints=CheckpointStore(folder, True))
+    assert resumed.resumed_at_step == 5
+    assert resumed.trainable_params == one.trainable_params < resumed.total_params // 10
+    assert_same_curve(one, resumed)  # a base that trained would draw another curve
     kept = load_file(folder / "best-model" / "adapter_model.safetensors")
     assert kept and all("lora_" in k or "classifier" in k for k in kept)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,6 +57,22 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return blocks[::-1]
 
 
+def untied_input_embeddings(model: torch.nn.Module) -> torch.nn.Module | None:
+    """A transformers model's input embeddings, sharded as a unit of their own when no other
+    module shares their weight (a causal LM's tied head does: those stay with the root). Left
+    in the root, a large vocabulary would be gathered whole for the whole step."""
+    try:
+        embeddings = model.get_input_embeddings()  # type: ignore[operator]
+        head = model.get_output_embeddings()  # type: ignore[operator]
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+    if not isinstance(embeddings, torch.nn.Module):
+        return None
+    if head is not None and getattr(head, "weight", None) is getattr(embeddings, "weight", 0):
+        return None
+    return embeddings
+
+
 def precision_policy(precision: str) -> MixedPrecisionPolicy:
     """bf16: each block's weights gathered and computed in bf16, gradients reduced in fp32 (the
     sharded weights and AdamW's state stay fp32, as under autocast); otherwise as they are
@@ -70,14 +85,20 @@ def precision_policy(precision: str) -> MixedPrecisionPolicy:
 def shard_model(
     model: torch.nn.Module, world_size: int, device: torch.device, precision: str
 ) -> None:
-    """Shard each transformer block, then the root (embeddings, head, what is left), over all
-    ranks, as torch's FSDP2 guide recommends: a block's weights are gathered just before its
-    forward and backward and freed after. Gradients are summed over the ranks, not averaged:
-    each rank's loss is already divided by the counted units of the whole step (as in DDP)."""
+    """Shard each transformer block, the input embeddings (when untied), then the root (the
+    head and what is left), over all ranks, as torch's FSDP2 guide recommends: a unit's weights
+    are gathered just before its forward and backward and freed after. Gradients are summed
+    over the ranks, not averaged: each rank's loss is already divided by the counted units of
+    the whole step (as in DDP)."""
     mesh = init_device_mesh(device.type, (world_size,))
     policy = precision_policy(precision)
-    for block in transformer_blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=policy)
+    units = transformer_blocks(model)
+    embeddings = untied_input_embeddings(model)
+    inside_a_block = any(embeddings is m for unit in units for m in unit.modules())
+    if embeddings is not None and not inside_a_block:  # BERT's are: BertEmbeddings is a block
+        units.append(embeddings)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -179,9 +200,12 @@ class ShardedTrainer(DistributedTrainer):
     def _whole_weights(self) -> dict[str, torch.Tensor]:
         """The best model's weights, gathered whole into rank 0's host memory (every rank takes
         part; the others get nothing): a LoRA run's trained ones only, as best_weights."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        adapted = is_adapted(self.model)  # the frozen base is not gathered at all
+        options = StateDictOptions(
+            full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapted
+        )
         state: dict[str, torch.Tensor] = get_model_state_dict(self.model, options=options)  # type: ignore[assignment]
-        if is_adapted(self.model):
+        if adapted:
             trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
             state = {k: v for k, v in state.items() if k in trainable}
         return state
@@ -204,10 +228,10 @@ class ShardedTrainer(DistributedTrainer):
         self._save_best_model(checkpoints)  # first: the state names this best evaluation
         run.meter.read()  # the partial loss goes to the history, which is saved
         name = f"{SHARDED_STATE_DIR}.{run.step}"
-        failed = self._save_shares(checkpoints, checkpoints.directory / name)
-        if self.group.any(failed is not None) or not self.group.is_main:
-            if failed is not None:
-                checkpoints.errors.append(failed)
+        failed = [r for r in self.group.gather(self._save_shares(checkpoints, name)) if r]
+        if failed or not self.group.is_main:
+            if failed and self.group.is_main:  # the run's result names what went wrong
+                checkpoints.errors.append(failed[0])
             return
         sizes = BatchSizes(self.physical_batch_size, self.eval_batch_size, self.oom_recoveries)
         train_s = run.train_s + self._elapsed_since(run.segment_start)
@@ -224,9 +248,10 @@ class ShardedTrainer(DistributedTrainer):
         if checkpoints.save_state(state):
             drop_sharded_states(checkpoints.directory, keep=name)
 
-    def _save_shares(self, checkpoints: CheckpointStore, folder: Path) -> str | None:
-        """This rank's share written into `folder`; None, or why it was not."""
+    def _save_shares(self, checkpoints: CheckpointStore, name: str) -> str | None:
+        """This rank's share written into the folder `name`; None, or why it was not."""
         started = time.perf_counter()
+        folder = checkpoints.directory / name
         try:
             folder.mkdir(parents=True, exist_ok=True)
             dcp.save(self._sharded_state(), checkpoint_id=folder)

@@ -28,7 +28,7 @@ from hpo.trainer.loop import train
 from hpo.trainer.memory import BUDGET_ENV, BUDGET_RANK_ENV, OutOfMemoryAtBatchOne
 from hpo.trainer.model import load_tokenizer
 from hpo.trainer.tasks import prepare_data
-from tests.conftest import MINILM_TOKENIZER, TINY_BERT, easy_rows, write_csv
+from tests.conftest import MINILM_TOKENIZER, TINY_BERT, easy_rows, tiny_config, write_csv
 from tests.test_distributed import assert_same_curve
 from tests.test_trainer import tiny_job
 
@@ -159,7 +159,12 @@ def test_lora_shards_the_frozen_base_and_trains_the_adapter_alone(
     assert kept and all("lora_" in k or "classifier" in k for k in kept)
 
 
-def test_the_config_accepts_fsdp_with_a_set_physical_batch() -> None:
+def test_the_config_accepts_fsdp_with_a_set_physical_batch(easy_data: tuple[Path, Path]) -> None:
+    from hpo.config.loader import parse_config
+
+    training = {"physical_batch_size": 4, "distributed": {"strategy": "fsdp"}}
+    config = parse_config(tiny_config(*easy_data, training=training), easy_data[0].parent)
+    assert config.training.distributed == DistributedSettings(2, "fsdp")
     fsdp = DistributedSettings(2, "fsdp")
     assert fsdp.problems() == []
     accepted = TrainingConfig(effective_batch_size=8, physical_batch_size=2, distributed=fsdp)

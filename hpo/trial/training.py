@@ -76,10 +76,11 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
         key = _resolve_physical_batch(trial, job, cache, prepared) if ranks == 1 else None
         batch_at = time.time()
         sender = EvaluationSender(trial, job.training.effective_batch_size, job.training.device)
-        # Optuna's pruning (report, should_prune) serves a single objective only.
+        # With several objectives, only study.pruner.objective's (if named) is pruned on.
+        pruned_metric = task.config.study.pruned_metric
         reporter = (
-            pruning_reporter(trial, metric, sender)
-            if len(objectives) == 1
+            pruning_reporter(trial, pruned_metric, sender)
+            if pruned_metric is not None
             else _log_evaluation(trial, sender)
         )
         clock = TrainingClock(task.config.study.trial_timeout)

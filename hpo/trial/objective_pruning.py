@@ -1,0 +1,114 @@
+"""Pruning a study of several objectives on one of them (`study.pruner.objective`), while its
+Pareto front still uses all of them.
+
+Optuna's Trial.report and Trial.should_prune refuse a study of several objectives
+(optuna/optuna#3450). So the pruned objective's evaluations are stored as the trial's
+intermediate values through the storage's public API, and the pruner judges the trial in a
+single-objective in-memory mirror of the study: the same trials, numbers and intermediate
+values, each complete trial valued by the pruned objective alone. Every Optuna pruner then
+works unchanged. A pruned trial is told PRUNED in the real study and has no values, so it is
+never on the front.
+"""
+
+from __future__ import annotations
+
+import optuna
+from optuna.storages import BaseStorage, InMemoryStorage
+from optuna.trial import FrozenTrial, TrialState
+
+
+class ObjectivePruner(optuna.pruners.BasePruner):
+    """`pruner` (built from study.pruner as for one objective) judging objective `index` of a
+    study of several. `storage` is the study's: the values and the pruner's own records
+    (successive halving's rungs) are written there."""
+
+    def __init__(self, pruner: optuna.pruners.BasePruner, index: int, storage: BaseStorage) -> None:
+        self.pruner, self.index, self.storage = pruner, index, storage
+
+    def report(self, study: optuna.Study, number: int, value: float, step: int) -> None:
+        """What trial.report does for one objective: the value at `step` (the first one stays,
+        as Optuna keeps it)."""
+        trial_id = self._trial_id(study, number)
+        if step not in self.storage.get_trial(trial_id).intermediate_values:
+            self.storage.set_trial_intermediate_value(trial_id, step, float(value))
+
+    def prune(self, study: optuna.Study, trial: FrozenTrial) -> bool:
+        return self.judge(study, trial.number)
+
+    def judge(self, study: optuna.Study, number: int) -> bool:
+        """Whether trial `number` should stop, by its values reported so far."""
+        mirror = mirror_study(study, self.index)
+        judged = mirror.get_trials(deepcopy=False)[number]
+        before = dict(judged.system_attrs)
+        pruned = self.pruner.prune(mirror, judged)
+        after = mirror.get_trials(deepcopy=False)[number].system_attrs
+        changed = {k: v for k, v in after.items() if before.get(k, _ABSENT) != v}
+        if changed:  # e.g. successive halving's rung values, which later trials compare with
+            trial_id = self._trial_id(study, number)
+            for key, value in changed.items():
+                self.storage.set_trial_system_attr(trial_id, key, value)
+        return bool(pruned)
+
+    def reason(self, number: int) -> str | None:
+        """Why the trial was pruned, from a pruner that says so (hpo.study's ExplainedPruner)."""
+        reason = getattr(self.pruner, "reason", None)
+        return reason(number) if callable(reason) else None
+
+    def _trial_id(self, study: optuna.Study, number: int) -> int:
+        study_id = self.storage.get_study_id_from_name(study.study_name)
+        return self.storage.get_trial_id_from_study_id_trial_number(study_id, number)
+
+
+_ABSENT = object()
+
+
+def mirror_study(study: optuna.Study, index: int) -> optuna.Study:
+    """`study` as a single-objective study of its objective `index`, in memory: every trial
+    (so the numbers match, and Hyperband's brackets, which hash the study name and the number,
+    too), complete ones valued by that objective, with their intermediate values."""
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # not "A new study created" each time
+    try:
+        mirror = optuna.create_study(
+            storage=InMemoryStorage(),
+            study_name=study.study_name,
+            direction=study.directions[index],
+        )
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+    trials = study.get_trials(deepcopy=False)
+    if any(t.number != i for i, t in enumerate(trials)):
+        raise RuntimeError(f"study {study.study_name!r}: trial numbers are not 0, 1, 2...")
+    mirror.add_trials([_one_objective(t, index) for t in trials])
+    return mirror
+
+
+def _one_objective(trial: FrozenTrial, index: int) -> FrozenTrial:
+    """The trial valued by objective `index` alone (a complete trial has every value)."""
+    complete = trial.state == TrialState.COMPLETE and trial.values is not None
+    return optuna.trial.create_trial(
+        state=trial.state,
+        value=trial.values[index] if complete and trial.values is not None else None,
+        params=trial.params,
+        distributions=trial.distributions,
+        system_attrs=dict(trial.system_attrs),
+        intermediate_values=dict(trial.intermediate_values),
+    )
+
+
+def report(trial: optuna.Trial, value: float, step: int) -> None:
+    """trial.report for an optuna.Trial of any study: of several objectives, through the study's
+    ObjectivePruner (hpo.study.join builds one when study.pruner.objective is set)."""
+    pruner = trial.study.pruner
+    if isinstance(pruner, ObjectivePruner):
+        pruner.report(trial.study, trial.number, value, step)
+    else:
+        trial.report(value, step)
+
+
+def should_prune(trial: optuna.Trial) -> bool:
+    """trial.should_prune for an optuna.Trial of any study (see report)."""
+    pruner = trial.study.pruner
+    if isinstance(pruner, ObjectivePruner):
+        return pruner.judge(trial.study, trial.number)
+    return trial.should_prune()

@@ -22,7 +22,7 @@ from hpo.study.front import rule_for
 from hpo.study.kept_models import best_trials
 from hpo.study.pruners import ExplainedPruner
 from hpo.trial import objective_pruning
-from hpo.trial.objective_pruning import ObjectivePruner, mirror_study
+from hpo.trial.objective_pruning import ObjectivePruner, mirror_study, reported_values
 from hpo.trial.process import _pass_on
 from tests.conftest import exit_code, tiny_config, write_config
 
@@ -67,12 +67,12 @@ def test_a_trial_weak_on_the_first_objective_is_pruned_and_a_strong_one_is_not()
     # Optuna's own trial.report refuses this study (optuna#3450): the values are the storage's.
     with pytest.raises(NotImplementedError):
         weak.report(0.5, 5)
-    assert study.trials[weak.number].intermediate_values == {0: 0.50}
+    assert reported_values(study.trials[weak.number]) == {0: 0.50}
     reason = study.pruner.reason(weak.number)
     assert reason is not None and "accuracy 0.5" in reason and "median 0.8" in reason
     # A report at a step already reported keeps the first value, as Optuna does.
     objective_pruning.report(strong, 0.10, 0)
-    assert study.trials[strong.number].intermediate_values == {0: 0.90}
+    assert reported_values(study.trials[strong.number]) == {0: 0.90}
 
 
 def test_the_pruner_judges_the_named_objective_in_its_direction() -> None:
@@ -121,7 +121,23 @@ def test_a_trial_process_reports_and_asks_through_its_worker() -> None:
     assert _pass_on(trial, conn, StopRequest(), ("report", 0.5, 0)) is None  # type: ignore[arg-type]
     assert _pass_on(trial, conn, StopRequest(), ("should_prune",)) is None  # type: ignore[arg-type]
     assert replies == [True]
-    assert study.trials[trial.number].intermediate_values == {0: 0.5}
+    assert reported_values(study.trials[trial.number]) == {0: 0.5}
+
+
+def test_tpe_samples_after_a_pruned_trial_of_two_objectives() -> None:
+    # Optuna 5.0's TPE ranks a pruned trial by its last intermediate value through
+    # study.direction, which a study of two objectives refuses: the values reported for the
+    # pruner are the trial's own record, not intermediate values, so sampling goes on.
+    study = _study(_median())
+    study.sampler = optuna.samplers.TPESampler(n_startup_trials=0, seed=0)
+    for _ in range(3):
+        trial = study.ask()
+        trial.suggest_float("learning_rate", 1e-5, 1e-1, log=True)
+        objective_pruning.report(trial, 0.1, 0)
+        assert objective_pruning.should_prune(trial)
+        study.tell(trial, state=TrialState.PRUNED)
+    assert study.trials[-1].intermediate_values == {}
+    assert [t.state for t in study.trials[3:]] == [TrialState.PRUNED] * 3
 
 
 def test_successive_halving_keeps_its_rungs_in_the_study() -> None:
@@ -258,7 +274,7 @@ def test_a_study_of_two_objectives_pruned_on_eval_loss_through_the_worker(
     assert states == [TrialState.COMPLETE, TrialState.COMPLETE, TrialState.PRUNED], err[-3000:]
     for trial in trials[:2]:  # each evaluation's eval_loss, as with one objective
         curve = trial.user_attrs["curve"]
-        assert list(trial.intermediate_values.values()) == pytest.approx(curve)
+        assert list(reported_values(trial).values()) == pytest.approx(curve)
         assert len(trial.values) == 2
     pruned = trials[2]
     assert pruned.values is None

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import optuna
+from optuna.storages import BaseStorage
 
 from hpo.config.budget import price_record
 from hpo.config.schema import (
@@ -161,7 +162,7 @@ def open_study(
         worker_index = int(storage.get_study_system_attrs(study_id).get(WORKERS_ATTR, 0))
         storage.set_study_system_attr(study_id, WORKERS_ATTR, worker_index + 1)
     _say_group(config)
-    pruner = _study_pruner(storage, name, config)
+    pruner = study_pruner(storage, name, config)
     study = optuna.load_study(
         study_name=name,
         storage=storage,
@@ -307,9 +308,9 @@ def liveness(study_config: StudyConfig) -> tuple[float, float, int]:
     return study_config.heartbeat_interval, study_config.grace_period_s, study_config.max_retries
 
 
-def _study_pruner(storage: StudyStorage, name: str, config: Config) -> optuna.pruners.BasePruner:
+def study_pruner(storage: BaseStorage, name: str, config: Config) -> optuna.pruners.BasePruner:
     """study.pruner, which also says why it prunes; with several objectives, judging
-    pruner.objective (hpo.study.objective_pruning), or nothing when none is named."""
+    pruner.objective (hpo.trial.objective_pruning), or nothing when none is named."""
     pruner = build_pruner(config.study.pruner)
     metric, objectives = config.study.pruned_metric, config.study.objectives
     if isinstance(pruner, optuna.pruners.NopPruner):

@@ -2,12 +2,16 @@
 Pareto front still uses all of them.
 
 Optuna's Trial.report and Trial.should_prune refuse a study of several objectives
-(optuna/optuna#3450). So the pruned objective's evaluations are stored as the trial's
-intermediate values through the storage's public API, and the pruner judges the trial in a
-single-objective in-memory mirror of the study: the same trials, numbers and intermediate
-values, each complete trial valued by the pruned objective alone. Every Optuna pruner then
-works unchanged. A pruned trial is told PRUNED in the real study and has no values, so it is
-never on the front.
+(optuna/optuna#3450). So the pruned objective's evaluations are stored with the trial (a
+system attribute, through the storage's public API), and the pruner judges the trial in a
+single-objective in-memory mirror of the study: the same trials and numbers, those values as
+their intermediate values, each complete trial valued by the pruned objective alone. Every
+Optuna pruner then works unchanged. A pruned trial is told PRUNED in the real study and has no
+values, so it is never on the front.
+
+Not as the real trials' intermediate values: Optuna 5.0's TPE ranks a pruned trial of a study
+of several objectives by its last intermediate value through `study.direction`, which such a
+study refuses, so the next trial's sampling would fail (a test holds this).
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ class ObjectivePruner(optuna.pruners.BasePruner):
         """What trial.report does for one objective: the value at `step` (the first one stays,
         as Optuna keeps it)."""
         trial_id = self._trial_id(study, number)
-        if step not in self.storage.get_trial(trial_id).intermediate_values:
-            self.storage.set_trial_intermediate_value(trial_id, step, float(value))
+        reported = self.storage.get_trial_system_attrs(trial_id).get(VALUES_ATTR, [])
+        if all(int(s) != step for s, _ in reported):
+            pairs = [*reported, [int(step), float(value)]]
+            self.storage.set_trial_system_attr(trial_id, VALUES_ATTR, pairs)
 
     def prune(self, study: optuna.Study, trial: FrozenTrial) -> bool:
         return self.judge(study, trial.number)
@@ -60,12 +66,20 @@ class ObjectivePruner(optuna.pruners.BasePruner):
 
 
 _ABSENT = object()
+# The trial system attribute that holds the pruned objective's values: [[step, value], ...].
+VALUES_ATTR = "hpo:pruned_objective_values"
+
+
+def reported_values(trial: FrozenTrial) -> dict[int, float]:
+    """The pruned objective's values the trial reported, by step (a study of several)."""
+    return {int(step): float(value) for step, value in trial.system_attrs.get(VALUES_ATTR, [])}
 
 
 def mirror_study(study: optuna.Study, index: int) -> optuna.Study:
     """`study` as a single-objective study of its objective `index`, in memory: every trial
     (so the numbers match, and Hyperband's brackets, which hash the study name and the number,
-    too), complete ones valued by that objective, with their intermediate values."""
+    too), complete ones valued by that objective, its reported values their intermediate
+    values."""
     verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # not "A new study created" each time
     try:
@@ -91,8 +105,8 @@ def _one_objective(trial: FrozenTrial, index: int) -> FrozenTrial:
         value=trial.values[index] if complete and trial.values is not None else None,
         params=trial.params,
         distributions=trial.distributions,
-        system_attrs=dict(trial.system_attrs),
-        intermediate_values=dict(trial.intermediate_values),
+        system_attrs={k: v for k, v in trial.system_attrs.items() if k != VALUES_ATTR},
+        intermediate_values={**trial.intermediate_values, **reported_values(trial)},
     )
 
 

@@ -11,16 +11,20 @@ from types import SimpleNamespace
 
 import optuna
 import pytest
+import torch
 from optuna.storages import InMemoryStorage
 from optuna.trial import TrialState
 
 from hpo.config.loader import parse_config
 from hpo.config.schema import PrunerConfig
 from hpo.errors import ConfigError
+from hpo.plugins.context import ReportError, TrainingContext
 from hpo.stopping import StopRequest
 from hpo.study.front import rule_for
 from hpo.study.kept_models import best_trials
 from hpo.study.pruners import ExplainedPruner
+from hpo.study.sampling import pruner_settings
+from hpo.trainer.config import TrainingConfig
 from hpo.trial import objective_pruning
 from hpo.trial.objective_pruning import ObjectivePruner, mirror_study, reported_values
 from hpo.trial.process import _pass_on
@@ -279,3 +283,44 @@ def test_a_study_of_two_objectives_pruned_on_eval_loss_through_the_worker(
     pruned = trials[2]
     assert pruned.values is None
     assert pruned.user_attrs["prune_reason"].startswith("median pruner: evaluation 2's eval_loss")
+
+
+def test_the_pruner_objective_is_part_of_the_setup_every_worker_shares() -> None:
+    # A study's record of its pruner (hpo.study.setup_record) names the objective it judges;
+    # without one, the record is as before, so studies made earlier still match.
+    assert pruner_settings(PrunerConfig(objective="accuracy"))["objective"] == "accuracy"
+    assert "objective" not in pruner_settings(PrunerConfig())
+
+
+def test_a_training_function_reports_the_pruned_objective() -> None:
+    # training.entrypoint: ctx.report hands the pruner the named objective's value, which it
+    # must include.
+    class Recorded:
+        number = 0
+        reports: list[tuple[float, int]] = []
+
+        def set_user_attr(self, key: str, value: object) -> None:
+            pass
+
+        def report(self, value: float, step: int) -> None:
+            self.reports.append((value, step))
+
+        def should_prune(self) -> bool:
+            return False
+
+    trial = Recorded()
+    context = TrainingContext(
+        params={},
+        device=torch.device("cpu"),
+        effective_batch_size=8,
+        trial_number=0,
+        metric="val_loss",
+        _trial=trial,
+        _training=TrainingConfig(),
+        _should_stop=lambda: False,
+        _pruned_metric="f1",
+    )
+    context.report({"val_loss": 0.7, "f1": 0.4}, 3)
+    assert trial.reports == [(0.4, 3)]
+    with pytest.raises(ReportError, match="no 'f1' among the metrics given"):
+        context.report({"val_loss": 0.6}, 4)

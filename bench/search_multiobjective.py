@@ -6,7 +6,9 @@ The grids of bench/search_efficiency.py are replayed as it replays them (a trial
 sampled by hpo's search space code, snapped to the nearest grid point, one of its training
 seeds drawn), in a study of two objectives built as `hpo run` builds it: hpo's sampler, and
 hpo's pruner from hpo.study.join.study_pruner, asked through hpo's own reporter and
-hpo.trial.objective_pruning after each stored evaluation. A complete trial's values are its best
+hpo.trial.objective_pruning after each stored evaluation (which compares a trial only with the
+complete trials at least as fast, within study.throughput_tolerance; "against every trial"
+turns that off). A complete trial's values are its best
 evaluation's accuracy and its run's samples/s; the stored runs keep no throughput, so samples/s
 is derived from their clocks: the samples trained over the run's training seconds (train_s,
 which excludes evaluation). Compute is samples trained (pruned trials included), as in
@@ -55,6 +57,7 @@ from hpo.study.sampling import build_sampler  # noqa: E402
 from hpo.tracking.observer import NoObserver  # noqa: E402
 from hpo.trainer.evaluation import Evaluation  # noqa: E402
 from hpo.trial.objective import InWorkerTrial  # noqa: E402
+from hpo.trial.objective_pruning import ObjectivePruner  # noqa: E402
 from hpo.trial.search_space import sample  # noqa: E402
 from hpo.trial.training import pruning_reporter  # noqa: E402
 
@@ -63,6 +66,8 @@ OBJECTIVES = [METRIC, "samples_per_s"]
 UNPRUNED = "TPE, no pruning (default with several objectives)"
 # Each strategy: the study.sampler and study.pruner sections (a seed is added); left out:
 # hpo's defaults (TPE multivariate; the median rule with margin 0.02, from evaluation 2).
+# "every trial": the pruner compares a trial with every complete trial, not only with those
+# at least as fast (hpo's rule: hpo.trial.objective_pruning), to show what that rule is worth.
 STRATEGIES: dict[str, dict[str, Any]] = {
     "random, no pruning": {"sampler": {"type": "random"}, "pruner": {"type": "none"}},
     "random + median on accuracy": {
@@ -71,6 +76,10 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     },
     UNPRUNED: {},
     "TPE + median on accuracy (pruner.objective)": {"pruner": {"objective": METRIC}},
+    "TPE + median on accuracy, against every trial": {
+        "pruner": {"objective": METRIC},
+        "every trial": True,
+    },
     "TPE + ASHA on accuracy": {
         "pruner": {"type": "successive_halving", "min_resource": 2, "objective": METRIC},
     },
@@ -157,13 +166,20 @@ def replay(task: str, strategy: str, seed: int, n_trials: int) -> FrontSearch:
         sampler=build_sampler(config.study.sampler, 0, config.search_space),
         pruner=study_pruner(storage, "replay", config),
     )
+    if STRATEGIES[strategy].get("every trial") and isinstance(study.pruner, ObjectivePruner):
+        study.pruner.throughput = None
     pick = random.Random(seed)
     spent = [0.0]  # samples of the running trial, up to its last evaluation
     pruned_metric = config.study.pruned_metric
 
     def objective(trial: optuna.Trial) -> tuple[float, float]:
         run: Run = pick.choice(table.nearest(sample(trial, config.search_space)))
-        report = pruning_reporter(InWorkerTrial(trial, NoObserver()), pruned_metric or METRIC)
+        speed = speeds[_key(run.params, run.seed)]
+        # The trial's samples/s so far at each evaluation: the run's own (its clocks per
+        # evaluation include the process's start).
+        report = pruning_reporter(
+            InWorkerTrial(trial, NoObserver()), pruned_metric or METRIC, speed=lambda: speed
+        )
         for e in run.evaluations:
             spent[0] = e["samples"]
             if pruned_metric is None:
@@ -173,7 +189,7 @@ def replay(task: str, strategy: str, seed: int, n_trials: int) -> FrontSearch:
                 raise optuna.TrialPruned(reason)
         if run.status == "diverged" or not run.evaluations:
             raise optuna.TrialPruned("diverged")
-        return best_of(run, METRIC), speeds[_key(run.params, run.seed)]
+        return best_of(run, METRIC), speed
 
     samples, volumes, pruned = [0.0], [], 0
     for _ in range(n_trials):

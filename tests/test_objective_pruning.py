@@ -26,21 +26,29 @@ from hpo.study.pruners import ExplainedPruner
 from hpo.study.sampling import pruner_settings
 from hpo.trainer.config import TrainingConfig
 from hpo.trial import objective_pruning
-from hpo.trial.objective_pruning import ObjectivePruner, mirror_study, reported_values
+from hpo.trial.objective_pruning import (
+    SPEED_ATTR,
+    ObjectivePruner,
+    mirror_study,
+    reported_values,
+)
 from hpo.trial.process import _pass_on
 from tests.conftest import exit_code, tiny_config, write_config
 
 CURVE = {0: 0.80, 1: 0.85}  # the complete trials' accuracy at evaluations 0 and 1
 
 
-def _study(pruner: optuna.pruners.BasePruner, index: int = 0) -> optuna.Study:
+def _study(
+    pruner: optuna.pruners.BasePruner, throughput: tuple[int, float] | None = None
+) -> optuna.Study:
     """[accuracy, samples_per_s], both maximized, three complete trials that each reached an
-    accuracy of 0.85 at a different throughput, pruned on objective `index`."""
+    accuracy of 0.85 at a different throughput, pruned on accuracy (`throughput`: see
+    ObjectivePruner)."""
     storage = InMemoryStorage()
     study = optuna.create_study(
         storage=storage,
         directions=["maximize", "maximize"],
-        pruner=ObjectivePruner(pruner, index, storage),
+        pruner=ObjectivePruner(pruner, 0, storage, throughput),
     )
     study.set_metric_names(["accuracy", "samples_per_s"])
     for samples_per_s in (100.0, 200.0, 300.0):
@@ -77,6 +85,29 @@ def test_a_trial_weak_on_the_first_objective_is_pruned_and_a_strong_one_is_not()
     # A report at a step already reported keeps the first value, as Optuna does.
     objective_pruning.report(strong, 0.10, 0)
     assert reported_values(study.trials[strong.number]) == {0: 0.90}
+
+
+def test_with_throughput_a_trial_is_judged_only_against_trials_as_fast() -> None:
+    # The complete trials reach 0.85 at 100, 200 and 300 samples/s (tolerance 5%). A trial at
+    # 0.5 that trains at 150 samples/s meets two faster trials, better on accuracy: pruned. At
+    # 400 samples/s, the fastest so far, it is a trade-off the front keeps: not pruned; nor
+    # while its speed is unknown.
+    study = _study(_median(), throughput=(1, 0.05))
+
+    def judged(speed: float | None) -> bool:
+        trial = study.ask()
+        if speed is not None:
+            trial.set_user_attr(SPEED_ATTR, speed)
+        objective_pruning.report(trial, 0.5, 0)
+        return objective_pruning.should_prune(trial)
+
+    assert judged(150.0) is True
+    assert judged(400.0) is False
+    assert judged(None) is False
+    # Within the tolerance, a trial no faster than 300 / 0.95 still meets the one at 300, but
+    # the median rule needs two complete trials to compare with (n_startup_trials=2).
+    assert judged(310.0) is False
+    assert judged(190.0) is True
 
 
 def test_the_pruner_judges_the_named_objective_in_its_direction() -> None:
@@ -245,6 +276,8 @@ def test_a_study_of_two_objectives_pruned_on_eval_loss_through_the_worker(
     # at the start's): the median rule on eval_loss, judged at the second evaluation, stops
     # the third. Trials train in the worker (isolation none): the same loop and the same
     # decision as in a trial process, whose pipe hands report and should_prune over to it.
+    # A tolerance of 0.99: the third is compared with both others, however fast each ran on
+    # this shared machine (the unit tests above hold the comparison by speed).
     raw = tiny_config(
         *easy_data,
         study={
@@ -252,6 +285,7 @@ def test_a_study_of_two_objectives_pruned_on_eval_loss_through_the_worker(
             "metric": ["eval_loss", "samples_per_s"],
             "checkpoints": False,
             "trial_isolation": "none",
+            "throughput_tolerance": 0.99,
             "pruner": {
                 "type": "median",
                 "n_startup_trials": 2,
@@ -281,6 +315,7 @@ def test_a_study_of_two_objectives_pruned_on_eval_loss_through_the_worker(
         assert list(reported_values(trial).values()) == pytest.approx(curve)
         assert len(trial.values) == 2
     pruned = trials[2]
+    assert pruned.user_attrs[SPEED_ATTR] > 0  # its samples/s at its last evaluation
     assert pruned.values is None
     assert pruned.user_attrs["prune_reason"].startswith("median pruner: evaluation 2's eval_loss")
 

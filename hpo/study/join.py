@@ -328,7 +328,10 @@ def study_pruner(storage: BaseStorage, name: str, config: Config) -> optuna.prun
     if len(objectives) == 1:
         return pruner
     log.info("study %r has %d objectives: the pruner judges %s", name, len(objectives), metric)
-    return ObjectivePruner(pruner, objectives.index(metric), storage)
+    throughput = None
+    if "samples_per_s" in objectives:  # judged against trials at least as fast
+        throughput = (objectives.index("samples_per_s"), config.study.throughput_tolerance)
+    return ObjectivePruner(pruner, objectives.index(metric), storage, throughput)
 
 
 def _said(directions: Sequence[str]) -> str:

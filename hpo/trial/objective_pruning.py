@@ -9,12 +9,20 @@ their intermediate values, each complete trial valued by the pruned objective al
 Optuna pruner then works unchanged. A pruned trial is told PRUNED in the real study and has no
 values, so it is never on the front.
 
+With throughput (samples_per_s) among the objectives, a trial is compared only with the
+complete trials at least as fast as it trains so far (within study.throughput_tolerance): a
+fast trial, weaker on the pruned objective than slower ones, is a trade-off the front keeps,
+not a weak trial. The fastest trials are thus never pruned; a trial weak among the trials as
+fast as it is cannot be on the front but by noise.
+
 Not as the real trials' intermediate values: Optuna 5.0's TPE ranks a pruned trial of a study
 of several objectives by its last intermediate value through `study.direction`, which such a
 study refuses, so the next trial's sampling would fail (a test holds this).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import optuna
 from optuna.storages import BaseStorage, InMemoryStorage
@@ -24,10 +32,19 @@ from optuna.trial import FrozenTrial, TrialState
 class ObjectivePruner(optuna.pruners.BasePruner):
     """`pruner` (built from study.pruner as for one objective) judging objective `index` of a
     study of several. `storage` is the study's: the values and the pruner's own records
-    (successive halving's rungs) are written there."""
+    (successive halving's rungs) are written there. `throughput`: the index of samples_per_s
+    among the objectives and the tolerance of its noise (a fraction), to compare a trial only
+    with trials at least as fast; None: with every complete trial."""
 
-    def __init__(self, pruner: optuna.pruners.BasePruner, index: int, storage: BaseStorage) -> None:
+    def __init__(
+        self,
+        pruner: optuna.pruners.BasePruner,
+        index: int,
+        storage: BaseStorage,
+        throughput: tuple[int, float] | None = None,
+    ) -> None:
         self.pruner, self.index, self.storage = pruner, index, storage
+        self.throughput = throughput
 
     def report(self, study: optuna.Study, number: int, value: float, step: int) -> None:
         """What trial.report does for one objective: the value at `step` (the first one stays,
@@ -43,7 +60,7 @@ class ObjectivePruner(optuna.pruners.BasePruner):
 
     def judge(self, study: optuna.Study, number: int) -> bool:
         """Whether trial `number` should stop, by its values reported so far."""
-        mirror = mirror_study(study, self.index)
+        mirror = mirror_study(study, self.index, self._compared_with(study, number))
         judged = mirror.get_trials(deepcopy=False)[number]
         before = dict(judged.system_attrs)
         pruned = self.pruner.prune(mirror, judged)
@@ -60,6 +77,20 @@ class ObjectivePruner(optuna.pruners.BasePruner):
         reason = getattr(self.pruner, "reason", None)
         return reason(number) if callable(reason) else None
 
+    def _compared_with(
+        self, study: optuna.Study, number: int
+    ) -> Callable[[FrozenTrial], bool] | None:
+        """Which complete trials the trial is judged against: with throughput an objective,
+        those at least as fast as it trains so far (none while that is unknown)."""
+        if self.throughput is None:
+            return None
+        column, tolerance = self.throughput
+        speed = study.get_trials(deepcopy=False)[number].user_attrs.get(SPEED_ATTR)
+        if not isinstance(speed, (int, float)):
+            return lambda trial: False
+        least = float(speed) * (1 - tolerance)
+        return lambda trial: trial.values is not None and trial.values[column] >= least
+
     def _trial_id(self, study: optuna.Study, number: int) -> int:
         study_id = self.storage.get_study_id_from_name(study.study_name)
         return self.storage.get_trial_id_from_study_id_trial_number(study_id, number)
@@ -68,6 +99,8 @@ class ObjectivePruner(optuna.pruners.BasePruner):
 _ABSENT = object()
 # The trial system attribute that holds the pruned objective's values: [[step, value], ...].
 VALUES_ATTR = "hpo:pruned_objective_values"
+# The trial user attribute that holds its samples/s so far, at its latest evaluation.
+SPEED_ATTR = "samples_per_s_so_far"
 
 
 def reported_values(trial: FrozenTrial) -> dict[int, float]:
@@ -75,11 +108,13 @@ def reported_values(trial: FrozenTrial) -> dict[int, float]:
     return {int(step): float(value) for step, value in trial.system_attrs.get(VALUES_ATTR, [])}
 
 
-def mirror_study(study: optuna.Study, index: int) -> optuna.Study:
+def mirror_study(
+    study: optuna.Study, index: int, compared: Callable[[FrozenTrial], bool] | None = None
+) -> optuna.Study:
     """`study` as a single-objective study of its objective `index`, in memory: every trial
     (so the numbers match, and Hyperband's brackets, which hash the study name and the number,
     too), complete ones valued by that objective, its reported values their intermediate
-    values."""
+    values. A complete trial that `compared` refuses is there as failed: no pruner counts it."""
     verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # not "A new study created" each time
     try:
@@ -93,15 +128,22 @@ def mirror_study(study: optuna.Study, index: int) -> optuna.Study:
     trials = study.get_trials(deepcopy=False)
     if any(t.number != i for i, t in enumerate(trials)):
         raise RuntimeError(f"study {study.study_name!r}: trial numbers are not 0, 1, 2...")
-    mirror.add_trials([_one_objective(t, index) for t in trials])
+    mirror.add_trials([_one_objective(t, index, compared) for t in trials])
     return mirror
 
 
-def _one_objective(trial: FrozenTrial, index: int) -> FrozenTrial:
+def _one_objective(
+    trial: FrozenTrial, index: int, compared: Callable[[FrozenTrial], bool] | None
+) -> FrozenTrial:
     """The trial valued by objective `index` alone (a complete trial has every value)."""
     complete = trial.state == TrialState.COMPLETE and trial.values is not None
+    if complete and compared is not None and not compared(trial):
+        complete = False
+        state = TrialState.FAIL
+    else:
+        state = trial.state
     return optuna.trial.create_trial(
-        state=trial.state,
+        state=state,
         value=trial.values[index] if complete and trial.values is not None else None,
         params=trial.params,
         distributions=trial.distributions,

@@ -92,7 +92,8 @@ def test_with_throughput_a_trial_is_judged_only_against_trials_as_fast() -> None
     # 0.5 that trains at 150 samples/s meets two faster trials, better on accuracy: pruned. At
     # 400 samples/s, the fastest so far, it is a trade-off the front keeps: not pruned; nor
     # while its speed is unknown.
-    study = _study(_median(), throughput=(1, 0.05))
+    explained = ExplainedPruner(_median(), PrunerConfig(type="median"), "accuracy", "evaluation")
+    study = _study(explained, throughput=(1, 0.05))
 
     def judged(speed: float | None) -> bool:
         trial = study.ask()
@@ -102,6 +103,9 @@ def test_with_throughput_a_trial_is_judged_only_against_trials_as_fast() -> None
         return objective_pruning.should_prune(trial)
 
     assert judged(150.0) is True
+    reason = study.pruner.reason(3)  # the first trial judged
+    assert reason is not None and "of 2 complete trials" in reason
+    assert reason.endswith("(of the trials at least as fast in samples/s)")
     assert judged(400.0) is False
     assert judged(None) is False
     # Within the tolerance, a trial no faster than 300 / 0.95 still meets the one at 300, but

@@ -182,9 +182,11 @@ class PrunerConfig:
         "With several objectives (study.metric a list): the one the pruner judges, e.g. "
         "accuracy in [accuracy, samples_per_s]. A trial weak on it is stopped as with one "
         "objective, and the Pareto front still uses all of them (a pruned trial is on no "
-        "front). An evaluation metric of study.metric, not samples_per_s (measured once, at "
-        "the trial's end). null: with several objectives nothing is pruned (Optuna's pruners "
-        "serve one objective; hpo judges this one in a one-objective view of the study)."
+        "front); with samples_per_s an objective, a trial is compared only with the trials at "
+        "least as fast (within throughput_tolerance), so fast trade-offs are kept. An "
+        "evaluation metric of study.metric, not samples_per_s (measured at the trial's end). "
+        "null: with several objectives nothing is pruned (Optuna's pruners serve one "
+        "objective; hpo judges this one in a one-objective view of the study)."
     )
 
     def problems(self) -> list[tuple[str, Any, str]]:

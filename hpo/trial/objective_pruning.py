@@ -75,7 +75,10 @@ class ObjectivePruner(optuna.pruners.BasePruner):
     def reason(self, number: int) -> str | None:
         """Why the trial was pruned, from a pruner that says so (hpo.study's ExplainedPruner)."""
         reason = getattr(self.pruner, "reason", None)
-        return reason(number) if callable(reason) else None
+        said = reason(number) if callable(reason) else None
+        if said is not None and self.throughput is not None:
+            said += " (of the trials at least as fast in samples/s)"
+        return said
 
     def _compared_with(
         self, study: optuna.Study, number: int

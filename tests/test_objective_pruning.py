@@ -191,6 +191,25 @@ def test_successive_halving_keeps_its_rungs_in_the_study() -> None:
     assert (first_pruned, second_pruned) == (False, True)
 
 
+def test_successive_halving_compares_a_fast_trial_with_trials_as_fast_only() -> None:
+    # ASHA compares a trial with every trial that reached its rung, running and pruned ones
+    # too: with throughput an objective, only those at least as fast count, by their speed so
+    # far.
+    pruner = optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=2)
+    study = _study(pruner, throughput=(1, 0.05))
+
+    def judged(value: float, speed: float) -> bool:
+        trial = study.ask()
+        trial.set_user_attr(SPEED_ATTR, speed)
+        objective_pruning.report(trial, value, 0)
+        objective_pruning.report(trial, value, 1)
+        return objective_pruning.should_prune(trial)
+
+    assert judged(0.9, 100.0) is False  # slow and accurate: at its rung, alone so far
+    assert judged(0.1, 1000.0) is False  # fast: the slow one is no rival
+    assert judged(0.05, 950.0) is True  # as fast as the one before, and worse
+
+
 def test_hyperband_judges_in_its_brackets() -> None:
     study = _study(optuna.pruners.HyperbandPruner(min_resource=1, max_resource=4))
     _, pruned = _reported(study, [0.9])

@@ -22,6 +22,7 @@ study refuses, so the next trial's sampling would fail (a test holds this).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import optuna
@@ -83,16 +84,20 @@ class ObjectivePruner(optuna.pruners.BasePruner):
     def _compared_with(
         self, study: optuna.Study, number: int
     ) -> Callable[[FrozenTrial], bool] | None:
-        """Which complete trials the trial is judged against: with throughput an objective,
-        those at least as fast as it trains so far (none while that is unknown)."""
+        """Which trials the trial is judged against: with throughput an objective, those at
+        least as fast as it trains so far (none while that is unknown): complete ones by their
+        samples/s, others (successive halving compares with them too) by theirs so far."""
         if self.throughput is None:
             return None
         column, tolerance = self.throughput
-        speed = study.get_trials(deepcopy=False)[number].user_attrs.get(SPEED_ATTR)
-        if not isinstance(speed, (int, float)):
-            return lambda trial: False
-        least = float(speed) * (1 - tolerance)
-        return lambda trial: trial.values is not None and trial.values[column] >= least
+        speed = _speed(study.get_trials(deepcopy=False)[number], column)
+        least = math.inf if speed is None else speed * (1 - tolerance)
+
+        def compared(trial: FrozenTrial) -> bool:
+            other = _speed(trial, column)
+            return trial.number == number or (other is not None and other >= least)
+
+        return compared
 
     def _trial_id(self, study: optuna.Study, number: int) -> int:
         study_id = self.storage.get_study_id_from_name(study.study_name)
@@ -106,6 +111,14 @@ VALUES_ATTR = "hpo:pruned_objective_values"
 SPEED_ATTR = "samples_per_s_so_far"
 
 
+def _speed(trial: FrozenTrial, column: int) -> float | None:
+    """A trial's samples/s: a complete one's objective, else its speed so far (None: unknown)."""
+    if trial.state == TrialState.COMPLETE and trial.values is not None:
+        return float(trial.values[column])
+    speed = trial.user_attrs.get(SPEED_ATTR)
+    return float(speed) if isinstance(speed, (int, float)) else None
+
+
 def reported_values(trial: FrozenTrial) -> dict[int, float]:
     """The pruned objective's values the trial reported, by step (a study of several)."""
     return {int(step): float(value) for step, value in trial.system_attrs.get(VALUES_ATTR, [])}
@@ -117,7 +130,8 @@ def mirror_study(
     """`study` as a single-objective study of its objective `index`, in memory: every trial
     (so the numbers match, and Hyperband's brackets, which hash the study name and the number,
     too), complete ones valued by that objective, its reported values their intermediate
-    values. A complete trial that `compared` refuses is there as failed: no pruner counts it."""
+    values. A trial that `compared` refuses is there as a blank failed one: no pruner counts
+    it."""
     verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # not "A new study created" each time
     try:
@@ -139,14 +153,11 @@ def _one_objective(
     trial: FrozenTrial, index: int, compared: Callable[[FrozenTrial], bool] | None
 ) -> FrozenTrial:
     """The trial valued by objective `index` alone (a complete trial has every value)."""
+    if compared is not None and not compared(trial):
+        return optuna.trial.create_trial(state=TrialState.FAIL)
     complete = trial.state == TrialState.COMPLETE and trial.values is not None
-    if complete and compared is not None and not compared(trial):
-        complete = False
-        state = TrialState.FAIL
-    else:
-        state = trial.state
     return optuna.trial.create_trial(
-        state=state,
+        state=trial.state,
         value=trial.values[index] if complete and trial.values is not None else None,
         params=trial.params,
         distributions=trial.distributions,

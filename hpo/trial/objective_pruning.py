@@ -10,12 +10,13 @@ Optuna pruner then works unchanged. A pruned trial is told PRUNED in the real st
 values, so it is never on the front.
 
 With throughput (samples_per_s) among the objectives, a trial is compared only with the
-complete trials at least as fast as it trains so far (within study.throughput_tolerance): a
-fast trial, weaker on the pruned objective than slower ones, is a trade-off the front keeps,
-not a weak trial. The fastest trials are thus never pruned; a trial weak among the trials as
-fast as it is cannot be on the front but by noise.
+trials at least as fast as it trains so far (within study.throughput_tolerance; a complete
+trial by its samples/s, another by its speed so far): a fast trial, weaker on the pruned
+objective than slower ones, is a trade-off the front keeps, not a weak trial. The fastest
+trials are thus never pruned; a trial weak among the trials as fast as it is cannot be on the
+front but by noise. Measured in bench/search_multiobjective.py.
 
-Not as the real trials' intermediate values: Optuna 5.0's TPE ranks a pruned trial of a study
+The values are not kept as the real trials' intermediate values: Optuna 5.0's TPE ranks a pruned trial of a study
 of several objectives by its last intermediate value through `study.direction`, which such a
 study refuses, so the next trial's sampling would fail (a test holds this).
 """

@@ -16,9 +16,10 @@ objective than slower ones, is a trade-off the front keeps, not a weak trial. Th
 trials are thus never pruned; a trial weak among the trials as fast as it is cannot be on the
 front but by noise. Measured in bench/search_multiobjective.py.
 
-The values are not kept as the real trials' intermediate values: Optuna 5.0's TPE ranks a pruned trial of a study
-of several objectives by its last intermediate value through `study.direction`, which such a
-study refuses, so the next trial's sampling would fail (a test holds this).
+The values are not kept as the real trials' intermediate values: Optuna 5.0's TPE ranks a
+pruned trial of a study of several objectives by its last intermediate value through
+`study.direction`, which such a study refuses, so the next trial's sampling would fail (a test
+holds this).
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent)]
 
 from search_efficiency import (  # noqa: E402
     RANDOM,
+    STRATEGIES,
     Run,
     Search,
     Table,
@@ -328,6 +329,13 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=20, help="searches per strategy")
     parser.add_argument("--budget", type=float, default=3.0, help="trials: this x n_trials")
     parser.add_argument("--anchor", action="append", choices=sorted(ANCHORS))
+    parser.add_argument(
+        "--hpo",
+        action="append",
+        choices=sorted(STRATEGIES),
+        help=f"hpo's strategies beside the anchors (random search and the default always; "
+        f"without --hpo: {', '.join(HPO_STRATEGIES)})",
+    )
     parser.add_argument("--jobs", type=int, default=2, help="processes (the machine is shared)")
     parser.add_argument("--cache", type=Path, help="as search_efficiency.py's --cache")
     args = parser.parse_args()
@@ -338,7 +346,8 @@ def main() -> None:
             file=sys.stderr,
         )
         sys.exit(2)
-    strategies = [*HPO_STRATEGIES, *(args.anchor or ANCHORS)]
+    ours = [RANDOM, DEFAULT, *(s for s in args.hpo or HPO_STRATEGIES if s not in (RANDOM, DEFAULT))]
+    strategies = [*ours, *(args.anchor or ANCHORS)]
     by_task = {}
     for task in args.task or [t for t in TASKS if data_path(t).is_file()]:
         config, _, _ = load_task(task)

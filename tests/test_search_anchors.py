@@ -130,3 +130,20 @@ def test_syne_tune_asha_replays_the_grid_stopping_only_at_its_rungs() -> None:
     assert set(steps) <= {80.0, 240.0, 320.0} and steps[0] == 320.0
     assert search.pruned == len(steps) - steps.count(320.0) > 0
     assert search.best[-1] == 0.9 and len(search.points) == 30
+
+
+def test_without_syne_tune_the_bench_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = anchors.importlib.util.find_spec
+    monkeypatch.setattr(
+        anchors.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "syne_tune" else real(name, *a),
+    )
+    monkeypatch.setattr(sys, "argv", ["search_anchors.py", "--seeds", "1"])
+    with pytest.raises(SystemExit) as stopped:
+        anchors.main()
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs Syne Tune, not installed; pip install" in err[0]

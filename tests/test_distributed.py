@@ -4,6 +4,7 @@ and the refusals (a world size that does not divide the batch, more GPUs than a 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -460,3 +461,112 @@ def test_a_cuda_worker_that_sees_too_few_gpus_is_refused_before_any_trial(
         run._check_gpus_per_trial(config, [], None, RunRequest("s"))
     monkeypatch.setattr(launcher, "visible_gpus", lambda: ["0", "1"])
     run._check_gpus_per_trial(config, [], None, RunRequest("s"))  # enough
+
+
+# srun on a 2-node allocation, on this host: one task per "node", each told its node by
+# SLURM_NODEID as srun tells it; a SIGTERM goes to both.
+FAKE_SRUN_NODES = """#!/usr/bin/env bash
+while [[ "$1" == --* ]]; do shift; done
+pids=()
+for node in 0 1; do
+  SLURM_NODEID=$node SLURM_JOB_NUM_NODES=2 "$@" 2> "$FAKE_LOG/node$node.err" &
+  pids+=($!)
+done
+trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit "$status"
+"""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_the_slurm_recipe_trains_a_trial_across_two_nodes_as_one_process_would(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    """deploy/slurm/hpo-workers.sbatch on 2 "nodes" of this host (a fake srun): node 0's
+    `hpo run` trains the trial on 1 rank, node 1's follows it with 1 more (one rendezvous on
+    127.0.0.1, gloo); the trial's losses are those of one process at the same batch."""
+    import subprocess
+    import sys
+
+    from hpo.config.loader import parse_config
+    from hpo.config.search_paths import with_params
+    from tests.conftest import REPO
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN_NODES)
+    (bin_dir / "hpo").write_text(f'#!/usr/bin/env bash\nexec {sys.executable} -m hpo "$@"\n')
+    for name in ("srun", "hpo"):
+        (bin_dir / name).chmod(0o755)
+    space = {"learning_rate": {"type": "categorical", "choices": [3e-3]}}
+    training = {"max_steps": 4, "distributed": {"gpus_per_trial": 1, "nodes": 2}}
+    raw = tiny_config(*easy_data, study={"n_trials": 1}, search_space=space, training=training)
+    raw["model"]["config"]["hidden_dropout_prob"] = 0.0  # the same masks as one process
+    raw["model"]["config"]["attention_probs_dropout_prob"] = 0.0
+    config = write_config(tmp_path / "c.yaml", raw)
+    url = f"sqlite:///{tmp_path / 'n.db'}"
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "PYTHONPATH": str(REPO),
+        "FAKE_LOG": str(tmp_path),
+        "HPO_STORAGE": url,
+        "HPO_RDZV_ENDPOINT": f"127.0.0.1:{free_port()}",
+        "HPO_NODE_ADDR": "127.0.0.1",
+        "HPO_FOLLOW_IDLE_S": "3",  # node 1 ends 3 s after the last trial
+    }
+    sbatch = REPO / "deploy" / "slurm" / "hpo-workers.sbatch"
+    job_script = subprocess.Popen(
+        ["bash", str(sbatch), "n", str(config)], env=env, cwd=tmp_path, start_new_session=True
+    )
+    try:
+        returncode = job_script.wait(timeout=240)
+    finally:  # the whole fake job, whatever became of it
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job_script.pid, signal.SIGKILL)
+    logs = [(tmp_path / f"node{i}.err").read_text()[-3000:] for i in (0, 1)]
+    assert returncode == 0, logs
+    assert "following the trials of the first host" in logs[1] and "followed 1 trials" in logs[1]
+    (trial,) = optuna.load_study(study_name="n", storage=url).get_trials()
+    assert trial.state == TrialState.COMPLETE and trial.user_attrs["ranks"] == 2, logs
+    job = with_params(parse_config(raw, tmp_path), trial.params)
+    job.training.distributed = None
+    one = train(job, prepare_data(job.data, load_tokenizer(job.model)))
+    best = trial.user_attrs["best_evaluation"]
+    assert trial.user_attrs["curve"] == pytest.approx(one.curve, abs=1e-4)
+    assert best["metrics"]["eval_loss"] == pytest.approx(one.best.metrics["eval_loss"], abs=1e-4)
+    assert best["train_loss"] == pytest.approx(one.best.train_loss, abs=1e-4)
+
+
+def test_each_host_finds_its_place_from_slurm_kubernetes_or_hpo_variables() -> None:
+    from hpo.trainer.errors import DeviceError
+    from hpo.trainer.nodes import first_host, node_place
+
+    slurm = {"SLURM_NODEID": "1", "SLURM_JOB_NUM_NODES": "4", "SLURM_JOB_NODELIST": "gpu[07-10]"}
+    place = node_place(4, slurm)
+    assert (place.node_rank, place.endpoint, place.leads) == (1, "gpu07:29400", False)
+    indexed_job = {"JOB_COMPLETION_INDEX": "0", "MASTER_ADDR": "hpo-0.hpo", "MASTER_PORT": "23456"}
+    assert node_place(2, indexed_job).endpoint == "hpo-0.hpo:23456"
+    own = {**slurm, "HPO_NODE_RANK": "0", "HPO_RDZV_ENDPOINT": "10.0.0.5:29500"}
+    assert (node_place(2, own).node_rank, node_place(2, own).endpoint) == (0, "10.0.0.5:29500")
+    assert first_host("gpu[007-009,012],cpu1") == "gpu007"
+    assert first_host("rack[1-2]-n[3,5],x") == "rack1-n3" and first_host("a1,b2") == "a1"
+    with pytest.raises(DeviceError, match="this Slurm job has 4 nodes; sbatch --nodes=8"):
+        node_place(8, slurm)
+    with pytest.raises(DeviceError, match="set HPO_NODE_RANK"):
+        node_place(2, {})
+    with pytest.raises(DeviceError, match="set HPO_RDZV_ENDPOINT=host:port"):
+        node_place(2, {"HPO_NODE_RANK": "1"})
+    assert [k for k, _, _ in DistributedSettings(2, nodes=0).problems()] == ["nodes"]
+    assert TrainingConfig(distributed=DistributedSettings(2, nodes=3)).world_size == 6
+    refused = TrainingConfig(effective_batch_size=8, distributed=DistributedSettings(2, nodes=3))
+    assert "multiple of distributed.nodes x gpus_per_trial (6)" in refused.problems()[0][2]

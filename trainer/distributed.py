@@ -33,15 +33,25 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RankGroup:
     """This process's place in the trial's process group, and the few collectives the trainer
-    needs. Tensors travel on `device` (NCCL wants CUDA tensors; gloo takes the CPU's)."""
+    needs. Tensors travel on `device` (NCCL wants CUDA tensors; gloo takes the CPU's). The
+    main rank reports and decides: rank 0, or across hosts the first rank of the host that runs
+    the trial (the rendezvous numbers the hosts in no set order)."""
 
     rank: int
     world_size: int
     device: torch.device
+    main: int = 0
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        return self.rank == self.main
+
+    @staticmethod
+    def leading_rank(leads: bool) -> int:
+        """The rank of the one process of the group that says it `leads` (told to all)."""
+        said: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(said, leads)
+        return said.index(True)
 
     def any(self, flag: bool) -> bool:
         """Whether `flag` holds on any rank (a host sync: every rank waits for the slowest)."""
@@ -67,15 +77,15 @@ class RankGroup:
                 dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
 
     def broadcast_weights(self, model: torch.nn.Module) -> None:
-        """Rank 0's parameters and buffers on every rank."""
+        """The main rank's parameters and buffers on every rank."""
         with torch.no_grad():
             for tensor in (*model.parameters(), *model.buffers()):
-                dist.broadcast(tensor, src=0)
+                dist.broadcast(tensor, src=self.main)
 
     def from_main(self, value: Any) -> Any:
-        """Rank 0's `value`, on every rank."""
+        """The main rank's `value`, on every rank."""
         box = [value]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=self.main)
         return box[0]
 
     def gather(self, value: Any) -> list[Any]:
@@ -116,8 +126,8 @@ class DistributedTrainer(Trainer):
         self._rank_rngs: list[Any] = []
         super().__init__(job, data, metric, user_metrics)
         group.broadcast_weights(self.model)  # a model factory may not seed its init
-        if group.rank:  # dropout masks of their own; rank 0 draws as one process would
-            torch.manual_seed(self.cfg.seed + group.rank)
+        if not group.is_main:  # dropout masks of their own; the main draws as one process would
+            torch.manual_seed(self.cfg.seed + 1 + group.rank)
 
     # -- the share of each step ----------------------------------------------------------------
 

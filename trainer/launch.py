@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -42,6 +43,7 @@ from hpo.trainer.errors import DeviceError
 from hpo.trainer.evaluation import Evaluation
 from hpo.trainer.loop import OnEvaluation, OnProgress, ShouldStop
 from hpo.trainer.memory import OutOfMemoryAtBatchOne, simulated_budget
+from hpo.trainer.nodes import NodePlace, node_place
 from hpo.trainer.result import TrainResult
 from hpo.trainer.user_metrics import UserMetrics
 
@@ -51,6 +53,10 @@ log = logging.getLogger(__name__)
 # the others wait, and a large evaluation split takes minutes. A rank that dies is noticed by
 # the launcher at once, whatever this says.
 COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
+# Across hosts: how long the first host's rendezvous waits for the others to join (seconds).
+RDZV_JOIN_TIMEOUT_S = int(os.environ.get("HPO_RDZV_JOIN_TIMEOUT_S", "600"))
+# A host that follows ends once no trial started for this long (seconds): the first is done.
+FOLLOW_IDLE_S = float(os.environ.get("HPO_FOLLOW_IDLE_S", "600"))
 # How often the launching process looks at rank 0's pipe (seconds).
 RELAY_POLL_S = 0.05
 _PR_SET_PDEATHSIG = 1
@@ -85,17 +91,27 @@ class CheckpointPlace:
 
 
 @dataclass
-class RankJob:
-    """What every rank is started with; it pickles (a spawned rank receives it)."""
+class TrialWork:
+    """The run every rank trains: the leading host has it, and its rank 0 sends it to the
+    ranks of the other hosts (a trial across hosts)."""
 
     job: TrainJob
     data: PreparedData
     metric: str | None
     user_metrics: UserMetrics | None
     checkpoints: CheckpointPlace | None
+
+
+@dataclass
+class RankJob:
+    """What every rank is started with; it pickles (a spawned rank receives it)."""
+
+    work: TrialWork | None  # None on a host that follows: the run comes from the main rank
+    device: str  # training.device
     cpu_threads: int  # each rank's share of this process's CPU threads
-    # Each rank's line to the launching process (by rank): it says its pid when it starts and
-    # how it ended (its error, or done); rank 0's also carries the run's callbacks.
+    # Each rank's line to the launching process (by local rank): it says its pid when it
+    # starts and how it ended (its error, or done); local rank 0's on the leading host, the
+    # main rank, also carries the run's callbacks.
     conns: list[Connection]
 
 
@@ -112,24 +128,27 @@ def train_distributed(
     """hpo.trainer.loop.train across `job.training.world_size` ranks: the same arguments and
     result (rank 0's). Raises OutOfMemoryAtBatchOne when one example fits on no rank, rank 0's
     own error when it raised, and RankFailed when another rank ended the run."""
-    world_size = job.training.world_size
+    local_ranks = job.training.ranks_per_node
     device = dev.resolve_device(job.training.device)
-    if device.type == "cuda" and torch.cuda.device_count() < world_size:
+    _check_gpus(device, local_ranks)
+    nodes = _node_place(job)
+    if nodes is not None and not nodes.leads:
         raise DeviceError(
-            f"training.distributed.gpus_per_trial is {world_size} but this process sees "
-            f"{torch.cuda.device_count()} GPUs; give each worker that many (hpo run --gpus)"
+            f"this host is node {nodes.node_rank} of a trial across hosts: only node 0 runs "
+            "trials, the others follow them (hpo run does, given the same config)"
         )
-    pipes = [multiprocessing.Pipe() for _ in range(world_size)]
+    pipes = [multiprocessing.Pipe() for _ in range(local_ranks)]
     here, there = [pipe[0] for pipe in pipes], [pipe[1] for pipe in pipes]
     place = None
     if checkpoints is not None:
         place = CheckpointPlace(checkpoints.directory, checkpoints.resume, checkpoints.interval_s)
-    threads = max(1, torch.get_num_threads() // world_size)
-    rank_job = RankJob(job, data, metric, user_metrics, place, threads, there)
+    threads = max(1, torch.get_num_threads() // local_ranks)
+    work = TrialWork(job, data, metric, user_metrics, place)
+    rank_job = RankJob(work, job.training.device, threads, there)
     relay = _Relay(here[0], on_evaluation, should_stop, on_progress, checkpoints)
     # The launcher's error files, read once the ranks are down; gone with the run.
     with tempfile.TemporaryDirectory(prefix="hpo-ranks-") as logs:
-        launch = _Launch(_launch_config(world_size, device, Path(logs)), rank_job)
+        launch = _Launch(_launch_config(local_ranks, device, Path(logs), nodes), rank_job)
         launch.start()
         while launch.is_alive():
             relay.serve(RELAY_POLL_S)
@@ -140,22 +159,114 @@ def train_distributed(
     return launch.result(words)
 
 
-def _launch_config(world_size: int, device: torch.device, logs: Path) -> LaunchConfig:
-    """One node, `world_size` ranks, no restart (a failed run is the trial's to retry, from
-    its checkpoint), a rendezvous on a free local port. Ranks are forked on the CPU (fast, and
-    this process holds no CUDA context); spawned for GPUs, as torchrun does."""
+def _node_place(job: TrainJob) -> NodePlace | None:
+    """This host's place in a trial across hosts; None for a trial on one host."""
+    settings = job.training.distributed
+    return node_place(settings.nodes) if settings is not None and settings.nodes > 1 else None
+
+
+def follow_trials(
+    ranks_per_node: int,
+    device_name: str,
+    nodes: NodePlace,
+    stopping: Callable[[], bool],
+    idle_s: float = FOLLOW_IDLE_S,
+) -> int:
+    """A host that follows (node rank above 0): this host's ranks join each trial that the
+    first host starts, until `stopping()` (checked between trials, and while waiting for one)
+    or no trial came for `idle_s` after the last (the first host is done; before the first,
+    it may still be preparing the data: RDZV_JOIN_TIMEOUT_S). Returns how many trials it
+    trained; a trial that failed is the first host's to report."""
+    device = dev.resolve_device(device_name)
+    _check_gpus(device, ranks_per_node)
+    followed, last_at = 0, time.monotonic()
+
+    def done() -> bool:
+        waited = time.monotonic() - last_at
+        return stopping() or waited > (idle_s if followed else max(idle_s, RDZV_JOIN_TIMEOUT_S))
+
+    while not done():
+        if _follow_one(ranks_per_node, device, device_name, nodes, done):
+            followed, last_at = followed + 1, time.monotonic()
+    return followed
+
+
+def _follow_one(
+    local_ranks: int,
+    device: torch.device,
+    device_name: str,
+    nodes: NodePlace,
+    stopping: Callable[[], bool],
+) -> int:
+    """One trial's ranks on this host: 1 once trained, 0 when none came (the rendezvous
+    closed, timed out, or a stop while waiting) or it failed."""
+    pipes = [multiprocessing.Pipe() for _ in range(local_ranks)]
+    here, there = [pipe[0] for pipe in pipes], [pipe[1] for pipe in pipes]
+    threads = max(1, torch.get_num_threads() // local_ranks)
+    with tempfile.TemporaryDirectory(prefix="hpo-ranks-") as logs:
+        config = _launch_config(local_ranks, device, Path(logs), nodes)
+        launch = _Launch(config, RankJob(None, device_name, threads, there))
+        launch.start()
+        started = False
+        while launch.is_alive():
+            launch.join(RELAY_POLL_S)
+            started = started or any(conn.poll(0) for conn in here)
+            if not started and stopping():
+                return 0  # only waiting: the launcher's thread ends with this process
+    words = [_last_words(conn) for conn in here]
+    for conn in (*here, *there):
+        conn.close()
+    if launch.failure is None:
+        return 1
+    if any(w.pid is not None for w in words):
+        log.warning("a trial followed failed: %s", _cause(words, launch.failure))
+    else:  # the last trial's rendezvous, closed; or no trial within the join timeout
+        log.debug("no trial to follow yet: %s", launch.failure)
+        time.sleep(1.0)
+    return 0
+
+
+def _check_gpus(device: torch.device, local_ranks: int) -> None:
+    if device.type == "cuda" and torch.cuda.device_count() < local_ranks:
+        raise DeviceError(
+            f"training.distributed.gpus_per_trial is {local_ranks} but this process sees "
+            f"{torch.cuda.device_count()} GPUs; give each worker that many (hpo run --gpus)"
+        )
+
+
+def _launch_config(
+    local_ranks: int, device: torch.device, logs: Path, nodes: NodePlace | None = None
+) -> LaunchConfig:
+    """`local_ranks` ranks on this host, no restart (a failed run is the trial's to retry,
+    from its checkpoint). One host: a rendezvous on a free local port. Several: the one the
+    first host serves at `nodes.endpoint`, which every host of the trial joins. Ranks are forked
+    on the CPU (fast, and this process holds no CUDA context); spawned for GPUs, as torchrun
+    does."""
+    count = nodes.nodes if nodes is not None else 1
     return LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=world_size,
-        run_id=f"hpo-{uuid.uuid4().hex[:12]}",
+        min_nodes=count,
+        max_nodes=count,
+        nproc_per_node=local_ranks,
+        # One name for every trial across hosts (the hosts that follow cannot learn a new one):
+        # each trial's rendezvous lives in a store of its own, served by its trial process.
+        run_id="hpo-trial" if nodes is not None else f"hpo-{uuid.uuid4().hex[:12]}",
         rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
+        rdzv_endpoint=nodes.endpoint if nodes is not None else "127.0.0.1:0",
+        rdzv_configs=_rendezvous_settings(nodes),
+        local_addr=nodes.local_addr if nodes is not None else None,
         max_restarts=0,
         monitor_interval=0.1,
         start_method="fork" if device.type == "cpu" else "spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(logs)),
     )
+
+
+def _rendezvous_settings(nodes: NodePlace | None) -> dict[str, Any]:
+    """Across hosts, the first serves the rendezvous and waits RDZV_JOIN_TIMEOUT_S for the
+    others (they may still be finishing the last trial, or loading torch)."""
+    if nodes is None:
+        return {}
+    return {"is_host": nodes.leads, "join_timeout": RDZV_JOIN_TIMEOUT_S}
 
 
 class _Launch(threading.Thread):
@@ -180,10 +291,11 @@ class _Launch(threading.Thread):
         failure = self.failure
         if failure is not None or words[0].error is not None:
             raise _cause(words, failure)
-        result = (self.results or {}).get(0)
-        if not isinstance(result, TrainResult):
+        # The main rank's (local rank 0 here); the others return None.
+        found = [r for r in (self.results or {}).values() if isinstance(r, TrainResult)]
+        if not found:
             raise RankFailed("rank 0 returned no result")
-        return result
+        return found[0]
 
 
 @dataclass
@@ -369,7 +481,7 @@ def rank_main(rank_job: RankJob) -> TrainResult | None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = dev.resolve_device(rank_job.job.training.device)
+    device = dev.resolve_device(rank_job.device)
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
@@ -377,11 +489,13 @@ def rank_main(rank_job: RankJob) -> TrainResult | None:
         torch.set_num_threads(rank_job.cpu_threads)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
-    conn = rank_job.conns[rank]
+    conn = rank_job.conns[int(os.environ["LOCAL_RANK"])]
     _say(conn, "started", os.getpid())
-    relay = _RankRelay(conn) if rank == 0 else None
     try:
-        result = _train_rank(rank_job, RankGroup(rank, world_size, device), relay)
+        work, main = _shared_work(rank_job, rank)
+        group = RankGroup(rank, world_size, device, main)
+        relay = _RankRelay(conn) if group.is_main else None
+        result = _train_rank(work, group, relay)
     except Exception as e:
         _say(conn, "error", e)
         raise
@@ -391,17 +505,30 @@ def rank_main(rank_job: RankJob) -> TrainResult | None:
     return result
 
 
-def _train_rank(
-    rank_job: RankJob, group: RankGroup, relay: _RankRelay | None
-) -> TrainResult | None:
-    job, data = rank_job.job, rank_job.data
+def _shared_work(rank_job: RankJob, rank: int) -> tuple[TrialWork, int]:
+    """The run, on every rank, and the main rank: local rank 0 of the leading host (the one
+    with the work and the line to the trial process), which sends the work to the ranks of the
+    hosts that follow. On one host, rank 0, and nothing sent."""
+    leads = rank_job.work is not None and os.environ["LOCAL_RANK"] == "0"
+    main = RankGroup.leading_rank(leads)
+    box = [rank_job.work if rank == main else None]
+    if int(os.environ["LOCAL_WORLD_SIZE"]) < int(os.environ["WORLD_SIZE"]):
+        dist.broadcast_object_list(box, src=main)
+    work = box[0] if box[0] is not None else rank_job.work
+    if work is None:
+        raise RankFailed("the leading host sent no run")
+    return work, main
+
+
+def _train_rank(work: TrialWork, group: RankGroup, relay: _RankRelay | None) -> TrainResult | None:
+    job, data = work.job, work.data
     training = dataclasses.replace(job.training, device=str(group.device))
     job = dataclasses.replace(job, training=training)
     size, search = agreed_physical_batch(job, data, group)
     job = dataclasses.replace(job, training=dataclasses.replace(training, physical_batch_size=size))
-    store = _rank_store(rank_job.checkpoints, relay)
+    store = _rank_store(work.checkpoints, relay)
     with simulated_budget(group.device):
-        trainer = DistributedTrainer(job, data, group, rank_job.metric, rank_job.user_metrics)
+        trainer = DistributedTrainer(job, data, group, work.metric, work.user_metrics)
         if relay is not None:
             trainer.on_progress = relay.progress
             log.info(

@@ -14,6 +14,7 @@ from typing import Any
 
 import optuna
 import pytest
+import torch
 from optuna.trial import TrialState
 
 from hpo.commands.launcher import gpu_groups, select_gpus
@@ -92,6 +93,31 @@ def test_the_loss_curve_is_the_one_process_curve(
     assert several.effective_batch_size == 12 and several.optimizer_steps == one.optimizer_steps
     assert several.grad_accum_steps == -(-12 // ranks // 2)  # the share of a rank, in 2s
     assert_same_curve(one, several)
+
+
+def test_shared_evaluation_gives_exactly_the_one_process_metrics(
+    small: tuple[TrainJob, PreparedData],
+) -> None:
+    """3 ranks each evaluate a share of 6 evaluation batches (16 rows in 3s: the last batch is
+    short), gathered in the one-process order: the same metrics, to the last bit. With the
+    learning rate at 0 every evaluation sees the initial weights, so only evaluation differs."""
+    job, data = small
+    job = across(job, 1, learning_rate=0.0, eval_batch_size=3, max_steps=4, evals_per_epoch=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank: a CPU matmul's sums depend on the thread count
+    try:
+        one = train(
+            dataclasses.replace(job, training=dataclasses.replace(job.training, distributed=None)),
+            data,
+        )
+    finally:
+        torch.set_num_threads(threads)
+    several = train_distributed(across(job, 3), data)
+    assert [e.metrics for e in several.evaluations] == [e.metrics for e in one.evaluations]
+    assert len(one.evaluations) == 2 and set(one.evaluations[0].metrics) >= {
+        "eval_loss",
+        "accuracy",
+    }
 
 
 def test_a_run_stopped_and_resumed_ends_as_one_that_was_not(

@@ -20,6 +20,7 @@ from hpo.trainer.batching import collate, plan_epoch
 from hpo.trainer.checkpoint import CheckpointStore, rng_state, set_rng_state
 from hpo.trainer.config import TrainJob
 from hpo.trainer.data import PreparedData
+from hpo.trainer.evaluation import metrics_of
 from hpo.trainer.loop import OnEvaluation, ShouldStop, Trainer
 from hpo.trainer.memory import none_on_oom
 from hpo.trainer.progress import Progress
@@ -109,9 +110,10 @@ class DistributedTrainer(Trainer):
     the gradients summed, in place (an all-reduce that allocates nothing). The price is the
     overlap of that all-reduce with the backward (bench/distributed_scaling.py measures it).
 
-    Evaluation runs on rank 0 only, on the whole evaluation split, while the others wait: its
-    metrics are exactly the one-process metrics (no padding or duplicated examples from a
-    split), and the pruner, the trackers and the checkpoint all live there."""
+    Evaluation is shared: rank r evaluates batches r, r + world size, ... of the one-process
+    evaluation batches, and the main rank adds their outputs up in the one-process order, so
+    its metrics are exactly the one-process metrics (no padded or repeated example, the same
+    float sums); the pruner, the trackers and the checkpoint live there."""
 
     def __init__(
         self,
@@ -226,6 +228,27 @@ class DistributedTrainer(Trainer):
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         return True
 
+    # -- evaluation, shared ----------------------------------------------------------------------
+
+    def _evaluation_share(self) -> tuple[int, int]:
+        return self.group.rank, self.group.world_size
+
+    def evaluate(self) -> dict[str, float]:
+        """Every rank evaluates its share (an OOM on any rank halves the batch on all, and the
+        pass starts over); the metrics, on the main rank ({} on the others)."""
+        evaluator, model = self.evaluator, self._evaluation_model()
+        while True:
+            found = none_on_oom(functools.partial(evaluator.share_outputs, model))
+            if not self.group.any(found is None):
+                break
+            evaluator.halve_after_oom()
+        shares = self.group.gather(found)
+        if not self.group.is_main:
+            return {}
+        ranks = self.group.world_size
+        ordered = [shares[i % ranks][i // ranks] for i in range(evaluator.batch_count)]
+        return metrics_of(ordered, self.device, self.task, self.data.label_names, self.user_metrics)
+
     # -- decisions on rank 0, followed by every rank -------------------------------------------
 
     def fit(
@@ -253,8 +276,10 @@ class DistributedTrainer(Trainer):
         checkpoints: CheckpointStore | None = None,
     ) -> None:
         self._rank_rngs = self.group.gather(rng_state())  # for a checkpoint written now
-        if self.group.is_main:
+        if self.group.is_main:  # it evaluates (with the others) and decides
             super()._evaluate(run, on_evaluation, checkpoints)
+        else:
+            self.evaluate()
         self._follow_main(run)
 
     def _resume(

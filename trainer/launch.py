@@ -49,9 +49,9 @@ from hpo.trainer.user_metrics import UserMetrics
 
 log = logging.getLogger(__name__)
 
-# How long a collective may wait for a slow rank before it fails: rank 0 evaluates alone while
-# the others wait, and a large evaluation split takes minutes. A rank that dies is noticed by
-# the launcher at once, whatever this says.
+# How long a collective may wait for a slow rank before it fails: the others wait while the
+# main rank reports, prunes and writes a checkpoint, which can take minutes. A rank that dies
+# is noticed by the launcher at once, whatever this says.
 COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
 # Across hosts: how long the first host's rendezvous waits for the others to join (seconds).
 RDZV_JOIN_TIMEOUT_S = int(os.environ.get("HPO_RDZV_JOIN_TIMEOUT_S", "600"))

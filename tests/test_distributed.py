@@ -25,7 +25,7 @@ from hpo.trainer.config import DistributedSettings, TrainingConfig, TrainJob
 from hpo.trainer.data import PreparedData
 from hpo.trainer.launch import RankFailed, train_distributed
 from hpo.trainer.loop import train
-from hpo.trainer.memory import BUDGET_ENV, BUDGET_RANK_ENV, MemoryBudget
+from hpo.trainer.memory import BUDGET_ENV, BUDGET_RANK_ENV, OPTIMIZER_OOM_ENV, MemoryBudget
 from hpo.trainer.model import load_tokenizer
 from hpo.trainer.result import TrainResult
 from hpo.trainer.tasks import prepare_data
@@ -231,6 +231,22 @@ def test_an_oom_on_one_rank_steps_every_rank_down_together(
     monkeypatch.setenv(BUDGET_RANK_ENV, "1")  # on rank 1 alone
     result = train_distributed(across(job, 2), data)
     # Rank 0 (whose result this is) had memory to spare: it stepped down with rank 1.
+    assert (result.physical_batch_size, result.grad_accum_steps) == (2, 4)
+    assert result.oom_recoveries == 1 and result.status == "completed"
+    assert_same_curve(reference, result)
+
+
+def test_an_oom_in_one_ranks_optimizer_step_steps_every_rank_down_together(
+    long_job: tuple[TrainJob, PreparedData], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 runs out of memory reserving its optimizer step's memory (the test hook) on step
+    2, after every rank's backward: no weight changed on any rank, so all redo the step at half
+    the micro-batch and the curve is the one-process curve."""
+    job, data = long_job
+    reference = train(job, data)
+    monkeypatch.setenv(OPTIMIZER_OOM_ENV, "2")
+    monkeypatch.setenv(BUDGET_RANK_ENV, "1")
+    result = train_distributed(across(job, 2), data)
     assert (result.physical_batch_size, result.grad_accum_steps) == (2, 4)
     assert result.oom_recoveries == 1 and result.status == "completed"
     assert_same_curve(reference, result)

@@ -22,10 +22,10 @@ from hpo.trainer.config import TrainJob
 from hpo.trainer.data import PreparedData
 from hpo.trainer.evaluation import metrics_of
 from hpo.trainer.loop import OnEvaluation, ShouldStop, Trainer
-from hpo.trainer.memory import none_on_oom
+from hpo.trainer.memory import none_on_oom, optimizer_oom_due
 from hpo.trainer.progress import Progress
 from hpo.trainer.result import TrainResult
-from hpo.trainer.step import grad_accum_steps_for, optimizer_step
+from hpo.trainer.step import grad_accum_steps_for, optimizer_step, optimizer_step_bytes
 from hpo.trainer.user_metrics import UserMetrics
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,11 @@ class RankGroup:
         return values
 
 
+class OptimizerStepOutOfMemory(Exception):
+    """A rank ran out of memory midway through an optimizer step: the ranks' weights may
+    differ, so the run cannot go on (every rank raises it; the retry resumes)."""
+
+
 class DistributedTrainer(Trainer):
     """The one-process Trainer, data-parallel. Every rank plans the same epoch (same seed) and
     takes its share of each step, so the effective batch is exact: physical x accumulation x
@@ -126,6 +131,8 @@ class DistributedTrainer(Trainer):
         self.group = group  # first: the base class sets the physical batch, which reads it
         self._step_indices = np.zeros(0, dtype=np.int64)
         self._rank_rngs: list[Any] = []
+        self.optimizer_steps_taken = 0  # in this process (a test hook counts them)
+        self._faults_raised: set[int] = set()
         super().__init__(job, data, metric, user_metrics)
         group.broadcast_weights(self.model)  # a model factory may not seed its init
         if not group.is_main:  # dropout masks of their own; the main draws as one process would
@@ -186,8 +193,9 @@ class DistributedTrainer(Trainer):
 
     def _try_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor | None:
         """The whole step's loss (summed over the ranks), or None when any rank ran out of
-        memory. After each forward and each backward the ranks agree whether one failed, so all
-        of them drop the step together and redo it at half the micro-batch."""
+        memory. After each forward and each backward, and before the optimizer step, the ranks
+        agree whether one failed, so all of them drop the step together and redo it at half
+        the micro-batch."""
         weights = [1.0 if len(part) else 0.0 for part in self._rank_parts(self._step_indices)]
         units = self._step_units(micro_batches, weights)
         total = torch.zeros((), device=self.device)
@@ -201,8 +209,40 @@ class DistributedTrainer(Trainer):
                 return None
             total += loss.detach()
         self.group.sum_gradients(self.model)
-        optimizer_step(self.model, self.optimizer, self.cfg, self.scaler)
+        if self.group.any(none_on_oom(self._reserve_step_memory) is None):
+            return None
+        self._optimizer_step()
         return self.group.sum(total)
+
+    def _reserve_step_memory(self) -> bool:
+        """Allocate (and free) what the optimizer step will, so that a rank short of memory
+        fails here, before any weight changed, rather than midway through the update (its
+        weights and AdamW state then half updated, unlike the other ranks')."""
+        step = self.optimizer_steps_taken + 1
+        if step not in self._faults_raised and optimizer_oom_due(step):
+            self._faults_raised.add(step)
+            raise torch.OutOfMemoryError(f"CUDA out of memory (test hook: optimizer step {step})")
+        size = optimizer_step_bytes(self.model, self.optimizer)
+        if size:  # freed at once; CUDA's caching allocator keeps the block for the step
+            torch.empty(size, dtype=torch.uint8, device=self.device)
+        return True
+
+    def _update(self) -> bool:
+        optimizer_step(self.model, self.optimizer, self.cfg, self.scaler)
+        return True
+
+    def _optimizer_step(self) -> None:
+        """The update; an OOM in it still (the reservation fell short) fails every rank
+        together with the reason: the ranks' weights may differ from here on, so the retry
+        resumes from the last checkpoint."""
+        done = none_on_oom(self._update)
+        if self.group.any(done is None):
+            failed_ranks = self.group.gather(done is None)  # every rank asks: they all failed
+            raise OptimizerStepOutOfMemory(
+                f"out of memory inside the optimizer step on rank {failed_ranks.index(True)}, "
+                "after the memory for it was reserved: the ranks' weights may differ"
+            )
+        self.optimizer_steps_taken += 1
 
     def _step_units(
         self, micro_batches: list[dict[str, torch.Tensor]], weights: list[float]

@@ -136,6 +136,21 @@ def optimizer_step(
     optimizer.zero_grad(set_to_none=not keep_grads)
 
 
+def optimizer_step_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """About the memory the next AdamW step allocates: two state tensors for each parameter
+    that has none yet (its first step), and, unless fused, temporaries as large as the
+    parameters (foreach's square roots and quotients)."""
+    fused = any(group.get("fused") for group in optimizer.param_groups)
+    total = 0
+    for param in model.parameters():
+        if not param.requires_grad:
+            continue
+        size = param.numel() * param.element_size()
+        total += 0 if optimizer.state.get(param) else 2 * size
+        total += 0 if fused else size
+    return total
+
+
 def allocate_grads(model: torch.nn.Module) -> None:
     """Give every trainable parameter a zero gradient of its own, kept from step to step.
 

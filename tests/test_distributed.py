@@ -269,6 +269,44 @@ def test_the_worst_rank_decides_the_physical_batch(
     assert result.physical_batch_size == alone  # rank 0 alone would have taken 8 (its bound)
 
 
+class DictBatchCache:
+    """The study's batch-size cache as the main rank sees it, in a dict."""
+
+    def __init__(self) -> None:
+        self.sizes: dict[str, int] = {}
+        self.keys: list[dict[str, Any]] = []
+
+    def get(self, key: dict[str, Any]) -> int | None:
+        return self.sizes.get(repr(sorted(key.items())))
+
+    def record(self, key: dict[str, Any], physical_batch_size: int, search: dict[str, Any]) -> int:
+        self.keys.append(key)
+        return self.sizes.setdefault(repr(sorted(key.items())), physical_batch_size)
+
+    def lower(self, key: dict[str, Any], physical_batch_size: int) -> None:
+        self.sizes[repr(sorted(key.items()))] = physical_batch_size
+
+
+def test_the_agreed_batch_is_cached_for_the_next_trial_at_the_same_world_size(
+    long_job: tuple[TrainJob, PreparedData],
+) -> None:
+    job, data = long_job
+    job.training.physical_batch_size = "auto"
+    job.training.batch_search_start = 2
+    job.training.batch_search_max = 4
+    job.training.max_steps = 1
+    cache = DictBatchCache()
+    first = train_distributed(across(job, 2), data, batch_cache=cache)
+    assert first.batch_source == "search" and first.batch_search is not None
+    (key,) = cache.keys
+    assert (key["ranks"], key["strategy"]) == (2, "ddp")  # one GPU's key, and the world's
+    again = train_distributed(across(job, 2), data, batch_cache=cache)
+    assert (again.batch_source, again.batch_search) == ("cache", None)
+    assert again.physical_batch_size == first.physical_batch_size
+    cache.lower(key, 1)  # as after an OOM recovery: the next trial takes the lowered size
+    assert train_distributed(across(job, 2), data, batch_cache=cache).physical_batch_size == 1
+
+
 def test_distributed_settings_are_checked() -> None:
     refused = TrainingConfig(effective_batch_size=30, distributed=DistributedSettings(4))
     assert [key for key, _, _ in refused.problems()] == ["effective_batch_size"]
@@ -416,16 +454,16 @@ def test_the_reason_names_the_rank_that_ended_the_run() -> None:
     """Why a run ended, from what each rank said of itself: its own error first (rank 0's as
     raised), then a rank that died without a word; a collective that failed for want of a
     peer is never the reason."""
-    from hpo.trainer.launch import RankWords, _cause
     from hpo.trainer.memory import OutOfMemoryAtBatchOne
+    from hpo.trainer.rank_failures import RankWords, cause
 
     lost = RuntimeError("Connection reset by peer")
     killed = [RankWords(10, True, lost), RankWords(11)]  # rank 1 said nothing more
-    assert str(_cause(killed, None)).startswith("rank 1 (pid 11) ended without an error")
+    assert str(cause(killed, None)).startswith("rank 1 (pid 11) ended without an error")
     own = [RankWords(10), RankWords(11, True, ValueError("bad row 7"))]  # rank 0 then stopped
-    assert str(_cause(own, None)) == "rank 1 (pid 11): ValueError: bad row 7"
+    assert str(cause(own, None)) == "rank 1 (pid 11): ValueError: bad row 7"
     oom = OutOfMemoryAtBatchOne("not even 1 example")
-    assert _cause([RankWords(10, True, oom), RankWords(11, True, oom)], None) is oom
+    assert cause([RankWords(10, True, oom), RankWords(11, True, oom)], None) is oom
 
 
 @pytest.mark.slow

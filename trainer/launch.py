@@ -30,11 +30,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from hpo.trainer import device as dev
-from hpo.trainer.batch_finder import BatchSearch, NoPhysicalBatchFits, resolve_physical_batch
 from hpo.trainer.checkpoint import CheckpointStore
 from hpo.trainer.config import TrainJob
 from hpo.trainer.data import PreparedData
@@ -42,8 +41,10 @@ from hpo.trainer.distributed import DistributedTrainer, RankGroup
 from hpo.trainer.errors import DeviceError
 from hpo.trainer.evaluation import Evaluation
 from hpo.trainer.loop import OnEvaluation, OnProgress, ShouldStop
-from hpo.trainer.memory import OutOfMemoryAtBatchOne, simulated_budget
+from hpo.trainer.memory import simulated_budget
 from hpo.trainer.nodes import NodePlace, node_place
+from hpo.trainer.rank_batch import RankBatchCache, agreed_physical_batch
+from hpo.trainer.rank_failures import RankFailed, RankWords, cause, last_words
 from hpo.trainer.result import TrainResult
 from hpo.trainer.user_metrics import UserMetrics
 
@@ -73,11 +74,6 @@ class _NoChildThreadWarning(logging.Filter):
 logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
     _NoChildThreadWarning()
 )
-
-
-class RankFailed(Exception):
-    """A rank of the run ended without finishing it: killed, crashed, or it raised; the
-    message names the rank and what the launcher saw (its exit code or its error)."""
 
 
 @dataclass(frozen=True)
@@ -124,9 +120,11 @@ def train_distributed(
     should_stop: ShouldStop | None = None,
     on_progress: OnProgress | None = None,
     user_metrics: UserMetrics | None = None,
+    batch_cache: RankBatchCache | None = None,
 ) -> TrainResult:
     """hpo.trainer.loop.train across `job.training.world_size` ranks: the same arguments and
-    result (rank 0's). Raises OutOfMemoryAtBatchOne when one example fits on no rank, rank 0's
+    result (rank 0's); `batch_cache`: the study's, for `physical_batch_size: auto`. Raises
+    OutOfMemoryAtBatchOne when one example fits on no rank, rank 0's
     own error when it raised, and RankFailed when another rank ended the run."""
     local_ranks = job.training.ranks_per_node
     device = dev.resolve_device(job.training.device)
@@ -145,7 +143,7 @@ def train_distributed(
     threads = max(1, torch.get_num_threads() // local_ranks)
     work = TrialWork(job, data, metric, user_metrics, place)
     rank_job = RankJob(work, job.training.device, threads, there)
-    relay = _Relay(here[0], on_evaluation, should_stop, on_progress, checkpoints)
+    relay = _Relay(here[0], on_evaluation, should_stop, on_progress, checkpoints, batch_cache)
     # The launcher's error files, read once the ranks are down; gone with the run.
     with tempfile.TemporaryDirectory(prefix="hpo-ranks-") as logs:
         launch = _Launch(_launch_config(local_ranks, device, Path(logs), nodes), rank_job)
@@ -153,7 +151,7 @@ def train_distributed(
         while launch.is_alive():
             relay.serve(RELAY_POLL_S)
         relay.serve(0)  # anything rank 0 sent just before it ended
-    words = [relay.words, *(_last_words(conn) for conn in here[1:])]
+    words = [relay.words, *(last_words(conn) for conn in here[1:])]
     for conn in (*here, *there):
         conn.close()
     return launch.result(words)
@@ -213,13 +211,13 @@ def _follow_one(
             started = started or any(conn.poll(0) for conn in here)
             if not started and stopping():
                 return 0  # only waiting: the launcher's thread ends with this process
-    words = [_last_words(conn) for conn in here]
+    words = [last_words(conn) for conn in here]
     for conn in (*here, *there):
         conn.close()
     if launch.failure is None:
         return 1
     if any(w.pid is not None for w in words):
-        log.warning("a trial followed failed: %s", _cause(words, launch.failure))
+        log.warning("a trial followed failed: %s", cause(words, launch.failure))
     else:  # the last trial's rendezvous, closed; or no trial within the join timeout
         log.debug("no trial to follow yet: %s", launch.failure)
         time.sleep(1.0)
@@ -290,96 +288,12 @@ class _Launch(threading.Thread):
         """Rank 0's result; or why the run ended (see _cause)."""
         failure = self.failure
         if failure is not None or words[0].error is not None:
-            raise _cause(words, failure)
+            raise cause(words, failure)
         # The main rank's (local rank 0 here); the others return None.
         found = [r for r in (self.results or {}).values() if isinstance(r, TrainResult)]
         if not found:
             raise RankFailed("rank 0 returned no result")
         return found[0]
-
-
-@dataclass
-class RankWords:
-    """What one rank said of itself: its pid, and how it ended (None: it never said)."""
-
-    pid: int | None = None
-    ended: bool = False
-    error: BaseException | None = None
-
-    def record(self, message: tuple[Any, ...]) -> None:
-        if message[0] == "started":
-            self.pid = message[1]
-        elif message[0] == "ended":
-            self.ended = True
-        elif message[0] == "error":
-            self.error, self.ended = message[1], True
-
-
-def _last_words(conn: Connection) -> RankWords:
-    words = RankWords()
-    try:
-        while conn.poll(0):
-            words.record(conn.recv())
-    except (EOFError, OSError):
-        pass
-    return words
-
-
-def _cause(words: list[RankWords], failure: BaseException | None) -> BaseException:
-    """The error that says why the run ended (see _Launch.result). A rank's own error (not a
-    collective that failed for want of a peer) first: rank 0's as it was raised. Then a rank
-    that died without a word, preferring one the launcher saw killed by a signal other than its
-    own SIGTERM (which it sends the ranks left once one failed)."""
-    own = [(r, w.error) for r, w in enumerate(words) if w.error and not _lost_a_peer(w.error)]
-    if own:
-        rank, error = own[0]
-        if rank == 0 and error is not None:
-            return error
-        return RankFailed(f"rank {rank} (pid {words[rank].pid}): {type(error).__name__}: {error}")
-    reported = failure.failures if isinstance(failure, ChildFailedError) else {}
-    silent = [r for r, w in enumerate(words) if w.pid is not None and not w.ended]
-    silent.sort(key=lambda r: 0 if _killed_by(reported.get(r)) not in (None, "SIGTERM") else 1)
-    if silent:
-        rank = silent[0]
-        signal_name = _killed_by(reported.get(rank))
-        how = (
-            f"was killed by {signal_name}"
-            if signal_name is not None
-            else "ended without an error of its own (killed by a signal, or crashed)"
-        )
-        return RankFailed(f"rank {rank} (pid {words[rank].pid}) {how}")
-    if isinstance(failure, ChildFailedError):
-        return RankFailed(_failure_text(failure))
-    if words[0].error is not None:
-        return words[0].error
-    return RankFailed(f"the launcher failed: {failure}")
-
-
-def _killed_by(failure: Any) -> str | None:
-    """The signal that ended a rank as the launcher saw it, if one did."""
-    if failure is None or failure.exitcode >= 0:
-        return None
-    name = failure.signal_name()
-    return name if isinstance(name, str) and name != "<N/A>" else None
-
-
-def _lost_a_peer(error: BaseException) -> bool:
-    """Whether a rank's error is a collective that failed because another rank is gone (gloo
-    and NCCL raise RuntimeError, newer torch a DistError), not a cause of its own."""
-    return type(error) is RuntimeError or isinstance(error, dist.DistError)
-
-
-def _failure_text(error: ChildFailedError) -> str:
-    """The first rank that failed as the launcher saw it: its signal or exit code, and its
-    error's text."""
-    rank, failure = error.get_first_failure()
-    signal_name = failure.signal_name()
-    if failure.exitcode < 0 and signal_name != "<N/A>":
-        return f"rank {rank} (pid {failure.pid}) was killed by {signal_name}"
-    message = failure.message
-    said = message.get("message", "") if isinstance(message, dict) else ""
-    text = f"rank {rank} (pid {failure.pid}) exited with code {failure.exitcode}"
-    return f"{text}: {str(said).strip()[:500]}" if said else text
 
 
 class _Relay:
@@ -394,8 +308,9 @@ class _Relay:
         should_stop: ShouldStop | None,
         on_progress: OnProgress | None,
         checkpoints: CheckpointStore | None,
+        batch_cache: RankBatchCache | None = None,
     ) -> None:
-        self.conn = conn
+        self.conn, self.batch_cache = conn, batch_cache
         self.on_evaluation, self.should_stop = on_evaluation, should_stop
         self.on_progress, self.checkpoints = on_progress, checkpoints
         self.words = RankWords()  # what rank 0 said of itself
@@ -424,9 +339,21 @@ class _Relay:
             self.on_progress(message[1])
         elif kind == "saved":
             self._saved(message[1], message[2], message[3])
+        elif kind.startswith("batch_"):
+            self._batch_cache(kind, message[1:])
         elif kind in ("started", "ended", "error"):
             if self.words.error is None or kind == "started":
                 self.words.record(message)
+
+    def _batch_cache(self, kind: str, args: tuple[Any, ...]) -> None:
+        """The main rank asks the study's cache (none: nothing cached, nothing kept)."""
+        cache = self.batch_cache
+        if kind == "batch_get":
+            self.conn.send(cache.get(*args) if cache is not None else None)
+        elif kind == "batch_record":
+            self.conn.send(cache.record(*args) if cache is not None else args[1])
+        elif kind == "batch_lower" and cache is not None:
+            cache.lower(*args)
 
     def _saved(self, kind: str, path: Path, seconds: float) -> None:
         """Rank 0 wrote a checkpoint: this process's store says what writing cost so far (the
@@ -460,6 +387,19 @@ class _RankRelay:
 
     def saved(self, kind: str, path: Path, seconds: float) -> None:
         self.conn.send(("saved", kind, path, seconds))
+
+    # The study's batch-size cache (trainer.rank_batch.RankBatchCache), which the trial has.
+    def get(self, key: dict[str, Any]) -> int | None:
+        self.conn.send(("batch_get", key))
+        size: int | None = self.conn.recv()
+        return size
+
+    def record(self, key: dict[str, Any], physical_batch_size: int, search: dict[str, Any]) -> int:
+        self.conn.send(("batch_record", key, physical_batch_size, search))
+        return int(self.conn.recv())
+
+    def lower(self, key: dict[str, Any], physical_batch_size: int) -> None:
+        self.conn.send(("batch_lower", key, physical_batch_size))
 
 
 def _say(conn: Connection, *message: Any) -> None:
@@ -524,7 +464,8 @@ def _train_rank(work: TrialWork, group: RankGroup, relay: _RankRelay | None) -> 
     job, data = work.job, work.data
     training = dataclasses.replace(job.training, device=str(group.device))
     job = dataclasses.replace(job, training=training)
-    size, search = agreed_physical_batch(job, data, group)
+    batch = agreed_physical_batch(job, data, group, relay)
+    size = batch.size
     job = dataclasses.replace(job, training=dataclasses.replace(training, physical_batch_size=size))
     store = _rank_store(work.checkpoints, relay)
     with simulated_budget(group.device):
@@ -546,7 +487,9 @@ def _train_rank(work: TrialWork, group: RankGroup, relay: _RankRelay | None) -> 
         should_stop = relay.should_stop if relay is not None else None
         result = trainer.fit(on_evaluation, store, should_stop)
     result.fit_started_at = fit_started_at
-    result.batch_search = search
+    result.batch_search, result.batch_source = batch.search, batch.source
+    if relay is not None and batch.key is not None and result.oom_recoveries:
+        relay.lower(batch.key, result.physical_batch_size)  # what fits, for the next trial
     return result if group.is_main else None
 
 
@@ -559,26 +502,6 @@ def _rank_store(place: CheckpointPlace | None, relay: _RankRelay | None) -> Chec
     if relay is not None:
         store.on_saved = lambda kind, path: relay.saved(kind, path, store.seconds)
     return store
-
-
-def agreed_physical_batch(
-    job: TrainJob, data: PreparedData, group: RankGroup
-) -> tuple[int, BatchSearch | None]:
-    """The physical batch every rank trains with: each finds its own (configured, or searched
-    on its device), and the smallest wins. Raises OutOfMemoryAtBatchOne on every rank when one
-    example does not fit on some rank."""
-    try:
-        batch = resolve_physical_batch(job, data.label_names, group.device)
-        size, search = batch.size, batch.search
-    except NoPhysicalBatchFits as e:
-        size, search = 0, e.batch.search
-    agreed = group.min(size)
-    if agreed == 0:
-        raise OutOfMemoryAtBatchOne(
-            f"not even 1 example at max_length {job.data.max_length} fits in memory on every "
-            f"one of the {group.world_size} ranks"
-        )
-    return agreed, search
 
 
 def _die_with_the_launcher() -> None:

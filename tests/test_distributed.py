@@ -320,7 +320,7 @@ def test_distributed_settings_are_checked() -> None:
         TrainingConfig(effective_batch_size=32, distributed=DistributedSettings(4)).problems() == []
     )
     assert [k for k, _, _ in DistributedSettings(0).problems()] == ["gpus_per_trial"]
-    assert "not built yet: use ddp" in DistributedSettings(2, "fsdp").problems()[0][2]
+    assert DistributedSettings(2, "fsdp").problems() == []  # tests/test_fsdp.py trains it
     assert TrainingConfig().world_size == 1
 
 
@@ -333,7 +333,11 @@ def test_distributed_settings_are_checked() -> None:
             {"type": "categorical", "choices": [6, 8]},
             "search_space.effective_batch_size: value 8 must be a multiple of",
         ),
-        ({"distributed": {"strategy": "fsdp"}}, None, "fsdp is not built yet: use ddp"),
+        (
+            {"physical_batch_size": "auto", "distributed": {"strategy": "fsdp"}},
+            None,
+            "must be a number with distributed.strategy fsdp",
+        ),
     ],
 )
 def test_a_world_size_that_does_not_divide_the_batch_is_one_line_and_exit_2(

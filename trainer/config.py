@@ -335,8 +335,9 @@ class DistributedSettings:
         2,
     )
     strategy: DistributedStrategy = _doc(
-        "ddp: every rank holds the whole model and the gradients are averaged (data-parallel); "
-        "fsdp (sharded weights, not built yet).",
+        "ddp: every rank holds the whole model and the gradients are summed (data-parallel); "
+        "fsdp: every rank holds 1/N of the weights, gradients and optimizer state (FSDP2), "
+        "for a model whose training does not fit one GPU.",
         "ddp",
     )
     nodes: int = _doc(
@@ -354,8 +355,8 @@ class DistributedSettings:
             found.append(("gpus_per_trial", self.gpus_per_trial, rule))
         if not 1 <= self.nodes <= MAX_NODES_PER_TRIAL:
             found.append(("nodes", self.nodes, f"must be an integer in [1, {MAX_NODES_PER_TRIAL}]"))
-        if self.strategy == "fsdp":
-            found.append(("strategy", self.strategy, "fsdp is not built yet: use ddp"))
+        if self.strategy not in ("ddp", "fsdp"):
+            found.append(("strategy", self.strategy, "must be ddp or fsdp"))
         return found
 
 
@@ -502,6 +503,13 @@ class TrainingConfig:
                 f"trains an equal share of the step, e.g. {nearest}"
             )
             return [("effective_batch_size", self.effective_batch_size, rule)]
+        sharded = self.distributed is not None and self.distributed.strategy == "fsdp"
+        if sharded and self.physical_batch_size == "auto":
+            rule = (
+                "must be a number with distributed.strategy fsdp: the batch finder probes an "
+                "unsharded model on one GPU (e.g. physical_batch_size: 8)"
+            )
+            return [("physical_batch_size", "auto", rule)]
         if ranks > 1 and self.entrypoint is not None:
             rule = "hpo's trainer only: your own function starts its own ranks"
             return [("distributed", "set", rule)]

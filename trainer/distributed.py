@@ -195,7 +195,7 @@ class DistributedTrainer(Trainer):
         self.optimizer_steps_taken = 0  # in this process (a test hook counts them)
         self._faults_raised: set[int] = set()
         super().__init__(job, data, metric, user_metrics)
-        group.broadcast_weights(self.model)  # a model factory may not seed its init
+        self._broadcast_weights()
         # Never larger than the optimizer's temporaries (the buffer is free before the step):
         # bucketing then costs no memory at the step's peak, unless the optimizer is fused.
         bucket_bytes = int(float(os.environ.get(BUCKET_MB_ENV) or 25) * 2**20)
@@ -204,6 +204,10 @@ class DistributedTrainer(Trainer):
         self.gradients = GradientBuckets(self.model, self.device, bucket_bytes)
         if not group.is_main:  # dropout masks of their own; the main draws as one process would
             torch.manual_seed(self.cfg.seed + 1 + group.rank)
+
+    def _broadcast_weights(self) -> None:
+        """The main rank's weights on every rank: a model factory may not seed its init."""
+        self.group.broadcast_weights(self.model)
 
     # -- the share of each step ----------------------------------------------------------------
 

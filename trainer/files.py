@@ -2,10 +2,14 @@
 never imports torch, drops a finished trial's resume state through drop_resume_state."""
 
 import contextlib
+import shutil
 from pathlib import Path
 
 STATE_FILE = "checkpoint.pt"  # the resume state: model, optimizer, schedule, RNG, progress
 BEST_MODEL_DIR = "best-model"  # the best evaluation's model (a symlink to its newest version)
+# A sharded run's (strategy fsdp) weights and optimizer state, each rank's share, as folders
+# `sharded-state.<step>` written by torch.distributed.checkpoint; the state file names one.
+SHARDED_STATE_DIR = "sharded-state"
 
 
 def drop_resume_state(folder: Path) -> None:
@@ -13,3 +17,12 @@ def drop_resume_state(folder: Path) -> None:
     already gone, or a folder that cannot be written, is left as it is."""
     with contextlib.suppress(OSError):
         (folder / STATE_FILE).unlink(missing_ok=True)
+    drop_sharded_states(folder)
+
+
+def drop_sharded_states(folder: Path, keep: str | None = None) -> None:
+    """Remove a sharded run's checkpoint folders but `keep` (the one its state file names)."""
+    with contextlib.suppress(OSError):
+        for path in folder.glob(f"{SHARDED_STATE_DIR}.*"):
+            if path.name != keep and path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)

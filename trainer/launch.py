@@ -40,6 +40,7 @@ from hpo.trainer.data import PreparedData
 from hpo.trainer.distributed import DistributedTrainer, RankGroup
 from hpo.trainer.errors import DeviceError
 from hpo.trainer.evaluation import Evaluation
+from hpo.trainer.fsdp import ShardedTrainer
 from hpo.trainer.loop import OnEvaluation, OnProgress, ShouldStop
 from hpo.trainer.memory import simulated_budget
 from hpo.trainer.nodes import NodePlace, node_place
@@ -469,7 +470,9 @@ def _train_rank(work: TrialWork, group: RankGroup, relay: _RankRelay | None) -> 
     job = dataclasses.replace(job, training=dataclasses.replace(training, physical_batch_size=size))
     store = _rank_store(work.checkpoints, relay)
     with simulated_budget(group.device):
-        trainer = DistributedTrainer(job, data, group, work.metric, work.user_metrics)
+        sharded = training.distributed is not None and training.distributed.strategy == "fsdp"
+        kind = ShardedTrainer if sharded else DistributedTrainer
+        trainer = kind(job, data, group, work.metric, work.user_metrics)
         if relay is not None:
             trainer.on_progress = relay.progress
             log.info(

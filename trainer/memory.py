@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from hpo.trainer.memory_share import memory_share
@@ -96,7 +96,8 @@ class MemoryBudget(TorchDispatchMode):
     def _new_storages(self, out: Any) -> list[torch.UntypedStorage]:
         found: dict[int, torch.UntypedStorage] = {}
         for value in tree_flatten(out)[0]:
-            if isinstance(value, torch.Tensor):
+            # A sharded weight (DTensor) has no storage of its own: its local shard has one.
+            if isinstance(value, torch.Tensor) and not is_traceable_wrapper_subclass(value):
                 storage = value.untyped_storage()
                 pointer = storage.data_ptr()
                 if pointer and pointer not in self._live:

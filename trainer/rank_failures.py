@@ -11,6 +11,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from hpo.trainer.memory import OutOfMemoryAtBatchOne
+
 
 class RankFailed(Exception):
     """A rank of the run ended without finishing it: killed, crashed, or it raised; the
@@ -52,7 +54,9 @@ def cause(words: list[RankWords], failure: BaseException | None) -> BaseExceptio
     own = [(r, w.error) for r, w in enumerate(words) if w.error and not _lost_a_peer(w.error)]
     if own:
         rank, error = own[0]
-        if rank == 0 and error is not None:
+        # Out of memory is the configuration's, whichever rank hit it (a sharded step cannot
+        # be redone): raised as it was, so the trial is pruned rather than retried.
+        if (rank == 0 or isinstance(error, OutOfMemoryAtBatchOne)) and error is not None:
             return error
         return RankFailed(f"rank {rank} (pid {words[rank].pid}): {type(error).__name__}: {error}")
     reported = failure.failures if isinstance(failure, ChildFailedError) else {}

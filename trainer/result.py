@@ -42,6 +42,9 @@ class TrainResult:
     compiled: CompileStats | None = None  # what this run compiled, with model.compile
     trainable_params: int = 0  # what the optimizer updates: a LoRA run's adapter and head
     total_params: int = 0
+    # Bytes of weights and optimizer state rank 0 holds at the end (strategy fsdp: its share;
+    # a whole-model run holds them all, about 12 bytes a parameter with fp32 AdamW).
+    rank_state_bytes: int | None = None
 
     @property
     def curve(self) -> list[float]:

@@ -19,6 +19,7 @@ from hpo.config.convert import build, clip, described, show
 from hpo.config.notify import NotifyConfig, hide_notify_secrets
 from hpo.config.objectives import (
     check_metrics_function,
+    check_pruned_objective,
     check_user_objectives,
     default_metric_of_task,
     pop_user_objectives,
@@ -177,6 +178,7 @@ def parse_config(
     problems: list[str] = []
     sections = _hpo_trained if _entrypoint_of(raw) is None else _function_trained
     config = sections(raw, base_dir, source, problems)
+    check_pruned_objective(config, problems)
     # Both need a well-formed space; their findings would be noise otherwise.
     if not problems and config.study.sampler.type == "grid":
         check_grid(config, problems)

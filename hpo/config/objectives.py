@@ -138,3 +138,30 @@ def _directions(direction: Any, count: int) -> list[str] | None:
     ):
         return None
     return given
+
+
+def check_pruned_objective(config: Config, problems: list[str]) -> None:
+    """study.pruner.objective: one of several objectives, reported at each evaluation, and a
+    pruner to judge it. Checked once study.metric is final (a metrics function's names are
+    set after the sections are built)."""
+    name, objectives = config.study.pruner.objective, config.study.objectives
+    if name is None:
+        return
+    given = f"study.pruner.objective: got {show(name)}"
+    if len(objectives) == 1:
+        problems.append(
+            f"{given}; only for several objectives (study.metric is one, which the pruner "
+            "judges already): leave it out"
+        )
+    elif name not in objectives:
+        problems.append(f"{given}; must be one of study.metric's: {', '.join(objectives)}")
+    elif name == "samples_per_s":
+        problems.append(
+            f"{given}; a trial's throughput is measured once, at its end: name an evaluation "
+            f"metric of study.metric, e.g. {objectives[0]}"
+        )
+    elif config.study.pruner.type == "none" and config.study.pruner.patience is None:
+        problems.append(
+            f"{given}; pruner type none prunes nothing: set type (e.g. median) or leave "
+            "objective out"
+        )

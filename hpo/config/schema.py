@@ -178,6 +178,16 @@ class PrunerConfig:
         "pruned. null: no patience."
     )
     min_delta: float = _doc("patience: how much worse an evaluation must be to count.", 0.0)
+    objective: str | None = _doc(
+        "With several objectives (study.metric a list): the one the pruner judges, e.g. "
+        "accuracy in [accuracy, samples_per_s]. A trial weak on it is stopped as with one "
+        "objective, and the Pareto front still uses all of them (a pruned trial is on no "
+        "front); with samples_per_s an objective, a trial is compared only with the trials at "
+        "least as fast (within throughput_tolerance), so fast trade-offs are kept. An "
+        "evaluation metric of study.metric, not samples_per_s (measured at the trial's end). "
+        "null: with several objectives nothing is pruned (Optuna's pruners serve one "
+        "objective; hpo judges this one in a one-objective view of the study)."
+    )
 
     def problems(self) -> list[tuple[str, Any, str]]:
         found: list[tuple[str, Any, str]] = []
@@ -226,7 +236,8 @@ class StudyConfig:
         "[macro_f1, eval_loss], or [accuracy, samples_per_s]) makes several objectives: the "
         "first, an evaluation metric, picks the trial's best "
         "evaluation, whose values the others take (samples_per_s: the trial's throughput); "
-        "the study then keeps a Pareto front, and pruning is off.",
+        "the study then keeps a Pareto front, and pruning is off unless study.pruner.objective "
+        "names the objective to prune on.",
         "accuracy",
     )
     direction: Direction | list[Direction] | None = _doc(
@@ -355,6 +366,14 @@ class StudyConfig:
     def primary_metric(self) -> str:
         """The evaluation metric that picks a trial's best evaluation (and checkpoint)."""
         return self.objectives[0]
+
+    @property
+    def pruned_metric(self) -> str | None:
+        """The metric each evaluation reports to the pruner: the one objective, or with
+        several, pruner.objective (None: nothing is pruned)."""
+        if len(self.objectives) == 1:
+            return self.objectives[0]
+        return self.pruner.objective
 
     @property
     def grace_period_s(self) -> int:

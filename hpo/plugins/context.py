@@ -64,7 +64,8 @@ class TrainingContext:
     _should_stop: Callable[[], bool]
     _store: CheckpointStore | None = None
     _fingerprint: str = ""
-    _prunes: bool = True  # Optuna prunes single-objective studies only
+    _prunes: bool = True  # several objectives: only with study.pruner.objective
+    _pruned_metric: str = ""  # the metric the pruner judges (default: `metric`)
     _physical: int | None = None
     last_metrics: dict[str, float] | None = None
     """The metrics of the latest ctx.report (the trial's value if the function returns None)."""
@@ -138,7 +139,7 @@ class TrainingContext:
         send = getattr(self._trial, "send_progress", None)
         if send is not None:
             send({"step": step, "metric": (self.metric, value)})
-        if not self._prunes:  # several objectives: Optuna takes no intermediate values
+        if not self._prunes:  # several objectives, none named to prune on
             log.info(
                 "trial %d step %d: %s",
                 self.trial_number,
@@ -146,9 +147,16 @@ class TrainingContext:
                 ", ".join(f"{k}={v:.4g}" for k, v in self.last_metrics.items()),
             )
             return
+        pruned_metric = self._pruned_metric or self.metric
+        if pruned_metric not in self.last_metrics:
+            raise ReportError(
+                f"ctx.report: no {pruned_metric!r} among the metrics given; "
+                f"study.pruner.objective names it"
+            )
+        value = self.last_metrics[pruned_metric]
         self._trial.report(value, step)
         if self._trial.should_prune():
-            reason = f"pruner: {self.metric}={value:.4f} at step {step}"
+            reason = f"pruner: {pruned_metric}={value:.4f} at step {step}"
             self._trial.set_user_attr("prune_reason", reason)
             raise optuna.TrialPruned(reason)
 

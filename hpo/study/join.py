@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import optuna
+from optuna.storages import BaseStorage
 
 from hpo.config.budget import price_record
 from hpo.config.schema import (
@@ -34,6 +35,7 @@ from hpo.study.setup_record import (
     test_file_record,
 )
 from hpo.trainer.tasks import DEFAULT_TASK, TASKS, is_task_path
+from hpo.trial.objective_pruning import ObjectivePruner
 from hpo.trial.protocol import ADAPTER_ATTR
 
 log = logging.getLogger(__name__)
@@ -160,19 +162,7 @@ def open_study(
         worker_index = int(storage.get_study_system_attrs(study_id).get(WORKERS_ATTR, 0))
         storage.set_study_system_attr(study_id, WORKERS_ATTR, worker_index + 1)
     _say_group(config)
-    pruner = build_pruner(config.study.pruner)
-    if len(directions) > 1 and not isinstance(pruner, optuna.pruners.NopPruner):
-        log.info(
-            "study %r has %d objectives: pruning is off (Optuna's pruners serve one objective)",
-            name,
-            len(directions),
-        )
-        pruner = optuna.pruners.NopPruner()
-    if not isinstance(pruner, optuna.pruners.NopPruner):  # a pruned trial's reason says why
-        step_word = "step" if config.training.entrypoint is not None else "evaluation"
-        pruner = ExplainedPruner(
-            pruner, config.study.pruner, config.study.primary_metric, step_word
-        )
+    pruner = study_pruner(storage, name, config)
     study = optuna.load_study(
         study_name=name,
         storage=storage,
@@ -316,6 +306,32 @@ SPACE_FUNCTION_ATTR = "search_space_function"
 def liveness(study_config: StudyConfig) -> tuple[float, float, int]:
     """Heartbeat interval, grace period and retries of the study's running trials."""
     return study_config.heartbeat_interval, study_config.grace_period_s, study_config.max_retries
+
+
+def study_pruner(storage: BaseStorage, name: str, config: Config) -> optuna.pruners.BasePruner:
+    """study.pruner, which also says why it prunes; with several objectives, judging
+    pruner.objective (hpo.trial.objective_pruning), or nothing when none is named."""
+    pruner = build_pruner(config.study.pruner)
+    metric, objectives = config.study.pruned_metric, config.study.objectives
+    if isinstance(pruner, optuna.pruners.NopPruner):
+        return pruner
+    if metric is None:
+        log.info(
+            "study %r has %d objectives: pruning is off (study.pruner.objective names the one "
+            "to prune on)",
+            name,
+            len(objectives),
+        )
+        return optuna.pruners.NopPruner()
+    step_word = "step" if config.training.entrypoint is not None else "evaluation"
+    pruner = ExplainedPruner(pruner, config.study.pruner, metric, step_word)
+    if len(objectives) == 1:
+        return pruner
+    log.info("study %r has %d objectives: the pruner judges %s", name, len(objectives), metric)
+    throughput = None
+    if "samples_per_s" in objectives:  # judged against trials at least as fast
+        throughput = (objectives.index("samples_per_s"), config.study.throughput_tolerance)
+    return ObjectivePruner(pruner, objectives.index(metric), storage, throughput)
 
 
 def _said(directions: Sequence[str]) -> str:

@@ -32,6 +32,7 @@ from hpo.trainer.files import drop_resume_state
 from hpo.trial import cpu_share
 from hpo.trial.folders import checkpoint_root, folder_name
 from hpo.trial.objective import Objective, worker_id
+from hpo.trial.objective_pruning import ObjectivePruner
 
 log = logging.getLogger(__name__)
 # How long a worker done with its trials lets its last cleanup of the artifact store go on.
@@ -353,7 +354,11 @@ def _prune_reason(trial: optuna.Trial, given: str) -> str:
     rule, the trial's value, what it was compared with), in place of the bare "pruner: ..."
     that the training code could say (it runs without the study); `given` otherwise."""
     pruner = trial.study.pruner
-    explained = pruner.reason(trial.number) if isinstance(pruner, ExplainedPruner) else None
+    explained = (
+        pruner.reason(trial.number)
+        if isinstance(pruner, (ExplainedPruner, ObjectivePruner))
+        else None
+    )
     if explained is None or not given.startswith("pruner"):
         return given
     with contextlib.suppress(UpdateFinishedTrialError):  # taken over: tell() says so

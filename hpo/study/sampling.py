@@ -111,6 +111,8 @@ def pruner_settings(cfg: PrunerConfig) -> dict[str, Any]:
     settings.update((name, getattr(cfg, name)) for name in _PRUNER_FIELDS[cfg.type])
     if cfg.patience is not None:
         settings.update(patience=cfg.patience, min_delta=cfg.min_delta)
+    if cfg.objective is not None:  # several objectives: which one it judges
+        settings["objective"] = cfg.objective
     return settings
 
 

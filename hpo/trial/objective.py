@@ -26,6 +26,7 @@ from hpo.storage.batch_cache import BatchCacheRequests, BatchSizeCache
 from hpo.storage.url import StorageURL
 from hpo.tracking.observer import NoObserver, TrialObserver
 from hpo.trainer.memory_share import memory_share
+from hpo.trial import objective_pruning
 from hpo.trial.folders import (
     checkpoint_root,
     folder_name,
@@ -201,10 +202,10 @@ class InWorkerTrial:
         self.trial.set_user_attr(key, value)
 
     def report(self, value: float, step: int) -> None:
-        self.trial.report(value, step)
+        objective_pruning.report(self.trial, value, step)
 
     def should_prune(self) -> bool:
-        return self.trial.should_prune()
+        return objective_pruning.should_prune(self.trial)
 
     def send_evaluation(self, report: dict[str, Any]) -> None:
         self.observer.evaluation(self.trial.number, report)

@@ -125,7 +125,8 @@ def _context(
         _should_stop=clock.should_stop,
         _store=store,
         _fingerprint=job_fingerprint({"entrypoint": spec_of(config), "params": task.params}),
-        _prunes=len(config.study.objectives) == 1,
+        _prunes=config.study.pruned_metric is not None,
+        _pruned_metric=config.study.pruned_metric or config.study.primary_metric,
     )
     return context
 

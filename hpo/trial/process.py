@@ -25,6 +25,7 @@ from hpo import live
 from hpo.plugins import by_value
 from hpo.stopping import HandBack, Interrupted, StopRequest, TakenOver, TrialTimedOut
 from hpo.tracking.observer import NoObserver, TrialObserver
+from hpo.trial import objective_pruning
 from hpo.trial.child import child_main
 from hpo.trial.fork_start import PRELOAD, mp_context, sigint_blocked
 from hpo.trial.process_watch import ProcessWatch
@@ -388,7 +389,7 @@ def _pass_on(
     if kind == "attr":
         trial.set_user_attr(message[1], message[2])
     elif kind == "report":
-        trial.report(message[1], message[2])
+        objective_pruning.report(trial, message[1], message[2])
     elif kind == "progress":
         live.trial_progress(trial.number, message[1])
     elif kind == "evaluation":
@@ -396,7 +397,7 @@ def _pass_on(
             observer.evaluation(trial.number, message[1])
     elif kind == "should_prune":
         with contextlib.suppress(OSError):  # it died asking: the next read says so
-            conn.send(trial.should_prune())
+            conn.send(objective_pruning.should_prune(trial))
     elif kind == "outcome" and message[1][0] == "failed" and stop.signal_name is not None:
         # What broke after a stop request (a DataLoader worker the signal reached, say) is
         # not the trial's fault: it is handed back like any stopped trial.

@@ -42,6 +42,7 @@ from hpo.trainer.user_metrics import MetricsFunctionError, UserMetrics
 from hpo.trial import cpu_share
 from hpo.trial.child import replace_after_this_trial, stop_reason, stop_requested
 from hpo.trial.folders import trial_folder_maker
+from hpo.trial.objective_pruning import SPEED_ATTR
 from hpo.trial.protocol import ADAPTER_ATTR, TrialValue
 from hpo.trial.task import TrialTask, batch_cache, data_for
 from hpo.trial.uploads import BackgroundUploader, fetch_resume_state
@@ -76,10 +77,13 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
         key = _resolve_physical_batch(trial, job, cache, prepared) if ranks == 1 else None
         batch_at = time.time()
         sender = EvaluationSender(trial, job.training.effective_batch_size, job.training.device)
-        # Optuna's pruning (report, should_prune) serves a single objective only.
+        # With several objectives, only study.pruner.objective's (if named) is pruned on.
+        pruned_metric = task.config.study.pruned_metric
+        # Throughput an objective too: the pruner compares the trial with trials as fast.
+        speed = (lambda: sender.samples_per_s) if "samples_per_s" in objectives[1:] else None
         reporter = (
-            pruning_reporter(trial, metric, sender)
-            if len(objectives) == 1
+            pruning_reporter(trial, pruned_metric, sender, speed)
+            if pruned_metric is not None
             else _log_evaluation(trial, sender)
         )
         clock = TrainingClock(task.config.study.trial_timeout)
@@ -425,14 +429,22 @@ class EvaluationSender:
 
 
 def pruning_reporter(
-    trial: TrialLike, metric: str, sender: Callable[[Evaluation], None] | None = None
+    trial: TrialLike,
+    metric: str,
+    sender: Callable[[Evaluation], None] | None = None,
+    speed: Callable[[], float | None] | None = None,
 ) -> Any:
     """Called with each evaluation: reports the metric to the study and says why the trial is
-    pruned, or None. The search-efficiency benchmark replays stored curves through it."""
+    pruned, or None. `speed`: the trial's samples/s so far, recorded for a pruner of several
+    objectives (hpo.trial.objective_pruning). The search-efficiency benchmarks replay stored
+    curves through it."""
     log_evaluation = _log_evaluation(trial, sender)
 
     def on_evaluation(evaluation: Evaluation) -> str | None:
         value = evaluation.metrics[metric]
+        samples_per_s = speed() if speed is not None else None
+        if samples_per_s is not None:
+            trial.set_user_attr(SPEED_ATTR, round(samples_per_s, 2))
         trial.report(value, evaluation.index)
         log_evaluation(evaluation)
         if trial.should_prune():

@@ -1,0 +1,189 @@
+"""Sharded trials (training.distributed.strategy fsdp, FSDP2) on the CPU over gloo: the same loss
+curve as one process at the same effective batch, each rank holding its share of the weights,
+resume across a stop from sharded checkpoints, LoRA with a sharded frozen base, and the config."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hpo.trainer.checkpoint import CheckpointStore
+from hpo.trainer.config import (
+    DistributedSettings,
+    ModelConfig,
+    PeftSettings,
+    TrainingConfig,
+    TrainJob,
+)
+from hpo.trainer.data import PreparedData
+from hpo.trainer.files import drop_resume_state
+from hpo.trainer.launch import train_distributed
+from hpo.trainer.loop import train
+from hpo.trainer.memory import BUDGET_ENV, BUDGET_RANK_ENV, OutOfMemoryAtBatchOne
+from hpo.trainer.model import load_tokenizer
+from hpo.trainer.tasks import prepare_data
+from tests.conftest import MINILM_TOKENIZER, TINY_BERT, easy_rows, tiny_config, write_csv
+from tests.test_distributed import assert_same_curve
+from tests.test_trainer import tiny_job
+
+
+def sharded(job: TrainJob, ranks: int, **training: Any) -> TrainJob:
+    """`job` sharded over `ranks` ranks, with `training` settings changed."""
+    settings = DistributedSettings(ranks, "fsdp")
+    return dataclasses.replace(
+        job, training=dataclasses.replace(job.training, distributed=settings, **training)
+    )
+
+
+@pytest.fixture
+def small(tmp_path: Path) -> tuple[TrainJob, PreparedData]:
+    """62 examples in steps of 12: the epoch's last step has 2, so a third rank has none."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    train_file = write_csv(folder / "train.csv", easy_rows(62, 1))
+    eval_file = write_csv(folder / "eval.csv", easy_rows(16, 2))
+    job = tiny_job(
+        train_file,
+        eval_file,
+        seed=3,
+        effective_batch_size=12,
+        physical_batch_size=2,
+        epochs=1,
+        evals_per_epoch=3,
+        log_every_steps=1,
+        max_grad_norm=0.5,  # clipped on the sharded gradients: the norm is over every rank's
+    )
+    job.model.dropout = 0.0  # one process draws other dropout masks than several ranks
+    return job, prepare_data(job.data, load_tokenizer(job.model))
+
+
+def test_the_loss_curve_is_the_one_process_curve(small: tuple[TrainJob, PreparedData]) -> None:
+    """3 ranks: shards padded unevenly, and a rank with no example in the last step (2 ranks:
+    the resume test below)."""
+    job, data = small
+    ranks = 3
+    one = train(job, data)
+    several = train_distributed(sharded(job, ranks), data)
+    assert several.status == "completed" and several.optimizer_steps == one.optimizer_steps
+    assert_same_curve(one, several)
+    # Weights and AdamW's two moments, 12 bytes a parameter in all: each rank holds its share.
+    whole_bytes = 12 * one.total_params
+    assert several.rank_state_bytes == pytest.approx(whole_bytes / ranks, rel=0.01)
+
+
+def test_a_run_stopped_and_resumed_ends_as_one_that_was_not(
+    small: tuple[TrainJob, PreparedData], tmp_path: Path
+) -> None:
+    """The resume reads every rank's share of the weights and AdamW state (DCP); the kept
+    model is a plain full model, the one a one-process run keeps."""
+    job, data = small
+    one_folder = tmp_path / "one"
+    one = train(job, data, checkpoints=CheckpointStore(one_folder))
+    job = sharded(job, 2)
+    asked: list[int] = []
+
+    def stop_after_step_5() -> bool:  # asked before step 1, then after each step that does
+        asked.append(1)  # not evaluate (evaluations after steps 2, 4 and 6)
+        return len(asked) == 4
+
+    folder = tmp_path / "checkpoints"
+    first = train_distributed(
+        job, data, checkpoints=CheckpointStore(folder), should_stop=stop_after_step_5
+    )
+    assert (first.status, first.optimizer_steps) == ("interrupted", 5)
+    assert [p.name for p in folder.glob("sharded-state.*")] == ["sharded-state.5"]
+    resumed = train_distributed(job, data, checkpoints=CheckpointStore(folder, resume=True))
+    assert resumed.status == "completed" and resumed.resumed_at_step == 5
+    assert_same_curve(one, resumed)  # the 2-rank curve, across the stop
+    assert resumed.rank_state_bytes == pytest.approx(12 * one.total_params / 2, rel=0.01)
+    kept, reference = (
+        load_file(f / "best-model" / "model.safetensors") for f in (folder, one_folder)
+    )
+    assert kept.keys() == reference.keys()
+    assert all(torch.allclose(kept[k], reference[k], atol=1e-4) for k in kept)
+    config = json.loads((folder / "best-model" / "config.json").read_text())
+    assert config["architectures"] == ["BertForSequenceClassification"]  # hpo predict reads it
+    drop_resume_state(folder)  # what hpo does once the trial's end is recorded
+    assert not list(folder.glob("sharded-state.*"))
+
+
+@pytest.fixture(scope="module")
+def tiny_pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny BERT saved as a pretrained model folder: LoRA adapts saved weights."""
+    from transformers import AutoConfig, AutoModel
+
+    folder = tmp_path_factory.mktemp("tiny-bert")
+    settings = dict(TINY_BERT)
+    config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    torch.manual_seed(0)
+    AutoModel.from_config(config).save_pretrained(folder)
+    return folder
+
+
+def test_lora_shards_the_frozen_base_and_trains_the_adapter_alone(
+    small: tuple[TrainJob, PreparedData], tiny_pretrained: Path, tmp_path: Path
+) -> None:
+    """Stopped after step 5 and resumed: the checkpoint holds the adapter and head with their
+    AdamW state, not the frozen base, and the curve is the one-process LoRA curve."""
+    job, data = small
+    model = ModelConfig(
+        name_or_path=str(tiny_pretrained),
+        tokenizer=MINILM_TOKENIZER,
+        peft=PeftSettings(r=4, dropout=0.0),
+        dropout=0.0,
+    )
+    job = dataclasses.replace(job, model=model)
+    one = train(job, data)
+    folder = tmp_path / "checkpoints"
+    asked: list[int] = []
+    first = train_distributed(
+        sharded(job, 2),
+        data,
+        checkpoints=CheckpointStore(folder),
+        should_stop=lambda: asked.append(1) or len(asked) == 4,  # after step 5, as above
+    )
+    assert first.status == "interrupted"
+    shares = [f.stat().st_size for f in (folder / "sharded-state.5").rglob("*") if f.is_file()]
+    assert 0 < sum(shares) < 4 * one.total_params // 10  # the base's fp32 weights: not there
+    resumed = train_distributed(sharded(job, 2), data, checkpoints=CheckpointStore(folder, True))
+    assert resumed.resumed_at_step == 5
+    assert resumed.trainable_params == one.trainable_params < resumed.total_params // 10
+    assert_same_curve(one, resumed)  # a base that trained would draw another curve
+    kept = load_file(folder / "best-model" / "adapter_model.safetensors")
+    assert kept and all("lora_" in k or "classifier" in k for k in kept)
+
+
+def test_the_config_accepts_fsdp_with_a_set_physical_batch(easy_data: tuple[Path, Path]) -> None:
+    from hpo.config.loader import parse_config
+
+    training = {"physical_batch_size": 4, "distributed": {"strategy": "fsdp"}}
+    config = parse_config(tiny_config(*easy_data, training=training), easy_data[0].parent)
+    assert config.training.distributed == DistributedSettings(2, "fsdp")
+    fsdp = DistributedSettings(2, "fsdp")
+    assert fsdp.problems() == []
+    accepted = TrainingConfig(effective_batch_size=8, physical_batch_size=2, distributed=fsdp)
+    assert accepted.problems() == []
+    refused = TrainingConfig(effective_batch_size=8, distributed=fsdp)  # physical: auto
+    assert [(key, value) for key, value, _ in refused.problems()] == [
+        ("physical_batch_size", "auto")
+    ]
+
+
+def test_an_oom_on_one_rank_ends_the_run_with_that_rank_named(
+    small: tuple[TrainJob, PreparedData], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sharded step cannot be redone (the other ranks wait in its collectives): the run ends
+    at once, pruned as out of memory (not retried), naming the rank and what to change."""
+    job, data = small
+    # Building the model fits (8 MB whole, then rank 1's 4 MB share); the first step (weights
+    # gathered, the whole embedding gradient before it is scattered, AdamW's state) does not.
+    monkeypatch.setenv(BUDGET_ENV, str(16_000_000))
+    monkeypatch.setenv(BUDGET_RANK_ENV, "1")
+    with pytest.raises(OutOfMemoryAtBatchOne, match="on rank 1 in a sharded step at physical"):
+        train_distributed(sharded(job, 2), data)

@@ -1,0 +1,336 @@
+"""One rank of a sharded run (`strategy: fsdp`, torch's FSDP2 `fully_shard`): each rank holds
+1/N of the weights, gradients and optimizer state, and checkpoints its share with
+torch.distributed.checkpoint. The rest is trainer.distributed's data-parallel rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from hpo.trainer.checkpoint import CheckpointStore, rng_state, set_rng_state
+from hpo.trainer.distributed import DistributedTrainer
+from hpo.trainer.files import SHARDED_STATE_DIR, drop_sharded_states
+from hpo.trainer.loop import OnEvaluation, Trainer
+from hpo.trainer.memory import OutOfMemoryAtBatchOne, is_oom
+from hpo.trainer.peft_adapters import is_adapted
+from hpo.trainer.progress import Progress
+from hpo.trainer.result import TrainResult
+from hpo.trainer.resume import BatchSizes, progress_state, restore_progress
+from hpo.trainer.step import lr_schedule, make_optimizer, optimizer_step
+
+log = logging.getLogger(__name__)
+
+
+class ShardedStepOutOfMemory(OutOfMemoryAtBatchOne):
+    """A rank of a sharded run ran out of memory in a training step. Unlike a data-parallel
+    step it cannot be redone: the forward and backward gather and scatter weights with every
+    rank, so the other ranks are already waiting in a collective the failed one never joins."""
+
+
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules sharded each on its own, innermost first: a transformers model's repeated
+    blocks (the classes its `_no_split_modules` names, e.g. BertLayer), else the children of
+    its longest ModuleList (a model of the user's factory); none for a model without either."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        lists = [list(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+        blocks = max(lists, key=len) if lists else []
+    # fully_shard wants a block's inner blocks sharded before it: modules() lists parents first.
+    return blocks[::-1]
+
+
+def untied_input_embeddings(model: torch.nn.Module) -> torch.nn.Module | None:
+    """A transformers model's input embeddings, sharded as a unit of their own when no other
+    module shares their weight (a causal LM's tied head does: those stay with the root). Left
+    in the root, a large vocabulary would be gathered whole for the whole step."""
+    try:
+        embeddings = model.get_input_embeddings()  # type: ignore[operator]
+        head = model.get_output_embeddings()  # type: ignore[operator]
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+    if not isinstance(embeddings, torch.nn.Module):
+        return None
+    if head is not None and getattr(head, "weight", None) is getattr(embeddings, "weight", 0):
+        return None
+    return embeddings
+
+
+def precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """bf16: each block's weights gathered and computed in bf16, gradients reduced in fp32 (the
+    sharded weights and AdamW's state stay fp32, as under autocast); otherwise as they are
+    (fp16 keeps fp32 weights under autocast with the loss scaler, as a one-GPU run does)."""
+    if precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard_model(
+    model: torch.nn.Module, world_size: int, device: torch.device, precision: str
+) -> None:
+    """Shard each transformer block, the input embeddings (when untied), then the root (the
+    head and what is left), over all ranks, as torch's FSDP2 guide recommends: a unit's weights
+    are gathered just before its forward and backward and freed after. Gradients are summed
+    over the ranks, not averaged: each rank's loss is already divided by the counted units of
+    the whole step (as in DDP)."""
+    mesh = init_device_mesh(device.type, (world_size,))
+    policy = precision_policy(precision)
+    units = transformer_blocks(model)
+    embeddings = untied_input_embeddings(model)
+    inside_a_block = any(embeddings is m for unit in units for m in unit.modules())
+    if embeddings is not None and not inside_a_block:  # BERT's are: BertEmbeddings is a block
+        units.append(embeddings)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no other)
+
+
+def held_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of weights and optimizer state this rank holds (a sharded tensor: its own shard)."""
+    tensors: list[torch.Tensor] = [*model.parameters()]
+    for state in optimizer.state.values():
+        tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    total = 0
+    for tensor in tensors:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        total += local.numel() * local.element_size()
+    return total
+
+
+class ShardedTrainer(DistributedTrainer):
+    """The data-parallel rank with the model sharded (FSDP2). What differs:
+
+    - every rank evaluates the whole evaluation split in step with the others (each forward
+      gathers the weights from every rank), so the metrics are the one-process metrics on
+      every rank; rank 0's verdict is followed, as in DDP;
+    - a checkpoint is written by every rank together: its share of the weights and optimizer
+      state with torch.distributed.checkpoint into a folder of its own, then rank 0's state file
+      (schedule, progress, RNGs) naming that folder. A retry with the same N resumes it;
+    - the best model is gathered whole onto rank 0's host memory and saved as a plain model
+      (hpo predict loads it as any other);
+    - an out-of-memory error in a step is not redone (see ShardedStepOutOfMemory)."""
+
+    def _build_model_and_optimizer(self) -> None:
+        super()._build_model_and_optimizer()
+        self.group.broadcast_weights(self.model)  # rank 0's weights, before they are split
+        if self.job.model.compile:
+            log.warning("model.compile is not applied with strategy fsdp (not built yet)")
+        self.forward_model, self.graphed = self.model, False
+        shard_model(self.model, self.group.world_size, self.device, self.precision)
+        # The optimizer and schedule again, now over the sharded parameters (AdamW allocates
+        # its state at the first step: nothing was allocated for the unsharded ones).
+        self.optimizer, self.optimizer_name = make_optimizer(self.model, self.cfg)
+        warmup = round(self.cfg.warmup_ratio * self.total_steps)
+        self.scheduler = lr_schedule(self.optimizer, self.cfg.lr_schedule, warmup, self.total_steps)
+
+    def _broadcast_weights(self) -> None:
+        """Done before sharding (see _build_model_and_optimizer)."""
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def _try_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor | None:
+        """The whole step's loss, summed over the ranks. Each backward reduce-scatters its
+        gradient into the rank's shard, where the micro-batches accumulate: no whole gradient
+        is held between micro-batches. An OOM ends the run (ShardedStepOutOfMemory)."""
+        weights = [1.0 if len(part) else 0.0 for part in self._rank_parts(self._step_indices)]
+        units = self._step_units(micro_batches, weights)
+        total = torch.zeros((), device=self.device)
+        try:
+            for batch, weight in zip(micro_batches, weights, strict=True):
+                loss = self._micro_loss(batch, units, weight)
+                self._backward(loss)
+                total += loss.detach()
+            optimizer_step(self.model, self.optimizer, self.cfg, self.scaler)
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            raise ShardedStepOutOfMemory(
+                f"out of memory on rank {self.group.rank} in a sharded step at physical batch "
+                f"{self.physical_batch_size}: an fsdp step cannot be redone (the other ranks "
+                "wait in its collectives); set a smaller training.physical_batch_size"
+            ) from e
+        return self.group.sum(total)
+
+    def _result(self, run: Progress, started: float) -> TrainResult:
+        result = super()._result(run, started)
+        result.rank_state_bytes = held_state_bytes(self.model, self.optimizer)
+        return result
+
+    # -- evaluations, with every rank -----------------------------------------------------------
+
+    def _evaluation_share(self) -> tuple[int, int]:
+        return 0, 1  # every batch on every rank: each forward gathers the weights from all
+
+    def evaluate(self) -> dict[str, float]:
+        return Trainer.evaluate(self)  # not DDP's split evaluation (see _evaluation_share)
+
+    def _evaluate(
+        self,
+        run: Progress,
+        on_evaluation: OnEvaluation | None,
+        checkpoints: CheckpointStore | None = None,
+    ) -> None:
+        self._rank_rngs = self.group.gather(rng_state())  # for a checkpoint written now
+        Trainer._evaluate(self, run, on_evaluation, None)  # every rank: the forward needs all
+        self._follow_main(run)
+        if checkpoints is None:
+            return
+        if self.group.from_main(run.best is run.evaluations[-1]):
+            self.unsaved_best = self._whole_weights()
+        going_on = run.status == "completed" and run.step < self.total_steps
+        if going_on and self.group.from_main(checkpoints.state_due()):
+            self._checkpoint(run, checkpoints)
+        run.segment_start = time.perf_counter()
+
+    def _whole_weights(self) -> dict[str, torch.Tensor]:
+        """The best model's weights, gathered whole into rank 0's host memory (every rank takes
+        part; the others get nothing): a LoRA run's trained ones only, as best_weights."""
+        adapted = is_adapted(self.model)  # the frozen base is not gathered at all
+        options = StateDictOptions(
+            full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapted
+        )
+        state: dict[str, torch.Tensor] = get_model_state_dict(self.model, options=options)  # type: ignore[assignment]
+        if adapted:
+            trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            state = {k: v for k, v in state.items() if k in trainable}
+        return state
+
+    # -- checkpoints, with every rank -----------------------------------------------------------
+
+    def _sharded_state(self) -> dict[str, Any]:
+        """The model and optimizer state as DCP saves and loads them; a LoRA run's frozen base
+        is left out (it is rebuilt from the base model)."""
+        options = StateDictOptions(ignore_frozen_params=is_adapted(self.model))
+        model, optimizer = get_state_dict(self.model, self.optimizer, options=options)
+        return {"model": model, "optimizer": optimizer}
+
+    def _checkpoint(self, run: Progress, checkpoints: CheckpointStore | None) -> None:
+        """Each rank writes its share into `sharded-state.<step>`; once all have, rank 0 writes
+        the state file naming it and removes older shares. A crash in between leaves the last
+        complete checkpoint as it was."""
+        if checkpoints is None:
+            return
+        self._save_best_model(checkpoints)  # first: the state names this best evaluation
+        run.meter.read()  # the partial loss goes to the history, which is saved
+        name = f"{SHARDED_STATE_DIR}.{run.step}"
+        failed = [r for r in self.group.gather(self._save_shares(checkpoints, name)) if r]
+        if failed or not self.group.is_main:
+            if failed and self.group.is_main:  # the run's result names what went wrong
+                checkpoints.errors.append(failed[0])
+            return
+        sizes = BatchSizes(self.physical_batch_size, self.eval_batch_size, self.oom_recoveries)
+        train_s = run.train_s + self._elapsed_since(run.segment_start)
+        state = {
+            "fingerprint": self.fingerprint(),
+            "sharded": name,
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            **dataclasses.asdict(sizes),
+            "run": progress_state(run, train_s),
+            "rng": rng_state(),
+            **self._extra_state(),
+        }
+        if checkpoints.save_state(state):
+            drop_sharded_states(checkpoints.directory, keep=name)
+
+    def _save_shares(self, checkpoints: CheckpointStore, name: str) -> str | None:
+        """This rank's share written into the folder `name`; None, or why it was not."""
+        started = time.perf_counter()
+        folder = checkpoints.directory / name
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            dcp.save(self._sharded_state(), checkpoint_id=folder)
+            return None
+        except (OSError, dcp.api.CheckpointException) as e:
+            reason = f"sharded checkpoint not written to {folder}: {e}"
+            log.warning("%s; training goes on without it", reason)
+            return reason
+        finally:
+            checkpoints.seconds += time.perf_counter() - started
+
+    def _resume(
+        self,
+        run: Progress,
+        checkpoints: CheckpointStore | None,
+        on_evaluation: OnEvaluation | None,
+    ) -> int | None:
+        """Every rank loads its share of the checkpoint rank 0 named; the rest as Trainer's."""
+        state = checkpoints.load_state(self.fingerprint()) if checkpoints else None
+        folder = None
+        if state is not None and checkpoints is not None:
+            folder = checkpoints.directory / str(state.get("sharded"))
+        if self.group.any(folder is None or not folder.is_dir()):
+            if folder is not None:
+                log.warning("%s is missing on some rank; starting over", folder)
+            self._follow_main(run)
+            return None
+        assert state is not None and folder is not None and checkpoints is not None  # noqa: S101
+        adapted = is_adapted(self.model)
+        shares = self._sharded_state()
+        dcp.load(shares, checkpoint_id=folder)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=shares["model"],
+            optim_state_dict=shares["optimizer"],
+            options=StateDictOptions(ignore_frozen_params=adapted, strict=not adapted),
+        )
+        sizes = self._restore_rest(state, run)
+        return self._resumed(run, sizes, checkpoints, on_evaluation)
+
+    def _restore_rest(self, state: dict[str, Any], run: Progress) -> BatchSizes:
+        """The schedule, scaler, progress and RNGs (restore_training without the weights);
+        the RNGs last, so that nothing draws from them after they are set."""
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state["scaler"] is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        restore_progress(run, state["run"])
+        set_rng_state(state["rng"])
+        self._restored(state)
+        return BatchSizes(
+            state["physical_batch_size"], state["eval_batch_size"], state["oom_recoveries"]
+        )
+
+    def _resumed(
+        self,
+        run: Progress,
+        sizes: BatchSizes,
+        checkpoints: CheckpointStore,
+        on_evaluation: OnEvaluation | None,
+    ) -> int:
+        """The batch sizes of the checkpoint, its evaluations reported again (rank 0), and
+        rank 0's verdict on them followed."""
+        self._use_physical_batch(sizes.physical_batch_size)
+        if sizes.eval_batch_size != self.evaluator.batch_size:
+            self.evaluator.use_batch_size(sizes.eval_batch_size)
+        self.step_oom_recoveries, self.evaluator.oom_recoveries = sizes.oom_recoveries, 0
+        log.info("resumed from %s at step %d", checkpoints.state_path, run.step)
+        for evaluation in run.evaluations:
+            stop = on_evaluation(evaluation) if on_evaluation else None
+            if stop is not None:
+                run.stop("stopped", stop)
+                break
+        self._follow_main(run)
+        run.segment_start = time.perf_counter()
+        return run.step

@@ -607,6 +607,25 @@ def test_the_slurm_recipe_trains_a_trial_across_two_nodes_as_one_process_would(
     assert best["train_loss"] == pytest.approx(one.best.train_loss, abs=1e-4)
 
 
+def test_a_host_follows_only_as_the_one_worker_of_a_later_node(
+    easy_data: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hpo.commands.follow import following_place
+    from hpo.config.loader import parse_config
+
+    raw = tiny_config(*easy_data, training={"distributed": {"gpus_per_trial": 1, "nodes": 2}})
+    config = parse_config(raw, easy_data[0].parent)
+    monkeypatch.setenv("HPO_RDZV_ENDPOINT", "10.0.0.5:29500")
+    monkeypatch.setenv("HPO_NODE_RANK", "0")
+    assert following_place(config, []) is None  # the first host runs the trials
+    monkeypatch.setenv("HPO_NODE_RANK", "1")
+    assert following_place(config, ["0"]).node_rank == 1  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match="runs one worker per host"):
+        following_place(config, ["0", "1"])
+    config.training.distributed = None
+    assert following_place(config, ["0", "1"]) is None  # one host per trial: nothing to follow
+
+
 def test_each_host_finds_its_place_from_slurm_kubernetes_or_hpo_variables() -> None:
     from hpo.trainer.errors import DeviceError
     from hpo.trainer.nodes import first_host, node_place

@@ -257,6 +257,26 @@ def test_an_oom_in_one_ranks_optimizer_step_steps_every_rank_down_together(
     assert_same_curve(reference, result)
 
 
+def test_an_oom_midway_through_one_ranks_update_fails_every_rank_naming_it(
+    small: tuple[TrainJob, PreparedData], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the reservation, an OOM inside rank 1's update (its weights half updated) cannot
+    be redone: every rank fails together, with the reason, rather than hang or go on apart."""
+    from hpo.trainer import distributed
+
+    job, data = small
+    real_step = distributed.optimizer_step
+
+    def update_failing_on_rank_1(*args: Any, **kwargs: Any) -> None:
+        if os.environ.get("RANK") == "1":  # the ranks are forked: they inherit this patch
+            raise torch.OutOfMemoryError("CUDA out of memory (test: inside the update)")
+        real_step(*args, **kwargs)
+
+    monkeypatch.setattr(distributed, "optimizer_step", update_failing_on_rank_1)
+    with pytest.raises(distributed.OptimizerStepOutOfMemory, match="step on rank 1, after"):
+        train_distributed(across(job, 2, max_steps=2), data)
+
+
 def test_the_worst_rank_decides_the_physical_batch(
     long_job: tuple[TrainJob, PreparedData], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -2,6 +2,7 @@
 against one process: the same model, data and batch per rank (weak scaling). NCCL on GPUs, gloo on
 the CPU (where the ranks share the cores: it checks the path, it measures no speed-up).
 Run: .venv/bin/python bench/distributed_scaling.py [--config FILE] [--ranks 1,2,4] [--steps 20]
+[--bucket-mb 0,25] (the gradient all-reduce: one per parameter (0), or in buckets of 25 MB)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from hpo.config.search_paths import with_params
 from hpo.trainer import device as dev
 from hpo.trainer.config import DistributedSettings, TrainJob
 from hpo.trainer.data import PreparedData
+from hpo.trainer.distributed import BUCKET_MB_ENV
 from hpo.trainer.launch import train_distributed
 from hpo.trainer.loop import train
 from hpo.trainer.model import load_tokenizer
@@ -38,6 +40,9 @@ def main() -> int:
     parser.add_argument("--physical-batch-size", type=int, default=32)
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--repeats", type=int, default=1, help="runs per rank count (median)")
+    parser.add_argument(
+        "--bucket-mb", default="25", help="gradient bucket sizes to compare (0: per parameter)"
+    )
     parser.add_argument(
         "--threads", type=int, help="CPU threads of one process; each of N ranks gets 1/N"
     )
@@ -70,13 +75,16 @@ def main() -> int:
     measure(warm_up, data, 1, args.batch_per_rank)
     baseline: float | None = None
     for n in ranks:
-        results = [measure(job, data, n, args.batch_per_rank) for _ in range(args.repeats)]
-        rate = statistics.median(r.samples_per_s for r in results)
-        baseline = baseline or (rate if n == 1 else None)
-        line = f"{n} rank{'s' if n > 1 else ' '}: {rate:9.1f} samples/s"
-        if baseline:
-            line += f"  {rate / baseline:5.2f}x one process, {rate / baseline / n:4.0%} of linear"
-        print(f"{line}  [{results[0].device_name}]")
+        for bucket_mb in args.bucket_mb.split(",") if n > 1 else ["-"]:
+            os.environ[BUCKET_MB_ENV] = bucket_mb if n > 1 else "25"  # read by each rank
+            results = [measure(job, data, n, args.batch_per_rank) for _ in range(args.repeats)]
+            rate = statistics.median(r.samples_per_s for r in results)
+            baseline = baseline or (rate if n == 1 else None)
+            buckets = f"buckets {bucket_mb:>3} MB" if n > 1 else " " * 14
+            line = f"{n} rank{'s' if n > 1 else ' '} {buckets}: {rate:9.1f} samples/s"
+            if baseline:
+                line += f"  {rate / baseline:5.2f}x one process, {rate / baseline / n:4.0%} linear"
+            print(f"{line}  [{results[0].device_name}]")
     return 0
 
 

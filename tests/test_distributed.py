@@ -4,6 +4,7 @@ and the refusals (a world size that does not divide the batch, more GPUs than a 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -13,6 +14,7 @@ from typing import Any
 
 import optuna
 import pytest
+import torch
 from optuna.trial import TrialState
 
 from hpo.commands.launcher import gpu_groups, select_gpus
@@ -21,9 +23,10 @@ from hpo.trainer.batch_finder import find_physical_batch_size
 from hpo.trainer.checkpoint import CheckpointStore
 from hpo.trainer.config import DistributedSettings, TrainingConfig, TrainJob
 from hpo.trainer.data import PreparedData
+from hpo.trainer.distributed import BUCKET_MB_ENV
 from hpo.trainer.launch import RankFailed, train_distributed
 from hpo.trainer.loop import train
-from hpo.trainer.memory import BUDGET_ENV, BUDGET_RANK_ENV, MemoryBudget
+from hpo.trainer.memory import BUDGET_ENV, BUDGET_RANK_ENV, OPTIMIZER_OOM_ENV, MemoryBudget
 from hpo.trainer.model import load_tokenizer
 from hpo.trainer.result import TrainResult
 from hpo.trainer.tasks import prepare_data
@@ -91,6 +94,31 @@ def test_the_loss_curve_is_the_one_process_curve(
     assert several.effective_batch_size == 12 and several.optimizer_steps == one.optimizer_steps
     assert several.grad_accum_steps == -(-12 // ranks // 2)  # the share of a rank, in 2s
     assert_same_curve(one, several)
+
+
+def test_shared_evaluation_gives_exactly_the_one_process_metrics(
+    small: tuple[TrainJob, PreparedData],
+) -> None:
+    """3 ranks each evaluate a share of 6 evaluation batches (16 rows in 3s: the last batch is
+    short), gathered in the one-process order: the same metrics, to the last bit. With the
+    learning rate at 0 every evaluation sees the initial weights, so only evaluation differs."""
+    job, data = small
+    job = across(job, 1, learning_rate=0.0, eval_batch_size=3, max_steps=4, evals_per_epoch=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank: a CPU matmul's sums depend on the thread count
+    try:
+        one = train(
+            dataclasses.replace(job, training=dataclasses.replace(job.training, distributed=None)),
+            data,
+        )
+    finally:
+        torch.set_num_threads(threads)
+    several = train_distributed(across(job, 3), data)
+    assert [e.metrics for e in several.evaluations] == [e.metrics for e in one.evaluations]
+    assert len(one.evaluations) == 2 and set(one.evaluations[0].metrics) >= {
+        "eval_loss",
+        "accuracy",
+    }
 
 
 def test_a_run_stopped_and_resumed_ends_as_one_that_was_not(
@@ -202,11 +230,51 @@ def test_an_oom_on_one_rank_steps_every_rank_down_together(
     peaks = [training_peak(job, data, physical) for physical in (2, 4)]
     monkeypatch.setenv(BUDGET_ENV, str((peaks[0] + peaks[1]) // 2))  # 2 fits, 4 does not
     monkeypatch.setenv(BUDGET_RANK_ENV, "1")  # on rank 1 alone
+    # The peaks differ by 0.1 MB (the optimizer step's peak is close to the backward's), and a
+    # rank's gradient buckets move its peak by as much: summed one parameter at a time, a rank
+    # needs what one process does.
+    monkeypatch.setenv(BUCKET_MB_ENV, "0")
     result = train_distributed(across(job, 2), data)
     # Rank 0 (whose result this is) had memory to spare: it stepped down with rank 1.
     assert (result.physical_batch_size, result.grad_accum_steps) == (2, 4)
     assert result.oom_recoveries == 1 and result.status == "completed"
     assert_same_curve(reference, result)
+
+
+def test_an_oom_in_one_ranks_optimizer_step_steps_every_rank_down_together(
+    long_job: tuple[TrainJob, PreparedData], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 runs out of memory reserving its optimizer step's memory (the test hook) on step
+    2, after every rank's backward: no weight changed on any rank, so all redo the step at half
+    the micro-batch and the curve is the one-process curve."""
+    job, data = long_job
+    reference = train(job, data)
+    monkeypatch.setenv(OPTIMIZER_OOM_ENV, "2")
+    monkeypatch.setenv(BUDGET_RANK_ENV, "1")
+    result = train_distributed(across(job, 2), data)
+    assert (result.physical_batch_size, result.grad_accum_steps) == (2, 4)
+    assert result.oom_recoveries == 1 and result.status == "completed"
+    assert_same_curve(reference, result)
+
+
+def test_an_oom_midway_through_one_ranks_update_fails_every_rank_naming_it(
+    small: tuple[TrainJob, PreparedData], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the reservation, an OOM inside rank 1's update (its weights half updated) cannot
+    be redone: every rank fails together, with the reason, rather than hang or go on apart."""
+    from hpo.trainer import distributed
+
+    job, data = small
+    real_step = distributed.optimizer_step
+
+    def update_failing_on_rank_1(*args: Any, **kwargs: Any) -> None:
+        if os.environ.get("RANK") == "1":  # the ranks are forked: they inherit this patch
+            raise torch.OutOfMemoryError("CUDA out of memory (test: inside the update)")
+        real_step(*args, **kwargs)
+
+    monkeypatch.setattr(distributed, "optimizer_step", update_failing_on_rank_1)
+    with pytest.raises(distributed.OptimizerStepOutOfMemory, match="step on rank 1, after"):
+        train_distributed(across(job, 2, max_steps=2), data)
 
 
 def test_the_worst_rank_decides_the_physical_batch(
@@ -224,6 +292,44 @@ def test_the_worst_rank_decides_the_physical_batch(
     monkeypatch.setenv(BUDGET_RANK_ENV, "1")  # only rank 1 is short of memory
     result = train_distributed(across(job, 2), data)
     assert result.physical_batch_size == alone  # rank 0 alone would have taken 8 (its bound)
+
+
+class DictBatchCache:
+    """The study's batch-size cache as the main rank sees it, in a dict."""
+
+    def __init__(self) -> None:
+        self.sizes: dict[str, int] = {}
+        self.keys: list[dict[str, Any]] = []
+
+    def get(self, key: dict[str, Any]) -> int | None:
+        return self.sizes.get(repr(sorted(key.items())))
+
+    def record(self, key: dict[str, Any], physical_batch_size: int, search: dict[str, Any]) -> int:
+        self.keys.append(key)
+        return self.sizes.setdefault(repr(sorted(key.items())), physical_batch_size)
+
+    def lower(self, key: dict[str, Any], physical_batch_size: int) -> None:
+        self.sizes[repr(sorted(key.items()))] = physical_batch_size
+
+
+def test_the_agreed_batch_is_cached_for_the_next_trial_at_the_same_world_size(
+    long_job: tuple[TrainJob, PreparedData],
+) -> None:
+    job, data = long_job
+    job.training.physical_batch_size = "auto"
+    job.training.batch_search_start = 2
+    job.training.batch_search_max = 4
+    job.training.max_steps = 1
+    cache = DictBatchCache()
+    first = train_distributed(across(job, 2), data, batch_cache=cache)
+    assert first.batch_source == "search" and first.batch_search is not None
+    (key,) = cache.keys
+    assert (key["ranks"], key["strategy"]) == (2, "ddp")  # one GPU's key, and the world's
+    again = train_distributed(across(job, 2), data, batch_cache=cache)
+    assert (again.batch_source, again.batch_search) == ("cache", None)
+    assert again.physical_batch_size == first.physical_batch_size
+    cache.lower(key, 1)  # as after an OOM recovery: the next trial takes the lowered size
+    assert train_distributed(across(job, 2), data, batch_cache=cache).physical_batch_size == 1
 
 
 def test_distributed_settings_are_checked() -> None:
@@ -291,40 +397,6 @@ def test_workers_own_gpus_per_trial_of_the_gpus_given() -> None:
         gpu_groups(select_gpus("0", eight), 2)
 
 
-@pytest.mark.slow
-def test_hpo_run_trains_each_trial_across_the_gpus_of_its_worker(
-    tmp_path: Path, easy_data: tuple[Path, Path]
-) -> None:
-    """--gpus 0,1,2,3 with 2 per trial: 2 workers, each training its trials on 2 ranks (fake
-    GPUs: CPU ranks over gloo)."""
-    training = {"max_steps": 2, "evals_per_epoch": 1, "distributed": {"gpus_per_trial": 2}}
-    study = {"n_trials": 2, "trial_isolation": "none"}
-    config = write_config(
-        tmp_path / "c.yaml", tiny_config(*easy_data, study=study, training=training)
-    )
-    url = f"sqlite:///{tmp_path / 'g.db'}"
-    done = run_hpo(
-        "run",
-        "--study",
-        "g",
-        "--config",
-        str(config),
-        "--storage",
-        url,
-        "--gpus",
-        "0,1,2,3",
-        cwd=tmp_path,
-        env={"HPO_TEST_FAKE_GPUS": "4"},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "started 2 workers: GPUs 0,1, 2,3" in done.stderr
-    trials = optuna.load_study(study_name="g", storage=url).get_trials()
-    assert [t.state for t in trials] == [TrialState.COMPLETE] * 2
-    assert {t.user_attrs["ranks"] for t in trials} == {2}
-    assert {t.user_attrs["batch_size_source"] for t in trials} == {"config"}
-    assert {t.user_attrs["gpu"] for t in trials} <= {"gpu0+1", "gpu2+3"}
-
-
 class _RecordingTrial:
     def __init__(self) -> None:
         self.user_attrs: dict[str, Any] = {}
@@ -377,23 +449,24 @@ def test_the_reason_names_the_rank_that_ended_the_run() -> None:
     """Why a run ended, from what each rank said of itself: its own error first (rank 0's as
     raised), then a rank that died without a word; a collective that failed for want of a
     peer is never the reason."""
-    from hpo.trainer.launch import RankWords, _cause
     from hpo.trainer.memory import OutOfMemoryAtBatchOne
+    from hpo.trainer.rank_failures import RankWords, cause
 
     lost = RuntimeError("Connection reset by peer")
     killed = [RankWords(10, True, lost), RankWords(11)]  # rank 1 said nothing more
-    assert str(_cause(killed, None)).startswith("rank 1 (pid 11) ended without an error")
+    assert str(cause(killed, None)).startswith("rank 1 (pid 11) ended without an error")
     own = [RankWords(10), RankWords(11, True, ValueError("bad row 7"))]  # rank 0 then stopped
-    assert str(_cause(own, None)) == "rank 1 (pid 11): ValueError: bad row 7"
+    assert str(cause(own, None)) == "rank 1 (pid 11): ValueError: bad row 7"
     oom = OutOfMemoryAtBatchOne("not even 1 example")
-    assert _cause([RankWords(10, True, oom), RankWords(11, True, oom)], None) is oom
+    assert cause([RankWords(10, True, oom), RankWords(11, True, oom)], None) is oom
 
 
 @pytest.mark.slow
 def test_a_worker_stopped_mid_trial_hands_it_back_and_the_retry_resumes(tmp_path: Path) -> None:
     """SIGTERM to `hpo run` while a trial trains on 2 ranks: rank 0 hears the stop (through its
     launching trial process), every rank stops at the same step, rank 0 checkpoints, the trial
-    is queued again, and the next `hpo run` resumes it."""
+    is queued again, and the next `hpo run` resumes it: with --gpus 0,1,2,3 and 2 per trial,
+    as one of 2 workers that each own 2 GPUs (fake GPUs: CPU ranks over gloo)."""
     train_file = write_csv(tmp_path / "train.csv", easy_rows(256, 1))
     eval_file = write_csv(tmp_path / "eval.csv", easy_rows(16, 2))
     training = {"distributed": {"gpus_per_trial": 2}, "effective_batch_size": 8, "epochs": 6}
@@ -412,12 +485,16 @@ def test_a_worker_stopped_mid_trial_hands_it_back_and_the_retry_resumes(tmp_path
     assert reported, worker.communicate()[1][-3000:] if worker.poll() is not None else "no report"
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(timeout=120) == 0, worker.communicate()[1][-3000:]
-    assert run_hpo(*args, cwd=tmp_path).returncode == 0
+    fake_gpus = {"HPO_TEST_FAKE_GPUS": "4"}
+    resumed = run_hpo(*args, "--gpus", "0,1,2,3", cwd=tmp_path, env=fake_gpus)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "started 2 workers: GPUs 0,1, 2,3" in resumed.stderr
     first, retry = optuna.load_study(study_name="s", storage=url).get_trials()
     assert first.state == TrialState.FAIL and "SIGTERM" in first.user_attrs["fail_reason"]
     assert first.user_attrs["checkpoint_s"] > 0
     assert retry.state == TrialState.COMPLETE and retry.user_attrs["resumed_at_step"] > 0
-    assert retry.user_attrs["ranks"] == 2
+    assert retry.user_attrs["ranks"] == 2 and retry.user_attrs["gpu"] in {"gpu0+1", "gpu2+3"}
+    assert retry.user_attrs["batch_size_source"] == "config"
 
 
 def test_the_default_space_fitted_to_small_data_keeps_batches_the_ranks_divide(
@@ -464,3 +541,131 @@ def test_a_cuda_worker_that_sees_too_few_gpus_is_refused_before_any_trial(
         run._check_gpus_per_trial(config, [], None, RunRequest("s"))
     monkeypatch.setattr(launcher, "visible_gpus", lambda: ["0", "1"])
     run._check_gpus_per_trial(config, [], None, RunRequest("s"))  # enough
+
+
+# srun on a 2-node allocation, on this host: one task per "node", each told its node by
+# SLURM_NODEID as srun tells it; a SIGTERM goes to both.
+FAKE_SRUN_NODES = """#!/usr/bin/env bash
+while [[ "$1" == --* ]]; do shift; done
+pids=()
+for node in 0 1; do
+  SLURM_NODEID=$node SLURM_JOB_NUM_NODES=2 "$@" 2> "$FAKE_LOG/node$node.err" &
+  pids+=($!)
+done
+trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit "$status"
+"""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_the_slurm_recipe_trains_a_trial_across_two_nodes_as_one_process_would(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    """deploy/slurm/hpo-workers.sbatch on 2 "nodes" of this host (a fake srun): node 0's
+    `hpo run` trains the trial on 1 rank, node 1's follows it with 1 more (one rendezvous on
+    127.0.0.1, gloo); the trial's losses are those of one process at the same batch."""
+    import subprocess
+    import sys
+
+    from hpo.config.loader import parse_config
+    from hpo.config.search_paths import with_params
+    from tests.conftest import REPO
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN_NODES)
+    (bin_dir / "hpo").write_text(f'#!/usr/bin/env bash\nexec {sys.executable} -m hpo "$@"\n')
+    for name in ("srun", "hpo"):
+        (bin_dir / name).chmod(0o755)
+    space = {"learning_rate": {"type": "categorical", "choices": [3e-3]}}
+    training = {"max_steps": 4, "distributed": {"gpus_per_trial": 1, "nodes": 2}}
+    raw = tiny_config(*easy_data, study={"n_trials": 1}, search_space=space, training=training)
+    raw["model"]["config"]["hidden_dropout_prob"] = 0.0  # the same masks as one process
+    raw["model"]["config"]["attention_probs_dropout_prob"] = 0.0
+    config = write_config(tmp_path / "c.yaml", raw)
+    url = f"sqlite:///{tmp_path / 'n.db'}"
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "PYTHONPATH": str(REPO),
+        "FAKE_LOG": str(tmp_path),
+        "HPO_STORAGE": url,
+        "HPO_RDZV_ENDPOINT": f"127.0.0.1:{free_port()}",
+        "HPO_NODE_ADDR": "127.0.0.1",
+        "HPO_FOLLOW_IDLE_S": "3",  # node 1 ends 3 s after the last trial
+    }
+    sbatch = REPO / "deploy" / "slurm" / "hpo-workers.sbatch"
+    job_script = subprocess.Popen(
+        ["bash", str(sbatch), "n", str(config)], env=env, cwd=tmp_path, start_new_session=True
+    )
+    try:
+        returncode = job_script.wait(timeout=240)
+    finally:  # the whole fake job, whatever became of it
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job_script.pid, signal.SIGKILL)
+    logs = [(tmp_path / f"node{i}.err").read_text()[-3000:] for i in (0, 1)]
+    assert returncode == 0, logs
+    assert "following the trials of the first host" in logs[1] and "followed 1 trials" in logs[1]
+    (trial,) = optuna.load_study(study_name="n", storage=url).get_trials()
+    assert trial.state == TrialState.COMPLETE and trial.user_attrs["ranks"] == 2, logs
+    job = with_params(parse_config(raw, tmp_path), trial.params)
+    job.training.distributed = None
+    one = train(job, prepare_data(job.data, load_tokenizer(job.model)))
+    best = trial.user_attrs["best_evaluation"]
+    assert trial.user_attrs["curve"] == pytest.approx(one.curve, abs=1e-4)
+    assert best["metrics"]["eval_loss"] == pytest.approx(one.best.metrics["eval_loss"], abs=1e-4)
+    assert best["train_loss"] == pytest.approx(one.best.train_loss, abs=1e-4)
+
+
+def test_a_host_follows_only_as_the_one_worker_of_a_later_node(
+    easy_data: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hpo.commands.follow import following_place
+    from hpo.config.loader import parse_config
+
+    raw = tiny_config(*easy_data, training={"distributed": {"gpus_per_trial": 1, "nodes": 2}})
+    config = parse_config(raw, easy_data[0].parent)
+    monkeypatch.setenv("HPO_RDZV_ENDPOINT", "10.0.0.5:29500")
+    monkeypatch.setenv("HPO_NODE_RANK", "0")
+    assert following_place(config, []) is None  # the first host runs the trials
+    monkeypatch.setenv("HPO_NODE_RANK", "1")
+    assert following_place(config, ["0"]).node_rank == 1  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match="runs one worker per host"):
+        following_place(config, ["0", "1"])
+    config.training.distributed = None
+    assert following_place(config, ["0", "1"]) is None  # one host per trial: nothing to follow
+
+
+def test_each_host_finds_its_place_from_slurm_kubernetes_or_hpo_variables() -> None:
+    from hpo.trainer.errors import DeviceError
+    from hpo.trainer.nodes import first_host, node_place
+
+    slurm = {"SLURM_NODEID": "1", "SLURM_JOB_NUM_NODES": "4", "SLURM_JOB_NODELIST": "gpu[07-10]"}
+    place = node_place(4, slurm)
+    assert (place.node_rank, place.endpoint, place.leads) == (1, "gpu07:29400", False)
+    indexed_job = {"JOB_COMPLETION_INDEX": "0", "MASTER_ADDR": "hpo-0.hpo", "MASTER_PORT": "23456"}
+    assert node_place(2, indexed_job).endpoint == "hpo-0.hpo:23456"
+    own = {**slurm, "HPO_NODE_RANK": "0", "HPO_RDZV_ENDPOINT": "10.0.0.5:29500"}
+    assert (node_place(2, own).node_rank, node_place(2, own).endpoint) == (0, "10.0.0.5:29500")
+    assert first_host("gpu[007-009,012],cpu1") == "gpu007"
+    assert first_host("rack[1-2]-n[3,5],x") == "rack1-n3" and first_host("a1,b2") == "a1"
+    with pytest.raises(DeviceError, match="this Slurm job has 4 nodes; sbatch --nodes=8"):
+        node_place(8, slurm)
+    with pytest.raises(DeviceError, match="set HPO_NODE_RANK"):
+        node_place(2, {})
+    with pytest.raises(DeviceError, match="set HPO_RDZV_ENDPOINT=host:port"):
+        node_place(2, {"HPO_NODE_RANK": "1"})
+    assert [k for k, _, _ in DistributedSettings(2, nodes=0).problems()] == ["nodes"]
+    assert TrainingConfig(distributed=DistributedSettings(2, nodes=3)).world_size == 6
+    refused = TrainingConfig(effective_batch_size=8, distributed=DistributedSettings(2, nodes=3))
+    assert "multiple of distributed.nodes x gpus_per_trial (6)" in refused.problems()[0][2]

@@ -124,13 +124,13 @@ def test_one_place_decides_an_auto_physical_batch() -> None:
                     if name in deciders:
                         calls.append(f"{where}:{node.lineno} {name}")
     assert calls == []
-    # The trainer's own loop, each rank of a distributed run (trainer/launch.py: the smallest
-    # rank's size wins), and one module of hpo: the trial's training, which asks first (for the
-    # batch cache shared by the study's trials).
+    # The trainer's own loop, each rank of a distributed run (trainer/rank_batch.py: the
+    # smallest rank's size wins, the cache asked by the main rank), and one module of hpo: the
+    # trial's training, which asks first (for the batch cache shared by the study's trials).
     assert [u for u in users if u.startswith("trainer/")] == [
         "trainer/batch_finder.py",
-        "trainer/launch.py",
         "trainer/loop.py",
+        "trainer/rank_batch.py",
     ]
     assert len([u for u in users if u.startswith("hpo/")]) == 1, users
 

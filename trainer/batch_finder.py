@@ -134,6 +134,9 @@ def batch_key(job: TrainJob, device: torch.device, precision: str) -> dict[str, 
             "dropout": adapter.dropout > 0,
             "target_modules": adapter.target_modules,
         }
+    if cfg.distributed is not None and cfg.world_size > 1:  # a rank's memory depends on them
+        key["ranks"] = cfg.world_size
+        key["strategy"] = cfg.distributed.strategy  # FSDP shards the weights over the ranks
     share = memory_share()
     if share < 1:  # a worker sharing its GPU (keys of a whole GPU stay as they were)
         key["memory_share"] = share

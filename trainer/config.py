@@ -320,13 +320,14 @@ class ModelConfig:
 
 # GPUs one trial may span: a host's worth (NVLink domains top out at 8; 72 in a rack).
 MAX_GPUS_PER_TRIAL = 72
+MAX_NODES_PER_TRIAL = 1024
 DistributedStrategy = Literal["ddp", "fsdp"]
 
 
 @dataclass
 class DistributedSettings:
-    """One trial across several GPUs of its host (torch.distributed, started by torch's elastic
-    launcher). `training.distributed` absent: every trial trains in one process."""
+    """One trial across several GPUs, of its host or of several (torch.distributed, started by
+    torch's elastic launcher). `training.distributed` absent: every trial trains in one process."""
 
     gpus_per_trial: int = _doc(
         "Ranks (GPUs) each trial trains on; each worker of `hpo run --gpus` owns this many. "
@@ -339,12 +340,21 @@ class DistributedSettings:
         "for a model whose training does not fit one GPU.",
         "ddp",
     )
+    nodes: int = _doc(
+        "Hosts each trial spans, gpus_per_trial ranks on each (world size: nodes x "
+        "gpus_per_trial). Above 1, every host runs `hpo run` with the same study and config "
+        "(the Slurm recipe does): the first trains and reports, the others follow "
+        "(docs/guides/distributed.md, Several hosts).",
+        1,
+    )
 
     def problems(self) -> list[tuple[str, Any, str]]:
         found: list[tuple[str, Any, str]] = []
         if not 1 <= self.gpus_per_trial <= MAX_GPUS_PER_TRIAL:
             rule = f"must be an integer in [1, {MAX_GPUS_PER_TRIAL}]"
             found.append(("gpus_per_trial", self.gpus_per_trial, rule))
+        if not 1 <= self.nodes <= MAX_NODES_PER_TRIAL:
+            found.append(("nodes", self.nodes, f"must be an integer in [1, {MAX_NODES_PER_TRIAL}]"))
         if self.strategy not in ("ddp", "fsdp"):
             found.append(("strategy", self.strategy, "must be ddp or fsdp"))
         return found
@@ -472,7 +482,13 @@ class TrainingConfig:
 
     @property
     def world_size(self) -> int:
-        """Ranks per trial: distributed.gpus_per_trial, or 1."""
+        """Ranks per trial: distributed.nodes x distributed.gpus_per_trial, or 1."""
+        settings = self.distributed
+        return settings.nodes * settings.gpus_per_trial if settings is not None else 1
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks (GPUs) of a trial on each of its hosts: distributed.gpus_per_trial, or 1."""
         return self.distributed.gpus_per_trial if self.distributed is not None else 1
 
     def _distributed_problems(self) -> list[tuple[str, Any, str]]:
@@ -481,8 +497,9 @@ class TrainingConfig:
         ranks = self.world_size
         if ranks > 1 and self.effective_batch_size % ranks:
             nearest = ranks * max(1, self.effective_batch_size // ranks)
+            what = "gpus_per_trial" if ranks == self.ranks_per_node else "nodes x gpus_per_trial"
             rule = (
-                f"must be a multiple of distributed.gpus_per_trial ({ranks}): each rank "
+                f"must be a multiple of distributed.{what} ({ranks}): each rank "
                 f"trains an equal share of the step, e.g. {nearest}"
             )
             return [("effective_batch_size", self.effective_batch_size, rule)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -20,28 +21,48 @@ from hpo.trainer.batching import collate, plan_epoch
 from hpo.trainer.checkpoint import CheckpointStore, rng_state, set_rng_state
 from hpo.trainer.config import TrainJob
 from hpo.trainer.data import PreparedData
+from hpo.trainer.evaluation import metrics_of
 from hpo.trainer.loop import OnEvaluation, ShouldStop, Trainer
-from hpo.trainer.memory import none_on_oom
+from hpo.trainer.memory import none_on_oom, optimizer_oom_due
 from hpo.trainer.progress import Progress
 from hpo.trainer.result import TrainResult
-from hpo.trainer.step import grad_accum_steps_for, optimizer_step
+from hpo.trainer.step import (
+    grad_accum_steps_for,
+    optimizer_step,
+    optimizer_step_bytes,
+    optimizer_temporary_bytes,
+)
 from hpo.trainer.user_metrics import UserMetrics
 
 log = logging.getLogger(__name__)
+
+# Gradients are summed in buckets of this many MB, one all-reduce each (0: one per parameter):
+# torch DDP's default size is 25; the variable is a knob for a bench or a slow interconnect.
+BUCKET_MB_ENV = "HPO_GRAD_BUCKET_MB"
 
 
 @dataclass(frozen=True)
 class RankGroup:
     """This process's place in the trial's process group, and the few collectives the trainer
-    needs. Tensors travel on `device` (NCCL wants CUDA tensors; gloo takes the CPU's)."""
+    needs. Tensors travel on `device` (NCCL wants CUDA tensors; gloo takes the CPU's). The
+    main rank reports and decides: rank 0, or across hosts the first rank of the host that runs
+    the trial (the rendezvous numbers the hosts in no set order)."""
 
     rank: int
     world_size: int
     device: torch.device
+    main: int = 0
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        return self.rank == self.main
+
+    @staticmethod
+    def leading_rank(leads: bool) -> int:
+        """The rank of the one process of the group that says it `leads` (told to all)."""
+        said: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(said, leads)
+        return said.index(True)
 
     def any(self, flag: bool) -> bool:
         """Whether `flag` holds on any rank (a host sync: every rank waits for the slowest)."""
@@ -60,22 +81,16 @@ class RankGroup:
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         return total
 
-    def sum_gradients(self, model: torch.nn.Module) -> None:
-        """Each gradient summed over the ranks, in place."""
-        for param in model.parameters():
-            if param.grad is not None:
-                dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
-
     def broadcast_weights(self, model: torch.nn.Module) -> None:
-        """Rank 0's parameters and buffers on every rank."""
+        """The main rank's parameters and buffers on every rank."""
         with torch.no_grad():
             for tensor in (*model.parameters(), *model.buffers()):
-                dist.broadcast(tensor, src=0)
+                dist.broadcast(tensor, src=self.main)
 
     def from_main(self, value: Any) -> Any:
-        """Rank 0's `value`, on every rank."""
+        """The main rank's `value`, on every rank."""
         box = [value]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=self.main)
         return box[0]
 
     def gather(self, value: Any) -> list[Any]:
@@ -83,6 +98,68 @@ class RankGroup:
         values: list[Any] = [None] * self.world_size
         dist.all_gather_object(values, value)
         return values
+
+
+class GradientBuckets:
+    """The gradients summed over the ranks in buckets of about `bucket_bytes`: one all-reduce
+    per bucket rather than per parameter (a BERT-base has ~200 parameters, a few buckets), as
+    torch's DDP module does. Each bucket is copied into a flat buffer, allocated by `allocate`
+    before the sum (where the ranks agree that it fit: see _reserve_step_memory) and freed
+    after it. 0: one all-reduce per parameter, in place. The sums are the same, element by
+    element."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, bucket_bytes: int) -> None:
+        self.device = device
+        self.buckets: list[list[torch.nn.Parameter]] = []
+        size = 0  # bytes in the last bucket
+        for param in (p for p in model.parameters() if p.requires_grad):
+            nbytes = param.numel() * param.element_size()
+            last = self.buckets[-1] if self.buckets else None
+            if last and last[0].dtype == param.dtype and size + nbytes <= bucket_bytes:
+                last.append(param)
+                size += nbytes
+            else:
+                self.buckets.append([param])
+                size = nbytes
+        self.flat_numel: dict[torch.dtype, int] = {}  # per dtype: its largest shared bucket
+        for bucket in (b for b in self.buckets if len(b) > 1):
+            numel, dtype = sum(p.numel() for p in bucket), bucket[0].dtype
+            self.flat_numel[dtype] = max(numel, self.flat_numel.get(dtype, 0))
+        self.flat: dict[torch.dtype, torch.Tensor] = {}
+
+    def flat_bytes(self) -> int:
+        return sum(flat.numel() * flat.element_size() for flat in self.flat.values())
+
+    def allocate(self) -> None:
+        """The flat buffers of the next sum (an OOM here changes nothing)."""
+        for dtype, numel in self.flat_numel.items():
+            if dtype not in self.flat:
+                self.flat[dtype] = torch.empty(numel, dtype=dtype, device=self.device)
+
+    def sum(self) -> None:
+        """Every gradient summed over the ranks, in place. A parameter without a gradient is
+        left out, as the optimizer leaves it; it has none on any rank (the same model and
+        code on each), so every rank makes the same all-reduces."""
+        for bucket in self.buckets:
+            grads = [p.grad for p in bucket if p.grad is not None]
+            if len(grads) == 1:
+                dist.all_reduce(grads[0], op=dist.ReduceOp.SUM)
+            if len(grads) <= 1:
+                continue
+            flat = self.flat[grads[0].dtype]
+            offsets = [0]
+            for grad in grads:
+                offsets.append(offsets[-1] + grad.numel())
+                flat[offsets[-2] : offsets[-1]].copy_(grad.reshape(-1))
+            dist.all_reduce(flat[: offsets[-1]], op=dist.ReduceOp.SUM)
+            for grad, start, end in zip(grads, offsets, offsets[1:], strict=False):
+                grad.copy_(flat[start:end].view_as(grad))
+        self.flat = {}  # the optimizer step may use the memory
+
+
+class OptimizerStepOutOfMemory(Exception):
+    """A rank ran out of memory midway through an optimizer step: the ranks' weights may
+    differ, so the run cannot go on (every rank raises it; the retry resumes)."""
 
 
 class DistributedTrainer(Trainer):
@@ -99,9 +176,10 @@ class DistributedTrainer(Trainer):
     the gradients summed, in place (an all-reduce that allocates nothing). The price is the
     overlap of that all-reduce with the backward (bench/distributed_scaling.py measures it).
 
-    Evaluation runs on rank 0 only, on the whole evaluation split, while the others wait: its
-    metrics are exactly the one-process metrics (no padding or duplicated examples from a
-    split), and the pruner, the trackers and the checkpoint all live there."""
+    Evaluation is shared: rank r evaluates batches r, r + world size, ... of the one-process
+    evaluation batches, and the main rank adds their outputs up in the one-process order, so
+    its metrics are exactly the one-process metrics (no padded or repeated example, the same
+    float sums); the pruner, the trackers and the checkpoint live there."""
 
     def __init__(
         self,
@@ -114,13 +192,21 @@ class DistributedTrainer(Trainer):
         self.group = group  # first: the base class sets the physical batch, which reads it
         self._step_indices = np.zeros(0, dtype=np.int64)
         self._rank_rngs: list[Any] = []
+        self.optimizer_steps_taken = 0  # in this process (a test hook counts them)
+        self._faults_raised: set[int] = set()
         super().__init__(job, data, metric, user_metrics)
         self._broadcast_weights()
-        if group.rank:  # dropout masks of their own; rank 0 draws as one process would
-            torch.manual_seed(self.cfg.seed + group.rank)
+        # Never larger than the optimizer's temporaries (the buffer is free before the step):
+        # bucketing then costs no memory at the step's peak, unless the optimizer is fused.
+        bucket_bytes = int(float(os.environ.get(BUCKET_MB_ENV) or 25) * 2**20)
+        temporaries = optimizer_temporary_bytes(self.optimizer)
+        bucket_bytes = min(bucket_bytes, temporaries) if temporaries else bucket_bytes
+        self.gradients = GradientBuckets(self.model, self.device, bucket_bytes)
+        if not group.is_main:  # dropout masks of their own; the main draws as one process would
+            torch.manual_seed(self.cfg.seed + 1 + group.rank)
 
     def _broadcast_weights(self) -> None:
-        """Rank 0's weights on every rank: a model factory may not seed its init."""
+        """The main rank's weights on every rank: a model factory may not seed its init."""
         self.group.broadcast_weights(self.model)
 
     # -- the share of each step ----------------------------------------------------------------
@@ -178,8 +264,9 @@ class DistributedTrainer(Trainer):
 
     def _try_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor | None:
         """The whole step's loss (summed over the ranks), or None when any rank ran out of
-        memory. After each forward and each backward the ranks agree whether one failed, so all
-        of them drop the step together and redo it at half the micro-batch."""
+        memory. After each forward and each backward, and before the optimizer step, the ranks
+        agree whether one failed, so all of them drop the step together and redo it at half
+        the micro-batch."""
         weights = [1.0 if len(part) else 0.0 for part in self._rank_parts(self._step_indices)]
         units = self._step_units(micro_batches, weights)
         total = torch.zeros((), device=self.device)
@@ -192,9 +279,45 @@ class DistributedTrainer(Trainer):
             if self.group.any(done is None):
                 return None
             total += loss.detach()
-        self.group.sum_gradients(self.model)
-        optimizer_step(self.model, self.optimizer, self.cfg, self.scaler)
+        if self.group.any(none_on_oom(self._reserve_step_memory) is None):
+            return None
+        self.gradients.sum()
+        self._optimizer_step()
         return self.group.sum(total)
+
+    def _reserve_step_memory(self) -> bool:
+        """Allocate the gradient buckets, and (then free) what the optimizer step will, so
+        that a rank short of memory fails here, before any weight changed, rather than midway
+        through the update (its weights and AdamW state then half updated, unlike the other
+        ranks') or in an all-reduce the others have joined."""
+        self.gradients.flat = {}  # a failed attempt's, if any
+        self.gradients.allocate()
+        step = self.optimizer_steps_taken + 1
+        if step not in self._faults_raised and optimizer_oom_due(step):
+            self._faults_raised.add(step)
+            raise torch.OutOfMemoryError(f"CUDA out of memory (test hook: optimizer step {step})")
+        # The buckets are freed before the step: it may reuse their memory.
+        size = optimizer_step_bytes(self.optimizer) - self.gradients.flat_bytes()
+        if size > 0:  # freed at once; CUDA's caching allocator keeps the block for the step
+            torch.empty(size, dtype=torch.uint8, device=self.device)
+        return True
+
+    def _update(self) -> bool:
+        optimizer_step(self.model, self.optimizer, self.cfg, self.scaler)
+        return True
+
+    def _optimizer_step(self) -> None:
+        """The update; an OOM in it still (the reservation fell short) fails every rank
+        together with the reason: the ranks' weights may differ from here on, so the retry
+        resumes from the last checkpoint."""
+        done = none_on_oom(self._update)
+        if self.group.any(done is None):
+            failed_ranks = self.group.gather(done is None)  # every rank asks: they all failed
+            raise OptimizerStepOutOfMemory(
+                f"out of memory inside the optimizer step on rank {failed_ranks.index(True)}, "
+                "after the memory for it was reserved: the ranks' weights may differ"
+            )
+        self.optimizer_steps_taken += 1
 
     def _step_units(
         self, micro_batches: list[dict[str, torch.Tensor]], weights: list[float]
@@ -219,6 +342,27 @@ class DistributedTrainer(Trainer):
     def _backward(self, loss: torch.Tensor) -> bool:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         return True
+
+    # -- evaluation, shared ----------------------------------------------------------------------
+
+    def _evaluation_share(self) -> tuple[int, int]:
+        return self.group.rank, self.group.world_size
+
+    def evaluate(self) -> dict[str, float]:
+        """Every rank evaluates its share (an OOM on any rank halves the batch on all, and the
+        pass starts over); the metrics, on the main rank ({} on the others)."""
+        evaluator, model = self.evaluator, self._evaluation_model()
+        while True:
+            found = none_on_oom(functools.partial(evaluator.share_outputs, model))
+            if not self.group.any(found is None):
+                break
+            evaluator.halve_after_oom()
+        shares = self.group.gather(found)
+        if not self.group.is_main:
+            return {}
+        ranks = self.group.world_size
+        ordered = [shares[i % ranks][i // ranks] for i in range(evaluator.batch_count)]
+        return metrics_of(ordered, self.device, self.task, self.data.label_names, self.user_metrics)
 
     # -- decisions on rank 0, followed by every rank -------------------------------------------
 
@@ -247,8 +391,10 @@ class DistributedTrainer(Trainer):
         checkpoints: CheckpointStore | None = None,
     ) -> None:
         self._rank_rngs = self.group.gather(rng_state())  # for a checkpoint written now
-        if self.group.is_main:
+        if self.group.is_main:  # it evaluates (with the others) and decides
             super()._evaluate(run, on_evaluation, checkpoints)
+        else:
+            self.evaluate()
         self._follow_main(run)
 
     def _resume(

@@ -179,6 +179,12 @@ class ShardedTrainer(DistributedTrainer):
 
     # -- evaluations, with every rank -----------------------------------------------------------
 
+    def _evaluation_share(self) -> tuple[int, int]:
+        return 0, 1  # every batch on every rank: each forward gathers the weights from all
+
+    def evaluate(self) -> dict[str, float]:
+        return Trainer.evaluate(self)  # not DDP's split evaluation (see _evaluation_share)
+
     def _evaluate(
         self,
         run: Progress,

@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -29,11 +30,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from hpo.trainer import device as dev
-from hpo.trainer.batch_finder import BatchSearch, NoPhysicalBatchFits, resolve_physical_batch
 from hpo.trainer.checkpoint import CheckpointStore
 from hpo.trainer.config import TrainJob
 from hpo.trainer.data import PreparedData
@@ -42,16 +42,23 @@ from hpo.trainer.errors import DeviceError
 from hpo.trainer.evaluation import Evaluation
 from hpo.trainer.fsdp import ShardedTrainer
 from hpo.trainer.loop import OnEvaluation, OnProgress, ShouldStop
-from hpo.trainer.memory import OutOfMemoryAtBatchOne, simulated_budget
+from hpo.trainer.memory import simulated_budget
+from hpo.trainer.nodes import NodePlace, node_place
+from hpo.trainer.rank_batch import RankBatchCache, agreed_physical_batch
+from hpo.trainer.rank_failures import RankFailed, RankWords, cause, last_words
 from hpo.trainer.result import TrainResult
 from hpo.trainer.user_metrics import UserMetrics
 
 log = logging.getLogger(__name__)
 
-# How long a collective may wait for a slow rank before it fails: rank 0 evaluates alone while
-# the others wait, and a large evaluation split takes minutes. A rank that dies is noticed by
-# the launcher at once, whatever this says.
+# How long a collective may wait for a slow rank before it fails: the others wait while the
+# main rank reports, prunes and writes a checkpoint, which can take minutes. A rank that dies
+# is noticed by the launcher at once, whatever this says.
 COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
+# Across hosts: how long the first host's rendezvous waits for the others to join (seconds).
+RDZV_JOIN_TIMEOUT_S = int(os.environ.get("HPO_RDZV_JOIN_TIMEOUT_S", "600"))
+# A host that follows ends once no trial started for this long (seconds): the first is done.
+FOLLOW_IDLE_S = float(os.environ.get("HPO_FOLLOW_IDLE_S", "600"))
 # How often the launching process looks at rank 0's pipe (seconds).
 RELAY_POLL_S = 0.05
 _PR_SET_PDEATHSIG = 1
@@ -70,11 +77,6 @@ logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
 )
 
 
-class RankFailed(Exception):
-    """A rank of the run ended without finishing it: killed, crashed, or it raised; the
-    message names the rank and what the launcher saw (its exit code or its error)."""
-
-
 @dataclass(frozen=True)
 class CheckpointPlace:
     """Where rank 0 writes the run's checkpoints and every rank reads one to resume (a
@@ -86,17 +88,27 @@ class CheckpointPlace:
 
 
 @dataclass
-class RankJob:
-    """What every rank is started with; it pickles (a spawned rank receives it)."""
+class TrialWork:
+    """The run every rank trains: the leading host has it, and its rank 0 sends it to the
+    ranks of the other hosts (a trial across hosts)."""
 
     job: TrainJob
     data: PreparedData
     metric: str | None
     user_metrics: UserMetrics | None
     checkpoints: CheckpointPlace | None
+
+
+@dataclass
+class RankJob:
+    """What every rank is started with; it pickles (a spawned rank receives it)."""
+
+    work: TrialWork | None  # None on a host that follows: the run comes from the main rank
+    device: str  # training.device
     cpu_threads: int  # each rank's share of this process's CPU threads
-    # Each rank's line to the launching process (by rank): it says its pid when it starts and
-    # how it ended (its error, or done); rank 0's also carries the run's callbacks.
+    # Each rank's line to the launching process (by local rank): it says its pid when it
+    # starts and how it ended (its error, or done); local rank 0's on the leading host, the
+    # main rank, also carries the run's callbacks.
     conns: list[Connection]
 
 
@@ -109,54 +121,151 @@ def train_distributed(
     should_stop: ShouldStop | None = None,
     on_progress: OnProgress | None = None,
     user_metrics: UserMetrics | None = None,
+    batch_cache: RankBatchCache | None = None,
 ) -> TrainResult:
     """hpo.trainer.loop.train across `job.training.world_size` ranks: the same arguments and
-    result (rank 0's). Raises OutOfMemoryAtBatchOne when one example fits on no rank, rank 0's
+    result (rank 0's); `batch_cache`: the study's, for `physical_batch_size: auto`. Raises
+    OutOfMemoryAtBatchOne when one example fits on no rank, rank 0's
     own error when it raised, and RankFailed when another rank ended the run."""
-    world_size = job.training.world_size
+    local_ranks = job.training.ranks_per_node
     device = dev.resolve_device(job.training.device)
-    if device.type == "cuda" and torch.cuda.device_count() < world_size:
+    _check_gpus(device, local_ranks)
+    nodes = _node_place(job)
+    if nodes is not None and not nodes.leads:
         raise DeviceError(
-            f"training.distributed.gpus_per_trial is {world_size} but this process sees "
-            f"{torch.cuda.device_count()} GPUs; give each worker that many (hpo run --gpus)"
+            f"this host is node {nodes.node_rank} of a trial across hosts: only node 0 runs "
+            "trials, the others follow them (hpo run does, given the same config)"
         )
-    pipes = [multiprocessing.Pipe() for _ in range(world_size)]
+    pipes = [multiprocessing.Pipe() for _ in range(local_ranks)]
     here, there = [pipe[0] for pipe in pipes], [pipe[1] for pipe in pipes]
     place = None
     if checkpoints is not None:
         place = CheckpointPlace(checkpoints.directory, checkpoints.resume, checkpoints.interval_s)
-    threads = max(1, torch.get_num_threads() // world_size)
-    rank_job = RankJob(job, data, metric, user_metrics, place, threads, there)
-    relay = _Relay(here[0], on_evaluation, should_stop, on_progress, checkpoints)
+    threads = max(1, torch.get_num_threads() // local_ranks)
+    work = TrialWork(job, data, metric, user_metrics, place)
+    rank_job = RankJob(work, job.training.device, threads, there)
+    relay = _Relay(here[0], on_evaluation, should_stop, on_progress, checkpoints, batch_cache)
     # The launcher's error files, read once the ranks are down; gone with the run.
     with tempfile.TemporaryDirectory(prefix="hpo-ranks-") as logs:
-        launch = _Launch(_launch_config(world_size, device, Path(logs)), rank_job)
+        launch = _Launch(_launch_config(local_ranks, device, Path(logs), nodes), rank_job)
         launch.start()
         while launch.is_alive():
             relay.serve(RELAY_POLL_S)
         relay.serve(0)  # anything rank 0 sent just before it ended
-    words = [relay.words, *(_last_words(conn) for conn in here[1:])]
+    words = [relay.words, *(last_words(conn) for conn in here[1:])]
     for conn in (*here, *there):
         conn.close()
     return launch.result(words)
 
 
-def _launch_config(world_size: int, device: torch.device, logs: Path) -> LaunchConfig:
-    """One node, `world_size` ranks, no restart (a failed run is the trial's to retry, from
-    its checkpoint), a rendezvous on a free local port. Ranks are forked on the CPU (fast, and
-    this process holds no CUDA context); spawned for GPUs, as torchrun does."""
+def _node_place(job: TrainJob) -> NodePlace | None:
+    """This host's place in a trial across hosts; None for a trial on one host."""
+    settings = job.training.distributed
+    return node_place(settings.nodes) if settings is not None and settings.nodes > 1 else None
+
+
+def follow_trials(
+    ranks_per_node: int,
+    device_name: str,
+    nodes: NodePlace,
+    stopping: Callable[[], bool],
+    idle_s: float = FOLLOW_IDLE_S,
+) -> int:
+    """A host that follows (node rank above 0): this host's ranks join each trial that the
+    first host starts, until `stopping()` (checked between trials, and while waiting for one)
+    or no trial came for `idle_s` after the last (the first host is done; before the first,
+    it may still be preparing the data: RDZV_JOIN_TIMEOUT_S). Returns how many trials it
+    trained; a trial that failed is the first host's to report."""
+    device = dev.resolve_device(device_name)
+    _check_gpus(device, ranks_per_node)
+    followed, last_at = 0, time.monotonic()
+
+    def done() -> bool:
+        waited = time.monotonic() - last_at
+        return stopping() or waited > (idle_s if followed else max(idle_s, RDZV_JOIN_TIMEOUT_S))
+
+    while not done():
+        if _follow_one(ranks_per_node, device, device_name, nodes, done):
+            followed, last_at = followed + 1, time.monotonic()
+    return followed
+
+
+def _follow_one(
+    local_ranks: int,
+    device: torch.device,
+    device_name: str,
+    nodes: NodePlace,
+    stopping: Callable[[], bool],
+) -> int:
+    """One trial's ranks on this host: 1 once trained, 0 when none came (the rendezvous
+    closed, timed out, or a stop while waiting) or it failed."""
+    pipes = [multiprocessing.Pipe() for _ in range(local_ranks)]
+    here, there = [pipe[0] for pipe in pipes], [pipe[1] for pipe in pipes]
+    threads = max(1, torch.get_num_threads() // local_ranks)
+    with tempfile.TemporaryDirectory(prefix="hpo-ranks-") as logs:
+        config = _launch_config(local_ranks, device, Path(logs), nodes)
+        launch = _Launch(config, RankJob(None, device_name, threads, there))
+        launch.start()
+        started = False
+        while launch.is_alive():
+            launch.join(RELAY_POLL_S)
+            started = started or any(conn.poll(0) for conn in here)
+            if not started and stopping():
+                return 0  # only waiting: the launcher's thread ends with this process
+    words = [last_words(conn) for conn in here]
+    for conn in (*here, *there):
+        conn.close()
+    if launch.failure is None:
+        return 1
+    if any(w.pid is not None for w in words):
+        log.warning("a trial followed failed: %s", cause(words, launch.failure))
+    else:  # the last trial's rendezvous, closed; or no trial within the join timeout
+        log.debug("no trial to follow yet: %s", launch.failure)
+        time.sleep(1.0)
+    return 0
+
+
+def _check_gpus(device: torch.device, local_ranks: int) -> None:
+    if device.type == "cuda" and torch.cuda.device_count() < local_ranks:
+        raise DeviceError(
+            f"training.distributed.gpus_per_trial is {local_ranks} but this process sees "
+            f"{torch.cuda.device_count()} GPUs; give each worker that many (hpo run --gpus)"
+        )
+
+
+def _launch_config(
+    local_ranks: int, device: torch.device, logs: Path, nodes: NodePlace | None = None
+) -> LaunchConfig:
+    """`local_ranks` ranks on this host, no restart (a failed run is the trial's to retry,
+    from its checkpoint). One host: a rendezvous on a free local port. Several: the one the
+    first host serves at `nodes.endpoint`, which every host of the trial joins. Ranks are forked
+    on the CPU (fast, and this process holds no CUDA context); spawned for GPUs, as torchrun
+    does."""
+    count = nodes.nodes if nodes is not None else 1
     return LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=world_size,
-        run_id=f"hpo-{uuid.uuid4().hex[:12]}",
+        min_nodes=count,
+        max_nodes=count,
+        nproc_per_node=local_ranks,
+        # One name for every trial across hosts (the hosts that follow cannot learn a new one):
+        # each trial's rendezvous lives in a store of its own, served by its trial process.
+        run_id="hpo-trial" if nodes is not None else f"hpo-{uuid.uuid4().hex[:12]}",
         rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
+        rdzv_endpoint=nodes.endpoint if nodes is not None else "127.0.0.1:0",
+        rdzv_configs=_rendezvous_settings(nodes),
+        local_addr=nodes.local_addr if nodes is not None else None,
         max_restarts=0,
         monitor_interval=0.1,
         start_method="fork" if device.type == "cpu" else "spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(logs)),
     )
+
+
+def _rendezvous_settings(nodes: NodePlace | None) -> dict[str, Any]:
+    """Across hosts, the first serves the rendezvous and waits RDZV_JOIN_TIMEOUT_S for the
+    others (they may still be finishing the last trial, or loading torch)."""
+    if nodes is None:
+        return {}
+    return {"is_host": nodes.leads, "join_timeout": RDZV_JOIN_TIMEOUT_S}
 
 
 class _Launch(threading.Thread):
@@ -180,97 +289,12 @@ class _Launch(threading.Thread):
         """Rank 0's result; or why the run ended (see _cause)."""
         failure = self.failure
         if failure is not None or words[0].error is not None:
-            raise _cause(words, failure)
-        result = (self.results or {}).get(0)
-        if not isinstance(result, TrainResult):
+            raise cause(words, failure)
+        # The main rank's (local rank 0 here); the others return None.
+        found = [r for r in (self.results or {}).values() if isinstance(r, TrainResult)]
+        if not found:
             raise RankFailed("rank 0 returned no result")
-        return result
-
-
-@dataclass
-class RankWords:
-    """What one rank said of itself: its pid, and how it ended (None: it never said)."""
-
-    pid: int | None = None
-    ended: bool = False
-    error: BaseException | None = None
-
-    def record(self, message: tuple[Any, ...]) -> None:
-        if message[0] == "started":
-            self.pid = message[1]
-        elif message[0] == "ended":
-            self.ended = True
-        elif message[0] == "error":
-            self.error, self.ended = message[1], True
-
-
-def _last_words(conn: Connection) -> RankWords:
-    words = RankWords()
-    try:
-        while conn.poll(0):
-            words.record(conn.recv())
-    except (EOFError, OSError):
-        pass
-    return words
-
-
-def _cause(words: list[RankWords], failure: BaseException | None) -> BaseException:
-    """The error that says why the run ended (see _Launch.result). A rank's own error (not a
-    collective that failed for want of a peer) first: rank 0's as it was raised. Then a rank
-    that died without a word, preferring one the launcher saw killed by a signal other than its
-    own SIGTERM (which it sends the ranks left once one failed)."""
-    own = [(r, w.error) for r, w in enumerate(words) if w.error and not _lost_a_peer(w.error)]
-    if own:
-        rank, error = own[0]
-        # Out of memory is the configuration's, whichever rank hit it (a sharded step cannot
-        # be redone): raised as it was, so the trial is pruned rather than retried.
-        if (rank == 0 or isinstance(error, OutOfMemoryAtBatchOne)) and error is not None:
-            return error
-        return RankFailed(f"rank {rank} (pid {words[rank].pid}): {type(error).__name__}: {error}")
-    reported = failure.failures if isinstance(failure, ChildFailedError) else {}
-    silent = [r for r, w in enumerate(words) if w.pid is not None and not w.ended]
-    silent.sort(key=lambda r: 0 if _killed_by(reported.get(r)) not in (None, "SIGTERM") else 1)
-    if silent:
-        rank = silent[0]
-        signal_name = _killed_by(reported.get(rank))
-        how = (
-            f"was killed by {signal_name}"
-            if signal_name is not None
-            else "ended without an error of its own (killed by a signal, or crashed)"
-        )
-        return RankFailed(f"rank {rank} (pid {words[rank].pid}) {how}")
-    if isinstance(failure, ChildFailedError):
-        return RankFailed(_failure_text(failure))
-    if words[0].error is not None:
-        return words[0].error
-    return RankFailed(f"the launcher failed: {failure}")
-
-
-def _killed_by(failure: Any) -> str | None:
-    """The signal that ended a rank as the launcher saw it, if one did."""
-    if failure is None or failure.exitcode >= 0:
-        return None
-    name = failure.signal_name()
-    return name if isinstance(name, str) and name != "<N/A>" else None
-
-
-def _lost_a_peer(error: BaseException) -> bool:
-    """Whether a rank's error is a collective that failed because another rank is gone (gloo
-    and NCCL raise RuntimeError, newer torch a DistError), not a cause of its own."""
-    return type(error) is RuntimeError or isinstance(error, dist.DistError)
-
-
-def _failure_text(error: ChildFailedError) -> str:
-    """The first rank that failed as the launcher saw it: its signal or exit code, and its
-    error's text."""
-    rank, failure = error.get_first_failure()
-    signal_name = failure.signal_name()
-    if failure.exitcode < 0 and signal_name != "<N/A>":
-        return f"rank {rank} (pid {failure.pid}) was killed by {signal_name}"
-    message = failure.message
-    said = message.get("message", "") if isinstance(message, dict) else ""
-    text = f"rank {rank} (pid {failure.pid}) exited with code {failure.exitcode}"
-    return f"{text}: {str(said).strip()[:500]}" if said else text
+        return found[0]
 
 
 class _Relay:
@@ -285,8 +309,9 @@ class _Relay:
         should_stop: ShouldStop | None,
         on_progress: OnProgress | None,
         checkpoints: CheckpointStore | None,
+        batch_cache: RankBatchCache | None = None,
     ) -> None:
-        self.conn = conn
+        self.conn, self.batch_cache = conn, batch_cache
         self.on_evaluation, self.should_stop = on_evaluation, should_stop
         self.on_progress, self.checkpoints = on_progress, checkpoints
         self.words = RankWords()  # what rank 0 said of itself
@@ -315,9 +340,21 @@ class _Relay:
             self.on_progress(message[1])
         elif kind == "saved":
             self._saved(message[1], message[2], message[3])
+        elif kind.startswith("batch_"):
+            self._batch_cache(kind, message[1:])
         elif kind in ("started", "ended", "error"):
             if self.words.error is None or kind == "started":
                 self.words.record(message)
+
+    def _batch_cache(self, kind: str, args: tuple[Any, ...]) -> None:
+        """The main rank asks the study's cache (none: nothing cached, nothing kept)."""
+        cache = self.batch_cache
+        if kind == "batch_get":
+            self.conn.send(cache.get(*args) if cache is not None else None)
+        elif kind == "batch_record":
+            self.conn.send(cache.record(*args) if cache is not None else args[1])
+        elif kind == "batch_lower" and cache is not None:
+            cache.lower(*args)
 
     def _saved(self, kind: str, path: Path, seconds: float) -> None:
         """Rank 0 wrote a checkpoint: this process's store says what writing cost so far (the
@@ -352,6 +389,19 @@ class _RankRelay:
     def saved(self, kind: str, path: Path, seconds: float) -> None:
         self.conn.send(("saved", kind, path, seconds))
 
+    # The study's batch-size cache (trainer.rank_batch.RankBatchCache), which the trial has.
+    def get(self, key: dict[str, Any]) -> int | None:
+        self.conn.send(("batch_get", key))
+        size: int | None = self.conn.recv()
+        return size
+
+    def record(self, key: dict[str, Any], physical_batch_size: int, search: dict[str, Any]) -> int:
+        self.conn.send(("batch_record", key, physical_batch_size, search))
+        return int(self.conn.recv())
+
+    def lower(self, key: dict[str, Any], physical_batch_size: int) -> None:
+        self.conn.send(("batch_lower", key, physical_batch_size))
+
 
 def _say(conn: Connection, *message: Any) -> None:
     """Tell the launching process how this rank is doing; never raises (it may be gone)."""
@@ -372,7 +422,7 @@ def rank_main(rank_job: RankJob) -> TrainResult | None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = dev.resolve_device(rank_job.job.training.device)
+    device = dev.resolve_device(rank_job.device)
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
@@ -380,11 +430,13 @@ def rank_main(rank_job: RankJob) -> TrainResult | None:
         torch.set_num_threads(rank_job.cpu_threads)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
-    conn = rank_job.conns[rank]
+    conn = rank_job.conns[int(os.environ["LOCAL_RANK"])]
     _say(conn, "started", os.getpid())
-    relay = _RankRelay(conn) if rank == 0 else None
     try:
-        result = _train_rank(rank_job, RankGroup(rank, world_size, device), relay)
+        work, main = _shared_work(rank_job, rank)
+        group = RankGroup(rank, world_size, device, main)
+        relay = _RankRelay(conn) if group.is_main else None
+        result = _train_rank(work, group, relay)
     except Exception as e:
         _say(conn, "error", e)
         raise
@@ -394,19 +446,33 @@ def rank_main(rank_job: RankJob) -> TrainResult | None:
     return result
 
 
-def _train_rank(
-    rank_job: RankJob, group: RankGroup, relay: _RankRelay | None
-) -> TrainResult | None:
-    job, data = rank_job.job, rank_job.data
+def _shared_work(rank_job: RankJob, rank: int) -> tuple[TrialWork, int]:
+    """The run, on every rank, and the main rank: local rank 0 of the leading host (the one
+    with the work and the line to the trial process), which sends the work to the ranks of the
+    hosts that follow. On one host, rank 0, and nothing sent."""
+    leads = rank_job.work is not None and os.environ["LOCAL_RANK"] == "0"
+    main = RankGroup.leading_rank(leads)
+    box = [rank_job.work if rank == main else None]
+    if int(os.environ["LOCAL_WORLD_SIZE"]) < int(os.environ["WORLD_SIZE"]):
+        dist.broadcast_object_list(box, src=main)
+    work = box[0] if box[0] is not None else rank_job.work
+    if work is None:
+        raise RankFailed("the leading host sent no run")
+    return work, main
+
+
+def _train_rank(work: TrialWork, group: RankGroup, relay: _RankRelay | None) -> TrainResult | None:
+    job, data = work.job, work.data
     training = dataclasses.replace(job.training, device=str(group.device))
     job = dataclasses.replace(job, training=training)
-    size, search = agreed_physical_batch(job, data, group)
+    batch = agreed_physical_batch(job, data, group, relay)
+    size = batch.size
     job = dataclasses.replace(job, training=dataclasses.replace(training, physical_batch_size=size))
-    store = _rank_store(rank_job.checkpoints, relay)
+    store = _rank_store(work.checkpoints, relay)
     with simulated_budget(group.device):
         sharded = training.distributed is not None and training.distributed.strategy == "fsdp"
         kind = ShardedTrainer if sharded else DistributedTrainer
-        trainer = kind(job, data, group, rank_job.metric, rank_job.user_metrics)
+        trainer = kind(job, data, group, work.metric, work.user_metrics)
         if relay is not None:
             trainer.on_progress = relay.progress
             log.info(
@@ -424,7 +490,9 @@ def _train_rank(
         should_stop = relay.should_stop if relay is not None else None
         result = trainer.fit(on_evaluation, store, should_stop)
     result.fit_started_at = fit_started_at
-    result.batch_search = search
+    result.batch_search, result.batch_source = batch.search, batch.source
+    if relay is not None and batch.key is not None and result.oom_recoveries:
+        relay.lower(batch.key, result.physical_batch_size)  # what fits, for the next trial
     return result if group.is_main else None
 
 
@@ -437,26 +505,6 @@ def _rank_store(place: CheckpointPlace | None, relay: _RankRelay | None) -> Chec
     if relay is not None:
         store.on_saved = lambda kind, path: relay.saved(kind, path, store.seconds)
     return store
-
-
-def agreed_physical_batch(
-    job: TrainJob, data: PreparedData, group: RankGroup
-) -> tuple[int, BatchSearch | None]:
-    """The physical batch every rank trains with: each finds its own (configured, or searched
-    on its device), and the smallest wins. Raises OutOfMemoryAtBatchOne on every rank when one
-    example does not fit on some rank."""
-    try:
-        batch = resolve_physical_batch(job, data.label_names, group.device)
-        size, search = batch.size, batch.search
-    except NoPhysicalBatchFits as e:
-        size, search = 0, e.batch.search
-    agreed = group.min(size)
-    if agreed == 0:
-        raise OutOfMemoryAtBatchOne(
-            f"not even 1 example at max_length {job.data.max_length} fits in memory on every "
-            f"one of the {group.world_size} ranks"
-        )
-    return agreed, search
 
 
 def _die_with_the_launcher() -> None:

@@ -143,7 +143,12 @@ class Trainer:
             self.device,
             self.precision,
             self.user_metrics,
+            self._evaluation_share(),
         )
+
+    def _evaluation_share(self) -> tuple[int, int]:
+        """(rank, ranks) of the evaluation batches this process evaluates: all of them here."""
+        return 0, 1
 
     def _metric_and_direction(self, metric: str | None) -> tuple[str, Direction]:
         """The metric that picks the best evaluation (the task's default, else the study's),
@@ -231,8 +236,11 @@ class Trainer:
         """Metrics on the evaluation split; an OOM halves the evaluation batch and starts over.
         A model compiled whole into CUDA graphs evaluates uncompiled: a graph's outputs are
         overwritten by its next replay, and evaluation keeps every batch's outputs."""
+        return self.evaluator(self._evaluation_model())
+
+    def _evaluation_model(self) -> torch.nn.Module:
         graphed_whole = self.graphed and self.forward_model is not self.model
-        return self.evaluator(self.model if graphed_whole else self.forward_model)
+        return self.model if graphed_whole else self.forward_model
 
     def is_evaluation_step(self, step: int) -> bool:
         return is_evaluation_step(

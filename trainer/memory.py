@@ -21,6 +21,10 @@ BUDGET_ENV = "HPO_TEST_MEMORY_BUDGET_BYTES"
 # Tests only, with BUDGET_ENV: the budget holds on this rank of a distributed run alone (the
 # launcher sets RANK), so one rank runs out of memory while the others would not.
 BUDGET_RANK_ENV = "HPO_TEST_MEMORY_BUDGET_RANK"
+# Tests only: optimizer step N (1-based, counted in this process) of a distributed run runs out
+# of memory once, before it changes anything, on the rank BUDGET_RANK_ENV names (every rank
+# without it).
+OPTIMIZER_OOM_ENV = "HPO_TEST_OPTIMIZER_OOM_AT_STEP"
 # The part of its GPU's memory this worker may use, when several workers share one GPU
 # (`hpo run --workers-per-gpu N` sets 1/N for each): a number in (0, 1].
 
@@ -137,6 +141,13 @@ def budget_from_env() -> int | None:
     if only_rank is not None and only_rank != os.environ.get("RANK"):
         return None
     return int(int(value) * memory_share()) if value else None
+
+
+def optimizer_oom_due(step: int) -> bool:
+    """Whether the test hook OPTIMIZER_OOM_ENV fails optimizer step `step` on this rank."""
+    value = os.environ.get(OPTIMIZER_OOM_ENV)
+    only_rank = os.environ.get(BUDGET_RANK_ENV)
+    return value == str(step) and only_rank in (None, os.environ.get("RANK"))
 
 
 @contextlib.contextmanager

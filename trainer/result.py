@@ -34,6 +34,7 @@ class TrainResult:
     metric: str
     oom_recoveries: int = 0
     batch_search: BatchSearch | None = None
+    batch_source: str | None = None  # a run across ranks: config, search or cache
     resumed_at_step: int | None = None
     checkpoint_errors: list[str] = field(default_factory=list)
     first_step_at: float | None = None  # wall clock (time.time()) after the first step

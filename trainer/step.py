@@ -136,6 +136,32 @@ def optimizer_step(
     optimizer.zero_grad(set_to_none=not keep_grads)
 
 
+def optimizer_step_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """About the memory the next AdamW step allocates: two state tensors for each parameter
+    that has none yet (its first step), and its temporaries (optimizer_temporary_bytes)."""
+    state = sum(
+        2 * _nbytes(param)
+        for group in optimizer.param_groups
+        for param in group["params"]
+        if param.requires_grad and not optimizer.state.get(param)
+    )
+    return state + optimizer_temporary_bytes(optimizer)
+
+
+def optimizer_temporary_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """What an AdamW step allocates for the time of the step: none when fused; with foreach,
+    temporaries as large as the parameters of one group (its square roots and quotients),
+    the largest group's."""
+    if any(group.get("fused") for group in optimizer.param_groups):
+        return 0
+    sizes = [sum(_nbytes(p) for p in group["params"]) for group in optimizer.param_groups]
+    return max(sizes, default=0)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
 def allocate_grads(model: torch.nn.Module) -> None:
     """Give every trainable parameter a zero gradient of its own, kept from step to step.
 

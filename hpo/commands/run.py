@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpo import live, tracking
+from hpo.commands.follow import follow, following_place
 from hpo.commands.requests import RunRequest
 from hpo.config.budget import budget_problems
 from hpo.config.loader import DEMO_CONFIG, load_config, parse_config, with_entrypoint
@@ -49,10 +50,14 @@ class RunOutcome:
     exit_code: int
     where: str | None = None
     """The study's database as a user reads it (a password masked)."""
+    followed: bool = False
+    """This host followed another host's trials (training.distributed.nodes)."""
 
 
 def run_command(request: RunRequest) -> int:
     outcome = run_study(request)
+    if outcome.followed:
+        return outcome.exit_code
     if outcome.study is not None and outcome.config is not None:
         from hpo.reports.summary import summary_lines
 
@@ -76,9 +81,15 @@ def run_study(request: RunRequest, say: Callable[[str], None] = _to_stderr) -> R
     stop = StopRequest(interrupt_at_once=True, doing=StopRequest.BEFORE_FIRST_TRIAL)
     stop.exit_on_second = not request.in_notebook
     stop.install()
-    inputs = None
+    inputs, place = None, None
     with contextlib.suppress(Interrupted):
-        inputs = worker_inputs(check_inputs(request))
+        checked = check_inputs(request)
+        place = following_place(checked.config, checked.gpus)
+        inputs = worker_inputs(checked) if place is None else None
+    if place is not None and not stop.requested:  # a host that follows: no study, no data
+        stop.interrupt_at_once = False
+        code = follow(checked.config, place, stop, say)
+        return RunOutcome(None, None, checked.config, None, stop.signal_name, code, followed=True)
     # From here a signal is only noted, never raised: the study is not left half-written. The
     # loop says "stopping the running trial" once it starts one (hpo.study.loop).
     stop.interrupt_at_once = False
@@ -478,7 +489,7 @@ def _check_gpus_per_trial(
     if device == "cpu" or device.startswith("cuda:") or os.environ.get(FAKE_GPUS_ENV):
         return  # a CPU run (gloo ranks), or cuda:N, which the device check refuses as it is
     visible = visible_gpus()  # NVML's count: this process initialises no CUDA
-    wanted = config.training.world_size
+    wanted = config.training.ranks_per_node
     if (device == "cuda" or visible) and len(visible) < wanted:
         raise ConfigError(
             [
@@ -514,7 +525,8 @@ def _worker_gpus(config: Config, spec: str | None, flag: str = "--gpus") -> list
 
     if spec is None:
         return []
-    gpus = gpu_groups(select_gpus(spec, visible_gpus(), flag), config.training.world_size, flag)
+    per_trial = config.training.ranks_per_node
+    gpus = gpu_groups(select_gpus(spec, visible_gpus(), flag), per_trial, flag)
     if not gpus:
         if spec.strip().lower() == "auto":
             log.info("no GPU visible on this host: one worker on the CPU")

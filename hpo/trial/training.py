@@ -73,7 +73,7 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
     try:
         prepared = data_for(task, job)
         ranks = job.training.world_size
-        # A run across ranks finds its batch on every rank's own device (trainer.launch).
+        # A run across ranks finds its batch on its ranks' devices (trainer.rank_batch).
         key = _resolve_physical_batch(trial, job, cache, prepared) if ranks == 1 else None
         batch_at = time.time()
         sender = EvaluationSender(trial, job.training.effective_batch_size, job.training.device)
@@ -88,6 +88,8 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
         )
         clock = TrainingClock(task.config.study.trial_timeout)
         data = with_eval_in_training(prepared) if task.full_data else prepared
+        # Across ranks, the main rank asks the study's cache itself (keyed by the world size).
+        across = {} if ranks == 1 else {"batch_cache": cache}
         result = (train if ranks == 1 else train_distributed)(
             job,
             data,
@@ -97,6 +99,7 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
             should_stop=clock.should_stop,
             on_progress=_progress_sender(trial, sender),
             user_metrics=user_metrics,
+            **across,
         )
     except MetricsFunctionError as e:
         give_up_uploads(uploader, task)
@@ -135,9 +138,9 @@ def train_trial(trial: TrialLike, task: TrialTask) -> TrialValue:
             hand_over(trial, task, store, uploader)
         raise_stopped(clock)
     record_result(trial, result)
-    if ranks > 1:  # its batch was found by the ranks (the smallest wins), not asked first
+    if ranks > 1:  # its batch: the study's cache, or the ranks' search (the smallest wins)
         trial.set_user_attr("ranks", ranks)
-        trial.set_user_attr("batch_size_source", "search" if result.batch_search else "config")
+        trial.set_user_attr("batch_size_source", result.batch_source or "config")
     # Each trial says whether it trained an adapter: a search may turn LoRA on and off.
     trial.set_user_attr(ADAPTER_ATTR, job.model.adapter_record())
     if result.first_step_at is not None and task.asked_at is not None:

@@ -499,12 +499,11 @@ def main(argv: list[str] | None = None) -> int:
         tempfile.TemporaryDirectory(prefix="hpo-bench-ensemble-") as work,
         ThreadPoolExecutor(max_workers=args.jobs) as pool,  # each job runs subprocesses
     ):
-        futures = {
-            task.name: [
-                pool.submit(one_seed, task, seed, Path(work), args) for seed in range(args.seeds)
-            ]
-            for task in tasks
-        }
+        # Seed by seed: a run cut short has every task's first seeds (each printed when done).
+        futures: dict[str, list[Any]] = {task.name: [] for task in tasks}
+        for seed in range(args.seeds):
+            for task in tasks:
+                futures[task.name].append(pool.submit(one_seed, task, seed, Path(work), args))
         results = {name: [f.result() for f in done] for name, done in futures.items()}
     print()
     for task in tasks:

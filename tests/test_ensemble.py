@@ -160,6 +160,12 @@ def test_a_label_with_one_or_two_positive_rows_is_tuned_with_no_failed_fit(
         assert len(folds) == 5
 
 
+def test_cross_validation_of_one_evaluation_row_is_refused_in_one_line() -> None:
+    one = Split({"a": np.array([[0.3, 0.7]]), "b": np.array([[0.6, 0.4]])}, np.array([1]))
+    with pytest.raises(EnsembleError, match="has 1 row"):
+        evaluate_ensemble("sequence_classification", one, learners=LR)
+
+
 def memoriser() -> Learner:
     from sklearn.neighbors import KNeighborsClassifier
 

@@ -254,6 +254,16 @@ def test_hostile_members_and_data_files_are_refused_in_one_line_before_any_predi
     assert not Path(out).exists()
 
 
+def test_a_pca_larger_than_the_features_is_said_on_the_card() -> None:
+    from hpo.commands.ensemble import _pca_notes
+
+    features = np.zeros((40, 6))  # 3 members x 2 classes
+    assert _pca_notes(4000, features) == [
+        "--pca 4000: the features have 6 columns; 6 components kept at most"
+    ]
+    assert _pca_notes(6, features) == [] == _pca_notes(None, features)
+
+
 def test_causal_lm_stacking_is_refused_in_one_line(
     tmp_path: Path,
     easy_data: tuple[Path, Path],

@@ -145,9 +145,19 @@ def _build(request: EnsembleRequest, study: Any, out: Path, fetched: Path) -> Ou
     )
     if data.test_note:
         report.notes.append(f"scored by {report.folds}-fold CV: {data.test_note}")
+    report.notes += _pca_notes(request.pca, evaluation.stack_features(list(members)))
     soup = _soup(request, members, data.task, report.metric, order, eval_rows, test_rows)
     saved = _save(out, report, members, soup, found.sources)
     return Outcome(report, out, table(report, saved, soup), saved, members)
+
+
+def _pca_notes(pca: int | None, features: np.ndarray) -> list[str]:
+    """PCA keeps at most as many components as the features have columns (and a fit rows):
+    a larger --pca is said, not refused."""
+    columns = features.shape[1]
+    if pca is None or pca <= columns:
+        return []
+    return [f"--pca {pca}: the features have {columns} columns; {columns} components kept at most"]
 
 
 def _soup(

@@ -2,8 +2,10 @@
 top K models (`study.keep_models`), scored on a held-out test split (`data.test_file`) carved
 out of the training file with a seeded split; then `hpo ensemble --top K` twice over the same
 members (the first computes every member's predictions, the second reads the feature cache) and
-once more with `--soup uniform`. Prints, per task, the medians over seeds of the best single
-member, soft voting, greedy selection, the uniform soup and stacking, all on the test split,
+once more with `--soup uniform`; then `hpo retrain --top N --seeds 1` and `hpo ensemble
+--from-retrain` over the kept models and the retrain's together (`--retrain N`). Prints, per
+task, the medians over seeds of the best single member, soft voting, greedy selection, the
+uniform soup and stacking (over the kept models, and over kept + retrain), all on the test split,
 stacking minus the best member in points, and the cached/uncached wall time of `hpo ensemble`.
 
 Everything is written to a temporary folder; nothing in the repository.
@@ -79,6 +81,10 @@ class SeedResult:
     features_s: float  # the feature stage alone, in process
     features_cached_s: float
     notes: list[str] = field(default_factory=list)
+    # The same candidates over the kept models and hpo retrain's runs together (--retrain N).
+    with_retrain: dict[str, float] = field(default_factory=dict)
+    with_retrain_members: int = 0
+    retrain_s: float = math.nan  # hpo retrain's wall time
 
 
 # -- data ----------------------------------------------------------------------------------------
@@ -200,6 +206,41 @@ def feature_stage(config: Path, members: dict[str, str], cache: Path, threads: i
         return time.perf_counter() - started
 
 
+def retrain_members(folder: Path, url: str, retrained: int, env: dict[str, str]) -> list[Path]:
+    """`hpo retrain --top N --seeds 1` of study `s`: its final model (--out) first, then the
+    other configurations' runs' kept models (the final model's own run is the same weights)."""
+    import optuna
+
+    from hpo.ensemble import weights_sha256
+
+    final = folder / "final"
+    common = ["--study", "s", "--config", str(folder / "config.yaml"), "--storage", url]
+    hpo("retrain", *common, "--top", str(retrained), "--seeds", "1", "--out", str(final),
+        "--quiet", cwd=folder, env=env)  # fmt: skip
+    names = optuna.study.get_all_study_names(storage=url)
+    study = optuna.load_study(study_name=next(n for n in names if n != "s"), storage=url)
+    runs = [Path(t.user_attrs["best_model"]) for t in study.get_trials(deepcopy=False)
+            if "best_model" in t.user_attrs]  # fmt: skip
+    sha = weights_sha256(final)
+    others = [r for r in runs if (r / "config.json").is_file() and weights_sha256(r) != sha]
+    return [final, *others]
+
+
+def candidates(made: dict[str, Any], souped: dict[str, Any] | None) -> dict[str, float]:
+    """The test-split scores an ensemble card gives each candidate."""
+    stacking = made["stacking"]
+    scores = {
+        "best member": made["best_member"]["score"],
+        "soft voting": made["soft_voting"]["score"],
+        "greedy selection": made["greedy_selection"]["score"],
+        "stacking": stacking["scores"][stacking["best_learner"]],
+        "stacking (LR)": stacking["scores"].get("logistic_regression", math.nan),
+    }
+    soup = (souped or {}).get("soup") or {}
+    scores["uniform soup"] = soup["score"] if soup.get("score") is not None else math.nan
+    return scores
+
+
 def card(folder: Path) -> dict[str, Any]:
     return json.loads((folder / "ensemble_card.json").read_text(encoding="utf-8"))
 
@@ -242,16 +283,8 @@ def one_seed(task: Task, seed: int, root: Path, args: argparse.Namespace) -> See
     timing = folder / "features-timing"
     features_s = feature_stage(config, first["members"], timing, args.threads)
     features_cached_s = feature_stage(config, first["members"], timing, args.threads)
-    stacking = first["stacking"]
-    scores = {
-        "best member": first["best_member"]["score"],
-        "soft voting": first["soft_voting"]["score"],
-        "greedy selection": first["greedy_selection"]["score"],
-        "stacking": stacking["scores"][stacking["best_learner"]],
-        "stacking (LR)": stacking["scores"].get("logistic_regression", math.nan),
-    }
+    scores = candidates(first, souped)
     soup = souped.get("soup") or {}
-    scores["uniform soup"] = soup["score"] if soup.get("score") is not None else math.nan
     print(
         f"  {task.name} seed {seed}: study {study_s:.0f} s, {len(first['members'])} members; "
         + ", ".join(f"{k} {v:.4f}" for k, v in scores.items())
@@ -259,9 +292,9 @@ def one_seed(task: Task, seed: int, root: Path, args: argparse.Namespace) -> See
         f"{features_s:.2f} s, cached {features_cached_s:.3f} s",
         flush=True,
     )
-    return SeedResult(
+    result = SeedResult(
         scores,
-        stacking["best_learner"],
+        first["stacking"]["best_learner"],
         first["choice"],
         uncached,
         cached,
@@ -269,6 +302,43 @@ def one_seed(task: Task, seed: int, root: Path, args: argparse.Namespace) -> See
         features_s,
         features_cached_s,
         list(first.get("notes", [])) + ([soup["note"]] if soup.get("note") else []),
+    )
+    if args.retrain:
+        with_retrain(task, seed, folder, url, env, first, result, args)
+    return result
+
+
+def with_retrain(
+    task: Task,
+    seed: int,
+    folder: Path,
+    url: str,
+    env: dict[str, str],
+    first: dict[str, Any],
+    result: SeedResult,
+    args: argparse.Namespace,
+) -> None:
+    """`hpo retrain` of the study's top configurations, then `hpo ensemble --from-retrain` over
+    the kept models and the retrain's models together (with --soup uniform, which soups the
+    same members): the second set of candidates in `result`."""
+    started = time.perf_counter()
+    retrained = retrain_members(folder, url, args.retrain, env)
+    result.retrain_s = time.perf_counter() - started
+    folders = [*first["members"].values(), *map(str, retrained)]
+    command = ["ensemble", "--from-retrain", *folders, "--config", str(folder / "config.yaml")]
+    command += ["--device", "cpu", "--quiet", "--soup", "uniform", "--out", str(folder / "e4")]
+    command += [a for learner in args.learner for a in ("--learner", learner)]
+    hpo(*command, cwd=folder, env=env)
+    made = card(folder / "e4")
+    result.with_retrain = candidates(made, made)
+    result.with_retrain_members = len(made["members"])
+    final = made["member_scores"].get("final", math.nan)
+    result.with_retrain["hpo retrain's model"] = final
+    print(
+        f"  {task.name} seed {seed}: retrain {result.retrain_s:.0f} s; kept + retrain, "
+        f"{result.with_retrain_members} members: "
+        + ", ".join(f"{k} {v:.4f}" for k, v in result.with_retrain.items()),
+        flush=True,
     )
 
 
@@ -289,20 +359,47 @@ def median(values: list[float]) -> float:
     return statistics.median(kept) if kept else math.nan
 
 
-def gain(task: Task, result: SeedResult) -> float:
-    """Stacking minus the best member, in points (x100), positive when stacking is better."""
+def gain(task: Task, result: SeedResult, retrain: bool = False) -> float:
+    """Stacking minus the best member, in points (x100), positive when stacking is better;
+    `retrain`: over the kept models and hpo retrain's together."""
     sign = 1.0 if task.higher_is_better else -1.0
-    return 100 * sign * (result.scores["stacking"] - result.scores["best member"])
+    scores = result.with_retrain if retrain else result.scores
+    return 100 * sign * (scores["stacking"] - scores["best member"])
 
 
 def table(task: Task, results: list[SeedResult]) -> str:
     lines = [f"### {task.name} ({task.kind}), {len(results)} seeds, medians on the test split", ""]
-    lines += ["| candidate | median | per seed |", "|---|---:|---|"]
-    for name in CANDIDATES:
-        values = [r.scores[name] for r in results]
+    retrain = all(r.with_retrain for r in results)
+    if retrain:
+        counts = f"{results[0].members} kept / {results[0].with_retrain_members} kept + retrain"
+        lines += [
+            f"| candidate | kept models | kept + retrain | per seed (kept; kept + retrain; "
+            f"members {counts}) |",
+            "|---|---:|---:|---|",
+        ]
+    else:
+        lines += ["| candidate | median | per seed |", "|---|---:|---|"]
+    for name in (*CANDIDATES, "hpo retrain's model"):
+        values = [r.scores.get(name, math.nan) for r in results]
         each = ", ".join(f"{v:.4f}" for v in values)
-        lines.append(f"| {name} | {median(values):.4f} | {each} |")
+        if not retrain:
+            if name in CANDIDATES:
+                lines.append(f"| {name} | {median(values):.4f} | {each} |")
+            continue
+        also = [r.with_retrain.get(name, math.nan) for r in results]
+        lines.append(
+            f"| {name} | {median(values):.4f} | {median(also):.4f} | {each}; "
+            f"{', '.join(f'{v:.4f}' for v in also)} |"
+        )
     gains = [gain(task, r) for r in results]
+    if retrain:
+        more = [gain(task, r, retrain=True) for r in results]
+        lines += [
+            "",
+            f"kept + retrain: stacking - best member: median {median(more):+.2f} points (per seed "
+            f"{', '.join(f'{g:+.2f}' for g in more)}); hpo retrain wall median "
+            f"{median([r.retrain_s for r in results]):.0f} s",
+        ]
     ratios = [r.uncached_s / r.cached_s for r in results]
     lines += [
         "",
@@ -324,8 +421,8 @@ def table(task: Task, results: list[SeedResult]) -> str:
     return "\n".join(lines)
 
 
-def goals(tasks: list[Task], results: dict[str, list[SeedResult]]) -> str:
-    gains = {t.name: median([gain(t, r) for r in results[t.name]]) for t in tasks}
+def goals(tasks: list[Task], results: dict[str, list[SeedResult]], retrain: bool = False) -> str:
+    gains = {t.name: median([gain(t, r, retrain) for r in results[t.name]]) for t in tasks}
     ratios = [r.uncached_s / r.cached_s for rs in results.values() for r in rs]
     never_below = all(g >= 0 for g in gains.values())
     plus_one = [n for n, g in gains.items() if g >= 1.0]
@@ -333,7 +430,7 @@ def goals(tasks: list[Task], results: dict[str, list[SeedResult]]) -> str:
     stage = [r.features_s / r.features_cached_s for rs in results.values() for r in rs]
     return "\n".join(
         [
-            "Goals (medians over seeds):",
+            f"Goals (medians over seeds; members: {'kept + retrain' if retrain else 'kept'}):",
             f"- stacking never below the best member on any task: "
             f"{'MET' if never_below else 'NOT MET'} "
             f"({', '.join(f'{n} {g:+.2f}' for n, g in gains.items())} points)",
@@ -361,6 +458,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads per process")
     parser.add_argument(
+        "--retrain",
+        type=int,
+        default=2,
+        help="hpo retrain's --top (1 seed each): its models join the kept ones in a second "
+        "ensemble (2; 0: none)",
+    )
+    parser.add_argument(
         "--learner",
         action="append",
         default=[],
@@ -381,11 +485,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--tasks: unknown {', '.join(unknown)}; give some of {', '.join(TASKS)}")
     if args.top < 2 or args.trials < args.top:
         parser.error("--top must be at least 2 and at most --trials")
+    if not 0 <= args.retrain <= args.trials:
+        parser.error("--retrain must be from 0 to --trials")
     tasks = [TASKS[n] for n in names]
     print(
         f"tasks {', '.join(names)}; {args.seeds} seeds, {args.trials} trials, top {args.top}, "
         f"epochs {args.epochs or 'the config'}, training rows {args.max_train or 'all'}, "
-        f"test share {args.test_share}",
+        f"test share {args.test_share}, retrain top {args.retrain}",
         flush=True,
     )
     started = time.perf_counter()
@@ -393,17 +499,18 @@ def main(argv: list[str] | None = None) -> int:
         tempfile.TemporaryDirectory(prefix="hpo-bench-ensemble-") as work,
         ThreadPoolExecutor(max_workers=args.jobs) as pool,  # each job runs subprocesses
     ):
-        futures = {
-            task.name: [
-                pool.submit(one_seed, task, seed, Path(work), args) for seed in range(args.seeds)
-            ]
-            for task in tasks
-        }
+        # Seed by seed: a run cut short has every task's first seeds (each printed when done).
+        futures: dict[str, list[Any]] = {task.name: [] for task in tasks}
+        for seed in range(args.seeds):
+            for task in tasks:
+                futures[task.name].append(pool.submit(one_seed, task, seed, Path(work), args))
         results = {name: [f.result() for f in done] for name, done in futures.items()}
     print()
     for task in tasks:
         print(table(task, results[task.name]), "\n")
     print(goals(tasks, results))
+    if args.retrain:
+        print(goals(tasks, results, retrain=True))
     print(f"\nwall {time.perf_counter() - started:.0f} s")
     return 0
 

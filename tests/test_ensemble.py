@@ -130,6 +130,42 @@ def test_multi_label_fits_a_meta_learner_per_label() -> None:
     assert report.stacked_score > 0.98 > max(report.member_scores.values()) + 0.15
 
 
+@pytest.mark.parametrize("positives", [[3], [3, 9]])
+def test_a_label_with_one_or_two_positive_rows_is_tuned_with_no_failed_fit(
+    positives: list[int],
+) -> None:
+    """Few evaluation rows: a label's only positive rows can all sit in the fold held out,
+    leaving the other rows one class, where no learner fits (scikit-learn's FitFailedWarning,
+    every grid point's score nan, the grid point picked blind)."""
+    import warnings
+
+    from hpo.ensemble.learners import learner
+    from hpo.ensemble.stacking import fit_stacked, tuning_folds
+
+    rng = np.random.default_rng(0)
+    labels = np.zeros((12, 2), dtype=int)
+    labels[::2, 0] = 1
+    labels[positives, 1] = 1
+    features = np.concatenate([labels + 0.3 * rng.random(labels.shape), rng.random((12, 2))], 1)
+    for name in ("logistic_regression", "linear_svm"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a failed fit or scoring is a warning: an error here
+            model = fit_stacked(
+                "multi_label_classification", learner(name), features, labels, "micro_f1", ["a"]
+            )
+        assert ((model.predict(features) > 0.5) == labels).mean() > 0.9
+    folds = tuning_folds("multi_label_classification", labels[:, 1], seed=0)
+    assert folds and all(set(labels[fit, 1]) == {0, 1} for fit, _ in folds)
+    if len(positives) == 2:  # stratified: each positive in a fold of its own, all 5 folds kept
+        assert len(folds) == 5
+
+
+def test_cross_validation_of_one_evaluation_row_is_refused_in_one_line() -> None:
+    one = Split({"a": np.array([[0.3, 0.7]]), "b": np.array([[0.6, 0.4]])}, np.array([1]))
+    with pytest.raises(EnsembleError, match="has 1 row"):
+        evaluate_ensemble("sequence_classification", one, learners=LR)
+
+
 def memoriser() -> Learner:
     from sklearn.neighbors import KNeighborsClassifier
 

@@ -210,6 +210,60 @@ def test_a_study_s_top_models_stack_cache_and_predict(
     assert not (tmp_path / "x").exists()
 
 
+def test_hostile_members_and_data_files_are_refused_in_one_line_before_any_prediction(
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    hpo_main: Main,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from hpo.commands.ensemble_members import _given_folders
+
+    members = []
+    for parent in ("a", "b"):  # kept trial models: every one a `best-model`
+        folder = tmp_path / parent / "best-model"
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps({"id2label": {"0": "neg", "1": "pos"}}))
+        members.append(str(folder))
+    assert list(_given_folders(tuple(members))) == ["a-best-model", "b-best-model"]
+    config = write_config(tmp_path / "c.yaml", tiny_config(*easy_data))
+    out = str(tmp_path / "out")
+    ensemble = ["ensemble", "--config", str(config), "--out", out, "--from-retrain"]
+
+    def refused(*folders: str, config: Path = config) -> str:
+        return _refused(hpo_main, capsys, *ensemble[:2], str(config), *ensemble[3:], *folders)
+
+    (tmp_path / "link").symlink_to(tmp_path / "a")
+    assert "the same folder as" in refused(*members, str(tmp_path / "link" / "best-model"))
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    assert "not a model folder" in refused(members[0], str(tmp_path / "loop"))
+    for name, content, said in (
+        ("empty.csv", b"", "has no rows"),
+        ("header.csv", b"text,label\n", "has no rows"),
+        ("latin.csv", "text,label\ncaf\xe9,pos\n".encode("latin-1"), "not UTF-8 text"),
+    ):
+        (tmp_path / name).write_bytes(content)
+        raw = tiny_config(easy_data[0], tmp_path / name)
+        assert said in refused(*members, config=write_config(tmp_path / f"{name}.yaml", raw))
+    raw = tiny_config(easy_data[0], write_csv(tmp_path / "v.csv", [{"text": "a", "label": "x"}]))
+    raw.update(task="regression")
+    raw["study"]["metric"] = "rmse"
+    for folder in members:
+        (Path(folder) / "config.json").write_text("{}")
+    regression = write_config(tmp_path / "r.yaml", raw)
+    assert "row 1's label 'x' is not a number" in refused(*members, config=regression)
+    assert not Path(out).exists()
+
+
+def test_a_pca_larger_than_the_features_is_said_on_the_card() -> None:
+    from hpo.commands.ensemble import _pca_notes
+
+    features = np.zeros((40, 6))  # 3 members x 2 classes
+    assert _pca_notes(4000, features) == [
+        "--pca 4000: the features have 6 columns; 6 components kept at most"
+    ]
+    assert _pca_notes(6, features) == [] == _pca_notes(None, features)
+
+
 def test_causal_lm_stacking_is_refused_in_one_line(
     tmp_path: Path,
     easy_data: tuple[Path, Path],

@@ -329,6 +329,14 @@ def test_every_bad_input_is_one_line_and_writes_nothing(
         "--id-column",
         "id",
     )
+    latin = tmp_path / "latin.csv"
+    latin.write_bytes("text\ncaf\xe9\n".encode("latin-1"))
+    assert "not UTF-8 text" in refused(folder, latin)
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    assert "does not exist" in refused(loop)
+    device = ["--model", str(folder), "--input", str(good), "--out", out, "--device", "tpu"]
+    assert "--device is 'tpu', not a device" in _refused(hpo_main, capsys, *device)
 
     damaged = _save(tmp_path / "damaged", "sequence_classification", ["neg", "pos"])
     weights = damaged / "model.safetensors"

@@ -16,7 +16,12 @@ def resolve_device(name: str, source: str = "training.device") -> torch.device:
     """The torch device `name` means here; `source` is where the user wrote it, for the error."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:  # torch's message lists twenty device types, most not for hpo
+        raise DeviceError(
+            f"{source} is {name!r}, not a device; use auto, cpu, cuda or cuda:N"
+        ) from e
     if device.type == "cuda" and not torch.cuda.is_available():
         raise DeviceError(f"{source} is {name!r} but CUDA is not available; use auto or cpu")
     return device

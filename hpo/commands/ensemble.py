@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpo.commands.ensemble_members import DataFiles, members_and_data
-from hpo.errors import HPOError
+from hpo.errors import DataError, HPOError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -145,9 +145,19 @@ def _build(request: EnsembleRequest, study: Any, out: Path, fetched: Path) -> Ou
     )
     if data.test_note:
         report.notes.append(f"scored by {report.folds}-fold CV: {data.test_note}")
+    report.notes += _pca_notes(request.pca, evaluation.stack_features(list(members)))
     soup = _soup(request, members, data.task, report.metric, order, eval_rows, test_rows)
     saved = _save(out, report, members, soup, found.sources)
     return Outcome(report, out, table(report, saved, soup), saved, members)
+
+
+def _pca_notes(pca: int | None, features: np.ndarray) -> list[str]:
+    """PCA keeps at most as many components as the features have columns (and a fit rows):
+    a larger --pca is said, not refused."""
+    columns = features.shape[1]
+    if pca is None or pca <= columns:
+        return []
+    return [f"--pca {pca}: the features have {columns} columns; {columns} components kept at most"]
 
 
 def _soup(
@@ -199,8 +209,13 @@ def _split(
 
     if not path.is_file() or path.suffix.lower() not in (".csv", ".jsonl"):
         raise HPOError(f"{path}: the members predict a .csv or .jsonl file; none there")
-    with input_rows(path) as (_, rows_iter):
-        rows = list(rows_iter)
+    try:
+        with input_rows(path) as (_, rows_iter):
+            rows = list(rows_iter)
+    except DataError as e:
+        raise DataError(f"{path}: {e}") from e
+    if not rows:
+        raise HPOError(f"{path} has no rows; the members need rows with labels to be scored on")
     labels = _labels(rows, data, order, path)
     cache = _feature_cache(request)
     digest = file_sha256(path)
@@ -269,7 +284,7 @@ def _labels(rows: list[dict[str, Any]], data: DataFiles, order: list[str], path:
             raise HPOError(f"{path}: row {number} has no label column {column!r}")
         values.append(row[column])
     if data.task == "regression":
-        return np.asarray([float(v) for v in values])
+        return np.asarray([_number(v, number, path) for number, v in enumerate(values, 1)])
     index = {name: i for i, name in enumerate(order)}
     if data.task == "multi_label_classification":
         hot = np.zeros((len(values), len(order)), dtype=np.int64)
@@ -279,6 +294,13 @@ def _labels(rows: list[dict[str, Any]], data: DataFiles, order: list[str], path:
                 hot[r, _label_id(index, label, path)] = 1
         return hot
     return np.asarray([_label_id(index, str(v), path) for v in values])
+
+
+def _number(value: Any, row: int, path: Path) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError) as e:
+        raise HPOError(f"{path}: row {row}'s label {value!r} is not a number") from e
 
 
 def _label_id(index: dict[str, int], label: str, path: Path) -> int:

@@ -83,16 +83,7 @@ def _members_and_data(
     if request.from_retrain:
         if request.config is None:
             raise HPOError("--from-retrain needs --config: the config the study ran with")
-        folders = {}
-        for given in request.from_retrain:
-            folder = Path(given)
-            if not (folder / "config.json").is_file():
-                raise HPOError(
-                    f"--from-retrain {folder}: not a model folder (no config.json); give the "
-                    "folder hpo retrain --out wrote"
-                )
-            folders[folder.name] = folder
-        return Members(folders), data_of_config(request.config)
+        return Members(_given_folders(request.from_retrain)), data_of_config(request.config)
     if not request.study and study is None:
         raise HPOError("give --study NAME (its top trials' models) or --from-retrain DIR ...")
     if request.top < 2:
@@ -114,6 +105,46 @@ def _members_and_data(
         return members, _data_of(config)
     setup = study.user_attrs.get(SETUP_ATTR) or {}
     return members, data_of_setup(setup, study.study_name, study.user_attrs)
+
+
+def _given_folders(given: tuple[str, ...]) -> dict[str, Path]:
+    """--from-retrain's folders by name: the folder's own name, or where two share it (every
+    kept trial model is a `best-model`) as many of its parents' names as tell them apart."""
+    resolved: dict[Path, str] = {}
+    for text in given:
+        folder = Path(text)
+        if not (folder / "config.json").is_file():
+            raise HPOError(
+                f"--from-retrain {text}: not a model folder (no config.json); give the "
+                "folder hpo retrain --out wrote"
+            )
+        real = folder.resolve()
+        if real in resolved:
+            raise HPOError(
+                f"--from-retrain {text}: the same folder as {resolved[real]}; give each member once"
+            )
+        resolved[real] = text
+    paths = list(resolved)
+    names = member_names(paths)
+    return {name: Path(resolved[path]) for name, path in zip(names, paths, strict=True)}
+
+
+def member_names(paths: list[Path]) -> list[str]:
+    """A distinct name per resolved folder, made of its last path parts joined by "-" (names
+    become folder names in the saved ensemble: no separators, never "" or "..")."""
+    depth = [1] * len(paths)
+    while True:
+        names = [
+            "-".join(part for part in p.parts[-d:] if part != p.anchor) or "member"
+            for p, d in zip(paths, depth, strict=True)
+        ]
+        clashing = [i for i, n in enumerate(names) if names.count(n) > 1]
+        if not clashing:
+            return names
+        if all(depth[i] >= len(paths[i].parts) for i in clashing):
+            return [f"{n}-{i + 1}" if i in clashing else n for i, n in enumerate(names)]
+        for i in clashing:
+            depth[i] += 1
 
 
 # -- the study's top models ----------------------------------------------------------------------

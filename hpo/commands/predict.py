@@ -181,7 +181,9 @@ def input_rows(source: Path) -> Iterator[tuple[list[str] | None, Iterator[dict[s
         if is_csv:
             csv.field_size_limit(_CSV_FIELD_LIMIT)
             reader = csv.DictReader(handle)
-            yield list(reader.fieldnames or []), _csv_rows(reader)
+            with _utf8_only():
+                header = list(reader.fieldnames or [])
+            yield header, _csv_rows(reader)
         else:
             rows = _jsonl_rows(handle)
             first = next(rows, None)
@@ -189,14 +191,30 @@ def input_rows(source: Path) -> Iterator[tuple[list[str] | None, Iterator[dict[s
             yield columns, _chained(first, rows)
 
 
+@contextlib.contextmanager
+def _utf8_only() -> Iterator[None]:
+    try:
+        yield
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"not UTF-8 text (byte {e.object[e.start : e.start + 1]!r}); save the file as UTF-8"
+        ) from e
+
+
 def _csv_rows(reader: csv.DictReader) -> Iterator[dict[str, Any]]:
     try:
-        yield from reader
+        with _utf8_only():
+            yield from reader
     except csv.Error as e:
         raise DataError(f"{e} (line {reader.line_num})") from e
 
 
 def _jsonl_rows(handle: IO[str]) -> Iterator[dict[str, Any]]:
+    with _utf8_only():
+        yield from _jsonl_objects(handle)
+
+
+def _jsonl_objects(handle: IO[str]) -> Iterator[dict[str, Any]]:
     for number, line in enumerate(handle, start=1):
         if not line.strip():
             continue

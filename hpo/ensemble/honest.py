@@ -233,6 +233,16 @@ def _on_test(
     return scores
 
 
+def _cross_validable(labels: Any) -> np.ndarray:
+    labels = np.asarray(labels)
+    if len(labels) < 2:
+        raise EnsembleError(
+            f"the evaluation split has {len(labels)} row(s): cross-validation needs 2 at least "
+            "(more to mean anything); give a larger evaluation file"
+        )
+    return labels
+
+
 def _cross_validated(
     task: str,
     metric: str,
@@ -246,7 +256,7 @@ def _cross_validated(
 ) -> dict[str, Any]:
     """Out-of-fold outputs of every candidate: each fold predicted by what the other folds fit
     (the learner and its grid point, the selection, the choice of best member)."""
-    labels = np.asarray(evaluation.labels)
+    labels = _cross_validable(evaluation.labels)
     preds = {m: np.asarray(evaluation.predictions[m], dtype=np.float64) for m in members}
     features = evaluation.stack_features(members)
     outputs = _num_outputs(task, evaluation)

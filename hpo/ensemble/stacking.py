@@ -162,14 +162,15 @@ def _tuned(
     if is_classifier and len(np.unique(target)) < 2:
         # One class in every row (a label never seen): nothing to learn, its rate is the answer.
         return DummyClassifier(strategy="prior").fit(features, target), {}
-    splits = fold_splitter(task, target, TUNING_FOLDS, seed)
-    inner_rows = len(target) - len(target) // splits.get_n_splits()
+    splits = tuning_folds(task, target, seed)
+    inner_rows = min((len(fit) for fit, _ in splits), default=len(target))
     pipeline = _pipeline(learner, settings, features.shape[1], inner_rows, seed)
     grid = {f"learner__{key}": values for key, values in learner.grid.items()}
-    if not grid or all(len(v) == 1 for v in grid.values()):
+    if not splits or not grid or all(len(v) == 1 for v in grid.values()):
         return pipeline.fit(features, target), {}
-    scoring = "f1" if task == "multi_label_classification" else _SCORERS[metric]
-    search = GridSearchCV(pipeline, grid, scoring=scoring, cv=splits, error_score=np.nan)
+    search = GridSearchCV(
+        pipeline, grid, scoring=_scorer(task, metric), cv=splits, error_score=np.nan
+    )
     search.fit(features, target)
     chosen = {k.removeprefix("learner__"): v for k, v in search.best_params_.items()}
     return search.best_estimator_, chosen
@@ -191,6 +192,41 @@ def _pipeline(
         steps.append(("pca", PCA(n_components=components, random_state=seed)))
     steps.append(("learner", learner.make(seed)))
     return Pipeline(steps)
+
+
+def _scorer(task: str, metric: str) -> Any:
+    if task != "multi_label_classification":
+        return _SCORERS[metric]
+    from sklearn.metrics import f1_score, make_scorer
+
+    # A label's fold with no positive row, none predicted, is right: F1 1, not 0 and a warning.
+    return make_scorer(f1_score, zero_division=1.0)
+
+
+def tuning_folds(task: str, target: np.ndarray, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The folds a learner's grid is tuned on. For classes, every training fold holds two
+    classes at least: stratified whenever each class has 2 rows (a class of fewer rows than
+    folds then falls one row per fold), and a fold whose other rows hold one class only (its
+    class of a single row held out, often a multi-label label's only positive) left out: no
+    learner fits on one class, and any would predict that class there, the same for every grid
+    point. Empty when no fold is left: the learner is fitted untuned."""
+    import warnings
+
+    from sklearn.model_selection import KFold, StratifiedKFold
+
+    folds = max(2, min(TUNING_FOLDS, len(target) // 2))
+    if len(target) < folds:
+        return []
+    if task == "regression":
+        return list(KFold(n_splits=folds, shuffle=True, random_state=seed).split(target))
+    _, counts = np.unique(target, return_counts=True)
+    splitter: Any = KFold(n_splits=folds, shuffle=True, random_state=seed)
+    if counts.min() >= 2 and counts.max() >= folds:  # (else StratifiedKFold refuses)
+        splitter = StratifiedKFold(n_splits=folds, shuffle=True, random_state=seed)
+    with warnings.catch_warnings():  # "the least populated class has only N members": known
+        warnings.filterwarnings("ignore", category=UserWarning, module="sklearn")
+        splits = list(splitter.split(np.zeros(len(target)), target))
+    return [(fit, held) for fit, held in splits if len(np.unique(target[fit])) >= 2]
 
 
 def fold_splitter(task: str, target: np.ndarray, folds: int, seed: int) -> Any:

@@ -54,9 +54,10 @@ def test_run_from_a_dict_and_a_file_then_read_download_and_report(
     (./hpo.db); then the study read, its best model downloaded and its report written."""
     monkeypatch.chdir(tmp_path)
     store = f"file://{tmp_path / 'store'}"
-    raw = tiny_config(
-        *easy_data, study={"n_trials": 1, "artifact_store": store}, training={"epochs": 1}
-    )
+    # Four optimizer steps and one evaluation a trial: what is checked is what the API returns
+    # and reads back, not what the model learned.
+    training = {"epochs": 1, "max_steps": 4, "evals_per_epoch": 1}
+    raw = tiny_config(*easy_data, study={"n_trials": 1, "artifact_store": store}, training=training)
     raw["data"]["train_file"] = easy_data[0]  # a Path, as Python code writes it
     handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
     first = hpo.run(raw, study="api")

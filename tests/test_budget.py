@@ -23,7 +23,7 @@ from hpo.storage.engine import StudyStorage, open_storage
 from hpo.storage.url import StorageURL
 from hpo.study.device_time import BUDGET_ATTR, PRICE_ATTR
 from hpo.study.trials import StudyTrials
-from tests.conftest import exit_code, run_hpo, tiny_config, write_config
+from tests.conftest import exit_code, tiny_config, write_config
 
 HOUR_S = 3600.0
 
@@ -102,33 +102,6 @@ def test_a_trial_running_on_another_worker_counts_towards_the_budget(tmp_path: P
     storage.engine.dispose()
 
 
-def test_a_spent_budget_starts_nothing_and_says_so(
-    tmp_path: Path, easy_data: tuple[Path, Path]
-) -> None:
-    raw = tiny_config(
-        *easy_data,
-        study={"n_trials": 1, "pruner": {"type": "none"}, "trial_isolation": "none"},
-        training={"max_steps": 1, "evals_per_epoch": 1},
-    )
-    config = write_config(tmp_path / "c.yaml", raw)
-    url = f"sqlite:///{tmp_path / 'h.db'}"
-    args = ("run", "--study", "s", "--config", str(config), "--storage", url)
-    first = run_hpo(*args, "--quiet", cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
-    engine = sa.create_engine(url)
-    with engine.begin() as conn:  # as if the trial had trained two hours
-        conn.execute(
-            sa.text("UPDATE trial_user_attributes SET value_json = '7200.0' WHERE key = 'wall_s'")
-        )
-    engine.dispose()
-
-    again = run_hpo(*args, "--n-trials", "5", "--budget-device-hours", "1.5", cwd=tmp_path)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "has used 2.000 device-hours, its budget being 1.5" in again.stderr
-    assert "starting no new trial" in again.stderr
-    assert len(optuna.load_study(study_name="s", storage=url).trials) == 1
-
-
 def _trial(value: float, hours: float, started_min: int) -> optuna.trial.FrozenTrial:
     start = dt.datetime(2026, 11, 28, 10, 0) + dt.timedelta(minutes=started_min)
     trial = create_trial(
@@ -204,9 +177,14 @@ def test_a_watcher_sees_a_study_whose_device_hours_are_spent_as_ended() -> None:
     assert report.ended(shown) and report.ended_for_good(shown)
 
 
-def test_two_worker_processes_stop_starting_trials_once_the_budget_is_spent(
-    tmp_path: Path, easy_data: tuple[Path, Path]
+def test_two_worker_processes_stop_once_the_budget_is_spent_and_a_later_run_starts_none(
+    tmp_path: Path,
+    easy_data: tuple[Path, Path],
+    hpo_main: Callable[[list[str]], int],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
+    """Two real workers share the budget; then, on the spent study, a later run given a budget
+    of its own (its trials as if they had trained two hours each) starts nothing and says so."""
     from tests.conftest import start_hpo
 
     raw = tiny_config(
@@ -216,7 +194,7 @@ def test_two_worker_processes_stop_starting_trials_once_the_budget_is_spent(
     )
     config = write_config(tmp_path / "c.yaml", raw)
     url = f"sqlite:///{tmp_path / 'h.db'}"
-    budget_h = 0.002  # 7.2 s of trials: a handful of tiny ones, far from n_trials
+    budget_h = 0.001  # 3.6 s of trials: a handful of tiny ones, far from n_trials
     args = ("run", "--study", "s", "--config", str(config), "--storage", url)
     workers = [
         start_hpo(*args, "--budget-device-hours", str(budget_h), cwd=tmp_path) for _ in range(2)
@@ -240,3 +218,17 @@ def test_two_worker_processes_stop_starting_trials_once_the_budget_is_spent(
         assert before_s < budget_h * HOUR_S, (trial.number, before_s)
     # Spent, across both workers: the study's figure passed the budget.
     assert sum(t.user_attrs["wall_s"] for t in trials) >= budget_h * HOUR_S
+
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:  # as if each trial had trained two hours
+        conn.execute(
+            sa.text("UPDATE trial_user_attributes SET value_json = '7200.0' WHERE key = 'wall_s'")
+        )
+    engine.dispose()
+    capsys.readouterr()
+    later = [*args, "--n-trials", str(len(trials) + 5), "--budget-device-hours", "1.5"]
+    assert hpo_main(later) == 0
+    said = capsys.readouterr().err
+    spent = f"has used {2 * len(trials):.3f} device-hours, its budget being 1.5"
+    assert spent in said and "starting no new trial" in said, said[-3000:]
+    assert len(optuna.load_study(study_name="s", storage=url).trials) == len(trials)

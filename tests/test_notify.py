@@ -23,7 +23,7 @@ from hpo.errors import ConfigError
 from hpo.notify import Notifier
 from hpo.storage.url import mask_text
 from hpo.study.notices import failure_streak, study_ended
-from tests.conftest import run_hpo, start_hpo, write_config
+from tests.conftest import exit_code, run_hpo, start_hpo, write_config
 
 pytest.importorskip("apprise")
 
@@ -130,7 +130,10 @@ def secret_free(*texts: str) -> None:
 
 
 def test_two_workers_say_each_new_best_and_the_end_once_with_no_secret_anywhere(
-    tmp_path: Path, endpoint: Endpoint
+    tmp_path: Path,
+    endpoint: Endpoint,
+    hpo_main: Callable[[list[str]], int],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     config = study_config(tmp_path, "    return ctx.params['x'] ** 2", [endpoint.url()])
     url = f"sqlite:///{tmp_path / 's.db'}"
@@ -148,10 +151,13 @@ def test_two_workers_say_each_new_best_and_the_end_once_with_no_secret_anywhere(
     # The endpoint got the secrets (they are the URL's, for the service)...
     assert all(h.get("X-Token") == TOKEN for h in endpoint.headers)
     # ...and nothing else did: not the workers' output, the database, or `hpo status`.
-    status = run_hpo("status", "--study", "s", "--storage", url, cwd=tmp_path)
-    status_json = run_hpo("status", "--study", "s", "--storage", url, "--json", cwd=tmp_path)
-    assert status.returncode == 0, status.stderr
-    secret_free(*[text for pair in outputs for text in pair], status.stdout, status_json.stdout)
+    # `hpo status` by main() in this process: what it prints, not how a process starts.
+    capsys.readouterr()
+    assert hpo_main(["status", "--study", "s", "--storage", url]) == 0
+    assert hpo_main(["status", "--study", "s", "--storage", url, "--json"]) == 0
+    status = capsys.readouterr()
+    assert "complete" in status.out, status.out
+    secret_free(*[text for pair in outputs for text in pair], status.out, status.err)
     # Every file the workers wrote: the database (its journal too), checkpoints, caches.
     written = [p for p in tmp_path.rglob("*") if p.is_file() and p.name != "c.yaml"]
     assert tmp_path / "s.db" in written
@@ -204,7 +210,12 @@ def test_a_notifier_never_blocks_and_drops_what_a_full_queue_cannot_hold(
     assert time.monotonic() - started < 5
 
 
-def test_a_watcher_says_a_stall(tmp_path: Path, endpoint: Endpoint) -> None:
+def test_a_watcher_says_a_stall(
+    tmp_path: Path,
+    endpoint: Endpoint,
+    hpo_main: Callable[[list[str]], int],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     url = f"sqlite:///{tmp_path / 'w.db'}"
     study = optuna.create_study(study_name="w", storage=url)
     study.set_user_attr("n_trials", 5)
@@ -216,24 +227,27 @@ def test_a_watcher_says_a_stall(tmp_path: Path, endpoint: Endpoint) -> None:
     assert "has stopped moving" in watched.stderr
     endpoint.wait_for(lambda titles: any("has stalled" in t for t in titles), timeout_s=10)
     secret_free(watched.stdout, watched.stderr)
-    alone = run_hpo(
-        "status", "--study", "w", "--storage", url, "--notify", str(config), cwd=tmp_path
-    )
-    assert alone.returncode == 2 and "--notify goes with --watch" in alone.stderr
+    alone = ["status", "--study", "w", "--storage", url, "--notify", str(config)]
+    assert exit_code(hpo_main, alone) == 2
+    assert "--notify goes with --watch" in capsys.readouterr().err
 
 
 def test_a_bad_url_or_no_apprise_is_one_line_and_exit_2_with_secrets_masked(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    hpo_main: Callable[[list[str]], int],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     secret_url = f"json://user:{PASSWORD}@127.0.0.1:9/hook/?+X-Token={TOKEN}"
     bad = f"slack://{TOKEN}x/only-one-part"
     config = study_config(tmp_path, "    return 0.0", [secret_url, bad])
     url = f"sqlite:///{tmp_path / 'b.db'}"
-    done = run_hpo("run", "--study", "b", "--config", str(config), "--storage", url, cwd=tmp_path)
-    assert done.returncode == 2
-    assert done.stderr.count("\n") == 1, done.stderr
-    assert "study.notify.urls: got 'slack://****'; is not a URL Apprise can send to" in done.stderr
-    secret_free(done.stdout, done.stderr)
+    monkeypatch.chdir(tmp_path)  # train_fn.py, as `hpo run` started there finds it
+    assert hpo_main(["run", "--study", "b", "--config", str(config), "--storage", url]) == 2
+    done = capsys.readouterr()
+    assert done.err.count("\n") == 1, done.err
+    assert "study.notify.urls: got 'slack://****'; is not a URL Apprise can send to" in done.err
+    secret_free(done.out, done.err)
     assert not (tmp_path / "b.db").exists()
     # Without apprise: one line naming the extra.
     import hpo.config.notify as notify_config

@@ -85,8 +85,13 @@ def test_a_kept_trial_model_predicts_through_the_cli_as_its_direct_forward(
 ) -> None:
     raw = tiny_config(
         *easy_data,
-        study={"n_trials": 1, "pruner": {"type": "none"}, "checkpoint_dir": str(tmp_path / "c")},
-        training={"max_steps": 16, "evals_per_epoch": 1},
+        study={
+            "n_trials": 1,
+            "pruner": {"type": "none"},
+            "checkpoint_dir": str(tmp_path / "c"),
+            "trial_isolation": "none",  # the kept model is the point, not the trial's process
+        },
+        training={"max_steps": 4, "evals_per_epoch": 1},
     )
     url = f"sqlite:///{tmp_path / 'hpo.db'}"
     run = ["run", "--study", "s", "--config", str(write_config(tmp_path / "c.yaml", raw))]
@@ -276,11 +281,12 @@ def test_a_file_of_many_rows_is_streamed_in_order_and_written_whole(
     tmp_path: Path, hpo_main: Callable[[list[str]], int], capsys: pytest.CaptureFixture[str]
 ) -> None:
     folder = _save(tmp_path / "m", "sequence_classification", ["neg", "pos"])
-    rows = [{"n": str(i), "text": r["text"]} for i, r in enumerate(easy_rows(1500, 4))]
+    # 402 rows: 12 chunks of 32 rows (CHUNK_BATCHES batches of 4) and a partial one.
+    rows = [{"n": str(i), "text": r["text"]} for i, r in enumerate(easy_rows(402, 4))]
     source, out = write_csv(tmp_path / "in.csv", rows), tmp_path / "out.csv"
     args = ["predict", "--model", str(folder), "--input", str(source), "--out", str(out)]
     assert hpo_main([*args, "--id-column", "n", "--batch-size", "4"]) == 0
-    assert [r["n"] for r in read_csv(out)] == [str(i) for i in range(1500)]
+    assert [r["n"] for r in read_csv(out)] == [str(i) for i in range(402)]
     # A bad row deep in the file: one line, and neither the file nor a part of it is left.
     out.unlink()
     _jsonl(tmp_path / "bad.jsonl", [{"text": "good"}] * 300 + [{"txt": "x"}])

@@ -421,7 +421,10 @@ def test_the_server_stopped_mid_study_costs_no_trial_and_each_gap_is_said_once(
     proxy = CuttableProxy("127.0.0.1", int(mlflow_server.rsplit(":", 1)[1]))
     uri = f"http://hpo:s3cret-token@127.0.0.1:{proxy.port}"
     tracking = {"mlflow": {"uri": uri, "experiment": "cut"}, "patience": 3}
-    args = _study_args(tmp_path, easy_data, tracking, "cut", study={"n_trials": 3})
+    # The trials train in the worker, where the tracker's calls are made either way: no trial
+    # process's start-up (the two workers' test above runs trial processes).
+    study = {"n_trials": 3, "trial_isolation": "none"}
+    args = _study_args(tmp_path, easy_data, tracking, "cut", study=study)
     client = mlflow.MlflowClient(mlflow_server)  # straight to the server, not through the proxy
 
     def cut_once_a_trial_is_logged() -> None:
@@ -464,7 +467,8 @@ def test_a_token_in_the_tracking_uris_query_is_never_printed_or_stored(
     _mlflow()
     token = "tok-Sekr1t-42"
     uri = f"http://127.0.0.1:{_free_port()}/mlflow?access_token={token}"  # nothing listens
-    args = _study_args(tmp_path, easy_data, {"patience": 1}, "t", study={"n_trials": 1})
+    study = {"n_trials": 1, "trial_isolation": "none"}  # trained in the worker, as above
+    args = _study_args(tmp_path, easy_data, {"patience": 1}, "t", study=study)
     assert hpo_main([*args, "--tracking", uri]) == 0
     assert hpo_main(["status", "--study", "t", "--storage", args[-1]]) == 0
     out = capsys.readouterr()
@@ -675,7 +679,9 @@ def test_a_study_in_tensorboard_event_files_read_back_with_its_own_reader(
     from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
 
     tracking = {"tensorboard": {"dir": str(tmp_path / "tb")}}
-    args = _study_args(tmp_path, easy_data, tracking, "tb study")
+    # Trained in the worker: the evaluations reach a tracker from trial processes the same way
+    # for every tracker, and the MLflow and W&B end-to-end tests run trial processes.
+    args = _study_args(tmp_path, easy_data, tracking, "tb study", study={"trial_isolation": "none"})
     assert hpo_main(args) == 0
     study = optuna.load_study(study_name="tb study", storage=args[-1])
     folder = tmp_path / "tb" / "tb_study"

@@ -9,7 +9,6 @@ import dataclasses
 import json
 import socket
 import subprocess
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -57,23 +56,29 @@ def offline_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[P
         trap.accept()
 
 
+def _inspect(path: Path, *flags: str) -> str:
+    """`wandb leet inspect FLAGS PATH`'s output. That command is a shim that runs wandb-core's
+    reader with these arguments; run here directly, each read skips a Python start that imports
+    wandb (about two seconds of CPU, some thirty reads in this file)."""
+    from wandb.util import get_core_path
+
+    command = [get_core_path(), "leet", "inspect", "--no-observability", *flags]
+    command += ["--run-file", str(path), str(path.parent.parent)]
+    return subprocess.run(command, capture_output=True, text=True, check=True, timeout=120).stdout
+
+
+def _records_of(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in _inspect(path, "--json").splitlines() if line.strip()]
+
+
 def read_runs(folder: Path) -> list[dict[str, Any]]:
     """Every offline run under `folder`, oldest first, as wandb's reader gives it: its summary
-    view (config, summary, tags, state, exit code) with the run record's group and job type and
-    the history rows (step -> the metrics logged at it)."""
+    view (config, summary, tags, state, exit code) with the run record's group and job type,
+    the history rows (step -> the metrics logged at it) and every record ("records")."""
     runs = []
     for path in sorted(folder.glob("wandb/offline-run-*/run-*.wandb")):
-        command = [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(path)]
-        lines = subprocess.run(command, capture_output=True, text=True, check=True, timeout=120)
-        records = [json.loads(line) for line in lines.stdout.splitlines() if line.strip()]
-        summary = subprocess.run(
-            [*command[:5], "--summary", "--json", str(path)],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=120,
-        )
-        run = json.loads(summary.stdout)
+        records = _records_of(path)
+        run = json.loads(_inspect(path, "--summary", "--json"))
         last = [r["run"] for r in records if r["type"] == "run"][-1]
         run["group"], run["job_type"] = last.get("run_group"), last.get("job_type")
         history = [r["history"] for r in records if r["type"] == "history"]
@@ -81,6 +86,7 @@ def read_runs(folder: Path) -> list[dict[str, Any]]:
             int(h["step"]["num"]): {k: v for k, v in h["item"].items() if not k.startswith("_")}
             for h in history
         }
+        run["records"] = records
         runs.append(run)
     return runs
 
@@ -128,8 +134,7 @@ def test_a_trials_run_holds_its_params_every_evaluation_its_summary_and_attribut
     summary = run["summary"]
     assert summary["best/accuracy"] == 0.75 and summary["accuracy"] == 0.625
     assert summary["hpo.state"] == "complete" and summary["hpo.best_model"] == str(model)
-    records = _records(offline_wandb)
-    [artifact] = [r["artifact"] for r in records if r["type"] == "artifact"]
+    [artifact] = [r["artifact"] for r in run["records"] if r["type"] == "artifact"]
     assert artifact["type"] == "model" and "best" in artifact["aliases"]
     assert [c["path"] for c in artifact["manifest"]["contents"]] == ["model.safetensors"]
 
@@ -175,9 +180,7 @@ def test_a_best_model_wandb_cannot_log_leaves_the_trials_end_whole(
 
 def _records(folder: Path) -> list[dict[str, Any]]:
     [path] = folder.glob("wandb/offline-run-*/run-*.wandb")
-    command = [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(path)]
-    out = subprocess.run(command, capture_output=True, text=True, check=True, timeout=120).stdout
-    return [json.loads(line) for line in out.splitlines() if line.strip()]
+    return _records_of(path)
 
 
 def test_a_pruned_trial_finishes_saying_why_a_failed_one_fails_no_model_by_default(
@@ -197,16 +200,7 @@ def test_a_pruned_trial_finishes_saying_why_a_failed_one_fails_no_model_by_defau
     assert ran[0]["summary"]["hpo.pruned_reason"] == "pruned: the reason"
     assert ran[1]["summary"]["hpo.failed_reason"] == "failed: the reason"
     assert [r["tags"][-1] for r in ran] == ["pruned", "failed"]
-    assert not any(r["type"] == "artifact" for r in _all_records(offline_wandb))
-
-
-def _all_records(folder: Path) -> list[dict[str, Any]]:
-    found = []
-    for path in folder.glob("wandb/offline-run-*/run-*.wandb"):
-        command = [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(path)]
-        out = subprocess.run(command, capture_output=True, text=True, check=True, timeout=120)
-        found += [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
-    return found
+    assert not any(r["type"] == "artifact" for run in ran for r in run["records"])
 
 
 def test_a_handed_back_trial_ends_interrupted_and_its_retry_goes_on_in_the_same_run(
@@ -296,8 +290,11 @@ def test_an_error_quoting_the_api_key_is_said_without_it(monkeypatch: pytest.Mon
 # -- hpo run, end to end --------------------------------------------------------------------
 
 
-def _study_args(tmp_path: Path, data: tuple[Path, Path], tracking: dict, name: str) -> list[str]:
-    raw = tiny_config(*data, training={"epochs": 1, "evals_per_epoch": 2})
+def _study_args(
+    tmp_path: Path, data: tuple[Path, Path], tracking: dict, name: str, **study: Any
+) -> list[str]:
+    """`study` updates the config's study section."""
+    raw = tiny_config(*data, study=study, training={"epochs": 1, "evals_per_epoch": 2})
     raw["tracking"] = tracking
     config = write_config(tmp_path / "study.yaml", raw)
     storage = f"sqlite:///{tmp_path / 'studies.db'}"
@@ -379,7 +376,9 @@ def test_a_wandb_that_hangs_or_raises_costs_no_trial_and_each_gap_is_said_once(
 
     monkeypatch.setattr(wandb, "init", init)
     tracking = {"wandb": {}, "patience": 1}
-    args = _study_args(tmp_path, easy_data, tracking, "down")
+    # The trials train in this process (the tracker's calls are the worker's either way):
+    # no trial process's start-up, twice.
+    args = _study_args(tmp_path, easy_data, tracking, "down", trial_isolation="none")
     try:
         assert hpo_main(args) == 0
         assert not waited_out.is_set()  # hpo run ended while wandb.init still hung

@@ -10,7 +10,6 @@ it, which a fetch takes off again.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import uuid
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 
 from hpo.storage.artifacts import ArtifactStoreError
 from hpo.trainer.files import (
+    SHARDED_NAME,
     SHARDED_STATE_DIR,
     STATE_FILE,
     UPLOAD_STAGE,
@@ -27,9 +27,6 @@ from hpo.trainer.files import (
 )
 
 SHARE_PREFIX = "dcp"
-# The only folder name a state may name: one hpo writes (a state read from the store is not
-# trusted to name a path outside the trial's folder).
-_SHARDED_NAME = re.compile(rf"{re.escape(SHARDED_STATE_DIR)}\.[0-9]+")
 
 
 def staged_state(state_path: Path) -> Path:
@@ -66,7 +63,7 @@ def sharded_name(state_file: Path) -> str | None:
     name = state.get("sharded") if isinstance(state, dict) else None
     if name is None:
         return None
-    if not isinstance(name, str) or not _SHARDED_NAME.fullmatch(name):
+    if not isinstance(name, str) or not SHARDED_NAME.fullmatch(name):
         raise OSError(f"{state_file} names {str(name)[:80]!r}, not a sharded folder hpo writes")
     return name
 
@@ -78,7 +75,7 @@ def adopt_sharded_state(fetched: Path, directory: Path) -> None:
     for folder in fetched.iterdir():
         if not folder.is_dir():
             continue
-        if not _SHARDED_NAME.fullmatch(folder.name):
+        if not SHARDED_NAME.fullmatch(folder.name):
             raise ArtifactStoreError(f"the stored state holds {folder.name[:80]!r}: refused")
         for share in list(folder.iterdir()):
             if not share.name.startswith(SHARE_PREFIX) or not share.is_file():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import signal
 import socket
 import threading
@@ -734,3 +735,73 @@ def test_a_discarded_upload_that_fails_in_flight_is_not_tried_again(
     gate.release.set()
     assert uploader.close(timeout_s=5)  # nothing left to do: the failed state is not retried
     assert gate.published == [] and len(uploader.stats.errors) == 1
+
+
+def _sharded_run_folder(folder: Path, step: int) -> Path:
+    """A sharded run's checkpoint folder as DCP and rank 0 leave it: its state file names
+    `sharded-state.<step>`, which holds the ranks' shares and DCP's metadata."""
+    import torch
+
+    shares = folder / f"sharded-state.{step}"
+    shares.mkdir(parents=True)
+    for name in ("__0_0.distcp", "__1_0.distcp", ".metadata"):
+        (shares / name).write_bytes(f"{name} of step {step}".encode())
+    torch.save({"sharded": shares.name, "run": {"step": step}}, folder / "checkpoint.pt")
+    return folder / "checkpoint.pt"
+
+
+def test_a_sharded_state_travels_with_every_share_under_its_own_names(
+    tmp_path: Path, target: ArtifactTarget
+) -> None:
+    """DCP's names (`__0_0.distcp`, `.metadata`) are no names the store takes: stored under
+    others, they come back as they were, in a fresh folder on another host."""
+    from hpo.trainer.checkpoint import CheckpointStore
+    from hpo.trial.uploads import fetch_resume_state
+
+    host_a = tmp_path / "a" / FOLDER
+    state = _sharded_run_folder(host_a, 5)
+    uploader = BackgroundUploader(ArtifactStore(target.url), target)
+    uploader.submit("state", state)
+    assert uploader.close(timeout_s=10), uploader.stats.errors
+    assert not list(host_a.glob(".upload-stage-*"))  # the links are gone with the upload
+    manifest = ArtifactStore(target.url).manifest(STUDY, FOLDER, "state")
+    assert manifest is not None
+    assert sorted(f.path for f in manifest.files) == [
+        "checkpoint.pt",
+        "sharded-state.5/dcp.metadata",
+        "sharded-state.5/dcp__0_0.distcp",
+        "sharded-state.5/dcp__1_0.distcp",
+    ]
+    host_b = CheckpointStore(tmp_path / "b" / FOLDER, resume=True)
+    host_b.directory.mkdir(parents=True)
+    (host_b.directory / "sharded-state.2").mkdir()  # an older attempt's, on this host
+    assert fetch_resume_state(ArtifactStore(target.url), target, host_b), host_b.errors
+    fetched = host_b.directory / "sharded-state.5"
+    assert sorted(p.name for p in host_b.directory.glob("sharded-state.*")) == [fetched.name]
+    assert (fetched / ".metadata").read_bytes() == b".metadata of step 5"
+    assert (fetched / "__1_0.distcp").read_bytes() == b"__1_0.distcp of step 5"
+    assert host_b.state_path.read_bytes() == state.read_bytes()
+
+
+def test_a_sharded_state_superseded_before_its_upload_is_not_stored_half(
+    tmp_path: Path,
+) -> None:
+    """The run wrote its next checkpoint and removed the folder the queued state named: the
+    upload fails (and is tried again with the newest state), leaving no folder of links."""
+    import shutil
+
+    from hpo.trial.sharded_upload import staged_state
+
+    folder = tmp_path / FOLDER
+    state = _sharded_run_folder(folder, 5)
+    stage = staged_state(state)
+    assert os.path.samefile(
+        stage / "sharded-state.5" / "dcp__0_0.distcp", folder / "sharded-state.5" / "__0_0.distcp"
+    )
+    stage_files = sorted(p.relative_to(stage).as_posix() for p in stage.rglob("*") if p.is_file())
+    assert stage_files[0] == "checkpoint.pt" and len(stage_files) == 4
+    shutil.rmtree(folder / "sharded-state.5")
+    (folder / "sharded-state.6").mkdir()  # the next one, still being written
+    with pytest.raises(OSError):
+        staged_state(state)
+    assert not list(folder.glob(".upload-stage-*"))  # the earlier stage too: nothing uploads it

@@ -381,3 +381,46 @@ def test_best_download_refuses_a_manifest_leading_out_of_the_store(tmp_path: Pat
     assert "sha256 checked" not in done.stdout
     assert not (tmp_path / "dl").exists() and not list(tmp_path.glob(".dl*"))
     assert (tmp_path / "victim" / "keep.txt").read_bytes() == SECRET
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("best-model/dcpconfig.json", "a folder other than a sharded state"),
+        ("sharded-state.5/config.json", "a share stored under no name hpo gives one"),
+    ],
+)
+def test_a_stored_sharded_state_holding_what_hpo_never_stores_is_refused(
+    tmp_path: Path, name: str, why: str
+) -> None:
+    """A state artifact (its manifest in order) whose files hpo's upload of a sharded state
+    never makes: the retry refuses it whole and its folder stays as it was."""
+    from hpo.storage.artifacts import ArtifactTarget
+    from hpo.trainer.checkpoint import CheckpointStore
+    from hpo.trial.uploads import fetch_resume_state
+
+    root = tmp_path / "store"
+    store = ArtifactStore(f"file://{root}", FileBackend(root))
+    forged = tmp_path / "forged"
+    (forged / name).parent.mkdir(parents=True)
+    (forged / name).write_text("{}")
+    (forged / "checkpoint.pt").write_bytes(b"state")
+    store.publish(STUDY, FOLDER, "state", forged)
+    retry = CheckpointStore(tmp_path / "b" / FOLDER, resume=True)
+    retry.directory.mkdir(parents=True)
+    target = ArtifactTarget(store.url, STUDY, FOLDER)
+    assert not fetch_resume_state(store, target, retry), why
+    assert "refused" in retry.errors[0]
+    assert sorted(p.name for p in retry.directory.iterdir()) == []
+
+
+def test_a_state_naming_a_folder_out_of_the_trial_is_not_uploaded(tmp_path: Path) -> None:
+    import torch
+
+    from hpo.trial.sharded_upload import staged_state
+
+    (tmp_path / "sharded-state.5").mkdir()
+    torch.save({"sharded": "../victim"}, tmp_path / "checkpoint.pt")
+    with pytest.raises(OSError, match="not a sharded folder hpo writes"):
+        staged_state(tmp_path / "checkpoint.pt")
+    assert not list(tmp_path.glob(".upload-stage-*"))

@@ -1,11 +1,13 @@
 """Sharded trials (training.distributed.strategy fsdp, FSDP2) on the CPU over gloo: the same loss
 curve as one process at the same effective batch, each rank holding its share of the weights,
-resume across a stop from sharded checkpoints, LoRA with a sharded frozen base, and the config."""
+resume across a stop from sharded checkpoints (on another host, through the artifact store),
+LoRA with a sharded frozen base, and the config."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hpo.storage.artifacts import ArtifactStore, ArtifactTarget
+from hpo.storage.artifacts.local import FileBackend
 from hpo.trainer.checkpoint import CheckpointStore
 from hpo.trainer.config import (
     DistributedSettings,
@@ -28,6 +32,7 @@ from hpo.trainer.loop import train
 from hpo.trainer.memory import BUDGET_ENV, BUDGET_RANK_ENV, OutOfMemoryAtBatchOne
 from hpo.trainer.model import load_tokenizer
 from hpo.trainer.tasks import prepare_data
+from hpo.trial.uploads import BackgroundUploader, fetch_resume_state
 from tests.conftest import MINILM_TOKENIZER, TINY_BERT, easy_rows, tiny_config, write_csv
 from tests.test_distributed import assert_same_curve
 from tests.test_trainer import tiny_job
@@ -77,11 +82,12 @@ def test_the_loss_curve_is_the_one_process_curve(small: tuple[TrainJob, Prepared
     assert several.rank_state_bytes == pytest.approx(whole_bytes / ranks, rel=0.01)
 
 
-def test_a_run_stopped_and_resumed_ends_as_one_that_was_not(
+def test_a_run_stopped_on_one_host_and_resumed_on_another_ends_as_one_that_was_not(
     small: tuple[TrainJob, PreparedData], tmp_path: Path
 ) -> None:
-    """The resume reads every rank's share of the weights and AdamW state (DCP); the kept
-    model is a plain full model, the one a one-process run keeps."""
+    """The stopped run's state goes to the artifact store with every rank's share (DCP); a
+    retry in a fresh trial folder (another host: host a's folder is gone) fetches it and
+    resumes. The kept model is a plain full model, the one a one-process run keeps."""
     job, data = small
     one_folder = tmp_path / "one"
     one = train(job, data, checkpoints=CheckpointStore(one_folder))
@@ -92,25 +98,34 @@ def test_a_run_stopped_and_resumed_ends_as_one_that_was_not(
         asked.append(1)  # not evaluate (evaluations after steps 2, 4 and 6)
         return len(asked) == 4
 
-    folder = tmp_path / "checkpoints"
-    first = train_distributed(
-        job, data, checkpoints=CheckpointStore(folder), should_stop=stop_after_step_5
-    )
+    store = ArtifactStore("file://store", FileBackend(tmp_path / "store"))
+    target = ArtifactTarget("file://store", "s-0123456789ab", "trial-0")
+    uploader = BackgroundUploader(store, target)
+    host_a = CheckpointStore(tmp_path / "a" / target.folder, on_saved=uploader.submit)
+    first = train_distributed(job, data, checkpoints=host_a, should_stop=stop_after_step_5)
     assert (first.status, first.optimizer_steps) == ("interrupted", 5)
-    assert [p.name for p in folder.glob("sharded-state.*")] == ["sharded-state.5"]
-    resumed = train_distributed(job, data, checkpoints=CheckpointStore(folder, resume=True))
+    assert uploader.close(timeout_s=30), uploader.stats.errors
+    assert [p.name for p in host_a.directory.glob("sharded-state.*")] == ["sharded-state.5"]
+    drop_resume_state(host_a.directory)  # what hpo does once the trial's end is recorded
+    assert not list(host_a.directory.glob("sharded-state.*"))
+    assert not list(host_a.directory.glob(".upload-stage-*"))
+    shutil.rmtree(host_a.directory)
+
+    host_b = CheckpointStore(tmp_path / "b" / target.folder, resume=True)
+    host_b.directory.mkdir(parents=True)
+    assert fetch_resume_state(store, target, host_b), host_b.errors
+    assert [p.name for p in host_b.directory.glob("sharded-state.*")] == ["sharded-state.5"]
+    resumed = train_distributed(job, data, checkpoints=host_b)
     assert resumed.status == "completed" and resumed.resumed_at_step == 5
-    assert_same_curve(one, resumed)  # the 2-rank curve, across the stop
+    assert_same_curve(one, resumed)  # the 2-rank curve, across the stop and the move
     assert resumed.rank_state_bytes == pytest.approx(12 * one.total_params / 2, rel=0.01)
     kept, reference = (
-        load_file(f / "best-model" / "model.safetensors") for f in (folder, one_folder)
+        load_file(f / "best-model" / "model.safetensors") for f in (host_b.directory, one_folder)
     )
     assert kept.keys() == reference.keys()
     assert all(torch.allclose(kept[k], reference[k], atol=1e-4) for k in kept)
-    config = json.loads((folder / "best-model" / "config.json").read_text())
+    config = json.loads((host_b.directory / "best-model" / "config.json").read_text())
     assert config["architectures"] == ["BertForSequenceClassification"]  # hpo predict reads it
-    drop_resume_state(folder)  # what hpo does once the trial's end is recorded
-    assert not list(folder.glob("sharded-state.*"))
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import subprocess
@@ -516,3 +517,43 @@ def test_the_services_return_what_the_cli_prints_and_print_nothing(
     assert printed["artifact_store"] == status["artifact_store"]
     assert printed["trials"] == status["trials"]
     storage.engine.dispose()
+
+
+def test_a_sharded_trial_records_and_shows_what_each_rank_holds() -> None:
+    """rank_state_bytes goes from the run's result to the trial, and `hpo status` and `hpo best`
+    show it; a trial that holds its state whole shows nothing of the kind."""
+    from hpo.reports.text import best_text
+    from hpo.trainer.result import TrainResult
+    from hpo.trial.training import record_result
+
+    recorded: dict[str, object] = {}
+
+    class Trial:
+        def set_user_attr(self, key: str, value: object) -> None:
+            recorded[key] = value
+
+    result = TrainResult(
+        "completed", None, [], None, 64, 4, 8, 10, 1.0, 0.0, 2**31, 1.0, 1.0, 0.1, "cpu",
+        "fp32", "adamw", "accuracy", rank_state_bytes=3 * 2**29,
+    )  # fmt: skip
+    record_result(Trial(), result)  # type: ignore[arg-type]
+    assert recorded["rank_state_bytes"] == 3 * 2**29
+    best = {"study": "s", "number": 1, "value": 0.9, "params": {}, "user_attrs": recorded}
+    best["user_attrs"]["ranks"] = 2
+    shown = "1.5 GiB of weights and optimizer state a rank (2 ranks)"
+    assert f"memory: {shown}" in best_text(best)
+    summary = {
+        "study": "s",
+        "trials": {"complete": 1},
+        "running": [],
+        "best": best,
+        "pareto_front": None,
+        "device_hours": 0.1,
+        "trials_per_hour": None,
+        "failures": {},
+        "prunes": {},
+    }
+    assert f"  {shown}" in report.status_lines(summary)
+    recorded.clear()
+    record_result(Trial(), dataclasses.replace(result, rank_state_bytes=None))  # type: ignore[arg-type]
+    assert "rank_state_bytes" not in recorded and "memory" not in best_text(best)

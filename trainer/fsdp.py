@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from hpo.trainer.checkpoint import CheckpointStore, rng_state, set_rng_state
 from hpo.trainer.distributed import DistributedTrainer
-from hpo.trainer.files import SHARDED_STATE_DIR, drop_sharded_states
+from hpo.trainer.files import SHARDED_NAME, SHARDED_STATE_DIR, drop_sharded_states
 from hpo.trainer.loop import OnEvaluation, Trainer
 from hpo.trainer.memory import OutOfMemoryAtBatchOne, is_oom
 from hpo.trainer.peft_adapters import is_adapted
@@ -279,7 +279,12 @@ class ShardedTrainer(DistributedTrainer):
         state = checkpoints.load_state(self.fingerprint()) if checkpoints else None
         folder = None
         if state is not None and checkpoints is not None:
-            folder = checkpoints.directory / str(state.get("sharded"))
+            name = str(state.get("sharded"))  # one hpo writes: never a path out of the folder
+            folder = checkpoints.directory / name if SHARDED_NAME.fullmatch(name) else None
+            if folder is None:
+                log.warning(
+                    "%s names no sharded state hpo writes; starting over", checkpoints.state_path
+                )
         if self.group.any(folder is None or not folder.is_dir()):
             if folder is not None:
                 log.warning("%s is missing on some rank; starting over", folder)

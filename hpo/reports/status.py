@@ -22,7 +22,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpo import tracking
 from hpo.reports import cost
-from hpo.reports.text import best_values_text
+from hpo.reports.text import best_values_text, rank_state_text
 from hpo.storage import heartbeats, study_queries
 from hpo.storage.engine import StudyStorage
 from hpo.study.device_time import WALL_S
@@ -350,6 +350,9 @@ def status_lines(report: dict[str, Any]) -> list[str]:
     best = report["best"]
     if best is not None:
         lines.append(f"best #{best['number']}: {best_values_text(best)}")
+        held = rank_state_text(best.get("user_attrs") or {})
+        if held is not None:
+            lines.append(f"  {held}")
     for trial in report["pareto_front"] or []:
         lines.append(f"Pareto front #{trial['number']}: {best_values_text(trial)}")
     lines.append(figures_line(report))

@@ -118,6 +118,17 @@ def best_values_text(best: dict[str, Any]) -> str:
     return f"{values} ({params_text(best['params'])})" if best["params"] else values
 
 
+def rank_state_text(user_attrs: dict[str, Any]) -> str | None:
+    """`1.25 GiB of weights and optimizer state a rank (2 ranks)`: what each rank of a sharded
+    trial held (None for another trial: it holds them whole)."""
+    held = user_attrs.get("rank_state_bytes")
+    if not isinstance(held, int) or isinstance(held, bool):
+        return None
+    ranks = user_attrs.get("ranks")
+    text = f"{held / 2**30:.3g} GiB of weights and optimizer state a rank"
+    return f"{text} ({ranks} ranks)" if isinstance(ranks, int) else text
+
+
 def best_text(best: dict) -> str:
     """`best trial #3 of 'demo': accuracy 0.8734 (learning_rate=3.2e-05, ...)`: the value with
     its metric's name, four significant digits (--json keeps every digit)."""
@@ -139,6 +150,9 @@ def best_text(best: dict) -> str:
     elif model and not missing:
         loader = best.get("model_loader", "AutoModelForSequenceClassification.from_pretrained")
         text += f"\nmodel: {model} ({loader})"
+    held = rank_state_text(best["user_attrs"])
+    if held is not None:
+        text += f"\nmemory: {held}"
     error = best["user_attrs"].get("checkpoint_error")
     if missing:
         text += f"\nWARNING: {missing}"

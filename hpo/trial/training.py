@@ -532,6 +532,8 @@ def record_result(trial: TrialLike, result: TrainResult) -> None:
         attrs["compile_s"] = round(result.compiled.seconds, 3)
     if result.best is not None:
         attrs["best_evaluation"] = dataclasses.asdict(result.best)
+    if result.rank_state_bytes is not None:  # a sharded run's: what each rank holds
+        attrs["rank_state_bytes"] = result.rank_state_bytes
     if result.status == "early_stopped":
         attrs["stop_reason"] = result.stop_reason
     for key, value in attrs.items():

@@ -1,7 +1,8 @@
 """A trial's artifacts in the shared store: its checkpoints uploaded in the background while it
 trains (the newest of each kind supersedes an older one still queued; failures that may pass
 retried with backoff, a refusal not retried; never fatal), and its state fetched from the
-store when a retry on another host starts.
+store when a retry on another host starts. A sharded run's state goes with every rank's share
+(sharded_upload).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from hpo.storage.artifacts import (
     StoreRefused,
 )
 from hpo.trainer.checkpoint import STATE_FILE, CheckpointStore
+from hpo.trial.sharded_upload import adopt_sharded_state, staged_state
 
 log = logging.getLogger(__name__)
 
@@ -167,15 +169,20 @@ class BackgroundUploader:
 
     def _publish(self, kind: str, path: Path) -> bool:
         started = time.perf_counter()
+        source = path
         try:
-            manifest = self.store.publish(self.target.study, self.target.folder, kind, path)
+            source = staged_state(path) if kind == "state" else path
+            manifest = self.store.publish(self.target.study, self.target.folder, kind, source)
         except StoreRefused as e:
             self._refused = True  # before the warning: it says what happens next
             self._record(f"{kind} not uploaded to {self.target.url}: {e}")
             return False
-        except ArtifactStoreError as e:
+        except (ArtifactStoreError, OSError) as e:
             self._record(f"{kind} not uploaded to {self.target.url}: {e}")
             return False
+        finally:
+            if source != path:
+                shutil.rmtree(source, ignore_errors=True)
         if kind == "state":
             _remember_stored_version(path.parent, manifest.version)
         self.stats.uploads += 1
@@ -197,8 +204,9 @@ def fetch_resume_state(
     store: ArtifactStore, target: ArtifactTarget, checkpoints: CheckpointStore
 ) -> bool:
     """A retry: unless its folder holds the newest state (this host wrote it, or fetched it,
-    and no other host has published one since), the trial's best model and state come from the
-    store into its folder, each checked against its manifest's hashes. Whether a state came; the
+    and no other host has published one since), the trial's best model and state (a sharded
+    run's with every rank's share) come from the store into its folder, each checked against
+    its manifest's hashes. Whether a state came; the
     fingerprint check of the training decides whether it is used."""
     directory = checkpoints.directory
     aside = directory / f".download-{uuid.uuid4().hex[:8]}"
@@ -212,6 +220,7 @@ def fetch_resume_state(
         state = store.fetch(target.study, target.folder, "state", aside / "state")
         if state is None:
             return False
+        adopt_sharded_state(aside / "state", directory)  # a sharded run's: before its state
         (aside / "state" / STATE_FILE).replace(checkpoints.state_path)
         _remember_stored_version(directory, state.version)
         return True

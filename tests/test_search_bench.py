@@ -325,3 +325,15 @@ def test_the_new_grids_write_their_data_and_cover_their_spaces(
     train_names = {w for r in search_data.ner_rows(320, 1) for w in r["tokens"]}
     held_out = {w for r in search_data.ner_rows(96, 2, held_out=True) for w in r["tokens"]}
     assert "Perth" in held_out - train_names  # names never seen in training
+
+
+def test_the_running_average_rule_judges_the_curve_not_its_best() -> None:
+    from curve_pruner import RunningMedianPruner
+
+    rule = RunningMedianPruner(n_startup_trials=1, n_warmup_steps=2, margin=0.02)
+    # The complete trial's running averages: 0.3, 0.6, 0.7. A curve that peaks early and falls
+    # is pruned once its average falls behind (its best, 0.9, never does); a weak one from
+    # evaluation 2 (the warm-up); a diverged one too.
+    curves = [[0.3, 0.9, 0.9], [0.9, 0.5, 0.5], [0.1, 0.2, 0.2], [math.nan, math.nan]]
+    answers = _asked(rule, curves)
+    assert answers == [[False, False, False], [False, False, True], [False, True], [False, True]]

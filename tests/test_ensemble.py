@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pickle
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,10 @@ from hpo.ensemble import (
     uniform_soup,
 )
 from hpo.errors import HPOError
-from tests.conftest import run_study, tiny_config, write_config
+from tests.conftest import tiny_config, write_config
 
 LR = ["logistic_regression"]
+TWO_FOLDS: dict[str, Any] = {"learners": LR, "folds": 2}
 
 
 def _probabilities(logits: np.ndarray) -> np.ndarray:
@@ -384,8 +386,9 @@ def test_data_test_file_resolves_like_eval_file(
         load_config(write_config(tmp_path / "config.yaml", config))
 
 
-@pytest.mark.slow
-def test_no_trial_reads_the_test_file(tmp_path: Path, easy_data: tuple[Path, Path]) -> None:
+def test_no_trial_reads_the_test_file(
+    tmp_path: Path, easy_data: tuple[Path, Path], hpo_main: Callable[[list[str]], int]
+) -> None:
     train, evaluation = easy_data
     # A test file that any reader refuses: a trial that read it would fail.
     test_file = tmp_path / "data" / "test.csv"
@@ -393,13 +396,13 @@ def test_no_trial_reads_the_test_file(tmp_path: Path, easy_data: tuple[Path, Pat
     config = tiny_config(
         train,
         evaluation,
-        study={"n_trials": 1},
+        study={"n_trials": 1, "trial_isolation": "none"},
         data={"test_file": str(test_file)},
-        training={"epochs": 1, "evals_per_epoch": 1},
+        training={"max_steps": 2, "evals_per_epoch": 1},
     )
     path = write_config(tmp_path / "config.yaml", config)
-    done = run_study(path, f"sqlite:///{tmp_path / 'db.sqlite'}", cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-2000:]
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    assert hpo_main(["run", "--study", "s", "--config", str(path), "--storage", url]) == 0
     with sqlite3.connect(tmp_path / "db.sqlite") as db:
         states = [s for (s,) in db.execute("SELECT state FROM trials")]
     assert states == ["COMPLETE"]
@@ -550,24 +553,25 @@ def test_regression_and_multi_label_stacks_read_back_from_the_cache(
 
 
 def test_a_changed_member_label_or_option_fits_again(tmp_path: Path) -> None:
-    labels, members = complementary(150, 2)
+    # Two folds, not five: each of the 17 evaluations below fits the meta-learner per fold.
+    labels, members = complementary(90, 2)
     split = Split(members, labels)
-    _, fits = _cached(tmp_path, split, learners=LR)
+    _, fits = _cached(tmp_path, split, **TWO_FOLDS)
     assert fits > 0
-    assert _cached(tmp_path, split, learners=LR)[1] == 0
+    assert _cached(tmp_path, split, **TWO_FOLDS)[1] == 0
     changed = dict(members, b=members["b"].copy())
     changed["b"][0] = changed["b"][0][::-1]
     flipped = labels.copy()
     flipped[0] = (flipped[0] + 1) % 3
     for other, options in (
-        (Split(changed, labels), {"learners": LR}),  # a member's outputs
-        (Split(members, flipped), {"learners": LR}),  # a label
-        (Split({"b": members["b"], "a": members["a"]}, labels), {"learners": LR}),  # order
-        (split, {"learners": ["linear_svm"]}),
-        (split, {"learners": LR, "settings": FeatureSettings(scale=True)}),
-        (split, {"learners": LR, "seed": 1}),
-        (split, {"learners": LR, "folds": 3}),
-        (split, {"learners": LR, "metric": "macro_f1"}),
+        (Split(changed, labels), TWO_FOLDS),  # a member's outputs
+        (Split(members, flipped), TWO_FOLDS),  # a label
+        (Split({"b": members["b"], "a": members["a"]}, labels), TWO_FOLDS),  # order
+        (split, {**TWO_FOLDS, "learners": ["linear_svm"]}),
+        (split, {**TWO_FOLDS, "settings": FeatureSettings(scale=True)}),
+        (split, {**TWO_FOLDS, "seed": 1}),
+        (split, {**TWO_FOLDS, "folds": 3}),
+        (split, {**TWO_FOLDS, "metric": "macro_f1"}),
     ):
         assert _cached(tmp_path, other, **options)[1] > 0, options
         assert _cached(tmp_path, other, **options)[1] == 0, options  # and stored in turn
@@ -576,9 +580,9 @@ def test_a_changed_member_label_or_option_fits_again(tmp_path: Path) -> None:
 def test_a_damaged_cache_entry_is_fitted_again_never_an_error(tmp_path: Path) -> None:
     from hpo.ensemble import ReportCache
 
-    labels, members = complementary(120, 3)
+    labels, members = complementary(90, 3)
     split = Split(members, labels)
-    first, _ = _cached(tmp_path, split, learners=LR)
+    first, _ = _cached(tmp_path, split, **TWO_FOLDS)
     (entry,) = (tmp_path / "ens").glob("*.zip")
     whole = entry.read_bytes()
     middle = len(whole) // 2
@@ -590,7 +594,7 @@ def test_a_damaged_cache_entry_is_fitted_again_never_an_error(tmp_path: Path) ->
         pickle.dumps({"report": 1}),
     ):
         entry.write_bytes(damaged)
-        again, fits = _cached(tmp_path, split, learners=LR)
+        again, fits = _cached(tmp_path, split, **TWO_FOLDS)
         assert fits > 0 and again.to_json() == first.to_json()
         assert ReportCache(tmp_path / "ens").get(entry.stem) is not None  # replaced whole
     assert not [p for p in (tmp_path / "ens").glob(".*")]  # nothing left aside

@@ -34,17 +34,19 @@ def _study(
     tmp_path: Path, easy_data: tuple[Path, Path], hpo_main: Main, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[str, Path]:
     """A 3-trial study that keeps every trial's model (study.keep_models: 3; by default a
-    study keeps only the best one's)."""
+    study keeps only the best one's). Its trials train in the worker for two steps: the
+    members need only be real, not good."""
     raw = tiny_config(
         *easy_data,
         study={
             "n_trials": 3,
             "keep_models": 3,
             "pruner": {"type": "none"},
+            "trial_isolation": "none",
             "checkpoint_dir": str(tmp_path / "c"),
             "artifact_store": f"file://{tmp_path / 'store'}",
         },
-        training={"max_steps": 6, "evals_per_epoch": 1},
+        training={"max_steps": 2, "evals_per_epoch": 1},
     )
     config = write_config(tmp_path / "c.yaml", raw)
     url = f"sqlite:///{tmp_path / 'hpo.db'}"

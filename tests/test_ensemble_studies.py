@@ -26,8 +26,10 @@ from tests.test_task_multi_label import CUES, topic_rows, write_jsonl
 from tests.test_task_regression import scored_rows
 
 Main = Callable[[list[str]], int]
-TWO_KEPT = {"n_trials": 2, "keep_models": 2, "pruner": {"type": "none"}}
-SHORT = {"max_steps": 6, "evals_per_epoch": 1}
+# The studies only make members for `hpo ensemble`: real ones, not good ones. Trials train in
+# the worker (no trial process to start) for two steps.
+TWO_KEPT = {"n_trials": 2, "keep_models": 2, "pruner": {"type": "none"}, "trial_isolation": "none"}
+SHORT = {"max_steps": 2, "evals_per_epoch": 1}
 
 
 def _refused(hpo_main: Main, capsys: pytest.CaptureFixture[str], *args: str) -> str:

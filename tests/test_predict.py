@@ -91,7 +91,7 @@ def test_a_kept_trial_model_predicts_through_the_cli_as_its_direct_forward(
             "checkpoint_dir": str(tmp_path / "c"),
             "trial_isolation": "none",  # the kept model is the point, not the trial's process
         },
-        training={"max_steps": 4, "evals_per_epoch": 1},
+        training={"max_steps": 2, "evals_per_epoch": 1},
     )
     url = f"sqlite:///{tmp_path / 'hpo.db'}"
     run = ["run", "--study", "s", "--config", str(write_config(tmp_path / "c.yaml", raw))]

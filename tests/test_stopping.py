@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import optuna
@@ -351,7 +351,8 @@ def test_a_stop_as_the_database_opens_creates_no_study_and_says_no_trial_runs(
     url = f"sqlite:///{tmp_path / 'stop.db'}"
     config = load_config(write_config(tmp_path / "c.yaml", tiny_config(*easy_data)))
     inputs = run.WorkerInputs("s", config, resolve_storage_url(url, None), [], None, 1, {})
-    monkeypatch.setattr(run, "check_inputs", lambda request: None)
+    checked = SimpleNamespace(config=config, gpus=[])  # what worker_inputs (faked) is given
+    monkeypatch.setattr(run, "check_inputs", lambda request: checked)
     monkeypatch.setattr(run, "worker_inputs", lambda checked: inputs)
     real_open_storage = storage.open_storage
 

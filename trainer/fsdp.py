@@ -302,7 +302,9 @@ class ShardedTrainer(DistributedTrainer):
             options=StateDictOptions(ignore_frozen_params=adapted, strict=not adapted),
         )
         sizes = self._restore_rest(state, run)
-        return self._resumed(run, sizes, checkpoints, on_evaluation)
+        self._resumed(run, sizes, checkpoints, on_evaluation)
+        run.segment_start = time.perf_counter()
+        return run.step
 
     def _restore_rest(self, state: dict[str, Any], run: Progress) -> BatchSizes:
         """The schedule, scaler, progress and RNGs (restore_training without the weights);
@@ -323,19 +325,7 @@ class ShardedTrainer(DistributedTrainer):
         sizes: BatchSizes,
         checkpoints: CheckpointStore,
         on_evaluation: OnEvaluation | None,
-    ) -> int:
-        """The batch sizes of the checkpoint, its evaluations reported again (rank 0), and
-        rank 0's verdict on them followed."""
-        self._use_physical_batch(sizes.physical_batch_size)
-        if sizes.eval_batch_size != self.evaluator.batch_size:
-            self.evaluator.use_batch_size(sizes.eval_batch_size)
-        self.step_oom_recoveries, self.evaluator.oom_recoveries = sizes.oom_recoveries, 0
-        log.info("resumed from %s at step %d", checkpoints.state_path, run.step)
-        for evaluation in run.evaluations:
-            stop = on_evaluation(evaluation) if on_evaluation else None
-            if stop is not None:
-                run.stop("stopped", stop)
-                break
+    ) -> None:
+        """Trainer's, then rank 0's verdict on the restored evaluations followed."""
+        super()._resumed(run, sizes, checkpoints, on_evaluation)
         self._follow_main(run)
-        run.segment_start = time.perf_counter()
-        return run.step

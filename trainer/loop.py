@@ -322,6 +322,18 @@ class Trainer:
             return None
         sizes = restore_training(state, self._parts(), run)
         self._restored(state)
+        self._resumed(run, sizes, checkpoints, on_evaluation)
+        run.segment_start = time.perf_counter()
+        return run.step
+
+    def _resumed(
+        self,
+        run: Progress,
+        sizes: BatchSizes,
+        checkpoints: CheckpointStore,
+        on_evaluation: OnEvaluation | None,
+    ) -> None:
+        """The restored run's batch sizes in use, its evaluations reported again."""
         self._use_physical_batch(sizes.physical_batch_size)
         if sizes.eval_batch_size != self.evaluator.batch_size:
             self.evaluator.use_batch_size(sizes.eval_batch_size)
@@ -332,8 +344,6 @@ class Trainer:
             if stop is not None:
                 run.stop("stopped", stop)
                 break
-        run.segment_start = time.perf_counter()
-        return run.step
 
     def _extra_state(self) -> dict[str, Any]:
         """What a subclass adds to each saved state (trainer.distributed: every rank's RNG)."""

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import json
 import logging
 import math
 import multiprocessing
@@ -52,9 +51,9 @@ from search_efficiency import (  # noqa: E402
     Verdict,
     _replay,
     best_of,
+    cached_searches,
     choose,
     load_task,
-    read_cache,
     report,
     verdicts,
 )
@@ -363,17 +362,12 @@ def main() -> None:
         total = math.ceil(args.budget * n_trials)
         jobs = [(task, s, seed, total) for s in strategies for seed in range(args.seeds)]
         started = time.perf_counter()
-        cached = read_cache(args.cache, task, total)
-        todo = [job for job in jobs if job[1:3] not in cached]
-        for search in replay_all(todo, args.jobs):
-            cached[search.strategy, search.seed] = search
-            if args.cache is not None:
-                with args.cache.open("a", encoding="utf-8") as out:
-                    out.write(json.dumps({"task": task, **dataclasses.asdict(search)}) + "\n")
-        searches = [cached[job[1:3]] for job in jobs]
+        searches, replayed = cached_searches(
+            task, jobs, args.cache, lambda todo: replay_all(todo, args.jobs)
+        )
         print("\n".join(report(task, searches, n_trials, "samples")))
         spent = time.perf_counter() - started
-        print(f"({len(todo)} searches of {total} trials replayed in {spent:.0f} s)\n")
+        print(f"({replayed} searches of {total} trials replayed in {spent:.0f} s)\n")
         by_task[task] = verdicts(searches, n_trials, "samples")
     print("\n".join(choose(by_task)))
     print()

@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -808,15 +809,10 @@ def main() -> None:
         total = math.ceil(args.budget * n_trials)
         jobs = [(task, s, seed, total) for s in strategies for seed in range(args.seeds)]
         started = time.perf_counter()
-        cached = read_cache(args.cache, task, total)
-        todo = [job for job in jobs if job[1:3] not in cached]
         with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
-            for search in pool.imap_unordered(_replay, todo, chunksize=1):
-                cached[search.strategy, search.seed] = search
-                if args.cache is not None:
-                    with args.cache.open("a", encoding="utf-8") as out:
-                        out.write(json.dumps({"task": task, **dataclasses.asdict(search)}) + "\n")
-        searches = [cached[job[1:3]] for job in jobs]
+            searches, _ = cached_searches(
+                task, jobs, args.cache, lambda todo: pool.imap_unordered(_replay, todo, chunksize=1)
+            )
         print(rarity(task))
         if has_conditions(config.search_space):
             print(branches(task))
@@ -827,6 +823,28 @@ def main() -> None:
         )
         by_task[task] = verdicts(searches, n_trials, args.unit)
     print("\n".join(choose(by_task)))
+
+
+Job = tuple[str, str, int, int]
+"""A replay: task, strategy, seed, trials."""
+
+
+def cached_searches(
+    task: str,
+    jobs: list[Job],
+    cache: Path | None,
+    replay_jobs: Callable[[list[Job]], Iterable[Search]],
+) -> tuple[list[Search], int]:
+    """The searches of `jobs` (all of `task`), in their order: those `cache` holds read back,
+    the others replayed by `replay_jobs` and appended to it; and how many were replayed."""
+    cached = read_cache(cache, task, jobs[0][3] if jobs else 0)
+    todo = [job for job in jobs if job[1:3] not in cached]
+    for search in replay_jobs(todo):
+        cached[search.strategy, search.seed] = search
+        if cache is not None:
+            with cache.open("a", encoding="utf-8") as out:
+                out.write(json.dumps({"task": task, **dataclasses.asdict(search)}) + "\n")
+    return [cached[job[1:3]] for job in jobs], len(todo)
 
 
 def read_cache(path: Path | None, task: str, total: int) -> dict[tuple[str, int], Search]:

@@ -52,25 +52,31 @@ def across(job: TrainJob, ranks: int, **training: Any) -> TrainJob:
     return dataclasses.replace(job, training=settings)
 
 
-@pytest.fixture
-def small(tmp_path: Path) -> tuple[TrainJob, PreparedData]:
-    """62 examples in steps of 12: the epoch's last step has 2, so a third rank has none."""
+def small_job(tmp_path: Path, **training: Any) -> tuple[TrainJob, PreparedData]:
+    """62 examples in steps of 12: the epoch's last step has 2, so a third rank has none;
+    `training` settings beside these."""
     folder = tmp_path / "data"
     folder.mkdir()
     train_file = write_csv(folder / "train.csv", easy_rows(62, 1))
     eval_file = write_csv(folder / "eval.csv", easy_rows(16, 2))
+    settings = {"epochs": 2, **training}
     job = tiny_job(
         train_file,
         eval_file,
         seed=3,
         effective_batch_size=12,
         physical_batch_size=2,
-        epochs=2,
         evals_per_epoch=3,
         log_every_steps=1,
+        **settings,
     )
     job.model.dropout = 0.0  # one process draws other dropout masks than several ranks
     return job, prepare_data(job.data, load_tokenizer(job.model))
+
+
+@pytest.fixture
+def small(tmp_path: Path) -> tuple[TrainJob, PreparedData]:
+    return small_job(tmp_path)
 
 
 def curve(result: TrainResult) -> list[float]:

@@ -30,12 +30,9 @@ from hpo.trainer.files import drop_resume_state
 from hpo.trainer.launch import train_distributed
 from hpo.trainer.loop import train
 from hpo.trainer.memory import BUDGET_ENV, BUDGET_RANK_ENV, OutOfMemoryAtBatchOne
-from hpo.trainer.model import load_tokenizer
-from hpo.trainer.tasks import prepare_data
 from hpo.trial.uploads import BackgroundUploader, fetch_resume_state
-from tests.conftest import MINILM_TOKENIZER, TINY_BERT, easy_rows, tiny_config, write_csv
-from tests.test_distributed import assert_same_curve
-from tests.test_trainer import tiny_job
+from tests.conftest import MINILM_TOKENIZER, TINY_BERT, tiny_config
+from tests.test_distributed import assert_same_curve, small_job
 
 
 def sharded(job: TrainJob, ranks: int, **training: Any) -> TrainJob:
@@ -48,24 +45,9 @@ def sharded(job: TrainJob, ranks: int, **training: Any) -> TrainJob:
 
 @pytest.fixture
 def small(tmp_path: Path) -> tuple[TrainJob, PreparedData]:
-    """62 examples in steps of 12: the epoch's last step has 2, so a third rank has none."""
-    folder = tmp_path / "data"
-    folder.mkdir()
-    train_file = write_csv(folder / "train.csv", easy_rows(62, 1))
-    eval_file = write_csv(folder / "eval.csv", easy_rows(16, 2))
-    job = tiny_job(
-        train_file,
-        eval_file,
-        seed=3,
-        effective_batch_size=12,
-        physical_batch_size=2,
-        epochs=1,
-        evals_per_epoch=3,
-        log_every_steps=1,
-        max_grad_norm=0.5,  # clipped on the sharded gradients: the norm is over every rank's
-    )
-    job.model.dropout = 0.0  # one process draws other dropout masks than several ranks
-    return job, prepare_data(job.data, load_tokenizer(job.model))
+    """test_distributed's small job in one epoch, clipped: the norm is over every rank's
+    sharded gradients."""
+    return small_job(tmp_path, epochs=1, max_grad_norm=0.5)
 
 
 def test_the_loss_curve_is_the_one_process_curve(small: tuple[TrainJob, PreparedData]) -> None:

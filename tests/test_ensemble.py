@@ -200,6 +200,57 @@ def test_a_stack_no_better_than_the_best_member_is_flagged_and_not_chosen() -> N
     assert "not better than the best member" in report.notes[0]
 
 
+def test_a_test_split_that_favours_stacking_does_not_choose_it() -> None:
+    # A learner that memorises scores 1.0 on a test split that repeats its rows; out of fold
+    # on the evaluation split it is below the best member, and the best member is saved.
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 2, 200)
+    logits = rng.normal(0, 1, (200, 2))
+    logits[np.arange(200), labels] += 1.0  # member a: right about 3 times in 4
+    members = {"a": _probabilities(logits), "b": _probabilities(rng.normal(0, 1, (200, 2)))}
+    evaluation = Split(members, labels)
+    report = evaluate_ensemble(
+        "sequence_classification", evaluation, evaluation, learners=[memoriser()]
+    )
+    assert report.stacked_score == 1.0 and report.stacking_beats_best_member  # on the test split
+    assert report.chosen_by.stacking < report.chosen_by.best_member
+    assert report.choice == "best_member" and report.saved_score == report.best_member_score
+    said = (
+        "chosen by cross-validation on the evaluation split: the best member; on the test "
+        "split stacking beats it (1.0000 against"
+    )
+    assert any(note.startswith(said) for note in report.notes), report.notes
+    chosen_by = report.to_json()["chosen_by"]
+    assert chosen_by["on"] == "5-fold cross-validation on the evaluation split"
+    assert chosen_by["stacking"] == report.chosen_by.stacking
+    assert report.to_json()["saved_score"] == report.best_member_score
+
+
+def test_stacking_chosen_by_cross_validation_is_saved_when_the_test_split_disfavours_it() -> None:
+    labels, members = complementary(200, 0)  # stacking far above each member out of fold
+    rng = np.random.default_rng(3)
+    test_labels = rng.integers(0, 3, 200)
+    test_members = {  # on the test split, a is right and b confidently wrong
+        "a": np.eye(3)[test_labels] * 0.9 + 0.05,
+        "b": _probabilities(rng.normal(0, 1, (200, 3)) + 4 * np.eye(3)[rng.integers(0, 3, 200)]),
+    }
+    report = evaluate_ensemble(
+        "sequence_classification",
+        Split(members, labels),
+        Split(test_members, test_labels),
+        learners=LR,
+    )
+    assert report.chosen_by.stacking > report.chosen_by.best_member + 0.1
+    assert report.best_member == "a" and report.best_member_score == 1.0
+    assert not report.stacking_beats_best_member and report.choice == "stacking"
+    assert report.saved_score == report.stacked_score < 1.0
+    assert report.notes == [
+        "chosen by cross-validation on the evaluation split: stacking; on the test split it "
+        f"does not beat the best member ({report.stacked_score:.4f} against 1.0000)"
+    ]
+    assert "chosen by 5-fold cross-validation on the evaluation split" in report.how_measured
+
+
 @pytest.mark.parametrize(
     ("task", "words"),
     [("causal_lm", "soup"), ("token_classification", "averaging their token probabilities")],
@@ -547,6 +598,7 @@ def test_regression_and_multi_label_stacks_read_back_from_the_cache(
     second, again = _cached(tmp_path, evaluation, task, test)
     assert fits > 0 and again == 0 and first.choice == "stacking"
     assert second.to_json() == first.to_json() and second.measured_on == "test_split"
+    assert second.chosen_by == first.chosen_by and second.saved_score == first.saved_score
     assert first.stacked is not None and second.stacked is not None
     features = test.stack_features(list(test.predictions))
     np.testing.assert_allclose(second.stacked.predict(features), first.stacked.predict(features))
@@ -606,6 +658,33 @@ def test_a_damaged_cache_entry_is_fitted_again_never_an_error(tmp_path: Path) ->
         )
         read = cache.get(entry.stem)
         assert read is None or read.to_json() == first.to_json(), position
+
+
+def test_an_entry_written_before_chosen_by_is_fitted_again_never_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+    import zipfile
+
+    from hpo.ensemble import report_cache
+
+    labels, members = complementary(90, 6)
+    split = Split(members, labels)
+    first, _ = _cached(tmp_path, split, **TWO_FOLDS)
+    key = report_cache.report_key("sequence_classification", split, None, **TWO_FOLDS)
+    monkeypatch.setattr(report_cache, "FORMAT", 1)  # an older hpo kept its entries elsewhere
+    assert report_cache.report_key("sequence_classification", split, None, **TWO_FOLDS) != key
+    monkeypatch.undo()
+    entry = tmp_path / "ens" / f"{key}.zip"
+    with zipfile.ZipFile(entry) as stored:
+        text, skops = json.loads(stored.read("report.json")), stored.read("meta_learner.skops")
+    del text["report"]["chosen_by"]  # as format 1 wrote it
+    for number in (1, report_cache.FORMAT):  # even found under this key, it is not read
+        with zipfile.ZipFile(entry, "w") as old:
+            old.writestr("report.json", json.dumps({**text, "format": number}))
+            old.writestr("meta_learner.skops", skops)
+        again, fits = _cached(tmp_path, split, **TWO_FOLDS)
+        assert fits > 0 and again.to_json() == first.to_json(), number
 
 
 def test_a_stack_not_chosen_is_cached_without_its_fit_and_fitted_when_needed(

@@ -91,8 +91,8 @@ def test_a_study_s_top_models_stack_cache_and_predict(
         raise AssertionError("a member predicted again: the feature cache was not read")
 
     # Stacking forced to win, so the folder is a stacked ensemble whatever the tiny models score.
-    honest = EnsembleReport.stacking_beats_best_member
-    monkeypatch.setattr(EnsembleReport, "stacking_beats_best_member", property(lambda r: True))
+    honest = EnsembleReport.choice
+    monkeypatch.setattr(EnsembleReport, "choice", property(lambda r: "stacking"))
     from hpo.ensemble import stacking
 
     def no_fit(*args: Any, **kwargs: Any) -> None:
@@ -167,7 +167,7 @@ def test_a_study_s_top_models_stack_cache_and_predict(
 
     # Members of one base architecture: the greedy soup is built, scored on the test split and
     # shown beside; whatever wins, the folder predicts (a soup or a member: a plain folder).
-    monkeypatch.setattr(EnsembleReport, "stacking_beats_best_member", honest)  # scores decide
+    monkeypatch.setattr(EnsembleReport, "choice", honest)  # scores decide
     souped = tmp_path / "souped"
     with_soup = [*ensemble, "--config", str(with_test), "--soup", "greedy", "--out", str(souped)]
     assert hpo_main([*with_soup, "--learner", "logistic_regression"]) == 0
@@ -384,3 +384,44 @@ def test_labels_and_member_outputs_of_multi_label_and_regression_read_as_arrays(
     assert answers_array([{"value": 3.0}], "regression", []).tolist() == [3.0]
     with pytest.raises(hpo.HPOError, match="label 'z' is none of the members'"):
         _labels([{"label": "z"}], tagged, ["a", "b"], where)
+
+
+def test_a_soup_is_saved_on_its_evaluation_score_and_the_card_says_how_it_was_chosen() -> None:
+    from hpo.commands.ensemble import _soup_wins, card_json, card_markdown, table
+    from hpo.commands.soup import SoupResult
+    from hpo.ensemble import Split, evaluate_ensemble
+    from tests.test_ensemble import LR, complementary
+
+    labels, members = complementary(150, 0)
+    test_labels, test_members = complementary(150, 1)
+    report = evaluate_ensemble(
+        "sequence_classification",
+        Split(members, labels),
+        Split(test_members, test_labels),
+        learners=LR,
+    )
+    assert report.choice == "stacking"
+    chosen = report.chosen_by.stacking  # out of fold on the evaluation split
+    # The soup is compared where stacking was chosen, never on the test split.
+    best_on_test = SoupResult("uniform", 1.0, "test_split", ["a", "b"], evaluation_score=0.0)
+    assert not _soup_wins(report, best_on_test)
+    worst_on_test = SoupResult(
+        "uniform", 0.0, "test_split", ["a", "b"], evaluation_score=chosen + 0.01
+    )
+    assert _soup_wins(report, worst_on_test)
+
+    folders = {"a": Path("a"), "b": Path("b")}
+    card = card_json(report, folders, best_on_test, saved="stacking")
+    assert card["saved"]["kind"] == "stacking" and card["saved"]["score"] == report.stacked_score
+    assert card["saved_score"] == report.stacked_score
+    assert card["chosen_by"]["stacking"] == chosen
+    assert card["saved"]["chosen"].startswith(
+        "chosen by 5-fold cross-validation on the evaluation split: stacking (logistic_regression)"
+    )
+    souped = card_json(report, folders, worst_on_test, saved="soup")
+    assert souped["saved"]["kind"] == "soup" and souped["saved"]["score"] == 0.0
+    assert "soup scored" in souped["saved"]["chosen"]
+    text = card_markdown(report, worst_on_test, saved="soup")
+    assert "Saved: the uniform soup of 2 members" in text and "accuracy 0.0000" in text
+    said = table(report, "stacking")
+    assert "saved: the stacked model (logistic_regression)\n  chosen by 5-fold" in said, said

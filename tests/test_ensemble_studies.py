@@ -58,7 +58,7 @@ def _run_study(tmp_path: Path, hpo_main: Main, raw: dict[str, Any], name: str = 
 
 def _stacking_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     """Stacking saved whatever tiny models score: the folder is then an ensemble to read back."""
-    monkeypatch.setattr(EnsembleReport, "stacking_beats_best_member", property(lambda r: True))
+    monkeypatch.setattr(EnsembleReport, "choice", property(lambda r: "stacking"))
 
 
 # -- LoRA members from the store ---------------------------------------------------------------

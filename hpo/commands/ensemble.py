@@ -2,8 +2,8 @@
 Each member predicts the evaluation split (and the test split, data.test_file) once: the arrays
 are cached on disk by the member's weights and the data file's sha256. hpo.ensemble scores every
 candidate honestly and fits the stack; the folder saved holds the members' copies, the
-meta-learner (skops) and a model card. A stack no better than the best member saves that member,
-a plain model folder.
+meta-learner (skops) and a model card. A stack no better than the best member (out of fold on the
+evaluation split: never chosen on the test split) saves that member, a plain model folder.
 """
 
 from __future__ import annotations
@@ -313,12 +313,19 @@ def _label_id(index: dict[str, int], label: str, path: Path) -> int:
 
 
 def _soup_wins(report: Any, soup: Any) -> bool:
+    """The soup against what the report chose, both on the evaluation split (the soup's score
+    there, the choice's out-of-fold score): like stacking's, this choice never reads the test
+    split."""
     from hpo.ensemble.scoring import direction_of, is_better
 
-    if soup is None or soup.score is None:
+    if soup is None or soup.evaluation_score is None:
         return False
-    chosen = report.stacked_score if report.choice == "stacking" else report.best_member_score
-    return is_better(soup.score, chosen, direction_of(report.task, report.metric))
+    chosen = report.chosen_by.score_of(report.choice)
+    return is_better(soup.evaluation_score, chosen, direction_of(report.task, report.metric))
+
+
+def _saved_kind(report: Any, soup: Any) -> str:
+    return "soup" if _soup_wins(report, soup) else str(report.choice)
 
 
 def _save(
@@ -330,10 +337,11 @@ def _save(
 ) -> str:
     from hpo.ensemble import save_ensemble
 
-    card = card_json(report, members, soup, sources)
-    text = card_markdown(report, soup, card["members"])
+    saved = _saved_kind(report, soup)
+    card = card_json(report, members, soup, sources, saved)
+    text = card_markdown(report, soup, card["members"], saved)
     files = {CARD_JSON: json.dumps(card, indent=2) + "\n", CARD_MD: text}
-    if _soup_wins(report, soup):
+    if saved == "soup":
         from hpo.commands.soup import save_soup
 
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -345,7 +353,7 @@ def _save(
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return "soup"
-    if report.choice == "stacking":
+    if saved == "stacking":
         save_ensemble(out, report, members, copy_members=True, extra_files=files)
         return "stacking"
     # Not better than the best member: that member is the model, a plain folder.
@@ -365,9 +373,11 @@ def card_json(
     members: dict[str, Path],
     soup: Any = None,
     sources: dict[str, dict[str, Any]] | None = None,
+    saved: str | None = None,
 ) -> dict[str, Any]:
     """`sources`: members fetched from the store, shown by their store reference (the folder
-    they were fetched into is gone once the ensemble is built)."""
+    they were fetched into is gone once the ensemble is built). `saved`: what the folder holds
+    (default: the report's choice); its reported score and how it was chosen."""
     sources = sources or {}
     card = {
         "members": {name: sources.get(name, str(folder)) for name, folder in members.items()},
@@ -377,11 +387,30 @@ def card_json(
         card["soup"] = {
             "kind": soup.kind,
             "score": soup.score,
+            "evaluation_score": soup.evaluation_score,
             "measured_on": soup.measured_on,
             "members": soup.kept,
             "note": soup.note,
         }
+    saved = saved or report.choice
+    score = soup.score if saved == "soup" else report.saved_score
+    card["saved"] = {"kind": saved, "score": score, "chosen": _chosen_text(report, saved, soup)}
     return card
+
+
+def _chosen_text(report: Any, saved: str, soup: Any = None) -> str:
+    """How what is saved was chosen, in one sentence (never on the test split)."""
+    cv = report.chosen_by
+    text = (
+        f"by {cv.on}: stacking ({report.best_learner}) {cv.stacking:.4f}, the best member "
+        f"({report.best_member}) {cv.best_member:.4f}"
+    )
+    if saved != "soup":
+        return f"chosen {text}"
+    return (
+        f"the {soup.kind} soup scored {soup.evaluation_score:.4f} on the evaluation split, "
+        f"better than the {report.choice.replace('_', ' ')} chosen {text}"
+    )
 
 
 def _rows(report: Any, soup: Any = None) -> list[tuple[str, float]]:
@@ -424,6 +453,8 @@ def table(report: Any, saved: str, soup: Any = None) -> str:
     lines += _soup_measured(soup)
     lines += report.notes
     lines.append(f"saved: {_saved_text(report, saved, soup)}")
+    if report.measured_on == "test_split" or saved == "soup":  # chosen on another split
+        lines.append(f"  {_chosen_text(report, saved, soup)}")
     return "\n".join(lines)
 
 
@@ -434,13 +465,21 @@ def _source_text(source: Any) -> str:
     return f"trial #{source['trial']} in {source['store']} (weights sha256 {source['sha256'][:12]})"
 
 
-def card_markdown(report: Any, soup: Any = None, sources: dict[str, Any] | None = None) -> str:
-    """`sources`: each member's folder or store reference, as card_json gives them."""
+def card_markdown(
+    report: Any, soup: Any = None, sources: dict[str, Any] | None = None, saved: str | None = None
+) -> str:
+    """`sources`: each member's folder or store reference, as card_json gives them; `saved`:
+    what the folder holds (default: the report's choice)."""
     sources = sources or {}
+    saved = saved or report.choice
+    score = soup.score if saved == "soup" else report.saved_score
     lines = [
         "# Ensemble model card",
         "",
         f"Task: {report.task}. Metric: {report.metric}. Measured {report.how_measured}.",
+        "",
+        f"Saved: {_saved_text(report, saved, soup)}, {report.metric} {score:.4f}; "
+        f"{_chosen_text(report, saved, soup)}.",
         "",
         "| member | score | from |",
         "|---|---|---|",

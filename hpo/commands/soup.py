@@ -3,7 +3,7 @@ model's inference cost), when they share one base architecture; LoRA adapters of
 have their adapter weights (and the head each trained) averaged, and the soup is an adapter.
 The greedy soup is chosen on the evaluation split; each soup is scored on the test split when
 there is one, else on the evaluation split (said so: the greedy soup's score there is
-optimistic).
+optimistic). Whether the soup is saved is decided on the evaluation split, never the test split.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ class SoupResult:
     base: Path | None = None
     note: str | None = None
     adapter: bool = False  # the state dict is a LoRA adapter's (on `base`'s base model)
+    # On the evaluation split, where whether to save the soup is decided (`score` when there
+    # is no test split).
+    evaluation_score: float | None = None
 
 
 @dataclass
@@ -78,6 +81,7 @@ def build_soup(
     def scored(state: dict[str, torch.Tensor], split: Rows) -> float:
         return _score(predictor, state, split, task, metric, order)
 
+    on_evaluation = None
     try:
         if kind == "uniform":
             names = list(states)
@@ -85,11 +89,17 @@ def build_soup(
             kept = names
         else:
             found = greedy_soup(states, lambda s: scored(s, evaluation), direction_of(task, metric))
-            soup, kept = found.state_dict, found.kept
+            soup, kept, on_evaluation = found.state_dict, found.kept, found.score
     except EnsembleError as e:
         return SoupResult(kind, None, measured, note=str(e))
     value = scored(soup, test if test is not None else evaluation)
-    return SoupResult(kind, value, measured, kept, soup, base, adapter=adapter)
+    if test is None:
+        on_evaluation = value
+    elif on_evaluation is None:  # the uniform soup: one more pass, over the evaluation rows
+        on_evaluation = scored(soup, evaluation)
+    return SoupResult(
+        kind, value, measured, kept, soup, base, adapter=adapter, evaluation_score=on_evaluation
+    )
 
 
 def _is_adapter(folder: Path) -> bool:

@@ -1,7 +1,8 @@
 """Honest scores for every candidate (the best member, soft voting, greedy selection, each
 stacked learner): on a test split no trial saw, or else by K-fold cross-validated predictions on
 the evaluation split, where whatever is fitted (a learner, a selection, the choice of the best
-member) is fitted on the other folds only.
+member) is fitted on the other folds only. What to save is chosen out of fold on the evaluation
+split, never on the test split.
 """
 
 from __future__ import annotations
@@ -50,6 +51,32 @@ class Split:
         return self.features if self.features is not None else _stack(self.predictions, members)
 
 
+@dataclass(frozen=True)
+class ChosenBy:
+    """The out-of-fold scores on the evaluation split that decide what is saved: the chosen
+    learner's stack against the best member (chosen on the other folds), by `folds`-fold
+    cross-validation. With no test split, these are also the scores reported."""
+
+    stacking: float
+    best_member: float
+    folds: int
+
+    @property
+    def on(self) -> str:
+        return f"{self.folds}-fold cross-validation on the evaluation split"
+
+    def score_of(self, choice: str) -> float:
+        return self.stacking if choice == "stacking" else self.best_member
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "on": self.on,
+            "stacking": self.stacking,
+            "best_member": self.best_member,
+            "folds": self.folds,
+        }
+
+
 @dataclass
 class EnsembleReport:
     """What each candidate scores, and how it was measured; `choice` is what to save."""
@@ -66,6 +93,7 @@ class EnsembleReport:
     selection_score: float
     stacking_scores: dict[str, float]
     best_learner: str | None
+    chosen_by: ChosenBy  # what `choice` is made on (never the test split)
     stacked: StackedModel | None = None  # the best learner, fitted on the whole evaluation split
     notes: list[str] = field(default_factory=list)
 
@@ -75,20 +103,30 @@ class EnsembleReport:
 
     @property
     def stacking_beats_best_member(self) -> bool:
+        """On the reported scores (the test split's, when there is one)."""
         direction = direction_of(self.task, self.metric)
         return is_better(self.stacked_score, self.best_member_score, direction)
 
     @property
     def choice(self) -> Literal["stacking", "best_member"]:
-        """Stacking when it beats the best member; else the best member is what to save."""
-        return "stacking" if self.stacking_beats_best_member else "best_member"
+        """Stacking when it beats the best member out of fold on the evaluation split; else the
+        best member is what to save. Never chosen on the test split: its scores stay honest."""
+        direction = direction_of(self.task, self.metric)
+        wins = is_better(self.chosen_by.stacking, self.chosen_by.best_member, direction)
+        return "stacking" if wins else "best_member"
+
+    @property
+    def saved_score(self) -> float:
+        """The reported score of what is saved (the stack's or the best member's)."""
+        return self.stacked_score if self.choice == "stacking" else self.best_member_score
 
     @property
     def how_measured(self) -> str:
         if self.measured_on == "test_split":
             return (
                 "on the test split (data.test_file), which no trial and no fit saw; the "
-                "meta-learner was chosen by cross-validation on the evaluation split"
+                f"meta-learner, and stacking against the best member, were chosen by "
+                f"{self.chosen_by.on}"
             )
         return (
             f"by {self.folds}-fold cross-validation on the evaluation split: each fold scored "
@@ -113,6 +151,8 @@ class EnsembleReport:
                 "beats_best_member": self.stacking_beats_best_member,
             },
             "choice": self.choice,
+            "chosen_by": self.chosen_by.to_json(),
+            "saved_score": self.saved_score,
             "notes": self.notes,
         }
 
@@ -145,52 +185,70 @@ def evaluate_ensemble(
         task, evaluation.predictions, evaluation.labels, metric, max_rounds
     )
     best = best_member(task, metric, evaluation.predictions, evaluation.labels)
-    if test is not None:
+    # Every choice (the learner; stacking or the best member) is made out of fold on the
+    # evaluation split, never on the test split: a choice made there would make the score it
+    # reports optimistic.
+    out_of_fold = _cross_validated(
+        task, metric, evaluation, members, chosen, settings, folds, max_rounds, seed
+    )
+    scores, fitted = out_of_fold, {}
+    if test is not None:  # every learner fitted on the whole evaluation split, scored on test
         fitted = {lr.name: fit_on_evaluation(lr) for lr in chosen}
         scores = _on_test(task, metric, test, members, fitted, selection, best)
-        measured: MeasuredOn = "test_split"
-        used_folds = None
-    else:
-        scores = _cross_validated(
-            task, metric, evaluation, members, chosen, settings, folds, max_rounds, seed
-        )
-        measured, used_folds = "cross_validation", scores.pop("_folds")
-        fitted = {}
-    stacking = {lr.name: float(scores[f"stack:{lr.name}"]) for lr in chosen}
-    chosen_by = stacking
-    if test is not None and len(chosen) > 1:
-        # The learner is chosen on the evaluation split (cross-validated), never on the test
-        # split: a choice made there would make the score it reports optimistic.
-        chosen_by = _cross_validated(
-            task, metric, evaluation, members, chosen, settings, folds, max_rounds, seed
-        )
-        chosen_by = {lr.name: float(chosen_by[f"stack:{lr.name}"]) for lr in chosen}
-    best_learner = _best_of(chosen_by, direction_of(task, metric))
+    stacking = {lr.name: float(out_of_fold[f"stack:{lr.name}"]) for lr in chosen}
+    best_learner = _best_of(stacking, direction_of(task, metric))
     if best_learner not in fitted:  # cross-validation: only the best is fitted on every row
         fitted[best_learner] = fit_on_evaluation(
             next(lr for lr in chosen if lr.name == best_learner)
         )
+    chosen_by = ChosenBy(
+        stacking[best_learner], float(out_of_fold["best_member"]), int(out_of_fold["_folds"])
+    )
     report = EnsembleReport(
         task,
         metric,
-        measured,
-        used_folds,
+        "cross_validation" if test is None else "test_split",
+        chosen_by.folds if test is None else None,
         scores["_members"],
         best,
         float(scores["best_member"]),
         float(scores["soft_voting"]),
         selection,
         float(scores["selection"]),
-        stacking,
+        {lr.name: float(scores[f"stack:{lr.name}"]) for lr in chosen},
         best_learner,
+        chosen_by,
         fitted[best_learner],
     )
-    if not report.stacking_beats_best_member:
-        report.notes.append(
-            f"stacking ({best_learner}, {report.stacked_score:.4f}) is not better than the best "
-            f"member ({best}, {report.best_member_score:.4f}): the best member is the choice"
-        )
+    report.notes += _choice_notes(report)
     return report
+
+
+def _choice_notes(report: EnsembleReport) -> list[str]:
+    """Why the best member is saved; and, with a test split, where it disagrees with the
+    choice made on the evaluation split (said, never acted on)."""
+    notes = []
+    cv = report.chosen_by
+    if report.choice == "best_member":
+        where = "" if report.measured_on == "cross_validation" else f" by {cv.on}"
+        notes.append(
+            f"stacking ({report.best_learner}, {cv.stacking:.4f}) is not better than the best "
+            f"member ({report.best_member}, {cv.best_member:.4f}){where}: the best member is "
+            "the choice"
+        )
+    if report.measured_on == "test_split" and report.stacking_beats_best_member != (
+        report.choice == "stacking"
+    ):
+        chosen, verdict = (
+            ("stacking", "it does not beat the best member")
+            if report.choice == "stacking"
+            else ("the best member", "stacking beats it")
+        )
+        notes.append(
+            f"chosen by cross-validation on the evaluation split: {chosen}; on the test split "
+            f"{verdict} ({report.stacked_score:.4f} against {report.best_member_score:.4f})"
+        )
+    return notes
 
 
 def _best_of(scores: Mapping[str, float], direction: Direction) -> str:

@@ -21,7 +21,7 @@ import numpy as np
 
 from hpo.ensemble.cache import FeatureCache
 from hpo.ensemble.errors import EnsembleError
-from hpo.ensemble.honest import CV_FOLDS, EnsembleReport, Split, evaluate_ensemble
+from hpo.ensemble.honest import CV_FOLDS, ChosenBy, EnsembleReport, Split, evaluate_ensemble
 from hpo.ensemble.learners import (
     CLASSIFIER_LEARNERS,
     REGRESSION_LEARNERS,
@@ -35,7 +35,10 @@ from hpo.ensemble.stacking import PREDICTIONS, FeatureSettings, StackedModel
 
 log = logging.getLogger("hpo")
 
-FORMAT = 1  # raise when what is stored, or how a result is computed, changes
+# Raise when what is stored, or how a result is computed, changes: it is part of every key, so
+# an older entry is never read (its ensemble is fitted again). 2: `chosen_by`, the choice made
+# out of fold on the evaluation split.
+FORMAT = 2
 REPORT = "report.json"
 META_LEARNER = "meta_learner.skops"
 FOLDER = "ensembles"  # inside the feature cache's folder
@@ -237,6 +240,11 @@ def _report_json(report: EnsembleReport) -> dict[str, Any]:
         "selection_score": report.selection_score,
         "stacking_scores": report.stacking_scores,
         "best_learner": report.best_learner,
+        "chosen_by": {
+            "stacking": report.chosen_by.stacking,
+            "best_member": report.chosen_by.best_member,
+            "folds": report.chosen_by.folds,
+        },
         "stacked": None
         if stacked is None
         else {
@@ -265,7 +273,7 @@ def _report_from_json(data: Mapping[str, Any], skops: bytes | None) -> EnsembleR
             list(stacked["params"]),
             skops_bytes=skops,
         )
-    selection = data["selection"]
+    selection, chosen_by = data["selection"], data["chosen_by"]
     return EnsembleReport(
         str(data["task"]),
         str(data["metric"]),
@@ -279,6 +287,9 @@ def _report_from_json(data: Mapping[str, Any], skops: bytes | None) -> EnsembleR
         float(data["selection_score"]),
         {str(k): float(v) for k, v in data["stacking_scores"].items()},
         data["best_learner"],
+        ChosenBy(
+            float(chosen_by["stacking"]), float(chosen_by["best_member"]), int(chosen_by["folds"])
+        ),
         model,
         list(data["notes"]),
     )

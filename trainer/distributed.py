@@ -25,6 +25,7 @@ from hpo.trainer.evaluation import metrics_of
 from hpo.trainer.loop import OnEvaluation, ShouldStop, Trainer
 from hpo.trainer.memory import none_on_oom, optimizer_oom_due
 from hpo.trainer.progress import Progress
+from hpo.trainer.rank_state import agreed_state
 from hpo.trainer.result import TrainResult
 from hpo.trainer.step import (
     grad_accum_steps_for,
@@ -403,11 +404,17 @@ class DistributedTrainer(Trainer):
         checkpoints: CheckpointStore | None,
         on_evaluation: OnEvaluation | None,
     ) -> int | None:
-        """Every rank loads the same state (the weights, optimizer and progress are the same on
-        all), then its own RNG; a pruning decision on the restored evaluations is rank 0's."""
+        """Every rank loads the same state, the main rank's (the weights, optimizer and progress
+        are the same on all), then its own RNG; a pruning decision on the restored evaluations
+        is rank 0's."""
         resumed_at = super()._resume(run, checkpoints, on_evaluation)
         self._follow_main(run)
         return resumed_at
+
+    def _load_state(self, checkpoints: CheckpointStore | None) -> dict[str, Any] | None:
+        """The main rank's checkpoint, on every rank: a rank on a host without the trial's
+        shared folder (none there, or an older one) receives it from the main rank."""
+        return agreed_state(self.group, super()._load_state(checkpoints))
 
     def _follow_main(self, run: Progress) -> None:
         """Rank 0's verdict on the run (go on, pruned, early-stopped, diverged) on every rank."""

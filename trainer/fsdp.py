@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import pickle
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -275,19 +277,22 @@ class ShardedTrainer(DistributedTrainer):
         checkpoints: CheckpointStore | None,
         on_evaluation: OnEvaluation | None,
     ) -> int | None:
-        """Every rank loads its share of the checkpoint rank 0 named; the rest as Trainer's."""
-        state = checkpoints.load_state(self.fingerprint()) if checkpoints else None
-        folder = None
-        if state is not None and checkpoints is not None:
-            name = str(state.get("sharded"))  # one hpo writes: never a path out of the folder
-            folder = checkpoints.directory / name if SHARDED_NAME.fullmatch(name) else None
-            if folder is None:
+        """Every rank loads its share of the checkpoint the main rank names; the rest as
+        Trainer's, from the main rank's state. Where any rank cannot (a host without the
+        trial's shared folder lacks the shares), every rank starts over: never some ranks
+        resumed and the others fresh, or ranks at different steps."""
+        local = checkpoints.load_state(self.fingerprint()) if checkpoints else None
+        state = self.group.from_main(local)  # small: the weights and optimizer are in the shares
+        folder = _sharded_folder(state, checkpoints)
+        if self.group.any(folder is None):
+            if state is not None and (folder is None or self.group.is_main):
                 log.warning(
-                    "%s names no sharded state hpo writes; starting over", checkpoints.state_path
+                    "rank %d: %s lacks the sharded checkpoint %s whole (a host without the "
+                    "trial's shared folder); every rank starts over",
+                    self.group.rank,
+                    "this host's trial folder" if folder is None else "another rank's host",
+                    state.get("sharded"),
                 )
-        if self.group.any(folder is None or not folder.is_dir()):
-            if folder is not None:
-                log.warning("%s is missing on some rank; starting over", folder)
             self._follow_main(run)
             return None
         assert state is not None and folder is not None and checkpoints is not None  # noqa: S101
@@ -329,3 +334,28 @@ class ShardedTrainer(DistributedTrainer):
         """Trainer's, then rank 0's verdict on the restored evaluations followed."""
         super()._resumed(run, sizes, checkpoints, on_evaluation)
         self._follow_main(run)
+
+
+def _sharded_folder(
+    state: dict[str, Any] | None, checkpoints: CheckpointStore | None
+) -> Path | None:
+    """The sharded folder `state` names, when this rank's trial folder holds it whole: DCP's
+    metadata and every file it names (any rank may read any share). None otherwise."""
+    if state is None or checkpoints is None:
+        return None
+    name = str(state.get("sharded"))  # one hpo writes: never a path out of the folder
+    if not SHARDED_NAME.fullmatch(name):
+        log.warning("%s names no sharded state hpo writes", checkpoints.state_path)
+        return None
+    folder = checkpoints.directory / name
+    try:
+        metadata = dcp.FileSystemReader(folder).read_metadata()
+    except (OSError, EOFError, pickle.UnpicklingError) as e:
+        log.info("no whole sharded checkpoint in %s: %s", folder, e)
+        return None
+    names = {info.relative_path for info in metadata.storage_data.values()}
+    missing = sorted(n for n in names if not (folder / n).is_file())
+    if missing:
+        log.info("%s lacks %s of the sharded checkpoint", folder, ", ".join(missing))
+        return None
+    return folder

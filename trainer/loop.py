@@ -317,7 +317,7 @@ class Trainer:
     ) -> int | None:
         """Load a saved state of this job into the run; the restored evaluations are reported
         again (to a new trial of a retried one). Returns the step it resumes at."""
-        state = checkpoints.load_state(self.fingerprint()) if checkpoints else None
+        state = self._load_state(checkpoints)
         if state is None or checkpoints is None:
             return None
         sizes = restore_training(state, self._parts(), run)
@@ -325,6 +325,10 @@ class Trainer:
         self._resumed(run, sizes, checkpoints, on_evaluation)
         run.segment_start = time.perf_counter()
         return run.step
+
+    def _load_state(self, checkpoints: CheckpointStore | None) -> dict[str, Any] | None:
+        """The saved state to resume from (trainer.distributed: the main rank's, on all)."""
+        return checkpoints.load_state(self.fingerprint()) if checkpoints else None
 
     def _resumed(
         self,

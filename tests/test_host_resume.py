@@ -12,7 +12,6 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -23,6 +22,7 @@ from hpo.trainer.data import PreparedData
 from hpo.trainer.distributed import DistributedTrainer, RankGroup
 from hpo.trainer.fsdp import ShardedTrainer
 from hpo.trainer.launch import train_distributed
+from hpo.trainer.loop import train
 from hpo.trainer.result import TrainResult
 from tests.test_distributed import across, assert_same_curve, free_port, small_job
 from tests.test_fsdp import sharded
@@ -60,6 +60,12 @@ def resumed_on_hosts(job: TrainJob, data: PreparedData, folders: list[Path]) -> 
     return result
 
 
+def one_process(job: TrainJob, data: PreparedData) -> TrainResult:
+    """The unstopped run, in this process: its curve is the ranks' (test_distributed, test_fsdp)."""
+    alone = dataclasses.replace(job.training, distributed=None)
+    return train(dataclasses.replace(job, training=alone), data)
+
+
 def stopped_after(steps: int) -> Callable[[], bool]:
     """A should_stop that asks to stop once `steps` more steps without an evaluation ran: it
     is asked before the first step, then after each step that does not evaluate."""
@@ -88,25 +94,23 @@ def checkpoints_at_1_and_5(job: TrainJob, data: PreparedData, tmp_path: Path) ->
     return main, older
 
 
-@pytest.mark.parametrize("follower", ["empty", "older"])
 def test_ddp_ranks_resume_from_the_main_ranks_checkpoint_whatever_their_folder_holds(
-    tmp_path: Path, follower: str
+    tmp_path: Path,
 ) -> None:
     """Rank 1's folder has no checkpoint, or one of step 1: it receives rank 0's (step 5), and
-    the run ends as one that was never stopped."""
+    the run ends as one that was never stopped (whose curve is one process's)."""
     job, data = small_job(tmp_path)
     job = across(job, 2, epochs=1)
-    whole = train_distributed(job, data)
+    whole = one_process(job, data)
     main, older = checkpoints_at_1_and_5(job, data, tmp_path)
-    other = tmp_path / "host-1"
-    if follower == "older":
-        older.rename(other)
-    else:
-        other.mkdir()
-    resumed = resumed_on_hosts(job, data, [main, other])
-    assert resumed.status == "completed" and resumed.resumed_at_step == 5
-    assert resumed.optimizer_steps == whole.optimizer_steps
-    assert_same_curve(whole, resumed)
+    shutil.copytree(main, tmp_path / "host-0-again")  # the resume below goes on writing there
+    empty = tmp_path / "host-1"
+    empty.mkdir()
+    for folders in ([main, empty], [tmp_path / "host-0-again", older]):
+        resumed = resumed_on_hosts(job, data, folders)
+        assert resumed.status == "completed" and resumed.resumed_at_step == 5, folders[1]
+        assert resumed.optimizer_steps == whole.optimizer_steps
+        assert_same_curve(whole, resumed)
 
 
 def test_fsdp_ranks_all_start_over_when_a_follower_lacks_the_main_ranks_shares(
@@ -117,7 +121,7 @@ def test_fsdp_ranks_all_start_over_when_a_follower_lacks_the_main_ranks_shares(
     at step 5 and rank 1 at step 1), and the run is a fresh one's."""
     job, data = small_job(tmp_path, epochs=1, max_grad_norm=0.5)
     job = sharded(job, 2)
-    whole = train_distributed(job, data)
+    whole = one_process(job, data)
     main, older = checkpoints_at_1_and_5(job, data, tmp_path)
     assert [p.name for p in older.glob("sharded-state.*")] == ["sharded-state.1"]
     resumed = resumed_on_hosts(job, data, [main, older])

@@ -7,8 +7,9 @@ split, never on the test split.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 import numpy as np
@@ -173,14 +174,7 @@ def evaluate_ensemble(
     check_predictions(task, evaluation.predictions, evaluation.labels, "evaluation")
     members = list(evaluation.predictions)
     chosen = resolve_learners(task, learners)
-    outputs = _num_outputs(task, evaluation)
-
-    def fit_on_evaluation(lr: Learner) -> StackedModel:
-        features = evaluation.stack_features(members)
-        return fit_stacked(
-            task, lr, features, evaluation.labels, metric, members, settings, outputs, seed
-        )
-
+    fit = partial(_fit_on_evaluation, task, evaluation, metric, members, settings, seed)
     selection = greedy_selection(
         task, evaluation.predictions, evaluation.labels, metric, max_rounds
     )
@@ -193,17 +187,9 @@ def evaluate_ensemble(
     )
     scores, fitted = out_of_fold, {}
     if test is not None:  # every learner fitted on the whole evaluation split, scored on test
-        fitted = {lr.name: fit_on_evaluation(lr) for lr in chosen}
+        fitted = {lr.name: fit(lr) for lr in chosen}
         scores = _on_test(task, metric, test, members, fitted, selection, best)
-    stacking = {lr.name: float(out_of_fold[f"stack:{lr.name}"]) for lr in chosen}
-    best_learner = _best_of(stacking, direction_of(task, metric))
-    if best_learner not in fitted:  # cross-validation: only the best is fitted on every row
-        fitted[best_learner] = fit_on_evaluation(
-            next(lr for lr in chosen if lr.name == best_learner)
-        )
-    chosen_by = ChosenBy(
-        stacking[best_learner], float(out_of_fold["best_member"]), int(out_of_fold["_folds"])
-    )
+    best_learner, chosen_by = _choose_learner(task, metric, chosen, out_of_fold, fitted, fit)
     report = EnsembleReport(
         task,
         metric,
@@ -222,6 +208,42 @@ def evaluate_ensemble(
     )
     report.notes += _choice_notes(report)
     return report
+
+
+def _fit_on_evaluation(
+    task: str,
+    evaluation: Split,
+    metric: str,
+    members: list[str],
+    settings: FeatureSettings,
+    seed: int,
+    learner: Learner,
+) -> StackedModel:
+    features = evaluation.stack_features(members)
+    outputs = _num_outputs(task, evaluation)
+    return fit_stacked(
+        task, learner, features, evaluation.labels, metric, members, settings, outputs, seed
+    )
+
+
+def _choose_learner(
+    task: str,
+    metric: str,
+    learners: list[Learner],
+    out_of_fold: Mapping[str, Any],
+    fitted: dict[str, StackedModel],
+    fit: Callable[[Learner], StackedModel],
+) -> tuple[str, ChosenBy]:
+    """The learner best out of fold, fitted on the whole evaluation split (into `fitted`),
+    and what the choice between stacking and the best member is made on."""
+    stacking = {lr.name: float(out_of_fold[f"stack:{lr.name}"]) for lr in learners}
+    best_learner = _best_of(stacking, direction_of(task, metric))
+    if best_learner not in fitted:  # cross-validation: only the best is fitted on every row
+        fitted[best_learner] = fit(next(lr for lr in learners if lr.name == best_learner))
+    chosen_by = ChosenBy(
+        stacking[best_learner], float(out_of_fold["best_member"]), int(out_of_fold["_folds"])
+    )
+    return best_learner, chosen_by
 
 
 def _choice_notes(report: EnsembleReport) -> list[str]:

@@ -4,6 +4,7 @@ refusals, soups, the feature cache; and data.test_file, which no trial reads."""
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import sqlite3
 from collections.abc import Callable
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from hpo.ensemble import (
+    ChosenBy,
     EnsembleError,
     EnsembleReport,
     FeatureCache,
@@ -224,6 +226,37 @@ def test_a_test_split_that_favours_stacking_does_not_choose_it() -> None:
     assert chosen_by["on"] == "5-fold cross-validation on the evaluation split"
     assert chosen_by["stacking"] == report.chosen_by.stacking
     assert report.to_json()["saved_score"] == report.best_member_score
+
+
+def test_stacking_must_beat_the_best_member_by_more_than_the_folds_standard_error() -> None:
+    """The one-standard-error rule: a gain within the folds' noise keeps the best member (one
+    model's inference cost); accuracy higher is better, RMSE lower."""
+    assert not ChosenBy(0.80, 0.79, 5, 0.02).stacking_wins("maximize")
+    assert ChosenBy(0.80, 0.75, 5, 0.02).stacking_wins("maximize")
+    assert ChosenBy(0.30, 0.35, 5, 0.02).stacking_wins("minimize")
+    assert not ChosenBy(0.34, 0.35, 5, 0.02).stacking_wins("minimize")
+    labels, members = complementary(200, 0)  # stacking far above each member, every fold
+    report = evaluate_ensemble("sequence_classification", Split(members, labels), learners=LR)
+    cv = report.chosen_by
+    gain = cv.stacking - cv.best_member
+    assert 0 < cv.standard_error < gain / 3 and report.choice == "stacking"
+    assert report.to_json()["chosen_by"]["standard_error"] == cv.standard_error
+    # The same gain with folds that disagree more than it: the best member, said so.
+    report.chosen_by = dataclasses.replace(cv, standard_error=gain + 0.01)
+    assert report.choice == "best_member" and report.saved_score == report.best_member_score
+    # Near-duplicate members (one model and a noisy copy): stacking's out-of-fold gain, if
+    # any, is within its standard error, and the best member is saved.
+    rng = np.random.default_rng(5)
+    logits = rng.normal(0, 1, (300, 3))
+    labels = rng.integers(0, 3, 300)
+    logits[np.arange(300), labels] += 1.5
+    twins = {
+        "a": _probabilities(logits),
+        "b": _probabilities(logits + rng.normal(0, 0.1, (300, 3))),
+    }
+    report = evaluate_ensemble("sequence_classification", Split(twins, labels), learners=LR)
+    assert report.choice == "best_member", report.chosen_by
+    assert "standard error" in report.notes[0]
 
 
 def test_stacking_chosen_by_cross_validation_is_saved_when_the_test_split_disfavours_it() -> None:

@@ -403,7 +403,8 @@ def _chosen_text(report: Any, saved: str, soup: Any = None) -> str:
     cv = report.chosen_by
     text = (
         f"by {cv.on}: stacking ({report.best_learner}) {cv.stacking:.4f}, the best member "
-        f"({report.best_member}) {cv.best_member:.4f}"
+        f"({report.best_member}) {cv.best_member:.4f} (stacking must win by more than the "
+        f"folds' standard error, {cv.standard_error:.4f})"
     )
     if saved != "soup":
         return f"chosen {text}"

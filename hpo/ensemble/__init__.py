@@ -9,7 +9,7 @@ back from its `ReportCache` instead of fitting it again.
 
 from hpo.ensemble.cache import FeatureCache, default_cache_folder
 from hpo.ensemble.errors import EnsembleError
-from hpo.ensemble.honest import EnsembleReport, Split, evaluate_ensemble
+from hpo.ensemble.honest import ChosenBy, EnsembleReport, Split, evaluate_ensemble
 from hpo.ensemble.learners import Learner, available_learners, default_learner
 from hpo.ensemble.report_cache import ReportCache, evaluate_cached
 from hpo.ensemble.saving import SavedEnsemble, load_ensemble, save_ensemble, weights_sha256
@@ -19,6 +19,7 @@ from hpo.ensemble.soups import GreedySoup, adapter_soup, greedy_soup, uniform_so
 from hpo.ensemble.stacking import FeatureSettings, StackedModel, fit_stacked, stack_features
 
 __all__ = [
+    "ChosenBy",
     "EnsembleError",
     "EnsembleReport",
     "FeatureCache",

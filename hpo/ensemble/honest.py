@@ -61,10 +61,18 @@ class ChosenBy:
     stacking: float
     best_member: float
     folds: int
+    # The standard error of stacking's gain over the best member, from the folds' gains:
+    # stacking must win by more (the one-standard-error rule: an ensemble costs its members'
+    # inference, so a gain within the folds' noise is no reason to pay it).
+    standard_error: float = 0.0
 
     @property
     def on(self) -> str:
         return f"{self.folds}-fold cross-validation on the evaluation split"
+
+    def stacking_wins(self, direction: Direction) -> bool:
+        gain = self.stacking - self.best_member
+        return (gain if direction == "maximize" else -gain) > self.standard_error
 
     def score_of(self, choice: str) -> float:
         return self.stacking if choice == "stacking" else self.best_member
@@ -75,6 +83,7 @@ class ChosenBy:
             "stacking": self.stacking,
             "best_member": self.best_member,
             "folds": self.folds,
+            "standard_error": self.standard_error,
         }
 
 
@@ -110,10 +119,10 @@ class EnsembleReport:
 
     @property
     def choice(self) -> Literal["stacking", "best_member"]:
-        """Stacking when it beats the best member out of fold on the evaluation split; else the
-        best member is what to save. Never chosen on the test split: its scores stay honest."""
-        direction = direction_of(self.task, self.metric)
-        wins = is_better(self.chosen_by.stacking, self.chosen_by.best_member, direction)
+        """Stacking when it beats the best member out of fold on the evaluation split by more
+        than the folds' standard error; else the best member is what to save. Never chosen on
+        the test split: its scores stay honest."""
+        wins = self.chosen_by.stacking_wins(direction_of(self.task, self.metric))
         return "stacking" if wins else "best_member"
 
     @property
@@ -241,9 +250,18 @@ def _choose_learner(
     if best_learner not in fitted:  # cross-validation: only the best is fitted on every row
         fitted[best_learner] = fit(next(lr for lr in learners if lr.name == best_learner))
     chosen_by = ChosenBy(
-        stacking[best_learner], float(out_of_fold["best_member"]), int(out_of_fold["_folds"])
+        stacking[best_learner],
+        float(out_of_fold["best_member"]),
+        int(out_of_fold["_folds"]),
+        _standard_error(out_of_fold["_fold_gains"][best_learner]),
     )
     return best_learner, chosen_by
+
+
+def _standard_error(gains: Sequence[float]) -> float:
+    """Of the mean of the folds' gains (0 with one fold, or folds that agree exactly)."""
+    kept = np.asarray([g for g in gains if not np.isnan(g)], dtype=np.float64)
+    return float(kept.std(ddof=1) / np.sqrt(len(kept))) if len(kept) > 1 else 0.0
 
 
 def _choice_notes(report: EnsembleReport) -> list[str]:
@@ -255,8 +273,8 @@ def _choice_notes(report: EnsembleReport) -> list[str]:
         where = "" if report.measured_on == "cross_validation" else f" by {cv.on}"
         notes.append(
             f"stacking ({report.best_learner}, {cv.stacking:.4f}) is not better than the best "
-            f"member ({report.best_member}, {cv.best_member:.4f}){where}: the best member is "
-            "the choice"
+            f"member ({report.best_member}, {cv.best_member:.4f}) by more than the folds' "
+            f"standard error ({cv.standard_error:.4f}){where}: the best member is the choice"
         )
     if report.measured_on == "test_split" and report.stacking_beats_best_member != (
         report.choice == "stacking"
@@ -346,29 +364,40 @@ def _cross_validated(
     shape = preds[members[0]].shape
     out: dict[str, np.ndarray] = {k: np.zeros(shape) for k in ("best_member", "selection")}
     out.update({f"stack:{lr.name}": np.zeros(shape) for lr in learners})
+    held: list[np.ndarray] = []
     for fit_rows, held_rows in splitter.split(features, strata):
+        held.append(held_rows)
         fit_preds = {m: p[fit_rows] for m, p in preds.items()}
         held_preds = {m: p[held_rows] for m, p in preds.items()}
         best = best_member(task, metric, fit_preds, labels[fit_rows])
         out["best_member"][held_rows] = held_preds[best]
         chosen = greedy_selection(task, fit_preds, labels[fit_rows], metric, max_rounds)
         out["selection"][held_rows] = average(held_preds, chosen.weights)
+        fit_x, fit_y = features[fit_rows], labels[fit_rows]
         for lr in learners:
-            model = fit_stacked(
-                task,
-                lr,
-                features[fit_rows],
-                labels[fit_rows],
-                metric,
-                members,
-                settings,
-                outputs,
-                seed,
-            )
+            model = fit_stacked(task, lr, fit_x, fit_y, metric, members, settings, outputs, seed)
             out[f"stack:{lr.name}"][held_rows] = model.predict(features[held_rows])
     scores: dict[str, Any] = {k: score(task, metric, v, labels) for k, v in out.items()}
     # Soft voting and single members fit nothing here: scored on every evaluation row.
     scores["soft_voting"] = score(task, metric, average(preds, dict.fromkeys(members, 1.0)), labels)
     scores["_members"] = {m: score(task, metric, p, labels) for m, p in preds.items()}
     scores["_folds"] = splitter.get_n_splits()
+    gains = partial(_fold_gains, task, metric, best=out["best_member"], labels=labels, folds=held)
+    scores["_fold_gains"] = {lr.name: gains(out[f"stack:{lr.name}"]) for lr in learners}
     return scores
+
+
+def _fold_gains(
+    task: str,
+    metric: str,
+    stacked: np.ndarray,
+    best: np.ndarray,
+    labels: np.ndarray,
+    folds: list[np.ndarray],
+) -> list[float]:
+    """Stacking's score minus the best member's, on each fold's held-out rows."""
+    return [
+        score(task, metric, stacked[rows], labels[rows])
+        - score(task, metric, best[rows], labels[rows])
+        for rows in folds
+    ]

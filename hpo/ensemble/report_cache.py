@@ -37,8 +37,8 @@ log = logging.getLogger("hpo")
 
 # Raise when what is stored, or how a result is computed, changes: it is part of every key, so
 # an older entry is never read (its ensemble is fitted again). 2: `chosen_by`, the choice made
-# out of fold on the evaluation split.
-FORMAT = 2
+# out of fold on the evaluation split. 3: its standard error (stacking must win by more).
+FORMAT = 3
 REPORT = "report.json"
 META_LEARNER = "meta_learner.skops"
 FOLDER = "ensembles"  # inside the feature cache's folder
@@ -244,6 +244,7 @@ def _report_json(report: EnsembleReport) -> dict[str, Any]:
             "stacking": report.chosen_by.stacking,
             "best_member": report.chosen_by.best_member,
             "folds": report.chosen_by.folds,
+            "standard_error": report.chosen_by.standard_error,
         },
         "stacked": None
         if stacked is None
@@ -288,7 +289,10 @@ def _report_from_json(data: Mapping[str, Any], skops: bytes | None) -> EnsembleR
         {str(k): float(v) for k, v in data["stacking_scores"].items()},
         data["best_learner"],
         ChosenBy(
-            float(chosen_by["stacking"]), float(chosen_by["best_member"]), int(chosen_by["folds"])
+            float(chosen_by["stacking"]),
+            float(chosen_by["best_member"]),
+            int(chosen_by["folds"]),
+            float(chosen_by["standard_error"]),
         ),
         model,
         list(data["notes"]),

@@ -1,12 +1,13 @@
 """Sharded trials (training.distributed.strategy fsdp, FSDP2) on the CPU over gloo: the same loss
 curve as one process at the same effective batch, each rank holding its share of the weights,
 resume across a stop from sharded checkpoints (on another host, through the artifact store),
-LoRA with a sharded frozen base, and the config."""
+LoRA with a sharded frozen base, the batch finder on the sharded model, and the config."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from safetensors.torch import load_file
 
 from hpo.storage.artifacts import ArtifactStore, ArtifactTarget
 from hpo.storage.artifacts.local import FileBackend
+from hpo.trainer.batch_finder import search_largest
 from hpo.trainer.checkpoint import CheckpointStore
 from hpo.trainer.config import (
     DistributedSettings,
@@ -30,9 +32,10 @@ from hpo.trainer.files import drop_resume_state
 from hpo.trainer.launch import train_distributed
 from hpo.trainer.loop import train
 from hpo.trainer.memory import BUDGET_ENV, BUDGET_RANK_ENV, OutOfMemoryAtBatchOne
+from hpo.trainer.sharded_batch import predicted_peak
 from hpo.trial.uploads import BackgroundUploader, fetch_resume_state
 from tests.conftest import MINILM_TOKENIZER, TINY_BERT, tiny_config
-from tests.test_distributed import assert_same_curve, small_job
+from tests.test_distributed import DictBatchCache, assert_same_curve, long_job_in, small_job
 
 
 def sharded(job: TrainJob, ranks: int, **training: Any) -> TrainJob:
@@ -156,7 +159,9 @@ def test_lora_shards_the_frozen_base_and_trains_the_adapter_alone(
     assert kept and all("lora_" in k or "classifier" in k for k in kept)
 
 
-def test_the_config_accepts_fsdp_with_a_set_physical_batch(easy_data: tuple[Path, Path]) -> None:
+def test_the_config_accepts_fsdp_with_a_set_or_searched_physical_batch(
+    easy_data: tuple[Path, Path],
+) -> None:
     from hpo.config.loader import parse_config
 
     training = {"physical_batch_size": 4, "distributed": {"strategy": "fsdp"}}
@@ -166,10 +171,10 @@ def test_the_config_accepts_fsdp_with_a_set_physical_batch(easy_data: tuple[Path
     assert fsdp.problems() == []
     accepted = TrainingConfig(effective_batch_size=8, physical_batch_size=2, distributed=fsdp)
     assert accepted.problems() == []
-    refused = TrainingConfig(effective_batch_size=8, distributed=fsdp)  # physical: auto
-    assert [(key, value) for key, value, _ in refused.problems()] == [
-        ("physical_batch_size", "auto")
-    ]
+    searched = TrainingConfig(effective_batch_size=8, distributed=fsdp)  # physical: auto
+    assert searched.physical_batch_size == "auto" and searched.problems() == []
+    refused = TrainingConfig(effective_batch_size=9, distributed=fsdp)  # 2 ranks: equal shares
+    assert [key for key, _, _ in refused.problems()] == ["effective_batch_size"]
 
 
 def test_an_oom_on_one_rank_ends_the_run_with_that_rank_named(
@@ -184,3 +189,42 @@ def test_an_oom_on_one_rank_ends_the_run_with_that_rank_named(
     monkeypatch.setenv(BUDGET_RANK_ENV, "1")
     with pytest.raises(OutOfMemoryAtBatchOne, match="on rank 1 in a sharded step at physical"):
         train_distributed(sharded(job, 2), data)
+
+
+def test_the_ranks_search_the_sharded_batch_together_and_the_worst_rank_decides(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Long sequences (activations decide what fits); rank 1 alone has a budget, which it meets
+    at about 24 examples (rank 0 alone would take the bound, 48). Every probe is made by both
+    ranks on the sharded model: the verdicts are rank 1's, the search is the one rank 1's peaks
+    alone make, and the run trains at the agreed size within rank 1's budget."""
+    job, data = long_job_in(tmp_path)
+    budget = 100 * 2**20  # rank 1's peak: about 85 MiB at 16 examples, 110 at 32
+    monkeypatch.setenv(BUDGET_ENV, str(budget))
+    monkeypatch.setenv(BUDGET_RANK_ENV, "1")
+    start, bound = 16, 48
+    settings = {"batch_search_start": start, "batch_search_max": bound, "max_steps": 1}
+    cache = DictBatchCache()
+    result = train_distributed(
+        sharded(job, 2, physical_batch_size="auto", **settings), data, batch_cache=cache
+    )
+    assert result.status == "completed" and result.optimizer_steps == 1
+    search = result.batch_search
+    assert result.batch_source == "search" and search is not None
+    assert {p.rank for p in search.probes} == {1}  # the rank with the least to spare
+    peaks = {p.size: p.peak_mem_bytes or 0 for p in search.probes}
+    alone = search_largest(lambda size: peaks[size] <= budget, start, bound)
+    assert search.limit == alone < bound
+    assert search.chosen == math.floor(alone * job.training.batch_safety_margin)
+    assert result.physical_batch_size == min(search.chosen, job.training.effective_batch_size)
+    ((key, size),) = zip(cache.keys, cache.sizes.values(), strict=True)
+    assert (key["ranks"], key["strategy"], size) == (2, "fsdp", search.chosen)
+
+
+def test_a_gpu_probe_is_predicted_from_the_probes_below_it() -> None:
+    """A sharded probe on a GPU is skipped when its predicted peak passes the memory (a real
+    OOM inside a collective cannot be agreed): from two probes, on their line; from one, in
+    proportion (over, never under, since the weights do not grow with the batch)."""
+    assert predicted_peak({}, 8) is None
+    assert predicted_peak({4: 100}, 8) == 200
+    assert predicted_peak({4: 100, 8: 140, 32: 999}, 16) == 220

@@ -47,6 +47,9 @@ class Probe:
     fits: bool
     peak_mem_bytes: int | None
     seconds: float
+    # A search across ranks (trainer.sharded_batch): the rank whose peak this is, the one with
+    # the least memory to spare.
+    rank: int | None = None
 
 
 @dataclass
@@ -70,8 +73,9 @@ class BatchSearch:
         for probe in self.probes:
             peak = f"{probe.peak_mem_bytes / 2**20:,.1f} MiB" if probe.peak_mem_bytes else "-"
             verdict = "fits" if probe.fits else "OOM"
+            on = f" (rank {probe.rank})" if probe.rank is not None else ""
             lines.append(
-                f"  batch {probe.size:>5}: {verdict:<4}  peak {peak:>12}  {probe.seconds:.2f} s"
+                f"  batch {probe.size:>5}: {verdict:<4}  peak {peak:>12}{on}  {probe.seconds:.2f} s"
             )
         return "\n".join(lines)
 
@@ -169,7 +173,7 @@ class BatchFinder:
         started = time.perf_counter()
         margin = self.cfg.batch_safety_margin
         max_length = self.job.data.max_length
-        if self.device.type == "cpu" and budget_from_env() is None:
+        if self._unlimited():
             chosen = min(CPU_PHYSICAL_BATCH_SIZE, self.cfg.batch_search_max)
             return BatchSearch(chosen, chosen, margin, max_length, note="CPU: no memory limit")
         limit = search_largest(self.fits, self.cfg.batch_search_start, self.cfg.batch_search_max)
@@ -179,6 +183,10 @@ class BatchFinder:
         )
         log.info("%s", search.report())
         return search
+
+    def _unlimited(self) -> bool:
+        """Whether there is no memory limit to search: a CPU without the test budget."""
+        return self.device.type == "cpu" and budget_from_env() is None
 
     def fits(self, size: int) -> bool:
         """Whether a worst-case step of `size` examples fits; records the probe."""
@@ -257,6 +265,10 @@ def find_physical_batch_size(
 
 PhysicalBatchSource = Literal["config", "search", "cache"]
 
+# A search of `job`'s physical batch on a device: find_physical_batch_size, or a sharded run's
+# search together with its other ranks (trainer.sharded_batch).
+BatchSearcher = Callable[[TrainJob, list[str], torch.device], BatchSearch]
+
 
 class BatchSizeLookup(Protocol):
     """Search results shared between runs; hpo keeps them in the study's database
@@ -297,15 +309,18 @@ def resolve_physical_batch(
     label_names: list[str],
     device: torch.device,
     cache: BatchSizeLookup | None = None,
+    searcher: BatchSearcher | None = None,
 ) -> PhysicalBatch:
     """The one place that decides a run's physical batch: the configured size; for `auto`, the
-    size `cache` holds, else a search (recorded in `cache`). Raises NoPhysicalBatchFits (an
-    OutOfMemoryAtBatchOne) when not even one example fits."""
+    size `cache` holds, else a search by `searcher` (default: find_physical_batch_size),
+    recorded in `cache`. Raises NoPhysicalBatchFits (an OutOfMemoryAtBatchOne) when not even
+    one example fits."""
     configured = job.training.physical_batch_size
     if configured != "auto":
         return PhysicalBatch(configured, "config")
     key = batch_key(job, device, dev.resolve_precision(job.training.precision, device))
-    batch = _cached_or_searched(job, label_names, device, key, cache)
+    search = searcher or find_physical_batch_size
+    batch = _cached_or_searched(job, label_names, device, key, cache, search)
     if batch.size == 0:
         earlier = " (an earlier search found so)" if batch.source == "cache" else ""
         raise NoPhysicalBatchFits(
@@ -321,18 +336,19 @@ def _cached_or_searched(
     device: torch.device,
     key: dict[str, Any],
     cache: BatchSizeLookup | None,
+    searcher: BatchSearcher,
 ) -> PhysicalBatch:
     cached = cache.get(key) if cache is not None else None
     if cached is not None:
         return PhysicalBatch(cached, "cache", key)
     if cache is None:
-        search = find_physical_batch_size(job, label_names, device)
+        search = searcher(job, label_names, device)
         return PhysicalBatch(search.chosen, "search", key, search)
     with cache.searching(key):
         cached = cache.get(key)  # another worker may have searched while this one waited
         if cached is not None:
             return PhysicalBatch(cached, "cache", key)
-        search = find_physical_batch_size(job, label_names, device)
+        search = searcher(job, label_names, device)
         size = cache.record(key, search.chosen, search.as_dict())
         return PhysicalBatch(size, "search", key, search)
 

@@ -503,13 +503,6 @@ class TrainingConfig:
                 f"trains an equal share of the step, e.g. {nearest}"
             )
             return [("effective_batch_size", self.effective_batch_size, rule)]
-        sharded = self.distributed is not None and self.distributed.strategy == "fsdp"
-        if sharded and self.physical_batch_size == "auto":
-            rule = (
-                "must be a number with distributed.strategy fsdp: the batch finder probes an "
-                "unsharded model on one GPU (e.g. physical_batch_size: 8)"
-            )
-            return [("physical_batch_size", "auto", rule)]
         if ranks > 1 and self.entrypoint is not None:
             rule = "hpo's trainer only: your own function starts its own ranks"
             return [("distributed", "set", rule)]

@@ -1,7 +1,8 @@
 """The physical batch of a run across ranks, decided as a one-GPU run's is (batch_finder's
 resolve_physical_batch: the configured size, the study's cache, else a search), with the ranks
 agreeing at each turn: the main rank asks the cache, every rank searches on its own device and
-the smallest size wins, which the main rank records.
+the smallest size wins, which the main rank records. A sharded run's ranks search together, on
+the sharded model (trainer.sharded_batch), and agree after each probe.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from hpo.trainer.config import TrainJob
 from hpo.trainer.data import PreparedData
 from hpo.trainer.distributed import RankGroup
 from hpo.trainer.memory import OutOfMemoryAtBatchOne
+from hpo.trainer.sharded_batch import sharded_searcher
 
 
 class RankBatchCache(Protocol):
@@ -64,9 +66,12 @@ def agreed_physical_batch(
 ) -> PhysicalBatch:
     """The physical batch every rank trains with (see the module). Raises
     OutOfMemoryAtBatchOne on every rank when one example does not fit on some rank."""
+    settings = job.training.distributed
+    sharded = settings is not None and settings.strategy == "fsdp"
+    searcher = sharded_searcher(group) if sharded else None  # else each rank's own search
     try:
         return resolve_physical_batch(
-            job, data.label_names, group.device, AgreedCache(group, study_cache)
+            job, data.label_names, group.device, AgreedCache(group, study_cache), searcher
         )
     except NoPhysicalBatchFits as e:
         raise OutOfMemoryAtBatchOne(

@@ -549,19 +549,66 @@ def test_a_cuda_worker_that_sees_too_few_gpus_is_refused_before_any_trial(
 
 
 # srun on a 2-node allocation, on this host: one task per "node", each told its node by
-# SLURM_NODEID as srun tells it; a SIGTERM goes to both.
+# SLURM_NODEID as srun tells it; a SIGTERM goes to both. It writes each node's pid to
+# $FAKE_LOG/pids and, as each ends, "node exit-code seconds-since-epoch" to $FAKE_LOG/ended.
 FAKE_SRUN_NODES = """#!/usr/bin/env bash
 while [[ "$1" == --* ]]; do shift; done
+declare -A node_of
 pids=()
 for node in 0 1; do
   SLURM_NODEID=$node SLURM_JOB_NUM_NODES=2 "$@" 2> "$FAKE_LOG/node$node.err" &
   pids+=($!)
+  node_of[$!]=$node
+  echo "$node $!" >> "$FAKE_LOG/pids"
 done
 trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
 status=0
-for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+while (( ${#node_of[@]} )); do
+  ended=""
+  until [[ -n "$ended" ]]; do wait -n -p ended "${!node_of[@]}"; code=$?; done
+  echo "${node_of[$ended]} $code $(date +%s.%N)" >> "$FAKE_LOG/ended"
+  unset "node_of[$ended]"
+  [[ $code == 0 ]] || status=$code
+done
 exit "$status"
 """
+
+
+def start_two_nodes(tmp_path: Path, raw: dict[str, Any], **env: str) -> Any:
+    """deploy/slurm/hpo-workers.sbatch on study "n" with config `raw`, its two "nodes" on this
+    host (the fake srun) in a session of their own, `env` added."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN_NODES)
+    (bin_dir / "hpo").write_text(f'#!/usr/bin/env bash\nexec {sys.executable} -m hpo "$@"\n')
+    for name in ("srun", "hpo"):
+        (bin_dir / name).chmod(0o755)
+    config = write_config(tmp_path / "c.yaml", raw)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "PYTHONPATH": str(REPO),
+        "FAKE_LOG": str(tmp_path),
+        "HPO_STORAGE": f"sqlite:///{tmp_path / 'n.db'}",
+        "HPO_RDZV_ENDPOINT": f"127.0.0.1:{free_port()}",
+        "HPO_NODE_ADDR": "127.0.0.1",
+        **env,
+    }
+    sbatch = REPO / "deploy" / "slurm" / "hpo-workers.sbatch"
+    return subprocess.Popen(
+        ["bash", str(sbatch), "n", str(config)], env=env, cwd=tmp_path, start_new_session=True
+    )
+
+
+def ended_nodes(tmp_path: Path) -> dict[int, tuple[int, float]]:
+    """Each node's exit code and when it ended, as the fake srun wrote them."""
+    rows = (line.split() for line in (tmp_path / "ended").read_text().splitlines())
+    return {int(node): (int(code), float(at)) for node, code, at in rows}
 
 
 def free_port() -> int:
@@ -579,48 +626,30 @@ def test_the_slurm_recipe_trains_a_trial_across_two_nodes_as_one_process_would(
     """deploy/slurm/hpo-workers.sbatch on 2 "nodes" of this host (a fake srun): node 0's
     `hpo run` trains the trial on 1 rank, node 1's follows it with 1 more (one rendezvous on
     127.0.0.1, gloo); the trial's losses are those of one process at the same batch."""
-    import subprocess
-    import sys
-
     from hpo.config.loader import parse_config
     from hpo.config.search_paths import with_params
-    from tests.conftest import REPO
 
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text(FAKE_SRUN_NODES)
-    (bin_dir / "hpo").write_text(f'#!/usr/bin/env bash\nexec {sys.executable} -m hpo "$@"\n')
-    for name in ("srun", "hpo"):
-        (bin_dir / name).chmod(0o755)
     space = {"learning_rate": {"type": "categorical", "choices": [3e-3]}}
     training = {"max_steps": 4, "distributed": {"gpus_per_trial": 1, "nodes": 2}}
     raw = tiny_config(*easy_data, study={"n_trials": 1}, search_space=space, training=training)
     raw["model"]["config"]["hidden_dropout_prob"] = 0.0  # the same masks as one process
     raw["model"]["config"]["attention_probs_dropout_prob"] = 0.0
-    config = write_config(tmp_path / "c.yaml", raw)
-    url = f"sqlite:///{tmp_path / 'n.db'}"
-    env = {
-        **os.environ,
-        "PATH": f"{bin_dir}:{os.environ['PATH']}",
-        "PYTHONPATH": str(REPO),
-        "FAKE_LOG": str(tmp_path),
-        "HPO_STORAGE": url,
-        "HPO_RDZV_ENDPOINT": f"127.0.0.1:{free_port()}",
-        "HPO_NODE_ADDR": "127.0.0.1",
-        "HPO_FOLLOW_IDLE_S": "3",  # node 1 ends 3 s after the last trial
-    }
-    sbatch = REPO / "deploy" / "slurm" / "hpo-workers.sbatch"
-    job_script = subprocess.Popen(
-        ["bash", str(sbatch), "n", str(config)], env=env, cwd=tmp_path, start_new_session=True
-    )
+    # Only node 0's last word can end node 1 in time: its idle limit is far longer.
+    job_script = start_two_nodes(tmp_path, raw, HPO_FOLLOW_IDLE_S="300")
     try:
         returncode = job_script.wait(timeout=240)
     finally:  # the whole fake job, whatever became of it
         with contextlib.suppress(ProcessLookupError):
             os.killpg(job_script.pid, signal.SIGKILL)
-    logs = [(tmp_path / f"node{i}.err").read_text()[-3000:] for i in (0, 1)]
+    full = [(tmp_path / f"node{i}.err").read_text() for i in (0, 1)]
+    logs = [text[-3000:] for text in full]
     assert returncode == 0, logs
-    assert "following the trials of the first host" in logs[1] and "followed 1 trials" in logs[1]
+    assert "following the trials of the first host" in full[1] and "followed 1 trials" in full[1]
+    assert "the first host's worker ended (exit code 0)" in logs[1], logs
+    assert "told 1 of 1 following hosts that the worker ended" in logs[0], logs
+    ended = ended_nodes(tmp_path)
+    assert ended[0][0] == ended[1][0] == 0 and abs(ended[1][1] - ended[0][1]) < 10, ended
+    url = f"sqlite:///{tmp_path / 'n.db'}"
     (trial,) = optuna.load_study(study_name="n", storage=url).get_trials()
     assert trial.state == TrialState.COMPLETE and trial.user_attrs["ranks"] == 2, logs
     job = with_params(parse_config(raw, tmp_path), trial.params)
@@ -630,6 +659,73 @@ def test_the_slurm_recipe_trains_a_trial_across_two_nodes_as_one_process_would(
     assert trial.user_attrs["curve"] == pytest.approx(one.curve, abs=1e-4)
     assert best["metrics"]["eval_loss"] == pytest.approx(one.best.metrics["eval_loss"], abs=1e-4)
     assert best["train_loss"] == pytest.approx(one.best.train_loss, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_a_host_whose_first_host_was_killed_ends_saying_so(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    """Node 0's `hpo run` killed (SIGKILL: no last word) while node 1 trains its trial with it:
+    node 1 ends within its idle limit after the trial failed, exit 1, with a line saying the
+    first host is gone."""
+    training = {"max_steps": 400, "distributed": {"gpus_per_trial": 1, "nodes": 2}}
+    raw = tiny_config(*easy_data, study={"n_trials": 50}, training=training)
+    job_script = start_two_nodes(tmp_path, raw, HPO_FOLLOW_IDLE_S="2")
+    try:
+        deadline, training_started = time.monotonic() + 120, False
+        while not training_started and time.monotonic() < deadline:
+            time.sleep(0.2)
+            training_started = "training on 2 ranks" in (tmp_path / "node0.err").read_text()
+        node0 = next(
+            int(pid)
+            for node, pid in (line.split() for line in (tmp_path / "pids").read_text().splitlines())
+            if node == "0"
+        )
+        os.kill(node0, signal.SIGKILL)
+        killed_at = time.time()
+        returncode = job_script.wait(timeout=60)
+    finally:  # the whole fake job, whatever became of it
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job_script.pid, signal.SIGKILL)
+    log = (tmp_path / "node1.err").read_text()
+    ended = ended_nodes(tmp_path)
+    assert training_started and returncode != 0 and ended[0][0] == 128 + signal.SIGKILL, ended
+    assert ended[1][0] == 1 and ended[1][1] - killed_at < 20, (ended, killed_at, log[-3000:])
+    assert "followed 1 trials" in log, log[-3000:]
+    assert "the first host is gone without saying its worker ended" in log, log[-3000:]
+
+
+def test_hosts_that_follow_hear_the_first_hosts_last_word_and_end_on_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first host's last word at the rendezvous port: each host that follows hears its exit
+    code and answers, and the first stops serving once all did; nothing listening, or a
+    listener that says nothing (a trial's rendezvous), is no word."""
+    import socket
+    import threading
+
+    from hpo.trainer import launch
+    from hpo.trainer.nodes import FirstHostWord, NodePlace, ask_first_host, tell_the_end
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    assert ask_first_host(endpoint).listening is False
+    with socket.create_server(("127.0.0.1", int(endpoint.split(":")[1]))):
+        assert ask_first_host(endpoint) == FirstHostWord(listening=True, exit_code=None)
+    told: list[int] = []
+    first = NodePlace(3, 0, endpoint, None)
+    serving = threading.Thread(target=lambda: told.append(tell_the_end(first, 3, wait_s=30)))
+    serving.start()
+    started = time.monotonic()
+    followed = launch.follow_trials(1, "cpu", NodePlace(3, 1, endpoint, None), lambda: False)
+    assert (followed.trials, followed.first_host_exit) == (0, 3)
+    assert ask_first_host(endpoint).exit_code == 3  # the third host
+    serving.join(timeout=10)
+    assert told == [2] and time.monotonic() - started < 10  # not the 30 s it would wait
+    # No word and no trial: the first host is gone; the idle limit ends the host that follows.
+    monkeypatch.setattr(launch, "RDZV_JOIN_TIMEOUT_S", 0)
+    alone = NodePlace(2, 1, f"127.0.0.1:{free_port()}", None)
+    gone = launch.follow_trials(1, "cpu", alone, lambda: False, idle_s=0.5)
+    assert (gone.trials, gone.first_host_exit) == (0, None) and gone.quiet_s > 0.5
 
 
 def test_a_host_follows_only_as_the_one_worker_of_a_later_node(

@@ -43,7 +43,7 @@ from hpo.trainer.evaluation import Evaluation
 from hpo.trainer.fsdp import ShardedTrainer
 from hpo.trainer.loop import OnEvaluation, OnProgress, ShouldStop
 from hpo.trainer.memory import simulated_budget
-from hpo.trainer.nodes import NodePlace, node_place
+from hpo.trainer.nodes import FirstHostWord, NodePlace, ask_first_host, node_place
 from hpo.trainer.rank_batch import RankBatchCache, agreed_physical_batch
 from hpo.trainer.rank_failures import RankFailed, RankWords, cause, last_words
 from hpo.trainer.result import TrainResult
@@ -57,8 +57,11 @@ log = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
 # Across hosts: how long the first host's rendezvous waits for the others to join (seconds).
 RDZV_JOIN_TIMEOUT_S = int(os.environ.get("HPO_RDZV_JOIN_TIMEOUT_S", "600"))
-# A host that follows ends once no trial started for this long (seconds): the first is done.
+# A host that follows ends once no trial started for this long (seconds) and the first host
+# said nothing: it is gone (killed, its host lost). Once its worker ends, it says so at once.
 FOLLOW_IDLE_S = float(os.environ.get("HPO_FOLLOW_IDLE_S", "600"))
+# How often a host that follows asks the first whether its worker ended, between trials (seconds).
+FOLLOW_ASK_S = 1.0
 # How often the launching process looks at rank 0's pipe (seconds).
 RELAY_POLL_S = 0.05
 _PR_SET_PDEATHSIG = 1
@@ -164,30 +167,64 @@ def _node_place(job: TrainJob) -> NodePlace | None:
     return node_place(settings.nodes) if settings is not None and settings.nodes > 1 else None
 
 
+@dataclass(frozen=True)
+class Followed:
+    """How a host that follows ended: the trials it trained, and the first host's exit code
+    once its worker said it ended (None: a stop here, or no word within the idle limit)."""
+
+    trials: int
+    first_host_exit: int | None
+    quiet_s: float = 0.0  # how long no trial had come when it ended
+
+
+class _FirstHostEnded:
+    """Whether the first host said its worker ended; asked at most every FOLLOW_ASK_S."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint, self.asked_at = endpoint, -FOLLOW_ASK_S
+        self.word = FirstHostWord(listening=False)
+
+    def __call__(self) -> bool:
+        if self.word.exit_code is None and time.monotonic() - self.asked_at >= FOLLOW_ASK_S:
+            self.word = ask_first_host(self.endpoint)
+            self.asked_at = time.monotonic()
+        return self.word.exit_code is not None
+
+    def ask_again(self) -> None:
+        """The next call asks (a trial just ended: what listens now is news)."""
+        self.asked_at = -FOLLOW_ASK_S
+
+
 def follow_trials(
     ranks_per_node: int,
     device_name: str,
     nodes: NodePlace,
     stopping: Callable[[], bool],
     idle_s: float = FOLLOW_IDLE_S,
-) -> int:
+) -> Followed:
     """A host that follows (node rank above 0): this host's ranks join each trial that the
-    first host starts, until `stopping()` (checked between trials, and while waiting for one)
-    or no trial came for `idle_s` after the last (the first host is done; before the first,
-    it may still be preparing the data: RDZV_JOIN_TIMEOUT_S). Returns how many trials it
-    trained; a trial that failed is the first host's to report."""
+    first host starts, until `stopping()`, the first host says its worker ended (both checked
+    between trials, and while waiting for one) or no trial came for `idle_s` after the last
+    (the first host gone; before the first trial it may still be preparing the data:
+    RDZV_JOIN_TIMEOUT_S). A trial that failed is the first host's to report; it counts as
+    followed (it came)."""
     device = dev.resolve_device(device_name)
     _check_gpus(device, ranks_per_node)
     followed, last_at = 0, time.monotonic()
+    ended = _FirstHostEnded(nodes.endpoint)
 
     def done() -> bool:
         waited = time.monotonic() - last_at
-        return stopping() or waited > (idle_s if followed else max(idle_s, RDZV_JOIN_TIMEOUT_S))
+        limit_s = idle_s if followed else max(idle_s, RDZV_JOIN_TIMEOUT_S)
+        return stopping() or ended() or waited > limit_s
 
     while not done():
-        if _follow_one(ranks_per_node, device, device_name, nodes, done):
+        if not ended.word.listening:  # no trial's rendezvous yet: nothing to join
+            time.sleep(RELAY_POLL_S)
+        elif _follow_one(ranks_per_node, device, device_name, nodes, done):
             followed, last_at = followed + 1, time.monotonic()
-    return followed
+            ended.ask_again()
+    return Followed(followed, ended.word.exit_code, time.monotonic() - last_at)
 
 
 def _follow_one(
@@ -197,8 +234,9 @@ def _follow_one(
     nodes: NodePlace,
     stopping: Callable[[], bool],
 ) -> int:
-    """One trial's ranks on this host: 1 once trained, 0 when none came (the rendezvous
-    closed, timed out, or a stop while waiting) or it failed."""
+    """One trial's ranks on this host: 1 once they joined it (trained, or failed: the first
+    host's to report), 0 when none came (the rendezvous closed, timed out, or a stop while
+    waiting)."""
     pipes = [multiprocessing.Pipe() for _ in range(local_ranks)]
     here, there = [pipe[0] for pipe in pipes], [pipe[1] for pipe in pipes]
     threads = max(1, torch.get_num_threads() // local_ranks)
@@ -219,9 +257,10 @@ def _follow_one(
         return 1
     if any(w.pid is not None for w in words):
         log.warning("a trial followed failed: %s", cause(words, launch.failure))
-    else:  # the last trial's rendezvous, closed; or no trial within the join timeout
-        log.debug("no trial to follow yet: %s", launch.failure)
-        time.sleep(1.0)
+        return 1  # it came: the first host was there
+    # The last trial's rendezvous, closed; or no trial within the join timeout.
+    log.debug("no trial to follow yet: %s", launch.failure)
+    time.sleep(1.0)
     return 0
 
 

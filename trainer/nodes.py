@@ -1,12 +1,15 @@
 """Where this host stands in a trial across several hosts (`training.distributed.nodes`): its
 node rank, the rendezvous endpoint on the first host, read from Slurm's variables, Kubernetes'
-(an indexed Job) or hpo's own; trainer.launch starts this host's ranks with it.
+(an indexed Job) or hpo's own; trainer.launch starts this host's ranks with it. Also the first
+host's last word at that endpoint once its worker ended, which ends the hosts that follow.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -24,6 +27,13 @@ DEFAULT_RDZV_PORT = 29400
 # Kubernetes indexed Job's (one pod per node).
 _NODE_RANK_SOURCES = (NODE_RANK_ENV, "SLURM_NODEID", "JOB_COMPLETION_INDEX")
 _NODE_COUNT_SOURCES = ("SLURM_JOB_NUM_NODES", "SLURM_NNODES")
+# The first host's last word, served at the rendezvous port once its worker ended (no trial holds
+# the port then): "hpo-end CODE\n", its exit code; each host that follows answers "seen\n". A
+# trial's c10d store says nothing to a client that says nothing, so a follower that asks while
+# a trial's rendezvous is up hears nothing, and joins the trial.
+_END_WORD, _SEEN_WORD = b"hpo-end", b"seen\n"
+# How long the first host serves its last word for hosts that have not answered yet (seconds).
+END_WAIT_S = float(os.environ.get("HPO_FOLLOW_END_WAIT_S", "30"))
 
 
 @dataclass(frozen=True)
@@ -99,3 +109,92 @@ def first_host(nodelist: str) -> str:
             end = index
             break
     return re.sub(r"\[([^\]]*)\]", lambda m: re.split("[,-]", m.group(1))[0], nodelist[:end])
+
+
+def tell_the_end(place: NodePlace, exit_code: int, wait_s: float | None = None) -> int:
+    """On the first host, once its worker ended: say `exit_code` at the rendezvous port to each
+    host that follows, until all nodes - 1 said they saw it or `wait_s` (None: END_WAIT_S)
+    passed. Returns how many did (the others end after their idle limit, HPO_FOLLOW_IDLE_S)."""
+    deadline = time.monotonic() + (END_WAIT_S if wait_s is None else wait_s)
+    server = _end_server(_host_port(place.endpoint)[1], deadline)
+    if server is None:
+        return 0
+    seen = 0
+    with server:
+        while seen < place.nodes - 1 and (left_s := deadline - time.monotonic()) > 0:
+            server.settimeout(left_s)
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                break
+            with conn:
+                seen += _told(conn, exit_code)
+    return seen
+
+
+def _end_server(port: int, deadline: float) -> socket.socket | None:
+    """A socket listening on `port` at every address of this host; None when the port stays
+    taken (the last trial's rendezvous lets it go as its process ends)."""
+    dual = socket.has_dualstack_ipv6()
+    family = socket.AF_INET6 if dual else socket.AF_INET
+    while True:
+        try:
+            return socket.create_server(("", port), family=family, dualstack_ipv6=dual)
+        except OSError:
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.2)
+
+
+def _told(conn: socket.socket, exit_code: int) -> int:
+    """1 when the host at `conn` saw the last word (it answered), else 0 (a rendezvous client
+    of a late trial, or a host gone)."""
+    conn.settimeout(2.0)
+    try:
+        conn.sendall(b"%s %d\n" % (_END_WORD, exit_code))
+        return int(_read_line(conn) == _SEEN_WORD)
+    except OSError:
+        return 0
+
+
+@dataclass(frozen=True)
+class FirstHostWord:
+    """What a host that follows hears at the rendezvous endpoint."""
+
+    listening: bool  # something listens: a trial's rendezvous, or the last word
+    exit_code: int | None = None  # the first host's, once it said its worker ended
+
+
+def ask_first_host(endpoint: str, timeout_s: float = 0.5) -> FirstHostWord:
+    """On a host that follows: whether anything listens at `endpoint` (nothing between trials,
+    or once the first host is gone), and the first host's exit code once it said its worker
+    ended. A trial's rendezvous says nothing within `timeout_s`."""
+    try:
+        with socket.create_connection(_host_port(endpoint), timeout=timeout_s) as conn:
+            try:
+                word = _read_line(conn).split()
+            except TimeoutError:
+                return FirstHostWord(listening=True)
+            if len(word) != 2 or word[0] != _END_WORD or not word[1].lstrip(b"-").isdigit():
+                return FirstHostWord(listening=True)
+            conn.sendall(_SEEN_WORD)
+            return FirstHostWord(listening=True, exit_code=int(word[1]))
+    except OSError:  # refused, or reset
+        return FirstHostWord(listening=False)
+
+
+def _read_line(conn: socket.socket) -> bytes:
+    """Up to a newline (included) or 64 bytes; raises TimeoutError when the peer is silent."""
+    line = b""
+    while not line.endswith(b"\n") and len(line) < 64:
+        chunk = conn.recv(64 - len(line))
+        if not chunk:
+            break
+        line += chunk
+    return line
+
+
+def _host_port(endpoint: str) -> tuple[str, int]:
+    """`host:port` (an IPv6 host in brackets) as (host, port)."""
+    host, _, port = endpoint.rpartition(":")
+    return host.strip("[]"), int(port)

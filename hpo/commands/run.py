@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpo import live, tracking
-from hpo.commands.follow import follow, following_place
+from hpo.commands.follow import FollowersTold, follow, following_place, leading_place
 from hpo.commands.requests import RunRequest
 from hpo.config.budget import budget_problems
 from hpo.config.loader import DEMO_CONFIG, load_config, parse_config, with_entrypoint
@@ -76,6 +76,13 @@ def _to_stderr(line: str) -> None:
 def run_study(request: RunRequest, say: Callable[[str], None] = _to_stderr) -> RunOutcome:
     """`hpo run` and hpo.run: check every input, create or join the study, run the worker's
     trials. `say` gets the lines a user reads as the run starts (the CLI prints them)."""
+    with FollowersTold(say) as told:  # on the first host of trials across hosts
+        outcome = _run_study(request, say, told)
+        told.ended(outcome.exit_code, stopped=outcome.stopped_by is not None)
+    return outcome
+
+
+def _run_study(request: RunRequest, say: Callable[[str], None], told: FollowersTold) -> RunOutcome:
     # From the start: a SIGTERM or Ctrl-C while torch loads and the data is prepared stops
     # the worker at once, before anything is written: no traceback, no signal's exit code.
     stop = StopRequest(interrupt_at_once=True, doing=StopRequest.BEFORE_FIRST_TRIAL)
@@ -85,6 +92,7 @@ def run_study(request: RunRequest, say: Callable[[str], None] = _to_stderr) -> R
     with contextlib.suppress(Interrupted):
         checked = check_inputs(request)
         place = following_place(checked.config, checked.gpus)
+        told.place = leading_place(checked.config)
         inputs = worker_inputs(checked) if place is None else None
     if place is not None and not stop.requested:  # a host that follows: no study, no data
         stop.interrupt_at_once = False

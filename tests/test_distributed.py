@@ -661,40 +661,6 @@ def test_the_slurm_recipe_trains_a_trial_across_two_nodes_as_one_process_would(
     assert best["train_loss"] == pytest.approx(one.best.train_loss, abs=1e-4)
 
 
-@pytest.mark.slow
-def test_a_host_whose_first_host_was_killed_ends_saying_so(
-    tmp_path: Path, easy_data: tuple[Path, Path]
-) -> None:
-    """Node 0's `hpo run` killed (SIGKILL: no last word) while node 1 trains its trial with it:
-    node 1 ends within its idle limit after the trial failed, exit 1, with a line saying the
-    first host is gone."""
-    training = {"max_steps": 400, "distributed": {"gpus_per_trial": 1, "nodes": 2}}
-    raw = tiny_config(*easy_data, study={"n_trials": 50}, training=training)
-    job_script = start_two_nodes(tmp_path, raw, HPO_FOLLOW_IDLE_S="2")
-    try:
-        deadline, training_started = time.monotonic() + 120, False
-        while not training_started and time.monotonic() < deadline:
-            time.sleep(0.2)
-            training_started = "training on 2 ranks" in (tmp_path / "node0.err").read_text()
-        node0 = next(
-            int(pid)
-            for node, pid in (line.split() for line in (tmp_path / "pids").read_text().splitlines())
-            if node == "0"
-        )
-        os.kill(node0, signal.SIGKILL)
-        killed_at = time.time()
-        returncode = job_script.wait(timeout=60)
-    finally:  # the whole fake job, whatever became of it
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(job_script.pid, signal.SIGKILL)
-    log = (tmp_path / "node1.err").read_text()
-    ended = ended_nodes(tmp_path)
-    assert training_started and returncode != 0 and ended[0][0] == 128 + signal.SIGKILL, ended
-    assert ended[1][0] == 1 and ended[1][1] - killed_at < 20, (ended, killed_at, log[-3000:])
-    assert "followed 1 trials" in log, log[-3000:]
-    assert "the first host is gone without saying its worker ended" in log, log[-3000:]
-
-
 def test_hosts_that_follow_hear_the_first_hosts_last_word_and_end_on_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -1,13 +1,15 @@
 """Sharded trials (training.distributed.strategy fsdp, FSDP2) on the CPU over gloo: the same loss
 curve as one process at the same effective batch, each rank holding its share of the weights,
 resume across a stop from sharded checkpoints (on another host, through the artifact store),
-LoRA with a sharded frozen base, the batch finder on the sharded model, and the config."""
+LoRA with a sharded frozen base, the batch finder on the sharded model, every rank started again
+at half the batch after one rank's OOM, and the config."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -29,9 +31,15 @@ from hpo.trainer.config import (
 )
 from hpo.trainer.data import PreparedData
 from hpo.trainer.files import drop_resume_state
-from hpo.trainer.launch import train_distributed
+from hpo.trainer.fsdp import ShardedStepOutOfMemory
+from hpo.trainer.launch import CheckpointPlace, TrialWork, _restarted_after_oom, train_distributed
 from hpo.trainer.loop import train
-from hpo.trainer.memory import BUDGET_ENV, BUDGET_RANK_ENV, OutOfMemoryAtBatchOne
+from hpo.trainer.memory import (
+    BUDGET_ENV,
+    BUDGET_RANK_ENV,
+    SHARDED_OOM_ENV,
+    OutOfMemoryAtBatchOne,
+)
 from hpo.trainer.sharded_batch import predicted_peak
 from hpo.trial.uploads import BackgroundUploader, fetch_resume_state
 from tests.conftest import MINILM_TOKENIZER, TINY_BERT, tiny_config
@@ -177,18 +185,48 @@ def test_the_config_accepts_fsdp_with_a_set_or_searched_physical_batch(
     assert [key for key, _, _ in refused.problems()] == ["effective_batch_size"]
 
 
-def test_an_oom_on_one_rank_ends_the_run_with_that_rank_named(
-    small: tuple[TrainJob, PreparedData], monkeypatch: pytest.MonkeyPatch
+def test_an_oom_on_one_rank_starts_every_rank_again_at_half_the_batch(
+    small: tuple[TrainJob, PreparedData], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A sharded step cannot be redone (the other ranks wait in its collectives): the run ends
-    at once, pruned as out of memory (not retried), naming the rank and what to change."""
+    """Rank 1 runs out of memory in step 5 (the test hook, after its first micro-batch: rank 0
+    goes on into the next gather, which rank 1 never joins). A sharded step cannot be redone in
+    place: every rank ends, and all start again from the checkpoint of step 4 at half the
+    physical batch and twice the accumulation. The curve is the one-process curve."""
     job, data = small
-    # Building the model fits (8 MB whole, then rank 1's 4 MB share); the first step (weights
-    # gathered, the whole embedding gradient before it is scattered, AdamW's state) does not.
-    monkeypatch.setenv(BUDGET_ENV, str(16_000_000))
+    one = train(job, data)
+    monkeypatch.setenv(SHARDED_OOM_ENV, "5")
     monkeypatch.setenv(BUDGET_RANK_ENV, "1")
-    with pytest.raises(OutOfMemoryAtBatchOne, match="on rank 1 in a sharded step at physical"):
-        train_distributed(sharded(job, 2), data)
+    store = CheckpointStore(tmp_path / "checkpoints")  # a fresh trial's: resume not asked
+    result = train_distributed(sharded(job, 2), data, checkpoints=store)
+    assert result.status == "completed" and result.optimizer_steps == one.optimizer_steps
+    assert result.resumed_at_step == 4  # the last checkpoint before the OOM
+    assert (result.physical_batch_size, result.grad_accum_steps) == (1, 6)  # was (2, 3)
+    assert result.oom_recoveries == 1
+    assert_same_curve(one, result)
+
+
+def test_a_sharded_oom_restarts_at_half_the_batch_and_ends_the_run_at_batch_one(
+    small: tuple[TrainJob, PreparedData], tmp_path: Path
+) -> None:
+    """What the launching process does with a rank's ShardedStepOutOfMemory: start again at
+    half the batch (the smaller of the set one and the rank's), resuming only a checkpoint this
+    run wrote; at batch 1 the error ends the run (pruned as out of memory, the rank named)."""
+    job, data = small
+    place = CheckpointPlace(tmp_path, resume=False, interval_s=0.0)
+    work = TrialWork(sharded(job, 2, physical_batch_size=4), data, None, None, place)
+    oom = ShardedStepOutOfMemory("out of memory on rank 1 in a sharded step at physical batch 4", 4)
+    sent = pickle.loads(pickle.dumps(oom))  # as it crosses the rank's pipe
+    assert (str(sent), sent.physical_batch_size) == (str(oom), 4)
+    again = _restarted_after_oom(work, sent, saved=False)
+    assert again.job.training.physical_batch_size == 2 and again.oom_restarts == 1
+    assert again.checkpoints == place  # nothing written yet: from step 0
+    auto = dataclasses.replace(work, job=sharded(job, 2, physical_batch_size="auto"))
+    resumed = _restarted_after_oom(auto, ShardedStepOutOfMemory("at 8", 8), saved=True)
+    assert resumed.job.training.physical_batch_size == 4  # the searched batch, halved
+    assert resumed.checkpoints is not None and resumed.checkpoints.resume
+    last = ShardedStepOutOfMemory("out of memory on rank 1 ... at physical batch 1", 1)
+    with pytest.raises(OutOfMemoryAtBatchOne, match="on rank 1"):
+        _restarted_after_oom(again, last, saved=True)
 
 
 def test_the_ranks_search_the_sharded_batch_together_and_the_worst_rank_decides(

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
@@ -28,7 +29,7 @@ from hpo.trainer.checkpoint import CheckpointStore, rng_state, set_rng_state
 from hpo.trainer.distributed import DistributedTrainer
 from hpo.trainer.files import SHARDED_NAME, SHARDED_STATE_DIR, drop_sharded_states
 from hpo.trainer.loop import OnEvaluation, Trainer
-from hpo.trainer.memory import OutOfMemoryAtBatchOne, is_oom
+from hpo.trainer.memory import OutOfMemoryAtBatchOne, is_oom, sharded_oom_due
 from hpo.trainer.peft_adapters import is_adapted
 from hpo.trainer.progress import Progress
 from hpo.trainer.result import TrainResult
@@ -39,9 +40,18 @@ log = logging.getLogger(__name__)
 
 
 class ShardedStepOutOfMemory(OutOfMemoryAtBatchOne):
-    """A rank of a sharded run ran out of memory in a training step. Unlike a data-parallel
-    step it cannot be redone: the forward and backward gather and scatter weights with every
-    rank, so the other ranks are already waiting in a collective the failed one never joins."""
+    """A rank of a sharded run ran out of memory in a training step at `physical_batch_size`.
+    Unlike a data-parallel step it cannot be redone in place: the forward and backward gather
+    and scatter weights with every rank, so the others are already waiting in a collective
+    the failed one never joins. The rank ends; trainer.launch then starts every rank again
+    from the last checkpoint at half the batch (at batch 1, the run ends)."""
+
+    def __init__(self, message: str, physical_batch_size: int = 1) -> None:
+        super().__init__(message)
+        self.physical_batch_size = physical_batch_size
+
+    def __reduce__(self) -> tuple[Any, ...]:  # it crosses the rank's pipe whole
+        return type(self), (str(self), self.physical_batch_size)
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -131,7 +141,16 @@ class ShardedTrainer(DistributedTrainer):
       (schedule, progress, RNGs) naming that folder. A retry with the same N resumes it;
     - the best model is gathered whole onto rank 0's host memory and saved as a plain model
       (hpo predict loads it as any other);
-    - an out-of-memory error in a step is not redone (see ShardedStepOutOfMemory)."""
+    - an out-of-memory error in a step ends the ranks (see ShardedStepOutOfMemory); the ones
+      started again say so with restarted_after_oom."""
+
+    oom_restarts = 0  # times every rank was started again after an OOM in a step
+    _step_number = 0  # the run's step being trained (1-based)
+
+    def restarted_after_oom(self, restarts: int) -> None:
+        """The ranks were started again `restarts` times after an OOM, each at half the
+        physical batch (already this trainer's): a checkpoint resumes at no larger a batch."""
+        self.oom_restarts = self.step_oom_recoveries = restarts
 
     def _build_model_and_optimizer(self) -> None:
         super()._build_model_and_optimizer()
@@ -154,7 +173,7 @@ class ShardedTrainer(DistributedTrainer):
     def _try_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor | None:
         """The whole step's loss, summed over the ranks. Each backward reduce-scatters its
         gradient into the rank's shard, where the micro-batches accumulate: no whole gradient
-        is held between micro-batches. An OOM ends the run (ShardedStepOutOfMemory)."""
+        is held between micro-batches. An OOM ends this rank (ShardedStepOutOfMemory)."""
         weights = [1.0 if len(part) else 0.0 for part in self._rank_parts(self._step_indices)]
         units = self._step_units(micro_batches, weights)
         total = torch.zeros((), device=self.device)
@@ -163,16 +182,30 @@ class ShardedTrainer(DistributedTrainer):
                 loss = self._micro_loss(batch, units, weight)
                 self._backward(loss)
                 total += loss.detach()
+                if sharded_oom_due(self._step_number, self.oom_recoveries):  # a test hook
+                    raise torch.OutOfMemoryError("CUDA out of memory (test hook: sharded step)")
             optimizer_step(self.model, self.optimizer, self.cfg, self.scaler)
         except Exception as e:
             if not is_oom(e):
                 raise
+            size = self.physical_batch_size
+            then = (
+                "one example per micro-batch does not fit"
+                if size == 1
+                else "every rank starts again from the last checkpoint at half the batch"
+            )
             raise ShardedStepOutOfMemory(
                 f"out of memory on rank {self.group.rank} in a sharded step at physical batch "
-                f"{self.physical_batch_size}: an fsdp step cannot be redone (the other ranks "
-                "wait in its collectives); set a smaller training.physical_batch_size"
+                f"{size}: {then}",
+                size,
             ) from e
         return self.group.sum(total)
+
+    def _train_step(
+        self, run: Progress, indices: np.ndarray, micro_batches: list[dict[str, torch.Tensor]]
+    ) -> None:
+        self._step_number = run.step + 1  # for the test hook in _try_step
+        super()._train_step(run, indices, micro_batches)
 
     def _result(self, run: Progress, started: float) -> TrainResult:
         result = super()._result(run, started)
@@ -331,7 +364,14 @@ class ShardedTrainer(DistributedTrainer):
         checkpoints: CheckpointStore,
         on_evaluation: OnEvaluation | None,
     ) -> None:
-        """Trainer's, then rank 0's verdict on the restored evaluations followed."""
+        """Trainer's, then rank 0's verdict on the restored evaluations followed. Started
+        again after an OOM: at the halved batch, if the checkpoint's is larger."""
+        if self.oom_restarts:
+            sizes = BatchSizes(
+                min(sizes.physical_batch_size, self.physical_batch_size),
+                sizes.eval_batch_size,
+                max(sizes.oom_recoveries, self.oom_restarts),
+            )
         super()._resumed(run, sizes, checkpoints, on_evaluation)
         self._follow_main(run)
 

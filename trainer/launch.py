@@ -40,7 +40,7 @@ from hpo.trainer.data import PreparedData
 from hpo.trainer.distributed import DistributedTrainer, RankGroup
 from hpo.trainer.errors import DeviceError
 from hpo.trainer.evaluation import Evaluation
-from hpo.trainer.fsdp import ShardedTrainer
+from hpo.trainer.fsdp import ShardedStepOutOfMemory, ShardedTrainer
 from hpo.trainer.loop import OnEvaluation, OnProgress, ShouldStop
 from hpo.trainer.memory import simulated_budget
 from hpo.trainer.nodes import FirstHostWord, NodePlace, ask_first_host, node_place
@@ -100,6 +100,7 @@ class TrialWork:
     metric: str | None
     user_metrics: UserMetrics | None
     checkpoints: CheckpointPlace | None
+    oom_restarts: int = 0  # times every rank was started again, after an OOM in a sharded step
 
 
 @dataclass
@@ -127,7 +128,8 @@ def train_distributed(
     batch_cache: RankBatchCache | None = None,
 ) -> TrainResult:
     """hpo.trainer.loop.train across `job.training.world_size` ranks: the same arguments and
-    result (rank 0's); `batch_cache`: the study's, for `physical_batch_size: auto`. Raises
+    result (rank 0's); `batch_cache`: the study's, for `physical_batch_size: auto`. A sharded
+    step's OOM starts every rank again at half the batch (_restarted_after_oom). Raises
     OutOfMemoryAtBatchOne when one example fits on no rank, rank 0's
     own error when it raised, and RankFailed when another rank ended the run."""
     local_ranks = job.training.ranks_per_node
@@ -139,18 +141,34 @@ def train_distributed(
             f"this host is node {nodes.node_rank} of a trial across hosts: only node 0 runs "
             "trials, the others follow them (hpo run does, given the same config)"
         )
-    pipes = [multiprocessing.Pipe() for _ in range(local_ranks)]
-    here, there = [pipe[0] for pipe in pipes], [pipe[1] for pipe in pipes]
     place = None
     if checkpoints is not None:
         place = CheckpointPlace(checkpoints.directory, checkpoints.resume, checkpoints.interval_s)
-    threads = max(1, torch.get_num_threads() // local_ranks)
     work = TrialWork(job, data, metric, user_metrics, place)
-    rank_job = RankJob(work, job.training.device, threads, there)
-    relay = _Relay(here[0], on_evaluation, should_stop, on_progress, checkpoints, batch_cache)
+    while True:
+        pipes = [multiprocessing.Pipe() for _ in range(local_ranks)]
+        callbacks = (on_evaluation, should_stop, on_progress, checkpoints, batch_cache)
+        relay = _Relay(pipes[0][0], *callbacks)
+        try:
+            return _launch_once(work, device, nodes, pipes, relay)
+        except ShardedStepOutOfMemory as e:
+            work = _restarted_after_oom(work, e, relay.saved_state)
+
+
+def _launch_once(
+    work: TrialWork,
+    device: torch.device,
+    nodes: NodePlace | None,
+    pipes: list[tuple[Connection, Connection]],
+    relay: _Relay,
+) -> TrainResult:
+    """The ranks started once (one a pipe), `relay` serving rank 0; rank 0's result."""
+    here, there = [pipe[0] for pipe in pipes], [pipe[1] for pipe in pipes]
+    threads = max(1, torch.get_num_threads() // len(pipes))
+    rank_job = RankJob(work, str(work.job.training.device), threads, there)
     # The launcher's error files, read once the ranks are down; gone with the run.
     with tempfile.TemporaryDirectory(prefix="hpo-ranks-") as logs:
-        launch = _Launch(_launch_config(local_ranks, device, Path(logs), nodes), rank_job)
+        launch = _Launch(_launch_config(len(pipes), device, Path(logs), nodes), rank_job)
         launch.start()
         while launch.is_alive():
             relay.serve(RELAY_POLL_S)
@@ -159,6 +177,25 @@ def train_distributed(
     for conn in (*here, *there):
         conn.close()
     return launch.result(words)
+
+
+def _restarted_after_oom(work: TrialWork, error: ShardedStepOutOfMemory, saved: bool) -> TrialWork:
+    """The run to start every rank on again after one ran out of memory in a sharded step (the
+    others wait in a collective it never joins: the step cannot be redone in place): at half the
+    physical batch, from the last checkpoint (`saved`: this run wrote one), else from step 0.
+    At batch 1 `error` is raised: the run ends. Each restart halves: log2(batch) at most."""
+    size = work.job.training.physical_batch_size  # "auto" at first: the ranks searched it
+    if not isinstance(size, int) or error.physical_batch_size < size:
+        size = error.physical_batch_size
+    if size <= 1:
+        raise error
+    log.warning("%s; %d examples a micro-batch now", error, size // 2)
+    training = dataclasses.replace(work.job.training, physical_batch_size=size // 2)
+    place = work.checkpoints
+    if place is not None and saved:
+        place = dataclasses.replace(place, resume=True)
+    job = dataclasses.replace(work.job, training=training)
+    return dataclasses.replace(work, job=job, checkpoints=place, oom_restarts=work.oom_restarts + 1)
 
 
 def _node_place(job: TrainJob) -> NodePlace | None:
@@ -355,6 +392,7 @@ class _Relay:
         self.on_progress, self.checkpoints = on_progress, checkpoints
         self.words = RankWords()  # what rank 0 said of itself
         self.open = True
+        self.saved_state = False  # rank 0 wrote a resume state
 
     def serve(self, timeout_s: float) -> None:
         try:
@@ -398,6 +436,7 @@ class _Relay:
     def _saved(self, kind: str, path: Path, seconds: float) -> None:
         """Rank 0 wrote a checkpoint: this process's store says what writing cost so far (the
         trial records it) and passes it on (an upload to the artifact store)."""
+        self.saved_state = self.saved_state or kind == "state"
         if self.checkpoints is None:
             return
         self.checkpoints.seconds = seconds
@@ -512,6 +551,8 @@ def _train_rank(work: TrialWork, group: RankGroup, relay: _RankRelay | None) -> 
         sharded = training.distributed is not None and training.distributed.strategy == "fsdp"
         kind = ShardedTrainer if sharded else DistributedTrainer
         trainer = kind(job, data, group, work.metric, work.user_metrics)
+        if isinstance(trainer, ShardedTrainer) and work.oom_restarts:
+            trainer.restarted_after_oom(work.oom_restarts)
         if relay is not None:
             trainer.on_progress = relay.progress
             log.info(

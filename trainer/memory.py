@@ -25,6 +25,10 @@ BUDGET_RANK_ENV = "HPO_TEST_MEMORY_BUDGET_RANK"
 # of memory once, before it changes anything, on the rank BUDGET_RANK_ENV names (every rank
 # without it).
 OPTIMIZER_OOM_ENV = "HPO_TEST_OPTIMIZER_OOM_AT_STEP"
+# Tests only: the run's step N (1-based) of a sharded run runs out of memory after its first
+# micro-batch's backward, on the rank BUDGET_RANK_ENV names (every rank without it), until an OOM
+# recovery halved the run's physical batch.
+SHARDED_OOM_ENV = "HPO_TEST_SHARDED_OOM_AT_STEP"
 # The part of its GPU's memory this worker may use, when several workers share one GPU
 # (`hpo run --workers-per-gpu N` sets 1/N for each): a number in (0, 1].
 
@@ -145,9 +149,17 @@ def budget_from_env() -> int | None:
 
 def optimizer_oom_due(step: int) -> bool:
     """Whether the test hook OPTIMIZER_OOM_ENV fails optimizer step `step` on this rank."""
-    value = os.environ.get(OPTIMIZER_OOM_ENV)
+    return _due_here(OPTIMIZER_OOM_ENV, step)
+
+
+def sharded_oom_due(step: int, oom_recoveries: int) -> bool:
+    """Whether the test hook SHARDED_OOM_ENV fails the sharded run's step `step` on this rank."""
+    return not oom_recoveries and _due_here(SHARDED_OOM_ENV, step)
+
+
+def _due_here(name: str, step: int) -> bool:
     only_rank = os.environ.get(BUDGET_RANK_ENV)
-    return value == str(step) and only_rank in (None, os.environ.get("RANK"))
+    return os.environ.get(name) == str(step) and only_rank in (None, os.environ.get("RANK"))
 
 
 @contextlib.contextmanager

@@ -54,8 +54,9 @@ def cause(words: list[RankWords], failure: BaseException | None) -> BaseExceptio
     own = [(r, w.error) for r, w in enumerate(words) if w.error and not _lost_a_peer(w.error)]
     if own:
         rank, error = own[0]
-        # Out of memory is the configuration's, whichever rank hit it (a sharded step cannot
-        # be redone): raised as it was, so the trial is pruned rather than retried.
+        # Out of memory is the configuration's, whichever rank hit it (a sharded step's, at
+        # which trainer.launch starts the ranks again): raised as it was, so the trial is
+        # pruned rather than retried.
         if (rank == 0 or isinstance(error, OutOfMemoryAtBatchOne)) and error is not None:
             return error
         return RankFailed(f"rank {rank} (pid {words[rank].pid}): {type(error).__name__}: {error}")

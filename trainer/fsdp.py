@@ -192,7 +192,7 @@ class ShardedTrainer(DistributedTrainer):
             then = (
                 "one example per micro-batch does not fit"
                 if size == 1
-                else "every rank starts again from the last checkpoint at half the batch"
+                else "every rank starts again at half the batch"
             )
             raise ShardedStepOutOfMemory(
                 f"out of memory on rank {self.group.rank} in a sharded step at physical batch "

@@ -189,11 +189,12 @@ def _restarted_after_oom(work: TrialWork, error: ShardedStepOutOfMemory, saved: 
         size = error.physical_batch_size
     if size <= 1:
         raise error
-    log.warning("%s; %d examples a micro-batch now", error, size // 2)
     training = dataclasses.replace(work.job.training, physical_batch_size=size // 2)
     place = work.checkpoints
     if place is not None and saved:
         place = dataclasses.replace(place, resume=True)
+    since = "the last checkpoint" if place is not None and place.resume else "step 0"
+    log.warning("%s (physical batch %d, from %s)", error, size // 2, since)
     job = dataclasses.replace(work.job, training=training)
     return dataclasses.replace(work, job=job, checkpoints=place, oom_restarts=work.oom_restarts + 1)
 

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from hpo.storage.artifacts import ArtifactStore, ArtifactTarget
 from hpo.storage.artifacts.local import FileBackend
-from hpo.trainer.batch_finder import search_largest
+from hpo.trainer.batch_finder import BatchSearch, PhysicalBatch, search_largest
 from hpo.trainer.checkpoint import CheckpointStore
 from hpo.trainer.config import (
     DistributedSettings,
@@ -191,18 +191,39 @@ def test_an_oom_on_one_rank_starts_every_rank_again_at_half_the_batch(
     """Rank 1 runs out of memory in step 5 (the test hook, after its first micro-batch: rank 0
     goes on into the next gather, which rank 1 never joins). A sharded step cannot be redone in
     place: every rank ends, and all start again from the checkpoint of step 4 at half the
-    physical batch and twice the accumulation. The curve is the one-process curve."""
+    physical batch and twice the accumulation. The curve is the one-process curve. The batch
+    was `auto`, found in the study's cache: the cache is lowered for the next trial, and the
+    result still says the cache found it."""
     job, data = small
     one = train(job, data)
     monkeypatch.setenv(SHARDED_OOM_ENV, "5")
     monkeypatch.setenv(BUDGET_RANK_ENV, "1")
     store = CheckpointStore(tmp_path / "checkpoints")  # a fresh trial's: resume not asked
-    result = train_distributed(sharded(job, 2), data, checkpoints=store)
+    cache = CachedBatch(2)  # an earlier trial's search found 2
+    auto = sharded(job, 2, physical_batch_size="auto")
+    result = train_distributed(auto, data, checkpoints=store, batch_cache=cache)
     assert result.status == "completed" and result.optimizer_steps == one.optimizer_steps
     assert result.resumed_at_step == 4  # the last checkpoint before the OOM
     assert (result.physical_batch_size, result.grad_accum_steps) == (1, 6)  # was (2, 3)
-    assert result.oom_recoveries == 1
+    assert result.oom_recoveries == 1 and result.batch_source == "cache"
+    assert cache.size == 1 and cache.lowered  # at the restart, and as the run ended
+    assert all((key["ranks"], key["strategy"]) == (2, "fsdp") for key in cache.lowered)
     assert_same_curve(one, result)
+
+
+class CachedBatch(DictBatchCache):
+    """The study's cache holding `size` for any key; it keeps the keys it was lowered for."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size, self.lowered = size, list[dict[str, Any]]()
+
+    def get(self, key: dict[str, Any]) -> int | None:
+        return self.size
+
+    def lower(self, key: dict[str, Any], physical_batch_size: int) -> None:
+        self.lowered.append(key)
+        self.size = min(self.size, physical_batch_size)
 
 
 def test_a_sharded_oom_restarts_at_half_the_batch_and_ends_the_run_at_batch_one(
@@ -220,10 +241,23 @@ def test_a_sharded_oom_restarts_at_half_the_batch_and_ends_the_run_at_batch_one(
     again = _restarted_after_oom(work, sent, saved=False)
     assert again.job.training.physical_batch_size == 2 and again.oom_restarts == 1
     assert again.checkpoints == place  # nothing written yet: from step 0
+    assert again.batch is None  # rank 0 said no batch: the restart's is set, as it was
     auto = dataclasses.replace(work, job=sharded(job, 2, physical_batch_size="auto"))
-    resumed = _restarted_after_oom(auto, ShardedStepOutOfMemory("at 8", 8), saved=True)
+    key, search = {"ranks": 2, "strategy": "fsdp"}, BatchSearch(8, 8, 0.0, 16)
+    cache = CachedBatch(8)
+    searched = PhysicalBatch(8, "search", key, search)  # what rank 0 said it trained
+    resumed = _restarted_after_oom(auto, ShardedStepOutOfMemory("at 8", 8), True, searched, cache)
     assert resumed.job.training.physical_batch_size == 4  # the searched batch, halved
     assert resumed.checkpoints is not None and resumed.checkpoints.resume
+    # Still found by the search, and lowered in the cache as a DDP OOM recovery lowers it.
+    assert resumed.batch == PhysicalBatch(4, "search", key, search)
+    assert (cache.lowered, cache.size) == ([key], 4)
+    # The restarted rank 0 says nothing new: the first start's batch is kept, halved again.
+    twice = _restarted_after_oom(resumed, ShardedStepOutOfMemory("at 4", 4), True, None, cache)
+    assert twice.batch == PhysicalBatch(2, "search", key, search) and cache.size == 2
+    configured = PhysicalBatch(4, "config")  # no key: nothing to lower
+    _restarted_after_oom(work, sent, False, configured, cache)
+    assert cache.size == 2 and len(cache.lowered) == 2
     last = ShardedStepOutOfMemory("out of memory on rank 1 ... at physical batch 1", 1)
     with pytest.raises(OutOfMemoryAtBatchOne, match="on rank 1"):
         _restarted_after_oom(again, last, saved=True)

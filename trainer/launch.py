@@ -1,14 +1,13 @@
 """A training run across several ranks (`training.distributed`), started by torch's elastic
 launcher (`torch.distributed.launcher.api.elastic_launch`, what `torchrun` runs) on this host:
 NCCL on GPUs, gloo on the CPU. The launching process keeps the run's callbacks (pruning,
-progress, stop requests, uploads) and serves them to rank 0 over a pipe.
+progress, stop requests, uploads) and serves them to rank 0 over a pipe (trainer.rank_relay).
 
     result = train_distributed(job, data, on_evaluation=report)  # job.training.distributed set
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
 import datetime
@@ -34,18 +33,19 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from hpo.trainer import device as dev
+from hpo.trainer.batch_finder import PhysicalBatch
 from hpo.trainer.checkpoint import CheckpointStore
 from hpo.trainer.config import TrainJob
 from hpo.trainer.data import PreparedData
 from hpo.trainer.distributed import DistributedTrainer, RankGroup
 from hpo.trainer.errors import DeviceError
-from hpo.trainer.evaluation import Evaluation
 from hpo.trainer.fsdp import ShardedStepOutOfMemory, ShardedTrainer
 from hpo.trainer.loop import OnEvaluation, OnProgress, ShouldStop
 from hpo.trainer.memory import simulated_budget
 from hpo.trainer.nodes import FirstHostWord, NodePlace, ask_first_host, node_place
 from hpo.trainer.rank_batch import RankBatchCache, agreed_physical_batch
 from hpo.trainer.rank_failures import RankFailed, RankWords, cause, last_words
+from hpo.trainer.rank_relay import LaunchRelay, RankRelay, say
 from hpo.trainer.result import TrainResult
 from hpo.trainer.user_metrics import UserMetrics
 
@@ -101,6 +101,9 @@ class TrialWork:
     user_metrics: UserMetrics | None
     checkpoints: CheckpointPlace | None
     oom_restarts: int = 0  # times every rank was started again, after an OOM in a sharded step
+    # Once restarted: the batch of the first start (its cache key, found by a search or the
+    # cache), at this start's size; the ranks train it rather than a batch set in the config.
+    batch: PhysicalBatch | None = None
 
 
 @dataclass
@@ -148,11 +151,11 @@ def train_distributed(
     while True:
         pipes = [multiprocessing.Pipe() for _ in range(local_ranks)]
         callbacks = (on_evaluation, should_stop, on_progress, checkpoints, batch_cache)
-        relay = _Relay(pipes[0][0], *callbacks)
+        relay = LaunchRelay(pipes[0][0], *callbacks)
         try:
             return _launch_once(work, device, nodes, pipes, relay)
         except ShardedStepOutOfMemory as e:
-            work = _restarted_after_oom(work, e, relay.saved_state)
+            work = _restarted_after_oom(work, e, relay.saved_state, relay.batch, batch_cache)
 
 
 def _launch_once(
@@ -160,7 +163,7 @@ def _launch_once(
     device: torch.device,
     nodes: NodePlace | None,
     pipes: list[tuple[Connection, Connection]],
-    relay: _Relay,
+    relay: LaunchRelay,
 ) -> TrainResult:
     """The ranks started once (one a pipe), `relay` serving rank 0; rank 0's result."""
     here, there = [pipe[0] for pipe in pipes], [pipe[1] for pipe in pipes]
@@ -179,11 +182,18 @@ def _launch_once(
     return launch.result(words)
 
 
-def _restarted_after_oom(work: TrialWork, error: ShardedStepOutOfMemory, saved: bool) -> TrialWork:
+def _restarted_after_oom(
+    work: TrialWork,
+    error: ShardedStepOutOfMemory,
+    saved: bool,
+    batch: PhysicalBatch | None = None,
+    cache: RankBatchCache | None = None,
+) -> TrialWork:
     """The run to start every rank on again after one ran out of memory in a sharded step (the
     others wait in a collective it never joins: the step cannot be redone in place): at half the
     physical batch, from the last checkpoint (`saved`: this run wrote one), else from step 0.
-    At batch 1 `error` is raised: the run ends. Each restart halves: log2(batch) at most."""
+    At batch 1 `error` is raised: the run ends. Each restart halves: log2(batch) at most.
+    `batch`: the one rank 0 trained; a searched or cached one is lowered in `cache`."""
     size = work.job.training.physical_batch_size  # "auto" at first: the ranks searched it
     if not isinstance(size, int) or error.physical_batch_size < size:
         size = error.physical_batch_size
@@ -196,7 +206,13 @@ def _restarted_after_oom(work: TrialWork, error: ShardedStepOutOfMemory, saved: 
     since = "the last checkpoint" if place is not None and place.resume else "step 0"
     log.warning("%s (physical batch %d, from %s)", error, size // 2, since)
     job = dataclasses.replace(work.job, training=training)
-    return dataclasses.replace(work, job=job, checkpoints=place, oom_restarts=work.oom_restarts + 1)
+    first = work.batch or batch
+    if first is not None:
+        first = dataclasses.replace(first, size=size // 2)
+        if cache is not None and first.key is not None:  # as a DDP run's OOM recovery does
+            cache.lower(first.key, first.size)  # the next trial starts from what fits
+    restarts = work.oom_restarts + 1
+    return dataclasses.replace(work, job=job, checkpoints=place, oom_restarts=restarts, batch=first)
 
 
 def _node_place(job: TrainJob) -> NodePlace | None:
@@ -374,124 +390,6 @@ class _Launch(threading.Thread):
         return found[0]
 
 
-class _Relay:
-    """The launching process's end of rank 0's pipe: each message is a callback of the run.
-    A callback that raises ends the run: its error is kept (and raised once the ranks are
-    down) and the pipe closed, so rank 0's next question fails."""
-
-    def __init__(
-        self,
-        conn: Connection,
-        on_evaluation: OnEvaluation | None,
-        should_stop: ShouldStop | None,
-        on_progress: OnProgress | None,
-        checkpoints: CheckpointStore | None,
-        batch_cache: RankBatchCache | None = None,
-    ) -> None:
-        self.conn, self.batch_cache = conn, batch_cache
-        self.on_evaluation, self.should_stop = on_evaluation, should_stop
-        self.on_progress, self.checkpoints = on_progress, checkpoints
-        self.words = RankWords()  # what rank 0 said of itself
-        self.open = True
-        self.saved_state = False  # rank 0 wrote a resume state
-
-    def serve(self, timeout_s: float) -> None:
-        try:
-            while self.open and self.conn.poll(timeout_s):
-                self._answer(self.conn.recv())
-                timeout_s = 0
-        except (EOFError, OSError):
-            self.open = False
-        except Exception as e:  # a callback's error, or one rank 0 sent that does not unpickle
-            # Kept as rank 0's error (rank 0 then fails on its closed line): it ended the run.
-            self.words.error = self.words.error or e
-            self.open = False
-            self.conn.close()
-
-    def _answer(self, message: tuple[Any, ...]) -> None:
-        kind = message[0]
-        if kind == "evaluation":
-            self.conn.send(self.on_evaluation(message[1]) if self.on_evaluation else None)
-        elif kind == "should_stop":
-            self.conn.send(bool(self.should_stop()) if self.should_stop else False)
-        elif kind == "progress" and self.on_progress is not None:
-            self.on_progress(message[1])
-        elif kind == "saved":
-            self._saved(message[1], message[2], message[3])
-        elif kind.startswith("batch_"):
-            self._batch_cache(kind, message[1:])
-        elif kind in ("started", "ended", "error"):
-            if self.words.error is None or kind == "started":
-                self.words.record(message)
-
-    def _batch_cache(self, kind: str, args: tuple[Any, ...]) -> None:
-        """The main rank asks the study's cache (none: nothing cached, nothing kept)."""
-        cache = self.batch_cache
-        if kind == "batch_get":
-            self.conn.send(cache.get(*args) if cache is not None else None)
-        elif kind == "batch_record":
-            self.conn.send(cache.record(*args) if cache is not None else args[1])
-        elif kind == "batch_lower" and cache is not None:
-            cache.lower(*args)
-
-    def _saved(self, kind: str, path: Path, seconds: float) -> None:
-        """Rank 0 wrote a checkpoint: this process's store says what writing cost so far (the
-        trial records it) and passes it on (an upload to the artifact store)."""
-        self.saved_state = self.saved_state or kind == "state"
-        if self.checkpoints is None:
-            return
-        self.checkpoints.seconds = seconds
-        if kind == "state":
-            self.checkpoints.last_state_at = time.monotonic()
-        if self.checkpoints.on_saved is not None:
-            self.checkpoints.on_saved(kind, path)
-
-
-class _RankRelay:
-    """Rank 0's end of the pipe: the run's callbacks, answered by the launching process."""
-
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-
-    def on_evaluation(self, evaluation: Evaluation) -> str | None:
-        self.conn.send(("evaluation", evaluation))
-        answer: str | None = self.conn.recv()
-        return answer
-
-    def should_stop(self) -> bool:
-        self.conn.send(("should_stop",))
-        return bool(self.conn.recv())
-
-    def progress(self, progress: dict[str, Any]) -> None:
-        self.conn.send(("progress", progress))
-
-    def saved(self, kind: str, path: Path, seconds: float) -> None:
-        self.conn.send(("saved", kind, path, seconds))
-
-    # The study's batch-size cache (trainer.rank_batch.RankBatchCache), which the trial has.
-    def get(self, key: dict[str, Any]) -> int | None:
-        self.conn.send(("batch_get", key))
-        size: int | None = self.conn.recv()
-        return size
-
-    def record(self, key: dict[str, Any], physical_batch_size: int, search: dict[str, Any]) -> int:
-        self.conn.send(("batch_record", key, physical_batch_size, search))
-        return int(self.conn.recv())
-
-    def lower(self, key: dict[str, Any], physical_batch_size: int) -> None:
-        self.conn.send(("batch_lower", key, physical_batch_size))
-
-
-def _say(conn: Connection, *message: Any) -> None:
-    """Tell the launching process how this rank is doing; never raises (it may be gone)."""
-    try:
-        conn.send(message)
-    except Exception:  # noqa: BLE001 (an error that does not pickle goes as its text)
-        with contextlib.suppress(Exception):
-            error = message[-1]
-            conn.send((message[0], RankFailed(f"{type(error).__name__}: {error}")))
-
-
 @record
 def rank_main(rank_job: RankJob) -> TrainResult | None:
     """One rank: join the trial's process group (the launcher set RANK, WORLD_SIZE and the
@@ -510,18 +408,18 @@ def rank_main(rank_job: RankJob) -> TrainResult | None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
     conn = rank_job.conns[int(os.environ["LOCAL_RANK"])]
-    _say(conn, "started", os.getpid())
+    say(conn, "started", os.getpid())
     try:
         work, main = _shared_work(rank_job, rank)
         group = RankGroup(rank, world_size, device, main)
-        relay = _RankRelay(conn) if group.is_main else None
+        relay = RankRelay(conn) if group.is_main else None
         result = _train_rank(work, group, relay)
     except Exception as e:
-        _say(conn, "error", e)
+        say(conn, "error", e)
         raise
     finally:
         dist.destroy_process_group()
-    _say(conn, "ended")
+    say(conn, "ended")
     return result
 
 
@@ -540,11 +438,15 @@ def _shared_work(rank_job: RankJob, rank: int) -> tuple[TrialWork, int]:
     return work, main
 
 
-def _train_rank(work: TrialWork, group: RankGroup, relay: _RankRelay | None) -> TrainResult | None:
+def _train_rank(work: TrialWork, group: RankGroup, relay: RankRelay | None) -> TrainResult | None:
     job, data = work.job, work.data
     training = dataclasses.replace(job.training, device=str(group.device))
     job = dataclasses.replace(job, training=training)
-    batch = agreed_physical_batch(job, data, group, relay)
+    batch = work.batch  # set once restarted after an OOM (see TrialWork)
+    if batch is None:
+        batch = agreed_physical_batch(job, data, group, relay)
+        if relay is not None:
+            relay.physical_batch(batch)
     size = batch.size
     job = dataclasses.replace(job, training=dataclasses.replace(training, physical_batch_size=size))
     store = _rank_store(work.checkpoints, relay)
@@ -577,7 +479,7 @@ def _train_rank(work: TrialWork, group: RankGroup, relay: _RankRelay | None) -> 
     return result if group.is_main else None
 
 
-def _rank_store(place: CheckpointPlace | None, relay: _RankRelay | None) -> CheckpointStore | None:
+def _rank_store(place: CheckpointPlace | None, relay: RankRelay | None) -> CheckpointStore | None:
     """The run's checkpoints as this rank sees them: every rank reads one to resume, rank 0
     writes them and tells the launching process of each."""
     if place is None:

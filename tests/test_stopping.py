@@ -427,11 +427,15 @@ def _import_written(folder: Path, name: str, source: str) -> ModuleType:
         sys.modules.pop(name, None)
 
 
-def _import_signalled(folder: Path, name: str, signum: int) -> ModuleType:
+def _import_signalled(folder: Path, name: str, signum: int, then: str = "") -> ModuleType:
     """Import a module that sends this process `signum` while it loads, then loads on for
-    0.3 s (AFTER_IMPORT_CHECK_S looks in six times meanwhile)."""
+    0.3 s (AFTER_IMPORT_CHECK_S looks in six times meanwhile), runs `then` (a call of this
+    test module's), and leaves NAME.loaded in `folder` as its last act."""
+    marker = str(folder / f"{name}.loaded")
     source = (
-        f"import os, time\nos.kill(os.getpid(), {int(signum)})\ntime.sleep(0.3)\nLOADED = True\n"
+        f"import os, pathlib, time\nos.kill(os.getpid(), {int(signum)})\ntime.sleep(0.3)\n"
+        + (f"from tests.test_stopping import past_inputs\n{then}\n" if then else "")
+        + f"LOADED = True\npathlib.Path({marker!r}).touch()\n"
     )
     return _import_written(folder, name, source)
 
@@ -446,20 +450,37 @@ def test_a_stop_while_a_module_loads_is_raised_once_it_has_loaded(tmp_path: Path
 
     stop = StopRequest(interrupt_at_once=True, doing=StopRequest.BEFORE_FIRST_TRIAL)
     stop.install()
-    module = _import_signalled(tmp_path, "loads_slowly", signal.SIGTERM)
-    assert module.LOADED and stop.signal_name == "SIGTERM"
+    # The import inside the raises block: the look-again alarm raises 0 to 50 ms after the
+    # import, which on a loaded host can be before the next line runs (a CI run: the stop
+    # landed between the two, outside any `raises`, and ended pytest's worker).
     with pytest.raises(Interrupted) as raised:
-        time.sleep(5)  # woken by the raise 0 to 50 ms after the import
-    assert raised.value.signal_name == "SIGTERM"
+        _import_signalled(tmp_path, "loads_slowly", signal.SIGTERM)
+        time.sleep(5)
+    assert (tmp_path / "loads_slowly.loaded").exists()  # the import was not cut short
+    assert raised.value.signal_name == "SIGTERM" == stop.signal_name
     assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL  # hpo's look-again handler gone
     # Past the inputs a worker only notes a signal: one held back by an import is not raised.
+    # The worker moves past its inputs while the module still loads (the module itself says
+    # so, after the signal): no moment where the alarm could find it stopping at once.
     noted = StopRequest(interrupt_at_once=True)
     noted.install()
-    _import_signalled(tmp_path, "loads_slowly_too", signal.SIGINT)
-    noted.interrupt_at_once = False
+    PAST_INPUTS.append(lambda: setattr(noted, "interrupt_at_once", False))
+    try:
+        _import_signalled(tmp_path, "loads_slowly_too", signal.SIGINT, then="past_inputs()")
+    finally:
+        PAST_INPUTS.clear()
     time.sleep(0.2)
-    assert noted.signal_name == "SIGINT"
+    assert noted.signal_name == "SIGINT" and not noted.interrupt_at_once
     assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL
+
+
+PAST_INPUTS: list[Callable[[], None]] = []
+
+
+def past_inputs() -> None:
+    """Called by the module that test_a_stop_while_a_module_loads_... imports, as it loads."""
+    for step in PAST_INPUTS:
+        step()
 
 
 @pytest.mark.usefixtures("signal_handlers")

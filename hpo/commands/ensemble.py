@@ -393,9 +393,14 @@ def card_json(
             "note": soup.note,
         }
     saved = saved or report.choice
-    score = soup.score if saved == "soup" else report.saved_score
+    score = _saved_score(report, saved, soup)
     card["saved"] = {"kind": saved, "score": score, "chosen": _chosen_text(report, saved, soup)}
     return card
+
+
+def _saved_score(report: Any, saved: str, soup: Any = None) -> Any:
+    """The reported score of what the folder holds (`saved`: "soup", or the report's choice)."""
+    return soup.score if saved == "soup" else report.saved_score
 
 
 def _chosen_text(report: Any, saved: str, soup: Any = None) -> str:
@@ -473,7 +478,7 @@ def card_markdown(
     what the folder holds (default: the report's choice)."""
     sources = sources or {}
     saved = saved or report.choice
-    score = soup.score if saved == "soup" else report.saved_score
+    score = _saved_score(report, saved, soup)
     lines = [
         "# Ensemble model card",
         "",

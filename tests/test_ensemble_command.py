@@ -55,6 +55,14 @@ def _study(
     return url, config
 
 
+def _model_folders(folders: list[Path], config: dict[str, Any]) -> list[str]:
+    """Model folders that hold only a config.json of `config`, as paths to give the CLI."""
+    for folder in folders:
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps(config))
+    return [str(folder) for folder in folders]
+
+
 def _member_outputs(folder: Path, rows: list[dict[str, Any]]) -> dict[str, np.ndarray]:
     saved = load_ensemble(folder)
     outputs = {}
@@ -220,12 +228,9 @@ def test_hostile_members_and_data_files_are_refused_in_one_line_before_any_predi
 ) -> None:
     from hpo.commands.ensemble_members import _given_folders
 
-    members = []
-    for parent in ("a", "b"):  # kept trial models: every one a `best-model`
-        folder = tmp_path / parent / "best-model"
-        folder.mkdir(parents=True)
-        (folder / "config.json").write_text(json.dumps({"id2label": {"0": "neg", "1": "pos"}}))
-        members.append(str(folder))
+    # Kept trial models: every one a `best-model`.
+    binary = {"id2label": {"0": "neg", "1": "pos"}}
+    members = _model_folders([tmp_path / p / "best-model" for p in ("a", "b")], binary)
     assert list(_given_folders(tuple(members))) == ["a-best-model", "b-best-model"]
     config = write_config(tmp_path / "c.yaml", tiny_config(*easy_data))
     out = str(tmp_path / "out")
@@ -272,12 +277,7 @@ def test_causal_lm_stacking_is_refused_in_one_line(
     hpo_main: Main,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    members = []
-    for name in ("a", "b"):
-        folder = tmp_path / name
-        folder.mkdir()
-        (folder / "config.json").write_text("{}")
-        members.append(str(folder))
+    members = _model_folders([tmp_path / "a", tmp_path / "b"], {})
     raw = tiny_config(*easy_data)
     raw["task"] = "causal_lm"
     raw["data"] = {

@@ -1,6 +1,7 @@
 """A learning-curve rule for the search-efficiency replay (issue 47): the median rule judged on
 the running average of a trial's curve, as Syne Tune's median stopping rule judges, with hpo's
-margin, warm-up and startup trials. Bench-only: search_efficiency.py's strategies use it.
+margin, warm-up and startup trials (when to judge: hpo.study.pruners.judged_by, as hpo's rule).
+Bench-only: search_efficiency.py's strategies use it.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ import statistics
 
 import optuna
 from optuna.study import StudyDirection
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import FrozenTrial
+
+from hpo.study.pruners import judged_by
 
 
 def running_mean(values: dict[int, float], step: int) -> float:
@@ -33,12 +36,10 @@ class RunningMedianPruner(optuna.pruners.BasePruner):
         self.margin = margin
 
     def prune(self, study: optuna.Study, trial: FrozenTrial) -> bool:
-        completed = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-        step = trial.last_step
-        if not completed or len(completed) < self.n_startup_trials:
+        judged = judged_by(study, trial, self.n_startup_trials, self.n_warmup_steps)
+        if judged is None:
             return False
-        if step is None or step < self.n_warmup_steps:
-            return False
+        completed, step = judged
         mine = running_mean(trial.intermediate_values, step)
         if math.isnan(mine):
             return True

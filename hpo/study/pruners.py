@@ -15,6 +15,21 @@ from hpo.config.schema import PrunerConfig
 from hpo.numbers import number_text
 
 
+def judged_by(
+    study: optuna.Study, trial: FrozenTrial, n_startup_trials: int, n_warmup_steps: int
+) -> tuple[list[FrozenTrial], int] | None:
+    """The complete trials a median-style rule judges `trial` by, and its last step; None
+    while it judges nothing (fewer than `n_startup_trials` complete, or the trial's last step
+    before `n_warmup_steps`)."""
+    completed = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    step = trial.last_step
+    if not completed or len(completed) < n_startup_trials:
+        return None
+    if step is None or step < n_warmup_steps:
+        return None
+    return completed, step
+
+
 class MarginPruner(optuna.pruners.BasePruner):
     """Optuna's percentile rule (the trial's best value so far against the given percentile of
     the completed trials' values at the same evaluation), except that a trial is pruned only
@@ -34,12 +49,10 @@ class MarginPruner(optuna.pruners.BasePruner):
         self.margin = margin
 
     def prune(self, study: optuna.Study, trial: FrozenTrial) -> bool:
-        completed = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-        step = trial.last_step
-        if not completed or len(completed) < self.n_startup_trials:
+        judged = judged_by(study, trial, self.n_startup_trials, self.n_warmup_steps)
+        if judged is None:
             return False
-        if step is None or step < self.n_warmup_steps:
-            return False
+        completed, step = judged
         values = [v for v in trial.intermediate_values.values() if not math.isnan(v)]
         if not values:
             return True  # nothing but NaN: a diverged run

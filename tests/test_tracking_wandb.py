@@ -10,6 +10,7 @@ import json
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -71,13 +72,26 @@ def _records_of(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in _inspect(path, "--json").splitlines() if line.strip()]
 
 
+def _finished_records(path: Path, deadline_s: float = 60.0) -> list[dict[str, Any]]:
+    """The records of a run this file's tests have finished, once its file holds them all
+    (the exit record): wandb-core writes the file beside the process, and on a loaded host a
+    read just after `finish()` once found only the header (a CI run). What is there at the
+    deadline otherwise."""
+    deadline = time.monotonic() + deadline_s
+    records = _records_of(path)
+    while not any(r["type"] == "exit" for r in records) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        records = _records_of(path)
+    return records
+
+
 def read_runs(folder: Path) -> list[dict[str, Any]]:
     """Every offline run under `folder`, oldest first, as wandb's reader gives it: its summary
     view (config, summary, tags, state, exit code) with the run record's group and job type,
     the history rows (step -> the metrics logged at it) and every record ("records")."""
     runs = []
     for path in sorted(folder.glob("wandb/offline-run-*/run-*.wandb")):
-        records = _records_of(path)
+        records = _finished_records(path)
         run = json.loads(_inspect(path, "--summary", "--json"))
         last = [r["run"] for r in records if r["type"] == "run"][-1]
         run["group"], run["job_type"] = last.get("run_group"), last.get("job_type")

@@ -50,6 +50,10 @@ class Task:
     kind: str  # what the table says
     higher_is_better: bool = True
     own_learning_rate: bool = False  # keep the config's search space as it is
+    # The model searched as configs/model-choice.yaml searches it (its whole search space): the
+    # pretrained MiniLM against a tiny BERT with random weights and a tokenizer of its own,
+    # trained on this task's texts (data/make_tiny_bert.py), in place of the config's model.
+    models_searched: bool = False
 
 
 TASKS = {
@@ -64,6 +68,20 @@ TASKS = {
         own_learning_rate=True,
     ),
     "multilabel": Task("multilabel", REPO / "configs/multilabel.yaml", "multi-label, micro-F1"),
+    "demo-models": Task(
+        "demo-models",
+        REPO / "configs/demo.yaml",
+        "binary, accuracy, the model searched",
+        own_learning_rate=True,
+        models_searched=True,
+    ),
+    "multilabel-models": Task(
+        "multilabel-models",
+        REPO / "configs/multilabel.yaml",
+        "multi-label, micro-F1, the model searched",
+        own_learning_rate=True,
+        models_searched=True,
+    ),
     "regression": Task(
         "regression", REPO / "configs/regression.yaml", "regression, RMSE", higher_is_better=False
     ),
@@ -136,6 +154,8 @@ def study_config(task: Task, folder: Path, seed: int, args: argparse.Namespace) 
         Path(data["train_file"]), folder, seed, args.test_share, args.max_train
     )
     data["train_file"], data["test_file"] = str(train), str(test)
+    if task.models_searched:
+        search_the_model(raw, train, folder)
     choices = raw["search_space"].get("model.name_or_path", {}).get("choices", [])
     for i, choice in enumerate(choices):  # folders relative to the shipped config
         if not str(choice).startswith("pkg://"):
@@ -164,6 +184,39 @@ def study_config(task: Task, folder: Path, seed: int, args: argparse.Namespace) 
     config = folder / "config.yaml"
     config.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
     return config
+
+
+MODEL_CHOICE = REPO / "configs/model-choice.yaml"
+TINY_LOCK = threading.Lock()
+
+
+def search_the_model(raw: dict[str, Any], train: Path, folder: Path) -> None:
+    """`raw`'s model and search space replaced by configs/model-choice.yaml's: a categorical
+    over the pretrained MiniLM and a tiny BERT (random weights, a WordPiece tokenizer trained
+    on the training split's texts, saved in `folder`), each with its learning rate and batch."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_tiny_bert", REPO / "data/make_tiny_bert.py")
+    assert spec is not None and spec.loader is not None
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    rows, _ = read_rows(train)
+    data = raw["data"]
+    columns = [
+        data["text_column"],
+        *([data["text_pair_column"]] if "text_pair_column" in data else []),
+    ]
+    texts = [str(row[c]) for row in rows for c in columns]
+    with TINY_LOCK:  # transformers' lazy imports are not safe from two threads at once
+        tiny = maker.save_tiny_bert(folder / "tiny-bert", texts)
+    choice = yaml.safe_load(MODEL_CHOICE.read_text(encoding="utf-8"))["search_space"]
+    shipped_tiny = choice["model.name_or_path"]["choices"][1]
+    choice["model.name_or_path"]["choices"][1] = str(tiny)
+    for rule in choice.values():
+        if (rule.get("when") or {}).get("model.name_or_path") == shipped_tiny:
+            rule["when"]["model.name_or_path"] = str(tiny)
+    raw["search_space"] = choice
+    raw.pop("model", None)  # the model is the searched one
 
 
 # -- hpo ---------------------------------------------------------------------------------------

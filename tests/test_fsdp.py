@@ -273,13 +273,44 @@ def test_a_sharded_oom_restarts_at_half_the_batch_and_ends_the_run_at_batch_one(
         _restarted_after_oom(again, last, saved=True)
 
 
+class BuildRecorder:
+    """hpo.trainer.loop.build_model, recording on each rank (the ranks are forked: each writes
+    a file of its own) how many bytes each call allocated at its peak and where the model's
+    weights were left."""
+
+    def __init__(self, folder: Path, build: Callable[..., torch.nn.Module]) -> None:
+        self.folder, self.build = folder, build
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        with MemoryBudget(sys.maxsize) as budget:
+            model = self.build(*args, **kwargs)
+        devices = sorted({p.device.type for p in model.parameters()})
+        record = {"peak_bytes": budget.peak_bytes, "devices": devices}
+        with (self.folder / f"rank-{os.environ.get('RANK', 'one')}.jsonl").open("a") as out:
+            out.write(json.dumps(record) + "\n")
+        return model
+
+    def builds(self, rank: int) -> list[dict[str, Any]]:
+        lines = (self.folder / f"rank-{rank}.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines]
+
+
 def test_the_ranks_search_the_sharded_batch_together_and_the_worst_rank_decides(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Long sequences (activations decide what fits); rank 1 alone has a budget, which it meets
     at about 24 examples (rank 0 alone would take the bound, 48). Every probe is made by both
     ranks on the sharded model: the verdicts are rank 1's, the search is the one rank 1's peaks
-    alone make, and the run trains at the agreed size within rank 1's budget."""
+    alone make, and the run trains at the agreed size within rank 1's budget. Rank 1 never
+    builds the model whole: its probes allocate their shares of a model on the meta device."""
+    import hpo.trainer.batch_finder
+    import hpo.trainer.sharded_batch
+
+    builds = tmp_path / "builds"
+    builds.mkdir()
+    recorder = BuildRecorder(builds, hpo.trainer.batch_finder.build_model)
+    for module in (hpo.trainer.batch_finder, hpo.trainer.sharded_batch):
+        monkeypatch.setattr(module, "build_model", recorder)  # the search's builds alone
     job, data = long_job_in(tmp_path)
     budget = 100 * 2**20  # rank 1's peak: about 85 MiB at 16 examples, 110 at 32
     monkeypatch.setenv(BUDGET_ENV, str(budget))
@@ -301,6 +332,8 @@ def test_the_ranks_search_the_sharded_batch_together_and_the_worst_rank_decides(
     assert result.physical_batch_size == min(search.chosen, job.training.effective_batch_size)
     ((key, size),) = zip(cache.keys, cache.sizes.values(), strict=True)
     assert (key["ranks"], key["strategy"], size) == (2, "fsdp", search.chosen)
+    assert [b["devices"] for b in recorder.builds(1)] == [["meta"]]
+    assert [b["devices"] for b in recorder.builds(0)] == [["meta"], ["cpu"]]
 
 
 def test_a_gpu_probe_is_predicted_from_the_probes_below_it() -> None:
@@ -310,28 +343,6 @@ def test_a_gpu_probe_is_predicted_from_the_probes_below_it() -> None:
     assert predicted_peak({}, 8) is None
     assert predicted_peak({4: 100}, 8) == 200
     assert predicted_peak({4: 100, 8: 140, 32: 999}, 16) == 220
-
-
-class BuildRecorder:
-    """hpo.trainer.loop.build_model, recording on each rank (the ranks are forked: each writes
-    a file of its own) how many bytes each call allocated at its peak and where the model's
-    weights were left."""
-
-    def __init__(self, folder: Path, build: Callable[..., torch.nn.Module]) -> None:
-        self.folder, self.build = folder, build
-
-    def __call__(self, *args: Any, **kwargs: Any) -> torch.nn.Module:
-        with MemoryBudget(sys.maxsize) as budget:
-            model = self.build(*args, **kwargs)
-        devices = sorted({p.device.type for p in model.parameters()})
-        record = {"peak_bytes": budget.peak_bytes, "devices": devices}
-        with (self.folder / f"rank-{os.environ.get('RANK', 'one')}.jsonl").open("a") as out:
-            out.write(json.dumps(record) + "\n")
-        return model
-
-    def builds(self, rank: int) -> list[dict[str, Any]]:
-        lines = (self.folder / f"rank-{rank}.jsonl").read_text().splitlines()
-        return [json.loads(line) for line in lines]
 
 
 def test_rank_0_alone_builds_the_whole_model_and_the_curve_is_the_one_process_curve(

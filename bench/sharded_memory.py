@@ -1,9 +1,10 @@
 """Memory one rank needs to train a model whole (ddp, or one process) and sharded over N ranks
 (strategy fsdp, trainer.fsdp), fp32 with AdamW: the weights and optimizer state it holds after a
-step, and the peak of live tensors while it builds (and shards) the model (gloo ranks on the CPU,
-counted by the tracker the CPU tests use as a memory budget). The peak *during* a step is not
-measured: FSDP frees and regrows a gathered weight's storage in place (`resize_`), which that
-tracker does not see; it needs a GPU's allocator (torch.cuda.max_memory_allocated).
+step, and the peak of live tensors while it builds (and shards) the model, as the trainer does:
+rank 0 builds it whole, the others on the meta device, and each receives its share (gloo ranks
+on the CPU, counted by the tracker the CPU tests use as a memory budget). The peak *during* a
+step is not measured: FSDP frees and regrows a gathered weight's storage in place (`resize_`),
+which that tracker does not see; it needs a GPU's allocator (torch.cuda.max_memory_allocated).
 Run: .venv/bin/python bench/sharded_memory.py [--size mini] [--ranks 1,2,4] [--batch 8]
 """
 
@@ -13,13 +14,20 @@ import argparse
 import os
 import socket
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hpo.trainer.config import TrainingConfig
-from hpo.trainer.fsdp import held_state_bytes, shard_model
+from hpo.trainer.fsdp import (
+    held_state_bytes,
+    load_from_rank0,
+    match_rank0_layout,
+    non_persistent_buffers,
+    shard_model,
+)
 from hpo.trainer.memory import MemoryBudget
 from hpo.trainer.step import make_optimizer
 
@@ -48,13 +56,16 @@ def main() -> int:
             f"{what} {found[key] / 2**20:7.1f} MiB ({found[key] / params:5.2f} B/param)"
             for what, key in (("holds", "held"), ("build peak", "built"))
         )
+        others = ""
+        if ranks > 1:
+            others = f"; rank 1 build peak {found['built1'] / params:5.2f} B/param"
         how = "whole  " if ranks == 1 else f"{ranks} ranks"
-        print(f"{how}: rank 0 {figures}; {params / 1e6:.1f}M parameters")
+        print(f"{how}: rank 0 {figures}{others}; {params / 1e6:.1f}M parameters")
     return 0
 
 
 def _rank(rank: int, ranks: int, port: int, args: argparse.Namespace, found: dict) -> None:
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from transformers import AutoConfig
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
@@ -71,11 +82,8 @@ def _rank(rank: int, ranks: int, port: int, args: argparse.Namespace, found: dic
     )
     ids = torch.randint(0, config.vocab_size, (args.batch, args.length))
     with MemoryBudget(1 << 62) as budget:
-        torch.manual_seed(0)
-        model = AutoModelForSequenceClassification.from_config(config)
+        model = _built(config, rank, ranks)
         params = sum(p.numel() for p in model.parameters())
-        if ranks > 1:
-            shard_model(model, ranks, torch.device("cpu"), "fp32")
         optimizer, _ = make_optimizer(model, TrainingConfig())
         built_peak = budget.peak_bytes
         loss = model(input_ids=ids, labels=torch.zeros(args.batch, dtype=torch.long)).loss
@@ -86,7 +94,28 @@ def _rank(rank: int, ranks: int, port: int, args: argparse.Namespace, found: dic
     if rank == 0:
         held = held_state_bytes(model, optimizer)
         found.update(held=held, built=built_peak, params=params)
+    if rank == 1:
+        found.update(built1=built_peak)
     dist.destroy_process_group()
+
+
+def _built(config: Any, rank: int, ranks: int) -> torch.nn.Module:
+    """The model whole (1 rank), or sharded as trainer.fsdp.ShardedTrainer builds it: every rank
+    on the meta device, rank 0 whole as well, each rank's share sent from rank 0."""
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    if ranks == 1:
+        return AutoModelForSequenceClassification.from_config(config)
+    cpu = torch.device("cpu")
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(config)
+    whole = AutoModelForSequenceClassification.from_config(config) if rank == 0 else None
+    match_rank0_layout(model, whole)
+    unsaved = non_persistent_buffers(model)
+    shard_model(model, ranks, cpu, "fp32")
+    load_from_rank0(model, whole, unsaved, cpu)
+    return model
 
 
 def _free_port() -> int:

@@ -1,21 +1,26 @@
 """Sharded trials (training.distributed.strategy fsdp, FSDP2) on the CPU over gloo: the same loss
 curve as one process at the same effective batch, each rank holding its share of the weights,
-resume across a stop from sharded checkpoints (on another host, through the artifact store),
-LoRA with a sharded frozen base, the batch finder on the sharded model, every rank started again
-at half the batch after one rank's OOM, and the config."""
+rank 0 alone building the model whole (the others on the meta device: a causal LM's tied head
+and rotary buffers included), resume across a stop from sharded checkpoints (on another host,
+through the artifact store), LoRA with a sharded frozen base, the batch finder on the sharded
+model, every rank started again at half the batch after one rank's OOM, and the config."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
+import os
 import pickle
 import shutil
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
 from hpo.storage.artifacts import ArtifactStore, ArtifactTarget
@@ -30,19 +35,24 @@ from hpo.trainer.config import (
     TrainJob,
 )
 from hpo.trainer.data import PreparedData
+from hpo.trainer.errors import ModelError
 from hpo.trainer.files import drop_resume_state
-from hpo.trainer.fsdp import ShardedStepOutOfMemory
+from hpo.trainer.fsdp import ShardedStepOutOfMemory, match_rank0_layout
 from hpo.trainer.launch import CheckpointPlace, TrialWork, _restarted_after_oom, train_distributed
 from hpo.trainer.loop import train
 from hpo.trainer.memory import (
     BUDGET_ENV,
     BUDGET_RANK_ENV,
     SHARDED_OOM_ENV,
+    MemoryBudget,
     OutOfMemoryAtBatchOne,
 )
+from hpo.trainer.model import load_tokenizer
 from hpo.trainer.sharded_batch import predicted_peak
+from hpo.trainer.tasks import prepare_data
 from hpo.trial.uploads import BackgroundUploader, fetch_resume_state
-from tests.conftest import MINILM_TOKENIZER, TINY_BERT, tiny_config
+from tests.conftest import MINILM_TOKENIZER, TINY_BERT, tiny_config, write_csv
+from tests.test_causal_lm import TINY_LLAMA, clm_job, instruct_rows
 from tests.test_distributed import DictBatchCache, assert_same_curve, long_job_in, small_job
 
 
@@ -263,13 +273,44 @@ def test_a_sharded_oom_restarts_at_half_the_batch_and_ends_the_run_at_batch_one(
         _restarted_after_oom(again, last, saved=True)
 
 
+class BuildRecorder:
+    """hpo.trainer.loop.build_model, recording on each rank (the ranks are forked: each writes
+    a file of its own) how many bytes each call allocated at its peak and where the model's
+    weights were left."""
+
+    def __init__(self, folder: Path, build: Callable[..., torch.nn.Module]) -> None:
+        self.folder, self.build = folder, build
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        with MemoryBudget(sys.maxsize) as budget:
+            model = self.build(*args, **kwargs)
+        devices = sorted({p.device.type for p in model.parameters()})
+        record = {"peak_bytes": budget.peak_bytes, "devices": devices}
+        with (self.folder / f"rank-{os.environ.get('RANK', 'one')}.jsonl").open("a") as out:
+            out.write(json.dumps(record) + "\n")
+        return model
+
+    def builds(self, rank: int) -> list[dict[str, Any]]:
+        lines = (self.folder / f"rank-{rank}.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines]
+
+
 def test_the_ranks_search_the_sharded_batch_together_and_the_worst_rank_decides(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Long sequences (activations decide what fits); rank 1 alone has a budget, which it meets
     at about 24 examples (rank 0 alone would take the bound, 48). Every probe is made by both
     ranks on the sharded model: the verdicts are rank 1's, the search is the one rank 1's peaks
-    alone make, and the run trains at the agreed size within rank 1's budget."""
+    alone make, and the run trains at the agreed size within rank 1's budget. Rank 1 never
+    builds the model whole: its probes allocate their shares of a model on the meta device."""
+    import hpo.trainer.batch_finder
+    import hpo.trainer.sharded_batch
+
+    builds = tmp_path / "builds"
+    builds.mkdir()
+    recorder = BuildRecorder(builds, hpo.trainer.batch_finder.build_model)
+    for module in (hpo.trainer.batch_finder, hpo.trainer.sharded_batch):
+        monkeypatch.setattr(module, "build_model", recorder)  # the search's builds alone
     job, data = long_job_in(tmp_path)
     budget = 100 * 2**20  # rank 1's peak: about 85 MiB at 16 examples, 110 at 32
     monkeypatch.setenv(BUDGET_ENV, str(budget))
@@ -291,6 +332,8 @@ def test_the_ranks_search_the_sharded_batch_together_and_the_worst_rank_decides(
     assert result.physical_batch_size == min(search.chosen, job.training.effective_batch_size)
     ((key, size),) = zip(cache.keys, cache.sizes.values(), strict=True)
     assert (key["ranks"], key["strategy"], size) == (2, "fsdp", search.chosen)
+    assert [b["devices"] for b in recorder.builds(1)] == [["meta"]]
+    assert [b["devices"] for b in recorder.builds(0)] == [["meta"], ["cpu"]]
 
 
 def test_a_gpu_probe_is_predicted_from_the_probes_below_it() -> None:
@@ -300,3 +343,86 @@ def test_a_gpu_probe_is_predicted_from_the_probes_below_it() -> None:
     assert predicted_peak({}, 8) is None
     assert predicted_peak({4: 100}, 8) == 200
     assert predicted_peak({4: 100, 8: 140, 32: 999}, 16) == 220
+
+
+def test_rank_0_alone_builds_the_whole_model_and_the_curve_is_the_one_process_curve(
+    small: tuple[TrainJob, PreparedData], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 builds BERT on the meta device (no byte of weights allocated) and receives its
+    share of rank 0's weights and of its position_ids buffer (not in a state dict): every rank
+    trains the weights one process would have, as the curve shows."""
+    job, data = small
+    job = sharded(job, 2, max_steps=4)
+    one = train(
+        dataclasses.replace(job, training=dataclasses.replace(job.training, distributed=None)), data
+    )
+    import hpo.trainer.loop
+
+    recorder = BuildRecorder(tmp_path, hpo.trainer.loop.build_model)
+    monkeypatch.setattr(hpo.trainer.loop, "build_model", recorder)
+    several = train_distributed(job, data)
+    assert several.status == "completed" and several.optimizer_steps == one.optimizer_steps == 4
+    assert_same_curve(one, several)
+    whole_bytes = 4 * one.total_params  # fp32
+    assert [b["devices"] for b in recorder.builds(1)] == [["meta"]]
+    assert all(b["peak_bytes"] < whole_bytes / 100 for b in recorder.builds(1))
+    assert [b["devices"] for b in recorder.builds(0)] == [["meta"], ["cpu"]]
+    assert recorder.builds(0)[1]["peak_bytes"] >= whole_bytes
+
+
+def test_a_causal_lm_with_tied_embeddings_and_rotary_buffers_trains_as_one_process(
+    tmp_path: Path,
+) -> None:
+    """A Llama whose output layer is its input embeddings and whose rotary inv_freq is a
+    buffer no state dict holds: rank 1 builds it on the meta device, gets rank 0's weights
+    and buffers, and keeps the head tied (an untied copy would learn another curve)."""
+    rows = write_csv(tmp_path / "train.csv", instruct_rows(40, seed=1))
+    evaluation = write_csv(tmp_path / "eval.csv", instruct_rows(8, seed=2))
+    job = clm_job(rows, evaluation)
+    job.model.config = {**dict(TINY_LLAMA), "tie_word_embeddings": True}
+    job.model.dropout = 0.0
+    training = dataclasses.replace(
+        job.training,
+        seed=3,
+        effective_batch_size=8,
+        physical_batch_size=2,
+        max_steps=4,
+        evals_per_epoch=2,
+        log_every_steps=1,
+    )
+    job = dataclasses.replace(job, training=training)
+    data = prepare_data(job.data, load_tokenizer(job.model), "causal_lm", job.training)
+    one = train(job, data)
+    several = train_distributed(sharded(job, 2), data)
+    assert several.status == "completed" and several.optimizer_steps == one.optimizer_steps == 4
+    assert several.total_params == one.total_params  # the tied weight counted once
+    assert_same_curve(one, several)
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path) -> Iterator[None]:
+    """A process group of this process alone (rank 0), for what rank 0 sends itself."""
+    store = dist.FileStore(str(tmp_path / "group"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_the_meta_model_takes_rank_0s_dtypes_and_another_shape_is_one_error(
+    one_rank: None,
+) -> None:
+    """A checkpoint may keep a layer in another dtype than its config says: the model built on
+    the meta device takes rank 0's (free there), so every rank's shards agree. A layer of
+    another shape cannot be mended: a ModelError names it, on every rank."""
+    whole = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    whole[1].to(torch.bfloat16)
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        other = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 5))
+    match_rank0_layout(model, whole)
+    assert [p.dtype for p in model.parameters()] == [torch.float32] * 2 + [torch.bfloat16] * 2
+    assert all(p.device.type == "meta" for p in model.parameters())
+    with pytest.raises(
+        ModelError, match=r"at 1\.bias \(\[5\] torch.float32 here, \[2\] torch.bfloat16 on rank 0\)"
+    ):
+        match_rank0_layout(other, whole)

@@ -158,16 +158,20 @@ class BatchFinder:
         # Built once on the CPU; every probe moves a deep copy, so the search changes nothing.
         self.task = make_task(job.task, job.data, job.training)
         self.num_labels = len(label_names)
-        self.base_model = build_model(
-            job.model,
-            label_names,
-            self.cfg.seed,
-            task=job.task,
-            gradient_checkpointing=job.gradient_checkpointing,
-            job=job,
-        )
+        self.base_model = self._base_model(label_names)
         self.vocab_size = vocab_size_of(self.base_model, job.model)
         self.probes: list[Probe] = []
+
+    def _base_model(self, label_names: list[str]) -> torch.nn.Module:
+        """The model every probe copies, built once on the CPU."""
+        return build_model(
+            self.job.model,
+            label_names,
+            self.cfg.seed,
+            task=self.job.task,
+            gradient_checkpointing=self.job.gradient_checkpointing,
+            job=self.job,
+        )
 
     def run(self) -> BatchSearch:
         started = time.perf_counter()

@@ -14,11 +14,13 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
@@ -27,14 +29,15 @@ from torch.distributed.tensor import DTensor
 
 from hpo.trainer.checkpoint import CheckpointStore, rng_state, set_rng_state
 from hpo.trainer.distributed import DistributedTrainer
+from hpo.trainer.errors import ModelError
 from hpo.trainer.files import SHARDED_NAME, SHARDED_STATE_DIR, drop_sharded_states
 from hpo.trainer.loop import OnEvaluation, Trainer
 from hpo.trainer.memory import OutOfMemoryAtBatchOne, is_oom, sharded_oom_due
-from hpo.trainer.peft_adapters import is_adapted
+from hpo.trainer.peft_adapters import is_adapted, parameter_counts
 from hpo.trainer.progress import Progress
 from hpo.trainer.result import TrainResult
 from hpo.trainer.resume import BatchSizes, progress_state, restore_progress
-from hpo.trainer.step import lr_schedule, make_optimizer, optimizer_step
+from hpo.trainer.step import optimizer_step
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +121,74 @@ def shard_model(
             module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no other)
 
 
+Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name: shape and dtype
+
+
+def _said(entry: tuple[tuple[int, ...], torch.dtype] | None) -> str:
+    return "none" if entry is None else f"{list(entry[0])} {entry[1]}"
+
+
+def _layout(model: torch.nn.Module) -> Layout:
+    """Each parameter's and buffer's shape and dtype, by name."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    return {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in tensors}
+
+
+def match_rank0_layout(model: torch.nn.Module, whole: torch.nn.Module | None) -> None:
+    """`model` (on the meta device) checked against rank 0's `whole` one (None on the other
+    ranks), tensor by tensor: a loaded checkpoint may keep some weights in another dtype than
+    its config says (those are cast: on the meta device that costs nothing); other shapes or
+    names are a ModelError on every rank at once."""
+    sent: list[Any] = [_layout(whole) if whole is not None else None]
+    dist.broadcast_object_list(sent, src=0)
+    reference: Layout = sent[0]
+    own = _layout(model)
+    names = own.keys() | reference.keys()
+    differ = sorted(name for name in names if own.get(name) != reference.get(name))
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        shape, dtype = reference.get(name, (tuple(tensor.shape), tensor.dtype))
+        if shape == tuple(tensor.shape) and dtype != tensor.dtype:
+            tensor.data = tensor.data.to(dtype)
+            differ.remove(name)
+    if differ:
+        name = differ[0]
+        raise ModelError(
+            f"strategy fsdp: the model built without its weights differs from the one rank 0 "
+            f"built at {name} ({_said(own.get(name))} here, {_said(reference.get(name))} on "
+            "rank 0), so rank 0's weights cannot be shared out; strategy ddp builds the model "
+            "on every rank"
+        )
+
+
+def non_persistent_buffers(model: torch.nn.Module) -> list[str]:
+    """The buffers a state dict leaves out (BERT's position_ids, a rotary embedding's
+    inv_freq): computed when the model is built, so the meta device left them empty."""
+    saved = set(model.state_dict())
+    return [name for name, _ in model.named_buffers() if name not in saved]
+
+
+def load_from_rank0(
+    model: torch.nn.Module,
+    whole: torch.nn.Module | None,
+    unsaved_buffers: list[str],
+    device: torch.device,
+) -> None:
+    """The sharded `model` (on the meta device) given memory on `device` and rank 0's weights
+    and buffers (`whole`: rank 0's model, None on the others): each rank keeps its share of
+    each weight as it arrives, one tensor at a time. Tied weights stay one parameter."""
+    model.to_empty(device=device)
+    full = whole.state_dict() if whole is not None else {}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=options)
+    sources = dict(whole.named_buffers()) if whole is not None else {}
+    buffers = dict(model.named_buffers())
+    with torch.no_grad():
+        for name in unsaved_buffers:
+            if name in sources:
+                buffers[name].copy_(sources[name])
+            dist.broadcast(buffers[name], src=0)
+
+
 def held_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes of weights and optimizer state this rank holds (a sharded tensor: its own shard)."""
     tensors: list[torch.Tensor] = [*model.parameters()]
@@ -153,17 +224,25 @@ class ShardedTrainer(DistributedTrainer):
         self.oom_restarts = self.step_oom_recoveries = restarts
 
     def _build_model_and_optimizer(self) -> None:
-        super()._build_model_and_optimizer()
-        self.group.broadcast_weights(self.model)  # rank 0's weights, before they are split
+        """Every rank builds the model on the meta device (shapes, no memory) and shards it;
+        rank 0 alone also builds it whole, as a one-process run does (loaded, or initialised
+        from the trial's seed), and sends each rank its share. A host of N ranks then holds
+        the whole model once, not N times (a 7B model: 28 GB, not N x 28 GB)."""
+        meta = torch.device("meta")
+        self.model = self._fresh_model(meta).to(meta)  # a factory's: built, then let go
+        # Built second, so rank 0's random state after it is a one-process run's. A loaded
+        # model stays on the CPU: rank 0's GPU then holds one whole weight at a time.
+        whole = self._fresh_model(self.device) if self.group.rank == 0 else None
+        match_rank0_layout(self.model, whole)
+        self.trainable_params, self.total_params = parameter_counts(self.model)
         if self.job.model.compile:
             log.warning("model.compile is not applied with strategy fsdp (not built yet)")
         self.forward_model, self.graphed = self.model, False
+        unsaved = non_persistent_buffers(self.model)
         shard_model(self.model, self.group.world_size, self.device, self.precision)
-        # The optimizer and schedule again, now over the sharded parameters (AdamW allocates
-        # its state at the first step: nothing was allocated for the unsharded ones).
-        self.optimizer, self.optimizer_name = make_optimizer(self.model, self.cfg)
-        warmup = round(self.cfg.warmup_ratio * self.total_steps)
-        self.scheduler = lr_schedule(self.optimizer, self.cfg.lr_schedule, warmup, self.total_steps)
+        load_from_rank0(self.model, whole, unsaved, self.device)
+        del whole  # rank 0's whole copy: each rank now holds its share
+        self._make_optimizer()
 
     def _broadcast_weights(self) -> None:
         """Done before sharding (see _build_model_and_optimizer)."""

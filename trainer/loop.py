@@ -163,19 +163,25 @@ class Trainer:
             )
         return chosen, directions[chosen]
 
-    def _build_model_and_optimizer(self) -> None:
+    def _fresh_model(self, device: torch.device) -> torch.nn.Module:
+        """The trial's model, initialised from the trial's seed, its head fitted to the
+        training targets: built on `device` from a config (on the meta device: its shapes
+        alone), on the CPU when loaded or built by a factory."""
         torch.manual_seed(self.cfg.seed)
-        self.model = build_model(
+        model = build_model(
             self.job.model,
             self.data.label_names,
             self.cfg.seed,
-            self.device,
+            device,
             self.job.task,
             gradient_checkpointing=self.job.gradient_checkpointing,
             job=self.job,
         )
-        self.model.to(self.device)  # a pretrained model loads on the CPU
-        self.task.prepare_model(self.model, self.data.train)
+        self.task.prepare_model(model, self.data.train)
+        return model
+
+    def _build_model_and_optimizer(self) -> None:
+        self.model = self._fresh_model(self.device).to(self.device)
         self.trainable_params, self.total_params = parameter_counts(self.model)
         self.forward_model: torch.nn.Module = self.model
         model_cfg = self.job.model
@@ -184,6 +190,10 @@ class Trainer:
             self.forward_model = compile_model(self.model, model_cfg.compile_scope, self.graphed)
         if self.graphed:
             allocate_grads(self.model)
+        self._make_optimizer()
+
+    def _make_optimizer(self) -> None:
+        """The optimizer, the learning-rate schedule and the fp16 loss scaler for self.model."""
         self.optimizer, self.optimizer_name = make_optimizer(self.model, self.cfg)
         warmup = round(self.cfg.warmup_ratio * self.total_steps)
         self.scheduler = lr_schedule(self.optimizer, self.cfg.lr_schedule, warmup, self.total_steps)

@@ -200,7 +200,8 @@ def build_model(
     """A fresh model with `task`'s head for `label_names`, deterministic for `seed` (on one
     kind of device). A model built from a config is initialised on `device` directly: on a
     GPU that takes a fraction of a second where BERT-base's random init on the CPU takes over
-    one (the trial's startup, issue 11). `gradient_checkpointing`: the job's
+    one (the trial's startup, issue 11); on the meta device any model has shapes and no weights
+    (a sharded run's other ranks: rank 0's arrive later). `gradient_checkpointing`: the job's
     (TrainJob.gradient_checkpointing); default model.gradient_checkpointing. With
     model.factory, the user's function builds it, handed `job`'s settings (the trial's)."""
     task_cls = task_class(task)
@@ -231,10 +232,11 @@ def _transformers_model(
     config: ModelConfig, model_config: Any, task: str, device: torch.device | None
 ) -> torch.nn.Module:
     """transformers' model of `task` for `model_config`: built on `device` from an inline
-    config, else loaded from its folder or the hub."""
+    config (or on the meta device: shapes only, no weights read), else loaded from its folder
+    or the hub."""
     auto_model = auto_model_class(task)
     try:
-        if config.config is not None:
+        if config.config is not None or (device is not None and device.type == "meta"):
             with torch.device(device or "cpu"):
                 return auto_model.from_config(
                     model_config, attn_implementation=config.attn_implementation

@@ -5,18 +5,22 @@ verdict, so the rank with the least memory decides and none is left waiting in a
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import sys
 import time
+from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from hpo.trainer import device as dev
 from hpo.trainer.batch_finder import BatchFinder, BatchSearch, BatchSearcher, Probe
 from hpo.trainer.config import TrainJob
 from hpo.trainer.distributed import RankGroup
-from hpo.trainer.fsdp import shard_model
+from hpo.trainer.fsdp import match_rank0_layout, shard_model
 from hpo.trainer.memory import (
     MemoryBudget,
     OutOfMemoryAtBatchOne,
@@ -25,6 +29,7 @@ from hpo.trainer.memory import (
     memory_share,
     release_memory,
 )
+from hpo.trainer.model import build_model
 
 # On a GPU, a probe whose peak this rank's earlier probes predict past this part of its memory
 # is not run: it counts as out of memory on every rank. A real OOM inside a probe cannot be
@@ -76,9 +81,32 @@ class ShardedBatchFinder(BatchFinder):
     def __init__(self, job: TrainJob, label_names: list[str], group: RankGroup) -> None:
         # A sharded run is not compiled (see ShardedTrainer), so neither is its probe.
         job = dataclasses.replace(job, model=dataclasses.replace(job.model, compile=False))
+        self.group = group  # first: the base class builds the model, which reads it
+        self.buffers: dict[str, torch.Tensor] = {}  # rank 0's, by name (see _base_model)
         super().__init__(job, label_names, group.device)
-        self.group = group
         self.own_peaks: dict[int, int] = {}  # this rank's measured probes: size -> peak bytes
+
+    def _base_model(self, label_names: list[str]) -> torch.nn.Module:
+        """The model's shapes alone (the meta device) on every rank: a probe measures memory,
+        which the weights' values do not change. Its buffers must be right (position ids index
+        an embedding): rank 0 builds the model whole once, as a one-GPU search does, and sends
+        them; no other rank ever holds the whole model."""
+        meta = torch.device("meta")
+        shapes = build_model(
+            self.job.model,
+            label_names,
+            self.cfg.seed,
+            meta,
+            self.job.task,
+            gradient_checkpointing=self.job.gradient_checkpointing,
+            job=self.job,
+        ).to(meta)
+        whole = super()._base_model(label_names) if self.group.rank == 0 else None
+        match_rank0_layout(shapes, whole)
+        sent: list[Any] = [dict(whole.named_buffers()) if whole is not None else None]
+        dist.broadcast_object_list(sent, src=0)
+        self.buffers = sent[0]
+        return shapes
 
     def _unlimited(self) -> bool:
         """Agreed over the ranks: the CPU test budget may hold on one rank alone, and a search
@@ -140,10 +168,18 @@ class ShardedBatchFinder(BatchFinder):
         return counter.peak_bytes
 
     def _fresh_model(self) -> torch.nn.Module:
-        """A fresh copy, sharded as the trainer shards it: each rank keeps its share."""
-        model = super()._fresh_model()
+        """A fresh copy, sharded as the trainer shards it: each rank allocates its share alone,
+        filled with small noise (the values change no memory), and takes rank 0's buffers."""
+        model = copy.deepcopy(self.base_model)
         shard_model(model, self.group.world_size, self.device, self.precision)
-        return model
+        model.to_empty(device=self.device)
+        with torch.no_grad():
+            for param in model.parameters():
+                local = param.to_local() if isinstance(param, DTensor) else param
+                local.normal_(0.0, 0.02)
+            for name, buffer in model.named_buffers():
+                buffer.copy_(self.buffers[name])
+        return model.train()
 
 
 def sharded_searcher(group: RankGroup) -> BatchSearcher:

@@ -124,9 +124,14 @@ PLAIN_HEADS = frozenset({"gpt2", "gpt_neox", "llama", "mistral", "qwen2", "qwen3
 
 def body_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
     """The model's body (returning the last hidden state) and its output layer, where its family
-    is in PLAIN_HEADS; None for any other model (a compiled one included: it runs whole)."""
+    is in PLAIN_HEADS; None for any other model (a compiled one included: it runs whole), and
+    for a sharded one (FSDP2): the weights its root holds, the head's and the last norm's, are
+    gathered in the root's own forward alone, which the body and the head would skip."""
+    from torch.distributed.fsdp import FSDPModule
     from transformers import PreTrainedModel
 
+    if isinstance(model, FSDPModule):
+        return None
     inner: Any = model
     if hasattr(inner, "peft_config") and hasattr(inner, "get_base_model"):
         inner = inner.get_base_model()  # LoRA's layers live inside the base model's own modules

@@ -2,7 +2,8 @@
 curve as one process at the same effective batch, each rank holding its share of the weights,
 resume across a stop from sharded checkpoints (on another host, through the artifact store),
 LoRA with a sharded frozen base, the batch finder on the sharded model, every rank started again
-at half the batch after one rank's OOM, and the config."""
+at half the batch after one rank's OOM in a step (at half the evaluation batch after one in an
+evaluation), and the config."""
 
 from __future__ import annotations
 
@@ -30,13 +31,21 @@ from hpo.trainer.config import (
     TrainJob,
 )
 from hpo.trainer.data import PreparedData
+from hpo.trainer.evaluation import Evaluation
 from hpo.trainer.files import drop_resume_state
-from hpo.trainer.fsdp import ShardedStepOutOfMemory
-from hpo.trainer.launch import CheckpointPlace, TrialWork, _restarted_after_oom, train_distributed
+from hpo.trainer.fsdp import ShardedEvaluationOutOfMemory, ShardedStepOutOfMemory
+from hpo.trainer.launch import (
+    CheckpointPlace,
+    TrialWork,
+    _restarted_after_evaluation_oom,
+    _restarted_after_oom,
+    train_distributed,
+)
 from hpo.trainer.loop import train
 from hpo.trainer.memory import (
     BUDGET_ENV,
     BUDGET_RANK_ENV,
+    SHARDED_EVAL_OOM_ENV,
     SHARDED_OOM_ENV,
     OutOfMemoryAtBatchOne,
 )
@@ -211,6 +220,40 @@ def test_an_oom_on_one_rank_starts_every_rank_again_at_half_the_batch(
     assert_same_curve(one, result)
 
 
+def test_an_oom_in_an_evaluation_on_one_rank_redoes_it_at_half_the_evaluation_batch(
+    small: tuple[TrainJob, PreparedData],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Rank 1 runs out of memory as evaluation 2 (after step 4) starts (the test hook: rank 0
+    goes on into the first batch's gather, which rank 1 never joins). Every rank ends, and all
+    start again from the checkpoint of step 2 at the same physical batch and half the
+    evaluation batch (4, then 2): steps 3 and 4 are trained again to the same weights, and
+    every evaluation reported, the one redone included, is the one-process run's."""
+    job, data = small
+    one = train(job, data)
+    monkeypatch.setenv(SHARDED_EVAL_OOM_ENV, "2")
+    monkeypatch.setenv(BUDGET_RANK_ENV, "1")
+    store = CheckpointStore(tmp_path / "checkpoints")
+    reported: dict[int, dict[str, float]] = {}  # by index: a restart reports the restored again
+
+    def report(evaluation: Evaluation) -> None:
+        reported[evaluation.index] = evaluation.metrics
+
+    result = train_distributed(sharded(job, 2), data, on_evaluation=report, checkpoints=store)
+    assert result.status == "completed" and result.optimizer_steps == one.optimizer_steps
+    assert result.resumed_at_step == 2 and result.oom_recoveries == 1
+    assert (result.physical_batch_size, result.grad_accum_steps) == (2, 3)  # as before the OOM
+    assert "evaluation batch 4: every rank starts again" in caplog.text
+    # The state saved after the evaluation redone (step 4) holds the halved evaluation batch.
+    assert torch.load(store.state_path, weights_only=True)["eval_batch_size"] == 2
+    assert_same_curve(one, result)
+    assert sorted(reported) == [e.index for e in one.evaluations]
+    for expected in one.evaluations:
+        assert reported[expected.index] == pytest.approx(expected.metrics, abs=1e-4)
+
+
 class CachedBatch(DictBatchCache):
     """The study's cache holding `size` for any key; it keeps the keys it was lowered for."""
 
@@ -261,6 +304,31 @@ def test_a_sharded_oom_restarts_at_half_the_batch_and_ends_the_run_at_batch_one(
     last = ShardedStepOutOfMemory("out of memory on rank 1 ... at physical batch 1", 1)
     with pytest.raises(OutOfMemoryAtBatchOne, match="on rank 1"):
         _restarted_after_oom(again, last, saved=True)
+
+
+def test_a_sharded_evaluation_oom_restarts_at_half_the_evaluation_batch_and_ends_at_one(
+    small: tuple[TrainJob, PreparedData], tmp_path: Path
+) -> None:
+    """What the launching process does with a rank's ShardedEvaluationOutOfMemory: start again
+    at the physical batch rank 0 trained and half the failed evaluation batch, resuming only a
+    checkpoint a launch wrote; at evaluation batch 1 the error ends the run."""
+    job, data = small
+    place = CheckpointPlace(tmp_path, resume=False, interval_s=0.0)
+    work = TrialWork(sharded(job, 2, physical_batch_size="auto"), data, None, None, place)
+    oom = ShardedEvaluationOutOfMemory("out of memory on rank 1 ... at evaluation batch 8", 8)
+    sent = pickle.loads(pickle.dumps(oom))  # as it crosses the rank's pipe
+    assert (str(sent), sent.eval_batch_size) == (str(oom), 8)
+    searched = PhysicalBatch(4, "search", {"ranks": 2}, BatchSearch(4, 4, 0.0, 8))
+    again = _restarted_after_evaluation_oom(work, sent, False, searched)
+    assert (again.job.training.eval_batch_size, again.oom_restarts) == (4, 1)
+    assert again.batch == searched  # trained again at the batch found, not searched again
+    assert again.checkpoints == place  # nothing written yet: from step 0
+    twice = _restarted_after_evaluation_oom(again, ShardedEvaluationOutOfMemory("4", 4), True)
+    assert (twice.job.training.eval_batch_size, twice.oom_restarts) == (2, 2)
+    assert twice.batch == searched and twice.checkpoints is not None and twice.checkpoints.resume
+    last = ShardedEvaluationOutOfMemory("out of memory on rank 1 ... at evaluation batch 1", 1)
+    with pytest.raises(OutOfMemoryAtBatchOne, match="on rank 1"):
+        _restarted_after_evaluation_oom(twice, last, saved=True)
 
 
 def test_the_ranks_search_the_sharded_batch_together_and_the_worst_rank_decides(

@@ -39,7 +39,11 @@ from hpo.trainer.config import TrainJob
 from hpo.trainer.data import PreparedData
 from hpo.trainer.distributed import DistributedTrainer, RankGroup
 from hpo.trainer.errors import DeviceError
-from hpo.trainer.fsdp import ShardedStepOutOfMemory, ShardedTrainer
+from hpo.trainer.fsdp import (
+    ShardedEvaluationOutOfMemory,
+    ShardedStepOutOfMemory,
+    ShardedTrainer,
+)
 from hpo.trainer.loop import OnEvaluation, OnProgress, ShouldStop
 from hpo.trainer.memory import simulated_budget
 from hpo.trainer.nodes import FirstHostWord, NodePlace, ask_first_host, node_place
@@ -132,7 +136,8 @@ def train_distributed(
 ) -> TrainResult:
     """hpo.trainer.loop.train across `job.training.world_size` ranks: the same arguments and
     result (rank 0's); `batch_cache`: the study's, for `physical_batch_size: auto`. A sharded
-    step's OOM starts every rank again at half the batch (_restarted_after_oom). Raises
+    step's OOM starts every rank again at half the batch (_restarted_after_oom), a sharded
+    evaluation's at half the evaluation batch (_restarted_after_evaluation_oom). Raises
     OutOfMemoryAtBatchOne when one example fits on no rank, rank 0's
     own error when it raised, and RankFailed when another rank ended the run."""
     local_ranks = job.training.ranks_per_node
@@ -156,6 +161,8 @@ def train_distributed(
             return _launch_once(work, device, nodes, pipes, relay)
         except ShardedStepOutOfMemory as e:
             work = _restarted_after_oom(work, e, relay.saved_state, relay.batch, batch_cache)
+        except ShardedEvaluationOutOfMemory as e:
+            work = _restarted_after_evaluation_oom(work, e, relay.saved_state, relay.batch)
 
 
 def _launch_once(
@@ -200,11 +207,8 @@ def _restarted_after_oom(
     if size <= 1:
         raise error
     training = dataclasses.replace(work.job.training, physical_batch_size=size // 2)
-    place = work.checkpoints
-    if place is not None and saved:
-        place = dataclasses.replace(place, resume=True)
-    since = "the last checkpoint" if place is not None and place.resume else "step 0"
-    log.warning("%s (physical batch %d, from %s)", error, size // 2, since)
+    place = _resumed_place(work, saved)
+    log.warning("%s (physical batch %d, from %s)", error, size // 2, _since(place))
     job = dataclasses.replace(work.job, training=training)
     first = work.batch or batch
     if first is not None:
@@ -213,6 +217,42 @@ def _restarted_after_oom(
             cache.lower(first.key, first.size)  # the next trial starts from what fits
     restarts = work.oom_restarts + 1
     return dataclasses.replace(work, job=job, checkpoints=place, oom_restarts=restarts, batch=first)
+
+
+def _restarted_after_evaluation_oom(
+    work: TrialWork,
+    error: ShardedEvaluationOutOfMemory,
+    saved: bool,
+    batch: PhysicalBatch | None = None,
+) -> TrialWork:
+    """The run to start every rank on again after one ran out of memory in a sharded evaluation
+    (the others wait in a gather it never joins): at the same physical batch (`batch`, rank 0's,
+    unless already set) and half the evaluation batch, from the last checkpoint (`saved`: this
+    run wrote one), else from step 0. Resuming is exact, so the steps trained again reach the
+    same weights and the evaluation redone is the one that failed. At evaluation batch 1
+    `error` is raised: the run ends."""
+    size = error.eval_batch_size
+    if size <= 1:
+        raise error
+    training = dataclasses.replace(work.job.training, eval_batch_size=size // 2)
+    place = _resumed_place(work, saved)
+    log.warning("%s (evaluation batch %d, from %s)", error, size // 2, _since(place))
+    job = dataclasses.replace(work.job, training=training)
+    restarts = work.oom_restarts + 1
+    first = work.batch or batch
+    return dataclasses.replace(work, job=job, checkpoints=place, oom_restarts=restarts, batch=first)
+
+
+def _resumed_place(work: TrialWork, saved: bool) -> CheckpointPlace | None:
+    """`work`'s checkpoints, resumed once a launch wrote one (`saved`)."""
+    place = work.checkpoints
+    if place is not None and saved:
+        place = dataclasses.replace(place, resume=True)
+    return place
+
+
+def _since(place: CheckpointPlace | None) -> str:
+    return "the last checkpoint" if place is not None and place.resume else "step 0"
 
 
 def _node_place(job: TrainJob) -> NodePlace | None:

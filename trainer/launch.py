@@ -39,13 +39,14 @@ from hpo.trainer.config import TrainJob
 from hpo.trainer.data import PreparedData
 from hpo.trainer.distributed import DistributedTrainer, RankGroup
 from hpo.trainer.errors import DeviceError
+from hpo.trainer.follower_failures import rendezvous_let_go, told_across_hosts
 from hpo.trainer.fsdp import (
     ShardedEvaluationOutOfMemory,
     ShardedStepOutOfMemory,
     ShardedTrainer,
 )
 from hpo.trainer.loop import OnEvaluation, OnProgress, ShouldStop
-from hpo.trainer.memory import simulated_budget
+from hpo.trainer.memory import OutOfMemoryAtBatchOne, simulated_budget
 from hpo.trainer.nodes import FirstHostWord, NodePlace, ask_first_host, node_place
 from hpo.trainer.rank_batch import RankBatchCache, agreed_physical_batch
 from hpo.trainer.rank_failures import RankFailed, RankWords, cause, last_words
@@ -79,9 +80,24 @@ class _NoChildThreadWarning(logging.Filter):
         return "running on a child thread" not in record.getMessage()
 
 
-logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
-    _NoChildThreadWarning()
-)
+class _TracebackAsText(logging.Filter):
+    """A rank's failure logged by torch's launcher keeps its traceback as text, not as the
+    traceback object: a record kept by a handler (a test's log capture) would otherwise hold the
+    launcher's frames, and with them the rendezvous store a restart across hosts needs gone
+    (see follower_failures.rendezvous_let_go)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info:
+            record.exc_text = record.exc_text or logging.Formatter().formatException(
+                record.exc_info
+            )
+            record.exc_info = None
+        return True
+
+
+_launcher_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+_launcher_log.addFilter(_NoChildThreadWarning())
+_launcher_log.addFilter(_TracebackAsText())
 
 
 @dataclass(frozen=True)
@@ -121,6 +137,9 @@ class RankJob:
     # starts and how it ended (its error, or done); local rank 0's on the leading host, the
     # main rank, also carries the run's callbacks.
     conns: list[Connection]
+    # A trial across hosts: its rendezvous, where a rank of a host that follows leaves its error
+    # for the first host's ranks (trainer.follower_failures). None: one host.
+    endpoint: str | None = None
 
 
 def train_distributed(
@@ -153,16 +172,22 @@ def train_distributed(
     if checkpoints is not None:
         place = CheckpointPlace(checkpoints.directory, checkpoints.resume, checkpoints.interval_s)
     work = TrialWork(job, data, metric, user_metrics, place)
+    oom: OutOfMemoryAtBatchOne | None = None  # the last start's, when it starts again
     while True:
         pipes = [multiprocessing.Pipe() for _ in range(local_ranks)]
         callbacks = (on_evaluation, should_stop, on_progress, checkpoints, batch_cache)
         relay = LaunchRelay(pipes[0][0], *callbacks)
+        # After the last start's relay is let go: what it said holds that start's frames.
+        if nodes is not None and oom is not None and not rendezvous_let_go(nodes.endpoint):
+            raise oom
         try:
             return _launch_once(work, device, nodes, pipes, relay)
         except ShardedStepOutOfMemory as e:
             work = _restarted_after_oom(work, e, relay.saved_state, relay.batch, batch_cache)
+            oom = e.with_traceback(None)  # its traceback holds this start's frames
         except ShardedEvaluationOutOfMemory as e:
             work = _restarted_after_evaluation_oom(work, e, relay.saved_state, relay.batch)
+            oom = e.with_traceback(None)
 
 
 def _launch_once(
@@ -175,7 +200,8 @@ def _launch_once(
     """The ranks started once (one a pipe), `relay` serving rank 0; rank 0's result."""
     here, there = [pipe[0] for pipe in pipes], [pipe[1] for pipe in pipes]
     threads = max(1, torch.get_num_threads() // len(pipes))
-    rank_job = RankJob(work, str(work.job.training.device), threads, there)
+    endpoint = nodes.endpoint if nodes is not None else None
+    rank_job = RankJob(work, str(work.job.training.device), threads, there, endpoint)
     # The launcher's error files, read once the ranks are down; gone with the run.
     with tempfile.TemporaryDirectory(prefix="hpo-ranks-") as logs:
         launch = _Launch(_launch_config(len(pipes), device, Path(logs), nodes), rank_job)
@@ -208,7 +234,9 @@ def _restarted_after_oom(
         raise error
     training = dataclasses.replace(work.job.training, physical_batch_size=size // 2)
     place = _resumed_place(work, saved)
-    log.warning("%s (physical batch %d, from %s)", error, size // 2, _since(place))
+    # The text: a record kept (a test's log capture) must not hold the error's traceback, and
+    # with it this start's rendezvous store (see follower_failures.rendezvous_let_go).
+    log.warning("%s (physical batch %d, from %s)", str(error), size // 2, _since(place))
     job = dataclasses.replace(work.job, training=training)
     first = work.batch or batch
     if first is not None:
@@ -236,7 +264,7 @@ def _restarted_after_evaluation_oom(
         raise error
     training = dataclasses.replace(work.job.training, eval_batch_size=size // 2)
     place = _resumed_place(work, saved)
-    log.warning("%s (evaluation batch %d, from %s)", error, size // 2, _since(place))
+    log.warning("%s (evaluation batch %d, from %s)", str(error), size // 2, _since(place))
     job = dataclasses.replace(work.job, training=training)
     restarts = work.oom_restarts + 1
     first = work.batch or batch
@@ -336,7 +364,7 @@ def _follow_one(
     threads = max(1, torch.get_num_threads() // local_ranks)
     with tempfile.TemporaryDirectory(prefix="hpo-ranks-") as logs:
         config = _launch_config(local_ranks, device, Path(logs), nodes)
-        launch = _Launch(config, RankJob(None, device_name, threads, there))
+        launch = _Launch(config, RankJob(None, device_name, threads, there, nodes.endpoint))
         launch.start()
         started = False
         while launch.is_alive():
@@ -449,14 +477,21 @@ def rank_main(rank_job: RankJob) -> TrainResult | None:
     dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
     conn = rank_job.conns[int(os.environ["LOCAL_RANK"])]
     say(conn, "started", os.getpid())
+    work: TrialWork | None = None
     try:
         work, main = _shared_work(rank_job, rank)
         group = RankGroup(rank, world_size, device, main)
         relay = RankRelay(conn) if group.is_main else None
         result = _train_rank(work, group, relay)
     except Exception as e:
-        say(conn, "error", e)
-        raise
+        # Before the process group goes: a peer's word is left before its connections close.
+        launch = work.oom_restarts if work is not None else -1
+        leads = rank_job.work is not None
+        told = told_across_hosts(e, rank_job.endpoint, launch, leads, rank)
+        say(conn, "error", told)
+        if told is e:
+            raise
+        raise told from e
     finally:
         dist.destroy_process_group()
     say(conn, "ended")

@@ -3,18 +3,16 @@ curve as one process at the same effective batch, each rank holding its share of
 resume across a stop from sharded checkpoints (on another host, through the artifact store),
 LoRA with a sharded frozen base, the batch finder on the sharded model, every rank started again
 at half the batch after one rank's OOM in a step (at half the evaluation batch after one in an
-evaluation; on every host after one on a host that follows), and the config."""
+evaluation; a follower's error told to the first host: test_distributed has the restart of
+every host), and the config."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
-import os
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -52,10 +50,9 @@ from hpo.trainer.memory import (
     SHARDED_OOM_ENV,
     OutOfMemoryAtBatchOne,
 )
-from hpo.trainer.nodes import NodePlace, tell_the_end
 from hpo.trainer.sharded_batch import predicted_peak
 from hpo.trial.uploads import BackgroundUploader, fetch_resume_state
-from tests.conftest import MINILM_TOKENIZER, REPO, TINY_BERT, tiny_config
+from tests.conftest import MINILM_TOKENIZER, TINY_BERT, tiny_config
 from tests.test_distributed import (
     DictBatchCache,
     assert_same_curve,
@@ -416,57 +413,3 @@ def test_a_rank_of_a_host_that_follows_leaves_its_error_for_the_first_hosts_rank
     assert peer_word(endpoint, 3) is None
     server.set(word_key(4), b"\x80not json")
     assert peer_word(endpoint, 4) is None
-
-
-# Node 1 of a trial across two "hosts" of this machine: its ranks follow node 0's trials (one
-# rank each) until node 0 says its worker ended; it prints what it followed.
-FOLLOW_ONE_HOST = """
-from hpo.trainer.launch import follow_trials
-from hpo.trainer.nodes import NodePlace
-print(follow_trials(1, "cpu", NodePlace(2, 1, {endpoint!r}, "127.0.0.1"), lambda: False))
-"""
-
-
-@pytest.mark.slow
-def test_an_oom_on_a_host_that_follows_starts_every_rank_of_every_host_again(
-    small: tuple[TrainJob, PreparedData], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """This process is node 0, a subprocess node 1, one rank each; the test hook makes node 1's
-    rank run out of memory in step 3. Its line to a launching process ends on its own host, so
-    it leaves its error in the trial's rendezvous store: node 0's rank, which then loses its
-    peer, raises that error instead, and node 0 starts the ranks of both hosts again from the
-    checkpoint of step 2 at half the physical batch. The curve is the one-process curve."""
-    job, data = small
-    job = dataclasses.replace(job, training=dataclasses.replace(job.training, max_steps=4))
-    one = train(job, data)
-    endpoint = f"127.0.0.1:{free_port()}"
-    for name, value in (("NODE_RANK", "0"), ("RDZV_ENDPOINT", endpoint), ("NODE_ADDR", "")):
-        monkeypatch.setenv(f"HPO_{name}", value or "127.0.0.1")
-    env = {**os.environ, "HPO_NODE_RANK": "1", "PYTHONPATH": str(REPO), SHARDED_OOM_ENV: "3"}
-    with (tmp_path / "node1.err").open("w") as node1_err:
-        follower = subprocess.Popen(
-            [sys.executable, "-c", FOLLOW_ONE_HOST.format(endpoint=endpoint)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=node1_err,
-            text=True,
-        )
-    try:
-        settings = DistributedSettings(1, "fsdp", nodes=2)
-        across = dataclasses.replace(
-            job, training=dataclasses.replace(job.training, distributed=settings)
-        )
-        store = CheckpointStore(tmp_path / "checkpoints")
-        result = train_distributed(across, data, checkpoints=store)
-        told = tell_the_end(NodePlace(2, 0, endpoint, "127.0.0.1"), 0, wait_s=30)
-        followed, _ = follower.communicate(timeout=60)
-    finally:
-        follower.kill()
-    node1 = (tmp_path / "node1.err").read_text()[-3000:]
-    assert told == 1 and follower.returncode == 0, node1
-    assert "trials=2" in followed and "first_host_exit=0" in followed, node1  # both starts
-    assert "out of memory on rank 1 in a sharded step at physical batch 2" in node1
-    assert result.status == "completed" and result.optimizer_steps == one.optimizer_steps == 4
-    assert result.resumed_at_step == 2 and result.oom_recoveries == 1
-    assert (result.physical_batch_size, result.grad_accum_steps) == (1, 6)  # was (2, 3)
-    assert_same_curve(one, result)

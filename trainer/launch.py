@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import datetime
+import gc
 import logging
 import multiprocessing
 import os
@@ -359,6 +360,10 @@ def _follow_one(
     """One trial's ranks on this host: 1 once they joined it (trained, or failed: the first
     host's to report), 0 when none came (the rendezvous closed, timed out, or a stop while
     waiting)."""
+    # The last trial's launcher, left in reference cycles, collected here rather than in a
+    # forked rank: there a finalizer can wait forever on a lock another thread of this process
+    # held at the fork (measured: a rank of the second start stuck "Garbage-collecting").
+    gc.collect()
     pipes = [multiprocessing.Pipe() for _ in range(local_ranks)]
     here, there = [pipe[0] for pipe in pipes], [pipe[1] for pipe in pipes]
     threads = max(1, torch.get_num_threads() // local_ranks)

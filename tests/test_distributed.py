@@ -556,7 +556,10 @@ while [[ "$1" == --* ]]; do shift; done
 declare -A node_of
 pids=()
 for node in 0 1; do
-  SLURM_NODEID=$node SLURM_JOB_NUM_NODES=2 "$@" 2> "$FAKE_LOG/node$node.err" &
+  # $FAKE_NODE1_OOM_AT_STEP: node 1's ranks alone run out of memory in that sharded step.
+  oom_at=""; [[ $node == 1 ]] && oom_at="${FAKE_NODE1_OOM_AT_STEP:-}"
+  SLURM_NODEID=$node SLURM_JOB_NUM_NODES=2 HPO_TEST_SHARDED_OOM_AT_STEP="$oom_at" "$@" \
+    2> "$FAKE_LOG/node$node.err" &
   pids+=($!)
   node_of[$!]=$node
   echo "$node $!" >> "$FAKE_LOG/pids"
@@ -659,6 +662,49 @@ def test_the_slurm_recipe_trains_a_trial_across_two_nodes_as_one_process_would(
     assert trial.user_attrs["curve"] == pytest.approx(one.curve, abs=1e-4)
     assert best["metrics"]["eval_loss"] == pytest.approx(one.best.metrics["eval_loss"], abs=1e-4)
     assert best["train_loss"] == pytest.approx(one.best.train_loss, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_an_oom_on_a_host_that_follows_starts_the_ranks_of_every_host_again(
+    tmp_path: Path, easy_data: tuple[Path, Path]
+) -> None:
+    """The Slurm recipe on 2 "nodes" (the fake srun), an fsdp trial of one rank on each; node
+    1's rank runs out of memory in step 3. Its line to a launching process ends on node 1, so
+    it leaves its error in the trial's rendezvous store; node 0's rank, which then loses its
+    peer, raises that error, and node 0's trial process starts the ranks of both hosts again
+    at half the physical batch, which node 1 follows as a second trial. The trial completes
+    with the one-process curve. (Without collecting the last start's garbage before forking,
+    node 1's new rank hung in the garbage collector.)"""
+    from hpo.config.loader import parse_config
+    from hpo.config.search_paths import with_params
+
+    space = {"learning_rate": {"type": "categorical", "choices": [3e-3]}}
+    distributed = {"gpus_per_trial": 1, "nodes": 2, "strategy": "fsdp"}
+    training = {"max_steps": 4, "physical_batch_size": 4, "distributed": distributed}
+    raw = tiny_config(*easy_data, study={"n_trials": 1}, search_space=space, training=training)
+    raw["model"]["config"]["hidden_dropout_prob"] = 0.0  # the same masks as one process
+    raw["model"]["config"]["attention_probs_dropout_prob"] = 0.0
+    job_script = start_two_nodes(tmp_path, raw, HPO_FOLLOW_IDLE_S="300", FAKE_NODE1_OOM_AT_STEP="3")
+    try:
+        returncode = job_script.wait(timeout=240)
+    finally:  # the whole fake job, whatever became of it
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job_script.pid, signal.SIGKILL)
+    full = [(tmp_path / f"node{i}.err").read_text() for i in (0, 1)]
+    logs = [text[-3000:] for text in full]
+    assert returncode == 0, logs
+    assert "a trial followed failed: out of memory on rank" in full[1], logs
+    assert "followed 2 trials" in full[1], logs  # the first start, and the one after the OOM
+    assert "every rank starts again at half the batch (physical batch 2" in full[0], logs
+    url = f"sqlite:///{tmp_path / 'n.db'}"
+    (trial,) = optuna.load_study(study_name="n", storage=url).get_trials()
+    attrs = trial.user_attrs
+    assert trial.state == TrialState.COMPLETE, logs
+    assert (attrs["ranks"], attrs["oom_recoveries"], attrs["physical_batch_size"]) == (2, 1, 2)
+    job = with_params(parse_config(raw, tmp_path), trial.params)
+    job.training.distributed = None
+    one = train(job, prepare_data(job.data, load_tokenizer(job.model)))
+    assert attrs["curve"] == pytest.approx(one.curve, abs=1e-4)
 
 
 def test_hosts_that_follow_hear_the_first_hosts_last_word_and_end_on_it(

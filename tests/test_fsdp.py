@@ -3,7 +3,9 @@ curve as one process at the same effective batch, each rank holding its share of
 rank 0 alone building the model whole (the others on the meta device: a causal LM's tied head
 and rotary buffers included), resume across a stop from sharded checkpoints (on another host,
 through the artifact store), LoRA with a sharded frozen base, the batch finder on the sharded
-model, every rank started again at half the batch after one rank's OOM, and the config."""
+model, every rank started again at half the batch after one rank's OOM in a step (at half the
+evaluation batch after one in an evaluation; a follower's error told to the first host:
+test_distributed has the restart of every host), and the config."""
 
 from __future__ import annotations
 
@@ -36,13 +38,25 @@ from hpo.trainer.config import (
 )
 from hpo.trainer.data import PreparedData
 from hpo.trainer.errors import ModelError
+from hpo.trainer.evaluation import Evaluation
 from hpo.trainer.files import drop_resume_state
-from hpo.trainer.fsdp import ShardedStepOutOfMemory, match_rank0_layout
-from hpo.trainer.launch import CheckpointPlace, TrialWork, _restarted_after_oom, train_distributed
+from hpo.trainer.fsdp import (
+    ShardedEvaluationOutOfMemory,
+    ShardedStepOutOfMemory,
+    match_rank0_layout,
+)
+from hpo.trainer.launch import (
+    CheckpointPlace,
+    TrialWork,
+    _restarted_after_evaluation_oom,
+    _restarted_after_oom,
+    train_distributed,
+)
 from hpo.trainer.loop import train
 from hpo.trainer.memory import (
     BUDGET_ENV,
     BUDGET_RANK_ENV,
+    SHARDED_EVAL_OOM_ENV,
     SHARDED_OOM_ENV,
     MemoryBudget,
     OutOfMemoryAtBatchOne,
@@ -53,7 +67,13 @@ from hpo.trainer.tasks import prepare_data
 from hpo.trial.uploads import BackgroundUploader, fetch_resume_state
 from tests.conftest import MINILM_TOKENIZER, TINY_BERT, tiny_config, write_csv
 from tests.test_causal_lm import TINY_LLAMA, clm_job, instruct_rows
-from tests.test_distributed import DictBatchCache, assert_same_curve, long_job_in, small_job
+from tests.test_distributed import (
+    DictBatchCache,
+    assert_same_curve,
+    free_port,
+    long_job_in,
+    small_job,
+)
 
 
 def sharded(job: TrainJob, ranks: int, **training: Any) -> TrainJob:
@@ -221,6 +241,40 @@ def test_an_oom_on_one_rank_starts_every_rank_again_at_half_the_batch(
     assert_same_curve(one, result)
 
 
+def test_an_oom_in_an_evaluation_on_one_rank_redoes_it_at_half_the_evaluation_batch(
+    small: tuple[TrainJob, PreparedData],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Rank 1 runs out of memory as evaluation 2 (after step 4) starts (the test hook: rank 0
+    goes on into the first batch's gather, which rank 1 never joins). Every rank ends, and all
+    start again from the checkpoint of step 2 at the same physical batch and half the
+    evaluation batch (4, then 2): steps 3 and 4 are trained again to the same weights, and
+    every evaluation reported, the one redone included, is the one-process run's."""
+    job, data = small
+    one = train(job, data)
+    monkeypatch.setenv(SHARDED_EVAL_OOM_ENV, "2")
+    monkeypatch.setenv(BUDGET_RANK_ENV, "1")
+    store = CheckpointStore(tmp_path / "checkpoints")
+    reported: dict[int, dict[str, float]] = {}  # by index: a restart reports the restored again
+
+    def report(evaluation: Evaluation) -> None:
+        reported[evaluation.index] = evaluation.metrics
+
+    result = train_distributed(sharded(job, 2), data, on_evaluation=report, checkpoints=store)
+    assert result.status == "completed" and result.optimizer_steps == one.optimizer_steps
+    assert result.resumed_at_step == 2 and result.oom_recoveries == 1
+    assert (result.physical_batch_size, result.grad_accum_steps) == (2, 3)  # as before the OOM
+    assert "evaluation batch 4: every rank starts again" in caplog.text
+    # The state saved after the evaluation redone (step 4) holds the halved evaluation batch.
+    assert torch.load(store.state_path, weights_only=True)["eval_batch_size"] == 2
+    assert_same_curve(one, result)
+    assert sorted(reported) == [e.index for e in one.evaluations]
+    for expected in one.evaluations:
+        assert reported[expected.index] == pytest.approx(expected.metrics, abs=1e-4)
+
+
 class CachedBatch(DictBatchCache):
     """The study's cache holding `size` for any key; it keeps the keys it was lowered for."""
 
@@ -293,6 +347,31 @@ class BuildRecorder:
     def builds(self, rank: int) -> list[dict[str, Any]]:
         lines = (self.folder / f"rank-{rank}.jsonl").read_text().splitlines()
         return [json.loads(line) for line in lines]
+
+
+def test_a_sharded_evaluation_oom_restarts_at_half_the_evaluation_batch_and_ends_at_one(
+    small: tuple[TrainJob, PreparedData], tmp_path: Path
+) -> None:
+    """What the launching process does with a rank's ShardedEvaluationOutOfMemory: start again
+    at the physical batch rank 0 trained and half the failed evaluation batch, resuming only a
+    checkpoint a launch wrote; at evaluation batch 1 the error ends the run."""
+    job, data = small
+    place = CheckpointPlace(tmp_path, resume=False, interval_s=0.0)
+    work = TrialWork(sharded(job, 2, physical_batch_size="auto"), data, None, None, place)
+    oom = ShardedEvaluationOutOfMemory("out of memory on rank 1 ... at evaluation batch 8", 8)
+    sent = pickle.loads(pickle.dumps(oom))  # as it crosses the rank's pipe
+    assert (str(sent), sent.eval_batch_size) == (str(oom), 8)
+    searched = PhysicalBatch(4, "search", {"ranks": 2}, BatchSearch(4, 4, 0.0, 8))
+    again = _restarted_after_evaluation_oom(work, sent, False, searched)
+    assert (again.job.training.eval_batch_size, again.oom_restarts) == (4, 1)
+    assert again.batch == searched  # trained again at the batch found, not searched again
+    assert again.checkpoints == place  # nothing written yet: from step 0
+    twice = _restarted_after_evaluation_oom(again, ShardedEvaluationOutOfMemory("4", 4), True)
+    assert (twice.job.training.eval_batch_size, twice.oom_restarts) == (2, 2)
+    assert twice.batch == searched and twice.checkpoints is not None and twice.checkpoints.resume
+    last = ShardedEvaluationOutOfMemory("out of memory on rank 1 ... at evaluation batch 1", 1)
+    with pytest.raises(OutOfMemoryAtBatchOne, match="on rank 1"):
+        _restarted_after_evaluation_oom(twice, last, saved=True)
 
 
 def test_the_ranks_search_the_sharded_batch_together_and_the_worst_rank_decides(
@@ -426,3 +505,41 @@ def test_the_meta_model_takes_rank_0s_dtypes_and_another_shape_is_one_error(
         ModelError, match=r"at 1\.bias \(\[5\] torch.float32 here, \[2\] torch.bfloat16 on rank 0\)"
     ):
         match_rank0_layout(other, whole)
+
+
+def test_a_rank_of_a_host_that_follows_leaves_its_error_for_the_first_hosts_ranks() -> None:
+    """Through a real store: a follower's sharded OOMs come back whole on the first host, in
+    place of the lost peer its ranks saw; another error as RankFailed naming the rank. The first
+    host's own errors, a lost peer without a word, a word of another start, a word that is not
+    JSON and a trial on one host are left as they are."""
+    import torch.distributed as dist
+
+    from hpo.trainer.follower_failures import peer_word, told_across_hosts, word_key
+    from hpo.trainer.rank_failures import RankFailed
+
+    port = free_port()
+    endpoint = f"127.0.0.1:{port}"
+    server = dist.TCPStore("127.0.0.1", port, is_master=True)
+    lost = RuntimeError("Connection closed by peer [127.0.0.1]:4242")
+    assert told_across_hosts(lost, endpoint, 0, True, 0) is lost  # no word yet
+    step = ShardedStepOutOfMemory("out of memory on rank 1 ... at physical batch 4", 4)
+    assert told_across_hosts(step, endpoint, 0, False, 1) is step  # reported on its host too
+    told = told_across_hosts(lost, endpoint, 0, True, 0)
+    assert type(told) is ShardedStepOutOfMemory and told.physical_batch_size == 4
+    assert str(told) == str(step)
+    own = ValueError("the first host's own")
+    assert told_across_hosts(own, endpoint, 0, True, 0) is own
+    assert told_across_hosts(lost, endpoint, 1, True, 0) is lost  # a start after the restart
+    assert told_across_hosts(lost, None, 0, True, 0) is lost  # one host: nothing to ask
+    evaluation = ShardedEvaluationOutOfMemory("out of memory ... at evaluation batch 8", 8)
+    told_across_hosts(evaluation, endpoint, 1, False, 1)
+    again = peer_word(endpoint, 1)
+    assert isinstance(again, ShardedEvaluationOutOfMemory) and again.eval_batch_size == 8
+    told_across_hosts(KeyError("labels"), endpoint, 2, False, 3)
+    other = peer_word(endpoint, 2)
+    assert isinstance(other, RankFailed) and not isinstance(other, OutOfMemoryAtBatchOne)
+    assert str(other) == "rank 3 (on a host that follows): KeyError: 'labels'"
+    told_across_hosts(lost, endpoint, 3, False, 1)  # a lost peer is no cause of its own
+    assert peer_word(endpoint, 3) is None
+    server.set(word_key(4), b"\x80not json")
+    assert peer_word(endpoint, 4) is None

@@ -196,7 +196,7 @@ class Evaluator:
 
     def __call__(self, model: torch.nn.Module) -> dict[str, float]:
         while True:
-            metrics = none_on_oom(lambda: self._evaluate_once(model))
+            metrics = none_on_oom(lambda: self.once(model))
             if metrics is not None:
                 return metrics
             self.halve_after_oom()
@@ -223,7 +223,9 @@ class Evaluator:
         finally:
             model.train()
 
-    def _evaluate_once(self, model: torch.nn.Module) -> dict[str, float]:
+    def once(self, model: torch.nn.Module) -> dict[str, float]:
+        """One pass at the current batch; an OOM is raised (a sharded run's is not redone in
+        place: see fsdp.ShardedEvaluationOutOfMemory)."""
         model.eval()
         try:
             return evaluate_batches(

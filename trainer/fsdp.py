@@ -32,7 +32,12 @@ from hpo.trainer.distributed import DistributedTrainer
 from hpo.trainer.errors import ModelError
 from hpo.trainer.files import SHARDED_NAME, SHARDED_STATE_DIR, drop_sharded_states
 from hpo.trainer.loop import OnEvaluation, Trainer
-from hpo.trainer.memory import OutOfMemoryAtBatchOne, is_oom, sharded_oom_due
+from hpo.trainer.memory import (
+    OutOfMemoryAtBatchOne,
+    is_oom,
+    sharded_evaluation_oom_due,
+    sharded_oom_due,
+)
 from hpo.trainer.peft_adapters import is_adapted, parameter_counts
 from hpo.trainer.progress import Progress
 from hpo.trainer.result import TrainResult
@@ -55,6 +60,22 @@ class ShardedStepOutOfMemory(OutOfMemoryAtBatchOne):
 
     def __reduce__(self) -> tuple[Any, ...]:  # it crosses the rank's pipe whole
         return type(self), (str(self), self.physical_batch_size)
+
+
+class ShardedEvaluationOutOfMemory(OutOfMemoryAtBatchOne):
+    """A rank of a sharded run ran out of memory evaluating at `eval_batch_size`. As in a step
+    (ShardedStepOutOfMemory), the pass cannot be halved and redone in place: every forward
+    gathers the weights from all ranks, and the others already wait in a gather this rank never
+    joins. The rank ends; trainer.launch starts every rank again from the last checkpoint at
+    the same physical batch and half the evaluation batch (a resumed run trains the same
+    steps to the same weights, so the evaluation redone is the one that failed)."""
+
+    def __init__(self, message: str, eval_batch_size: int = 1) -> None:
+        super().__init__(message)
+        self.eval_batch_size = eval_batch_size
+
+    def __reduce__(self) -> tuple[Any, ...]:  # it crosses the rank's pipe whole
+        return type(self), (str(self), self.eval_batch_size)
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -212,15 +233,18 @@ class ShardedTrainer(DistributedTrainer):
       (schedule, progress, RNGs) naming that folder. A retry with the same N resumes it;
     - the best model is gathered whole onto rank 0's host memory and saved as a plain model
       (hpo predict loads it as any other);
-    - an out-of-memory error in a step ends the ranks (see ShardedStepOutOfMemory); the ones
-      started again say so with restarted_after_oom."""
+    - an out-of-memory error in a step or an evaluation ends the ranks (see
+      ShardedStepOutOfMemory, ShardedEvaluationOutOfMemory); the ones started again say so
+      with restarted_after_oom."""
 
-    oom_restarts = 0  # times every rank was started again after an OOM in a step
+    oom_restarts = 0  # times every rank was started again after an OOM in a step or evaluation
     _step_number = 0  # the run's step being trained (1-based)
+    _evaluation_number = 0  # the run's evaluation being made (1-based)
 
     def restarted_after_oom(self, restarts: int) -> None:
         """The ranks were started again `restarts` times after an OOM, each at half the
-        physical batch (already this trainer's): a checkpoint resumes at no larger a batch."""
+        physical or evaluation batch (already this trainer's): a checkpoint resumes at no
+        larger a batch."""
         self.oom_restarts = self.step_oom_recoveries = restarts
 
     def _build_model_and_optimizer(self) -> None:
@@ -297,7 +321,27 @@ class ShardedTrainer(DistributedTrainer):
         return 0, 1  # every batch on every rank: each forward gathers the weights from all
 
     def evaluate(self) -> dict[str, float]:
-        return Trainer.evaluate(self)  # not DDP's split evaluation (see _evaluation_share)
+        """The whole split on every rank, in one pass (not DDP's split evaluation: see
+        _evaluation_share). An OOM ends this rank (ShardedEvaluationOutOfMemory)."""
+        size = self.evaluator.batch_size
+        try:
+            if sharded_evaluation_oom_due(self._evaluation_number, self.oom_restarts):
+                # A test hook: the other ranks go on into the first batch's gather.
+                raise torch.OutOfMemoryError("CUDA out of memory (test hook: sharded evaluation)")
+            return self.evaluator.once(self._evaluation_model())
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            then = (
+                "one example does not fit"
+                if size == 1
+                else "every rank starts again at half the evaluation batch"
+            )
+            raise ShardedEvaluationOutOfMemory(
+                f"out of memory on rank {self.group.rank} in a sharded evaluation at "
+                f"evaluation batch {size}: {then}",
+                size,
+            ) from e
 
     def _evaluate(
         self,
@@ -306,6 +350,7 @@ class ShardedTrainer(DistributedTrainer):
         checkpoints: CheckpointStore | None = None,
     ) -> None:
         self._rank_rngs = self.group.gather(rng_state())  # for a checkpoint written now
+        self._evaluation_number = len(run.evaluations) + 1  # for the test hook in evaluate
         Trainer._evaluate(self, run, on_evaluation, None)  # every rank: the forward needs all
         self._follow_main(run)
         if checkpoints is None:
@@ -444,11 +489,15 @@ class ShardedTrainer(DistributedTrainer):
         on_evaluation: OnEvaluation | None,
     ) -> None:
         """Trainer's, then rank 0's verdict on the restored evaluations followed. Started
-        again after an OOM: at the halved batch, if the checkpoint's is larger."""
+        again after an OOM: at the halved batches, if the checkpoint's are larger (a restart
+        after an evaluation's sets the job's evaluation batch)."""
         if self.oom_restarts:
+            eval_batch_size = sizes.eval_batch_size
+            if self.cfg.eval_batch_size is not None:
+                eval_batch_size = min(eval_batch_size, self.cfg.eval_batch_size)
             sizes = BatchSizes(
                 min(sizes.physical_batch_size, self.physical_batch_size),
-                sizes.eval_batch_size,
+                eval_batch_size,
                 max(sizes.oom_recoveries, self.oom_restarts),
             )
         super()._resumed(run, sizes, checkpoints, on_evaluation)

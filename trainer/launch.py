@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import datetime
+import gc
 import logging
 import multiprocessing
 import os
@@ -39,9 +40,14 @@ from hpo.trainer.config import TrainJob
 from hpo.trainer.data import PreparedData
 from hpo.trainer.distributed import DistributedTrainer, RankGroup
 from hpo.trainer.errors import DeviceError
-from hpo.trainer.fsdp import ShardedStepOutOfMemory, ShardedTrainer
+from hpo.trainer.follower_failures import rendezvous_let_go, told_across_hosts
+from hpo.trainer.fsdp import (
+    ShardedEvaluationOutOfMemory,
+    ShardedStepOutOfMemory,
+    ShardedTrainer,
+)
 from hpo.trainer.loop import OnEvaluation, OnProgress, ShouldStop
-from hpo.trainer.memory import simulated_budget
+from hpo.trainer.memory import OutOfMemoryAtBatchOne, simulated_budget
 from hpo.trainer.nodes import FirstHostWord, NodePlace, ask_first_host, node_place
 from hpo.trainer.rank_batch import RankBatchCache, agreed_physical_batch
 from hpo.trainer.rank_failures import RankFailed, RankWords, cause, last_words
@@ -75,9 +81,24 @@ class _NoChildThreadWarning(logging.Filter):
         return "running on a child thread" not in record.getMessage()
 
 
-logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
-    _NoChildThreadWarning()
-)
+class _TracebackAsText(logging.Filter):
+    """A rank's failure logged by torch's launcher keeps its traceback as text, not as the
+    traceback object: a record kept by a handler (a test's log capture) would otherwise hold the
+    launcher's frames, and with them the rendezvous store a restart across hosts needs gone
+    (see follower_failures.rendezvous_let_go)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info:
+            record.exc_text = record.exc_text or logging.Formatter().formatException(
+                record.exc_info
+            )
+            record.exc_info = None
+        return True
+
+
+_launcher_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+_launcher_log.addFilter(_NoChildThreadWarning())
+_launcher_log.addFilter(_TracebackAsText())
 
 
 @dataclass(frozen=True)
@@ -117,6 +138,9 @@ class RankJob:
     # starts and how it ended (its error, or done); local rank 0's on the leading host, the
     # main rank, also carries the run's callbacks.
     conns: list[Connection]
+    # A trial across hosts: its rendezvous, where a rank of a host that follows leaves its error
+    # for the first host's ranks (trainer.follower_failures). None: one host.
+    endpoint: str | None = None
 
 
 def train_distributed(
@@ -132,7 +156,8 @@ def train_distributed(
 ) -> TrainResult:
     """hpo.trainer.loop.train across `job.training.world_size` ranks: the same arguments and
     result (rank 0's); `batch_cache`: the study's, for `physical_batch_size: auto`. A sharded
-    step's OOM starts every rank again at half the batch (_restarted_after_oom). Raises
+    step's OOM starts every rank again at half the batch (_restarted_after_oom), a sharded
+    evaluation's at half the evaluation batch (_restarted_after_evaluation_oom). Raises
     OutOfMemoryAtBatchOne when one example fits on no rank, rank 0's
     own error when it raised, and RankFailed when another rank ended the run."""
     local_ranks = job.training.ranks_per_node
@@ -148,14 +173,22 @@ def train_distributed(
     if checkpoints is not None:
         place = CheckpointPlace(checkpoints.directory, checkpoints.resume, checkpoints.interval_s)
     work = TrialWork(job, data, metric, user_metrics, place)
+    oom: OutOfMemoryAtBatchOne | None = None  # the last start's, when it starts again
     while True:
         pipes = [multiprocessing.Pipe() for _ in range(local_ranks)]
         callbacks = (on_evaluation, should_stop, on_progress, checkpoints, batch_cache)
         relay = LaunchRelay(pipes[0][0], *callbacks)
+        # After the last start's relay is let go: what it said holds that start's frames.
+        if nodes is not None and oom is not None and not rendezvous_let_go(nodes.endpoint):
+            raise oom
         try:
             return _launch_once(work, device, nodes, pipes, relay)
         except ShardedStepOutOfMemory as e:
             work = _restarted_after_oom(work, e, relay.saved_state, relay.batch, batch_cache)
+            oom = e.with_traceback(None)  # its traceback holds this start's frames
+        except ShardedEvaluationOutOfMemory as e:
+            work = _restarted_after_evaluation_oom(work, e, relay.saved_state, relay.batch)
+            oom = e.with_traceback(None)
 
 
 def _launch_once(
@@ -168,7 +201,8 @@ def _launch_once(
     """The ranks started once (one a pipe), `relay` serving rank 0; rank 0's result."""
     here, there = [pipe[0] for pipe in pipes], [pipe[1] for pipe in pipes]
     threads = max(1, torch.get_num_threads() // len(pipes))
-    rank_job = RankJob(work, str(work.job.training.device), threads, there)
+    endpoint = nodes.endpoint if nodes is not None else None
+    rank_job = RankJob(work, str(work.job.training.device), threads, there, endpoint)
     # The launcher's error files, read once the ranks are down; gone with the run.
     with tempfile.TemporaryDirectory(prefix="hpo-ranks-") as logs:
         launch = _Launch(_launch_config(len(pipes), device, Path(logs), nodes), rank_job)
@@ -200,11 +234,10 @@ def _restarted_after_oom(
     if size <= 1:
         raise error
     training = dataclasses.replace(work.job.training, physical_batch_size=size // 2)
-    place = work.checkpoints
-    if place is not None and saved:
-        place = dataclasses.replace(place, resume=True)
-    since = "the last checkpoint" if place is not None and place.resume else "step 0"
-    log.warning("%s (physical batch %d, from %s)", error, size // 2, since)
+    place = _resumed_place(work, saved)
+    # The text: a record kept (a test's log capture) must not hold the error's traceback, and
+    # with it this start's rendezvous store (see follower_failures.rendezvous_let_go).
+    log.warning("%s (physical batch %d, from %s)", str(error), size // 2, _since(place))
     job = dataclasses.replace(work.job, training=training)
     first = work.batch or batch
     if first is not None:
@@ -213,6 +246,42 @@ def _restarted_after_oom(
             cache.lower(first.key, first.size)  # the next trial starts from what fits
     restarts = work.oom_restarts + 1
     return dataclasses.replace(work, job=job, checkpoints=place, oom_restarts=restarts, batch=first)
+
+
+def _restarted_after_evaluation_oom(
+    work: TrialWork,
+    error: ShardedEvaluationOutOfMemory,
+    saved: bool,
+    batch: PhysicalBatch | None = None,
+) -> TrialWork:
+    """The run to start every rank on again after one ran out of memory in a sharded evaluation
+    (the others wait in a gather it never joins): at the same physical batch (`batch`, rank 0's,
+    unless already set) and half the evaluation batch, from the last checkpoint (`saved`: this
+    run wrote one), else from step 0. Resuming is exact, so the steps trained again reach the
+    same weights and the evaluation redone is the one that failed. At evaluation batch 1
+    `error` is raised: the run ends."""
+    size = error.eval_batch_size
+    if size <= 1:
+        raise error
+    training = dataclasses.replace(work.job.training, eval_batch_size=size // 2)
+    place = _resumed_place(work, saved)
+    log.warning("%s (evaluation batch %d, from %s)", str(error), size // 2, _since(place))
+    job = dataclasses.replace(work.job, training=training)
+    restarts = work.oom_restarts + 1
+    first = work.batch or batch
+    return dataclasses.replace(work, job=job, checkpoints=place, oom_restarts=restarts, batch=first)
+
+
+def _resumed_place(work: TrialWork, saved: bool) -> CheckpointPlace | None:
+    """`work`'s checkpoints, resumed once a launch wrote one (`saved`)."""
+    place = work.checkpoints
+    if place is not None and saved:
+        place = dataclasses.replace(place, resume=True)
+    return place
+
+
+def _since(place: CheckpointPlace | None) -> str:
+    return "the last checkpoint" if place is not None and place.resume else "step 0"
 
 
 def _node_place(job: TrainJob) -> NodePlace | None:
@@ -291,12 +360,16 @@ def _follow_one(
     """One trial's ranks on this host: 1 once they joined it (trained, or failed: the first
     host's to report), 0 when none came (the rendezvous closed, timed out, or a stop while
     waiting)."""
+    # The last trial's launcher, left in reference cycles, collected here rather than in a
+    # forked rank: there a finalizer can wait forever on a lock another thread of this process
+    # held at the fork (measured: a rank of the second start stuck "Garbage-collecting").
+    gc.collect()
     pipes = [multiprocessing.Pipe() for _ in range(local_ranks)]
     here, there = [pipe[0] for pipe in pipes], [pipe[1] for pipe in pipes]
     threads = max(1, torch.get_num_threads() // local_ranks)
     with tempfile.TemporaryDirectory(prefix="hpo-ranks-") as logs:
         config = _launch_config(local_ranks, device, Path(logs), nodes)
-        launch = _Launch(config, RankJob(None, device_name, threads, there))
+        launch = _Launch(config, RankJob(None, device_name, threads, there, nodes.endpoint))
         launch.start()
         started = False
         while launch.is_alive():
@@ -409,14 +482,21 @@ def rank_main(rank_job: RankJob) -> TrainResult | None:
     dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
     conn = rank_job.conns[int(os.environ["LOCAL_RANK"])]
     say(conn, "started", os.getpid())
+    work: TrialWork | None = None
     try:
         work, main = _shared_work(rank_job, rank)
         group = RankGroup(rank, world_size, device, main)
         relay = RankRelay(conn) if group.is_main else None
         result = _train_rank(work, group, relay)
     except Exception as e:
-        say(conn, "error", e)
-        raise
+        # Before the process group goes: a peer's word is left before its connections close.
+        launch = work.oom_restarts if work is not None else -1
+        leads = rank_job.work is not None
+        told = told_across_hosts(e, rank_job.endpoint, launch, leads, rank)
+        say(conn, "error", told)
+        if told is e:
+            raise
+        raise told from e
     finally:
         dist.destroy_process_group()
     say(conn, "ended")

@@ -29,6 +29,9 @@ OPTIMIZER_OOM_ENV = "HPO_TEST_OPTIMIZER_OOM_AT_STEP"
 # micro-batch's backward, on the rank BUDGET_RANK_ENV names (every rank without it), until an OOM
 # recovery halved the run's physical batch.
 SHARDED_OOM_ENV = "HPO_TEST_SHARDED_OOM_AT_STEP"
+# Tests only: evaluation N (1-based) of a sharded run runs out of memory as it starts, on the rank
+# BUDGET_RANK_ENV names (every rank without it), until the ranks were started again after an OOM.
+SHARDED_EVAL_OOM_ENV = "HPO_TEST_SHARDED_OOM_AT_EVALUATION"
 # The part of its GPU's memory this worker may use, when several workers share one GPU
 # (`hpo run --workers-per-gpu N` sets 1/N for each): a number in (0, 1].
 
@@ -155,6 +158,12 @@ def optimizer_oom_due(step: int) -> bool:
 def sharded_oom_due(step: int, oom_recoveries: int) -> bool:
     """Whether the test hook SHARDED_OOM_ENV fails the sharded run's step `step` on this rank."""
     return not oom_recoveries and _due_here(SHARDED_OOM_ENV, step)
+
+
+def sharded_evaluation_oom_due(evaluation: int, oom_restarts: int) -> bool:
+    """Whether the test hook SHARDED_EVAL_OOM_ENV fails the sharded run's evaluation
+    `evaluation` on this rank."""
+    return not oom_restarts and _due_here(SHARDED_EVAL_OOM_ENV, evaluation)
 
 
 def _due_here(name: str, step: int) -> bool:

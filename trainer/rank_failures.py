@@ -51,7 +51,7 @@ def cause(words: list[RankWords], failure: BaseException | None) -> BaseExceptio
     collective that failed for want of a peer) first: rank 0's as it was raised. Then a rank
     that died without a word, preferring one the launcher saw killed by a signal other than its
     own SIGTERM (which it sends the ranks left once one failed)."""
-    own = [(r, w.error) for r, w in enumerate(words) if w.error and not _lost_a_peer(w.error)]
+    own = [(r, w.error) for r, w in enumerate(words) if w.error and not lost_a_peer(w.error)]
     if own:
         rank, error = own[0]
         # Out of memory is the configuration's, whichever rank hit it (a sharded step's, at
@@ -87,7 +87,7 @@ def _killed_by(failure: Any) -> str | None:
     return name if isinstance(name, str) and name != "<N/A>" else None
 
 
-def _lost_a_peer(error: BaseException) -> bool:
+def lost_a_peer(error: BaseException) -> bool:
     """Whether a rank's error is a collective that failed because another rank is gone (gloo
     and NCCL raise RuntimeError, newer torch a DistError), not a cause of its own."""
     return type(error) is RuntimeError or isinstance(error, dist.DistError)

@@ -512,6 +512,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", default=DEFAULT_TASKS, help=f"of {', '.join(TASKS)}")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument(
+        "--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1"
+    )
     parser.add_argument("--trials", type=int, default=8, help="trials per study (8)")
     parser.add_argument("--top", type=int, default=5, help="members: study.keep_models and --top")
     parser.add_argument("--epochs", type=int, default=None, help="instead of the config's")
@@ -565,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
     ):
         # Seed by seed: a run cut short has every task's first seeds (each printed when done).
         futures: dict[str, list[Any]] = {task.name: [] for task in tasks}
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             for task in tasks:
                 futures[task.name].append(pool.submit(one_seed, task, seed, Path(work), args))
         results = {name: [f.result() for f in done] for name, done in futures.items()}

@@ -10,8 +10,10 @@ test_distributed has the restart of every host), and the config."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
+import multiprocessing
 import os
 import pickle
 import shutil
@@ -24,6 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor
 
 from hpo.storage.artifacts import ArtifactStore, ArtifactTarget
 from hpo.storage.artifacts.local import FileBackend
@@ -44,6 +47,7 @@ from hpo.trainer.fsdp import (
     ShardedEvaluationOutOfMemory,
     ShardedStepOutOfMemory,
     match_rank0_layout,
+    shard_model,
 )
 from hpo.trainer.launch import (
     CheckpointPlace,
@@ -63,6 +67,7 @@ from hpo.trainer.memory import (
 )
 from hpo.trainer.model import load_tokenizer
 from hpo.trainer.sharded_batch import predicted_peak
+from hpo.trainer.step import loss_scaler, make_optimizer, optimizer_step
 from hpo.trainer.tasks import prepare_data
 from hpo.trial.uploads import BackgroundUploader, fetch_resume_state
 from tests.conftest import MINILM_TOKENIZER, TINY_BERT, tiny_config, write_csv
@@ -543,3 +548,65 @@ def test_a_rank_of_a_host_that_follows_leaves_its_error_for_the_first_hosts_rank
     assert peer_word(endpoint, 3) is None
     server.set(word_key(4), b"\x80not json")
     assert peer_word(endpoint, 4) is None
+
+
+def _step_with_an_inf_on_rank_1(rank: int, folder: str) -> None:
+    """One rank of test_an_inf_in_one_ranks_shard_skips_the_fp16_step_on_every_rank: two
+    steps of a fully_shard'ed model with the trainer's loss scaler and AdamW, an inf in rank
+    1's shard of one gradient in the first; what it saw is written to `folder`/<rank>.json."""
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(f"{folder}/group", 2), rank=rank, world_size=2
+    )
+    try:
+        torch.manual_seed(0)  # the same weights on both ranks
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        shard_model(model, 2, torch.device("cpu"), "fp16")
+        cfg = TrainingConfig(learning_rate=0.1, max_grad_norm=1.0)
+        optimizer, _ = make_optimizer(model, cfg)
+        scaler = loss_scaler("cpu")
+        seen: dict[str, Any] = {}
+        for step in ("inf", "finite"):
+            scaler.scale(model(torch.full((3, 4), rank + 1.0)).sum()).backward()
+            if step == "inf" and rank == 1:
+                grad = model[0].weight.grad
+                assert isinstance(grad, DTensor)
+                grad.to_local().view(-1)[0] = float("inf")  # in rank 1's shard alone
+            before = [p.to_local().clone() for p in model.parameters()]
+            optimizer_step(model, optimizer, cfg, scaler)
+            after = [p.to_local() for p in model.parameters()]
+            seen[step] = {
+                "unchanged": all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+                "scale": scaler.get_scale(),
+            }
+        buffer = io.BytesIO()
+        torch.save(scaler.state_dict(), buffer)  # as a checkpoint's state keeps it
+        buffer.seek(0)
+        again = loss_scaler("cpu")
+        again.load_state_dict(torch.load(buffer, weights_only=True))
+        seen["restored_scale"] = again.get_scale()
+        Path(folder, f"{rank}.json").write_text(json.dumps(seen))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_inf_in_one_ranks_shard_skips_the_fp16_step_on_every_rank(tmp_path: Path) -> None:
+    """fp16 on 2 ranks: an inf in one rank's shard of one gradient, and every rank skips the
+    step (its weights as they were) and halves the scale; the next, finite step is taken on
+    every rank at that scale, which a checkpoint's scaler state restores. A scaler that looked
+    at its own shard alone would step on rank 0: the shards of one weight would then part."""
+    context = multiprocessing.get_context("fork")  # no re-import: a few seconds in all
+    ranks = [
+        context.Process(target=_step_with_an_inf_on_rank_1, args=(rank, str(tmp_path)))
+        for rank in (0, 1)
+    ]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=60)
+    assert [process.exitcode for process in ranks] == [0, 0]
+    first = 2.0**16  # GradScaler's initial scale
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert seen["inf"] == {"unchanged": True, "scale": first / 2}, f"rank {rank}"
+        assert seen["finite"] == {"unchanged": False, "scale": first / 2}, f"rank {rank}"
+        assert seen["restored_scale"] == first / 2

@@ -282,6 +282,8 @@ class DistributedTrainer(Trainer):
             total += loss.detach()
         if self.group.any(none_on_oom(self._reserve_step_memory) is None):
             return None
+        # Summed in place before the step, so every rank unscales the same gradients: an fp16
+        # loss scaler finds an inf on all ranks or on none, and they skip or step together.
         self.gradients.sum()
         self._optimizer_step()
         return self.group.sum(total)

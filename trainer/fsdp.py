@@ -112,7 +112,8 @@ def untied_input_embeddings(model: torch.nn.Module) -> torch.nn.Module | None:
 def precision_policy(precision: str) -> MixedPrecisionPolicy:
     """bf16: each block's weights gathered and computed in bf16, gradients reduced in fp32 (the
     sharded weights and AdamW's state stay fp32, as under autocast); otherwise as they are
-    (fp16 keeps fp32 weights under autocast with the loss scaler, as a one-GPU run does)."""
+    (fp16 keeps fp32 weights under autocast with the loss scaler, as a one-GPU run does; the
+    ranks agree on a skipped step: see step.loss_scaler)."""
     if precision == "bf16":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()

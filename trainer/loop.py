@@ -55,6 +55,7 @@ from hpo.trainer.step import (
     accumulate_gradients,
     allocate_grads,
     grad_accum_steps_for,
+    loss_scaler,
     lr_schedule,
     make_optimizer,
     optimizer_step,
@@ -198,7 +199,7 @@ class Trainer:
         warmup = round(self.cfg.warmup_ratio * self.total_steps)
         self.scheduler = lr_schedule(self.optimizer, self.cfg.lr_schedule, warmup, self.total_steps)
         use_scaler = self.precision == "fp16" and self.device.type == "cuda"
-        self.scaler = torch.amp.GradScaler("cuda") if use_scaler else None
+        self.scaler = loss_scaler("cuda") if use_scaler else None
 
     def _physical_batch_size(self) -> int:
         if self.cfg.physical_batch_size == "auto":

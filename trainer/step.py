@@ -115,6 +115,16 @@ def accumulate_gradients(
     return total
 
 
+def loss_scaler(device_type: str) -> torch.amp.GradScaler:
+    """fp16's loss scaler, for one process and for the ranks of a run alike. Under FSDP2 each
+    rank holds only its shard of a gradient, an inf perhaps in one rank's shard alone; the
+    gradients are DTensors, and torch's DTensor all-reduces (MAX) what unscale_ found over the
+    ranks, so all skip the step or none (tests/test_fsdp.py checks it). Not the FSDP1
+    ShardedGradScaler: its found_inf has shape [1], and fused AdamW's step fails on it
+    (torch 2.13: "output with shape [] doesn't match the broadcast shape [1]")."""
+    return torch.amp.GradScaler(device_type)
+
+
 def optimizer_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,

@@ -608,6 +608,43 @@ def start_two_nodes(tmp_path: Path, raw: dict[str, Any], **env: str) -> Any:
     )
 
 
+def run_two_nodes(
+    tmp_path: Path, raw: dict[str, Any], **env: str
+) -> tuple[int, list[str], list[str]]:
+    """start_two_nodes, waited for (4 minutes at most), then the whole fake job killed, whatever
+    became of it: its exit code, each node's stderr, and each one's last 3,000 characters."""
+    job_script = start_two_nodes(tmp_path, raw, **env)
+    try:
+        returncode = job_script.wait(timeout=240)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job_script.pid, signal.SIGKILL)
+    full = [(tmp_path / f"node{i}.err").read_text() for i in (0, 1)]
+    return returncode, full, [text[-3000:] for text in full]
+
+
+def one_trial_config(easy_data: tuple[Path, Path], training: dict[str, Any]) -> dict[str, Any]:
+    """A study of one trial at one learning rate, without dropout (the same masks as one
+    process), trained as `training` says."""
+    space = {"learning_rate": {"type": "categorical", "choices": [3e-3]}}
+    raw = tiny_config(*easy_data, study={"n_trials": 1}, search_space=space, training=training)
+    raw["model"]["config"]["hidden_dropout_prob"] = 0.0
+    raw["model"]["config"]["attention_probs_dropout_prob"] = 0.0
+    return raw
+
+
+def one_process_run(
+    raw: dict[str, Any], tmp_path: Path, trial: optuna.trial.FrozenTrial
+) -> TrainResult:
+    """`trial` of config `raw` trained again by one process, as the ranks should have."""
+    from hpo.config.loader import parse_config
+    from hpo.config.search_paths import with_params
+
+    job = with_params(parse_config(raw, tmp_path), trial.params)
+    job.training.distributed = None
+    return train(job, prepare_data(job.data, load_tokenizer(job.model)))
+
+
 def ended_nodes(tmp_path: Path) -> dict[int, tuple[int, float]]:
     """Each node's exit code and when it ended, as the fake srun wrote them."""
     rows = (line.split() for line in (tmp_path / "ended").read_text().splitlines())
@@ -629,23 +666,10 @@ def test_the_slurm_recipe_trains_a_trial_across_two_nodes_as_one_process_would(
     """deploy/slurm/hpo-workers.sbatch on 2 "nodes" of this host (a fake srun): node 0's
     `hpo run` trains the trial on 1 rank, node 1's follows it with 1 more (one rendezvous on
     127.0.0.1, gloo); the trial's losses are those of one process at the same batch."""
-    from hpo.config.loader import parse_config
-    from hpo.config.search_paths import with_params
-
-    space = {"learning_rate": {"type": "categorical", "choices": [3e-3]}}
     training = {"max_steps": 4, "distributed": {"gpus_per_trial": 1, "nodes": 2}}
-    raw = tiny_config(*easy_data, study={"n_trials": 1}, search_space=space, training=training)
-    raw["model"]["config"]["hidden_dropout_prob"] = 0.0  # the same masks as one process
-    raw["model"]["config"]["attention_probs_dropout_prob"] = 0.0
+    raw = one_trial_config(easy_data, training)
     # Only node 0's last word can end node 1 in time: its idle limit is far longer.
-    job_script = start_two_nodes(tmp_path, raw, HPO_FOLLOW_IDLE_S="300")
-    try:
-        returncode = job_script.wait(timeout=240)
-    finally:  # the whole fake job, whatever became of it
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(job_script.pid, signal.SIGKILL)
-    full = [(tmp_path / f"node{i}.err").read_text() for i in (0, 1)]
-    logs = [text[-3000:] for text in full]
+    returncode, full, logs = run_two_nodes(tmp_path, raw, HPO_FOLLOW_IDLE_S="300")
     assert returncode == 0, logs
     assert "following the trials of the first host" in full[1] and "followed 1 trials" in full[1]
     assert "the first host's worker ended (exit code 0)" in logs[1], logs
@@ -655,9 +679,7 @@ def test_the_slurm_recipe_trains_a_trial_across_two_nodes_as_one_process_would(
     url = f"sqlite:///{tmp_path / 'n.db'}"
     (trial,) = optuna.load_study(study_name="n", storage=url).get_trials()
     assert trial.state == TrialState.COMPLETE and trial.user_attrs["ranks"] == 2, logs
-    job = with_params(parse_config(raw, tmp_path), trial.params)
-    job.training.distributed = None
-    one = train(job, prepare_data(job.data, load_tokenizer(job.model)))
+    one = one_process_run(raw, tmp_path, trial)
     best = trial.user_attrs["best_evaluation"]
     assert trial.user_attrs["curve"] == pytest.approx(one.curve, abs=1e-4)
     assert best["metrics"]["eval_loss"] == pytest.approx(one.best.metrics["eval_loss"], abs=1e-4)
@@ -675,23 +697,11 @@ def test_an_oom_on_a_host_that_follows_starts_the_ranks_of_every_host_again(
     at half the physical batch, which node 1 follows as a second trial. The trial completes
     with the one-process curve. (Without collecting the last start's garbage before forking,
     node 1's new rank hung in the garbage collector.)"""
-    from hpo.config.loader import parse_config
-    from hpo.config.search_paths import with_params
-
-    space = {"learning_rate": {"type": "categorical", "choices": [3e-3]}}
     distributed = {"gpus_per_trial": 1, "nodes": 2, "strategy": "fsdp"}
     training = {"max_steps": 4, "physical_batch_size": 4, "distributed": distributed}
-    raw = tiny_config(*easy_data, study={"n_trials": 1}, search_space=space, training=training)
-    raw["model"]["config"]["hidden_dropout_prob"] = 0.0  # the same masks as one process
-    raw["model"]["config"]["attention_probs_dropout_prob"] = 0.0
-    job_script = start_two_nodes(tmp_path, raw, HPO_FOLLOW_IDLE_S="300", FAKE_NODE1_OOM_AT_STEP="3")
-    try:
-        returncode = job_script.wait(timeout=240)
-    finally:  # the whole fake job, whatever became of it
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(job_script.pid, signal.SIGKILL)
-    full = [(tmp_path / f"node{i}.err").read_text() for i in (0, 1)]
-    logs = [text[-3000:] for text in full]
+    raw = one_trial_config(easy_data, training)
+    env = {"HPO_FOLLOW_IDLE_S": "300", "FAKE_NODE1_OOM_AT_STEP": "3"}
+    returncode, full, logs = run_two_nodes(tmp_path, raw, **env)
     assert returncode == 0, logs
     assert "a trial followed failed: out of memory on rank" in full[1], logs
     assert "followed 2 trials" in full[1], logs  # the first start, and the one after the OOM
@@ -701,9 +711,7 @@ def test_an_oom_on_a_host_that_follows_starts_the_ranks_of_every_host_again(
     attrs = trial.user_attrs
     assert trial.state == TrialState.COMPLETE, logs
     assert (attrs["ranks"], attrs["oom_recoveries"], attrs["physical_batch_size"]) == (2, 1, 2)
-    job = with_params(parse_config(raw, tmp_path), trial.params)
-    job.training.distributed = None
-    one = train(job, prepare_data(job.data, load_tokenizer(job.model)))
+    one = one_process_run(raw, tmp_path, trial)
     assert attrs["curve"] == pytest.approx(one.curve, abs=1e-4)
 
 

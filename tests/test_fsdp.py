@@ -49,13 +49,7 @@ from hpo.trainer.fsdp import (
     match_rank0_layout,
     shard_model,
 )
-from hpo.trainer.launch import (
-    CheckpointPlace,
-    TrialWork,
-    _restarted_after_evaluation_oom,
-    _restarted_after_oom,
-    train_distributed,
-)
+from hpo.trainer.launch import train_distributed
 from hpo.trainer.loop import train
 from hpo.trainer.memory import (
     BUDGET_ENV,
@@ -66,6 +60,12 @@ from hpo.trainer.memory import (
     OutOfMemoryAtBatchOne,
 )
 from hpo.trainer.model import load_tokenizer
+from hpo.trainer.restarts import (
+    CheckpointPlace,
+    TrialWork,
+    restarted_after_evaluation_oom,
+    restarted_after_oom,
+)
 from hpo.trainer.sharded_batch import predicted_peak
 from hpo.trainer.step import loss_scaler, make_optimizer, optimizer_step
 from hpo.trainer.tasks import prepare_data
@@ -307,7 +307,7 @@ def test_a_sharded_oom_restarts_at_half_the_batch_and_ends_the_run_at_batch_one(
     oom = ShardedStepOutOfMemory("out of memory on rank 1 in a sharded step at physical batch 4", 4)
     sent = pickle.loads(pickle.dumps(oom))  # as it crosses the rank's pipe
     assert (str(sent), sent.physical_batch_size) == (str(oom), 4)
-    again = _restarted_after_oom(work, sent, saved=False)
+    again = restarted_after_oom(work, sent, saved=False)
     assert again.job.training.physical_batch_size == 2 and again.oom_restarts == 1
     assert again.checkpoints == place  # nothing written yet: from step 0
     assert again.batch is None  # rank 0 said no batch: the restart's is set, as it was
@@ -315,21 +315,21 @@ def test_a_sharded_oom_restarts_at_half_the_batch_and_ends_the_run_at_batch_one(
     key, search = {"ranks": 2, "strategy": "fsdp"}, BatchSearch(8, 8, 0.0, 16)
     cache = CachedBatch(8)
     searched = PhysicalBatch(8, "search", key, search)  # what rank 0 said it trained
-    resumed = _restarted_after_oom(auto, ShardedStepOutOfMemory("at 8", 8), True, searched, cache)
+    resumed = restarted_after_oom(auto, ShardedStepOutOfMemory("at 8", 8), True, searched, cache)
     assert resumed.job.training.physical_batch_size == 4  # the searched batch, halved
     assert resumed.checkpoints is not None and resumed.checkpoints.resume
     # Still found by the search, and lowered in the cache as a DDP OOM recovery lowers it.
     assert resumed.batch == PhysicalBatch(4, "search", key, search)
     assert (cache.lowered, cache.size) == ([key], 4)
     # The restarted rank 0 says nothing new: the first start's batch is kept, halved again.
-    twice = _restarted_after_oom(resumed, ShardedStepOutOfMemory("at 4", 4), True, None, cache)
+    twice = restarted_after_oom(resumed, ShardedStepOutOfMemory("at 4", 4), True, None, cache)
     assert twice.batch == PhysicalBatch(2, "search", key, search) and cache.size == 2
     configured = PhysicalBatch(4, "config")  # no key: nothing to lower
-    _restarted_after_oom(work, sent, False, configured, cache)
+    restarted_after_oom(work, sent, False, configured, cache)
     assert cache.size == 2 and len(cache.lowered) == 2
     last = ShardedStepOutOfMemory("out of memory on rank 1 ... at physical batch 1", 1)
     with pytest.raises(OutOfMemoryAtBatchOne, match="on rank 1"):
-        _restarted_after_oom(again, last, saved=True)
+        restarted_after_oom(again, last, saved=True)
 
 
 class BuildRecorder:
@@ -367,16 +367,16 @@ def test_a_sharded_evaluation_oom_restarts_at_half_the_evaluation_batch_and_ends
     sent = pickle.loads(pickle.dumps(oom))  # as it crosses the rank's pipe
     assert (str(sent), sent.eval_batch_size) == (str(oom), 8)
     searched = PhysicalBatch(4, "search", {"ranks": 2}, BatchSearch(4, 4, 0.0, 8))
-    again = _restarted_after_evaluation_oom(work, sent, False, searched)
+    again = restarted_after_evaluation_oom(work, sent, False, searched)
     assert (again.job.training.eval_batch_size, again.oom_restarts) == (4, 1)
     assert again.batch == searched  # trained again at the batch found, not searched again
     assert again.checkpoints == place  # nothing written yet: from step 0
-    twice = _restarted_after_evaluation_oom(again, ShardedEvaluationOutOfMemory("4", 4), True)
+    twice = restarted_after_evaluation_oom(again, ShardedEvaluationOutOfMemory("4", 4), True)
     assert (twice.job.training.eval_batch_size, twice.oom_restarts) == (2, 2)
     assert twice.batch == searched and twice.checkpoints is not None and twice.checkpoints.resume
     last = ShardedEvaluationOutOfMemory("out of memory on rank 1 ... at evaluation batch 1", 1)
     with pytest.raises(OutOfMemoryAtBatchOne, match="on rank 1"):
-        _restarted_after_evaluation_oom(twice, last, saved=True)
+        restarted_after_evaluation_oom(twice, last, saved=True)
 
 
 def test_the_ranks_search_the_sharded_batch_together_and_the_worst_rank_decides(

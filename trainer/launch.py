@@ -34,7 +34,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from hpo.trainer import device as dev
-from hpo.trainer.batch_finder import PhysicalBatch
 from hpo.trainer.checkpoint import CheckpointStore
 from hpo.trainer.config import TrainJob
 from hpo.trainer.data import PreparedData
@@ -52,6 +51,12 @@ from hpo.trainer.nodes import FirstHostWord, NodePlace, ask_first_host, node_pla
 from hpo.trainer.rank_batch import RankBatchCache, agreed_physical_batch
 from hpo.trainer.rank_failures import RankFailed, RankWords, cause, last_words
 from hpo.trainer.rank_relay import LaunchRelay, RankRelay, say
+from hpo.trainer.restarts import (
+    CheckpointPlace,
+    TrialWork,
+    restarted_after_evaluation_oom,
+    restarted_after_oom,
+)
 from hpo.trainer.result import TrainResult
 from hpo.trainer.user_metrics import UserMetrics
 
@@ -101,32 +106,6 @@ _launcher_log.addFilter(_NoChildThreadWarning())
 _launcher_log.addFilter(_TracebackAsText())
 
 
-@dataclass(frozen=True)
-class CheckpointPlace:
-    """Where rank 0 writes the run's checkpoints and every rank reads one to resume (a
-    CheckpointStore without its callbacks, which stay in the launching process)."""
-
-    directory: Path
-    resume: bool
-    interval_s: float
-
-
-@dataclass
-class TrialWork:
-    """The run every rank trains: the leading host has it, and its rank 0 sends it to the
-    ranks of the other hosts (a trial across hosts)."""
-
-    job: TrainJob
-    data: PreparedData
-    metric: str | None
-    user_metrics: UserMetrics | None
-    checkpoints: CheckpointPlace | None
-    oom_restarts: int = 0  # times every rank was started again, after an OOM in a sharded step
-    # Once restarted: the batch of the first start (its cache key, found by a search or the
-    # cache), at this start's size; the ranks train it rather than a batch set in the config.
-    batch: PhysicalBatch | None = None
-
-
 @dataclass
 class RankJob:
     """What every rank is started with; it pickles (a spawned rank receives it)."""
@@ -156,8 +135,8 @@ def train_distributed(
 ) -> TrainResult:
     """hpo.trainer.loop.train across `job.training.world_size` ranks: the same arguments and
     result (rank 0's); `batch_cache`: the study's, for `physical_batch_size: auto`. A sharded
-    step's OOM starts every rank again at half the batch (_restarted_after_oom), a sharded
-    evaluation's at half the evaluation batch (_restarted_after_evaluation_oom). Raises
+    step's OOM starts every rank again at half the batch (restarted_after_oom), a sharded
+    evaluation's at half the evaluation batch (restarted_after_evaluation_oom). Raises
     OutOfMemoryAtBatchOne when one example fits on no rank, rank 0's
     own error when it raised, and RankFailed when another rank ended the run."""
     local_ranks = job.training.ranks_per_node
@@ -184,10 +163,10 @@ def train_distributed(
         try:
             return _launch_once(work, device, nodes, pipes, relay)
         except ShardedStepOutOfMemory as e:
-            work = _restarted_after_oom(work, e, relay.saved_state, relay.batch, batch_cache)
+            work = restarted_after_oom(work, e, relay.saved_state, relay.batch, batch_cache)
             oom = e.with_traceback(None)  # its traceback holds this start's frames
         except ShardedEvaluationOutOfMemory as e:
-            work = _restarted_after_evaluation_oom(work, e, relay.saved_state, relay.batch)
+            work = restarted_after_evaluation_oom(work, e, relay.saved_state, relay.batch)
             oom = e.with_traceback(None)
 
 
@@ -214,74 +193,6 @@ def _launch_once(
     for conn in (*here, *there):
         conn.close()
     return launch.result(words)
-
-
-def _restarted_after_oom(
-    work: TrialWork,
-    error: ShardedStepOutOfMemory,
-    saved: bool,
-    batch: PhysicalBatch | None = None,
-    cache: RankBatchCache | None = None,
-) -> TrialWork:
-    """The run to start every rank on again after one ran out of memory in a sharded step (the
-    others wait in a collective it never joins: the step cannot be redone in place): at half the
-    physical batch, from the last checkpoint (`saved`: this run wrote one), else from step 0.
-    At batch 1 `error` is raised: the run ends. Each restart halves: log2(batch) at most.
-    `batch`: the one rank 0 trained; a searched or cached one is lowered in `cache`."""
-    size = work.job.training.physical_batch_size  # "auto" at first: the ranks searched it
-    if not isinstance(size, int) or error.physical_batch_size < size:
-        size = error.physical_batch_size
-    if size <= 1:
-        raise error
-    training = dataclasses.replace(work.job.training, physical_batch_size=size // 2)
-    place = _resumed_place(work, saved)
-    # The text: a record kept (a test's log capture) must not hold the error's traceback, and
-    # with it this start's rendezvous store (see follower_failures.rendezvous_let_go).
-    log.warning("%s (physical batch %d, from %s)", str(error), size // 2, _since(place))
-    job = dataclasses.replace(work.job, training=training)
-    first = work.batch or batch
-    if first is not None:
-        first = dataclasses.replace(first, size=size // 2)
-        if cache is not None and first.key is not None:  # as a DDP run's OOM recovery does
-            cache.lower(first.key, first.size)  # the next trial starts from what fits
-    restarts = work.oom_restarts + 1
-    return dataclasses.replace(work, job=job, checkpoints=place, oom_restarts=restarts, batch=first)
-
-
-def _restarted_after_evaluation_oom(
-    work: TrialWork,
-    error: ShardedEvaluationOutOfMemory,
-    saved: bool,
-    batch: PhysicalBatch | None = None,
-) -> TrialWork:
-    """The run to start every rank on again after one ran out of memory in a sharded evaluation
-    (the others wait in a gather it never joins): at the same physical batch (`batch`, rank 0's,
-    unless already set) and half the evaluation batch, from the last checkpoint (`saved`: this
-    run wrote one), else from step 0. Resuming is exact, so the steps trained again reach the
-    same weights and the evaluation redone is the one that failed. At evaluation batch 1
-    `error` is raised: the run ends."""
-    size = error.eval_batch_size
-    if size <= 1:
-        raise error
-    training = dataclasses.replace(work.job.training, eval_batch_size=size // 2)
-    place = _resumed_place(work, saved)
-    log.warning("%s (evaluation batch %d, from %s)", str(error), size // 2, _since(place))
-    job = dataclasses.replace(work.job, training=training)
-    restarts = work.oom_restarts + 1
-    first = work.batch or batch
-    return dataclasses.replace(work, job=job, checkpoints=place, oom_restarts=restarts, batch=first)
-
-
-def _resumed_place(work: TrialWork, saved: bool) -> CheckpointPlace | None:
-    """`work`'s checkpoints, resumed once a launch wrote one (`saved`)."""
-    place = work.checkpoints
-    if place is not None and saved:
-        place = dataclasses.replace(place, resume=True)
-    return place
-
-
-def _since(place: CheckpointPlace | None) -> str:
-    return "the last checkpoint" if place is not None and place.resume else "step 0"
 
 
 def _node_place(job: TrainJob) -> NodePlace | None:

@@ -5,6 +5,7 @@ refusals, soups, the feature cache; and data.test_file, which no trial reads."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import pickle
 import sqlite3
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from hpo.ensemble import (
     save_ensemble,
     stack_features,
     uniform_soup,
+    weights_sha256,
 )
 from hpo.errors import HPOError
 from tests.conftest import tiny_config, write_config
@@ -763,3 +765,86 @@ def test_a_learner_of_the_callers_is_never_cached(tmp_path: Path) -> None:
     for _ in range(2):
         assert _cached(tmp_path, split, learners=[own])[1] > 0
     assert not (tmp_path / "ens").exists()
+
+
+def _edited(record: dict[str, Any], edit: str, outside: Path) -> Any:
+    """`record` as an attacker edited it (`edit` names how)."""
+    first = record["members"][0]
+    if edit == "a member's folder out by ..":
+        first["folder"] = "../outside"
+    elif edit == "a member's folder a link out":
+        first["folder"] = "link"
+    elif edit in ("no sha256", "no folder", "no name"):
+        del first[edit.split()[1]]
+    elif edit == "a sha256 not hex":
+        first["sha256"] = "z" * 64
+    elif edit == "a sha256 a huge number":
+        first["sha256"] = 10**300
+    elif edit == "a member twice":
+        record["members"].append(dict(first))
+    elif edit == "no members":
+        record["members"] = []
+    elif edit == "members a string":
+        record["members"] = "ab"
+    elif edit == "a member a string":
+        record["members"][0] = "a"
+    elif edit == "the meta-learner elsewhere":
+        record["meta_learner"] = str(outside / "meta_learner.skops")
+    elif edit == "num_outputs a string":
+        record["num_outputs"] = "3"
+    elif edit == "features of another shape":
+        record["features"] = {"kind": "predictions", "run": "code"}
+    elif edit == "a list":
+        return ["format", "kind", "task", "members"]
+    return record
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        ("a member's folder out by ..", "leads out of the ensemble's folder"),
+        ("a member's folder a link out", "leads out of the ensemble's folder"),
+        ("no sha256", "without its name, folder and sha256"),
+        ("no folder", "without its name, folder and sha256"),
+        ("no name", "without its name, folder and sha256"),
+        ("a sha256 not hex", "not 64 hex digits"),
+        ("a sha256 a huge number", "without its name, folder and sha256"),
+        ("a member twice", "listed twice"),
+        ("no members", "not a list of members"),
+        ("members a string", "not a list of members"),
+        ("a member a string", "without its name, folder and sha256"),
+        ("the meta-learner elsewhere", "meta_learner"),
+        ("num_outputs a string", "num_outputs"),
+        ("features of another shape", "features"),
+        ("a list", "not an ensemble record hpo wrote"),
+    ],
+)
+def test_an_edited_record_is_refused_in_one_line_and_reads_nothing_outside(
+    tmp_path: Path, edit: str, words: str
+) -> None:
+    folder, _, _ = saved_stack(tmp_path)
+    outside = tmp_path / "outside"  # a model whose sha256 the attacker wrote in the record
+    outside.mkdir()
+    (outside / "model.safetensors").write_bytes(b"elsewhere")
+    (folder / "link").symlink_to(outside)
+    record = json.loads((folder / "ensemble.json").read_text())
+    record["members"][0]["sha256"] = weights_sha256(outside)
+    (folder / "ensemble.json").write_text(json.dumps(_edited(record, edit, outside)))
+    one_line_refusal(folder, words)
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000, '{"format": 1' + "0" * 5000 + "}"])
+def test_a_record_nested_too_deep_or_of_a_huge_number_is_damaged_in_one_line(
+    tmp_path: Path, text: str
+) -> None:
+    folder, _, _ = saved_stack(tmp_path)
+    (folder / "ensemble.json").write_text(text)
+    one_line_refusal(folder, "is damaged")
+
+
+def test_a_weights_name_that_is_no_file_is_not_read(tmp_path: Path) -> None:
+    """A link to a device (/dev/zero would be read for ever) is not a member's weights."""
+    folder = member_folders(tmp_path, ["a"])["a"]
+    before = weights_sha256(folder)
+    (folder / "extra.bin").symlink_to("/dev/null")
+    assert weights_sha256(folder) == before

@@ -5,6 +5,7 @@ streamed in chunks and written whole or not at all; every bad input is one line,
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,7 +17,8 @@ import pytest
 import torch
 
 import hpo
-from hpo.commands.predict import CHUNK_BATCHES, predict_rows
+from hpo.commands.predict import CHUNK_BATCHES, _jsonl_objects, predict_rows
+from hpo.errors import DataError, HPOError
 from hpo.trainer.config import ModelConfig, PeftSettings
 from hpo.trainer.inference import SETTINGS_FILE, InferenceSettings, save_settings
 from hpo.trainer.model import build_model, load_tokenizer
@@ -394,3 +396,33 @@ def test_a_pair_model_reads_both_text_columns(tmp_path: Path) -> None:
     np.testing.assert_allclose(got, _softmax(np.stack(logits)), atol=1e-5)
     with pytest.raises(hpo.DataError, match="row 1 has no text in column 'hypothesis'"):
         model.predict([{"premise": "a man sleeps"}])
+
+
+@pytest.mark.parametrize("line", ["[" * 100_000, '{"id": ' + "9" * 5000 + "}"])
+def test_a_jsonl_line_nested_too_deep_or_of_a_huge_number_is_one_line(line: str) -> None:
+    with pytest.raises(DataError, match="line 2 is not valid JSON") as caught:
+        list(_jsonl_objects(io.StringIO('{"text": "a"}\n' + line + "\n")))
+    assert "\n" not in str(caught.value)
+
+
+def test_a_stack_whose_record_is_not_of_its_members_is_refused_in_one_line(
+    tmp_path: Path,
+) -> None:
+    """An edited ensemble.json (another task, a trillion outputs, a member left out) is refused
+    before or at the first row: never an IndexError, a MemoryError or another task's answer."""
+    from hpo.ensemble import Split, evaluate_ensemble, save_ensemble
+    from tests.test_ensemble import LR, complementary
+
+    folders = {n: _save(tmp_path / n, "sequence_classification", ["x", "y", "z"]) for n in "ab"}
+    labels, outputs = complementary(200, 8)
+    report = evaluate_ensemble("sequence_classification", Split(outputs, labels), learners=LR)
+    folder = save_ensemble(tmp_path / "ens", report, folders, copy_members=True)
+    saved = json.loads((folder / "ensemble.json").read_text())
+    assert hpo.load_model(folder).predict([{"text": "nice"}])[0]["label"] in ("x", "y", "z")
+    for key, value in {"task": "regression", "num_outputs": 10**12, "kind": "average"}.items():
+        (folder / "ensemble.json").write_text(json.dumps({**saved, key: value}))
+        with pytest.raises(HPOError, match="its record is not of its members"):
+            hpo.load_model(folder)
+    (folder / "ensemble.json").write_text(json.dumps({**saved, "members": saved["members"][:1]}))
+    with pytest.raises(HPOError, match="does not read its members' features"):
+        hpo.load_model(folder).predict([{"text": "nice"}])

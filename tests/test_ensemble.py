@@ -848,3 +848,44 @@ def test_a_weights_name_that_is_no_file_is_not_read(tmp_path: Path) -> None:
     before = weights_sha256(folder)
     (folder / "extra.bin").symlink_to("/dev/null")
     assert weights_sha256(folder) == before
+
+
+def test_an_empty_or_unwritable_feature_cache_costs_a_computation_never_an_error(
+    tmp_path: Path,
+) -> None:
+    """An entry left empty (a crash before the disk had the bytes), and a cache folder that
+    cannot be written (a file in its place, a full disk): the features are computed again."""
+    key: tuple[str, str, str] = ("a" * 64, "b" * 64, "predictions")
+    cache = FeatureCache(tmp_path / "features")
+    cache.put(*key, np.ones((2, 2)))
+    cache.path(*key).write_bytes(b"")
+    computed = cache.get_or_compute(*key, lambda: np.zeros((2, 2)))
+    np.testing.assert_array_equal(computed, np.zeros((2, 2)))
+    (tmp_path / "blocked").write_text("a file where the cache folder would be")
+    blocked = FeatureCache(tmp_path / "blocked")
+    for _ in range(2):
+        np.testing.assert_array_equal(blocked.get_or_compute(*key, lambda: np.ones(3)), np.ones(3))
+
+
+def test_cached_probabilities_are_never_read_back_under_another_label_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member's probabilities are cached in the first member's label order; another first
+    member with the same labels in another id order must not read them as its own."""
+    from hpo.commands import ensemble as command
+    from hpo.commands.ensemble_members import DataFiles
+
+    rows = [{"text": "a", "label": "neg"}, {"text": "b", "label": "pos"}]
+    source = tmp_path / "eval.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    def says_pos(folder: Path, rows: Any, order: list[str], *_: Any) -> np.ndarray:
+        return np.array([[float(name == "pos") for name in order] for _ in rows])
+
+    monkeypatch.setattr(command, "member_predictions", says_pos)
+    request = command.EnsembleRequest(out=str(tmp_path / "out"), cache_dir=str(tmp_path / "c"))
+    data = DataFiles("sequence_classification", source, None, "label")
+    members = member_folders(tmp_path, ["m"])
+    for order in (["neg", "pos"], ["pos", "neg"]):
+        split, _ = command._split(members, source, data, order, request)
+        assert split.predictions["m"][:, order.index("pos")].tolist() == [1.0, 1.0]

@@ -205,6 +205,7 @@ def _split(
 ) -> Any:
     from hpo.commands.predict import input_rows
     from hpo.ensemble import Split, weights_sha256
+    from hpo.ensemble.cache import ordered_kind
     from hpo.trainer.digests import file_sha256
 
     if not path.is_file() or path.suffix.lower() not in (".csv", ".jsonl"):
@@ -227,7 +228,9 @@ def _split(
             def compute(folder: Path = folder, kind: str = kind) -> np.ndarray:
                 return member_predictions(folder, rows, order, request, kind)
 
-            found[kind][name] = cache.get_or_compute(weights_sha256(folder), digest, kind, compute)
+            # Probabilities are in `order`'s columns; embeddings have no labels.
+            key = ordered_kind(kind, order if kind == "predictions" else [])
+            found[kind][name] = cache.get_or_compute(weights_sha256(folder), digest, key, compute)
     from hpo.commands.features import stacked_embeddings
     from hpo.commands.soup import Rows
 

@@ -77,6 +77,7 @@ def _probabilities(
 ) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]:
     """Each split's members' word probabilities (cached) and its true tags."""
     from hpo.ensemble import FeatureCache, weights_sha256
+    from hpo.ensemble.cache import ordered_kind
     from hpo.trainer.digests import file_sha256
 
     probabilities: dict[str, dict[str, np.ndarray]] = {}
@@ -92,7 +93,7 @@ def _probabilities(
                 return _member_words(folder, rows, order, device, batch_size)
 
             probabilities[split][name] = cache.get_or_compute(
-                weights_sha256(folder), digest, KIND, compute
+                weights_sha256(folder), digest, ordered_kind(KIND, order), compute
             )
     return probabilities, truth
 

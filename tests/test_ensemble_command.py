@@ -7,6 +7,7 @@ refusal is one line, exit code 2.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -425,3 +426,25 @@ def test_a_soup_is_saved_on_its_evaluation_score_and_the_card_says_how_it_was_ch
     assert "Saved: the uniform soup of 2 members" in text and "accuracy 0.0000" in text
     said = table(report, "stacking")
     assert "saved: the stacked model (logistic_regression)\n  chosen by 5-fold" in said, said
+
+
+def test_the_folder_members_are_fetched_into_is_new_and_removed_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder named as the old code named its fetch folder (by the pid: one a killed run
+    left, or the user's) is neither fetched into nor removed; hpo's own is removed."""
+    from hpo.commands import ensemble as command
+    from hpo.errors import HPOError
+
+    theirs = tmp_path / f".ens.{os.getpid()}.members"
+    (theirs / "trial-3").mkdir(parents=True)
+    used: list[Path] = []
+
+    def fails(request: Any, study: Any, out: Path, fetched: Path) -> Any:
+        used.append(fetched)
+        raise HPOError("the store is down")
+
+    monkeypatch.setattr(command, "_build", fails)
+    with pytest.raises(HPOError, match="the store is down"):
+        command.build_ensemble(command.EnsembleRequest(out=str(tmp_path / "ens")))
+    assert (theirs / "trial-3").is_dir() and used[0] != theirs and not used[0].exists()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -90,7 +89,12 @@ def build_ensemble(request: EnsembleRequest, study: Any = None) -> Outcome:
     """Members, their cached predictions, the honest report, the folder written. `study`: the
     Optuna study already open (the Python API's), else --study in --storage is opened."""
     out = _checked_out(request)
-    fetched = out.parent / f".{out.name}.{os.getpid()}.members"  # members from the store
+    # Members from the store: a new folder of hpo's own (a name of the pid's, left by a killed
+    # run whose pid came back, was fetched into and then removed).
+    try:
+        fetched = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".members", dir=out.parent))
+    except OSError as e:
+        raise HPOError(f"--out {out}: cannot write in {out.parent} ({e.strerror or e})") from e
     try:
         return _build(request, study, out, fetched)
     finally:

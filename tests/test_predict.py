@@ -18,7 +18,7 @@ import torch
 
 import hpo
 from hpo.commands.predict import CHUNK_BATCHES, _jsonl_objects, predict_rows
-from hpo.errors import DataError, HPOError
+from hpo.errors import DataError, HPOError, ModelError
 from hpo.trainer.config import ModelConfig, PeftSettings
 from hpo.trainer.inference import SETTINGS_FILE, InferenceSettings, save_settings
 from hpo.trainer.model import build_model, load_tokenizer
@@ -426,3 +426,35 @@ def test_a_stack_whose_record_is_not_of_its_members_is_refused_in_one_line(
     (folder / "ensemble.json").write_text(json.dumps({**saved, "members": saved["members"][:1]}))
     with pytest.raises(HPOError, match="does not read its members' features"):
         hpo.load_model(folder).predict([{"text": "nice"}])
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        ({"max_length": "32"}, "max_length is '32', not a number of tokens"),
+        ({"max_length": -5}, "max_length is -5"),
+        ({"threshold": None}, "threshold is None, not a probability"),
+        ({"label_separator": 5}, "label_separator is 5, not text"),
+        ({"text_column": ["text"]}, "text_column is ['text'], not text"),
+    ],
+)
+def test_an_edited_settings_file_is_damaged_in_one_line(
+    tmp_path: Path, edit: dict[str, Any], words: str
+) -> None:
+    """A soup's or a member's hpo_inference.json edited: one line naming the value, not a
+    TypeError, an OverflowError or an AttributeError on the first row."""
+    from hpo.trainer.inference import read_settings
+
+    saved = {"task": "multi_label_classification", "max_length": 32, "threshold": 0.5}
+    (tmp_path / SETTINGS_FILE).write_text(json.dumps({**saved, **edit}))
+    with pytest.raises(ModelError, match="damaged") as caught:
+        read_settings(tmp_path)
+    assert words in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_max_length_past_the_models_positions_is_refused_when_loaded(tmp_path: Path) -> None:
+    folder = _save(tmp_path / "m", "sequence_classification", ["neg", "pos"])
+    settings = json.loads((folder / SETTINGS_FILE).read_text())
+    (folder / SETTINGS_FILE).write_text(json.dumps({**settings, "max_length": 10**12}))
+    with pytest.raises(ModelError, match="holds at most 64 positions"):
+        hpo.load_model(folder)

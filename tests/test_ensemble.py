@@ -361,6 +361,17 @@ def test_a_skops_file_of_untrusted_types_is_refused(tmp_path: Path) -> None:
     one_line_refusal(folder, "does not trust")
 
 
+@pytest.mark.parametrize("saved", [{"estimators": 5}, {"estimators": []}, {"params": 7}])
+def test_a_skops_file_of_trusted_types_but_no_learners_is_refused(
+    tmp_path: Path, saved: dict[str, Any]
+) -> None:
+    import skops.io
+
+    folder, _, _ = saved_stack(tmp_path)
+    skops.io.dump({"estimators": [None], **saved}, folder / "meta_learner.skops")
+    one_line_refusal(folder, "not a meta-learner hpo saved")
+
+
 class Untrusted:
     def __reduce__(self) -> Any:
         return (print, ("code ran",))

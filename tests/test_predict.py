@@ -409,7 +409,11 @@ def test_a_stack_whose_record_is_not_of_its_members_is_refused_in_one_line(
     tmp_path: Path,
 ) -> None:
     """An edited ensemble.json (another task, a trillion outputs, a member left out) is refused
-    before or at the first row: never an IndexError, a MemoryError or another task's answer."""
+    before or at the first row, and so is a meta-learner that is no learner (of trusted types):
+    never an IndexError, a MemoryError, an AttributeError or another task's answer."""
+    import skops.io
+    from sklearn.preprocessing import StandardScaler
+
     from hpo.ensemble import Split, evaluate_ensemble, save_ensemble
     from tests.test_ensemble import LR, complementary
 
@@ -424,6 +428,11 @@ def test_a_stack_whose_record_is_not_of_its_members_is_refused_in_one_line(
         with pytest.raises(HPOError, match="its record is not of its members"):
             hpo.load_model(folder)
     (folder / "ensemble.json").write_text(json.dumps({**saved, "members": saved["members"][:1]}))
+    with pytest.raises(HPOError, match="does not read its members' features"):
+        hpo.load_model(folder).predict([{"text": "nice"}])
+    (folder / "ensemble.json").write_text(json.dumps(saved))
+    scaler = StandardScaler().fit(np.zeros((2, 6)))  # of trusted types, but no classifier
+    skops.io.dump({"estimators": [scaler], "params": []}, folder / "meta_learner.skops")
     with pytest.raises(HPOError, match="does not read its members' features"):
         hpo.load_model(folder).predict([{"text": "nice"}])
 

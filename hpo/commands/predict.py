@@ -423,7 +423,9 @@ class EnsembleModel(Model):
         features = self._features(stacked, chunk, first_row)
         try:
             return np.asarray(stacked.predict(features))
-        except ValueError as e:  # scikit-learn's "X has 6 features, but ... is expecting 9"
+        # scikit-learn's "X has 6 features, but ... is expecting 9"; an estimator of the skops
+        # file that is not a fitted learner of this task (a scaler, a string, other classes).
+        except (ValueError, TypeError, AttributeError, IndexError) as e:
             raise HPOError(
                 f"{self.folder}: its meta-learner does not read its members' features "
                 f"({str(e).splitlines()[0][:200]}); build the ensemble again"

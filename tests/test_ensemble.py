@@ -900,3 +900,28 @@ def test_cached_probabilities_are_never_read_back_under_another_label_order(
     for order in (["neg", "pos"], ["pos", "neg"]):
         split, _ = command._split(members, source, data, order, request)
         assert split.predictions["m"][:, order.index("pos")].tolist() == [1.0, 1.0]
+
+
+def test_an_out_folder_made_while_the_ensemble_is_saved_is_kept_and_refused_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another hpo ensemble writing the same --out finishes first: its folder stays as it is,
+    this one is refused in one line (not an OSError traceback), nothing is left aside."""
+    from hpo.ensemble import saving
+
+    labels, members = complementary(200, 8)
+    report = evaluate_ensemble("sequence_classification", Split(members, labels), learners=LR)
+    out = tmp_path / "ens"
+    dump = saving._dump_meta_learner
+
+    def theirs_first(model: Any, path: Path) -> None:
+        out.mkdir()
+        (out / "ensemble.json").write_text("theirs")
+        dump(model, path)
+
+    monkeypatch.setattr(saving, "_dump_meta_learner", theirs_first)
+    with pytest.raises(EnsembleError, match="made while the ensemble was built") as caught:
+        save_ensemble(out, report, member_folders(tmp_path, ["a", "b"]))
+    assert "\n" not in str(caught.value)
+    assert (out / "ensemble.json").read_text() == "theirs"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

@@ -343,6 +343,7 @@ def _save(
     sources: dict[str, dict[str, Any]] | None = None,
 ) -> str:
     from hpo.ensemble import save_ensemble
+    from hpo.ensemble.saving import rename_in
 
     saved = _saved_kind(report, soup)
     card = card_json(report, members, soup, sources, saved)
@@ -356,7 +357,7 @@ def _save(
             folder = save_soup(soup, out, staging)
             for name, content in files.items():
                 (folder / name).write_text(content, encoding="utf-8")
-            folder.rename(out)
+            rename_in(folder, out)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return "soup"
@@ -369,7 +370,7 @@ def _save(
         shutil.copytree(members[report.best_member], staging / "model")
         for name, text in files.items():
             (staging / "model" / name).write_text(text, encoding="utf-8")
-        (staging / "model").rename(out)
+        rename_in(staging / "model", out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return "best_member"

@@ -142,7 +142,7 @@ def _member_words(
 
 def _save(out: Path, saved: str, members: dict[str, Path], best: str, card: dict[str, Any]) -> None:
     from hpo.ensemble import weights_sha256
-    from hpo.ensemble.saving import FORMAT, MEMBERS, RECORD
+    from hpo.ensemble.saving import FORMAT, MEMBERS, RECORD, rename_in
 
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -165,6 +165,6 @@ def _save(out: Path, saved: str, members: dict[str, Path], best: str, card: dict
             record |= {"members": entries, "scores": card}
             (folder / RECORD).write_text(json.dumps(record, indent=2) + "\n")
         (folder / "ensemble_card.json").write_text(json.dumps(card, indent=2) + "\n")
-        folder.rename(out)
+        rename_in(folder, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -89,11 +89,23 @@ def save_ensemble(
         if report.choice == "stacking" and report.stacked is not None:
             _dump_meta_learner(report.stacked, staging / META_LEARNER)
         (staging / RECORD).write_text(json.dumps(record, indent=2) + "\n")
-        staging.rename(folder)
+        rename_in(staging, folder)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return folder
+
+
+def rename_in(staged: Path, folder: Path) -> None:
+    """The folder written aside, renamed to `folder`: refused in one line when `folder` was
+    made meanwhile (another hpo ensemble writing the same --out), never merged into it."""
+    try:
+        staged.rename(folder)
+    except OSError as e:
+        raise EnsembleError(
+            f"{folder} cannot be written ({e.strerror or e}): it was made while the ensemble "
+            "was built; choose another folder"
+        ) from e
 
 
 def _record(

@@ -467,3 +467,20 @@ def test_a_max_length_past_the_models_positions_is_refused_when_loaded(tmp_path:
     (folder / SETTINGS_FILE).write_text(json.dumps({**settings, "max_length": 10**12}))
     with pytest.raises(ModelError, match="holds at most 64 positions"):
         hpo.load_model(folder)
+
+
+@pytest.mark.parametrize("config", ["[1]", "{not json"])
+def test_a_damaged_adapter_config_is_one_line_when_loaded_or_repointed(
+    tmp_path: Path, config: str
+) -> None:
+    """A soup's adapter_config.json edited, or one fetched from a store another can write: one
+    line, not an AttributeError or a JSONDecodeError traceback."""
+    from hpo.trainer.peft_adapters import point_at_base
+
+    folder = _save(tmp_path / "m", "sequence_classification", ["neg", "pos"])
+    (folder / "adapter_model.safetensors").write_bytes(b"adapter")
+    (folder / "adapter_config.json").write_text(config)
+    for load in (lambda: hpo.load_model(folder), lambda: point_at_base(folder, None)):
+        with pytest.raises(ModelError, match="adapter_config.json") as caught:
+            load()
+        assert "\n" not in str(caught.value)

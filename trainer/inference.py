@@ -351,7 +351,11 @@ def _adapter_model(folder: Path, task: str, merge: bool = True) -> torch.nn.Modu
             f"{folder} has a LoRA adapter's config but no weights ({ADAPTER_WEIGHTS[0]}); "
             "download the model again"
         )
-    adapter = _json_file(folder / ADAPTER_CONFIG) or {}
+    adapter = _json_file(folder / ADAPTER_CONFIG)
+    if not isinstance(adapter, dict):
+        raise ModelError(
+            f"{folder}: {ADAPTER_CONFIG} is not a LoRA adapter's config; download the model again"
+        )
     base = resolve_location(str(adapter.get("base_model_name_or_path")))
     try:
         config = AutoConfig.from_pretrained(folder)  # the base's config with the task's head

@@ -363,6 +363,12 @@ def test_taggers_are_combined_by_averaging_their_word_probabilities(
         flat = [tag for a in answers for tag in a["tags"]]
         assert flat == [tags[i] for i in mean.argmax(axis=1)]
 
+    # A test file whose tags are not one per word: said, never scored word against other tag.
+    short = write_csv(tmp_path / "short.csv", [{"text": "Ada Lovelace wrote", "tags": "B-PER O"}])
+    test_file = ["--test-file", str(short)]
+    err = _refused(hpo_main, capsys, *args[:-1], str(tmp_path / "short"), *test_file)
+    assert "2 tags for 3 words" in err and not (tmp_path / "short").exists()
+
 
 def test_labels_and_member_outputs_of_multi_label_and_regression_read_as_arrays(
     tmp_path: Path,
@@ -448,3 +454,12 @@ def test_the_folder_members_are_fetched_into_is_new_and_removed_alone(
     with pytest.raises(HPOError, match="the store is down"):
         command.build_ensemble(command.EnsembleRequest(out=str(tmp_path / "ens")))
     assert (theirs / "trial-3").is_dir() and used[0] != theirs and not used[0].exists()
+
+
+@pytest.mark.parametrize(("tags", "words"), [(5, "holds int, not tags"), (None, "holds no tags")])
+def test_a_tagger_row_without_tags_is_one_line(tags: Any, words: str) -> None:
+    from hpo.commands.token_ensemble import _tags
+    from hpo.errors import HPOError
+
+    with pytest.raises(HPOError, match=words):
+        _tags([{"text": "Ada", "tags": tags}], "tags", ["B-PER", "O"], Path("test.jsonl"))

@@ -41,6 +41,12 @@ def token_ensemble(
     def accuracy(split: str, outputs: np.ndarray) -> float:
         return float(np.mean(outputs.argmax(axis=1) == truth[split]))
 
+    for split, path in splits.items():  # else each word would be scored on another's tag
+        words = len(next(iter(probabilities[split].values())))
+        if words != len(truth[split]):
+            raise HPOError(
+                f"{path}: {len(truth[split])} tags for {words} words; give each row a tag per word"
+            )
     chosen_on = {n: accuracy("evaluation", p) for n, p in probabilities["evaluation"].items()}
     best = max(chosen_on, key=lambda n: chosen_on[n])
     scored = "test" if test else "evaluation"
@@ -120,6 +126,10 @@ def _tags(rows: list[dict[str, Any]], column: str, order: list[str], path: Path)
     index = {name: i for i, name in enumerate(order)}
     found = []
     for number, row in enumerate(rows, start=1):
+        value = row.get(column)
+        if not isinstance(value, (str, list)) or not value:
+            what = f"{type(value).__name__}, not" if value else "no"
+            raise HPOError(f"{path}: row {number} holds {what} tags in column {column!r}")
         for tag in row_words(row, column):
             if tag not in index:
                 raise HPOError(f"{path}: row {number} has tag {tag!r}, none of the members'")

@@ -463,3 +463,16 @@ def test_a_tagger_row_without_tags_is_one_line(tags: Any, words: str) -> None:
 
     with pytest.raises(HPOError, match=words):
         _tags([{"text": "Ada", "tags": tags}], "tags", ["B-PER", "O"], Path("test.jsonl"))
+
+
+@pytest.mark.parametrize("config", ["{", "[1]", '{"id2label": {"a": "pos"}}', '{"id2label": [1]}'])
+def test_a_first_member_whose_config_has_no_labels_by_id_is_one_line(
+    tmp_path: Path, config: str
+) -> None:
+    from hpo.commands.ensemble_members import labels_by_id
+    from hpo.errors import HPOError
+
+    (tmp_path / "config.json").write_text(config)
+    with pytest.raises(HPOError, match="config.json has no labels by id") as caught:
+        labels_by_id(tmp_path)
+    assert "\n" not in str(caught.value)

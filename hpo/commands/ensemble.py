@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpo.commands.ensemble_members import DataFiles, members_and_data
+from hpo.commands.ensemble_members import DataFiles, labels_by_id, members_and_data
 from hpo.errors import DataError, HPOError
 
 if TYPE_CHECKING:
@@ -195,9 +195,7 @@ def _soup(
 
 def _label_order(folder: Path, task: str) -> list[str]:
     """The class (label) names in the first member's id order; members must share them."""
-    config = json.loads((folder / "config.json").read_text())
-    id2label = config.get("id2label") or {}
-    return [] if task == "regression" else [id2label[k] for k in sorted(id2label, key=int)]
+    return [] if task == "regression" else labels_by_id(folder)
 
 
 def _split(

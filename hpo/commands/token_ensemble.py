@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpo.commands.ensemble_members import labels_by_id
 from hpo.errors import HPOError
 
 if TYPE_CHECKING:
@@ -33,8 +34,7 @@ def token_ensemble(
     """The table to print, and what was saved ("average" or "best_member")."""
     import numpy as np
 
-    first = json.loads((next(iter(members.values())) / "config.json").read_text())
-    order = [first["id2label"][k] for k in sorted(first.get("id2label") or {}, key=int)]
+    order = labels_by_id(next(iter(members.values())))
     splits = {"evaluation": evaluation, **({"test": test} if test else {})}
     probabilities, truth = _probabilities(members, splits, label_column, order, device, batch_size)
 

@@ -476,3 +476,19 @@ def test_a_first_member_whose_config_has_no_labels_by_id_is_one_line(
     with pytest.raises(HPOError, match="config.json has no labels by id") as caught:
         labels_by_id(tmp_path)
     assert "\n" not in str(caught.value)
+
+
+def test_hpo_predict_on_an_edited_ensemble_is_exit_code_2_and_one_line(
+    tmp_path: Path, hpo_main: Main, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.test_ensemble import saved_stack
+
+    folder, _, _ = saved_stack(tmp_path)
+    record = json.loads((folder / "ensemble.json").read_text())
+    del record["members"][0]["folder"]  # was a KeyError traceback
+    (folder / "ensemble.json").write_text(json.dumps(record))
+    given = write_csv(tmp_path / "in.csv", [{"text": "good"}])
+    out = tmp_path / "out.csv"
+    args = ["predict", "--model", str(folder), "--input", str(given), "--out", str(out)]
+    assert "without its name, folder and sha256" in _refused(hpo_main, capsys, *args)
+    assert not out.exists() and not list(tmp_path.glob(".out.csv.*"))

@@ -5,6 +5,7 @@ refusals, soups, the feature cache; and data.test_file, which no trial reads."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import pickle
 import sqlite3
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from hpo.ensemble import (
     save_ensemble,
     stack_features,
     uniform_soup,
+    weights_sha256,
 )
 from hpo.errors import HPOError
 from tests.conftest import tiny_config, write_config
@@ -357,6 +359,17 @@ def test_a_skops_file_of_untrusted_types_is_refused(tmp_path: Path) -> None:
     folder, _, _ = saved_stack(tmp_path)
     skops.io.dump({"estimators": [Untrusted()]}, folder / "meta_learner.skops")
     one_line_refusal(folder, "does not trust")
+
+
+@pytest.mark.parametrize("saved", [{"estimators": 5}, {"estimators": []}, {"params": 7}])
+def test_a_skops_file_of_trusted_types_but_no_learners_is_refused(
+    tmp_path: Path, saved: dict[str, Any]
+) -> None:
+    import skops.io
+
+    folder, _, _ = saved_stack(tmp_path)
+    skops.io.dump({"estimators": [None], **saved}, folder / "meta_learner.skops")
+    one_line_refusal(folder, "not a meta-learner hpo saved")
 
 
 class Untrusted:
@@ -763,3 +776,152 @@ def test_a_learner_of_the_callers_is_never_cached(tmp_path: Path) -> None:
     for _ in range(2):
         assert _cached(tmp_path, split, learners=[own])[1] > 0
     assert not (tmp_path / "ens").exists()
+
+
+def _edited(record: dict[str, Any], edit: str, outside: Path) -> Any:
+    """`record` as an attacker edited it (`edit` names how)."""
+    first = record["members"][0]
+    if edit == "a member's folder out by ..":
+        first["folder"] = "../outside"
+    elif edit == "a member's folder a link out":
+        first["folder"] = "link"
+    elif edit in ("no sha256", "no folder", "no name"):
+        del first[edit.split()[1]]
+    elif edit == "a sha256 not hex":
+        first["sha256"] = "z" * 64
+    elif edit == "a sha256 a huge number":
+        first["sha256"] = 10**300
+    elif edit == "a member twice":
+        record["members"].append(dict(first))
+    elif edit == "no members":
+        record["members"] = []
+    elif edit == "members a string":
+        record["members"] = "ab"
+    elif edit == "a member a string":
+        record["members"][0] = "a"
+    elif edit == "the meta-learner elsewhere":
+        record["meta_learner"] = str(outside / "meta_learner.skops")
+    elif edit == "num_outputs a string":
+        record["num_outputs"] = "3"
+    elif edit == "features of another shape":
+        record["features"] = {"kind": "predictions", "run": "code"}
+    elif edit == "a list":
+        return ["format", "kind", "task", "members"]
+    return record
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        ("a member's folder out by ..", "leads out of the ensemble's folder"),
+        ("a member's folder a link out", "leads out of the ensemble's folder"),
+        ("no sha256", "without its name, folder and sha256"),
+        ("no folder", "without its name, folder and sha256"),
+        ("no name", "without its name, folder and sha256"),
+        ("a sha256 not hex", "not 64 hex digits"),
+        ("a sha256 a huge number", "without its name, folder and sha256"),
+        ("a member twice", "listed twice"),
+        ("no members", "not a list of members"),
+        ("members a string", "not a list of members"),
+        ("a member a string", "without its name, folder and sha256"),
+        ("the meta-learner elsewhere", "meta_learner"),
+        ("num_outputs a string", "num_outputs"),
+        ("features of another shape", "features"),
+        ("a list", "not an ensemble record hpo wrote"),
+    ],
+)
+def test_an_edited_record_is_refused_in_one_line_and_reads_nothing_outside(
+    tmp_path: Path, edit: str, words: str
+) -> None:
+    folder, _, _ = saved_stack(tmp_path)
+    outside = tmp_path / "outside"  # a model whose sha256 the attacker wrote in the record
+    outside.mkdir()
+    (outside / "model.safetensors").write_bytes(b"elsewhere")
+    (folder / "link").symlink_to(outside)
+    record = json.loads((folder / "ensemble.json").read_text())
+    record["members"][0]["sha256"] = weights_sha256(outside)
+    (folder / "ensemble.json").write_text(json.dumps(_edited(record, edit, outside)))
+    one_line_refusal(folder, words)
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000, '{"format": 1' + "0" * 5000 + "}"])
+def test_a_record_nested_too_deep_or_of_a_huge_number_is_damaged_in_one_line(
+    tmp_path: Path, text: str
+) -> None:
+    folder, _, _ = saved_stack(tmp_path)
+    (folder / "ensemble.json").write_text(text)
+    one_line_refusal(folder, "is damaged")
+
+
+def test_a_weights_name_that_is_no_file_is_not_read(tmp_path: Path) -> None:
+    """A link to a device (/dev/zero would be read for ever) is not a member's weights."""
+    folder = member_folders(tmp_path, ["a"])["a"]
+    before = weights_sha256(folder)
+    (folder / "extra.bin").symlink_to("/dev/null")
+    assert weights_sha256(folder) == before
+
+
+def test_an_empty_or_unwritable_feature_cache_costs_a_computation_never_an_error(
+    tmp_path: Path,
+) -> None:
+    """An entry left empty (a crash before the disk had the bytes), and a cache folder that
+    cannot be written (a file in its place, a full disk): the features are computed again."""
+    key: tuple[str, str, str] = ("a" * 64, "b" * 64, "predictions")
+    cache = FeatureCache(tmp_path / "features")
+    cache.put(*key, np.ones((2, 2)))
+    cache.path(*key).write_bytes(b"")
+    computed = cache.get_or_compute(*key, lambda: np.zeros((2, 2)))
+    np.testing.assert_array_equal(computed, np.zeros((2, 2)))
+    (tmp_path / "blocked").write_text("a file where the cache folder would be")
+    blocked = FeatureCache(tmp_path / "blocked")
+    for _ in range(2):
+        np.testing.assert_array_equal(blocked.get_or_compute(*key, lambda: np.ones(3)), np.ones(3))
+
+
+def test_cached_probabilities_are_never_read_back_under_another_label_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member's probabilities are cached in the first member's label order; another first
+    member with the same labels in another id order must not read them as its own."""
+    from hpo.commands import ensemble as command
+    from hpo.commands.ensemble_members import DataFiles
+
+    rows = [{"text": "a", "label": "neg"}, {"text": "b", "label": "pos"}]
+    source = tmp_path / "eval.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    def says_pos(folder: Path, rows: Any, order: list[str], *_: Any) -> np.ndarray:
+        return np.array([[float(name == "pos") for name in order] for _ in rows])
+
+    monkeypatch.setattr(command, "member_predictions", says_pos)
+    request = command.EnsembleRequest(out=str(tmp_path / "out"), cache_dir=str(tmp_path / "c"))
+    data = DataFiles("sequence_classification", source, None, "label")
+    members = member_folders(tmp_path, ["m"])
+    for order in (["neg", "pos"], ["pos", "neg"]):
+        split, _ = command._split(members, source, data, order, request)
+        assert split.predictions["m"][:, order.index("pos")].tolist() == [1.0, 1.0]
+
+
+def test_an_out_folder_made_while_the_ensemble_is_saved_is_kept_and_refused_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another hpo ensemble writing the same --out finishes first: its folder stays as it is,
+    this one is refused in one line (not an OSError traceback), nothing is left aside."""
+    from hpo.ensemble import saving
+
+    labels, members = complementary(200, 8)
+    report = evaluate_ensemble("sequence_classification", Split(members, labels), learners=LR)
+    out = tmp_path / "ens"
+    dump = saving._dump_meta_learner
+
+    def theirs_first(model: Any, path: Path) -> None:
+        out.mkdir()
+        (out / "ensemble.json").write_text("theirs")
+        dump(model, path)
+
+    monkeypatch.setattr(saving, "_dump_meta_learner", theirs_first)
+    with pytest.raises(EnsembleError, match="made while the ensemble was built") as caught:
+        save_ensemble(out, report, member_folders(tmp_path, ["a", "b"]))
+    assert "\n" not in str(caught.value)
+    assert (out / "ensemble.json").read_text() == "theirs"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

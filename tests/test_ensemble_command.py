@@ -7,6 +7,7 @@ refusal is one line, exit code 2.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -362,6 +363,12 @@ def test_taggers_are_combined_by_averaging_their_word_probabilities(
         flat = [tag for a in answers for tag in a["tags"]]
         assert flat == [tags[i] for i in mean.argmax(axis=1)]
 
+    # A test file whose tags are not one per word: said, never scored word against other tag.
+    short = write_csv(tmp_path / "short.csv", [{"text": "Ada Lovelace wrote", "tags": "B-PER O"}])
+    test_file = ["--test-file", str(short)]
+    err = _refused(hpo_main, capsys, *args[:-1], str(tmp_path / "short"), *test_file)
+    assert "2 tags for 3 words" in err and not (tmp_path / "short").exists()
+
 
 def test_labels_and_member_outputs_of_multi_label_and_regression_read_as_arrays(
     tmp_path: Path,
@@ -425,3 +432,63 @@ def test_a_soup_is_saved_on_its_evaluation_score_and_the_card_says_how_it_was_ch
     assert "Saved: the uniform soup of 2 members" in text and "accuracy 0.0000" in text
     said = table(report, "stacking")
     assert "saved: the stacked model (logistic_regression)\n  chosen by 5-fold" in said, said
+
+
+def test_the_folder_members_are_fetched_into_is_new_and_removed_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder named as the old code named its fetch folder (by the pid: one a killed run
+    left, or the user's) is neither fetched into nor removed; hpo's own is removed."""
+    from hpo.commands import ensemble as command
+    from hpo.errors import HPOError
+
+    theirs = tmp_path / f".ens.{os.getpid()}.members"
+    (theirs / "trial-3").mkdir(parents=True)
+    used: list[Path] = []
+
+    def fails(request: Any, study: Any, out: Path, fetched: Path) -> Any:
+        used.append(fetched)
+        raise HPOError("the store is down")
+
+    monkeypatch.setattr(command, "_build", fails)
+    with pytest.raises(HPOError, match="the store is down"):
+        command.build_ensemble(command.EnsembleRequest(out=str(tmp_path / "ens")))
+    assert (theirs / "trial-3").is_dir() and used[0] != theirs and not used[0].exists()
+
+
+@pytest.mark.parametrize(("tags", "words"), [(5, "holds int, not tags"), (None, "holds no tags")])
+def test_a_tagger_row_without_tags_is_one_line(tags: Any, words: str) -> None:
+    from hpo.commands.token_ensemble import _tags
+    from hpo.errors import HPOError
+
+    with pytest.raises(HPOError, match=words):
+        _tags([{"text": "Ada", "tags": tags}], "tags", ["B-PER", "O"], Path("test.jsonl"))
+
+
+@pytest.mark.parametrize("config", ["{", "[1]", '{"id2label": {"a": "pos"}}', '{"id2label": [1]}'])
+def test_a_first_member_whose_config_has_no_labels_by_id_is_one_line(
+    tmp_path: Path, config: str
+) -> None:
+    from hpo.commands.ensemble_members import labels_by_id
+    from hpo.errors import HPOError
+
+    (tmp_path / "config.json").write_text(config)
+    with pytest.raises(HPOError, match="config.json has no labels by id") as caught:
+        labels_by_id(tmp_path)
+    assert "\n" not in str(caught.value)
+
+
+def test_hpo_predict_on_an_edited_ensemble_is_exit_code_2_and_one_line(
+    tmp_path: Path, hpo_main: Main, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.test_ensemble import saved_stack
+
+    folder, _, _ = saved_stack(tmp_path)
+    record = json.loads((folder / "ensemble.json").read_text())
+    del record["members"][0]["folder"]  # was a KeyError traceback
+    (folder / "ensemble.json").write_text(json.dumps(record))
+    given = write_csv(tmp_path / "in.csv", [{"text": "good"}])
+    out = tmp_path / "out.csv"
+    args = ["predict", "--model", str(folder), "--input", str(given), "--out", str(out)]
+    assert "without its name, folder and sha256" in _refused(hpo_main, capsys, *args)
+    assert not out.exists() and not list(tmp_path.glob(".out.csv.*"))

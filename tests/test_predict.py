@@ -5,6 +5,7 @@ streamed in chunks and written whole or not at all; every bad input is one line,
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,7 +17,8 @@ import pytest
 import torch
 
 import hpo
-from hpo.commands.predict import CHUNK_BATCHES, predict_rows
+from hpo.commands.predict import CHUNK_BATCHES, _jsonl_objects, predict_rows
+from hpo.errors import DataError, HPOError, ModelError
 from hpo.trainer.config import ModelConfig, PeftSettings
 from hpo.trainer.inference import SETTINGS_FILE, InferenceSettings, save_settings
 from hpo.trainer.model import build_model, load_tokenizer
@@ -394,3 +396,91 @@ def test_a_pair_model_reads_both_text_columns(tmp_path: Path) -> None:
     np.testing.assert_allclose(got, _softmax(np.stack(logits)), atol=1e-5)
     with pytest.raises(hpo.DataError, match="row 1 has no text in column 'hypothesis'"):
         model.predict([{"premise": "a man sleeps"}])
+
+
+@pytest.mark.parametrize("line", ["[" * 100_000, '{"id": ' + "9" * 5000 + "}"])
+def test_a_jsonl_line_nested_too_deep_or_of_a_huge_number_is_one_line(line: str) -> None:
+    with pytest.raises(DataError, match="line 2 is not valid JSON") as caught:
+        list(_jsonl_objects(io.StringIO('{"text": "a"}\n' + line + "\n")))
+    assert "\n" not in str(caught.value)
+
+
+def test_a_stack_whose_record_is_not_of_its_members_is_refused_in_one_line(
+    tmp_path: Path,
+) -> None:
+    """An edited ensemble.json (another task, a trillion outputs, a member left out) is refused
+    before or at the first row, and so is a meta-learner that is no learner (of trusted types):
+    never an IndexError, a MemoryError, an AttributeError or another task's answer."""
+    import skops.io
+    from sklearn.preprocessing import StandardScaler
+
+    from hpo.ensemble import Split, evaluate_ensemble, save_ensemble
+    from tests.test_ensemble import LR, complementary
+
+    folders = {n: _save(tmp_path / n, "sequence_classification", ["x", "y", "z"]) for n in "ab"}
+    labels, outputs = complementary(200, 8)
+    report = evaluate_ensemble("sequence_classification", Split(outputs, labels), learners=LR)
+    folder = save_ensemble(tmp_path / "ens", report, folders, copy_members=True)
+    saved = json.loads((folder / "ensemble.json").read_text())
+    assert hpo.load_model(folder).predict([{"text": "nice"}])[0]["label"] in ("x", "y", "z")
+    for key, value in {"task": "regression", "num_outputs": 10**12, "kind": "average"}.items():
+        (folder / "ensemble.json").write_text(json.dumps({**saved, key: value}))
+        with pytest.raises(HPOError, match="its record is not of its members"):
+            hpo.load_model(folder)
+    (folder / "ensemble.json").write_text(json.dumps({**saved, "members": saved["members"][:1]}))
+    with pytest.raises(HPOError, match="does not read its members' features"):
+        hpo.load_model(folder).predict([{"text": "nice"}])
+    (folder / "ensemble.json").write_text(json.dumps(saved))
+    scaler = StandardScaler().fit(np.zeros((2, 6)))  # of trusted types, but no classifier
+    skops.io.dump({"estimators": [scaler], "params": []}, folder / "meta_learner.skops")
+    with pytest.raises(HPOError, match="does not read its members' features"):
+        hpo.load_model(folder).predict([{"text": "nice"}])
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        ({"max_length": "32"}, "max_length is '32', not a number of tokens"),
+        ({"max_length": -5}, "max_length is -5"),
+        ({"threshold": None}, "threshold is None, not a probability"),
+        ({"label_separator": 5}, "label_separator is 5, not text"),
+        ({"text_column": ["text"]}, "text_column is ['text'], not text"),
+    ],
+)
+def test_an_edited_settings_file_is_damaged_in_one_line(
+    tmp_path: Path, edit: dict[str, Any], words: str
+) -> None:
+    """A soup's or a member's hpo_inference.json edited: one line naming the value, not a
+    TypeError, an OverflowError or an AttributeError on the first row."""
+    from hpo.trainer.inference import read_settings
+
+    saved = {"task": "multi_label_classification", "max_length": 32, "threshold": 0.5}
+    (tmp_path / SETTINGS_FILE).write_text(json.dumps({**saved, **edit}))
+    with pytest.raises(ModelError, match="damaged") as caught:
+        read_settings(tmp_path)
+    assert words in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_max_length_past_the_models_positions_is_refused_when_loaded(tmp_path: Path) -> None:
+    folder = _save(tmp_path / "m", "sequence_classification", ["neg", "pos"])
+    settings = json.loads((folder / SETTINGS_FILE).read_text())
+    (folder / SETTINGS_FILE).write_text(json.dumps({**settings, "max_length": 10**12}))
+    with pytest.raises(ModelError, match="holds at most 64 positions"):
+        hpo.load_model(folder)
+
+
+@pytest.mark.parametrize("config", ["[1]", "{not json"])
+def test_a_damaged_adapter_config_is_one_line_when_loaded_or_repointed(
+    tmp_path: Path, config: str
+) -> None:
+    """A soup's adapter_config.json edited, or one fetched from a store another can write: one
+    line, not an AttributeError or a JSONDecodeError traceback."""
+    from hpo.trainer.peft_adapters import point_at_base
+
+    folder = _save(tmp_path / "m", "sequence_classification", ["neg", "pos"])
+    (folder / "adapter_model.safetensors").write_bytes(b"adapter")
+    (folder / "adapter_config.json").write_text(config)
+    for load in (lambda: hpo.load_model(folder), lambda: point_at_base(folder, None)):
+        with pytest.raises(ModelError, match="adapter_config.json") as caught:
+            load()
+        assert "\n" not in str(caught.value)

@@ -24,7 +24,7 @@ from hpo.trainer.batching import collate, eval_batches
 from hpo.trainer.config import ModelConfig
 from hpo.trainer.data import TokenizedSplit, flat_split
 from hpo.trainer.errors import DataError, ModelError
-from hpo.trainer.model import check_weights, load_tokenizer, resolve_location
+from hpo.trainer.model import absolute_positions, check_weights, load_tokenizer, resolve_location
 from hpo.trainer.model_factory import logits_of
 from hpo.trainer.peft_adapters import ADAPTER_CONFIG, is_adapter_folder
 from hpo.trainer.tasks import TASKS, auto_model_class
@@ -89,12 +89,34 @@ def read_settings(folder: Path) -> InferenceSettings:
     saved = _json_file(folder / SETTINGS_FILE)
     if isinstance(saved, dict) and isinstance(saved.get("task"), str):
         known = {k: v for k, v in saved.items() if k in InferenceSettings.__dataclass_fields__}
+        problem = _settings_problem(known)
+        if problem is not None:  # an edit: said here, not as a TypeError on the first row
+            raise ModelError(
+                f"model folder {folder}: {SETTINGS_FILE} is damaged ({problem}); copy the "
+                "model folder again"
+            )
         settings = InferenceSettings(**known)
     else:
         settings = _card_settings(folder)
     if settings.task not in TASKS:  # none said, or a task class of the user's: its head's
         settings = InferenceSettings(**{**asdict(settings), "task": _task_of_head(folder)})
     return settings
+
+
+def _settings_problem(known: dict[str, Any]) -> str | None:
+    """What is wrong with a settings file's values (each of the type hpo writes), or None."""
+    for key in ("text_column", "label_separator"):
+        if key in known and not (isinstance(known[key], str) and known[key]):
+            return f"{key} is {known[key]!r:.40}, not text"
+    pair, length = known.get("text_pair_column"), known.get("max_length")
+    if not (pair is None or isinstance(pair, str)):
+        return f"text_pair_column is {pair!r:.40}, not text"
+    if not (length is None or (type(length) is int and length >= 1)):
+        return f"max_length is {length!r:.40}, not a number of tokens"
+    threshold = known.get("threshold", 0.5)
+    if type(threshold) not in (int, float) or not 0 < threshold < 1:
+        return f"threshold is {threshold!r:.40}, not a probability between 0 and 1"
+    return None
 
 
 def _card_settings(folder: Path) -> InferenceSettings:
@@ -161,6 +183,12 @@ class Predictor:
             [] if self.settings.task == "regression" else [id2label[i] for i in sorted(id2label)]
         )
         self.max_length = self.settings.max_length or self._held_length()
+        positions = absolute_positions(self.model.config)
+        if positions is not None and self.max_length > positions:  # it would fail on a long row
+            raise ModelError(
+                f"model folder {folder}: {SETTINGS_FILE} says max_length {self.max_length}, but "
+                f"the model holds at most {positions} positions; copy the model folder again"
+            )
         self.pad_id = self.tokenizer.pad_token_id or 0
 
     def _held_length(self) -> int:
@@ -323,7 +351,11 @@ def _adapter_model(folder: Path, task: str, merge: bool = True) -> torch.nn.Modu
             f"{folder} has a LoRA adapter's config but no weights ({ADAPTER_WEIGHTS[0]}); "
             "download the model again"
         )
-    adapter = _json_file(folder / ADAPTER_CONFIG) or {}
+    adapter = _json_file(folder / ADAPTER_CONFIG)
+    if not isinstance(adapter, dict):
+        raise ModelError(
+            f"{folder}: {ADAPTER_CONFIG} is not a LoRA adapter's config; download the model again"
+        )
     base = resolve_location(str(adapter.get("base_model_name_or_path")))
     try:
         config = AutoConfig.from_pretrained(folder)  # the base's config with the task's head

@@ -94,7 +94,7 @@ def check_model_config(
             check_weights(folder, _pretrained_location(config))
     if config.config is not None or config.adapter is not None:
         _check_builds(config, model_config, task)
-    positions = _absolute_positions(model_config)
+    positions = absolute_positions(model_config)
     if max_length is not None and positions is not None and max_length > positions:
         where = "model.config.max_position_embeddings" if config.config is not None else "model"
         raise ModelError(
@@ -410,7 +410,7 @@ _PADDING_OFFSET_MODELS = {
 }
 
 
-def _absolute_positions(model_config: Any) -> int | None:
+def absolute_positions(model_config: Any) -> int | None:
     """How many tokens the model's absolute position embeddings hold; None where it has none
     (DeBERTa-v2/v3's relative positions) or says nothing of them."""
     positions = getattr(model_config, "max_position_embeddings", None)

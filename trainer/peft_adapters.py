@@ -265,7 +265,12 @@ def point_at_base(folder: Path, base: str | None) -> str:
     `pkg://` location resolved here: the training host's path means nothing elsewhere), so that
     peft's AutoPeftModel loaders find it. `base` None: the one it names. Returns the base."""
     path = folder / ADAPTER_CONFIG
-    settings = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        settings = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # a copy cut short
+        raise ModelError(f"{path} is unreadable ({e}); fetch the model again") from e
+    if not isinstance(settings, dict):
+        raise ModelError(f"{path} is not a LoRA adapter's config; fetch the model again")
     location = base or str(settings.get("base_model_name_or_path"))
     settings["base_model_name_or_path"] = location
     path.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n", encoding="utf-8")

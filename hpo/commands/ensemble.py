@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -18,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpo.commands.ensemble_members import DataFiles, members_and_data
+from hpo.commands.ensemble_members import DataFiles, labels_by_id, members_and_data
 from hpo.errors import DataError, HPOError
 
 if TYPE_CHECKING:
@@ -90,7 +89,12 @@ def build_ensemble(request: EnsembleRequest, study: Any = None) -> Outcome:
     """Members, their cached predictions, the honest report, the folder written. `study`: the
     Optuna study already open (the Python API's), else --study in --storage is opened."""
     out = _checked_out(request)
-    fetched = out.parent / f".{out.name}.{os.getpid()}.members"  # members from the store
+    # Members from the store: a new folder of hpo's own (a name of the pid's, left by a killed
+    # run whose pid came back, was fetched into and then removed).
+    try:
+        fetched = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".members", dir=out.parent))
+    except OSError as e:
+        raise HPOError(f"--out {out}: cannot write in {out.parent} ({e.strerror or e})") from e
     try:
         return _build(request, study, out, fetched)
     finally:
@@ -191,9 +195,7 @@ def _soup(
 
 def _label_order(folder: Path, task: str) -> list[str]:
     """The class (label) names in the first member's id order; members must share them."""
-    config = json.loads((folder / "config.json").read_text())
-    id2label = config.get("id2label") or {}
-    return [] if task == "regression" else [id2label[k] for k in sorted(id2label, key=int)]
+    return [] if task == "regression" else labels_by_id(folder)
 
 
 def _split(
@@ -205,6 +207,7 @@ def _split(
 ) -> Any:
     from hpo.commands.predict import input_rows
     from hpo.ensemble import Split, weights_sha256
+    from hpo.ensemble.cache import ordered_kind
     from hpo.trainer.digests import file_sha256
 
     if not path.is_file() or path.suffix.lower() not in (".csv", ".jsonl"):
@@ -227,7 +230,9 @@ def _split(
             def compute(folder: Path = folder, kind: str = kind) -> np.ndarray:
                 return member_predictions(folder, rows, order, request, kind)
 
-            found[kind][name] = cache.get_or_compute(weights_sha256(folder), digest, kind, compute)
+            # Probabilities are in `order`'s columns; embeddings have no labels.
+            key = ordered_kind(kind, order if kind == "predictions" else [])
+            found[kind][name] = cache.get_or_compute(weights_sha256(folder), digest, key, compute)
     from hpo.commands.features import stacked_embeddings
     from hpo.commands.soup import Rows
 
@@ -336,6 +341,7 @@ def _save(
     sources: dict[str, dict[str, Any]] | None = None,
 ) -> str:
     from hpo.ensemble import save_ensemble
+    from hpo.ensemble.saving import rename_in
 
     saved = _saved_kind(report, soup)
     card = card_json(report, members, soup, sources, saved)
@@ -349,7 +355,7 @@ def _save(
             folder = save_soup(soup, out, staging)
             for name, content in files.items():
                 (folder / name).write_text(content, encoding="utf-8")
-            folder.rename(out)
+            rename_in(folder, out)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return "soup"
@@ -362,7 +368,7 @@ def _save(
         shutil.copytree(members[report.best_member], staging / "model")
         for name, text in files.items():
             (staging / "model" / name).write_text(text, encoding="utf-8")
-        (staging / "model").rename(out)
+        rename_in(staging / "model", out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return "best_member"

@@ -5,6 +5,7 @@ host finds it) or hpo retrain's folders; the evaluation file, and the test file 
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,6 +128,21 @@ def _given_folders(given: tuple[str, ...]) -> dict[str, Path]:
     paths = list(resolved)
     names = member_names(paths)
     return {name: Path(resolved[path]) for name, path in zip(names, paths, strict=True)}
+
+
+def labels_by_id(folder: Path) -> list[str]:
+    """The label names of a member's config.json in id order; read before any member loads,
+    so a config that has none is said here in one line."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        id2label = config.get("id2label") or {}
+        return [id2label[k] for k in sorted(id2label, key=int)]
+    # Not JSON, not an object, ids that are not numbers.
+    except (OSError, ValueError, AttributeError, TypeError, KeyError, IndexError) as e:
+        raise HPOError(
+            f"member {folder}: config.json has no labels by id ({e!r:.100}); give a model "
+            "folder hpo saved"
+        ) from e
 
 
 def member_names(paths: list[Path]) -> list[str]:

@@ -220,9 +220,11 @@ def _jsonl_objects(handle: IO[str]) -> Iterator[dict[str, Any]]:
             continue
         try:
             row = json.loads(line)
-        except json.JSONDecodeError as e:
+        # ValueError: not JSON, or a number of 5,000 digits; RecursionError: [[[[... nested deep
+        except (ValueError, RecursionError) as e:
+            reason = e.msg if isinstance(e, json.JSONDecodeError) else str(e).split(":")[0]
             raise DataError(
-                f"line {number} is not valid JSON ({e.msg}); a .jsonl file holds one JSON "
+                f"line {number} is not valid JSON ({reason}); a .jsonl file holds one JSON "
                 "object per line"
             ) from e
         if not isinstance(row, dict):
@@ -382,6 +384,22 @@ class EnsembleModel(Model):
                     f"{folder}: member {name!r} predicts other classes than the first member; "
                     "build the ensemble again"
                 )
+        self._check_record()
+
+    def _check_record(self) -> None:
+        """The record says its members' task and outputs: an edited one would answer in another
+        task's shape, or fail on the first row."""
+        task, stacked = self.task, self.saved.model
+        outputs = 1 if task == "regression" else len(self.labels)
+        if (
+            self.saved.task != task
+            or (self.saved.kind == "average") != (task == "token_classification")
+            or (stacked is not None and stacked.num_outputs != outputs)
+        ):
+            raise HPOError(
+                f"{self.folder}: its record is not of its members ({task}, {outputs} outputs); "
+                "build the ensemble again"
+            )
 
     def answers(self, rows: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         stacked = self.saved.model
@@ -397,9 +415,21 @@ class EnsembleModel(Model):
             elif stacked is None:  # the best member alone
                 yield from first.predict(chunk, first_row=start)
             else:
-                blended = stacked.predict(self._features(stacked, chunk, start))
+                blended = self._blended(stacked, chunk, start)
                 yield from (self._answer(row) for row in blended)
             start += len(chunk)
+
+    def _blended(self, stacked: Any, chunk: list[dict[str, Any]], first_row: int) -> np.ndarray:
+        features = self._features(stacked, chunk, first_row)
+        try:
+            return np.asarray(stacked.predict(features))
+        # scikit-learn's "X has 6 features, but ... is expecting 9"; an estimator of the skops
+        # file that is not a fitted learner of this task (a scaler, a string, other classes).
+        except (ValueError, TypeError, AttributeError, IndexError) as e:
+            raise HPOError(
+                f"{self.folder}: its meta-learner does not read its members' features "
+                f"({str(e).splitlines()[0][:200]}); build the ensemble again"
+            ) from e
 
     def _averaged_tags(self, chunk: list[dict[str, Any]], first_row: int) -> list[dict[str, Any]]:
         """Each word's tag of the members' mean probabilities; None for the words max_length

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpo.commands.ensemble_members import labels_by_id
 from hpo.errors import HPOError
 
 if TYPE_CHECKING:
@@ -33,14 +34,19 @@ def token_ensemble(
     """The table to print, and what was saved ("average" or "best_member")."""
     import numpy as np
 
-    first = json.loads((next(iter(members.values())) / "config.json").read_text())
-    order = [first["id2label"][k] for k in sorted(first.get("id2label") or {}, key=int)]
+    order = labels_by_id(next(iter(members.values())))
     splits = {"evaluation": evaluation, **({"test": test} if test else {})}
     probabilities, truth = _probabilities(members, splits, label_column, order, device, batch_size)
 
     def accuracy(split: str, outputs: np.ndarray) -> float:
         return float(np.mean(outputs.argmax(axis=1) == truth[split]))
 
+    for split, path in splits.items():  # else each word would be scored on another's tag
+        words = len(next(iter(probabilities[split].values())))
+        if words != len(truth[split]):
+            raise HPOError(
+                f"{path}: {len(truth[split])} tags for {words} words; give each row a tag per word"
+            )
     chosen_on = {n: accuracy("evaluation", p) for n, p in probabilities["evaluation"].items()}
     best = max(chosen_on, key=lambda n: chosen_on[n])
     scored = "test" if test else "evaluation"
@@ -77,6 +83,7 @@ def _probabilities(
 ) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]:
     """Each split's members' word probabilities (cached) and its true tags."""
     from hpo.ensemble import FeatureCache, weights_sha256
+    from hpo.ensemble.cache import ordered_kind
     from hpo.trainer.digests import file_sha256
 
     probabilities: dict[str, dict[str, np.ndarray]] = {}
@@ -92,7 +99,7 @@ def _probabilities(
                 return _member_words(folder, rows, order, device, batch_size)
 
             probabilities[split][name] = cache.get_or_compute(
-                weights_sha256(folder), digest, KIND, compute
+                weights_sha256(folder), digest, ordered_kind(KIND, order), compute
             )
     return probabilities, truth
 
@@ -119,6 +126,10 @@ def _tags(rows: list[dict[str, Any]], column: str, order: list[str], path: Path)
     index = {name: i for i, name in enumerate(order)}
     found = []
     for number, row in enumerate(rows, start=1):
+        value = row.get(column)
+        if not isinstance(value, (str, list)) or not value:
+            what = f"{type(value).__name__}, not" if value else "no"
+            raise HPOError(f"{path}: row {number} holds {what} tags in column {column!r}")
         for tag in row_words(row, column):
             if tag not in index:
                 raise HPOError(f"{path}: row {number} has tag {tag!r}, none of the members'")
@@ -141,7 +152,7 @@ def _member_words(
 
 def _save(out: Path, saved: str, members: dict[str, Path], best: str, card: dict[str, Any]) -> None:
     from hpo.ensemble import weights_sha256
-    from hpo.ensemble.saving import FORMAT, MEMBERS, RECORD
+    from hpo.ensemble.saving import FORMAT, MEMBERS, RECORD, rename_in
 
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -164,6 +175,6 @@ def _save(out: Path, saved: str, members: dict[str, Path], best: str, card: dict
             record |= {"members": entries, "scores": card}
             (folder / RECORD).write_text(json.dumps(record, indent=2) + "\n")
         (folder / "ensemble_card.json").write_text(json.dumps(card, indent=2) + "\n")
-        folder.rename(out)
+        rename_in(folder, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -5,16 +5,21 @@ them instead of running the models again.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 import re
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from hpo.ensemble.errors import EnsembleError
 from hpo.trainer.digests import hpo_cache_root
+
+log = logging.getLogger("hpo")
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _KIND = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -23,6 +28,15 @@ _KIND = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 def default_cache_folder() -> Path:
     """$HPO_CACHE_DIR/features, or ~/.cache/hpo/features."""
     return hpo_cache_root() / "features"
+
+
+def ordered_kind(kind: str, order: Sequence[str]) -> str:
+    """The cache kind of features whose columns follow `order` (the first member's label
+    names): under another first member with the same labels in another order, another entry,
+    never columns read back under the wrong labels."""
+    if not order:
+        return kind
+    return f"{kind}.{hashlib.sha256(json.dumps(list(order)).encode()).hexdigest()[:16]}"
 
 
 class FeatureCache:
@@ -46,18 +60,32 @@ class FeatureCache:
             return None
         try:
             return np.load(path, allow_pickle=False)
-        except (OSError, ValueError):
+        except (OSError, ValueError, EOFError):  # EOFError: an empty file
             path.unlink(missing_ok=True)  # damaged (a full disk, say): computed again
             return None
 
-    def put(self, weights_sha256: str, data_sha256: str, kind: str, array: np.ndarray) -> Path:
+    def put(
+        self, weights_sha256: str, data_sha256: str, kind: str, array: np.ndarray
+    ) -> Path | None:
+        """Store `array`; None when the folder cannot be written (the next run computes it
+        again, as the ensemble cache beside)."""
         path = self.path(weights_sha256, data_sha256, kind)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, aside = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".npy", dir=path.parent)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handle, aside = tempfile.mkstemp(
+                prefix=f".{path.stem}.", suffix=".npy", dir=path.parent
+            )
+        except OSError as e:
+            log.info("feature cache: not stored in %s (%s)", self.folder, e)
+            return None
         try:
             with os.fdopen(handle, "wb") as out:
                 np.save(out, np.asarray(array), allow_pickle=False)
             os.replace(aside, path)
+        except OSError as e:  # a full disk, say
+            Path(aside).unlink(missing_ok=True)
+            log.info("feature cache: not stored in %s (%s)", self.folder, e)
+            return None
         except BaseException:
             Path(aside).unlink(missing_ok=True)
             raise

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import tempfile
 import zipfile
@@ -27,6 +28,8 @@ MEMBERS = "members"  # the folder members are copied into
 FORMAT = 1
 # The weight files a member folder may hold (transformers, PEFT adapters, a soup).
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
+KINDS = ("stacking", "best_member", "average")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass
@@ -42,7 +45,9 @@ class SavedEnsemble:
 
 def weights_sha256(folder: Path) -> str:
     """The sha256 of a member's weights: of its weight files' names and sha256s, in name order."""
-    files = sorted({p for pattern in WEIGHT_PATTERNS for p in Path(folder).glob(pattern)})
+    # Files only: a link to /dev/zero named model.bin would be read for ever.
+    found = {p for pattern in WEIGHT_PATTERNS for p in Path(folder).glob(pattern)}
+    files = sorted(p for p in found if p.is_file())
     if not files:
         raise EnsembleError(
             f"member folder {folder} holds no weights (*.safetensors, *.bin); "
@@ -84,11 +89,23 @@ def save_ensemble(
         if report.choice == "stacking" and report.stacked is not None:
             _dump_meta_learner(report.stacked, staging / META_LEARNER)
         (staging / RECORD).write_text(json.dumps(record, indent=2) + "\n")
-        staging.rename(folder)
+        rename_in(staging, folder)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return folder
+
+
+def rename_in(staged: Path, folder: Path) -> None:
+    """The folder written aside, renamed to `folder`: refused in one line when `folder` was
+    made meanwhile (another hpo ensemble writing the same --out), never merged into it."""
+    try:
+        staged.rename(folder)
+    except OSError as e:
+        raise EnsembleError(
+            f"{folder} cannot be written ({e.strerror or e}): it was made while the ensemble "
+            "was built; choose another folder"
+        ) from e
 
 
 def _record(
@@ -145,7 +162,7 @@ def load_ensemble(folder: Path) -> SavedEnsemble:
     record = _read_record(folder)
     members: dict[str, Path] = {}
     for entry in record["members"]:
-        path = folder / entry["folder"]  # an absolute folder stays absolute
+        path = _member_folder(folder, entry)
         if not path.is_dir():
             raise EnsembleError(
                 f"{folder}: member {entry['name']!r} is missing (no folder {path}); restore it "
@@ -159,18 +176,33 @@ def load_ensemble(folder: Path) -> SavedEnsemble:
         members[entry["name"]] = path
     model = None
     if record["kind"] == "stacking":
-        estimators = _load_meta_learner(folder / str(record["meta_learner"]))
-        settings = FeatureSettings(**record["features"])
+        estimators = _load_meta_learner(folder / META_LEARNER)
         model = StackedModel(
             record["task"],
             record["learner"],
             list(members),
-            settings,
+            FeatureSettings(**record["features"]),
             estimators["estimators"],
-            int(record["num_outputs"]),
+            record["num_outputs"],
             list(estimators.get("params", [])),
         )
     return SavedEnsemble(record["kind"], record["task"], members, model, record)
+
+
+def _member_folder(folder: Path, entry: dict[str, Any]) -> Path:
+    """A member's folder: an absolute one as recorded (a member not copied), else one inside
+    the ensemble's folder; hpo never records a relative one that leads out (by .. or a link)."""
+    path = folder / entry["folder"]  # an absolute folder stays absolute
+    try:
+        inside = path.resolve().is_relative_to(folder.resolve())
+    except (OSError, RuntimeError, ValueError) as e:  # a link loop, a NUL in the name
+        raise EnsembleError(f"{folder}: member {entry['name']!r}: {e}; build it again") from e
+    if not Path(entry["folder"]).is_absolute() and not inside:
+        raise EnsembleError(
+            f"{folder}: member {entry['name']!r} is recorded at {entry['folder']!r}, which "
+            "leads out of the ensemble's folder; hpo never writes that: build it again"
+        )
+    return path
 
 
 def _read_record(folder: Path) -> dict[str, Any]:
@@ -179,15 +211,61 @@ def _read_record(folder: Path) -> dict[str, Any]:
         raise EnsembleError(f"{folder} is not a saved ensemble (no {RECORD}); check the path")
     try:
         record = json.loads(path.read_text())
-        keys_ok = {"format", "kind", "task", "members"} <= set(record)
-    except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
+    # ValueError: not JSON, not UTF-8, or a number of 5,000 digits; RecursionError: [[[[...
+    except (ValueError, RecursionError) as e:
         raise EnsembleError(f"{path} is damaged ({e}); build the ensemble again") from e
     # "average": a tagger ensemble, its members' token probabilities averaged (no learner).
-    if not keys_ok or record["kind"] not in ("stacking", "best_member", "average"):
+    keys = {"format", "kind", "task", "members"}
+    if not isinstance(record, dict) or not keys <= set(record) or record["kind"] not in KINDS:
         raise EnsembleError(f"{path} is not an ensemble record hpo wrote; build it again")
     if record["format"] != FORMAT:
-        raise EnsembleError(f"{path} has format {record['format']}; this hpo reads format {FORMAT}")
+        shown = str(record["format"])[:20]
+        raise EnsembleError(f"{path} has format {shown}; this hpo reads format {FORMAT}")
+    problem = _members_problem(record["members"]) or _stacking_problem(record)
+    if problem is not None:
+        raise EnsembleError(f"{path} is damaged ({problem}); build the ensemble again")
     return dict(record)
+
+
+def _members_problem(members: Any) -> str | None:
+    """What is wrong with a record's members (an edit, say), or None: each once, with its name,
+    folder and weights' sha256."""
+    if not isinstance(members, list) or not members:
+        return "members: not a list of members"
+    names: set[str] = set()
+    for entry in members:
+        fields = ("name", "folder", "sha256")
+        if not isinstance(entry, dict) or not all(isinstance(entry.get(k), str) for k in fields):
+            return "a member without its name, folder and sha256"
+        if entry["name"] in names:
+            return f"member {entry['name'][:80]!r} listed twice"
+        if not _SHA256.fullmatch(entry["sha256"]):
+            return f"member {entry['name'][:80]!r}: its sha256 is not 64 hex digits"
+        names.add(entry["name"])
+    return None
+
+
+def _stacking_problem(record: dict[str, Any]) -> str | None:
+    """What is wrong with a stacked record's task, learner and features, or None."""
+    if not isinstance(record["task"], str):
+        return "task: not a task's name"
+    if record["kind"] != "stacking":
+        return None
+    outputs, features = record.get("num_outputs"), record.get("features")
+    if type(outputs) is not int or outputs < 1:  # not bool, which is an int too
+        return "num_outputs: not a count of outputs"
+    if not isinstance(record.get("learner"), str) or record.get("meta_learner") != META_LEARNER:
+        return f"learner and meta_learner: not a learner's name and {META_LEARNER}"
+    pca = features.get("pca_components") if isinstance(features, dict) else None
+    if (
+        not isinstance(features, dict)
+        or set(features) - set(FeatureSettings.__dataclass_fields__)
+        or not isinstance(features.get("kind", ""), str)
+        or not isinstance(features.get("scale", False), bool)
+        or not (pca is None or type(pca) is int)
+    ):
+        return "features: not the feature settings hpo writes"
+    return None
 
 
 def _load_meta_learner(path: Path) -> dict[str, Any]:

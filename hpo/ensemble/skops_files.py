@@ -55,6 +55,11 @@ def meta_learner_from_bytes(data: bytes, where: str) -> dict[str, Any]:
             "loading them could run code: refused"
         )
     loaded = skops.io.loads(data, trusted=list(untrusted))
-    if not isinstance(loaded, dict) or "estimators" not in loaded:
+    if (
+        not isinstance(loaded, dict)
+        or not isinstance(loaded.get("estimators"), list)
+        or not loaded["estimators"]
+        or not isinstance(loaded.get("params", []), list)
+    ):
         raise EnsembleError(f"{where} is not a meta-learner hpo saved; build the ensemble again")
     return loaded

@@ -341,6 +341,32 @@ def test_a_saved_stack_loads_back_and_predicts_the_same(tmp_path: Path) -> None:
         save_ensemble(folder, report, {})
 
 
+def test_a_member_folder_with_a_link_out_of_it_is_not_copied(tmp_path: Path) -> None:
+    """Copying a member copies what its links point to: a link inside the folder is copied as
+    its file, a link out of it (to /, to ~/.ssh) is refused in one line and nothing is copied;
+    a link loop too."""
+    from hpo.ensemble.saving import copy_member
+
+    member = tmp_path / "member"
+    (member / "sub").mkdir(parents=True)
+    (member / "model.safetensors").write_bytes(b"weights")
+    (member / "sub" / "alias.safetensors").symlink_to(member / "model.safetensors")
+    copy_member(member, tmp_path / "copy")
+    assert (tmp_path / "copy" / "sub" / "alias.safetensors").read_bytes() == b"weights"
+    assert not (tmp_path / "copy" / "sub" / "alias.safetensors").is_symlink()
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    (secrets / "key").write_text("private")
+    for name, target in (("keys", secrets), ("root", Path("/")), ("loop", member / "sub" / "loop")):
+        link = member / "sub" / name
+        link.symlink_to(target)
+        with pytest.raises(EnsembleError) as caught:
+            copy_member(member, tmp_path / f"copy-{name}")
+        assert "sub/" + name in str(caught.value) and "leads out" in str(caught.value)
+        assert "\n" not in str(caught.value) and not (tmp_path / f"copy-{name}").exists()
+        link.unlink()
+
+
 def one_line_refusal(folder: Path, words: str) -> None:
     with pytest.raises(EnsembleError) as caught:
         load_ensemble(folder)

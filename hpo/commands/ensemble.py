@@ -341,7 +341,7 @@ def _save(
     sources: dict[str, dict[str, Any]] | None = None,
 ) -> str:
     from hpo.ensemble import save_ensemble
-    from hpo.ensemble.saving import rename_in
+    from hpo.ensemble.saving import copy_member, rename_in
 
     saved = _saved_kind(report, soup)
     card = card_json(report, members, soup, sources, saved)
@@ -365,7 +365,7 @@ def _save(
     # Not better than the best member: that member is the model, a plain folder.
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        shutil.copytree(members[report.best_member], staging / "model")
+        copy_member(members[report.best_member], staging / "model")
         for name, text in files.items():
             (staging / "model" / name).write_text(text, encoding="utf-8")
         rename_in(staging / "model", out)

@@ -152,17 +152,17 @@ def _member_words(
 
 def _save(out: Path, saved: str, members: dict[str, Path], best: str, card: dict[str, Any]) -> None:
     from hpo.ensemble import weights_sha256
-    from hpo.ensemble.saving import FORMAT, MEMBERS, RECORD, rename_in
+    from hpo.ensemble.saving import FORMAT, MEMBERS, RECORD, copy_member, rename_in
 
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         folder = staging / "ensemble"
         if saved == "best_member":
-            shutil.copytree(members[best], folder)
+            copy_member(members[best], folder)
         else:
             entries = []
             for name, member in members.items():
-                shutil.copytree(member, folder / MEMBERS / name)
+                copy_member(member, folder / MEMBERS / name)
                 entries.append(
                     {
                         "name": name,

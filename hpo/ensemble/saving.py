@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -79,7 +80,7 @@ def save_ensemble(
         if copy_members:
             used = [report.best_member] if report.choice == "best_member" else report.member_scores
             for name in used:
-                shutil.copytree(Path(members[name]), staging / MEMBERS / name)
+                copy_member(Path(members[name]), staging / MEMBERS / name)
             members = {name: folder / MEMBERS / name for name in used}
             record = _record(report, members, folder, staging)
         else:
@@ -94,6 +95,28 @@ def save_ensemble(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return folder
+
+
+def copy_member(source: Path, target: Path) -> None:
+    """A member's folder copied to `target` (a link inside it copied as what it points to);
+    refused in one line when a link in it leads out of it: a link to / would copy the host's
+    whole tree, one to ~/.ssh its keys into a folder that is then shared."""
+    root = Path(source).resolve()
+    for here, folders, files in os.walk(source):  # links to folders listed, not followed
+        for name in (*folders, *files):
+            path = Path(here) / name
+            if not path.is_symlink():
+                continue
+            try:
+                inside = path.resolve().is_relative_to(root)
+            except (OSError, RuntimeError):  # a link loop
+                inside = False
+            if not inside:
+                raise EnsembleError(
+                    f"member folder {source}: {path.relative_to(source)} is a link that leads "
+                    "out of it; copy what it points to into the folder, or remove the link"
+                )
+    shutil.copytree(source, target)
 
 
 def rename_in(staged: Path, folder: Path) -> None:

@@ -341,6 +341,32 @@ def test_a_saved_stack_loads_back_and_predicts_the_same(tmp_path: Path) -> None:
         save_ensemble(folder, report, {})
 
 
+def test_the_feature_cache_key_changes_with_what_turns_rows_into_features(tmp_path: Path) -> None:
+    """The feature cache's member key covers the weights and the files beside them (tokenizer,
+    hpo_inference.json's max_length): an edited max_length with the same weights is computed
+    again, not read back from the cache; the model card (*.md) changes nothing."""
+    from hpo.ensemble.saving import features_sha256
+
+    member = tmp_path / "member"
+    member.mkdir()
+    (member / "model.safetensors").write_bytes(b"weights")
+    (member / "tokenizer.json").write_text("{}")
+    (member / "hpo_inference.json").write_text(json.dumps({"max_length": 64}))
+    key = features_sha256(member)
+    assert len(key) == 64 and key != weights_sha256(member)
+    (member / "README.md").write_text("# a card")
+    assert features_sha256(member) == key
+    # Each edit changes the size: hpo's file digests are remembered per size, times and inode,
+    # and two same-size writes within one tick of the file system's clock would look alike.
+    (member / "hpo_inference.json").write_text(json.dumps({"max_length": 128}))
+    longer = features_sha256(member)
+    assert longer != key
+    (member / "tokenizer.json").write_text('{"model": {}}')
+    assert features_sha256(member) not in (key, longer)
+    (member / "model.safetensors").write_bytes(b"other weights")
+    assert features_sha256(member) not in (key, longer)
+
+
 def test_a_member_folder_with_a_link_out_of_it_is_not_copied(tmp_path: Path) -> None:
     """Copying a member copies what its links point to: a link inside the folder is copied as
     its file, a link out of it (to /, to ~/.ssh) is refused in one line and nothing is copied;

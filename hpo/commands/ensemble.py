@@ -206,8 +206,9 @@ def _split(
     request: EnsembleRequest,
 ) -> Any:
     from hpo.commands.predict import input_rows
-    from hpo.ensemble import Split, weights_sha256
+    from hpo.ensemble import Split
     from hpo.ensemble.cache import ordered_kind
+    from hpo.ensemble.saving import features_sha256
     from hpo.trainer.digests import file_sha256
 
     if not path.is_file() or path.suffix.lower() not in (".csv", ".jsonl"):
@@ -232,7 +233,7 @@ def _split(
 
             # Probabilities are in `order`'s columns; embeddings have no labels.
             key = ordered_kind(kind, order if kind == "predictions" else [])
-            found[kind][name] = cache.get_or_compute(weights_sha256(folder), digest, key, compute)
+            found[kind][name] = cache.get_or_compute(features_sha256(folder), digest, key, compute)
     from hpo.commands.features import stacked_embeddings
     from hpo.commands.soup import Rows
 

@@ -82,8 +82,9 @@ def _probabilities(
     batch_size: int,
 ) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]:
     """Each split's members' word probabilities (cached) and its true tags."""
-    from hpo.ensemble import FeatureCache, weights_sha256
+    from hpo.ensemble import FeatureCache
     from hpo.ensemble.cache import ordered_kind
+    from hpo.ensemble.saving import features_sha256
     from hpo.trainer.digests import file_sha256
 
     probabilities: dict[str, dict[str, np.ndarray]] = {}
@@ -99,7 +100,7 @@ def _probabilities(
                 return _member_words(folder, rows, order, device, batch_size)
 
             probabilities[split][name] = cache.get_or_compute(
-                weights_sha256(folder), digest, ordered_kind(KIND, order), compute
+                features_sha256(folder), digest, ordered_kind(KIND, order), compute
             )
     return probabilities, truth
 

@@ -58,6 +58,20 @@ def weights_sha256(folder: Path) -> str:
     return hashlib.sha256(listing.encode()).hexdigest()
 
 
+def features_sha256(folder: Path) -> str:
+    """The sha256 of what a member's features depend on (the feature cache's key): its weights
+    and every other file beside them, which turn rows into inputs and outputs (the tokenizer,
+    config.json, hpo_inference.json's max_length and threshold); not a model card (*.md)."""
+    weights = set(WEIGHT_PATTERNS)
+    beside = sorted(
+        p
+        for p in Path(folder).iterdir()
+        if p.is_file() and p.suffix != ".md" and not any(p.match(w) for w in weights)
+    )
+    listing = "".join(f"{p.name} {file_sha256(p)}\n" for p in beside)
+    return hashlib.sha256(f"{weights_sha256(folder)}\n{listing}".encode()).hexdigest()
+
+
 def save_ensemble(
     folder: Path,
     report: EnsembleReport,
